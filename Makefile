@@ -1,0 +1,54 @@
+# lakestream_iceberg — two commands do everything on a fresh machine: `make demo` and `make test`.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: postgres-bin install demo test test-fast services-up services-down bench lint clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q -c constraints.txt 'torch==2.13.0'
+	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# PostgreSQL server binaries (Debian) for the catalog matrix; installed once per machine.
+postgres-bin:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql)
+
+demo: $(STAMP)
+	$(BIN)/lakestream demo
+
+# Every test, against the real services (the session fixtures start and stop them; services-down clears leftovers).
+test: $(STAMP) postgres-bin
+	@set +e; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	$(BIN)/python -m catalog.services down >/dev/null 2>&1; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not services and not slow" $(PYTEST_ARGS)
+
+services-up: $(STAMP) postgres-bin
+	$(BIN)/python -m catalog.services up
+
+services-down:
+	$(BIN)/python -m catalog.services down
+
+bench: $(STAMP) postgres-bin
+	$(BIN)/python benchmarks/commit_scaling.py
+	$(BIN)/python benchmarks/read_path.py
+	$(BIN)/python benchmarks/retention.py
+	$(BIN)/python benchmarks/vs_kafka.py
+	$(BIN)/python benchmarks/vs_colocated.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
+	$(BIN)/mypy lakestream_iceberg
+
+clean:
+	rm -rf .lakestream benchmarks/results

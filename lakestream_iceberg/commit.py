@@ -1,0 +1,190 @@
+"""The commit loop: optimistic concurrency against the catalog's compare-and-swap, paced and retried by DAC.
+
+This module owns every retry of a lakestream commit (pyiceberg's own are turned off on stream tables). One call of
+:meth:`CommitLoop.run` takes a *planner*, a function from the table's current metadata to either a commit plan
+(updates + requirements) or a final answer (e.g. "already published"). Each attempt re-plans on freshly loaded
+metadata, so data files are never rewritten, only the small manifests and the snapshot.
+
+Outcomes of one attempt:
+* the swap is won: done;
+* the swap is lost (``CommitFailedException``, or a concurrent change that made an update invalid): re-plan on the
+  refreshed table after the DAC retry delay;
+* anything else (``CommitStateUnknownException``, a dropped database connection, a 5xx): the commit may or may not
+  have landed. The table is read back (with bounded backoff while the catalog is unreachable) and the planner decides
+  from the published state, never a blind repeat. A repeat is safe anyway: every plan requires the branch to still
+  point at the parent it was built on, so at most one of two racing copies can land.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.update import TableRequirement, TableUpdate
+
+from lakestream_iceberg.dac import CommitPolicy
+from lakestream_iceberg.errors import CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
+from lakestream_iceberg.summary import StreamState
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Plan(Generic[T]):
+    """One attempt's commit: what to send, and what the caller gets back if it lands."""
+
+    updates: tuple[TableUpdate, ...]
+    requirements: tuple[TableRequirement, ...]
+    result: T
+    written: list[str]
+
+
+@dataclass
+class Done(Generic[T]):
+    """The planner found nothing to commit (e.g. the batch is already published)."""
+
+    result: T
+
+
+Planner = Callable[[TableMetadata, int], "Plan[T] | Done[T]"]
+
+
+@dataclass
+class Outcome(Generic[T]):
+    result: T
+    attempts: int
+    landed: bool
+    metadata: TableMetadata
+    abandoned_files: list[str]
+
+
+class CommitLoop:
+    """Runs planners against one table until they land, their answer is final, or the budget is spent."""
+
+    def __init__(
+        self,
+        *,
+        table: Table,
+        policy: CommitPolicy,
+        branch: str,
+        timeout_s: float,
+        max_attempts: int,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.table = table
+        self.policy = policy
+        self._branch = branch
+        self._timeout_s = timeout_s
+        self._max_attempts = max_attempts
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng or random.Random()
+        self._fresh = False
+
+    def refresh(self, *, deadline: float) -> TableMetadata:
+        """Reload the table, retrying a failing catalog with bounded, jittered backoff until ``deadline``."""
+        delay = 0.05
+        while True:
+            try:
+                self.table.refresh()
+                self._fresh = True
+                state = StreamState.parse(self._head_summary(self.table.metadata))
+                self.policy.observe_head(state.step)
+                return self.table.metadata
+            except LakestreamError:
+                raise
+            except Exception as exc:  # the catalog or storage is unreachable
+                if self._clock() + delay > deadline:
+                    raise CommitOutcomeUnknownError(
+                        f"could not read table {self.table.name()} back from the catalog ({type(exc).__name__}); "
+                        "the last commit may or may not have landed. Retry the same commit with the same seq once the "
+                        "catalog is reachable: it will be reconciled, not duplicated"
+                    ) from exc
+                log.warning("catalog unreachable while refreshing %s (%s); retrying", self.table.name(), type(exc).__name__)
+                self._sleep(delay * self._rng.uniform(0.5, 1.5))
+                delay = min(delay * 2, 2.0)
+
+    def _head_summary(self, metadata: TableMetadata) -> dict[str, str] | None:
+        head = metadata.snapshot_by_name(self._branch)
+        return dict(head.summary.additional_properties) if head is not None and head.summary is not None else None
+
+    def mark_stale(self) -> None:
+        self._fresh = False
+
+    def run(self, planner: Planner[T], *, pace: bool = True) -> Outcome[T]:
+        start = self._clock()
+        deadline = start + self._timeout_s
+        if pace:
+            delay = self.policy.pacing_delay()
+            if delay > 0:
+                self._sleep(delay)
+        reuse = self._fresh and self.policy.contenders < 1.5  # alone: our own last commit is still the head
+        metadata = self.table.metadata if reuse else self.refresh(deadline=deadline)
+        abandoned: list[str] = []
+        attempt = 0
+        while True:
+            attempt += 1
+            began = self._clock()
+            base_step = StreamState.parse(self._head_summary(metadata)).step
+            plan = planner(metadata, attempt)
+            if isinstance(plan, Done):
+                return Outcome(plan.result, attempt, False, metadata, abandoned)
+            try:
+                response = self.table.catalog.commit_table(self.table, plan.requirements, plan.updates)
+            except (CommitFailedException, ValueError) as exc:
+                # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
+                abandoned.extend(plan.written)
+                self._fresh = False
+                metadata = self.refresh(deadline=deadline)
+                foreign = max(0, StreamState.parse(self._head_summary(metadata)).step - base_step)
+                self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign, foreign=foreign)
+                log.debug("commit attempt %d on %s lost (%s)", attempt, self.table.name(), exc)
+            except LakestreamError:
+                raise
+            except Exception as exc:
+                # Outcome unknown: read the table back and let the planner reconcile.
+                log.warning(
+                    "commit attempt %d on %s failed with %s; reconciling from the table",
+                    attempt,
+                    self.table.name(),
+                    type(exc).__name__,
+                )
+                self._fresh = False
+                metadata = self.refresh(deadline=deadline)
+                self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
+            else:
+                self._adopt(response.metadata, response.metadata_location, previous=metadata)
+                new_step = StreamState.parse(self._head_summary(response.metadata)).step
+                self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
+                return Outcome(plan.result, attempt, True, response.metadata, abandoned)
+            if attempt >= self._max_attempts or self._clock() >= deadline:
+                raise CommitTimeoutError(
+                    f"gave up committing to {self.table.name()} after {attempt} attempts and "
+                    f"{self._clock() - start:.1f}s of contention; nothing was published. Retry the same call (same seq) "
+                    "or raise lakestream.commit.timeout-ms / lakestream.commit.max-attempts"
+                )
+            self._sleep(self.policy.retry_delay(attempt))
+
+    def _adopt(self, metadata: TableMetadata, location: str, *, previous: TableMetadata) -> None:
+        """Take the committed metadata as the table's current state (no reload) and drop aged-out metadata files."""
+        self.table.metadata = metadata
+        self.table.metadata_location = location
+        self._fresh = True
+        kept = {entry.metadata_file for entry in metadata.metadata_log}
+        for entry in previous.metadata_log:
+            if entry.metadata_file not in kept:
+                try:
+                    self.table.io.delete(entry.metadata_file)
+                except Exception:  # already gone, or deleted by the producer that aged it out first
+                    pass

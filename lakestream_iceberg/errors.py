@@ -1,0 +1,131 @@
+"""The one error tree of lakestream_iceberg.
+
+Every exception the package raises on purpose derives from :class:`LakestreamError`, and every message says what
+happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ... from exc``), never leaked::
+
+    LakestreamError
+    ├── StreamError                 the table is not a stream / not the stream you asked for
+    │   ├── NotAStreamError
+    │   └── StreamExistsError
+    ├── BatchError                  a batch handed to a producer is malformed; nothing was written or published
+    │   ├── ShardCountError
+    │   ├── SchemaMismatchError
+    │   └── SequenceError           a gap in a producer's sequence numbers
+    ├── CommitError                 a commit could not be published
+    │   ├── CommitTimeoutError      the retry budget ran out; the batch was NOT published (safe to retry)
+    │   └── CommitOutcomeUnknownError  the catalog failed and the table could not be read back to reconcile
+    ├── ReadError
+    │   ├── StepNotPublishedError   the step does not exist yet (wait_for() it)
+    │   ├── StepCollectedError      lifecycle GC removed it; resume from a retained checkpoint
+    │   ├── RankError               rank outside 0..world_size-1
+    │   └── ReadTimeoutError        wait_for() ran out of time
+    ├── CheckpointError             checkpoint / release / fork mistakes
+    ├── LifecycleError              garbage collection refused to run
+    ├── ConfigError                 a setting is missing or wrong (names the setting, never its secret value)
+    └── MissingExtraError           an optional dependency is not installed (names the extra)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BatchError",
+    "CheckpointError",
+    "CommitError",
+    "CommitOutcomeUnknownError",
+    "CommitTimeoutError",
+    "ConfigError",
+    "LakestreamError",
+    "LifecycleError",
+    "MissingExtraError",
+    "NotAStreamError",
+    "RankError",
+    "ReadError",
+    "ReadTimeoutError",
+    "SchemaMismatchError",
+    "SequenceError",
+    "ShardCountError",
+    "StepCollectedError",
+    "StepNotPublishedError",
+    "StreamError",
+    "StreamExistsError",
+]
+
+
+class LakestreamError(Exception):
+    """Root of every error raised by lakestream_iceberg."""
+
+
+class StreamError(LakestreamError):
+    """The table is not the stream that was asked for."""
+
+
+class NotAStreamError(StreamError):
+    """The Iceberg table exists but carries no ``lakestream.*`` properties."""
+
+
+class StreamExistsError(StreamError):
+    """``Stream.create`` found an existing stream with a different schema or world size."""
+
+
+class BatchError(LakestreamError):
+    """A batch handed to a producer is malformed; nothing was written or published."""
+
+
+class ShardCountError(BatchError):
+    """The number of shards differs from the stream's world size."""
+
+
+class SchemaMismatchError(BatchError):
+    """A shard's columns or types differ from the stream's payload schema."""
+
+
+class SequenceError(BatchError):
+    """A producer sequence number would leave a gap (or is negative)."""
+
+
+class CommitError(LakestreamError):
+    """A batch could not be published."""
+
+
+class CommitTimeoutError(CommitError):
+    """The commit loop ran out of attempts or time; the batch was not published and may be committed again."""
+
+
+class CommitOutcomeUnknownError(CommitError):
+    """The catalog failed mid-commit and the table could not be read back to tell whether the batch landed."""
+
+
+class ReadError(LakestreamError):
+    """A step could not be read."""
+
+
+class StepNotPublishedError(ReadError):
+    """The step has not been committed (yet)."""
+
+
+class StepCollectedError(ReadError):
+    """The step was removed by lifecycle garbage collection."""
+
+
+class RankError(ReadError):
+    """The rank is outside ``0..world_size-1``."""
+
+
+class ReadTimeoutError(ReadError):
+    """Waiting for a step ran out of time."""
+
+
+class CheckpointError(LakestreamError):
+    """A checkpoint could not be created, released, resumed or forked."""
+
+
+class LifecycleError(LakestreamError):
+    """Garbage collection refused to run."""
+
+
+class ConfigError(LakestreamError):
+    """A setting is missing or invalid. Messages name the setting, never a secret value."""
+
+
+class MissingExtraError(LakestreamError, ImportError):
+    """An optional dependency is missing; the message names the extra to install."""

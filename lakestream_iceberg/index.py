@@ -1,0 +1,49 @@
+"""Finding a step's data files: through the head snapshot's manifests, pruned by their ``_step`` partition bounds.
+
+A step's own snapshot may have been expired long ago (see :mod:`lakestream_iceberg.expiry`); its files are still listed
+by the branch head's manifests with ``(_step, _rank)`` as the partition tuple. The manifest list of the head holds a few
+dozen manifests with contiguous step ranges (:mod:`lakestream_iceberg.manifests`), so a lookup reads one manifest list
+and one manifest, both immutable and cached by path: consecutive steps cost one cached lookup each.
+"""
+
+from __future__ import annotations
+
+from pyiceberg.io import FileIO
+from pyiceberg.manifest import DataFile
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.manifests import ManifestCache, step_bounds
+
+
+class StepIndex:
+    """Looks up the data files of one step of one branch."""
+
+    def __init__(self, *, io: FileIO, cache: ManifestCache) -> None:
+        self._io = io
+        self._cache = cache
+
+    def files(self, snapshot: Snapshot | None, step: int) -> list[DataFile]:
+        """The data files of ``step`` in ``snapshot``'s table state, ordered by rank (empty when absent)."""
+        if snapshot is None:
+            return []
+        found: list[DataFile] = []
+        for manifest in self._cache.manifests(self._io, snapshot):
+            bounds = step_bounds(manifest)
+            if bounds is not None and not bounds[0] <= step <= bounds[1]:
+                continue
+            found.extend(e.data_file for e in self._cache.entries(self._io, manifest) if e.data_file.partition[0] == step)
+        return sorted(found, key=lambda f: f.partition[1])
+
+    def all_files(self, snapshot: Snapshot | None) -> list[DataFile]:
+        """Every live data file of ``snapshot``'s table state."""
+        if snapshot is None:
+            return []
+        return [e.data_file for m in self._cache.manifests(self._io, snapshot) for e in self._cache.entries(self._io, m)]
+
+    def step_of_file(self, metadata: TableMetadata, branch: str, path_fragment: str) -> int | None:
+        """The step of the first live file whose path contains ``path_fragment`` (slow path: scans all manifests)."""
+        for data_file in self.all_files(metadata.snapshot_by_name(branch)):
+            if path_fragment in data_file.file_path:
+                return int(data_file.partition[0])
+        return None

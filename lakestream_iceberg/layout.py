@@ -1,0 +1,166 @@
+"""How a stream is laid out as a plain Iceberg table, and the ``lakestream.*`` table properties that configure it.
+
+A stream's table schema is the payload schema plus two columns, ``_step`` (long) and ``_rank`` (int). Both are identity
+partition fields and neither is stored in the data files: a rank's shard of one step is exactly one Parquet file (one
+row group) holding the payload columns only, and the manifest entry of that file carries ``(_step, _rank)`` as its
+partition tuple. The step is therefore decided at commit time, after the compare-and-swap is won, and a commit that
+loses the race is rebuilt with a new step without rewriting any data. Iceberg's column-projection rules (spec: "return
+the value from partition metadata if an identity transform exists for the field") let every Iceberg reader fill both
+columns in, so ``table.scan().to_arrow()`` returns every retained sample with its step and rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pyarrow as pa
+from pyiceberg.partitioning import PartitionField, PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.transforms import IdentityTransform
+
+from lakestream_iceberg.errors import ConfigError, SchemaMismatchError, ShardCountError
+
+STEP_COLUMN = "_step"
+RANK_COLUMN = "_rank"
+RESERVED_COLUMNS = frozenset({STEP_COLUMN, RANK_COLUMN})
+
+FORMAT_VERSION = "1"
+
+# Table properties. Dashed keys under ``lakestream.``, like Iceberg's own ``commit.retry.num-retries``.
+PROP_VERSION = "lakestream.format-version"
+PROP_WORLD_SIZE = "lakestream.world-size"
+PROP_RETAIN_SNAPSHOTS = "lakestream.snapshots.retain-last"
+PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
+PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
+PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
+PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamConfig:
+    """Stream-wide settings, read from the table's ``lakestream.*`` properties.
+
+    Attributes:
+        world_size: Number of ranks (shards) in every global batch.
+        retain_snapshots: Snapshots of each branch kept in table metadata by normal commits (older untagged ones are
+            expired in the same commit, so commit cost does not grow with history; their data stays in the table).
+        merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
+        commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
+        commit_max_attempts: Attempt budget of one ``commit()`` call.
+        gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
+    """
+
+    world_size: int
+    retain_snapshots: int = 32
+    merge_fanout: int = 16
+    commit_timeout_ms: int = 300_000
+    commit_max_attempts: int = 1_000
+    gc_grace_ms: int = 3_600_000
+
+    @classmethod
+    def from_properties(cls, properties: Mapping[str, str]) -> StreamConfig:
+        defaults = cls(world_size=1)
+
+        def as_int(key: str, default: int, minimum: int) -> int:
+            raw = properties.get(key)
+            if raw is None:
+                return default
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(f"table property {key}={raw!r} is not an integer; set it with an integer value") from None
+            if value < minimum:
+                raise ConfigError(f"table property {key}={value} must be >= {minimum}")
+            return value
+
+        if PROP_WORLD_SIZE not in properties:
+            raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
+        return cls(
+            world_size=as_int(PROP_WORLD_SIZE, 1, 1),
+            retain_snapshots=as_int(PROP_RETAIN_SNAPSHOTS, defaults.retain_snapshots, 2),
+            merge_fanout=as_int(PROP_MERGE_FANOUT, defaults.merge_fanout, 2),
+            commit_timeout_ms=as_int(PROP_COMMIT_TIMEOUT_MS, defaults.commit_timeout_ms, 1),
+            commit_max_attempts=as_int(PROP_COMMIT_MAX_ATTEMPTS, defaults.commit_max_attempts, 1),
+            gc_grace_ms=as_int(PROP_GC_GRACE_MS, defaults.gc_grace_ms, 0),
+        )
+
+    def to_properties(self) -> dict[str, str]:
+        return {
+            PROP_VERSION: FORMAT_VERSION,
+            PROP_WORLD_SIZE: str(self.world_size),
+            PROP_RETAIN_SNAPSHOTS: str(self.retain_snapshots),
+            PROP_MERGE_FANOUT: str(self.merge_fanout),
+            PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
+            PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
+            PROP_GC_GRACE_MS: str(self.gc_grace_ms),
+            # Exactly one retry owner: lakestream's commit loop. pyiceberg's own retries are off on stream tables.
+            "commit.retry.num-retries": "0",
+            # Old metadata.json files are dropped by the commit loop once this many newer versions exist.
+            "write.metadata.previous-versions-max": "64",
+            "write.metadata.delete-after-commit.enabled": "true",
+        }
+
+
+def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
+    """The Arrow schema of the Iceberg table: the payload plus ``_step`` and ``_rank``."""
+    clash = RESERVED_COLUMNS.intersection(payload.names)
+    if clash:
+        raise SchemaMismatchError(
+            f"payload column(s) {sorted(clash)} are reserved by lakestream (step and rank are added for you); rename them"
+        )
+    if len(set(payload.names)) != len(payload.names):
+        raise SchemaMismatchError("payload schema has duplicate column names; give every column a unique name")
+    plain = pa.schema([pa.field(f.name, f.type, nullable=f.nullable) for f in payload])
+    # Optional, not required: pyiceberg fills partition-projected values only into optional fields (0.12).
+    return plain.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
+
+
+def partition_spec(schema: Schema) -> PartitionSpec:
+    """Identity partitions on ``_step`` and ``_rank``: one data file per (step, rank)."""
+    return PartitionSpec(
+        PartitionField(source_id=schema.find_field(STEP_COLUMN).field_id, field_id=1000, transform=IdentityTransform(), name=STEP_COLUMN),
+        PartitionField(source_id=schema.find_field(RANK_COLUMN).field_id, field_id=1001, transform=IdentityTransform(), name=RANK_COLUMN),
+    )
+
+
+def payload_schema(schema: Schema) -> Schema:
+    """The Iceberg schema of the data files: the table schema without the partition-only columns."""
+    return schema.select(*[f.name for f in schema.fields if f.name not in RESERVED_COLUMNS])
+
+
+def payload_names(schema: Schema) -> list[str]:
+    return [f.name for f in schema.fields if f.name not in RESERVED_COLUMNS]
+
+
+def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> list[pa.Table]:
+    """Validate a global batch before anything is written; raise a :class:`BatchError` naming the fix."""
+    if isinstance(shards, (pa.Table, pa.RecordBatch)) or not isinstance(shards, (list, tuple)):
+        raise ShardCountError(
+            f"shards must be a list of {world_size} pyarrow Tables (one per rank), got {type(shards).__name__}"
+        )
+    if len(shards) != world_size:
+        raise ShardCountError(
+            f"got {len(shards)} shards but the stream's world size is {world_size}; pass exactly one pyarrow Table per "
+            f"rank (an empty table for a rank with no samples)"
+        )
+    out: list[pa.Table] = []
+    for rank, shard in enumerate(shards):
+        if isinstance(shard, pa.RecordBatch):
+            shard = pa.Table.from_batches([shard])
+        if not isinstance(shard, pa.Table):
+            raise SchemaMismatchError(f"shard for rank {rank} is a {type(shard).__name__}, expected a pyarrow Table")
+        if shard.schema.names != expected.names:
+            raise SchemaMismatchError(
+                f"shard for rank {rank} has columns {shard.schema.names}, the stream expects {expected.names} (same order)"
+            )
+        for field, want in zip(shard.schema, expected):
+            if not field.type.equals(want.type):
+                raise SchemaMismatchError(
+                    f"shard for rank {rank}: column {field.name!r} is {field.type}, the stream expects {want.type}; "
+                    f"cast it (e.g. table.cast(schema)) before committing"
+                )
+            if not want.nullable and shard.column(field.name).null_count:
+                raise SchemaMismatchError(f"shard for rank {rank}: column {field.name!r} is required but has nulls")
+        out.append(shard)
+    return out

@@ -1,0 +1,250 @@
+"""Manifest bookkeeping whose cost per commit does not grow with the stream's history.
+
+Each commit writes one small level-0 manifest holding the new step's files. Whenever ``fanout`` manifests of one level
+accumulate in a snapshot's manifest list they are merged into one manifest of the next level (their entries rewritten
+as EXISTING, snapshot ids and sequence numbers kept). This is a log-structured merge: the manifest list stays at most
+``(fanout - 1) * levels + 1`` entries long (about 60 at 20,000 steps with fanout 16), the entries rewritten per commit
+are ``O(world_size * log_fanout(steps))`` amortised, and manifests keep contiguous step ranges, so the partition summary
+in the manifest list (``_step`` lower/upper bounds) lets a reader open exactly one manifest to find a step's files.
+
+The level is recorded in the manifest's file name (``...-L<level>-m<n>.avro``): no extra metadata, still plain Iceberg.
+Manifests and manifest lists are immutable, so they are cached per process by path.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pyiceberg.conversions import from_bytes
+from pyiceberg.io import FileIO
+from pyiceberg.manifest import (
+    UNASSIGNED_SEQ,
+    DataFile,
+    ManifestEntry,
+    ManifestEntryStatus,
+    ManifestFile,
+    write_manifest,
+    write_manifest_list,
+)
+from pyiceberg.partitioning import PartitionSpec
+from pyiceberg.schema import Schema
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.types import LongType
+
+_LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
+
+
+def manifest_level(path: str) -> int:
+    """The merge level encoded in a manifest's file name; manifests written by other engines count as level 0."""
+    match = _LEVEL_RE.search(path)
+    return int(match.group(1)) if match else 0
+
+
+def step_bounds(manifest: ManifestFile) -> tuple[int, int] | None:
+    """The ``_step`` range a manifest covers, from its partition summary (None when unknown)."""
+    if not manifest.partitions:
+        return None
+    summary = manifest.partitions[0]
+    if summary.lower_bound is None or summary.upper_bound is None:
+        return None
+    return from_bytes(LongType(), summary.lower_bound), from_bytes(LongType(), summary.upper_bound)
+
+
+class ManifestCache:
+    """A bounded, thread-safe LRU of manifest lists and live manifest entries, keyed by (immutable) file path."""
+
+    def __init__(self, *, max_files: int = 512) -> None:
+        self._max = max_files
+        self._lock = threading.Lock()
+        self._lists: OrderedDict[str, list[ManifestFile]] = OrderedDict()
+        self._entries: OrderedDict[str, list[ManifestEntry]] = OrderedDict()
+
+    def _get(self, store: OrderedDict[str, list], key: str, load: Callable[[], list]) -> list:
+        with self._lock:
+            if key in store:
+                store.move_to_end(key)
+                return store[key]
+        value = load()
+        self._put(store, key, value)
+        return value
+
+    def _put(self, store: OrderedDict[str, list], key: str, value: list) -> None:
+        with self._lock:
+            store[key] = value
+            store.move_to_end(key)
+            while len(store) > self._max:
+                store.popitem(last=False)
+
+    def manifests(self, io: FileIO, snapshot: Snapshot) -> list[ManifestFile]:
+        return self._get(self._lists, snapshot.manifest_list, lambda: snapshot.manifests(io))
+
+    def entries(self, io: FileIO, manifest: ManifestFile) -> list[ManifestEntry]:
+        return self._get(self._entries, manifest.manifest_path, lambda: manifest.fetch_manifest_entry(io, discard_deleted=True))
+
+    def remember_list(self, path: str, manifests: list[ManifestFile]) -> None:
+        self._put(self._lists, path, manifests)
+
+    def remember_entries(self, path: str, entries: list[ManifestEntry]) -> None:
+        self._put(self._entries, path, entries)
+
+
+DEFAULT_CACHE = ManifestCache()
+
+
+@dataclass
+class SnapshotFiles:
+    """What building one snapshot wrote: the manifest list and every manifest (for orphan accounting)."""
+
+    manifest_list: str
+    manifests: list[ManifestFile]
+    written: list[str] = field(default_factory=list)
+
+
+def _live_files(manifest: ManifestFile) -> int | None:
+    if manifest.added_files_count is None or manifest.existing_files_count is None:
+        return None
+    return manifest.added_files_count + manifest.existing_files_count
+
+
+def _copy_entry(entry: ManifestEntry, status: ManifestEntryStatus, snapshot_id: int | None = None) -> ManifestEntry:
+    return ManifestEntry.from_args(
+        status=status,
+        snapshot_id=snapshot_id if snapshot_id is not None else entry.snapshot_id,
+        sequence_number=entry.sequence_number,
+        file_sequence_number=entry.file_sequence_number,
+        data_file=entry.data_file,
+    )
+
+
+class ManifestPlanner:
+    """Writes the manifests and manifest list of one new snapshot on top of a parent snapshot's manifests."""
+
+    def __init__(self, *, io: FileIO, metadata: TableMetadata, cache: ManifestCache, fanout: int) -> None:
+        self._io = io
+        self._metadata = metadata
+        self._cache = cache
+        self._fanout = fanout
+        self._spec: PartitionSpec = metadata.spec()
+        self._schema: Schema = metadata.schema()
+        self._compression = metadata.properties.get("write.avro.compression-codec", "gzip")
+        self._commit_uuid = uuid.uuid4()
+        self._counter = 0
+        self.written: list[str] = []
+
+    def parent_manifests(self, parent: Snapshot | None) -> list[ManifestFile]:
+        """The parent's manifests that still hold live files (all-DELETED manifests are not carried forward)."""
+        if parent is None:
+            return []
+        return [m for m in self._cache.manifests(self._io, parent) if _live_files(m) != 0]
+
+    def _new_path(self, level: int) -> str:
+        self._counter += 1
+        name = f"{self._commit_uuid}-L{level}-m{self._counter}.avro"
+        return f"{self._metadata.location.rstrip('/')}/metadata/{name}"
+
+    def _write(self, level: int, snapshot_id: int, sequence_number: int, entries: Iterable[ManifestEntry]) -> ManifestFile:
+        path = self._new_path(level)
+        self.written.append(path)
+        kept: list[ManifestEntry] = []
+        with write_manifest(
+            format_version=self._metadata.format_version,
+            spec=self._spec,
+            schema=self._schema,
+            output_file=self._io.new_output(path),
+            snapshot_id=snapshot_id,
+            avro_compression=self._compression,  # type: ignore[arg-type]
+        ) as writer:
+            for entry in entries:
+                writer.add_entry(entry)
+                if entry.status != ManifestEntryStatus.DELETED:
+                    kept.append(entry)
+        manifest = writer.to_manifest_file()
+        if manifest.sequence_number == UNASSIGNED_SEQ:
+            manifest.sequence_number = sequence_number
+        if manifest.min_sequence_number == UNASSIGNED_SEQ:
+            manifest.min_sequence_number = sequence_number
+        self._cache.remember_entries(path, kept)
+        return manifest
+
+    def added(self, *, snapshot_id: int, sequence_number: int, data_files: Sequence[DataFile]) -> ManifestFile:
+        """A level-0 manifest of ADDED entries (sequence numbers explicit, so the entries can be cached as read)."""
+        return self._write(
+            0,
+            snapshot_id,
+            sequence_number,
+            (
+                ManifestEntry.from_args(
+                    status=ManifestEntryStatus.ADDED,
+                    snapshot_id=snapshot_id,
+                    sequence_number=sequence_number,
+                    file_sequence_number=sequence_number,
+                    data_file=f,
+                )
+                for f in data_files
+            ),
+        )
+
+    def merged(self, manifests: list[ManifestFile], *, snapshot_id: int, sequence_number: int) -> list[ManifestFile]:
+        """Merge every level holding ``fanout`` or more manifests into one manifest of the next level, cascading."""
+        result = list(manifests)
+        top = max((manifest_level(m.manifest_path) for m in result), default=0)
+        level = 0
+        while level <= top:
+            at_level = [m for m in result if manifest_level(m.manifest_path) == level]
+            if len(at_level) >= self._fanout:
+                ordered = sorted(at_level, key=lambda m: step_bounds(m) or (0, 0))
+                entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in ordered for e in self._cache.entries(self._io, m)]
+                merged = self._write(level + 1, snapshot_id, sequence_number, entries)
+                result = [m for m in result if manifest_level(m.manifest_path) != level] + [merged]
+                top = max(top, level + 1)
+            level += 1
+        return result
+
+    def without_steps_below(
+        self, manifests: list[ManifestFile], below: int, *, snapshot_id: int, sequence_number: int
+    ) -> tuple[list[ManifestFile], list[DataFile]]:
+        """Drop every file of a step ``< below``; return the new manifest list and the dropped files.
+
+        Manifests entirely at or above ``below`` are kept as they are; the others are rewritten with the dropped files
+        as DELETED entries of the new snapshot (Iceberg's record of a metadata-only delete) and the rest as EXISTING.
+        """
+        out: list[ManifestFile] = []
+        dropped: list[DataFile] = []
+        for manifest in manifests:
+            bounds = step_bounds(manifest)
+            if bounds is not None and bounds[0] >= below:
+                out.append(manifest)
+                continue
+            entries = self._cache.entries(self._io, manifest)
+            gone = [e for e in entries if e.data_file.partition[0] < below]
+            if not gone:
+                out.append(manifest)
+                continue
+            dropped.extend(e.data_file for e in gone)
+            kept = [_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries if e.data_file.partition[0] >= below]
+            rewritten = [_copy_entry(e, ManifestEntryStatus.DELETED, snapshot_id) for e in gone] + kept
+            out.append(self._write(manifest_level(manifest.manifest_path), snapshot_id, sequence_number, rewritten))
+        return out, dropped
+
+    def write_list(
+        self, manifests: list[ManifestFile], *, snapshot_id: int, parent_id: int | None, sequence_number: int
+    ) -> str:
+        path = f"{self._metadata.location.rstrip('/')}/metadata/snap-{snapshot_id}-0-{self._commit_uuid}.avro"
+        self.written.append(path)
+        with write_manifest_list(
+            format_version=self._metadata.format_version,
+            output_file=self._io.new_output(path),
+            snapshot_id=snapshot_id,
+            parent_snapshot_id=parent_id,
+            sequence_number=sequence_number,
+            avro_compression=self._compression,  # type: ignore[arg-type]
+        ) as writer:
+            writer.add_manifests(manifests)
+        self._cache.remember_list(path, manifests)
+        return path

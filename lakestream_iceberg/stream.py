@@ -1,0 +1,248 @@
+"""A stream: one Iceberg table of Transactional Global Batches, and the entry point to everything else.
+
+A stream is a plain Iceberg table (format v2) with ``lakestream.*`` table properties (see :mod:`lakestream_iceberg.layout`).
+Any catalog that ``pyiceberg.catalog.load_catalog`` returns works: SQLite/PostgreSQL SQL catalogs, REST, Glue, Hive.
+"""
+
+from __future__ import annotations
+
+import base64
+import random
+import time
+from functools import cached_property
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.io import FileIO
+from pyiceberg.schema import assign_fresh_schema_ids
+from pyiceberg.table import Table
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.commit import CommitLoop
+from lakestream_iceberg.dac import CommitPolicy
+from lakestream_iceberg.errors import ConfigError, NotAStreamError, ReadTimeoutError, StreamExistsError
+from lakestream_iceberg.index import StepIndex
+from lakestream_iceberg.layout import (
+    PROP_VERSION,
+    PROP_WORLD_SIZE,
+    StreamConfig,
+    partition_spec,
+    payload_schema,
+    table_arrow_schema,
+)
+from lakestream_iceberg.manifests import DEFAULT_CACHE, ManifestCache
+from lakestream_iceberg.producer import Producer
+from lakestream_iceberg.reader import check_rank, missing_step_error, read_file
+from lakestream_iceberg.summary import StreamState
+from lakestream_iceberg.writer import BatchWriter
+
+PROP_ARROW_SCHEMA = "lakestream.arrow-schema"
+MAIN = "main"
+
+__all__ = ["Stream"]
+
+
+def _encode_schema(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def _decode_schema(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+class Stream:
+    """One stream of global training batches.
+
+    Example:
+        >>> from pyiceberg.catalog import load_catalog                                  # doctest: +SKIP
+        >>> catalog = load_catalog("default")                                           # doctest: +SKIP
+        >>> schema = pa.schema([("tokens", pa.list_(pa.int32()))])                      # doctest: +SKIP
+        >>> stream = Stream.create(catalog, "train.batches", schema=schema, world_size=2)  # doctest: +SKIP
+        >>> stream.producer("prep-0").commit([rank0_table, rank1_table]).step           # doctest: +SKIP
+        1
+        >>> stream.read(1, rank=0)                                                      # doctest: +SKIP
+    """
+
+    def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
+        props = table.metadata.properties
+        if PROP_VERSION not in props or PROP_WORLD_SIZE not in props:
+            raise NotAStreamError(
+                f"table {'.'.join(table.name())} is a plain Iceberg table, not a lakestream stream (no "
+                f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
+            )
+        self.table = table
+        self.config = StreamConfig.from_properties(props)
+        self.cache = cache or DEFAULT_CACHE
+        self.payload_arrow_schema: pa.Schema = _decode_schema(props[PROP_ARROW_SCHEMA])
+
+    # -- construction -------------------------------------------------------------------------------------------------
+    @classmethod
+    def create(
+        cls,
+        catalog: Catalog,
+        identifier: str,
+        *,
+        schema: pa.Schema,
+        world_size: int,
+        location: str | None = None,
+        properties: dict[str, str] | None = None,
+    ) -> Stream:
+        """Create a stream (or open it when it already exists with the same schema and world size).
+
+        Args:
+            catalog: Any pyiceberg catalog.
+            identifier: ``"namespace.name"``; the namespace is created when missing.
+            schema: The pyarrow schema of one sample (the payload); ``_step`` and ``_rank`` are reserved.
+            world_size: Ranks per global batch.
+            location: Table location; defaults to the catalog's warehouse.
+            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``.
+
+        Raises:
+            StreamExistsError: A stream of that name exists with another schema or world size.
+            NotAStreamError: A plain Iceberg table of that name exists.
+            SchemaMismatchError: The schema uses a reserved column name.
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+        if not isinstance(schema, pa.Schema):
+            raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
+        arrow = table_arrow_schema(schema)
+        try:
+            existing = cls.open(catalog, identifier)
+        except NoSuchTableError:
+            existing = None
+        if existing is None:
+            iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
+            props = StreamConfig(world_size=world_size).to_properties()
+            props.update(properties or {})
+            props[PROP_ARROW_SCHEMA] = _encode_schema(schema)
+            StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
+            namespace = Catalog.namespace_from(identifier)
+            if namespace:
+                try:
+                    catalog.create_namespace(namespace)
+                except NamespaceAlreadyExistsError:
+                    pass
+            try:
+                table = catalog.create_table(
+                    identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema),
+                    location=location, properties=props,
+                )
+                return cls(table)
+            except TableAlreadyExistsError:
+                existing = cls.open(catalog, identifier)
+        if existing.world_size != world_size or not existing.payload_arrow_schema.equals(schema):
+            raise StreamExistsError(
+                f"stream {identifier} already exists with world_size={existing.world_size} and schema "
+                f"{existing.payload_arrow_schema}; open it with Stream.open() or create a stream under another name"
+            )
+        return existing
+
+    @classmethod
+    def open(cls, catalog: Catalog, identifier: str) -> Stream:
+        """Open an existing stream. Raises ``NoSuchTableError`` (pyiceberg's) when no table has that name."""
+        return cls(catalog.load_table(identifier))
+
+    # -- properties -----------------------------------------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return ".".join(self.table.name())
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def io(self) -> FileIO:
+        return self.table.io
+
+    @cached_property
+    def writer(self) -> BatchWriter:
+        return BatchWriter(
+            io=self.io, location=self.table.metadata.location,
+            file_schema=payload_schema(self.table.schema()), properties=self.table.metadata.properties,
+        )
+
+    @cached_property
+    def index(self) -> StepIndex:
+        return StepIndex(io=self.io, cache=self.cache)
+
+    def refresh(self) -> Stream:
+        """Reload the table metadata from the catalog."""
+        self.table.refresh()
+        return self
+
+    def head(self, *, branch: str = MAIN) -> Snapshot | None:
+        return self.table.metadata.snapshot_by_name(branch)
+
+    def state(self, *, branch: str = MAIN, refresh: bool = True) -> StreamState:
+        """The lakestream state (head step, producers) of a branch's head snapshot."""
+        if refresh:
+            self.refresh()
+        head = self.head(branch=branch)
+        return StreamState.parse(head.summary.additional_properties if head is not None and head.summary else None)
+
+    # -- writing --------------------------------------------------------------------------------------------------------
+    def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
+        """A producer publishing into ``branch``; each producer keeps its own view of the table."""
+        table = self.table.catalog.load_table(self.table.name())
+        loop = CommitLoop(
+            table=table,
+            policy=CommitPolicy(clock=time.monotonic, rng=random.Random(seed)),
+            branch=branch,
+            timeout_s=self.config.commit_timeout_ms / 1000,
+            max_attempts=self.config.commit_max_attempts,
+        )
+        loop.mark_stale()
+        return Producer(self, producer_id, branch=branch, loop=loop)
+
+    # -- reading --------------------------------------------------------------------------------------------------------
+    def head_step(self, *, branch: str = MAIN) -> int:
+        """The newest published step of ``branch`` (0 when nothing is published)."""
+        return self.state(branch=branch).step
+
+    def read(self, step: int, *, rank: int, branch: str = MAIN, columns: list[str] | None = None) -> pa.Table:
+        """The rows committed for ``rank`` at ``step``, reading only that rank's data file.
+
+        Raises:
+            RankError: ``rank`` is outside ``0..world_size-1``.
+            StepNotPublishedError: The step is not committed yet.
+            StepCollectedError: Lifecycle GC removed the step.
+        """
+        check_rank(rank, self.world_size)
+        data_file = self.locate(step, branch=branch)[rank]
+        return read_file(self.io, data_file, self.payload_arrow_schema, columns)
+
+    def locate(self, step: int, *, branch: str = MAIN, refresh: bool = False) -> list:
+        """The data files of ``step`` (one per rank, ordered by rank)."""
+        files = self.index.files(self.head(branch=branch), step)
+        if not files:
+            state = self.state(branch=branch, refresh=True)
+            files = self.index.files(self.head(branch=branch), step)
+            if not files:
+                raise missing_step_error(step, state, branch, self.name)
+        return files
+
+    def wait_for(self, step: int, *, timeout: float, branch: str = MAIN, poll_s: float = 0.05) -> int:
+        """Block until ``step`` is published on ``branch``; return the head step then.
+
+        Polls the catalog with bounded exponential backoff (``poll_s`` doubling up to 1 s).
+
+        Raises:
+            ReadTimeoutError: ``timeout`` seconds passed first.
+        """
+        deadline = time.monotonic() + timeout
+        delay = poll_s
+        while True:
+            head = self.head_step(branch=branch)
+            if head >= step:
+                return head
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ReadTimeoutError(
+                    f"step {step} of {self.name} was not published within {timeout}s (head step is {head}); "
+                    "are the producers running?"
+                )
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, 1.0)

@@ -1,0 +1,128 @@
+"""Writing a global batch's data files: once per batch, before any commit attempt.
+
+Each rank's shard becomes one Parquet file with a single row group, holding the payload columns only (step and rank
+live in the manifest entry's partition tuple, see :mod:`lakestream_iceberg.layout`). A rank therefore reads exactly its
+own bytes, and a commit that loses the compare-and-swap re-uses these files with a new step: no data is rewritten.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyiceberg.io import FileIO
+from pyiceberg.io.pyarrow import (
+    DataFileStatistics,
+    compute_statistics_plan,
+    data_file_statistics_from_parquet_metadata,
+    parquet_path_to_id_mapping,
+    schema_to_pyarrow,
+)
+from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
+from pyiceberg.schema import Schema
+from pyiceberg.typedef import Record
+
+from lakestream_iceberg.errors import ConfigError
+
+_PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_producer_id(producer_id: str) -> str:
+    if not isinstance(producer_id, str) or not _PRODUCER_ID.match(producer_id):
+        raise ConfigError(
+            f"producer id {producer_id!r} is invalid: use 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit (it becomes part of data file paths)"
+        )
+    return producer_id
+
+
+@dataclass(frozen=True)
+class StagedFile:
+    """One rank's written shard, waiting for the step it will be published as."""
+
+    rank: int
+    path: str
+    size_bytes: int
+    statistics: DataFileStatistics
+
+    def data_file(self, *, step: int, spec_id: int) -> DataFile:
+        return DataFile.from_args(
+            content=DataFileContent.DATA,
+            file_path=self.path,
+            file_format=FileFormat.PARQUET,
+            partition=Record(step, self.rank),
+            file_size_in_bytes=self.size_bytes,
+            sort_order_id=None,
+            spec_id=spec_id,
+            equality_ids=None,
+            key_metadata=None,
+            **self.statistics.to_serialized_dict(),
+        )
+
+
+@dataclass(frozen=True)
+class StagedBatch:
+    """All ranks' files of one global batch, written and not yet published."""
+
+    producer: str
+    seq: int
+    files: tuple[StagedFile, ...]
+
+    @property
+    def rows(self) -> int:
+        return sum(f.statistics.record_count for f in self.files)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+    def data_files(self, *, step: int, spec_id: int) -> list[DataFile]:
+        return [f.data_file(step=step, spec_id=spec_id) for f in self.files]
+
+
+class BatchWriter:
+    """Writes shards as Iceberg data files (Parquet with field ids, one row group) under ``<location>/data/``."""
+
+    def __init__(self, *, io: FileIO, location: str, file_schema: Schema, properties: dict[str, str]) -> None:
+        self._io = io
+        self._location = location.rstrip("/")
+        self._schema = file_schema
+        self._arrow_schema = schema_to_pyarrow(file_schema, include_field_ids=True)
+        self._stats_plan = compute_statistics_plan(file_schema, properties)
+        self._id_mapping = parquet_path_to_id_mapping(file_schema)
+        self._compression = properties.get("write.parquet.compression-codec", "zstd")
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-write")
+
+    def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table]) -> StagedBatch:
+        token = uuid.uuid4().hex[:12]
+        futures = [
+            self._pool.submit(self._write_one, f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet", rank, shard)
+            for rank, shard in enumerate(shards)
+        ]
+        return StagedBatch(producer=producer, seq=seq, files=tuple(f.result() for f in futures))
+
+    def _write_one(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
+        table = shard.cast(self._arrow_schema) if shard.num_rows else self._arrow_schema.empty_table()
+        output = self._io.new_output(path)
+        with output.create(overwrite=True) as stream:
+            writer = pq.ParquetWriter(stream, schema=self._arrow_schema, compression=self._compression, store_decimal_as_integer=True)
+            writer.write_table(table, row_group_size=max(1, table.num_rows))
+            writer.close()
+            metadata = writer.writer.metadata
+            size = stream.tell()
+        if table.num_rows == 0:  # no column statistics to collect (pyiceberg would warn per column)
+            stats = DataFileStatistics(record_count=0, column_sizes={}, value_counts={}, null_value_counts={},
+                                       nan_value_counts={}, column_aggregates={}, split_offsets=[])
+        else:
+            stats = data_file_statistics_from_parquet_metadata(
+                parquet_metadata=metadata, stats_columns=self._stats_plan, parquet_column_mapping=self._id_mapping
+            )
+        return StagedFile(rank=rank, path=path, size_bytes=size, statistics=stats)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
