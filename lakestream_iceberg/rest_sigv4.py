@@ -1,26 +1,23 @@
 """Make pyiceberg's SigV4-signed REST requests carry ``x-amz-content-sha256``.
 
-Why: pyiceberg's REST client (``RestCatalog._init_sigv4`` -> ``SigV4Adapter.add_headers``,
-seen in 0.12.0 and the releases before it that have ``rest.sigv4-enabled``) signs request
-bodies with botocore's plain ``SigV4Auth``, which puts the body hash into the signature but
-never sends it; pyiceberg only adds the header for *empty* bodies. S3-style verifiers such as
-SeaweedFS's Iceberg REST catalog take the payload hash from that header, so every POST with a
-body (``create_namespace``, ``create_table``, commits) fails with 403 "signature does not match".
+Why: pyiceberg's REST client (``RestCatalog._init_sigv4`` -> ``SigV4Adapter.add_headers``; seen in 0.12.0 and the
+earlier releases with ``rest.sigv4-enabled``) signs bodies with botocore's plain ``SigV4Auth``, which hashes the body
+into the signature but never sends the hash; pyiceberg adds the header only for *empty* bodies. S3-style verifiers
+such as SeaweedFS's Iceberg REST catalog read the payload hash from that header, so every POST with a body
+(``create_namespace``, ``create_table``, commits) gets 403 "signature does not match".
 
-Fix: after pyiceberg mounts its adapter, wrap that adapter's ``add_headers`` so that, before
-signing, a request with a body gets ``x-amz-content-sha256`` = hex SHA-256 of the body. The
-header is then signed along with the others. Nothing else in pyiceberg or botocore changes.
-
-The patch is installed only if a dry run of pyiceberg's own adapter (no network) shows the
-header missing, so it turns itself off on a pyiceberg that sends the header (upstream work:
-apache/iceberg-python PR #3120). To remove it: delete this module and its callers once
-``pyiceberg`` is pinned to a release where ``install_rest_sigv4_fix()`` reports no patch needed.
+Fix: after pyiceberg mounts its adapter, wrap that adapter's ``add_headers`` so a request with a body first gets
+``x-amz-content-sha256`` = hex SHA-256 of the body, which is then signed with the other headers. Nothing else changes.
+It is installed only if a dry run of pyiceberg's own adapter (no network) shows the header missing, so it switches
+itself off on a pyiceberg that sends it (upstream: apache/iceberg-python PR #3120). To remove: once pyiceberg is
+pinned to such a release (``rest_sigv4_fix_active()`` is False after install), delete this module and its calls.
 """
 
 from __future__ import annotations
 
 import hashlib
 import types
+import warnings
 from typing import Any
 
 _MARK = "_lakestream_sha256_fix"
@@ -56,7 +53,13 @@ def install_rest_sigv4_fix() -> None:
     from pyiceberg.catalog.rest import RestCatalog
 
     original = RestCatalog._init_sigv4
-    if getattr(original, _MARK, False) or not _needs_fix(original):
+    if getattr(original, _MARK, False):
+        return
+    try:
+        if not _needs_fix(original):
+            return
+    except Exception as exc:  # pyiceberg's internals moved: do not patch what we cannot check
+        warnings.warn(f"rest_sigv4: not patching pyiceberg, probe failed: {exc!r}", RuntimeWarning, stacklevel=2)
         return
 
     def _init_sigv4(self: Any, session: Any) -> None:

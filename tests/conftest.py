@@ -1,0 +1,41 @@
+"""Shared fixtures: real SQLite catalogs in temp dirs, and isolation from the developer's own pyiceberg config."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from tests.support import SCHEMA, sqlite_catalog  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_pyiceberg_config(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Never read ~/.pyiceberg.yaml or the developer's PYICEBERG_* variables in tests."""
+    home = tmp_path_factory.mktemp("pyiceberg-home")
+    saved = {k: v for k, v in os.environ.items() if k.startswith("PYICEBERG_")}
+    for key in saved:
+        del os.environ[key]
+    os.environ["PYICEBERG_HOME"] = str(home)
+    yield
+    os.environ.pop("PYICEBERG_HOME", None)
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def catalog(tmp_path: Path):
+    return sqlite_catalog(str(tmp_path))
+
+
+@pytest.fixture
+def stream(catalog):
+    from lakestream_iceberg import Stream
+
+    return Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4)

@@ -1,0 +1,130 @@
+"""Real producer processes: concurrency, SIGKILL and restart, and commits whose outcome is unknown."""
+
+from __future__ import annotations
+
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from lakestream_iceberg import Stream
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spawn(root: Path, producer: str, count: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.workers", str(root), "ns.stream", producer, str(count)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def published(stream: Stream) -> dict[int, tuple[str, int]]:
+    """step -> (producer, seq), read from the data itself (every row names its producer and seq)."""
+    out: dict[int, tuple[str, int]] = {}
+    full = stream.table.catalog.load_table(stream.name).scan(selected_fields=("producer", "seq", "_step")).to_arrow()
+    for row in full.to_pylist():
+        key = (row["producer"], row["seq"])
+        assert out.setdefault(row["_step"], key) == key, f"step {row['_step']} mixes batches"
+    # steps whose shards were all empty carry no rows: take them from the manifests' file paths
+    for step in range(1, stream.head_step() + 1):
+        if step not in out:
+            path = stream.locate(step)[0].file_path
+            producer, name = path.split("/data/")[1].split("/")
+            out[step] = (producer, int(name.split("-")[0]))
+    return out
+
+
+@pytest.mark.slow
+def test_eight_producer_processes_publish_dense_steps_exactly_once(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=3)
+    procs = [spawn(tmp_path, f"prep-{i}", 50) for i in range(8)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=400)
+        assert proc.returncode == 0, err[-3000:]
+    assert stream.head_step() == 400
+    steps = published(stream)
+    assert sorted(steps) == list(range(1, 401))
+    assert sorted(steps.values()) == sorted((f"prep-{i}", s) for i in range(8) for s in range(50))
+    for step in random.Random(0).sample(range(1, 401), 40):
+        producer, seq = steps[step]
+        expected = batch(producer, seq, 3)
+        for rank in range(3):
+            assert digest(stream.read(step, rank=rank)) == digest(expected[rank])
+    per_seq = {p: [s for (q, s) in sorted(steps.values()) if q == p] for p in {p for p, _ in steps.values()}}
+    assert all(seqs == list(range(50)) for seqs in per_seq.values())
+    # each producer's own seqs appear in increasing step order
+    for p in per_seq:
+        order = [seq for step, (q, seq) in sorted(steps.items()) if q == p]
+        assert order == sorted(order)
+
+
+@pytest.mark.slow
+def test_producer_killed_at_random_points_and_restarted_has_no_gap_and_no_duplicate(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
+    rng = random.Random(7)
+    other = spawn(tmp_path, "steady", 40)  # a second producer keeps the table moving
+    kills = 0
+    while True:
+        proc = spawn(tmp_path, "victim", 40)
+        time.sleep(rng.uniform(0.3, 1.5))
+        if proc.poll() is not None:
+            assert proc.returncode == 0, proc.stderr.read()[-3000:]
+            break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        kills += 1
+    assert other.wait(timeout=300) == 0
+    assert kills >= 2
+    steps = published(stream)
+    assert sorted(steps) == list(range(1, stream.head_step() + 1))
+    victim = sorted(seq for p, seq in steps.values() if p == "victim")
+    assert victim == list(range(40)), "victim's seqs must be 0..39 exactly once"
+    assert stream.head_step() == 80
+
+
+class FlakyAfterCommit(SqlCatalog):
+    """A real SQLite catalog whose connection 'drops' after the commit landed (or before it is sent)."""
+
+    fail_after: int = 0
+    fail_before: int = 0
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        if self.fail_before:
+            self.fail_before -= 1
+            raise ConnectionResetError("connection reset by peer (injected, before the commit was sent)")
+        response = super().commit_table(table, requirements, updates)
+        if self.fail_after:
+            self.fail_after -= 1
+            raise ConnectionResetError("connection reset by peer (injected, after the commit landed)")
+        return response
+
+
+def test_outcome_unknown_commit_that_landed_is_reconciled_not_duplicated(tmp_path: Path) -> None:
+    catalog = FlakyAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2))
+    catalog.fail_after = 1
+    result = producer.commit(batch("p", 1, 2))
+    assert (result.step, result.seq, result.duplicate, result.attempts) == (2, 1, True, 2)
+    assert stream.head_step() == 2
+    assert producer.commit(batch("p", 2, 2)).step == 3
+    assert sorted(published(stream).values()) == [("p", 0), ("p", 1), ("p", 2)]
+
+
+def test_outcome_unknown_commit_that_did_not_land_is_published_once(tmp_path: Path) -> None:
+    catalog = FlakyAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    catalog.fail_before = 2
+    result = producer.commit(batch("p", 0, 2))
+    assert (result.step, result.duplicate, result.attempts) == (1, False, 3)
+    assert stream.head_step() == 1
+    assert digest(stream.read(1, rank=1)) == digest(batch("p", 0, 2)[1])

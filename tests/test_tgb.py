@@ -1,0 +1,185 @@
+"""Transactional Global Batches on a real SQLite catalog and local warehouse: write, commit, read, exactly-once."""
+
+from __future__ import annotations
+
+import os
+
+import pyarrow as pa
+import pytest
+
+from lakestream_iceberg import (
+    LakestreamError,
+    NotAStreamError,
+    RankError,
+    SchemaMismatchError,
+    SequenceError,
+    ShardCountError,
+    StepNotPublishedError,
+    Stream,
+    StreamExistsError,
+)
+from tests.support import SCHEMA, batch, digest, shard
+
+
+def data_files_on_disk(stream: Stream) -> set[str]:
+    root = stream.table.metadata.location.removeprefix("file://") + "/data"
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def test_commit_and_read_back_byte_for_byte(stream: Stream) -> None:
+    producer = stream.producer("prep-0")
+    assert producer.next_seq == 0
+    committed = {}
+    for seq in range(6):
+        shards = batch("prep-0", seq, 4)
+        result = producer.commit(shards)
+        assert (result.step, result.seq, result.duplicate, result.attempts) == (seq + 1, seq, False, 1)
+        committed[result.step] = shards
+    assert stream.head_step() == 6
+    assert producer.next_seq == 6
+    for step, shards in committed.items():
+        for rank in range(4):
+            got = stream.read(step, rank=rank)
+            assert got.schema.equals(SCHEMA)
+            assert digest(got) == digest(shards[rank])
+
+
+def test_shards_may_differ_in_size_and_be_empty(stream: Stream) -> None:
+    shards = [shard("p", 0, 0, rows=0), shard("p", 0, 1, rows=7), shard("p", 0, 2, rows=1), shard("p", 0, 3, rows=0)]
+    step = stream.producer("p").commit(shards).step
+    assert [stream.read(step, rank=r).num_rows for r in range(4)] == [0, 7, 1, 0]
+    assert stream.read(step, rank=1).equals(shards[1])
+
+
+def test_each_rank_is_one_file_with_one_row_group(stream: Stream) -> None:
+    import pyarrow.parquet as pq
+
+    stream.producer("p").commit(batch("p", 0, 4))
+    files = stream.locate(1)
+    assert [f.partition[1] for f in files] == [0, 1, 2, 3]
+    for f in files:
+        assert pq.ParquetFile(f.file_path.removeprefix("file://")).num_row_groups == 1
+        assert "_step" not in pq.read_schema(f.file_path.removeprefix("file://")).names
+
+
+def test_duplicate_seq_returns_original_and_publishes_nothing(stream: Stream) -> None:
+    producer = stream.producer("prep-0")
+    first = producer.commit(batch("prep-0", 0, 4))
+    producer.commit(batch("prep-0", 1, 4))
+    again = producer.commit(batch("prep-0", 0, 4), seq=0)
+    assert again.duplicate and (again.step, again.snapshot_id) == (first.step, first.snapshot_id)
+    latest = producer.commit(batch("prep-0", 1, 4), seq=1)
+    assert latest.duplicate and latest.step == 2
+    assert stream.head_step() == 2
+
+
+def test_a_restarted_producer_object_recovers_next_seq_from_the_table(catalog, stream: Stream) -> None:
+    stream.producer("a").commit(batch("a", 0, 4))
+    stream.producer("b").commit(batch("b", 0, 4))
+    stream.producer("a").commit(batch("a", 1, 4))
+    reopened = Stream.open(catalog, "ns.stream")
+    assert reopened.producer("a").next_seq == 2
+    assert reopened.producer("b").next_seq == 1
+    assert reopened.producer("never-seen").next_seq == 0
+
+
+def test_sequence_gap_is_refused_unless_allowed(stream: Stream) -> None:
+    producer = stream.producer("p")
+    before = data_files_on_disk(stream)
+    with pytest.raises(SequenceError, match="allow_gap"):
+        producer.commit(batch("p", 3, 4), seq=3)
+    assert stream.head_step() == 0 and data_files_on_disk(stream) == before
+    assert producer.commit(batch("p", 3, 4), seq=3, allow_gap=True).step == 1
+    assert producer.next_seq == 4
+    with pytest.raises(SequenceError):
+        producer.commit(batch("p", 0, 4), seq=-1)
+
+
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (lambda: batch("p", 0, 3), ShardCountError, "world size is 4"),
+        (lambda: batch("p", 0, 5), ShardCountError, "exactly one pyarrow Table per"),
+        (lambda: shard("p", 0, 0), ShardCountError, "list of 4"),
+        (lambda: [shard("p", 0, 0).drop_columns(["image"])] + batch("p", 0, 4)[1:], SchemaMismatchError, "columns"),
+        (lambda: [shard("p", 0, 0).cast(SCHEMA.set(1, pa.field("seq", pa.int32())))] + batch("p", 0, 4)[1:], SchemaMismatchError, "cast"),
+        (lambda: ["not a table"] * 4, SchemaMismatchError, "expected a pyarrow Table"),
+    ],
+)
+def test_malformed_batches_raise_clear_errors_and_publish_nothing(stream: Stream, bad, error, words) -> None:
+    producer = stream.producer("p")
+    before = data_files_on_disk(stream)
+    with pytest.raises(error, match=words) as info:
+        producer.commit(bad())
+    assert isinstance(info.value, LakestreamError)
+    assert stream.head_step() == 0
+    assert data_files_on_disk(stream) == before
+    assert producer.next_seq == 0
+
+
+def test_reads_outside_the_published_range_or_ranks_are_clear_errors(stream: Stream) -> None:
+    stream.producer("p").commit(batch("p", 0, 4))
+    with pytest.raises(RankError, match="outside 0..3"):
+        stream.read(1, rank=4)
+    with pytest.raises(StepNotPublishedError, match="wait_for"):
+        stream.read(2, rank=0)
+
+
+def test_wait_for_returns_once_published_and_times_out_otherwise(stream: Stream) -> None:
+    from lakestream_iceberg import ReadTimeoutError
+
+    stream.producer("p").commit(batch("p", 0, 4))
+    assert stream.wait_for(1, timeout=1) == 1
+    with pytest.raises(ReadTimeoutError, match="not published within"):
+        stream.wait_for(2, timeout=0.3)
+
+
+def test_open_refuses_plain_iceberg_tables(catalog) -> None:
+    catalog.create_namespace("ns")
+    catalog.create_table("ns.plain", schema=SCHEMA)
+    with pytest.raises(NotAStreamError, match="Stream.create"):
+        Stream.open(catalog, "ns.plain")
+    with pytest.raises(NotAStreamError):
+        Stream.create(catalog, "ns.plain", schema=SCHEMA, world_size=2)
+
+
+def test_create_is_idempotent_but_refuses_another_schema_or_world_size(catalog, stream: Stream) -> None:
+    assert Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4).name == "ns.stream"
+    with pytest.raises(StreamExistsError, match="world_size=4"):
+        Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    with pytest.raises(StreamExistsError):
+        Stream.create(catalog, "ns.stream", schema=SCHEMA.remove(5), world_size=4)
+
+
+def test_reserved_column_names_are_refused(catalog) -> None:
+    with pytest.raises(SchemaMismatchError, match="reserved"):
+        Stream.create(catalog, "ns.bad", schema=pa.schema([("_step", pa.int64())]), world_size=1)
+
+
+def test_plain_iceberg_scan_sees_every_sample_with_step_and_rank(stream: Stream) -> None:
+    producer = stream.producer("p")
+    expected = 0
+    for seq in range(3):
+        shards = batch("p", seq, 4)
+        expected += sum(s.num_rows for s in shards)
+        producer.commit(shards)
+    table = stream.table.catalog.load_table("ns.stream")  # a plain pyiceberg user
+    full = table.scan().to_arrow()
+    assert full.num_rows == expected
+    rows = full.select(["seq", "rank", "_step", "_rank"]).to_pylist()
+    assert all(r["_step"] == r["seq"] + 1 and r["_rank"] == r["rank"] for r in rows)
+    assert table.properties["commit.retry.num-retries"] == "0"
+
+
+def test_commit_cost_state_stays_bounded(catalog) -> None:
+    stream = Stream.create(catalog, "ns.small", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.snapshots.retain-last": "5", "lakestream.manifest.merge-fanout": "4"})
+    producer = stream.producer("p")
+    for seq in range(40):
+        producer.commit(batch("p", seq, 2))
+    stream.refresh()
+    assert len(stream.table.metadata.snapshots) <= 5
+    manifests = stream.head().manifests(stream.io)
+    assert len(manifests) <= 3 * 3 + 1  # (fanout - 1) per level, 3 levels for 40 steps
+    for step in (1, 17, 40):  # expired snapshots' steps are still found through the head's manifests
+        assert stream.read(step, rank=1).equals(shard("p", step - 1, 1))

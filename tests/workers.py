@@ -1,0 +1,22 @@
+"""Producer processes for the multi-process tests: ``python -m tests.workers ROOT STREAM PRODUCER COUNT``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from lakestream_iceberg import Stream
+from tests.support import batch, sqlite_catalog
+
+
+def main() -> None:
+    root, name, producer_id, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    stream = Stream.open(sqlite_catalog(root), name)
+    producer = stream.producer(producer_id)
+    while (seq := producer.next_seq) < count:
+        result = producer.commit(batch(producer_id, seq, stream.world_size), seq=seq)
+        print(json.dumps({"seq": result.seq, "step": result.step, "attempts": result.attempts, "dup": result.duplicate}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
