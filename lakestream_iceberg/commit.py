@@ -137,7 +137,15 @@ class CommitLoop:
             attempt += 1
             began = self._clock()
             base_step = StreamState.parse(self._head_summary(metadata)).step
-            plan = planner(metadata, attempt)
+            try:
+                plan = planner(metadata, attempt)
+            except FileNotFoundError:
+                # A file of the state we planned on is gone (GC collected it after a newer commit): re-plan on the head.
+                self._fresh = False
+                metadata = self.refresh(deadline=deadline)
+                if attempt >= self._max_attempts or self._clock() >= deadline:
+                    raise
+                continue
             if isinstance(plan, Done):
                 return Outcome(plan.result, attempt, False, metadata, abandoned)
             try:

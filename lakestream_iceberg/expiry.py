@@ -21,6 +21,8 @@ def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int) -> l
     current = by_id.get(snapshot_id) if snapshot_id is not None else None
     while current is not None and len(out) < limit:
         out.append(current.snapshot_id)
+        if current.summary is not None and current.summary.get("lakestream.op") == "checkpoint":
+            break  # a fork's lineage starts at its checkpoint anchor: do not pin the source branch's history
         current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
     return out
 

@@ -9,7 +9,7 @@ and one manifest, both immutable and cached by path: consecutive steps cost one 
 from __future__ import annotations
 
 from pyiceberg.io import FileIO
-from pyiceberg.manifest import DataFile
+from pyiceberg.manifest import DataFile, ManifestEntry
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
@@ -25,15 +25,19 @@ class StepIndex:
 
     def files(self, snapshot: Snapshot | None, step: int) -> list[DataFile]:
         """The data files of ``step`` in ``snapshot``'s table state, ordered by rank (empty when absent)."""
+        return [e.data_file for e in self.entries(snapshot, step)]
+
+    def entries(self, snapshot: Snapshot | None, step: int) -> list[ManifestEntry]:
+        """The live manifest entries of ``step`` in ``snapshot``'s table state, ordered by rank."""
         if snapshot is None:
             return []
-        found: list[DataFile] = []
+        found: list[ManifestEntry] = []
         for manifest in self._cache.manifests(self._io, snapshot):
             bounds = step_bounds(manifest)
             if bounds is not None and not bounds[0] <= step <= bounds[1]:
                 continue
-            found.extend(e.data_file for e in self._cache.entries(self._io, manifest) if e.data_file.partition[0] == step)
-        return sorted(found, key=lambda f: f.partition[1])
+            found.extend(e for e in self._cache.entries(self._io, manifest) if e.data_file.partition[0] == step)
+        return sorted(found, key=lambda e: e.data_file.partition[1])
 
     def all_files(self, snapshot: Snapshot | None) -> list[DataFile]:
         """Every live data file of ``snapshot``'s table state."""

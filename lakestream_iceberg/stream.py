@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import random
 import time
+from datetime import timedelta
 from functools import cached_property
 
 import pyarrow as pa
@@ -19,6 +20,7 @@ from pyiceberg.schema import assign_fresh_schema_ids
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.commit import CommitLoop
 from lakestream_iceberg.dac import CommitPolicy
 from lakestream_iceberg.errors import ConfigError, NotAStreamError, ReadTimeoutError, StreamExistsError
@@ -30,6 +32,17 @@ from lakestream_iceberg.layout import (
     partition_spec,
     payload_schema,
     table_arrow_schema,
+)
+from lakestream_iceberg.lifecycle import (
+    GCReport,
+    check_policy,
+    kept_after_dry_run,
+    known_files,
+    norm,
+    plan_collect,
+    referenced_files,
+    snapshots_expired,
+    sweep,
 )
 from lakestream_iceberg.manifests import DEFAULT_CACHE, ManifestCache
 from lakestream_iceberg.producer import Producer
@@ -196,6 +209,71 @@ class Stream:
         )
         loop.mark_stale()
         return Producer(self, producer_id, branch=branch, loop=loop)
+
+    # -- checkpoints and lifecycle -----------------------------------------------------------------------------------
+    def _control_loop(self, branch: str) -> CommitLoop:
+        loop = CommitLoop(table=self.table, policy=CommitPolicy(clock=time.monotonic), branch=branch,
+                          timeout_s=self.config.commit_timeout_ms / 1000, max_attempts=self.config.commit_max_attempts)
+        loop.mark_stale()
+        return loop
+
+    def checkpoint(self, name: str, *, step: int, branch: str = MAIN) -> Checkpoint:
+        """Record a checkpoint watermark at ``step`` as an Iceberg tag (see :mod:`lakestream_iceberg.checkpoint`).
+
+        Raises:
+            CheckpointError: Invalid or duplicate name, unpublished or already collected step.
+        """
+        return self._control_loop(branch).run(
+            lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch), pace=False).result
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint of the stream (all branches), oldest step first."""
+        self.refresh()
+        return list_checkpoints(self.table.metadata)
+
+    def release(self, name: str) -> None:
+        """Remove a checkpoint's tag; lifecycle GC may then collect what only it needed."""
+        self._control_loop(MAIN).run(lambda md, _: plan_release(md, name=name), pace=False)
+
+    def fork(self, checkpoint: Checkpoint | str, *, branch: str) -> Checkpoint:
+        """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1."""
+        name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
+        return self._control_loop(MAIN).run(lambda md, _: plan_fork(md, name=name, branch=branch), pace=False).result
+
+    def collect_garbage(
+        self,
+        *,
+        dry_run: bool = True,
+        keep_last: int | None = None,
+        keep_within: timedelta | None = None,
+        grace: timedelta | None = None,
+    ) -> GCReport:
+        """Delete what no retained checkpoint can reach (see :mod:`lakestream_iceberg.lifecycle`).
+
+        Args:
+            dry_run: Only report the plan (the default; pass ``dry_run=False`` to delete).
+            keep_last: Retain the newest K checkpoints (others are released).
+            keep_within: Retain checkpoints younger than this.
+            grace: Minimum age of never-referenced files before deletion (default ``lakestream.gc.grace-period-ms``).
+        """
+        check_policy(keep_last, keep_within)
+        grace_s = self.config.gc_grace_ms / 1000 if grace is None else grace.total_seconds()
+        loop = self._control_loop(MAIN)
+        metadata = loop.refresh(deadline=time.monotonic() + self.config.commit_timeout_ms / 1000)
+        known = known_files(self, metadata)
+        if dry_run:
+            plan, collected = plan_collect(self, metadata, keep_last=keep_last, keep_within=keep_within, write=False)
+            keep = kept_after_dry_run(self, metadata, self.table.metadata_location, plan.result, collected,
+                                      snapshots_expired(plan))
+            sweep(self, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s, delete=False)
+            return plan.result
+        outcome = loop.run(lambda md, _: plan_collect(self, md, keep_last=keep_last, keep_within=keep_within, write=True)[0],
+                           pace=False)
+        keep = referenced_files(self.io, outcome.metadata, self.table.metadata_location, self)
+        known |= {norm(p) for p in outcome.abandoned_files}
+        sweep(self, location=outcome.metadata.location, keep=keep, known=known, report=outcome.result,
+              grace_s=grace_s, delete=True)
+        return outcome.result
 
     # -- reading --------------------------------------------------------------------------------------------------------
     def head_step(self, *, branch: str = MAIN) -> int:

@@ -1,0 +1,174 @@
+"""Checkpoint watermarks as Iceberg snapshot tags, and forks (branches) from them.
+
+``checkpoint(name, step=S)`` commits one small *anchor* snapshot whose table state is exactly step S's files (the
+files of the step the trainer checkpointed after), tagged ``name``. It is not on any branch; its parent is the
+snapshot that published S (when still retained) and its summary records S, the source branch and snapshot. So:
+
+* the tag pins only what resuming or forking from S needs, never older data: a plain tag on step S's own snapshot
+  would pin every step up to S (each TGB appends), and storage would never shrink while the checkpoint lives;
+* resuming from S reads S+1, S+2, ... from the branch as before: byte-identical replay;
+* ``fork(checkpoint, branch=...)`` creates an Iceberg branch at the anchor: producers on it continue at S+1, with
+  fresh producer sequences (the fork is a new timeline), and the source branch keeps its history;
+* any Iceberg reader sees an ordinary tag on a valid snapshot.
+
+Every change here is one compare-and-swap commit that also asserts the source branch head it was planned on, so it
+can never race lifecycle GC into tagging a step that GC is collecting.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING
+
+from pyiceberg.manifest import ManifestEntryStatus
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+from pyiceberg.table.update import (
+    AddSnapshotUpdate,
+    AssertRefSnapshotId,
+    AssertTableUUID,
+    RemoveSnapshotRefUpdate,
+    SetSnapshotRefUpdate,
+)
+
+from lakestream_iceberg.commit import Done, Plan
+from lakestream_iceberg.errors import CheckpointError
+from lakestream_iceberg.expiry import ancestors
+from lakestream_iceberg.manifests import ManifestPlanner, _copy_entry
+from lakestream_iceberg.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.stream import Stream
+
+KEY_SOURCE_BRANCH = "lakestream.source-branch"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+__all__ = ["Checkpoint"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """A checkpoint watermark: resuming from it continues at ``step + 1`` of ``branch``.
+
+    Attributes:
+        name: The Iceberg tag name.
+        step: The last step the checkpointed trainer consumed.
+        snapshot_id: The tagged anchor snapshot (its state holds step ``step`` only).
+        created_at: When the checkpoint was committed (UTC).
+        branch: The branch the checkpoint was taken on.
+        source_snapshot_id: The snapshot that published ``step``.
+    """
+
+    name: str
+    step: int
+    snapshot_id: int
+    created_at: datetime
+    branch: str
+    source_snapshot_id: int | None
+
+
+def _summary(snapshot: Snapshot | None) -> dict[str, str]:
+    return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
+
+
+def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
+    ref = metadata.refs.get(name)
+    if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
+        return None
+    snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+    summary = _summary(snapshot)
+    if snapshot is None or summary.get(KEY_CHECKPOINT) != name:
+        return None
+    source = summary.get(KEY_SOURCE_SNAPSHOT)
+    return Checkpoint(
+        name=name,
+        step=StreamState.parse(summary).step,
+        snapshot_id=snapshot.snapshot_id,
+        created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
+        branch=summary.get(KEY_SOURCE_BRANCH, "main"),
+        source_snapshot_id=int(source) if source else None,
+    )
+
+
+def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
+    found = (checkpoint_of(metadata, name) for name in metadata.refs)
+    return sorted((c for c in found if c is not None), key=lambda c: (c.step, c.created_at))
+
+
+def check_name(name: str, metadata: TableMetadata) -> None:
+    if not isinstance(name, str) or not _NAME.match(name) or name == "main":
+        raise CheckpointError(
+            f"checkpoint name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-' starting with a letter or "
+            "digit (and not 'main'); it becomes an Iceberg tag"
+        )
+    if name in metadata.refs:
+        raise CheckpointError(f"a checkpoint, tag or branch named {name!r} already exists; release it or pick another name")
+
+
+def plan_checkpoint(stream: Stream, metadata: TableMetadata, *, name: str, step: int, branch: str) -> Plan[Checkpoint]:
+    check_name(name, metadata)
+    head = metadata.snapshot_by_name(branch)
+    if head is None:
+        raise CheckpointError(f"branch {branch!r} of {stream.name} does not exist or has no steps")
+    state = StreamState.parse(_summary(head))
+    if not isinstance(step, int) or step < 1 or step > state.step:
+        raise CheckpointError(f"cannot checkpoint step {step!r} of {stream.name}: published steps are 1..{state.step}")
+    entries = stream.index.entries(head, step)
+    if step < state.collected_below or not entries:
+        raise CheckpointError(f"cannot checkpoint step {step} of {stream.name}: it was already collected by lifecycle GC")
+    snapshot_id = metadata.new_snapshot_id()
+    sequence_number = metadata.next_sequence_number()
+    planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=stream.cache, fanout=stream.config.merge_fanout)
+    manifest = planner._write(0, snapshot_id, sequence_number, (_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries))  # noqa: SLF001
+    source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
+                   if StreamState.parse(_summary(metadata.snapshot_by_id(sid))).step == step
+                   and _summary(metadata.snapshot_by_id(sid)).get("lakestream.op", OP_APPEND) == OP_APPEND), None)
+    manifest_list = planner.write_list([manifest], snapshot_id=snapshot_id, parent_id=source, sequence_number=sequence_number)
+    rows = sum(e.data_file.record_count for e in entries)
+    size = sum(e.data_file.file_size_in_bytes for e in entries)
+    anchor_state = StreamState(op=OP_CHECKPOINT, step=step, producers={}, collected_below=step)
+    summary = Summary(
+        Operation.DELETE,
+        **{"total-records": str(rows), "total-data-files": str(len(entries)), "total-files-size": str(size),
+           "total-delete-files": "0", "total-position-deletes": "0", "total-equality-deletes": "0"},
+        **anchor_state.properties(**{KEY_CHECKPOINT: name, KEY_SOURCE_BRANCH: branch,
+                                     **({KEY_SOURCE_SNAPSHOT: str(source)} if source is not None else {})}),
+    )
+    snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=source, sequence_number=sequence_number,
+                        manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id)
+    result = Checkpoint(name=name, step=step, snapshot_id=snapshot_id, created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
+                        branch=branch, source_snapshot_id=source)
+    return Plan(
+        (AddSnapshotUpdate(snapshot=snapshot), SetSnapshotRefUpdate(ref_name=name, type=SnapshotRefType.TAG, snapshot_id=snapshot_id)),
+        (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=None),
+         AssertRefSnapshotId(ref=branch, snapshot_id=head.snapshot_id)),
+        result,
+        planner.written,
+    )
+
+
+def plan_release(metadata: TableMetadata, *, name: str) -> Plan[None] | Done[None]:
+    found = checkpoint_of(metadata, name)
+    if found is None:
+        raise CheckpointError(f"no checkpoint named {name!r}; list them with stream.checkpoints()")
+    return Plan((RemoveSnapshotRefUpdate(ref_name=name),),
+                (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
+                None, [])
+
+
+def plan_fork(metadata: TableMetadata, *, name: str, branch: str) -> Plan[Checkpoint]:
+    found = checkpoint_of(metadata, name)
+    if found is None:
+        raise CheckpointError(f"no checkpoint named {name!r} to fork from; list them with stream.checkpoints()")
+    if not isinstance(branch, str) or not _NAME.match(branch) or branch in metadata.refs:
+        raise CheckpointError(f"cannot create branch {branch!r}: the name is invalid or already used by a tag or branch")
+    return Plan(
+        (SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH, snapshot_id=found.snapshot_id),),
+        (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=None),
+         AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
+        found,
+        [],
+    )

@@ -1,0 +1,119 @@
+"""Which catalog the ``lakestream`` CLI (and ``make demo``) talks to.
+
+Two ways, and nothing lakestream-specific to learn:
+
+* ``--catalog NAME``: whatever ``pyiceberg.catalog.load_catalog(NAME)`` returns, so the catalog is configured exactly as
+  for pyiceberg: ``~/.pyiceberg.yaml`` (or ``$PYICEBERG_HOME/.pyiceberg.yaml``) and ``PYICEBERG_CATALOG__NAME__*``
+  environment variables.
+* otherwise the **embedded default**: a SQLite ``SqlCatalog`` at ``<home>/catalog.db`` with its warehouse at
+  ``<home>/warehouse``, where ``<home>`` is ``--home DIR``, else ``$LAKESTREAM_HOME``, else ``./.lakestream``.
+
+Example:
+    >>> catalog = load(CatalogSpec(home="/tmp/lake"))          # doctest: +SKIP
+    >>> stream = open_stream(catalog, "demo.run", spec=CatalogSpec(home="/tmp/lake"))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lakestream_iceberg.errors import ConfigError, StreamError
+
+if TYPE_CHECKING:
+    from pyiceberg.catalog import Catalog
+
+    from lakestream_iceberg.stream import Stream
+
+__all__ = ["ENV_HOME", "DEFAULT_HOME", "CatalogSpec", "load", "open_stream", "resolve_home"]
+
+ENV_HOME = "LAKESTREAM_HOME"
+DEFAULT_HOME = ".lakestream"
+EMBEDDED_NAME = "lakestream"
+
+
+def resolve_home(home: str | os.PathLike[str] | None = None) -> Path:
+    """The embedded catalog's directory: ``home``, else ``$LAKESTREAM_HOME``, else ``./.lakestream`` (absolute)."""
+    chosen = home if home else os.environ.get(ENV_HOME) or DEFAULT_HOME
+    return Path(chosen).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class CatalogSpec:
+    """How to reach a catalog; picklable, so worker processes can load the same catalog themselves.
+
+    Attributes:
+        name: A pyiceberg catalog name (``load_catalog(name)``); ``None`` selects the embedded default.
+        home: The embedded default's directory (ignored when ``name`` is set); see :func:`resolve_home`.
+    """
+
+    name: str | None = None
+    home: str | None = None
+
+    def describe(self) -> str:
+        return f"catalog {self.name!r}" if self.name else f"the embedded catalog in {resolve_home(self.home)}"
+
+
+def embedded_catalog(home: str | os.PathLike[str] | None = None) -> Catalog:
+    """The embedded default: SQLite ``SqlCatalog`` at ``<home>/catalog.db``, warehouse ``<home>/warehouse``."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    root = resolve_home(home)
+    try:
+        (root / "warehouse").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the lakestream home {root}: {exc.strerror}; pass --home DIR or set {ENV_HOME}") from exc
+    return SqlCatalog(EMBEDDED_NAME, uri=f"sqlite:///{root}/catalog.db", warehouse=(root / "warehouse").as_uri())
+
+
+def load(spec: CatalogSpec) -> Catalog:
+    """Load the catalog ``spec`` names.
+
+    Raises:
+        ConfigError: The named catalog is not configured or could not be initialised (the message names the setting).
+    """
+    if not spec.name:
+        return embedded_catalog(spec.home)
+    from pyiceberg.catalog import load_catalog
+
+    try:
+        return load_catalog(spec.name)
+    except Exception as exc:  # pyiceberg raises ValueError, driver and HTTP errors alike
+        env = "PYICEBERG_CATALOG__" + spec.name.upper().replace("-", "_") + "__URI"
+        detail = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(
+            f"could not load catalog {spec.name!r}: {detail} (configure it in .pyiceberg.yaml under catalog: "
+            f"{spec.name}: or with {env} and friends, or drop --catalog to use the embedded default)"
+        ) from exc
+
+
+def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None = None) -> Stream:
+    """Open a stream, turning pyiceberg's lookup failures into one clear :class:`StreamError`."""
+    from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
+
+    from lakestream_iceberg.stream import Stream
+
+    where = spec.describe() if spec else "the catalog"
+    if "." not in identifier.strip("."):
+        raise StreamError(f"stream name {identifier!r} needs a namespace: write it as NAMESPACE.NAME (e.g. demo.{identifier})")
+    try:
+        return Stream.open(catalog, identifier)
+    except (NoSuchTableError, NoSuchNamespaceError):
+        known = _known_tables(catalog)
+        hint = f"; tables there: {', '.join(known)}" if known else "; it has no tables yet (try `lakestream demo`)"
+        raise StreamError(f"no stream {identifier!r} in {where}{hint}") from None
+
+
+def _known_tables(catalog: Catalog, limit: int = 12) -> list[str]:
+    names: list[str] = []
+    try:
+        for namespace in catalog.list_namespaces():
+            for ident in catalog.list_tables(namespace):
+                names.append(".".join(ident))
+                if len(names) >= limit:
+                    return [*names, "..."]
+    except Exception:  # listing is a courtesy in an error message; never mask the real error
+        return names
+    return names

@@ -1,0 +1,188 @@
+"""Following a stream's head cheaply, and reopening a stream in another process.
+
+A follow-mode reader asks "did the head move?" many times per second, so the question must cost almost nothing when
+the answer is no. :class:`HeadWatcher` asks the catalog for the table's *metadata pointer* only and reads the new
+``metadata.json`` (through the table's own FileIO, never a second catalog round trip) only when the pointer moved:
+
+* SQL catalogs (SQLite, PostgreSQL): one indexed ``SELECT metadata_location FROM iceberg_tables`` on the catalog's own
+  SQLAlchemy engine.
+* Any other catalog (REST, Glue, Hive): ``Table.refresh()`` (those catalogs answer with the full metadata anyway).
+
+:class:`StreamRef` is what a DataLoader worker needs to open the same stream: pyiceberg catalogs hold live database
+engines or HTTP sessions and do not pickle, so the catalog's class, name and properties are carried instead and the
+catalog is rebuilt with ``pyiceberg.catalog.load_catalog`` in the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.io import FileIO
+from pyiceberg.serializers import FromInputFile
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.errors import ReadTimeoutError
+from lakestream_iceberg.summary import StreamState
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.stream import Stream
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HeadWatcher", "StreamRef", "consumer_lag"]
+
+PY_CATALOG_IMPL = "py-catalog-impl"
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    """A picklable address of a stream: enough to reopen it in another process.
+
+    Example:
+        >>> ref = StreamRef.of(stream)          # doctest: +SKIP
+        >>> same = pickle.loads(pickle.dumps(ref)).open()   # doctest: +SKIP
+    """
+
+    catalog_name: str
+    catalog_properties: tuple[tuple[str, str], ...]
+    identifier: str
+
+    @classmethod
+    def of(cls, stream: Stream) -> StreamRef:
+        catalog = stream.table.catalog
+        props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
+        if "type" not in props and PY_CATALOG_IMPL not in props:
+            props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
+        return cls(catalog.name, tuple(sorted(props.items())), stream.name)
+
+    def catalog(self) -> Catalog:
+        return load_catalog(self.catalog_name, **dict(self.catalog_properties))
+
+    def open(self) -> Stream:
+        from lakestream_iceberg.stream import Stream
+
+        return Stream.open(self.catalog(), self.identifier)
+
+
+def _sql_pointer_probe(stream: Stream) -> Callable[[], str | None] | None:
+    """A function returning the table's current metadata location with one SQL query, or None for other catalogs."""
+    try:
+        from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
+        from sqlalchemy import select
+    except ImportError:  # pragma: no cover - the sql extra is a core dependency
+        return None
+    catalog = stream.table.catalog
+    if not isinstance(catalog, SqlCatalog):
+        return None
+    identifier = stream.table.name()
+    stmt = select(IcebergTables.metadata_location).where(
+        IcebergTables.catalog_name == catalog.name,
+        IcebergTables.table_namespace == Catalog.namespace_to_string(identifier[:-1]),
+        IcebergTables.table_name == identifier[-1],
+    )
+    engine = catalog.engine
+
+    def probe() -> str | None:
+        with engine.connect() as conn:
+            return conn.execute(stmt).scalar_one_or_none()
+
+    return probe
+
+
+class HeadWatcher:
+    """Keeps one stream's table view at the branch head, reloading metadata only when the catalog pointer moved.
+
+    Args:
+        stream: The stream whose ``table`` view is kept current (its metadata is replaced in place, like ``refresh``).
+        branch: The branch to follow.
+        io: The FileIO to read ``metadata.json`` with (default: the table's).
+    """
+
+    def __init__(self, stream: Stream, *, branch: str, io: FileIO | None = None) -> None:
+        self._stream = stream
+        self._branch = branch
+        self._io = io or stream.io
+        self._probe = _sql_pointer_probe(stream)
+        self.polls = 0
+        self.reloads = 0
+
+    def check(self) -> bool:
+        """Bring the table view up to date; True when the metadata changed."""
+        table = self._stream.table
+        self.polls += 1
+        if self._probe is None:
+            before = table.metadata_location
+            self._stream.refresh()
+            changed = table.metadata_location != before
+        else:
+            location = self._probe()
+            changed = location is not None and location != table.metadata_location
+            if changed:
+                table.metadata = FromInputFile.table_metadata(self._io.new_input(location))
+                table.metadata_location = location
+        self.reloads += changed
+        return changed
+
+    def head(self) -> tuple[int, Snapshot | None]:
+        """The head step and snapshot of the branch in the current table view (no I/O)."""
+        snapshot = self._stream.table.metadata.snapshot_by_name(self._branch)
+        summary = snapshot.summary.additional_properties if snapshot is not None and snapshot.summary else None
+        return StreamState.parse(summary).step, snapshot
+
+    def wait(
+        self,
+        step: int,
+        *,
+        timeout: float | None,
+        stop: threading.Event,
+        poll_s: float = 0.02,
+        max_poll_s: float = 0.5,
+    ) -> tuple[int, Snapshot | None] | None:
+        """Block until ``step`` is published; return ``(head step, head snapshot)``, or None when ``stop`` was set.
+
+        Polls with exponential backoff from ``poll_s`` to ``max_poll_s``; catalog errors are retried the same way.
+
+        Raises:
+            ReadTimeoutError: ``timeout`` seconds passed first (``None`` waits forever).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = poll_s
+        error: BaseException | None = None
+        while True:
+            try:
+                self.check()
+                error = None
+            except Exception as exc:  # the catalog is unreachable for now: keep trying until the deadline
+                log.warning("polling %s failed (%s); retrying", self._stream.name, type(exc).__name__)
+                error = exc
+            head = self.head()
+            if head[0] >= step:
+                return head
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise ReadTimeoutError(
+                    f"step {step} of {self._stream.name} (branch {self._branch!r}) was not published within {timeout}s "
+                    f"(head step is {head[0]}); are the producers running? Raise the dataset's timeout= to wait longer"
+                ) from error
+            if stop.wait(delay if remaining is None else min(delay, remaining)):
+                return None
+            delay = min(delay * 2, max_poll_s)
+
+
+def consumer_lag(stream: Stream, delivered_step: int, *, branch: str = "main") -> int:
+    """How many published steps a consumer that has delivered ``delivered_step`` is behind the head (>= 0).
+
+    Example:
+        >>> consumer_lag(stream, 40)     # head step 42 -> 2     # doctest: +SKIP
+        2
+    """
+    watcher = HeadWatcher(stream, branch=branch)
+    watcher.check()
+    return max(0, watcher.head()[0] - delivered_step)
+

@@ -1,0 +1,365 @@
+"""A stream's batch history as DuckDB views: which producer built step S, what rank 3 saw, why commits slowed down.
+
+:func:`history` reads what the table knows (the branch head's manifests, the retained snapshots' summaries, the
+checkpoint tags) into Arrow tables and registers them as views of an in-memory DuckDB connection:
+
+=============== ==========================================================================================================
+``batches``     one row per step: ``step, snapshot_id, parent_id, producer, seq, committed_at, attempts, ranks, samples,
+                bytes, samples_per_rank, bytes_per_rank, retained, collected``
+``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id``
+``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag`` (``lag`` = head step - ``last_step``)
+``checkpoints`` ``name, snapshot_id, step, created_at, pinned_files, pinned_bytes, exclusive_files, exclusive_bytes``
+``snapshots``   every retained snapshot of the branch: ``snapshot_id, parent_id, committed_at, op, operation, step,
+                producer, seq, attempts, summary`` (JSON of the whole Iceberg summary)
+``samples``     the data itself for ``samples_steps`` (default: the head step), payload columns plus ``_step``, ``_rank``
+=============== ==========================================================================================================
+
+What expiry loses. Commits expire old snapshots in passing (``lakestream.snapshots.retain-last``, see
+:mod:`lakestream_iceberg.expiry`); a step whose snapshot was expired is still a row of ``batches``, rebuilt from the
+head's manifests: its files, ranks, records and bytes, the id of the snapshot that added them (manifest entries keep
+it), and producer and seq (parsed from the data file path ``<location>/data/<producer>/<seq:012d>-<token>-r<rank>``).
+What is gone with the snapshot: ``committed_at``, ``attempts``, ``parent_id`` (NULL; ``retained`` is false), and the
+snapshot's full summary (no row in ``snapshots``). pyiceberg also clears ``parent_id`` of the oldest retained snapshot
+once its parent is expired. A step collected by lifecycle GC is gone from the head's manifests too: it appears only
+while a retained snapshot still names it (``collected`` is true, file columns NULL), and ``samples`` skips it.
+``producers`` comes from the head snapshot's producer table, so it is complete whatever was expired; its ``commits``
+counts the steps ``batches`` still knows.
+
+Example:
+    >>> con = history(stream)                                                     # doctest: +SKIP
+    >>> con.sql("SELECT producer, count(*) FROM batches GROUP BY 1").fetchall()    # doctest: +SKIP
+    [('prep-0', 12), ('prep-1', 12)]
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, is_dataclass
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from lakestream_iceberg.errors import MissingExtraError
+from lakestream_iceberg.expiry import ancestors
+from lakestream_iceberg.layout import RANK_COLUMN, STEP_COLUMN
+from lakestream_iceberg.reader import read_file
+from lakestream_iceberg.summary import KEY_ATTEMPTS, KEY_OP, KEY_PRODUCER, KEY_SEQ, KEY_STEP, OP_APPEND, StreamState
+
+if TYPE_CHECKING:
+    import duckdb
+    from pyiceberg.manifest import DataFile, ManifestEntry
+    from pyiceberg.table.snapshots import Snapshot
+
+    from lakestream_iceberg.stream import Stream
+
+__all__ = ["history", "parse_data_path", "VIEWS"]
+
+VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "samples")
+_DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-r(?P<rank>\d+)\.parquet$")
+_TS = pa.timestamp("ms", tz="UTC")
+
+FILES_SCHEMA = pa.schema([
+    ("path", pa.string()), ("step", pa.int64()), ("rank", pa.int32()), ("records", pa.int64()), ("bytes", pa.int64()),
+    ("producer", pa.string()), ("seq", pa.int64()), ("snapshot_id", pa.int64()),
+])
+SNAPSHOTS_SCHEMA = pa.schema([
+    ("snapshot_id", pa.int64()), ("parent_id", pa.int64()), ("committed_at", _TS), ("op", pa.string()),
+    ("operation", pa.string()), ("step", pa.int64()), ("producer", pa.string()), ("seq", pa.int64()),
+    ("attempts", pa.int32()), ("summary", pa.string()),
+])
+BATCHES_SCHEMA = pa.schema([
+    ("step", pa.int64()), ("snapshot_id", pa.int64()), ("parent_id", pa.int64()), ("producer", pa.string()),
+    ("seq", pa.int64()), ("committed_at", _TS), ("attempts", pa.int32()), ("ranks", pa.int32()), ("samples", pa.int64()),
+    ("bytes", pa.int64()), ("samples_per_rank", pa.list_(pa.int64())), ("bytes_per_rank", pa.list_(pa.int64())),
+    ("retained", pa.bool_()), ("collected", pa.bool_()),
+])
+PRODUCERS_SCHEMA = pa.schema([
+    ("producer", pa.string()), ("last_seq", pa.int64()), ("last_step", pa.int64()), ("last_snapshot_id", pa.int64()),
+    ("commits", pa.int64()), ("lag", pa.int64()),
+])
+CHECKPOINTS_SCHEMA = pa.schema([
+    ("name", pa.string()), ("snapshot_id", pa.int64()), ("step", pa.int64()), ("created_at", _TS),
+    ("pinned_files", pa.int64()), ("pinned_bytes", pa.int64()), ("exclusive_files", pa.int64()),
+    ("exclusive_bytes", pa.int64()),
+])
+
+
+def parse_data_path(path: str) -> tuple[str, int, int] | None:
+    """``(producer, seq, rank)`` from a data file path ``.../data/<producer>/<seq>-<token>-r<rank>.parquet``."""
+    match = _DATA_PATH.search(path)
+    if match is None:
+        return None
+    return match["producer"], int(match["seq"]), int(match["rank"])
+
+
+def _ts(ms: int | float | None) -> datetime | None:
+    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+
+
+def _as_datetime(value: Any) -> datetime | None:
+    """A checkpoint's ``created_at`` whatever its type (datetime, epoch seconds or milliseconds)."""
+    if value is None or isinstance(value, datetime):
+        return value if value is None or value.tzinfo else value.replace(tzinfo=timezone.utc)
+    number = float(value)
+    return _ts(number if number > 1e11 else number * 1000)
+
+
+def _summary(snapshot: Snapshot | None) -> dict[str, str]:
+    if snapshot is None or snapshot.summary is None:
+        return {}
+    return dict(snapshot.summary.additional_properties)
+
+
+def _int(value: str | None) -> int | None:
+    return None if value is None else int(value)
+
+
+# -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------
+def live_entries(stream: Stream, *, branch: str) -> list[ManifestEntry]:
+    """The manifest entries of every live data file of the branch head, ordered by (step, rank)."""
+    head = stream.head(branch=branch)
+    if head is None:
+        return []
+    entries = [e for m in stream.cache.manifests(stream.io, head) for e in stream.cache.entries(stream.io, m)]
+    return sorted(entries, key=lambda e: (int(e.data_file.partition[0]), int(e.data_file.partition[1])))
+
+
+def file_rows(entries: Iterable[ManifestEntry]) -> list[dict[str, Any]]:
+    """One row per live data file (works for steps whose snapshot was expired: manifests keep the adding snapshot)."""
+    rows = []
+    for entry in entries:
+        data_file = entry.data_file
+        parsed = parse_data_path(data_file.file_path)
+        rows.append({
+            "path": data_file.file_path, "step": int(data_file.partition[0]), "rank": int(data_file.partition[1]),
+            "records": data_file.record_count, "bytes": data_file.file_size_in_bytes,
+            "producer": parsed[0] if parsed else None, "seq": parsed[1] if parsed else None,
+            "snapshot_id": entry.snapshot_id,
+        })
+    return rows
+
+
+def snapshot_rows(stream: Stream, *, branch: str) -> list[dict[str, Any]]:
+    """The branch head and its retained ancestors, oldest first."""
+    metadata = stream.table.metadata
+    head = stream.head(branch=branch)
+    rows = []
+    for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(metadata.snapshots)):
+        snapshot = metadata.snapshot_by_id(snapshot_id)
+        summary = _summary(snapshot)
+        operation = snapshot.summary.operation if snapshot and snapshot.summary else None
+        rows.append({
+            "snapshot_id": snapshot_id, "parent_id": snapshot.parent_snapshot_id if snapshot else None,
+            "committed_at": _ts(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
+            "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
+            "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
+            "attempts": _int(summary.get(KEY_ATTEMPTS)),
+            "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
+        })
+    rows.reverse()
+    return rows
+
+
+def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per step: the step's files (from manifests) joined with its snapshot when it is still retained."""
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for row in files:
+        by_step.setdefault(row["step"], []).append(row)
+    published = {s["step"]: s for s in snapshots if s["op"] == OP_APPEND and s["step"] is not None}
+    out = []
+    for step in sorted(set(by_step) | set(published)):
+        snap = published.get(step)
+        step_files = sorted(by_step.get(step, []), key=lambda r: r["rank"])
+        first = step_files[0] if step_files else {}
+        samples = [f["records"] for f in step_files]
+        sizes = [f["bytes"] for f in step_files]
+        out.append({
+            "step": step,
+            "snapshot_id": snap["snapshot_id"] if snap else first.get("snapshot_id"),
+            "parent_id": snap["parent_id"] if snap else None,
+            "producer": snap["producer"] if snap else first.get("producer"),
+            "seq": snap["seq"] if snap else first.get("seq"),
+            "committed_at": snap["committed_at"] if snap else None,
+            "attempts": snap["attempts"] if snap else None,
+            "ranks": len(step_files) if step_files else None,
+            "samples": sum(samples) if step_files else None,
+            "bytes": sum(sizes) if step_files else None,
+            "samples_per_rank": samples if step_files else None,
+            "bytes_per_rank": sizes if step_files else None,
+            "retained": snap is not None,
+            "collected": not step_files,
+        })
+    return out
+
+
+def producer_rows(state: StreamState, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    commits: dict[str, int] = {}
+    for row in batches:
+        if row["producer"] is not None:
+            commits[row["producer"]] = commits.get(row["producer"], 0) + 1
+    return [
+        {"producer": pid, "last_seq": p.seq, "last_step": p.step, "last_snapshot_id": p.snapshot_id,
+         "commits": commits.get(pid, 0), "lag": state.step - p.step}
+        for pid, p in sorted(state.producers.items())
+    ]
+
+
+def list_checkpoints(stream: Stream) -> list[dict[str, Any]]:
+    """``name, snapshot_id, step, created_at`` of every checkpoint.
+
+    Uses ``stream.checkpoints()`` when this build has it; otherwise every tag in the table's refs (a checkpoint is a
+    tag), with the step from the tagged snapshot's ``lakestream.step`` and ``created_at`` from its timestamp.
+    """
+    metadata = stream.table.metadata
+    api: Callable[[], Iterable[Any]] | None = getattr(stream, "checkpoints", None)
+    rows = []
+    if callable(api):
+        for ckpt in api():
+            item = asdict(ckpt) if is_dataclass(ckpt) and not isinstance(ckpt, type) else dict(vars(ckpt))
+            rows.append({"name": item.get("name"), "snapshot_id": item.get("snapshot_id"), "step": item.get("step"),
+                         "created_at": _as_datetime(item.get("created_at"))})
+    else:
+        for name, ref in metadata.refs.items():
+            if str(getattr(ref.snapshot_ref_type, "value", ref.snapshot_ref_type)) != "tag":
+                continue
+            snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+            rows.append({"name": name, "snapshot_id": ref.snapshot_id, "step": _int(_summary(snapshot).get(KEY_STEP)),
+                         "created_at": _ts(snapshot.timestamp_ms) if snapshot else None})
+    rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"] or ""))
+    return rows
+
+
+def checkpoint_rows(stream: Stream, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Checkpoints and what each pins: the files of its table state, and those only it (not the head) keeps alive."""
+    metadata = stream.table.metadata
+    live = {f["path"] for f in files}
+    rows = []
+    for row in list_checkpoints(stream):
+        snapshot = metadata.snapshot_by_id(row["snapshot_id"]) if row["snapshot_id"] is not None else None
+        pinned = stream.index.all_files(snapshot) if snapshot is not None else []
+        exclusive = [f for f in pinned if f.file_path not in live]
+        rows.append({
+            **row,
+            "pinned_files": len(pinned) if snapshot else None,
+            "pinned_bytes": sum(f.file_size_in_bytes for f in pinned) if snapshot else None,
+            "exclusive_files": len(exclusive) if snapshot else None,
+            "exclusive_bytes": sum(f.file_size_in_bytes for f in exclusive) if snapshot else None,
+        })
+    return rows
+
+
+def read_samples(
+    stream: Stream, entries: Iterable[ManifestEntry], *, steps: Iterable[int] | None = None, progress: bool = False
+) -> pa.Table:
+    """The committed samples of ``steps`` (all live steps when None) with ``_step`` and ``_rank`` columns.
+
+    Each rank's shard is one targeted read of its data file, exactly as :meth:`Stream.read` does; the files come from
+    ``entries`` (see :func:`live_entries`) so a range costs no per-step manifest lookup.
+    """
+    schema = stream.payload_arrow_schema.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
+    wanted = None if steps is None else set(steps)
+    work = [e.data_file for e in entries if wanted is None or int(e.data_file.partition[0]) in wanted]
+    iterator: Iterable[DataFile] = work
+    if progress and work:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(work, desc="reading samples", unit="shard", leave=False)
+    parts = []
+    for data_file in iterator:
+        step, rank = int(data_file.partition[0]), int(data_file.partition[1])
+        shard = read_file(stream.io, data_file, stream.payload_arrow_schema)
+        shard = shard.append_column(pa.field(STEP_COLUMN, pa.int64()), pa.array([step] * shard.num_rows, pa.int64()))
+        shard = shard.append_column(pa.field(RANK_COLUMN, pa.int32()), pa.array([rank] * shard.num_rows, pa.int32()))
+        parts.append(shard)
+    return pa.concat_tables(parts) if parts else schema.empty_table()
+
+
+# -- the public entry point ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Tables:
+    files: pa.Table
+    snapshots: pa.Table
+    batches: pa.Table
+    producers: pa.Table
+    checkpoints: pa.Table
+    samples: pa.Table
+
+
+def _import_duckdb() -> Any:
+    try:
+        import duckdb
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise MissingExtraError(
+            "stream history needs DuckDB, which is not installed; install it with: pip install 'lakestream-iceberg[duckdb]'"
+        ) from exc
+    return duckdb
+
+
+def history(
+    stream: Stream,
+    *,
+    branch: str = "main",
+    samples_steps: tuple[int, int] | None = None,
+    refresh: bool = True,
+    progress: bool = False,
+) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with the stream's history as views (see the module docstring for columns).
+
+    Args:
+        stream: The stream.
+        branch: Whose history: the branch head's manifests and its retained ancestors.
+        samples_steps: Inclusive ``(first, last)`` step range loaded into the ``samples`` view (clipped to the steps
+            the table still holds). ``None`` loads the head step only: ``samples`` reads data files, everything else
+            reads metadata.
+        refresh: Reload table metadata from the catalog first.
+        progress: Show a progress bar while reading samples.
+
+    Returns:
+        A ``duckdb.DuckDBPyConnection``; views: ``batches, files, producers, checkpoints, snapshots, samples``.
+
+    Raises:
+        MissingExtraError: DuckDB is not installed (``pip install 'lakestream-iceberg[duckdb]'``).
+
+    Example:
+        >>> con = history(stream, samples_steps=(1, 10))                              # doctest: +SKIP
+        >>> con.sql("SELECT _rank, count(*) FROM samples GROUP BY 1 ORDER BY 1").fetchall()  # doctest: +SKIP
+    """
+    duckdb = _import_duckdb()
+    con = duckdb.connect()
+    for name, table in asdict_tables(collect(stream, branch=branch, samples_steps=samples_steps, refresh=refresh,
+                                             progress=progress)).items():
+        con.register(name, table)
+    return con
+
+
+def collect(
+    stream: Stream, *, branch: str = "main", samples_steps: tuple[int, int] | None = None, refresh: bool = True,
+    progress: bool = False,
+) -> _Tables:
+    """The history views as Arrow tables (what :func:`history` registers)."""
+    state = stream.state(branch=branch, refresh=refresh)
+    entries = live_entries(stream, branch=branch)
+    files = file_rows(entries)
+    snapshots = snapshot_rows(stream, branch=branch)
+    batches = batch_rows(files, snapshots)
+    live_steps = sorted({f["step"] for f in files})
+    if samples_steps is None:
+        wanted = live_steps[-1:]
+    else:
+        first, last = samples_steps
+        wanted = [s for s in live_steps if first <= s <= last]
+    return _Tables(
+        files=pa.Table.from_pylist(files, schema=FILES_SCHEMA),
+        snapshots=pa.Table.from_pylist(snapshots, schema=SNAPSHOTS_SCHEMA),
+        batches=pa.Table.from_pylist(batches, schema=BATCHES_SCHEMA),
+        producers=pa.Table.from_pylist(producer_rows(state, batches), schema=PRODUCERS_SCHEMA),
+        checkpoints=pa.Table.from_pylist(checkpoint_rows(stream, files), schema=CHECKPOINTS_SCHEMA),
+        samples=read_samples(stream, entries, steps=wanted, progress=progress),
+    )
+
+
+def asdict_tables(tables: _Tables) -> dict[str, pa.Table]:
+    return {name: getattr(tables, name) for name in VIEWS}

@@ -1,0 +1,239 @@
+"""Lifecycle garbage collection: delete consumed steps, expire snapshots, remove unreferenced files.
+
+Retention model (see README "Retention"):
+
+* a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
+  given every checkpoint is retained. GC releases (un-tags) the others;
+* on each branch, every step older than the oldest retained checkpoint of that branch is garbage (no resume can reach
+  it); a branch without a checkpoint loses nothing;
+* GC commits one ``delete`` snapshot per collected branch whose state no longer lists those steps (a metadata-only
+  delete of whole files, recorded as DELETED manifest entries), expires every snapshot that no ref needs (the
+  collected branches' older ancestors included: they would pin the collected files), and then deletes, only under
+  the table's location, every file that no retained snapshot references: the collected steps' data files,
+  manifests, manifest lists and metadata files. Files that no metadata ever referenced (a crashed producer's staged
+  shards, a lost compare-and-swap's manifests) are deleted only once older than the grace period
+  (``lakestream.gc.grace-period-ms``, default 1 h), because their commit may still be in flight.
+
+``dry_run=True`` (the default) computes the same plan and deletes nothing.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+from pyiceberg.io import FileIO
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+from pyiceberg.table.update import (
+    AddSnapshotUpdate,
+    AssertRefSnapshotId,
+    AssertTableUUID,
+    RemoveSnapshotRefUpdate,
+    RemoveSnapshotsUpdate,
+    SetSnapshotRefUpdate,
+    TableUpdate,
+)
+
+from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints
+from lakestream_iceberg.commit import Plan
+from lakestream_iceberg.errors import LifecycleError
+from lakestream_iceberg.expiry import protected
+from lakestream_iceberg.manifests import ManifestPlanner, step_bounds
+from lakestream_iceberg.storage import list_files
+from lakestream_iceberg.summary import OP_COLLECT, StreamState
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.stream import Stream
+
+__all__ = ["GCReport"]
+
+
+@dataclass(kw_only=True)
+class GCReport:
+    """What a garbage collection did (or, for a dry run, would do)."""
+
+    dry_run: bool
+    collected_below: dict[str, int] = field(default_factory=dict)
+    released_checkpoints: list[str] = field(default_factory=list)
+    snapshots_expired: int = 0
+    files_deleted: dict[str, int] = field(default_factory=dict)
+    bytes_deleted: dict[str, int] = field(default_factory=dict)
+    files_in_grace: int = 0
+
+    @property
+    def total_files(self) -> int:
+        return sum(self.files_deleted.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_deleted.values())
+
+
+def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_within: timedelta | None, now: datetime) -> list[Checkpoint]:
+    if keep_last is None and keep_within is None:
+        return list(checkpoints)
+    newest = sorted(checkpoints, key=lambda c: (c.created_at, c.step), reverse=True)
+    keep = set()
+    if keep_last is not None:
+        keep.update(c.name for c in newest[:keep_last])
+    if keep_within is not None:
+        keep.update(c.name for c in checkpoints if now - c.created_at <= keep_within)
+    return [c for c in checkpoints if c.name in keep]
+
+
+def _summary(snapshot: Snapshot | None) -> dict[str, str]:
+    return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
+
+
+def plan_collect(stream: Stream, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
+                 write: bool) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]]]:
+    """The GC commit. With ``write=False`` nothing is written (dry run): the plan is only reported."""
+    now = datetime.now(timezone.utc)
+    checkpoints = list_checkpoints(metadata)
+    keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within, now=now)
+    released = [c for c in checkpoints if c not in keep]
+    report = GCReport(dry_run=not write, released_checkpoints=[c.name for c in released])
+    updates: list[TableUpdate] = [RemoveSnapshotRefUpdate(ref_name=c.name) for c in released]
+    requirements = [AssertTableUUID(uuid=metadata.table_uuid)]
+    requirements += [AssertRefSnapshotId(ref=c.name, snapshot_id=c.snapshot_id) for c in released]
+    collected: dict[str, tuple[Snapshot, int]] = {}
+    planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=stream.cache, fanout=stream.config.merge_fanout)
+    sequence_number = metadata.next_sequence_number()
+    for branch, ref in sorted(metadata.refs.items()):
+        if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+            continue
+        requirements.append(AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id))
+        head = metadata.snapshot_by_id(ref.snapshot_id)
+        state = StreamState.parse(_summary(head))
+        on_branch = [c.step for c in keep if c.branch == branch]
+        cutoff = min(on_branch) if on_branch else 1
+        if cutoff <= state.collected_below or head is None:
+            continue
+        report.collected_below[branch] = cutoff
+        collected[branch] = (head, cutoff)
+        if not write:
+            continue
+        snapshot_id = metadata.new_snapshot_id()
+        manifests, dropped = planner.without_steps_below(planner.parent_manifests(head), cutoff,
+                                                        snapshot_id=snapshot_id, sequence_number=sequence_number)
+        manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=head.snapshot_id,
+                                           sequence_number=sequence_number)
+        new_state = StreamState(op=OP_COLLECT, step=state.step, producers=state.producers, collected_below=cutoff)
+        previous = _summary(head)
+        totals = {k: previous[k] for k in ("total-records", "total-data-files", "total-files-size") if k in previous}
+        totals["total-records"] = str(int(totals.get("total-records", "0")) - sum(f.record_count for f in dropped))
+        totals["total-data-files"] = str(int(totals.get("total-data-files", "0")) - len(dropped))
+        totals["total-files-size"] = str(int(totals.get("total-files-size", "0")) - sum(f.file_size_in_bytes for f in dropped))
+        summary = Summary(Operation.DELETE, **{"deleted-data-files": str(len(dropped))}, **totals, **new_state.properties())
+        snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id, sequence_number=sequence_number,
+                            manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id)
+        updates += [AddSnapshotUpdate(snapshot=snapshot),
+                    SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
+                                         parent_snapshot_id=head.snapshot_id)]
+        sequence_number += 1
+    # Keep: every ref target that stays, new heads, and the retention window of branches that were not collected.
+    after_refs = {n: r for n, r in metadata.refs.items() if n not in report.released_checkpoints}
+    keep_ids = {r.snapshot_id for n, r in after_refs.items() if n not in collected}
+    uncollected = metadata.model_copy(update={"refs": {n: r for n, r in after_refs.items() if n not in collected}})
+    keep_ids |= protected(uncollected, retain_last=stream.config.retain_snapshots)
+    expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
+    if expired:
+        updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
+    report.snapshots_expired = len(expired)
+    return Plan(tuple(updates), tuple(requirements), report, planner.written), collected
+
+
+def norm(path: str) -> str:
+    """A path without its scheme, so that ``file:/x``, ``file:///x`` and ``/x`` compare equal."""
+    parsed = urlparse(path)
+    return posixpath.normpath(f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).lstrip("/")
+
+
+def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: Stream,
+                     skip: frozenset[int] = frozenset()) -> set[str]:
+    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references."""
+    out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    for snapshot in metadata.snapshots:
+        if snapshot.snapshot_id in skip:
+            continue
+        out.add(snapshot.manifest_list)
+        for manifest in stream.cache.manifests(io, snapshot):
+            out.add(manifest.manifest_path)
+            out.update(e.data_file.file_path for e in stream.cache.entries(io, manifest))
+    return {norm(p) for p in out if p}
+
+
+def kept_after_dry_run(stream: Stream, metadata: TableMetadata, metadata_location: str, report: GCReport,
+                       collected: dict[str, tuple[Snapshot, int]], expired: set[int]) -> set[str]:
+    """What a real run would leave referenced: retained snapshots, plus the collected heads' surviving steps."""
+    keep = referenced_files(stream.io, metadata, metadata_location, stream, skip=frozenset(expired))
+    for head, cutoff in collected.values():
+        for manifest in stream.cache.manifests(stream.io, head):
+            bounds = step_bounds(manifest)
+            if bounds is not None and bounds[0] >= cutoff:
+                keep.add(norm(manifest.manifest_path))
+            keep.update(norm(e.data_file.file_path) for e in stream.cache.entries(stream.io, manifest)
+                        if e.data_file.partition[0] >= cutoff)
+    return keep
+
+
+def _kind(path: str) -> str:
+    name = path.rsplit("/", 1)[-1]
+    if "/data/" in path and name.endswith(".parquet"):
+        return "data"
+    if name.endswith(".metadata.json"):
+        return "metadata"
+    if name.startswith("snap-") and name.endswith(".avro"):
+        return "manifest-list"
+    if name.endswith(".avro"):
+        return "manifest"
+    return "other"
+
+
+def sweep(stream: Stream, *, location: str, keep: set[str], known: set[str], report: GCReport,
+          grace_s: float, delete: bool) -> None:
+    """Delete unreferenced files under the table location; files no metadata ever referenced need to age first."""
+    location = location.rstrip("/") + "/"
+    root = norm(location) + "/"
+    cutoff = time.time() - grace_s
+    counts: dict[str, int] = defaultdict(int)
+    sizes: dict[str, int] = defaultdict(int)
+    for path, size, mtime in list_files(stream.io, location):
+        key = norm(path)
+        if key in keep or not key.startswith(root):
+            continue
+        if key not in known and mtime > cutoff:
+            report.files_in_grace += 1
+            continue
+        kind = _kind(path)
+        if delete:
+            try:
+                stream.io.delete(path)
+            except FileNotFoundError:
+                continue
+        counts[kind] += 1
+        sizes[kind] += size
+    report.files_deleted, report.bytes_deleted = dict(counts), dict(sizes)
+
+
+def known_files(stream: Stream, metadata: TableMetadata) -> set[str]:
+    """Files some snapshot of ``metadata`` references (so they were committed, not in flight)."""
+    return referenced_files(stream.io, metadata, "", stream)
+
+
+def snapshots_expired(plan: Plan[GCReport]) -> set[int]:
+    return {sid for u in plan.updates if isinstance(u, RemoveSnapshotsUpdate) for sid in u.snapshot_ids}
+
+
+def check_policy(keep_last: int | None, keep_within: timedelta | None) -> None:
+    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+        raise LifecycleError(f"keep_last must be a positive integer (or None), got {keep_last!r}")
+    if keep_within is not None and (not isinstance(keep_within, timedelta) or keep_within.total_seconds() < 0):
+        raise LifecycleError(f"keep_within must be a non-negative datetime.timedelta (or None), got {keep_within!r}")

@@ -1,0 +1,45 @@
+"""Listing the files under a table location through the table's own FileIO (PyArrow or fsspec), for GC."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from pyiceberg.io import FileIO
+
+from lakestream_iceberg.errors import ConfigError
+
+
+def list_files(io: FileIO, location: str) -> Iterator[tuple[str, int, float]]:
+    """Yield ``(full path, size in bytes, mtime as unix seconds)`` for every file below ``location``."""
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    if isinstance(io, PyArrowFileIO):
+        from pyarrow import fs as pafs
+
+        scheme, netloc, path = PyArrowFileIO.parse_location(location, io.properties)
+        filesystem = io.fs_by_scheme(scheme, netloc)
+        prefix = location[: len(location) - len(path)] if location.endswith(path) else f"{scheme}://"
+        try:
+            infos = filesystem.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
+        except OSError as exc:
+            raise ConfigError(f"cannot list {location} for garbage collection: {exc}") from exc
+        for info in infos:
+            if info.type == pafs.FileType.File:
+                mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
+                yield prefix + info.path, int(info.size or 0), mtime
+        return
+    try:
+        from pyiceberg.io.fsspec import FsspecFileIO
+    except ImportError:  # pragma: no cover - fsspec not installed
+        FsspecFileIO = None  # type: ignore[assignment,misc]
+    if FsspecFileIO is not None and isinstance(io, FsspecFileIO):
+        from urllib.parse import urlparse
+
+        parsed = urlparse(location)
+        filesystem = io.get_fs(parsed.scheme)
+        for path, info in filesystem.find(location, detail=True).items():
+            full = path if "://" in path else f"{parsed.scheme}://{path}"
+            mtime = info.get("LastModified") or info.get("mtime") or 0
+            yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
+        return
+    raise ConfigError(f"garbage collection cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")

@@ -1,0 +1,175 @@
+"""Checkpoints as tags, resume, forks, and lifecycle GC on a real SQLite catalog and local warehouse."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from lakestream_iceberg import CheckpointError, LifecycleError, StepCollectedError, Stream
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+
+def files_under(stream: Stream, sub: str = "data") -> set[str]:
+    root = stream.table.metadata.location.removeprefix("file://") + "/" + sub
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def publish(stream: Stream, producer_id: str, count: int, *, branch: str = "main") -> None:
+    producer = stream.producer(producer_id, branch=branch)
+    for _ in range(count):
+        seq = producer.next_seq
+        producer.commit(batch(producer_id, seq, stream.world_size), seq=seq)
+
+
+def test_checkpoint_is_a_tag_listing_its_step(stream: Stream) -> None:
+    publish(stream, "p", 5)
+    ckpt = stream.checkpoint("ckpt-3", step=3)
+    assert (ckpt.name, ckpt.step, ckpt.branch) == ("ckpt-3", 3, "main")
+    assert [c.name for c in stream.checkpoints()] == ["ckpt-3"]
+    ref = stream.table.metadata.refs["ckpt-3"]
+    assert ref.snapshot_ref_type == "tag" and ref.snapshot_id == ckpt.snapshot_id
+    # the anchor pins step 3 only, and any Iceberg reader can time-travel to the tag
+    pinned = stream.table.scan(snapshot_id=ckpt.snapshot_id).to_arrow()
+    assert set(pinned.column("_step").to_pylist()) == {3}
+    for bad, words in [("ckpt-3", "already exists"), ("main", "invalid"), ("bad name", "invalid")]:
+        with pytest.raises(CheckpointError, match=words):
+            stream.checkpoint(bad, step=2)
+    with pytest.raises(CheckpointError, match="published steps are 1..5"):
+        stream.checkpoint("future", step=6)
+    stream.release("ckpt-3")
+    assert stream.checkpoints() == []
+    with pytest.raises(CheckpointError, match="no checkpoint"):
+        stream.release("ckpt-3")
+
+
+def test_gc_keeps_everything_without_checkpoints_and_collects_before_the_oldest(stream: Stream) -> None:
+    publish(stream, "p", 10)
+    assert stream.collect_garbage(dry_run=False, grace=timedelta(0)).total_files == 0
+    for step in range(1, 11):
+        stream.read(step, rank=0)
+    stream.checkpoint("c4", step=4)
+    stream.checkpoint("c7", step=7)
+    before = files_under(stream)
+    plan = stream.collect_garbage(grace=timedelta(0))  # dry run by default
+    assert plan.dry_run and files_under(stream) == before
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    assert report.collected_below == {"main": 4}
+    assert report.files_deleted == plan.files_deleted and report.files_deleted["data"] == 3 * 4
+    assert len(before) - len(files_under(stream)) == 12
+    with pytest.raises(StepCollectedError, match="retained checkpoint"):
+        stream.read(3, rank=0)
+    for step in range(4, 11):
+        assert digest(stream.read(step, rank=2)) == digest(batch("p", step - 1, 4)[2])
+    with pytest.raises(CheckpointError, match="collected"):
+        stream.checkpoint("late", step=2)
+    # keep only the newest checkpoint: c4 is released, steps 4..6 go
+    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0))
+    assert report.released_checkpoints == ["c4"] and report.collected_below == {"main": 7}
+    assert [c.name for c in stream.checkpoints()] == ["c7"]
+    assert sorted(stream.table.scan().to_arrow().column("_step").to_pylist()) == sorted(
+        s for s in range(7, 11) for _ in range(sum(t.num_rows for t in batch("p", s - 1, 4)))
+    )
+    with pytest.raises(LifecycleError):
+        stream.collect_garbage(keep_last=0)
+
+
+def test_orphans_of_a_crashed_producer_wait_for_the_grace_period(stream: Stream) -> None:
+    publish(stream, "p", 2)
+    staged = stream.writer.write(producer="crashed", seq=0, shards=batch("crashed", 0, 4))  # written, never committed
+    assert stream.head_step() == 2
+    report = stream.collect_garbage(dry_run=False)  # default grace: one hour
+    assert report.files_in_grace >= 4 and all(os.path.exists(f.path.removeprefix("file://")) for f in staged.files)
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    assert report.files_deleted.get("data") == 4
+    assert not any(os.path.exists(f.path.removeprefix("file://")) for f in staged.files)
+    assert stream.read(2, rank=1).equals(batch("p", 1, 4)[1])
+
+
+def test_resume_from_checkpoint_replays_identical_bytes(catalog, stream: Stream) -> None:
+    publish(stream, "p", 8)
+    uninterrupted = [digest(stream.read(s, rank=1)) for s in range(1, 9)]
+    ckpt = stream.checkpoint("after-5", step=5)
+    stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    resumed = Stream.open(catalog, "ns.stream")
+    start = next(c for c in resumed.checkpoints() if c.name == "after-5").step + 1
+    assert [digest(resumed.read(s, rank=1)) for s in range(start, 9)] == uninterrupted[ckpt.step:]
+
+
+def test_fork_continues_at_checkpoint_plus_one_on_a_branch(stream: Stream) -> None:
+    publish(stream, "p", 6)
+    stream.checkpoint("c3", step=3)
+    stream.fork("c3", branch="retry-lr")
+    publish(stream, "q", 2, branch="retry-lr")
+    assert stream.head_step(branch="retry-lr") == 5 and stream.head_step() == 6
+    assert stream.read(4, rank=0, branch="retry-lr").equals(batch("q", 0, 4)[0])
+    assert stream.read(4, rank=0).equals(batch("p", 3, 4)[0])
+    assert stream.read(3, rank=0, branch="retry-lr").equals(batch("p", 2, 4)[0])
+    with pytest.raises(StepCollectedError):
+        stream.read(2, rank=0, branch="retry-lr")
+    with pytest.raises(CheckpointError, match="already used"):
+        stream.fork("c3", branch="retry-lr")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.sampled_from(["commit", "commit", "commit", "checkpoint", "release", "gc", "resume", "fork"]),
+                    min_size=4, max_size=22),
+       seed=st.integers(0, 10_000))
+def test_randomized_lifecycle_keeps_exactly_what_checkpoints_need(tmp_path_factory, ops, seed) -> None:
+    import random
+
+    rng = random.Random(seed)
+    root = tmp_path_factory.mktemp("life")
+    stream = Stream.create(sqlite_catalog(str(root)), "ns.s", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.snapshots.retain-last": "4", "lakestream.manifest.merge-fanout": "3"})
+    producer = stream.producer("p")
+    expected: dict[int, list[str]] = {}
+    n = 0
+    forks = 0
+    paths: dict[int, list[str]] = {}
+    fork_steps: set[int] = set()
+    for op in ops:
+        head = stream.head_step()
+        if op == "commit":
+            shards = batch("p", producer.next_seq, 2)
+            step = producer.commit(shards).step
+            expected[step] = [digest(t) for t in shards]
+            paths[step] = [f.file_path.removeprefix("file://") for f in stream.locate(step)]
+        elif op == "checkpoint" and head:
+            live = [s for s in expected if s >= stream.state().collected_below]
+            if live:
+                n += 1
+                stream.checkpoint(f"c{n}", step=rng.choice(live))
+        elif op == "release" and (ckpts := stream.checkpoints()):
+            stream.release(rng.choice(ckpts).name)
+        elif op == "gc":
+            stream.collect_garbage(dry_run=False, grace=timedelta(0), keep_last=rng.choice([None, 1, 2]))
+        elif op == "resume" and (ckpts := [c for c in stream.checkpoints() if c.branch == "main"]):
+            c = rng.choice(ckpts)
+            for s in range(c.step, head + 1):
+                assert [digest(stream.read(s, rank=r)) for r in range(2)] == expected[s]
+        elif op == "fork" and (ckpts := [c for c in stream.checkpoints() if c.branch == "main"]):
+            forks += 1
+            c = rng.choice(ckpts)
+            stream.fork(c, branch=f"b{forks}")
+            fork_steps.add(c.step)
+            assert [digest(stream.read(c.step, rank=r, branch=f"b{forks}")) for r in range(2)] == expected[c.step]
+        # invariant: every step at/after the oldest retained main checkpoint is readable and identical ...
+        main_ckpts = [c.step for c in stream.checkpoints() if c.branch == "main"]
+        floor = stream.state().collected_below
+        for s in range(floor, stream.head_step() + 1):
+            assert [digest(stream.read(s, rank=r)) for r in range(2)] == expected[s]
+        assert not main_ckpts or floor <= min(main_ckpts)
+    # ... and after a final GC, the data files of every older step are gone from storage (except the one step each
+    # checkpoint anchor or fork pins)
+    stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    floor = stream.state().collected_below
+    pinned = {c.step for c in stream.checkpoints()} | fork_steps
+    for s in range(1, floor):
+        if s not in pinned:
+            assert not any(os.path.exists(p) for p in paths[s]), f"step {s}'s files survived GC"
+    for s in range(floor, stream.head_step() + 1):
+        assert all(os.path.exists(p) for p in paths[s])
