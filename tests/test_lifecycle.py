@@ -173,3 +173,57 @@ def test_randomized_lifecycle_keeps_exactly_what_checkpoints_need(tmp_path_facto
             assert not any(os.path.exists(p) for p in paths[s]), f"step {s}'s files survived GC"
     for s in range(floor, stream.head_step() + 1):
         assert all(os.path.exists(p) for p in paths[s])
+
+
+@pytest.mark.slow
+def test_gc_runs_while_producers_commit_and_consumers_read(tmp_path) -> None:
+    import random
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.workers", str(tmp_path), "ns.stream", f"w{i}", "40"],
+                              cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    guard = {"step": 1, "stop": False}
+    failures: list[BaseException] = []
+
+    def consume() -> None:
+        reader = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+        rng = random.Random(1)
+        while not guard["stop"]:
+            head = reader.head_step()
+            if head >= guard["step"]:
+                step = rng.randint(guard["step"], head)
+                try:
+                    reader.read(step, rank=rng.randint(0, 1))
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    failures.append(exc)
+
+    thread = threading.Thread(target=consume)
+    thread.start()
+    n = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            head = stream.head_step()
+            if head > 5:
+                n += 1
+                stream.checkpoint(f"c{n}", step=head - 2)
+                guard["step"] = head - 2
+                stream.collect_garbage(dry_run=False, keep_last=2)  # default grace protects in-flight files
+    finally:
+        guard["stop"] = True
+        thread.join()
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read()[-2000:]
+    assert not failures, failures[:3]
+    assert n >= 3
+    state = stream.state()
+    assert state.step == 80 and {k: v.seq for k, v in state.producers.items()} == {"w0": 39, "w1": 39}
+    for s in range(state.collected_below, 81):
+        files = stream.locate(s)
+        producer, name = files[0].file_path.split("/data/")[1].split("/")
+        seq = int(name.split("-")[0])
+        assert [digest(stream.read(s, rank=r)) for r in range(2)] == [digest(t) for t in batch(producer, seq, 2)]
