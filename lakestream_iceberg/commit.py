@@ -30,7 +30,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.dac import CommitPolicy
-from lakestream_iceberg.errors import CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
+from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
 from lakestream_iceberg.summary import StreamState
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,7 @@ class CommitLoop:
         metadata = self.table.metadata if reuse else self.refresh(deadline=deadline)
         abandoned: list[str] = []
         attempt = 0
+        invalid = 0
         while True:
             attempt += 1
             began = self._clock()
@@ -152,6 +153,12 @@ class CommitLoop:
                 response = self.table.catalog.commit_table(self.table, plan.requirements, plan.updates)
             except (CommitFailedException, ValueError) as exc:
                 # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
+                invalid = invalid + 1 if isinstance(exc, ValueError) else 0
+                if invalid >= 5:  # not a race: the same update keeps being refused
+                    raise CommitError(
+                        f"the catalog keeps refusing this commit to {self.table.name()} as invalid ({exc}); nothing was "
+                        "published. This is a bug or an incompatible table change: please report it"
+                    ) from exc
                 abandoned.extend(plan.written)
                 self._fresh = False
                 metadata = self.refresh(deadline=deadline)
