@@ -11,11 +11,13 @@ import random
 import time
 from datetime import timedelta
 from functools import cached_property
+from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
 from pyiceberg.io import FileIO
+from pyiceberg.manifest import DataFile
 from pyiceberg.schema import assign_fresh_schema_ids
 from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
@@ -275,6 +277,16 @@ class Stream:
               grace_s=grace_s, delete=True)
         return outcome.result
 
+    def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
+        """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.history`).
+
+        Example:
+            >>> stream.history().sql("SELECT producer, count(*) FROM batches GROUP BY 1").fetchall()  # doctest: +SKIP
+        """
+        from lakestream_iceberg.history import history
+
+        return history(self, branch=branch, samples_steps=samples_steps)
+
     # -- reading --------------------------------------------------------------------------------------------------------
     def head_step(self, *, branch: str = MAIN) -> int:
         """The newest published step of ``branch`` (0 when nothing is published)."""
@@ -289,12 +301,23 @@ class Stream:
             StepCollectedError: Lifecycle GC removed the step.
         """
         check_rank(rank, self.world_size)
-        data_file = self.locate(step, branch=branch)[rank]
-        return read_file(self.io, data_file, self.payload_arrow_schema, columns)
+        try:
+            return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
+        except FileNotFoundError:
+            # GC collected files our (stale) view still listed: re-resolve on the current head, once.
+            self.refresh()
+            return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
 
-    def locate(self, step: int, *, branch: str = MAIN, refresh: bool = False) -> list:
-        """The data files of ``step`` (one per rank, ordered by rank)."""
-        files = self.index.files(self.head(branch=branch), step)
+    def locate(self, step: int, *, branch: str = MAIN) -> list[DataFile]:
+        """The data files of ``step`` (one per rank, ordered by rank).
+
+        A view that predates a GC commit may list manifests GC already deleted; the lookup then refreshes and retries
+        on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``.
+        """
+        try:
+            files = self.index.files(self.head(branch=branch), step)
+        except FileNotFoundError:
+            files = []
         if not files:
             state = self.state(branch=branch, refresh=True)
             files = self.index.files(self.head(branch=branch), step)

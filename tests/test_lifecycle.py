@@ -227,3 +227,23 @@ def test_gc_runs_while_producers_commit_and_consumers_read(tmp_path) -> None:
         producer, name = files[0].file_path.split("/data/")[1].split("/")
         seq = int(name.split("-")[0])
         assert [digest(stream.read(s, rank=r)) for r in range(2)] == [digest(t) for t in batch(producer, seq, 2)]
+
+
+def test_a_reader_whose_view_predates_gc_still_reads_retained_steps(catalog, stream: Stream) -> None:
+    from lakestream_iceberg.manifests import ManifestCache
+
+    publish(stream, "p", 12)
+    stream.checkpoint("a", step=6)
+    stream.checkpoint("b", step=12)
+    # another process: its own table view and its own (cold) manifest cache, loaded before the GC below
+    reader = Stream(catalog.load_table("ns.stream"), cache=ManifestCache())
+    publish(stream, "p", 1)
+    stream.checkpoint("c", step=13)
+    report = stream.collect_garbage(dry_run=False, keep_last=2)
+    assert report.collected_below == {"main": 12} and report.files_deleted.get("manifest-list", 0) > 0
+    assert reader.read(12, rank=0).equals(batch("p", 11, 4)[0])
+    with pytest.raises(StepCollectedError):
+        Stream(catalog.load_table("ns.stream"), cache=ManifestCache()).read(7, rank=0)
+    stale = Stream(reader.table, cache=ManifestCache())
+    with pytest.raises(StepCollectedError):
+        stale.read(7, rank=0)
