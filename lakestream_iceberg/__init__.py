@@ -7,9 +7,26 @@ their own shard of each step, in step order. See README.md for the model.
 from lakestream_iceberg.errors import *  # noqa: F403
 from lakestream_iceberg.errors import __all__ as _errors
 from lakestream_iceberg.checkpoint import Checkpoint
+from lakestream_iceberg.diagnose import load_catalog
 from lakestream_iceberg.lifecycle import GCReport
 from lakestream_iceberg.producer import CommitResult, Producer
 from lakestream_iceberg.stream import Stream
 
-__all__ = ["Checkpoint", "CommitResult", "GCReport", "Producer", "Stream", *_errors]
+from lakestream_iceberg.dataset import TensorCollate  # needs no torch
+
+# LakestreamDataset subclasses torch's IterableDataset, so torch loads on first access (module __getattr__), and it
+# stays out of __all__: `from lakestream_iceberg import *` must work without the torch extra.
+__all__ = ["Checkpoint", "CommitResult", "GCReport", "Producer", "Stream", "TensorCollate", "load_catalog", *_errors]
+
+
+def __getattr__(name: str) -> object:
+    if name == "LakestreamDataset":
+        from lakestream_iceberg.dataset import LakestreamDataset
+
+        return LakestreamDataset
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, "LakestreamDataset"])
 __version__ = "0.1.0"

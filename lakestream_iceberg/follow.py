@@ -1,4 +1,5 @@
-"""Following a stream's head cheaply, and reopening a stream in another process.
+"""Reading a stream as it grows: watching the head cheaply, pumping steps in order with prefetch, fetching shard files,
+and reopening a stream in another process. The torch-facing layer is :mod:`lakestream_iceberg.dataset`.
 
 A follow-mode reader asks "did the head move?" many times per second, so the question must cost almost nothing when
 the answer is no. :class:`HeadWatcher` asks the catalog for the table's *metadata pointer* only and reads the new
@@ -18,9 +19,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io import FileIO
@@ -28,6 +31,7 @@ from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.errors import ReadTimeoutError
+from lakestream_iceberg.reader import read_file
 from lakestream_iceberg.summary import StreamState
 
 if TYPE_CHECKING:
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HeadWatcher", "StreamRef", "consumer_lag"]
+__all__ = ["HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
 
@@ -123,7 +127,7 @@ class HeadWatcher:
         else:
             location = self._probe()
             changed = location is not None and location != table.metadata_location
-            if changed:
+            if location is not None and changed:
                 table.metadata = FromInputFile.table_metadata(self._io.new_input(location))
                 table.metadata_location = location
         self.reloads += changed
@@ -173,6 +177,95 @@ class HeadWatcher:
             if stop.wait(delay if remaining is None else min(delay, remaining)):
                 return None
             delay = min(delay * 2, max_poll_s)
+
+
+T = TypeVar("T")
+
+
+def pump_steps(
+    watcher: HeadWatcher,
+    load: Callable[[Snapshot | None, int], T],
+    *,
+    first: int,
+    stride: int,
+    end: int | None,
+    follow: bool,
+    prefetch: int,
+    timeout: float | None,
+    poll_s: float,
+    max_poll_s: float,
+    stop: threading.Event,
+    closers: list[Callable[[], None]],
+) -> Generator[tuple[int, T], None, None]:
+    """``(step, load(snapshot, step))`` for ``first, first + stride, ...`` up to ``end``, in order, each step once.
+
+    ``load`` runs in a pool of ``prefetch`` threads, up to ``prefetch`` steps ahead of the consumer (in the calling
+    thread when 0). Without ``follow`` the pump ends at the head it first sees; with it, it waits for unpublished steps
+    (``watcher.wait``: bounded backoff, ``timeout``). Setting ``stop`` and calling the shutdown it appends to
+    ``closers`` ends it from another thread; no pool thread outlives the pump.
+    """
+
+    def poll() -> None:  # a follow-mode pump rides out a catalog hiccup (the next wait retries until its timeout)
+        try:
+            watcher.check()
+        except Exception:
+            if not follow:
+                raise
+
+    poll()
+    head, snapshot = watcher.head()
+    pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lakestream-read") if prefetch else None
+    pending: deque[Future[T]] = deque()
+
+    def shutdown(wait: bool = False) -> None:
+        for future in pending:
+            future.cancel()
+        if pool is not None:
+            pool.shutdown(wait=wait, cancel_futures=True)
+
+    closers.append(shutdown)
+    step, submit = first, first
+    try:
+        while (end is None or step <= end) and not stop.is_set():
+            if step > head:
+                if not follow:
+                    return
+                waited = watcher.wait(step, timeout=timeout, stop=stop, poll_s=poll_s, max_poll_s=max_poll_s)
+                if waited is None:
+                    return
+                head, snapshot = waited
+            elif follow and submit > head and len(pending) < prefetch:
+                poll()  # cheap unless the head moved: lets prefetch run ahead of the consumer
+                head, snapshot = watcher.head()
+            while submit <= head and (end is None or submit <= end) and len(pending) <= prefetch:
+                if pool is None:
+                    done: Future[T] = Future()
+                    done.set_result(load(snapshot, submit))
+                    pending.append(done)
+                else:
+                    try:
+                        pending.append(pool.submit(load, snapshot, submit))
+                    except RuntimeError:  # shut down from another thread
+                        if stop.is_set():
+                            return
+                        raise
+                submit += stride
+            try:
+                item = pending.popleft().result()
+            except CancelledError:
+                if stop.is_set():
+                    return
+                raise
+            if stop.is_set():
+                return
+            yield step, item
+            step += stride
+    finally:
+        closers.remove(shutdown)
+        shutdown(wait=True)  # at most the reads in flight
+
+
+fetch_table = read_file  # one shard file, one read (see lakestream_iceberg.reader.read_file)
 
 
 def consumer_lag(stream: Stream, delivered_step: int, *, branch: str = "main") -> int:

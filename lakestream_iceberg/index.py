@@ -8,8 +8,11 @@ and one manifest, both immutable and cached by path: consecutive steps cost one 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 from pyiceberg.io import FileIO
-from pyiceberg.manifest import DataFile, ManifestEntry
+from pyiceberg.manifest import DataFile, ManifestEntry, ManifestFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
@@ -19,9 +22,37 @@ from lakestream_iceberg.manifests import ManifestCache, step_bounds
 class StepIndex:
     """Looks up the data files of one step of one branch."""
 
-    def __init__(self, *, io: FileIO, cache: ManifestCache) -> None:
+    def __init__(self, *, io: FileIO, cache: ManifestCache, max_manifests: int = 64) -> None:
         self._io = io
         self._cache = cache
+        self._max = max_manifests
+        self._by_step: OrderedDict[str, dict[int, list[ManifestEntry]]] = OrderedDict()
+        self._bounds: dict[str, tuple[int, int] | None] = {}
+        self._lock = threading.Lock()
+
+    def _step_map(self, manifest: ManifestFile) -> dict[int, list[ManifestEntry]]:
+        """step -> entries of one (immutable) manifest, built once: a lookup is a dict access, not an entry scan."""
+        path = manifest.manifest_path
+        with self._lock:
+            if path in self._by_step:
+                self._by_step.move_to_end(path)
+                return self._by_step[path]
+        by_step: dict[int, list[ManifestEntry]] = {}
+        for entry in self._cache.entries(self._io, manifest):
+            by_step.setdefault(int(entry.data_file.partition[0]), []).append(entry)
+        with self._lock:
+            self._by_step[path] = by_step
+            while len(self._by_step) > self._max:
+                self._by_step.popitem(last=False)
+        return by_step
+
+    def _step_bounds(self, manifest: ManifestFile) -> tuple[int, int] | None:
+        path = manifest.manifest_path
+        if path not in self._bounds:
+            if len(self._bounds) > 100_000:
+                self._bounds.clear()
+            self._bounds[path] = step_bounds(manifest)
+        return self._bounds[path]
 
     def files(self, snapshot: Snapshot | None, step: int) -> list[DataFile]:
         """The data files of ``step`` in ``snapshot``'s table state, ordered by rank (empty when absent)."""
@@ -33,10 +64,10 @@ class StepIndex:
             return []
         found: list[ManifestEntry] = []
         for manifest in self._cache.manifests(self._io, snapshot):
-            bounds = step_bounds(manifest)
+            bounds = self._step_bounds(manifest)
             if bounds is not None and not bounds[0] <= step <= bounds[1]:
                 continue
-            found.extend(e for e in self._cache.entries(self._io, manifest) if e.data_file.partition[0] == step)
+            found.extend(self._step_map(manifest).get(step, ()))
         return sorted(found, key=lambda e: e.data_file.partition[1])
 
     def all_files(self, snapshot: Snapshot | None) -> list[DataFile]:

@@ -1,0 +1,496 @@
+"""The torch reader: a stream's steps as a ``torch.utils.data.IterableDataset``, in step order, resumable and elastic.
+
+Each item is this consumer rank's shard of one step, built by ``collate`` (default :class:`TensorCollate`)::
+
+    {"step": 7, "sample_ids": int64[n], "tokens": int32[n, L], "tokens_lengths": int64[n], "image": [uint8[k], ...]}
+
+Use ``DataLoader(dataset, batch_size=None, num_workers=k)``: an item already is a batch. Worker ``w`` of ``k`` takes
+the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
+steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
+name and properties, see :class:`lakestream_iceberg.follow.StreamRef`).
+
+**Torch is optional.** ``LakestreamDataset`` must subclass ``IterableDataset`` (DataLoader checks ``isinstance``), so the
+class is built on first access through the module's ``__getattr__``: importing this module (or lakestream_iceberg)
+never imports torch, and a missing torch raises :class:`MissingExtraError` naming the extra. The class is cached, so
+``pickle`` finds it by name, as spawned workers need.
+
+**Sample ids** are ``step * 2**32 + i`` where ``i`` is the sample's row in the global batch (the producer ranks'
+shards concatenated in rank order): stable whatever the consumer world size.
+
+**Elastic world size.** A consumer world size ``W`` equal to the producers' ``P`` reads shard ``r`` only. Otherwise every
+global batch is partitioned deterministically, each sample to exactly one consumer rank, reading only the files needed:
+``P = m*W``: rank ``r`` gets producer files ``[r*m, (r+1)*m)`` whole; ``W = m*P``: file ``r // m`` split in ``m`` row
+ranges, the ``(r % m)``-th one; any other ``W``: the rows ``[r*n//W, (r+1)*n//W)`` of the concatenated batch of ``n``
+rows. A Parquet shard is one row group, so a consumer holding part of a file still fetches all of it.
+
+**Resume.** ``state_dict()`` is a plain dict ``{"next_step": s, "worker_id": w, "num_workers": k}``: the next step this
+instance (or this DataLoader worker) will deliver. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
+in each worker after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``)
+can be loaded under any number of workers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lakestream_iceberg.errors import CheckpointError, ConfigError, MissingExtraError, RankError, ReadError
+from lakestream_iceberg.follow import HeadWatcher, StreamRef, fetch_table, pump_steps
+from lakestream_iceberg.reader import missing_step_error
+from lakestream_iceberg.summary import StreamState
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.stream import Stream
+
+__all__ = ["LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
+
+TORCH_EXTRA = "pip install 'lakestream-iceberg[torch]'"
+ID_SHIFT = 32
+
+
+def require_torch(feature: str = "LakestreamDataset") -> Any:
+    """Import torch, or raise :class:`MissingExtraError` naming the extra to install."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingExtraError(f"{feature} needs PyTorch, which is not installed; install it with {TORCH_EXTRA}") from exc
+    return torch
+
+
+# -- which rows each consumer rank gets ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, stop)`` of producer rank ``source``'s file, whose first row is global row ``offset``."""
+
+    source: int
+    start: int
+    stop: int
+    offset: int
+
+
+def partition(counts: Sequence[int], rank: int, world_size: int) -> list[Segment]:
+    """The rows of one global batch (``counts[p]`` rows in producer rank ``p``'s file) that consumer ``rank`` gets.
+
+    Deterministic, and over ``rank in range(world_size)`` a partition of all rows (see the module docstring).
+    """
+    producers = len(counts)
+    offsets = np.concatenate(([0], np.cumsum(counts, dtype=np.int64))).tolist()
+    if world_size == producers or producers % world_size == 0:
+        per = producers // world_size
+        return [Segment(p, 0, counts[p], offsets[p]) for p in range(rank * per, (rank + 1) * per)]
+    if world_size % producers == 0:
+        parts = world_size // producers
+        source, part, n = rank // parts, rank % parts, counts[rank // parts]
+        return [Segment(source, part * n // parts, (part + 1) * n // parts, offsets[source])]
+    total = offsets[-1]
+    lo, hi = rank * total // world_size, (rank + 1) * total // world_size
+    return [
+        Segment(p, max(lo, offsets[p]) - offsets[p], min(hi, offsets[p + 1]) - offsets[p], offsets[p])
+        for p in range(producers)
+        if max(lo, offsets[p]) < min(hi, offsets[p + 1])
+    ]
+
+
+# -- Arrow shard -> item -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepShard:
+    """What ``collate`` receives: one consumer rank's rows of one step."""
+
+    step: int
+    rank: int
+    world_size: int
+    table: pa.Table
+    sample_ids: np.ndarray  # int64, one per row
+
+
+def _view(array: pa.Array, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Elements ``[start, stop)`` of a null-free primitive array as numpy, zero-copy when Arrow's buffer is mutable."""
+    stop = len(array) if stop is None else stop
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    if pa.types.is_boolean(array.type):
+        return array.slice(start, stop - start).to_numpy(zero_copy_only=False)
+    if stop <= start:
+        return np.empty(0, dtype=dtype)
+    out = np.frombuffer(array.buffers()[1], dtype=dtype, count=stop - start, offset=(array.offset + start) * dtype.itemsize)
+    return out if out.flags.writeable else out.copy()  # torch warns on read-only memory
+
+
+def _offsets(array: pa.Array) -> np.ndarray:
+    """The ``len + 1`` offsets of a list or binary array (absolute into its values), as int64."""
+    large = pa.types.is_large_list(array.type) or pa.types.is_large_binary(array.type)
+    dtype = np.dtype(np.int64 if large else np.int32)
+    raw = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array) + 1, offset=array.offset * dtype.itemsize)
+    return raw.astype(np.int64)
+
+
+def _pad(values: np.ndarray, offsets: np.ndarray, pad_value: int | float) -> np.ndarray:
+    """Rows ``values[offsets[i]:offsets[i+1]]`` right-padded to the longest (offsets relative to ``values``)."""
+    lengths = np.diff(offsets)
+    n = len(lengths)
+    width = int(lengths.max()) if n else 0
+    if n and (lengths == width).all():
+        return values.reshape(n, width)  # all the same length: a view, no copy
+    out = np.zeros((n, width), values.dtype) if pad_value == 0 else np.full((n, width), pad_value, values.dtype)
+    if len(values) >= 16 * n:  # long rows (token sequences): one slice copy per row beats a mask over n * width
+        bounds = offsets.tolist()
+        for i in range(n):
+            out[i, : bounds[i + 1] - bounds[i]] = values[bounds[i] : bounds[i + 1]]
+    else:
+        out[np.arange(width) < lengths[:, None]] = values
+    return out
+
+
+class TensorCollate:
+    """The default ``collate``: Arrow columns to tensors.
+
+    * numeric and bool columns -> 1-D tensors (zero-copy views of the decoded Parquet buffers);
+    * fixed-size lists of numbers -> 2-D tensors (zero-copy);
+    * lists of numbers (token ids): ``lists="padded"`` -> ``col`` ``[n, max_len]`` right-padded with ``pad_value`` plus
+      ``col_lengths`` (int64 ``[n]``); ``lists="packed"`` -> ``col`` flat (zero-copy) plus ``col_offsets`` (int64
+      ``[n + 1]``, row ``i`` is ``col[offsets[i]:offsets[i+1]]``) and ``col_lengths``;
+    * binary -> uint8: ``binary="list"`` -> a list of ``n`` tensors, each a view of one buffer (no per-sample copy);
+      ``"padded"`` (with zeros) and ``"packed"`` as for lists;
+    * strings and anything else -> Python lists.
+
+    A null list or blob counts as empty; a null number raises :class:`ReadError` (fill it upstream or pass your own
+    ``collate``).
+
+    Example:
+        >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP
+    """
+
+    def __init__(self, *, lists: str = "padded", binary: str = "list", pad_value: int | float = 0) -> None:
+        if lists not in ("padded", "packed"):
+            raise ConfigError(f"lists={lists!r}: use 'padded' or 'packed'")
+        if binary not in ("list", "padded", "packed"):
+            raise ConfigError(f"binary={binary!r}: use 'list', 'padded' or 'packed'")
+        self.lists, self.binary, self.pad_value = lists, binary, pad_value
+
+    def __call__(self, shard: StepShard) -> dict[str, Any]:
+        torch = require_torch("TensorCollate")
+        item: dict[str, Any] = {"step": shard.step, "sample_ids": torch.from_numpy(shard.sample_ids)}
+        for name, column in zip(shard.table.column_names, shard.table.columns, strict=True):
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            item.update(self._convert(torch, name, array))
+        return item
+
+    def _convert(self, torch: Any, name: str, array: pa.Array) -> dict[str, Any]:
+        kind = array.type
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+            if array.null_count:
+                raise ReadError(f"column {name!r} has {array.null_count} nulls, which a tensor cannot hold; fill them "
+                                "before committing or pass collate= to handle them")
+            return {name: torch.from_numpy(_view(array))}
+        if pa.types.is_fixed_size_list(kind) and _numeric(kind.value_type) and not array.null_count:
+            values = _view(array.values, array.offset * kind.list_size, (array.offset + len(array)) * kind.list_size)
+            return {name: torch.from_numpy(values.reshape(len(array), kind.list_size))}
+        is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _numeric(kind.value_type)
+        is_blob = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+        if not (is_list or is_blob):
+            return {name: array.to_pylist()}
+        if array.null_count:
+            array = pc.fill_null(array, pa.scalar([] if is_list else b"", kind))
+        offsets = _offsets(array)
+        lengths = np.diff(offsets)
+        lo, hi = int(offsets[0]) if len(offsets) else 0, int(offsets[-1]) if len(offsets) else 0
+        if is_list:
+            if array.values.null_count and pc.sum(array.flatten().is_null()).as_py():
+                raise ReadError(f"column {name!r} holds null list elements; fill them or pass collate= to handle them")
+            values, mode = _view(array.values, lo, hi), self.lists
+        else:
+            data = array.buffers()[2]
+            values = np.frombuffer(data, dtype=np.uint8, count=hi - lo, offset=lo) if hi > lo else np.empty(0, np.uint8)
+            values = values if values.flags.writeable else values.copy()
+            mode = self.binary
+        flat = torch.from_numpy(values)
+        if mode == "list":
+            return {name: list(torch.split(flat, lengths.tolist()))}
+        if mode == "packed":
+            return {name: flat, f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
+        pad = self.pad_value if is_list else 0
+        try:
+            padded = _pad(values, offsets - lo, pad)
+        except OverflowError:
+            raise ConfigError(f"pad_value={pad!r} does not fit column {name!r} ({kind}); choose another pad_value") from None
+        return {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
+
+
+def _numeric(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
+# -- the dataset ---------------------------------------------------------------------------------------------------
+def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is None or world_size is None:
+        torch = require_torch()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            found = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+        else:
+            try:
+                found = (int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+            except ValueError:
+                raise ConfigError("environment variables RANK and WORLD_SIZE must be integers when set") from None
+        rank = found[0] if rank is None else rank
+        world_size = found[1] if world_size is None else world_size
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise RankError(f"rank {rank!r} is outside 0..{world_size - 1} (consumer world size {world_size})")
+    return rank, world_size
+
+
+class _DatasetCore:
+    """Everything of ``LakestreamDataset`` but the torch base class (see the module docstring)."""
+
+    def __init__(
+        self,
+        stream: Stream,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        start_step: int = 1,
+        end_step: int | None = None,
+        follow: bool = False,
+        branch: str = "main",
+        timeout: float | None = 300.0,
+        columns: list[str] | None = None,
+        transform: Callable[[Any], Any] | None = None,
+        collate: Callable[[StepShard], Any] | None = None,
+        prefetch: int = 2,
+        poll_s: float = 0.02,
+        max_poll_s: float = 0.5,
+    ) -> None:
+        if not isinstance(start_step, int) or start_step < 1:
+            raise ConfigError(f"start_step must be an integer >= 1, got {start_step!r}")
+        if end_step is not None and (not isinstance(end_step, int) or end_step < 0):
+            raise ConfigError(f"end_step must be a non-negative integer or None, got {end_step!r}")
+        if not isinstance(prefetch, int) or prefetch < 0:
+            raise ConfigError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        if columns is not None:
+            unknown = sorted(set(columns) - set(stream.payload_arrow_schema.names))
+            if unknown:
+                raise ConfigError(f"columns {unknown} are not in stream {stream.name} ({stream.payload_arrow_schema.names})")
+        self.rank, self.world_size = _default_rank_world(rank, world_size)
+        self.start_step, self.end_step, self.follow, self.branch = start_step, end_step, follow, branch
+        self.timeout, self.columns, self.transform, self.prefetch = timeout, columns, transform, prefetch
+        self.collate = collate or TensorCollate()
+        self.poll_s, self.max_poll_s = poll_s, max_poll_s
+        self._ref = StreamRef.of(stream)
+        self._stream: Stream | None = stream
+        self._pid = os.getpid()
+        self._schema = stream.payload_arrow_schema
+        self._init_runtime()
+        self._end = end_step if follow else self._resolve_end(stream)
+        self._position = {"next_step": start_step, "worker_id": 0, "num_workers": 1}
+        self._pending: dict[str, int] | None = None
+        self.last_step: int | None = None  # the last step this instance delivered
+
+    @classmethod
+    def from_checkpoint(cls, stream: Stream, name: str, **kwargs: Any) -> Any:
+        """A dataset starting right after checkpoint ``name`` (``checkpoint.step + 1``) on the checkpoint's branch.
+
+        Other arguments are the constructor's (an explicit ``branch=`` wins).
+
+        Example:
+            >>> ds = LakestreamDataset.from_checkpoint(stream, "step-1000", follow=True)   # doctest: +SKIP
+
+        Raises:
+            CheckpointError: No retained checkpoint has that name.
+        """
+        found = {c.name: c for c in stream.checkpoints()}
+        if name not in found:
+            raise CheckpointError(f"no checkpoint {name!r} on {stream.name}; retained checkpoints: {sorted(found)}")
+        checkpoint = found[name]
+        kwargs.setdefault("branch", getattr(checkpoint, "branch", "main"))
+        return cls(stream, start_step=checkpoint.step + 1, **kwargs)
+
+    # -- pickling (spawned DataLoader workers) --------------------------------------------------------------------------
+    def _init_runtime(self) -> None:
+        self._stop = threading.Event()
+        self._closers: list[Callable[[], None]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        for key in ("_stream", "_stop", "_closers"):
+            state.pop(key)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stream = None
+        self._init_runtime()
+
+    def _stream_here(self) -> Stream:
+        """The stream, reopened from the catalog in a forked or spawned process (engines do not survive a fork)."""
+        if self._stream is None or self._pid != os.getpid():
+            self._stream, self._pid = self._ref.open(), os.getpid()
+        return self._stream
+
+    def _resolve_end(self, stream: Stream) -> int:
+        watcher = HeadWatcher(stream, branch=self.branch)
+        watcher.check()
+        head = watcher.head()[0]
+        return head if self.end_step is None else min(self.end_step, head)
+
+    # -- resume ------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The next step to deliver, as a plain dict (see the module docstring)."""
+        return dict(self._pending or self._position)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance)."""
+        try:
+            pending = {"next_step": int(state["next_step"]), "worker_id": int(state.get("worker_id", 0)),
+                       "num_workers": int(state.get("num_workers", 1))}
+        except (KeyError, TypeError, ValueError):
+            raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
+        if pending["next_step"] < 1:
+            raise ConfigError(f"state_dict next_step must be >= 1, got {pending['next_step']}")
+        self._pending = pending
+
+    def _first(self, worker_id: int, num_workers: int) -> int:
+        """This worker's first step, consuming a loaded state."""
+        state, self._pending = self._pending, None
+        if state is None:
+            return self.start_step + worker_id
+        if state["num_workers"] == 1:
+            return state["next_step"] + worker_id
+        if (state["worker_id"], state["num_workers"]) != (worker_id, num_workers):
+            raise ConfigError(
+                f"the loaded state was saved by DataLoader worker {state['worker_id']} of {state['num_workers']}; resume "
+                f"with num_workers={state['num_workers']} (this is worker {worker_id} of {num_workers})"
+            )
+        return state["next_step"]
+
+    # -- lag, shutdown ---------------------------------------------------------------------------------------------------
+    def lag(self) -> int:
+        """Head step minus the last step this instance delivered (``start_step - 1`` before the first item)."""
+        watcher = HeadWatcher(self._stream_here(), branch=self.branch)
+        watcher.check()
+        delivered = self.start_step - 1 if self.last_step is None else self.last_step
+        return max(0, watcher.head()[0] - delivered)
+
+    def close(self) -> None:
+        """Stop iterations in progress (a waiting follow-mode iteration ends) and their prefetch threads."""
+        self._stop.set()
+        for closer in list(self._closers):
+            closer()
+
+    # -- iteration ---------------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Any]:
+        torch = require_torch()
+        info = torch.utils.data.get_worker_info()
+        worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        stream = self._stream_here()
+        if info is None and not self.follow:
+            self._end = self._resolve_end(stream)  # workers keep the end fixed in the main process: they agree
+        return self._iterate(stream, worker_id, num_workers)
+
+    def _iterate(self, stream: Stream, worker_id: int, num_workers: int) -> Iterator[Any]:
+        first = self._first(worker_id, num_workers)
+        self._stop.clear()
+        self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
+        io = stream.io
+        steps = pump_steps(
+            HeadWatcher(stream, branch=self.branch, io=io),
+            lambda snapshot, step: self._load(stream, io, snapshot, step),
+            first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self.prefetch,
+            timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
+        )
+        with closing(steps):
+            for step, item in steps:
+                self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers}
+                self.last_step = step
+                yield item
+
+    def _load(self, stream: Stream, io: Any, snapshot: Any, step: int) -> Any:
+        files = stream.index.files(snapshot, step)
+        if not files:
+            summary = snapshot.summary.additional_properties if snapshot is not None and snapshot.summary else None
+            raise missing_step_error(step, StreamState.parse(summary), self.branch, stream.name)
+        counts = [int(f.record_count) for f in files]
+        tables, ids = [], []
+        for seg in partition(counts, self.rank, self.world_size):
+            if seg.stop <= seg.start:
+                continue
+            table = fetch_table(io, files[seg.source], self._schema, self.columns)
+            if seg.start or seg.stop != counts[seg.source]:
+                table = table.slice(seg.start, seg.stop - seg.start)
+            tables.append(table)
+            ids.append(np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64))
+        if not tables:
+            schema = self._schema if self.columns is None else pa.schema([self._schema.field(c) for c in self.columns])
+            tables, ids = [schema.empty_table()], [np.empty(0, np.int64)]
+        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
+        sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids)) + (step << ID_SHIFT)
+        item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))
+        return item if self.transform is None else self.transform(item)
+
+
+_lock = threading.Lock()
+_dataset_class: type | None = None
+
+
+def _build_class() -> type:
+    global _dataset_class
+    with _lock:
+        if _dataset_class is None:
+            torch = require_torch()
+
+            class LakestreamDataset(_DatasetCore, torch.utils.data.IterableDataset):  # type: ignore[misc,name-defined]
+                __doc__ = _DOC
+
+            LakestreamDataset.__module__ = __name__
+            LakestreamDataset.__qualname__ = "LakestreamDataset"  # pickle finds it through __getattr__
+            _dataset_class = LakestreamDataset
+    return _dataset_class
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LakestreamDataset":
+        return _build_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each step, in step order.
+
+    Args:
+        stream: The stream to read (any catalog; reopened by name in DataLoader worker processes).
+        rank, world_size: This consumer's rank and world size; default to torch.distributed's when initialised, else
+            the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. May differ from the producers' (elastic).
+        start_step: First step to deliver.
+        end_step: Last step to deliver (inclusive). With ``follow=False`` iteration ends at ``min(end_step, head)``,
+            the head being read when iteration starts (without workers) or when the dataset was built (the end every
+            DataLoader worker uses, so they agree).
+        follow: Wait for steps not yet published (forever unless ``end_step``).
+        branch: The branch to read.
+        timeout: Seconds a follow-mode iteration waits for its next step before raising ``ReadTimeoutError``
+            (None: forever).
+        columns: Payload columns to deliver (default: all).
+        transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
+        collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
+        prefetch: Steps read ahead in background threads (0: read in the iterating thread).
+        poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds).
+
+    Example:
+        >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)   # doctest: +SKIP
+        >>> for item in loader:                                                        # doctest: +SKIP
+        ...     train(item["tokens"], item["tokens_lengths"])
+        >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP
+        {'next_step': 43, 'worker_id': 0, 'num_workers': 1}
+    """
+
+if TYPE_CHECKING:
+    from torch.utils.data import IterableDataset
+
+    class LakestreamDataset(_DatasetCore, IterableDataset):  # noqa: D101
+        ...

@@ -1,0 +1,435 @@
+"""LakestreamDataset against a real SQLite catalog, real DataLoader worker processes and a real producer process.
+
+Every test builds its own stream in ``tmp_path``; no mocks. The whole file runs in well under a minute on two cores.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pyiceberg.catalog.sql import SqlCatalog
+from torch.utils.data import DataLoader
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.dataset import LakestreamDataset, TensorCollate, partition, require_torch
+from lakestream_iceberg.errors import CheckpointError, ConfigError, MissingExtraError, RankError, ReadTimeoutError
+from lakestream_iceberg.follow import HeadWatcher, StreamRef, consumer_lag
+
+SCHEMA = pa.schema([
+    pa.field("x", pa.int64(), nullable=False),
+    pa.field("tokens", pa.list_(pa.int32())),
+    pa.field("blob", pa.binary()),
+    pa.field("f", pa.float32()),
+])
+CATALOG_NAME = "lakestream_dataset_test"  # not "default": a developer's ~/.pyiceberg.yaml must not leak in
+ID = 2**32
+
+
+def rows_of(step: int, rank: int) -> int:
+    return (step * 3 + rank) % 5  # 0..4 rows: empty shards included
+
+
+def shard(step: int, rank: int) -> pa.Table:
+    xs = [step * 10_000 + rank * 1_000 + i for i in range(rows_of(step, rank))]
+    return pa.table({
+        "x": xs,
+        "tokens": [[x % 97 + j for j in range(x % 5 + 1)] for x in xs],
+        "blob": [bytes([x % 251]) * (x % 7) for x in xs],
+        "f": [x / 2 for x in xs],
+    }, schema=SCHEMA)
+
+
+def global_xs(step: int, world: int) -> list[int]:
+    """The x values of a step's global batch in sample-id order (ranks concatenated)."""
+    return [x for r in range(world) for x in shard(step, r).column("x").to_pylist()]
+
+
+def make_catalog(tmp_path: Path) -> SqlCatalog:
+    (tmp_path / "wh").mkdir(exist_ok=True)
+    return SqlCatalog(CATALOG_NAME, uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/wh")
+
+
+def make_stream(tmp_path: Path, *, world: int = 2, steps: int = 6, name: str = "ns.s") -> Stream:
+    stream = Stream.create(make_catalog(tmp_path), name, schema=SCHEMA, world_size=world)
+    producer = stream.producer("prep-0")
+    for step in range(1, steps + 1):
+        assert producer.commit([shard(step, r) for r in range(world)]).step == step
+    return stream
+
+
+def summary(items) -> list[tuple[int, list[int], list[int]]]:
+    """(step, sample ids, x values) per item."""
+    return [(it["step"], it["sample_ids"].tolist(), it["x"].tolist()) for it in items]
+
+
+def check_items(items, *, world: int, rank: int | None, steps: list[int]) -> None:
+    assert [it["step"] for it in items] == steps
+    for it in items:
+        expected = global_xs(it["step"], world)
+        ids = it["sample_ids"].tolist()
+        assert all(i // ID == it["step"] for i in ids)
+        assert it["x"].tolist() == [expected[i % ID] for i in ids]
+        if rank is not None:
+            assert it["x"].tolist() == shard(it["step"], rank).column("x").to_pylist()
+
+
+# ------------------------------------------------------------------------------------------------ items and tensors
+def test_item_tensors_padded_and_packed(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=3)
+    items = list(LakestreamDataset(stream, rank=1, world_size=2, prefetch=0))
+    check_items(items, world=2, rank=1, steps=[1, 2, 3])
+    for it in items:
+        table = shard(it["step"], 1)
+        tokens = table.column("tokens").to_pylist()
+        lengths = [len(t) for t in tokens]
+        assert it["tokens"].dtype == torch.int32 and it["tokens"].shape == (len(tokens), max(lengths, default=0))
+        assert it["tokens_lengths"].tolist() == lengths
+        assert [row[:n].tolist() for row, n in zip(it["tokens"], lengths, strict=True)] == tokens
+        assert all((row[n:] == 0).all() for row, n in zip(it["tokens"], lengths, strict=True))  # right padding with pad_value
+        assert [b.dtype for b in it["blob"]] == [torch.uint8] * len(tokens)
+        assert [bytes(b.numpy()) for b in it["blob"]] == table.column("blob").to_pylist()
+        assert it["f"].dtype == torch.float32 and it["f"].tolist() == table.column("f").to_pylist()
+
+    collate = TensorCollate(lists="packed", binary="padded", pad_value=-1)
+    packed = list(LakestreamDataset(stream, rank=1, world_size=2, collate=collate))
+    for it in packed:
+        table = shard(it["step"], 1)
+        offsets = it["tokens_offsets"].tolist()
+        rows = [it["tokens"][a:b].tolist() for a, b in zip(offsets, offsets[1:], strict=False)]
+        assert rows == table.column("tokens").to_pylist()
+        blobs = table.column("blob").to_pylist()
+        assert it["blob_lengths"].tolist() == [len(b) for b in blobs]
+        assert [bytes(row[:len(b)].numpy()) for row, b in zip(it["blob"], blobs, strict=True)] == blobs
+
+
+def test_columns_transform_and_empty_shard(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=5)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, columns=["x"], transform=lambda it: {**it, "n": len(it["x"])})
+    items = list(ds)
+    assert set(items[0]) == {"step", "sample_ids", "x", "n"}
+    empty = [it for it in items if it["n"] == 0]
+    assert empty and all(it["x"].shape == (0,) and it["sample_ids"].shape == (0,) for it in empty)  # delivered, not skipped
+    with pytest.raises(ConfigError, match="nope"):
+        LakestreamDataset(stream, rank=0, world_size=2, columns=["nope"])
+
+
+# ------------------------------------------------------------------------------ order and exactly-once, DataLoader
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_order_and_exactly_once_across_ranks_and_fork_workers(tmp_path: Path, num_workers: int) -> None:
+    stream = make_stream(tmp_path, steps=7)
+    for rank in (0, 1):
+        ds = LakestreamDataset(stream, rank=rank, world_size=2)
+        kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+        items = list(DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs))
+        check_items(items, world=2, rank=rank, steps=list(range(1, 8)))
+
+
+def test_spawn_workers_reopen_the_stream(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=5)
+    again = pickle.loads(pickle.dumps(stream))  # a Stream pickles as its address and reopens on load
+    assert again.name == stream.name and again.head_step() == 5 and again.table is not stream.table
+    ds = LakestreamDataset(stream, rank=0, world_size=2, start_step=2)
+    items = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn"))
+    check_items(items, world=2, rank=0, steps=[2, 3, 4, 5])
+
+
+def test_stream_ref_reopens_by_catalog_properties(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    again = pickle.loads(pickle.dumps(StreamRef.of(stream))).open()
+    assert again.name == stream.name and again.head_step() == 1
+
+
+def test_non_follow_end_is_fixed_for_workers(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=3)
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    stream.producer("prep-0").commit([shard(4, r) for r in range(2)])
+    workers = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert [it["step"] for it in workers] == [1, 2, 3]  # the end every worker agreed on: the head at construction
+    assert [it["step"] for it in ds] == [1, 2, 3, 4]  # without workers: the head when iteration starts
+    assert [it["step"] for it in LakestreamDataset(stream, rank=0, world_size=2, end_step=2)] == [1, 2]
+
+
+# ------------------------------------------------------------------------------------------------------ resume
+def _payload(items) -> list[tuple]:
+    return [(it["step"], it["sample_ids"].numpy().tobytes(), it["tokens"].numpy().tobytes(),
+             b"".join(bytes(b.numpy()) for b in it["blob"])) for it in items]
+
+
+def test_resume_from_state_dict_is_identical(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=8)
+    full = _payload(LakestreamDataset(stream, rank=1, world_size=2))
+    first = LakestreamDataset(stream, rank=1, world_size=2)
+    head = []
+    for item in first:
+        head.append(item)
+        if len(head) == 3:
+            break
+    state = first.state_dict()
+    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1}
+    resumed = LakestreamDataset(stream, rank=1, world_size=2)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    assert _payload(head) + _payload(resumed) == full
+    # the same state under DataLoader workers (a single-process state loads under any worker count)
+    under_workers = LakestreamDataset(stream, rank=1, world_size=2)
+    under_workers.load_state_dict(state)
+    loader = DataLoader(under_workers, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert _payload(head) + _payload(loader) == full
+
+
+def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> None:
+    """torchdata's StatefulDataLoader protocol: state_dict() in each worker after each item, load_state_dict() in each
+    worker before iter(). Saved here by running the workers' iterations round-robin in-process, loaded in real workers."""
+    stream = make_stream(tmp_path, steps=9)
+    full = _payload(LakestreamDataset(stream, rank=0, world_size=2))
+    workers = [LakestreamDataset(stream, rank=0, world_size=2) for _ in range(2)]
+    iters = [w._iterate(stream, i, 2) for i, w in enumerate(workers)]  # what iter() runs in DataLoader worker i of 2
+    got = [next(iters[n % 2]) for n in range(5)]  # DataLoader's round-robin: steps 1..5
+    states = [w.state_dict() for w in workers]
+    for it in iters:
+        it.close()
+    assert states == [{"next_step": 7, "worker_id": 0, "num_workers": 2}, {"next_step": 6, "worker_id": 1, "num_workers": 2}]
+
+    def load(worker_id: int) -> None:
+        torch.utils.data.get_worker_info().dataset.load_state_dict(states[worker_id])
+
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    # The loader resumes with worker 1 (it delivered 5 items, the 6th comes from worker 5 % 2 == 1); DataLoader itself
+    # always starts at worker 0, so emulate StatefulDataLoader's restored worker cursor by reading 7 then 6 in order.
+    rest = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", worker_init_fn=load))
+    assert [it["step"] for it in rest] == [7, 6, 9, 8]
+    by_step = {it["step"]: it for it in got + rest}
+    assert _payload([by_step[s] for s in range(1, 10)]) == full
+    mismatched = LakestreamDataset(stream, rank=0, world_size=2)
+    mismatched.load_state_dict(states[1])
+    with pytest.raises(ConfigError, match="num_workers=2"):
+        list(mismatched)
+
+
+def test_from_checkpoint_starts_after_it(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=6)
+    stream.checkpoint("ckpt-a", step=4)
+    full = _payload(LakestreamDataset(stream, rank=0, world_size=2))
+    ds = LakestreamDataset.from_checkpoint(stream, "ckpt-a", rank=0, world_size=2)
+    assert _payload(ds) == full[4:]
+    with pytest.raises(CheckpointError, match="ckpt-a"):
+        LakestreamDataset.from_checkpoint(stream, "nope", rank=0, world_size=2)
+
+
+# ------------------------------------------------------------------------------------------------------ elastic
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=8), st.integers(1, 12))
+def test_partition_is_a_partition(counts: list[int], world: int) -> None:
+    seen: list[int] = []
+    for rank in range(world):
+        for seg in partition(counts, rank, world):
+            assert 0 <= seg.start <= seg.stop <= counts[seg.source]
+            seen.extend(range(seg.offset + seg.start, seg.offset + seg.stop))
+    assert seen == list(range(sum(counts)))  # every sample once, in rank order
+
+
+def test_partition_maps_whole_files_when_sizes_divide() -> None:
+    assert [(s.source, s.start, s.stop) for s in partition([5, 7, 2, 4], 1, 2)] == [(2, 0, 2), (3, 0, 4)]
+    assert [(s.source, s.start, s.stop) for s in partition([5, 7], 3, 4)] == [(1, 3, 7)]
+    assert [(s.source, s.start, s.stop) for s in partition([5, 7], 1, 2)] == [(1, 0, 7)]
+
+
+@pytest.mark.parametrize(("producers", "consumers"), [(2, 1), (2, 3), (2, 4), (3, 2)])
+def test_elastic_consumer_world_sizes(tmp_path: Path, producers: int, consumers: int) -> None:
+    stream = make_stream(tmp_path, world=producers, steps=4)
+    per_rank = [list(LakestreamDataset(stream, rank=r, world_size=consumers)) for r in range(consumers)]
+    for step in range(1, 5):
+        expected = global_xs(step, producers)
+        ids: list[int] = []
+        for items in per_rank:
+            assert [it["step"] for it in items] == [1, 2, 3, 4]
+            it = items[step - 1]
+            assert it["x"].tolist() == [expected[i % ID] for i in it["sample_ids"].tolist()]
+            ids.extend(it["sample_ids"].tolist())
+        assert sorted(ids) == [step * ID + i for i in range(len(expected))]  # union is everything, disjoint
+
+
+# --------------------------------------------------------------------------------------------------- follow mode
+def producer_script(tmp_path: Path, first: int, last: int) -> str:
+    """A producer process publishing steps ``first..last`` of the test stream, 50 ms apart."""
+    head = textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        import pyarrow as pa
+        from pyiceberg.catalog.sql import SqlCatalog
+        from lakestream_iceberg import Stream
+        SCHEMA = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex({SCHEMA.serialize().to_pybytes().hex()!r})))
+        CATALOG_NAME = {CATALOG_NAME!r}
+    """)
+    tail = textwrap.dedent(f"""
+        stream = Stream.open(make_catalog(Path({str(tmp_path)!r})), "ns.s")
+        producer = stream.producer("live")
+        for step in range({first}, {last} + 1):
+            time.sleep(0.05)
+            assert producer.commit([shard(step, r) for r in range(2)]).step == step
+    """)
+    return head + inspect.getsource(rows_of) + inspect.getsource(shard) + inspect.getsource(make_catalog) + tail
+
+
+def test_follow_mode_with_a_live_producer_process(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=2)
+    proc = subprocess.Popen([sys.executable, "-c", producer_script(tmp_path, 3, 12)])
+    try:
+        ds = LakestreamDataset(stream, rank=1, world_size=2, follow=True, end_step=12, timeout=30, prefetch=2)
+        items = list(ds)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        proc.kill()
+    check_items(items, world=2, rank=1, steps=list(range(1, 13)))
+    assert ds.lag() == 0
+
+
+def test_follow_mode_in_workers_with_a_live_producer_thread(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    producer = stream.producer("other")
+
+    def produce() -> None:
+        for step in range(2, 7):
+            time.sleep(0.05)
+            producer.commit([shard(step, r) for r in range(2)])
+
+    thread = threading.Thread(target=produce)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=6, timeout=30)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    thread.start()
+    items = list(loader)
+    thread.join()
+    check_items(items, world=2, rank=0, steps=[1, 2, 3, 4, 5, 6])
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stalled_producer_does_not_hang_past_timeout(tmp_path: Path, num_workers: int) -> None:
+    stream = make_stream(tmp_path, steps=2)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, timeout=0.5)
+    kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+    got: list[int] = []
+    started = time.monotonic()
+    loader = iter(DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs))
+    with pytest.raises(ReadTimeoutError, match="step 3"):
+        for item in loader:
+            got.append(item["step"])
+    assert time.monotonic() - started < 10
+    assert got == [1, 2]
+    if num_workers:
+        # After a worker raised, torch's own shutdown waits 5 s per worker before terminating it (torch, not us: a
+        # plain IterableDataset that raises does the same). Do what its shutdown's `finally` does, without the wait.
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(loader))
+        for worker in loader._workers:
+            worker.terminate()
+            worker.join()
+        loader._shutdown = True
+
+
+def test_close_ends_a_waiting_follow_iteration(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, timeout=None)
+    threading.Timer(0.3, ds.close).start()
+    started = time.monotonic()
+    assert [it["step"] for it in ds] == [1]
+    assert time.monotonic() - started < 5
+    assert not [t for t in threading.enumerate() if t.name.startswith("lakestream-read")]
+
+
+def test_close_stops_an_iteration_between_items(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=5)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, prefetch=3)
+    it = iter(ds)
+    assert next(it)["step"] == 1
+    ds.close()
+    assert list(it) == []
+    assert [item["step"] for item in ds] == [1, 2, 3, 4, 5]  # a new iteration starts afresh
+
+
+def test_head_watcher_reloads_metadata_only_when_the_pointer_moves(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    watcher = HeadWatcher(stream, branch="main")
+    watcher.check()
+    reloads = watcher.reloads
+    assert not watcher.check() and not watcher.check() and watcher.reloads == reloads
+    stream.producer("other").commit([shard(2, r) for r in range(2)])
+    assert watcher.check() and watcher.head()[0] == 2
+
+
+def test_lag(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=5)
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    assert ds.lag() == 5
+    it = iter(ds)
+    next(it), next(it)
+    assert ds.last_step == 2 and ds.lag() == 3
+    assert consumer_lag(stream, 4) == 1
+
+
+# ------------------------------------------------------------------------------------------- ranks, optional torch
+def test_rank_defaults_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    ds = LakestreamDataset(stream)
+    assert (ds.rank, ds.world_size) == (1, 3)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    assert (LakestreamDataset(stream).rank, LakestreamDataset(stream).world_size) == (0, 1)
+    with pytest.raises(RankError, match="outside 0..1"):
+        LakestreamDataset(stream, rank=2, world_size=2)
+
+
+def test_missing_torch_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch", None)  # what `import torch` sees when torch is not installed
+    with pytest.raises(MissingExtraError, match=r"pip install 'lakestream-iceberg\[torch\]'") as err:
+        require_torch()
+    assert isinstance(err.value, ImportError)
+
+
+def test_module_imports_without_torch() -> None:
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None
+        import lakestream_iceberg.dataset as d
+        try:
+            d.LakestreamDataset
+        except d.MissingExtraError as exc:
+            print("MISSING", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr
+    assert "MISSING" in out.stdout and "lakestream-iceberg[torch]" in out.stdout
+
+
+def test_arrow_owned_copy_for_non_arrow_streams() -> None:
+    from lakestream_iceberg.reader import _arrow_owned
+
+    buffer = _arrow_owned(b"parquet bytes")
+    assert buffer.to_pybytes() == b"parquet bytes" and buffer.is_mutable
+    assert _arrow_owned(b"").size == 0
+
+
+def test_tensors_share_arrow_memory() -> None:
+    from lakestream_iceberg.dataset import StepShard
+
+    table = pa.Table.from_batches([pa.RecordBatch.from_pydict({"v": np.arange(6), "t": [[1, 2]] * 6})])
+    item = TensorCollate()(StepShard(step=1, rank=0, world_size=1, table=table, sample_ids=np.arange(6)))
+    buffer_address = table.column("v").chunk(0).buffers()[1].address
+    assert item["v"].data_ptr() == buffer_address  # no copy
+    assert item["t"].shape == (6, 2)
