@@ -76,10 +76,12 @@ def load(spec: CatalogSpec) -> Catalog:
     """
     if not spec.name:
         return embedded_catalog(spec.home)
-    from pyiceberg.catalog import load_catalog
+    from lakestream_iceberg.diagnose import load_catalog
 
     try:
         return load_catalog(spec.name)
+    except ConfigError:
+        raise
     except Exception as exc:  # pyiceberg raises ValueError, driver and HTTP errors alike
         env = "PYICEBERG_CATALOG__" + spec.name.upper().replace("-", "_") + "__URI"
         detail = " ".join(str(exc).split()) or type(exc).__name__

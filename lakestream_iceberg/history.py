@@ -8,7 +8,8 @@ checkpoint tags) into Arrow tables and registers them as views of an in-memory D
                 bytes, samples_per_rank, bytes_per_rank, retained, collected``
 ``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id``
 ``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag`` (``lag`` = head step - ``last_step``)
-``checkpoints`` ``name, snapshot_id, step, created_at, pinned_files, pinned_bytes, exclusive_files, exclusive_bytes``
+``checkpoints`` every checkpoint (all branches): ``name, branch, step, snapshot_id, source_snapshot_id, created_at,
+                pinned_steps, pinned_files, pinned_bytes, exclusive_steps, exclusive_bytes`` (see :func:`checkpoint_rows`)
 ``snapshots``   every retained snapshot of the branch: ``snapshot_id, parent_id, committed_at, op, operation, step,
                 producer, seq, attempts, summary`` (JSON of the whole Iceberg summary)
 ``samples``     the data itself for ``samples_steps`` (default: the head step), payload columns plus ``_step``, ``_rank``
@@ -20,10 +21,14 @@ head's manifests: its files, ranks, records and bytes, the id of the snapshot th
 it), and producer and seq (parsed from the data file path ``<location>/data/<producer>/<seq:012d>-<token>-r<rank>``).
 What is gone with the snapshot: ``committed_at``, ``attempts``, ``parent_id`` (NULL; ``retained`` is false), and the
 snapshot's full summary (no row in ``snapshots``). pyiceberg also clears ``parent_id`` of the oldest retained snapshot
-once its parent is expired. A step collected by lifecycle GC is gone from the head's manifests too: it appears only
-while a retained snapshot still names it (``collected`` is true, file columns NULL), and ``samples`` skips it.
-``producers`` comes from the head snapshot's producer table, so it is complete whatever was expired; its ``commits``
-counts the steps ``batches`` still knows.
+once its parent is expired.
+
+What lifecycle GC loses. GC (:mod:`lakestream_iceberg.lifecycle`) removes the steps below the oldest retained
+checkpoint from the head's manifests, deletes their data files and expires every snapshot that named them: those steps
+leave ``batches``, ``files`` and ``samples`` entirely (a step still named by a retained snapshot but no longer in the
+manifests shows ``collected`` true with NULL file columns). ``producers`` comes from the head snapshot's producer
+table, so it stays complete whatever was expired or collected: ``last_seq + 1`` is what a producer ever published,
+while ``commits`` counts only the steps ``batches`` still knows. Released checkpoints leave ``checkpoints``.
 
 Example:
     >>> con = history(stream)                                                     # doctest: +SKIP
@@ -35,14 +40,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, is_dataclass
+from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from lakestream_iceberg.errors import MissingExtraError
+from lakestream_iceberg.checkpoint import list_checkpoints
+from lakestream_iceberg.errors import MissingExtraError, ReadError
 from lakestream_iceberg.expiry import ancestors
 from lakestream_iceberg.layout import RANK_COLUMN, STEP_COLUMN
 from lakestream_iceberg.reader import read_file
@@ -55,7 +60,8 @@ if TYPE_CHECKING:
 
     from lakestream_iceberg.stream import Stream
 
-__all__ = ["history", "parse_data_path", "VIEWS"]
+__all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "parse_data_path", "register_samples", "step_rows",
+           "utc_from_ms"]
 
 VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "samples")
 _DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-r(?P<rank>\d+)\.parquet$")
@@ -81,9 +87,9 @@ PRODUCERS_SCHEMA = pa.schema([
     ("commits", pa.int64()), ("lag", pa.int64()),
 ])
 CHECKPOINTS_SCHEMA = pa.schema([
-    ("name", pa.string()), ("snapshot_id", pa.int64()), ("step", pa.int64()), ("created_at", _TS),
-    ("pinned_files", pa.int64()), ("pinned_bytes", pa.int64()), ("exclusive_files", pa.int64()),
-    ("exclusive_bytes", pa.int64()),
+    ("name", pa.string()), ("branch", pa.string()), ("step", pa.int64()), ("snapshot_id", pa.int64()),
+    ("source_snapshot_id", pa.int64()), ("created_at", _TS), ("pinned_steps", pa.int64()), ("pinned_files", pa.int64()),
+    ("pinned_bytes", pa.int64()), ("exclusive_steps", pa.int64()), ("exclusive_bytes", pa.int64()),
 ])
 
 
@@ -95,16 +101,9 @@ def parse_data_path(path: str) -> tuple[str, int, int] | None:
     return match["producer"], int(match["seq"]), int(match["rank"])
 
 
-def _ts(ms: int | float | None) -> datetime | None:
+def utc_from_ms(ms: int | float | None) -> datetime | None:
+    """An Iceberg millisecond timestamp as an aware UTC datetime."""
     return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
-
-
-def _as_datetime(value: Any) -> datetime | None:
-    """A checkpoint's ``created_at`` whatever its type (datetime, epoch seconds or milliseconds)."""
-    if value is None or isinstance(value, datetime):
-        return value if value is None or value.tzinfo else value.replace(tzinfo=timezone.utc)
-    number = float(value)
-    return _ts(number if number > 1e11 else number * 1000)
 
 
 def _summary(snapshot: Snapshot | None) -> dict[str, str]:
@@ -153,7 +152,7 @@ def snapshot_rows(stream: Stream, *, branch: str) -> list[dict[str, Any]]:
         operation = snapshot.summary.operation if snapshot and snapshot.summary else None
         rows.append({
             "snapshot_id": snapshot_id, "parent_id": snapshot.parent_snapshot_id if snapshot else None,
-            "committed_at": _ts(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
+            "committed_at": utc_from_ms(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
             "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
             "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
             "attempts": _int(summary.get(KEY_ATTEMPTS)),
@@ -195,6 +194,31 @@ def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> 
     return out
 
 
+def step_rows(stream: Stream, steps: Iterable[int], *, branch: str) -> list[dict[str, Any]]:
+    """``batches`` rows of a few steps without reading every manifest (used by ``lakestream tail``).
+
+    The stream's current metadata is used as is (``wait_for`` and ``state`` refresh it); ``snapshot_id`` is NULL for a
+    step whose snapshot was already expired.
+    """
+    wanted = list(steps)
+    files: list[dict[str, Any]] = []
+    for step in wanted:
+        try:
+            located = stream.locate(step, branch=branch)
+        except ReadError:
+            continue
+        for data_file in located:
+            parsed = parse_data_path(data_file.file_path)
+            files.append({
+                "path": data_file.file_path, "step": step, "rank": int(data_file.partition[1]),
+                "records": data_file.record_count, "bytes": data_file.file_size_in_bytes,
+                "producer": parsed[0] if parsed else None, "seq": parsed[1] if parsed else None, "snapshot_id": None,
+            })
+    keep = set(wanted)
+    snapshots = [s for s in snapshot_rows(stream, branch=branch) if s["step"] in keep]
+    return [row for row in batch_rows(files, snapshots) if row["step"] in keep]
+
+
 def producer_rows(state: StreamState, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     commits: dict[str, int] = {}
     for row in batches:
@@ -207,46 +231,40 @@ def producer_rows(state: StreamState, batches: list[dict[str, Any]]) -> list[dic
     ]
 
 
-def list_checkpoints(stream: Stream) -> list[dict[str, Any]]:
-    """``name, snapshot_id, step, created_at`` of every checkpoint.
+def checkpoint_rows(stream: Stream, entries_by_branch: dict[str, list[ManifestEntry]] | None = None) -> list[dict[str, Any]]:
+    """Every checkpoint (all branches) and what it pins on its branch.
 
-    Uses ``stream.checkpoints()`` when this build has it; otherwise every tag in the table's refs (a checkpoint is a
-    tag), with the step from the tagged snapshot's ``lakestream.step`` and ``created_at`` from its timestamp.
+    A checkpoint at step S is a tag on an anchor snapshot holding step S's files; resuming from it reads S+1, S+2, ...
+    from its branch, and lifecycle GC collects only the steps older than the oldest retained checkpoint of a branch.
+    So a checkpoint *pins* steps S..head of its branch (``pinned_*``), and releasing it would let GC collect only
+    what no other checkpoint pins (``exclusive_*``: the steps from S up to the next newer checkpoint on the branch,
+    non-zero only for the oldest one).
     """
     metadata = stream.table.metadata
-    api: Callable[[], Iterable[Any]] | None = getattr(stream, "checkpoints", None)
+    cache = dict(entries_by_branch or {})
+    checkpoints = list_checkpoints(metadata)
     rows = []
-    if callable(api):
-        for ckpt in api():
-            item = asdict(ckpt) if is_dataclass(ckpt) and not isinstance(ckpt, type) else dict(vars(ckpt))
-            rows.append({"name": item.get("name"), "snapshot_id": item.get("snapshot_id"), "step": item.get("step"),
-                         "created_at": _as_datetime(item.get("created_at"))})
-    else:
-        for name, ref in metadata.refs.items():
-            if str(getattr(ref.snapshot_ref_type, "value", ref.snapshot_ref_type)) != "tag":
-                continue
-            snapshot = metadata.snapshot_by_id(ref.snapshot_id)
-            rows.append({"name": name, "snapshot_id": ref.snapshot_id, "step": _int(_summary(snapshot).get(KEY_STEP)),
-                         "created_at": _ts(snapshot.timestamp_ms) if snapshot else None})
-    rows.sort(key=lambda r: (r["step"] if r["step"] is not None else -1, r["name"] or ""))
-    return rows
-
-
-def checkpoint_rows(stream: Stream, files: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Checkpoints and what each pins: the files of its table state, and those only it (not the head) keeps alive."""
-    metadata = stream.table.metadata
-    live = {f["path"] for f in files}
-    rows = []
-    for row in list_checkpoints(stream):
-        snapshot = metadata.snapshot_by_id(row["snapshot_id"]) if row["snapshot_id"] is not None else None
-        pinned = stream.index.all_files(snapshot) if snapshot is not None else []
-        exclusive = [f for f in pinned if f.file_path not in live]
+    for ckpt in checkpoints:
+        if ckpt.branch not in cache:
+            cache[ckpt.branch] = live_entries(stream, branch=ckpt.branch) if ckpt.branch in metadata.refs else []
+        files = [e.data_file for e in cache[ckpt.branch]]
+        anchor = stream.index.all_files(metadata.snapshot_by_id(ckpt.snapshot_id))
+        live_paths = {f.file_path for f in files}
+        pinned = [f for f in files if int(f.partition[0]) >= ckpt.step] + [f for f in anchor if f.file_path not in live_paths]
+        same_branch = [c for c in checkpoints if c.branch == ckpt.branch]
+        oldest = min(c.step for c in same_branch)
+        newer = [c.step for c in same_branch if c.step > ckpt.step]
+        upper = min(newer) if newer else None
+        exclusive = [] if ckpt.step != oldest or sum(c.step == oldest for c in same_branch) > 1 else [
+            f for f in pinned if upper is None or int(f.partition[0]) < upper
+        ]
         rows.append({
-            **row,
-            "pinned_files": len(pinned) if snapshot else None,
-            "pinned_bytes": sum(f.file_size_in_bytes for f in pinned) if snapshot else None,
-            "exclusive_files": len(exclusive) if snapshot else None,
-            "exclusive_bytes": sum(f.file_size_in_bytes for f in exclusive) if snapshot else None,
+            "name": ckpt.name, "branch": ckpt.branch, "step": ckpt.step, "snapshot_id": ckpt.snapshot_id,
+            "source_snapshot_id": ckpt.source_snapshot_id, "created_at": ckpt.created_at,
+            "pinned_steps": len({int(f.partition[0]) for f in pinned}), "pinned_files": len(pinned),
+            "pinned_bytes": sum(f.file_size_in_bytes for f in pinned),
+            "exclusive_steps": len({int(f.partition[0]) for f in exclusive}),
+            "exclusive_bytes": sum(f.file_size_in_bytes for f in exclusive),
         })
     return rows
 
@@ -266,7 +284,7 @@ def read_samples(
     if progress and work:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(work, desc="reading samples", unit="shard", leave=False)
+        iterator = tqdm(work, desc="reading samples", unit="shard", leave=False, disable=None)  # terminals only
     parts = []
     for data_file in iterator:
         step, rank = int(data_file.partition[0]), int(data_file.partition[1])
@@ -278,16 +296,6 @@ def read_samples(
 
 
 # -- the public entry point ---------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Tables:
-    files: pa.Table
-    snapshots: pa.Table
-    batches: pa.Table
-    producers: pa.Table
-    checkpoints: pa.Table
-    samples: pa.Table
-
-
 def _import_duckdb() -> Any:
     try:
         import duckdb
@@ -303,6 +311,7 @@ def history(
     *,
     branch: str = "main",
     samples_steps: tuple[int, int] | None = None,
+    samples: bool = True,
     refresh: bool = True,
     progress: bool = False,
 ) -> duckdb.DuckDBPyConnection:
@@ -314,8 +323,9 @@ def history(
         samples_steps: Inclusive ``(first, last)`` step range loaded into the ``samples`` view (clipped to the steps
             the table still holds). ``None`` loads the head step only: ``samples`` reads data files, everything else
             reads metadata.
+        samples: Register the ``samples`` view now; with False, add it later with :func:`register_samples`.
         refresh: Reload table metadata from the catalog first.
-        progress: Show a progress bar while reading samples.
+        progress: Show a progress bar (on a terminal) while reading samples.
 
     Returns:
         A ``duckdb.DuckDBPyConnection``; views: ``batches, files, producers, checkpoints, snapshots, samples``.
@@ -325,41 +335,46 @@ def history(
 
     Example:
         >>> con = history(stream, samples_steps=(1, 10))                              # doctest: +SKIP
+        >>> con.sql("SELECT producer, count(*) FROM batches GROUP BY 1").fetchall()   # doctest: +SKIP
+        [('prep-0', 12), ('prep-1', 12)]
         >>> con.sql("SELECT _rank, count(*) FROM samples GROUP BY 1 ORDER BY 1").fetchall()  # doctest: +SKIP
     """
     duckdb = _import_duckdb()
     con = duckdb.connect()
-    for name, table in asdict_tables(collect(stream, branch=branch, samples_steps=samples_steps, refresh=refresh,
-                                             progress=progress)).items():
+    tables = collect(stream, branch=branch, refresh=refresh)
+    for name, table in tables.items():
         con.register(name, table)
+    if samples:
+        register_samples(con, stream, branch=branch, samples_steps=samples_steps, progress=progress)
     return con
 
 
-def collect(
-    stream: Stream, *, branch: str = "main", samples_steps: tuple[int, int] | None = None, refresh: bool = True,
+def register_samples(
+    con: duckdb.DuckDBPyConnection, stream: Stream, *, branch: str = "main", samples_steps: tuple[int, int] | None = None,
     progress: bool = False,
-) -> _Tables:
-    """The history views as Arrow tables (what :func:`history` registers)."""
-    state = stream.state(branch=branch, refresh=refresh)
+) -> None:
+    """(Re)register the ``samples`` view of ``con`` with the data of ``samples_steps`` (default: the head step)."""
     entries = live_entries(stream, branch=branch)
-    files = file_rows(entries)
-    snapshots = snapshot_rows(stream, branch=branch)
-    batches = batch_rows(files, snapshots)
-    live_steps = sorted({f["step"] for f in files})
+    live_steps = sorted({int(e.data_file.partition[0]) for e in entries})
     if samples_steps is None:
         wanted = live_steps[-1:]
     else:
         first, last = samples_steps
         wanted = [s for s in live_steps if first <= s <= last]
-    return _Tables(
-        files=pa.Table.from_pylist(files, schema=FILES_SCHEMA),
-        snapshots=pa.Table.from_pylist(snapshots, schema=SNAPSHOTS_SCHEMA),
-        batches=pa.Table.from_pylist(batches, schema=BATCHES_SCHEMA),
-        producers=pa.Table.from_pylist(producer_rows(state, batches), schema=PRODUCERS_SCHEMA),
-        checkpoints=pa.Table.from_pylist(checkpoint_rows(stream, files), schema=CHECKPOINTS_SCHEMA),
-        samples=read_samples(stream, entries, steps=wanted, progress=progress),
-    )
+    con.register("samples", read_samples(stream, entries, steps=wanted, progress=progress))
 
 
-def asdict_tables(tables: _Tables) -> dict[str, pa.Table]:
-    return {name: getattr(tables, name) for name in VIEWS}
+def collect(stream: Stream, *, branch: str = "main", refresh: bool = True) -> dict[str, pa.Table]:
+    """The metadata views (all but ``samples``) as Arrow tables keyed by view name."""
+    state = stream.state(branch=branch, refresh=refresh)
+    entries = live_entries(stream, branch=branch)
+    files = file_rows(entries)
+    snapshots = snapshot_rows(stream, branch=branch)
+    batches = batch_rows(files, snapshots)
+    return {
+        "batches": pa.Table.from_pylist(batches, schema=BATCHES_SCHEMA),
+        "files": pa.Table.from_pylist(files, schema=FILES_SCHEMA),
+        "producers": pa.Table.from_pylist(producer_rows(state, batches), schema=PRODUCERS_SCHEMA),
+        "checkpoints": pa.Table.from_pylist(checkpoint_rows(stream, {branch: entries}), schema=CHECKPOINTS_SCHEMA),
+        "snapshots": pa.Table.from_pylist(snapshots, schema=SNAPSHOTS_SCHEMA),
+    }

@@ -1,0 +1,446 @@
+"""``lakestream``: the command line for streams (status, SQL over their history, checkpoints, GC, live tail, the demo).
+
+Catalog: ``--catalog NAME`` loads a pyiceberg catalog (``.pyiceberg.yaml``, ``PYICEBERG_CATALOG__NAME__*``); without it the
+embedded default under ``--home DIR`` / ``$LAKESTREAM_HOME`` / ``./.lakestream`` (see :mod:`lakestream_iceberg.config`).
+Every command prints tables for people and JSON with ``--json`` (before or after the command). Mistakes (unknown
+stream, bad SQL, a refused operation) print one ``lakestream: error: ...`` line to stderr and exit 1.
+
+Example:
+    $ lakestream demo
+    $ lakestream status demo.run_20261129_210727_ab12
+    $ lakestream sql demo.run_20261129_210727_ab12 "SELECT producer, count(*) FROM batches GROUP BY 1" --json
+    $ lakestream tail demo.run_20261129_210727_ab12 --max-steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import dataclasses
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from datetime import date, datetime, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any
+
+from lakestream_iceberg.config import ENV_HOME, CatalogSpec, load, open_stream
+from lakestream_iceberg.errors import LakestreamError
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.stream import Stream
+
+__all__ = ["main", "build_parser"]
+
+EXIT_ERROR = 1
+MAX_HUMAN_ROWS = 50
+
+
+class UserError(Exception):
+    """A mistake reported as one line (distinct from bugs, which keep their traceback)."""
+
+    def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# -- output -------------------------------------------------------------------------------------------------------------
+def to_jsonable(value: Any) -> Any:
+    """JSON-ready values: datetimes as ISO 8601, bytes as base64, dataclasses as objects, NaN as null."""
+    if isinstance(value, (str, int, bool)) or value is None:
+        return value
+    if isinstance(value, float):
+        return None if math.isnan(value) or math.isinf(value) else value
+    if isinstance(value, (datetime, date)):
+        return value.isoformat()
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, Decimal):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return base64.b64encode(bytes(value)).decode()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {str(k): to_jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_jsonable(v) for v in value]
+    if hasattr(value, "value") and type(value).__module__.startswith(("enum", "pyiceberg")):
+        return to_jsonable(value.value)
+    if hasattr(value, "__dict__"):
+        return {k: to_jsonable(v) for k, v in vars(value).items() if not k.startswith("_")}
+    return str(value)
+
+
+class Output:
+    """Writes either JSON (one document, or one object per line for ``tail``) or rich tables."""
+
+    def __init__(self, *, as_json: bool) -> None:
+        self.json = as_json
+        self._console: Any = None
+
+    @property
+    def console(self) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(highlight=False, soft_wrap=False)
+        return self._console
+
+    def emit_json(self, value: Any, *, compact: bool = False) -> None:
+        text = json.dumps(to_jsonable(value), separators=(",", ":") if compact else None, indent=None if compact else 2)
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    def table(self, rows: Sequence[dict[str, Any]], *, title: str | None = None, columns: Sequence[str] | None = None) -> None:
+        from rich.table import Table
+
+        columns = list(columns if columns is not None else (rows[0].keys() if rows else []))
+        if not rows and title:
+            self.console.print(f"{title}: none")
+            return
+        table = Table(title=title, title_justify="left", show_lines=False)
+        for name in columns:
+            table.add_column(str(name), overflow="fold")
+        for row in rows[:MAX_HUMAN_ROWS]:
+            table.add_row(*(_human(row.get(c)) for c in columns))
+        self.console.print(table)
+        if len(rows) > MAX_HUMAN_ROWS:
+            self.console.print(f"... {len(rows) - MAX_HUMAN_ROWS} more rows (use --json for all of them)")
+
+    def fields(self, pairs: Sequence[tuple[str, Any]], *, title: str | None = None) -> None:
+        from rich.table import Table
+
+        if title:
+            self.console.print(title, style="bold underline")
+        table = Table(show_header=False, box=None, pad_edge=False)
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in pairs:
+            table.add_row(key, _human(value))
+        self.console.print(table)
+
+
+def _human(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ", timespec="milliseconds")
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value):,} bytes>"
+    if isinstance(value, float):
+        return f"{value:,.4g}"
+    if isinstance(value, list) and len(value) > 16:
+        return f"[{', '.join(map(str, value[:16]))}, ... {len(value)} items]"
+    return str(value)
+
+
+def _plain(value: Any) -> dict[str, Any]:
+    """A dataclass (Checkpoint, GCReport) as a dict of its fields, values kept as they are (for human output)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return {k: v for k, v in vars(value).items() if not k.startswith("_")}
+
+
+def _mb(n: int | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.2f} MB ({n:,} bytes)"
+
+
+# -- commands -----------------------------------------------------------------------------------------------------------
+def _spec(args: argparse.Namespace) -> CatalogSpec:
+    return CatalogSpec(name=args.catalog, home=args.home)
+
+
+def _stream(args: argparse.Namespace) -> Stream:
+    spec = _spec(args)
+    return open_stream(load(spec), args.stream, spec=spec)
+
+
+def cmd_demo(args: argparse.Namespace, out: Output) -> int:
+    from lakestream_iceberg.demo import format_summary, run_demo
+
+    spec = _spec(args)
+    result = run_demo(producers=args.producers, ranks=args.ranks, steps_per_producer=args.steps_per_producer,
+                      spec=spec, progress=None if not out.json else False)
+    if out.json:
+        out.emit_json(result.as_dict())
+    else:
+        hint = f" --catalog {args.catalog}" if args.catalog else (f" --home {args.home}" if args.home else "")
+        print(format_summary(result, hint_args=hint), flush=True)
+    return 0 if result.passed else EXIT_ERROR
+
+
+def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
+    """What ``lakestream status`` reports (also its ``--json`` document)."""
+    from lakestream_iceberg.checkpoint import list_checkpoints
+    from lakestream_iceberg.history import utc_from_ms
+
+    state = stream.state(branch=branch, refresh=True)
+    metadata = stream.table.metadata
+    head = stream.head(branch=branch)
+    summary = dict(head.summary.additional_properties) if head is not None and head.summary else {}
+    try:
+        metadata_bytes: int | None = len(stream.io.new_input(stream.table.metadata_location))
+    except Exception:  # size is informative only; some FileIOs cannot stat
+        metadata_bytes = None
+    checkpoints = list_checkpoints(metadata)
+    newest = max((c.step for c in checkpoints if c.branch == branch), default=None)
+
+    def total(key: str) -> int | None:
+        return int(summary[key]) if key in summary else None
+
+    return {
+        "stream": stream.name,
+        "location": metadata.location,
+        "world_size": stream.world_size,
+        "branch": branch,
+        "head_step": state.step,
+        "head_snapshot_id": head.snapshot_id if head else None,
+        "last_commit_at": utc_from_ms(head.timestamp_ms) if head else None,
+        "collected_below": state.collected_below,
+        "producers": [{"producer": pid, "last_seq": p.seq, "last_step": p.step, "lag": state.step - p.step}
+                      for pid, p in sorted(state.producers.items())],
+        "consumer_lag": None if newest is None else state.step - newest,
+        "consumer_lag_basis": f"head step - newest checkpoint step on {branch}" if newest is not None
+        else f"unknown (no checkpoint on {branch})",
+        "checkpoints": checkpoints,
+        "branches": sorted(n for n, r in metadata.refs.items() if str(getattr(r.snapshot_ref_type, "value", "")) == "branch"),
+        "snapshots_retained": len(metadata.snapshots),
+        "metadata_file": stream.table.metadata_location,
+        "metadata_bytes": metadata_bytes,
+        "storage": {"data_files": total("total-data-files"), "records": total("total-records"),
+                    "bytes": total("total-files-size")},
+    }
+
+
+def cmd_status(args: argparse.Namespace, out: Output) -> int:
+    stream = _stream(args)
+    status = status_dict(stream, args.branch)
+    if out.json:
+        out.emit_json(status)
+        return 0
+    storage = status["storage"]
+    out.fields([
+        ("location", status["location"]), ("world size", status["world_size"]),
+        ("branch", f"{status['branch']} (branches: {', '.join(status['branches']) or '-'})"),
+        ("head step", status["head_step"]), ("last commit", status["last_commit_at"]),
+        ("consumer lag", f"{status['consumer_lag']} steps ({status['consumer_lag_basis']})"
+                         if status["consumer_lag"] is not None else status["consumer_lag_basis"]),
+        ("steps collected below", status["collected_below"]),
+        ("snapshots retained", status["snapshots_retained"]),
+        ("metadata", f"{_mb(status['metadata_bytes'])} in {status['metadata_file']}"),
+        ("storage", f"{_mb(storage['bytes'])}, {storage['data_files'] or 0:,} data files, "
+                    f"{storage['records'] or 0:,} samples"),
+    ], title=f"stream {status['stream']}")
+    out.table(status["producers"], title="producers", columns=["producer", "last_seq", "last_step", "lag"])
+    out.table([_plain(c) for c in status["checkpoints"]], title="checkpoints",
+              columns=["name", "branch", "step", "snapshot_id", "created_at"])
+    return 0
+
+
+def _parse_steps(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        first, _, last = text.partition(":")
+        lo, hi = int(first), int(last or first)
+    except ValueError:
+        raise UserError(f"--steps {text!r} is not a step range; write FIRST:LAST (e.g. 1:100) or one step") from None
+    return lo, hi
+
+
+def cmd_sql(args: argparse.Namespace, out: Output) -> int:
+    import duckdb
+
+    from lakestream_iceberg.history import history, register_samples
+
+    stream = _stream(args)
+    steps = _parse_steps(args.steps)
+    # Metadata views first; the samples view reads data files, so it is loaded only when the query names it.
+    con = history(stream, branch=args.branch, samples=False)
+    try:
+        try:
+            relation = con.sql(args.query)
+        except duckdb.CatalogException as exc:
+            if "samples" not in str(exc):
+                raise
+            register_samples(con, stream, branch=args.branch, samples_steps=steps, progress=not out.json)
+            relation = con.sql(args.query)
+        columns = list(relation.columns) if relation is not None else []
+        rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()] if relation is not None else []
+        if not out.json and relation is not None:
+            import shutil
+
+            sys.stdout.flush()
+            relation.show(max_width=max(shutil.get_terminal_size((120, 24)).columns, 80), max_rows=MAX_HUMAN_ROWS)
+    except duckdb.Error as exc:
+        raise UserError("SQL error: " + " ".join(str(exc).split()) + " (views: batches, files, producers, checkpoints, "
+                        "snapshots, samples)") from None
+    if out.json:
+        out.emit_json(rows)
+    elif relation is None:
+        print("OK")
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace, out: Output) -> int:
+    stream = _stream(args)
+    step = args.step if args.step is not None else stream.head_step(branch=args.branch)
+    checkpoint = stream.checkpoint(args.name, step=step, branch=args.branch)
+    if out.json:
+        out.emit_json(checkpoint)
+    else:
+        out.fields(list(_plain(checkpoint).items()), title=f"checkpoint {args.name} of {stream.name}")
+    return 0
+
+
+def cmd_checkpoints(args: argparse.Namespace, out: Output) -> int:
+    stream = _stream(args)
+    listing = stream.checkpoints()
+    if out.json:
+        out.emit_json(listing)
+    else:
+        out.table([_plain(c) for c in listing], title=f"checkpoints of {stream.name}",
+                  columns=["name", "branch", "step", "created_at", "snapshot_id", "source_snapshot_id"])
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace, out: Output) -> int:
+    stream = _stream(args)
+    kwargs: dict[str, Any] = {"dry_run": args.dry_run}
+    if args.keep_last is not None:
+        kwargs["keep_last"] = args.keep_last
+    if out.json:
+        report = stream.collect_garbage(**kwargs)
+        out.emit_json(report)
+        return 0
+    with out.console.status("planning garbage collection" if args.dry_run else "collecting garbage"):
+        report = stream.collect_garbage(**kwargs)
+    pairs = [(k, ", ".join(map(str, v)) or "-" if isinstance(v, list) else v) for k, v in _plain(report).items()]
+    pairs += [("total", f"{report.total_files:,} files, {_mb(report.total_bytes)}")] if hasattr(report, "total_files") else []
+    out.fields(pairs, title=f"gc of {stream.name}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
+    return 0
+
+
+def cmd_tail(args: argparse.Namespace, out: Output) -> int:
+    import threading
+
+    from lakestream_iceberg.errors import ReadTimeoutError
+    from lakestream_iceberg.follow import HeadWatcher
+    from lakestream_iceberg.history import step_rows
+
+    stream = _stream(args)
+    watcher = HeadWatcher(stream, branch=args.branch)  # polls the catalog pointer; reloads metadata only on change
+    watcher.check()
+    next_step = args.from_step if args.from_step is not None else watcher.head()[0] + 1
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    never = threading.Event()
+    shown = 0
+    if not out.json:
+        out.console.print(f"following {stream.name} (branch {args.branch}) from step {next_step}; Ctrl-C to stop",
+                          style="dim")
+    while args.max_steps is None or shown < args.max_steps:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            break
+        try:
+            waited = watcher.wait(next_step, timeout=remaining, stop=never, poll_s=args.poll)
+        except ReadTimeoutError:
+            break
+        head = waited[0] if waited else next_step
+        last = head if args.max_steps is None else min(head, next_step + args.max_steps - shown - 1)
+        for row in step_rows(stream, range(next_step, last + 1), branch=args.branch):
+            if out.json:
+                out.emit_json(row, compact=True)
+            else:
+                out.console.print(
+                    f"step {row['step']:>7}  {row['producer'] or '?'} seq {row['seq'] if row['seq'] is not None else '?'}"
+                    f"  {row['samples'] if row['samples'] is not None else '-'} samples {row['samples_per_rank'] or ''}"
+                    f"  {(row['bytes'] or 0) / 1e3:,.1f} kB  attempts {row['attempts'] or '-'}"
+                    f"  {_human(row['committed_at'])}"
+                )
+            shown += 1
+        next_step = last + 1
+    return 0
+
+
+# -- parser -------------------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # Accepted before and after the command; SUPPRESS keeps a later position from resetting an earlier one.
+    common.add_argument("--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable JSON output")
+    common.add_argument("--catalog", metavar="NAME", default=argparse.SUPPRESS,
+                        help="pyiceberg catalog name (.pyiceberg.yaml / PYICEBERG_CATALOG__NAME__*); default: embedded")
+    common.add_argument("--home", metavar="DIR", default=argparse.SUPPRESS,
+                        help=f"embedded catalog directory (default ${ENV_HOME} or ./.lakestream)")
+
+    parser = argparse.ArgumentParser(
+        prog="lakestream", parents=[common],
+        description="Streams of transactional global batches on Apache Iceberg: inspect, query, checkpoint, collect.",
+        epilog="Example: lakestream sql demo.run_x \"SELECT producer, count(*) FROM batches GROUP BY 1\" --json",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, func: Callable[[argparse.Namespace, Output], int], help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, parents=[common], help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    def with_stream(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("stream", metavar="STREAM", help="NAMESPACE.NAME")
+        p.add_argument("--branch", default="main", help="branch (default main)")
+        return p
+
+    p = add("demo", cmd_demo, "run producer and trainer-rank processes on a fresh stream and check exactly-once delivery")
+    p.add_argument("--producers", type=int, default=3, help="producer processes (default 3)")
+    p.add_argument("--ranks", type=int, default=2, help="trainer-rank processes = world size (default 2)")
+    p.add_argument("--steps-per-producer", type=int, default=20, help="batches each producer publishes (default 20)")
+
+    with_stream(add("status", cmd_status, "head step, producers, consumer lag, checkpoints, metadata and storage size"))
+
+    p = with_stream(add("sql", cmd_sql, "run DuckDB SQL over the stream's history views"))
+    p.add_argument("query", metavar="SQL", help="views: batches, files, producers, checkpoints, snapshots, samples")
+    p.add_argument("--steps", metavar="FIRST:LAST", help="step range loaded into the samples view (default: head step)")
+
+    p = with_stream(add("checkpoint", cmd_checkpoint, "pin a step as a named checkpoint"))
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--step", type=int, help="step to pin (default: the head step)")
+
+    with_stream(add("checkpoints", cmd_checkpoints, "list checkpoints"))
+
+    p = with_stream(add("gc", cmd_gc, "collect steps and files no retained checkpoint needs"))
+    p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
+    p.add_argument("--keep-last", type=int, metavar="K", help="keep the newest K steps")
+
+    p = with_stream(add("tail", cmd_tail, "follow new steps live"))
+    p.add_argument("--from-step", type=int, metavar="S", help="start at step S (default: the next new step)")
+    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps")
+    p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after this long")
+    p.add_argument("--poll", type=float, default=0.05, metavar="SECONDS", help="first poll interval (default 0.05)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``lakestream`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    for name, default in (("json", False), ("catalog", None), ("home", None)):
+        if not hasattr(args, name):
+            setattr(args, name, default)
+    out = Output(as_json=args.json)
+    try:
+        return int(args.func(args, out))
+    except (UserError, LakestreamError) as exc:
+        sys.stdout.flush()
+        print(f"lakestream: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        return exc.code if isinstance(exc, UserError) else EXIT_ERROR
+    except KeyboardInterrupt:
+        print("lakestream: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `lakestream tail ... | head`
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

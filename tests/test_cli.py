@@ -1,0 +1,200 @@
+"""The ``lakestream`` CLI as a user runs it: a subprocess on a real SQLite catalog, ``--json`` output parsed."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.config import embedded_catalog
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+pytest.importorskip("duckdb")
+
+WORLD = 2
+STREAM = "ns.cli"
+SCRIPT = shutil.which("lakestream", path=str(Path(sys.executable).parent))
+
+
+def _command() -> list[str]:
+    return [SCRIPT] if SCRIPT else [sys.executable, "-m", "lakestream_iceberg.cli"]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded catalog in a temp dir, holding ns.cli with 6 steps from two producers."""
+    root = tmp_path_factory.mktemp("lakestream-home")
+    stream = Stream.create(embedded_catalog(root), STREAM, schema=SCHEMA, world_size=WORLD)
+    producers = [stream.producer("prep-0"), stream.producer("prep-1")]
+    for seq in range(3):
+        for producer in producers:
+            producer.commit(batch(producer.producer_id, seq, WORLD), seq=seq)
+    return root
+
+
+@pytest.fixture(scope="module")
+def env(home: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """No ~/.pyiceberg.yaml, no developer PYICEBERG_* variables; the embedded catalog is ``home``."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PYICEBERG_", "LAKESTREAM_"))}
+    clean.update(PYICEBERG_HOME=str(tmp_path_factory.mktemp("pyiceberg-home")), LAKESTREAM_HOME=str(home),
+                 COLUMNS="160", PYTHONWARNINGS="ignore")
+    return clean
+
+
+def run(env: dict[str, str], *args: str, ok: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([*_command(), *args], env=env, capture_output=True, text=True, timeout=timeout)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if ok:
+        assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def run_many(env: dict[str, str], *commands: tuple[str, ...], timeout: float = 90) -> list[subprocess.CompletedProcess[str]]:
+    """Independent read-only commands, two at a time (each is mostly interpreter start-up)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = [pool.submit(run, env, *c, ok=False, timeout=timeout) for c in commands]
+        return [f.result() for f in futures]
+
+
+def main_inprocess(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Variations of a command already covered as a subprocess run in-process (interpreter start-up is the cost)."""
+    from lakestream_iceberg.cli import main
+
+    capsys.readouterr()
+    code = main(["--home", str(home), *args])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    return code, out, err
+
+
+def run_json(env: dict[str, str], *args: str):
+    return json.loads(run(env, *args).stdout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lakestream: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0]
+
+
+def test_entry_point_is_installed() -> None:
+    assert SCRIPT, "the lakestream console script is missing: run .venv/bin/pip install -e ."
+
+
+def test_status_json_and_human(env: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status = run_json(env, "status", STREAM, "--json")
+    assert status["stream"] == STREAM and status["head_step"] == 6 and status["world_size"] == WORLD
+    assert [(p["producer"], p["last_seq"], p["lag"]) for p in status["producers"]] == [("prep-0", 2, 1), ("prep-1", 2, 0)]
+    assert status["storage"]["data_files"] == 6 * WORLD and status["storage"]["bytes"] > 0
+    assert status["metadata_bytes"] > 0 and status["snapshots_retained"] >= 1
+    code, out, _ = main_inprocess(home, capsys, "status", STREAM)
+    assert code == 0 and "head step" in out and "prep-1" in out
+
+
+def test_sql_json_as_written_in_the_issue(env: dict[str, str], home: Path, tmp_path: Path) -> None:
+    assert run_json(env, "sql", STREAM, "SELECT count(*) FROM batches", "--json") == [{"count_star()": 6}]
+    assert run_json(env, "--json", "sql", STREAM, "SELECT producer, count(*) AS n FROM batches GROUP BY 1 ORDER BY 1") == [
+        {"producer": "prep-0", "n": 3}, {"producer": "prep-1", "n": 3}]
+    # --catalog NAME from $PYICEBERG_HOME/.pyiceberg.yaml (a second catalog on the same SQLite file).
+    yaml_home = tmp_path / "yaml-home"
+    yaml_home.mkdir()
+    (yaml_home / ".pyiceberg.yaml").write_text(
+        f"catalog:\n  team:\n    type: sql\n    uri: sqlite:///{home}/catalog.db\n    warehouse: file://{home}/warehouse\n")
+    team = Stream.create(sqlite_catalog(str(home), name="team"), "ns.team", schema=SCHEMA, world_size=WORLD)
+    team.producer("p").commit(batch("p", 0, WORLD))
+    named = {**env, "PYICEBERG_HOME": str(yaml_home)}
+    assert run_json(named, "--catalog", "team", "sql", "ns.team", "SELECT count(*) FROM batches", "--json") == [
+        {"count_star()": 1}]
+
+
+def test_sql_human_table_and_samples_range(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = main_inprocess(home, capsys, "sql", STREAM, "SELECT step, producer, seq FROM batches ORDER BY step")
+    assert code == 0 and "prep-0" in out and "step" in out
+    code, out, _ = main_inprocess(home, capsys, "sql", STREAM, "SELECT DISTINCT _step FROM samples ORDER BY 1",
+                                  "--steps", "2:3", "--json")
+    rows = json.loads(out)
+    assert [r["_step"] for r in rows] in ([2, 3], [2], [3])  # a step may hold only empty shards
+
+
+def test_user_mistakes_are_one_line(env: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad_sql, missing, no_catalog = run_many(
+        env, ("sql", STREAM, "SELEC nonsense"), ("status", "ns.missing"), ("--catalog", "nowhere", "status", STREAM))
+    assert_one_line_error(bad_sql, "SQL error")
+    assert_one_line_error(missing, "no stream 'ns.missing'", STREAM)
+    assert_one_line_error(no_catalog, "nowhere", "PYICEBERG_CATALOG__NOWHERE__URI")
+    for args, needle in [
+        (("sql", STREAM, "SELECT nope FROM batches", "--json"), "nope"),
+        (("status", "nonamespace"), "NAMESPACE.NAME"),
+        (("sql", STREAM, "SELECT 1", "--steps", "x:y"), "--steps"),
+        (("checkpoint", STREAM, "bad name!", "--step", "1"), "invalid"),
+    ]:
+        code, out, err = main_inprocess(home, capsys, *args)
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("lakestream: error: ") and needle in lines[0], err
+    with pytest.raises(SystemExit) as exit_info:
+        main_inprocess(home, capsys, "frobnicate")
+    assert exit_info.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_checkpoint_checkpoints_and_gc(env: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    created = run_json(env, "checkpoint", STREAM, "ck3", "--step", "3", "--json")
+    assert (created["name"], created["step"], created["branch"]) == ("ck3", 3, "main")
+    listed = run_json(env, "checkpoints", STREAM, "--json")
+    assert [(c["name"], c["step"]) for c in listed] == [("ck3", 3)]
+    code, out, _ = main_inprocess(home, capsys, "checkpoints", STREAM)
+    assert code == 0 and "ck3" in out
+    code, _, err = main_inprocess(home, capsys, "checkpoint", STREAM, "ck3", "--step", "4")
+    assert code == 1 and "ck3" in err and len(err.strip().splitlines()) == 1
+    code, out, _ = main_inprocess(home, capsys, "status", STREAM, "--json")
+    assert json.loads(out)["consumer_lag"] == 3
+
+    plan = run_json(env, "gc", STREAM, "--dry-run", "--json")
+    assert plan["dry_run"] is True and plan["collected_below"] == {"main": 3}
+    code, out, _ = main_inprocess(home, capsys, "sql", STREAM, "SELECT min(step) AS s FROM files", "--json")
+    assert json.loads(out) == [{"s": 1}]  # the dry run deleted nothing
+    code, out, _ = main_inprocess(home, capsys, "gc", STREAM, "--dry-run")
+    assert code == 0 and "dry run" in out
+    done = run_json(env, "gc", STREAM, "--keep-last", "1", "--json")
+    assert done["dry_run"] is False and done["collected_below"] == {"main": 3}
+    code, out, _ = main_inprocess(home, capsys, "sql", STREAM, "SELECT min(step) AS s FROM files", "--json")
+    assert json.loads(out) == [{"s": 3}]
+
+
+def test_tail_follows_new_steps(env: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    replay = [json.loads(line) for line in run(env, "tail", STREAM, "--from-step", "5", "--max-steps", "2", "--json",
+                                               "--timeout", "30").stdout.splitlines()]
+    assert [r["step"] for r in replay] == [5, 6] and all(r["producer"] for r in replay)
+
+    stream = Stream.open(embedded_catalog(home), STREAM)
+    proc = subprocess.Popen([*_command(), "tail", STREAM, "--from-step", "7", "--max-steps", "2", "--timeout", "40",
+                             "--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.5)
+        producer = stream.producer("prep-0")
+        for _ in range(2):
+            producer.commit(batch("prep-0", producer.next_seq, WORLD))
+        stdout, stderr = proc.communicate(timeout=45)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr
+    live = [json.loads(line) for line in stdout.splitlines()]
+    assert [(r["step"], r["producer"], r["seq"]) for r in live] == [(7, "prep-0", 3), (8, "prep-0", 4)]
+    assert all(r["samples"] == sum(r["samples_per_rank"]) for r in live)
+
+    code, out, _ = main_inprocess(home, capsys, "tail", STREAM, "--timeout", "0.5")  # nothing new: stops at the timeout
+    lines = out.strip().splitlines()
+    assert code == 0 and len(lines) == 1 and lines[0].startswith("following ns.cli")
+    code, out, _ = main_inprocess(home, capsys, "tail", STREAM, "--from-step", "7", "--max-steps", "1")
+    assert code == 0 and "prep-0 seq 3" in out

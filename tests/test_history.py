@@ -1,0 +1,161 @@
+"""The DuckDB history views against a real SQLite catalog: every view, expired snapshots, checkpoints, GC."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from lakestream_iceberg import MissingExtraError, Stream
+from lakestream_iceberg.history import VIEWS, history, parse_data_path, step_rows
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+pytest.importorskip("duckdb")
+
+WORLD = 2
+RETAIN = 4  # lakestream.snapshots.retain-last: steps 1..6 of 10 lose their snapshot
+
+
+def _build(root: Path) -> tuple[Stream, list, dict[int, list[pa.Table]]]:
+    stream = Stream.create(sqlite_catalog(str(root)), "ns.hist", schema=SCHEMA, world_size=WORLD,
+                           properties={"lakestream.snapshots.retain-last": str(RETAIN)})
+    producers = [stream.producer("prep-0"), stream.producer("prep-1")]
+    results, shards = [], {}
+    for seq in range(5):
+        for producer in producers:
+            data = batch(producer.producer_id, seq, WORLD)
+            result = producer.commit(data, seq=seq)
+            results.append(result)
+            shards[result.step] = data
+    return stream, results, shards
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory):
+    stream, results, shards = _build(tmp_path_factory.mktemp("history"))
+    stream.checkpoint("ck6", step=6)
+    stream.checkpoint("ck8", step=8)
+    return stream, results, shards
+
+
+def _rows(con, sql: str) -> list[dict]:
+    rel = con.sql(sql)
+    return [dict(zip(rel.columns, r, strict=True)) for r in rel.fetchall()]
+
+
+def test_every_view_is_registered_and_the_issue_query_works(built) -> None:
+    stream, _, _ = built
+    con = history(stream)
+    names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+    assert set(VIEWS) <= names
+    assert sorted(con.sql("SELECT producer, count(*) FROM batches GROUP BY 1 ORDER BY 1").fetchall()) == [
+        ("prep-0", 5), ("prep-1", 5)]
+
+
+def test_batches_cover_every_step_including_expired_snapshots(built) -> None:
+    stream, results, shards = built
+    rows = _rows(history(stream), "SELECT * FROM batches ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    by_step = {r.step: r for r in results}
+    for row in rows:
+        result = by_step[row["step"]]
+        assert (row["producer"], row["seq"], row["snapshot_id"]) == (result.producer, result.seq, result.snapshot_id)
+        assert row["samples_per_rank"] == [t.num_rows for t in shards[row["step"]]]
+        assert row["samples"] == sum(row["samples_per_rank"]) and row["ranks"] == WORLD
+        assert row["bytes"] == sum(row["bytes_per_rank"]) > 0
+        assert row["collected"] is False
+    retained = [r for r in rows if r["retained"]]
+    expired = [r for r in rows if not r["retained"]]
+    assert [r["step"] for r in retained] == list(range(11 - RETAIN, 11))
+    assert all(r["committed_at"] is not None and r["attempts"] >= 1 for r in retained)
+    # What expiry loses: the snapshot's own facts.
+    assert expired and all(r["committed_at"] is None and r["attempts"] is None and r["parent_id"] is None for r in expired)
+    assert retained[-1]["parent_id"] == retained[-2]["snapshot_id"]
+
+
+def test_files_view_parses_producer_and_seq_from_paths(built) -> None:
+    stream, results, _ = built
+    con = history(stream)
+    rows = _rows(con, "SELECT * FROM files ORDER BY step, rank")
+    assert len(rows) == 10 * WORLD
+    for row in rows:
+        assert parse_data_path(row["path"]) == (row["producer"], row["seq"], row["rank"])
+    assert con.execute("SELECT sum(records) FROM files").fetchone()[0] == sum(r.rows for r in results)
+    assert con.execute("SELECT sum(bytes) FROM files").fetchone()[0] == sum(r.bytes for r in results)
+
+
+def test_producers_view(built) -> None:
+    stream, _, _ = built
+    rows = _rows(history(stream), "SELECT * FROM producers ORDER BY producer")
+    assert [(r["producer"], r["last_seq"], r["last_step"], r["commits"], r["lag"]) for r in rows] == [
+        ("prep-0", 4, 9, 5, 1), ("prep-1", 4, 10, 5, 0)]
+
+
+def test_checkpoints_view_says_what_each_pins(built) -> None:
+    stream, _, _ = built
+    con = history(stream)
+    rows = _rows(con, "SELECT * FROM checkpoints ORDER BY step")
+    assert [(r["name"], r["step"], r["branch"]) for r in rows] == [("ck6", 6, "main"), ("ck8", 8, "main")]
+    ck6, ck8 = rows
+    assert (ck6["pinned_steps"], ck6["pinned_files"]) == (5, 5 * WORLD)  # resuming after 6 needs 6..10
+    assert (ck8["pinned_steps"], ck8["pinned_files"]) == (3, 3 * WORLD)
+    assert ck6["exclusive_steps"] == 2 and ck8["exclusive_steps"] == 0  # releasing ck6 frees steps 6 and 7 only
+    step_bytes = dict(con.execute("SELECT step, bytes FROM batches").fetchall())
+    assert ck6["pinned_bytes"] == sum(step_bytes[s] for s in range(6, 11))
+    assert ck6["exclusive_bytes"] == step_bytes[6] + step_bytes[7]
+    assert all(r["created_at"] is not None and r["snapshot_id"] for r in rows)
+
+
+def test_snapshots_view_holds_retained_snapshots_only(built) -> None:
+    stream, _, _ = built
+    rows = _rows(history(stream), "SELECT * FROM snapshots ORDER BY step")
+    assert [r["step"] for r in rows] == list(range(11 - RETAIN, 11))
+    assert {r["op"] for r in rows} == {"append"} and all('"lakestream.producers"' in r["summary"] for r in rows)
+
+
+def test_samples_view_reads_the_committed_rows(built) -> None:
+    stream, _, shards = built
+    con = history(stream, samples_steps=(2, 3))
+    got = con.sql("SELECT * FROM samples ORDER BY _step, _rank, producer, i").to_arrow_table()
+    for step in (2, 3):
+        for rank in range(WORLD):
+            part = got.filter(pa.compute.and_(pa.compute.equal(got["_step"], step), pa.compute.equal(got["_rank"], rank)))
+            assert part.drop_columns(["_step", "_rank"]).to_pylist() == shards[step][rank].to_pylist()
+    head_only = history(stream)
+    assert {r[0] for r in head_only.execute("SELECT DISTINCT _step FROM samples").fetchall()} <= {10}
+    assert head_only.execute("SELECT count(*) FROM samples").fetchone()[0] == sum(t.num_rows for t in shards[10])
+
+
+def test_step_rows_for_tail(built) -> None:
+    stream, results, _ = built
+    rows = step_rows(stream, [5, 10], branch="main")
+    assert [(r["step"], r["producer"]) for r in rows] == [(5, results[4].producer), (10, results[9].producer)]
+    assert rows[1]["retained"] and rows[1]["attempts"] >= 1
+
+
+def test_history_after_gc_keeps_what_the_table_still_knows(tmp_path: Path) -> None:
+    stream, results, _ = _build(tmp_path)
+    stream.checkpoint("ck6", step=6)
+    stream.collect_garbage(dry_run=False)
+    con = history(stream, samples_steps=(1, 10))
+    steps = [r[0] for r in con.execute("SELECT step FROM batches WHERE NOT collected ORDER BY step").fetchall()]
+    assert steps == list(range(6, 11))
+    assert {r[0] for r in con.execute("SELECT DISTINCT _step FROM samples").fetchall()} <= set(range(6, 11))
+    assert con.execute("SELECT count(*) FROM files WHERE step < 6").fetchone()[0] == 0
+    assert con.execute("SELECT sum(commits), max(last_seq) FROM producers").fetchone() == (5, 4)
+
+
+def test_empty_stream_has_typed_empty_views(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.empty", schema=SCHEMA, world_size=WORLD)
+    con = history(stream)
+    for view in VIEWS:
+        assert con.execute(f"SELECT count(*) FROM {view}").fetchone()[0] == 0
+    assert "_step" in con.sql("SELECT * FROM samples").columns
+
+
+def test_missing_duckdb_names_the_extra(built, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "duckdb", None)
+    with pytest.raises(MissingExtraError, match=r"pip install 'lakestream-iceberg\[duckdb\]'"):
+        history(built[0])
