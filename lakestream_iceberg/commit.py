@@ -30,6 +30,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.dac import CommitPolicy
+from lakestream_iceberg.diagnose import transient
 from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
 from lakestream_iceberg.summary import StreamState
 
@@ -133,6 +134,7 @@ class CommitLoop:
         metadata = self.table.metadata if reuse else self.refresh(deadline=deadline)
         abandoned: list[str] = []
         attempt = 0
+        io_delay = 0.05
         invalid = 0
         while True:
             attempt += 1
@@ -146,6 +148,17 @@ class CommitLoop:
                 metadata = self.refresh(deadline=deadline)
                 if attempt >= self._max_attempts or self._clock() >= deadline:
                     raise
+                continue
+            except Exception as exc:
+                # Storage unreachable while writing this attempt's manifests: nothing was committed; back off, re-plan.
+                if not transient(exc) or self._clock() + io_delay > deadline:
+                    raise
+                log.warning("planning commit attempt %d on %s failed (%s); retrying", attempt, self.table.name(),
+                            type(exc).__name__)
+                self._sleep(io_delay * self._rng.uniform(0.5, 1.5))
+                io_delay = min(io_delay * 2, 2.0)
+                self._fresh = False
+                metadata = self.refresh(deadline=deadline)
                 continue
             if isinstance(plan, Done):
                 return Outcome(plan.result, attempt, False, metadata, abandoned)

@@ -35,6 +35,7 @@ PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
 PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
 PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
 PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
+PROP_IO_RETRY_TIMEOUT_MS = "lakestream.io.retry-timeout-ms"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,14 +50,17 @@ class StreamConfig:
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
         commit_max_attempts: Attempt budget of one ``commit()`` call.
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
+        io_retry_timeout_ms: How long data-file writes and reads retry a transient storage failure (S3 restarting,
+            connection refused, 5xx) before the error propagates.
     """
 
     world_size: int
-    retain_snapshots: int = 32
+    retain_snapshots: int = 8
     merge_fanout: int = 16
     commit_timeout_ms: int = 300_000
     commit_max_attempts: int = 1_000
     gc_grace_ms: int = 3_600_000
+    io_retry_timeout_ms: int = 120_000
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> StreamConfig:
@@ -83,6 +87,7 @@ class StreamConfig:
             commit_timeout_ms=as_int(PROP_COMMIT_TIMEOUT_MS, defaults.commit_timeout_ms, 1),
             commit_max_attempts=as_int(PROP_COMMIT_MAX_ATTEMPTS, defaults.commit_max_attempts, 1),
             gc_grace_ms=as_int(PROP_GC_GRACE_MS, defaults.gc_grace_ms, 0),
+            io_retry_timeout_ms=as_int(PROP_IO_RETRY_TIMEOUT_MS, defaults.io_retry_timeout_ms, 0),
         )
 
     def to_properties(self) -> dict[str, str]:
@@ -94,10 +99,11 @@ class StreamConfig:
             PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
             PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
             PROP_GC_GRACE_MS: str(self.gc_grace_ms),
+            PROP_IO_RETRY_TIMEOUT_MS: str(self.io_retry_timeout_ms),
             # Exactly one retry owner: lakestream's commit loop. pyiceberg's own retries are off on stream tables.
             "commit.retry.num-retries": "0",
             # Old metadata.json files are dropped by the commit loop once this many newer versions exist.
-            "write.metadata.previous-versions-max": "64",
+            "write.metadata.previous-versions-max": "16",
             "write.metadata.delete-after-commit.enabled": "true",
         }
 

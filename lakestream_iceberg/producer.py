@@ -27,6 +27,7 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.commit import CommitLoop, Done, Plan
+from lakestream_iceberg.diagnose import config_errors
 from lakestream_iceberg.errors import SequenceError
 from lakestream_iceberg.expiry import ancestors, expirable
 from lakestream_iceberg.layout import check_shards
@@ -115,6 +116,10 @@ class Producer:
             CommitTimeoutError: The commit budget ran out; nothing was published; retry with the same seq.
             CommitOutcomeUnknownError: The catalog stayed unreachable; retry with the same seq to reconcile.
         """
+        with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
+            return self._commit(shards, seq=seq, allow_gap=allow_gap)
+
+    def _commit(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> CommitResult:
         started = time.monotonic()
         stream = self._stream
         checked = check_shards(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)

@@ -25,6 +25,7 @@ from pyiceberg.table.snapshots import Snapshot
 from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.commit import CommitLoop
 from lakestream_iceberg.dac import CommitPolicy
+from lakestream_iceberg.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.errors import ConfigError, NotAStreamError, ReadTimeoutError, StreamExistsError
 from lakestream_iceberg.index import StepIndex
 from lakestream_iceberg.layout import (
@@ -66,6 +67,10 @@ def _decode_schema(text: str) -> pa.Schema:
     return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
 
 
+def _reopen(ref: Any) -> Stream:
+    return ref.open()
+
+
 class Stream:
     """One stream of global training batches.
 
@@ -90,6 +95,12 @@ class Stream:
         self.config = StreamConfig.from_properties(props)
         self.cache = cache or DEFAULT_CACHE
         self.payload_arrow_schema: pa.Schema = _decode_schema(props[PROP_ARROW_SCHEMA])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle as an address (catalog name + properties + identifier): the process that unpickles reopens it."""
+        from lakestream_iceberg.follow import StreamRef
+
+        return (_reopen, (StreamRef.of(self),))
 
     # -- construction -------------------------------------------------------------------------------------------------
     @classmethod
@@ -118,6 +129,13 @@ class Stream:
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name.
         """
+        with config_errors(catalog.properties, action=f"creating stream {identifier}", catalog=catalog.name):
+            return cls._create(catalog, identifier, schema=schema, world_size=world_size, location=location,
+                               properties=properties)
+
+    @classmethod
+    def _create(cls, catalog: Catalog, identifier: str, *, schema: pa.Schema, world_size: int, location: str | None,
+                properties: dict[str, str] | None) -> Stream:
         if not isinstance(world_size, int) or world_size < 1:
             raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
         if not isinstance(schema, pa.Schema):
@@ -157,7 +175,8 @@ class Stream:
     @classmethod
     def open(cls, catalog: Catalog, identifier: str) -> Stream:
         """Open an existing stream. Raises ``NoSuchTableError`` (pyiceberg's) when no table has that name."""
-        return cls(catalog.load_table(identifier))
+        with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
+            return cls(catalog.load_table(identifier))
 
     # -- properties -----------------------------------------------------------------------------------------------------
     @property
@@ -301,12 +320,18 @@ class Stream:
             StepCollectedError: Lifecycle GC removed the step.
         """
         check_rank(rank, self.world_size)
-        try:
-            return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
-        except FileNotFoundError:
-            # GC collected files our (stale) view still listed: re-resolve on the current head, once.
-            self.refresh()
-            return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
+
+        def once() -> pa.Table:
+            try:
+                return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
+            except FileNotFoundError:
+                # GC collected files our (stale) view still listed: re-resolve on the current head, once.
+                self.refresh()
+                return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
+
+        what = f"reading step {step} rank {rank} of {self.name}"
+        with config_errors(self.io.properties, action=what):  # storage outages retry; a wrong secret fails at once
+            return call_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_ms / 1000)
 
     def locate(self, step: int, *, branch: str = MAIN) -> list[DataFile]:
         """The data files of ``step`` (one per rank, ordered by rank).
@@ -335,8 +360,16 @@ class Stream:
         """
         deadline = time.monotonic() + timeout
         delay = poll_s
+        error: Exception | None = None
         while True:
-            head = self.head_step(branch=branch)
+            try:
+                head = self.head_step(branch=branch)
+                error = None
+            except Exception as exc:  # the catalog or storage is unreachable for now: keep polling until the deadline
+                if not transient(exc):
+                    raise
+                error = exc
+                head = self.state(branch=branch, refresh=False).step
             if head >= step:
                 return head
             remaining = deadline - time.monotonic()
@@ -344,6 +377,6 @@ class Stream:
                 raise ReadTimeoutError(
                     f"step {step} of {self.name} was not published within {timeout}s (head step is {head}); "
                     "are the producers running?"
-                )
+                ) from error
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, 1.0)

@@ -27,6 +27,7 @@ from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import Record
 
+from lakestream_iceberg.diagnose import call_with_retry
 from lakestream_iceberg.errors import ConfigError
 
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -97,14 +98,20 @@ class BatchWriter:
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
         self._compression = properties.get("write.parquet.compression-codec", "zstd")
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-write")
+        # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long; the path is unique to
+        # this batch and an object appears only when its upload completes, so writing it again is safe.
+        self._retry_s = int(properties.get("lakestream.io.retry-timeout-ms", "120000")) / 1000
 
     def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table]) -> StagedBatch:
         token = uuid.uuid4().hex[:12]
         futures = [
-            self._pool.submit(self._write_one, f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet", rank, shard)
+            self._pool.submit(self._write_retrying, f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet", rank, shard)
             for rank, shard in enumerate(shards)
         ]
         return StagedBatch(producer=producer, seq=seq, files=tuple(f.result() for f in futures))
+
+    def _write_retrying(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
+        return call_with_retry(lambda: self._write_one(path, rank, shard), what=f"writing {path}", timeout_s=self._retry_s)
 
     def _write_one(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
         table = shard.cast(self._arrow_schema) if shard.num_rows else self._arrow_schema.empty_table()

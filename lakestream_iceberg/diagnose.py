@@ -1,0 +1,331 @@
+"""Connection and credential failures, told apart and explained: which setting to fix, never its secret value.
+
+pyiceberg, pyarrow, botocore, requests and SQLAlchemy each report a wrong secret or an unreachable server in their own
+words (``OSError: ... AWS Error ACCESS_DENIED during HeadObject``, ``ForbiddenError: ... signature ... does not
+match``, ``OperationalError: ... Connection refused``). This module maps them to one :class:`ConfigError` whose
+message names the catalog property to fix (``s3.secret-access-key``, ``s3.endpoint``, ``uri``,
+``client.secret-access-key``, ...) and the equivalent ``PYICEBERG_CATALOG__<NAME>__...`` variable, and it tells
+*transient* failures (a server restarting: retry with bounded backoff) from permanent ones (a wrong secret: fail now).
+
+* :func:`explain` -- the :class:`ConfigError` for an exception, or ``None`` when it is not a connection/credential
+  failure;
+* :func:`config_errors` -- a context manager applying :func:`explain` to whatever its block raises;
+* :func:`load_catalog` -- ``pyiceberg.catalog.load_catalog`` with :func:`explain` applied (REST catalogs connect
+  when loaded);
+* :func:`transient` / :func:`call_with_retry` -- bounded, jittered retry of transient storage/catalog failures;
+* :func:`redact` -- removes every secret value of a property dict (and URI passwords) from a text.
+
+Secrets never reach a message: the original exception's text is redacted before it is quoted, and the original
+exception is kept as ``error.original`` instead of being chained (a chained traceback would print it unredacted).
+
+Example:
+    >>> with config_errors(catalog.properties, action="creating stream demo.run"):   # doctest: +SKIP
+    ...     Stream.create(catalog, "demo.run", schema=schema, world_size=2)
+    ConfigError: creating stream demo.run: the S3 server refused the credentials (AWS Error ACCESS_DENIED ...);
+    check s3.access-key-id and s3.secret-access-key (...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from lakestream_iceberg.errors import ConfigError, LakestreamError
+
+__all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "redact", "secret_values", "transient"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# A property whose key contains one of these holds a secret (s3.secret-access-key, client.session-token, token,
+# credential, adls.account-key, gcs.oauth2.token, ...). Its value is never quoted.
+SECRET_KEY_PARTS = ("secret", "password", "token", "credential", "account-key", "private-key", "sas-")
+SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PGPASSWORD")
+REDACTED = "****"
+_URI_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+
+
+# --------------------------------------------------------------------------------------------------- secrets
+
+
+def secret_values(properties: Mapping[str, Any] | None = None) -> list[str]:
+    """Every secret value in ``properties`` and in the environment (catalog env vars included), longest first."""
+    found: set[str] = set()
+    for key, value in (properties or {}).items():
+        if isinstance(value, str) and value and any(part in key.lower() for part in SECRET_KEY_PARTS):
+            found.add(value)
+        if isinstance(value, str):
+            found.update(m.group("password") for m in _URI_PASSWORD.finditer(value))
+    for key, value in os.environ.items():
+        upper = key.upper()
+        if value and (upper in SECRET_ENV_VARS or (upper.startswith("PYICEBERG_") and any(
+                part.replace("-", "_").upper() in upper for part in SECRET_KEY_PARTS))):  # fmt: skip
+            found.add(value)
+    return sorted((v for v in found if len(v) >= 3), key=len, reverse=True)
+
+
+def redact(text: str, properties: Mapping[str, Any] | None = None) -> str:
+    """``text`` without any secret value of ``properties`` (or the environment) and without URI passwords."""
+    text = _URI_PASSWORD.sub(lambda m: f"{m.group('scheme')}{m.group('user')}:{REDACTED}@", text)
+    for value in secret_values(properties):
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def _env_name(catalog: str | None, key: str) -> str:
+    name = (catalog or "<NAME>").upper().replace("-", "_")
+    return f"PYICEBERG_CATALOG__{name}__" + key.replace(".", "__").replace("-", "_").upper()
+
+
+# --------------------------------------------------------------------------------------------------- classification
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _text(exc: BaseException) -> str:
+    return " ".join(f"{type(e).__module__}.{type(e).__name__}: {e}" for e in _chain(exc))
+
+
+def _kind(exc: BaseException) -> str | None:
+    """Which component failed: ``s3`` (object storage), ``sql`` (SQL catalog database), ``rest`` (REST catalog)."""
+    for e in _chain(exc):
+        module = type(e).__module__
+        if module.startswith(("sqlalchemy", "psycopg", "pg8000", "sqlite3")):
+            return "sql"
+        if module.startswith(("requests", "urllib3")) or (module.startswith("pyiceberg.exceptions") and _is_rest_error(e)):
+            return "rest"
+        if module.startswith(("botocore", "aiobotocore", "s3fs")):
+            return "s3"
+        if isinstance(e, OSError) and "AWS Error" in str(e):
+            return "s3"
+    return None
+
+
+def _is_rest_error(e: BaseException) -> bool:
+    return type(e).__name__ in {"ForbiddenError", "UnauthorizedError", "ServerError", "ServiceUnavailableError",
+                                "AuthorizationExpiredError", "OAuthError", "RESTError", "BadRequestError"}  # fmt: skip
+
+
+_S3_AUTH = re.compile(r"ACCESS_DENIED|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
+                      r"InvalidAccessKeyId|AccessDenied|InvalidToken|ExpiredToken|NoCredentials|Unable to locate credentials|"
+                      r"HTTP status 403|HTTP status 401")  # fmt: skip
+_S3_SECRET = re.compile(r"SIGNATURE_DOES_NOT_MATCH|SignatureDoesNotMatch")
+_S3_KEY_ID = re.compile(r"INVALID_ACCESS_KEY_ID|InvalidAccessKeyId")
+_S3_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode: (?:6|7|28|35|52|55|56)\b|Could not connect|Could not resolve|"
+                             r"EndpointConnectionError|ConnectTimeoutError|ReadTimeoutError|Connect timeout|"
+                             r"Connection (?:refused|reset)|timed out|Timeout was reached")  # fmt: skip
+_S3_TIMEOUT = re.compile(r"curlCode: 28|Timeout was reached|timed out|ConnectTimeoutError|ReadTimeoutError")
+_S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status 5\d\d|"
+                        r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout")  # fmt: skip
+_S3_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist")
+_SQL_AUTH = re.compile(r"password authentication failed|no password supplied|authentication failed|"
+                       r"role \"[^\"]*\" does not exist|pg_hba\.conf", re.I)  # fmt: skip
+_SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not translate host name|timeout expired|"
+                              r"server closed the connection|terminating connection|Is the server running|"
+                              r"the database system is (?:starting up|shutting down|in recovery mode)|"
+                              r"connection to server .* failed|SSL connection has been closed|unable to open database file",
+                              re.I)  # fmt: skip
+_SQL_DATABASE = re.compile(r"database \"[^\"]*\" does not exist", re.I)
+
+
+def transient(exc: BaseException) -> bool:
+    """True for failures worth retrying: a server unreachable, restarting or overloaded (not a wrong secret,
+    not a missing file or bucket)."""
+    if isinstance(exc, LakestreamError) or isinstance(exc, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    text = _text(exc)
+    kind = _kind(exc)
+    if kind == "s3" or (isinstance(exc, OSError) and "AWS Error" in text):
+        if _S3_AUTH.search(text) or _S3_BUCKET.search(text):
+            return False
+        return bool(_S3_UNREACHABLE.search(text) or _S3_SERVER.search(text))
+    if kind == "sql":
+        if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text):
+            return False
+        names = {type(e).__name__ for e in _chain(exc)}
+        return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError"}) or bool(_SQL_UNREACHABLE.search(text))
+    if kind == "rest":
+        names = {type(e).__name__ for e in _chain(exc)}
+        return bool(names & {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "ServerError",
+                             "ServiceUnavailableError", "ChunkedEncodingError", "ProtocolError"})  # fmt: skip
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+# --------------------------------------------------------------------------------------------------- explanation
+
+
+def _settings(keys: list[str], catalog: str | None) -> str:
+    named = " and ".join(keys)
+    envs = ", ".join(_env_name(catalog, k) for k in keys)
+    return f"check {named} in .pyiceberg.yaml (or {envs})"
+
+
+def explain(
+    exc: BaseException,
+    properties: Mapping[str, Any] | None = None,
+    *,
+    action: str | None = None,
+    catalog: str | None = None,
+) -> ConfigError | None:
+    """The :class:`ConfigError` for a connection or credential failure, naming the setting; ``None`` otherwise.
+
+    Args:
+        exc: What pyiceberg / pyarrow / botocore / requests / SQLAlchemy raised.
+        properties: The catalog (or FileIO) properties in use: endpoints are quoted from them, secrets redacted.
+        action: What was being done ("opening stream demo.run"), the message's prefix.
+        catalog: The catalog name, for the ``PYICEBERG_CATALOG__<NAME>__...`` hint.
+    """
+    if isinstance(exc, LakestreamError):
+        return None
+    props = dict(properties or {})
+    kind = _kind(exc)
+    text = _text(exc)
+    prefix = f"{action}: " if action else ""
+    detail = redact(" ".join(str(exc).split()) or type(exc).__name__, props)
+    if len(detail) > 400:
+        detail = detail[:400] + " ..."
+    message: str | None = None
+
+    if kind == "s3":
+        endpoint = props.get("s3.endpoint") or "the default AWS endpoint"
+        if _S3_SECRET.search(text):
+            message = ("the S3 server rejected the request signature: the secret key is wrong; "
+                       + _settings(["s3.secret-access-key"], catalog))  # fmt: skip
+        elif _S3_KEY_ID.search(text):
+            message = "the S3 server does not know the access key id; " + _settings(["s3.access-key-id"], catalog)
+        elif _S3_AUTH.search(text):
+            message = ("the S3 server refused the credentials (wrong or missing key, or no permission on the bucket); "
+                       + _settings(["s3.access-key-id", "s3.secret-access-key"], catalog))  # fmt: skip
+        elif _S3_BUCKET.search(text):
+            message = "the S3 bucket does not exist; " + _settings(["warehouse"], catalog) + " (or the table location)"
+        elif _S3_TIMEOUT.search(text):
+            message = (f"the S3 endpoint {endpoint} did not answer in time; "
+                       + _settings(["s3.endpoint"], catalog)
+                       + " (each attempt is bounded by s3.connect-timeout and s3.request-timeout, in seconds)")  # fmt: skip
+        elif _S3_UNREACHABLE.search(text):
+            message = f"cannot connect to the S3 endpoint {endpoint}; " + _settings(["s3.endpoint"], catalog)
+    elif kind == "sql":
+        uri = redact(str(props.get("uri", "")), props) or "the catalog database"
+        if _SQL_AUTH.search(text):
+            message = (
+                f"the catalog database {uri} refused the login; check the user and password in uri "
+                f"(or {_env_name(catalog, 'uri')}; prefer a password file / PGPASSWORD over a password in the uri)"
+            )
+        elif _SQL_DATABASE.search(text):
+            message = f"the catalog database in {uri} does not exist; create it or " + _settings(["uri"], catalog)
+        elif "timeout expired" in text or "timed out" in text:
+            message = (f"the catalog database {uri} did not answer in time; " + _settings(["uri"], catalog)
+                       + " (bound the wait with ?connect_timeout=SECONDS in the uri)")  # fmt: skip
+        elif _SQL_UNREACHABLE.search(text):
+            message = f"cannot connect to the catalog database {uri}; " + _settings(["uri"], catalog)
+    elif kind == "rest":
+        uri = props.get("uri") or "the REST catalog"
+        names = {type(e).__name__ for e in _chain(exc)}
+        if "ForbiddenError" in names or "UnauthorizedError" in names or "AuthorizationExpiredError" in names:
+            if "access key id you provided does not exist" in text.lower() or "InvalidAccessKeyId" in text:
+                message = "the REST catalog does not know the access key id; " + _settings(["client.access-key-id"], catalog)
+            elif props.get("rest.sigv4-enabled", "").lower() == "true" or "signature" in text.lower():
+                message = ("the REST catalog rejected the request signature; "
+                           + _settings(["client.access-key-id", "client.secret-access-key"], catalog)
+                           + " (and rest.signing-region / rest.signing-name)")  # fmt: skip
+            else:
+                message = ("the REST catalog refused the credentials; "
+                           + _settings(["credential", "token"], catalog) + " (or enable rest.sigv4-enabled)")  # fmt: skip
+        elif names & {"ConnectTimeout", "ReadTimeout", "Timeout"}:
+            message = f"the REST catalog {uri} did not answer in time; " + _settings(["uri"], catalog)
+        elif names & {"ConnectionError", "NewConnectionError", "MaxRetryError"}:
+            message = f"cannot connect to the REST catalog {uri}; " + _settings(["uri"], catalog)
+    if message is None:
+        return None
+    error = ConfigError(f"{prefix}{message}. Cause: {detail}")
+    error.original = exc  # type: ignore[attr-defined]  # kept for debugging; not chained (its text is unredacted)
+    return error
+
+
+@contextlib.contextmanager
+def config_errors(
+    properties: Mapping[str, Any] | None = None, *, action: str | None = None, catalog: str | None = None
+) -> Iterator[None]:
+    """Raise :func:`explain`'s :class:`ConfigError` for a connection/credential failure in the block; other
+    exceptions pass through unchanged."""
+    try:
+        yield
+    except Exception as exc:
+        error = explain(exc, properties, action=action, catalog=catalog)
+        if error is None:
+            raise
+        raise error from None
+
+
+def load_catalog(name: str, **properties: str) -> Any:
+    """``pyiceberg.catalog.load_catalog`` that raises a :class:`ConfigError` naming the setting on connection or
+    credential failures (SQL catalogs connect when loaded, REST catalogs fetch their config).
+
+    It also installs the two REST client fixes pyiceberg 0.12 needs for SigV4 object-store catalogs (the
+    ``x-amz-content-sha256`` header, see :mod:`lakestream_iceberg.rest_sigv4`, and request timeouts, see
+    :mod:`lakestream_iceberg.rest_timeout`); both are idempotent and off where pyiceberg does not need them.
+
+    Example:
+        >>> from lakestream_iceberg import load_catalog
+        >>> catalog = load_catalog("prod")  # .pyiceberg.yaml / PYICEBERG_CATALOG__PROD__* as usual  # doctest: +SKIP
+    """
+    from pyiceberg.catalog import load_catalog as _load
+
+    from lakestream_iceberg.rest_sigv4 import install_rest_sigv4_fix
+    from lakestream_iceberg.rest_timeout import install_rest_timeout
+
+    install_rest_sigv4_fix()
+    install_rest_timeout()
+
+    with config_errors(properties, action=f"loading catalog {name!r}", catalog=name):
+        return _load(name, **properties)
+
+
+# --------------------------------------------------------------------------------------------------- retry
+
+
+def call_with_retry(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    timeout_s: float,
+    is_transient: Callable[[BaseException], bool] = transient,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+    rng: random.Random | None = None,
+) -> T:
+    """``fn()``, retried on transient failures with jittered exponential backoff (50 ms doubling to 2 s) for at most
+    ``timeout_s`` seconds; then (or at once for a permanent failure) the last exception propagates unchanged.
+
+    Only idempotent ``fn`` may be retried (writing a whole object to a fixed path, reading one).
+    """
+    deadline = clock() + timeout_s
+    delay = 0.05
+    rand = rng or random.Random()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return fn()
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            pause = delay * rand.uniform(0.5, 1.5)
+            if clock() + pause > deadline:
+                raise
+            log.warning("%s failed (%s, attempt %d); retrying in %.2fs", what, type(exc).__name__, attempt, pause)
+            sleep(pause)
+            delay = min(delay * 2, 2.0)
