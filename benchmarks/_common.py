@@ -1,0 +1,217 @@
+"""Helpers shared by the benchmarks: statistics, result tables, JSON results, environment info.
+
+Generic on purpose (no lakestream imports): any benchmark under ``benchmarks/`` may use it.
+
+    from _common import percentile, jain_index, Table, write_json   # benchmarks/ is on sys.path when run as a script
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+RESULTS_DIR = BENCH_DIR / "results"
+
+__all__ = [
+    "BENCH_DIR",
+    "REPO_ROOT",
+    "RESULTS_DIR",
+    "Table",
+    "environment",
+    "fmt_ms",
+    "jain_index",
+    "percentile",
+    "summarize",
+    "write_json",
+]
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation between order statistics (numpy's default).
+
+    Returns NaN for an empty input.
+
+    >>> percentile([1, 2, 3, 4], 50)
+    2.5
+    >>> percentile([5.0], 99)
+    5.0
+    """
+    data = sorted(float(v) for v in values)
+    if not data:
+        return math.nan
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be within 0..100, got {q}")
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def jain_index(values: Iterable[float]) -> float:
+    """Jain's fairness index ``(sum x)^2 / (n * sum x^2)``: 1.0 when all equal, ``1/n`` when one gets everything.
+
+    An all-zero input is perfectly fair (1.0); an empty one is NaN.
+
+    >>> jain_index([3, 3, 3])
+    1.0
+    >>> round(jain_index([1, 0, 0, 0]), 2)
+    0.25
+    """
+    xs = [float(v) for v in values]
+    if not xs:
+        return math.nan
+    sq = sum(x * x for x in xs)
+    if sq == 0:
+        return 1.0
+    return sum(xs) ** 2 / (len(xs) * sq)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """count, mean, p50, p90, p99, max of a sample (NaN where undefined)."""
+    n = len(values)
+    return {
+        "count": n,
+        "mean": (sum(values) / n) if n else math.nan,
+        "p50": percentile(values, 50),
+        "p90": percentile(values, 90),
+        "p99": percentile(values, 99),
+        "max": max(values) if n else math.nan,
+    }
+
+
+def fmt_ms(seconds: float, digits: int = 1) -> str:
+    """Seconds as a millisecond string ('-' for NaN/None)."""
+    if seconds is None or (isinstance(seconds, float) and math.isnan(seconds)):
+        return "-"
+    return f"{seconds * 1000:.{digits}f}"
+
+
+# ------------------------------------------------------------------------------------------------ tables
+
+
+@dataclass
+class Table:
+    """A plain-text result table: add rows, then ``str()`` or ``print()`` it (also exported as dicts to JSON).
+
+    >>> t = Table("demo", ["P", "commits/s"])
+    >>> t.add(1, 52.25)
+    >>> print(t)  # doctest: +NORMALIZE_WHITESPACE
+    == demo ==
+    P  commits/s
+    -  ---------
+    1  52.25
+    """
+
+    title: str
+    columns: list[str]
+    rows: list[list[Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, *values: Any) -> None:
+        if len(values) != len(self.columns):
+            raise ValueError(f"table {self.title!r} has {len(self.columns)} columns, got {len(values)} values")
+        self.rows.append(list(values))
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    @staticmethod
+    def _cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            if math.isnan(value):
+                return "-"
+            if value == 0:
+                return "0"
+            if abs(value) >= 1000:
+                return f"{value:,.0f}"
+            if abs(value) >= 100:
+                return f"{value:.1f}"
+            return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3f}"
+        return str(value)
+
+    def __str__(self) -> str:
+        cells = [[self._cell(v) for v in row] for row in self.rows]
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(self.columns)]
+        lines = [f"== {self.title} =="]
+        lines.append("  ".join(c.ljust(w) for c, w in zip(self.columns, widths, strict=False)).rstrip())
+        lines.append("  ".join("-" * w for w in widths))
+        for row in cells:
+            lines.append("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=False)).rstrip())
+        lines.extend(f"  {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def as_dicts(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row, strict=False)) for row in self.rows]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"title": self.title, "columns": self.columns, "rows": self.as_dicts(), "notes": self.notes}
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+def environment(extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Where and how a result was measured (host, CPUs, load, Python and key package versions)."""
+    versions: dict[str, str] = {}
+    for name in ("pyiceberg", "pyarrow", "sqlalchemy", "psycopg2", "numpy"):
+        module = sys.modules.get(name)
+        if module is not None:
+            versions[name] = str(getattr(module, "__version__", "?"))
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    env: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "loadavg_at_write": load,
+        "argv": sys.argv,
+        "versions": versions,
+    }
+    env.update(extra or {})
+    return env
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Table):
+        return value.to_json()
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "__dataclass_fields__"):
+        return _jsonable(value.__dict__)
+    return value
+
+
+def write_json(name: str, payload: Mapping[str, Any], *, directory: Path | None = None) -> Path:
+    """Write ``payload`` (plus ``environment()``) to ``benchmarks/results/<name>.json``; NaN becomes null."""
+    out_dir = directory or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / (name if name.endswith(".json") else f"{name}.json")
+    body = {"environment": environment(), **payload}
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_jsonable(body), indent=2, sort_keys=False) + "\n")
+    tmp.replace(path)
+    return path

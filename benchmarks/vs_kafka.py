@@ -1,0 +1,933 @@
+"""lakestream vs a Kafka-protocol broker (Tansu), same machine, same payloads.
+
+What is measured (see benchmarks/README.md for the meaning of every number):
+
+1. ingestion MiB/s: P producer processes (P = 1, 4, 8) publish global batches of 1, 16 and 64 MiB (world size W shards)
+   as fast as they can for ``--duration`` seconds. Kafka: one transaction per global batch, one message per rank shard
+   (partition = rank, key = producer/seq), idempotent + transactional producer. lakestream: ``Producer.commit(shards)``
+   on the embedded SQLite catalog and a local warehouse in a temp dir.
+2. visibility latency p50/p99: 2 paced producers, one consumer that assembles whole global batches (all W shards
+   decoded). Latency = the moment the producer starts publishing a batch -> the consumer holds all W shards.
+   Kafka consumer: read_committed, fetch.wait.max.ms=10; lakestream consumer: LakestreamDataset(follow=True) polling
+   the catalog every 10 ms.
+3. message size limit: what the client and the broker do with 128 KiB .. 8 MiB shards (and one 64 MiB message).
+4. producer death: kill -9 a producer after it sent half the shards of a batch; is a partial batch visible?
+
+Run: ``.venv/bin/python benchmarks/vs_kafka.py`` (about 4-5 minutes on 2 cores) or ``--smoke`` (seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import math
+import multiprocessing as mp
+import os
+import random
+import resource
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+from _common import RESULTS_DIR, Table, percentile, write_json  # noqa: E402
+from _kafka import Tansu, admin_config, create_topic, tansu_version  # noqa: E402
+
+MiB = 1 << 20
+SAMPLE_BYTES = 64 * 1024
+SCHEMA = pa.schema([("sample", pa.binary())])
+CTX = mp.get_context("fork")
+NAME = "bench.batches"
+
+
+# ---------------------------------------------------------------------------------------------------- payloads
+
+
+def cpu_s() -> float:
+    """CPU seconds (user + system, all threads) this process used so far."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+
+def make_shards(batch_bytes: int, world_size: int, seed: int) -> list[pa.Table]:
+    """One global batch: ``world_size`` shards of incompressible 64 KiB samples, ``batch_bytes`` in total."""
+    rng = np.random.default_rng(seed)
+    per_shard = batch_bytes // world_size
+    rows = max(1, per_shard // SAMPLE_BYTES)
+    size = per_shard // rows
+    shards = []
+    for _ in range(world_size):
+        blob = rng.bytes(rows * size)
+        shards.append(pa.table({"sample": pa.array([blob[i * size:(i + 1) * size] for i in range(rows)], pa.binary())}))
+    return shards
+
+
+def payload_bytes(shards: list[pa.Table]) -> int:
+    return sum(sum(len(v) for v in t.column("sample").to_pylist()) for t in shards)
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(value: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(value)).read_all()
+
+
+# ---------------------------------------------------------------------------------------------------- Kafka side
+
+
+def client_log() -> logging.Logger:
+    """librdkafka's log lines (connection closed by a stopped broker, ...) go to a file, not the console."""
+    log = logging.getLogger("vs_kafka.librdkafka")
+    if not log.handlers:
+        path = os.environ.get("VS_KAFKA_CLIENT_LOG", os.path.join(tempfile.gettempdir(), "vs_kafka-librdkafka.log"))
+        log.addHandler(logging.FileHandler(path))
+        log.propagate = False
+        log.setLevel(logging.INFO)
+    return log
+
+
+def kafka_producer_config(bootstrap: str, *, shard_bytes: int, txn_id: str | None, **extra: Any) -> dict[str, Any]:
+    """What a careful Kafka user sets for exactly-once global batches."""
+    cfg: dict[str, Any] = {
+        "bootstrap.servers": bootstrap,
+        "enable.idempotence": True,  # implies acks=all, max.in.flight<=5, retries
+        "acks": "all",
+        "compression.type": "none",  # the payload is incompressible; lakestream's zstd finds nothing either
+        "linger.ms": 0,
+        # The shard must fit one message: raised above librdkafka's 1,000,000-byte default when needed.
+        "message.max.bytes": max(1_000_000, shard_bytes + MiB),
+        "log.connection.close": False,
+        "logger": client_log(),
+    }
+    if txn_id is not None:
+        cfg["transactional.id"] = txn_id
+    cfg.update(extra)
+    return cfg
+
+
+def kafka_consumer_config(bootstrap: str, *, group: str, shard_bytes: int, isolation: str = "read_committed") -> dict[str, Any]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "group.id": group,
+        "enable.auto.commit": False,
+        "auto.offset.reset": "earliest",
+        "isolation.level": isolation,
+        "fetch.wait.max.ms": 10,
+        "max.partition.fetch.bytes": max(MiB, shard_bytes + MiB),
+        "log.connection.close": False,
+        "logger": client_log(),
+    }
+
+
+def _produce(producer: Any, topic: str, value: bytes, key: bytes, partition: int) -> None:
+    while True:
+        try:
+            producer.produce(topic, value=value, key=key, partition=partition)
+            return
+        except BufferError:  # local queue full: serve delivery reports and retry
+            producer.poll(0.01)
+
+
+def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+    from confluent_kafka import Producer
+
+    shards = make_shards(spec["batch_bytes"], spec["world_size"], seed=idx)
+    nbytes = payload_bytes(shards)
+    shard_bytes = spec["batch_bytes"] // spec["world_size"]
+    txn = spec.get("transactions", True)
+    producer = Producer(kafka_producer_config(spec["bootstrap"], shard_bytes=shard_bytes,
+                                              txn_id=f"{spec['run']}-p{idx}" if txn else None))
+    if txn:
+        producer.init_transactions(30)
+    records: list[tuple[Any, float, float]] = []
+    cpu0 = cpu_s()
+    ready.release()
+    go.wait()
+    t_go = spec_go_time(spec, go)
+    seq = 0
+    while True:
+        if spec["mode"] == "saturate":
+            if time.monotonic() >= t_go + spec["duration"]:
+                break
+        else:
+            if seq >= spec["batches"]:
+                break
+            _sleep_until(t_go + spec["interval"] * (seq + idx / max(1, spec["producers"])))
+        t0 = time.monotonic()
+        key = f"p{idx}/{seq}".encode()
+        if txn:
+            producer.begin_transaction()
+        for rank, shard in enumerate(shards):
+            _produce(producer, spec["topic"], to_ipc(shard), key, rank)
+        if txn:
+            producer.commit_transaction(60)
+        else:
+            left = producer.flush(60)
+            if left:
+                raise RuntimeError(f"{left} messages not delivered")
+        records.append((f"p{idx}/{seq}", t0, time.monotonic()))
+        seq += 1
+    out.put({"idx": idx, "records": records, "bytes_per_batch": nbytes, "cpu_s": cpu_s() - cpu0})
+
+
+def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+    world = spec["world_size"]
+    consumer = Consumer(kafka_consumer_config(spec["bootstrap"], group=f"{spec['run']}-c",
+                                              shard_bytes=spec["batch_bytes"] // world))
+    consumer.assign([TopicPartition(spec["topic"], r, OFFSET_BEGINNING) for r in range(world)])
+    groups: dict[str, dict[int, pa.Table]] = {}
+    seen: dict[str, float] = {}
+    cpu0 = cpu_s()
+    ready.release()
+    go.wait()
+    expected = spec["expected"]
+    try:
+        while len(seen) < expected and not stop.is_set():
+            for msg in consumer.consume(num_messages=64, timeout=0.01):
+                if msg.error():
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(str(msg.error()))
+                    continue
+                key = msg.key().decode()
+                group = groups.setdefault(key, {})
+                group[msg.partition()] = from_ipc(msg.value())
+                if len(group) == world:
+                    batch = pa.concat_tables([group[r] for r in range(world)])
+                    assert batch.num_rows > 0
+                    seen[key] = time.monotonic()
+                    del groups[key]
+    finally:
+        consumer.close()
+    out.put({"consumer": True, "seen": seen, "partial": {k: len(v) for k, v in groups.items()}, "cpu_s": cpu_s() - cpu0})
+
+
+# ---------------------------------------------------------------------------------------------------- lakestream side
+
+
+def sqlite_catalog(root: str) -> Any:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+
+
+def lake_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+    from lakestream_iceberg import Stream
+
+    shards = make_shards(spec["batch_bytes"], spec["world_size"], seed=idx)
+    nbytes = payload_bytes(shards)
+    stream = Stream.open(sqlite_catalog(spec["root"]), NAME)
+    producer = stream.producer(f"p{idx}")
+    records: list[tuple[Any, float, float]] = []
+    attempts = 0
+    cpu0 = cpu_s()
+    ready.release()
+    go.wait()
+    t_go = spec_go_time(spec, go)
+    seq = 0
+    while True:
+        if spec["mode"] == "saturate":
+            if time.monotonic() >= t_go + spec["duration"]:
+                break
+        else:
+            if seq >= spec["batches"]:
+                break
+            _sleep_until(t_go + spec["interval"] * (seq + idx / max(1, spec["producers"])))
+        t0 = time.monotonic()
+        result = producer.commit(shards)
+        records.append((result.step, t0, time.monotonic()))
+        attempts += result.attempts
+        seq += 1
+    out.put({"idx": idx, "records": records, "bytes_per_batch": nbytes, "attempts": attempts, "cpu_s": cpu_s() - cpu0})
+
+
+def _table_rows(shard: Any) -> Any:
+    return shard.table
+
+
+def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
+    from lakestream_iceberg import Stream
+    from lakestream_iceberg.dataset import LakestreamDataset
+
+    stream = Stream.open(sqlite_catalog(spec["root"]), NAME)
+    dataset = LakestreamDataset(stream, rank=0, world_size=1, follow=True, timeout=spec["consumer_timeout"],
+                                poll_s=0.01, max_poll_s=0.01, prefetch=1, collate=_table_rows)
+    seen: dict[int, float] = {}
+    cpu0 = cpu_s()
+    ready.release()
+    go.wait()
+    try:
+        for table in dataset:
+            assert table.num_rows > 0
+            seen[dataset.last_step] = time.monotonic()
+            if len(seen) >= spec["expected"] or stop.is_set():
+                break
+    finally:
+        dataset.close()
+    out.put({"consumer": True, "seen": seen, "partial": {}, "cpu_s": cpu_s() - cpu0})
+
+
+# ---------------------------------------------------------------------------------------------------- orchestration
+
+
+def spec_go_time(spec: dict[str, Any], go: Any) -> float:
+    return float(spec["_go_time"].value)
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _kill_all(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+    for proc in procs:
+        proc.join(5)
+
+
+def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any | None, timeout_s: float) -> dict[str, Any]:
+    """Start P producers (and a consumer), release them together, collect their reports."""
+    n = spec["producers"] + (1 if consumer_main else 0)
+    ready = CTX.Semaphore(0)
+    go = CTX.Event()
+    stop = CTX.Event()
+    out = CTX.Queue()
+    spec = dict(spec, _go_time=CTX.Value("d", 0.0))
+    procs = [CTX.Process(target=_guard, args=(producer_main, out, spec, i, ready, go, out), daemon=True)
+             for i in range(spec["producers"])]
+    if consumer_main:
+        procs.append(CTX.Process(target=_guard, args=(consumer_main, out, spec, ready, go, out, stop), daemon=True))
+    try:
+        for proc in procs:
+            proc.start()
+        for _ in range(n):
+            if not ready.acquire(timeout=120):
+                raise TimeoutError("benchmark processes did not get ready within 120 s")
+        spec["_go_time"].value = time.monotonic() + 0.05
+        go.set()
+        reports: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout_s
+        producers_done = 0
+        while len(reports) < n:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"run {spec['run']} did not finish within {timeout_s:.0f}s")
+            try:
+                report = out.get(timeout=min(remaining, 1.0))
+            except Exception:  # noqa: BLE001 - queue.Empty
+                drained = time.monotonic() > spec.get("_drain_until", math.inf)
+                if consumer_main and producers_done == spec["producers"] and drained:
+                    stop.set()
+                continue
+            if "error" in report:
+                raise RuntimeError(f"worker of run {spec['run']} failed:\n{report['error']}")
+            reports.append(report)
+            if not report.get("consumer"):
+                producers_done += 1
+                if producers_done == spec["producers"]:
+                    spec["_drain_until"] = time.monotonic() + spec.get("drain_s", 15.0)
+        for proc in procs:
+            proc.join(10)
+        t_go = spec["_go_time"].value
+        return {"reports": reports, "t_go": t_go}
+    finally:
+        _kill_all(procs)
+
+
+def _guard(main: Any, out: Any, *args: Any) -> None:
+    try:
+        main(*args)
+    except BaseException:  # noqa: BLE001 - report to the parent, whatever it was
+        out.put({"error": traceback.format_exc()})
+
+
+def summarize_ingestion(result: dict[str, Any]) -> dict[str, Any]:
+    producers = [r for r in result["reports"] if not r.get("consumer")]
+    batches = sum(len(r["records"]) for r in producers)
+    total = sum(len(r["records"]) * r["bytes_per_batch"] for r in producers)
+    last = max((rec[2] for r in producers for rec in r["records"]), default=result["t_go"])
+    elapsed = max(1e-9, last - result["t_go"])
+    commit_s = [rec[2] - rec[1] for r in producers for rec in r["records"]]
+    cpu = sum(r["cpu_s"] for r in producers) + result.get("broker_cpu_s", 0.0)
+    return {
+        "cpu_s": cpu,
+        "cpu_s_per_gib": cpu / (total / (1 << 30)) if total else math.nan,
+        "batches": batches,
+        "mib": total / MiB,
+        "elapsed_s": elapsed,
+        "mib_s": total / MiB / elapsed,
+        "publish_p50_ms": percentile(commit_s, 50) * 1000,
+        "publish_p99_ms": percentile(commit_s, 99) * 1000,
+        "attempts_per_commit": (sum(r.get("attempts", 0) for r in producers) / batches)
+        if batches and "attempts" in producers[0] else None,
+    }
+
+
+def summarize_latency(result: dict[str, Any], key_of: Any) -> dict[str, Any]:
+    producers = [r for r in result["reports"] if not r.get("consumer")]
+    consumer = next(r for r in result["reports"] if r.get("consumer"))
+    seen = consumer["seen"]
+    e2e, after_ack, publish = [], [], []
+    missing = 0
+    warmup = 1  # each producer's first batch (cold caches, first connections) is left out, on both systems
+    for r in producers:
+        for rec in r["records"][warmup:]:
+            publish.append(rec[2] - rec[1])
+            key = key_of(rec[0])
+            if key not in seen:
+                missing += 1
+                continue
+            e2e.append(seen[key] - rec[1])
+            after_ack.append(seen[key] - rec[2])
+    total = sum(len(r["records"]) * r["bytes_per_batch"] for r in producers)
+    cpu = sum(r["cpu_s"] for r in result["reports"]) + result.get("broker_cpu_s", 0.0)
+    return {
+        "cpu_s_per_gib": cpu / (total / (1 << 30)) if total else math.nan,
+        "n": len(e2e),
+        "missing": missing,
+        "partial_groups_left": len(consumer["partial"]),
+        "p50_ms": percentile(e2e, 50) * 1000,
+        "p99_ms": percentile(e2e, 99) * 1000,
+        "max_ms": (max(e2e) * 1000) if e2e else math.nan,
+        "after_ack_p50_ms": percentile(after_ack, 50) * 1000,
+        "after_ack_p99_ms": percentile(after_ack, 99) * 1000,
+        "publish_p50_ms": percentile(publish, 50) * 1000,
+        "publish_p99_ms": percentile(publish, 99) * 1000,
+        "warmup_batches_excluded": warmup,
+    }
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="vs_kafka-"))
+        (self.tmp / "logs").mkdir()
+        os.environ.setdefault("VS_KAFKA_CLIENT_LOG", str(self.tmp / "logs" / "librdkafka.log"))
+        self.run_no = 0
+
+    def close(self) -> None:
+        if not self.args.keep_tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def next_run(self, label: str) -> str:
+        self.run_no += 1
+        return f"r{self.run_no}-{label}"
+
+    # -- one run per system ---------------------------------------------------------------------------------------
+    def kafka_run(self, *, mode: str, producers: int, batch_bytes: int, consumer: bool,
+                  **kw: Any) -> tuple[dict[str, Any], float]:
+        run = self.next_run("kafka")
+        with Tansu(self.tmp / "logs") as broker:
+            topic = f"batches-{run}"
+            create_topic(broker.bootstrap, topic, self.args.world_size)
+            spec = dict(run=run, mode=mode, producers=producers, batch_bytes=batch_bytes, world_size=self.args.world_size,
+                        bootstrap=broker.bootstrap, topic=topic, **kw)
+            cpu0 = broker.cpu_s()
+            result = run_processes(spec, kafka_producer_main, kafka_consumer_main if consumer else None,
+                                   timeout_s=self.args.run_timeout)
+            result["broker_cpu_s"] = broker.cpu_s() - cpu0
+            rss = broker.rss_mb() or math.nan
+        return result, rss
+
+    def lake_run(self, *, mode: str, producers: int, batch_bytes: int, consumer: bool,
+                 **kw: Any) -> tuple[dict[str, Any], float]:
+        from lakestream_iceberg import Stream
+
+        run = self.next_run("lake")
+        root = self.tmp / run
+        (root / "warehouse").mkdir(parents=True)
+        catalog = sqlite_catalog(str(root))
+        Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size)
+        catalog.engine.dispose()  # no pooled SQLite connection crosses the fork
+        try:
+            spec = dict(run=run, mode=mode, producers=producers, batch_bytes=batch_bytes, world_size=self.args.world_size,
+                        root=str(root), consumer_timeout=self.args.run_timeout, **kw)
+            result = run_processes(spec, lake_producer_main, lake_consumer_main if consumer else None,
+                                   timeout_s=self.args.run_timeout)
+            disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / MiB
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return result, disk
+
+    # -- 1. ingestion ------------------------------------------------------------------------------------------------
+    def ingestion(self) -> tuple[Table, list[dict[str, Any]]]:
+        table = Table(f"ingestion, MiB/s (W={self.args.world_size} shards/batch, {self.args.duration:g} s per run, saturated, "
+                      "no consumer; ratio > 1: lakestream faster)",
+                      ["batch MiB", "P", "kafka MiB/s", "lakestream MiB/s", "ratio", "kafka publish p50 ms",
+                       "lake commit p50 ms", "lake CAS attempts/commit", "kafka CPU s/GiB", "lake CPU s/GiB"])
+        rows = []
+        for size in self.args.sizes:
+            for p in self.args.producers:
+                kw = dict(mode="saturate", producers=p, batch_bytes=size * MiB, consumer=False, duration=self.args.duration)
+                k_res, rss = self.kafka_run(**kw)
+                l_res, disk = self.lake_run(**kw)
+                k, lk = summarize_ingestion(k_res), summarize_ingestion(l_res)
+                ratio = lk["mib_s"] / k["mib_s"] if k["mib_s"] else math.nan
+                table.add(size, p, k["mib_s"], lk["mib_s"], ratio, k["publish_p50_ms"], lk["publish_p50_ms"],
+                          lk["attempts_per_commit"], k["cpu_s_per_gib"], lk["cpu_s_per_gib"])
+                rows.append({"batch_mib": size, "producers": p, "kafka": k, "lakestream": lk, "ratio_mib_s": ratio,
+                             "kafka_broker_rss_mib": rss, "lakestream_disk_mib": disk})
+                print(f"  ingestion {size:>3} MiB P={p}: kafka {k['mib_s']:7.1f} MiB/s  lakestream {lk['mib_s']:7.1f} MiB/s",
+                      flush=True)
+        return table, rows
+
+    # -- 2. latency ---------------------------------------------------------------------------------------------------
+    def latency(self) -> tuple[Table, list[dict[str, Any]]]:
+        p = self.args.latency_producers
+        table = Table(f"visibility latency, ms (publish start -> consumer holds all W shards; {p} paced producers; "
+                      "ratio < 1: lakestream faster)",
+                      ["batch MiB", "interval s", "n", "kafka p50", "kafka p99", "lake p50", "lake p99", "ratio p50",
+                       "ratio p99", "kafka publish p50", "lake commit p50", "kafka CPU s/GiB", "lake CPU s/GiB"])
+        rows = []
+        for size in self.args.sizes:
+            interval, batches = self.args.pacing[size]
+            kw = dict(mode="paced", producers=p, batch_bytes=size * MiB, consumer=True, interval=interval,
+                      batches=batches, expected=p * batches, drain_s=15.0)
+            k_res, _ = self.kafka_run(**kw)
+            l_res, _ = self.lake_run(**kw)
+            k = summarize_latency(k_res, key_of=lambda key: key)
+            lk = summarize_latency(l_res, key_of=lambda step: step)
+            r50 = lk["p50_ms"] / k["p50_ms"] if k["p50_ms"] else math.nan
+            r99 = lk["p99_ms"] / k["p99_ms"] if k["p99_ms"] else math.nan
+            table.add(size, interval, min(k["n"], lk["n"]), k["p50_ms"], k["p99_ms"], lk["p50_ms"], lk["p99_ms"], r50, r99,
+                      k["publish_p50_ms"], lk["publish_p50_ms"], k["cpu_s_per_gib"], lk["cpu_s_per_gib"])
+            rows.append({"batch_mib": size, "producers": p, "interval_s": interval, "batches_per_producer": batches,
+                         "kafka": k, "lakestream": lk, "ratio_p50": r50, "ratio_p99": r99})
+            print(f"  latency {size:>3} MiB: kafka p50 {k['p50_ms']:.1f} ms, lakestream p50 {lk['p50_ms']:.1f} ms", flush=True)
+        return table, rows
+
+    # -- 3. message size limit -------------------------------------------------------------------------------------
+    def message_limits(self) -> tuple[Table, dict[str, Any]]:
+        from confluent_kafka import KafkaException, Producer
+
+        table = Table("message size limit (one rank shard = one Kafka message)",
+                      ["batch MiB", "shard MiB", "default client (message.max.bytes=1e6)",
+                       "raised client, topic max.message.bytes=1048588",
+                       "lakestream"])
+        out: dict[str, Any] = {"rows": []}
+        world = self.args.world_size
+        with Tansu(self.tmp / "logs") as broker:
+            from confluent_kafka.admin import AdminClient, NewTopic
+
+            admin = AdminClient(admin_config(broker.bootstrap))
+            for f in admin.create_topics([NewTopic("limits", num_partitions=1, replication_factor=1,
+                                                   config={"max.message.bytes": "1048588"})]).values():
+                f.result(10)
+
+            def send(cfg: dict[str, Any], nbytes: int) -> str:
+                producer = Producer(cfg)
+                result: list[str] = []
+                try:
+                    producer.produce("limits", value=b"\0" * nbytes,
+                                     on_delivery=lambda e, m: result.append("ok" if e is None else e.name()))
+                except KafkaException as exc:
+                    return f"rejected at produce(): {exc.args[0].name()}"
+                producer.flush(60)
+                del producer
+                return f"delivered: {result[0]}" if result and result[0] == "ok" else f"failed: {result}"
+
+            for size in self.args.sizes:
+                shard = size * MiB // world
+                default = send({"bootstrap.servers": broker.bootstrap, "enable.idempotence": True,
+                                "logger": client_log()}, shard)
+                raised = send(kafka_producer_config(broker.bootstrap, shard_bytes=shard, txn_id=None), shard)
+                table.add(size, shard / MiB, default, raised, "no per-message limit (one Parquet file per shard)")
+                out["rows"].append({"batch_mib": size, "shard_mib": shard / MiB, "default_client": default,
+                                    "raised_client": raised})
+            whole = max(self.args.sizes) * MiB
+            out["one_message_whole_batch"] = {
+                "bytes": whole,
+                "result": send(kafka_producer_config(broker.bootstrap, shard_bytes=whole, txn_id=None), whole),
+            }
+            gc.collect()
+        table.note("librdkafka's default message.max.bytes is 1,000,000 bytes: shards above it fail in produce() with "
+                   "MSG_SIZE_TOO_LARGE; the benchmark raises it to shard size + 1 MiB.")
+        table.note("Apache Kafka's broker default (message.max.bytes 1,048,588) would reject them too unless the topic's "
+                   "max.message.bytes is raised; Tansu 0.6 enforces no limit and ignores the topic's max.message.bytes "
+                   f"(one {max(self.args.sizes)} MiB message: {out['one_message_whole_batch']['result']}).")
+        return table, out
+
+    # -- 4. producer death ---------------------------------------------------------------------------------------
+    def kafka_death(self) -> dict[str, Any]:
+        from confluent_kafka import Producer
+
+        world = self.args.world_size
+        shard_bytes = self.args.death_mib * MiB // world
+        values = [to_ipc(s) for s in make_shards(self.args.death_mib * MiB, world, seed=99)]
+        timeout_ms = self.args.txn_timeout_ms
+        idle = self.args.observe_idle_s
+        out: dict[str, Any] = {"transaction_timeout_ms": timeout_ms}
+
+        def victim(bs: str, txn_id: str | None, pipe: Any) -> None:
+            """Publish one complete batch (transactional case), then half of the next one; report; wait to be killed."""
+            extra = {"transaction.timeout.ms": timeout_ms} if txn_id else {}
+            producer = Producer(kafka_producer_config(bs, shard_bytes=shard_bytes, txn_id=txn_id, **extra))
+            name = txn_id or "plain"
+            if txn_id:
+                producer.init_transactions(30)
+                producer.begin_transaction()
+                for rank in range(world):
+                    _produce(producer, "death", values[rank], f"{name}/0".encode(), rank)
+                producer.commit_transaction(30)
+                producer.begin_transaction()
+            for rank in range(world // 2):
+                _produce(producer, "death", values[rank], f"{name}/1".encode(), rank)
+            producer.flush(30)
+            pipe.send("half sent")
+            time.sleep(600)
+
+        def kill_after_half(bs: str, txn_id: str | None) -> None:
+            parent, child = CTX.Pipe()
+            proc = CTX.Process(target=victim, args=(bs, txn_id, child), daemon=True)
+            proc.start()
+            try:
+                if not parent.poll(60):
+                    raise TimeoutError("the victim producer did not send its half batch within 60 s")
+                parent.recv()
+                os.kill(proc.pid, signal.SIGKILL)
+            finally:
+                _kill_all([proc])
+
+        # (a) a transactional producer dies with an open transaction holding half the shards of batch victim/1, while a
+        #     healthy transactional producer keeps publishing complete batches on the same partitions.
+        with Tansu(self.tmp / "logs") as broker:
+            bs = broker.bootstrap
+            create_topic(bs, "death", world)
+            kill_after_half(bs, "victim")
+            t_kill = time.monotonic()
+            healthy = Producer(kafka_producer_config(bs, shard_bytes=shard_bytes, txn_id="healthy"))
+            healthy.init_transactions(30)
+            for seq in range(3):
+                healthy.begin_transaction()
+                for rank in range(world):
+                    _produce(healthy, "death", values[rank], f"healthy/{seq}".encode(), rank)
+                healthy.commit_transaction(30)
+            out["txn_right_after_kill"] = observe_kafka(bs, "death", world, "read_committed", shard_bytes, idle)
+            out["txn_right_after_kill_read_uncommitted"] = observe_kafka(bs, "death", world, "read_uncommitted",
+                                                                         shard_bytes, idle)
+            _sleep_until(t_kill + timeout_ms / 1000 + 2 * idle)
+            out["txn_after_timeout"] = observe_kafka(bs, "death", world, "read_committed", shard_bytes, idle)
+            out["txn_after_timeout"]["seconds_after_kill"] = time.monotonic() - t_kill
+            # The operator restarts the producer with the same transactional.id: init_transactions fences the dead
+            # instance and aborts its open transaction.
+            restarted = Producer(kafka_producer_config(bs, shard_bytes=shard_bytes, txn_id="victim"))
+            restarted.init_transactions(30)
+            out["txn_after_restart"] = observe_kafka(bs, "death", world, "read_committed", shard_bytes, idle)
+            del healthy, restarted
+            gc.collect()
+        # (b) an idempotent producer without transactions (a fresh broker)
+        with Tansu(self.tmp / "logs") as broker:
+            create_topic(broker.bootstrap, "death", world)
+            kill_after_half(broker.bootstrap, None)
+            out["idempotent_only"] = observe_kafka(broker.bootstrap, "death", world, "read_committed", shard_bytes, idle)
+        return out
+
+    def lake_death(self) -> dict[str, Any]:
+        from lakestream_iceberg import Stream
+
+        world = self.args.world_size
+        shards = make_shards(self.args.death_mib * MiB, world, seed=99)
+        rows = [t.num_rows for t in shards]
+        root = self.tmp / "lake-death"
+        (root / "warehouse").mkdir(parents=True)
+        catalog = sqlite_catalog(str(root))
+        stream = Stream.create(catalog, NAME, schema=SCHEMA, world_size=world)
+        catalog.engine.dispose()
+        out: dict[str, Any] = {}
+
+        def half_victim(pipe: Any) -> None:
+            s = Stream.open(sqlite_catalog(str(root)), NAME)
+            s.producer("victim").commit(shards)  # seq 0: a complete batch
+            # commit() writes every shard's file first and publishes them in one snapshot last; die after half the files.
+            s.writer.write(producer="victim", seq=1, shards=shards[: world // 2])
+            pipe.send("half written")
+            time.sleep(600)
+
+        def loop_victim(pipe: Any) -> None:
+            s = Stream.open(sqlite_catalog(str(root)), NAME)
+            producer = s.producer("looper")
+            pipe.send("started")
+            while True:
+                producer.commit(shards)
+
+        def start_and_kill(target: Any, delay: float = 0.0) -> None:
+            parent, child = CTX.Pipe()
+            proc = CTX.Process(target=target, args=(child,), daemon=True)
+            proc.start()
+            try:
+                if not parent.poll(60):
+                    raise TimeoutError("victim did not report")
+                parent.recv()
+                time.sleep(delay)
+                os.kill(proc.pid, signal.SIGKILL)
+            finally:
+                _kill_all([proc])
+
+        try:
+            start_and_kill(half_victim)
+            healthy = stream.producer("healthy")
+            for _ in range(3):
+                healthy.commit(shards)
+            out["after_kill"] = observe_lake(stream, world, rows)
+            out["orphan_files_of_victim"] = len(list((root / "warehouse").rglob("data/victim/000000000001-*.parquet")))
+            restarted = stream.producer("victim")
+            out["restart_next_seq"] = restarted.next_seq
+            result = restarted.commit(shards)
+            out["restart_committed"] = {"seq": result.seq, "step": result.step, "duplicate": result.duplicate}
+            # A producer killed at a random moment inside its commit loop (writing files, or inside the CAS).
+            kills = []
+            rng = random.Random(7)
+            for _ in range(self.args.random_kills):
+                start_and_kill(loop_victim, delay=rng.uniform(0.1, 0.6))
+                looper = stream.producer("looper")
+                seq = looper.next_seq
+                again = looper.commit(shards, seq=seq)
+                kills.append({"next_seq_after_restart": seq, "duplicate": again.duplicate})
+            out["random_kills"] = kills
+            out["after_random_kills"] = observe_lake(stream, world, rows)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        return out
+
+
+def observe_kafka(bootstrap: str, topic: str, world: int, isolation: str, shard_bytes: int,
+                  idle_s: float = 1.0) -> dict[str, Any]:
+    """Read the whole topic with a fresh consumer; which batches are complete, which are partial."""
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+    consumer = Consumer(kafka_consumer_config(bootstrap, group=f"observe-{time.monotonic_ns()}", shard_bytes=shard_bytes,
+                                              isolation=isolation))
+    consumer.assign([TopicPartition(topic, r, OFFSET_BEGINNING) for r in range(world)])
+    groups: dict[str, set[int]] = {}
+    idle_until = time.monotonic() + 2 * idle_s
+    hard = time.monotonic() + 10.0
+    try:
+        while time.monotonic() < min(idle_until, hard):
+            for msg in consumer.consume(num_messages=64, timeout=0.1):
+                if msg.error():
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        raise RuntimeError(str(msg.error()))
+                    continue
+                groups.setdefault(msg.key().decode(), set()).add(msg.partition())
+                idle_until = time.monotonic() + idle_s
+    finally:
+        consumer.close()
+    complete = sorted(k for k, v in groups.items() if len(v) == world)
+    partial = {k: sorted(v) for k, v in sorted(groups.items()) if len(v) < world}
+    return {"isolation": isolation, "complete": complete, "partial": partial, "partial_visible": bool(partial)}
+
+
+def observe_lake(stream: Any, world: int, rows: list[int]) -> dict[str, Any]:
+    """Every published step: all W files present with the right row counts? which (producer, seq) published it?"""
+    head = stream.head_step()
+    steps = []
+    bad = []
+    for step in range(1, head + 1):
+        files = stream.locate(step)
+        producer, name = files[0].file_path.rsplit("/data/", 1)[1].split("/")[:2]
+        producer_seq = f"{producer}/{int(name.split('-')[0])}"
+        ok = len(files) == world and [int(f.record_count) for f in files] == rows
+        for rank in range(world):
+            ok = ok and stream.read(step, rank=rank).num_rows == rows[rank]
+        steps.append(producer_seq)
+        if not ok:
+            bad.append(step)
+    dup = len(steps) - len(set(steps))
+    return {"head_step": head, "published": steps, "incomplete_steps": bad, "duplicates": dup,
+            "partial_visible": bool(bad)}
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def death_table(kafka: dict[str, Any], lake: dict[str, Any], world: int) -> Table:
+    table = Table(f"producer killed (kill -9) after sending {world // 2} of {world} shards of a batch; "
+                  "a healthy producer then publishes 3 complete batches",
+                  ["system / reader", "partial batch visible?", "healthy batches visible", "complete batches",
+                   "partial groups (key: ranks)"])
+
+    def row(label: str, obs: dict[str, Any]) -> None:
+        partial = "; ".join(f"{k}: {v}" for k, v in obs["partial"].items()) or "-"
+        healthy = sum(1 for k in obs["complete"] if k.startswith("healthy/"))
+        table.add(label, "YES" if obs["partial_visible"] else "no", f"{healthy}/3" if "txn" in label else "-",
+                  len(obs["complete"]), partial)
+
+    row("kafka txn, read_committed, right after kill", kafka["txn_right_after_kill"])
+    row("kafka txn, read_uncommitted, right after kill", kafka["txn_right_after_kill_read_uncommitted"])
+    row(f"kafka txn, read_committed, {kafka['txn_after_timeout']['seconds_after_kill']:.0f} s after kill "
+        f"(transaction.timeout.ms={kafka['transaction_timeout_ms']})", kafka["txn_after_timeout"])
+    row("kafka txn, read_committed, after restart (same transactional.id)", kafka["txn_after_restart"])
+    row("kafka idempotent only (no transactions)", kafka["idempotent_only"])
+    for label, key in (("lakestream, after kill + 3 healthy commits", "after_kill"),
+                       ("lakestream, after random kills mid-commit", "after_random_kills")):
+        obs = lake[key]
+        healthy = sum(1 for p in obs["published"] if p.startswith("healthy/"))
+        table.add(label, "YES" if obs["partial_visible"] else "no", f"{healthy}/3",
+                  obs["head_step"] - len(obs["incomplete_steps"]),
+                  f"incomplete steps: {obs['incomplete_steps'] or 'none'}, duplicates: {obs['duplicates']}")
+    table.note("kafka rows: each batch is keyed producer/seq; 'complete' = all W shards of the key were delivered.")
+    table.note(f"lakestream: {lake['orphan_files_of_victim']} files of the killed batch stay on disk, referenced by no snapshot "
+               f"(lifecycle GC removes them); the restarted producer resumed at seq {lake['restart_next_seq']} and published "
+               f"it once (duplicate={lake['restart_committed']['duplicate']}); after each of {len(lake['random_kills'])} "
+               "random-time kills the restarted producer re-committed its next seq without a duplicate.")
+    return table
+
+
+def broker_capabilities(death: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+    """What Tansu did with each exactly-once feature a careful Kafka user relies on (measured above, not assumed)."""
+    caps: dict[str, Any] = {
+        "idempotent_producer": "accepted (InitProducerId succeeds; enable.idempotence=true works)",
+        "max_message_bytes_enforced":
+            not str(limits.get("one_message_whole_batch", {}).get("result", "")).startswith("delivered"),
+    }
+    if not death:
+        return caps
+    healthy = [f"healthy/{i}" for i in range(3)]
+    caps.update({
+        "transactions_api": "init/begin/commit_transaction succeed; aborts are acknowledged",
+        "read_committed_hides_open_transaction": "victim/1" not in death["txn_right_after_kill"]["partial"],
+        "read_committed_blocks_other_producers_behind_open_transaction":
+            not all(h in death["txn_right_after_kill"]["complete"] for h in healthy),
+        "transaction_timeout_aborts_dead_producer": all(h in death["txn_after_timeout"]["complete"] for h in healthy)
+            and "victim/1" not in death["txn_after_timeout"]["partial"],
+        "read_committed_hides_aborted_transaction": "victim/1" not in death["txn_after_restart"]["partial"],
+    })
+    return caps
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
+    ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--duration", type=float, default=None, help="seconds per saturated ingestion run (default 4)")
+    ap.add_argument("--sizes", default=None, help="global batch sizes in MiB (default 1,16,64)")
+    ap.add_argument("--producers", default=None, help="producer process counts (default 1,4,8)")
+    ap.add_argument("--latency-producers", type=int, default=2)
+    ap.add_argument("--txn-timeout-ms", type=int, default=5000)
+    ap.add_argument("--out", default=str(RESULTS_DIR / "vs_kafka.json"))
+    ap.add_argument("--keep-tmp", action="store_true")
+    ap.add_argument("--only", default="ingestion,latency,death", help="parts to run (message limits always run)")
+    args = ap.parse_args(argv)
+    args.only = set(args.only.split(","))
+    smoke = args.smoke
+    args.duration = args.duration or (0.5 if smoke else 4.0)
+    args.sizes = [int(s) for s in (args.sizes or ("1" if smoke else "1,16,64")).split(",")]
+    args.producers = [int(s) for s in (args.producers or ("1,2" if smoke else "1,4,8")).split(",")]
+    # (interval between a producer's batches, batches per producer) for the paced latency runs
+    args.pacing = {s: ((0.1, 6) if smoke else (0.1, 40)) if s <= 1 else (0.4, 15) if s <= 16 else (1.2, 6) for s in args.sizes}
+    args.death_mib = 1
+    args.random_kills = 1 if smoke else 3
+    args.run_timeout = 120.0
+    args.observe_idle_s = 0.5 if smoke else 1.0
+    if smoke:
+        args.txn_timeout_ms = min(args.txn_timeout_ms, 1000)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import confluent_kafka
+    import pyiceberg
+
+    args = parse_args(argv)
+    started = time.monotonic()
+    load_at_start = os.getloadavg()
+    bench = Bench(args)
+    phases: dict[str, float] = {}
+    try:
+        print(f"vs_kafka: tansu {tansu_version()}, confluent-kafka {confluent_kafka.version()[0]} "
+              f"(librdkafka {confluent_kafka.libversion()[0]}), W={args.world_size}, sizes {args.sizes} MiB, "
+              f"P {args.producers}{' [smoke]' if args.smoke else ''}", flush=True)
+        mark = time.monotonic()
+
+        def lap(name: str) -> None:
+            nonlocal mark
+            phases[name] = time.monotonic() - mark
+            mark = time.monotonic()
+
+        ingest_table, ingest_rows = bench.ingestion() if "ingestion" in args.only else (Table("ingestion (skipped)", ["-"]), [])
+        lap("ingestion")
+        latency_table, latency_rows = bench.latency() if "latency" in args.only else (Table("latency (skipped)", ["-"]), [])
+        lap("latency")
+        limit_table, limits = bench.message_limits()
+        lap("message_limits")
+        if "death" in args.only:
+            kafka_death = bench.kafka_death()
+            lap("kafka_death")
+            lake_death = bench.lake_death()
+            lap("lake_death")
+            dtable = death_table(kafka_death, lake_death, args.world_size)
+        else:
+            kafka_death, lake_death, dtable = {}, {}, Table("producer death (skipped)", ["-"])
+    finally:
+        bench.close()
+    tables = [ingest_table, latency_table, limit_table, dtable]
+    print()
+    for table in tables:
+        print(table)
+        print()
+    capabilities = broker_capabilities(kafka_death, limits)
+    path = write_json(Path(args.out).name, {
+        "benchmark": "vs_kafka",
+        "smoke": args.smoke,
+        "wall_s": time.monotonic() - started,
+        "phase_s": phases,
+        "loadavg_at_start": load_at_start,
+        "config": {"world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
+                   "duration_s": args.duration, "latency_producers": args.latency_producers,
+                   "pacing": {str(k): {"interval_s": v[0], "batches_per_producer": v[1]} for k, v in args.pacing.items()},
+                   "sample_bytes": SAMPLE_BYTES, "kafka_acks": "all", "kafka_isolation": "read_committed",
+                   "lakestream_catalog": "sqlite (embedded) + local warehouse in a temp dir"},
+        "versions": {"tansu": tansu_version(), "confluent_kafka": confluent_kafka.version()[0],
+                     "librdkafka": confluent_kafka.libversion()[0], "pyiceberg": pyiceberg.__version__,
+                     "pyarrow": pa.__version__},
+        "machine": machine(),
+        "broker_capabilities": capabilities,
+        "ingestion": ingest_rows,
+        "latency": latency_rows,
+        "message_size_limit": limits,
+        "producer_death": {"kafka": kafka_death, "lakestream": lake_death},
+        "tables": [t.to_json() for t in tables],
+        "printed": "\n\n".join(str(t) for t in tables),
+    }, directory=Path(args.out).parent)
+    print(f"wrote {path} in {time.monotonic() - started:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
+    return 0
+
+
+def machine() -> dict[str, Any]:
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": model, "mem_mib": mem, "date": time.strftime("%Y-%m-%d")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

