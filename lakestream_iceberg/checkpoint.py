@@ -37,7 +37,7 @@ from pyiceberg.table.update import (
 from lakestream_iceberg.commit import Done, Plan
 from lakestream_iceberg.errors import CheckpointError
 from lakestream_iceberg.expiry import ancestors
-from lakestream_iceberg.manifests import ManifestPlanner, _copy_entry
+from lakestream_iceberg.manifests import _copy_entry
 from lakestream_iceberg.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def plan_checkpoint(stream: Stream, metadata: TableMetadata, *, name: str, step:
         raise CheckpointError(f"cannot checkpoint step {step} of {stream.name}: it was already collected by lifecycle GC")
     snapshot_id = metadata.new_snapshot_id()
     sequence_number = metadata.next_sequence_number()
-    planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=stream.cache, fanout=stream.config.merge_fanout)
+    planner = stream.manifest_planner(metadata)
     manifest = planner._write(0, snapshot_id, sequence_number, (_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries))  # noqa: SLF001
     source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
                    if StreamState.parse(_summary(metadata.snapshot_by_id(sid))).step == step

@@ -92,6 +92,7 @@ class CommitLoop:
         self._sleep = sleep
         self._rng = rng or random.Random()
         self._fresh = False
+        self._refreshes = 0
 
     def refresh(self, *, deadline: float) -> TableMetadata:
         """Reload the table, retrying a failing catalog with bounded, jittered backoff until ``deadline``."""
@@ -101,7 +102,11 @@ class CommitLoop:
                 self.table.refresh()
                 self._fresh = True
                 state = StreamState.parse(self._head_summary(self.table.metadata))
-                self.policy.observe_head(state.step)
+                # every producer reads the same producer table: the same count of active producers, and its age rank
+                self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values()])
+                self._refreshes += 1
+                if self._refreshes % 32 == 1:
+                    self._observe_metadata_size()
                 return self.table.metadata
             except LakestreamError:
                 raise
@@ -115,6 +120,12 @@ class CommitLoop:
                 log.warning("catalog unreachable while refreshing %s (%s); retrying", self.table.name(), type(exc).__name__)
                 self._sleep(delay * self._rng.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
+
+    def _observe_metadata_size(self) -> None:
+        try:
+            self.policy.observe_metadata(len(self.table.io.new_input(self.table.metadata_location)))
+        except Exception:  # a size is only a hint for the policy
+            pass
 
     def _head_summary(self, metadata: TableMetadata) -> dict[str, str] | None:
         head = metadata.snapshot_by_name(self._branch)
@@ -202,7 +213,11 @@ class CommitLoop:
                     f"{self._clock() - start:.1f}s of contention; nothing was published. Retry the same call (same seq) "
                     "or raise lakestream.commit.timeout-ms / lakestream.commit.max-attempts"
                 )
-            self._sleep(self.policy.retry_delay(attempt))
+            delay = self.policy.retry_delay(attempt)
+            if delay > 0:
+                self._sleep(delay)
+                # plan the retry on the head as it is now: a commit that landed during the sleep would doom it
+                metadata = self.refresh(deadline=deadline)
 
     def _adopt(self, metadata: TableMetadata, location: str, *, previous: TableMetadata) -> None:
         """Take the committed metadata as the table's current state (no reload) and drop aged-out metadata files."""

@@ -1,36 +1,58 @@
 """Decentralized Adaptive Commit (DAC): the commit pacing and retry policy, pure (no I/O, injected clock and RNG).
 
-Producers publish through one serialisation point, the catalog's compare-and-swap. An attempt holds that point
-"virtually" for its critical section ``c`` (refresh the table, write the manifests, swap the pointer); two attempts
-whose critical sections overlap conflict and one of them is wasted. A producer cannot see the others, but it can
-measure everything needed to avoid that waste:
+Producers publish through one serialisation point, the catalog's compare-and-swap. An attempt occupies that point
+"virtually" for its critical section ``c`` (refresh the table, write the manifests, swap the pointer): two attempts
+whose critical sections overlap conflict and one of them is wasted, and where producers share CPUs the loser also
+slowed the winner down. No producer talks to another, but all of them read the same head snapshot, and every commit
+carries a global step number and the table of every producer's last step. From that a producer measures:
 
-* ``c``: the EWMA of its own attempt durations, floored by a cost model of the metadata it must parse and rewrite
-  (``metadata_bytes * parse_s_per_byte``), so a cold producer on a big table does not underestimate it;
-* ``lambda``: the global commit rate, from the step numbers it sees advance at each refresh (its own commits included);
-* ``n``: the number of active producers, ``n = lambda / own_rate`` (global rate over its own success rate), raised
-  to at least ``k + 1`` when ``k`` foreign commits landed inside one of its critical sections.
+* ``c``: a running geometric mean (EWMA of the logarithm) of its own attempt durations, i.e. their typical value,
+  not dragged up by the occasional attempt stalled by a busy CPU or disk; floored by a cost model of the metadata it
+  must parse and rewrite (``metadata_bytes * parse_s_per_byte``), so a cold producer on a big table does not
+  underestimate it;
+* ``n``, the producers sharing the catalog: the producers of the head's producer table whose last commit lies within
+  the last ``active_horizon * n`` steps (every active producer commits about once per ``n`` steps), when the commit
+  loop passes that table to :meth:`CommitPolicy.observe_head`; otherwise the largest *step gap* between its own last
+  ``gap_window`` commits (it published step 100, then step 116: sixteen commits per commit of its own), outliers
+  over four times the median ignored (a producer that paused is not facing contention). Both are
+  exactly 1 for a producer that is alone. The table count is the same for every producer; the gap estimate is not
+  (a producer that got less than its share sees bigger gaps), so it is only the fallback;
+* its *age rank* (table only): how many active producers have waited longer than it since their last commit.
 
-The control law keeps the aggregate attempt rate near one per critical section, the throughput optimum of a
-shared slot (everyone attempting at once wastes almost every attempt; everyone waiting too long idles the catalog):
+The control law is a self-clocked round robin: one commit per slot (``slot = c * (1 + slot_margin)``), each
+producer once per ``n`` slots. That keeps the aggregate attempt rate near the throughput optimum of a shared
+compare-and-swap: everyone attempting at once wastes almost every attempt, everyone waiting too long idles it.
 
-* **pacing** (before each commit): a producer that just published waits ``(n - 1) * c * U(0.5, 1.5)`` before its next
-  attempt, i.e. it yields one slot to each of the others. With one producer ``n = 1`` and it never waits.
-* **retry** (after a lost compare-and-swap, attempt ``a >= 1``): wait ``U(0, 2) * max(1, n - 1) * c / (1 + a / 2)``.
-  The window is the slot count the others need, so retries spread evenly; dividing it by the attempt number gives
-  older commits priority (they retry sooner), which approximates FIFO order without a queue and keeps the latency
-  tail short (p99/p50) and the producers' shares fair (Jain's index), unlike exponential backoff, whose windows grow
-  with every loss and starve exactly the commits that have waited longest.
+* **pacing** (before each commit): the producer's next commit should land ``n`` slots after its previous one, so it
+  waits ``n * slot * U(1 - pacing_jitter, 1 + pacing_jitter) - elapsed - c`` (``elapsed``: time since its previous
+  commit landed, e.g. writing the data files; ``c``: the attempt itself), at least 0. Alone (``n = 1``) it never
+  waits, and a producer that commits rarely never waits either, because its turn is long due. The jitter is small:
+  everybody has the same period, and re-randomising all phases every round would only add collisions (in the
+  simulation the jitter width matters little; the collisions come from the spread of ``c`` itself).
+* **retry** (after a lost compare-and-swap, attempt ``a >= 1``):
+  - with the producer table: ``slot * (older + U(0, 1))``, where ``older`` is its age rank: the producers that have
+    waited longer go first, one slot each (FIFO order without a queue: the commit that waited longest retries at
+    once, which keeps the latency tail short and the shares fair). A producer not yet in the table (it never
+    committed) does not know its rank and draws it from a window of ``min(2^(a-1), n)`` slots: binary exponential
+    backoff bounded by the round-robin period, which resolves a cold start of many producers at once;
+  - without the table: ``U(0, 1) * retry_slots * c / a``: retry almost at once, sooner with every loss, so older
+    commits get priority, unlike exponential backoff, whose windows grow with every loss and starve exactly the
+    commits that have waited longest.
+  The table-based retry assumes the commit loop reads the head again after a retry sleep (a plan made before a long
+  sleep is stale by the time it is sent); the fallback keeps its sleeps shorter than a critical section.
 * every wait is capped by ``max_wait_s``; the caller's commit budget (time and attempts) bounds the loop.
 
-Nothing here talks to another producer; the policy is simulated at scale in ``benchmarks/commit_scaling.py``.
+The policy is simulated at scale (and on shared CPUs) in ``benchmarks/dac_sim.py`` and measured in
+``benchmarks/commit_scaling.py``.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import random
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["CommitPolicy", "PolicyConfig"]
@@ -38,13 +60,28 @@ __all__ = ["CommitPolicy", "PolicyConfig"]
 
 @dataclass(frozen=True, kw_only=True)
 class PolicyConfig:
-    """Tunables of the control law (defaults were fitted on SQLite and PostgreSQL catalogs, see README)."""
+    """Tunables of the control law (see the module docstring and ``benchmarks/commit_scaling.py``)."""
 
     ewma_alpha: float = 0.2
-    rate_window_s: float = 5.0
+    gap_window: int = 8
+    active_horizon: float = 3.0
+    min_horizon_steps: int = 16
+    slot_margin: float = 0.25
+    pacing_jitter: float = 0.1
+    retry_slots: float = 0.5
     parse_s_per_byte: float = 2e-8
     min_critical_s: float = 0.001
-    max_wait_s: float = 2.0
+    max_wait_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ewma_alpha <= 1:
+            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+        if self.gap_window < 1 or self.min_horizon_steps < 1 or self.active_horizon <= 1:
+            raise ValueError("gap_window and min_horizon_steps must be >= 1 and active_horizon > 1")
+        if not 0 <= self.pacing_jitter < 1:
+            raise ValueError(f"pacing_jitter must be in [0, 1), got {self.pacing_jitter}")
+        if self.slot_margin < 0 or self.retry_slots < 0 or self.max_wait_s < 0:
+            raise ValueError("slot_margin, retry_slots and max_wait_s must be >= 0")
 
 
 class CommitPolicy:
@@ -55,6 +92,7 @@ class CommitPolicy:
         >>> p = CommitPolicy(clock=lambda: 0.0, rng=random.Random(1))
         >>> p.pacing_delay()
         0.0
+        >>> p.observe_head(0)
         >>> p.record_attempt(started=0.0, ended=0.02, won=True, head_step=1, foreign=0)
         >>> p.pacing_delay()  # alone: never waits
         0.0
@@ -70,11 +108,14 @@ class CommitPolicy:
         self._clock = clock
         self._rng = rng or random.Random()
         self._cfg = config or PolicyConfig()
-        self._critical_s: float | None = None
+        self._log_critical: float | None = None  # EWMA of log(attempt duration): a running geometric mean
         self._metadata_bytes = 0
-        self._steps: deque[tuple[float, int]] = deque()  # (time, head step) observations
-        self._wins: deque[float] = deque()  # times of own successful commits
-        self._contenders = 1.0
+        self._baseline: int | None = None  # the first head step seen: where the first gap starts
+        self._wins: deque[int] = deque(maxlen=self._cfg.gap_window + 1)  # steps of own commits (oldest first)
+        self._last_win_end: float | None = None
+        self._last_win_step: int | None = None
+        self._active: float | None = None  # active producers in the head's producer table (when reported)
+        self._older: int | None = None  # active producers that have waited longer than this one (when in the table)
         self.conflicts = 0
 
     # -- measurements -------------------------------------------------------------------------------------------------
@@ -82,67 +123,103 @@ class CommitPolicy:
         """The size of the table metadata the producer just read."""
         self._metadata_bytes = max(0, int(size_bytes))
 
-    def observe_head(self, step: int, at: float | None = None) -> None:
-        """The head step seen at a refresh (drives the global commit-rate estimate)."""
-        now = self._clock() if at is None else at
-        self._steps.append((now, step))
-        self._trim(now)
+    def observe_head(self, step: int, at: float | None = None, *, producers: Iterable[int] | None = None) -> None:
+        """The head step seen at a refresh, and optionally the last step of every producer in the head's table.
+
+        ``producers`` is the ``lakestream.producers`` summary of the head (one last published step per producer id,
+        this producer's own included once it has committed). ``at`` (when the head was seen) is accepted for callers
+        that have it; it is unused.
+        """
+        if self._baseline is None:
+            self._baseline = step
+        if producers is None:
+            return
+        steps = sorted(producers)
+        mine = self._last_win_step
+        # Active: committed within the last ``active_horizon * n`` steps. The horizon grows with the count it finds
+        # (a fixed point, reached in a few rounds); it shrinks across calls once producers stop committing.
+        n = self._active if self._active is not None else self.contenders
+        horizon = 0
+        while True:
+            wanted = max(self._cfg.min_horizon_steps, math.ceil(self._cfg.active_horizon * n))
+            if wanted <= horizon:
+                break
+            horizon = wanted
+            recent = len(steps) - bisect.bisect_right(steps, step - horizon)
+            in_table = mine is not None and mine > step - horizon
+            n = float(max(1, recent + (0 if in_table else 1)))
+        self._active = n
+        if in_table:
+            first = bisect.bisect_right(steps, step - horizon)
+            self._older = bisect.bisect_left(steps, mine, lo=first) - first  # active producers with an older last commit
+        else:
+            self._older = None
 
     def record_attempt(self, *, started: float, ended: float, won: bool, head_step: int, foreign: int) -> None:
-        """One attempt's outcome: its critical section, whether the swap was won, and the commits that beat it."""
-        duration = max(0.0, ended - started)
+        """One attempt's outcome: its critical section, whether the swap was won, and the commits that beat it.
+
+        ``head_step`` is the step this producer published when ``won``, else the head it saw after losing;
+        ``foreign`` is how many commits landed between its refresh and its compare-and-swap.
+        """
+        log_d = math.log(max(ended - started, 1e-6))
         a = self._cfg.ewma_alpha
-        self._critical_s = duration if self._critical_s is None else (1 - a) * self._critical_s + a * duration
-        self.observe_head(head_step, ended)
+        self._log_critical = log_d if self._log_critical is None else (1 - a) * self._log_critical + a * log_d
+        if self._baseline is None:
+            self._baseline = head_step - 1 if won else head_step - max(0, foreign)
         if won:
-            self._wins.append(ended)
+            if not self._wins:
+                self._wins.append(min(self._baseline, head_step - 1))
+            self._wins.append(head_step)
+            self._last_win_end = ended
+            self._last_win_step = head_step
+            self._older = None  # ranked again at the next refresh
         else:
             self.conflicts += 1
-        self._trim(ended)
-        estimate = self._rate_ratio()
-        if foreign > 0:
-            estimate = max(estimate, foreign + 1.0)
-        self._contenders = (1 - a) * self._contenders + a * estimate
 
     # -- decisions ----------------------------------------------------------------------------------------------------
     @property
     def critical_section_s(self) -> float:
         modelled = self._metadata_bytes * self._cfg.parse_s_per_byte
-        measured = self._critical_s if self._critical_s is not None else modelled
+        measured = math.exp(self._log_critical) if self._log_critical is not None else modelled
         return max(self._cfg.min_critical_s, measured, modelled)
 
     @property
     def contenders(self) -> float:
-        return max(1.0, self._contenders)
+        """Producers sharing the catalog: the active ones of the head's producer table when it is reported, else
+        the largest recent step gap between this producer's own commits, ignoring gaps over ``4 x`` the median (a
+        pause of this producer is not contention). 1 until it has committed."""
+        if self._active is not None:
+            return self._active
+        if len(self._wins) < 2:
+            return 1.0
+        steps = list(self._wins)
+        gaps = sorted(b - a for a, b in zip(steps, steps[1:], strict=False))
+        median = gaps[len(gaps) // 2]
+        return max(1.0, float(max(g for g in gaps if g <= 4 * median)))
+
+    @property
+    def slot_s(self) -> float:
+        """One commit's share of the catalog: the critical section plus a margin for its variance."""
+        return self.critical_section_s * (1.0 + self._cfg.slot_margin)
 
     def pacing_delay(self) -> float:
-        """Seconds to wait before the first attempt of the next commit."""
-        others = self.contenders - 1.0
-        if others < 0.5:
+        """Seconds to wait before the first attempt of the next commit (0 when alone or when the turn is due)."""
+        n = self.contenders
+        if n < 1.5 or self._last_win_end is None:
             return 0.0
-        return min(self._cfg.max_wait_s, others * self.critical_section_s * self._rng.uniform(0.5, 1.5))
+        jitter = self._cfg.pacing_jitter
+        period = n * self.slot_s * self._rng.uniform(1.0 - jitter, 1.0 + jitter)
+        elapsed = self._clock() - self._last_win_end
+        return min(self._cfg.max_wait_s, max(0.0, period - elapsed - self.critical_section_s))
 
     def retry_delay(self, attempt: int) -> float:
         """Seconds to wait after losing attempt number ``attempt`` (1-based)."""
-        window = max(1.0, self.contenders - 1.0) * self.critical_section_s / (1.0 + attempt / 2.0)
-        return min(self._cfg.max_wait_s, self._rng.uniform(0.0, 2.0) * window)
-
-    # -- internals ----------------------------------------------------------------------------------------------------
-    def _trim(self, now: float) -> None:
-        horizon = now - self._cfg.rate_window_s
-        while len(self._steps) > 2 and self._steps[0][0] < horizon:
-            self._steps.popleft()
-        while self._wins and self._wins[0] < horizon:
-            self._wins.popleft()
-
-    def _rate_ratio(self) -> float:
-        """Global commits over own commits in the observation window (>= 1)."""
-        if len(self._steps) < 2 or not self._wins:
-            return self._contenders
-        (t0, s0), (t1, s1) = self._steps[0], self._steps[-1]
-        if t1 <= t0 or s1 <= s0:
-            return self._contenders
-        own = sum(1 for t in self._wins if t >= t0)
-        if own == 0:
-            return self._contenders
-        return max(1.0, (s1 - s0) / own)
+        attempt = max(1, attempt)
+        if self._active is None:  # no producer table: retry almost at once, sooner with every loss
+            window = self._cfg.retry_slots * self.critical_section_s / attempt
+            return min(self._cfg.max_wait_s, self._rng.uniform(0.0, 1.0) * window)
+        if self._older is not None:  # ranked: the producers that waited longer go first, one slot each
+            slots = self._older + self._rng.uniform(0.0, 1.0)
+        else:  # not in the table yet: exponential backoff bounded by the round-robin period
+            slots = self._rng.uniform(0.0, 1.0) * min(2.0 ** (attempt - 1), self.contenders)
+        return min(self._cfg.max_wait_s, slots * self.slot_s)

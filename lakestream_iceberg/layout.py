@@ -32,6 +32,7 @@ PROP_VERSION = "lakestream.format-version"
 PROP_WORLD_SIZE = "lakestream.world-size"
 PROP_RETAIN_SNAPSHOTS = "lakestream.snapshots.retain-last"
 PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
+PROP_MAX_MERGE_ENTRIES = "lakestream.manifest.max-merge-entries"
 PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
 PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
 PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
@@ -47,6 +48,7 @@ class StreamConfig:
         retain_snapshots: Snapshots of each branch kept in table metadata by normal commits (older untagged ones are
             expired in the same commit, so commit cost does not grow with history; their data stays in the table).
         merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
+        max_merge_entries: No merge rewrites more entries than this (bounds the worst commit).
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
         commit_max_attempts: Attempt budget of one ``commit()`` call.
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
@@ -57,6 +59,7 @@ class StreamConfig:
     world_size: int
     retain_snapshots: int = 8
     merge_fanout: int = 16
+    max_merge_entries: int = 4096
     commit_timeout_ms: int = 300_000
     commit_max_attempts: int = 1_000
     gc_grace_ms: int = 3_600_000
@@ -84,6 +87,7 @@ class StreamConfig:
             world_size=as_int(PROP_WORLD_SIZE, 1, 1),
             retain_snapshots=as_int(PROP_RETAIN_SNAPSHOTS, defaults.retain_snapshots, 2),
             merge_fanout=as_int(PROP_MERGE_FANOUT, defaults.merge_fanout, 2),
+            max_merge_entries=as_int(PROP_MAX_MERGE_ENTRIES, defaults.max_merge_entries, 1),
             commit_timeout_ms=as_int(PROP_COMMIT_TIMEOUT_MS, defaults.commit_timeout_ms, 1),
             commit_max_attempts=as_int(PROP_COMMIT_MAX_ATTEMPTS, defaults.commit_max_attempts, 1),
             gc_grace_ms=as_int(PROP_GC_GRACE_MS, defaults.gc_grace_ms, 0),
@@ -96,6 +100,7 @@ class StreamConfig:
             PROP_WORLD_SIZE: str(self.world_size),
             PROP_RETAIN_SNAPSHOTS: str(self.retain_snapshots),
             PROP_MERGE_FANOUT: str(self.merge_fanout),
+            PROP_MAX_MERGE_ENTRIES: str(self.max_merge_entries),
             PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
             PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
             PROP_GC_GRACE_MS: str(self.gc_grace_ms),

@@ -45,7 +45,7 @@ from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints
 from lakestream_iceberg.commit import Plan
 from lakestream_iceberg.errors import LifecycleError
 from lakestream_iceberg.expiry import protected
-from lakestream_iceberg.manifests import ManifestPlanner, step_bounds
+from lakestream_iceberg.manifests import step_bounds
 from lakestream_iceberg.storage import list_files
 from lakestream_iceberg.summary import OP_COLLECT, StreamState
 
@@ -104,7 +104,7 @@ def plan_collect(stream: Stream, metadata: TableMetadata, *, keep_last: int | No
     requirements = [AssertTableUUID(uuid=metadata.table_uuid)]
     requirements += [AssertRefSnapshotId(ref=c.name, snapshot_id=c.snapshot_id) for c in released]
     collected: dict[str, tuple[Snapshot, int]] = {}
-    planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=stream.cache, fanout=stream.config.merge_fanout)
+    planner = stream.manifest_planner(metadata)
     sequence_number = metadata.next_sequence_number()
     for branch, ref in sorted(metadata.refs.items()):
         if ref.snapshot_ref_type != SnapshotRefType.BRANCH:

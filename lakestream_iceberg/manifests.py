@@ -3,8 +3,9 @@
 Each commit writes one small level-0 manifest holding the new step's files. Whenever ``fanout`` manifests of one level
 accumulate in a snapshot's manifest list they are merged into one manifest of the next level (their entries rewritten
 as EXISTING, snapshot ids and sequence numbers kept). This is a log-structured merge: the manifest list stays at most
-``(fanout - 1) * levels + 1`` entries long (about 60 at 20,000 steps with fanout 16), the entries rewritten per commit
-are ``O(world_size * log_fanout(steps))`` amortised, and manifests keep contiguous step ranges, so the partition summary
+``(fanout - 1) * levels + 1`` entries long, the entries rewritten per commit are ``O(world_size * log_fanout(steps))``
+amortised (no single merge rewrites more than ``lakestream.manifest.max-merge-entries`` entries, default 4096, so no
+commit stalls on a huge merge; past that size manifests simply accumulate, one per 4096 files), and manifests keep contiguous step ranges, so the partition summary
 in the manifest list (``_step`` lower/upper bounds) lets a reader open exactly one manifest to find a step's files.
 
 The level is recorded in the manifest's file name (``...-L<level>-m<n>.avro``): no extra metadata, still plain Iceberg.
@@ -125,11 +126,13 @@ def _copy_entry(entry: ManifestEntry, status: ManifestEntryStatus, snapshot_id: 
 class ManifestPlanner:
     """Writes the manifests and manifest list of one new snapshot on top of a parent snapshot's manifests."""
 
-    def __init__(self, *, io: FileIO, metadata: TableMetadata, cache: ManifestCache, fanout: int) -> None:
+    def __init__(self, *, io: FileIO, metadata: TableMetadata, cache: ManifestCache, fanout: int,
+                 max_merge_entries: int = 4096) -> None:
         self._io = io
         self._metadata = metadata
         self._cache = cache
         self._fanout = fanout
+        self._max_merge_entries = max_merge_entries
         self._spec: PartitionSpec = metadata.spec()
         self._schema: Schema = metadata.schema()
         self._compression = metadata.properties.get("write.avro.compression-codec", "gzip")
@@ -197,7 +200,9 @@ class ManifestPlanner:
         level = 0
         while level <= top:
             at_level = [m for m in result if manifest_level(m.manifest_path) == level]
-            if len(at_level) >= self._fanout:
+            # A merge larger than max_merge_entries would stall one commit for seconds: such manifests stay at their
+            # level (the list then grows by one entry per max_merge_entries files, and GC keeps live files bounded).
+            if len(at_level) >= self._fanout and sum(_live_files(m) or 0 for m in at_level) <= self._max_merge_entries:
                 ordered = sorted(at_level, key=lambda m: step_bounds(m) or (0, 0))
                 entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in ordered for e in self._cache.entries(self._io, m)]
                 merged = self._write(level + 1, snapshot_id, sequence_number, entries)

@@ -31,7 +31,6 @@ from lakestream_iceberg.diagnose import config_errors
 from lakestream_iceberg.errors import SequenceError
 from lakestream_iceberg.expiry import ancestors, expirable
 from lakestream_iceberg.layout import check_shards
-from lakestream_iceberg.manifests import ManifestPlanner
 from lakestream_iceberg.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.writer import StagedBatch, check_producer_id
 
@@ -197,7 +196,7 @@ class Producer:
         sequence_number = metadata.next_sequence_number()
         data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
 
-        planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=stream.cache, fanout=stream.config.merge_fanout)
+        planner = stream.manifest_planner(metadata)
         added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
         manifests = planner.merged([added, *planner.parent_manifests(parent)], snapshot_id=snapshot_id, sequence_number=sequence_number)
         manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=parent_id, sequence_number=sequence_number)

@@ -20,6 +20,7 @@ from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
 from pyiceberg.schema import assign_fresh_schema_ids
 from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints, plan_checkpoint, plan_fork, plan_release
@@ -47,7 +48,7 @@ from lakestream_iceberg.lifecycle import (
     snapshots_expired,
     sweep,
 )
-from lakestream_iceberg.manifests import DEFAULT_CACHE, ManifestCache
+from lakestream_iceberg.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
 from lakestream_iceberg.producer import Producer
 from lakestream_iceberg.reader import check_rank, missing_step_error, read_file
 from lakestream_iceberg.summary import StreamState
@@ -197,6 +198,11 @@ class Stream:
             io=self.io, location=self.table.metadata.location,
             file_schema=payload_schema(self.table.schema()), properties=self.table.metadata.properties,
         )
+
+    def manifest_planner(self, metadata: TableMetadata) -> ManifestPlanner:
+        """A planner for one new snapshot's manifests, configured from the stream's properties."""
+        return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
+                               max_merge_entries=self.config.max_merge_entries)
 
     @cached_property
     def index(self) -> StepIndex:

@@ -1,0 +1,926 @@
+"""Commit scaling of lakestream (issue 4): history growth, producer contention, and a simulation of the DAC policy.
+
+One command runs all three phases, prints their tables, writes ``benchmarks/results/commit_scaling.json`` and
+``benchmarks/results/commit_scaling.png``::
+
+    .venv/bin/python benchmarks/commit_scaling.py            # full run (~15 min on 2 cores)
+    .venv/bin/python benchmarks/commit_scaling.py --quick    # a ~3 min smoke run with the same code paths
+    .venv/bin/python benchmarks/commit_scaling.py --phases growth --steps 5000
+
+1. **growth**: one producer commits ``--steps`` steps (world size 8, one tiny shard per rank) into a lakestream on a
+   SQLite catalog; p50/p99 of ``Producer.commit()`` per ``--window`` steps. Against it, plain pyiceberg
+   ``table.append`` on a table of the same schema and partitioning (``_step``, ``_rank`` identity: 8 files per step).
+   The plain loop's commit cost grows with every snapshot (about 0.75 ms per snapshot here, so a 2,000-step loop
+   takes ~25 min); by default (``--plain-mode sampled``) its history is therefore built by a fast filler that commits
+   exactly what ``append`` would (one manifest of 8 files per snapshot, a manifest list carrying every earlier
+   manifest, pyiceberg's summary, 20 snapshots per catalog commit) and real ``table.append`` calls are timed at
+   ``--plain-points``. ``--plain-mode loop`` times every step of a real append loop instead.
+2. **contention**: P producer processes (``multiprocessing`` spawn, started once and reused) commit back to back for
+   ``--duration`` seconds on SQLite and on PostgreSQL (``catalog.services.Postgres``). Policies: ``dac`` (lakestream,
+   ``Stream.producer`` as shipped), ``fixed`` (lakestream's loop, no pacing, constant retry delay) and ``pyiceberg``
+   (plain ``table.append`` with pyiceberg's default ``commit.retry.num-retries`` = 4). Per point: aggregate commits/s,
+   failed commits, p50/p99 of the commit call, Jain's index over per-producer commits in the window, attempts.
+3. **simulation**: :mod:`dac_sim` runs the pure ``CommitPolicy`` on a virtual clock for 64..1,024 producers with a
+   critical-section distribution fitted (lognormal) to the single-producer attempts measured in phase 2.
+
+Latency is the wall time of one ``commit()``/``append()`` call (data file writes, pacing and retries included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR.parent))
+
+from _common import RESULTS_DIR, Table, jain_index, percentile, write_json  # noqa: E402
+
+WORLD_SIZE = 8
+ROWS_PER_SHARD = 4
+NS = "bench"
+
+
+# ================================================================================================ catalogs
+
+
+def sqlite_catalog_props(root: Path) -> dict[str, str]:
+    root.mkdir(parents=True, exist_ok=True)
+    return {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
+
+
+def load_sql_catalog(props: dict[str, str]) -> Any:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    rest = {k: v for k, v in props.items() if k != "type"}
+    return SqlCatalog("bench", **rest)
+
+
+class _OwnPostgres:
+    """Fallback when ``catalog.services`` is unusable: PostgreSQL in a temp dir as user postgres, 127.0.0.1 only."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-pg-"))
+        self.port = _free_port()
+        self.pid: int | None = None
+        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
+        if not bins:
+            raise RuntimeError("PostgreSQL is not installed (apt-get install -y postgresql)")
+        self.bin = bins[-1]
+
+    def _as_pg(self, cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        if os.geteuid() == 0:
+            cmd = ["runuser", "-u", "postgres", "--", *cmd]
+        return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
+
+    def start(self) -> None:
+        if os.geteuid() == 0:
+            shutil.chown(self.dir, "postgres", "postgres")
+        data = self.dir / "data"
+        self._as_pg([str(self.bin / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
+        self._as_pg([str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.dir / "server.log"), "-w", "-o",
+                     f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start"])
+        self.pid = int((data / "postmaster.pid").read_text().split()[0])
+
+    def sqlalchemy_uri(self, database: str = "postgres") -> str:
+        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{database}"
+
+    def create_database(self, name: str) -> str:
+        import psycopg2
+
+        conn = psycopg2.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres")
+        conn.autocommit = True
+        with conn.cursor() as cur:
+            cur.execute(f'CREATE DATABASE "{name}"')
+        conn.close()
+        return self.sqlalchemy_uri(name)
+
+    def close(self) -> None:
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, 2)  # SIGINT: fast shutdown, by PID
+            for _ in range(200):
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            self.pid = None
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_postgres() -> tuple[Any, str]:
+    """A running PostgreSQL: catalog.services.Postgres if it works, else our own. Returns (server, how)."""
+    try:
+        from catalog.services import Postgres
+
+        pg = Postgres()
+        pg.start()
+        return pg, "catalog.services.Postgres"
+    except Exception as exc:  # noqa: BLE001 - any failure: fall back
+        print(f"[postgres] catalog.services.Postgres unusable ({type(exc).__name__}: {exc}); starting our own", flush=True)
+        pg = _OwnPostgres()
+        pg.start()
+        return pg, "own initdb/pg_ctl"
+
+
+# ================================================================================================ tables
+
+
+def payload_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([pa.field("x", pa.int64())])
+
+
+def shards_for(step_hint: int) -> list[Any]:
+    import pyarrow as pa
+
+    return [pa.table({"x": pa.array([step_hint * 100 + r * 10 + i for i in range(ROWS_PER_SHARD)], pa.int64())})
+            for r in range(WORLD_SIZE)]
+
+
+def create_stream(catalog: Any, name: str) -> Any:
+    from lakestream_iceberg import Stream
+
+    return Stream.create(catalog, f"{NS}.{name}", schema=payload_schema(), world_size=WORLD_SIZE)
+
+
+def create_plain_table(catalog: Any, name: str) -> Any:
+    """A plain Iceberg table with the same columns and (_step, _rank) identity partitioning as a stream."""
+    from pyiceberg.exceptions import NamespaceAlreadyExistsError
+    from pyiceberg.partitioning import PartitionField, PartitionSpec
+    from pyiceberg.schema import Schema
+    from pyiceberg.transforms import IdentityTransform
+    from pyiceberg.types import IntegerType, LongType, NestedField
+
+    with contextlib.suppress(NamespaceAlreadyExistsError):
+        catalog.create_namespace(NS)
+    schema = Schema(NestedField(1, "x", LongType(), required=False), NestedField(2, "_step", LongType(), required=False),
+                    NestedField(3, "_rank", IntegerType(), required=False))
+    spec = PartitionSpec(PartitionField(2, 1000, IdentityTransform(), "_step"),
+                         PartitionField(3, 1001, IdentityTransform(), "_rank"))
+    return catalog.create_table(f"{NS}.{name}", schema=schema, partition_spec=spec)
+
+
+def plain_frame(step: int) -> Any:
+    import pyarrow as pa
+
+    n = WORLD_SIZE * ROWS_PER_SHARD
+    return pa.table({
+        "x": pa.array(range(step * n, step * n + n), pa.int64()),
+        "_step": pa.array([step] * n, pa.int64()),
+        "_rank": pa.array([i // ROWS_PER_SHARD for i in range(n)], pa.int32()),
+    })
+
+
+def metadata_size(table: Any) -> int:
+    path = table.metadata_location
+    try:
+        return len(table.io.new_input(path).open().read())
+    except Exception:  # noqa: BLE001
+        return -1
+
+
+# ================================================================================================ phase 1: growth
+
+
+def at_step(latencies: list[float], step: int, half: int = 50) -> float:
+    """p50 of the commits of steps ``step-half+1 .. step+half`` (1-based steps; clipped to what exists)."""
+    lo = max(0, step - half)
+    hi = min(len(latencies), step + half)
+    if hi - lo < 5:
+        lo, hi = max(0, len(latencies) - 2 * half), len(latencies)
+    return percentile(latencies[lo:hi], 50)
+
+
+def run_lakestream_growth(root: Path, steps: int, window: int, profile_last: int) -> dict[str, Any]:
+    import cProfile
+    import io
+    import pstats
+
+    catalog = load_sql_catalog(sqlite_catalog_props(root / "ls"))
+    stream = create_stream(catalog, "growth")
+    producer = stream.producer("grow-0", seed=1)
+    latencies: list[float] = []
+    cpu: list[float] = []  # process CPU time of each commit (all threads): robust against other tenants of the machine
+    attempts: list[int] = []
+    windows: list[dict[str, Any]] = []
+    payload = shards_for(0)
+    profiler = cProfile.Profile() if profile_last else None
+    t0 = time.monotonic()
+    for step in range(1, steps + 1):
+        c0 = time.process_time()
+        result = producer.commit(payload)
+        cpu.append(time.process_time() - c0)
+        latencies.append(result.latency_s)
+        attempts.append(result.attempts)
+        if step % window == 0 or step == steps:
+            w = latencies[-window:]
+            table = producer._loop.table  # noqa: SLF001 - the producer's own view: its metadata is the head
+            md = table.metadata
+            head = md.snapshot_by_name("main")
+            windows.append({
+                "steps": f"{step - len(w) + 1}-{step}", "end_step": step, "p50_s": percentile(w, 50),
+                "p99_s": percentile(w, 99), "max_s": max(w), "cpu_p50_s": percentile(cpu[-window:], 50),
+                "metadata_bytes": metadata_size(table),
+                "snapshots": len(md.snapshots), "manifests": len(stream.cache.manifests(stream.io, head)) if head else 0,
+            })
+            print(f"[growth] lakestream {step:>6}/{steps}: p50 {windows[-1]['p50_s'] * 1000:6.1f} ms  "
+                  f"p99 {windows[-1]['p99_s'] * 1000:7.1f} ms  cpu p50 {windows[-1]['cpu_p50_s'] * 1000:6.1f} ms  "
+                  f"metadata {windows[-1]['metadata_bytes'] / 1024:6.1f} KiB  "
+                  f"({time.monotonic() - t0:5.0f} s)", flush=True)
+    slowest = sorted(range(len(latencies)), key=latencies.__getitem__)[-5:]
+    if profiler is not None:  # extra commits after the measured ones: profiling overhead stays out of the numbers
+        profiler.enable()
+        for _ in range(profile_last):
+            producer.commit(payload)
+        profiler.disable()
+    profile_text = None
+    if profiler is not None:
+        buf = io.StringIO()
+        pstats.Stats(profiler, stream=buf).sort_stats("cumulative").print_stats(30)
+        profile_text = buf.getvalue()
+    head = stream.state(refresh=True).step
+    return {"latencies_s": latencies, "cpu_s": cpu, "attempts": attempts, "windows": windows, "head_step": head,
+            "slowest": [{"step": i + 1, "latency_s": latencies[i]} for i in sorted(slowest)],
+            "elapsed_s": time.monotonic() - t0, "profile_last_commits": profile_text}
+
+
+class PlainFiller:
+    """Builds a plain table's history the way ``table.append`` would, without pyiceberg's per-commit overhead.
+
+    Per step: 8 data files (one per (_step, _rank) partition, real Parquet), one manifest of them, a manifest list
+    holding every earlier manifest plus the new one (pyiceberg's fast append, no manifest merging), and pyiceberg's
+    snapshot summary; ``batch`` snapshots go to the catalog in one ``commit_table`` (AddSnapshot + SetSnapshotRef each,
+    so the snapshot log matches too).
+    """
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def fill(self, upto: int, *, first_step: int, batch: int = 20) -> int:
+        import uuid
+
+        import pyarrow.parquet as pq
+        from pyiceberg.io.pyarrow import parquet_file_to_data_file
+        from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus, write_manifest, write_manifest_list
+        from pyiceberg.table.refs import SnapshotRefType
+        from pyiceberg.table.snapshots import (
+            Operation,
+            Snapshot,
+            SnapshotSummaryCollector,
+            Summary,
+            update_snapshot_summaries,
+        )
+        from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSnapshotRefUpdate
+
+        table = self.table
+        step = first_step
+        while step <= upto:
+            table.refresh()
+            md = table.metadata
+            parent = md.current_snapshot()
+            manifests = list(parent.manifests(table.io)) if parent else []
+            parent_id = parent.snapshot_id if parent else None
+            prev_summary = parent.summary if parent else None
+            seq = md.next_sequence_number()
+            updates: list[Any] = []
+            base_parent = parent_id
+            location = md.location.rstrip("/")
+            for _ in range(min(batch, upto - step + 1)):
+                snapshot_id = random.getrandbits(62)
+                frame = plain_frame(step)
+                files = []
+                for rank in range(WORLD_SIZE):
+                    part = frame.slice(rank * ROWS_PER_SHARD, ROWS_PER_SHARD)
+                    path = f"{location}/data/_step={step}/_rank={rank}/{uuid.uuid4().hex}.parquet"
+                    Path(path.removeprefix("file://")).parent.mkdir(parents=True, exist_ok=True)
+                    pq.write_table(part, path.removeprefix("file://"))
+                    files.append(parquet_file_to_data_file(table.io, md, path))
+                mpath = f"{location}/metadata/{uuid.uuid4()}-m0.avro"
+                with write_manifest(format_version=md.format_version, spec=md.spec(), schema=md.schema(),
+                                    output_file=table.io.new_output(mpath), snapshot_id=snapshot_id,
+                                    avro_compression="deflate") as writer:
+                    for f in files:
+                        writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=snapshot_id,
+                                                                 sequence_number=None, file_sequence_number=None, data_file=f))
+                new_manifest = writer.to_manifest_file()
+                manifests = [new_manifest, *manifests]
+                lpath = f"{location}/metadata/snap-{snapshot_id}-0-{uuid.uuid4()}.avro"
+                with write_manifest_list(format_version=md.format_version, output_file=table.io.new_output(lpath),
+                                         snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=seq,
+                                         avro_compression="deflate") as lw:
+                    lw.add_manifests(manifests)
+                collector = SnapshotSummaryCollector()
+                for f in files:
+                    collector.add_file(f, schema=md.schema(), partition_spec=md.spec())
+                summary = update_snapshot_summaries(Summary(Operation.APPEND, **collector.build()), previous_summary=prev_summary)
+                snap = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=seq,
+                                manifest_list=lpath, summary=summary, schema_id=md.current_schema_id,
+                                timestamp_ms=int(time.time() * 1000))
+                updates += [AddSnapshotUpdate(snapshot=snap),
+                            SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
+                                                 parent_snapshot_id=parent_id)]
+                parent_id, prev_summary, seq = snapshot_id, summary, seq + 1
+                # the manifest's sequence number is assigned at read time from the list; keep the object for the next list
+                new_manifest.sequence_number = seq - 1
+                new_manifest.min_sequence_number = seq - 1
+                step += 1
+            table.catalog.commit_table(table, (AssertRefSnapshotId(ref="main", snapshot_id=base_parent),), tuple(updates))
+        table.refresh()
+        return step
+
+
+def run_plain_growth(root: Path, steps: int, mode: str, points: list[int], samples: int, window: int) -> dict[str, Any]:
+    catalog = load_sql_catalog(sqlite_catalog_props(root / "plain"))
+    table = create_plain_table(catalog, "plain_growth")
+    t0 = time.monotonic()
+    latencies: dict[int, float] = {}  # step -> latency of the real append that created it
+    cpu: dict[int, float] = {}
+    step = 1
+    if mode == "loop":
+        for step in range(1, steps + 1):
+            s, c0 = time.perf_counter(), time.process_time()
+            table.append(plain_frame(step))
+            latencies[step] = time.perf_counter() - s
+            cpu[step] = time.process_time() - c0
+            if step % window == 0:
+                w = [latencies[k] for k in range(step - window + 1, step + 1)]
+                print(f"[growth] plain append {step:>5}/{steps}: p50 {percentile(w, 50) * 1000:7.1f} ms "
+                      f"({time.monotonic() - t0:5.0f} s)", flush=True)
+    else:
+        filler = PlainFiller(table)
+        fill_s = 0.0
+        for point in points:
+            first_real = max(step, point - samples // 2 + 1)
+            if first_real > step:
+                f0 = time.monotonic()
+                step = filler.fill(first_real - 1, first_step=step)
+                fill_s += time.monotonic() - f0
+            for _ in range(samples):
+                s, c0 = time.perf_counter(), time.process_time()
+                table.append(plain_frame(step))
+                latencies[step] = time.perf_counter() - s
+                cpu[step] = time.process_time() - c0
+                step += 1
+            lat = [latencies[k] for k in range(first_real, step)]
+            print(f"[growth] plain append at {point:>5} snapshots: p50 {percentile(lat, 50) * 1000:7.1f} ms  "
+                  f"metadata {metadata_size(table) / 1024:7.1f} KiB  (filler {fill_s:4.0f} s, total "
+                  f"{time.monotonic() - t0:4.0f} s)", flush=True)
+    table.refresh()
+    return {"mode": mode, "latency_by_step_s": latencies, "cpu_by_step_s": cpu, "snapshots": len(table.metadata.snapshots),
+            "metadata_bytes": metadata_size(table), "elapsed_s": time.monotonic() - t0}
+
+
+def plain_point_stats(latencies: dict[int, float], point: int, half: int) -> dict[str, float]:
+    vals = [v for k, v in latencies.items() if point - half < k <= point + half]
+    return {"p50_s": percentile(vals, 50), "p99_s": percentile(vals, 99), "n": len(vals)}
+
+
+# ================================================================================================ phase 2: contention
+
+
+@dataclass
+class Task:
+    policy: str  # dac | fixed | pyiceberg
+    catalog: dict[str, str]
+    table: str
+    producer: str
+    start_at: float  # wall clock (time.time()) when committing starts; measuring starts warmup_s later
+    warmup_s: float
+    duration_s: float
+    fixed_delay_s: float
+    seed: int
+
+
+def _recording(policy_cls: type, log: list[tuple[float, float, bool, int]], waits: list[tuple[str, float]]) -> type:
+    class Recording(policy_cls):  # type: ignore[misc, valid-type]
+        def record_attempt(self, *, started: float, ended: float, won: bool, head_step: int, foreign: int) -> None:
+            log.append((started, ended, won, foreign))
+            super().record_attempt(started=started, ended=ended, won=won, head_step=head_step, foreign=foreign)
+
+        def pacing_delay(self) -> float:
+            d = super().pacing_delay()
+            waits.append(("pace", d))
+            return d
+
+        def retry_delay(self, attempt: int) -> float:
+            d = super().retry_delay(attempt)
+            waits.append(("retry", d))
+            return d
+
+    return Recording
+
+
+def _run_task(task: Task) -> dict[str, Any]:
+    from dac_sim import FixedBackoffPolicy
+    from pyiceberg.exceptions import CommitFailedException
+
+    from lakestream_iceberg import Stream
+    from lakestream_iceberg.dac import CommitPolicy
+
+    catalog = load_sql_catalog(task.catalog)
+    attempt_log: list[tuple[float, float, bool, int]] = []
+    waits: list[tuple[str, float]] = []
+    records: list[tuple[float, float, bool, int, str]] = []  # (start, end, ok, attempts, error)
+    offset = time.time() - time.monotonic()  # monotonic -> wall
+    if task.policy == "pyiceberg":
+        table = catalog.load_table(f"{NS}.{task.table}")
+        calls = [0]
+        inner = table._do_commit  # noqa: SLF001 - count pyiceberg's own attempts
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return inner(*args, **kwargs)
+
+        table._do_commit = counting  # noqa: SLF001
+        worker_no = int(task.producer.rsplit("-", 1)[1])
+        counter = [0]
+
+        def commit_once() -> int:
+            counter[0] += 1
+            before = calls[0]
+            table.append(plain_frame(worker_no * 10_000_000 + counter[0]))
+            return calls[0] - before
+    else:
+        stream = Stream.open(catalog, f"{NS}.{task.table}")
+        producer = stream.producer(task.producer, seed=task.seed)
+        loop = producer._loop  # noqa: SLF001 - swap in a recording policy; everything else as Stream.producer built it
+        base = FixedBackoffPolicy if task.policy == "fixed" else CommitPolicy
+        cls = _recording(base, attempt_log, waits)
+        kwargs = {"delay_s": task.fixed_delay_s} if task.policy == "fixed" else {}
+        loop.policy = cls(clock=time.monotonic, rng=random.Random(task.seed), **kwargs)
+        payload = shards_for(task.seed)
+        _ = producer.next_seq  # first refresh outside the window
+
+        def commit_once() -> int:
+            return producer.commit(payload).attempts
+
+    ready_late = time.time() - task.start_at
+    while time.time() < task.start_at:
+        time.sleep(min(0.05, max(0.0, task.start_at - time.time())))
+    stop = task.start_at + task.warmup_s + task.duration_s
+    origin = task.start_at + task.warmup_s  # records are relative to the start of the measured window
+    while time.time() < stop:
+        s = time.time()
+        attempts, ok, err = 0, True, ""
+        try:
+            attempts = commit_once()
+        except CommitFailedException as exc:
+            ok, err = False, type(exc).__name__
+            attempts = -1
+        except Exception as exc:  # noqa: BLE001 - a failed commit is a result, not a crash
+            ok, err = False, f"{type(exc).__name__}: {str(exc)[:200]}"
+        records.append((s - origin, time.time() - origin, ok, attempts, err))
+    rel = origin - offset  # the window's start on the monotonic clock
+    return {
+        "producer": task.producer, "records": records, "ready_late_s": ready_late,
+        "attempt_log": [(a - rel, b - rel, w, f) for a, b, w, f in attempt_log],
+        "waits": waits,
+    }
+
+
+def _worker(conn: Any) -> None:
+    import logging
+
+    import dac_sim  # noqa: F401
+    import pyiceberg.io.pyarrow  # noqa: F401 - import everything before the first task (outside any measurement)
+    import sqlalchemy  # noqa: F401
+
+    import lakestream_iceberg  # noqa: F401
+
+    logging.getLogger("pyiceberg").setLevel(logging.ERROR)  # one warning per pyiceberg retry otherwise
+    conn.send(("ready", None))
+    import pyiceberg.catalog.sql  # noqa: F401
+
+    while True:
+        task = conn.recv()
+        if task is None:
+            return
+        try:
+            conn.send(("ok", _run_task(task)))
+        except Exception:  # noqa: BLE001
+            conn.send(("error", traceback.format_exc()))
+
+
+class Pool:
+    """``size`` spawned worker processes, reused for every contention point."""
+
+    def __init__(self, size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.conns = []
+        self.procs = []
+        for _ in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker, args=(child,), daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for conn in self.conns:  # every worker has imported everything before the first point is timed
+            status, _ = conn.recv()
+            assert status == "ready", status
+
+    def run(self, tasks: list[Task]) -> list[dict[str, Any]]:
+        for conn, task in zip(self.conns, tasks, strict=False):
+            conn.send(task)
+        out = []
+        for conn in self.conns[: len(tasks)]:
+            status, body = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"contention worker failed:\n{body}")
+            out.append(body)
+        return out
+
+    def close(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(Exception):
+                conn.send(None)
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+
+
+def contention_point(pool: Pool, catalog_props: dict[str, str], policy: str, producers: int, duration: float,
+                     warmup: float, fixed_delay_s: float, name: str, seed: int) -> dict[str, Any]:
+    catalog = load_sql_catalog(catalog_props)
+    if policy == "pyiceberg":
+        create_plain_table(catalog, name)
+    else:
+        create_stream(catalog, name)
+    start_at = time.time() + 2.0 + 0.25 * producers  # every worker is set up (and idle) before this
+    tasks = [Task(policy, catalog_props, name, f"w-{i}", start_at, warmup, duration, fixed_delay_s, seed * 1000 + i)
+             for i in range(producers)]
+    results = pool.run(tasks)
+    return summarize_point(results, duration, policy, producers)
+
+
+def summarize_point(results: list[dict[str, Any]], duration: float, policy: str, producers: int) -> dict[str, Any]:
+    in_window = [r for res in results for r in res["records"] if 0 <= r[1] <= duration]
+    ok = [r for r in in_window if r[2]]
+    failed = [r for r in in_window if not r[2]]
+    failed_warmup = sum(1 for res in results for r in res["records"] if r[1] < 0 and not r[2])
+    per_producer = [sum(1 for r in res["records"] if r[2] and 0 <= r[1] <= duration) for res in results]
+    latencies = [r[1] - r[0] for r in ok]
+    attempts_known = [r[3] for r in ok if r[3] > 0]
+    critical = [b - a for res in results for a, b, w, _ in res["attempt_log"] if 0 <= a and b <= duration]
+    won_attempts = sum(1 for res in results for a, b, w, _ in res["attempt_log"] if 0 <= a and b <= duration and w)
+    errors: dict[str, int] = {}
+    for r in failed:
+        errors[r[4].split(":")[0]] = errors.get(r[4].split(":")[0], 0) + 1
+    pace = [d for res in results for kind, d in res["waits"] if kind == "pace"]
+    return {
+        "policy": policy, "producers": producers, "duration_s": duration,
+        "commits": len(ok), "commits_per_s": len(ok) / duration, "failed": len(failed), "errors": errors,
+        "failed_in_warmup": failed_warmup,
+        "p50_s": percentile(latencies, 50), "p99_s": percentile(latencies, 99), "max_s": max(latencies, default=math.nan),
+        "jain": jain_index(per_producer), "per_producer": per_producer,
+        "attempts_per_commit": statistics.fmean(attempts_known) if attempts_known else math.nan,
+        "attempts": len(critical), "won_attempts": won_attempts,
+        "wasted_frac": 1 - won_attempts / len(critical) if critical else math.nan,
+        "critical_p50_s": percentile(critical, 50), "critical_samples": critical[:5000],
+        "pacing_mean_s": statistics.fmean(pace) if pace else math.nan,
+        "latency_samples": latencies[:5000],
+        "ready_late_s": max(res["ready_late_s"] for res in results),
+    }
+
+
+def run_contention(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"points": [], "postgres": None}
+    pool = Pool(max(args.producers))
+    pg = None
+    try:
+        for catalog_name in args.catalogs:
+            if catalog_name == "postgres" and pg is None:
+                pg, how = start_postgres()
+                out["postgres"] = how
+            for policy in args.policies:
+                for p in args.producers:
+                    name = f"{catalog_name}_{policy}_{p}"
+                    if catalog_name == "sqlite":
+                        props = sqlite_catalog_props(root / "contention" / name)
+                    else:
+                        uri = pg.create_database(f"b_{policy.replace('+', '_')}_{p}")
+                        wh = root / "contention" / name
+                        wh.mkdir(parents=True, exist_ok=True)
+                        props = {"type": "sql", "uri": uri, "warehouse": f"file://{wh}"}
+                    t0 = time.monotonic()
+                    point = contention_point(pool, props, policy, p, args.duration, args.warmup, args.fixed_delay_ms / 1000, name,
+                                             seed=len(out["points"]) + 1)
+                    point["catalog"] = catalog_name
+                    out["points"].append(point)
+                    print(f"[contention] {catalog_name:8} {policy:9} P={p:<2}: {point['commits_per_s']:6.1f} commits/s  "
+                          f"failed {point['failed']:3}  p50 {point['p50_s'] * 1000:7.1f} ms  p99 {point['p99_s'] * 1000:8.1f} ms"
+                          f"  Jain {point['jain']:.3f}  attempts/commit {point['attempts_per_commit']:.2f}  "
+                          f"({time.monotonic() - t0:4.1f} s, ready late {point['ready_late_s']:+.1f} s)", flush=True)
+    finally:
+        pool.close()
+        if pg is not None:
+            pg.close()
+    return out
+
+
+# ================================================================================================ phase 3: simulation
+
+
+def run_simulation(args: argparse.Namespace, contention: dict[str, Any] | None) -> dict[str, Any]:
+    from dac_sim import LatencyModel, simulate
+
+    models: dict[str, LatencyModel] = {}
+    for point in (contention or {}).get("points", []):
+        if point["policy"] == "dac" and point["producers"] == 1 and len(point["critical_samples"]) >= 10:
+            lat = point["latency_samples"]
+            crit = point["critical_samples"]
+            write = max(0.0, percentile(lat, 50) - percentile(crit, 50))
+            models[point["catalog"]] = LatencyModel.fit(crit, [write], cas_s=args.sim_cas_ms / 1000,
+                                                        source=f"{point['catalog']} P=1 dac attempts (n={len(crit)})")
+    if not models:
+        models["default"] = LatencyModel(cas_s=args.sim_cas_ms / 1000)
+    rows = []
+    for name, model in models.items():
+        for n in args.sim_producers:
+            for strategy in args.sim_strategies:
+                t0 = time.monotonic()
+                r = simulate(n, strategy, model, duration_s=args.sim_duration, seed=n).row()
+                r.update({"model": name, "wall_s": time.monotonic() - t0})
+                rows.append(r)
+    return {"models": {k: v.__dict__ for k, v in models.items()}, "rows": rows}
+
+
+# ================================================================================================ report
+
+
+def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
+    tables: list[Table] = []
+    growth = results.get("growth")
+    if growth:
+        ls = growth["lakestream"]
+        t = Table(f"1. growth: lakestream, one producer, world size {WORLD_SIZE}, SQLite (latency of Producer.commit)",
+                  ["steps", "p50 ms", "p99 ms", "max ms", "cpu p50 ms", "metadata KiB", "snapshots", "manifests"])
+        for w in ls["windows"]:
+            t.add(w["steps"], w["p50_s"] * 1000, w["p99_s"] * 1000, w["max_s"] * 1000, w["cpu_p50_s"] * 1000,
+                  w["metadata_bytes"] / 1024,
+                  w["snapshots"], w["manifests"])
+        if ls.get("slowest"):
+            t.note("slowest commits: " + ", ".join(f"step {x['step']}: {x['latency_s'] * 1000:,.0f} ms" for x in ls["slowest"])
+                   + " (manifest merges cascade at multiples of 16, 256, 4,096 steps)")
+        tables.append(t)
+        plain = growth.get("plain")
+        if plain:
+            lat = {int(k): v for k, v in plain["latency_by_step_s"].items()}
+            t2 = Table(f"1b. growth: plain pyiceberg table.append ({plain['mode']}), same schema/partitioning, SQLite",
+                       ["snapshots", "p50 ms", "p99 ms", "cpu p50 ms", "samples"])
+            plat_cpu = {int(k): v for k, v in plain["cpu_by_step_s"].items()}
+            for point in growth["plain_points"]:
+                half = args.plain_samples if plain["mode"] == "sampled" else 50
+                st = plain_point_stats(lat, point, half)
+                t2.add(point, st["p50_s"] * 1000, st["p99_s"] * 1000, plain_point_stats(plat_cpu, point, half)["p50_s"] * 1000,
+                       st["n"])
+            tables.append(t2)
+        r = growth["ratios"]
+        t3 = Table("1c. growth ratios (target: lakestream wall-clock ratio <= 1.25)",
+                   ["what", "p50 at start ms", "p50 at end ms", "ratio", "cpu ratio"])
+        t3.add(f"lakestream p50@{r['ls_end_step']}/p50@200", r["ls_p50_200"] * 1000, r["ls_p50_end"] * 1000, r["ls_ratio"],
+               r["ls_cpu_ratio"])
+        if "plain_ratio" in r:
+            t3.add(f"plain p50@{r['plain_end_step']}/p50@100", r["plain_p50_100"] * 1000, r["plain_p50_end"] * 1000,
+                   r["plain_ratio"], r["plain_cpu_ratio"])
+        t3.note("p50@N: median of the 100 commits around step N (steps N-49..N+50; the last 100 at the end)")
+        tables.append(t3)
+    cont = results.get("contention")
+    if cont:
+        for catalog_name in args.catalogs:
+            pts = [p for p in cont["points"] if p["catalog"] == catalog_name]
+            if not pts:
+                continue
+            t = Table(f"2. contention on {catalog_name}: {args.duration:.0f} s measured per point after {args.warmup:.0f} s "
+                      "warm-up, producers commit back to back",
+                      ["policy", "P", "commits/s", "vs P=1", "failed", "p50 ms", "p99 ms", "p99/p50", "Jain",
+                       "attempts/commit", "wasted"])
+            single = {p["policy"]: p["commits_per_s"] for p in pts if p["producers"] == 1}
+            for p in pts:
+                base = single.get(p["policy"])
+                t.add(p["policy"], p["producers"], p["commits_per_s"], p["commits_per_s"] / base if base else math.nan,
+                      p["failed"], p["p50_s"] * 1000, p["p99_s"] * 1000,
+                      p["p99_s"] / p["p50_s"] if p["p50_s"] else math.nan, p["jain"], p["attempts_per_commit"],
+                      p["wasted_frac"])
+            t.note("failed: commit calls that raised (pyiceberg: CommitFailedException after 4 retries; "
+                   "lakestream: budget exhausted); wasted: lost attempts / attempts (lakestream policies only)")
+            tables.append(t)
+        targets = Table("2b. targets at the largest P", ["catalog", "policy", "P", "failed == 0", "agg >= 1.0x P=1",
+                                                          "p99 <= 10x p50", "Jain >= 0.9"])
+        top = max(args.producers)
+        for catalog_name, policy in [(c, p) for p in args.policies for c in args.catalogs]:
+            pts = {(p["policy"], p["producers"]): p for p in cont["points"] if p["catalog"] == catalog_name}
+            p, one = pts.get((policy, top)), pts.get((policy, 1))
+            if p and one and p["p50_s"] == p["p50_s"]:
+                targets.add(catalog_name, policy, top, f"{p['failed']} {'ok' if p['failed'] == 0 else 'MISS'}",
+                            f"{p['commits_per_s'] / one['commits_per_s']:.2f}x "
+                            f"{'ok' if p['commits_per_s'] >= one['commits_per_s'] else 'MISS'}",
+                            f"{p['p99_s'] / p['p50_s']:.1f}x {'ok' if p['p99_s'] <= 10 * p['p50_s'] else 'MISS'}",
+                            f"{p['jain']:.3f} {'ok' if p['jain'] >= 0.9 else 'MISS'}")
+        tables.append(targets)
+    sim = results.get("simulation")
+    if sim:
+        for model_name, model in sim["models"].items():
+            t = Table(f"3. simulation ({model_name}: critical section lognormal median "
+                      f"{model['critical_median_s'] * 1000:.1f} ms sigma {model['critical_sigma']:.2f}, "
+                      f"write {model['write_s'] * 1000:.1f} ms, CAS {model['cas_s'] * 1000:.1f} ms; "
+                      f"{args.sim_duration:.0f} virtual s)",
+                      ["strategy", "P", "commits/s", "failed", "wasted", "p50 ms", "p99 ms", "p99/p50", "Jain", "n est"])
+            for r in sim["rows"]:
+                if r["model"] == model_name:
+                    t.add(r["strategy"], r["producers"], r["commits_per_s"], r["failed"], r["wasted_frac"],
+                          r["p50_s"] * 1000, r["p99_s"] * 1000, r["p99_over_p50"], r["jain"], r["contenders_est_median"])
+            t.note(f"fitted from: {model['source']}; each producer on its own CPU, the catalog's swap is the shared resource")
+            tables.append(t)
+    return tables
+
+
+def plot(results: dict[str, Any], args: argparse.Namespace, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[plot] matplotlib not installed; no plot", flush=True)
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    ax = axes[0][0]
+    growth = results.get("growth")
+    if growth:
+        ls = growth["lakestream"]["windows"]
+        ax.plot([w["end_step"] for w in ls], [w["p50_s"] * 1000 for w in ls], "o-", label="lakestream p50")
+        ax.plot([w["end_step"] for w in ls], [w["p99_s"] * 1000 for w in ls], "o--", label="lakestream p99")
+        plain = growth.get("plain")
+        if plain:
+            lat = {int(k): v for k, v in plain["latency_by_step_s"].items()}
+            half = args.plain_samples if plain["mode"] == "sampled" else 50
+            pts = growth["plain_points"]
+            ax.plot(pts, [plain_point_stats(lat, p, half)["p50_s"] * 1000 for p in pts], "s-", label="pyiceberg append p50")
+        ax.set_xlabel("steps (snapshots) committed")
+        ax.set_ylabel("commit latency (ms)")
+        ax.set_yscale("log")
+        ax.set_title("1. growth (one producer, SQLite)")
+        ax.legend()
+    else:
+        ax.axis("off")
+        ax.text(0.5, 0.5, "growth phase not run", ha="center", va="center")
+    cont = results.get("contention")
+    if cont:
+        for ax, key, label in ((axes[0][1], "commits_per_s", "aggregate commits/s"), (axes[1][0], "p99_s", "p99 latency (s)")):
+            for catalog_name in args.catalogs:
+                for policy in args.policies:
+                    pts = [p for p in cont["points"] if p["catalog"] == catalog_name and p["policy"] == policy]
+                    if pts:
+                        ax.plot([p["producers"] for p in pts], [p[key] for p in pts], "o-" if catalog_name == "sqlite" else "s--",
+                                label=f"{policy} / {catalog_name}")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("producer processes")
+            ax.set_ylabel(label)
+            if key == "p99_s":
+                ax.set_yscale("log")
+            ax.set_title(f"2. contention: {label}")
+            ax.legend(fontsize=7)
+    sim = results.get("simulation")
+    if sim:
+        ax = axes[1][1]
+        for model_name in sim["models"]:
+            for strategy in args.sim_strategies:
+                rows = [r for r in sim["rows"] if r["model"] == model_name and r["strategy"] == strategy]
+                ax.plot([r["producers"] for r in rows], [r["commits_per_s"] for r in rows], "o-",
+                        label=f"{strategy} / {model_name}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("simulated producers")
+        ax.set_ylabel("commits/s")
+        ax.set_title("3. simulation of the pure policy")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ================================================================================================ main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes everywhere (a smoke run, ~3 min)")
+    parser.add_argument("--phases", default="growth,contention,simulation")
+    parser.add_argument("--steps", type=int, default=20_000, help="lakestream growth steps")
+    parser.add_argument("--window", type=int, default=1_000)
+    parser.add_argument("--plain-steps", type=int, default=2_000)
+    parser.add_argument("--plain-mode", choices=["sampled", "loop"], default="sampled")
+    parser.add_argument("--plain-samples", type=int, default=10, help="real appends timed per point (sampled mode)")
+    parser.add_argument("--profile-last", type=int, default=200,
+                        help="cProfile N extra growth commits after the measured ones (0: off)")
+    parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--catalogs", nargs="+", default=["sqlite", "postgres"], choices=["sqlite", "postgres"])
+    parser.add_argument("--policies", nargs="+", default=["dac", "fixed", "pyiceberg"],
+                        choices=["dac", "fixed", "pyiceberg"])
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds measured per contention point")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of committing before each measured window")
+    parser.add_argument("--fixed-delay-ms", type=float, default=50.0)
+    parser.add_argument("--sim-producers", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
+    parser.add_argument("--sim-strategies", nargs="+", default=["dac", "fixed", "pyiceberg"])
+    parser.add_argument("--sim-duration", type=float, default=120.0)
+    parser.add_argument("--sim-cas-ms", type=float, default=1.0, help="catalog service time per swap in the model")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "commit_scaling.json"))
+    parser.add_argument("--workdir", default=None, help="where tables live (default: a temp dir, removed at the end)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        defaults = parser.parse_args([])
+        for key, value in {"steps": 1_000, "window": 250, "plain_steps": 300, "plain_samples": 6, "profile_last": 100,
+                           "producers": [1, 4, 16], "duration": 5.0, "warmup": 2.0, "sim_producers": [64, 256, 1024],
+                           "sim_duration": 40.0}.items():
+            if getattr(args, key) == getattr(defaults, key):
+                setattr(args, key, value)
+    return args
+
+
+def plain_points_for(steps: int) -> list[int]:
+    pts = [p for p in (100, 200, 500, 1000, 1500, 2000, 3000, 5000) if p < steps]
+    return [*pts, steps]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    phases = {p.strip() for p in args.phases.split(",") if p.strip()}
+    root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="commit-scaling-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {"args": vars(args)}
+    t0 = time.monotonic()
+    try:
+        if "growth" in phases:
+            ls = run_lakestream_growth(root / "growth", args.steps, args.window, args.profile_last)
+            points = plain_points_for(args.plain_steps)
+            plain = run_plain_growth(root / "growth", args.plain_steps, args.plain_mode, points, args.plain_samples,
+                                     args.window if args.plain_mode == "loop" else 100)
+            lat = ls["latencies_s"]
+            ratios = {"ls_p50_200": at_step(lat, 200), "ls_p50_end": percentile(lat[-100:], 50), "ls_end_step": len(lat)}
+            ratios["ls_ratio"] = ratios["ls_p50_end"] / ratios["ls_p50_200"]
+            ratios["ls_cpu_ratio"] = percentile(ls["cpu_s"][-100:], 50) / at_step(ls["cpu_s"], 200)
+            plat = {int(k): v for k, v in plain["latency_by_step_s"].items()}
+            half = args.plain_samples if args.plain_mode == "sampled" else 50
+            p100 = plain_point_stats(plat, 100, half)["p50_s"]
+            pend = plain_point_stats(plat, points[-1], half)["p50_s"]
+            pcpu = {int(k): v for k, v in plain["cpu_by_step_s"].items()}
+            c100 = plain_point_stats(pcpu, 100, half)["p50_s"]
+            cend = plain_point_stats(pcpu, points[-1], half)["p50_s"]
+            ratios.update({"plain_p50_100": p100, "plain_p50_end": pend, "plain_end_step": points[-1],
+                           "plain_ratio": pend / p100 if p100 else math.nan,
+                           "plain_cpu_ratio": cend / c100 if c100 else math.nan})
+            results["growth"] = {"lakestream": ls, "plain": plain, "plain_points": points,
+                                 "ratios": ratios}
+            if ls.get("profile_last_commits"):
+                print(f"[growth] cProfile of the last {args.profile_last} lakestream commits (cumulative):")
+                print("\n".join(ls["profile_last_commits"].splitlines()[:45]), flush=True)
+        if "contention" in phases:
+            results["contention"] = run_contention(args, root)
+        if "simulation" in phases:
+            results["simulation"] = run_simulation(args, results.get("contention"))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(root, ignore_errors=True)
+    results["elapsed_s"] = time.monotonic() - t0
+    tables = report(results, args)
+    print()
+    for t in tables:
+        print(t)
+        print()
+    out = Path(args.out)
+    path = write_json(out.name, {**results, "tables": tables}, directory=out.parent)
+    png = plot(results, args, out.with_suffix(".png"))
+    print(f"wrote {path}" + (f" and {png}" if png else "") + f" in {results['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,305 @@
+"""The pure DAC policy (lakestream_iceberg.dac): injected clock, seeded RNG, no I/O, microseconds per test.
+
+The last tests run a small slot simulation of several producers (optimistic concurrency against one
+compare-and-swap, like ``benchmarks/dac_sim.py`` but self-contained) to check the law's properties as a system:
+alone never waits, the contention estimate converges to the true producer count, shares are fair.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import statistics
+
+import pytest
+
+from lakestream_iceberg.dac import CommitPolicy, PolicyConfig
+
+
+class Clock:
+    def __init__(self, t: float = 0.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def policy(seed: int = 0, clock: Clock | None = None, **config: float) -> CommitPolicy:
+    return CommitPolicy(clock=clock or Clock(), rng=random.Random(seed), config=PolicyConfig(**config) if config else None)
+
+
+def win(p: CommitPolicy, clock: Clock, step: int, duration: float = 0.010) -> None:
+    p.record_attempt(started=clock.t, ended=clock.t + duration, won=True, head_step=step, foreign=0)
+    clock.t += duration
+
+
+# ------------------------------------------------------------------------------------------------ estimates
+
+
+def test_critical_section_is_a_running_geometric_mean_floored_by_the_metadata_model() -> None:
+    clock = Clock()
+    p = policy(clock=clock, ewma_alpha=1.0)
+    assert p.critical_section_s == PolicyConfig().min_critical_s  # nothing measured yet
+    win(p, clock, 1, duration=0.020)
+    assert p.critical_section_s == pytest.approx(0.020)
+    q = policy(clock=Clock(), ewma_alpha=0.5)
+    for d in (0.010, 0.040):
+        q.record_attempt(started=0.0, ended=d, won=True, head_step=1, foreign=0)
+    assert q.critical_section_s == pytest.approx(math.sqrt(0.010 * 0.040))  # one outlier does not double it
+    q.observe_metadata(10_000_000)  # 10 MB of metadata at 2e-8 s/byte: at least 0.2 s
+    assert q.critical_section_s == pytest.approx(0.2)
+
+
+def test_contenders_from_own_step_gaps_is_exact_for_a_round_robin() -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    p.observe_head(100)
+    assert p.contenders == 1.0
+    for k in range(1, 10):
+        win(p, clock, 100 + 16 * k)
+    assert p.contenders == 16.0
+
+
+def test_a_pause_of_the_producer_is_not_contention() -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    p.observe_head(0)
+    steps = [4, 8, 12, 512, 516, 520, 524, 528]  # one commit in four, but it paused while 500 steps were committed
+    for step in steps:
+        win(p, clock, step)
+    assert p.contenders == 4.0
+    clock.t += 0.002
+    assert p.pacing_delay() < 4 * p.slot_s * 1.1
+
+
+def test_contenders_from_the_producer_table_counts_recent_producers_and_self() -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    # 5 producers committed within the last steps, 3 stopped long ago; this one never committed: 5 + itself
+    p.observe_head(1000, producers=[996, 997, 998, 999, 1000, 10, 20, 30])
+    assert p.contenders == 6.0
+    win(p, clock, 1001)
+    p.observe_head(1001, producers=[996, 997, 998, 999, 1000, 1001, 10, 20, 30])
+    assert p.contenders == 6.0  # now it is in the table: counted once
+
+
+def test_alone_the_table_and_the_gaps_both_say_one() -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    q = policy(clock=clock)
+    for step in range(1, 50):
+        p.observe_head(step - 1, producers=[step - 1] if step > 1 else [])
+        win(p, clock, step)
+        q.observe_head(step - 1)
+        win(q, clock, step)
+    assert p.contenders == 1.0
+    assert q.contenders == 1.0
+
+
+# ------------------------------------------------------------------------------------------------ pacing
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_alone_never_waits(table: bool) -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    assert p.pacing_delay() == 0.0  # first commit
+    for step in range(1, 200):
+        p.observe_head(step - 1, producers=[step - 1] if table and step > 1 else None)
+        assert p.pacing_delay() == 0.0
+        win(p, clock, step, duration=random.Random(step).uniform(0.005, 0.050))
+        clock.t += 0.003  # writing the next batch's data files
+
+
+def test_pacing_yields_one_slot_to_each_other_producer() -> None:
+    clock = Clock()
+    p = policy(clock=clock, pacing_jitter=0.0, slot_margin=0.25, ewma_alpha=1.0)
+    p.observe_head(0)
+    for k in range(1, 10):
+        win(p, clock, 4 * k, duration=0.010)  # one commit in four: n = 4
+    clock.t += 0.002  # the data files of the next batch
+    # the next commit should land 4 slots (4 * 12.5 ms) after the last one: minus 2 ms elapsed, minus the attempt itself
+    assert p.pacing_delay() == pytest.approx(4 * 0.0125 - 0.002 - 0.010)
+    clock.t += 1.0  # a producer that commits rarely: its turn is long due
+    assert p.pacing_delay() == 0.0
+
+
+def test_pacing_jitter_bounds() -> None:
+    clock = Clock()
+    p = policy(clock=clock, pacing_jitter=0.1, ewma_alpha=1.0)
+    p.observe_head(0)
+    for k in range(1, 10):
+        win(p, clock, 8 * k, duration=0.010)
+    slot = 0.0125
+    delays = [p.pacing_delay() for _ in range(2000)]
+    assert min(delays) >= 8 * slot * 0.9 - 0.010 - 1e-12
+    assert max(delays) <= 8 * slot * 1.1 - 0.010 + 1e-12
+
+
+# ------------------------------------------------------------------------------------------------ retries
+
+
+def test_retry_window_shrinks_with_the_attempt_number_without_a_table() -> None:
+    clock = Clock()
+    p = policy(clock=clock, ewma_alpha=1.0, retry_slots=0.5)
+    p.record_attempt(started=0.0, ended=0.020, won=False, head_step=3, foreign=3)
+    means = []
+    for attempt in range(1, 9):
+        draws = [p.retry_delay(attempt) for _ in range(3000)]
+        assert max(draws) <= 0.5 * 0.020 / attempt + 1e-12  # the window: retry_slots * c / a
+        means.append(statistics.fmean(draws))
+    assert all(later < earlier for earlier, later in zip(means, means[1:], strict=False))
+
+
+def test_ranked_retry_lets_the_producers_that_waited_longer_go_first() -> None:
+    clock = Clock()
+    p = policy(clock=clock, ewma_alpha=1.0, slot_margin=0.0)
+    p.observe_head(0, producers=[])
+    win(p, clock, 10, duration=0.010)  # its last commit: step 10
+    # head 20; of the 6 other active producers, 2 last committed before step 10: they have waited longer
+    p.observe_head(20, producers=[8, 9, 10, 15, 18, 19, 20])
+    p.record_attempt(started=clock.t, ended=clock.t + 0.010, won=False, head_step=21, foreign=1)
+    draws = [p.retry_delay(1) for _ in range(2000)]
+    assert min(draws) >= 2 * 0.010 - 1e-12 and max(draws) <= 3 * 0.010 + 1e-12
+    p.observe_head(22, producers=[21, 22, 10, 15, 18, 19, 20])  # both went: now it is the oldest
+    assert max(p.retry_delay(2) for _ in range(2000)) <= 0.010 + 1e-12
+
+
+def test_a_producer_not_yet_in_the_table_backs_off_exponentially_up_to_the_period() -> None:
+    clock = Clock()
+    p = policy(clock=clock, ewma_alpha=1.0, slot_margin=0.0)
+    p.observe_head(500, producers=list(range(437, 501)))  # 64 active producers, this one never committed: n = 65
+    p.record_attempt(started=0.0, ended=0.010, won=False, head_step=501, foreign=1)
+    for attempt, slots in [(1, 1), (2, 2), (3, 4), (7, 64), (8, 65), (20, 65)]:
+        draws = [p.retry_delay(attempt) for _ in range(3000)]
+        assert max(draws) <= slots * 0.010 + 1e-12
+        assert max(draws) > 0.9 * slots * 0.010
+
+
+def test_every_wait_is_capped() -> None:
+    clock = Clock()
+    p = policy(clock=clock, max_wait_s=1.5)
+    p.observe_metadata(5_000_000_000)  # a modelled critical section of 100 s
+    p.observe_head(0, producers=list(range(1, 1001)))
+    win(p, clock, 5000, duration=50.0)
+    assert p.pacing_delay() <= 1.5
+    assert all(p.retry_delay(a) <= 1.5 for a in range(1, 50))
+    q = policy(clock=Clock(), max_wait_s=1.5)
+    q.observe_metadata(5_000_000_000)
+    assert all(q.retry_delay(a) <= 1.5 for a in range(1, 50))
+
+
+def test_same_seed_same_decisions() -> None:
+    def run(seed: int) -> list[float]:
+        clock = Clock()
+        p = policy(seed, clock)
+        p.observe_head(0)
+        out = []
+        for k in range(1, 30):
+            win(p, clock, 3 * k)
+            out += [p.pacing_delay(), p.retry_delay(k % 5 + 1)]
+        return out
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+
+
+@pytest.mark.parametrize("bad", [{"ewma_alpha": 0.0}, {"pacing_jitter": 1.0}, {"gap_window": 0}, {"active_horizon": 1.0},
+                                 {"max_wait_s": -1.0}])
+def test_config_is_validated(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PolicyConfig(**bad)
+
+
+# ------------------------------------------------------------------------------------------------ slot simulation
+
+
+def simulate(n: int, *, table: bool, seconds: float = 30.0, seed: int = 1) -> dict[str, object]:
+    """``n`` back-to-back producers, optimistic concurrency against one compare-and-swap, virtual time.
+
+    An attempt reads the head, works for a critical section ``c`` (10 ms +- 30 %), and wins iff no other commit
+    landed meanwhile. The loop refreshes before the first attempt and after every retry sleep (and, with ``table``,
+    hands the head's producer table to the policy); writing a batch takes 3 ms.
+    """
+    rng = random.Random(seed)
+    clock = Clock()
+    policies = [CommitPolicy(clock=clock, rng=random.Random(rng.getrandbits(32))) for _ in range(n)]
+    head = 0
+    last: dict[int, int] = {}
+    events: list[tuple[float, int, str, int]] = []
+    tie = 0
+    base = [0] * n
+    began = [0.0] * n
+    attempt = [0] * n
+    commits = [0] * n
+    paces: list[float] = []
+    estimates: list[list[float]] = [[] for _ in range(n)]
+
+    def push(t: float, kind: str, i: int) -> None:
+        nonlocal tie
+        tie += 1
+        heapq.heappush(events, (t, tie, kind, i))
+
+    for i in range(n):
+        push(rng.uniform(0, 0.01), "write", i)
+    while events:
+        t, _, kind, i = heapq.heappop(events)
+        if t > seconds:
+            break
+        clock.t = t
+        p = policies[i]
+        if kind == "write":
+            attempt[i] = 0
+            push(t + 0.003, "pace", i)
+        elif kind == "pace":
+            delay = p.pacing_delay()
+            paces.append(delay)
+            push(t + delay, "attempt", i)
+        elif kind == "attempt":
+            attempt[i] += 1
+            base[i] = head
+            p.observe_head(head, producers=list(last.values()) if table else None)
+            began[i] = t
+            push(t + 0.010 * rng.uniform(0.7, 1.3), "swap", i)
+        else:
+            if head == base[i]:
+                head += 1
+                last[i] = head
+                commits[i] += 1
+                p.record_attempt(started=began[i], ended=t, won=True, head_step=head, foreign=0)
+                estimates[i].append(p.contenders)
+                push(t, "write", i)
+            else:
+                p.observe_head(head, producers=list(last.values()) if table else None)
+                p.record_attempt(started=began[i], ended=t, won=False, head_step=head, foreign=head - base[i])
+                push(t + p.retry_delay(attempt[i]), "attempt", i)
+    return {"commits": commits, "paces": paces, "estimates": estimates}
+
+
+def jain(xs: list[int]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+@pytest.mark.parametrize("table", [False, True])
+def test_simulated_alone_never_waits(table: bool) -> None:
+    result = simulate(1, table=table, seconds=5.0)
+    assert result["commits"][0] > 300  # back to back: ~13 ms per commit
+    assert set(result["paces"]) == {0.0}
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 16])
+def test_simulated_estimate_converges_to_the_producer_count_and_shares_are_fair(n: int) -> None:
+    result = simulate(n, table=True)
+    late = [est for per in result["estimates"] for est in per[len(per) // 2:]]  # second half of each producer's commits
+    assert statistics.median(late) == n
+    assert jain(result["commits"]) >= 0.95
+    assert min(result["commits"]) > 0
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_simulated_gap_estimate_without_a_table_tracks_the_producer_count(n: int) -> None:
+    result = simulate(n, table=False)
+    late = [est for per in result["estimates"] for est in per[len(per) // 2:]]
+    assert n <= statistics.median(late) <= 2 * n  # the largest recent gap: at least n, not wildly more
+    assert min(result["commits"]) > 0
