@@ -5,13 +5,13 @@ their own shard of each step, in step order. See README.md for the model.
 """
 
 from lakestream_iceberg.checkpoint import Checkpoint
-from lakestream_iceberg.dataset import TensorCollate  # needs no torch
 from lakestream_iceberg.diagnose import load_catalog
 from lakestream_iceberg.errors import *  # noqa: F403
 from lakestream_iceberg.errors import __all__ as _errors
 from lakestream_iceberg.lifecycle import GCReport
 from lakestream_iceberg.producer import CommitResult, Producer
 from lakestream_iceberg.stream import Stream
+from lakestream_iceberg.tensors import TensorCollate  # needs no torch
 
 # LakestreamDataset subclasses torch's IterableDataset, so torch loads on first access (module __getattr__), and it
 # stays out of __all__: `from lakestream_iceberg import *` must work without the torch extra.

@@ -407,9 +407,10 @@ def test_module_imports_without_torch() -> None:
         import sys
         sys.modules["torch"] = None
         import lakestream_iceberg.dataset as d
+        from lakestream_iceberg import MissingExtraError
         try:
             d.LakestreamDataset
-        except d.MissingExtraError as exc:
+        except MissingExtraError as exc:
             print("MISSING", exc)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ.copy())

@@ -1,0 +1,159 @@
+"""Turning one consumer rank's Arrow rows of a step into torch tensors (the default ``collate`` of the dataset).
+
+Token lists become a right-padded 2-D tensor plus ``<col>_lengths`` (or, packed, a flat tensor plus ``<col>_offsets``),
+binary blobs become uint8 tensors viewing one buffer, numbers and fixed-size lists become tensors sharing the decoded
+Arrow memory: no copy where Arrow's buffers allow it. torch is imported on first use only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
+
+__all__ = ["StepShard", "TensorCollate", "require_torch"]
+
+TORCH_EXTRA = "pip install 'lakestream-iceberg[torch]'"
+
+
+def require_torch(feature: str = "LakestreamDataset") -> Any:
+    """Import torch, or raise :class:`MissingExtraError` naming the extra to install."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingExtraError(f"{feature} needs PyTorch, which is not installed; install it with {TORCH_EXTRA}") from exc
+    return torch
+
+
+@dataclass(frozen=True)
+class StepShard:
+    """What ``collate`` receives: one consumer rank's rows of one step."""
+
+    step: int
+    rank: int
+    world_size: int
+    table: pa.Table
+    sample_ids: np.ndarray  # int64, one per row
+
+
+def _view(array: pa.Array, start: int = 0, stop: int | None = None) -> np.ndarray:
+    """Elements ``[start, stop)`` of a null-free primitive array as numpy, zero-copy when Arrow's buffer is mutable."""
+    stop = len(array) if stop is None else stop
+    dtype = np.dtype(array.type.to_pandas_dtype())
+    if pa.types.is_boolean(array.type):
+        return array.slice(start, stop - start).to_numpy(zero_copy_only=False)
+    if stop <= start:
+        return np.empty(0, dtype=dtype)
+    out = np.frombuffer(array.buffers()[1], dtype=dtype, count=stop - start, offset=(array.offset + start) * dtype.itemsize)
+    return out if out.flags.writeable else out.copy()  # torch warns on read-only memory
+
+
+def _offsets(array: pa.Array) -> np.ndarray:
+    """The ``len + 1`` offsets of a list or binary array (absolute into its values), as int64."""
+    large = pa.types.is_large_list(array.type) or pa.types.is_large_binary(array.type)
+    dtype = np.dtype(np.int64 if large else np.int32)
+    raw = np.frombuffer(array.buffers()[1], dtype=dtype, count=len(array) + 1, offset=array.offset * dtype.itemsize)
+    return raw.astype(np.int64)
+
+
+def _pad(values: np.ndarray, offsets: np.ndarray, pad_value: int | float) -> np.ndarray:
+    """Rows ``values[offsets[i]:offsets[i+1]]`` right-padded to the longest (offsets relative to ``values``)."""
+    lengths = np.diff(offsets)
+    n = len(lengths)
+    width = int(lengths.max()) if n else 0
+    if n and (lengths == width).all():
+        return values.reshape(n, width)  # all the same length: a view, no copy
+    out = np.zeros((n, width), values.dtype) if pad_value == 0 else np.full((n, width), pad_value, values.dtype)
+    if len(values) >= 16 * n:  # long rows (token sequences): one slice copy per row beats a mask over n * width
+        bounds = offsets.tolist()
+        for i in range(n):
+            out[i, : bounds[i + 1] - bounds[i]] = values[bounds[i] : bounds[i + 1]]
+    else:
+        out[np.arange(width) < lengths[:, None]] = values
+    return out
+
+
+class TensorCollate:
+    """The default ``collate``: Arrow columns to tensors.
+
+    * numeric and bool columns -> 1-D tensors (zero-copy views of the decoded Parquet buffers);
+    * fixed-size lists of numbers -> 2-D tensors (zero-copy);
+    * lists of numbers (token ids): ``lists="padded"`` -> ``col`` ``[n, max_len]`` right-padded with ``pad_value`` plus
+      ``col_lengths`` (int64 ``[n]``); ``lists="packed"`` -> ``col`` flat (zero-copy) plus ``col_offsets`` (int64
+      ``[n + 1]``, row ``i`` is ``col[offsets[i]:offsets[i+1]]``) and ``col_lengths``;
+    * binary -> uint8: ``binary="list"`` -> a list of ``n`` tensors, each a view of one buffer (no per-sample copy);
+      ``"padded"`` (with zeros) and ``"packed"`` as for lists;
+    * strings and anything else -> Python lists.
+
+    A null list or blob counts as empty; a null number raises :class:`ReadError` (fill it upstream or pass your own
+    ``collate``).
+
+    Example:
+        >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP
+    """
+
+    def __init__(self, *, lists: str = "padded", binary: str = "list", pad_value: int | float = 0) -> None:
+        if lists not in ("padded", "packed"):
+            raise ConfigError(f"lists={lists!r}: use 'padded' or 'packed'")
+        if binary not in ("list", "padded", "packed"):
+            raise ConfigError(f"binary={binary!r}: use 'list', 'padded' or 'packed'")
+        self.lists, self.binary, self.pad_value = lists, binary, pad_value
+
+    def __call__(self, shard: StepShard) -> dict[str, Any]:
+        torch = require_torch("TensorCollate")
+        item: dict[str, Any] = {"step": shard.step, "sample_ids": torch.from_numpy(shard.sample_ids)}
+        for name, column in zip(shard.table.column_names, shard.table.columns, strict=True):
+            array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+            item.update(self._convert(torch, name, array))
+        return item
+
+    def _convert(self, torch: Any, name: str, array: pa.Array) -> dict[str, Any]:
+        kind = array.type
+        if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
+            if array.null_count:
+                raise ReadError(f"column {name!r} has {array.null_count} nulls, which a tensor cannot hold; fill them "
+                                "before committing or pass collate= to handle them")
+            return {name: torch.from_numpy(_view(array))}
+        if pa.types.is_fixed_size_list(kind) and _numeric(kind.value_type) and not array.null_count:
+            values = _view(array.values, array.offset * kind.list_size, (array.offset + len(array)) * kind.list_size)
+            return {name: torch.from_numpy(values.reshape(len(array), kind.list_size))}
+        is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _numeric(kind.value_type)
+        is_blob = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
+        if not (is_list or is_blob):
+            return {name: array.to_pylist()}
+        if array.null_count:
+            array = pc.fill_null(array, pa.scalar([] if is_list else b"", kind))
+        offsets = _offsets(array)
+        lengths = np.diff(offsets)
+        lo, hi = int(offsets[0]) if len(offsets) else 0, int(offsets[-1]) if len(offsets) else 0
+        if is_list:
+            if array.values.null_count and pc.sum(array.flatten().is_null()).as_py():
+                raise ReadError(f"column {name!r} holds null list elements; fill them or pass collate= to handle them")
+            values, mode = _view(array.values, lo, hi), self.lists
+        else:
+            data = array.buffers()[2]
+            values = np.frombuffer(data, dtype=np.uint8, count=hi - lo, offset=lo) if hi > lo else np.empty(0, np.uint8)
+            values = values if values.flags.writeable else values.copy()
+            mode = self.binary
+        flat = torch.from_numpy(values)
+        if mode == "list":
+            return {name: list(torch.split(flat, lengths.tolist()))}
+        if mode == "packed":
+            return {name: flat, f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
+        pad = self.pad_value if is_list else 0
+        try:
+            padded = _pad(values, offsets - lo, pad)
+        except OverflowError:
+            raise ConfigError(f"pad_value={pad!r} does not fit column {name!r} ({kind}); choose another pad_value") from None
+        return {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
+
+
+def _numeric(kind: pa.DataType) -> bool:
+    return pa.types.is_integer(kind) or pa.types.is_floating(kind)
+
+
