@@ -189,8 +189,8 @@ class CommitLoop:
                 foreign = max(0, StreamState.parse(self._head_summary(metadata)).step - base_step)
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign, foreign=foreign)
                 log.debug("commit attempt %d on %s lost (%s)", attempt, self.table.name(), exc)
-            except LakestreamError:
-                raise
+            except (LakestreamError, AttributeError, TypeError, NameError, KeyError, AssertionError):
+                raise  # our own errors and programming errors are not catalog outcomes to reconcile
             except Exception as exc:
                 # Outcome unknown: read the table back and let the planner reconcile.
                 log.warning(
