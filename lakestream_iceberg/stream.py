@@ -359,23 +359,27 @@ class Stream:
     def wait_for(self, step: int, *, timeout: float, branch: str = MAIN, poll_s: float = 0.05) -> int:
         """Block until ``step`` is published on ``branch``; return the head step then.
 
-        Polls the catalog with bounded exponential backoff (``poll_s`` doubling up to 1 s).
+        Polls the catalog with bounded exponential backoff (``poll_s`` doubling up to 1 s); on SQL catalogs a poll reads
+        only the table pointer and reloads the metadata when it moved.
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
         """
+        from lakestream_iceberg.follow import HeadWatcher  # cheap polling: one pointer read on SQL catalogs
+
+        watcher = HeadWatcher(self, branch=branch)
         deadline = time.monotonic() + timeout
         delay = poll_s
         error: Exception | None = None
         while True:
             try:
-                head = self.head_step(branch=branch)
+                watcher.check()
                 error = None
             except Exception as exc:  # the catalog or storage is unreachable for now: keep polling until the deadline
                 if not transient(exc):
                     raise
                 error = exc
-                head = self.state(branch=branch, refresh=False).step
+            head = watcher.head()[0]
             if head >= step:
                 return head
             remaining = deadline - time.monotonic()

@@ -183,3 +183,16 @@ def test_commit_cost_state_stays_bounded(catalog) -> None:
     assert len(manifests) <= 3 * 3 + 1  # (fanout - 1) per level, 3 levels for 40 steps
     for step in (1, 17, 40):  # expired snapshots' steps are still found through the head's manifests
         assert stream.read(step, rank=1).equals(shard("p", step - 1, 1))
+
+
+def test_wait_for_polls_the_pointer_and_reloads_only_when_it_moved(stream: Stream) -> None:
+    from lakestream_iceberg import ReadTimeoutError
+
+    stream.producer("p").commit(batch("p", 0, 4))
+    stream.wait_for(1, timeout=1)
+    before = stream.table.metadata
+    with pytest.raises(ReadTimeoutError):
+        stream.wait_for(2, timeout=0.3, poll_s=0.02)
+    assert stream.table.metadata is before  # several polls, no metadata reload: nothing changed
+    stream.producer("q").commit(batch("q", 0, 4))
+    assert stream.wait_for(2, timeout=1) == 2 and stream.table.metadata is not before
