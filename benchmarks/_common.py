@@ -215,3 +215,22 @@ def write_json(name: str, payload: Mapping[str, Any], *, directory: Path | None 
     tmp.write_text(json.dumps(_jsonable(body), indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
     return path
+
+
+def machine() -> dict[str, Any]:
+    """CPU model, core count, memory and date of this machine, for result tables."""
+    model = "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = None
+    try:
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return {"nproc": os.cpu_count(), "cpu_model": model, "mem_mib": mem, "date": time.strftime("%Y-%m-%d")}
+

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import RESULTS_DIR, Table, percentile, write_json  # noqa: E402
+from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
 
 CTX = mp.get_context("fork")
 NAME = "bench.train"
@@ -574,18 +574,6 @@ def main(argv: list[str] | None = None) -> int:
 def _progress(r: dict[str, Any]) -> None:
     print(f"  {r['feed']}: {r['steps_per_s']:.2f} steps/s, data {r['data_ms_mean']:.1f} ms/step, "
           f"stall {r['stall_fraction']:.2f}{', ERROR ' + r['error'] if r.get('error') else ''}", flush=True)
-
-
-def machine() -> dict[str, Any]:
-    model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"nproc": os.cpu_count(), "cpu_model": model, "date": time.strftime("%Y-%m-%d")}
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import RESULTS_DIR, Table, percentile, write_json  # noqa: E402
+from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
 from _kafka import Tansu, admin_config, create_topic, tansu_version  # noqa: E402
 
 MiB = 1 << 20
@@ -910,23 +910,6 @@ def main(argv: list[str] | None = None) -> int:
     }, directory=Path(args.out).parent)
     print(f"wrote {path} in {time.monotonic() - started:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
     return 0
-
-
-def machine() -> dict[str, Any]:
-    model = "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = None
-    try:
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return {"nproc": os.cpu_count(), "cpu_model": model, "mem_mib": mem, "date": time.strftime("%Y-%m-%d")}
 
 
 if __name__ == "__main__":
