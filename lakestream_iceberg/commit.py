@@ -13,6 +13,11 @@ Outcomes of one attempt:
   have landed. The table is read back (with bounded backoff while the catalog is unreachable) and the planner decides
   from the published state, never a blind repeat. A repeat is safe anyway: every plan requires the branch to still
   point at the parent it was built on, so at most one of two racing copies can land.
+
+Group commit (``carry``): the caller's batch is staged (:mod:`lakestream_iceberg.staging`), and any producer's commit
+may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether the staged batch
+is gone (another commit carried it); then it reads the head and the planner either finds the batch published (done,
+with no attempt of its own) or plans a commit of every staged batch.
 """
 
 from __future__ import annotations
@@ -62,10 +67,21 @@ Planner = Callable[[TableMetadata, int], "Plan[T] | Done[T]"]
 @dataclass
 class Outcome(Generic[T]):
     result: T
-    attempts: int
+    attempts: int  # loop iterations (attempts, and the reconciling read that ended the loop)
     landed: bool
     metadata: TableMetadata
     abandoned_files: list[str]
+    sent: int = 0  # compare-and-swap requests sent
+    carried_after: float | None = None  # group commit: seconds staged until another producer's commit carried it
+
+
+@dataclass(frozen=True)
+class Carry:
+    """Group commit: the caller's batch is staged since ``staged_at`` (loop clock); ``gone()`` is true once its intent
+    has disappeared, i.e. a commit published it."""
+
+    staged_at: float
+    gone: Callable[[], bool]
 
 
 class CommitLoop:
@@ -101,9 +117,8 @@ class CommitLoop:
             try:
                 self.table.refresh()
                 self._fresh = True
-                state = StreamState.parse(self._head_summary(self.table.metadata))
                 # every producer reads the same producer table: the same count of active producers, and its age rank
-                self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values()])
+                self._observe(self.table.metadata)
                 self._refreshes += 1
                 if self._refreshes % 32 == 1:
                     self._observe_metadata_size()
@@ -121,6 +136,20 @@ class CommitLoop:
                 self._sleep(delay * self._rng.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
 
+    def _observe(self, metadata: TableMetadata) -> None:
+        state = StreamState.parse(self._head_summary(metadata))
+        self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values()], group=state.group)
+
+    def _hold(self, seconds: float, carry: Carry) -> bool:
+        """Wait up to ``seconds`` for the staged batch to be carried; True when it was."""
+        end = self._clock() + seconds
+        poll = self.policy.poll_interval()
+        while (now := self._clock()) < end:
+            self._sleep(min(poll, end - now))
+            if carry.gone():
+                return True
+        return False
+
     def _observe_metadata_size(self) -> None:
         try:
             self.policy.observe_metadata(len(self.table.io.new_input(self.table.metadata_location)))
@@ -134,21 +163,41 @@ class CommitLoop:
     def mark_stale(self) -> None:
         self._fresh = False
 
-    def run(self, planner: Planner[T], *, pace: bool = True) -> Outcome[T]:
+    def run(self, planner: Planner[T], *, pace: bool = True, carry: Carry | None = None,
+            escalate: Callable[[], Carry | None] | None = None) -> Outcome[T]:
+        """Plan and commit until the plan lands or the planner says it is done.
+
+        ``carry``: the caller's batch is staged for group commit (hold before each attempt). ``escalate``: called once
+        when an attempt made without ``carry`` loses the swap; it may stage the batch and return its ``Carry``, so a
+        producer that thought itself alone joins group commit at once.
+        """
         start = self._clock()
         deadline = start + self._timeout_s
-        if pace:
+        if pace and carry is None:
             delay = self.policy.pacing_delay()
             if delay > 0:
                 self._sleep(delay)
         reuse = self._fresh and self.policy.contenders < 1.5  # alone: our own last commit is still the head
-        metadata = self.table.metadata if reuse else self.refresh(deadline=deadline)
+        metadata = self.table.metadata if reuse or carry is not None else self.refresh(deadline=deadline)
+        stale = carry is not None  # group commit: the head is read after holding, right before planning
         abandoned: list[str] = []
         attempt = 0
+        sent = 0
+        carried_after: float | None = None
         io_delay = 0.05
         invalid = 0
         while True:
             attempt += 1
+            if carry is not None:
+                waited = self._clock() - carry.staged_at if attempt == 1 else 0.0
+                hold = self.policy.hold_delay(waited=waited)
+                if hold > 0:
+                    if self._hold(min(hold, max(0.0, deadline - self._clock())), carry):
+                        carried_after = self._clock() - carry.staged_at
+                    stale = True
+                if stale:
+                    metadata = self.refresh(deadline=deadline)
+                    stale = False
             began = self._clock()
             base_step = StreamState.parse(self._head_summary(metadata)).step
             try:
@@ -172,8 +221,12 @@ class CommitLoop:
                 metadata = self.refresh(deadline=deadline)
                 continue
             if isinstance(plan, Done):
-                return Outcome(plan.result, attempt, False, metadata, abandoned)
+                if carry is not None and carried_after is None:  # found published by a commit it did not send
+                    carried_after = self._clock() - carry.staged_at
+                return Outcome(plan.result, attempt, False, metadata, abandoned, sent,
+                               carried_after if carry is not None else None)
             try:
+                sent += 1
                 response = self.table.catalog.commit_table(self.table, plan.requirements, plan.updates)
             except (CommitFailedException, ValueError) as exc:
                 # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
@@ -189,6 +242,8 @@ class CommitLoop:
                 foreign = max(0, StreamState.parse(self._head_summary(metadata)).step - base_step)
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign, foreign=foreign)
                 log.debug("commit attempt %d on %s lost (%s)", attempt, self.table.name(), exc)
+                if carry is None and escalate is not None:  # not alone after all: join group commit
+                    carry, escalate = escalate(), None
             except (LakestreamError, AttributeError, TypeError, NameError, KeyError, AssertionError):
                 raise  # our own errors and programming errors are not catalog outcomes to reconcile
             except Exception as exc:
@@ -206,13 +261,16 @@ class CommitLoop:
                 self._adopt(response.metadata, response.metadata_location, previous=metadata)
                 new_step = StreamState.parse(self._head_summary(response.metadata)).step
                 self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
-                return Outcome(plan.result, attempt, True, response.metadata, abandoned)
+                self._observe(response.metadata)
+                return Outcome(plan.result, attempt, True, response.metadata, abandoned, sent)
             if attempt >= self._max_attempts or self._clock() >= deadline:
                 raise CommitTimeoutError(
                     f"gave up committing to {self.table.name()} after {attempt} attempts and "
                     f"{self._clock() - start:.1f}s of contention; nothing was published. Retry the same call (same seq) "
                     "or raise lakestream.commit.timeout-ms / lakestream.commit.max-attempts"
                 )
+            if carry is not None:
+                continue  # hold again (its length comes from the position in the new head's group)
             delay = self.policy.retry_delay(attempt)
             if delay > 0:
                 self._sleep(delay)

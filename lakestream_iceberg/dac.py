@@ -42,6 +42,29 @@ compare-and-swap: everyone attempting at once wastes almost every attempt, every
   sleep is stale by the time it is sent); the fallback keeps its sleeps shorter than a critical section.
 * every wait is capped by ``max_wait_s``; the caller's commit budget (time and attempts) bounds the loop.
 
+**Group commit** (the default once a producer is not alone, see :mod:`lakestream_iceberg.staging`): a producer stages
+its written batch as an intent and *holds* it; any commit publishes every staged batch, each as its own snapshot, in
+one compare-and-swap. A round-robin of single commits cannot beat one producer's rate (every commit still pays a whole
+critical section, serialised); a group commit pays the fixed part (refresh, metadata rewrite, swap) once per group, and
+a producer whose batch rode in another's commit made no attempt at all, so the aggregate rate grows with the number of
+producers instead of shrinking. The law decides who commits the next group and when:
+
+* every head records how many batches its commit published (``group``), so every producer sees the same last group
+  and its own *position* in it (batches are ordered by staging time there). Position 0, the producer that staged
+  first last round, commits next: it publishes whatever is staged as soon as its own batch is staged (``hold_gather``
+  of its own critical sections later, 0 by default: whoever re-stages late rides in the next group, and the catalog
+  never idles). Position ``p`` holds ``p`` slots, so it commits only if everyone before it had nothing staged: a
+  producer that stopped, or is slow, costs one slot, never a stall. A producer outside the last group ranks after it
+  (``k + older``). Positions past ``hold_max_slots`` (and producers that never published) hold that many slots plus
+  a uniform draw over one more: a bounded wait when most producers have stopped, spread to keep them apart;
+* here a slot is the larger of the producer's own slot and a high quantile of the time its staged batches waited
+  until a commit carried them (a producer that is always carried learns the group's commit time from that; the
+  quantile, not the typical value, because firing while a slow commit that would have carried it is still in flight
+  wastes a whole group's critical section);
+* while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms); once
+  gone, its batch was published and it returns without an attempt;
+* a producer whose attempt lost and whose batch was not carried by the winner holds again from its position.
+
 The policy is simulated at scale (and on shared CPUs) in ``benchmarks/dac_sim.py`` and measured in
 ``benchmarks/commit_scaling.py``.
 """
@@ -72,6 +95,12 @@ class PolicyConfig:
     parse_s_per_byte: float = 2e-8
     min_critical_s: float = 0.001
     max_wait_s: float = 30.0
+    hold_gather: float = 0.0
+    hold_jitter: float = 0.1
+    hold_max_slots: int = 4
+    carry_spread: float = 2.0
+    min_poll_s: float = 0.002
+    max_poll_s: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0 < self.ewma_alpha <= 1:
@@ -82,6 +111,8 @@ class PolicyConfig:
             raise ValueError(f"pacing_jitter must be in [0, 1), got {self.pacing_jitter}")
         if self.slot_margin < 0 or self.retry_slots < 0 or self.max_wait_s < 0:
             raise ValueError("slot_margin, retry_slots and max_wait_s must be >= 0")
+        if self.hold_gather < 0 or self.hold_jitter < 0 or not 0 < self.min_poll_s <= self.max_poll_s:
+            raise ValueError("hold_gather and hold_jitter must be >= 0 and 0 < min_poll_s <= max_poll_s")
 
 
 class CommitPolicy:
@@ -116,25 +147,40 @@ class CommitPolicy:
         self._last_win_step: int | None = None
         self._active: float | None = None  # active producers in the head's producer table (when reported)
         self._older: int | None = None  # active producers that have waited longer than this one (when in the table)
+        self._log_carry: float | None = None  # EWMA of log(seconds a staged batch waited until a commit carried it)
+        self._log_carry_dev = 0.0  # EWMA of |log(wait) - _log_carry|: how much those waits spread
+        self._head: tuple[int, list[int], int] | None = None  # last head seen: (step, producers' last steps, group)
+        self._position: int | None = None  # own place in the head's group ordering (group commit)
         self.conflicts = 0
+        self.carried = 0
 
     # -- measurements -------------------------------------------------------------------------------------------------
     def observe_metadata(self, size_bytes: int) -> None:
         """The size of the table metadata the producer just read."""
         self._metadata_bytes = max(0, int(size_bytes))
 
-    def observe_head(self, step: int, at: float | None = None, *, producers: Iterable[int] | None = None) -> None:
+    def observe_head(self, step: int, at: float | None = None, *, producers: Iterable[int] | None = None,
+                     group: int = 1) -> None:
         """The head step seen at a refresh, and optionally the last step of every producer in the head's table.
 
         ``producers`` is the ``lakestream.producers`` summary of the head (one last published step per producer id,
-        this producer's own included once it has committed). ``at`` (when the head was seen) is accepted for callers
-        that have it; it is unused.
+        this producer's own included once it has committed); ``group`` how many batches the head's commit published
+        (steps ``step - group + 1 .. step``). ``at`` (when the head was seen) is accepted for callers that have it; it
+        is unused.
         """
         if self._baseline is None:
             self._baseline = step
         if producers is None:
             return
         steps = sorted(producers)
+        self._head = (step, steps, max(1, int(group)))
+        self._rank()
+
+    def _rank(self) -> None:
+        """Count the active producers and rank this one among them, from the last head seen."""
+        if self._head is None:
+            return
+        step, steps, group = self._head
         mine = self._last_win_step
         # Active: committed within the last ``active_horizon * n`` steps. The horizon grows with the count it finds
         # (a fixed point, reached in a few rounds); it shrinks across calls once producers stop committing.
@@ -152,8 +198,13 @@ class CommitPolicy:
         if in_table:
             first = bisect.bisect_right(steps, step - horizon)
             self._older = bisect.bisect_left(steps, mine, lo=first) - first  # active producers with an older last commit
+            if mine > step - group:  # in the head's group: its place there
+                self._position = mine - (step - group) - 1
+            else:  # after the whole group, then by age
+                self._position = group + self._older
         else:
             self._older = None
+            self._position = None
 
     def record_attempt(self, *, started: float, ended: float, won: bool, head_step: int, foreign: int) -> None:
         """One attempt's outcome: its critical section, whether the swap was won, and the commits that beat it.
@@ -172,9 +223,28 @@ class CommitPolicy:
             self._wins.append(head_step)
             self._last_win_end = ended
             self._last_win_step = head_step
-            self._older = None  # ranked again at the next refresh
+            self._older = self._position = None  # ranked again at the next head seen
         else:
             self.conflicts += 1
+
+    def record_published(self, *, step: int, at: float, carried_after: float | None = None) -> None:
+        """Own batch published as ``step`` at ``at``; ``carried_after``: it rode in another producer's commit (group
+        commit) after being staged for that many seconds, with no attempt of its own."""
+        if carried_after is not None:
+            self.carried += 1
+            log_w = math.log(max(carried_after, 1e-6))
+            a = self._cfg.ewma_alpha
+            if self._log_carry is None:
+                self._log_carry = log_w
+            else:
+                self._log_carry_dev = (1 - a) * self._log_carry_dev + a * abs(log_w - self._log_carry)
+                self._log_carry = (1 - a) * self._log_carry + a * log_w
+            if not self._wins:
+                self._wins.append(min(self._baseline if self._baseline is not None else step - 1, step - 1))
+            self._wins.append(step)
+            self._last_win_end = at
+        self._last_win_step = step
+        self._rank()
 
     # -- decisions ----------------------------------------------------------------------------------------------------
     @property
@@ -201,6 +271,35 @@ class CommitPolicy:
     def slot_s(self) -> float:
         """One commit's share of the catalog: the critical section plus a margin for its variance."""
         return self.critical_section_s * (1.0 + self._cfg.slot_margin)
+
+    @property
+    def group_slot_s(self) -> float:
+        """A slot under group commit: the larger of one's own slot and a high quantile (``carry_spread`` mean absolute
+        deviations above the typical value, in log space) of the waits until a commit carried one's batch."""
+        carry = 0.0
+        if self._log_carry is not None:  # a high quantile, not the typical wait: a slow commit is still in flight
+            carry = math.exp(self._log_carry + self._cfg.carry_spread * self._log_carry_dev)
+        return max(self.slot_s, carry)
+
+    def hold_delay(self, *, waited: float) -> float:
+        """Group commit: seconds to keep holding a staged batch (``waited`` seconds so far) before committing it (and
+        everything else staged) oneself; 0 commits now. Alone it never holds."""
+        n = self.contenders
+        if n < 1.5:
+            return 0.0
+        gather = self._cfg.hold_gather * self.slot_s
+        cap = self._cfg.hold_max_slots
+        if self._position == 0:  # its turn: no jitter (everybody else holds at least a slot)
+            slots = 0.0
+        elif self._position is not None and self._position < cap:
+            slots = self._position + self._rng.uniform(0.0, self._cfg.hold_jitter)
+        else:  # far back, or never published: spread over one slot past the cap
+            slots = min(cap, n) + self._rng.uniform(0.0, 1.0)
+        return min(self._cfg.max_wait_s, max(0.0, gather + slots * self.group_slot_s - max(0.0, waited)))
+
+    def poll_interval(self) -> float:
+        """How often a holding producer checks whether its staged batch was published."""
+        return min(self._cfg.max_poll_s, max(self._cfg.min_poll_s, self.group_slot_s / 32))
 
     def pacing_delay(self) -> float:
         """Seconds to wait before the first attempt of the next commit (0 when alone or when the turn is due)."""

@@ -37,6 +37,8 @@ PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
 PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
 PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
 PROP_IO_RETRY_TIMEOUT_MS = "lakestream.io.retry-timeout-ms"
+PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"
+PROP_GROUP_MAX_BATCHES = "lakestream.commit.group.max-batches"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +56,9 @@ class StreamConfig:
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
         io_retry_timeout_ms: How long data-file writes and reads retry a transient storage failure (S3 restarting,
             connection refused, 5xx) before the error propagates.
+        group_commit: Group commit (see :mod:`lakestream_iceberg.staging`): a producer that is not alone stages its
+            batch, and one compare-and-swap publishes every staged batch, each as its own snapshot.
+        group_max_batches: The most batches one group commit publishes (bounds one commit's critical section).
     """
 
     world_size: int
@@ -64,6 +69,8 @@ class StreamConfig:
     commit_max_attempts: int = 1_000
     gc_grace_ms: int = 3_600_000
     io_retry_timeout_ms: int = 120_000
+    group_commit: bool = True
+    group_max_batches: int = 32
 
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> StreamConfig:
@@ -81,6 +88,14 @@ class StreamConfig:
                 raise ConfigError(f"table property {key}={value} must be >= {minimum}")
             return value
 
+        def as_bool(key: str, default: bool) -> bool:
+            raw = properties.get(key)
+            if raw is None:
+                return default
+            if raw.strip().lower() not in ("true", "false"):
+                raise ConfigError(f"table property {key}={raw!r} is not a boolean; set it to 'true' or 'false'")
+            return raw.strip().lower() == "true"
+
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
         return cls(
@@ -92,6 +107,8 @@ class StreamConfig:
             commit_max_attempts=as_int(PROP_COMMIT_MAX_ATTEMPTS, defaults.commit_max_attempts, 1),
             gc_grace_ms=as_int(PROP_GC_GRACE_MS, defaults.gc_grace_ms, 0),
             io_retry_timeout_ms=as_int(PROP_IO_RETRY_TIMEOUT_MS, defaults.io_retry_timeout_ms, 0),
+            group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit),
+            group_max_batches=as_int(PROP_GROUP_MAX_BATCHES, defaults.group_max_batches, 1),
         )
 
     def to_properties(self) -> dict[str, str]:
@@ -105,6 +122,8 @@ class StreamConfig:
             PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
             PROP_GC_GRACE_MS: str(self.gc_grace_ms),
             PROP_IO_RETRY_TIMEOUT_MS: str(self.io_retry_timeout_ms),
+            PROP_GROUP_COMMIT: str(self.group_commit).lower(),
+            PROP_GROUP_MAX_BATCHES: str(self.group_max_batches),
             # Exactly one retry owner: lakestream's commit loop. pyiceberg's own retries are off on stream tables.
             "commit.retry.num-retries": "0",
             # Old metadata.json files are dropped by the commit loop once this many newer versions exist.

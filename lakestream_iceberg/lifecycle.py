@@ -46,6 +46,7 @@ from lakestream_iceberg.commit import Plan
 from lakestream_iceberg.errors import LifecycleError
 from lakestream_iceberg.expiry import protected
 from lakestream_iceberg.manifests import step_bounds
+from lakestream_iceberg.staging import STAGING_DIR
 from lakestream_iceberg.storage import list_files
 from lakestream_iceberg.summary import OP_COLLECT, StreamState
 
@@ -186,6 +187,8 @@ def kept_after_dry_run(stream: Stream, metadata: TableMetadata, metadata_locatio
 
 def _kind(path: str) -> str:
     name = path.rsplit("/", 1)[-1]
+    if f"/data/{STAGING_DIR}/" in path:
+        return "intent"
     if "/data/" in path and name.endswith(".parquet"):
         return "data"
     if name.endswith(".metadata.json"):

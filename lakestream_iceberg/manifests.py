@@ -29,14 +29,14 @@ from pyiceberg.manifest import (
     ManifestEntry,
     ManifestEntryStatus,
     ManifestFile,
-    write_manifest,
-    write_manifest_list,
 )
 from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import LongType
+
+from lakestream_iceberg.avro_writers import manifest_list_writer, manifest_writer
 
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
 
@@ -155,7 +155,7 @@ class ManifestPlanner:
         path = self._new_path(level)
         self.written.append(path)
         kept: list[ManifestEntry] = []
-        with write_manifest(
+        with manifest_writer(
             format_version=self._metadata.format_version,
             spec=self._spec,
             schema=self._schema,
@@ -242,7 +242,7 @@ class ManifestPlanner:
     ) -> str:
         path = f"{self._metadata.location.rstrip('/')}/metadata/snap-{snapshot_id}-0-{self._commit_uuid}.avro"
         self.written.append(path)
-        with write_manifest_list(
+        with manifest_list_writer(
             format_version=self._metadata.format_version,
             output_file=self._io.new_output(path),
             snapshot_id=snapshot_id,

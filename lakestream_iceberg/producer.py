@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
@@ -26,11 +26,12 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
-from lakestream_iceberg.commit import CommitLoop, Done, Plan
+from lakestream_iceberg.commit import Carry, CommitLoop, Done, Plan
 from lakestream_iceberg.diagnose import config_errors
-from lakestream_iceberg.errors import SequenceError
+from lakestream_iceberg.errors import CommitTimeoutError, SequenceError
 from lakestream_iceberg.expiry import ancestors, expirable
 from lakestream_iceberg.layout import check_shards
+from lakestream_iceberg.staging import Intent
 from lakestream_iceberg.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.writer import StagedBatch, check_producer_id
 
@@ -38,6 +39,8 @@ if TYPE_CHECKING:
     from lakestream_iceberg.stream import Stream
 
 __all__ = ["CommitResult", "Producer"]
+
+STAGING_SCAN_S = 0.1  # how often a producer that believes it is alone looks for batches others staged
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +56,8 @@ class CommitResult:
         rows: Samples in the batch, all ranks.
         bytes: Bytes of data files written for the batch.
         latency_s: Wall time of the call.
+        carried: True when the batch was published by another producer's group commit (see
+            :mod:`lakestream_iceberg.staging`) rather than by this call's own compare-and-swap.
     """
 
     step: int | None
@@ -64,6 +69,7 @@ class CommitResult:
     rows: int = 0
     bytes: int = 0
     latency_s: float = 0.0
+    carried: bool = False
 
 
 class Producer:
@@ -131,28 +137,76 @@ class Producer:
                                 latency_s=time.monotonic() - started)
 
         staged = stream.writer.write(producer=self.producer_id, seq=seq, shards=checked)
+        intent = self._stage(staged, allow_gap) if self._contended() else None
+        # ``own`` changes once: when a producer that committed alone loses a swap, it stages the batch (escalate)
+        own = [_Batch(staged, allow_gap, intent.staged_at if intent else time.time(), intent.path if intent else None)]
 
-        def plan(metadata: TableMetadata, attempt: int) -> Plan[CommitResult] | Done[CommitResult]:
+        def plan(metadata: TableMetadata, attempt: int) -> Plan[_Published] | Done[_Published]:
             current = self._state(metadata)
             if (found := self._published(metadata, seq)) is not None:
-                return Done(CommitResult(**found, seq=seq, producer=self.producer_id, attempts=attempt, duplicate=True,
-                                         rows=staged.rows, bytes=staged.size_bytes))
+                # Published meanwhile: carried by another producer's group commit, or our own commit whose outcome
+                # was unknown landed after all.
+                return Done(_Published(CommitResult(**found, seq=seq, producer=self.producer_id, attempts=attempt,
+                                                    duplicate=own[0].intent is None, rows=staged.rows,
+                                                    bytes=staged.size_bytes)))
             self._check_seq(seq, current, allow_gap)
-            return self._plan_append(metadata, current, staged, attempt)
+            return self._plan_group(metadata, current, own[0], attempt)
 
-        outcome = self._loop.run(plan)
-        result = outcome.result
+        def carry_for(staged_intent: Intent) -> Carry:
+            staging = stream.staging
+            return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path))
+
+        def escalate() -> Carry | None:
+            """Lost a swap while committing alone: others are committing too, so stage the batch for them."""
+            nonlocal intent
+            intent = self._stage(staged, allow_gap)
+            if intent is None:
+                return None
+            own[0] = _Batch(staged, allow_gap, intent.staged_at, intent.path)
+            return carry_for(intent)
+
+        try:
+            outcome = self._loop.run(plan, carry=carry_for(intent) if intent is not None else None, escalate=escalate)
+        except CommitTimeoutError as exc:
+            if intent is None:
+                raise
+            stream.staging.remove([intent.path])
+            raise CommitTimeoutError(
+                f"{exc}. Its staged batch was withdrawn, but a group commit of another producer that had already read "
+                "it may still publish it: retrying with the same seq is safe either way (it is reconciled, not duplicated)"
+            ) from exc
+        published = outcome.result
+        if outcome.landed:
+            stream.staging.remove(published.intents + published.stale)
+        elif intent is not None and not (outcome.carried_after is not None and not stream.staging.exists(intent.path)):
+            stream.staging.remove([intent.path])
+        result = published.result
+        if result.step is not None:
+            self._loop.policy.record_published(step=result.step, at=time.monotonic(),
+                                               carried_after=None if outcome.landed else outcome.carried_after)
         return CommitResult(
             step=result.step,
             snapshot_id=result.snapshot_id,
             seq=seq,
             producer=self.producer_id,
-            attempts=outcome.attempts,
+            attempts=outcome.sent if intent is not None else outcome.attempts,
             duplicate=result.duplicate,
             rows=staged.rows,
             bytes=staged.size_bytes,
             latency_s=time.monotonic() - started,
+            carried=intent is not None and not outcome.landed,
         )
+
+    def _contended(self) -> bool:
+        """Whether other producers are committing to the stream (as far as the head's producer table tells)."""
+        return self._loop.policy.contenders >= 1.5
+
+    def _stage(self, staged: StagedBatch, allow_gap: bool) -> Intent | None:
+        """Stage the batch for group commit (None when group commit is off)."""
+        config = self._stream.config
+        if not config.group_commit or config.group_max_batches < 2:
+            return None
+        return self._stream.staging.stage(branch=self.branch, batch=staged, allow_gap=allow_gap)
 
     # -- internals ----------------------------------------------------------------------------------------------------
     def _loop_fresh(self) -> bool:
@@ -187,49 +241,115 @@ class Producer:
         step = self._stream.index.step_of_file(metadata, self.branch, f"/data/{self.producer_id}/{seq:012d}-")
         return {"step": step, "snapshot_id": None}
 
-    def _plan_append(self, metadata: TableMetadata, state: StreamState, staged: StagedBatch, attempt: int) -> Plan[CommitResult]:
+    def _eligible(self, state: StreamState, own: _Batch) -> tuple[list[_Batch], list[str]]:
+        """Other producers' staged batches this commit may publish on top of ``state`` (oldest first, capped), and
+        intents that can never be published (their seq is already published, or superseded by ``own``)."""
         stream = self._stream
+        stale: list[str] = []
+        newest: dict[str, Intent] = {}
+        if not stream.config.group_commit:
+            return [], []
+        # A producer that committed alone lists the staging folder at most every STAGING_SCAN_S: producers that lost to
+        # it have staged their batches there, and it publishes them with its own (then they are in the table and
+        # everybody uses group commit). With contention, every plan lists it.
+        every = 0.0 if own.intent is not None else STAGING_SCAN_S
+        for intent in stream.staging.pending(self.branch, max_age_s=stream.config.gc_grace_ms / 2000, every_s=every):
+            batch = intent.batch
+            if batch.producer == self.producer_id:
+                if intent.path != own.intent and batch.seq <= own.batch.seq:
+                    stale.append(intent.path)  # a dead incarnation's: already published, or the same seq as ours
+                continue
+            expected = state.next_seq(batch.producer)
+            if batch.seq < expected:
+                stale.append(intent.path)
+            elif batch.seq == expected or intent.allow_gap:
+                known = newest.get(batch.producer)  # one per producer: its lowest seq, the newest copy of that seq
+                if known is None or (batch.seq, -intent.staged_at) < (known.batch.seq, -known.staged_at):
+                    newest[batch.producer] = intent
+        others = sorted(newest.values(), key=lambda i: i.staged_at)[: max(0, stream.config.group_max_batches - 1)]
+        return [_Batch(i.batch, i.allow_gap, i.staged_at, i.path) for i in others], stale
+
+    def _plan_group(self, metadata: TableMetadata, state: StreamState, own: _Batch, attempt: int) -> Plan[_Published]:
+        """One compare-and-swap publishing ``own`` and (group commit) every eligible staged batch, one snapshot each."""
+        stream = self._stream
+        others, stale = self._eligible(state, own)
+        batches = sorted([own, *others], key=lambda b: b.staged_at)
+        group = len(batches)
         parent = metadata.snapshot_by_name(self.branch)
         parent_id = parent.snapshot_id if parent is not None else None
-        step = state.step + 1
-        snapshot_id = metadata.new_snapshot_id()
-        sequence_number = metadata.next_sequence_number()
-        data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
-
-        planner = stream.manifest_planner(metadata)
-        added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
-        manifests = planner.merged([added, *planner.parent_manifests(parent)], snapshot_id=snapshot_id, sequence_number=sequence_number)
-        manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=parent_id, sequence_number=sequence_number)
-
-        producers = dict(state.producers)
-        producers[self.producer_id] = ProducerState(staged.seq, step, snapshot_id)
-        new_state = StreamState(op=OP_APPEND, step=step, producers=producers, collected_below=state.collected_below,
-                                producer=self.producer_id, seq=staged.seq)
-        collector = SnapshotSummaryCollector()
+        previous_summary = parent.summary if parent is not None else None
+        timestamp = parent.timestamp_ms if parent is not None else 0
+        first_sequence = metadata.next_sequence_number()
         spec, schema = metadata.spec(), metadata.schema()
-        for data_file in data_files:
-            collector.add_file(data_file, schema=schema, partition_spec=spec)
-        summary = update_snapshot_summaries(
-            Summary(Operation.APPEND, **collector.build(), **new_state.properties(**{KEY_ATTEMPTS: str(attempt)})),
-            previous_summary=parent.summary if parent is not None else None,
-        )
-        snapshot = Snapshot(
-            snapshot_id=snapshot_id,
-            parent_snapshot_id=parent_id,
-            sequence_number=sequence_number,
-            manifest_list=manifest_list,
-            summary=summary,
-            schema_id=metadata.current_schema_id,
-        )
-        updates: list[TableUpdate] = [
-            AddSnapshotUpdate(snapshot=snapshot),
-            SetSnapshotRefUpdate(ref_name=self.branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
-                                 parent_snapshot_id=parent_id),
-        ]
-        expired = expirable(metadata, retain_last=stream.config.retain_snapshots - 1)
+        taken = {s.snapshot_id for s in metadata.snapshots}
+        planner = stream.manifest_planner(metadata)
+        manifests = planner.parent_manifests(parent)
+        producers = dict(state.producers)
+        updates: list[TableUpdate] = []
+        result: CommitResult | None = None
+        for i, item in enumerate(batches):
+            staged = item.batch
+            step = state.step + 1 + i
+            snapshot_id = metadata.new_snapshot_id()
+            while snapshot_id in taken:
+                snapshot_id = metadata.new_snapshot_id()
+            taken.add(snapshot_id)
+            sequence_number = first_sequence + i
+            data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
+            added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
+            manifests = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
+            manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=parent_id,
+                                               sequence_number=sequence_number)
+            producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id)
+            new_state = StreamState(op=OP_APPEND, step=step, producers=dict(producers),
+                                    collected_below=state.collected_below, producer=staged.producer, seq=staged.seq,
+                                    group=group, committer=self.producer_id)
+            collector = SnapshotSummaryCollector()
+            for data_file in data_files:
+                collector.add_file(data_file, schema=schema, partition_spec=spec)
+            summary = update_snapshot_summaries(
+                Summary(Operation.APPEND, **collector.build(), **new_state.properties(**{KEY_ATTEMPTS: str(attempt)})),
+                previous_summary=previous_summary,
+            )
+            timestamp = max(int(time.time() * 1000), timestamp + 1)
+            snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=sequence_number,
+                                manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id,
+                                timestamp_ms=timestamp)
+            updates += [
+                AddSnapshotUpdate(snapshot=snapshot),
+                SetSnapshotRefUpdate(ref_name=self.branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
+                                     parent_snapshot_id=parent_id),
+            ]
+            if item is own:
+                result = CommitResult(step=step, snapshot_id=snapshot_id, seq=staged.seq, producer=self.producer_id,
+                                      attempts=attempt, duplicate=False)
+            parent_id, previous_summary = snapshot_id, summary
+        expired = expirable(metadata, retain_last=max(1, stream.config.retain_snapshots - group))
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
-        requirements = (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=self.branch, snapshot_id=parent_id))
-        result = CommitResult(step=step, snapshot_id=snapshot_id, seq=staged.seq, producer=self.producer_id,
-                              attempts=attempt, duplicate=False)
-        return Plan(tuple(updates), requirements, result, planner.written)
+        head = metadata.snapshot_by_name(self.branch)
+        requirements = (AssertTableUUID(uuid=metadata.table_uuid),
+                        AssertRefSnapshotId(ref=self.branch, snapshot_id=head.snapshot_id if head is not None else None))
+        assert result is not None
+        intents = [b.intent for b in batches if b.intent is not None]
+        return Plan(tuple(updates), requirements, _Published(result, intents, stale), planner.written)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A batch one commit may publish: this producer's own, or one another producer staged."""
+
+    batch: StagedBatch
+    allow_gap: bool
+    staged_at: float  # unix seconds
+    intent: str | None  # its intent's path (None: not staged)
+
+
+@dataclass(frozen=True)
+class _Published:
+    """A planned (or found) publication of the caller's batch; ``intents`` are the staged batches the commit publishes
+    (removed once it lands), ``stale`` intents that can never be published (removed likewise)."""
+
+    result: CommitResult
+    intents: list[str] = field(default_factory=list)
+    stale: list[str] = field(default_factory=list)

@@ -51,6 +51,7 @@ from lakestream_iceberg.lifecycle import (
 from lakestream_iceberg.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
 from lakestream_iceberg.producer import Producer
 from lakestream_iceberg.reader import check_rank, missing_step_error, read_file
+from lakestream_iceberg.staging import StagingArea
 from lakestream_iceberg.summary import StreamState
 from lakestream_iceberg.writer import BatchWriter
 
@@ -198,6 +199,12 @@ class Stream:
             io=self.io, location=self.table.metadata.location,
             file_schema=payload_schema(self.table.schema()), properties=self.table.metadata.properties,
         )
+
+    @cached_property
+    def staging(self) -> StagingArea:
+        """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.staging`)."""
+        return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
+                           retry_s=self.config.io_retry_timeout_ms / 1000)
 
     def manifest_planner(self, metadata: TableMetadata) -> ManifestPlanner:
         """A planner for one new snapshot's manifests, configured from the stream's properties."""

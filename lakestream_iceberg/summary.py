@@ -25,6 +25,8 @@ KEY_ATTEMPTS = "lakestream.attempts"
 KEY_CHECKPOINT = "lakestream.checkpoint"
 KEY_SOURCE_SNAPSHOT = "lakestream.source-snapshot-id"
 KEY_COLLECTED_BELOW = "lakestream.collected-below"
+KEY_GROUP = "lakestream.group"  # batches published by the commit that wrote this snapshot (group commit; absent: 1)
+KEY_COMMITTER = "lakestream.committer"  # the producer whose compare-and-swap published it (absent: its own producer)
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,8 @@ class StreamState:
     collected_below: int = 1
     producer: str | None = None
     seq: int | None = None
+    group: int = 1
+    committer: str | None = None
 
     @classmethod
     def empty(cls) -> StreamState:
@@ -63,6 +67,8 @@ class StreamState:
             collected_below=int(summary.get(KEY_COLLECTED_BELOW, "1")),
             producer=summary.get(KEY_PRODUCER),
             seq=int(summary[KEY_SEQ]) if KEY_SEQ in summary else None,
+            group=int(summary.get(KEY_GROUP, "1")),
+            committer=summary.get(KEY_COMMITTER),
         )
 
     def next_seq(self, producer_id: str) -> int:
@@ -82,5 +88,9 @@ class StreamState:
             props[KEY_PRODUCER] = self.producer
         if self.seq is not None:
             props[KEY_SEQ] = str(self.seq)
+        if self.group != 1:
+            props[KEY_GROUP] = str(self.group)
+        if self.committer is not None and self.committer != self.producer:
+            props[KEY_COMMITTER] = self.committer
         props.update(extra)
         return props

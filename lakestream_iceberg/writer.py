@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,12 +45,21 @@ def check_producer_id(producer_id: str) -> str:
 
 @dataclass(frozen=True)
 class StagedFile:
-    """One rank's written shard, waiting for the step it will be published as."""
+    """One rank's written shard, waiting for the step it will be published as.
+
+    ``stats`` are the Iceberg column statistics in :meth:`DataFileStatistics.to_serialized_dict` form (record count,
+    per-column sizes and counts, serialized lower/upper bounds, split offsets): what a manifest entry needs, and what a
+    staged intent (:mod:`lakestream_iceberg.staging`) carries as JSON.
+    """
 
     rank: int
     path: str
     size_bytes: int
-    statistics: DataFileStatistics
+    stats: dict[str, Any]
+
+    @property
+    def record_count(self) -> int:
+        return int(self.stats["record_count"])
 
     def data_file(self, *, step: int, spec_id: int) -> DataFile:
         return DataFile.from_args(
@@ -62,8 +72,36 @@ class StagedFile:
             spec_id=spec_id,
             equality_ids=None,
             key_metadata=None,
-            **self.statistics.to_serialized_dict(),
+            **self.stats,
         )
+
+    def to_json(self) -> dict[str, Any]:
+        st = self.stats
+        return {
+            "rank": self.rank, "path": self.path, "size": self.size_bytes, "records": st["record_count"],
+            "column_sizes": st["column_sizes"], "value_counts": st["value_counts"],
+            "null_value_counts": st["null_value_counts"], "nan_value_counts": st["nan_value_counts"],
+            "lower_bounds": {k: v.hex() for k, v in st["lower_bounds"].items()},
+            "upper_bounds": {k: v.hex() for k, v in st["upper_bounds"].items()},
+            "split_offsets": st["split_offsets"],
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StagedFile:
+        def ints(d: dict[str, Any]) -> dict[int, int]:
+            return {int(k): int(v) for k, v in d.items()}
+
+        def blobs(d: dict[str, str]) -> dict[int, bytes]:
+            return {int(k): bytes.fromhex(v) for k, v in d.items()}
+
+        stats = {
+            "record_count": int(raw["records"]), "column_sizes": ints(raw["column_sizes"]),
+            "value_counts": ints(raw["value_counts"]), "null_value_counts": ints(raw["null_value_counts"]),
+            "nan_value_counts": ints(raw["nan_value_counts"]), "lower_bounds": blobs(raw["lower_bounds"]),
+            "upper_bounds": blobs(raw["upper_bounds"]),
+            "split_offsets": [int(x) for x in raw["split_offsets"]] if raw.get("split_offsets") is not None else None,
+        }
+        return cls(rank=int(raw["rank"]), path=str(raw["path"]), size_bytes=int(raw["size"]), stats=stats)
 
 
 @dataclass(frozen=True)
@@ -73,10 +111,11 @@ class StagedBatch:
     producer: str
     seq: int
     files: tuple[StagedFile, ...]
+    token: str = ""  # the batch's unique token (also in its data file names)
 
     @property
     def rows(self) -> int:
-        return sum(f.statistics.record_count for f in self.files)
+        return sum(f.record_count for f in self.files)
 
     @property
     def size_bytes(self) -> int:
@@ -108,7 +147,7 @@ class BatchWriter:
             self._pool.submit(self._write_retrying, f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet", rank, shard)
             for rank, shard in enumerate(shards)
         ]
-        return StagedBatch(producer=producer, seq=seq, files=tuple(f.result() for f in futures))
+        return StagedBatch(producer=producer, seq=seq, files=tuple(f.result() for f in futures), token=token)
 
     def _write_retrying(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
         return call_with_retry(lambda: self._write_one(path, rank, shard), what=f"writing {path}", timeout_s=self._retry_s)
@@ -129,7 +168,7 @@ class BatchWriter:
             stats = data_file_statistics_from_parquet_metadata(
                 parquet_metadata=metadata, stats_columns=self._stats_plan, parquet_column_mapping=self._id_mapping
             )
-        return StagedFile(rank=rank, path=path, size_bytes=size, statistics=stats)
+        return StagedFile(rank=rank, path=path, size_bytes=size, stats=stats.to_serialized_dict())
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -48,7 +48,7 @@ def test_vs_kafka_smoke(tmp_path: Path) -> None:
     for row in data["ingestion"]:
         assert _positive(row["kafka"]["mib_s"]) and _positive(row["lakestream"]["mib_s"]), row
         assert _positive(row["ratio_mib_s"])
-        assert row["lakestream"]["attempts_per_commit"] >= 1
+        assert row["lakestream"]["attempts_per_commit"] > 0  # < 1 when group commits carry batches
     for row in data["latency"]:
         for system in ("kafka", "lakestream"):
             lat = row[system]

@@ -303,3 +303,66 @@ def test_simulated_gap_estimate_without_a_table_tracks_the_producer_count(n: int
     late = [est for per in result["estimates"] for est in per[len(per) // 2:]]
     assert n <= statistics.median(late) <= 2 * n  # the largest recent gap: at least n, not wildly more
     assert min(result["commits"]) > 0
+
+
+# ------------------------------------------------------------------------------------------------ group commit
+
+
+def grouped(position_step: int, *, head: int = 100, group: int = 8, producers: int = 8, seed: int = 0,
+            **config: float) -> CommitPolicy:
+    """A policy that committed once (30 ms critical section) and whose own batch is at ``position_step`` of a head
+    whose commit published ``group`` batches; ``producers`` producers are active, one per recent step."""
+    clock = Clock()
+    p = policy(seed, clock=clock, **config)
+    p.record_attempt(started=0.0, ended=0.030, won=True, head_step=head - 50, foreign=0)
+    steps = [head - i for i in range(producers)]
+    p.observe_head(head, producers=steps, group=group)
+    p.record_published(step=position_step, at=clock.t)
+    return p
+
+
+def test_hold_alone_is_zero_and_the_head_groups_first_batch_commits_at_once() -> None:
+    clock = Clock()
+    alone = policy(clock=clock)
+    win(alone, clock, 1)
+    alone.observe_head(1, producers=[1])
+    assert alone.contenders == 1.0 and alone.hold_delay(waited=0.0) == 0.0
+    first = grouped(93)  # head 100, group of 8: steps 93..100, this producer's batch was the first
+    assert first.contenders == 8.0 and first.hold_delay(waited=0.0) == 0.0
+
+
+def test_hold_grows_one_slot_per_position_and_is_capped() -> None:
+    slot = grouped(94).group_slot_s
+    holds = [grouped(93 + pos, seed=pos).hold_delay(waited=0.0) for pos in range(8)]
+    for pos, hold in enumerate(holds[:4]):  # positions 1..3: pos slots plus a jitter of at most 0.1 slot
+        assert pos * slot <= hold <= (pos + 0.1) * slot + 1e-9
+    for hold in holds[4:]:  # past hold_max_slots (4): 4 slots plus a draw over one more
+        assert 4 * slot <= hold <= 5 * slot
+    assert grouped(95).hold_delay(waited=10 * slot) == 0.0  # already waited long enough: commit now
+
+
+def test_a_producer_outside_the_last_group_ranks_after_it() -> None:
+    p = grouped(90, group=4)  # the head's group is steps 97..100; this producer's batch is older
+    assert p.hold_delay(waited=0.0) >= 4 * p.group_slot_s
+
+
+def test_carry_waits_set_the_group_slot_to_a_high_quantile_not_the_typical_value() -> None:
+    clock = Clock()
+    p = policy(clock=clock, ewma_alpha=0.2)
+    win(p, clock, 10, duration=0.010)
+    assert p.group_slot_s == pytest.approx(p.slot_s)  # nothing carried yet: its own slot
+    waits = [0.1, 0.3] * 20
+    for i, w in enumerate(waits):
+        p.record_published(step=20 + i, at=clock.t, carried_after=w)
+    typical = math.exp(statistics.fmean(math.log(w) for w in waits))
+    assert p.carried == len(waits)
+    assert 0.3 <= p.group_slot_s <= 1.0 and p.group_slot_s > 1.5 * typical
+    assert PolicyConfig().min_poll_s <= p.poll_interval() <= PolicyConfig().max_poll_s
+    assert p.poll_interval() == pytest.approx(min(PolicyConfig().max_poll_s, p.group_slot_s / 32))
+
+
+def test_group_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="hold_gather"):
+        PolicyConfig(hold_gather=-1)
+    with pytest.raises(ValueError, match="min_poll_s"):
+        PolicyConfig(min_poll_s=0.2, max_poll_s=0.1)

@@ -15,7 +15,8 @@ def main() -> None:
     producer = stream.producer(producer_id)
     while (seq := producer.next_seq) < count:
         result = producer.commit(batch(producer_id, seq, stream.world_size), seq=seq)
-        print(json.dumps({"seq": result.seq, "step": result.step, "attempts": result.attempts, "dup": result.duplicate}), flush=True)
+        print(json.dumps({"seq": result.seq, "step": result.step, "attempts": result.attempts, "dup": result.duplicate,
+                          "carried": result.carried}), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""The cached manifest writers write exactly pyiceberg's bytes (sync marker fixed), and pyiceberg reads them back."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from pyiceberg.io.pyarrow import PyArrowFileIO
+from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus, write_manifest, write_manifest_list
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.avro_writers import manifest_list_writer, manifest_writer
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+
+def test_manifest_and_list_bytes_equal_pyicebergs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    staged = stream.writer.write(producer="p", seq=0, shards=batch("p", 0, 3))
+    metadata = stream.table.metadata
+    entries = [ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=5, sequence_number=3,
+                                       file_sequence_number=3, data_file=f)
+               for f in staged.data_files(step=9, spec_id=metadata.default_spec_id)]
+    io = PyArrowFileIO()
+    written = {}
+    for name, make in (("pyiceberg", write_manifest), ("ours", manifest_writer)):
+        path = f"{tmp_path}/{name}-m.avro"
+        with make(format_version=2, spec=metadata.spec(), schema=metadata.schema(), output_file=io.new_output(path),
+                  snapshot_id=5, avro_compression="gzip") as writer:
+            for entry in entries:
+                writer.add_entry(entry)
+        manifest = writer.to_manifest_file()
+        manifest.sequence_number = manifest.min_sequence_number = 3
+        written[name] = (Path(path).read_bytes(), manifest)
+        lpath = f"{tmp_path}/{name}-l.avro"
+        with (manifest_list_writer if name == "ours" else write_manifest_list)(
+                format_version=2, output_file=io.new_output(lpath), snapshot_id=5, parent_snapshot_id=4,
+                sequence_number=3, avro_compression="gzip") as lw:
+            lw.add_manifests([written["pyiceberg"][1] if "pyiceberg" in written else manifest])
+        written[name + "-list"] = (Path(lpath).read_bytes(), None)
+    assert written["ours"][0] == written["pyiceberg"][0]
+    assert written["ours-list"][0] == written["pyiceberg-list"][0]
+    back = written["ours"][1].fetch_manifest_entry(io)
+    assert [e.data_file.file_path for e in back] == [f.path for f in staged.files]
+    assert [e.data_file.partition[0] for e in back] == [9, 9, 9]

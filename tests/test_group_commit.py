@@ -1,0 +1,207 @@
+"""Group commit: staged batches are published by whichever producer commits next, exactly once, one snapshot each."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.manifest import ManifestEntryStatus
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import CommitTimeoutError, ConfigError
+from lakestream_iceberg.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
+from lakestream_iceberg.staging import STAGING_DIR, Intent
+from lakestream_iceberg.summary import StreamState
+from tests.backends import published
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+WORLD = 3
+
+
+def make(tmp_path: Path, **props: str) -> Stream:
+    return Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD, properties=props or None)
+
+
+def both_active(stream: Stream) -> tuple:
+    """Two producers that have each committed, so each sees the other in the head's producer table."""
+    a, b = stream.producer("a"), stream.producer("b")
+    a.commit(batch("a", 0, WORLD))
+    b.commit(batch("b", 0, WORLD))
+    a.commit(batch("a", 1, WORLD))
+    b.commit(batch("b", 1, WORLD))
+    return a, b
+
+
+def stage(stream: Stream, producer: str, seq: int, *, allow_gap: bool = False) -> Intent:
+    """What a producer does before it holds: write the batch's files and stage them (then, here, it 'dies')."""
+    staged = stream.writer.write(producer=producer, seq=seq, shards=batch(producer, seq, WORLD))
+    return stream.staging.stage(branch="main", batch=staged, allow_gap=allow_gap)
+
+
+def staged_files(stream: Stream) -> list[Path]:
+    root = Path(stream.table.metadata.location.removeprefix("file://")) / "data" / STAGING_DIR
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def summary_of(stream: Stream, step: int) -> StreamState:
+    metadata = stream.refresh().table.metadata
+    for snap in metadata.snapshots:
+        state = StreamState.parse(snap.summary.additional_properties if snap.summary else None)
+        if state.step == step and state.op == "append":
+            return state
+    raise AssertionError(f"no retained snapshot for step {step}")
+
+
+def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_once(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    _, b = both_active(stream)
+    intent = stage(stream, "a", 2)
+    time.sleep(0.01)
+    result = b.commit(batch("b", 2, WORLD))
+    assert (result.step, result.seq, result.carried) == (6, 2, False)
+    assert published(stream) == {1: ("a", 0), 2: ("b", 0), 3: ("a", 1), 4: ("b", 1), 5: ("a", 2), 6: ("b", 2)}
+    for rank in range(WORLD):  # the dead producer's bytes, exactly as it wrote them
+        assert digest(stream.read(5, rank=rank)) == digest(batch("a", 2, WORLD)[rank])
+    a_state, b_state = summary_of(stream, 5), summary_of(stream, 6)
+    assert (a_state.producer, a_state.seq, a_state.committer, a_state.group) == ("a", 2, "b", 2)
+    assert (b_state.producer, b_state.seq, b_state.committer, b_state.group) == ("b", 2, None, 2)
+    assert not Path(intent.path.removeprefix("file://")).exists() and staged_files(stream) == []
+    # the restarted producer continues after the batch it staged before dying: nothing lost, nothing twice
+    restarted = stream.producer("a")
+    assert restarted.next_seq == 3
+    again = restarted.commit(batch("a", 2, WORLD), seq=2)
+    assert (again.duplicate, again.step) == (True, 5)
+    assert stream.head_step() == 6
+    # a plain Iceberg scan sees each batch's rows at its own step
+    rows = stream.table.scan(selected_fields=("_step", "producer")).to_arrow()
+    by_step: dict[int, set[str]] = {}
+    for step, producer in zip(rows["_step"].to_pylist(), rows["producer"].to_pylist(), strict=True):
+        by_step.setdefault(step, set()).add(producer)
+    assert by_step.get(5, {"a"}) == {"a"} and by_step.get(6, {"b"}) == {"b"}
+
+
+def test_each_batch_of_a_group_is_its_own_snapshot_in_lineage_order(tmp_path: Path) -> None:
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "64"})
+    _, b = both_active(stream)
+    for producer in ("c", "d", "e"):
+        stage(stream, producer, 0)
+        time.sleep(0.005)
+    b.commit(batch("b", 2, WORLD))
+    metadata = stream.refresh().table.metadata
+    head = metadata.snapshot_by_name("main")
+    chain = []
+    while head is not None and len(chain) < 4:
+        chain.append(head)
+        head = metadata.snapshot_by_id(head.parent_snapshot_id) if head.parent_snapshot_id else None
+    states = [StreamState.parse(s.summary.additional_properties) for s in reversed(chain)]
+    assert [(s.step, s.producer) for s in states] == [(5, "c"), (6, "d"), (7, "e"), (8, "b")]
+    assert all(s.group == 4 for s in states)
+    # each snapshot sees exactly the steps up to its own: time travel works per step
+    for snap, state in zip(reversed(chain), states, strict=True):
+        steps = set(stream.table.scan(snapshot_id=snap.snapshot_id, selected_fields=("_step",)).to_arrow()["_step"].to_pylist())
+        assert max(steps, default=0) <= state.step
+        entries = [e for m in snap.manifests(stream.io) for e in m.fetch_manifest_entry(stream.io)
+                   if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == snap.snapshot_id]
+        assert {e.data_file.partition[0] for e in entries} == {state.step}
+    # and every step's producer table carries the batches before it
+    assert states[-1].producers["c"].seq == 0 and states[0].producers.get("d") is None
+
+
+def test_stale_foreign_and_broken_intents_are_never_published(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    stale = stage(stream, "a", 1)  # seq 1 of "a" is already published
+    ahead = stage(stream, "c", 3)  # c never published seq 0..2: a gap it did not allow
+    old = stage(stream, "d", 0)  # older than half the GC grace period
+    past = time.time() - 7200
+    os.utime(old.path.removeprefix("file://"), (past, past))
+    folder = Path(stream.staging.folder("main").removeprefix("file://"))
+    (folder / "x").mkdir(parents=True)
+    (folder / "x" / "000000000000-half.parquet").write_bytes(b"PAR1\x00\x01")  # half-written: no footer yet
+    (folder / "x" / "000000000000-junk.parquet").write_bytes(b"not an intent at all" + b"PAR1")
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.staging"):
+        result = b.commit(batch("b", 2, WORLD))
+    assert result.step == 5 and stream.head_step() == 5
+    assert published(stream)[5] == ("b", 2)
+    assert "ignoring unreadable staged intent" in caplog.text and "junk" in caplog.text
+    assert not Path(stale.path.removeprefix("file://")).exists()  # already published: removed by the committer
+    assert Path(ahead.path.removeprefix("file://")).exists() and Path(old.path.removeprefix("file://")).exists()
+    # c's seq 0 arrives: both become publishable in order only when they are contiguous
+    stage(stream, "c", 0)
+    a.commit(batch("a", 2, WORLD))
+    assert [v for v in published(stream).values() if v[0] == "c"] == [("c", 0)]
+
+
+def test_an_intent_naming_files_outside_the_table_or_the_wrong_ranks_is_ignored(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    _, b = both_active(stream)
+    staged = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    outside = type(staged)(producer="c", seq=0, token="evil", files=tuple(
+        type(f)(rank=f.rank, path=f"file:///etc/passwd-{f.rank}", size_bytes=f.size_bytes, stats=f.stats) for f in staged.files))
+    stream.staging.stage(branch="main", batch=outside, allow_gap=False)
+    short = type(staged)(producer="d", seq=0, token="short", files=staged.files[:1])
+    stream.staging.stage(branch="main", batch=short, allow_gap=False)
+    b.commit(batch("b", 2, WORLD))
+    assert {v[0] for v in published(stream).values()} == {"a", "b"}
+
+
+def test_intent_round_trip_keeps_every_statistic(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    intent = stage(stream, "a", 0)
+    back = Intent.from_bytes(intent.path, intent.to_bytes())
+    assert (back.batch.producer, back.batch.seq, back.batch.token, back.allow_gap) == ("a", 0, intent.batch.token, False)
+    assert back.batch.data_files(step=7, spec_id=0) == intent.batch.data_files(step=7, spec_id=0)
+
+
+def test_group_commit_can_be_turned_off(tmp_path: Path) -> None:
+    stream = make(tmp_path, **{PROP_GROUP_COMMIT: "false"})
+    a, b = both_active(stream)
+    assert staged_files(stream) == []
+    staged = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    stream.staging.stage(branch="main", batch=staged, allow_gap=False)
+    a.commit(batch("a", 2, WORLD))
+    assert {v[0] for v in published(stream).values()} == {"a", "b"}  # nobody publishes staged batches
+    with pytest.raises(ConfigError, match="lakestream.commit.group.enabled"):
+        Stream.create(sqlite_catalog(str(tmp_path)), "ns.other", schema=SCHEMA, world_size=WORLD,
+                      properties={PROP_GROUP_COMMIT: "maybe"})
+
+
+class Refusing(SqlCatalog):
+    """A catalog that always reports a lost compare-and-swap for stream commits after ``refuse`` is set."""
+
+    refuse = False
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        if self.refuse:
+            raise CommitFailedException("injected: the branch moved")
+        return super().commit_table(table, requirements, updates)
+
+
+def test_a_commit_that_gives_up_withdraws_its_staged_batch(tmp_path: Path) -> None:
+    catalog = Refusing("r", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD, properties={PROP_COMMIT_MAX_ATTEMPTS: "2"})
+    a, _ = both_active(stream)
+    catalog.refuse = True
+    with pytest.raises(CommitTimeoutError, match="withdrawn"):
+        a.commit(batch("a", 2, WORLD))
+    assert staged_files(stream) == []
+    catalog.refuse = False
+    assert a.commit(batch("a", 2, WORLD), seq=2).step == 5
+
+
+def test_gc_keeps_fresh_intents_and_their_files_and_collects_abandoned_ones(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    both_active(stream)
+    intent = stage(stream, "c", 0)
+    report = stream.collect_garbage(dry_run=False)
+    assert "intent" not in report.files_deleted and report.files_in_grace >= 1 + WORLD
+    assert Path(intent.path.removeprefix("file://")).exists()
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    assert report.files_deleted.get("intent") == 1 and report.files_deleted.get("data") == WORLD
+    assert staged_files(stream) == []
