@@ -17,9 +17,12 @@ One command runs all three phases, prints their tables, writes ``benchmarks/resu
    ``--plain-points``. ``--plain-mode loop`` times every step of a real append loop instead.
 2. **contention**: P producer processes (``multiprocessing`` spawn, started once and reused) commit back to back for
    ``--duration`` seconds on SQLite and on PostgreSQL (``catalog.services.Postgres``). Policies: ``dac`` (lakestream,
-   ``Stream.producer`` as shipped), ``fixed`` (lakestream's loop, no pacing, constant retry delay) and ``pyiceberg``
-   (plain ``table.append`` with pyiceberg's default ``commit.retry.num-retries`` = 4). Per point: aggregate commits/s,
-   failed commits, p50/p99 of the commit call, Jain's index over per-producer commits in the window, attempts.
+   ``Stream.producer`` as shipped: DAC with group commit), ``dac-single`` (the same loop and policy with
+   ``lakestream.commit.group.enabled=false``: one batch per compare-and-swap, round-robin pacing), ``fixed``
+   (lakestream's loop, one batch per swap, no pacing, constant retry delay) and ``pyiceberg`` (plain ``table.append``
+   with pyiceberg's default ``commit.retry.num-retries`` = 4). Per point: aggregate commits/s (published batches),
+   failed commits, p50/p99 of the commit call, Jain's index over per-producer commits in the window, swaps per
+   commit, batches carried by another producer's group commit, batches per winning swap.
 3. **simulation**: :mod:`dac_sim` runs the pure ``CommitPolicy`` on a virtual clock for 64..1,024 producers with a
    critical-section distribution fitted (lognormal) to the single-producer attempts measured in phase 2.
 
@@ -163,10 +166,12 @@ def shards_for(step_hint: int) -> list[Any]:
             for r in range(WORLD_SIZE)]
 
 
-def create_stream(catalog: Any, name: str) -> Any:
+def create_stream(catalog: Any, name: str, *, group_commit: bool = True) -> Any:
     from lakestream_iceberg import Stream
+    from lakestream_iceberg.layout import PROP_GROUP_COMMIT
 
-    return Stream.create(catalog, f"{NS}.{name}", schema=payload_schema(), world_size=WORLD_SIZE)
+    return Stream.create(catalog, f"{NS}.{name}", schema=payload_schema(), world_size=WORLD_SIZE,
+                         properties={PROP_GROUP_COMMIT: str(group_commit).lower()})
 
 
 def create_plain_table(catalog: Any, name: str) -> Any:
@@ -570,8 +575,8 @@ def contention_point(pool: Pool, catalog_props: dict[str, str], policy: str, pro
     catalog = load_sql_catalog(catalog_props)
     if policy == "pyiceberg":
         create_plain_table(catalog, name)
-    else:
-        create_stream(catalog, name)
+    else:  # "dac" is lakestream as shipped (group commit on); the baselines commit one batch per swap
+        create_stream(catalog, name, group_commit=policy == "dac")
     start_at = time.time() + 2.0 + 0.25 * producers  # every worker is set up (and idle) before this
     tasks = [Task(policy, catalog_props, name, f"w-{i}", start_at, warmup, duration, fixed_delay_s, seed * 1000 + i)
              for i in range(producers)]
@@ -586,7 +591,7 @@ def summarize_point(results: list[dict[str, Any]], duration: float, policy: str,
     failed_warmup = sum(1 for res in results for r in res["records"] if r[1] < 0 and not r[2])
     per_producer = [sum(1 for r in res["records"] if r[2] and 0 <= r[1] <= duration) for res in results]
     latencies = [r[1] - r[0] for r in ok]
-    attempts_known = [r[3] for r in ok if r[3] > 0]
+    attempts_known = [r[3] for r in ok if r[3] >= 0]  # compare-and-swaps the call sent (0: carried by a group commit)
     critical = [b - a for res in results for a, b, w, _ in res["attempt_log"] if 0 <= a and b <= duration]
     won_attempts = sum(1 for res in results for a, b, w, _ in res["attempt_log"] if 0 <= a and b <= duration and w)
     errors: dict[str, int] = {}
@@ -601,6 +606,8 @@ def summarize_point(results: list[dict[str, Any]], duration: float, policy: str,
         "jain": jain_index(per_producer), "per_producer": per_producer,
         "attempts_per_commit": statistics.fmean(attempts_known) if attempts_known else math.nan,
         "attempts": len(critical), "won_attempts": won_attempts,
+        "carried_frac": sum(1 for r in ok if r[3] == 0) / len(ok) if ok and policy != "pyiceberg" else math.nan,
+        "batches_per_swap": len(ok) / won_attempts if won_attempts else math.nan,
         "wasted_frac": 1 - won_attempts / len(critical) if critical else math.nan,
         "critical_p50_s": percentile(critical, 50), "critical_samples": critical[:5000],
         "pacing_mean_s": statistics.fmean(pace) if pace else math.nan,
@@ -720,16 +727,19 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
             t = Table(f"2. contention on {catalog_name}: {args.duration:.0f} s measured per point after {args.warmup:.0f} s "
                       "warm-up, producers commit back to back",
                       ["policy", "P", "commits/s", "vs P=1", "failed", "p50 ms", "p99 ms", "p99/p50", "Jain",
-                       "attempts/commit", "wasted"])
+                       "swaps/commit", "wasted", "carried", "batches/swap"])
             single = {p["policy"]: p["commits_per_s"] for p in pts if p["producers"] == 1}
             for p in pts:
                 base = single.get(p["policy"])
                 t.add(p["policy"], p["producers"], p["commits_per_s"], p["commits_per_s"] / base if base else math.nan,
                       p["failed"], p["p50_s"] * 1000, p["p99_s"] * 1000,
                       p["p99_s"] / p["p50_s"] if p["p50_s"] else math.nan, p["jain"], p["attempts_per_commit"],
-                      p["wasted_frac"])
-            t.note("failed: commit calls that raised (pyiceberg: CommitFailedException after 4 retries; "
-                   "lakestream: budget exhausted); wasted: lost attempts / attempts (lakestream policies only)")
+                      p["wasted_frac"], p.get("carried_frac", math.nan), p.get("batches_per_swap", math.nan))
+            t.note("commits: published batches (one snapshot each); failed: commit calls that raised (pyiceberg: "
+                   "CommitFailedException after 4 retries; lakestream: budget exhausted); swaps/commit: "
+                   "compare-and-swaps sent per published batch; wasted: lost swaps / swaps; carried: batches published "
+                   "by another producer's group commit (no swap of their own); batches/swap: batches per winning swap "
+                   "(lakestream policies only)")
             tables.append(t)
         targets = Table("2b. targets at the largest P", ["catalog", "policy", "P", "failed == 0", "agg >= 1.0x P=1",
                                                           "p99 <= 10x p50", "Jain >= 0.9"])
@@ -843,8 +853,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cProfile N extra growth commits after the measured ones (0: off)")
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--catalogs", nargs="+", default=["sqlite", "postgres"], choices=["sqlite", "postgres"])
-    parser.add_argument("--policies", nargs="+", default=["dac", "fixed", "pyiceberg"],
-                        choices=["dac", "fixed", "pyiceberg"])
+    parser.add_argument("--policies", nargs="+", default=["dac", "dac-single", "fixed", "pyiceberg"],
+                        choices=["dac", "dac-single", "fixed", "pyiceberg"])
     parser.add_argument("--duration", type=float, default=8.0, help="seconds measured per contention point")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of committing before each measured window")
     parser.add_argument("--fixed-delay-ms", type=float, default=50.0)

@@ -260,7 +260,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
             compute(compute_s, compute_kind)
             step_end.append(time.monotonic())
         except Exception as exc:  # noqa: BLE001 - a data-feed failure ends training (it may surface anywhere: SIGCHLD)
-            error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            error = f"{type(exc).__name__}: {(str(exc).splitlines() or [repr(exc)])[0][:300]}"  # EOFError() has no message
             error_at = time.monotonic()
             break
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)

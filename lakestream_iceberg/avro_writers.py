@@ -3,9 +3,10 @@
 Opening one of pyiceberg's Avro writers builds the file schema, resolves a value writer against it, and converts the
 schema to Avro JSON for the header: about two thirds of the time it takes to write a small manifest (8 entries),
 and a group commit writes two such files per batch inside its critical section. Everything that set-up computes
-depends only on the format version and the partition type, so it is cached here under exactly that key, and every
-file is then written by pyiceberg's own code: the same encoder, value writers, header layout, block format and
-codec, so the bytes are those pyiceberg would write, save the random sync marker.
+depends only on the format version and the partition type, so it is cached here under exactly that key. pyiceberg's
+manifest writer also writes (and compresses) one Avro block per entry; here all of a file's records go into one block
+when it is closed. Everything else is pyiceberg's own code: the same encoder, value writers, header layout, block
+format and codec, so a file holds exactly the records (and header) pyiceberg would write.
 
 Only format version 2 (what lakestream creates) takes the cached path; other versions use pyiceberg's writers as
 they are.
@@ -66,6 +67,22 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
         self.schema_name = schema_name
         self.sync_bytes = os.urandom(SYNC_SIZE)
         self.metadata = metadata
+
+    def write_block(self, objects: list[Any]) -> None:
+        """Collect the records; they are written as one block when the file is closed (pyiceberg's manifest writer
+        writes, and compresses, one block per entry)."""
+        self._pending.extend(objects)
+
+    def __enter__(self) -> _PreparedAvroOutputFile:
+        self._pending: list[Any] = []
+        super().__enter__()
+        return self
+
+    def __exit__(self, exctype: Any, excinst: Any, exctb: Any) -> None:
+        if exctype is None and self._pending:
+            AvroOutputFile.write_block(self, self._pending)
+        self._pending = []
+        super().__exit__(exctype, excinst, exctb)
 
     def _write_header(self) -> None:  # AvroOutputFile._write_header, with the schema JSON computed once
         from pyiceberg.table import TableProperties

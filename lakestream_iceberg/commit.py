@@ -78,10 +78,11 @@ class Outcome(Generic[T]):
 @dataclass(frozen=True)
 class Carry:
     """Group commit: the caller's batch is staged since ``staged_at`` (loop clock); ``gone()`` is true once its intent
-    has disappeared, i.e. a commit published it."""
+    has disappeared, i.e. a commit published it; ``published(metadata)`` whether a head already shows it."""
 
     staged_at: float
     gone: Callable[[], bool]
+    published: Callable[[TableMetadata], bool] = lambda _metadata: False  # the batch is published in this metadata
 
 
 class CommitLoop:
@@ -138,7 +139,8 @@ class CommitLoop:
 
     def _observe(self, metadata: TableMetadata) -> None:
         state = StreamState.parse(self._head_summary(metadata))
-        self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values()], group=state.group)
+        self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values()], group=state.group,
+                                 group_commit_s=state.group_commit_ms / 1000 if state.group_commit_ms else None)
 
     def _hold(self, seconds: float, carry: Carry) -> bool:
         """Wait up to ``seconds`` for the staged batch to be carried; True when it was."""
@@ -190,7 +192,8 @@ class CommitLoop:
             attempt += 1
             if carry is not None:
                 waited = self._clock() - carry.staged_at if attempt == 1 else 0.0
-                hold = self.policy.hold_delay(waited=waited)
+                # after a lost swap the head just read may already show the batch published (the winner carried it)
+                hold = 0.0 if attempt > 1 and carry.published(metadata) else self.policy.hold_delay(waited=waited)
                 if hold > 0:
                     if self._hold(min(hold, max(0.0, deadline - self._clock())), carry):
                         carried_after = self._clock() - carry.staged_at

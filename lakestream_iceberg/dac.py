@@ -57,10 +57,11 @@ producers instead of shrinking. The law decides who commits the next group and w
   producer that stopped, or is slow, costs one slot, never a stall. A producer outside the last group ranks after it
   (``k + older``). Positions past ``hold_max_slots`` (and producers that never published) hold that many slots plus
   a uniform draw over one more: a bounded wait when most producers have stopped, spread to keep them apart;
-* here a slot is the larger of the producer's own slot and a high quantile of the time its staged batches waited
-  until a commit carried them (a producer that is always carried learns the group's commit time from that; the
-  quantile, not the typical value, because firing while a slow commit that would have carried it is still in flight
-  wastes a whole group's critical section);
+* here a slot is the largest of the producer's own slot, a high quantile of the time its staged batches waited
+  until a commit carried them (the quantile, not the typical value, because firing while a slow commit that would
+  have carried it is still in flight wastes a whole group's critical section), and the slot of the critical section
+  the last group's committer reports in the head (``lakestream.group-commit-ms``): a newcomer that never committed or
+  was carried knows from it how long a group commit takes, instead of firing into one;
 * while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms); once
   gone, its batch was published and it returns without an attempt;
 * a producer whose attempt lost and whose batch was not carried by the winner holds again from its position.
@@ -151,6 +152,7 @@ class CommitPolicy:
         self._log_carry_dev = 0.0  # EWMA of |log(wait) - _log_carry|: how much those waits spread
         self._head: tuple[int, list[int], int] | None = None  # last head seen: (step, producers' last steps, group)
         self._position: int | None = None  # own place in the head's group ordering (group commit)
+        self._head_group_s = 0.0  # the last group committer's reported critical section
         self.conflicts = 0
         self.carried = 0
 
@@ -160,16 +162,19 @@ class CommitPolicy:
         self._metadata_bytes = max(0, int(size_bytes))
 
     def observe_head(self, step: int, at: float | None = None, *, producers: Iterable[int] | None = None,
-                     group: int = 1) -> None:
+                     group: int = 1, group_commit_s: float | None = None) -> None:
         """The head step seen at a refresh, and optionally the last step of every producer in the head's table.
 
         ``producers`` is the ``lakestream.producers`` summary of the head (one last published step per producer id,
         this producer's own included once it has committed); ``group`` how many batches the head's commit published
-        (steps ``step - group + 1 .. step``). ``at`` (when the head was seen) is accepted for callers that have it; it
-        is unused.
+        (steps ``step - group + 1 .. step``), ``group_commit_s`` the typical critical section its committer reported
+        for its group commits (a newcomer, or a producer always carried, learns from it how long a group commit takes).
+        ``at`` (when the head was seen) is accepted for callers that have it; it is unused.
         """
         if self._baseline is None:
             self._baseline = step
+        if group_commit_s is not None and group_commit_s > 0:
+            self._head_group_s = group_commit_s
         if producers is None:
             return
         steps = sorted(producers)
@@ -274,12 +279,13 @@ class CommitPolicy:
 
     @property
     def group_slot_s(self) -> float:
-        """A slot under group commit: the larger of one's own slot and a high quantile (``carry_spread`` mean absolute
-        deviations above the typical value, in log space) of the waits until a commit carried one's batch."""
+        """A slot under group commit: the largest of one's own slot, a high quantile (``carry_spread`` mean absolute
+        deviations above the typical value, in log space) of the waits until a commit carried one's batch, and the
+        slot of the last group committer's reported critical section."""
         carry = 0.0
         if self._log_carry is not None:  # a high quantile, not the typical wait: a slow commit is still in flight
             carry = math.exp(self._log_carry + self._cfg.carry_spread * self._log_carry_dev)
-        return max(self.slot_s, carry)
+        return max(self.slot_s, carry, self._head_group_s * (1.0 + self._cfg.slot_margin))
 
     def hold_delay(self, *, waited: float) -> float:
         """Group commit: seconds to keep holding a staged batch (``waited`` seconds so far) before committing it (and

@@ -4,14 +4,16 @@
 checkpoint tags) into Arrow tables and registers them as views of an in-memory DuckDB connection:
 
 =============== ==========================================================================================================
-``batches``     one row per step: ``step, snapshot_id, parent_id, producer, seq, committed_at, attempts, ranks, samples,
-                bytes, samples_per_rank, bytes_per_rank, retained, collected``
+``batches``     one row per step: ``step, snapshot_id, parent_id, producer, seq, committed_at, attempts, committer,
+                group_size, ranks, samples, bytes, samples_per_rank, bytes_per_rank, retained, collected``
+                (``committer``: the producer whose compare-and-swap published the step, ``group_size``: how many steps
+                that one swap published; see :mod:`lakestream_iceberg.staging`)
 ``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id``
 ``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag`` (``lag`` = head step - ``last_step``)
 ``checkpoints`` every checkpoint (all branches): ``name, branch, step, snapshot_id, source_snapshot_id, created_at,
                 pinned_steps, pinned_files, pinned_bytes, exclusive_steps, exclusive_bytes`` (see :func:`checkpoint_rows`)
 ``snapshots``   every retained snapshot of the branch: ``snapshot_id, parent_id, committed_at, op, operation, step,
-                producer, seq, attempts, summary`` (JSON of the whole Iceberg summary)
+                producer, seq, attempts, committer, group_size, summary`` (JSON of the whole Iceberg summary)
 ``samples``     the data itself for ``samples_steps`` (default: the head step), payload columns plus ``_step``, ``_rank``
 =============== ==========================================================================================================
 
@@ -19,7 +21,7 @@ What expiry loses. Commits expire old snapshots in passing (``lakestream.snapsho
 :mod:`lakestream_iceberg.expiry`); a step whose snapshot was expired is still a row of ``batches``, rebuilt from the
 head's manifests: its files, ranks, records and bytes, the id of the snapshot that added them (manifest entries keep
 it), and producer and seq (parsed from the data file path ``<location>/data/<producer>/<seq:012d>-<token>-r<rank>``).
-What is gone with the snapshot: ``committed_at``, ``attempts``, ``parent_id`` (NULL; ``retained`` is false), and the
+What is gone with the snapshot: ``committed_at``, ``attempts``, ``committer``, ``group_size``, ``parent_id`` (NULL; ``retained`` is false), and the
 snapshot's full summary (no row in ``snapshots``). pyiceberg also clears ``parent_id`` of the oldest retained snapshot
 once its parent is expired.
 
@@ -51,7 +53,17 @@ from lakestream_iceberg.errors import MissingExtraError, ReadError
 from lakestream_iceberg.expiry import ancestors
 from lakestream_iceberg.layout import RANK_COLUMN, STEP_COLUMN
 from lakestream_iceberg.reader import read_file
-from lakestream_iceberg.summary import KEY_ATTEMPTS, KEY_OP, KEY_PRODUCER, KEY_SEQ, KEY_STEP, OP_APPEND, StreamState
+from lakestream_iceberg.summary import (
+    KEY_ATTEMPTS,
+    KEY_COMMITTER,
+    KEY_GROUP,
+    KEY_OP,
+    KEY_PRODUCER,
+    KEY_SEQ,
+    KEY_STEP,
+    OP_APPEND,
+    StreamState,
+)
 
 if TYPE_CHECKING:
     import duckdb
@@ -74,11 +86,12 @@ FILES_SCHEMA = pa.schema([
 SNAPSHOTS_SCHEMA = pa.schema([
     ("snapshot_id", pa.int64()), ("parent_id", pa.int64()), ("committed_at", _TS), ("op", pa.string()),
     ("operation", pa.string()), ("step", pa.int64()), ("producer", pa.string()), ("seq", pa.int64()),
-    ("attempts", pa.int32()), ("summary", pa.string()),
+    ("attempts", pa.int32()), ("committer", pa.string()), ("group_size", pa.int32()), ("summary", pa.string()),
 ])
 BATCHES_SCHEMA = pa.schema([
     ("step", pa.int64()), ("snapshot_id", pa.int64()), ("parent_id", pa.int64()), ("producer", pa.string()),
-    ("seq", pa.int64()), ("committed_at", _TS), ("attempts", pa.int32()), ("ranks", pa.int32()), ("samples", pa.int64()),
+    ("seq", pa.int64()), ("committed_at", _TS), ("attempts", pa.int32()), ("committer", pa.string()),
+    ("group_size", pa.int32()), ("ranks", pa.int32()), ("samples", pa.int64()),
     ("bytes", pa.int64()), ("samples_per_rank", pa.list_(pa.int64())), ("bytes_per_rank", pa.list_(pa.int64())),
     ("retained", pa.bool_()), ("collected", pa.bool_()),
 ])
@@ -156,6 +169,8 @@ def snapshot_rows(stream: Stream, *, branch: str) -> list[dict[str, Any]]:
             "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
             "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
             "attempts": _int(summary.get(KEY_ATTEMPTS)),
+            "committer": summary.get(KEY_COMMITTER, summary.get(KEY_PRODUCER)),
+            "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None)),
             "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
         })
     rows.reverse()
@@ -183,6 +198,8 @@ def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> 
             "seq": snap["seq"] if snap else first.get("seq"),
             "committed_at": snap["committed_at"] if snap else None,
             "attempts": snap["attempts"] if snap else None,
+            "committer": snap["committer"] if snap else None,
+            "group_size": snap["group_size"] if snap else None,
             "ranks": len(step_files) if step_files else None,
             "samples": sum(samples) if step_files else None,
             "bytes": sum(sizes) if step_files else None,

@@ -154,7 +154,8 @@ class Producer:
 
         def carry_for(staged_intent: Intent) -> Carry:
             staging = stream.staging
-            return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path))
+            return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path),
+                         published=lambda metadata: self._published(metadata, seq) is not None)
 
         def escalate() -> Carry | None:
             """Lost a swap while committing alone: others are committing too, so stage the batch for them."""
@@ -303,7 +304,8 @@ class Producer:
             producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id)
             new_state = StreamState(op=OP_APPEND, step=step, producers=dict(producers),
                                     collected_below=state.collected_below, producer=staged.producer, seq=staged.seq,
-                                    group=group, committer=self.producer_id)
+                                    group=group, committer=self.producer_id,
+                                    group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None)
             collector = SnapshotSummaryCollector()
             for data_file in data_files:
                 collector.add_file(data_file, schema=schema, partition_spec=spec)

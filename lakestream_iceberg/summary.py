@@ -27,6 +27,7 @@ KEY_SOURCE_SNAPSHOT = "lakestream.source-snapshot-id"
 KEY_COLLECTED_BELOW = "lakestream.collected-below"
 KEY_GROUP = "lakestream.group"  # batches published by the commit that wrote this snapshot (group commit; absent: 1)
 KEY_COMMITTER = "lakestream.committer"  # the producer whose compare-and-swap published it (absent: its own producer)
+KEY_GROUP_MS = "lakestream.group-commit-ms"  # the committer's typical critical section: how long holders should expect
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class StreamState:
     seq: int | None = None
     group: int = 1
     committer: str | None = None
+    group_commit_ms: float | None = None
 
     @classmethod
     def empty(cls) -> StreamState:
@@ -69,6 +71,7 @@ class StreamState:
             seq=int(summary[KEY_SEQ]) if KEY_SEQ in summary else None,
             group=int(summary.get(KEY_GROUP, "1")),
             committer=summary.get(KEY_COMMITTER),
+            group_commit_ms=float(summary[KEY_GROUP_MS]) if KEY_GROUP_MS in summary else None,
         )
 
     def next_seq(self, producer_id: str) -> int:
@@ -92,5 +95,7 @@ class StreamState:
             props[KEY_GROUP] = str(self.group)
         if self.committer is not None and self.committer != self.producer:
             props[KEY_COMMITTER] = self.committer
+        if self.group_commit_ms is not None:
+            props[KEY_GROUP_MS] = f"{self.group_commit_ms:.1f}"
         props.update(extra)
         return props

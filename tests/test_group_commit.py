@@ -72,6 +72,8 @@ def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_o
     assert (a_state.producer, a_state.seq, a_state.committer, a_state.group) == ("a", 2, "b", 2)
     assert (b_state.producer, b_state.seq, b_state.committer, b_state.group) == ("b", 2, None, 2)
     assert not Path(intent.path.removeprefix("file://")).exists() and staged_files(stream) == []
+    rows = stream.history().sql("SELECT step, producer, committer, group_size FROM batches WHERE step >= 4 ORDER BY step")
+    assert rows.fetchall() == [(4, "b", "b", 1), (5, "a", "b", 2), (6, "b", "b", 2)]
     # the restarted producer continues after the batch it staged before dying: nothing lost, nothing twice
     restarted = stream.producer("a")
     assert restarted.next_seq == 3
