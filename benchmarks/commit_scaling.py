@@ -761,11 +761,13 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
                       f"{model['critical_median_s'] * 1000:.1f} ms sigma {model['critical_sigma']:.2f}, "
                       f"write {model['write_s'] * 1000:.1f} ms, CAS {model['cas_s'] * 1000:.1f} ms; "
                       f"{args.sim_duration:.0f} virtual s)",
-                      ["strategy", "P", "commits/s", "failed", "wasted", "p50 ms", "p99 ms", "p99/p50", "Jain", "n est"])
+                      ["strategy", "P", "commits/s", "failed", "wasted", "carried", "batches/swap", "p50 ms", "p99 ms",
+                       "p99/p50", "Jain", "n est"])
             for r in sim["rows"]:
                 if r["model"] == model_name:
                     t.add(r["strategy"], r["producers"], r["commits_per_s"], r["failed"], r["wasted_frac"],
-                          r["p50_s"] * 1000, r["p99_s"] * 1000, r["p99_over_p50"], r["jain"], r["contenders_est_median"])
+                          r.get("carried", math.nan), r.get("batches_per_cas", math.nan), r["p50_s"] * 1000,
+                          r["p99_s"] * 1000, r["p99_over_p50"], r["jain"], r["contenders_est_median"])
             t.note(f"fitted from: {model['source']}; each producer on its own CPU, the catalog's swap is the shared resource")
             tables.append(t)
     return tables
@@ -859,7 +861,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of committing before each measured window")
     parser.add_argument("--fixed-delay-ms", type=float, default=50.0)
     parser.add_argument("--sim-producers", type=int, nargs="+", default=[64, 128, 256, 512, 1024])
-    parser.add_argument("--sim-strategies", nargs="+", default=["dac", "fixed", "pyiceberg"])
+    parser.add_argument("--sim-strategies", nargs="+", default=["dac", "dac-single", "fixed", "pyiceberg"])
     parser.add_argument("--sim-duration", type=float, default=120.0)
     parser.add_argument("--sim-cas-ms", type=float, default=1.0, help="catalog service time per swap in the model")
     parser.add_argument("--out", default=str(RESULTS_DIR / "commit_scaling.json"))

@@ -55,8 +55,10 @@ producers instead of shrinking. The law decides who commits the next group and w
   of its own critical sections later, 0 by default: whoever re-stages late rides in the next group, and the catalog
   never idles). Position ``p`` holds ``p`` slots, so it commits only if everyone before it had nothing staged: a
   producer that stopped, or is slow, costs one slot, never a stall. A producer outside the last group ranks after it
-  (``k + older``). Positions past ``hold_max_slots`` (and producers that never published) hold that many slots plus
-  a uniform draw over one more: a bounded wait when most producers have stopped, spread to keep them apart;
+  (``k + older``). Positions past ``hold_max_slots`` (and producers that never published, counted as the last of
+  the ``n``) hold that many slots, plus one per ``group_max_batches`` positions beyond (a group commit carries at
+  most that many batches, so that is how many group commits are ahead of them), plus a uniform draw over one more
+  to keep them apart: a wait bounded by the round when most producers have stopped;
 * here a slot is the largest of the producer's own slot, a high quantile of the time its staged batches waited
   until a commit carried them (the quantile, not the typical value, because firing while a slow commit that would
   have carried it is still in flight wastes a whole group's critical section), and the slot of the critical section
@@ -100,6 +102,7 @@ class PolicyConfig:
     hold_jitter: float = 0.1
     hold_max_slots: int = 4
     carry_spread: float = 2.0
+    group_max_batches: int = 32
     min_poll_s: float = 0.002
     max_poll_s: float = 0.1
 
@@ -112,6 +115,8 @@ class PolicyConfig:
             raise ValueError(f"pacing_jitter must be in [0, 1), got {self.pacing_jitter}")
         if self.slot_margin < 0 or self.retry_slots < 0 or self.max_wait_s < 0:
             raise ValueError("slot_margin, retry_slots and max_wait_s must be >= 0")
+        if self.group_max_batches < 1:
+            raise ValueError(f"group_max_batches must be >= 1, got {self.group_max_batches}")
         if self.hold_gather < 0 or self.hold_jitter < 0 or not 0 < self.min_poll_s <= self.max_poll_s:
             raise ValueError("hold_gather and hold_jitter must be >= 0 and 0 < min_poll_s <= max_poll_s")
 
@@ -299,8 +304,9 @@ class CommitPolicy:
             slots = 0.0
         elif self._position is not None and self._position < cap:
             slots = self._position + self._rng.uniform(0.0, self._cfg.hold_jitter)
-        else:  # far back, or never published: spread over one slot past the cap
-            slots = min(cap, n) + self._rng.uniform(0.0, 1.0)
+        else:  # far back, or never published: past the cap, one slot per group of batches ahead of it
+            ahead = self._position if self._position is not None else n
+            slots = min(cap, ahead) + max(0.0, ahead - cap) / self._cfg.group_max_batches + self._rng.uniform(0.0, 1.0)
         return min(self._cfg.max_wait_s, max(0.0, gather + slots * self.group_slot_s - max(0.0, waited)))
 
     def poll_interval(self) -> float:

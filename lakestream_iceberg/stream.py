@@ -25,7 +25,7 @@ from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.commit import CommitLoop
-from lakestream_iceberg.dac import CommitPolicy
+from lakestream_iceberg.dac import CommitPolicy, PolicyConfig
 from lakestream_iceberg.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.errors import ConfigError, NotAStreamError, ReadTimeoutError, StreamExistsError
 from lakestream_iceberg.index import StepIndex
@@ -236,7 +236,8 @@ class Stream:
         table = self.table.catalog.load_table(self.table.name())
         loop = CommitLoop(
             table=table,
-            policy=CommitPolicy(clock=time.monotonic, rng=random.Random(seed)),
+            policy=CommitPolicy(clock=time.monotonic, rng=random.Random(seed),
+                                config=PolicyConfig(group_max_batches=self.config.group_max_batches)),
             branch=branch,
             timeout_s=self.config.commit_timeout_ms / 1000,
             max_attempts=self.config.commit_max_attempts,

@@ -336,8 +336,8 @@ def test_hold_grows_one_slot_per_position_and_is_capped() -> None:
     holds = [grouped(93 + pos, seed=pos).hold_delay(waited=0.0) for pos in range(8)]
     for pos, hold in enumerate(holds[:4]):  # positions 1..3: pos slots plus a jitter of at most 0.1 slot
         assert pos * slot <= hold <= (pos + 0.1) * slot + 1e-9
-    for hold in holds[4:]:  # past hold_max_slots (4): 4 slots plus a draw over one more
-        assert 4 * slot <= hold <= 5 * slot
+    for pos, hold in enumerate(holds[4:], start=4):  # past hold_max_slots (4): 4 slots, 1 per 32 further, a draw
+        assert (4 + (pos - 4) / 32) * slot <= hold <= (5 + (pos - 4) / 32) * slot
     assert grouped(95).hold_delay(waited=10 * slot) == 0.0  # already waited long enough: commit now
 
 
@@ -366,3 +366,13 @@ def test_group_config_is_validated() -> None:
         PolicyConfig(hold_gather=-1)
     with pytest.raises(ValueError, match="min_poll_s"):
         PolicyConfig(min_poll_s=0.2, max_poll_s=0.1)
+
+
+def test_far_back_producers_wait_one_slot_per_group_of_batches_ahead() -> None:
+    p = grouped(5000 - 300, head=5000, group=32, producers=1024)  # 1,024 producers; 723 published before it
+    assert p.contenders >= 1000
+    ahead = p._position  # noqa: SLF001 - the rank the hold is computed from: the last group, then the older ones
+    assert ahead == 32 + 723
+    slot = p.group_slot_s
+    hold = p.hold_delay(waited=0.0)
+    assert (4 + (ahead - 4) / 32) * slot <= hold <= (5 + (ahead - 4) / 32) * slot
