@@ -5,8 +5,10 @@ schema to Avro JSON for the header: about two thirds of the time it takes to wri
 and a group commit writes two such files per batch inside its critical section. Everything that set-up computes
 depends only on the format version and the partition type, so it is cached here under exactly that key. pyiceberg's
 manifest writer also writes (and compresses) one Avro block per entry; here all of a file's records go into one block
-when it is closed. Everything else is pyiceberg's own code: the same encoder, value writers, header layout, block
-format and codec, so a file holds exactly the records (and header) pyiceberg would write.
+when it is closed. And a manifest list repeats its parent's records: each manifest's record is encoded once per
+process and reused, so a commit's list costs its new manifests, not the list's length. Everything else is
+pyiceberg's own code: the same encoder, value writers, header layout, block format and codec, so a file holds exactly
+the records (and header) pyiceberg would write.
 
 Only format version 2 (what lakestream creates) takes the cached path; other versions use pyiceberg's writers as
 they are.
@@ -14,12 +16,15 @@ they are.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from pyiceberg.avro.codecs import AVRO_CODEC_KEY, CODEC_MAPPING_ICEBERG_TO_AVRO
+from pyiceberg.avro.encoder import BinaryEncoder
 from pyiceberg.avro.file import _SCHEMA_KEY, MAGIC, META_SCHEMA, SYNC_SIZE, AvroFileHeader, AvroOutputFile
 from pyiceberg.avro.resolver import construct_writer, resolve_writer
 from pyiceberg.avro.writer import Writer
@@ -27,6 +32,7 @@ from pyiceberg.io import OutputFile
 from pyiceberg.manifest import (
     DEFAULT_READ_VERSION,
     MANIFEST_LIST_FILE_SCHEMAS,
+    ManifestFile,
     ManifestListWriter,
     ManifestListWriterV2,
     ManifestWriter,
@@ -43,6 +49,8 @@ __all__ = ["manifest_list_writer", "manifest_writer"]
 _lock = threading.Lock()
 _prepared: dict[tuple[Any, ...], tuple[Schema, Writer, str]] = {}  # key -> (file schema, value writer, Avro JSON)
 _META_WRITER = construct_writer(META_SCHEMA)
+_MAX_ENCODED = 65536
+_encoded_lists: OrderedDict[tuple[str, int | None, int | None], bytes] = OrderedDict()  # manifest list records
 
 
 def _prepare(key: tuple[Any, ...], file_schema: Schema, record_schema: Schema, schema_name: str) -> tuple[Schema, Writer, str]:
@@ -69,19 +77,37 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
         self.metadata = metadata
 
     def write_block(self, objects: list[Any]) -> None:
-        """Collect the records; they are written as one block when the file is closed (pyiceberg's manifest writer
+        """Encode the records; they are written as one block when the file is closed (pyiceberg's manifest writer
         writes, and compresses, one block per entry)."""
-        self._pending.extend(objects)
+        for obj in objects:
+            self.add_encoded(self.encode(obj))
+
+    def encode(self, obj: Any) -> bytes:
+        """One record's Avro encoding (what a block's content concatenates)."""
+        buffer = io.BytesIO()
+        self.writer.write(BinaryEncoder(output_stream=buffer), obj)
+        return buffer.getvalue()
+
+    def add_encoded(self, record: bytes) -> None:
+        self._records.append(record)
 
     def __enter__(self) -> _PreparedAvroOutputFile:
-        self._pending: list[Any] = []
+        self._records: list[bytes] = []
         super().__enter__()
         return self
 
     def __exit__(self, exctype: Any, excinst: Any, exctb: Any) -> None:
-        if exctype is None and self._pending:
-            AvroOutputFile.write_block(self, self._pending)
-        self._pending = []
+        if exctype is None and self._records:  # AvroOutputFile.write_block, for records encoded beforehand
+            content = b"".join(self._records)
+            self.encoder.write_int(len(self._records))
+            if codec := self.compression_codec():
+                content, length = codec.compress(content)
+                self.encoder.write_int(length)
+            else:
+                self.encoder.write_int(len(content))
+            self.encoder.write(content)
+            self.encoder.write(self.sync_bytes)
+        self._records = []
         super().__exit__(exctype, excinst, exctb)
 
     def _write_header(self) -> None:  # AvroOutputFile._write_header, with the schema JSON computed once
@@ -107,6 +133,29 @@ class _ManifestWriter(ManifestWriterV2):
 
 
 class _ManifestListWriter(ManifestListWriterV2):
+    """A manifest list whose records are encoded once per manifest and process: a snapshot's manifest list repeats
+    its parent's manifests, and a manifest's list record (path, length, counts, partition summary, sequence numbers)
+    never changes once assigned, so writing a list costs its new manifests, not its length."""
+
+    def add_manifests(self, manifest_files: list[ManifestFile]) -> ManifestListWriter:
+        writer = self._writer
+        assert isinstance(writer, _PreparedAvroOutputFile)
+        for manifest in manifest_files:
+            prepared = self.prepare_manifest(manifest)
+            key = (prepared.manifest_path, prepared.sequence_number, prepared.min_sequence_number)
+            with _lock:
+                record = _encoded_lists.get(key)
+                if record is not None:
+                    _encoded_lists.move_to_end(key)
+            if record is None:
+                record = writer.encode(prepared)
+                with _lock:
+                    _encoded_lists[key] = record
+                    while len(_encoded_lists) > _MAX_ENCODED:
+                        _encoded_lists.popitem(last=False)
+            writer.add_encoded(record)
+        return self
+
     def __enter__(self) -> ManifestListWriter:
         key = ("manifest-list", self._format_version)
         prepared = _prepare(key, MANIFEST_LIST_FILE_SCHEMAS[self._format_version],

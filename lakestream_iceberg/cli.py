@@ -187,6 +187,10 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         metadata_bytes = None
     checkpoints = list_checkpoints(metadata)
     newest = max((c.step for c in checkpoints if c.branch == branch), default=None)
+    try:  # batches staged for group commit and not published yet (see lakestream_iceberg.staging)
+        staged: int | None = len(stream.staging.pending(branch, max_age_s=float("inf")))
+    except Exception:  # informative only; a FileIO that cannot list
+        staged = None
 
     def total(key: str) -> int | None:
         return int(summary[key]) if key in summary else None
@@ -200,6 +204,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "head_snapshot_id": head.snapshot_id if head else None,
         "last_commit_at": utc_from_ms(head.timestamp_ms) if head else None,
         "collected_below": state.collected_below,
+        "staged_batches": staged,
         "producers": [{"producer": pid, "last_seq": p.seq, "last_step": p.step, "lag": state.step - p.step}
                       for pid, p in sorted(state.producers.items())],
         "consumer_lag": None if newest is None else state.step - newest,
@@ -229,6 +234,7 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         ("consumer lag", f"{status['consumer_lag']} steps ({status['consumer_lag_basis']})"
                          if status["consumer_lag"] is not None else status["consumer_lag_basis"]),
         ("steps collected below", status["collected_below"]),
+        ("staged batches", "-" if status["staged_batches"] is None else status["staged_batches"]),
         ("snapshots retained", status["snapshots_retained"]),
         ("metadata", f"{_mb(status['metadata_bytes'])} in {status['metadata_file']}"),
         ("storage", f"{_mb(storage['bytes'])}, {storage['data_files'] or 0:,} data files, "

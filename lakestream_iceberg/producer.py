@@ -106,6 +106,10 @@ class Producer:
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
 
+        When other producers are active the batch is staged and may be published by another producer's group commit
+        (see :mod:`lakestream_iceberg.staging`): it is still its own snapshot and step, and the result says
+        ``carried=True``. The call returns once the batch is published, by whichever producer.
+
         Args:
             shards: One pyarrow Table per rank, ``len(shards) == world_size``; sizes may differ, empty is allowed.
             seq: This producer's sequence number for the batch; defaults to :attr:`next_seq`. Re-committing a
@@ -118,8 +122,11 @@ class Producer:
         Raises:
             ShardCountError, SchemaMismatchError: The batch is malformed; nothing was written.
             SequenceError: ``seq`` would leave a gap (and ``allow_gap`` is false) or is negative.
-            CommitTimeoutError: The commit budget ran out; nothing was published; retry with the same seq.
-            CommitOutcomeUnknownError: The catalog stayed unreachable; retry with the same seq to reconcile.
+            CommitTimeoutError: The commit budget ran out; this call published nothing (a staged batch was
+                withdrawn, though a group commit that had already read it may still publish it); retry with the same
+                seq, which is reconciled either way.
+            CommitOutcomeUnknownError: The catalog stayed unreachable; retry with the same seq to reconcile (a staged
+                batch stays staged, so another producer may publish it meanwhile).
         """
         with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
             return self._commit(shards, seq=seq, allow_gap=allow_gap)

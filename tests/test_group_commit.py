@@ -207,3 +207,13 @@ def test_gc_keeps_fresh_intents_and_their_files_and_collects_abandoned_ones(tmp_
     report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
     assert report.files_deleted.get("intent") == 1 and report.files_deleted.get("data") == WORLD
     assert staged_files(stream) == []
+
+
+def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
+    from lakestream_iceberg.cli import status_dict
+
+    stream = make(tmp_path)
+    both_active(stream)
+    assert status_dict(stream, "main")["staged_batches"] == 0
+    stage(stream, "c", 0)
+    assert status_dict(stream, "main")["staged_batches"] == 1
