@@ -383,6 +383,18 @@ class SimResult:
         }
 
 
+def next_event(now: float, work_done: float, timers: list, cpu_jobs: list,
+               rate: Callable[[], float]) -> tuple[float, float, bool]:
+    """The simulators' clock (processor sharing): when the next timer fires or the next CPU job finishes, the CPU work
+    every running job has received by then, and whether that event is a CPU job's."""
+    t_timer = timers[0][0] if timers else math.inf
+    t_cpu = now + (cpu_jobs[0][0] - work_done) / rate() if cpu_jobs else math.inf
+    t = min(t_timer, t_cpu)
+    if cpu_jobs and t < math.inf:
+        work_done += (t - now) * rate()
+    return t, work_done, t_cpu <= t_timer
+
+
 _WRITE_DONE, _ATTEMPT, _CRITICAL_DONE, _CAS_DONE = range(4)
 
 
@@ -471,15 +483,11 @@ def simulate(
         timer(rng.uniform(0, spread), -1, i)  # -1: start the first call
 
     while True:
-        t_timer = timers[0][0] if timers else math.inf
-        t_cpu = now + (cpu_jobs[0][0] - work_done) / rate() if cpu_jobs else math.inf
-        t = min(t_timer, t_cpu)
+        t, done, from_cpu = next_event(now, work_done, timers, cpu_jobs, rate)
         if t > end:
             break
-        if cpu_jobs:
-            work_done += (t - now) * rate()
-        now = t
-        if t_cpu <= t_timer:
+        now, work_done = t, done
+        if from_cpu:
             _, _, kind, i = heapq.heappop(cpu_jobs)
         else:
             _, _, kind, i = heapq.heappop(timers)
@@ -822,15 +830,11 @@ def _simulate_loop(
     for i in range(producers):
         dispatch(i, next(procs[i]))
     while True:
-        t_timer = timers[0][0] if timers else math.inf
-        t_cpu = now + (cpu_jobs[0][0] - work_done) / rate() if cpu_jobs else math.inf
-        t = min(t_timer, t_cpu)
+        t, done, from_cpu = next_event(now, work_done, timers, cpu_jobs, rate)
         if t > end:
             break
-        if cpu_jobs:
-            work_done += (t - now) * rate()
-        now = t
-        if t_cpu <= t_timer:
+        now, work_done = t, done
+        if from_cpu:
             _, _, i, tok = heapq.heappop(cpu_jobs)
             value = None
         else:
