@@ -150,7 +150,13 @@ class StagingArea:
         if every_s > 0 and last is not None and now - last[0] < every_s:
             return last[1]
         out: list[Intent] = []
-        for path, _size, mtime in list_files(self._io, self.folder(branch)):
+        try:
+            listed = list(list_files(self._io, self.folder(branch)))
+        except Exception as exc:  # noqa: BLE001 - storage unreachable: publish no one else's batch this time
+            log.warning("cannot list staged batches under %s (%s); committing without them", self.folder(branch),
+                        type(exc).__name__)
+            return []
+        for path, _size, mtime in listed:
             if not path.endswith(".parquet") or (mtime and now - mtime > max_age_s):
                 continue
             intent = self._read(path)

@@ -217,3 +217,24 @@ def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
     assert status_dict(stream, "main")["staged_batches"] == 0
     stage(stream, "c", 0)
     assert status_dict(stream, "main")["staged_batches"] == 1
+
+
+def test_a_commit_still_lands_when_the_staging_folder_cannot_be_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    import lakestream_iceberg.staging as staging_module
+
+    stream = make(tmp_path)
+    _, b = both_active(stream)
+    stage(stream, "c", 0)
+
+    def unreachable(*_args: object, **_kwargs: object) -> object:
+        raise OSError("AWS Error NETWORK_CONNECTION during ListObjectsV2 operation (injected)")
+
+    monkeypatch.setattr(staging_module, "list_files", unreachable)
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.staging"):
+        result = b.commit(batch("b", 2, WORLD))
+    assert result.step == 5 and published(stream)[5] == ("b", 2)  # its own batch; c's waits for a listing that works
+    assert "cannot list staged batches" in caplog.text
+    monkeypatch.undo()
+    b.commit(batch("b", 3, WORLD))
+    assert ("c", 0) in published(stream).values()
