@@ -284,7 +284,7 @@ class Producer:
         batches = sorted([own, *others], key=lambda b: b.staged_at)
         group = len(batches)
         parent = metadata.snapshot_by_name(self.branch)
-        parent_id = parent.snapshot_id if parent is not None else None
+        parent_id = base_id = parent.snapshot_id if parent is not None else None
         previous_summary = parent.summary if parent is not None else None
         timestamp = parent.timestamp_ms if parent is not None else 0
         first_sequence = metadata.next_sequence_number()
@@ -336,9 +336,7 @@ class Producer:
         expired = expirable(metadata, retain_last=max(1, stream.config.retain_snapshots - group))
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
-        head = metadata.snapshot_by_name(self.branch)
-        requirements = (AssertTableUUID(uuid=metadata.table_uuid),
-                        AssertRefSnapshotId(ref=self.branch, snapshot_id=head.snapshot_id if head is not None else None))
+        requirements = (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=self.branch, snapshot_id=base_id))
         assert result is not None
         intents = [b.intent for b in batches if b.intent is not None]
         return Plan(tuple(updates), requirements, _Published(result, intents, stale), planner.written)
