@@ -26,6 +26,7 @@ demo: $(STAMP)
 
 # Every test, against the real services (the session fixtures start and stop them; services-down clears leftovers).
 test: $(STAMP) postgres-bin
+	$(BIN)/lint-imports --no-cache
 	@set +e; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	$(BIN)/python -m catalog.services down >/dev/null 2>&1; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
@@ -47,6 +48,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/vs_colocated.py
 
 lint: $(STAMP)
+	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
 	$(BIN)/mypy lakestream_iceberg
 

@@ -170,7 +170,7 @@ def shards_for(step_hint: int) -> list[Any]:
 
 def create_stream(catalog: Any, name: str, *, group_commit: bool = True) -> Any:
     from lakestream_iceberg import Stream
-    from lakestream_iceberg.layout import PROP_GROUP_COMMIT
+    from lakestream_iceberg.format.layout import PROP_GROUP_COMMIT
 
     return Stream.create(catalog, f"{NS}.{name}", schema=payload_schema(), world_size=WORLD_SIZE,
                          properties={PROP_GROUP_COMMIT: str(group_commit).lower()})
@@ -448,7 +448,7 @@ def _run_task(task: Task) -> dict[str, Any]:
     from pyiceberg.exceptions import CommitFailedException
 
     from lakestream_iceberg import Stream
-    from lakestream_iceberg.dac import CommitPolicy
+    from lakestream_iceberg.write.dac import CommitPolicy
 
     catalog = load_sql_catalog(task.catalog)
     attempt_log: list[tuple[float, float, bool, int]] = []

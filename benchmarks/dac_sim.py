@@ -1,8 +1,8 @@
 """A discrete-event simulation of many producers committing through one catalog, driving the *pure* DAC policy.
 
-Nothing here does I/O: every producer owns a :class:`lakestream_iceberg.dac.CommitPolicy` whose clock is the
+Nothing here does I/O: every producer owns a :class:`lakestream_iceberg.write.dac.CommitPolicy` whose clock is the
 simulator's virtual clock, so thousands of producers run in seconds and the policy's decisions are exactly the ones the
-real :class:`lakestream_iceberg.commit.CommitLoop` would take.
+real :class:`lakestream_iceberg.write.commit.CommitLoop` would take.
 
 Shared model (optimistic concurrency against a compare-and-swap, one shared catalog, every producer on its own CPU):
 
@@ -83,7 +83,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import Table, jain_index, percentile  # noqa: E402
 
-from lakestream_iceberg.dac import CommitPolicy, PolicyConfig  # noqa: E402
+from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig  # noqa: E402
 
 __all__ = ["DacV1Policy", "FixedBackoffPolicy", "LatencyModel", "SimResult", "simulate", "STRATEGIES"]
 

@@ -43,8 +43,8 @@ from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 from pyiceberg.io import FileIO, InputFile, InputStream, OutputFile  # noqa: E402
 
 from lakestream_iceberg import Stream  # noqa: E402
-from lakestream_iceberg.dataset import LakestreamDataset, TensorCollate  # noqa: E402
-from lakestream_iceberg.manifests import ManifestCache  # noqa: E402
+from lakestream_iceberg.format.manifests import ManifestCache  # noqa: E402
+from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate  # noqa: E402
 
 SCHEMA = pa.schema([
     pa.field("tokens", pa.list_(pa.int32())),

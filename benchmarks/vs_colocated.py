@@ -12,7 +12,7 @@ Feeds:
 
 (a) colocated: ``torch.utils.data.DataLoader(num_workers=k)`` whose workers preprocess in the trainer's process tree;
 (b) lakestream: producer processes preprocess and commit each batch as one step; the trainer reads it with
-    ``LakestreamDataset`` (``lakestream_iceberg.dataset``). ``prefilled``: the producers ran ahead of time (preprocessing
+    ``LakestreamDataset`` (``lakestream_iceberg.read.dataset``). ``prefilled``: the producers ran ahead of time (preprocessing
     is off the trainer's critical path, as on separate CPU hosts); ``concurrent``: the producers run while the trainer
     trains, on the same 2 cores (they compete with it for the CPU, exactly as the DataLoader workers do).
 
@@ -367,7 +367,7 @@ class Bench:
 
     def dataset(self, root: str, *, follow: bool) -> Any:
         from lakestream_iceberg import Stream
-        from lakestream_iceberg.dataset import LakestreamDataset
+        from lakestream_iceberg.read.dataset import LakestreamDataset
 
         stream = Stream.open(sqlite_catalog(root), NAME)
         return LakestreamDataset(stream, rank=0, world_size=1, follow=follow, timeout=120.0, prefetch=2, poll_s=0.01,

@@ -263,7 +263,7 @@ def _table_rows(shard: Any) -> Any:
 
 def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
     from lakestream_iceberg import Stream
-    from lakestream_iceberg.dataset import LakestreamDataset
+    from lakestream_iceberg.read.dataset import LakestreamDataset
 
     stream = Stream.open(sqlite_catalog(spec["root"]), NAME)
     dataset = LakestreamDataset(stream, rank=0, world_size=1, follow=True, timeout=spec["consumer_timeout"],

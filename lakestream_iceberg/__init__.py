@@ -4,14 +4,14 @@ Producers publish each global training step as one Iceberg snapshot (a Transacti
 their own shard of each step, in step order. See README.md for the model.
 """
 
-from lakestream_iceberg.checkpoint import Checkpoint
-from lakestream_iceberg.diagnose import load_catalog
+from lakestream_iceberg.connect.diagnose import load_catalog
 from lakestream_iceberg.errors import *  # noqa: F403
 from lakestream_iceberg.errors import __all__ as _errors
-from lakestream_iceberg.lifecycle import GCReport
-from lakestream_iceberg.producer import CommitResult, Producer
+from lakestream_iceberg.lifecycle.checkpoint import Checkpoint
+from lakestream_iceberg.lifecycle.gc import GCReport
+from lakestream_iceberg.read.tensors import TensorCollate  # needs no torch
 from lakestream_iceberg.stream import Stream
-from lakestream_iceberg.tensors import TensorCollate  # needs no torch
+from lakestream_iceberg.write.producer import CommitResult, Producer
 
 # LakestreamDataset subclasses torch's IterableDataset, so torch loads on first access (module __getattr__), and it
 # stays out of __all__: `from lakestream_iceberg import *` must work without the torch extra.
@@ -20,7 +20,7 @@ __all__ = ["Checkpoint", "CommitResult", "GCReport", "Producer", "Stream", "Tens
 
 def __getattr__(name: str) -> object:
     if name == "LakestreamDataset":
-        from lakestream_iceberg.dataset import LakestreamDataset
+        from lakestream_iceberg.read.dataset import LakestreamDataset
 
         return LakestreamDataset
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,12 +1,11 @@
 """A stream: one Iceberg table of Transactional Global Batches, and the entry point to everything else.
 
-A stream is a plain Iceberg table (format v2) with ``lakestream.*`` table properties (see :mod:`lakestream_iceberg.layout`).
+A stream is a plain Iceberg table (format v2) with ``lakestream.*`` table properties (see :mod:`lakestream_iceberg.format.layout`).
 Any catalog that ``pyiceberg.catalog.load_catalog`` returns works: SQLite/PostgreSQL SQL catalogs, REST, Glue, Hive.
 """
 
 from __future__ import annotations
 
-import base64
 import random
 import time
 from datetime import timedelta
@@ -16,28 +15,16 @@ from typing import Any
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
-from pyiceberg.io import FileIO
-from pyiceberg.manifest import DataFile
 from pyiceberg.schema import assign_fresh_schema_ids
 from pyiceberg.table import Table
-from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.snapshots import Snapshot
 
-from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints, plan_checkpoint, plan_fork, plan_release
-from lakestream_iceberg.commit import CommitLoop
-from lakestream_iceberg.dac import CommitPolicy, PolicyConfig
-from lakestream_iceberg.diagnose import call_with_retry, config_errors, transient
-from lakestream_iceberg.errors import ConfigError, NotAStreamError, ReadTimeoutError, StreamExistsError
-from lakestream_iceberg.index import StepIndex
-from lakestream_iceberg.layout import (
-    PROP_VERSION,
-    PROP_WORLD_SIZE,
-    StreamConfig,
-    partition_spec,
-    payload_schema,
-    table_arrow_schema,
-)
-from lakestream_iceberg.lifecycle import (
+from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
+from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StreamExistsError
+from lakestream_iceberg.format.layout import StreamConfig, check_rank, partition_spec, payload_schema, table_arrow_schema
+from lakestream_iceberg.format.manifests import ManifestCache
+from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
+from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
+from lakestream_iceberg.lifecycle.gc import (
     GCReport,
     check_policy,
     kept_after_dry_run,
@@ -48,32 +35,22 @@ from lakestream_iceberg.lifecycle import (
     snapshots_expired,
     sweep,
 )
-from lakestream_iceberg.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
-from lakestream_iceberg.producer import Producer
-from lakestream_iceberg.reader import check_rank, missing_step_error, read_file
-from lakestream_iceberg.staging import StagingArea
-from lakestream_iceberg.summary import StreamState
-from lakestream_iceberg.writer import BatchWriter
-
-PROP_ARROW_SCHEMA = "lakestream.arrow-schema"
-MAIN = "main"
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
+from lakestream_iceberg.read.reader import read_file
+from lakestream_iceberg.write.commit import CommitLoop
+from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
+from lakestream_iceberg.write.producer import Producer
+from lakestream_iceberg.write.staging import StagingArea
+from lakestream_iceberg.write.writer import BatchWriter
 
 __all__ = ["Stream"]
 
 
-def _encode_schema(schema: pa.Schema) -> str:
-    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+def _reopen(ref: StreamRef) -> Stream:
+    return Stream.open(ref.catalog(), ref.identifier)
 
 
-def _decode_schema(text: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
-
-
-def _reopen(ref: Any) -> Stream:
-    return ref.open()
-
-
-class Stream:
+class Stream(StreamTable):
     """One stream of global training batches.
 
     Example:
@@ -87,21 +64,10 @@ class Stream:
     """
 
     def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
-        props = table.metadata.properties
-        if PROP_VERSION not in props or PROP_WORLD_SIZE not in props:
-            raise NotAStreamError(
-                f"table {'.'.join(table.name())} is a plain Iceberg table, not a lakestream stream (no "
-                f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
-            )
-        self.table = table
-        self.config = StreamConfig.from_properties(props)
-        self.cache = cache or DEFAULT_CACHE
-        self.payload_arrow_schema: pa.Schema = _decode_schema(props[PROP_ARROW_SCHEMA])
+        super().__init__(table, cache=cache)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle as an address (catalog name + properties + identifier): the process that unpickles reopens it."""
-        from lakestream_iceberg.follow import StreamRef
-
         return (_reopen, (StreamRef.of(self),))
 
     # -- construction -------------------------------------------------------------------------------------------------
@@ -151,7 +117,7 @@ class Stream:
             iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
             props = StreamConfig(world_size=world_size).to_properties()
             props.update(properties or {})
-            props[PROP_ARROW_SCHEMA] = _encode_schema(schema)
+            props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
             namespace = Catalog.namespace_from(identifier)
             if namespace:
@@ -181,18 +147,6 @@ class Stream:
             return cls(catalog.load_table(identifier))
 
     # -- properties -----------------------------------------------------------------------------------------------------
-    @property
-    def name(self) -> str:
-        return ".".join(self.table.name())
-
-    @property
-    def world_size(self) -> int:
-        return self.config.world_size
-
-    @property
-    def io(self) -> FileIO:
-        return self.table.io
-
     @cached_property
     def writer(self) -> BatchWriter:
         return BatchWriter(
@@ -202,33 +156,9 @@ class Stream:
 
     @cached_property
     def staging(self) -> StagingArea:
-        """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.staging`)."""
+        """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.write.staging`)."""
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
                            retry_s=self.config.io_retry_timeout_ms / 1000)
-
-    def manifest_planner(self, metadata: TableMetadata) -> ManifestPlanner:
-        """A planner for one new snapshot's manifests, configured from the stream's properties."""
-        return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
-                               max_merge_entries=self.config.max_merge_entries)
-
-    @cached_property
-    def index(self) -> StepIndex:
-        return StepIndex(io=self.io, cache=self.cache)
-
-    def refresh(self) -> Stream:
-        """Reload the table metadata from the catalog."""
-        self.table.refresh()
-        return self
-
-    def head(self, *, branch: str = MAIN) -> Snapshot | None:
-        return self.table.metadata.snapshot_by_name(branch)
-
-    def state(self, *, branch: str = MAIN, refresh: bool = True) -> StreamState:
-        """The lakestream state (head step, producers) of a branch's head snapshot."""
-        if refresh:
-            self.refresh()
-        head = self.head(branch=branch)
-        return StreamState.parse(head.summary.additional_properties if head is not None and head.summary else None)
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
@@ -243,7 +173,7 @@ class Stream:
             max_attempts=self.config.commit_max_attempts,
         )
         loop.mark_stale()
-        return Producer(self, producer_id, branch=branch, loop=loop)
+        return Producer(self, producer_id, branch=branch, loop=loop, writer=self.writer, staging=self.staging)
 
     # -- checkpoints and lifecycle -----------------------------------------------------------------------------------
     def _control_loop(self, branch: str) -> CommitLoop:
@@ -253,18 +183,13 @@ class Stream:
         return loop
 
     def checkpoint(self, name: str, *, step: int, branch: str = MAIN) -> Checkpoint:
-        """Record a checkpoint watermark at ``step`` as an Iceberg tag (see :mod:`lakestream_iceberg.checkpoint`).
+        """Record a checkpoint watermark at ``step`` as an Iceberg tag (see :mod:`lakestream_iceberg.lifecycle.checkpoint`).
 
         Raises:
             CheckpointError: Invalid or duplicate name, unpublished or already collected step.
         """
         return self._control_loop(branch).run(
             lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch), pace=False).result
-
-    def checkpoints(self) -> list[Checkpoint]:
-        """Every checkpoint of the stream (all branches), oldest step first."""
-        self.refresh()
-        return list_checkpoints(self.table.metadata)
 
     def release(self, name: str) -> None:
         """Remove a checkpoint's tag; lifecycle GC may then collect what only it needed."""
@@ -283,7 +208,7 @@ class Stream:
         keep_within: timedelta | None = None,
         grace: timedelta | None = None,
     ) -> GCReport:
-        """Delete what no retained checkpoint can reach (see :mod:`lakestream_iceberg.lifecycle`).
+        """Delete what no retained checkpoint can reach (see :mod:`lakestream_iceberg.lifecycle.gc`).
 
         Args:
             dry_run: Only report the plan (the default; pass ``dry_run=False`` to delete).
@@ -311,20 +236,16 @@ class Stream:
         return outcome.result
 
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
-        """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.history`).
+        """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).
 
         Example:
             >>> stream.history().sql("SELECT producer, count(*) FROM batches GROUP BY 1").fetchall()  # doctest: +SKIP
         """
-        from lakestream_iceberg.history import history
+        from lakestream_iceberg.read.history import history
 
         return history(self, branch=branch, samples_steps=samples_steps)
 
     # -- reading --------------------------------------------------------------------------------------------------------
-    def head_step(self, *, branch: str = MAIN) -> int:
-        """The newest published step of ``branch`` (0 when nothing is published)."""
-        return self.state(branch=branch).step
-
     def read(self, step: int, *, rank: int, branch: str = MAIN, columns: list[str] | None = None) -> pa.Table:
         """The rows committed for ``rank`` at ``step``, reading only that rank's data file.
 
@@ -347,23 +268,6 @@ class Stream:
         with config_errors(self.io.properties, action=what):  # storage outages retry; a wrong secret fails at once
             return call_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_ms / 1000)
 
-    def locate(self, step: int, *, branch: str = MAIN) -> list[DataFile]:
-        """The data files of ``step`` (one per rank, ordered by rank).
-
-        A view that predates a GC commit may list manifests GC already deleted; the lookup then refreshes and retries
-        on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``.
-        """
-        try:
-            files = self.index.files(self.head(branch=branch), step)
-        except FileNotFoundError:
-            files = []
-        if not files:
-            state = self.state(branch=branch, refresh=True)
-            files = self.index.files(self.head(branch=branch), step)
-            if not files:
-                raise missing_step_error(step, state, branch, self.name)
-        return files
-
     def wait_for(self, step: int, *, timeout: float, branch: str = MAIN, poll_s: float = 0.05) -> int:
         """Block until ``step`` is published on ``branch``; return the head step then.
 
@@ -373,8 +277,6 @@ class Stream:
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
         """
-        from lakestream_iceberg.follow import HeadWatcher  # cheap polling: one pointer read on SQL catalogs
-
         watcher = HeadWatcher(self, branch=branch)
         deadline = time.monotonic() + timeout
         delay = poll_s

@@ -40,7 +40,7 @@ from pyiceberg.catalog import Catalog, load_catalog  # noqa: E402
 
 from catalog import services  # noqa: E402
 from lakestream_iceberg import Stream  # noqa: E402
-from lakestream_iceberg.rest_sigv4 import install_rest_sigv4_fix  # noqa: E402
+from lakestream_iceberg.connect.rest_sigv4 import install_rest_sigv4_fix  # noqa: E402
 
 __all__ = [
     "BACKENDS",

@@ -11,7 +11,7 @@ from pyiceberg.io.pyarrow import PyArrowFileIO
 from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus, write_manifest, write_manifest_list
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.avro_writers import manifest_list_writer, manifest_writer
+from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from tests.support import SCHEMA, batch, sqlite_catalog
 
 

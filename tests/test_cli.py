@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.config import embedded_catalog
+from lakestream_iceberg.tools.config import embedded_catalog
 from tests.support import SCHEMA, batch, sqlite_catalog
 
 pytest.importorskip("duckdb")
@@ -24,7 +24,7 @@ SCRIPT = shutil.which("lakestream", path=str(Path(sys.executable).parent))
 
 
 def _command() -> list[str]:
-    return [SCRIPT] if SCRIPT else [sys.executable, "-m", "lakestream_iceberg.cli"]
+    return [SCRIPT] if SCRIPT else [sys.executable, "-m", "lakestream_iceberg.tools.cli"]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def run_many(env: dict[str, str], *commands: tuple[str, ...], timeout: float = 9
 
 def main_inprocess(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     """Variations of a command already covered as a subprocess run in-process (interpreter start-up is the cost)."""
-    from lakestream_iceberg.cli import main
+    from lakestream_iceberg.tools.cli import main
 
     capsys.readouterr()
     code = main(["--home", str(home), *args])

@@ -1,4 +1,4 @@
-"""The pure DAC policy (lakestream_iceberg.dac): injected clock, seeded RNG, no I/O, microseconds per test.
+"""The pure DAC policy (lakestream_iceberg.write.dac): injected clock, seeded RNG, no I/O, microseconds per test.
 
 The last tests run a small slot simulation of several producers (optimistic concurrency against one
 compare-and-swap, like ``benchmarks/dac_sim.py`` but self-contained) to check the law's properties as a system:
@@ -14,7 +14,7 @@ import statistics
 
 import pytest
 
-from lakestream_iceberg.dac import CommitPolicy, PolicyConfig
+from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 
 
 class Clock:

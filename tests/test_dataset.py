@@ -25,9 +25,9 @@ from pyiceberg.catalog.sql import SqlCatalog
 from torch.utils.data import DataLoader
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.dataset import LakestreamDataset, TensorCollate, partition, require_torch
 from lakestream_iceberg.errors import CheckpointError, ConfigError, MissingExtraError, RankError, ReadTimeoutError
-from lakestream_iceberg.follow import HeadWatcher, StreamRef, consumer_lag
+from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, consumer_lag
 
 SCHEMA = pa.schema([
     pa.field("x", pa.int64(), nullable=False),
@@ -406,7 +406,7 @@ def test_module_imports_without_torch() -> None:
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None
-        import lakestream_iceberg.dataset as d
+        import lakestream_iceberg.read.dataset as d
         from lakestream_iceberg import MissingExtraError
         try:
             d.LakestreamDataset
@@ -419,7 +419,7 @@ def test_module_imports_without_torch() -> None:
 
 
 def test_arrow_owned_copy_for_non_arrow_streams() -> None:
-    from lakestream_iceberg.reader import _arrow_owned
+    from lakestream_iceberg.read.reader import _arrow_owned
 
     buffer = _arrow_owned(b"parquet bytes")
     assert buffer.to_pybytes() == b"parquet bytes" and buffer.is_mutable
@@ -427,7 +427,7 @@ def test_arrow_owned_copy_for_non_arrow_streams() -> None:
 
 
 def test_tensors_share_arrow_memory() -> None:
-    from lakestream_iceberg.dataset import StepShard
+    from lakestream_iceberg.read.dataset import StepShard
 
     table = pa.Table.from_batches([pa.RecordBatch.from_pydict({"v": np.arange(6), "t": [[1, 2]] * 6})])
     item = TensorCollate()(StepShard(step=1, rank=0, world_size=1, table=table, sample_ids=np.arange(6)))

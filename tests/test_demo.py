@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from lakestream_iceberg.demo import CHECK_PASSED, DemoResult, _check, make_shard, shard_digest
+from lakestream_iceberg.tools.demo import CHECK_PASSED, DemoResult, _check, make_shard, shard_digest
 
 SCRIPT = shutil.which("lakestream", path=str(Path(sys.executable).parent))
 
 
 def _command() -> list[str]:
-    return [SCRIPT] if SCRIPT else [sys.executable, "-m", "lakestream_iceberg.cli"]
+    return [SCRIPT] if SCRIPT else [sys.executable, "-m", "lakestream_iceberg.tools.cli"]
 
 
 def test_demo_small_run_passes_the_exactly_once_check(tmp_path: Path) -> None:
@@ -33,13 +33,13 @@ def test_demo_small_run_passes_the_exactly_once_check(tmp_path: Path) -> None:
         assert label in proc.stdout
     stream = next(line.split()[3] for line in proc.stdout.splitlines() if line.startswith("lakestream demo: stream "))
     # The stream the demo left behind answers the CLI (in-process: the subprocess path is covered by test_cli).
-    from lakestream_iceberg.cli import main
+    from lakestream_iceberg.tools.cli import main
 
     assert main(["--home", str(home), "sql", stream, "SELECT count(*) AS steps FROM batches", "--json"]) == 0
 
 
 def test_demo_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from lakestream_iceberg.cli import main
+    from lakestream_iceberg.tools.cli import main
 
     code = main(["--json", "--home", str(tmp_path), "demo", "--producers", "1", "--ranks", "1", "--steps-per-producer", "2"])
     summary = json.loads(capsys.readouterr().out)

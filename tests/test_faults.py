@@ -22,7 +22,7 @@ import pytest
 
 from catalog import services
 from lakestream_iceberg import ConfigError, StepNotPublishedError, Stream
-from lakestream_iceberg.diagnose import config_errors, explain, load_catalog, redact, transient
+from lakestream_iceberg.connect.diagnose import config_errors, explain, load_catalog, redact, transient
 from tests.backends import (
     Backend,
     fresh_name,
@@ -37,7 +37,7 @@ from tests.backends import (
 from tests.support import SCHEMA, batch, digest
 
 try:
-    from lakestream_iceberg.rest_timeout import install_rest_timeout
+    from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
 except ImportError:  # pragma: no cover - until the lead adds it
     install_rest_timeout = None
 
@@ -308,7 +308,7 @@ REST_TIMEOUT_MISSING = (
     "and never answers blocks load_catalog (and every later call) forever; needs the lead's install_rest_timeout() "
     "(rest.client.connection-timeout-ms / rest.client.socket-timeout-ms, as in Java Iceberg)"
 )
-PACKAGE_NOT_WIRED = "Stream.create/open and Producer.commit do not call lakestream_iceberg.diagnose yet (see the report)"
+PACKAGE_NOT_WIRED = "Stream.create/open and Producer.commit do not call lakestream_iceberg.connect.diagnose yet (see the report)"
 BOUND_S = 30.0  # the promise: a bad setting is reported within this time
 HANG_CHECK_S = {"rest-silent-load": 10.0}  # with its timeouts set to 2 s it must fail well within this; saves 35 s
 

@@ -15,9 +15,9 @@ from pyiceberg.manifest import ManifestEntryStatus
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import CommitTimeoutError, ConfigError
-from lakestream_iceberg.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
-from lakestream_iceberg.staging import STAGING_DIR, Intent
-from lakestream_iceberg.summary import StreamState
+from lakestream_iceberg.format.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
+from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.write.staging import STAGING_DIR, Intent
 from tests.backends import published
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
@@ -127,7 +127,7 @@ def test_stale_foreign_and_broken_intents_are_never_published(tmp_path: Path, ca
     (folder / "x").mkdir(parents=True)
     (folder / "x" / "000000000000-half.parquet").write_bytes(b"PAR1\x00\x01")  # half-written: no footer yet
     (folder / "x" / "000000000000-junk.parquet").write_bytes(b"not an intent at all" + b"PAR1")
-    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.staging"):
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.write.staging"):
         result = b.commit(batch("b", 2, WORLD))
     assert result.step == 5 and stream.head_step() == 5
     assert published(stream)[5] == ("b", 2)
@@ -210,7 +210,7 @@ def test_gc_keeps_fresh_intents_and_their_files_and_collects_abandoned_ones(tmp_
 
 
 def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
-    from lakestream_iceberg.cli import status_dict
+    from lakestream_iceberg.tools.cli import status_dict
 
     stream = make(tmp_path)
     both_active(stream)
@@ -221,7 +221,7 @@ def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
 
 def test_a_commit_still_lands_when_the_staging_folder_cannot_be_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    import lakestream_iceberg.staging as staging_module
+    import lakestream_iceberg.write.staging as staging_module
 
     stream = make(tmp_path)
     _, b = both_active(stream)
@@ -231,7 +231,7 @@ def test_a_commit_still_lands_when_the_staging_folder_cannot_be_listed(tmp_path:
         raise OSError("AWS Error NETWORK_CONNECTION during ListObjectsV2 operation (injected)")
 
     monkeypatch.setattr(staging_module, "list_files", unreachable)
-    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.staging"):
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.write.staging"):
         result = b.commit(batch("b", 2, WORLD))
     assert result.step == 5 and published(stream)[5] == ("b", 2)  # its own batch; c's waits for a listing that works
     assert "cannot list staged batches" in caplog.text

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import MissingExtraError, Stream
-from lakestream_iceberg.history import VIEWS, history, parse_data_path, step_rows
+from lakestream_iceberg.read.history import VIEWS, history, parse_data_path, step_rows
 from tests.support import SCHEMA, batch, sqlite_catalog
 
 pytest.importorskip("duckdb")

@@ -27,7 +27,7 @@ from pyiceberg.catalog import Catalog, load_catalog  # noqa: E402
 from pyiceberg.utils.config import Config  # noqa: E402
 
 from catalog import services  # noqa: E402
-from lakestream_iceberg.rest_sigv4 import install_rest_sigv4_fix, rest_sigv4_fix_active  # noqa: E402
+from lakestream_iceberg.connect.rest_sigv4 import install_rest_sigv4_fix, rest_sigv4_fix_active  # noqa: E402
 
 services_mark = pytest.mark.services
 SCHEMA = pa.schema([pa.field("step", pa.int64(), nullable=False), pa.field("shard", pa.string())])

@@ -65,7 +65,7 @@ def consume(ident: str, last_step: int, pause: float) -> None:
 
 
 def follow(ident: str, last_step: int, pause: float) -> None:
-    from lakestream_iceberg.follow import HeadWatcher
+    from lakestream_iceberg.read.follow import HeadWatcher
 
     stream = opened(ident)
     watcher, stop = HeadWatcher(stream, branch="main"), threading.Event()

@@ -7,7 +7,7 @@ Each item is this consumer rank's shard of one step, built by ``collate`` (defau
 Use ``DataLoader(dataset, batch_size=None, num_workers=k)``: an item already is a batch. Worker ``w`` of ``k`` takes
 the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
 steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
-name and properties, see :class:`lakestream_iceberg.follow.StreamRef`).
+name and properties, see :class:`lakestream_iceberg.read.follow.StreamRef`).
 
 **Torch is optional.** ``LakestreamDataset`` must subclass ``IterableDataset`` (DataLoader checks ``isinstance``), so the
 class is built on first access through the module's ``__getattr__``: importing this module (or lakestream_iceberg)
@@ -42,13 +42,12 @@ import numpy as np
 import pyarrow as pa
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError
-from lakestream_iceberg.follow import HeadWatcher, StreamRef, fetch_table, pump_steps
-from lakestream_iceberg.reader import missing_step_error
-from lakestream_iceberg.summary import StreamState
-from lakestream_iceberg.tensors import StepShard, TensorCollate, require_torch
+from lakestream_iceberg.format.summary import StreamState, missing_step_error
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, fetch_table, pump_steps
+from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
 
 if TYPE_CHECKING:
-    from lakestream_iceberg.stream import Stream
+    from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
 
@@ -114,7 +113,7 @@ class _DatasetCore:
 
     def __init__(
         self,
-        stream: Stream,
+        stream: StreamTable,
         *,
         rank: int | None = None,
         world_size: int | None = None,
@@ -146,7 +145,7 @@ class _DatasetCore:
         self.collate = collate or TensorCollate()
         self.poll_s, self.max_poll_s = poll_s, max_poll_s
         self._ref = StreamRef.of(stream)
-        self._stream: Stream | None = stream
+        self._stream: StreamTable | None = stream
         self._pid = os.getpid()
         self._schema = stream.payload_arrow_schema
         self._init_runtime()
@@ -156,7 +155,7 @@ class _DatasetCore:
         self.last_step: int | None = None  # the last step this instance delivered
 
     @classmethod
-    def from_checkpoint(cls, stream: Stream, name: str, **kwargs: Any) -> Any:
+    def from_checkpoint(cls, stream: StreamTable, name: str, **kwargs: Any) -> Any:
         """A dataset starting right after checkpoint ``name`` (``checkpoint.step + 1``) on the checkpoint's branch.
 
         Other arguments are the constructor's (an explicit ``branch=`` wins).
@@ -190,13 +189,13 @@ class _DatasetCore:
         self._stream = None
         self._init_runtime()
 
-    def _stream_here(self) -> Stream:
+    def _stream_here(self) -> StreamTable:
         """The stream, reopened from the catalog in a forked or spawned process (engines do not survive a fork)."""
         if self._stream is None or self._pid != os.getpid():
             self._stream, self._pid = self._ref.open(), os.getpid()
         return self._stream
 
-    def _resolve_end(self, stream: Stream) -> int:
+    def _resolve_end(self, stream: StreamTable) -> int:
         watcher = HeadWatcher(stream, branch=self.branch)
         watcher.check()
         head = watcher.head()[0]
@@ -256,7 +255,7 @@ class _DatasetCore:
             self._end = self._resolve_end(stream)  # workers keep the end fixed in the main process: they agree
         return self._iterate(stream, worker_id, num_workers)
 
-    def _iterate(self, stream: Stream, worker_id: int, num_workers: int) -> Iterator[Any]:
+    def _iterate(self, stream: StreamTable, worker_id: int, num_workers: int) -> Iterator[Any]:
         first = self._first(worker_id, num_workers)
         self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
@@ -273,7 +272,7 @@ class _DatasetCore:
                 self.last_step = step
                 yield item
 
-    def _load(self, stream: Stream, io: Any, snapshot: Any, step: int) -> Any:
+    def _load(self, stream: StreamTable, io: Any, snapshot: Any, step: int) -> Any:
         files = stream.index.files(snapshot, step)
         if not files:
             summary = snapshot.summary.additional_properties if snapshot is not None and snapshot.summary else None

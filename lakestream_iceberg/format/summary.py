@@ -12,6 +12,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lakestream_iceberg.errors import StepCollectedError, StepNotPublishedError
+
 OP_APPEND = "append"
 OP_COLLECT = "collect"
 OP_CHECKPOINT = "checkpoint"
@@ -99,3 +101,16 @@ class StreamState:
             props[KEY_GROUP_MS] = f"{self.group_commit_ms:.1f}"
         props.update(extra)
         return props
+
+
+def missing_step_error(step: int, state: StreamState, branch: str, name: str) -> Exception:
+    """The right error for a step whose files are not in the branch's table state."""
+    if step > state.step:
+        return StepNotPublishedError(
+            f"step {step} of {name} (branch {branch!r}) is not published yet (head step is {state.step}); "
+            "use wait_for(step, timeout=...) to block until it is"
+        )
+    return StepCollectedError(
+        f"step {step} of {name} (branch {branch!r}) is no longer in the table: lifecycle GC collected it (steps below "
+        f"{state.collected_below} are gone) or the branch was forked after it; resume from a retained checkpoint"
+    )

@@ -1,7 +1,7 @@
 """Writing a global batch's data files: once per batch, before any commit attempt.
 
 Each rank's shard becomes one Parquet file with a single row group, holding the payload columns only (step and rank
-live in the manifest entry's partition tuple, see :mod:`lakestream_iceberg.layout`). A rank therefore reads exactly its
+live in the manifest entry's partition tuple, see :mod:`lakestream_iceberg.format.layout`). A rank therefore reads exactly its
 own bytes, and a commit that loses the compare-and-swap re-uses these files with a new step: no data is rewritten.
 """
 
@@ -28,7 +28,7 @@ from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import Record
 
-from lakestream_iceberg.diagnose import call_with_retry
+from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.errors import ConfigError
 
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -49,7 +49,7 @@ class StagedFile:
 
     ``stats`` are the Iceberg column statistics in :meth:`DataFileStatistics.to_serialized_dict` form (record count,
     per-column sizes and counts, serialized lower/upper bounds, split offsets): what a manifest entry needs, and what a
-    staged intent (:mod:`lakestream_iceberg.staging`) carries as JSON.
+    staged intent (:mod:`lakestream_iceberg.write.staging`) carries as JSON.
     """
 
     rank: int

@@ -41,17 +41,17 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
-from lakestream_iceberg.checkpoint import Checkpoint, list_checkpoints
-from lakestream_iceberg.commit import Plan
+from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import LifecycleError
-from lakestream_iceberg.expiry import protected
-from lakestream_iceberg.manifests import step_bounds
-from lakestream_iceberg.staging import STAGING_DIR
-from lakestream_iceberg.storage import list_files
-from lakestream_iceberg.summary import OP_COLLECT, StreamState
+from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
+from lakestream_iceberg.format.expiry import protected
+from lakestream_iceberg.format.manifests import step_bounds
+from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
+from lakestream_iceberg.write.commit import Plan
+from lakestream_iceberg.write.staging import STAGING_DIR
 
 if TYPE_CHECKING:
-    from lakestream_iceberg.stream import Stream
+    from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["GCReport"]
 
@@ -93,7 +93,7 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
 
-def plan_collect(stream: Stream, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
+def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
                  write: bool) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]]]:
     """The GC commit. With ``write=False`` nothing is written (dry run): the plan is only reported."""
     now = datetime.now(timezone.utc)
@@ -157,7 +157,7 @@ def norm(path: str) -> str:
     return posixpath.normpath(f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).lstrip("/")
 
 
-def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: Stream,
+def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: StreamTable,
                      skip: frozenset[int] = frozenset()) -> set[str]:
     """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references."""
     out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
@@ -171,7 +171,7 @@ def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str
     return {norm(p) for p in out if p}
 
 
-def kept_after_dry_run(stream: Stream, metadata: TableMetadata, metadata_location: str, report: GCReport,
+def kept_after_dry_run(stream: StreamTable, metadata: TableMetadata, metadata_location: str, report: GCReport,
                        collected: dict[str, tuple[Snapshot, int]], expired: set[int]) -> set[str]:
     """What a real run would leave referenced: retained snapshots, plus the collected heads' surviving steps."""
     keep = referenced_files(stream.io, metadata, metadata_location, stream, skip=frozenset(expired))
@@ -200,7 +200,7 @@ def _kind(path: str) -> str:
     return "other"
 
 
-def sweep(stream: Stream, *, location: str, keep: set[str], known: set[str], report: GCReport,
+def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str], report: GCReport,
           grace_s: float, delete: bool) -> None:
     """Delete unreferenced files under the table location; files no metadata ever referenced need to age first."""
     location = location.rstrip("/") + "/"
@@ -226,7 +226,7 @@ def sweep(stream: Stream, *, location: str, keep: set[str], known: set[str], rep
     report.files_deleted, report.bytes_deleted = dict(counts), dict(sizes)
 
 
-def known_files(stream: Stream, metadata: TableMetadata) -> set[str]:
+def known_files(stream: StreamTable, metadata: TableMetadata) -> set[str]:
     """Files some snapshot of ``metadata`` references (so they were committed, not in flight)."""
     return referenced_files(stream.io, metadata, "", stream)
 

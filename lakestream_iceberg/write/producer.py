@@ -2,8 +2,8 @@
 
 A producer is identified by a stable id (``"prep-0"``) and numbers its batches 0, 1, 2, ... (its *seq*). The table is
 the only state: ``next_seq`` is read from the head snapshot's producer table, so a producer killed at any point and
-restarted with the same id continues with no gap and no duplicate. See :mod:`lakestream_iceberg.commit` for the loop
-and :mod:`lakestream_iceberg.dac` for its pacing.
+restarted with the same id continues with no gap and no duplicate. See :mod:`lakestream_iceberg.write.commit` for the loop
+and :mod:`lakestream_iceberg.write.dac` for its pacing.
 """
 
 from __future__ import annotations
@@ -26,17 +26,17 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
-from lakestream_iceberg.commit import Carry, CommitLoop, Done, Plan
-from lakestream_iceberg.diagnose import config_errors
+from lakestream_iceberg.connect.diagnose import config_errors
 from lakestream_iceberg.errors import CommitTimeoutError, SequenceError
-from lakestream_iceberg.expiry import ancestors, expirable
-from lakestream_iceberg.layout import check_shards
-from lakestream_iceberg.staging import Intent
-from lakestream_iceberg.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
-from lakestream_iceberg.writer import StagedBatch, check_producer_id
+from lakestream_iceberg.format.expiry import ancestors, expirable
+from lakestream_iceberg.format.layout import check_shards
+from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
+from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Plan
+from lakestream_iceberg.write.staging import Intent, StagingArea
+from lakestream_iceberg.write.writer import BatchWriter, StagedBatch, check_producer_id
 
 if TYPE_CHECKING:
-    from lakestream_iceberg.stream import Stream
+    from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["CommitResult", "Producer"]
 
@@ -57,7 +57,7 @@ class CommitResult:
         bytes: Bytes of data files written for the batch.
         latency_s: Wall time of the call.
         carried: True when the batch was published by another producer's group commit (see
-            :mod:`lakestream_iceberg.staging`) rather than by this call's own compare-and-swap.
+            :mod:`lakestream_iceberg.write.staging`) rather than by this call's own compare-and-swap.
     """
 
     step: int | None
@@ -73,7 +73,7 @@ class CommitResult:
 
 
 class Producer:
-    """Publishes global batches into one branch of a stream. Obtain one with :meth:`Stream.producer`.
+    """Publishes global batches into one branch of a stream. Obtain one with :meth:`StreamTable.producer`.
 
     Example:
         >>> producer = stream.producer("prep-0")                          # doctest: +SKIP
@@ -82,15 +82,18 @@ class Producer:
         (1, 0, False)
     """
 
-    def __init__(self, stream: Stream, producer_id: str, *, branch: str, loop: CommitLoop) -> None:
+    def __init__(self, stream: StreamTable, producer_id: str, *, branch: str, loop: CommitLoop, writer: BatchWriter,
+                 staging: StagingArea) -> None:
         self._stream = stream
+        self._writer = writer
+        self._staging = staging
         self.producer_id = check_producer_id(producer_id)
         self.branch = branch
         self._loop = loop
 
     @property
     def policy(self) -> object:
-        """The producer's DAC state (see :class:`lakestream_iceberg.dac.CommitPolicy`)."""
+        """The producer's DAC state (see :class:`lakestream_iceberg.write.dac.CommitPolicy`)."""
         return self._loop.policy
 
     @property
@@ -107,7 +110,7 @@ class Producer:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
 
         When other producers are active the batch is staged and may be published by another producer's group commit
-        (see :mod:`lakestream_iceberg.staging`): it is still its own snapshot and step, and the result says
+        (see :mod:`lakestream_iceberg.write.staging`): it is still its own snapshot and step, and the result says
         ``carried=True``. The call returns once the batch is published, by whichever producer.
 
         Args:
@@ -143,7 +146,7 @@ class Producer:
             return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
                                 latency_s=time.monotonic() - started)
 
-        staged = stream.writer.write(producer=self.producer_id, seq=seq, shards=checked)
+        staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked)
         intent = self._stage(staged, allow_gap) if self._contended() else None
         # ``own`` changes once: when a producer that committed alone loses a swap, it stages the batch (escalate)
         own = [_Batch(staged, allow_gap, intent.staged_at if intent else time.time(), intent.path if intent else None)]
@@ -160,7 +163,7 @@ class Producer:
             return self._plan_group(metadata, current, own[0], attempt)
 
         def carry_for(staged_intent: Intent) -> Carry:
-            staging = stream.staging
+            staging = self._staging
             return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path),
                          published=lambda metadata: self._published(metadata, seq) is not None)
 
@@ -178,16 +181,16 @@ class Producer:
         except CommitTimeoutError as exc:
             if intent is None:
                 raise
-            stream.staging.remove([intent.path])
+            self._staging.remove([intent.path])
             raise CommitTimeoutError(
                 f"{exc}. Its staged batch was withdrawn, but a group commit of another producer that had already read "
                 "it may still publish it: retrying with the same seq is safe either way (it is reconciled, not duplicated)"
             ) from exc
         published = outcome.result
         if outcome.landed:
-            stream.staging.remove(published.intents + published.stale)
-        elif intent is not None and not (outcome.carried_after is not None and not stream.staging.exists(intent.path)):
-            stream.staging.remove([intent.path])
+            self._staging.remove(published.intents + published.stale)
+        elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
+            self._staging.remove([intent.path])
         result = published.result
         if result.step is not None:
             self._loop.policy.record_published(step=result.step, at=time.monotonic(),
@@ -214,7 +217,7 @@ class Producer:
         config = self._stream.config
         if not config.group_commit or config.group_max_batches < 2:
             return None
-        return self._stream.staging.stage(branch=self.branch, batch=staged, allow_gap=allow_gap)
+        return self._staging.stage(branch=self.branch, batch=staged, allow_gap=allow_gap)
 
     # -- internals ----------------------------------------------------------------------------------------------------
     def _loop_fresh(self) -> bool:
@@ -261,7 +264,7 @@ class Producer:
         # it have staged their batches there, and it publishes them with its own (then they are in the table and
         # everybody uses group commit). With contention, every plan lists it.
         every = 0.0 if own.intent is not None else STAGING_SCAN_S
-        for intent in stream.staging.pending(self.branch, max_age_s=stream.config.gc_grace_ms / 2000, every_s=every):
+        for intent in self._staging.pending(self.branch, max_age_s=stream.config.gc_grace_ms / 2000, every_s=every):
             batch = intent.batch
             if batch.producer == self.producer_id:
                 if intent.path != own.intent and batch.seq <= own.batch.seq:

@@ -1,7 +1,7 @@
 """``lakestream``: the command line for streams (status, SQL over their history, checkpoints, GC, live tail, the demo).
 
 Catalog: ``--catalog NAME`` loads a pyiceberg catalog (``.pyiceberg.yaml``, ``PYICEBERG_CATALOG__NAME__*``); without it the
-embedded default under ``--home DIR`` / ``$LAKESTREAM_HOME`` / ``./.lakestream`` (see :mod:`lakestream_iceberg.config`).
+embedded default under ``--home DIR`` / ``$LAKESTREAM_HOME`` / ``./.lakestream`` (see :mod:`lakestream_iceberg.tools.config`).
 Every command prints tables for people and JSON with ``--json`` (before or after the command). Mistakes (unknown
 stream, bad SQL, a refused operation) print one ``lakestream: error: ...`` line to stderr and exit 1.
 
@@ -15,19 +15,14 @@ Example:
 from __future__ import annotations
 
 import argparse
-import base64
-import dataclasses
-import json
-import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from datetime import date, datetime, timedelta
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
-from lakestream_iceberg.config import ENV_HOME, CatalogSpec, load, open_stream
 from lakestream_iceberg.errors import LakestreamError
+from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
+from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, _human, _mb, _plain
 
 if TYPE_CHECKING:
     from lakestream_iceberg.stream import Stream
@@ -35,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["main", "build_parser"]
 
 EXIT_ERROR = 1
-MAX_HUMAN_ROWS = 50
 
 
 class UserError(Exception):
@@ -44,108 +38,6 @@ class UserError(Exception):
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
         super().__init__(message)
         self.code = code
-
-
-# -- output -------------------------------------------------------------------------------------------------------------
-def to_jsonable(value: Any) -> Any:
-    """JSON-ready values: datetimes as ISO 8601, bytes as base64, dataclasses as objects, NaN as null."""
-    if isinstance(value, (str, int, bool)) or value is None:
-        return value
-    if isinstance(value, float):
-        return None if math.isnan(value) or math.isinf(value) else value
-    if isinstance(value, (datetime, date)):
-        return value.isoformat()
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    if isinstance(value, Decimal):
-        return str(value)
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return base64.b64encode(bytes(value)).decode()
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: to_jsonable(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): to_jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [to_jsonable(v) for v in value]
-    if hasattr(value, "value") and type(value).__module__.startswith(("enum", "pyiceberg")):
-        return to_jsonable(value.value)
-    if hasattr(value, "__dict__"):
-        return {k: to_jsonable(v) for k, v in vars(value).items() if not k.startswith("_")}
-    return str(value)
-
-
-class Output:
-    """Writes either JSON (one document, or one object per line for ``tail``) or rich tables."""
-
-    def __init__(self, *, as_json: bool) -> None:
-        self.json = as_json
-        self._console: Any = None
-
-    @property
-    def console(self) -> Any:
-        if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(highlight=False, soft_wrap=False)
-        return self._console
-
-    def emit_json(self, value: Any, *, compact: bool = False) -> None:
-        text = json.dumps(to_jsonable(value), separators=(",", ":") if compact else None, indent=None if compact else 2)
-        sys.stdout.write(text + "\n")
-        sys.stdout.flush()
-
-    def table(self, rows: Sequence[dict[str, Any]], *, title: str | None = None, columns: Sequence[str] | None = None) -> None:
-        from rich.table import Table
-
-        columns = list(columns if columns is not None else (rows[0].keys() if rows else []))
-        if not rows and title:
-            self.console.print(f"{title}: none")
-            return
-        table = Table(title=title, title_justify="left", show_lines=False)
-        for name in columns:
-            table.add_column(str(name), overflow="fold")
-        for row in rows[:MAX_HUMAN_ROWS]:
-            table.add_row(*(_human(row.get(c)) for c in columns))
-        self.console.print(table)
-        if len(rows) > MAX_HUMAN_ROWS:
-            self.console.print(f"... {len(rows) - MAX_HUMAN_ROWS} more rows (use --json for all of them)")
-
-    def fields(self, pairs: Sequence[tuple[str, Any]], *, title: str | None = None) -> None:
-        from rich.table import Table
-
-        if title:
-            self.console.print(title, style="bold underline")
-        table = Table(show_header=False, box=None, pad_edge=False)
-        table.add_column(style="bold")
-        table.add_column()
-        for key, value in pairs:
-            table.add_row(key, _human(value))
-        self.console.print(table)
-
-
-def _human(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, datetime):
-        return value.isoformat(sep=" ", timespec="milliseconds")
-    if isinstance(value, (bytes, bytearray)):
-        return f"<{len(value):,} bytes>"
-    if isinstance(value, float):
-        return f"{value:,.4g}"
-    if isinstance(value, list) and len(value) > 16:
-        return f"[{', '.join(map(str, value[:16]))}, ... {len(value)} items]"
-    return str(value)
-
-
-def _plain(value: Any) -> dict[str, Any]:
-    """A dataclass (Checkpoint, GCReport) as a dict of its fields, values kept as they are (for human output)."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    return {k: v for k, v in vars(value).items() if not k.startswith("_")}
-
-
-def _mb(n: int | None) -> str:
-    return "-" if n is None else f"{n / 1e6:,.2f} MB ({n:,} bytes)"
 
 
 # -- commands -----------------------------------------------------------------------------------------------------------
@@ -159,7 +51,7 @@ def _stream(args: argparse.Namespace) -> Stream:
 
 
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:
-    from lakestream_iceberg.demo import format_summary, run_demo
+    from lakestream_iceberg.tools.demo import format_summary, run_demo
 
     spec = _spec(args)
     result = run_demo(producers=args.producers, ranks=args.ranks, steps_per_producer=args.steps_per_producer,
@@ -174,8 +66,8 @@ def cmd_demo(args: argparse.Namespace, out: Output) -> int:
 
 def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
     """What ``lakestream status`` reports (also its ``--json`` document)."""
-    from lakestream_iceberg.checkpoint import list_checkpoints
-    from lakestream_iceberg.history import utc_from_ms
+    from lakestream_iceberg.format.checkpoints import list_checkpoints
+    from lakestream_iceberg.read.history import utc_from_ms
 
     state = stream.state(branch=branch, refresh=True)
     metadata = stream.table.metadata
@@ -187,7 +79,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         metadata_bytes = None
     checkpoints = list_checkpoints(metadata)
     newest = max((c.step for c in checkpoints if c.branch == branch), default=None)
-    try:  # batches staged for group commit and not published yet (see lakestream_iceberg.staging)
+    try:  # batches staged for group commit and not published yet (see lakestream_iceberg.write.staging)
         staged: int | None = len(stream.staging.pending(branch, max_age_s=float("inf")))
     except Exception:  # informative only; a FileIO that cannot list
         staged = None
@@ -260,7 +152,7 @@ def _parse_steps(text: str | None) -> tuple[int, int] | None:
 def cmd_sql(args: argparse.Namespace, out: Output) -> int:
     import duckdb
 
-    from lakestream_iceberg.history import history, register_samples
+    from lakestream_iceberg.read.history import history, register_samples
 
     stream = _stream(args)
     steps = _parse_steps(args.steps)
@@ -334,8 +226,8 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
     import threading
 
     from lakestream_iceberg.errors import ReadTimeoutError
-    from lakestream_iceberg.follow import HeadWatcher
-    from lakestream_iceberg.history import step_rows
+    from lakestream_iceberg.read.follow import HeadWatcher
+    from lakestream_iceberg.read.history import step_rows
 
     stream = _stream(args)
     watcher = HeadWatcher(stream, branch=args.branch)  # polls the catalog pointer; reloads metadata only on change

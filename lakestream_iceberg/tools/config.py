@@ -76,7 +76,7 @@ def load(spec: CatalogSpec) -> Catalog:
     """
     if not spec.name:
         return embedded_catalog(spec.home)
-    from lakestream_iceberg.diagnose import load_catalog
+    from lakestream_iceberg.connect.diagnose import load_catalog
 
     try:
         return load_catalog(spec.name)

@@ -8,27 +8,6 @@ import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
 
-from lakestream_iceberg.errors import RankError, StepCollectedError, StepNotPublishedError
-from lakestream_iceberg.summary import StreamState
-
-
-def check_rank(rank: int, world_size: int) -> None:
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise RankError(f"rank {rank!r} is outside 0..{world_size - 1} (the stream's world size is {world_size})")
-
-
-def missing_step_error(step: int, state: StreamState, branch: str, name: str) -> Exception:
-    """The right error for a step whose files are not in the branch's table state."""
-    if step > state.step:
-        return StepNotPublishedError(
-            f"step {step} of {name} (branch {branch!r}) is not published yet (head step is {state.step}); "
-            "use wait_for(step, timeout=...) to block until it is"
-        )
-    return StepCollectedError(
-        f"step {step} of {name} (branch {branch!r}) is no longer in the table: lifecycle GC collected it (steps below "
-        f"{state.collected_below} are gone) or the branch was forked after it; resume from a retained checkpoint"
-    )
-
 
 def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
     """Fetch one data file in a single read and decode it to ``schema`` (the stream's payload schema).

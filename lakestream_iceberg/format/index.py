@@ -1,8 +1,8 @@
 """Finding a step's data files: through the head snapshot's manifests, pruned by their ``_step`` partition bounds.
 
-A step's own snapshot may have been expired long ago (see :mod:`lakestream_iceberg.expiry`); its files are still listed
+A step's own snapshot may have been expired long ago (see :mod:`lakestream_iceberg.format.expiry`); its files are still listed
 by the branch head's manifests with ``(_step, _rank)`` as the partition tuple. The manifest list of the head holds a few
-dozen manifests with contiguous step ranges (:mod:`lakestream_iceberg.manifests`), so a lookup reads one manifest list
+dozen manifests with contiguous step ranges (:mod:`lakestream_iceberg.format.manifests`), so a lookup reads one manifest list
 and one manifest, both immutable and cached by path: consecutive steps cost one cached lookup each.
 """
 
@@ -16,7 +16,7 @@ from pyiceberg.manifest import DataFile, ManifestEntry, ManifestFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
-from lakestream_iceberg.manifests import ManifestCache, step_bounds
+from lakestream_iceberg.format.manifests import ManifestCache, step_bounds
 
 
 class StepIndex:

@@ -29,7 +29,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from lakestream_iceberg.config import CatalogSpec, load
+from lakestream_iceberg.tools.config import CatalogSpec, load
 
 __all__ = ["SCHEMA", "DemoResult", "make_shard", "run_demo", "shard_digest"]
 
@@ -344,14 +344,3 @@ def format_summary(result: DemoResult, *, hint_args: str = "") -> str:
     else:
         lines.append(f"{CHECK_FAILED}: " + "; ".join(result.problems))
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m lakestream_iceberg.demo``: the same as ``lakestream demo``."""
-    from lakestream_iceberg.cli import main as cli_main
-
-    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

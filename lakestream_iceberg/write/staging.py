@@ -6,7 +6,7 @@ stores that serve Iceberg tables, such as S3 Tables buckets, accept only Parquet
 
     <table location>/data/_staging/<branch, URL-quoted>/<producer>/<seq:012d>-<token>.parquet
 
-and waits (:mod:`lakestream_iceberg.dac` decides how long) for another producer's commit to publish it. Whichever
+and waits (:mod:`lakestream_iceberg.write.dac` decides how long) for another producer's commit to publish it. Whichever
 producer commits next lists the branch's staging folder and publishes every eligible intent in the same
 compare-and-swap, each batch as its own snapshot with its own step, its owner's producer id and seq in the summary.
 Producers still never talk to each other: they share the object store and the catalog, nothing else.
@@ -42,9 +42,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.diagnose import call_with_retry
-from lakestream_iceberg.storage import list_files
-from lakestream_iceberg.writer import StagedBatch, StagedFile, check_producer_id
+from lakestream_iceberg.connect.diagnose import call_with_retry
+from lakestream_iceberg.connect.storage import list_files
+from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ checkpoint tags) into Arrow tables and registers them as views of an in-memory D
 ``batches``     one row per step: ``step, snapshot_id, parent_id, producer, seq, committed_at, attempts, committer,
                 group_size, ranks, samples, bytes, samples_per_rank, bytes_per_rank, retained, collected``
                 (``committer``: the producer whose compare-and-swap published the step, ``group_size``: how many steps
-                that one swap published; see :mod:`lakestream_iceberg.staging`)
+                that one swap published; see :mod:`lakestream_iceberg.write.staging`)
 ``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id``
 ``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag`` (``lag`` = head step - ``last_step``)
 ``checkpoints`` every checkpoint (all branches): ``name, branch, step, snapshot_id, source_snapshot_id, created_at,
@@ -18,14 +18,14 @@ checkpoint tags) into Arrow tables and registers them as views of an in-memory D
 =============== ==========================================================================================================
 
 What expiry loses. Commits expire old snapshots in passing (``lakestream.snapshots.retain-last``, see
-:mod:`lakestream_iceberg.expiry`); a step whose snapshot was expired is still a row of ``batches``, rebuilt from the
+:mod:`lakestream_iceberg.format.expiry`); a step whose snapshot was expired is still a row of ``batches``, rebuilt from the
 head's manifests: its files, ranks, records and bytes, the id of the snapshot that added them (manifest entries keep
 it), and producer and seq (parsed from the data file path ``<location>/data/<producer>/<seq:012d>-<token>-r<rank>``).
 What is gone with the snapshot: ``committed_at``, ``attempts``, ``committer``, ``group_size``, ``parent_id`` (NULL; ``retained`` is false), and the
 snapshot's full summary (no row in ``snapshots``). pyiceberg also clears ``parent_id`` of the oldest retained snapshot
 once its parent is expired.
 
-What lifecycle GC loses. GC (:mod:`lakestream_iceberg.lifecycle`) removes the steps below the oldest retained
+What lifecycle GC loses. GC (:mod:`lakestream_iceberg.lifecycle.gc`) removes the steps below the oldest retained
 checkpoint from the head's manifests, deletes their data files and expires every snapshot that named them: those steps
 leave ``batches``, ``files`` and ``samples`` entirely (a step still named by a retained snapshot but no longer in the
 manifests shows ``collected`` true with NULL file columns). ``producers`` comes from the head snapshot's producer
@@ -48,12 +48,11 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from lakestream_iceberg.checkpoint import list_checkpoints
 from lakestream_iceberg.errors import MissingExtraError, ReadError
-from lakestream_iceberg.expiry import ancestors
-from lakestream_iceberg.layout import RANK_COLUMN, STEP_COLUMN
-from lakestream_iceberg.reader import read_file
-from lakestream_iceberg.summary import (
+from lakestream_iceberg.format.checkpoints import list_checkpoints
+from lakestream_iceberg.format.expiry import ancestors
+from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
+from lakestream_iceberg.format.summary import (
     KEY_ATTEMPTS,
     KEY_COMMITTER,
     KEY_GROUP,
@@ -64,13 +63,14 @@ from lakestream_iceberg.summary import (
     OP_APPEND,
     StreamState,
 )
+from lakestream_iceberg.read.reader import read_file
 
 if TYPE_CHECKING:
     import duckdb
     from pyiceberg.manifest import DataFile, ManifestEntry
     from pyiceberg.table.snapshots import Snapshot
 
-    from lakestream_iceberg.stream import Stream
+    from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "parse_data_path", "register_samples", "step_rows",
            "utc_from_ms"]
@@ -130,7 +130,7 @@ def _int(value: str | None) -> int | None:
 
 
 # -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------
-def live_entries(stream: Stream, *, branch: str) -> list[ManifestEntry]:
+def live_entries(stream: StreamTable, *, branch: str) -> list[ManifestEntry]:
     """The manifest entries of every live data file of the branch head, ordered by (step, rank)."""
     head = stream.head(branch=branch)
     if head is None:
@@ -154,7 +154,7 @@ def file_rows(entries: Iterable[ManifestEntry]) -> list[dict[str, Any]]:
     return rows
 
 
-def snapshot_rows(stream: Stream, *, branch: str) -> list[dict[str, Any]]:
+def snapshot_rows(stream: StreamTable, *, branch: str) -> list[dict[str, Any]]:
     """The branch head and its retained ancestors, oldest first."""
     metadata = stream.table.metadata
     head = stream.head(branch=branch)
@@ -211,7 +211,7 @@ def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> 
     return out
 
 
-def step_rows(stream: Stream, steps: Iterable[int], *, branch: str) -> list[dict[str, Any]]:
+def step_rows(stream: StreamTable, steps: Iterable[int], *, branch: str) -> list[dict[str, Any]]:
     """``batches`` rows of a few steps without reading every manifest (used by ``lakestream tail``).
 
     The stream's current metadata is used as is (``wait_for`` and ``state`` refresh it); ``snapshot_id`` is NULL for a
@@ -248,7 +248,7 @@ def producer_rows(state: StreamState, batches: list[dict[str, Any]]) -> list[dic
     ]
 
 
-def checkpoint_rows(stream: Stream, entries_by_branch: dict[str, list[ManifestEntry]] | None = None) -> list[dict[str, Any]]:
+def checkpoint_rows(stream: StreamTable, entries_by_branch: dict[str, list[ManifestEntry]] | None = None) -> list[dict[str, Any]]:
     """Every checkpoint (all branches) and what it pins on its branch.
 
     A checkpoint at step S is a tag on an anchor snapshot holding step S's files; resuming from it reads S+1, S+2, ...
@@ -287,11 +287,11 @@ def checkpoint_rows(stream: Stream, entries_by_branch: dict[str, list[ManifestEn
 
 
 def read_samples(
-    stream: Stream, entries: Iterable[ManifestEntry], *, steps: Iterable[int] | None = None, progress: bool = False
+    stream: StreamTable, entries: Iterable[ManifestEntry], *, steps: Iterable[int] | None = None, progress: bool = False
 ) -> pa.Table:
     """The committed samples of ``steps`` (all live steps when None) with ``_step`` and ``_rank`` columns.
 
-    Each rank's shard is one targeted read of its data file, exactly as :meth:`Stream.read` does; the files come from
+    Each rank's shard is one targeted read of its data file, exactly as :meth:`StreamTable.read` does; the files come from
     ``entries`` (see :func:`live_entries`) so a range costs no per-step manifest lookup.
     """
     schema = stream.payload_arrow_schema.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
@@ -324,7 +324,7 @@ def _import_duckdb() -> Any:
 
 
 def history(
-    stream: Stream,
+    stream: StreamTable,
     *,
     branch: str = "main",
     samples_steps: tuple[int, int] | None = None,
@@ -367,7 +367,7 @@ def history(
 
 
 def register_samples(
-    con: duckdb.DuckDBPyConnection, stream: Stream, *, branch: str = "main", samples_steps: tuple[int, int] | None = None,
+    con: duckdb.DuckDBPyConnection, stream: StreamTable, *, branch: str = "main", samples_steps: tuple[int, int] | None = None,
     progress: bool = False,
 ) -> None:
     """(Re)register the ``samples`` view of ``con`` with the data of ``samples_steps`` (default: the head step)."""
@@ -381,7 +381,7 @@ def register_samples(
     con.register("samples", read_samples(stream, entries, steps=wanted, progress=progress))
 
 
-def collect(stream: Stream, *, branch: str = "main", refresh: bool = True) -> dict[str, pa.Table]:
+def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) -> dict[str, pa.Table]:
     """The metadata views (all but ``samples``) as Arrow tables keyed by view name."""
     state = stream.state(branch=branch, refresh=refresh)
     entries = live_entries(stream, branch=branch)

@@ -36,7 +36,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import LongType
 
-from lakestream_iceberg.avro_writers import manifest_list_writer, manifest_writer
+from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
 

@@ -19,7 +19,7 @@ from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
 
-from lakestream_iceberg.errors import ConfigError, SchemaMismatchError, ShardCountError
+from lakestream_iceberg.errors import ConfigError, RankError, SchemaMismatchError, ShardCountError
 
 STEP_COLUMN = "_step"
 RANK_COLUMN = "_rank"
@@ -56,7 +56,7 @@ class StreamConfig:
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
         io_retry_timeout_ms: How long data-file writes and reads retry a transient storage failure (S3 restarting,
             connection refused, 5xx) before the error propagates.
-        group_commit: Group commit (see :mod:`lakestream_iceberg.staging`): a producer that is not alone stages its
+        group_commit: Group commit (see :mod:`lakestream_iceberg.write.staging`): a producer that is not alone stages its
             batch, and one compare-and-swap publishes every staged batch, each as its own snapshot.
         group_max_batches: The most batches one group commit publishes (bounds one commit's critical section).
     """
@@ -194,3 +194,8 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
                 raise SchemaMismatchError(f"shard for rank {rank}: column {field.name!r} is required but has nulls")
         out.append(shard)
     return out
+
+
+def check_rank(rank: int, world_size: int) -> None:
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise RankError(f"rank {rank!r} is outside 0..{world_size - 1} (the stream's world size is {world_size})")

@@ -18,7 +18,6 @@ can never race lifecycle GC into tagging a step that GC is collecting.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -34,68 +33,23 @@ from pyiceberg.table.update import (
     SetSnapshotRefUpdate,
 )
 
-from lakestream_iceberg.commit import Done, Plan
 from lakestream_iceberg.errors import CheckpointError
-from lakestream_iceberg.expiry import ancestors
-from lakestream_iceberg.manifests import _copy_entry
-from lakestream_iceberg.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
+from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint, checkpoint_of
+from lakestream_iceberg.format.expiry import ancestors
+from lakestream_iceberg.format.manifests import _copy_entry
+from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
+from lakestream_iceberg.write.commit import Done, Plan
 
 if TYPE_CHECKING:
-    from lakestream_iceberg.stream import Stream
-
-KEY_SOURCE_BRANCH = "lakestream.source-branch"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-__all__ = ["Checkpoint"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class Checkpoint:
-    """A checkpoint watermark: resuming from it continues at ``step + 1`` of ``branch``.
-
-    Attributes:
-        name: The Iceberg tag name.
-        step: The last step the checkpointed trainer consumed.
-        snapshot_id: The tagged anchor snapshot (its state holds step ``step`` only).
-        created_at: When the checkpoint was committed (UTC).
-        branch: The branch the checkpoint was taken on.
-        source_snapshot_id: The snapshot that published ``step``.
-    """
-
-    name: str
-    step: int
-    snapshot_id: int
-    created_at: datetime
-    branch: str
-    source_snapshot_id: int | None
-
+    from lakestream_iceberg.format.table import StreamTable
 
 def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
 
-def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
-    ref = metadata.refs.get(name)
-    if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
-        return None
-    snapshot = metadata.snapshot_by_id(ref.snapshot_id)
-    summary = _summary(snapshot)
-    if snapshot is None or summary.get(KEY_CHECKPOINT) != name:
-        return None
-    source = summary.get(KEY_SOURCE_SNAPSHOT)
-    return Checkpoint(
-        name=name,
-        step=StreamState.parse(summary).step,
-        snapshot_id=snapshot.snapshot_id,
-        created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
-        branch=summary.get(KEY_SOURCE_BRANCH, "main"),
-        source_snapshot_id=int(source) if source else None,
-    )
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-
-def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
-    found = (checkpoint_of(metadata, name) for name in metadata.refs)
-    return sorted((c for c in found if c is not None), key=lambda c: (c.step, c.created_at))
+__all__ = ["Checkpoint"]
 
 
 def check_name(name: str, metadata: TableMetadata) -> None:
@@ -108,7 +62,7 @@ def check_name(name: str, metadata: TableMetadata) -> None:
         raise CheckpointError(f"a checkpoint, tag or branch named {name!r} already exists; release it or pick another name")
 
 
-def plan_checkpoint(stream: Stream, metadata: TableMetadata, *, name: str, step: int, branch: str) -> Plan[Checkpoint]:
+def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, step: int, branch: str) -> Plan[Checkpoint]:
     check_name(name, metadata)
     head = metadata.snapshot_by_name(branch)
     if head is None:

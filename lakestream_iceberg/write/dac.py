@@ -42,7 +42,7 @@ compare-and-swap: everyone attempting at once wastes almost every attempt, every
   sleep is stale by the time it is sent); the fallback keeps its sleeps shorter than a critical section.
 * every wait is capped by ``max_wait_s``; the caller's commit budget (time and attempts) bounds the loop.
 
-**Group commit** (the default once a producer is not alone, see :mod:`lakestream_iceberg.staging`): a producer stages
+**Group commit** (the default once a producer is not alone, see :mod:`lakestream_iceberg.write.staging`): a producer stages
 its written batch as an intent and *holds* it; any commit publishes every staged batch, each as its own snapshot, in
 one compare-and-swap. A round-robin of single commits cannot beat one producer's rate (every commit still pays a whole
 critical section, serialised); a group commit pays the fixed part (refresh, metadata rewrite, swap) once per group, and

@@ -14,7 +14,7 @@ Outcomes of one attempt:
   from the published state, never a blind repeat. A repeat is safe anyway: every plan requires the branch to still
   point at the parent it was built on, so at most one of two racing copies can land.
 
-Group commit (``carry``): the caller's batch is staged (:mod:`lakestream_iceberg.staging`), and any producer's commit
+Group commit (``carry``): the caller's batch is staged (:mod:`lakestream_iceberg.write.staging`), and any producer's commit
 may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether the staged batch
 is gone (another commit carried it); then it reads the head and the planner either finds the batch published (done,
 with no attempt of its own) or plans a commit of every staged batch.
@@ -34,10 +34,10 @@ from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate
 
-from lakestream_iceberg.dac import CommitPolicy
-from lakestream_iceberg.diagnose import transient
+from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
-from lakestream_iceberg.summary import StreamState
+from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.write.dac import CommitPolicy
 
 log = logging.getLogger(__name__)
 

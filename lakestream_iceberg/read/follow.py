@@ -1,5 +1,5 @@
 """Reading a stream as it grows: watching the head cheaply, pumping steps in order with prefetch, fetching shard files,
-and reopening a stream in another process. The torch-facing layer is :mod:`lakestream_iceberg.dataset`.
+and reopening a stream in another process. The torch-facing layer is :mod:`lakestream_iceberg.read.dataset`.
 
 A follow-mode reader asks "did the head move?" many times per second, so the question must cost almost nothing when
 the answer is no. :class:`HeadWatcher` asks the catalog for the table's *metadata pointer* only and reads the new
@@ -23,19 +23,18 @@ from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from pyiceberg.catalog import Catalog, load_catalog
 from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.connect.diagnose import config_errors
 from lakestream_iceberg.errors import ReadTimeoutError
-from lakestream_iceberg.reader import read_file
-from lakestream_iceberg.summary import StreamState
-
-if TYPE_CHECKING:
-    from lakestream_iceberg.stream import Stream
+from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.format.table import StreamTable
+from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ class StreamRef:
     identifier: str
 
     @classmethod
-    def of(cls, stream: Stream) -> StreamRef:
+    def of(cls, stream: StreamTable) -> StreamRef:
         catalog = stream.table.catalog
         props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
         if "type" not in props and PY_CATALOG_IMPL not in props:
@@ -68,13 +67,13 @@ class StreamRef:
     def catalog(self) -> Catalog:
         return load_catalog(self.catalog_name, **dict(self.catalog_properties))
 
-    def open(self) -> Stream:
-        from lakestream_iceberg.stream import Stream
+    def open(self) -> StreamTable:
+        catalog = self.catalog()
+        with config_errors(catalog.properties, action=f"opening stream {self.identifier}", catalog=catalog.name):
+            return StreamTable(catalog.load_table(self.identifier))
 
-        return Stream.open(self.catalog(), self.identifier)
 
-
-def _sql_pointer_probe(stream: Stream) -> Callable[[], str | None] | None:
+def _sql_pointer_probe(stream: StreamTable) -> Callable[[], str | None] | None:
     """A function returning the table's current metadata location with one SQL query, or None for other catalogs."""
     try:
         from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
@@ -108,7 +107,7 @@ class HeadWatcher:
         io: The FileIO to read ``metadata.json`` with (default: the table's).
     """
 
-    def __init__(self, stream: Stream, *, branch: str, io: FileIO | None = None) -> None:
+    def __init__(self, stream: StreamTable, *, branch: str, io: FileIO | None = None) -> None:
         self._stream = stream
         self._branch = branch
         self._io = io or stream.io
@@ -265,10 +264,10 @@ def pump_steps(
         shutdown(wait=True)  # at most the reads in flight
 
 
-fetch_table = read_file  # one shard file, one read (see lakestream_iceberg.reader.read_file)
+fetch_table = read_file  # one shard file, one read (see lakestream_iceberg.read.reader.read_file)
 
 
-def consumer_lag(stream: Stream, delivered_step: int, *, branch: str = "main") -> int:
+def consumer_lag(stream: StreamTable, delivered_step: int, *, branch: str = "main") -> int:
     """How many published steps a consumer that has delivered ``delivered_step`` is behind the head (>= 0).
 
     Example:

@@ -275,8 +275,8 @@ def load_catalog(name: str, **properties: str) -> Any:
     credential failures (SQL catalogs connect when loaded, REST catalogs fetch their config).
 
     It also installs the two REST client fixes pyiceberg 0.12 needs for SigV4 object-store catalogs (the
-    ``x-amz-content-sha256`` header, see :mod:`lakestream_iceberg.rest_sigv4`, and request timeouts, see
-    :mod:`lakestream_iceberg.rest_timeout`); both are idempotent and off where pyiceberg does not need them.
+    ``x-amz-content-sha256`` header, see :mod:`lakestream_iceberg.connect.rest_sigv4`, and request timeouts, see
+    :mod:`lakestream_iceberg.connect.rest_timeout`); both are idempotent and off where pyiceberg does not need them.
 
     Example:
         >>> from lakestream_iceberg import load_catalog
@@ -284,8 +284,8 @@ def load_catalog(name: str, **properties: str) -> Any:
     """
     from pyiceberg.catalog import load_catalog as _load
 
-    from lakestream_iceberg.rest_sigv4 import install_rest_sigv4_fix
-    from lakestream_iceberg.rest_timeout import install_rest_timeout
+    from lakestream_iceberg.connect.rest_sigv4 import install_rest_sigv4_fix
+    from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
 
     install_rest_sigv4_fix()
     install_rest_timeout()

@@ -1,0 +1,66 @@
+"""How a checkpoint lies in Iceberg: a tag on an *anchor* snapshot whose summary records the step, the source branch
+and the snapshot that published the step (see :mod:`lakestream_iceberg.lifecycle.checkpoint` for how one is made)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
+
+KEY_SOURCE_BRANCH = "lakestream.source-branch"
+
+__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Checkpoint:
+    """A checkpoint watermark: resuming from it continues at ``step + 1`` of ``branch``.
+
+    Attributes:
+        name: The Iceberg tag name.
+        step: The last step the checkpointed trainer consumed.
+        snapshot_id: The tagged anchor snapshot (its state holds step ``step`` only).
+        created_at: When the checkpoint was committed (UTC).
+        branch: The branch the checkpoint was taken on.
+        source_snapshot_id: The snapshot that published ``step``.
+    """
+
+    name: str
+    step: int
+    snapshot_id: int
+    created_at: datetime
+    branch: str
+    source_snapshot_id: int | None
+
+
+def _summary(snapshot: Snapshot | None) -> dict[str, str]:
+    return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
+
+
+def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
+    ref = metadata.refs.get(name)
+    if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
+        return None
+    snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+    summary = _summary(snapshot)
+    if snapshot is None or summary.get(KEY_CHECKPOINT) != name:
+        return None
+    source = summary.get(KEY_SOURCE_SNAPSHOT)
+    return Checkpoint(
+        name=name,
+        step=StreamState.parse(summary).step,
+        snapshot_id=snapshot.snapshot_id,
+        created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
+        branch=summary.get(KEY_SOURCE_BRANCH, "main"),
+        source_snapshot_id=int(source) if source else None,
+    )
+
+
+def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
+    found = (checkpoint_of(metadata, name) for name in metadata.refs)
+    return sorted((c for c in found if c is not None), key=lambda c: (c.step, c.created_at))

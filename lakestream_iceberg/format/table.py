@@ -1,0 +1,125 @@
+"""The handle every part below the facade works on: one stream's Iceberg table, its parsed ``lakestream.*`` config,
+its payload schema and the shared manifest caches.
+
+:class:`~lakestream_iceberg.stream.Stream` (the facade) extends it with producers, checkpoints, GC and history; the
+write, read and lifecycle packages take a ``StreamTable`` and never import the facade, so each can be used and tested
+on its own, and dependencies point one way.
+"""
+
+from __future__ import annotations
+
+import base64
+from functools import cached_property
+
+import pyarrow as pa
+from pyiceberg.io import FileIO
+from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.errors import NotAStreamError
+from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
+from lakestream_iceberg.format.index import StepIndex
+from lakestream_iceberg.format.layout import PROP_VERSION, PROP_WORLD_SIZE, StreamConfig
+from lakestream_iceberg.format.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
+from lakestream_iceberg.format.summary import StreamState, missing_step_error
+
+PROP_ARROW_SCHEMA = "lakestream.arrow-schema"
+MAIN = "main"
+
+__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "decode_schema", "encode_schema"]
+
+
+def encode_schema(schema: pa.Schema) -> str:
+    return base64.b64encode(schema.serialize().to_pybytes()).decode()
+
+
+def decode_schema(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+
+
+class StreamTable:
+    """One stream's table as the parts below the facade see it.
+
+    Args:
+        table: The pyiceberg table (any catalog); its metadata is refreshed in place.
+        cache: Manifest caches shared by every stream of the process (default: a process-wide one).
+
+    Raises:
+        NotAStreamError: ``table`` is a plain Iceberg table without the ``lakestream.*`` properties.
+    """
+
+    def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
+        props = table.metadata.properties
+        if PROP_VERSION not in props or PROP_WORLD_SIZE not in props or PROP_ARROW_SCHEMA not in props:
+            raise NotAStreamError(
+                f"table {'.'.join(table.name())} is a plain Iceberg table, not a lakestream stream (no "
+                f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
+            )
+        self.table = table
+        self.config = StreamConfig.from_properties(props)
+        self.cache = cache or DEFAULT_CACHE
+        self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
+
+    @property
+    def name(self) -> str:
+        return ".".join(self.table.name())
+
+    @property
+    def world_size(self) -> int:
+        return self.config.world_size
+
+    @property
+    def io(self) -> FileIO:
+        return self.table.io
+
+    @cached_property
+    def index(self) -> StepIndex:
+        return StepIndex(io=self.io, cache=self.cache)
+
+    def manifest_planner(self, metadata: TableMetadata) -> ManifestPlanner:
+        """A planner for one new snapshot's manifests, configured from the stream's properties."""
+        return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
+                               max_merge_entries=self.config.max_merge_entries)
+
+    def refresh(self) -> StreamTable:
+        """Reload the table metadata from the catalog."""
+        self.table.refresh()
+        return self
+
+    def head(self, *, branch: str = MAIN) -> Snapshot | None:
+        return self.table.metadata.snapshot_by_name(branch)
+
+    def state(self, *, branch: str = MAIN, refresh: bool = True) -> StreamState:
+        """The lakestream state (head step, producers) of a branch's head snapshot."""
+        if refresh:
+            self.refresh()
+        head = self.head(branch=branch)
+        return StreamState.parse(head.summary.additional_properties if head is not None and head.summary else None)
+
+    def head_step(self, *, branch: str = MAIN) -> int:
+        """The newest published step of ``branch`` (0 when nothing is published)."""
+        return self.state(branch=branch).step
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """Every checkpoint of the stream (all branches), oldest step first."""
+        self.refresh()
+        return list_checkpoints(self.table.metadata)
+
+    def locate(self, step: int, *, branch: str = MAIN) -> list[DataFile]:
+        """The data files of ``step`` (one per rank, ordered by rank).
+
+        A view that predates a GC commit may list manifests GC already deleted; the lookup then refreshes and retries
+        on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``.
+        """
+        try:
+            files = self.index.files(self.head(branch=branch), step)
+        except FileNotFoundError:
+            files = []
+        if not files:
+            state = self.state(branch=branch, refresh=True)
+            files = self.index.files(self.head(branch=branch), step)
+            if not files:
+                raise missing_step_error(step, state, branch, self.name)
+        return files
