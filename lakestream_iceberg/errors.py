@@ -6,7 +6,8 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     LakestreamError
     ├── StreamError                 the table is not a stream / not the stream you asked for
     │   ├── NotAStreamError
-    │   └── StreamExistsError
+    │   ├── StreamExistsError
+    │   └── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed
     ├── BatchError                  a batch handed to a producer is malformed; nothing was written or published
     │   ├── ShardCountError
     │   ├── SchemaMismatchError
@@ -34,6 +35,7 @@ __all__ = [
     "CommitOutcomeUnknownError",
     "CommitTimeoutError",
     "ConfigError",
+    "CorruptStateError",
     "LakestreamError",
     "LifecycleError",
     "MissingExtraError",
@@ -65,6 +67,11 @@ class NotAStreamError(StreamError):
 
 class StreamExistsError(StreamError):
     """``Stream.create`` found an existing stream with a different schema or world size."""
+
+
+class CorruptStateError(StreamError):
+    """Lakestream state read back from the table (a snapshot summary value, a producer-state file) is malformed: it was
+    not written by lakestream, or was damaged. The message names the snapshot or file and how to roll back."""
 
 
 class BatchError(LakestreamError):

@@ -163,7 +163,10 @@ class Stream(StreamTable):
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
         """A producer publishing into ``branch``; each producer keeps its own view of the table."""
-        table = self.table.catalog.load_table(self.table.name())
+        # Its own view of the table, starting from ours: the first commit refreshes it (on SQL catalogs one read of the
+        # catalog pointer, no metadata reload when nothing moved), so making a producer costs no catalog round trip.
+        table = Table(self.table.name(), metadata=self.table.metadata, metadata_location=self.table.metadata_location,
+                      io=self.table.io, catalog=self.table.catalog, config=self.table.config)
         loop = CommitLoop(
             table=table,
             policy=CommitPolicy(clock=time.monotonic, rng=random.Random(seed),

@@ -1,9 +1,11 @@
-"""The lakestream part of an Iceberg snapshot summary: step, producer, sequence, and every producer's state.
+"""The lakestream part of an Iceberg snapshot summary: step, producer, sequence, and the producer state.
 
-Every snapshot a stream writes carries the complete producer table (``producer id -> [last seq, step, snapshot id]``)
-as of that snapshot. A producer's exactly-once state is therefore recovered from the head snapshot alone, even after
-older snapshots were expired, and a commit that reads the head and wins the compare-and-swap has checked its
-(producer, seq) against the state it replaces: the check and the publish are one atomic step.
+Every snapshot a stream writes carries, as of that snapshot, the state of its active producers (``producer id ->
+[last seq, step, snapshot id, first step]``) and the list of producer-state files holding every idle producer (see
+:mod:`lakestream_iceberg.format.producers`). A producer's exactly-once state is therefore recovered from the head
+snapshot alone, even after older snapshots were expired, and a commit that reads the head and wins the
+compare-and-swap has checked its (producer, seq) against the state it replaces: the check and the publish are one
+atomic step.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from pyiceberg.io import FileIO
+
 from lakestream_iceberg.errors import StepCollectedError, StepNotPublishedError
+from lakestream_iceberg.format.producers import DEFAULT_FILES, ProducerState
 
 OP_APPEND = "append"
 OP_COLLECT = "collect"
@@ -22,7 +27,8 @@ KEY_OP = "lakestream.op"
 KEY_STEP = "lakestream.step"
 KEY_PRODUCER = "lakestream.producer"
 KEY_SEQ = "lakestream.seq"
-KEY_PRODUCERS = "lakestream.producers"
+KEY_PRODUCERS = "lakestream.producers"  # the active producers (see lakestream_iceberg.format.producers)
+KEY_PRODUCER_FILES = "lakestream.producer-files"  # producer-state files of idle producers, oldest first
 KEY_ATTEMPTS = "lakestream.attempts"
 KEY_CHECKPOINT = "lakestream.checkpoint"
 KEY_SOURCE_SNAPSHOT = "lakestream.source-snapshot-id"
@@ -33,27 +39,19 @@ KEY_GROUP_MS = "lakestream.group-commit-ms"  # the committer's typical critical 
 
 
 @dataclass(frozen=True)
-class ProducerState:
-    """What the table knows of one producer: its last published sequence, at which step and in which snapshot."""
-
-    seq: int
-    step: int
-    snapshot_id: int
-
-
-@dataclass(frozen=True)
 class StreamState:
     """The lakestream fields of one snapshot summary."""
 
     op: str
     step: int
-    producers: Mapping[str, ProducerState]
+    producers: Mapping[str, ProducerState]  # the active producers only: see ``producer_files`` and :meth:`lookup`
     collected_below: int = 1
     producer: str | None = None
     seq: int | None = None
     group: int = 1
     committer: str | None = None
     group_commit_ms: float | None = None
+    producer_files: tuple[str, ...] = ()
 
     @classmethod
     def empty(cls) -> StreamState:
@@ -67,18 +65,34 @@ class StreamState:
         return cls(
             op=summary.get(KEY_OP, OP_APPEND),
             step=int(summary[KEY_STEP]),
-            producers={k: ProducerState(int(v[0]), int(v[1]), int(v[2])) for k, v in raw.items()},
+            producers={k: ProducerState(int(v[0]), int(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else None)
+                       for k, v in raw.items()},
             collected_below=int(summary.get(KEY_COLLECTED_BELOW, "1")),
             producer=summary.get(KEY_PRODUCER),
             seq=int(summary[KEY_SEQ]) if KEY_SEQ in summary else None,
             group=int(summary.get(KEY_GROUP, "1")),
             committer=summary.get(KEY_COMMITTER),
             group_commit_ms=float(summary[KEY_GROUP_MS]) if KEY_GROUP_MS in summary else None,
+            producer_files=tuple(str(p) for p in json.loads(summary.get(KEY_PRODUCER_FILES, "[]"))),
         )
 
-    def next_seq(self, producer_id: str) -> int:
-        state = self.producers.get(producer_id)
-        return 0 if state is None else state.seq + 1
+    def lookup(self, io: FileIO, producer_id: str) -> ProducerState | None:
+        """What this snapshot knows of a producer: the active map first, then the producer-state files."""
+        found = self.producers.get(producer_id)
+        if found is None and self.producer_files:
+            found = DEFAULT_FILES.lookup(io, self.producer_files, producer_id)
+        return found
+
+    def next_seq(self, io: FileIO, producer_id: str) -> int:
+        """The producer's next sequence number (0 for an id this snapshot never saw)."""
+        found = self.lookup(io, producer_id)
+        return 0 if found is None else found.seq + 1
+
+    def all_producers(self, io: FileIO) -> dict[str, ProducerState]:
+        """Every producer this snapshot knows, compacted ones included (reads the producer-state files)."""
+        out = DEFAULT_FILES.merged(io, self.producer_files) if self.producer_files else {}
+        out.update(self.producers)
+        return out
 
     def properties(self, **extra: str) -> dict[str, str]:
         props = {
@@ -86,9 +100,12 @@ class StreamState:
             KEY_STEP: str(self.step),
             KEY_COLLECTED_BELOW: str(self.collected_below),
             KEY_PRODUCERS: json.dumps(
-                {k: [v.seq, v.step, v.snapshot_id] for k, v in sorted(self.producers.items())}, separators=(",", ":")
+                {k: [v.seq, v.step, v.snapshot_id, *([] if v.first is None else [v.first])]
+                 for k, v in sorted(self.producers.items())}, separators=(",", ":")
             ),
         }
+        if self.producer_files:
+            props[KEY_PRODUCER_FILES] = json.dumps(list(self.producer_files), separators=(",", ":"))
         if self.producer is not None:
             props[KEY_PRODUCER] = self.producer
         if self.seq is not None:

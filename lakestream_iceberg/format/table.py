@@ -18,6 +18,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.errors import NotAStreamError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.index import StepIndex
@@ -84,8 +85,8 @@ class StreamTable:
                                max_merge_entries=self.config.max_merge_entries)
 
     def refresh(self) -> StreamTable:
-        """Reload the table metadata from the catalog."""
-        self.table.refresh()
+        """Bring the table metadata up to date; on SQL catalogs it is read only when the catalog pointer moved."""
+        refresh_if_moved(self.table)
         return self
 
     def head(self, *, branch: str = MAIN) -> Snapshot | None:

@@ -46,6 +46,7 @@ from lakestream_iceberg.errors import LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.expiry import protected
 from lakestream_iceberg.format.manifests import step_bounds
+from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.write.commit import Plan
 from lakestream_iceberg.write.staging import STAGING_DIR
@@ -126,7 +127,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
                                                         snapshot_id=snapshot_id, sequence_number=sequence_number)
         manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=head.snapshot_id,
                                            sequence_number=sequence_number)
-        new_state = StreamState(op=OP_COLLECT, step=state.step, producers=state.producers, collected_below=cutoff)
+        new_state = StreamState(op=OP_COLLECT, step=state.step, producers=state.producers, collected_below=cutoff,
+                                producer_files=state.producer_files)
         previous = _summary(head)
         totals = {k: previous[k] for k in ("total-records", "total-data-files", "total-files-size") if k in previous}
         totals["total-records"] = str(int(totals.get("total-records", "0")) - sum(f.record_count for f in dropped))
@@ -165,6 +167,7 @@ def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str
         if snapshot.snapshot_id in skip:
             continue
         out.add(snapshot.manifest_list)
+        out.update(StreamState.parse(_summary(snapshot)).producer_files)  # producer-state files (format/producers.py)
         for manifest in stream.cache.manifests(io, snapshot):
             out.add(manifest.manifest_path)
             out.update(e.data_file.file_path for e in stream.cache.entries(io, manifest))
@@ -189,6 +192,8 @@ def _kind(path: str) -> str:
     name = path.rsplit("/", 1)[-1]
     if f"/data/{STAGING_DIR}/" in path:
         return "intent"
+    if f"/data/{PRODUCERS_DIR}/" in path:
+        return "producer-state"
     if "/data/" in path and name.endswith(".parquet"):
         return "data"
     if name.endswith(".metadata.json"):

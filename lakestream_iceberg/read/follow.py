@@ -31,6 +31,7 @@ from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.diagnose import config_errors
+from lakestream_iceberg.connect.pointer import pointer_probe
 from lakestream_iceberg.errors import ReadTimeoutError
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import StreamTable
@@ -73,31 +74,6 @@ class StreamRef:
             return StreamTable(catalog.load_table(self.identifier))
 
 
-def _sql_pointer_probe(stream: StreamTable) -> Callable[[], str | None] | None:
-    """A function returning the table's current metadata location with one SQL query, or None for other catalogs."""
-    try:
-        from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
-        from sqlalchemy import select
-    except ImportError:  # pragma: no cover - the sql extra is a core dependency
-        return None
-    catalog = stream.table.catalog
-    if not isinstance(catalog, SqlCatalog):
-        return None
-    identifier = stream.table.name()
-    stmt = select(IcebergTables.metadata_location).where(
-        IcebergTables.catalog_name == catalog.name,
-        IcebergTables.table_namespace == Catalog.namespace_to_string(identifier[:-1]),
-        IcebergTables.table_name == identifier[-1],
-    )
-    engine = catalog.engine
-
-    def probe() -> str | None:
-        with engine.connect() as conn:
-            return conn.execute(stmt).scalar_one_or_none()
-
-    return probe
-
-
 class HeadWatcher:
     """Keeps one stream's table view at the branch head, reloading metadata only when the catalog pointer moved.
 
@@ -111,7 +87,7 @@ class HeadWatcher:
         self._stream = stream
         self._branch = branch
         self._io = io or stream.io
-        self._probe = _sql_pointer_probe(stream)
+        self._probe = pointer_probe(stream.table)
         self.polls = 0
         self.reloads = 0
 

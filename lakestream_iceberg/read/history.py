@@ -9,7 +9,8 @@ checkpoint tags) into Arrow tables and registers them as views of an in-memory D
                 (``committer``: the producer whose compare-and-swap published the step, ``group_size``: how many steps
                 that one swap published; see :mod:`lakestream_iceberg.write.staging`)
 ``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id``
-``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag`` (``lag`` = head step - ``last_step``)
+``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag, active`` (``lag`` = head step -
+               ``last_step``; ``active``: in the head's summary, else compacted into a producer-state file)
 ``checkpoints`` every checkpoint (all branches): ``name, branch, step, snapshot_id, source_snapshot_id, created_at,
                 pinned_steps, pinned_files, pinned_bytes, exclusive_steps, exclusive_bytes`` (see :func:`checkpoint_rows`)
 ``snapshots``   every retained snapshot of the branch: ``snapshot_id, parent_id, committed_at, op, operation, step,
@@ -47,6 +48,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from pyiceberg.io import FileIO
 
 from lakestream_iceberg.errors import MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
@@ -97,7 +99,7 @@ BATCHES_SCHEMA = pa.schema([
 ])
 PRODUCERS_SCHEMA = pa.schema([
     ("producer", pa.string()), ("last_seq", pa.int64()), ("last_step", pa.int64()), ("last_snapshot_id", pa.int64()),
-    ("commits", pa.int64()), ("lag", pa.int64()),
+    ("commits", pa.int64()), ("lag", pa.int64()), ("active", pa.bool_()),
 ])
 CHECKPOINTS_SCHEMA = pa.schema([
     ("name", pa.string()), ("branch", pa.string()), ("step", pa.int64()), ("snapshot_id", pa.int64()),
@@ -236,15 +238,16 @@ def step_rows(stream: StreamTable, steps: Iterable[int], *, branch: str) -> list
     return [row for row in batch_rows(files, snapshots) if row["step"] in keep]
 
 
-def producer_rows(state: StreamState, batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def producer_rows(state: StreamState, batches: list[dict[str, Any]], io: FileIO) -> list[dict[str, Any]]:
+    """One row per producer the head knows, idle (compacted) ones included; ``active``: still in the head's summary."""
     commits: dict[str, int] = {}
     for row in batches:
         if row["producer"] is not None:
             commits[row["producer"]] = commits.get(row["producer"], 0) + 1
     return [
         {"producer": pid, "last_seq": p.seq, "last_step": p.step, "last_snapshot_id": p.snapshot_id,
-         "commits": commits.get(pid, 0), "lag": state.step - p.step}
-        for pid, p in sorted(state.producers.items())
+         "commits": commits.get(pid, 0), "lag": state.step - p.step, "active": pid in state.producers}
+        for pid, p in sorted(state.all_producers(io).items())
     ]
 
 
@@ -391,7 +394,7 @@ def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) 
     return {
         "batches": pa.Table.from_pylist(batches, schema=BATCHES_SCHEMA),
         "files": pa.Table.from_pylist(files, schema=FILES_SCHEMA),
-        "producers": pa.Table.from_pylist(producer_rows(state, batches), schema=PRODUCERS_SCHEMA),
+        "producers": pa.Table.from_pylist(producer_rows(state, batches, stream.io), schema=PRODUCERS_SCHEMA),
         "checkpoints": pa.Table.from_pylist(checkpoint_rows(stream, {branch: entries}), schema=CHECKPOINTS_SCHEMA),
         "snapshots": pa.Table.from_pylist(snapshots, schema=SNAPSHOTS_SCHEMA),
     }

@@ -97,8 +97,8 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "last_commit_at": utc_from_ms(head.timestamp_ms) if head else None,
         "collected_below": state.collected_below,
         "staged_batches": staged,
-        "producers": [{"producer": pid, "last_seq": p.seq, "last_step": p.step, "lag": state.step - p.step}
-                      for pid, p in sorted(state.producers.items())],
+        "producers": [{"producer": pid, "last_seq": p.seq, "last_step": p.step, "lag": state.step - p.step,
+                       "active": pid in state.producers} for pid, p in sorted(state.all_producers(stream.io).items())],
         "consumer_lag": None if newest is None else state.step - newest,
         "consumer_lag_basis": f"head step - newest checkpoint step on {branch}" if newest is not None
         else f"unknown (no checkpoint on {branch})",

@@ -35,6 +35,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.connect.diagnose import transient
+from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.write.dac import CommitPolicy
@@ -116,7 +117,7 @@ class CommitLoop:
         delay = 0.05
         while True:
             try:
-                self.table.refresh()
+                refresh_if_moved(self.table)  # reads metadata.json only when the catalog pointer moved (SQL catalogs)
                 self._fresh = True
                 # every producer reads the same producer table: the same count of active producers, and its age rank
                 self._observe(self.table.metadata)
@@ -139,7 +140,11 @@ class CommitLoop:
 
     def _observe(self, metadata: TableMetadata) -> None:
         state = StreamState.parse(self._head_summary(metadata))
-        self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values()], group=state.group,
+        # DAC counts the producers that contend: those that recur (committed more than once since they became
+        # active) or rode in the head's group; a pool that uses every id once is one producer after another.
+        recent = state.step - state.group if state.group > 1 else state.step
+        self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values() if p.recurring or p.step > recent],
+                                 group=state.group,
                                  group_commit_s=state.group_commit_ms / 1000 if state.group_commit_ms else None)
 
     def _hold(self, seconds: float, carry: Carry) -> bool:

@@ -30,6 +30,7 @@ from lakestream_iceberg.connect.diagnose import config_errors
 from lakestream_iceberg.errors import CommitTimeoutError, SequenceError
 from lakestream_iceberg.format.expiry import ancestors, expirable
 from lakestream_iceberg.format.layout import check_shards
+from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Plan
 from lakestream_iceberg.write.staging import Intent, StagingArea
@@ -100,7 +101,7 @@ class Producer:
     def next_seq(self) -> int:
         """The next sequence number this producer id has not published, read from the table."""
         metadata = self._loop.refresh(deadline=time.monotonic() + self._stream.config.commit_timeout_ms / 1000)
-        return self._state(metadata).next_seq(self.producer_id)
+        return self._state(metadata).next_seq(self._stream.io, self.producer_id)
 
     def _state(self, metadata: TableMetadata) -> StreamState:
         head = metadata.snapshot_by_name(self.branch)
@@ -140,7 +141,7 @@ class Producer:
         checked = check_shards(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
         state = self._state(self._loop.table.metadata if self._loop_fresh() else self._refresh())
         if seq is None:
-            seq = state.next_seq(self.producer_id)
+            seq = state.next_seq(self._stream.io, self.producer_id)
         self._check_seq(seq, state, allow_gap)
         if (known := self._published(self._loop.table.metadata, seq)) is not None:
             return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
@@ -229,7 +230,7 @@ class Producer:
     def _check_seq(self, seq: int, state: StreamState, allow_gap: bool) -> None:
         if not isinstance(seq, int) or seq < 0:
             raise SequenceError(f"seq must be a non-negative integer, got {seq!r}")
-        expected = state.next_seq(self.producer_id)
+        expected = state.next_seq(self._stream.io, self.producer_id)
         if seq > expected and not allow_gap:
             raise SequenceError(
                 f"producer {self.producer_id!r} on branch {self.branch!r} would skip from seq {expected} to {seq}; "
@@ -238,7 +239,7 @@ class Producer:
 
     def _published(self, metadata: TableMetadata, seq: int) -> dict[str, int | None] | None:
         """Where (producer, seq) was published, or None when it was not."""
-        known = self._state(metadata).producers.get(self.producer_id)
+        known = self._state(metadata).lookup(self._stream.io, self.producer_id)
         if known is None or known.seq < seq:
             return None
         if known.seq == seq:
@@ -270,7 +271,7 @@ class Producer:
                 if intent.path != own.intent and batch.seq <= own.batch.seq:
                     stale.append(intent.path)  # a dead incarnation's: already published, or the same seq as ours
                 continue
-            expected = state.next_seq(batch.producer)
+            expected = state.next_seq(stream.io, batch.producer)
             if batch.seq < expected:
                 stale.append(intent.path)
             elif batch.seq == expected or intent.allow_gap:
@@ -311,11 +312,19 @@ class Producer:
             manifests = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
             manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=parent_id,
                                                sequence_number=sequence_number)
-            producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id)
+            previous = producers.get(staged.producer)  # active: keeps its first step; else it (re)enters now
+            first = step if previous is None else (previous.step if previous.first is None else previous.first)
+            producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id, first)
+            files = state.producer_files
+            if i == group - 1:  # the head this commit leaves: idle producers compacted out of the summary
+                compacted = compact(stream.io, metadata.location, step=step, active=producers, files=files)
+                producers, files = compacted.active, compacted.files
+                planner.written.extend(compacted.written)
             new_state = StreamState(op=OP_APPEND, step=step, producers=dict(producers),
                                     collected_below=state.collected_below, producer=staged.producer, seq=staged.seq,
                                     group=group, committer=self.producer_id,
-                                    group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None)
+                                    group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None,
+                                    producer_files=files)
             collector = SnapshotSummaryCollector()
             for data_file in data_files:
                 collector.add_file(data_file, schema=schema, partition_spec=spec)

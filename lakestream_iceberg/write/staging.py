@@ -4,7 +4,9 @@ This is how commits stay cheap when many producers share a stream (group commit)
 its batch's data files, then one small *intent* naming them (a one-row Parquet file holding a JSON document: object
 stores that serve Iceberg tables, such as S3 Tables buckets, accept only Parquet and Avro under a table's ``data/``)::
 
-    <table location>/data/_staging/<branch, URL-quoted>/<producer>/<seq:012d>-<token>.parquet
+    <table location>/data/_staging/<branch, URL-quoted>/<producer>@<seq:012d>-<token>.parquet
+
+(one flat folder per branch: listing it costs the intents staged now, never a folder per producer id ever seen)
 
 and waits (:mod:`lakestream_iceberg.write.dac` decides how long) for another producer's commit to publish it. Whichever
 producer commits next lists the branch's staging folder and publishes every eligible intent in the same
@@ -120,7 +122,7 @@ class StagingArea:
 
     def stage(self, *, branch: str, batch: StagedBatch, allow_gap: bool) -> Intent:
         """Write the intent of a batch whose data files are all written; storage outages are retried."""
-        path = f"{self.folder(branch)}/{batch.producer}/{batch.seq:012d}-{batch.token}.parquet"
+        path = f"{self.folder(branch)}/{batch.producer}@{batch.seq:012d}-{batch.token}.parquet"
         intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=time.time())
         body = intent.to_bytes()
 

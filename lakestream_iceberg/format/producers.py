@@ -1,0 +1,200 @@
+"""Producer state whose cost per commit follows the *active* producers, not every producer id ever seen.
+
+Exactly-once needs, for every producer id, its last published sequence number (and the step and snapshot that
+published it). Elastic producer pools (a Ray Data job makes every write task a producer; retries, autoscaling and every
+new job run bring new ids) see tens of thousands of ids, most of which commit a few batches and are never seen again.
+So the state is split in two, both reachable from the head snapshot alone:
+
+* **active** producers ride in every snapshot summary (``lakestream.producers``: ``id -> [seq, step, snapshot id,
+  first step]``, where *first step* is the step of the producer's first commit since it became active). A commit checks
+  and updates its producers there, in the same compare-and-swap that publishes the batch.
+* **idle** producers (last commit more than :func:`active_horizon` steps ago) are compacted, ``COMPACT_AT`` at a time,
+  into immutable producer-state files (Parquet: ``producer, seq, step, snapshot_id``) under
+  ``<table location>/data/_producers/``; the summary lists them (``lakestream.producer-files``, oldest first). The
+  files are log-structured like the manifests: each compaction writes one small *delta* file, and when more than
+  ``MAX_FILES`` files would be listed they are merged into one *base* file. A file is written before the
+  compare-and-swap that references it; a lost swap abandons it (lifecycle GC collects it like any unreferenced file).
+
+A lookup checks the active map, then the files newest first; files are immutable, so each is read once per process and
+cached (:class:`ProducerFiles`). What a commit costs therefore depends on the active producers only: the summary
+holds at most the active ones plus ``COMPACT_AT`` idle ones; a compaction writes ``COMPACT_AT`` rows (a merge, every
+``MAX_FILES`` compactions, rewrites the base). A returning producer costs one cached lookup, and a new id one lookup in
+each listed file (read once per process). Nothing expires: every id's last sequence number is kept (a few tens of
+bytes per id in the base file), so an id that returns after any number of others still continues exactly once.
+"""
+
+from __future__ import annotations
+
+import io as _io
+import json
+import math
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyiceberg.io import FileIO
+
+from lakestream_iceberg.errors import CorruptStateError
+
+__all__ = [
+    "COMPACT_AT",
+    "MAX_FILES",
+    "PRODUCERS_DIR",
+    "ProducerFiles",
+    "ProducerState",
+    "active_horizon",
+    "compact",
+]
+
+PRODUCERS_DIR = "_producers"  # under the table's data/ folder (producer ids start with a letter or digit)
+ACTIVE_MIN_STEPS = 32  # an active producer stays in the summary at least this many steps after its last commit
+COMPACT_AT = 32  # idle producers are moved out of the summary this many at a time
+MAX_FILES = 8  # producer-state files listed in a summary before they are merged into one
+
+_SCHEMA = pa.schema([("producer", pa.string()), ("seq", pa.int64()), ("step", pa.int64()), ("snapshot_id", pa.int64())])
+
+
+@dataclass(frozen=True)
+class ProducerState:
+    """What the table knows of one producer: its last published sequence, at which step and in which snapshot.
+
+    ``first`` is the step of its first commit since it became active (None: unknown, e.g. read from a file or written
+    by an older version); a producer with ``first < step`` committed more than once recently (it recurs).
+    """
+
+    seq: int
+    step: int
+    snapshot_id: int
+    first: int | None = None
+
+    @property
+    def recurring(self) -> bool:
+        return self.first is None or self.first < self.step
+
+
+def active_horizon(active: Mapping[str, ProducerState]) -> int:
+    """Steps after its last commit that a producer stays active: 4 rounds of the producers that recur (each commits
+    about once per round), at least ``ACTIVE_MIN_STEPS``."""
+    recurring = sum(1 for p in active.values() if p.recurring)
+    return max(ACTIVE_MIN_STEPS, math.ceil(4 * recurring))
+
+
+class ProducerFiles:
+    """A process-wide, bounded LRU of parsed producer-state files (immutable: each is read once)."""
+
+    def __init__(self, *, max_entries: int = 2_000_000) -> None:
+        self._max = max_entries
+        self._size = 0
+        self._lock = threading.Lock()
+        self._files: OrderedDict[str, dict[str, ProducerState]] = OrderedDict()
+
+    def load(self, io: FileIO, path: str) -> dict[str, ProducerState]:
+        with self._lock:
+            found = self._files.get(path)
+            if found is not None:
+                self._files.move_to_end(path)
+                return found
+        with io.new_input(path).open() as f:
+            table = pq.read_table(pa.BufferReader(f.read()))
+        parsed = _parse(path, table)
+        self.remember(path, parsed)
+        return parsed
+
+    def remember(self, path: str, parsed: dict[str, ProducerState]) -> None:
+        with self._lock:
+            if path in self._files:
+                return
+            self._files[path] = parsed
+            self._size += len(parsed)
+            while self._size > self._max and len(self._files) > 1:
+                _, dropped = self._files.popitem(last=False)
+                self._size -= len(dropped)
+
+    def lookup(self, io: FileIO, files: Iterable[str], producer: str) -> ProducerState | None:
+        """The newest state of ``producer`` in ``files`` (listed oldest first)."""
+        for path in reversed(tuple(files)):
+            found = self.load(io, path).get(producer)
+            if found is not None:
+                return found
+        return None
+
+    def merged(self, io: FileIO, files: Iterable[str]) -> dict[str, ProducerState]:
+        """Every producer of ``files``, the newest file winning."""
+        out: dict[str, ProducerState] = {}
+        for path in files:
+            out.update(self.load(io, path))
+        return out
+
+
+DEFAULT_FILES = ProducerFiles()
+
+
+def _parse(path: str, table: pa.Table) -> dict[str, ProducerState]:
+    try:
+        cols = [table.column(name).to_pylist() for name in ("producer", "seq", "step", "snapshot_id")]
+    except (KeyError, pa.ArrowInvalid) as exc:
+        raise CorruptStateError(f"producer-state file {path} is not one lakestream wrote (columns {table.column_names}); "
+                                "restore it from a backup or roll the branch back to a snapshot that does not list it") from exc
+    out: dict[str, ProducerState] = {}
+    for producer, seq, step, snapshot_id in zip(*cols, strict=True):
+        if not isinstance(producer, str) or seq is None or step is None or snapshot_id is None:
+            raise CorruptStateError(f"producer-state file {path} holds a malformed row for producer {producer!r}")
+        out[producer] = ProducerState(seq, step, snapshot_id)
+    return out
+
+
+def _write(io: FileIO, location: str, entries: Mapping[str, ProducerState], cache: ProducerFiles) -> str:
+    path = f"{location.rstrip('/')}/data/{PRODUCERS_DIR}/{uuid.uuid4().hex}.parquet"
+    names = sorted(entries)
+    table = pa.table({
+        "producer": pa.array(names, pa.string()),
+        "seq": pa.array([entries[n].seq for n in names], pa.int64()),
+        "step": pa.array([entries[n].step for n in names], pa.int64()),
+        "snapshot_id": pa.array([entries[n].snapshot_id for n in names], pa.int64()),
+    }, schema=_SCHEMA)
+    sink = _io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    with io.new_output(path).create(overwrite=True) as out:
+        out.write(sink.getvalue())
+    cache.remember(path, {n: ProducerState(e.seq, e.step, e.snapshot_id) for n, e in entries.items()})
+    return path
+
+
+@dataclass(frozen=True)
+class Compacted:
+    active: dict[str, ProducerState]
+    files: tuple[str, ...]
+    written: tuple[str, ...]
+
+
+def compact(
+    io: FileIO,
+    location: str,
+    *,
+    step: int,
+    active: Mapping[str, ProducerState],
+    files: tuple[str, ...],
+    cache: ProducerFiles = DEFAULT_FILES,
+) -> Compacted:
+    """The producer state a snapshot at ``step`` records: idle producers moved to a new file once ``COMPACT_AT`` of
+    them accumulated, and the files merged once more than ``MAX_FILES`` would be listed. Writes at most two files."""
+    horizon = active_horizon(active)
+    idle = {k: v for k, v in active.items() if v.step <= step - horizon}
+    if len(idle) < COMPACT_AT:
+        return Compacted(dict(active), files, ())
+    keep = {k: v for k, v in active.items() if k not in idle}
+    if len(files) + 1 <= MAX_FILES:
+        path = _write(io, location, idle, cache)
+        return Compacted(keep, (*files, path), (path,))
+    merged = cache.merged(io, files)
+    merged.update(idle)
+    path = _write(io, location, merged, cache)
+    return Compacted(keep, (path,), (path,))
+
+
+def encode_files(files: tuple[str, ...]) -> str:
+    return json.dumps(list(files), separators=(",", ":"))
