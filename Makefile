@@ -45,6 +45,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/retention.py
 	$(BIN)/python benchmarks/vs_kafka.py
 	$(BIN)/python benchmarks/vs_colocated.py
+	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
 
 lint: $(STAMP)
 	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
