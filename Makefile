@@ -46,6 +46,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/retention.py
 	$(BIN)/python benchmarks/vs_kafka.py
 	$(BIN)/python benchmarks/vs_colocated.py
+	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache

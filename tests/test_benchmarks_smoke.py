@@ -1,4 +1,4 @@
-"""Smoke runs of the side-by-side benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py).
+"""Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -91,3 +91,27 @@ def test_vs_colocated_smoke(tmp_path: Path) -> None:
     assert lake["steps_done"] == data["config"]["fail_steps"]
     assert lake["unique_samples"] == lake["samples"]
     assert lake["restarted_producer"] is not None and lake["restarted_producer"]["first_seq"] >= 1
+
+
+@pytest.mark.timeout(180)
+def test_producer_churn_smoke(tmp_path: Path) -> None:
+    data = _run("producer_churn.py", tmp_path / "producer_churn.json", timeout=170)
+    assert data["benchmark"] == "producer_churn" and data["smoke"] is True
+    for key in ("environment", "config", "machine", "scenarios", "targets", "tables", "printed"):
+        assert key in data, key
+    churn, lone, pool = (data["scenarios"][k] for k in ("A", "B", "C"))
+    assert churn["ids_reached"] == data["config"]["ids"] and not churn["stopped_early"]
+    assert len(churn["latencies_s"]) == churn["ids_reached"] and all(_positive(x) for x in churn["latencies_s"])
+    assert churn["windows"] and all(w["metadata_bytes"] > 0 for w in churn["windows"])
+    assert churn["windows"][-1]["producers_in_head"] == churn["ids_reached"]
+    assert _positive(churn["ratio"])
+    for run in ("after_churn", "fresh"):
+        assert lone[run]["commits"] >= 1 and _positive(lone[run]["commits_per_s"]), lone[run]
+    assert _positive(lone["ratio"])
+    assert pool["alone"]["commits"] >= 1 and pool["pool"]["commits"] >= 1 and _positive(pool["ratio"])
+    check = pool["check"]
+    # whatever the timings: the rotating pool's batches are published dense and exactly once
+    assert check["dense"] and check["exactly_once"], check
+    assert check["head_step"] == pool["pool"]["commits"] + check["unresolved_landed"]
+    assert {t["scenario"] for t in data["targets"]} == {"A", "B", "C"}
+    assert all(isinstance(t["met"], bool) for t in data["targets"])

@@ -1,2 +1,2 @@
-"""Tools on top of the facade: the ``lakestream`` command line (cli), the multi-process demo (demo) and the catalog the
-command line talks to (config)."""
+"""Tools on top of the facade: the ``lakestream`` command line (cli) and how it prints (output), the multi-process demo
+(demo) and the catalog the command line talks to (config)."""
