@@ -1,0 +1,175 @@
+"""Producer state at scale: idle producers are compacted out of the summary, and exactly-once holds for every id."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lakestream_iceberg import CorruptStateError, Stream
+from lakestream_iceberg.format.producers import ACTIVE_MIN_STEPS, COMPACT_AT, MAX_FILES, PRODUCERS_DIR
+from lakestream_iceberg.format.summary import KEY_PRODUCERS
+from tests.backends import published
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+ROOT = Path(__file__).resolve().parent.parent
+WORLD = 2
+CHURN = ACTIVE_MIN_STEPS + COMPACT_AT * (MAX_FILES + 2)  # enough one-shot ids to compact, and to merge the files once
+
+
+def churn(stream: Stream, ids: range) -> None:
+    for i in ids:
+        result = stream.producer(f"id-{i}").commit(batch(f"id-{i}", 0, WORLD))
+        assert (result.seq, result.duplicate) == (0, False)
+
+
+def metadata_bytes(stream: Stream) -> int:
+    stream.refresh()
+    return len(stream.io.new_input(stream.table.metadata_location))
+
+
+@pytest.fixture
+def churned(tmp_path: Path) -> Stream:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    churn(stream, range(CHURN))
+    return stream
+
+
+def test_the_summary_holds_the_active_producers_and_the_files_every_other_one(churned: Stream) -> None:
+    state = churned.state()
+    assert state.step == CHURN
+    # one-shot ids do not recur: idle after ACTIVE_MIN_STEPS steps, moved out COMPACT_AT at a time
+    assert len(state.producers) < ACTIVE_MIN_STEPS + COMPACT_AT
+    assert 1 <= len(state.producer_files) <= MAX_FILES
+    everyone = state.all_producers(churned.io)
+    assert sorted(everyone) == sorted(f"id-{i}" for i in range(CHURN))
+    assert all(everyone[f"id-{i}"].seq == 0 and everyone[f"id-{i}"].step == i + 1 for i in range(CHURN))
+    for path in state.producer_files:
+        assert f"/data/{PRODUCERS_DIR}/" in path and churned.io.new_input(path).exists()
+    summary = churned.head().summary.additional_properties
+    assert len(json.loads(summary[KEY_PRODUCERS])) == len(state.producers)
+
+
+def test_metadata_size_does_not_grow_with_the_ids_ever_seen(churned: Stream) -> None:
+    before = metadata_bytes(churned)
+    churn(churned, range(CHURN, CHURN + 3 * COMPACT_AT))
+    after = metadata_bytes(churned)
+    assert after < 64 * 1024
+    assert after <= before * 1.15, (before, after)
+
+
+def test_a_compacted_producer_returns_exactly_once(churned: Stream) -> None:
+    assert "id-3" not in churned.state().producers  # compacted into a file
+    producer = churned.producer("id-3")
+    assert producer.next_seq == 1
+    again = producer.commit(batch("id-3", 0, WORLD), seq=0)  # a re-commit of its published seq
+    assert (again.duplicate, again.step) == (True, 4)
+    result = producer.commit(batch("id-3", 1, WORLD))
+    assert (result.seq, result.step, result.duplicate) == (1, CHURN + 1, False)
+    assert churned.state().producers["id-3"].seq == 1
+    assert digest(churned.read(CHURN + 1, rank=1)) == digest(batch("id-3", 1, WORLD)[1])
+    fresh = churned.producer("never-seen")
+    assert fresh.next_seq == 0
+
+
+def test_a_returning_producer_after_the_files_were_merged_keeps_its_sequence(churned: Stream) -> None:
+    churn(churned, range(CHURN, CHURN + COMPACT_AT * (MAX_FILES + 1)))  # forces at least one more merge
+    for pid in ("id-0", f"id-{CHURN // 2}", f"id-{CHURN + 5}"):
+        producer = churned.producer(pid)
+        assert producer.next_seq == 1, pid
+        assert producer.commit(batch(pid, 0, WORLD), seq=0).duplicate
+        assert producer.commit(batch(pid, 1, WORLD)).seq == 1
+
+
+def test_outcome_unknown_commit_of_a_compacted_producer_is_reconciled(tmp_path: Path) -> None:
+    from tests.test_processes import FlakyAfterCommit
+
+    catalog = FlakyAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    churn(stream, range(ACTIVE_MIN_STEPS + COMPACT_AT + 4))
+    assert "id-1" not in stream.state().producers
+    producer = stream.producer("id-1")
+    catalog.fail_after = 1  # the commit lands, then the connection drops: the loop reads the table back
+    result = producer.commit(batch("id-1", 1, WORLD))
+    assert (result.seq, result.duplicate) == (1, True) and result.step == stream.head_step()
+    catalog.fail_before = 1  # the connection drops before the commit is sent: it is sent again, once
+    result = producer.commit(batch("id-1", 2, WORLD))
+    assert (result.seq, result.duplicate) == (2, False)
+    seqs = sorted(seq for p, seq in published(stream).values() if p == "id-1")
+    assert seqs == [0, 1, 2]
+
+
+def test_gc_keeps_the_producer_files_retained_snapshots_list(churned: Stream) -> None:
+    churned.checkpoint("c1", step=CHURN)
+    report = churned.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert report.dry_run is False
+    state = churned.state()
+    for path in state.producer_files:
+        assert churned.io.new_input(path).exists()
+    producer = churned.producer("id-2")
+    assert producer.next_seq == 1
+    assert producer.commit(batch("id-2", 0, WORLD), seq=0).duplicate
+
+
+def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream) -> None:
+    path = churned.state().producer_files[0]
+    local = path.removeprefix("file://")
+    pq.write_table(pa.table({"x": [1]}), local)
+    from lakestream_iceberg.format.producers import DEFAULT_FILES
+
+    DEFAULT_FILES._files.pop(path, None)  # noqa: SLF001 - forget this process's parsed copy, as a new process would
+    with pytest.raises(CorruptStateError, match="producer-state file"):
+        churned.producer("id-0").next_seq  # noqa: B018
+
+
+def test_a_lone_producer_among_thousands_of_idle_ids_is_alone(churned: Stream) -> None:
+    producer = churned.producer("lone")
+    for seq in range(3):
+        result = producer.commit(batch("lone", seq, WORLD))
+        assert not result.carried
+    assert producer.policy.contenders == 1.0  # type: ignore[attr-defined]
+
+
+def test_history_and_status_show_every_producer(churned: Stream) -> None:
+    con = churned.history()
+    total, active = con.sql("SELECT count(*), sum(active::INT) FROM producers").fetchall()[0]
+    assert total == CHURN and active == len(churned.state().producers)
+    from lakestream_iceberg.tools.cli import status_dict
+
+    status = status_dict(churned, "main")
+    assert len(status["producers"]) == CHURN
+    assert sum(p["active"] for p in status["producers"]) == active
+
+
+@pytest.mark.slow
+def test_a_compacted_producer_killed_and_restarted_has_no_gap_and_no_duplicate(churned: Stream, tmp_path: Path) -> None:
+    """SIGKILL at random points after observed progress, for a fixed number of rounds, then a clean finish."""
+    assert "id-7" not in churned.state().producers
+    rng = random.Random(11)
+    count = 12  # the worker commits seqs next_seq..count-1 (seq 0 was published during the churn)
+    for _round in range(3):
+        proc = subprocess.Popen([sys.executable, "-m", "tests.workers", str(tmp_path), "ns.stream", "id-7", str(count)],
+                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        seen = 0
+        wanted = rng.randint(1, 2)
+        assert proc.stdout is not None
+        for _line in proc.stdout:  # one line per published batch: kill after observed progress
+            seen += 1
+            if seen >= wanted:
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    final = subprocess.run([sys.executable, "-m", "tests.workers", str(tmp_path), "ns.stream", "id-7", str(count)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert final.returncode == 0, final.stderr[-3000:]
+    steps = published(churned)
+    assert sorted(steps) == list(range(1, churned.head_step() + 1))
+    assert sorted(seq for p, seq in steps.values() if p == "id-7") == list(range(count))
