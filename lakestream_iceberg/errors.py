@@ -6,7 +6,8 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     LakestreamError
     ├── StreamError                 the table is not a stream / not the stream you asked for
     │   ├── NotAStreamError
-    │   └── StreamExistsError
+    │   ├── StreamExistsError
+    │   └── CorruptStateError       a snapshot summary holds a malformed lakestream value (names snapshot and key)
     ├── BatchError                  a batch handed to a producer is malformed; nothing was written or published
     │   ├── ShardCountError
     │   ├── SchemaMismatchError
@@ -17,6 +18,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     ├── ReadError
     │   ├── StepNotPublishedError   the step does not exist yet (wait_for() it)
     │   ├── StepCollectedError      lifecycle GC removed it; resume from a retained checkpoint
+    │   ├── StepError               not a step number: steps are integers starting at 1
     │   ├── RankError               rank outside 0..world_size-1
     │   └── ReadTimeoutError        wait_for() ran out of time
     ├── CheckpointError             checkpoint / release / fork mistakes
@@ -34,6 +36,7 @@ __all__ = [
     "CommitOutcomeUnknownError",
     "CommitTimeoutError",
     "ConfigError",
+    "CorruptStateError",
     "LakestreamError",
     "LifecycleError",
     "MissingExtraError",
@@ -45,6 +48,7 @@ __all__ = [
     "SequenceError",
     "ShardCountError",
     "StepCollectedError",
+    "StepError",
     "StepNotPublishedError",
     "StreamError",
     "StreamExistsError",
@@ -65,6 +69,11 @@ class NotAStreamError(StreamError):
 
 class StreamExistsError(StreamError):
     """``Stream.create`` found an existing stream with a different schema or world size."""
+
+
+class CorruptStateError(StreamError):
+    """A snapshot's summary holds a ``lakestream.*`` value lakestream never writes (another tool wrote the snapshot,
+    or the summary was corrupted). The message names the snapshot and the key, and how to roll the ref back."""
 
 
 class BatchError(LakestreamError):
@@ -105,6 +114,10 @@ class StepNotPublishedError(ReadError):
 
 class StepCollectedError(ReadError):
     """The step was removed by lifecycle garbage collection."""
+
+
+class StepError(ReadError):
+    """The step is not a step number (an integer >= 1): steps start at 1."""
 
 
 class RankError(ReadError):
