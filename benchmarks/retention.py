@@ -2,9 +2,9 @@
 
 Two streams in one embedded SQLite catalog + local warehouse (a temp dir), fed in lockstep by one producer each
 (world_size 4, small shards). Both take a checkpoint every ``--every`` steps (``stream.checkpoint(f"ckpt-{step}",
-step=step)``); the GC stream then runs ``collect_garbage(dry_run=False, keep_last=2, grace=timedelta(0))``, the
-no-GC stream never releases a checkpoint nor collects. Every ``--every`` steps both table locations are walked:
-bytes and file counts of data files, manifests, manifest lists and metadata.json files, the size of the current
+step=step)``); the GC stream then runs ``collect_garbage(dry_run=False, keep_last=2, grace=timedelta(0),
+allow_short_grace=True)`` (no commit is in flight then), the no-GC stream never releases a checkpoint nor collects.
+Every ``--every`` steps both table locations are walked: bytes and file counts of data files, manifests, manifest lists and metadata.json files, the size of the current
 metadata.json and the commit-latency p50 of the window.
 
 At the end the GC stream is checked: 50 random steps >= the oldest retained checkpoint's step read back identical
@@ -120,7 +120,8 @@ class Run:
         gc_s = None
         if self.gc:
             t0 = time.monotonic()
-            report = self.stream.collect_garbage(dry_run=False, keep_last=keep_last, grace=timedelta(0))
+            report = self.stream.collect_garbage(dry_run=False, keep_last=keep_last, grace=timedelta(0),
+                                                 allow_short_grace=True)  # quiescent: commits run in lockstep
             gc_s = time.monotonic() - t0
             self.gc_reports.append({"step": step, "seconds": gc_s, "collected_below": report.collected_below,
                                     "released": report.released_checkpoints, "snapshots_expired": report.snapshots_expired,

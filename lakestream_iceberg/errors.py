@@ -18,6 +18,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     ├── ReadError
     │   ├── StepNotPublishedError   the step does not exist yet (wait_for() it)
     │   ├── StepCollectedError      lifecycle GC removed it; resume from a retained checkpoint
+    │   ├── StepError               not a step number: steps are integers starting at 1
     │   ├── RankError               rank outside 0..world_size-1
     │   └── ReadTimeoutError        wait_for() ran out of time
     ├── CheckpointError             checkpoint / release / fork mistakes
@@ -47,6 +48,7 @@ __all__ = [
     "SequenceError",
     "ShardCountError",
     "StepCollectedError",
+    "StepError",
     "StepNotPublishedError",
     "StreamError",
     "StreamExistsError",
@@ -112,6 +114,10 @@ class StepNotPublishedError(ReadError):
 
 class StepCollectedError(ReadError):
     """The step was removed by lifecycle garbage collection."""
+
+
+class StepError(ReadError):
+    """The step is not a step number (an integer >= 1): steps start at 1."""
 
 
 class RankError(ReadError):

@@ -19,7 +19,8 @@ from pyiceberg.schema import assign_fresh_schema_ids
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
-from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StreamExistsError
+from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StepError, StreamExistsError
+from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.layout import StreamConfig, check_rank, partition_spec, payload_schema, table_arrow_schema
 from lakestream_iceberg.format.manifests import ManifestCache
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
@@ -27,6 +28,7 @@ from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint,
 from lakestream_iceberg.lifecycle.gc import (
     GCReport,
     check_policy,
+    grace_seconds,
     kept_after_dry_run,
     known_files,
     norm,
@@ -104,8 +106,7 @@ class Stream(StreamTable):
     @classmethod
     def _create(cls, catalog: Catalog, identifier: str, *, schema: pa.Schema, world_size: int, location: str | None,
                 properties: dict[str, str] | None) -> Stream:
-        if not isinstance(world_size, int) or world_size < 1:
-            raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
+        world_size = check_int(world_size, what="world_size", minimum=1)
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
         arrow = table_arrow_schema(schema)
@@ -162,11 +163,16 @@ class Stream(StreamTable):
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
-        """A producer publishing into ``branch``; each producer keeps its own view of the table."""
+        """A producer publishing into ``branch``; each producer keeps its own view of the table.
+
+        Raises:
+            ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is.
+        """
         # Its own view of the table, starting from ours: the first commit refreshes it (on SQL catalogs one read of the
         # catalog pointer, no metadata reload when nothing moved), so making a producer costs no catalog round trip.
         table = Table(self.table.name(), metadata=self.table.metadata, metadata_location=self.table.metadata_location,
                       io=self.table.io, catalog=self.table.catalog, config=self.table.config)
+        check_branch(table.metadata, branch, stream=self.name, doing=f"cannot make producer {producer_id!r} on")
         loop = CommitLoop(
             table=table,
             policy=CommitPolicy(clock=time.monotonic, rng=random.Random(seed),
@@ -210,6 +216,7 @@ class Stream(StreamTable):
         keep_last: int | None = None,
         keep_within: timedelta | None = None,
         grace: timedelta | None = None,
+        allow_short_grace: bool = False,
     ) -> GCReport:
         """Delete what no retained checkpoint can reach (see :mod:`lakestream_iceberg.lifecycle.gc`).
 
@@ -218,9 +225,17 @@ class Stream(StreamTable):
             keep_last: Retain the newest K checkpoints (others are released).
             keep_within: Retain checkpoints younger than this.
             grace: Minimum age of never-referenced files before deletion (default ``lakestream.gc.grace-period-ms``).
+                It must be at least twice ``lakestream.commit.timeout-ms`` (the GC grace rule, README): a younger
+                file may belong to a commit in flight.
+            allow_short_grace: Permit a shorter ``grace``: only on a quiescent table (no producer running), e.g.
+                ``grace=timedelta(0)`` in tests and benchmarks.
+
+        Raises:
+            LifecycleError: Invalid ``keep_last`` / ``keep_within``.
+            ConfigError: ``grace`` breaks the GC grace rule and ``allow_short_grace`` is false.
         """
-        check_policy(keep_last, keep_within)
-        grace_s = self.config.gc_grace_ms / 1000 if grace is None else grace.total_seconds()
+        keep_last = check_policy(keep_last, keep_within)
+        grace_s = grace_seconds(grace, self.config, allow_short=allow_short_grace)
         loop = self._control_loop(MAIN)
         metadata = loop.refresh(deadline=time.monotonic() + self.config.commit_timeout_ms / 1000)
         known = known_files(self, metadata)
@@ -253,11 +268,13 @@ class Stream(StreamTable):
         """The rows committed for ``rank`` at ``step``, reading only that rank's data file.
 
         Raises:
+            StepError: ``step`` is not an integer >= 1 (steps start at 1).
             RankError: ``rank`` is outside ``0..world_size-1``.
             StepNotPublishedError: The step is not committed yet.
             StepCollectedError: Lifecycle GC removed the step.
         """
-        check_rank(rank, self.world_size)
+        step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        rank = check_rank(rank, self.world_size)
 
         def once() -> pa.Table:
             try:
@@ -280,6 +297,7 @@ class Stream(StreamTable):
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
         """
+        step = check_int(step, what="step", error=StepError, minimum=0)
         watcher = HeadWatcher(self, branch=branch)
         deadline = time.monotonic() + timeout
         delay = poll_s

@@ -204,7 +204,7 @@ def test_gc_keeps_fresh_intents_and_their_files_and_collects_abandoned_ones(tmp_
     report = stream.collect_garbage(dry_run=False)
     assert "intent" not in report.files_deleted and report.files_in_grace >= 1 + WORLD
     assert Path(intent.path.removeprefix("file://")).exists()
-    report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     assert report.files_deleted.get("intent") == 1 and report.files_deleted.get("data") == WORLD
     assert staged_files(stream) == []
 

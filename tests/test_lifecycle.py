@@ -48,7 +48,7 @@ def test_checkpoint_is_a_tag_listing_its_step(stream: Stream) -> None:
 
 def test_gc_keeps_everything_without_checkpoints_and_collects_before_the_oldest(stream: Stream) -> None:
     publish(stream, "p", 10)
-    idle = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    idle = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     # no checkpoint: no step is garbage (only manifest lists of snapshots that commits expired in passing may go)
     assert idle.collected_below == {} and "data" not in idle.files_deleted and set(idle.files_deleted) <= {"manifest-list", "manifest"}
     for step in range(1, 11):
@@ -56,9 +56,9 @@ def test_gc_keeps_everything_without_checkpoints_and_collects_before_the_oldest(
     stream.checkpoint("c4", step=4)
     stream.checkpoint("c7", step=7)
     before = files_under(stream)
-    plan = stream.collect_garbage(grace=timedelta(0))  # dry run by default
+    plan = stream.collect_garbage(grace=timedelta(0), allow_short_grace=True)  # dry run by default
     assert plan.dry_run and files_under(stream) == before
-    report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     assert report.collected_below == {"main": 4}
     assert report.files_deleted == plan.files_deleted and report.files_deleted["data"] == 3 * 4
     assert len(before) - len(files_under(stream)) == 12
@@ -69,7 +69,7 @@ def test_gc_keeps_everything_without_checkpoints_and_collects_before_the_oldest(
     with pytest.raises(CheckpointError, match="collected"):
         stream.checkpoint("late", step=2)
     # keep only the newest checkpoint: c4 is released, steps 4..6 go
-    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0))
+    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
     assert report.released_checkpoints == ["c4"] and report.collected_below == {"main": 7}
     assert [c.name for c in stream.checkpoints()] == ["c7"]
     assert sorted(stream.table.scan().to_arrow().column("_step").to_pylist()) == sorted(
@@ -85,7 +85,7 @@ def test_orphans_of_a_crashed_producer_wait_for_the_grace_period(stream: Stream)
     assert stream.head_step() == 2
     report = stream.collect_garbage(dry_run=False)  # default grace: one hour
     assert report.files_in_grace >= 4 and all(os.path.exists(f.path.removeprefix("file://")) for f in staged.files)
-    report = stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     assert report.files_deleted.get("data") == 4
     assert not any(os.path.exists(f.path.removeprefix("file://")) for f in staged.files)
     assert stream.read(2, rank=1).equals(batch("p", 1, 4)[1])
@@ -95,7 +95,7 @@ def test_resume_from_checkpoint_replays_identical_bytes(catalog, stream: Stream)
     publish(stream, "p", 8)
     uninterrupted = [digest(stream.read(s, rank=1)) for s in range(1, 9)]
     ckpt = stream.checkpoint("after-5", step=5)
-    stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     resumed = Stream.open(catalog, "ns.stream")
     start = next(c for c in resumed.checkpoints() if c.name == "after-5").step + 1
     assert [digest(resumed.read(s, rank=1)) for s in range(start, 9)] == uninterrupted[ckpt.step:]
@@ -148,7 +148,8 @@ def test_randomized_lifecycle_keeps_exactly_what_checkpoints_need(tmp_path_facto
         elif op == "release" and (ckpts := stream.checkpoints()):
             stream.release(rng.choice(ckpts).name)
         elif op == "gc":
-            stream.collect_garbage(dry_run=False, grace=timedelta(0), keep_last=rng.choice([None, 1, 2]))
+            stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True,
+                                   keep_last=rng.choice([None, 1, 2]))
         elif op == "resume" and (ckpts := [c for c in stream.checkpoints() if c.branch == "main"]):
             c = rng.choice(ckpts)
             for s in range(c.step, head + 1):
@@ -167,7 +168,7 @@ def test_randomized_lifecycle_keeps_exactly_what_checkpoints_need(tmp_path_facto
         assert not main_ckpts or floor <= min(main_ckpts)
     # ... and after a final GC, the data files of every older step are gone from storage (except the one step each
     # checkpoint anchor or fork pins)
-    stream.collect_garbage(dry_run=False, grace=timedelta(0))
+    stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     floor = stream.state().collected_below
     pinned = {c.step for c in stream.checkpoints()} | fork_steps
     for s in range(1, floor):

@@ -117,6 +117,26 @@ def test_malformed_batches_raise_clear_errors_and_publish_nothing(stream: Stream
     assert producer.next_seq == 0
 
 
+def test_a_failed_rank_write_deletes_the_other_ranks_files(stream: Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    from lakestream_iceberg.write.writer import BatchWriter
+
+    original = BatchWriter._write_one
+
+    def failing(self: BatchWriter, path: str, rank: int, table: pa.Table):  # type: ignore[no-untyped-def]
+        if rank == 2:
+            raise pa.ArrowInvalid("refused by pyarrow")
+        return original(self, path, rank, table)
+
+    producer = stream.producer("p")
+    before = data_files_on_disk(stream)
+    monkeypatch.setattr(BatchWriter, "_write_one", failing)
+    with pytest.raises(SchemaMismatchError, match="deleted"):
+        producer.commit(batch("p", 0, 4))
+    assert data_files_on_disk(stream) == before and stream.head_step() == 0
+    monkeypatch.setattr(BatchWriter, "_write_one", original)
+    assert producer.commit(batch("p", 0, 4)).step == 1
+
+
 def test_reads_outside_the_published_range_or_ranks_are_clear_errors(stream: Stream) -> None:
     stream.producer("p").commit(batch("p", 0, 4))
     with pytest.raises(RankError, match="outside 0..3"):

@@ -53,7 +53,7 @@ def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
     source = summary.get(KEY_SOURCE_SNAPSHOT)
     return Checkpoint(
         name=name,
-        step=StreamState.parse(summary).step,
+        step=StreamState.of(snapshot).step,
         snapshot_id=snapshot.snapshot_id,
         created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
         branch=summary.get(KEY_SOURCE_BRANCH, "main"),

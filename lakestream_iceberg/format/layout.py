@@ -20,6 +20,7 @@ from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
 
 from lakestream_iceberg.errors import ConfigError, RankError, SchemaMismatchError, ShardCountError
+from lakestream_iceberg.format.checks import check_int
 
 STEP_COLUMN = "_step"
 RANK_COLUMN = "_rank"
@@ -40,6 +41,12 @@ PROP_IO_RETRY_TIMEOUT_MS = "lakestream.io.retry-timeout-ms"
 PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"
 PROP_GROUP_MAX_BATCHES = "lakestream.commit.group.max-batches"
 
+# The GC grace rule: lakestream.gc.grace-period-ms >= GRACE_PER_COMMIT_TIMEOUT x lakestream.commit.timeout-ms. A staged
+# batch is publishable while younger than half the grace period (write/staging.py), and the commit that publishes it
+# may take up to the commit timeout: its files are then at most grace/2 + timeout <= grace old, so GC (which deletes
+# unreferenced files only once older than the grace period) cannot delete them under a commit in flight.
+GRACE_PER_COMMIT_TIMEOUT = 2
+
 
 @dataclass(frozen=True, kw_only=True)
 class StreamConfig:
@@ -54,6 +61,8 @@ class StreamConfig:
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
         commit_max_attempts: Attempt budget of one ``commit()`` call.
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
+            Must be at least ``GRACE_PER_COMMIT_TIMEOUT`` (2) x ``commit_timeout_ms`` (the GC grace rule, see
+            ``GRACE_PER_COMMIT_TIMEOUT``); a stream whose properties break it is refused (:class:`ConfigError`).
         io_retry_timeout_ms: How long data-file writes and reads retry a transient storage failure (S3 restarting,
             connection refused, 5xx) before the error propagates.
         group_commit: Group commit (see :mod:`lakestream_iceberg.write.staging`): a producer that is not alone stages its
@@ -72,6 +81,21 @@ class StreamConfig:
     group_commit: bool = True
     group_max_batches: int = 32
 
+    def __post_init__(self) -> None:
+        for name, (key, minimum) in _INT_FIELDS.items():
+            object.__setattr__(self, name, check_int(getattr(self, name), what=f"{key} ({name})", minimum=minimum))
+        if not isinstance(self.group_commit, bool):
+            raise ConfigError(f"{PROP_GROUP_COMMIT} (group_commit) must be a bool, got {self.group_commit!r}")
+        need = GRACE_PER_COMMIT_TIMEOUT * self.commit_timeout_ms
+        if self.gc_grace_ms < need:
+            raise ConfigError(
+                f"table property {PROP_GC_GRACE_MS}={self.gc_grace_ms} is shorter than {GRACE_PER_COMMIT_TIMEOUT} x "
+                f"{PROP_COMMIT_TIMEOUT_MS}={self.commit_timeout_ms}: GC could delete the files of a batch that a commit "
+                f"may still publish (the GC grace rule, see README). Set {PROP_GC_GRACE_MS} to at least {need} or "
+                f"{PROP_COMMIT_TIMEOUT_MS} to at most {self.gc_grace_ms // GRACE_PER_COMMIT_TIMEOUT} (an existing "
+                "table: with pyiceberg, table.transaction().set_properties({...}).commit_transaction())"
+            )
+
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> StreamConfig:
         defaults = cls(world_size=1)
@@ -82,7 +106,7 @@ class StreamConfig:
                 return default
             try:
                 value = int(raw)
-            except ValueError:
+            except (TypeError, ValueError):
                 raise ConfigError(f"table property {key}={raw!r} is not an integer; set it with an integer value") from None
             if value < minimum:
                 raise ConfigError(f"table property {key}={value} must be >= {minimum}")
@@ -98,18 +122,8 @@ class StreamConfig:
 
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
-        return cls(
-            world_size=as_int(PROP_WORLD_SIZE, 1, 1),
-            retain_snapshots=as_int(PROP_RETAIN_SNAPSHOTS, defaults.retain_snapshots, 2),
-            merge_fanout=as_int(PROP_MERGE_FANOUT, defaults.merge_fanout, 2),
-            max_merge_entries=as_int(PROP_MAX_MERGE_ENTRIES, defaults.max_merge_entries, 1),
-            commit_timeout_ms=as_int(PROP_COMMIT_TIMEOUT_MS, defaults.commit_timeout_ms, 1),
-            commit_max_attempts=as_int(PROP_COMMIT_MAX_ATTEMPTS, defaults.commit_max_attempts, 1),
-            gc_grace_ms=as_int(PROP_GC_GRACE_MS, defaults.gc_grace_ms, 0),
-            io_retry_timeout_ms=as_int(PROP_IO_RETRY_TIMEOUT_MS, defaults.io_retry_timeout_ms, 0),
-            group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit),
-            group_max_batches=as_int(PROP_GROUP_MAX_BATCHES, defaults.group_max_batches, 1),
-        )
+        ints = {name: as_int(key, getattr(defaults, name), minimum) for name, (key, minimum) in _INT_FIELDS.items()}
+        return cls(**ints, group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit))
 
     def to_properties(self) -> dict[str, str]:
         return {
@@ -130,6 +144,19 @@ class StreamConfig:
             "write.metadata.previous-versions-max": "16",
             "write.metadata.delete-after-commit.enabled": "true",
         }
+
+
+_INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table property, minimum)
+    "world_size": (PROP_WORLD_SIZE, 1),
+    "retain_snapshots": (PROP_RETAIN_SNAPSHOTS, 2),
+    "merge_fanout": (PROP_MERGE_FANOUT, 2),
+    "max_merge_entries": (PROP_MAX_MERGE_ENTRIES, 1),
+    "commit_timeout_ms": (PROP_COMMIT_TIMEOUT_MS, 1),
+    "commit_max_attempts": (PROP_COMMIT_MAX_ATTEMPTS, 1),
+    "gc_grace_ms": (PROP_GC_GRACE_MS, 0),
+    "io_retry_timeout_ms": (PROP_IO_RETRY_TIMEOUT_MS, 0),
+    "group_max_batches": (PROP_GROUP_MAX_BATCHES, 1),
+}
 
 
 def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
@@ -190,12 +217,66 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
                     f"shard for rank {rank}: column {field.name!r} is {field.type}, the stream expects {want.type}; "
                     f"cast it (e.g. table.cast(schema)) before committing"
                 )
-            if not want.nullable and shard.column(field.name).null_count:
+            column = shard.column(field.name)
+            if not want.nullable and column.null_count:
                 raise SchemaMismatchError(f"shard for rank {rank}: column {field.name!r} is required but has nulls")
+            if _has_required(want.type):
+                for chunk in column.chunks:
+                    if (path := _required_null(chunk, field.name)) is not None:
+                        raise SchemaMismatchError(
+                            f"shard for rank {rank}: nested field {path!r} is required (not nullable) but holds a null "
+                            "under a non-null parent; fill it in, or make the field nullable in the stream's schema"
+                        )
         out.append(shard)
     return out
 
 
-def check_rank(rank: int, world_size: int) -> None:
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+def _children(data_type: pa.DataType) -> list[pa.Field]:
+    if pa.types.is_struct(data_type):
+        return [data_type.field(i) for i in range(data_type.num_fields)]
+    if pa.types.is_map(data_type):
+        return [data_type.key_field, data_type.item_field]
+    if pa.types.is_list(data_type) or pa.types.is_large_list(data_type) or pa.types.is_fixed_size_list(data_type):
+        return [data_type.value_field]
+    return []
+
+
+def _has_required(data_type: pa.DataType) -> bool:
+    """Whether a type has a non-nullable field anywhere below it."""
+    return any(not f.nullable or _has_required(f.type) for f in _children(data_type))
+
+
+def _required_null(array: pa.Array, path: str) -> str | None:
+    """The path of a non-nullable nested field holding a null where every parent is non-null (None: there is none).
+
+    ``array`` holds only values whose parents are all non-null: each level keeps its non-null slots before looking at
+    their children, so a null under a null (nullable) parent is fine, as Arrow and Parquet define it.
+    """
+    data_type = array.type
+    if not _has_required(data_type):
+        return None
+    valid = array.filter(array.is_valid()) if array.null_count else array
+    if pa.types.is_struct(data_type):
+        children = [(f, valid.field(i)) for i, f in enumerate(_children(data_type))]
+    elif pa.types.is_map(data_type):
+        valid = array.filter(array.is_valid())  # compact: keys/items of a MapArray ignore its slice offset
+        start, stop = valid.offsets[0].as_py(), valid.offsets[-1].as_py()
+        children = [(data_type.key_field, valid.keys.slice(start, stop - start)),
+                    (data_type.item_field, valid.items.slice(start, stop - start))]
+    else:  # lists: flatten() skips null lists and honours the slice
+        children = [(data_type.value_field, valid.flatten())]
+    for child_field, child in children:
+        child_path = f"{path}.{child_field.name}"
+        if not child_field.nullable and child.null_count:
+            return child_path
+        if (found := _required_null(child, child_path)) is not None:
+            return found
+    return None
+
+
+def check_rank(rank: int, world_size: int) -> int:
+    """``rank`` as an int (numpy integers accepted), or :class:`RankError` when it is not in ``0..world_size-1``."""
+    rank = check_int(rank, what="rank", error=RankError)
+    if not 0 <= rank < world_size:
         raise RankError(f"rank {rank!r} is outside 0..{world_size - 1} (the stream's world size is {world_size})")
+    return rank

@@ -6,18 +6,28 @@ Every snapshot a stream writes carries, as of that snapshot, the state of its ac
 snapshot alone, even after older snapshots were expired, and a commit that reads the head and wins the
 compare-and-swap has checked its (producer, seq) against the state it replaces: the check and the publish are one
 atomic step.
+
+Parsing is strict: a ``lakestream.*`` value lakestream never writes (``"True"`` for a step, a producer table that is
+not ``{id: [seq, step, snapshot id, first step]}``) raises :class:`CorruptStateError` naming the snapshot and the key and
+saying how to roll the ref back, never a bare ``ValueError`` that a caller could mistake for a transient failure.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.errors import StepCollectedError, StepNotPublishedError
+from lakestream_iceberg.errors import CorruptStateError, StepCollectedError, StepError, StepNotPublishedError
 from lakestream_iceberg.format.producers import DEFAULT_FILES, ProducerState
+
+if TYPE_CHECKING:
+    from pyiceberg.table.snapshots import Snapshot
 
 OP_APPEND = "append"
 OP_COLLECT = "collect"
@@ -36,6 +46,8 @@ KEY_COLLECTED_BELOW = "lakestream.collected-below"
 KEY_GROUP = "lakestream.group"  # batches published by the commit that wrote this snapshot (group commit; absent: 1)
 KEY_COMMITTER = "lakestream.committer"  # the producer whose compare-and-swap published it (absent: its own producer)
 KEY_GROUP_MS = "lakestream.group-commit-ms"  # the committer's typical critical section: how long holders should expect
+
+_INTEGER = re.compile(r"^-?[0-9]{1,19}$")
 
 
 @dataclass(frozen=True)
@@ -58,23 +70,36 @@ class StreamState:
         return cls(op=OP_APPEND, step=0, producers={})
 
     @classmethod
-    def parse(cls, summary: Mapping[str, str] | None) -> StreamState:
+    def parse(cls, summary: Mapping[str, str] | None, *, snapshot_id: int | None = None,
+              parent_id: int | None = None) -> StreamState:
+        """The lakestream fields of a snapshot summary (``snapshot_id`` and ``parent_id`` only name it in errors).
+
+        Raises:
+            CorruptStateError: A ``lakestream.*`` value is not what lakestream writes (names the snapshot and the key).
+        """
         if not summary or KEY_STEP not in summary:
             return cls.empty()
-        raw = json.loads(summary.get(KEY_PRODUCERS, "{}"))
+        fields = _Fields(summary, snapshot_id, parent_id)
         return cls(
             op=summary.get(KEY_OP, OP_APPEND),
-            step=int(summary[KEY_STEP]),
-            producers={k: ProducerState(int(v[0]), int(v[1]), int(v[2]), int(v[3]) if len(v) > 3 else None)
-                       for k, v in raw.items()},
-            collected_below=int(summary.get(KEY_COLLECTED_BELOW, "1")),
+            step=fields.integer(KEY_STEP),
+            producers=fields.producers(),
+            collected_below=fields.integer(KEY_COLLECTED_BELOW, "1"),
             producer=summary.get(KEY_PRODUCER),
-            seq=int(summary[KEY_SEQ]) if KEY_SEQ in summary else None,
-            group=int(summary.get(KEY_GROUP, "1")),
+            seq=fields.optional(KEY_SEQ),
+            group=fields.integer(KEY_GROUP, "1", minimum=1),
             committer=summary.get(KEY_COMMITTER),
-            group_commit_ms=float(summary[KEY_GROUP_MS]) if KEY_GROUP_MS in summary else None,
-            producer_files=tuple(str(p) for p in json.loads(summary.get(KEY_PRODUCER_FILES, "[]"))),
+            group_commit_ms=fields.number(KEY_GROUP_MS),
+            producer_files=fields.files(),
         )
+
+    @classmethod
+    def of(cls, snapshot: Snapshot | None) -> StreamState:
+        """The state a snapshot records (empty for None or a snapshot without lakestream fields)."""
+        if snapshot is None or snapshot.summary is None:
+            return cls.empty()
+        return cls.parse(snapshot.summary.additional_properties, snapshot_id=snapshot.snapshot_id,
+                         parent_id=snapshot.parent_snapshot_id)
 
     def lookup(self, io: FileIO, producer_id: str) -> ProducerState | None:
         """What this snapshot knows of a producer: the active map first, then the producer-state files."""
@@ -120,8 +145,78 @@ class StreamState:
         return props
 
 
+class _Fields:
+    """Strict readers of one summary's values: anything lakestream does not write is a :class:`CorruptStateError`."""
+
+    def __init__(self, summary: Mapping[str, str], snapshot_id: int | None, parent_id: int | None) -> None:
+        self._summary, self._snapshot_id, self._parent_id = summary, snapshot_id, parent_id
+
+    def optional(self, key: str) -> int | None:
+        return self.integer(key) if key in self._summary else None
+
+    def integer(self, key: str, default: str = "", *, minimum: int = 0) -> int:
+        raw = self._summary.get(key, default)
+        if not isinstance(raw, str) or not _INTEGER.match(raw) or int(raw) < minimum:
+            raise self.error(key, raw, f"expected an integer >= {minimum}")
+        return int(raw)
+
+    def number(self, key: str) -> float | None:
+        raw = self._summary.get(key)
+        if raw is None:
+            return None
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            value = float("nan")
+        if not math.isfinite(value) or value < 0:
+            raise self.error(key, raw, "expected a non-negative number")
+        return value
+
+    def producers(self) -> dict[str, ProducerState]:
+        raw = self._summary.get(KEY_PRODUCERS, "{}")
+        try:
+            table = json.loads(raw)
+        except (TypeError, ValueError):
+            raise self.error(KEY_PRODUCERS, raw, "not JSON") from None
+        if not isinstance(table, dict):
+            raise self.error(KEY_PRODUCERS, raw, "expected a JSON object")
+        out = {}
+        for producer, value in table.items():
+            if not (isinstance(value, list) and len(value) in (3, 4) and all(type(v) is int for v in value)
+                    and value[0] >= 0 and value[1] >= 0):
+                raise self.error(KEY_PRODUCERS, raw,
+                                 f"producer {producer!r}: expected [seq, step, snapshot id, first step] integers")
+            out[producer] = ProducerState(*value)
+        return out
+
+    def files(self) -> tuple[str, ...]:
+        raw = self._summary.get(KEY_PRODUCER_FILES, "[]")
+        try:
+            files = json.loads(raw)
+        except (TypeError, ValueError):
+            raise self.error(KEY_PRODUCER_FILES, raw, "not JSON") from None
+        if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+            raise self.error(KEY_PRODUCER_FILES, raw, "expected a JSON list of file paths")
+        return tuple(files)
+
+    def error(self, key: str, raw: object, why: str) -> CorruptStateError:
+        shown = raw if not isinstance(raw, str) or len(raw) <= 200 else raw[:200] + "..."
+        back = f"its parent snapshot {self._parent_id}" if self._parent_id is not None else "the last good snapshot"
+        return CorruptStateError(
+            f"snapshot {self._snapshot_id if self._snapshot_id is not None else '(unknown id)'} has a malformed "
+            f"{key}={shown!r} in its summary ({why}). lakestream never writes such a value: the snapshot was written by "
+            "another tool (e.g. a plain pyiceberg/Spark append with lakestream.* snapshot properties), or its summary "
+            f"was corrupted, and the stream's state cannot be read from it. Point the ref that names it back to {back}, "
+            "e.g. with pyiceberg: table.manage_snapshots().rollback_to_snapshot(ID).commit() for main, "
+            ".create_branch(ID, BRANCH).commit() to move another branch, or .remove_tag(NAME).commit() for a checkpoint "
+            "tag; then check the writer that made it"
+        )
+
+
 def missing_step_error(step: int, state: StreamState, branch: str, name: str) -> Exception:
     """The right error for a step whose files are not in the branch's table state."""
+    if step < 1:
+        return StepError(f"step {step} of {name} does not exist: steps start at 1")
     if step > state.step:
         return StepNotPublishedError(
             f"step {step} of {name} (branch {branch!r}) is not published yet (head step is {state.step}); "

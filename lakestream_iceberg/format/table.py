@@ -97,7 +97,7 @@ class StreamTable:
         if refresh:
             self.refresh()
         head = self.head(branch=branch)
-        return StreamState.parse(head.summary.additional_properties if head is not None and head.summary else None)
+        return StreamState.of(head)
 
     def head_step(self, *, branch: str = MAIN) -> int:
         """The newest published step of ``branch`` (0 when nothing is published)."""

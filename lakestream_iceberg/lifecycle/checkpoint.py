@@ -35,6 +35,7 @@ from pyiceberg.table.update import (
 
 from lakestream_iceberg.errors import CheckpointError
 from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint, checkpoint_of
+from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.manifests import _copy_entry
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
@@ -64,11 +65,13 @@ def check_name(name: str, metadata: TableMetadata) -> None:
 
 def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, step: int, branch: str) -> Plan[Checkpoint]:
     check_name(name, metadata)
+    step = check_int(step, what="checkpoint step", error=CheckpointError)  # True is not step 1; numpy integers are
+    check_branch(metadata, branch, stream=stream.name, doing="cannot checkpoint", error=CheckpointError)
     head = metadata.snapshot_by_name(branch)
     if head is None:
         raise CheckpointError(f"branch {branch!r} of {stream.name} does not exist or has no steps")
-    state = StreamState.parse(_summary(head))
-    if not isinstance(step, int) or step < 1 or step > state.step:
+    state = StreamState.of(head)
+    if step < 1 or step > state.step:
         raise CheckpointError(f"cannot checkpoint step {step!r} of {stream.name}: published steps are 1..{state.step}")
     entries = stream.index.entries(head, step)
     if step < state.collected_below or not entries:
@@ -78,7 +81,7 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     planner = stream.manifest_planner(metadata)
     manifest = planner._write(0, snapshot_id, sequence_number, (_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries))  # noqa: SLF001
     source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
-                   if StreamState.parse(_summary(metadata.snapshot_by_id(sid))).step == step
+                   if StreamState.of(metadata.snapshot_by_id(sid)).step == step
                    and _summary(metadata.snapshot_by_id(sid)).get("lakestream.op", OP_APPEND) == OP_APPEND), None)
     manifest_list = planner.write_list([manifest], snapshot_id=snapshot_id, parent_id=source, sequence_number=sequence_number)
     rows = sum(e.data_file.record_count for e in entries)

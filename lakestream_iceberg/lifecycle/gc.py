@@ -42,9 +42,11 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.connect.storage import list_files
-from lakestream_iceberg.errors import LifecycleError
+from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected
+from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
 from lakestream_iceberg.format.manifests import step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
@@ -113,7 +115,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
             continue
         requirements.append(AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id))
         head = metadata.snapshot_by_id(ref.snapshot_id)
-        state = StreamState.parse(_summary(head))
+        state = StreamState.of(head)
         on_branch = [c.step for c in keep if c.branch == branch]
         cutoff = min(on_branch) if on_branch else 1
         if cutoff <= state.collected_below or head is None:
@@ -240,8 +242,34 @@ def snapshots_expired(plan: Plan[GCReport]) -> set[int]:
     return {sid for u in plan.updates if isinstance(u, RemoveSnapshotsUpdate) for sid in u.snapshot_ids}
 
 
-def check_policy(keep_last: int | None, keep_within: timedelta | None) -> None:
-    if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
-        raise LifecycleError(f"keep_last must be a positive integer (or None), got {keep_last!r}")
+def check_policy(keep_last: int | None, keep_within: timedelta | None) -> int | None:
+    """Validate the retention arguments; ``keep_last`` as an int (numpy integers accepted, bools refused)."""
+    if keep_last is not None:
+        keep_last = check_int(keep_last, what="keep_last", error=LifecycleError, minimum=1, hint="or None")
     if keep_within is not None and (not isinstance(keep_within, timedelta) or keep_within.total_seconds() < 0):
         raise LifecycleError(f"keep_within must be a non-negative datetime.timedelta (or None), got {keep_within!r}")
+    return keep_last
+
+
+def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short: bool) -> float:
+    """The grace period GC uses: ``grace``, or ``lakestream.gc.grace-period-ms`` when None.
+
+    The GC grace rule (README): a grace shorter than ``GRACE_PER_COMMIT_TIMEOUT`` x ``lakestream.commit.timeout-ms`` can
+    delete the files of a batch that a commit in flight still publishes, so it is refused unless ``allow_short``: the
+    explicit opt-in for quiescent tables (no producer running: tests, benchmarks, maintenance windows).
+
+    Raises:
+        ConfigError: ``grace`` is not a non-negative ``timedelta``, or is too short without ``allow_short``.
+    """
+    if grace is None:
+        return config.gc_grace_ms / 1000  # the property itself obeys the rule (StreamConfig)
+    if not isinstance(grace, timedelta) or grace.total_seconds() < 0:
+        raise ConfigError(f"grace must be a non-negative datetime.timedelta (or None), got {grace!r}")
+    need_s = GRACE_PER_COMMIT_TIMEOUT * config.commit_timeout_ms / 1000
+    if grace.total_seconds() < need_s and not allow_short:
+        raise ConfigError(
+            f"grace={grace} is shorter than {GRACE_PER_COMMIT_TIMEOUT} x {PROP_COMMIT_TIMEOUT_MS} ({need_s:g}s): with "
+            "producers running, GC could delete the files of a batch that a commit is about to publish. Leave grace "
+            f"unset (the stream's {PROP_GC_GRACE_MS}), or pass allow_short_grace=True only when no producer is running"
+        )
+    return grace.total_seconds()

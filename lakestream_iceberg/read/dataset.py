@@ -42,6 +42,7 @@ import numpy as np
 import pyarrow as pa
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, fetch_table, pump_steps
 from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
@@ -101,9 +102,9 @@ def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, 
                 raise ConfigError("environment variables RANK and WORLD_SIZE must be integers when set") from None
         rank = found[0] if rank is None else rank
         world_size = found[1] if world_size is None else world_size
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size must be a positive integer, got {world_size!r}")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    world_size = check_int(world_size, what="world_size", minimum=1)
+    rank = check_int(rank, what="rank", error=RankError)
+    if not 0 <= rank < world_size:
         raise RankError(f"rank {rank!r} is outside 0..{world_size - 1} (consumer world size {world_size})")
     return rank, world_size
 
@@ -129,12 +130,10 @@ class _DatasetCore:
         poll_s: float = 0.02,
         max_poll_s: float = 0.5,
     ) -> None:
-        if not isinstance(start_step, int) or start_step < 1:
-            raise ConfigError(f"start_step must be an integer >= 1, got {start_step!r}")
-        if end_step is not None and (not isinstance(end_step, int) or end_step < 0):
-            raise ConfigError(f"end_step must be a non-negative integer or None, got {end_step!r}")
-        if not isinstance(prefetch, int) or prefetch < 0:
-            raise ConfigError(f"prefetch must be an integer >= 0, got {prefetch!r}")
+        start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
+        if end_step is not None:
+            end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
+        prefetch = check_int(prefetch, what="prefetch", minimum=0)
         if columns is not None:
             unknown = sorted(set(columns) - set(stream.payload_arrow_schema.names))
             if unknown:
@@ -209,13 +208,12 @@ class _DatasetCore:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance)."""
         try:
-            pending = {"next_step": int(state["next_step"]), "worker_id": int(state.get("worker_id", 0)),
-                       "num_workers": int(state.get("num_workers", 1))}
-        except (KeyError, TypeError, ValueError):
+            raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
+                   "num_workers": state.get("num_workers", 1)}
+        except (KeyError, TypeError, AttributeError):
             raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
-        if pending["next_step"] < 1:
-            raise ConfigError(f"state_dict next_step must be >= 1, got {pending['next_step']}")
-        self._pending = pending
+        self._pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
+                         for key, value in raw.items()}
 
     def _first(self, worker_id: int, num_workers: int) -> int:
         """This worker's first step, consuming a loaded state."""
@@ -275,8 +273,7 @@ class _DatasetCore:
     def _load(self, stream: StreamTable, io: Any, snapshot: Any, step: int) -> Any:
         files = stream.index.files(snapshot, step)
         if not files:
-            summary = snapshot.summary.additional_properties if snapshot is not None and snapshot.summary else None
-            raise missing_step_error(step, StreamState.parse(summary), self.branch, stream.name)
+            raise missing_step_error(step, StreamState.of(snapshot), self.branch, stream.name)
         counts = [int(f.record_count) for f in files]
         tables, ids = [], []
         for seg in partition(counts, self.rank, self.world_size):

@@ -111,8 +111,7 @@ class HeadWatcher:
     def head(self) -> tuple[int, Snapshot | None]:
         """The head step and snapshot of the branch in the current table view (no I/O)."""
         snapshot = self._stream.table.metadata.snapshot_by_name(self._branch)
-        summary = snapshot.summary.additional_properties if snapshot is not None and snapshot.summary else None
-        return StreamState.parse(summary).step, snapshot
+        return StreamState.of(snapshot).step, snapshot
 
     def wait(
         self,

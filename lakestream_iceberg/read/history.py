@@ -52,6 +52,7 @@ from pyiceberg.io import FileIO
 
 from lakestream_iceberg.errors import MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
 from lakestream_iceberg.format.summary import (
@@ -379,7 +380,7 @@ def register_samples(
     if samples_steps is None:
         wanted = live_steps[-1:]
     else:
-        first, last = samples_steps
+        first, last = (check_int(s, what="samples_steps (first, last)") for s in samples_steps)
         wanted = [s for s in live_steps if first <= s <= last]
     con.register("samples", read_samples(stream, entries, steps=wanted, progress=progress))
 

@@ -12,7 +12,10 @@ Outcomes of one attempt:
 * anything else (``CommitStateUnknownException``, a dropped database connection, a 5xx): the commit may or may not
   have landed. The table is read back (with bounded backoff while the catalog is unreachable) and the planner decides
   from the published state, never a blind repeat. A repeat is safe anyway: every plan requires the branch to still
-  point at the parent it was built on, so at most one of two racing copies can land.
+  point at the parent it was built on, so at most one of two racing copies can land;
+* a :class:`LakestreamError` (a planner's refusal, or :class:`CorruptStateError` for a head whose summary holds a value
+  lakestream never writes) propagates at once, from the planner and from every read of the head: the table was read,
+  so it is not a catalog outage, and retrying until the timeout would only hide it.
 
 Group commit (``carry``): the caller's batch is staged (:mod:`lakestream_iceberg.write.staging`), and any producer's commit
 may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether the staged batch
@@ -126,7 +129,7 @@ class CommitLoop:
                     self._observe_metadata_size()
                 return self.table.metadata
             except LakestreamError:
-                raise
+                raise  # e.g. CorruptStateError from _observe: the table was read fine, its head is malformed
             except Exception as exc:  # the catalog or storage is unreachable
                 if self._clock() + delay > deadline:
                     raise CommitOutcomeUnknownError(
@@ -139,7 +142,7 @@ class CommitLoop:
                 delay = min(delay * 2, 2.0)
 
     def _observe(self, metadata: TableMetadata) -> None:
-        state = StreamState.parse(self._head_summary(metadata))
+        state = self._head_state(metadata)
         # DAC counts the producers that contend: those that recur (committed more than once since they became
         # active) or rode in the head's group; a pool that uses every id once is one producer after another.
         recent = state.step - state.group if state.group > 1 else state.step
@@ -163,9 +166,8 @@ class CommitLoop:
         except Exception:  # a size is only a hint for the policy
             pass
 
-    def _head_summary(self, metadata: TableMetadata) -> dict[str, str] | None:
-        head = metadata.snapshot_by_name(self._branch)
-        return dict(head.summary.additional_properties) if head is not None and head.summary is not None else None
+    def _head_state(self, metadata: TableMetadata) -> StreamState:
+        return StreamState.of(metadata.snapshot_by_name(self._branch))
 
     def mark_stale(self) -> None:
         self._fresh = False
@@ -207,7 +209,7 @@ class CommitLoop:
                     metadata = self.refresh(deadline=deadline)
                     stale = False
             began = self._clock()
-            base_step = StreamState.parse(self._head_summary(metadata)).step
+            base_step = self._head_state(metadata).step
             try:
                 plan = planner(metadata, attempt)
             except FileNotFoundError:
@@ -247,7 +249,7 @@ class CommitLoop:
                 abandoned.extend(plan.written)
                 self._fresh = False
                 metadata = self.refresh(deadline=deadline)
-                foreign = max(0, StreamState.parse(self._head_summary(metadata)).step - base_step)
+                foreign = max(0, self._head_state(metadata).step - base_step)
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign, foreign=foreign)
                 log.debug("commit attempt %d on %s lost (%s)", attempt, self.table.name(), exc)
                 if carry is None and escalate is not None:  # not alone after all: join group commit
@@ -267,7 +269,7 @@ class CommitLoop:
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
             else:
                 self._adopt(response.metadata, response.metadata_location, previous=metadata)
-                new_step = StreamState.parse(self._head_summary(response.metadata)).step
+                new_step = self._head_state(response.metadata).step
                 self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
                 self._observe(response.metadata)
                 return Outcome(plan.result, attempt, True, response.metadata, abandoned, sent)

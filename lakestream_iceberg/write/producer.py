@@ -27,9 +27,10 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.connect.diagnose import config_errors
-from lakestream_iceberg.errors import CommitTimeoutError, SequenceError
+from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, SequenceError
+from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors, expirable
-from lakestream_iceberg.format.layout import check_shards
+from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_shards
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Plan
@@ -104,8 +105,9 @@ class Producer:
         return self._state(metadata).next_seq(self._stream.io, self.producer_id)
 
     def _state(self, metadata: TableMetadata) -> StreamState:
-        head = metadata.snapshot_by_name(self.branch)
-        return StreamState.parse(head.summary.additional_properties if head is not None and head.summary else None)
+        check_branch(metadata, self.branch, stream=self._stream.name, error=CommitError,
+                     doing=f"producer {self.producer_id!r} cannot commit to")  # deleted or re-tagged since: never a tag
+        return StreamState.of(metadata.snapshot_by_name(self.branch))
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
@@ -138,6 +140,8 @@ class Producer:
     def _commit(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> CommitResult:
         started = time.monotonic()
         stream = self._stream
+        if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
+            seq = check_int(seq, what="seq", error=SequenceError, minimum=0)
         checked = check_shards(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
         state = self._state(self._loop.table.metadata if self._loop_fresh() else self._refresh())
         if seq is None:
@@ -187,6 +191,10 @@ class Producer:
                 f"{exc}. Its staged batch was withdrawn, but a group commit of another producer that had already read "
                 "it may still publish it: retrying with the same seq is safe either way (it is reconciled, not duplicated)"
             ) from exc
+        except CommitError as exc:
+            if intent is not None and not isinstance(exc, CommitOutcomeUnknownError):
+                self._staging.remove([intent.path])  # refused (e.g. the branch is gone): nobody may publish it
+            raise
         published = outcome.result
         if outcome.landed:
             self._staging.remove(published.intents + published.stale)
@@ -228,8 +236,6 @@ class Producer:
         return self._loop.refresh(deadline=time.monotonic() + self._stream.config.commit_timeout_ms / 1000)
 
     def _check_seq(self, seq: int, state: StreamState, allow_gap: bool) -> None:
-        if not isinstance(seq, int) or seq < 0:
-            raise SequenceError(f"seq must be a non-negative integer, got {seq!r}")
         expected = state.next_seq(self._stream.io, self.producer_id)
         if seq > expected and not allow_gap:
             raise SequenceError(
@@ -247,11 +253,21 @@ class Producer:
         head = metadata.snapshot_by_name(self.branch)
         for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(metadata.snapshots)):
             snap = metadata.snapshot_by_id(snapshot_id)
-            st = StreamState.parse(snap.summary.additional_properties if snap and snap.summary else None)
+            st = StreamState.of(snap)
             if st.op == OP_APPEND and st.producer == self.producer_id and st.seq == seq:
                 return {"step": st.step, "snapshot_id": snapshot_id}
         step = self._stream.index.step_of_file(metadata, self.branch, f"/data/{self.producer_id}/{seq:012d}-")
         return {"step": step, "snapshot_id": None}
+
+    def _check_age(self, batch: StagedBatch) -> None:
+        max_age_s = self._stream.config.gc_grace_ms / 2000
+        age = time.time() - batch.written_at if batch.written_at is not None else 0.0
+        if age > max_age_s:
+            raise CommitTimeoutError(
+                f"batch seq {batch.seq} of producer {self.producer_id!r} was written {age:.1f}s ago, longer than half of "
+                f"{PROP_GC_GRACE_MS} ({max_age_s:.1f}s): GC may already have deleted its files, so it is not "
+                "published. Retry the same call (same seq): the retry writes the files again"
+            )
 
     def _eligible(self, state: StreamState, own: _Batch) -> tuple[list[_Batch], list[str]]:
         """Other producers' staged batches this commit may publish on top of ``state`` (oldest first, capped), and
@@ -282,8 +298,14 @@ class Producer:
         return [_Batch(i.batch, i.allow_gap, i.staged_at, i.path) for i in others], stale
 
     def _plan_group(self, metadata: TableMetadata, state: StreamState, own: _Batch, attempt: int) -> Plan[_Published]:
-        """One compare-and-swap publishing ``own`` and (group commit) every eligible staged batch, one snapshot each."""
+        """One compare-and-swap publishing ``own`` and (group commit) every eligible staged batch, one snapshot each.
+
+        ``own`` is refused (:class:`CommitTimeoutError`) once its files are older than half the GC grace period, the
+        same bound as other producers' staged batches: GC deletes unreferenced files older than the grace period, and
+        this commit may take up to the commit timeout (at most half the grace period, see ``StreamConfig``).
+        """
         stream = self._stream
+        self._check_age(own.batch)
         others, stale = self._eligible(state, own)
         batches = sorted([own, *others], key=lambda b: b.staged_at)
         group = len(batches)

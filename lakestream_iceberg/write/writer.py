@@ -8,6 +8,7 @@ own bytes, and a commit that loses the compare-and-swap re-uses these files with
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,7 @@ from pyiceberg.schema import Schema
 from pyiceberg.typedef import Record
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
-from lakestream_iceberg.errors import ConfigError
+from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
 
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -112,6 +113,7 @@ class StagedBatch:
     seq: int
     files: tuple[StagedFile, ...]
     token: str = ""  # the batch's unique token (also in its data file names)
+    written_at: float | None = None  # unix seconds when its writing began (None: unknown, e.g. read from an intent)
 
     @property
     def rows(self) -> int:
@@ -142,12 +144,39 @@ class BatchWriter:
         self._retry_s = int(properties.get("lakestream.io.retry-timeout-ms", "120000")) / 1000
 
     def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table]) -> StagedBatch:
+        """Write every rank's file; when any rank's write fails, delete what was written and raise.
+
+        Raises:
+            SchemaMismatchError: pyarrow refused a shard's data (e.g. a null in a non-nullable field); nothing is left
+                behind.
+            Exception: A storage failure that outlasted ``lakestream.io.retry-timeout-ms``, unchanged (every file of
+                the batch was deleted, as far as storage allowed).
+        """
         token = uuid.uuid4().hex[:12]
-        futures = [
-            self._pool.submit(self._write_retrying, f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet", rank, shard)
-            for rank, shard in enumerate(shards)
-        ]
-        return StagedBatch(producer=producer, seq=seq, files=tuple(f.result() for f in futures), token=token)
+        written_at = time.time()  # before any file exists: a lower bound of every file's modification time
+        paths = [f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet" for rank in range(len(shards))]
+        futures = [self._pool.submit(self._write_retrying, path, rank, shard)
+                   for rank, (path, shard) in enumerate(zip(paths, shards))]
+        files: list[StagedFile] = []
+        failure: Exception | None = None
+        for future in futures:  # wait for every rank, so that no write is still running when the others are deleted
+            try:
+                files.append(future.result())
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the cleanup
+                failure = failure or exc
+        if failure is None:
+            return StagedBatch(producer=producer, seq=seq, files=tuple(files), token=token, written_at=written_at)
+        for path in paths:  # a failed rank may have left a partial file too
+            try:
+                self._io.delete(path)
+            except Exception:  # noqa: BLE001 - never written, or storage unreachable: GC collects it after the grace period
+                pass
+        if isinstance(failure, (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)):
+            raise SchemaMismatchError(
+                f"writing batch seq {seq} of producer {producer!r} failed: pyarrow refused a shard ({failure}); nothing "
+                "was published and the files already written were deleted. Fix the data (or the stream's schema)"
+            ) from failure
+        raise failure
 
     def _write_retrying(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
         return call_with_retry(lambda: self._write_one(path, rank, shard), what=f"writing {path}", timeout_s=self._retry_s)

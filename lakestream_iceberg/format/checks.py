@@ -1,0 +1,75 @@
+"""Argument checks shared by every wing: integers that cross the API, and the branch a producer publishes into.
+
+**Integers.** Every integer the API takes (a producer's ``seq``, a ``step``, a ``rank``, a ``world_size``,
+``keep_last``, ...) goes through :func:`check_int`: a Python ``int`` or anything that implements ``__index__`` (numpy
+integers) is accepted and returned as a plain ``int``; a ``bool`` is refused (``True == 1`` in Python, and a ``True``
+once written into a snapshot summary as the string ``"True"`` is not a number any more), and so are floats (even
+integral ones), strings and ``None``. The caller names the value and picks the :class:`LakestreamError` subclass.
+
+**Branches.** A producer publishes into an existing branch only (``main``, which an empty stream does not have yet, or
+one made by ``fork``): a tag name would turn a checkpoint tag into a branch, and a typo would start a parentless
+lineage at step 1. :func:`check_branch` is used when a producer is made and again in every commit plan.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
+
+from lakestream_iceberg.errors import ConfigError, LakestreamError
+
+__all__ = ["branches", "check_branch", "check_int"]
+
+
+def check_int(value: object, *, what: str, error: type[LakestreamError] = ConfigError, minimum: int | None = None,
+              maximum: int | None = None, hint: str = "") -> int:
+    """``value`` as a plain ``int``, or ``error`` naming ``what``.
+
+    Args:
+        value: The value the caller passed.
+        what: Its name in the message (``"seq"``, ``"rank"``, ``"keep_last"``).
+        error: The :class:`LakestreamError` subclass to raise.
+        minimum, maximum: Inclusive bounds (None: unbounded).
+        hint: Appended to the message (what to do instead).
+
+    Raises:
+        error: ``value`` is a bool, not an integer, or out of bounds.
+    """
+    suffix = f" ({hint})" if hint else ""
+    if isinstance(value, bool):
+        raise error(f"{what} must be an integer, got the bool {value!r}{suffix}")
+    try:
+        number = operator.index(value)  # int, numpy integers; not float, str, None, numpy bool
+    except TypeError:
+        raise error(f"{what} must be an integer, got {value!r} ({type(value).__name__}){suffix}") from None
+    if minimum is not None and number < minimum or maximum is not None and number > maximum:
+        bounds = f">= {minimum}" if maximum is None else f"<= {maximum}" if minimum is None else f"in {minimum}..{maximum}"
+        raise error(f"{what} must be {bounds}, got {number}{suffix}")
+    return number
+
+
+def branches(metadata: TableMetadata) -> list[str]:
+    """The stream's branches (``main`` always, even before its first snapshot)."""
+    return sorted({MAIN_BRANCH} | {n for n, r in metadata.refs.items() if r.snapshot_ref_type == SnapshotRefType.BRANCH})
+
+
+def check_branch(metadata: TableMetadata, branch: object, *, stream: str, doing: str,
+                 error: type[LakestreamError] = ConfigError) -> str:
+    """``branch`` when it is a branch of ``metadata`` (or ``main`` with no ref yet), else ``error``.
+
+    ``doing`` starts the message, e.g. ``"cannot make producer 'p' on"``.
+    """
+    if not isinstance(branch, str):
+        problem = f"the branch name must be a string, got {type(branch).__name__}"
+    else:
+        ref = metadata.refs.get(branch)
+        if ref is None and branch == MAIN_BRANCH or ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH:
+            return branch
+        problem = (f"{branch!r} is a tag (a checkpoint), not a branch" if ref is not None
+                   else f"it has no branch {branch!r}")
+    raise error(
+        f"{doing} branch {branch!r} of {stream}: {problem}. Its branches are: {', '.join(branches(metadata))} (main, "
+        "and those made with stream.fork(checkpoint, branch=...))"
+    )
