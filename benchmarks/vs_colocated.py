@@ -28,6 +28,7 @@ import argparse
 import io
 import math
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import re
 import resource
@@ -47,7 +48,12 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
 
-CTX = mp.get_context("fork")
+# Producer processes come from a forkserver, never from a fork of the benchmark: a fork copies the locks other threads
+# hold at that instant (a producer restarted from the failure run's timer thread hung forever on an RLock the training
+# loop held) and the trainer's open SQLite connections to the catalog (SQLite's locks do not survive fork(): a child
+# that opens the same file again may read and write it without holding them). The server has neither.
+CTX = mp.get_context("forkserver")
+FORKSERVER_PRELOAD = ["__main__", "lakestream_iceberg", "pyiceberg.catalog.sql", "PIL.Image"]
 NAME = "bench.train"
 IMG = 128
 SEQ = 128
@@ -59,7 +65,7 @@ _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", 
 
 
 class RawData:
-    """Synthetic raw samples (JPEG bytes, text) and the vocabulary; built once, inherited by forked workers."""
+    """Synthetic raw samples (JPEG bytes, text) and the vocabulary; built once (inherited by the forked DataLoader workers, pickled to the producers)."""
 
     def __init__(self, n_images: int, n_texts: int, seed: int = 0) -> None:
         from PIL import Image
@@ -538,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     args = parse_args(argv)
     started = time.monotonic()
+    CTX.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()  # boots (imports) now, not inside the first timed producer start
     load_at_start = os.getloadavg()
     bench = Bench(args)
     runs: list[dict[str, Any]] = []

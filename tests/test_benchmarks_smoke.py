@@ -7,6 +7,7 @@ ran and that the exactly-once / isolation facts the benchmarks report hold.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -24,12 +25,25 @@ BENCH = ROOT / "benchmarks"
 
 
 def _run(script: str, out: Path, timeout: float) -> dict:
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), "--smoke", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    # its own process group: on a timeout the benchmark and its workers/producers are all stopped, after faulthandler
+    # (SIGABRT) printed where every thread of the benchmark was, so a hang can be told from a slow machine
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "faulthandler", str(BENCH / script), "--smoke", "--out", str(out)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
-    assert proc.returncode == 0, f"{script} --smoke failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert out.exists(), f"{script} wrote no JSON; stdout:\n{proc.stdout[-2000:]}"
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            proc.wait(timeout=10)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the group is empty once everything in it exited
+                os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate(timeout=30)
+        pytest.fail(f"{script} --smoke did not finish in {timeout:.0f} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    assert proc.returncode == 0, f"{script} --smoke failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
+    assert out.exists(), f"{script} wrote no JSON; stdout:\n{stdout[-2000:]}"
     return json.loads(out.read_text())
 
 
