@@ -28,6 +28,7 @@ import argparse
 import io
 import math
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import re
 import resource
@@ -47,7 +48,12 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
 
-CTX = mp.get_context("fork")
+# Producer processes come from a forkserver, never from a fork of the benchmark: a fork copies the locks other threads
+# hold at that instant (a producer restarted from the failure run's timer thread hung forever on an RLock the training
+# loop held) and the trainer's open SQLite connections to the catalog (SQLite's locks do not survive fork(): a child
+# that opens the same file again may read and write it without holding them). The server has neither.
+CTX = mp.get_context("forkserver")
+FORKSERVER_PRELOAD = ["__main__", "lakestream_iceberg", "pyiceberg.catalog.sql", "PIL.Image"]
 NAME = "bench.train"
 IMG = 128
 SEQ = 128
@@ -59,7 +65,7 @@ _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", 
 
 
 class RawData:
-    """Synthetic raw samples (JPEG bytes, text) and the vocabulary; built once, inherited by forked workers."""
+    """Synthetic raw samples (JPEG bytes, text) and the vocabulary; built once (inherited by the forked DataLoader workers, pickled to the producers)."""
 
     def __init__(self, n_images: int, n_texts: int, seed: int = 0) -> None:
         from PIL import Image
@@ -215,6 +221,46 @@ def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, r
 # ------------------------------------------------------------------------------------------------ the training loop
 
 
+class ChildExitGuard:
+    """Confines torch's "DataLoader worker is killed" error to the training loop that handles it.
+
+    A ``DataLoader`` with workers installs a SIGCHLD handler (``torch.utils.data._utils.signal_handling``) that raises
+    ``RuntimeError`` once per iterator when a child exits while one of the iterator's workers is dead and not yet
+    reaped. Python runs it in the main thread between two bytecodes of whatever code runs then, so the benchmark's
+    deliberate worker kill can surface anywhere: the worker's death also reaches the loop through the data path (the
+    batch it was handing over by file descriptor fails with ``EOFError``/``ConnectionResetError`` as soon as its files
+    are closed, before it is a zombie), the loop stops on that error, and the handler's one raise then lands after the
+    loop (e.g. in ``resource.getrusage``). This guard wraps torch's handler: it lets it raise only while ``armed`` (the
+    training loop's ``try``), disarms itself as it raises (so the loop's ``except`` cannot be interrupted by a second
+    one), and outside the loop records the error in ``outside`` instead.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.outside: list[str] = []
+        self._inner: Any = None
+
+    def install(self) -> None:
+        """Wrap the current SIGCHLD handler (torch's, once a DataLoader iterator started workers); idempotent."""
+        current = signal.getsignal(signal.SIGCHLD)
+        if current == self._handle or not callable(current):
+            return
+        self._inner = current
+        signal.signal(signal.SIGCHLD, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        try:
+            self._inner(signum, frame)
+        except Exception as exc:  # noqa: BLE001 - torch's "worker ... is killed by signal"
+            if self.armed:
+                self.armed = False
+                raise
+            self.outside.append(f"{type(exc).__name__}: {exc}")
+
+
+CHILD_EXIT = ChildExitGuard()
+
+
 def compute(seconds: float, kind: str) -> None:
     if kind == "sleep":
         time.sleep(seconds)
@@ -231,6 +277,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
           on_step: Any = None) -> dict[str, Any]:
     """Run ``steps`` steps; per step: wait for the batch (data time), touch it, compute."""
     it = iter(batches)
+    CHILD_EXIT.install()  # after iter(): a DataLoader iterator with workers installs torch's SIGCHLD handler there
     data_s: list[float] = []
     step_end: list[float] = []
     seen: list[int] = []
@@ -239,30 +286,33 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
     t_start = time.monotonic()
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t_first = None
-    for step in range(steps):
+    try:
         try:
-            if on_step is not None:
-                on_step(step, it)
-            t0 = time.monotonic()
-            try:
-                item = next(it)
-            except StopIteration:
-                error = f"data ran out after {step} steps"
-                break
-            images, tokens = item["image"], item["tokens"]
-            checksum = int(images[:, 0, 0, 0].sum()) + int(tokens[:, 0].sum())  # the trainer touches the data
-            del checksum
-            seen.extend(int(i) for i in item["sample_id"])
-            t1 = time.monotonic()
-            if t_first is None:
-                t_first = t1 - t_start
-            data_s.append(t1 - t0)
-            compute(compute_s, compute_kind)
-            step_end.append(time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - a data-feed failure ends training (it may surface anywhere: SIGCHLD)
-            error = f"{type(exc).__name__}: {(str(exc).splitlines() or [repr(exc)])[0][:300]}"  # EOFError() has no message
-            error_at = time.monotonic()
-            break
+            CHILD_EXIT.armed = True  # a worker's death may surface as an exception only from here ...
+            for step in range(steps):
+                if on_step is not None:
+                    on_step(step, it)
+                t0 = time.monotonic()
+                try:
+                    item = next(it)
+                except StopIteration:
+                    error = f"data ran out after {step} steps"
+                    break
+                images, tokens = item["image"], item["tokens"]
+                checksum = int(images[:, 0, 0, 0].sum()) + int(tokens[:, 0].sum())  # the trainer touches the data
+                del checksum
+                seen.extend(int(i) for i in item["sample_id"])
+                t1 = time.monotonic()
+                if t_first is None:
+                    t_first = t1 - t_start
+                data_s.append(t1 - t0)
+                compute(compute_s, compute_kind)
+                step_end.append(time.monotonic())
+        finally:
+            CHILD_EXIT.armed = False  # ... to here (a raise in this finally still reaches the except below)
+    except Exception as exc:  # noqa: BLE001 - a data-feed failure ends training (data path or SIGCHLD handler)
+        error = f"{type(exc).__name__}: {(str(exc).splitlines() or [repr(exc)])[0][:300]}"  # EOFError() has no message
+        error_at = time.monotonic()
     cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     done = len(step_end)
     steady = data_s[warmup:]
@@ -494,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     args = parse_args(argv)
     started = time.monotonic()
+    CTX.set_forkserver_preload(FORKSERVER_PRELOAD)
+    multiprocessing.forkserver.ensure_running()  # boots (imports) now, not inside the first timed producer start
     load_at_start = os.getloadavg()
     bench = Bench(args)
     runs: list[dict[str, Any]] = []
@@ -564,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [{k: v for k, v in r.items() if k not in strip} for r in runs],
         "failure": {"colocated": {k: v for k, v in fail_colocated.items() if k not in strip},
                     "lakestream": {k: v for k, v in fail_lake.items() if k not in strip}},
+        "sigchld_errors_outside_training_loop": CHILD_EXIT.outside,
         "tables": [table.to_json(), ftable.to_json()],
         "printed": f"{table}\n\n{ftable}",
     }, directory=Path(args.out).parent)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import queue
 import random
 import signal
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,23 +72,60 @@ def test_eight_producer_processes_publish_dense_steps_exactly_once(tmp_path: Pat
         assert order == sorted(order)
 
 
+def lines_of(proc: subprocess.Popen) -> queue.Queue:
+    """The process's stdout lines as they are printed (None at EOF), so the test can wait for them with a timeout."""
+    lines: queue.Queue = queue.Queue()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return lines
+
+
+KILL_ROUNDS = 5
+
+
 @pytest.mark.slow
 def test_producer_killed_at_random_points_and_restarted_has_no_gap_and_no_duplicate(tmp_path: Path) -> None:
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
     rng = random.Random(7)
     other = spawn(tmp_path, "steady", 40)  # a second producer keeps the table moving
+    printed: list[int] = []  # the victim's seqs as its incarnations reported them committed, in order
     kills = 0
-    while True:
+    for _ in range(KILL_ROUNDS):
+        # each incarnation is killed only after it made observed progress (it printed `want` committed batches), at a
+        # random point of its next batch (building, staging or committing it): start-up time, however long on a busy
+        # machine, never counts against the kill, and every round moves the victim forward.
         proc = spawn(tmp_path, "victim", 40)
-        time.sleep(rng.uniform(0.3, 1.5))
-        if proc.poll() is not None:
-            assert proc.returncode == 0, proc.stderr.read()[-3000:]
-            break
+        lines = lines_of(proc)
+        want = rng.randint(1, 3)
+        done: list[dict] = []
+        while len(done) < want:
+            line = lines.get(timeout=300)
+            assert line is not None, f"victim exited before its kill ({proc.wait()}): {proc.stderr.read()[-3000:]}"
+            done.append(json.loads(line))
+        try:  # wait a random fraction of the last batch's duration, or until the next batch is reported: kill then
+            line = lines.get(timeout=rng.uniform(0, done[-1]["elapsed_s"]))
+            if line is not None:
+                done.append(json.loads(line))
+        except queue.Empty:
+            pass
         proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()[-3000:]
         kills += 1
-    assert other.wait(timeout=300) == 0
-    assert kills >= 2
+        printed += [r["seq"] for r in done]
+    proc = spawn(tmp_path, "victim", 40)  # the last incarnation runs to the end
+    lines = lines_of(proc)
+    while (line := lines.get(timeout=300)) is not None:
+        printed.append(json.loads(line)["seq"])
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+    assert other.wait(timeout=300) == 0, other.stderr.read()[-3000:]
+    assert kills == KILL_ROUNDS
+    # a restarted incarnation resumes after everything an earlier one reported committed, never before it
+    assert printed == sorted(set(printed)) and printed[-1] == 39, printed
     steps = published(stream)
     assert sorted(steps) == list(range(1, stream.head_step() + 1))
     victim = sorted(seq for p, seq in steps.values() if p == "victim")

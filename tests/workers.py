@@ -1,9 +1,14 @@
-"""Producer processes for the multi-process tests: ``python -m tests.workers ROOT STREAM PRODUCER COUNT``."""
+"""Producer processes for the multi-process tests: ``python -m tests.workers ROOT STREAM PRODUCER COUNT``.
+
+Prints one JSON line per committed batch, flushed as soon as ``commit`` returned: a parent reading the lines sees the
+worker's progress as it happens (``elapsed_s``: seconds this batch took, from building it to its commit returning).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 from lakestream_iceberg import Stream
 from tests.support import batch, sqlite_catalog
@@ -14,9 +19,10 @@ def main() -> None:
     stream = Stream.open(sqlite_catalog(root), name)
     producer = stream.producer(producer_id)
     while (seq := producer.next_seq) < count:
+        started = time.monotonic()
         result = producer.commit(batch(producer_id, seq, stream.world_size), seq=seq)
         print(json.dumps({"seq": result.seq, "step": result.step, "attempts": result.attempts, "dup": result.duplicate,
-                          "carried": result.carried}), flush=True)
+                          "carried": result.carried, "elapsed_s": time.monotonic() - started}), flush=True)
 
 
 if __name__ == "__main__":

@@ -169,7 +169,7 @@ def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str
         if snapshot.snapshot_id in skip:
             continue
         out.add(snapshot.manifest_list)
-        out.update(StreamState.parse(_summary(snapshot)).producer_files)  # producer-state files (format/producers.py)
+        out.update(StreamState.of(snapshot).producer_files)  # producer-state files (format/producers.py)
         for manifest in stream.cache.manifests(io, snapshot):
             out.add(manifest.manifest_path)
             out.update(e.data_file.file_path for e in stream.cache.entries(io, manifest))
