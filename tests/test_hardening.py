@@ -50,6 +50,14 @@ from tests.support import SCHEMA, batch, digest, shard
 
 WORLD = 2
 
+# Findings of issue 13 that are reproduced here but not fixed yet: strict, so each starts failing the suite the moment
+# its fix lands (then the marker is removed), and never hides a regression of a fixed one.
+OPEN_1 = pytest.mark.xfail(strict=True, reason="issue 13 item 1 (GC vs fork) is open")
+OPEN_4 = pytest.mark.xfail(strict=True, reason="issue 13 item 4 (staged intents are trusted) is open")
+OPEN_6 = pytest.mark.xfail(strict=True, reason="issue 13 item 6 (secrets in messages and pickles) is open")
+OPEN_7 = pytest.mark.xfail(strict=True, reason="issue 13 item 7 (dataset after GC) is open")
+
+
 
 # --------------------------------------------------------------------------------------------------- helpers
 
@@ -176,6 +184,7 @@ class Interceptor:
 # =================================================================================================== 1. GC vs fork
 
 
+@OPEN_1
 def test_1_fork_landing_between_gc_plan_and_swap_survives_or_fails_loudly(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     producer = stream.producer("p")
@@ -371,6 +380,7 @@ def test_3_producer_on_a_misspelt_branch_is_refused(small: tuple[Stream, Any]) -
 # =================================================================================================== 4. intents
 
 
+@OPEN_4
 def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     other = make(catalog, "ns.other")
@@ -391,6 +401,7 @@ def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(
     assert not any(".." in f.file_path or not f.file_path.startswith(location + "/data/") for f in live_files(stream))
 
 
+@OPEN_4
 def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     a, _ = both_active(stream)
@@ -405,6 +416,7 @@ def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog:
     assert digest(stream.read(result.step, rank=1)) == digest(batch("c", 0, WORLD)[1])
 
 
+@OPEN_4
 @pytest.mark.parametrize("new_schema", ["same-schema", "other-schema"])
 def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_location(
         catalog: SqlCatalog, new_schema: str) -> None:
@@ -433,6 +445,7 @@ def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_l
     assert not any("/data/d/" in f.file_path for f in live_files(new))
 
 
+@OPEN_4
 @pytest.mark.parametrize("defect", ["footer-schema", "row-count"])
 def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(catalog: SqlCatalog, defect: str) -> None:
     stream = make(catalog)
@@ -450,6 +463,7 @@ def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(ca
     assert published_by(stream, "c") == [], f"a staged batch with a bad file ({defect}) was published"
 
 
+@OPEN_4
 def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_success(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     a, b = both_active(stream)
@@ -502,6 +516,7 @@ def test_5_stream_with_grace_period_shorter_than_commit_timeout_is_refused(catal
 SECRETS = {"s3.secret-access-key": "s3cr3t-value", "rest.password": "pa55word-value", "token": "t0ken-value"}
 
 
+@OPEN_6
 def test_6_load_catalog_error_never_quotes_the_uri_password() -> None:
     with pytest.raises(ConfigError) as info:
         load_catalog("deadrest", type="rest", uri="http://user:s3cr3t@127.0.0.1:1",
@@ -525,11 +540,13 @@ def assert_no_secret(blob: bytes | str, what: str) -> None:
         assert value.encode() not in data, f"{what} contains the value of {key}"
 
 
+@OPEN_6
 def test_6_pickled_stream_carries_no_secret(secret_stream: Stream) -> None:
     assert_no_secret(repr(secret_stream), "repr(stream)")
     assert_no_secret(pickle.dumps(secret_stream), "pickle.dumps(stream)")
 
 
+@OPEN_6
 def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
     from lakestream_iceberg import LakestreamDataset
 
@@ -541,6 +558,7 @@ def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
 # =================================================================================================== 7. dataset + GC
 
 
+@OPEN_7
 @pytest.mark.parametrize("consumers", [1, 2])
 def test_7_dataset_continuing_after_gc_never_raises_a_raw_file_not_found(catalog: SqlCatalog, consumers: int) -> None:
     from lakestream_iceberg import LakestreamDataset
