@@ -1,0 +1,597 @@
+"""Hardening regressions: each test reproduces one finding of the hardening review and fails until it is fixed.
+
+Only the public API (``from lakestream_iceberg import ...``), pyiceberg and pyarrow are used, so the tests survive the
+package's restructuring. Races are created deterministically: the catalog's ``commit_table`` is wrapped so that a
+competing operation runs at an exact point (after the victim planned, before its compare-and-swap reaches the
+catalog); nothing depends on sleeps or timing windows. Staged group-commit intents are forged by writing the on-disk
+format that ``staging`` documents (a one-row Parquet file holding a JSON document under
+``<location>/data/_staging/<branch>/<producer>/``), exactly what a buggy or hostile writer sharing the bucket could do.
+
+Findings (one section each): 1 GC vs fork, 2 bool/numpy integers and malformed summaries, 3 branch names, 4 trusted
+intents, 5 GC grace vs commit timeout, 6 secrets, 7 dataset after GC, 8 step 0 / nested nulls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlparse
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from pyiceberg.catalog import Catalog
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.manifest import DataFile
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.update import RemoveSnapshotsUpdate
+
+from lakestream_iceberg import (
+    CheckpointError,
+    CommitOutcomeUnknownError,
+    ConfigError,
+    LakestreamError,
+    RankError,
+    SequenceError,
+    StepCollectedError,
+    Stream,
+    load_catalog,
+)
+from tests.support import SCHEMA, batch, digest, shard
+
+WORLD = 2
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def make(catalog: Catalog, name: str = "ns.stream", *, world_size: int = WORLD, schema: pa.Schema = SCHEMA,
+         **props: str) -> Stream:
+    return Stream.create(catalog, name, schema=schema, world_size=world_size, properties=props or None)
+
+
+def local(path: str) -> Path:
+    """A ``file://`` URI (or plain path) as a local path."""
+    return Path(urlparse(path).path if "://" in path else path)
+
+
+def files_under_data(stream: Stream) -> set[str]:
+    root = local(stream.table.metadata.location) / "data"
+    return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
+
+
+def summaries(stream: Stream) -> list[dict[str, str]]:
+    """The summaries of every snapshot the table still holds."""
+    stream.table.refresh()
+    return [dict(s.summary.additional_properties) if s.summary else {} for s in stream.table.metadata.snapshots]
+
+
+def published_by(stream: Stream, producer: str) -> list[dict[str, str]]:
+    """Snapshots that published a batch of ``producer`` (append snapshots naming it)."""
+    return [s for s in summaries(stream) if s.get("lakestream.producer") == producer and s.get("lakestream.op") == "append"]
+
+
+def head_producers(stream: Stream, branch: str = "main") -> dict[str, list[int]]:
+    stream.table.refresh()
+    head = stream.table.metadata.snapshot_by_name(branch)
+    raw = head.summary.additional_properties.get("lakestream.producers", "{}") if head and head.summary else "{}"
+    return json.loads(raw)
+
+
+def live_files(stream: Stream) -> list[DataFile]:
+    """Every data file of the main branch's current table state (pyiceberg's own scan planning)."""
+    stream.table.refresh()
+    return [task.file for task in stream.table.scan().plan_files()]
+
+
+def step_files(stream: Stream, step: int) -> list[DataFile]:
+    return sorted((f for f in live_files(stream) if f.partition[0] == step), key=lambda f: f.partition[1])
+
+
+def file_json(data_file: DataFile, *, rank: int, path: str, records: int | None = None) -> dict[str, Any]:
+    """A staged file entry of an intent (the JSON ``staging`` writes) describing ``data_file`` stored at ``path``."""
+
+    def ints(d: dict[int, int] | None) -> dict[str, int]:
+        return {str(k): int(v) for k, v in (d or {}).items()}
+
+    def blobs(d: dict[int, bytes] | None) -> dict[str, str]:
+        return {str(k): bytes(v).hex() for k, v in (d or {}).items()}
+
+    return {
+        "rank": rank, "path": path, "size": int(data_file.file_size_in_bytes),
+        "records": int(data_file.record_count if records is None else records),
+        "column_sizes": ints(data_file.column_sizes), "value_counts": ints(data_file.value_counts),
+        "null_value_counts": ints(data_file.null_value_counts), "nan_value_counts": ints(data_file.nan_value_counts),
+        "lower_bounds": blobs(data_file.lower_bounds), "upper_bounds": blobs(data_file.upper_bounds),
+        "split_offsets": list(data_file.split_offsets) if data_file.split_offsets is not None else None,
+    }
+
+
+def copy_step(stream: Stream, step: int, *, producer: str, seq: int, token: str) -> list[dict[str, Any]]:
+    """Copy the data files of a published step to fresh paths (as if ``producer`` wrote batch ``seq``); their entries."""
+    out = []
+    for data_file in step_files(stream, step):
+        rank = int(data_file.partition[1])
+        dest = f"{stream.table.metadata.location.rstrip('/')}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet"
+        local(dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local(data_file.file_path), local(dest))
+        out.append(file_json(data_file, rank=rank, path=dest))
+    assert len(out) == stream.world_size
+    return out
+
+
+def forge_intent(stream: Stream, *, producer: str, seq: int, files: list[dict[str, Any]], allow_gap: bool = False,
+                 staged_at: float | None = None, token: str | None = None, branch: str = "main",
+                 location: str | None = None) -> str:
+    """Write a staged intent in the documented on-disk format; return its path."""
+    token = token or uuid.uuid4().hex[:12]
+    root = (location or stream.table.metadata.location).rstrip("/")
+    path = f"{root}/data/_staging/{quote(branch, safe='')}/{producer}/{seq:012d}-{token}.parquet"
+    body = {"format": 1, "branch": branch, "producer": producer, "seq": seq, "token": token, "allow_gap": allow_gap,
+            "staged_at": time.time() if staged_at is None else staged_at, "files": files}
+    local(path).parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"intent": [json.dumps(body, separators=(",", ":"))]}), str(local(path)), compression="none")
+    return path
+
+
+def both_active(stream: Stream) -> tuple[Any, Any]:
+    """Producers "a" and "b", each with two published batches: both see contention, so every commit lists staging."""
+    a, b = stream.producer("a"), stream.producer("b")
+    for seq in range(2):
+        a.commit(batch("a", seq, stream.world_size))
+        b.commit(batch("b", seq, stream.world_size))
+    return a, b
+
+
+class Interceptor:
+    """Wraps ``catalog.commit_table``: the first commit matching ``when`` runs ``before()`` first, then proceeds."""
+
+    def __init__(self, catalog: Catalog, when: Callable[[tuple[Any, ...]], bool], before: Callable[[], None]) -> None:
+        self._catalog = catalog
+        self._original = catalog.commit_table
+        self._when = when
+        self._before = before
+        self.fired = False
+        catalog.commit_table = self  # type: ignore[method-assign]
+
+    def __call__(self, table: Any, requirements: Any, updates: Any) -> Any:
+        if not self.fired and self._when(tuple(updates)):
+            self.fired = True  # before running the hook: its own commits pass straight through
+            self._before()
+        return self._original(table, requirements, updates)
+
+    def remove(self) -> None:
+        self._catalog.commit_table = self._original  # type: ignore[method-assign]
+
+
+# =================================================================================================== 1. GC vs fork
+
+
+def test_1_fork_landing_between_gc_plan_and_swap_survives_or_fails_loudly(catalog: SqlCatalog) -> None:
+    stream = make(catalog)
+    producer = stream.producer("p")
+    for seq in range(4):
+        producer.commit(batch("p", seq, WORLD))
+    old = stream.checkpoint("old", step=2)
+    stream.checkpoint("new", step=3)
+    forker = Stream.open(catalog, "ns.stream")  # another process's view: the fork lands between GC's plan and swap
+    outcome: dict[str, Any] = {}
+
+    def fork() -> None:
+        try:
+            outcome["fork"] = forker.fork("old", branch="exp")
+        except LakestreamError as exc:
+            outcome["fork_error"] = exc
+
+    race = Interceptor(catalog, lambda updates: any(isinstance(u, RemoveSnapshotsUpdate) for u in updates), fork)
+    try:
+        stream.collect_garbage(dry_run=False, keep_last=1)  # releases "old": its anchor is what "exp" is forked at
+    except LakestreamError as exc:  # GC may refuse loudly too; then the fork simply stands
+        outcome["gc_error"] = exc
+    finally:
+        race.remove()
+    assert race.fired, "the GC commit never reached the catalog"
+    refs = stream.refresh().table.metadata.refs
+    if "fork_error" in outcome:
+        assert "exp" not in refs, "fork reported a failure but created the branch anyway"
+        return
+    # the fork returned success: its branch must have survived GC's swap, at the checkpoint's state
+    assert "exp" in refs, (
+        f"fork('old', branch='exp') returned {outcome.get('fork')} but GC's commit dropped the branch "
+        f"(refs now {sorted(refs)}): GC expired the anchor snapshot it planned to release"
+    )
+    assert refs["exp"].snapshot_ref_type == SnapshotRefType.BRANCH
+    assert digest(stream.read(old.step, rank=1, branch="exp")) == digest(batch("p", 1, WORLD)[1])
+    result = stream.producer("q", branch="exp").commit(batch("q", 0, WORLD))
+    assert result.step == old.step + 1, f"the fork's lineage restarted at step {result.step}"
+    # and a GC after the fork landed (normally) keeps the branch and its history
+    stream.collect_garbage(dry_run=False, keep_last=1)
+    assert "exp" in stream.refresh().table.metadata.refs
+    assert stream.head_step(branch="exp") == old.step + 1
+    assert stream.producer("q", branch="exp").commit(batch("q", 1, WORLD)).step == old.step + 2
+
+
+# =================================================================================================== 2. bool / numpy
+
+
+@pytest.fixture
+def small(catalog: SqlCatalog) -> tuple[Stream, Any]:
+    """A world-2 stream with one published batch of producer "p" (its next seq is 1, so ``True == 1`` is no gap)."""
+    stream = make(catalog)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, WORLD))
+    return stream, producer
+
+
+def test_2_seq_true_is_rejected_and_writes_nothing(small: tuple[Stream, Any]) -> None:
+    stream, producer = small
+    before = files_under_data(stream)
+    with pytest.raises(SequenceError):
+        producer.commit(batch("p", 1, WORLD), seq=True)
+    assert stream.head_step() == 1
+    assert files_under_data(stream) == before, "a rejected batch must write no data file"
+
+
+def test_2_checkpoint_step_true_is_rejected(small: tuple[Stream, Any]) -> None:
+    stream, _ = small
+    with pytest.raises(CheckpointError):
+        stream.checkpoint("c", step=True)
+    assert "c" not in stream.refresh().table.metadata.refs
+    assert stream.checkpoints() == []
+
+
+def test_2_read_rank_true_is_rejected(small: tuple[Stream, Any]) -> None:
+    stream, _ = small
+    with pytest.raises(RankError):
+        stream.read(1, rank=True)
+
+
+def test_2_numpy_seq_is_accepted(small: tuple[Stream, Any]) -> None:
+    stream, producer = small
+    result = producer.commit(batch("p", 1, WORLD), seq=np.int64(1))
+    assert (result.step, result.seq) == (2, 1)
+    assert stream.head_step() == 2 and head_producers(stream)["p"][0] == 1
+
+
+def test_2_numpy_checkpoint_step_is_accepted(small: tuple[Stream, Any]) -> None:
+    stream, _ = small
+    checkpoint = stream.checkpoint("c", step=np.int64(1))
+    assert checkpoint.step == 1 and [c.step for c in stream.checkpoints()] == [1]
+
+
+def test_2_numpy_read_step_and_rank_are_accepted(small: tuple[Stream, Any]) -> None:
+    stream, _ = small
+    assert digest(stream.read(np.int64(1), rank=np.int64(1))) == digest(batch("p", 0, WORLD)[1])
+
+
+def malformed_head(catalog: SqlCatalog) -> tuple[Stream, Any, int]:
+    """A stream whose main head is a snapshot, appended with pyiceberg's own API, carrying ``lakestream.seq=True``.
+
+    The commit budget is short (1 s) so that today's behaviour (retrying the parse error as if the catalog were down)
+    ends quickly.
+    """
+    stream = make(catalog, **{"lakestream.commit.timeout-ms": "1000"})
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, WORLD))
+    stream.checkpoint("c1", step=1)
+    table = catalog.load_table("ns.stream")
+    head = table.metadata.snapshot_by_name("main")
+    props = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("lakestream.")}
+    props.update({"lakestream.step": "4", "lakestream.producer": "p", "lakestream.seq": "True"})
+    rows = shard("p", 3, 0, rows=2)
+    rows = rows.append_column("_step", pa.array([4, 4], pa.int64())).append_column("_rank", pa.array([0, 0], pa.int32()))
+    table.append(rows, snapshot_properties=props)
+    bad = table.metadata.snapshot_by_name("main").snapshot_id
+    return stream, producer, bad
+
+
+def assert_names_bad_summary(exc: BaseException, snapshot_id: int, key: str = "lakestream.seq") -> None:
+    assert isinstance(exc, LakestreamError), f"raw {type(exc).__name__}: {exc}"
+    assert not isinstance(exc, CommitOutcomeUnknownError), f"a malformed summary is not a catalog outage: {exc}"
+    assert str(snapshot_id) in str(exc) and key in str(exc), f"message does not name snapshot {snapshot_id} and {key}: {exc}"
+
+
+def test_2_malformed_summary_head_step_raises_a_clear_error(catalog: SqlCatalog) -> None:
+    stream, _, bad = malformed_head(catalog)
+    with pytest.raises(Exception) as info:
+        stream.head_step()
+    assert_names_bad_summary(info.value, bad)
+
+
+def test_2_malformed_summary_commit_raises_a_clear_error(catalog: SqlCatalog) -> None:
+    stream, producer, bad = malformed_head(catalog)
+    with pytest.raises(Exception) as info:
+        producer.commit(batch("p", 3, WORLD))
+    assert_names_bad_summary(info.value, bad)
+
+
+def test_2_malformed_summary_gc_raises_a_clear_error(catalog: SqlCatalog) -> None:
+    stream, _, bad = malformed_head(catalog)
+    with pytest.raises(Exception) as info:
+        stream.collect_garbage(dry_run=False, keep_last=1)
+    assert_names_bad_summary(info.value, bad)
+
+
+def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(catalog: SqlCatalog) -> None:
+    # what checkpoint("broken", step=True) writes today: a tagged anchor whose summary says lakestream.step=True. Here
+    # it is written with pyiceberg's own API (on a scratch branch, then tagged), so the test does not depend on that bug
+    stream = make(catalog)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    table = catalog.load_table("ns.stream")
+    rows = shard("p", 1, 0, rows=1)
+    rows = rows.append_column("_step", pa.array([1], pa.int64())).append_column("_rank", pa.array([0], pa.int32()))
+    table.manage_snapshots().create_branch(snapshot_id=table.metadata.snapshot_by_name("main").snapshot_id,
+                                           branch_name="scratch").commit()
+    table.append(rows, branch="scratch", snapshot_properties={
+        "lakestream.op": "checkpoint", "lakestream.step": "True", "lakestream.collected-below": "1",
+        "lakestream.producers": "{}", "lakestream.checkpoint": "broken", "lakestream.source-branch": "main"})
+    bad = table.metadata.snapshot_by_name("scratch").snapshot_id
+    table.manage_snapshots().create_tag(snapshot_id=bad, tag_name="broken").remove_branch("scratch").commit()
+    assert stream.head_step() == 1
+    with pytest.raises(Exception) as info:
+        stream.checkpoints()
+    assert_names_bad_summary(info.value, bad, key="lakestream.step")
+
+
+# =================================================================================================== 3. branch names
+
+
+def test_3_producer_on_a_checkpoint_tag_is_refused_and_the_tag_stays_a_tag(small: tuple[Stream, Any]) -> None:
+    stream, _ = small
+    stream.checkpoint("ckpt-1", step=1)
+    with pytest.raises(LakestreamError, match="main"):
+        stream.producer("q", branch="ckpt-1")
+    ref = stream.refresh().table.metadata.refs["ckpt-1"]
+    assert ref.snapshot_ref_type == SnapshotRefType.TAG
+    assert [c.name for c in stream.checkpoints()] == ["ckpt-1"]
+    # a real branch made by fork, and main, are accepted
+    stream.fork("ckpt-1", branch="exp")
+    assert stream.producer("q", branch="exp").commit(batch("q", 0, WORLD)).step == 2
+    assert stream.producer("q", branch="main").commit(batch("q", 0, WORLD)).step == 2
+
+
+def test_3_producer_on_a_misspelt_branch_is_refused(small: tuple[Stream, Any]) -> None:
+    stream, _ = small
+    with pytest.raises(LakestreamError, match="main"):
+        stream.producer("q", branch="mian")
+    assert "mian" not in stream.refresh().table.metadata.refs
+    assert stream.producer("q", branch="main").commit(batch("q", 0, WORLD)).step == 2
+
+
+# =================================================================================================== 4. intents
+
+
+def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(catalog: SqlCatalog) -> None:
+    stream = make(catalog)
+    other = make(catalog, "ns.other")
+    other.producer("x").commit(batch("x", 0, WORLD))
+    a, _ = both_active(stream)
+    location = stream.table.metadata.location.rstrip("/")
+    other_location = other.table.metadata.location.rstrip("/")
+    assert location.rsplit("/", 1)[0] == other_location.rsplit("/", 1)[0]  # siblings: <loc>/data/../../other works
+    sibling = other_location.rsplit("/", 1)[1]
+    files = []
+    for data_file in step_files(other, 1):
+        rank = int(data_file.partition[1])
+        relative = data_file.file_path[len(other_location):]  # "/data/x/...parquet"
+        files.append(file_json(data_file, rank=rank, path=f"{location}/data/../../{sibling}{relative}"))
+    forge_intent(stream, producer="c", seq=0, files=files)
+    a.commit(batch("a", 2, WORLD))
+    assert published_by(stream, "c") == [], "an intent naming another table's files (via ..) was published"
+    assert not any(".." in f.file_path or not f.file_path.startswith(location + "/data/") for f in live_files(stream))
+
+
+def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog: SqlCatalog) -> None:
+    stream = make(catalog)
+    a, _ = both_active(stream)
+    forge_intent(stream, producer="c", seq=7, allow_gap=True,
+                 files=copy_step(stream, 1, producer="c", seq=7, token="forgedgap01"))
+    a.commit(batch("a", 2, WORLD))
+    assert published_by(stream, "c") == [], "producer c's seq 7 (a gap it never committed) was published by a's commit"
+    assert "c" not in head_producers(stream)
+    # c's own next commit publishes normally (not a "duplicate" of a batch it never sent)
+    result = stream.producer("c").commit(batch("c", 0, WORLD), seq=0)
+    assert result.step is not None and not result.duplicate, f"c's real batch was silently dropped: {result}"
+    assert digest(stream.read(result.step, rank=1)) == digest(batch("c", 0, WORLD)[1])
+
+
+@pytest.mark.parametrize("new_schema", ["same-schema", "other-schema"])
+def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_location(
+        catalog: SqlCatalog, new_schema: str) -> None:
+    old = make(catalog)
+    old.producer("c").commit(batch("c", 0, WORLD))
+    location = old.table.metadata.location
+    # producer d staged its first batch in the old table and died before anyone published it
+    leftover = forge_intent(old, producer="d", seq=0, files=copy_step(old, 1, producer="d", seq=0, token="oldtable001"))
+    catalog.drop_table("ns.stream")  # no purge: the old table's files (and its staged intent) stay
+    schema = SCHEMA if new_schema == "same-schema" else pa.schema([("x", pa.int64()), ("name", pa.string())])
+    new = Stream.create(catalog, "ns.stream", schema=schema, world_size=WORLD, location=location)
+    assert new.table.metadata.table_uuid != old.table.metadata.table_uuid
+    assert local(leftover).exists()
+    a, b = new.producer("a"), new.producer("b")
+
+    def rows(producer: str, seq: int, rank: int) -> pa.Table:
+        if new_schema == "same-schema":
+            return shard(producer, seq, rank, rows=2)
+        return pa.table({"x": [seq * 10 + rank], "name": [producer]}, schema=schema)
+
+    for seq in range(2):
+        a.commit([rows("a", seq, r) for r in range(WORLD)])
+        b.commit([rows("b", seq, r) for r in range(WORLD)])
+    a.commit([rows("a", 2, r) for r in range(WORLD)])
+    assert published_by(new, "d") == [], "the dropped table's staged batch was published into the new table"
+    assert not any("/data/d/" in f.file_path for f in live_files(new))
+
+
+@pytest.mark.parametrize("defect", ["footer-schema", "row-count"])
+def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(catalog: SqlCatalog, defect: str) -> None:
+    stream = make(catalog)
+    a, _ = both_active(stream)
+    files = copy_step(stream, 1, producer="c", seq=0, token="badfooter01")
+    if defect == "row-count":
+        files = [{**f, "records": f["records"] + 5} for f in files]  # declares rows the file does not hold
+    else:
+        for f in files:  # a valid Parquet file of a different schema, under the declared path and size
+            pq.write_table(pa.table({"unrelated": pa.array([1, 2, 3], pa.int64())}), str(local(f["path"])))
+            f["size"] = local(f["path"]).stat().st_size
+            f["records"] = 3
+    forge_intent(stream, producer="c", seq=0, files=files)
+    a.commit(batch("a", 2, WORLD))
+    assert published_by(stream, "c") == [], f"a staged batch with a bad file ({defect}) was published"
+
+
+def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_success(catalog: SqlCatalog) -> None:
+    stream = make(catalog)
+    a, b = both_active(stream)
+    # a forged intent claiming b's next seq (2), holding a copy of a's step-1 files; its staged_at is the newest, so
+    # a committer prefers it over b's real intent of the same seq
+    forge_intent(stream, producer="b", seq=2, staged_at=time.time() + 3600,
+                 files=copy_step(stream, 1, producer="b", seq=2, token="forgedseq02"))
+
+    def a_commits() -> None:  # lands while b is between planning and its compare-and-swap
+        a.commit(batch("a", 2, WORLD))
+
+    race = Interceptor(catalog, lambda _updates: True, a_commits)
+    try:
+        result = b.commit(batch("b", 2, WORLD))
+    except LakestreamError:
+        return  # detected: b's seq 2 was published with data b did not write
+    finally:
+        race.remove()
+    assert race.fired
+    # b reported success: then its step must hold b's own batch, byte for byte
+    mine = [digest(t) for t in batch("b", 2, WORLD)]
+    got = [digest(stream.read(result.step, rank=r)) for r in range(WORLD)]
+    assert got == mine, (
+        f"b.commit returned success ({result}) but step {result.step} holds data b did not write (a forged intent "
+        "with b's id and seq, published by a's commit)"
+    )
+
+
+# =================================================================================================== 5. GC grace
+
+
+def test_5_gc_grace_shorter_than_the_commit_timeout_is_refused_unless_opted_in(small: tuple[Stream, Any]) -> None:
+    stream, _ = small  # default lakestream.commit.timeout-ms: 300 s
+    with pytest.raises(ConfigError):
+        stream.collect_garbage(grace=timedelta(seconds=1))
+    with pytest.raises(ConfigError):
+        stream.collect_garbage(dry_run=False, grace=timedelta(seconds=1))
+    report = stream.collect_garbage(grace=timedelta(seconds=1), allow_short_grace=True)
+    assert report.dry_run
+
+
+def test_5_stream_with_grace_period_shorter_than_commit_timeout_is_refused(catalog: SqlCatalog) -> None:
+    with pytest.raises(ConfigError, match="lakestream.gc.grace-period-ms"):
+        make(catalog, **{"lakestream.gc.grace-period-ms": "1000", "lakestream.commit.timeout-ms": "5000"})
+
+
+# =================================================================================================== 6. secrets
+
+
+SECRETS = {"s3.secret-access-key": "s3cr3t-value", "rest.password": "pa55word-value", "token": "t0ken-value"}
+
+
+def test_6_load_catalog_error_never_quotes_the_uri_password() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_catalog("deadrest", type="rest", uri="http://user:s3cr3t@127.0.0.1:1",
+                     **{"rest.request-timeout": "1", "rest.connect-timeout": "1"})
+    text = f"{info.value} {info.value!r} {info.value.args}"
+    assert "s3cr3t" not in text, f"the REST uri's password is in the error: {info.value}"
+
+
+@pytest.fixture
+def secret_stream(tmp_path: Path) -> Stream:
+    catalog = SqlCatalog("secret", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse",
+                         **SECRETS)
+    stream = make(catalog)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    return stream
+
+
+def assert_no_secret(blob: bytes | str, what: str) -> None:
+    data = blob.encode() if isinstance(blob, str) else blob
+    for key, value in SECRETS.items():
+        assert value.encode() not in data, f"{what} contains the value of {key}"
+
+
+def test_6_pickled_stream_carries_no_secret(secret_stream: Stream) -> None:
+    assert_no_secret(repr(secret_stream), "repr(stream)")
+    assert_no_secret(pickle.dumps(secret_stream), "pickle.dumps(stream)")
+
+
+def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
+    from lakestream_iceberg import LakestreamDataset
+
+    dataset = LakestreamDataset(secret_stream, rank=0, world_size=1, prefetch=0)
+    assert_no_secret(repr(dataset), "repr(dataset)")
+    assert_no_secret(pickle.dumps(dataset), "pickle.dumps(dataset)")
+
+
+# =================================================================================================== 7. dataset + GC
+
+
+@pytest.mark.parametrize("consumers", [1, 2])
+def test_7_dataset_continuing_after_gc_never_raises_a_raw_file_not_found(catalog: SqlCatalog, consumers: int) -> None:
+    from lakestream_iceberg import LakestreamDataset
+
+    stream = make(catalog)
+    producer = stream.producer("p")
+    for seq in range(8):
+        producer.commit(batch("p", seq, WORLD))
+    dataset = LakestreamDataset(stream, rank=consumers - 1, world_size=consumers, prefetch=0,
+                                collate=lambda item: item.step)
+    iterator: Iterator[int] = iter(dataset)
+    assert [next(iterator), next(iterator)] == [1, 2]
+    # another job checkpointed further ahead; GC keeps only its checkpoint, collecting steps 1..3 and expiring every
+    # snapshot the dataset's view was planned on (manifest lists deleted)
+    stream.checkpoint("early", step=1)
+    stream.checkpoint("late", step=4)
+    report = Stream.open(catalog, "ns.stream").collect_garbage(dry_run=False, keep_last=1)
+    assert report.collected_below == {"main": 4} and report.files_deleted.get("manifest-list", 0) > 0
+    try:
+        rest = list(iterator)
+    except FileNotFoundError as exc:
+        pytest.fail(f"raw FileNotFoundError from a dataset whose view GC outdated (step 3 was collected): {exc}")
+    except StepCollectedError:
+        pass  # re-resolved on the current head: step 3 is gone, and the error says so
+    else:
+        pytest.fail(f"step 3 was collected (its files are deleted), yet the iteration ended without an error: {rest}")
+    # resuming at the retained checkpoint delivers every retained step
+    dataset.load_state_dict({"next_step": 5})
+    assert list(dataset) == [5, 6, 7, 8]
+
+
+# =================================================================================================== 8. small
+
+
+@pytest.mark.parametrize("step", [0, -3])
+def test_8_reading_step_below_one_says_steps_start_at_one(small: tuple[Stream, Any], step: int) -> None:
+    stream, _ = small
+    with pytest.raises(LakestreamError) as info:
+        stream.read(step, rank=0)
+    assert not isinstance(info.value, StepCollectedError), f"step {step} was never collected: {info.value}"
+    assert "start" in str(info.value).lower() and "1" in str(info.value), str(info.value)
+
+
+def test_8_null_in_a_required_nested_field_is_rejected_before_anything_is_written(catalog: SqlCatalog) -> None:
+    inner = pa.struct([pa.field("a", pa.int64(), nullable=False), pa.field("b", pa.string())])
+    schema = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("meta", inner)])
+    stream = make(catalog, schema=schema)
+    good = pa.table({"id": [1, 2], "meta": pa.array([{"a": 1, "b": "x"}, {"a": 2, "b": None}], type=inner)}, schema=schema)
+    bad = pa.table({"id": [3, 4], "meta": pa.array([{"a": 3, "b": "x"}, {"a": None, "b": "y"}], type=inner)}, schema=schema)
+    assert bad.column("meta").chunk(0).field(0).null_count == 1
+    with pytest.raises(LakestreamError):
+        stream.producer("p").commit([good, bad])
+    assert files_under_data(stream) == set(), "a rejected batch left data files behind"
+    assert stream.head_step() == 0
