@@ -33,6 +33,7 @@ from lakestream_iceberg.lifecycle.gc import (
     known_files,
     norm,
     plan_collect,
+    plan_expire,
     referenced_files,
     snapshots_expired,
     sweep,
@@ -240,18 +241,22 @@ class Stream(StreamTable):
         metadata = loop.refresh(deadline=time.monotonic() + self.config.commit_timeout_ms / 1000)
         known = known_files(self, metadata)
         if dry_run:
-            plan, collected = plan_collect(self, metadata, keep_last=keep_last, keep_within=keep_within, write=False)
+            plan, collected, deferred = plan_collect(self, metadata, keep_last=keep_last, keep_within=keep_within, write=False)
             keep = kept_after_dry_run(self, metadata, self.table.metadata_location, plan.result, collected,
-                                      snapshots_expired(plan))
+                                      snapshots_expired(plan) | deferred)
             sweep(self, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s, delete=False)
             return plan.result
+        # Two commits (see lifecycle.gc, "Forks and GC"): release + collect first, then expire what no ref needs, planned
+        # on a head that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
         outcome = loop.run(lambda md, _: plan_collect(self, md, keep_last=keep_last, keep_within=keep_within, write=True)[0],
                            pace=False)
-        keep = referenced_files(self.io, outcome.metadata, self.table.metadata_location, self)
+        report = outcome.result
+        expiry = loop.run(lambda md, _: plan_expire(self, md), pace=False)
+        report.snapshots_expired += expiry.result
+        keep = referenced_files(self.io, expiry.metadata, self.table.metadata_location, self)
         known |= {norm(p) for p in outcome.abandoned_files}
-        sweep(self, location=outcome.metadata.location, keep=keep, known=known, report=outcome.result,
-              grace_s=grace_s, delete=True)
-        return outcome.result
+        sweep(self, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True)
+        return report
 
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
         """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).

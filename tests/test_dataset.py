@@ -25,7 +25,14 @@ from pyiceberg.catalog.sql import SqlCatalog
 from torch.utils.data import DataLoader
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import CheckpointError, ConfigError, MissingExtraError, RankError, ReadTimeoutError
+from lakestream_iceberg.errors import (
+    CheckpointError,
+    ConfigError,
+    MissingExtraError,
+    RankError,
+    ReadTimeoutError,
+    StepCollectedError,
+)
 from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, consumer_lag
 
@@ -434,3 +441,65 @@ def test_tensors_share_arrow_memory() -> None:
     buffer_address = table.column("v").chunk(0).buffers()[1].address
     assert item["v"].data_ptr() == buffer_address  # no copy
     assert item["t"].shape == (6, 2)
+
+
+# ------------------------------------------------------------------------------ credentials and pickles
+PARENT_SECRET = "parent-only-s3cr3t-value"
+ENV_SECRET = "env-only-s3cr3t-value"
+
+
+def _reopen_and_report(blob: bytes, queue) -> None:  # runs in a spawned process
+    dataset = pickle.loads(blob)
+    steps = [it["step"] for it in dataset]
+    stream = dataset._stream_here()
+    queue.put((steps, stream.table.catalog.properties.get("s3.secret-access-key"),
+               stream.io.properties.get("s3.secret-access-key")))
+
+
+@pytest.mark.parametrize("how", ["class", "type"])  # SqlCatalog(...) directly (py-catalog-impl), or load_catalog(type=)
+def test_spawned_process_takes_credentials_from_its_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                how: str) -> None:
+    import multiprocessing
+
+    from lakestream_iceberg import load_catalog
+
+    name = f"cred{how}"  # no "_": pyiceberg reads PYICEBERG_CATALOG__A_B__... as catalog "a-b"
+    props = {"uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/warehouse",
+             "s3.secret-access-key": PARENT_SECRET}
+    catalog = SqlCatalog(name, **props) if how == "class" else load_catalog(name, type="sql", **props)
+    stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    stream.producer("prep-0").commit([shard(1, r) for r in range(2)])
+    blob = pickle.dumps(LakestreamDataset(stream, rank=0, world_size=2, prefetch=0))
+    assert PARENT_SECRET.encode() not in blob
+    # the receiving process is configured like a user would configure it: PYICEBERG_CATALOG__<NAME>__<KEY>
+    monkeypatch.setenv(f"PYICEBERG_CATALOG__{name.upper()}__S3__SECRET_ACCESS_KEY", ENV_SECRET)
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_reopen_and_report, args=(blob, queue))
+    process.start()
+    try:
+        steps, catalog_secret, io_secret = queue.get(timeout=180)
+    finally:
+        process.join(60)
+    assert steps == [1] and catalog_secret == ENV_SECRET and io_secret == ENV_SECRET
+    # shipping credentials is an explicit opt-in, and then the pickle carries them
+    shipped = pickle.dumps(LakestreamDataset(stream, rank=0, world_size=2, ship_credentials=True))
+    assert PARENT_SECRET.encode() in shipped
+    assert dict(pickle.loads(pickle.dumps(StreamRef.of(stream, include_secrets=True))).secrets) == {
+        "s3.secret-access-key": PARENT_SECRET}
+    assert PARENT_SECRET not in repr(StreamRef.of(stream, include_secrets=True))
+
+
+def test_prefetched_steps_planned_before_gc_are_re_resolved(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=10)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, prefetch=2, collate=lambda it: it.step)
+    iterator = iter(ds)
+    got = [next(iterator)]  # steps 2 and 3 are in flight on the head of that moment
+    stream.checkpoint("early", step=1)
+    stream.checkpoint("late", step=6)
+    Stream.open(stream.table.catalog, "ns.s").collect_garbage(dry_run=False, keep_last=1)  # collects steps 1..5
+    with pytest.raises(StepCollectedError, match="step 4 "):
+        got.extend(iterator)
+    assert got == [1, 2, 3]  # read before GC deleted them; step 4 was resolved again on the new head: collected
+    ds.load_state_dict({"next_step": 6})
+    assert list(ds) == [6, 7, 8, 9, 10]

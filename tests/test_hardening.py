@@ -50,12 +50,9 @@ from tests.support import SCHEMA, batch, digest, shard
 
 WORLD = 2
 
-# Findings of issue 13 that are reproduced here but not fixed yet: strict, so each starts failing the suite the moment
-# its fix lands (then the marker is removed), and never hides a regression of a fixed one.
-OPEN_1 = pytest.mark.xfail(strict=True, reason="issue 13 item 1 (GC vs fork) is open")
+# Finding 4 of issue 13 is reproduced here but not fixed yet: strict, so the suite fails the moment its fix lands (then
+# the marker is removed), and the marker never hides a regression of a fixed finding.
 OPEN_4 = pytest.mark.xfail(strict=True, reason="issue 13 item 4 (staged intents are trusted) is open")
-OPEN_6 = pytest.mark.xfail(strict=True, reason="issue 13 item 6 (secrets in messages and pickles) is open")
-OPEN_7 = pytest.mark.xfail(strict=True, reason="issue 13 item 7 (dataset after GC) is open")
 
 
 
@@ -184,7 +181,6 @@ class Interceptor:
 # =================================================================================================== 1. GC vs fork
 
 
-@OPEN_1
 def test_1_fork_landing_between_gc_plan_and_swap_survives_or_fails_loudly(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     producer = stream.producer("p")
@@ -516,7 +512,6 @@ def test_5_stream_with_grace_period_shorter_than_commit_timeout_is_refused(catal
 SECRETS = {"s3.secret-access-key": "s3cr3t-value", "rest.password": "pa55word-value", "token": "t0ken-value"}
 
 
-@OPEN_6
 def test_6_load_catalog_error_never_quotes_the_uri_password() -> None:
     with pytest.raises(ConfigError) as info:
         load_catalog("deadrest", type="rest", uri="http://user:s3cr3t@127.0.0.1:1",
@@ -540,13 +535,11 @@ def assert_no_secret(blob: bytes | str, what: str) -> None:
         assert value.encode() not in data, f"{what} contains the value of {key}"
 
 
-@OPEN_6
 def test_6_pickled_stream_carries_no_secret(secret_stream: Stream) -> None:
     assert_no_secret(repr(secret_stream), "repr(stream)")
     assert_no_secret(pickle.dumps(secret_stream), "pickle.dumps(stream)")
 
 
-@OPEN_6
 def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
     from lakestream_iceberg import LakestreamDataset
 
@@ -558,7 +551,6 @@ def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
 # =================================================================================================== 7. dataset + GC
 
 
-@OPEN_7
 @pytest.mark.parametrize("consumers", [1, 2])
 def test_7_dataset_continuing_after_gc_never_raises_a_raw_file_not_found(catalog: SqlCatalog, consumers: int) -> None:
     from lakestream_iceberg import LakestreamDataset

@@ -1,3 +1,3 @@
 """How a stream reaches its catalog and object store: loading catalogs with clear configuration errors and bounded
-retries (diagnose), listing storage (storage), and the fixes pyiceberg 0.12's REST client needs (rest_sigv4,
+retries (diagnose), keeping credentials out of messages, reprs and pickles (secrets), listing storage (storage), and the fixes pyiceberg 0.12's REST client needs (rest_sigv4,
 rest_timeout)."""

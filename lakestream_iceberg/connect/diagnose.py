@@ -13,10 +13,12 @@ message names the catalog property to fix (``s3.secret-access-key``, ``s3.endpoi
 * :func:`load_catalog` -- ``pyiceberg.catalog.load_catalog`` with :func:`explain` applied (REST catalogs connect
   when loaded);
 * :func:`transient` / :func:`call_with_retry` -- bounded, jittered retry of transient storage/catalog failures;
-* :func:`redact` -- removes every secret value of a property dict (and URI passwords) from a text.
+* :func:`redact` -- removes every secret value of a property dict (and URI passwords) from a text (it lives in
+  :mod:`lakestream_iceberg.connect.secrets`, with the rule of which properties are secret).
 
-Secrets never reach a message: the original exception's text is redacted before it is quoted, and the original
-exception is kept as ``error.original`` instead of being chained (a chained traceback would print it unredacted).
+Secrets never reach a message: the whole message (the original exception's text, and the endpoint or URI it quotes
+from the properties) is redacted, and the original exception is kept as ``error.original`` instead of being chained
+(a chained traceback would print it unredacted).
 
 Example:
     >>> with config_errors(catalog.properties, action="creating stream demo.run"):   # doctest: +SKIP
@@ -29,13 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
+from lakestream_iceberg.connect.secrets import redact, secret_values
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
 __all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "redact", "secret_values", "transient"]
@@ -43,39 +45,8 @@ __all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "redac
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# A property whose key contains one of these holds a secret (s3.secret-access-key, client.session-token, token,
-# credential, adls.account-key, gcs.oauth2.token, ...). Its value is never quoted.
-SECRET_KEY_PARTS = ("secret", "password", "token", "credential", "account-key", "private-key", "sas-")
-SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PGPASSWORD")
-REDACTED = "****"
-_URI_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
 
-
-# --------------------------------------------------------------------------------------------------- secrets
-
-
-def secret_values(properties: Mapping[str, Any] | None = None) -> list[str]:
-    """Every secret value in ``properties`` and in the environment (catalog env vars included), longest first."""
-    found: set[str] = set()
-    for key, value in (properties or {}).items():
-        if isinstance(value, str) and value and any(part in key.lower() for part in SECRET_KEY_PARTS):
-            found.add(value)
-        if isinstance(value, str):
-            found.update(m.group("password") for m in _URI_PASSWORD.finditer(value))
-    for key, value in os.environ.items():
-        upper = key.upper()
-        if value and (upper in SECRET_ENV_VARS or (upper.startswith("PYICEBERG_") and any(
-                part.replace("-", "_").upper() in upper for part in SECRET_KEY_PARTS))):  # fmt: skip
-            found.add(value)
-    return sorted((v for v in found if len(v) >= 3), key=len, reverse=True)
-
-
-def redact(text: str, properties: Mapping[str, Any] | None = None) -> str:
-    """``text`` without any secret value of ``properties`` (or the environment) and without URI passwords."""
-    text = _URI_PASSWORD.sub(lambda m: f"{m.group('scheme')}{m.group('user')}:{REDACTED}@", text)
-    for value in secret_values(properties):
-        text = text.replace(value, REDACTED)
-    return text
+# --------------------------------------------------------------------------------------------------- settings
 
 
 def _env_name(catalog: str | None, key: str) -> str:
@@ -218,7 +189,7 @@ def explain(
         elif _S3_UNREACHABLE.search(text):
             message = f"cannot connect to the S3 endpoint {endpoint}; " + _settings(["s3.endpoint"], catalog)
     elif kind == "sql":
-        uri = redact(str(props.get("uri", "")), props) or "the catalog database"
+        uri = str(props.get("uri", "")) or "the catalog database"
         if _SQL_AUTH.search(text):
             message = (
                 f"the catalog database {uri} refused the login; check the user and password in uri "
@@ -250,7 +221,7 @@ def explain(
             message = f"cannot connect to the REST catalog {uri}; " + _settings(["uri"], catalog)
     if message is None:
         return None
-    error = ConfigError(f"{prefix}{message}. Cause: {detail}")
+    error = ConfigError(redact(f"{prefix}{message}. Cause: {detail}", props))
     error.original = exc  # type: ignore[attr-defined]  # kept for debugging; not chained (its text is unredacted)
     return error
 

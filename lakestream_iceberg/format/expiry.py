@@ -5,6 +5,12 @@ when it is among the ``retain_last`` newest ancestors of a branch head; every ot
 commit. Expiring a snapshot removes it from metadata only: its data files stay in the table state (the head's
 manifests still list them) until lifecycle GC collects their steps, and readers find a step's files through the head's
 manifests, not through the step's own snapshot.
+
+Expiring never drops a ref (Iceberg removes every ref pointing at a removed snapshot): only snapshots that no ref of
+the metadata a commit is planned on points at are expirable, and a ref created while that commit is in flight points
+at a new snapshot or at the target of a tag that already existed (a fork asserts its checkpoint's tag), which that
+metadata protects. A producer's commit asserts only its own branch, and needs no more. The whole argument, and GC's
+two commits, are in :mod:`lakestream_iceberg.lifecycle.gc` ("Forks and GC").
 """
 
 from __future__ import annotations

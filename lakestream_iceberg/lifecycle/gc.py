@@ -6,15 +6,38 @@ Retention model (see README "Retention"):
   given every checkpoint is retained. GC releases (un-tags) the others;
 * on each branch, every step older than the oldest retained checkpoint of that branch is garbage (no resume can reach
   it); a branch without a checkpoint loses nothing;
-* GC commits one ``delete`` snapshot per collected branch whose state no longer lists those steps (a metadata-only
-  delete of whole files, recorded as DELETED manifest entries), expires every snapshot that no ref needs (the
-  collected branches' older ancestors included: they would pin the collected files), and then deletes, only under
-  the table's location, every file that no retained snapshot references: the collected steps' data files,
-  manifests, manifest lists and metadata files. Files that no metadata ever referenced (a crashed producer's staged
-  shards, a lost compare-and-swap's manifests) are deleted only once older than the grace period
+* GC's first commit releases those tags and adds one ``delete`` snapshot per collected branch whose state no longer
+  lists those steps (a metadata-only delete of whole files, recorded as DELETED manifest entries); it expires every
+  snapshot that no ref of the head it was planned on needs (the collected branches' older ancestors included: they
+  would pin the collected files), but not the anchors of the tags it releases. Its second commit, planned on a head
+  that shows the release, expires what no ref needs any more (the released anchors, unless a fork points at one).
+  GC then deletes, only under the table's location, every file that no retained snapshot references: the collected
+  steps' data files, manifests, manifest lists and metadata files. Files that no metadata ever referenced (a crashed
+  producer's staged shards, a lost compare-and-swap's manifests) are deleted only once older than the grace period
   (``lakestream.gc.grace-period-ms``, default 1 h), because their commit may still be in flight.
 
-``dry_run=True`` (the default) computes the same plan and deletes nothing.
+``dry_run=True`` (the default) computes the same plan (both commits) and deletes nothing.
+
+**Forks and GC: no commit drops a ref.** Iceberg drops every ref that points at a removed snapshot (pyiceberg and the
+Java reference implementation alike), and no standard ``TableRequirement`` says "no other ref points here" (a custom
+requirement would not be sent by REST catalogs). So the guarantee comes from which snapshots a commit may remove, and
+from how lakestream creates refs:
+
+1. a new ref only ever points at a snapshot that is new (a checkpoint's anchor, a producer's or GC's new head) or at
+   the target of a tag that exists when the ref lands: ``fork`` asserts its checkpoint's tag (``AssertRefSnapshotId``),
+   and tags never move (a checkpoint asserts its name is free; a release removes the tag);
+2. every commit that expires snapshots (both GC commits, and producers' expiry in passing, see
+   :mod:`lakestream_iceberg.format.expiry`) removes only snapshots of the head it was planned on that no ref of that
+   head points at, tags it is releasing included (GC's first commit also expires the old head of a branch it moves
+   in the same commit). By (1), no ref created between its plan and its swap can point at
+   one of them: a tag that existed at plan time keeps its target, a tag created later targets a new snapshot;
+3. hence a fork from a checkpoint GC releases either lands before the release (it is then a ref of the head the second
+   commit is planned on, and its anchor stays) or after it (its tag assertion fails: ``CheckpointError``, nothing
+   created). Both GC commits also assert every branch (and the second every ref) they saw, so a ref moved by another
+   tool meanwhile makes GC re-plan.
+
+Not covered: a ref that another tool (Spark, pyiceberg's ``manage_snapshots``) creates on an *older, unreferenced*
+snapshot while a lakestream commit that expires it is in flight; Iceberg's own snapshot expiry has the same race.
 """
 
 from __future__ import annotations
@@ -50,7 +73,7 @@ from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMM
 from lakestream_iceberg.format.manifests import step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
-from lakestream_iceberg.write.commit import Plan
+from lakestream_iceberg.write.commit import Done, Plan
 from lakestream_iceberg.write.staging import STAGING_DIR
 
 if TYPE_CHECKING:
@@ -97,8 +120,10 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
 
 
 def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
-                 write: bool) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]]]:
-    """The GC commit. With ``write=False`` nothing is written (dry run): the plan is only reported."""
+                 write: bool) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
+    """GC's first commit, the collected branches' heads, and the released anchors that the second commit
+    (:func:`plan_expire`) will expire. With ``write=False`` nothing is written (dry run): the plan is only reported,
+    and ``snapshots_expired`` counts both commits."""
     now = datetime.now(timezone.utc)
     checkpoints = list_checkpoints(metadata)
     keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within, now=now)
@@ -143,16 +168,34 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
                     SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
                                          parent_snapshot_id=head.snapshot_id)]
         sequence_number += 1
-    # Keep: every ref target that stays, new heads, and the retention window of branches that were not collected.
-    after_refs = {n: r for n, r in metadata.refs.items() if n not in report.released_checkpoints}
-    keep_ids = {r.snapshot_id for n, r in after_refs.items() if n not in collected}
-    uncollected = metadata.model_copy(update={"refs": {n: r for n, r in after_refs.items() if n not in collected}})
-    keep_ids |= protected(uncollected, retain_last=stream.config.retain_snapshots)
+    # Keep every snapshot a ref of this metadata points at, *released tags' anchors included* (a fork may be landing on
+    # one right now: see "Forks and GC" above), the new heads, and the retention window of branches not collected.
+    uncollected = metadata.model_copy(update={"refs": {n: r for n, r in metadata.refs.items() if n not in collected}})
+    keep_ids = protected(uncollected, retain_last=stream.config.retain_snapshots)
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
     if expired:
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
-    report.snapshots_expired = len(expired)
-    return Plan(tuple(updates), tuple(requirements), report, planner.written), collected
+    # What the second commit will expire once the release landed (counted here for dry runs): released anchors that no
+    # other ref keeps.
+    remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items()
+                                                        if n not in report.released_checkpoints}})
+    still = protected(remaining, retain_last=stream.config.retain_snapshots)
+    deferred = {c.snapshot_id for c in released} - still - set(expired)
+    report.snapshots_expired = len(expired) + (0 if write else len(deferred))
+    return Plan(tuple(updates), tuple(requirements), report, planner.written), collected, deferred
+
+
+def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Done[int]:
+    """GC's second commit: expire every snapshot that no ref of ``metadata`` needs (released anchors, once their tag
+    is gone). Planned on a head that already shows the release, so no fork can target those anchors any more, and a
+    fork that landed before the release is a ref of ``metadata``: its anchor is kept."""
+    keep = protected(metadata, retain_last=stream.config.retain_snapshots)
+    expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep]
+    if not expired:
+        return Done(0)
+    requirements = [AssertTableUUID(uuid=metadata.table_uuid)]
+    requirements += [AssertRefSnapshotId(ref=n, snapshot_id=r.snapshot_id) for n, r in sorted(metadata.refs.items())]
+    return Plan((RemoveSnapshotsUpdate(snapshot_ids=expired),), tuple(requirements), len(expired), [])
 
 
 def norm(path: str) -> str:

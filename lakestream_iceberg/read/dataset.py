@@ -7,7 +7,8 @@ Each item is this consumer rank's shard of one step, built by ``collate`` (defau
 Use ``DataLoader(dataset, batch_size=None, num_workers=k)``: an item already is a batch. Worker ``w`` of ``k`` takes
 the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
 steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
-name and properties, see :class:`lakestream_iceberg.read.follow.StreamRef`).
+name and non-secret properties, and takes the credentials from its own pyiceberg configuration, see
+:class:`lakestream_iceberg.read.follow.StreamRef`).
 
 **Torch is optional.** ``LakestreamDataset`` must subclass ``IterableDataset`` (DataLoader checks ``isinstance``), so the
 class is built on first access through the module's ``__getattr__``: importing this module (or lakestream_iceberg)
@@ -129,6 +130,7 @@ class _DatasetCore:
         prefetch: int = 2,
         poll_s: float = 0.02,
         max_poll_s: float = 0.5,
+        ship_credentials: bool = False,
     ) -> None:
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
         if end_step is not None:
@@ -143,7 +145,7 @@ class _DatasetCore:
         self.timeout, self.columns, self.transform, self.prefetch = timeout, columns, transform, prefetch
         self.collate = collate or TensorCollate()
         self.poll_s, self.max_poll_s = poll_s, max_poll_s
-        self._ref = StreamRef.of(stream)
+        self._ref = StreamRef.of(stream, include_secrets=ship_credentials)  # forked workers get them anyway
         self._stream: StreamTable | None = stream
         self._pid = os.getpid()
         self._schema = stream.payload_arrow_schema
@@ -337,6 +339,10 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
         prefetch: Steps read ahead in background threads (0: read in the iterating thread).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds).
+        ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
+            clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
+            that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``
+            environment for the same catalog name. **Warning:** anything that sees the pickle then sees the secrets.
 
     Example:
         >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP

@@ -10,28 +10,32 @@ the answer is no. :class:`HeadWatcher` asks the catalog for the table's *metadat
 * Any other catalog (REST, Glue, Hive): ``Table.refresh()`` (those catalogs answer with the full metadata anyway).
 
 :class:`StreamRef` is what a DataLoader worker needs to open the same stream: pyiceberg catalogs hold live database
-engines or HTTP sessions and do not pickle, so the catalog's class, name and properties are carried instead and the
-catalog is rebuilt with ``pyiceberg.catalog.load_catalog`` in the worker.
+engines or HTTP sessions and do not pickle, so the catalog's class, name and non-secret properties are carried instead
+and the catalog is rebuilt with ``load_catalog`` in the worker, which takes the credentials from its own pyiceberg
+configuration (see :class:`StreamRef`).
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
-from pyiceberg.catalog import Catalog, load_catalog
+from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.utils.config import Config, merge_config
 
-from lakestream_iceberg.connect.diagnose import config_errors
+from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
 from lakestream_iceberg.connect.pointer import pointer_probe
+from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.errors import ReadTimeoutError
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import StreamTable
@@ -48,6 +52,17 @@ PY_CATALOG_IMPL = "py-catalog-impl"
 class StreamRef:
     """A picklable address of a stream: enough to reopen it in another process.
 
+    **Credentials stay out of pickles.** ``catalog_properties`` holds the catalog's non-secret properties only; its
+    credentials (every property :func:`~lakestream_iceberg.connect.secrets.is_secret_key` calls secret, e.g.
+    ``s3.secret-access-key``, and a ``uri`` with a password) are kept in ``secrets``, which this process and its forked
+    children use but a pickle never carries. The process that unpickles resolves them the way pyiceberg does, for the
+    same catalog name: ``.pyiceberg.yaml`` (``$PYICEBERG_HOME``) and ``PYICEBERG_CATALOG__<NAME>__<KEY>`` environment
+    variables, explicit (pickled) properties winning over configured ones.
+
+    ``StreamRef.of(stream, include_secrets=True)`` ships the credentials in the pickle, in clear text: anything that
+    sees the pickle (a task queue, a cluster scheduler's logs, a core dump) sees the secrets. Use it only where the
+    receiving process cannot be configured and the channel is trusted.
+
     Example:
         >>> ref = StreamRef.of(stream)          # doctest: +SKIP
         >>> same = pickle.loads(pickle.dumps(ref)).open()   # doctest: +SKIP
@@ -56,17 +71,43 @@ class StreamRef:
     catalog_name: str
     catalog_properties: tuple[tuple[str, str], ...]
     identifier: str
+    secrets: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    ship_secrets: bool = False
 
     @classmethod
-    def of(cls, stream: StreamTable) -> StreamRef:
+    def of(cls, stream: StreamTable, *, include_secrets: bool = False) -> StreamRef:
+        """The address of ``stream``; ``include_secrets=True`` makes its pickles carry the credentials (see above)."""
         catalog = stream.table.catalog
         props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
         if "type" not in props and PY_CATALOG_IMPL not in props:
             props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
-        return cls(catalog.name, tuple(sorted(props.items())), stream.name)
+        public, secret = split_secrets(props)
+        return cls(catalog.name, tuple(sorted(public.items())), stream.name, tuple(sorted(secret.items())),
+                   bool(include_secrets))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle without ``secrets`` unless they are shipped on purpose (``include_secrets=True``)."""
+        return (type(self), (self.catalog_name, self.catalog_properties, self.identifier,
+                             self.secrets if self.ship_secrets else (), self.ship_secrets))
+
+    def __repr__(self) -> str:
+        shown = redacted(dict(self.catalog_properties))
+        held = f", secrets={sorted(k for k, _ in self.secrets)} (values hidden)" if self.secrets else ""
+        return f"StreamRef({self.catalog_name!r}, {self.identifier!r}, properties={shown}{held})"
 
     def catalog(self) -> Catalog:
-        return load_catalog(self.catalog_name, **dict(self.catalog_properties))
+        """The catalog, loaded with these properties plus what pyiceberg's configuration gives this catalog name."""
+        props = {**dict(self.catalog_properties), **dict(self.secrets)}
+        impl = props.pop(PY_CATALOG_IMPL, None)
+        if impl is None:
+            return load_catalog(self.catalog_name, **props)  # pyiceberg merges .pyiceberg.yaml and PYICEBERG_* itself
+        # pyiceberg's load_catalog ignores the configuration when given py-catalog-impl: merge it here, the same way
+        configured = {k: v for k, v in (Config().get_catalog_config(self.catalog_name) or {}).items()
+                      if isinstance(v, str) and k not in ("type", PY_CATALOG_IMPL)}
+        module, _, name = impl.rpartition(".")
+        catalog_class = getattr(importlib.import_module(module), name)
+        with config_errors(configured | props, action=f"loading catalog {self.catalog_name!r}", catalog=self.catalog_name):
+            return catalog_class(self.catalog_name, **merge_config(configured, props))
 
     def open(self) -> StreamTable:
         catalog = self.catalog()
@@ -177,6 +218,10 @@ def pump_steps(
     thread when 0). Without ``follow`` the pump ends at the head it first sees; with it, it waits for unpublished steps
     (``watcher.wait``: bounded backoff, ``timeout``). Setting ``stop`` and calling the shutdown it appends to
     ``closers`` ends it from another thread; no pool thread outlives the pump.
+
+    A load that raises ``FileNotFoundError`` (lifecycle GC deleted files of the head it was given: a manifest list of
+    an expired snapshot, a collected step's data file) runs again once, in the calling thread, on the current head
+    (``watcher.check()``): a retained step is then read, and a collected one raises the loader's error for it.
     """
 
     def poll() -> None:  # a follow-mode pump rides out a catalog hiccup (the next wait retries until its timeout)
@@ -197,6 +242,14 @@ def pump_steps(
         if pool is not None:
             pool.shutdown(wait=wait, cancel_futures=True)
 
+    def run_now(at: Snapshot | None, number: int) -> Future[T]:  # prefetch 0: load here; errors surface on result()
+        done: Future[T] = Future()
+        try:
+            done.set_result(load(at, number))
+        except Exception as exc:
+            done.set_exception(exc)
+        return done
+
     closers.append(shutdown)
     step, submit = first, first
     try:
@@ -213,9 +266,7 @@ def pump_steps(
                 head, snapshot = watcher.head()
             while submit <= head and (end is None or submit <= end) and len(pending) <= prefetch:
                 if pool is None:
-                    done: Future[T] = Future()
-                    done.set_result(load(snapshot, submit))
-                    pending.append(done)
+                    pending.append(run_now(snapshot, submit))
                 else:
                     try:
                         pending.append(pool.submit(load, snapshot, submit))
@@ -230,6 +281,12 @@ def pump_steps(
                 if stop.is_set():
                     return
                 raise
+            except FileNotFoundError:
+                # GC deleted files of the (older) head this step was resolved on: resolve it again on the current head,
+                # once. A retained step is read; a collected one now raises the loader's StepCollectedError.
+                watcher.check()
+                head, snapshot = watcher.head()
+                item = load(snapshot, step)
             if stop.is_set():
                 return
             yield step, item

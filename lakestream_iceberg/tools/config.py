@@ -77,6 +77,7 @@ def load(spec: CatalogSpec) -> Catalog:
     if not spec.name:
         return embedded_catalog(spec.home)
     from lakestream_iceberg.connect.diagnose import load_catalog
+    from lakestream_iceberg.connect.secrets import redact
 
     try:
         return load_catalog(spec.name)
@@ -84,11 +85,16 @@ def load(spec: CatalogSpec) -> Catalog:
         raise
     except Exception as exc:  # pyiceberg raises ValueError, driver and HTTP errors alike
         env = "PYICEBERG_CATALOG__" + spec.name.upper().replace("-", "_") + "__URI"
-        detail = " ".join(str(exc).split()) or type(exc).__name__
-        raise ConfigError(
+        from pyiceberg.utils.config import Config
+
+        configured = Config().get_catalog_config(spec.name) or {}  # its secrets, and a uri's password, are redacted
+        detail = redact(" ".join(str(exc).split()), configured) or type(exc).__name__
+        error = ConfigError(
             f"could not load catalog {spec.name!r}: {detail} (configure it in .pyiceberg.yaml under catalog: "
             f"{spec.name}: or with {env} and friends, or drop --catalog to use the embedded default)"
-        ) from exc
+        )
+        error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
+        raise error from None
 
 
 def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None = None) -> Stream:
