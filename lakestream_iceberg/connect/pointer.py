@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Callable
 
 from pyiceberg.catalog import Catalog
+from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
@@ -47,9 +48,10 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
     return probe
 
 
-def refresh_if_moved(table: Table) -> bool:
+def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
     """Bring ``table`` up to date, reading its metadata only when the catalog pointer moved; True when it changed.
 
+    ``io`` reads the new ``metadata.json`` (default: the table's own FileIO).
     A table that no longer exists (dropped, renamed) falls back to ``Table.refresh()``, which raises pyiceberg's error.
     """
     key = id(table)
@@ -68,6 +70,6 @@ def refresh_if_moved(table: Table) -> bool:
         return True
     if location == before:
         return False
-    table.metadata = FromInputFile.table_metadata(table.io.new_input(location))
+    table.metadata = FromInputFile.table_metadata((io or table.io).new_input(location))
     table.metadata_location = location
     return True

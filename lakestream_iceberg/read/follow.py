@@ -29,12 +29,11 @@ from typing import Any, TypeVar
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
-from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.config import Config, merge_config
 
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
-from lakestream_iceberg.connect.pointer import pointer_probe
+from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.errors import ReadTimeoutError
 from lakestream_iceberg.format.summary import StreamState
@@ -128,24 +127,13 @@ class HeadWatcher:
         self._stream = stream
         self._branch = branch
         self._io = io or stream.io
-        self._probe = pointer_probe(stream.table)
         self.polls = 0
         self.reloads = 0
 
     def check(self) -> bool:
         """Bring the table view up to date; True when the metadata changed."""
-        table = self._stream.table
         self.polls += 1
-        if self._probe is None:
-            before = table.metadata_location
-            self._stream.refresh()
-            changed = table.metadata_location != before
-        else:
-            location = self._probe()
-            changed = location is not None and location != table.metadata_location
-            if location is not None and changed:
-                table.metadata = FromInputFile.table_metadata(self._io.new_input(location))
-                table.metadata_location = location
+        changed = refresh_if_moved(self._stream.table, io=self._io)
         self.reloads += changed
         return changed
 
