@@ -14,7 +14,8 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     │   └── SequenceError           a gap in a producer's sequence numbers
     ├── CommitError                 a commit could not be published
     │   ├── CommitTimeoutError      the retry budget ran out; the batch was NOT published (safe to retry)
-    │   └── CommitOutcomeUnknownError  the catalog failed and the table could not be read back to reconcile
+    │   ├── CommitOutcomeUnknownError  the catalog failed and the table could not be read back to reconcile
+    │   └── ProducerConflictError   the producer's (id, seq) was published with a batch it did not write
     ├── ReadError
     │   ├── StepNotPublishedError   the step does not exist yet (wait_for() it)
     │   ├── StepCollectedError      lifecycle GC removed it; resume from a retained checkpoint
@@ -41,6 +42,7 @@ __all__ = [
     "LifecycleError",
     "MissingExtraError",
     "NotAStreamError",
+    "ProducerConflictError",
     "RankError",
     "ReadError",
     "ReadTimeoutError",
@@ -102,6 +104,11 @@ class CommitTimeoutError(CommitError):
 
 class CommitOutcomeUnknownError(CommitError):
     """The catalog failed mid-commit and the table could not be read back to tell whether the batch landed."""
+
+
+class ProducerConflictError(CommitError):
+    """While this call was committing, its (producer id, seq) was published with a batch this call did not write:
+    another live process uses the same producer id, or something wrote a staged intent under it."""
 
 
 class ReadError(LakestreamError):

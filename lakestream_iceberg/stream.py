@@ -160,7 +160,8 @@ class Stream(StreamTable):
     def staging(self) -> StagingArea:
         """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.write.staging`)."""
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
-                           retry_s=self.config.io_retry_timeout_ms / 1000)
+                           retry_s=self.config.io_retry_timeout_ms / 1000, table_uuid=str(self.table.metadata.table_uuid),
+                           file_schema=payload_schema(self.table.schema()))
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:

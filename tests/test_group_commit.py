@@ -125,13 +125,15 @@ def test_stale_foreign_and_broken_intents_are_never_published(tmp_path: Path, ca
     os.utime(old.path.removeprefix("file://"), (past, past))
     folder = Path(stream.staging.folder("main").removeprefix("file://"))
     (folder / "x").mkdir(parents=True)
-    (folder / "x" / "000000000000-half.parquet").write_bytes(b"PAR1\x00\x01")  # half-written: no footer yet
-    (folder / "x" / "000000000000-junk.parquet").write_bytes(b"not an intent at all" + b"PAR1")
+    (folder / "x@000000000000-half.parquet").write_bytes(b"PAR1\x00\x01")  # half-written: no footer yet
+    (folder / "x@000000000000-junk.parquet").write_bytes(b"not an intent at all" + b"PAR1")
+    (folder / "x" / "000000000000-nested.parquet").write_bytes(b"PAR1")  # not a name stage() gives
     with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.write.staging"):
         result = b.commit(batch("b", 2, WORLD))
     assert result.step == 5 and stream.head_step() == 5
     assert published(stream)[5] == ("b", 2)
     assert "ignoring unreadable staged intent" in caplog.text and "junk" in caplog.text
+    assert "nested" in caplog.text and "half" not in caplog.text  # a half-written file is retried, not rejected
     assert not Path(stale.path.removeprefix("file://")).exists()  # already published: removed by the committer
     assert Path(ahead.path.removeprefix("file://")).exists() and Path(old.path.removeprefix("file://")).exists()
     # c's seq 0 arrives: both become publishable in order only when they are contiguous

@@ -40,6 +40,7 @@ from lakestream_iceberg import (
     CommitOutcomeUnknownError,
     ConfigError,
     LakestreamError,
+    ProducerConflictError,
     RankError,
     SequenceError,
     StepCollectedError,
@@ -52,7 +53,6 @@ WORLD = 2
 
 # Finding 4 of issue 13 is reproduced here but not fixed yet: strict, so the suite fails the moment its fix lands (then
 # the marker is removed), and the marker never hides a regression of a fixed finding.
-OPEN_4 = pytest.mark.xfail(strict=True, reason="issue 13 item 4 (staged intents are trusted) is open")
 
 
 
@@ -140,8 +140,9 @@ def forge_intent(stream: Stream, *, producer: str, seq: int, files: list[dict[st
     """Write a staged intent in the documented on-disk format; return its path."""
     token = token or uuid.uuid4().hex[:12]
     root = (location or stream.table.metadata.location).rstrip("/")
-    path = f"{root}/data/_staging/{quote(branch, safe='')}/{producer}/{seq:012d}-{token}.parquet"
-    body = {"format": 1, "branch": branch, "producer": producer, "seq": seq, "token": token, "allow_gap": allow_gap,
+    path = f"{root}/data/_staging/{quote(branch, safe='')}/{producer}@{seq:012d}-{token}.parquet"
+    body = {"format": 2, "table_uuid": str(stream.table.metadata.table_uuid), "branch": branch, "producer": producer,
+            "seq": seq, "token": token, "allow_gap": allow_gap,
             "staged_at": time.time() if staged_at is None else staged_at, "files": files}
     local(path).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"intent": [json.dumps(body, separators=(",", ":"))]}), str(local(path)), compression="none")
@@ -376,7 +377,6 @@ def test_3_producer_on_a_misspelt_branch_is_refused(small: tuple[Stream, Any]) -
 # =================================================================================================== 4. intents
 
 
-@OPEN_4
 def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     other = make(catalog, "ns.other")
@@ -397,12 +397,11 @@ def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(
     assert not any(".." in f.file_path or not f.file_path.startswith(location + "/data/") for f in live_files(stream))
 
 
-@OPEN_4
 def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     a, _ = both_active(stream)
     forge_intent(stream, producer="c", seq=7, allow_gap=True,
-                 files=copy_step(stream, 1, producer="c", seq=7, token="forgedgap01"))
+                 files=copy_step(stream, 1, producer="c", seq=7, token="forgedgap01"), token="forgedgap01")
     a.commit(batch("a", 2, WORLD))
     assert published_by(stream, "c") == [], "producer c's seq 7 (a gap it never committed) was published by a's commit"
     assert "c" not in head_producers(stream)
@@ -412,7 +411,6 @@ def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog:
     assert digest(stream.read(result.step, rank=1)) == digest(batch("c", 0, WORLD)[1])
 
 
-@OPEN_4
 @pytest.mark.parametrize("new_schema", ["same-schema", "other-schema"])
 def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_location(
         catalog: SqlCatalog, new_schema: str) -> None:
@@ -420,7 +418,7 @@ def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_l
     old.producer("c").commit(batch("c", 0, WORLD))
     location = old.table.metadata.location
     # producer d staged its first batch in the old table and died before anyone published it
-    leftover = forge_intent(old, producer="d", seq=0, files=copy_step(old, 1, producer="d", seq=0, token="oldtable001"))
+    leftover = forge_intent(old, producer="d", seq=0, files=copy_step(old, 1, producer="d", seq=0, token="oldtable001"), token="oldtable001")
     catalog.drop_table("ns.stream")  # no purge: the old table's files (and its staged intent) stay
     schema = SCHEMA if new_schema == "same-schema" else pa.schema([("x", pa.int64()), ("name", pa.string())])
     new = Stream.create(catalog, "ns.stream", schema=schema, world_size=WORLD, location=location)
@@ -441,32 +439,38 @@ def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_l
     assert not any("/data/d/" in f.file_path for f in live_files(new))
 
 
-@OPEN_4
-@pytest.mark.parametrize("defect", ["footer-schema", "row-count"])
+@pytest.mark.parametrize("defect", ["footer-schema", "footer-types", "row-count"])
 def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(catalog: SqlCatalog, defect: str) -> None:
     stream = make(catalog)
     a, _ = both_active(stream)
     files = copy_step(stream, 1, producer="c", seq=0, token="badfooter01")
     if defect == "row-count":
         files = [{**f, "records": f["records"] + 5} for f in files]  # declares rows the file does not hold
+    elif defect == "footer-types":
+        for f in files:  # the table's field ids and names, but column "i" widened to int64
+            table = pq.read_table(str(local(f["path"])))
+            field = table.schema.field("i")
+            schema = table.schema.set(table.schema.get_field_index("i"),
+                                      pa.field("i", pa.int64(), nullable=field.nullable, metadata=field.metadata))
+            pq.write_table(table.cast(schema), str(local(f["path"])))
+            f["size"] = local(f["path"]).stat().st_size
     else:
         for f in files:  # a valid Parquet file of a different schema, under the declared path and size
             pq.write_table(pa.table({"unrelated": pa.array([1, 2, 3], pa.int64())}), str(local(f["path"])))
             f["size"] = local(f["path"]).stat().st_size
             f["records"] = 3
-    forge_intent(stream, producer="c", seq=0, files=files)
+    forge_intent(stream, producer="c", seq=0, files=files, token="badfooter01")
     a.commit(batch("a", 2, WORLD))
     assert published_by(stream, "c") == [], f"a staged batch with a bad file ({defect}) was published"
 
 
-@OPEN_4
 def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_success(catalog: SqlCatalog) -> None:
     stream = make(catalog)
     a, b = both_active(stream)
     # a forged intent claiming b's next seq (2), holding a copy of a's step-1 files; its staged_at is the newest, so
     # a committer prefers it over b's real intent of the same seq
     forge_intent(stream, producer="b", seq=2, staged_at=time.time() + 3600,
-                 files=copy_step(stream, 1, producer="b", seq=2, token="forgedseq02"))
+                 files=copy_step(stream, 1, producer="b", seq=2, token="forgedseq02"), token="forgedseq02")
 
     def a_commits() -> None:  # lands while b is between planning and its compare-and-swap
         a.commit(batch("a", 2, WORLD))
@@ -474,7 +478,9 @@ def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_s
     race = Interceptor(catalog, lambda _updates: True, a_commits)
     try:
         result = b.commit(batch("b", 2, WORLD))
-    except LakestreamError:
+    except ProducerConflictError as exc:
+        assert "'b' seq 2" in str(exc) and "forgedseq02" in str(exc)
+        assert race.fired
         return  # detected: b's seq 2 was published with data b did not write
     finally:
         race.remove()
@@ -486,6 +492,48 @@ def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_s
         f"b.commit returned success ({result}) but step {result.step} holds data b did not write (a forged intent "
         "with b's id and seq, published by a's commit)"
     )
+
+
+def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_duplicate(catalog: SqlCatalog) -> None:
+    """A producer that staged seq 2 and died; its restart commits seq 2 again while another producer's commit carries
+    the dead incarnation's intent: the restart gets ``duplicate=True`` and the carried step, not an error."""
+    stream = make(catalog)
+    a, _ = both_active(stream)
+    dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
+    stream.staging.stage(branch="main", batch=dead, allow_gap=False)
+    original = stream.writer.write
+    fired: list[bool] = []
+
+    def write_then_a_commits(**kwargs: Any) -> Any:
+        staged = original(**kwargs)
+        if not fired:  # after the restart's files are written, before it plans: a's commit carries the old intent
+            fired.append(True)  # first: a's own write comes through here too
+            a.commit(batch("a", 2, WORLD))
+        return staged
+
+    stream.writer.write = write_then_a_commits  # type: ignore[method-assign]
+    try:
+        result = stream.producer("b").commit(batch("b", 2, WORLD))
+    finally:
+        del stream.writer.write
+    assert fired
+    carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
+    assert len(carried) == 1 and carried[0]["lakestream.token"] == dead.token
+    assert result.duplicate and result.step == int(carried[0]["lakestream.step"])
+    assert [digest(stream.read(result.step, rank=r)) for r in range(WORLD)] == [digest(t) for t in batch("b", 2, WORLD)]
+
+
+def test_4g_a_carried_batch_records_its_token_and_when_it_was_staged(catalog: SqlCatalog) -> None:
+    stream = make(catalog)
+    a, _ = both_active(stream)
+    staged = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
+    intent = stream.staging.stage(branch="main", batch=staged, allow_gap=False)
+    a.commit(batch("a", 2, WORLD))
+    carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
+    assert len(carried) == 1 and carried[0]["lakestream.token"] == staged.token
+    assert abs(int(carried[0]["lakestream.staged-at-ms"]) / 1000 - intent.staged_at) < 5
+    own = [s for s in published_by(stream, "a") if s["lakestream.seq"] == "2"]
+    assert own[0]["lakestream.token"] and "lakestream.staged-at-ms" not in own[0]
 
 
 # =================================================================================================== 5. GC grace

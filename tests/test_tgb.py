@@ -93,6 +93,10 @@ def test_sequence_gap_is_refused_unless_allowed(stream: Stream) -> None:
     assert producer.next_seq == 4
     with pytest.raises(SequenceError):
         producer.commit(batch("p", 0, 4), seq=-1)
+    # a skipped seq is never reported as published (no duplicate=True with step None): it says it was skipped
+    with pytest.raises(SequenceError, match="seq 1 was never published.*skipped.*Commit seq 4 next"):
+        producer.commit(batch("p", 1, 4), seq=1)
+    assert stream.head_step() == 1
 
 
 @pytest.mark.parametrize(

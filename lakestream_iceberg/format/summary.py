@@ -46,8 +46,11 @@ KEY_COLLECTED_BELOW = "lakestream.collected-below"
 KEY_GROUP = "lakestream.group"  # batches published by the commit that wrote this snapshot (group commit; absent: 1)
 KEY_COMMITTER = "lakestream.committer"  # the producer whose compare-and-swap published it (absent: its own producer)
 KEY_GROUP_MS = "lakestream.group-commit-ms"  # the committer's typical critical section: how long holders should expect
+KEY_TOKEN = "lakestream.token"  # the published batch's token (in its data file names): which write of (producer, seq)
+KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
 
 _INTEGER = re.compile(r"^-?[0-9]{1,19}$")
+_TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class StreamState:
     committer: str | None = None
     group_commit_ms: float | None = None
     producer_files: tuple[str, ...] = ()
+    token: str | None = None
+    staged_at_ms: int | None = None
 
     @classmethod
     def empty(cls) -> StreamState:
@@ -91,6 +96,8 @@ class StreamState:
             committer=summary.get(KEY_COMMITTER),
             group_commit_ms=fields.number(KEY_GROUP_MS),
             producer_files=fields.files(),
+            token=fields.token(),
+            staged_at_ms=fields.optional(KEY_STAGED_AT),
         )
 
     @classmethod
@@ -141,6 +148,10 @@ class StreamState:
             props[KEY_COMMITTER] = self.committer
         if self.group_commit_ms is not None:
             props[KEY_GROUP_MS] = f"{self.group_commit_ms:.1f}"
+        if self.token is not None:
+            props[KEY_TOKEN] = self.token
+        if self.staged_at_ms is not None:
+            props[KEY_STAGED_AT] = str(self.staged_at_ms)
         props.update(extra)
         return props
 
@@ -188,6 +199,12 @@ class _Fields:
                                  f"producer {producer!r}: expected [seq, step, snapshot id, first step] integers")
             out[producer] = ProducerState(*value)
         return out
+
+    def token(self) -> str | None:
+        raw = self._summary.get(KEY_TOKEN)
+        if raw is not None and (not isinstance(raw, str) or not _TOKEN.match(raw)):
+            raise self.error(KEY_TOKEN, raw, "expected 1-32 letters or digits")
+        return raw
 
     def files(self) -> tuple[str, ...]:
         raw = self._summary.get(KEY_PRODUCER_FILES, "[]")

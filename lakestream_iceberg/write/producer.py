@@ -27,13 +27,19 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.connect.diagnose import config_errors
-from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, SequenceError
+from lakestream_iceberg.errors import (
+    CommitError,
+    CommitOutcomeUnknownError,
+    CommitTimeoutError,
+    SequenceError,
+)
 from lakestream_iceberg.format.checks import check_branch, check_int
-from lakestream_iceberg.format.expiry import ancestors, expirable
+from lakestream_iceberg.format.expiry import expirable
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_shards
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Plan
+from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
 from lakestream_iceberg.write.staging import Intent, StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, StagedBatch, check_producer_id
 
@@ -138,7 +144,7 @@ class Producer:
             return self._commit(shards, seq=seq, allow_gap=allow_gap)
 
     def _commit(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> CommitResult:
-        started = time.monotonic()
+        started, began_at = time.monotonic(), time.time()
         stream = self._stream
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
             seq = check_int(seq, what="seq", error=SequenceError, minimum=0)
@@ -160,9 +166,10 @@ class Producer:
             current = self._state(metadata)
             if (found := self._published(metadata, seq)) is not None:
                 # Published meanwhile: carried by another producer's group commit, or our own commit whose outcome
-                # was unknown landed after all.
+                # was unknown landed after all (both: our token), or an earlier incarnation's staged batch was carried.
+                mine = self._check_publisher(metadata, found, staged, since=began_at)
                 return Done(_Published(CommitResult(**found, seq=seq, producer=self.producer_id, attempts=attempt,
-                                                    duplicate=own[0].intent is None, rows=staged.rows,
+                                                    duplicate=own[0].intent is None or not mine, rows=staged.rows,
                                                     bytes=staged.size_bytes)))
             self._check_seq(seq, current, allow_gap)
             return self._plan_group(metadata, current, own[0], attempt)
@@ -243,21 +250,13 @@ class Producer:
                 f"commit seq {expected} first, or pass allow_gap=True to skip on purpose"
             )
 
-    def _published(self, metadata: TableMetadata, seq: int) -> dict[str, int | None] | None:
-        """Where (producer, seq) was published, or None when it was not."""
-        known = self._state(metadata).lookup(self._stream.io, self.producer_id)
-        if known is None or known.seq < seq:
-            return None
-        if known.seq == seq:
-            return {"step": known.step, "snapshot_id": known.snapshot_id}
-        head = metadata.snapshot_by_name(self.branch)
-        for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(metadata.snapshots)):
-            snap = metadata.snapshot_by_id(snapshot_id)
-            st = StreamState.of(snap)
-            if st.op == OP_APPEND and st.producer == self.producer_id and st.seq == seq:
-                return {"step": st.step, "snapshot_id": snapshot_id}
-        step = self._stream.index.step_of_file(metadata, self.branch, f"/data/{self.producer_id}/{seq:012d}-")
-        return {"step": step, "snapshot_id": None}
+    def _check_publisher(self, metadata: TableMetadata, found: Found, staged: StagedBatch, *, since: float) -> bool:
+        return check_publisher(self._stream.io, metadata, found, staged, producer_id=self.producer_id,
+                               branch=self.branch, since=since)
+
+    def _published(self, metadata: TableMetadata, seq: int) -> Found | None:
+        return find_published(self._stream, metadata, self._state(metadata), producer_id=self.producer_id,
+                              branch=self.branch, seq=seq)
 
     def _check_age(self, batch: StagedBatch) -> None:
         max_age_s = self._stream.config.gc_grace_ms / 2000
@@ -290,12 +289,12 @@ class Producer:
             expected = state.next_seq(stream.io, batch.producer)
             if batch.seq < expected:
                 stale.append(intent.path)
-            elif batch.seq == expected or intent.allow_gap:
-                known = newest.get(batch.producer)  # one per producer: its lowest seq, the newest copy of that seq
-                if known is None or (batch.seq, -intent.staged_at) < (known.batch.seq, -known.staged_at):
+            elif batch.seq == expected:  # a gap (allow_gap) is published only by its owner's own commit
+                known = newest.get(batch.producer)  # one per producer: the newest copy of its next seq
+                if (known is None or intent.staged_since > known.staged_since) and self._staging.verified(intent):
                     newest[batch.producer] = intent
-        others = sorted(newest.values(), key=lambda i: i.staged_at)[: max(0, stream.config.group_max_batches - 1)]
-        return [_Batch(i.batch, i.allow_gap, i.staged_at, i.path) for i in others], stale
+        others = sorted(newest.values(), key=lambda i: i.staged_since)[: max(0, stream.config.group_max_batches - 1)]
+        return [_Batch(i.batch, i.allow_gap, i.staged_since, i.path) for i in others], stale
 
     def _plan_group(self, metadata: TableMetadata, state: StreamState, own: _Batch, attempt: int) -> Plan[_Published]:
         """One compare-and-swap publishing ``own`` and (group commit) every eligible staged batch, one snapshot each.
@@ -342,11 +341,13 @@ class Producer:
                 compacted = compact(stream.io, metadata.location, step=step, active=producers, files=files)
                 producers, files = compacted.active, compacted.files
                 planner.written.extend(compacted.written)
+            carried = item is not own and item.intent is not None
             new_state = StreamState(op=OP_APPEND, step=step, producers=dict(producers),
                                     collected_below=state.collected_below, producer=staged.producer, seq=staged.seq,
                                     group=group, committer=self.producer_id,
                                     group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None,
-                                    producer_files=files)
+                                    producer_files=files, token=staged.token or None,
+                                    staged_at_ms=int(item.staged_at * 1000) if carried else None)
             collector = SnapshotSummaryCollector()
             for data_file in data_files:
                 collector.add_file(data_file, schema=schema, partition_spec=spec)

@@ -27,6 +27,20 @@ Rules that keep exactly-once intact:
   or when a refresh shows its seq in the head's producer table.
 * Intents older than half the GC grace period are never published: lifecycle GC may delete an unreferenced intent and
   its data files once they are older than the grace period.
+
+What a committer checks before it publishes another producer's staged batch (an intent is input read from storage,
+not a trusted message; see README "Threat model"):
+
+* the intent names this table (its UUID: a table dropped and re-created at the same location has another one) and
+  this branch, and its file name is exactly ``<producer>@<seq>-<token>.parquet`` for the producer, seq and token its
+  body declares;
+* every data file is exactly ``<location>/data/<producer>/<seq:012d>-<token>-r<rank:05d>.parquet``, the name the owner's
+  writer gives it: no ``..``, no other producer's folder, no other table; one file per rank;
+* its seq is the owner's next one: a gap (``allow_gap``) is published only by the owner's own commit;
+* each file's Parquet footer (read once per file, cached: a footer, not the data) matches the table's file schema
+  (field ids, names, types, nullability), the declared row count and the declared size.
+
+An intent failing any check is never published (reported once in the log); GC removes it after the grace period.
 """
 
 from __future__ import annotations
@@ -34,27 +48,40 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
 from urllib.parse import quote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
+from pyiceberg.io.pyarrow import pyarrow_to_schema
+from pyiceberg.schema import Schema
+from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.storage import list_files
-from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id
+from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id, data_file_path
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Intent", "StagingArea"]
 
-INTENT_FORMAT = 1
+INTENT_FORMAT = 2  # 2: bound to the table UUID (format 1 intents are never published by another producer)
 STAGING_DIR = "_staging"  # under the table's data/ folder
 _PARQUET_MAGIC = b"PAR1"
+_TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
+_INTENT_NAME = re.compile(r"^(?P<producer>[A-Za-z0-9][A-Za-z0-9._-]{0,127})@(?P<seq>[0-9]{12,19})-(?P<token>[A-Za-z0-9]{1,32})\.parquet$")
+
+
+def intent_name(batch: StagedBatch) -> str:
+    """The file name of a batch's intent: ``<producer>@<seq:012d>-<token>.parquet``."""
+    return f"{batch.producer}@{batch.seq:012d}-{batch.token}.parquet"
 
 
 @dataclass(frozen=True)
@@ -66,6 +93,13 @@ class Intent:
     batch: StagedBatch
     allow_gap: bool
     staged_at: float  # unix seconds, by the owner's clock
+    table_uuid: str
+    modified: float | None = None  # the store's modification time of the intent file (set when listed)
+
+    @property
+    def staged_since(self) -> float:
+        """When the intent existed at the latest: its declared time, or the store's, whichever is later."""
+        return max(self.staged_at, self.modified or 0.0)
 
     def to_bytes(self) -> bytes:
         """The intent file: one row, one string column ``intent`` holding the JSON document."""
@@ -83,7 +117,8 @@ class Intent:
     def _json(self) -> str:
         return json.dumps(
             {
-                "format": INTENT_FORMAT, "branch": self.branch, "producer": self.batch.producer, "seq": self.batch.seq,
+                "format": INTENT_FORMAT, "table_uuid": self.table_uuid, "branch": self.branch,
+                "producer": self.batch.producer, "seq": self.batch.seq,
                 "token": self.batch.token, "allow_gap": self.allow_gap, "staged_at": self.staged_at,
                 "files": [f.to_json() for f in self.batch.files],
             },
@@ -93,23 +128,37 @@ class Intent:
     @classmethod
     def from_json(cls, path: str, raw: str) -> Intent:
         body = json.loads(raw)
-        if body.get("format") != INTENT_FORMAT:
-            raise ValueError(f"unknown intent format {body.get('format')!r}")
+        if not isinstance(body, dict) or body.get("format") != INTENT_FORMAT:
+            raise ValueError(f"unknown intent format {body.get('format') if isinstance(body, dict) else body!r}")
+        seq, token, staged_at = body["seq"], body["token"], body["staged_at"]
+        if type(seq) is not int or seq < 0:
+            raise ValueError(f"seq {seq!r} is not a non-negative integer")
+        if not isinstance(token, str) or not _TOKEN.match(token):
+            raise ValueError(f"token {token!r} is not 1-32 letters or digits")
+        if type(staged_at) not in (int, float) or not isinstance(body["allow_gap"], bool):
+            raise ValueError("staged_at must be a number and allow_gap a boolean")
+        if not isinstance(body["table_uuid"], str) or not isinstance(body["branch"], str):
+            raise ValueError("table_uuid and branch must be strings")
         files = tuple(StagedFile.from_json(f) for f in body["files"])
-        batch = StagedBatch(producer=check_producer_id(body["producer"]), seq=int(body["seq"]), files=files,
-                            token=str(body["token"]))
-        return cls(path=path, branch=str(body["branch"]), batch=batch, allow_gap=bool(body["allow_gap"]),
-                   staged_at=float(body["staged_at"]))
+        batch = StagedBatch(producer=check_producer_id(body["producer"]), seq=seq, files=files, token=token)
+        return cls(path=path, branch=body["branch"], batch=batch, allow_gap=body["allow_gap"],
+                   staged_at=float(staged_at), table_uuid=body["table_uuid"])
 
 
 class StagingArea:
-    """The intents of one table, under ``<location>/staging/``."""
+    """The intents of one table, under ``<location>/data/_staging/``."""
 
-    def __init__(self, *, io: FileIO, location: str, world_size: int, retry_s: float, max_cached: int = 4096) -> None:
+    def __init__(self, *, io: FileIO, location: str, world_size: int, retry_s: float, table_uuid: str,
+                 file_schema: Schema, max_cached: int = 4096) -> None:
         self._io = io
-        self._data = f"{location.rstrip('/')}/data/"
+        self._location = location.rstrip("/")
+        self._data = f"{self._location}/data/"
         self._root = f"{self._data}{STAGING_DIR}"
         self._world_size = world_size
+        self._table_uuid = str(table_uuid)
+        self._file_shape = _shape(file_schema.as_struct())
+        self._footers: dict[str, bool] = {}  # data file path -> its footer matched (immutable files: checked once)
+        self._pool: ThreadPoolExecutor | None = None
         self._retry_s = retry_s
         self._lock = threading.Lock()
         self._parsed: OrderedDict[str, Intent | None] = OrderedDict()  # immutable files: parse each once
@@ -122,8 +171,9 @@ class StagingArea:
 
     def stage(self, *, branch: str, batch: StagedBatch, allow_gap: bool) -> Intent:
         """Write the intent of a batch whose data files are all written; storage outages are retried."""
-        path = f"{self.folder(branch)}/{batch.producer}@{batch.seq:012d}-{batch.token}.parquet"
-        intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=time.time())
+        path = f"{self.folder(branch)}/{intent_name(batch)}"
+        intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=time.time(),
+                        table_uuid=self._table_uuid)
         body = intent.to_bytes()
 
         def write() -> None:
@@ -152,8 +202,9 @@ class StagingArea:
         if every_s > 0 and last is not None and now - last[0] < every_s:
             return last[1]
         out: list[Intent] = []
+        folder = self.folder(branch)
         try:
-            listed = list(list_files(self._io, self.folder(branch)))
+            listed = list(list_files(self._io, folder))
         except Exception as exc:  # noqa: BLE001 - storage unreachable: publish no one else's batch this time
             log.warning("cannot list staged batches under %s (%s); committing without them", self.folder(branch),
                         type(exc).__name__)
@@ -161,9 +212,13 @@ class StagingArea:
         for path, _size, mtime in listed:
             if not path.endswith(".parquet") or (mtime and now - mtime > max_age_s):
                 continue
+            name = path[len(folder) + 1:] if path.startswith(folder + "/") else ""
+            if not _INTENT_NAME.match(name):  # a sub-folder, or not a name stage() gives: never ours to publish
+                self._reject(path, f"its name is not <producer>@<seq:012d>-<token>.parquet directly under {folder}")
+                continue
             intent = self._read(path)
-            if intent is not None and intent.branch == branch and self._usable(intent):
-                out.append(intent)
+            if intent is not None and self._usable(intent, branch=branch, name=name):
+                out.append(replace(intent, modified=mtime or None))
         self._listed[branch] = (now, out)
         return out
 
@@ -204,23 +259,101 @@ class StagingArea:
         self._remember(path, intent)
         return intent
 
-    def _usable(self, intent: Intent) -> bool:
-        """One file per rank, all of them data files of this table: anything else is never published (and reported
-        once)."""
+    def verified(self, intent: Intent) -> bool:
+        """Whether every data file of another producer's staged batch has the footer its intent declares: the table's
+        file schema, the declared row count and size. Reads each footer once (files are immutable); False for a file
+        that is missing or unreadable (retried at the next commit) or that does not match (never retried)."""
         if intent.path in self._rejected:
             return False
-        if self._check(intent):
+        files = [f for f in intent.batch.files if self._footers.get(f.path) is not True]
+        if not files:
             return True
-        self._rejected.add(intent.path)
+        if len(files) == 1:
+            reasons = [self._footer(files[0])]
+        else:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-footer")
+            reasons = list(self._pool.map(self._footer, files))
+        for f, reason in zip(files, reasons):
+            if reason is None:
+                if len(self._footers) >= 65536:  # published long ago: forget (a re-check is one footer read)
+                    self._footers.clear()
+                self._footers[f.path] = True
+            elif reason != _UNREADABLE:
+                self._reject(intent.path, f"its file {f.path} {reason}")
+                return False
+        return all(reason is None for reason in reasons)
+
+    def _footer(self, f: StagedFile) -> str | None:
+        """None when ``f``'s Parquet footer matches its declaration, else why not (``_UNREADABLE``: try again later)."""
+        try:
+            with self._io.new_input(f.path).open() as stream:
+                metadata = pq.read_metadata(stream)
+                stream.seek(0, 2)
+                size = stream.tell()
+        except Exception as exc:  # noqa: BLE001 - missing (GC'd, not yet visible) or storage unreachable
+            log.debug("cannot read the footer of staged file %s (%s)", f.path, exc)
+            return _UNREADABLE
+        if size != f.size_bytes:
+            return f"is {size} bytes, its intent declares {f.size_bytes}"
+        if metadata.num_rows != f.record_count:
+            return f"holds {metadata.num_rows} rows, its intent declares {f.record_count}"
+        try:
+            shape = _shape(pyarrow_to_schema(metadata.schema.to_arrow_schema()).as_struct())
+        except Exception as exc:  # noqa: BLE001 - e.g. a Parquet file without Iceberg field ids
+            return f"has no Iceberg schema ({exc})"
+        if shape != self._file_shape:
+            return "does not have the table's file schema (field ids, names, types, nullability)"
+        return None
+
+    def _usable(self, intent: Intent, *, branch: str, name: str) -> bool:
+        """The cheap checks (no I/O): this table and branch, the name its body declares, one file per rank, each at the
+        exact path its owner's writer gives it. Anything else is never published (and reported once)."""
+        if intent.path in self._rejected:
+            return False
+        reason = self._check(intent, branch=branch, name=name)
+        if reason is None:
+            return True
+        self._reject(intent.path, reason)
         return False
 
-    def _check(self, intent: Intent) -> bool:
-        ranks = sorted(f.rank for f in intent.batch.files)
+    def _check(self, intent: Intent, *, branch: str, name: str) -> str | None:
+        batch = intent.batch
+        if intent.table_uuid != self._table_uuid:
+            return f"it belongs to table {intent.table_uuid}, not this one ({self._table_uuid}): a dropped table's leftover"
+        if intent.branch != branch:
+            return f"it names branch {intent.branch!r} but is staged under branch {branch!r}"
+        if name != intent_name(batch):
+            return f"its name does not match its producer {batch.producer!r}, seq {batch.seq} and token {batch.token!r}"
+        ranks = sorted(f.rank for f in batch.files)
         if ranks != list(range(self._world_size)):
-            log.warning("ignoring staged intent %s: it has ranks %s, the stream has world size %d", intent.path, ranks,
-                        self._world_size)
-            return False
-        if not all(f.path.startswith(self._data) and not f.path.startswith(self._root) for f in intent.batch.files):
-            log.warning("ignoring staged intent %s: it names files outside %s", intent.path, self._data)
-            return False
-        return True
+            return f"it has ranks {ranks}, the stream has world size {self._world_size}"
+        for f in batch.files:
+            expected = data_file_path(self._location, producer=batch.producer, seq=batch.seq, token=batch.token,
+                                      rank=f.rank)
+            if f.path != expected:
+                return f"rank {f.rank}'s file {f.path!r} is not where its owner writes it ({expected!r})"
+        return None
+
+    def _reject(self, path: str, reason: str) -> None:
+        if path not in self._rejected:
+            self._rejected.add(path)
+            log.warning("ignoring staged intent %s: %s; it is never published (GC removes it)", path, reason)
+
+
+_UNREADABLE = "unreadable"
+
+
+def _shape(struct: StructType) -> tuple[Any, ...]:
+    """What a data file's schema must match: field ids, names, types and nullability, nested (docs ignored)."""
+    return tuple((f.field_id, f.name, f.required, _type_shape(f.field_type)) for f in struct.fields)
+
+
+def _type_shape(t: IcebergType) -> Any:
+    if isinstance(t, StructType):
+        return ("struct", _shape(t))
+    if isinstance(t, ListType):
+        return ("list", t.element_id, t.element_required, _type_shape(t.element_type))
+    if isinstance(t, MapType):
+        return ("map", t.key_id, _type_shape(t.key_type), t.value_id, t.value_required, _type_shape(t.value_type))
+    return str(t)

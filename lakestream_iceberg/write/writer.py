@@ -44,6 +44,11 @@ def check_producer_id(producer_id: str) -> str:
     return producer_id
 
 
+def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int) -> str:
+    """Where a producer's writer puts rank ``rank`` of batch ``seq``: its own folder under the table's ``data/``."""
+    return f"{location.rstrip('/')}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet"
+
+
 @dataclass(frozen=True)
 class StagedFile:
     """One rank's written shard, waiting for the step it will be published as.
@@ -154,7 +159,8 @@ class BatchWriter:
         """
         token = uuid.uuid4().hex[:12]
         written_at = time.time()  # before any file exists: a lower bound of every file's modification time
-        paths = [f"{self._location}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet" for rank in range(len(shards))]
+        paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=rank)
+                 for rank in range(len(shards))]
         futures = [self._pool.submit(self._write_retrying, path, rank, shard)
                    for rank, (path, shard) in enumerate(zip(paths, shards))]
         files: list[StagedFile] = []

@@ -1,0 +1,95 @@
+"""Where a producer's (id, seq) was published, and whether what was published is the batch this call wrote.
+
+A producer asks before it writes anything (a re-commit of a published seq is a duplicate) and again each time it reads
+the head while committing (its batch may have been carried by another producer's group commit, or its own commit whose
+outcome was unknown may have landed). Every published batch records its token (``lakestream.token``, also in its data
+file names) and, when another producer's commit carried it, when it was staged (``lakestream.staged-at-ms``): so a
+producer tells its own batch from an earlier incarnation's (staged before this call began: a duplicate) and from
+another live writer's under the same id (:class:`ProducerConflictError`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, TypedDict
+
+from pyiceberg.io import FileIO
+from pyiceberg.table.metadata import TableMetadata
+
+from lakestream_iceberg.errors import ProducerConflictError, SequenceError
+from lakestream_iceberg.format.expiry import ancestors
+from lakestream_iceberg.format.summary import OP_APPEND, StreamState
+from lakestream_iceberg.write.writer import StagedBatch
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["Found", "check_publisher", "find_published"]
+
+
+class Found(TypedDict):
+    """Where a (producer, seq) was published: its step (None once collected) and snapshot (None once expired)."""
+
+    step: int | None
+    snapshot_id: int | None
+
+
+def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamState, *, producer_id: str, branch: str,
+                   seq: int) -> Found | None:
+    """Where (producer, seq) was published on ``branch`` (whose head records ``state``), or None when it was not.
+
+    Raises:
+        SequenceError: ``seq`` is below the producer's published seq but was never published (it was skipped with
+            ``allow_gap``, and nothing was ever collected, so its absence is certain).
+    """
+    known = state.lookup(stream.io, producer_id)
+    if known is None or known.seq < seq:
+        return None
+    if known.seq == seq:
+        return {"step": known.step, "snapshot_id": known.snapshot_id}
+    head = metadata.snapshot_by_name(branch)
+    for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(metadata.snapshots)):
+        st = StreamState.of(metadata.snapshot_by_id(snapshot_id))
+        if st.op == OP_APPEND and st.producer == producer_id and st.seq == seq:
+            return {"step": st.step, "snapshot_id": snapshot_id}
+    step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-")
+    if step is None and state.collected_below <= 1:  # nothing was ever collected: it was never published
+        raise SequenceError(
+            f"producer {producer_id!r} seq {seq} was never published on branch {branch!r} and never will be: the "
+            f"producer's published seq is {known.seq}, so seq {seq} was skipped (a commit with allow_gap=True). "
+            f"Commit seq {known.seq + 1} next"
+        )
+    return {"step": step, "snapshot_id": None}
+
+
+def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: StagedBatch, *, producer_id: str,
+                    branch: str, since: float) -> bool:
+    """Whether the snapshot that published (producer, seq) holds ``staged``, the batch this call wrote.
+
+    False: it holds an earlier incarnation's batch of that seq, staged before this call began (``since``, unix seconds)
+    and carried by another producer's commit; the call's seq is then a duplicate. True also when nothing can be compared
+    (the snapshot expired, or predates recorded tokens).
+
+    Raises:
+        ProducerConflictError: It holds a batch staged or committed while this call ran: another live writer uses the
+            same producer id (this call's files are deleted first: nothing refers to them).
+    """
+    snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
+    state = StreamState.of(snapshot)
+    if snapshot is None or state.token is None or state.token == staged.token:
+        return True
+    if state.staged_at_ms is not None and state.staged_at_ms / 1000 < since:
+        return False
+    for f in staged.files:
+        try:
+            io.delete(f.path)
+        except Exception:  # noqa: BLE001 - GC collects it after the grace period
+            pass
+    how = (f"staged at {state.staged_at_ms / 1000:.3f} (unix s), after this call began at {since:.3f}"
+           if state.staged_at_ms is not None else "committed directly by a producer with the same id")
+    raise ProducerConflictError(
+        f"producer {producer_id!r} seq {staged.seq} on branch {branch!r} was published as step {found['step']} "
+        f"(snapshot {found['snapshot_id']}) with batch {state.token!r}, not with the batch this call wrote "
+        f"({staged.token!r}); that batch was {how}. Another live process is using producer id {producer_id!r} (or "
+        "something wrote a staged intent under it). Nothing of this call was published and its files were deleted: "
+        f"give every live producer its own id, and check what step {found['step']} holds"
+    )
