@@ -39,6 +39,7 @@ from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.pointer import refresh_if_moved
+from lakestream_iceberg.connect.swap import swap
 from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.write.dac import CommitPolicy
@@ -237,7 +238,7 @@ class CommitLoop:
                                carried_after if carry is not None else None)
             try:
                 sent += 1
-                response = self.table.catalog.commit_table(self.table, plan.requirements, plan.updates)
+                response = swap(self.table, plan.requirements, plan.updates)  # SQL: from the held metadata
             except (CommitFailedException, ValueError) as exc:
                 # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
                 invalid = invalid + 1 if isinstance(exc, ValueError) else 0

@@ -1,0 +1,104 @@
+"""The catalog's compare-and-swap, from the metadata the committer already holds.
+
+pyiceberg's ``SqlCatalog.commit_table`` loads the table again (a query, a read and a parse of ``metadata.json``),
+applies the updates to that copy, deep-copies the result, writes it and swaps the pointer with a conditional
+``UPDATE ... WHERE metadata_location = <the location it loaded>``. A lakestream commit is always planned on metadata it
+holds (its requirements name that metadata's branch head), so the reload only re-reads what the committer has. On a
+SQL catalog :func:`swap` therefore applies the updates to the held metadata, writes the new ``metadata.json`` and runs
+the same conditional ``UPDATE`` with the *held* location: if any other commit landed since that metadata was read, no
+row matches and the swap is lost (``CommitFailedException``), exactly as with pyiceberg. The metadata it writes is the
+one pyiceberg would write (the same update functions, the same metadata log, the same file naming), so pyiceberg,
+DuckDB and Java Iceberg read it identically.
+
+Every other catalog (REST, Glue, Hive), a subclass of ``SqlCatalog`` and a catalog whose ``commit_table`` was replaced
+on the instance keep ``catalog.commit_table``: their commit protocol (a REST server's own checks, a subclass's
+override) is theirs to run.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pyiceberg.catalog import Catalog, MetastoreCatalog
+from pyiceberg.table import CommitTableResponse, Table
+from pyiceberg.table.locations import load_location_provider
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.update import TableRequirement, TableUpdate, update_table_metadata
+
+__all__ = ["swap", "swaps_from_held"]
+
+try:  # pyiceberg 0.12: the pieces of update_table_metadata, without its final deep copy of the whole metadata
+    from pyiceberg.table.update import _apply_table_update, _TableMetadataUpdateContext, _update_table_metadata_log
+except ImportError:  # pragma: no cover - another pyiceberg: the public function (same result, plus a deep copy)
+    _apply_table_update = None  # type: ignore[assignment]
+
+
+def swaps_from_held(table: Table) -> bool:
+    """Whether :func:`swap` commits ``table`` itself (a plain ``SqlCatalog``) rather than through ``commit_table``."""
+    try:
+        from pyiceberg.catalog.sql import SqlCatalog
+    except ImportError:  # pragma: no cover - the sql extra is a core dependency
+        return False
+    catalog = table.catalog
+    return (type(catalog) is SqlCatalog and "commit_table" not in vars(catalog)
+            and bool(catalog.engine.dialect.supports_sane_rowcount))
+
+
+def swap(table: Table, requirements: tuple[TableRequirement, ...],
+         updates: tuple[TableUpdate, ...]) -> CommitTableResponse:
+    """Commit ``updates`` to ``table`` if its held metadata is still the catalog's current one.
+
+    Raises:
+        CommitFailedException: A requirement does not hold, or another commit landed since ``table.metadata`` was read.
+        Exception: The catalog or the store failed (outcome unknown when it happened during the ``UPDATE``).
+    """
+    if not swaps_from_held(table):
+        return table.catalog.commit_table(table, requirements, updates)
+    from pyiceberg.catalog.sql import IcebergTables
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.serializers import ToOutputFile
+    from sqlalchemy import update
+    from sqlalchemy.orm import Session
+
+    base, base_location = table.metadata, table.metadata_location
+    for requirement in requirements:
+        requirement.validate(base)
+    metadata = _updated(base, updates, base_location)
+    version = MetastoreCatalog._parse_metadata_version(base_location) + 1  # noqa: SLF001 - pyiceberg's own naming
+    location = load_location_provider(metadata.location, metadata.properties).new_table_metadata_file_location(version)
+    ToOutputFile.table_metadata(metadata, table.io.new_output(location))
+    catalog = table.catalog
+    identifier = table.name()
+    stmt = (
+        update(IcebergTables)
+        .where(
+            IcebergTables.catalog_name == catalog.name,
+            IcebergTables.table_namespace == Catalog.namespace_to_string(identifier[:-1]),
+            IcebergTables.table_name == identifier[-1],
+            IcebergTables.metadata_location == base_location,
+        )
+        .values(metadata_location=location, previous_metadata_location=base_location)
+    )
+    with Session(catalog.engine) as session:  # type: ignore[attr-defined]
+        if session.execute(stmt).rowcount < 1:
+            raise CommitFailedException(f"Table has been updated by another process: {'.'.join(identifier)}")
+        session.commit()
+    return CommitTableResponse(metadata=metadata, metadata_location=location)
+
+
+def _updated(base: TableMetadata, updates: tuple[TableUpdate, ...], base_location: str) -> TableMetadata:
+    """``update_table_metadata(base, updates, metadata_location=base_location)`` without copying what it shares:
+    pyiceberg's metadata models are immutable, so the new metadata may share the held one's snapshots and schemas."""
+    if _apply_table_update is None:  # pragma: no cover
+        return update_table_metadata(base_metadata=base, updates=updates, metadata_location=base_location)
+    context = _TableMetadataUpdateContext()
+    metadata = base
+    for item in updates:
+        metadata = _apply_table_update(item, metadata, context)
+    if context.has_changes():
+        metadata = _update_table_metadata_log(metadata, base_location, base.last_updated_ms)
+        if base.last_updated_ms == metadata.last_updated_ms:
+            metadata = metadata.model_copy(update={"last_updated_ms": int(time.time() * 1000)})
+    metadata.spec().check_compatible(metadata.schema())
+    metadata.sort_order().check_compatible(metadata.schema())
+    return metadata

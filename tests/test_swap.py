@@ -1,0 +1,100 @@
+"""The SQL catalog's compare-and-swap from held metadata (connect/swap.py): the same table pyiceberg would write."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import CommitFailedException
+from pyiceberg.table import Table
+from pyiceberg.table.update import AssertRefSnapshotId, SetPropertiesUpdate, update_table_metadata
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.swap import _updated, swap, swaps_from_held
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+WORLD = 2
+
+
+def fresh_view(stream: Stream) -> Table:
+    return stream.table.catalog.load_table(stream.table.name())
+
+
+def test_a_plain_sql_catalog_swaps_from_held_metadata_others_keep_commit_table(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    assert swaps_from_held(stream.table)
+
+    class Custom(SqlCatalog):
+        pass
+
+    custom = Custom("test", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    assert not swaps_from_held(custom.load_table("ns.stream"))  # a subclass may have its own commit protocol
+    wrapped = sqlite_catalog(str(tmp_path))
+    calls: list[int] = []
+    original = wrapped.commit_table
+
+    def counting(*args: object) -> object:
+        calls.append(1)
+        return original(*args)  # type: ignore[arg-type]
+
+    wrapped.commit_table = counting  # type: ignore[method-assign]
+    table = wrapped.load_table("ns.stream")
+    assert not swaps_from_held(table)
+    swap(table, (), (SetPropertiesUpdate(updates={"x": "1"}),))
+    assert calls == [1]
+
+
+def test_commits_leave_the_metadata_pyiceberg_reads_back_and_the_rows_a_scan_returns(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p")
+    for seq in range(12):  # past retain-last (8): snapshots are expired by the same swaps
+        producer.commit(batch("p", seq, WORLD))
+    held = producer._loop.table  # noqa: SLF001 - the producer's own view, built by swap() alone
+    loaded = catalog.load_table("ns.stream")
+    assert loaded.metadata_location == held.metadata_location
+    assert loaded.metadata == held.metadata
+    # pyiceberg's file naming and metadata log: one version per commit, the previous locations logged
+    version = int(Path(loaded.metadata_location).name.split("-", 1)[0])
+    assert version >= 12
+    logged = [entry.metadata_file for entry in loaded.metadata.metadata_log]
+    assert logged and int(Path(logged[-1]).name.split("-", 1)[0]) == version - 1
+    rows = loaded.scan().to_arrow()
+    assert rows.num_rows == sum(t.num_rows for seq in range(12) for t in batch("p", seq, WORLD))  # every step's rows
+    assert digest(stream.read(12, rank=1)) == digest(batch("p", 11, WORLD)[1])
+
+
+def test_a_swap_on_stale_metadata_is_lost_and_changes_nothing(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stale = fresh_view(stream)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    before = fresh_view(stream).metadata_location
+    with pytest.raises(CommitFailedException):
+        swap(stale, (), (SetPropertiesUpdate(updates={"x": "1"}),))
+    after = fresh_view(stream)
+    assert after.metadata_location == before and "x" not in after.metadata.properties
+    with pytest.raises(CommitFailedException):  # a requirement checked against the held metadata
+        swap(fresh_view(stream), (AssertRefSnapshotId(ref="main", snapshot_id=1),), (SetPropertiesUpdate(updates={"x": "1"}),))
+
+
+def test_the_update_is_pyicebergs_update_table_metadata(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    table = fresh_view(stream)
+    updates = (SetPropertiesUpdate(updates={"a": "b"}),)
+    ours = _updated(table.metadata, updates, table.metadata_location)
+    theirs = update_table_metadata(table.metadata, updates, metadata_location=table.metadata_location)
+    drop = {"last_updated_ms"}
+    assert ours.model_dump(exclude=drop) == theirs.model_dump(exclude=drop)
+
+
+def test_pyarrow_schema_round_trip_unchanged_by_swapped_commits(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    reopened = Stream.open(catalog, "ns.stream")
+    assert reopened.payload_arrow_schema.equals(SCHEMA) and reopened.head_step() == 1
+    assert isinstance(reopened.read(1, rank=0), pa.Table)
