@@ -298,32 +298,35 @@ class Stream(StreamTable):
         """Block until ``step`` is published on ``branch``; return the head step then.
 
         Polls the catalog with bounded exponential backoff (``poll_s`` doubling up to 1 s); on SQL catalogs a poll reads
-        only the table pointer and reloads the metadata when it moved.
+        only the table pointer and reloads the metadata when it moved; on PostgreSQL catalogs a commit notification
+        wakes it at once (see :mod:`lakestream_iceberg.connect.notify`).
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
         """
         step = check_int(step, what="step", error=StepError, minimum=0)
         watcher = HeadWatcher(self, branch=branch)
-        deadline = time.monotonic() + timeout
-        delay = poll_s
-        error: Exception | None = None
-        while True:
-            try:
-                watcher.check()
-                error = None
-            except Exception as exc:  # the catalog or storage is unreachable for now: keep polling until the deadline
-                if not transient(exc):
-                    raise
-                error = exc
-            head = watcher.head()[0]
-            if head >= step:
-                return head
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise ReadTimeoutError(
-                    f"step {step} of {self.name} was not published within {timeout}s (head step is {head}); "
-                    "are the producers running?"
-                ) from error
-            time.sleep(min(delay, remaining))
-            delay = min(delay * 2, 1.0)
+        try:
+            deadline = time.monotonic() + timeout
+            delay = poll_s
+            error: Exception | None = None
+            while True:
+                try:
+                    watcher.check()
+                    error = None
+                except Exception as exc:  # the catalog or storage is unreachable for now: keep polling until the deadline
+                    if not transient(exc):
+                        raise
+                    error = exc
+                head = watcher.head()[0]
+                if head >= step:
+                    return head
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ReadTimeoutError(
+                        f"step {step} of {self.name} was not published within {timeout}s (head step is {head}); "
+                        "are the producers running?"
+                    ) from error
+                delay = poll_s if watcher.pause(min(delay, remaining)) else min(delay * 2, 1.0)
+        finally:
+            watcher.close()

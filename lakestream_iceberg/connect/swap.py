@@ -8,7 +8,8 @@ SQL catalog :func:`swap` therefore applies the updates to the held metadata, wri
 the same conditional ``UPDATE`` with the *held* location: if any other commit landed since that metadata was read, no
 row matches and the swap is lost (``CommitFailedException``), exactly as with pyiceberg. The metadata it writes is the
 one pyiceberg would write (the same update functions, the same metadata log, the same file naming), so pyiceberg,
-DuckDB and Java Iceberg read it identically.
+DuckDB and Java Iceberg read it identically. On PostgreSQL the same transaction notifies followers
+(:mod:`.notify`).
 
 Every other catalog (REST, Glue, Hive), a subclass of ``SqlCatalog`` and a catalog whose ``commit_table`` was replaced
 on the instance keep ``catalog.commit_table``: their commit protocol (a REST server's own checks, a subclass's
@@ -24,6 +25,8 @@ from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.locations import load_location_provider
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate, update_table_metadata
+
+from lakestream_iceberg.connect.notify import channel, notifies
 
 __all__ = ["swap", "swaps_from_held"]
 
@@ -57,7 +60,7 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     from pyiceberg.catalog.sql import IcebergTables
     from pyiceberg.exceptions import CommitFailedException
     from pyiceberg.serializers import ToOutputFile
-    from sqlalchemy import update
+    from sqlalchemy import text, update
     from sqlalchemy.orm import Session
 
     base, base_location = table.metadata, table.metadata_location
@@ -82,6 +85,9 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     with Session(catalog.engine) as session:  # type: ignore[attr-defined]
         if session.execute(stmt).rowcount < 1:
             raise CommitFailedException(f"Table has been updated by another process: {'.'.join(identifier)}")
+        if notifies(catalog):  # delivered when (and only if) this transaction commits: see connect/notify.py
+            session.execute(text("SELECT pg_notify(:channel, :location)"),
+                            {"channel": channel(catalog.name, identifier), "location": location})
         session.commit()
     return CommitTableResponse(metadata=metadata, metadata_location=location)
 

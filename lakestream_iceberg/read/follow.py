@@ -9,6 +9,9 @@ the answer is no. :class:`HeadWatcher` asks the catalog for the table's *metadat
   SQLAlchemy engine.
 * Any other catalog (REST, Glue, Hive): ``Table.refresh()`` (those catalogs answer with the full metadata anyway).
 
+Between polls it sleeps with exponential backoff; on PostgreSQL catalogs it also listens for the commit notifications
+lakestream's own commits send (:mod:`lakestream_iceberg.connect.notify`) and wakes on one at once.
+
 :class:`StreamRef` is what a DataLoader worker needs to open the same stream: pyiceberg catalogs hold live database
 engines or HTTP sessions and do not pickle, so the catalog's class, name and non-secret properties are carried instead
 and the catalog is rebuilt with ``load_catalog`` in the worker, which takes the credentials from its own pyiceberg
@@ -33,6 +36,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.config import Config, merge_config
 
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
+from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.errors import ReadTimeoutError
@@ -123,12 +127,46 @@ class HeadWatcher:
         io: The FileIO to read ``metadata.json`` with (default: the table's).
     """
 
-    def __init__(self, stream: StreamTable, *, branch: str, io: FileIO | None = None) -> None:
+    def __init__(self, stream: StreamTable, *, branch: str, io: FileIO | None = None, listen: bool = True) -> None:
         self._stream = stream
         self._branch = branch
         self._io = io or stream.io
         self.polls = 0
         self.reloads = 0
+        self._listen = listen  # PostgreSQL catalogs: wake on commit notifications (connect/notify.py)
+        self._listener: HeadListener | None = None
+
+    @property
+    def notifications(self) -> int:
+        """Commit notifications received so far (always 0 on catalogs that send none)."""
+        return self._listener.received if self._listener is not None else 0
+
+    def pause(self, seconds: float, stop: threading.Event | None = None) -> bool | None:
+        """Sleep up to ``seconds``, less when a commit notification arrives (True) or ``stop`` is set (None)."""
+        if self._listen and self._listener is None:
+            self._listen = False  # open once
+            self._listener = HeadListener.open(self._stream.table)
+        listener = self._listener
+        if listener is None or not listener.alive:
+            if stop is None:
+                time.sleep(max(0.0, seconds))
+                return False
+            return None if stop.wait(max(0.0, seconds)) else False
+        end = time.monotonic() + seconds
+        while True:
+            if stop is not None and stop.is_set():
+                return None
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if listener.wait(min(left, 0.1)):  # short slices: ``stop`` is noticed within 0.1 s
+                return True
+
+    def close(self) -> None:
+        """Release the notification connection, if any (also released when the watcher is garbage-collected)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     def check(self) -> bool:
         """Bring the table view up to date; True when the metadata changed."""
@@ -177,9 +215,10 @@ class HeadWatcher:
                     f"step {step} of {self._stream.name} (branch {self._branch!r}) was not published within {timeout}s "
                     f"(head step is {head[0]}); are the producers running? Raise the dataset's timeout= to wait longer"
                 ) from error
-            if stop.wait(delay if remaining is None else min(delay, remaining)):
+            woke = self.pause(delay if remaining is None else min(delay, remaining), stop)
+            if woke is None:
                 return None
-            delay = min(delay * 2, max_poll_s)
+            delay = poll_s if woke else min(delay * 2, max_poll_s)  # a commit landed: poll fast again
 
 
 T = TypeVar("T")
@@ -282,6 +321,7 @@ def pump_steps(
     finally:
         closers.remove(shutdown)
         shutdown(wait=True)  # at most the reads in flight
+        watcher.close()
 
 
 fetch_table = read_file  # one shard file, one read (see lakestream_iceberg.read.reader.read_file)

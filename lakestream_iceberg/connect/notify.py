@@ -1,0 +1,121 @@
+"""Commit notifications: a follower learns of a new head at once instead of at its next poll.
+
+What each catalog gets:
+
+* **PostgreSQL** (a ``SqlCatalog`` on psycopg2): every commit lakestream swaps itself (:mod:`.swap`) runs
+  ``pg_notify(<channel>, <new metadata location>)`` in the transaction of its conditional ``UPDATE``. PostgreSQL
+  delivers a notification only when that transaction commits, so a notification always means "the head moved". A
+  follower (:class:`HeadListener`) holds one extra connection that ``LISTEN``\\ s on the table's channel and wakes as
+  soon as one arrives. Commits made by other tools (pyiceberg's own ``commit_table``, Spark) send none: followers
+  keep polling, at their backed-off interval, as a safety net.
+* **SQLite and every other catalog** (REST, Glue, Hive): no notifications; followers poll with exponential backoff
+  (on SQL catalogs a poll reads only the table pointer, see :mod:`.pointer`).
+
+The channel is ``lakestream_`` followed by 24 hex digits of a hash of the catalog name and the table identifier (a
+PostgreSQL identifier is at most 63 bytes; table names may be longer and hold any character).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import select
+import threading
+import weakref
+from typing import Any
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.table import Table
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HeadListener", "channel", "notifies"]
+
+
+def channel(catalog_name: str, identifier: tuple[str, ...]) -> str:
+    """The notification channel of a table."""
+    key = "\0".join([catalog_name, Catalog.namespace_to_string(identifier[:-1]), identifier[-1]])
+    return "lakestream_" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def notifies(catalog: Any) -> bool:
+    """Whether commits to this catalog send notifications (a SQL catalog on PostgreSQL through psycopg2)."""
+    engine = getattr(catalog, "engine", None)
+    dialect = getattr(engine, "dialect", None)
+    return dialect is not None and dialect.name == "postgresql" and dialect.driver == "psycopg2"
+
+
+class HeadListener:
+    """Wakes a follower when a commit to one table lands (PostgreSQL catalogs); :meth:`open` returns None elsewhere.
+
+    One dedicated connection per listener (taken out of the catalog engine's pool, closed by :meth:`close` or when the
+    listener is garbage-collected). A broken connection turns the listener off; the follower's polling carries on.
+    """
+
+    def __init__(self, connection: Any, name: str) -> None:
+        self._conn = connection
+        self._name = name
+        self._lock = threading.Lock()
+        self.received = 0
+        self._finalizer = weakref.finalize(self, _close_quietly, connection)
+
+    @classmethod
+    def open(cls, table: Table) -> HeadListener | None:
+        """A listener on ``table``'s channel, or None when its catalog sends no notifications or LISTEN failed."""
+        catalog = table.catalog
+        if not notifies(catalog):
+            return None
+        name = channel(catalog.name, table.name())
+        try:
+            raw = catalog.engine.raw_connection()  # type: ignore[attr-defined]
+            raw.detach()  # ours until closed: never handed back to the pool with a LISTEN on it
+            connection = raw.dbapi_connection
+            connection.autocommit = True
+            with connection.cursor() as cursor:
+                cursor.execute(f'LISTEN "{name}"')
+        except Exception as exc:  # noqa: BLE001 - no notifications: the follower polls
+            log.warning("cannot LISTEN for commits to %s (%s); polling instead", ".".join(table.name()),
+                        type(exc).__name__)
+            return None
+        return cls(connection, name)
+
+    @property
+    def alive(self) -> bool:
+        return self._conn is not None
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to ``timeout`` seconds for a commit notification; True when one (or more) arrived."""
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return False
+            try:
+                if self._drain(conn):
+                    return True
+                ready, _, _ = select.select([conn], [], [], max(0.0, timeout))
+                return bool(ready) and self._drain(conn)
+            except Exception as exc:  # noqa: BLE001 - the connection broke: stop listening, polling carries on
+                log.warning("commit notifications for channel %s stopped (%s); polling instead", self._name,
+                            type(exc).__name__)
+                self._conn = None
+                _close_quietly(conn)
+                return False
+
+    def _drain(self, conn: Any) -> bool:
+        conn.poll()
+        got = len(conn.notifies)
+        conn.notifies.clear()
+        self.received += got
+        return got > 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn = None
+        self._finalizer()
+
+
+def _close_quietly(connection: Any) -> None:
+    try:
+        connection.close()
+    except Exception:  # noqa: BLE001 - already closed or broken
+        pass
