@@ -68,6 +68,7 @@ class Stream(StreamTable):
 
     def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
         super().__init__(table, cache=cache)
+        self._policies: dict[str, CommitPolicy] = {}  # branch -> the DAC state of the last producer made here
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle as an address (catalog name + properties + identifier): the process that unpickles reopens it."""
@@ -167,6 +168,10 @@ class Stream(StreamTable):
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
         """A producer publishing into ``branch``; each producer keeps its own view of the table.
 
+        Its commit pacing (DAC) starts from what the previous producer made by this ``Stream`` on ``branch`` learned
+        (:meth:`CommitPolicy.inherit`): a worker that takes a fresh producer id every few batches keeps its timings
+        and its turn in group commit.
+
         Raises:
             ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is.
         """
@@ -175,10 +180,15 @@ class Stream(StreamTable):
         table = Table(self.table.name(), metadata=self.table.metadata, metadata_location=self.table.metadata_location,
                       io=self.table.io, catalog=self.table.catalog, config=self.table.config)
         check_branch(table.metadata, branch, stream=self.name, doing=f"cannot make producer {producer_id!r} on")
+        policy = CommitPolicy(clock=time.monotonic, rng=random.Random(seed),
+                              config=PolicyConfig(group_max_batches=self.config.group_max_batches))
+        predecessor = self._policies.get(branch)
+        if predecessor is not None:  # the same process keeps its place and timings across producer ids
+            policy.inherit(predecessor)
+        self._policies[branch] = policy
         loop = CommitLoop(
             table=table,
-            policy=CommitPolicy(clock=time.monotonic, rng=random.Random(seed),
-                                config=PolicyConfig(group_max_batches=self.config.group_max_batches)),
+            policy=policy,
             branch=branch,
             timeout_s=self.config.commit_timeout_ms / 1000,
             max_attempts=self.config.commit_max_attempts,

@@ -376,3 +376,21 @@ def test_far_back_producers_wait_one_slot_per_group_of_batches_ahead() -> None:
     slot = p.group_slot_s
     hold = p.hold_delay(waited=0.0)
     assert (4 + (ahead - 4) / 32) * slot <= hold <= (5 + (ahead - 4) / 32) * slot
+
+
+def test_a_successor_keeps_its_predecessors_turn_and_timings() -> None:
+    """An elastic worker takes a fresh producer id: the new id's policy holds like the old one, not like a stranger."""
+    first = grouped(93)  # its batch opened the head's group: it commits next, at once
+    stranger = policy(1)
+    stranger.observe_head(100, producers=[100 - i for i in range(8)], group=8)
+    assert stranger.hold_delay(waited=0.0) >= 4 * stranger.group_slot_s  # never published: behind everybody
+    successor = policy(2)
+    successor.inherit(first)
+    assert successor.contenders == first.contenders == 8.0
+    assert successor.critical_section_s == first.critical_section_s
+    assert successor.hold_delay(waited=0.0) == 0.0
+    third = grouped(96)
+    heir = policy(3)
+    heir.inherit(third)
+    slot = heir.group_slot_s
+    assert 3 * slot <= heir.hold_delay(waited=0.0) <= 3.1 * slot + 1e-9  # position 3, like its predecessor

@@ -161,6 +161,23 @@ class CommitPolicy:
         self.conflicts = 0
         self.carried = 0
 
+    def inherit(self, predecessor: CommitPolicy) -> None:
+        """Start from what ``predecessor`` learned: a producer that takes over from another in the same process (an
+        elastic worker that takes a fresh producer id every few batches) is the same contender for the catalog.
+
+        Copied: the timings (critical section, waits until carried, the group committer's reported time, metadata
+        size) and the place in the commit order (the step and time of the predecessor's last published batch, which
+        the head's producer table still lists). Without it every new id would start as a stranger, hold for several
+        slots behind everybody, and a pool that rotates ids would stall each time the producer whose turn it was
+        took a new id.
+        """
+        for name in ("_log_critical", "_metadata_bytes", "_log_carry", "_log_carry_dev", "_head_group_s",
+                     "_baseline", "_last_win_end", "_last_win_step", "_active"):
+            setattr(self, name, getattr(predecessor, name))
+        self._wins = deque(predecessor._wins, maxlen=self._wins.maxlen)
+        self._head = predecessor._head
+        self._rank()
+
     # -- measurements -------------------------------------------------------------------------------------------------
     def observe_metadata(self, size_bytes: int) -> None:
         """The size of the table metadata the producer just read."""
