@@ -47,6 +47,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/vs_kafka.py
 	$(BIN)/python benchmarks/vs_colocated.py
 	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
+	$(BIN)/python benchmarks/step_cost.py
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache

@@ -168,3 +168,17 @@ def test_vs_colocated_child_exit_guard_lets_the_sigchld_error_surface_only_while
         assert len(guard.outside) == 2
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+@pytest.mark.timeout(300)
+def test_step_cost_smoke(tmp_path: Path) -> None:
+    data = _run("step_cost.py", tmp_path / "step_cost.json", timeout=240)
+    assert data["benchmark"] == "step_cost" and data["smoke"] is True
+    runs = data["commit_path"]["latencies_s"]
+    assert set(runs) == {"held", "commit_table"} and all(runs[m] and all(_positive(x) for x in runs[m]) for m in runs)
+    assert _positive(data["commit_path"]["p50_ratio"])
+    for mode in ("held", "commit_table"):
+        assert _positive(data["profile"][mode]["total"]) and _positive(data["profile"][mode]["the swap (catalog commit)"])
+    sweep = data["world_sweep"]
+    assert [sweep[w]["files_per_step"] for w in ("1", "8")] == [1, 8]  # one data file per rank and step today
+    assert all(_positive(sweep[w]["commit_p50_s"]) and _positive(sweep[w]["read_p50_s"]) for w in sweep)

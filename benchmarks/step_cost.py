@@ -1,0 +1,202 @@
+"""Per-step cost: the commit path side by side, a profile of one step, and a world-size sweep.
+
+    .venv/bin/python benchmarks/step_cost.py                     # ~3-5 minutes on 2 cores
+    .venv/bin/python benchmarks/step_cost.py --smoke --out /tmp/step_cost.json   # seconds: tests/test_benchmarks_smoke.py
+
+Everything runs on the embedded SQLite catalog with a local warehouse in a temp dir (removed at the end).
+
+* **Commit path** (one producer, world size 2, small shards): ``--commits`` commits per round with lakestream's swap
+  from the held metadata (``connect/swap.py``) and with pyiceberg's ``SqlCatalog.commit_table`` (which loads the table
+  again, applies the updates to that copy, deep-copies it and writes it), in alternating rounds on fresh streams;
+  p50 commit latency and commits/s of each, and their ratio.
+* **Profile of one step** (cProfile over the same loop, per mode): where a step's time goes (the swap, writing the
+  data files, planning the manifests, the rest).
+* **World-size sweep** (``--worlds``, default 1 8 64 256 1024; one producer, one row per rank): commit p50 and data
+  files (PUTs) per step, and a rank's read p50 (``stream.read(step, rank)``), each as a ratio to W=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _common import Table, percentile, write_json  # noqa: E402
+from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
+
+import lakestream_iceberg.connect.swap as swap_module  # noqa: E402
+from lakestream_iceberg import Stream  # noqa: E402
+
+SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.binary())])
+MODES = ("held", "commit_table")
+
+
+def catalog(root: Path) -> SqlCatalog:
+    root.mkdir(parents=True, exist_ok=True)
+    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+
+
+def shards(world: int, step: int, rows: int, payload: int) -> list[pa.Table]:
+    return [pa.table({"id": pa.array([step * 1_000_000 + r * 1000 + i for i in range(rows)], pa.int64()),
+                      "payload": pa.array([b"x" * payload] * rows, pa.binary())}, schema=SCHEMA)
+            for r in range(world)]
+
+
+class Mode:
+    """Commit with lakestream's swap from held metadata (``held``) or through pyiceberg's ``commit_table``."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self._saved = mode, swap_module.swaps_from_held
+
+    def __enter__(self) -> None:
+        if self.mode == "commit_table":
+            swap_module.swaps_from_held = lambda _table: False  # type: ignore[assignment]
+
+    def __exit__(self, *_: object) -> None:
+        swap_module.swaps_from_held = self._saved  # type: ignore[assignment]
+
+
+def commit_loop(root: Path, name: str, *, world: int, commits: int, rows: int, payload: int,
+                profile: cProfile.Profile | None = None) -> tuple[list[float], Stream]:
+    stream = Stream.create(catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world)
+    producer = stream.producer("p")
+    producer.commit(shards(world, 0, rows, payload))  # warm-up: caches, first metadata
+    latencies = []
+    for step in range(1, commits + 1):
+        batch = shards(world, step, rows, payload)
+        if profile is not None:
+            profile.enable()
+        began = time.perf_counter()
+        producer.commit(batch)
+        latencies.append(time.perf_counter() - began)
+        if profile is not None:
+            profile.disable()
+    return latencies, stream
+
+
+def commit_path(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    for rnd in range(args.rounds):
+        for mode in MODES if rnd % 2 == 0 else MODES[::-1]:  # alternate the order: drift hits both alike
+            with Mode(mode):
+                lat, _ = commit_loop(root / f"cp-{mode}-{rnd}", "s", world=2, commits=args.commits, rows=4,
+                                     payload=args.payload)
+            runs[mode].extend(lat)
+    table = Table("commit path: one producer, world size 2, small shards (alternating rounds, fresh streams)",
+                  ["commit path", "commits", "p50 ms", "p99 ms", "commits/s", "p50 vs commit_table"])
+    p50 = {m: percentile(runs[m], 50) for m in MODES}
+    for mode in MODES:
+        table.add(mode, len(runs[mode]), p50[mode] * 1000, percentile(runs[mode], 99) * 1000,
+                  len(runs[mode]) / sum(runs[mode]), p50[mode] / p50["commit_table"])
+    return table, {"latencies_s": runs, "p50_ratio": p50["held"] / p50["commit_table"]}
+
+
+GROUPS = (  # (label, substrings of "file:function" in the profile: the first group that matches takes the time)
+    ("the swap (catalog commit)", ("connect/swap.py:swap", "catalog/sql.py:commit_table")),
+    ("writing the data files", ("write/writer.py:write",)),
+    ("planning: manifests, lists, summary", ("write/producer.py:_plan_group",)),
+    ("reading the head", ("write/commit.py:refresh",)),
+)
+
+
+def profile_step(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
+    table = Table("profile of one step (cProfile, cumulative ms per step; world size 2, small shards)",
+                  ["part", *MODES])
+    out: dict[str, Any] = {}
+    for mode in MODES:
+        prof = cProfile.Profile()
+        with Mode(mode):
+            lat, _ = commit_loop(root / f"prof-{mode}", "s", world=2, commits=args.commits, rows=4,
+                                 payload=args.payload, profile=prof)
+        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+        total = sum(lat)
+        parts: dict[str, float] = {}
+        for label, keys in GROUPS:
+            parts[label] = max((v[3] for (file, _line, func), v in stats.items()
+                                if any(f"{file}:{func}".endswith(k) or f"{file}:{func}".find(k) >= 0 for k in keys)),
+                               default=0.0)
+        parts["everything else"] = max(0.0, total - sum(parts.values()))
+        parts["total"] = total
+        out[mode] = {k: v / len(lat) for k, v in parts.items()}
+    for label in [g[0] for g in GROUPS] + ["everything else", "total"]:
+        table.add(label, *(out[m][label] * 1000 for m in MODES))
+    table.note("one commit = one step; 'the swap' is pyiceberg's commit_table (reload, deep copy, write, UPDATE) or "
+               "lakestream's swap from held metadata (write, UPDATE)")
+    return table, out
+
+
+def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
+    rows: dict[int, dict[str, Any]] = {}
+    for world in args.worlds:
+        commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
+        lat, stream = commit_loop(root / f"w{world}", "s", world=world, commits=commits, rows=1, payload=64)
+        stream.refresh()
+        files = len(stream.index.files(stream.table.current_snapshot(), commits))
+        reads = []
+        ranks = sorted({0, world // 2, world - 1})
+        for step in range(1, commits + 1):
+            for rank in ranks:
+                began = time.perf_counter()
+                stream.read(step, rank=rank)
+                reads.append(time.perf_counter() - began)
+        rows[world] = {"commits": commits, "commit_p50_s": percentile(lat, 50), "files_per_step": files,
+                       "read_p50_s": percentile(reads, 50), "reads": len(reads)}
+    base = rows[args.worlds[0]]
+    table = Table("world-size sweep: one producer, one row per rank (ratios to the first W)",
+                  ["W", "steps", "commit p50 ms", "commit x W=1", "data files (PUTs) / step", "rank read p50 ms",
+                   "read x W=1"])
+    for world, r in rows.items():
+        table.add(world, r["commits"], r["commit_p50_s"] * 1000, r["commit_p50_s"] / base["commit_p50_s"],
+                  r["files_per_step"], r["read_p50_s"] * 1000, r["read_p50_s"] / base["read_p50_s"])
+    return table, {str(k): v for k, v in rows.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--smoke", action="store_true", help="seconds, for tests")
+    parser.add_argument("--commits", type=int, default=150, help="commits per round of the commit-path comparison")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--payload", type=int, default=256, help="bytes per row in the commit-path runs")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
+    parser.add_argument("--sweep-commits", type=int, default=40)
+    parser.add_argument("--sweep-budget", type=int, default=20_000, help="at most this many rank files per W")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.commits, args.rounds, args.worlds, args.sweep_commits = 6, 2, [1, 8], 3
+    started = time.monotonic()
+    root = Path(tempfile.mkdtemp(prefix="lakestream-step-cost-"))
+    try:
+        commit_table, commit_json = commit_path(root, args)
+        print(commit_table, flush=True)
+        prof_table, prof_json = profile_step(root, args)
+        print(prof_table, flush=True)
+        sweep_table, sweep_json = world_sweep(root, args)
+        print(sweep_table, flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    payload = {"benchmark": "step_cost", "smoke": args.smoke,
+               "config": {k: v for k, v in vars(args).items() if k != "out"},
+               "commit_path": commit_json, "profile": prof_json, "world_sweep": sweep_json,
+               "tables": [t.to_json() for t in (commit_table, prof_table, sweep_table)],
+               "seconds": time.monotonic() - started}
+    if args.out is not None:
+        path = write_json(args.out.name, payload, directory=args.out.parent)
+    else:
+        path = write_json("step_cost", payload)
+    print(f"wrote {path} in {payload['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
