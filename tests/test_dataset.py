@@ -443,6 +443,31 @@ def test_tensors_share_arrow_memory() -> None:
     assert item["t"].shape == (6, 2)
 
 
+@pytest.mark.parametrize("lengths", [[2, 2, 2], [3, 0, 1]])
+def test_padding_copies_once_into_writable_memory(lengths: list[int]) -> None:
+    """Padded lists are built from a read-only view of Arrow's values (one copy, into the padded tensor); rows of one
+    length still come out writable (torch must never get read-only memory)."""
+    import warnings
+
+    from lakestream_iceberg.read.dataset import StepShard
+
+    rows = [list(range(10 * i, 10 * i + n)) for i, n in enumerate(lengths)]
+    flat = np.array([v for r in rows for v in r], np.int32)
+    values = pa.Array.from_buffers(pa.int32(), len(flat), [None, pa.py_buffer(flat.tobytes())])  # read-only memory
+    offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    table = pa.table({"t": pa.ListArray.from_arrays(offsets, values), "b": [bytes([i]) * n for i, n in enumerate(lengths)]})
+    shard = StepShard(step=1, rank=0, world_size=1, table=table, sample_ids=np.arange(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "non-writable NumPy array" warning would fail here
+        item = TensorCollate(binary="padded", pad_value=-1)(shard)
+    width = max(lengths)
+    assert item["t"].tolist() == [r + [-1] * (width - len(r)) for r in rows]
+    assert item["b"].tolist() == [[i] * n + [0] * (width - n) for i, n in enumerate(lengths)]
+    assert item["t_lengths"].tolist() == lengths
+    item["t"][0, 0] = 99  # writable: a copy, Arrow's read-only buffer is untouched
+    assert table.column("t").chunk(0).values[0].as_py() == 0
+
+
 # ------------------------------------------------------------------------------ credentials and pickles
 PARENT_SECRET = "parent-only-s3cr3t-value"
 ENV_SECRET = "env-only-s3cr3t-value"

@@ -41,8 +41,9 @@ class StepShard:
     sample_ids: np.ndarray  # int64, one per row
 
 
-def _view(array: pa.Array, start: int = 0, stop: int | None = None) -> np.ndarray:
-    """Elements ``[start, stop)`` of a null-free primitive array as numpy, zero-copy when Arrow's buffer is mutable."""
+def _view(array: pa.Array, start: int = 0, stop: int | None = None, *, writeable: bool = True) -> np.ndarray:
+    """Elements ``[start, stop)`` of a null-free primitive array as numpy, zero-copy when Arrow's buffer is mutable
+    (or when ``writeable=False``: the caller copies anyway, e.g. into a padded array)."""
     stop = len(array) if stop is None else stop
     dtype = np.dtype(array.type.to_pandas_dtype())
     if pa.types.is_boolean(array.type):
@@ -50,7 +51,7 @@ def _view(array: pa.Array, start: int = 0, stop: int | None = None) -> np.ndarra
     if stop <= start:
         return np.empty(0, dtype=dtype)
     out = np.frombuffer(array.buffers()[1], dtype=dtype, count=stop - start, offset=(array.offset + start) * dtype.itemsize)
-    return out if out.flags.writeable else out.copy()  # torch warns on read-only memory
+    return out if out.flags.writeable or not writeable else out.copy()  # torch warns on read-only memory
 
 
 def _offsets(array: pa.Array) -> np.ndarray:
@@ -134,22 +135,24 @@ class TensorCollate:
         if is_list:
             if array.values.null_count and pc.sum(array.flatten().is_null()).as_py():
                 raise ReadError(f"column {name!r} holds null list elements; fill them or pass collate= to handle them")
-            values, mode = _view(array.values, lo, hi), self.lists
+            mode = self.lists
+            values = _view(array.values, lo, hi, writeable=mode != "padded")  # padding copies the values anyway
         else:
             data = array.buffers()[2]
-            values = np.frombuffer(data, dtype=np.uint8, count=hi - lo, offset=lo) if hi > lo else np.empty(0, np.uint8)
-            values = values if values.flags.writeable else values.copy()
             mode = self.binary
-        flat = torch.from_numpy(values)
+            values = np.frombuffer(data, dtype=np.uint8, count=hi - lo, offset=lo) if hi > lo else np.empty(0, np.uint8)
+            values = values if values.flags.writeable or mode == "padded" else values.copy()
         if mode == "list":
-            return {name: list(torch.split(flat, lengths.tolist()))}
+            return {name: list(torch.split(torch.from_numpy(values), lengths.tolist()))}
         if mode == "packed":
-            return {name: flat, f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
+            return {name: torch.from_numpy(values), f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
         pad = self.pad_value if is_list else 0
         try:
             padded = _pad(values, offsets - lo, pad)
         except OverflowError:
             raise ConfigError(f"pad_value={pad!r} does not fit column {name!r} ({kind}); choose another pad_value") from None
+        if not padded.flags.writeable:  # rows of one length: a view of read-only Arrow memory, which torch must not get
+            padded = padded.copy()
         return {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
 
 
