@@ -44,7 +44,7 @@ def metadata_bytes(stream: Stream) -> int:
 
 @pytest.fixture
 def small_constants(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compact and merge ACTIVE_MIN_STEPS/COMPACT_AT/MAX_FILES of this module, here and in tests.workers processes."""
+    """The library compacts with this module's ACTIVE_MIN_STEPS/COMPACT_AT/MAX_FILES, here and in tests.workers."""
     defaults = (producers.ACTIVE_MIN_STEPS, producers.COMPACT_AT, producers.MAX_FILES)
     assert all(small < default for small, default in zip((ACTIVE_MIN_STEPS, COMPACT_AT, MAX_FILES), defaults, strict=True))
     monkeypatch.setattr(producers, "ACTIVE_MIN_STEPS", ACTIVE_MIN_STEPS)
