@@ -15,13 +15,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from lakestream_iceberg import CorruptStateError, Stream
-from lakestream_iceberg.format.producers import ACTIVE_MIN_STEPS, COMPACT_AT, MAX_FILES, PRODUCERS_DIR
+from lakestream_iceberg.format import producers
+from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import KEY_PRODUCERS
 from tests.backends import published
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
+from tests.workers import SMALL_CONSTANTS_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 WORLD = 2
+# Small compaction constants (the library reads them as module globals of format.producers at call time): the same
+# code paths (compaction, merges, lookups in files, returning producers, GC) with ~15x fewer commits than the defaults
+# (32/32/8) need. test_compaction_with_the_default_constants runs the real defaults end to end.
+ACTIVE_MIN_STEPS, COMPACT_AT, MAX_FILES = 4, 4, 3
 CHURN = ACTIVE_MIN_STEPS + COMPACT_AT * (MAX_FILES + 2)  # enough one-shot ids to compact, and to merge the files once
 
 
@@ -37,7 +43,18 @@ def metadata_bytes(stream: Stream) -> int:
 
 
 @pytest.fixture
-def churned(tmp_path: Path) -> Stream:
+def small_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The library compacts with this module's ACTIVE_MIN_STEPS/COMPACT_AT/MAX_FILES, here and in tests.workers."""
+    defaults = (producers.ACTIVE_MIN_STEPS, producers.COMPACT_AT, producers.MAX_FILES)
+    assert all(small < default for small, default in zip((ACTIVE_MIN_STEPS, COMPACT_AT, MAX_FILES), defaults, strict=True))
+    monkeypatch.setattr(producers, "ACTIVE_MIN_STEPS", ACTIVE_MIN_STEPS)
+    monkeypatch.setattr(producers, "COMPACT_AT", COMPACT_AT)
+    monkeypatch.setattr(producers, "MAX_FILES", MAX_FILES)
+    monkeypatch.setenv(SMALL_CONSTANTS_ENV, f"{ACTIVE_MIN_STEPS},{COMPACT_AT},{MAX_FILES}")
+
+
+@pytest.fixture
+def churned(small_constants: None, tmp_path: Path) -> Stream:
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
     churn(stream, range(CHURN))
     return stream
@@ -89,7 +106,32 @@ def test_a_returning_producer_after_the_files_were_merged_keeps_its_sequence(chu
         assert producer.commit(batch(pid, 1, WORLD)).seq == 1
 
 
-def test_outcome_unknown_commit_of_a_compacted_producer_is_reconciled(tmp_path: Path) -> None:
+def test_compaction_with_the_default_constants(tmp_path: Path) -> None:
+    """The real constants end to end (the other tests shrink them): idle ids leave the summary COMPACT_AT at a time,
+    every id's state stays reachable, a compacted id continues exactly once, and metadata does not grow."""
+    active_min, compact_at, max_files = producers.ACTIVE_MIN_STEPS, producers.COMPACT_AT, producers.MAX_FILES
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    n = active_min + 2 * compact_at  # two compactions
+    churn(stream, range(n))
+    state = stream.state()
+    assert len(state.producers) < active_min + compact_at
+    assert 2 <= len(state.producer_files) <= max_files
+    everyone = state.all_producers(stream.io)
+    assert sorted(everyone) == sorted(f"id-{i}" for i in range(n))
+    assert all(everyone[f"id-{i}"].step == i + 1 for i in range(n))
+    before = metadata_bytes(stream)
+    churn(stream, range(n, n + 2 * compact_at))
+    after = metadata_bytes(stream)
+    assert after < 64 * 1024
+    assert after <= before * 1.15, (before, after)
+    assert "id-3" not in stream.state().producers
+    producer = stream.producer("id-3")
+    assert producer.next_seq == 1
+    assert producer.commit(batch("id-3", 0, WORLD), seq=0).duplicate
+    assert producer.commit(batch("id-3", 1, WORLD)).seq == 1
+
+
+def test_outcome_unknown_commit_of_a_compacted_producer_is_reconciled(small_constants: None, tmp_path: Path) -> None:
     from tests.test_processes import FlakyAfterCommit
 
     catalog = FlakyAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")

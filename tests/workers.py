@@ -2,20 +2,29 @@
 
 Prints one JSON line per committed batch, flushed as soon as ``commit`` returned: a parent reading the lines sees the
 worker's progress as it happens (``elapsed_s``: seconds this batch took, from building it to its commit returning).
+
+With ``LAKESTREAM_TEST_PRODUCER_CONSTANTS=ACTIVE_MIN_STEPS,COMPACT_AT,MAX_FILES`` set, the worker compacts producer
+state with those constants instead of the defaults (the parent test shrank them the same way).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.format import producers
 from tests.support import batch, sqlite_catalog
+
+SMALL_CONSTANTS_ENV = "LAKESTREAM_TEST_PRODUCER_CONSTANTS"
 
 
 def main() -> None:
     root, name, producer_id, count = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    if constants := os.environ.get(SMALL_CONSTANTS_ENV):
+        producers.ACTIVE_MIN_STEPS, producers.COMPACT_AT, producers.MAX_FILES = map(int, constants.split(","))
     stream = Stream.open(sqlite_catalog(root), name)
     producer = stream.producer(producer_id)
     while (seq := producer.next_seq) < count:
