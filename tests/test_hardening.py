@@ -321,6 +321,16 @@ def test_2_malformed_summary_commit_raises_a_clear_error(catalog: SqlCatalog) ->
     assert_names_bad_summary(info.value, bad)
 
 
+def test_2_malformed_summary_is_shown_by_the_snapshots_history_not_a_crash(catalog: SqlCatalog) -> None:
+    from lakestream_iceberg.read.history import snapshot_rows
+
+    stream, _, bad = malformed_head(catalog)
+    stream.table.refresh()
+    rows = {r["snapshot_id"]: r for r in snapshot_rows(stream, branch="main")}
+    assert rows[bad]["seq"] is None and rows[bad]["step"] == 4  # the malformed value is null, the rest is read
+    assert '"lakestream.seq": "True"' in rows[bad]["summary"]  # the raw value stays visible
+
+
 def test_2_malformed_summary_gc_raises_a_clear_error(catalog: SqlCatalog) -> None:
     stream, _, bad = malformed_head(catalog)
     with pytest.raises(Exception) as info:

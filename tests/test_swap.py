@@ -98,3 +98,19 @@ def test_pyarrow_schema_round_trip_unchanged_by_swapped_commits(tmp_path: Path) 
     reopened = Stream.open(catalog, "ns.stream")
     assert reopened.payload_arrow_schema.equals(SCHEMA) and reopened.head_step() == 1
     assert isinstance(reopened.read(1, rank=0), pa.Table)
+
+
+def test_an_empty_commit_writes_nothing_and_checks_its_requirements_on_the_current_table(tmp_path: Path) -> None:
+    """As pyiceberg: no updates, no new metadata.json; but requirements hold only if the held metadata is current."""
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    current = fresh_view(stream)
+    metadata_dir = Path(current.metadata_location.removeprefix("file://")).parent
+    before = sorted(metadata_dir.glob("*.metadata.json"))
+    response = swap(current, (), ())
+    assert response.metadata_location == current.metadata_location and sorted(metadata_dir.glob("*.metadata.json")) == before
+    stale = fresh_view(stream)
+    stream.producer("q").commit(batch("q", 0, WORLD))
+    with pytest.raises(CommitFailedException):
+        swap(stale, (), ())

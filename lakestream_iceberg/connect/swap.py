@@ -27,6 +27,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate, update_table_metadata
 
 from lakestream_iceberg.connect.notify import channel, notifies
+from lakestream_iceberg.connect.pointer import pointer_probe
 
 __all__ = ["swap", "swaps_from_held"]
 
@@ -67,6 +68,11 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     for requirement in requirements:
         requirement.validate(base)
     metadata = _updated(base, updates, base_location)
+    if metadata is base:  # nothing to change (as pyiceberg: no new metadata), but the requirements held on the current
+        probe = pointer_probe(table)  # table only if what we hold is still current
+        if probe is None or probe() != base_location:
+            raise CommitFailedException(f"Table has been updated by another process: {'.'.join(table.name())}")
+        return CommitTableResponse(metadata=base, metadata_location=base_location)
     version = MetastoreCatalog._parse_metadata_version(base_location) + 1  # noqa: SLF001 - pyiceberg's own naming
     location = load_location_provider(metadata.location, metadata.properties).new_table_metadata_file_location(version)
     ToOutputFile.table_metadata(metadata, table.io.new_output(location))
@@ -101,10 +107,11 @@ def _updated(base: TableMetadata, updates: tuple[TableUpdate, ...], base_locatio
     metadata = base
     for item in updates:
         metadata = _apply_table_update(item, metadata, context)
-    if context.has_changes():
-        metadata = _update_table_metadata_log(metadata, base_location, base.last_updated_ms)
-        if base.last_updated_ms == metadata.last_updated_ms:
-            metadata = metadata.model_copy(update={"last_updated_ms": int(time.time() * 1000)})
+    if not context.has_changes():
+        return base
+    metadata = _update_table_metadata_log(metadata, base_location, base.last_updated_ms)
+    if base.last_updated_ms == metadata.last_updated_ms:
+        metadata = metadata.model_copy(update={"last_updated_ms": int(time.time() * 1000)})
     metadata.spec().check_compatible(metadata.schema())
     metadata.sort_order().check_compatible(metadata.schema())
     return metadata

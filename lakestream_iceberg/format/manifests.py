@@ -175,6 +175,10 @@ class ManifestPlanner:
         self._cache.remember_entries(path, kept)
         return manifest
 
+    def existing(self, *, snapshot_id: int, sequence_number: int, entries: Iterable[ManifestEntry]) -> ManifestFile:
+        """A level-0 manifest listing ``entries`` as EXISTING (e.g. a checkpoint anchor's copy of one step's files)."""
+        return self._write(0, snapshot_id, sequence_number, (_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries))
+
     def added(self, *, snapshot_id: int, sequence_number: int, data_files: Sequence[DataFile]) -> ManifestFile:
         """A level-0 manifest of ADDED entries (sequence numbers explicit, so the entries can be cached as read)."""
         return self._write(

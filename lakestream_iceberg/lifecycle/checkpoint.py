@@ -21,7 +21,6 @@ import re
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
-from pyiceberg.manifest import ManifestEntryStatus
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot, Summary
@@ -37,7 +36,6 @@ from lakestream_iceberg.errors import CheckpointError
 from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint, checkpoint_of
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
-from lakestream_iceberg.format.manifests import _copy_entry
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
 from lakestream_iceberg.write.commit import Done, Plan
 
@@ -79,7 +77,7 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     snapshot_id = metadata.new_snapshot_id()
     sequence_number = metadata.next_sequence_number()
     planner = stream.manifest_planner(metadata)
-    manifest = planner._write(0, snapshot_id, sequence_number, (_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries))  # noqa: SLF001
+    manifest = planner.existing(snapshot_id=snapshot_id, sequence_number=sequence_number, entries=entries)
     source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
                    if StreamState.of(metadata.snapshot_by_id(sid)).step == step
                    and _summary(metadata.snapshot_by_id(sid)).get("lakestream.op", OP_APPEND) == OP_APPEND), None)

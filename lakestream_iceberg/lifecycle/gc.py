@@ -1,6 +1,6 @@
 """Lifecycle garbage collection: delete consumed steps, expire snapshots, remove unreferenced files.
 
-Retention model (see README "Retention"):
+Retention model (see README "Checkpoints, forks and retention"):
 
 * a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
   given every checkpoint is retained. GC releases (un-tags) the others;

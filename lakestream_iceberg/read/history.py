@@ -66,6 +66,13 @@ from lakestream_iceberg.format.summary import (
     OP_APPEND,
     StreamState,
 )
+from lakestream_iceberg.read.history_schemas import (
+    BATCHES_SCHEMA,
+    CHECKPOINTS_SCHEMA,
+    FILES_SCHEMA,
+    PRODUCERS_SCHEMA,
+    SNAPSHOTS_SCHEMA,
+)
 from lakestream_iceberg.read.reader import read_file
 
 if TYPE_CHECKING:
@@ -80,35 +87,6 @@ __all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "parse_data_path", 
 
 VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "samples")
 _DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-r(?P<rank>\d+)\.parquet$")
-_TS = pa.timestamp("ms", tz="UTC")
-
-FILES_SCHEMA = pa.schema([
-    ("path", pa.string()), ("step", pa.int64()), ("rank", pa.int32()), ("records", pa.int64()), ("bytes", pa.int64()),
-    ("producer", pa.string()), ("seq", pa.int64()), ("snapshot_id", pa.int64()),
-])
-SNAPSHOTS_SCHEMA = pa.schema([
-    ("snapshot_id", pa.int64()), ("parent_id", pa.int64()), ("committed_at", _TS), ("op", pa.string()),
-    ("operation", pa.string()), ("step", pa.int64()), ("producer", pa.string()), ("seq", pa.int64()),
-    ("attempts", pa.int32()), ("committer", pa.string()), ("group_size", pa.int32()), ("summary", pa.string()),
-])
-BATCHES_SCHEMA = pa.schema([
-    ("step", pa.int64()), ("snapshot_id", pa.int64()), ("parent_id", pa.int64()), ("producer", pa.string()),
-    ("seq", pa.int64()), ("committed_at", _TS), ("attempts", pa.int32()), ("committer", pa.string()),
-    ("group_size", pa.int32()), ("ranks", pa.int32()), ("samples", pa.int64()),
-    ("bytes", pa.int64()), ("samples_per_rank", pa.list_(pa.int64())), ("bytes_per_rank", pa.list_(pa.int64())),
-    ("retained", pa.bool_()), ("collected", pa.bool_()),
-])
-PRODUCERS_SCHEMA = pa.schema([
-    ("producer", pa.string()), ("last_seq", pa.int64()), ("last_step", pa.int64()), ("last_snapshot_id", pa.int64()),
-    ("commits", pa.int64()), ("lag", pa.int64()), ("active", pa.bool_()),
-])
-CHECKPOINTS_SCHEMA = pa.schema([
-    ("name", pa.string()), ("branch", pa.string()), ("step", pa.int64()), ("snapshot_id", pa.int64()),
-    ("source_snapshot_id", pa.int64()), ("created_at", _TS), ("pinned_steps", pa.int64()), ("pinned_files", pa.int64()),
-    ("pinned_bytes", pa.int64()), ("exclusive_steps", pa.int64()), ("exclusive_bytes", pa.int64()),
-])
-
-
 def parse_data_path(path: str) -> tuple[str, int, int] | None:
     """``(producer, seq, rank)`` from a data file path ``.../data/<producer>/<seq>-<token>-r<rank>.parquet``."""
     match = _DATA_PATH.search(path)
@@ -129,7 +107,12 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
 
 
 def _int(value: str | None) -> int | None:
-    return None if value is None else int(value)
+    """A summary value as an int; None when absent or malformed (history shows what is there: the raw value stays
+    in the ``summary`` column, and reading the head still raises ``CorruptStateError``)."""
+    try:
+        return None if value is None or isinstance(value, bool) else int(value)
+    except (TypeError, ValueError):
+        return None
 
 
 # -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------

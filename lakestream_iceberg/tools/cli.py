@@ -84,8 +84,11 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
     except Exception:  # informative only; a FileIO that cannot list
         staged = None
 
-    def total(key: str) -> int | None:
-        return int(summary[key]) if key in summary else None
+    def total(key: str) -> int | None:  # pyiceberg's totals: informative, a malformed one shows as null
+        try:
+            return int(summary[key]) if key in summary else None
+        except (TypeError, ValueError):
+            return None
 
     return {
         "stream": stream.name,

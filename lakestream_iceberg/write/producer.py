@@ -81,7 +81,7 @@ class CommitResult:
 
 
 class Producer:
-    """Publishes global batches into one branch of a stream. Obtain one with :meth:`StreamTable.producer`.
+    """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`.
 
     Example:
         >>> producer = stream.producer("prep-0")                          # doctest: +SKIP
