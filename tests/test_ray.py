@@ -98,6 +98,27 @@ def test_pickled_sink_carries_no_secret(tmp_path: Path) -> None:
     assert pickle.loads(blob).stream_ref.identifier == "ns.s"
 
 
+def test_catalog_by_name_is_resolved_from_pyiceberg_config_in_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    (tmp_path / "warehouse").mkdir()
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__TYPE", "sql")
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__URI", f"sqlite:///{tmp_path}/catalog.db")
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__WAREHOUSE", f"file://{tmp_path}/warehouse")
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__S3__SECRET_ACCESS_KEY", "hunter22-from-env")
+    import pyiceberg.catalog
+    from pyiceberg.utils.config import Config
+
+    monkeypatch.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())  # what a worker process reads when it starts
+    sink = LakestreamDatasink(catalog="localray", stream="ns.named", run_name="named", rows_per_step=2, create=True,
+                              world_size=1)
+    sink.on_write_start(SCHEMA.with_metadata({b"pandas": b"{}"}))  # the stream is created from the first block's schema
+    shipped = pickle.loads(pickle.dumps(sink))  # what a Ray task receives
+    assert b"hunter22-from-env" not in pickle.dumps(sink)
+    assert shipped.write(iter([_rows(0, 4)]), _task_context(0)).steps == (1, 2)
+    assert Stream.open(shipped.stream_ref.catalog(), "ns.named").payload_arrow_schema.equals(SCHEMA)
+
+
 def test_write_task_replays_exactly_once_and_detects_a_nondeterministic_rerun(tmp_path: Path) -> None:
     """``Datasink.write`` called as Ray calls it: a retry (same task_idx, same blocks) publishes nothing twice."""
     catalog = sqlite_catalog(str(tmp_path))
@@ -325,7 +346,7 @@ def test_killed_write_task_publishes_no_duplicate_and_no_gap(ray_cluster: None, 
     catalog = sqlite_catalog(str(tmp_path))
     stream = Stream.create(catalog, "ns.faults", schema=SCHEMA, world_size=2)
     ctx = _data_context(cpus=2)
-    ctx.target_max_block_size = 256  # each map batch of 8 rows becomes its own block: a task streams several blocks
+    ctx.target_max_block_size = 64  # each map batch of 8 rows (96 bytes) becomes its own block: a task streams several blocks
     tables, rows, per_step, batch = 4, 32, 8, 8
     kill_id = rows + 3 * batch  # the 4th block of task 1: its steps of the first 3 blocks are already published
     marks = tmp_path / "marks"

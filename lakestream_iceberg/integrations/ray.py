@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -104,7 +105,6 @@ from lakestream_iceberg.write.writer import check_producer_id
 RAY_EXTRA = "pip install 'lakestream-iceberg[ray]' (ray[data,train]==2.60.0)"
 
 try:
-    import ray.data  # noqa: F401  (Ray Data registers itself on import; the extra is checked here)
     from ray.data import Datasink
     from ray.data.block import BlockAccessor
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -140,6 +140,7 @@ class TaskReport:
         duplicates: Steps an earlier attempt or run had published already (nothing was written for them).
         rows: Rows of the task's steps (all of them, published or replayed).
         pid: The worker process of the attempt that completed.
+        commit_s: Seconds this attempt spent in ``Producer.commit`` (writing files and publishing).
     """
 
     task_idx: int
@@ -149,6 +150,7 @@ class TaskReport:
     duplicates: int
     rows: int
     pid: int
+    commit_s: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -370,11 +372,14 @@ class LakestreamDatasink(Datasink[TaskReport]):
         where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {stream.name}"
         steps: list[int | None] = []
         published = duplicates = rows = 0
+        commit_s = 0.0
         for seq, shards in enumerate(self._steps(blocks, stream, where)):
+            started = time.monotonic()
             try:
                 result = producer.commit(shards, seq=seq)
             except BatchError as exc:
                 raise type(exc)(f"{where}, step seq {seq}: {exc}. The job fails rather than skip data") from exc
+            commit_s += time.monotonic() - started
             rows += sum(s.num_rows for s in shards)
             steps.append(result.step)
             if result.duplicate:
@@ -384,7 +389,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
             else:
                 published += 1
         return TaskReport(task_idx=task_idx, producer=producer_name, steps=tuple(steps), published=published,
-                          duplicates=duplicates, rows=rows, pid=os.getpid())
+                          duplicates=duplicates, rows=rows, pid=os.getpid(), commit_s=commit_s)
 
     def _verify_replay(self, stream: Stream, step: int, shards: Sequence[pa.Table], where: str, seq: int) -> None:
         try:
