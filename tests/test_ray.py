@@ -68,6 +68,22 @@ def _step_ids(stream: Stream, step: int) -> list[list[int]]:
 # ------------------------------------------------------------------------------------------------ without a cluster
 
 
+def test_core_imports_without_ray_and_the_integration_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['ray'] = None\n"  # as if the extra were not installed
+        "import lakestream_iceberg, lakestream_iceberg.stream, lakestream_iceberg.read.dataset\n"
+        "from lakestream_iceberg.errors import MissingExtraError\n"
+        "try:\n    import lakestream_iceberg.integrations.ray\nexcept MissingExtraError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert "lakestream-iceberg[ray]" in out.stdout
+
+
 def test_sink_arguments_are_checked(tmp_path: Path) -> None:
     catalog = sqlite_catalog(str(tmp_path))
     ok = {"catalog": catalog, "stream": "ns.s", "run_name": "prep"}
@@ -144,8 +160,9 @@ def test_rank_column_step_fn_and_schema_errors(tmp_path: Path) -> None:
     catalog = sqlite_catalog(str(tmp_path))
     Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
     by_rank = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=4, rank_column="rank")
-    block = _rows(0, 4).append_column("rank", pa.array([1, 1, 0, 1], pa.int8()))
-    assert by_rank.write(iter([block]), _task_context(0)).steps == (1,)
+    first = _rows(0, 3).append_column("rank", pa.array([1, 1, 0], pa.int8()))
+    second = _rows(3, 1).append_column("rank", pa.array([1], pa.int32()))  # a step spans blocks of other rank types
+    assert by_rank.write(iter([first, second]), _task_context(0)).steps == (1,)
     stream = Stream.open(catalog, "ns.s")
     assert _step_ids(stream, 1) == [[2], [0, 1, 3]]
     with pytest.raises(BatchError, match=r"outside 0\.\.1"):
@@ -164,7 +181,9 @@ def test_rank_column_step_fn_and_schema_errors(tmp_path: Path) -> None:
     with pytest.raises(SchemaMismatchError, match=r"not in the stream \['extra'\]"):
         plain.write(iter([_rows(0, 2).append_column("extra", pa.array([1, 2]))]), _task_context(0))
     reordered = pa.table({"x": pa.array([0.5, 1.0], pa.float32()), "id": [1, 2]})  # any column order is fine
-    assert plain.write(iter([reordered]), _task_context(0)).published == 1
+    required = pa.table({"id": [3], "x": pa.array([2.0], pa.float32())},
+                        schema=pa.schema([pa.field("id", pa.int64(), nullable=False), ("x", pa.float32())]))
+    assert plain.write(iter([reordered, required, required]), _task_context(0)).published == 2  # nullability differs
     casting = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="c", rows_per_step=2, cast=True)
     assert casting.write(iter([pa.table({"id": [1, 2], "x": [0.5, 1.5]})]), _task_context(0)).published == 1
 

@@ -36,7 +36,7 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   first attempt only): task 3 received block ``[119..143]``, its worker died; the retry ran on a new worker process
   with ``task_idx == 3`` and received ``[119..143]`` then ``[144..156]``, the same blocks in the same order.
   ``tests/test_ray.py::test_killed_write_task_publishes_no_duplicate_and_no_gap`` SIGKILLs a write task's worker after
-  its first step and checks the outcome from the table.
+  its first steps were published and checks the outcome from the table.
 * ``on_write_start`` runs on the driver when the first input bundle is ready, before the operator's transformer
   (holding this sink) is serialized (``MapOperator._map_transformer_ref`` is created lazily, after ``on_start``), and
   ``on_write_complete`` runs on the driver after every task finished.
@@ -457,7 +457,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         if self.cast:
             target = pa.schema([*payload, *(table.schema.field(c) for c in extra)])
             try:
-                return table.cast(target)
+                table = table.cast(target)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
                 raise SchemaMismatchError(f"{where}: a block cannot be cast to the stream's schema: {exc}") from None
         for name, field in zip(payload.names, payload):
@@ -467,7 +467,16 @@ class LakestreamDatasink(Datasink[TaskReport]):
                     f"{where}: column {name!r} of a block is {got}, the stream expects {field.type}; cast it in the "
                     "preprocessing (or pass cast=True to LakestreamDatasink); the job fails rather than skip data"
                 )
-        return table.replace_schema_metadata(None)
+        # One schema for every block of the task (nullability and metadata as the stream's), so that rows of several
+        # blocks concatenate into one step; nulls in required fields are refused by the commit's own check.
+        columns, fields = table.columns, list(payload)
+        if extra:
+            ranks = columns[-1]
+            if not pa.types.is_integer(ranks.type):
+                raise SchemaMismatchError(f"{where}: rank_column {self.rank_column!r} is {ranks.type}; it must be integer")
+            columns[-1] = ranks.cast(pa.int64())
+            fields.append(pa.field(extra[0], pa.int64()))
+        return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
     def _deal(self, rows: pa.Table, world_size: int, payload: pa.Schema, where: str) -> list[pa.Table]:
         if self.rank_column is None:
@@ -475,8 +484,6 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 return [rows]
             return [rows.take(np.arange(r, rows.num_rows, world_size)) for r in range(world_size)]
         ranks = rows.column(self.rank_column)
-        if not pa.types.is_integer(ranks.type):
-            raise SchemaMismatchError(f"{where}: rank_column {self.rank_column!r} is {ranks.type}; it must be integer")
         low, high = pc.min_max(ranks).values()
         if ranks.null_count or low.as_py() < 0 or high.as_py() >= world_size:
             raise BatchError(
