@@ -150,8 +150,13 @@ def test_write_task_replays_exactly_once_and_detects_a_nondeterministic_rerun(tm
     assert stream.refresh().head_step() == 3
     other = sink.write(iter([_rows(100, 4)]), _task_context(4))  # another task: another producer
     assert (other.producer, other.steps) == ("job-4", (4,))
-    with pytest.raises(BatchError, match="not deterministic"):  # same task_idx, other rows: caught by the counts
+    with pytest.raises(BatchError, match=r"step 2 with \[2, 2\] rows per rank, but this run formed \[1, 0\]: the job is not det"):
         sink.write(iter([_rows(0, 5)]), _task_context(3))
+    shuffled = [_rows(6, 5), _rows(0, 6)]  # the same rows, in another order: equal counts, other rows
+    with pytest.raises(BatchError, match="other rows for rank 0 than this run formed"):
+        sink.write(iter(shuffled), _task_context(3))
+    counts_only = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="job", rows_per_step=4, verify_replays="counts")
+    assert counts_only.write(iter(shuffled), _task_context(3)).duplicates == 3  # what "counts" cannot see
     drop = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="drop", rows_per_step=4, drop_last=True)
     assert drop.write(iter(blocks), _task_context(0)).steps == (5, 6)
 

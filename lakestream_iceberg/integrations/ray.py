@@ -27,8 +27,9 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   per operator. A retry is Ray Core re-executing that same task spec: same ``task_idx``, same input blocks, same order.
 * The task function is made by ``cached_remote_fn`` (``ray/data/_internal/remote_fn.py``) with ``max_retries=-1`` and
   ``retry_exceptions=[RaySystemError]``: a task whose worker process dies (killed, OOM, node lost) is retried without
-  limit; an exception raised by the task's code (our ``SchemaMismatchError``, a bug in a UDF) is *not* retried, and
-  ``write_datasink`` raises it: the job fails loudly.
+  limit; an exception raised by the task's code (our ``SchemaMismatchError``, a bug in a UDF) is *not* retried by
+  default, and ``write_datasink`` raises it: the job fails loudly. (``DataContext.retried_map_errors`` /
+  ``max_map_retries`` can make Ray retry such errors too; a retry then replays the published steps and fails again.)
 * Fused upstream maps (``read -> map_batches -> Write`` in one task) run again in the retry, from the same input
   blocks; the Write stage receives their output lazily, block by block (``plan_write_op.generate_write_fn`` hands
   ``Datasink.write`` a generator), so steps are committed while later blocks of the same task are still being computed.
@@ -55,10 +56,20 @@ provided each ``task_idx`` receives the same rows in the same order as before. T
 * the preprocessing is deterministic (seeded randomness).
 
 When it does not hold, every (task, seq) already published is still published once, but the re-run's content for it
-is dropped in favour of the published one, so some rows may be lost and others delivered twice. The sink detects it
-when the row counts differ: with ``verify_replays=True`` (default) a replayed step whose per-rank row counts differ
-from the published step's fails the job with a :class:`BatchError` naming the step; equal counts with different rows
-cannot be detected. To publish the data again on purpose (a new epoch, a changed pipeline), use a new run name.
+would be dropped in favour of the published one, so some rows would be lost and others delivered twice. The sink
+checks every replayed step against the published one (``verify_replays``): ``"rows"`` (default) reads the published
+step back and compares its rows with the replayed ones (a retry or re-run then costs one read of what it replays),
+``"counts"`` compares only the per-rank row counts (from the manifests, no data read; equal counts with other rows go
+unnoticed), ``"off"`` trusts the job. A difference fails the job with a :class:`BatchError` naming the step and the
+fix. Observed (``ray.init(num_cpus=6)``, ``ray.data.range(240, override_num_blocks=24).map_batches(f,
+concurrency=4)`` where ``f`` sleeps 0.3 s on every other block, the other half in the re-run, then
+``write_datasink(sink, concurrency=1)``, so the Write is not fused): with ``preserve_order=True`` both runs gave write
+task ``i`` block ``i`` and the re-run replayed all 24 steps with identical rows; without it the first run gave task 4
+the block of ids 50..59 (completion order) and the re-run the block of 40..49, every row count equal, and ``"rows"``
+failed the re-run at task 4 (``MapOperator.start`` uses a ``ReorderingBundleQueue``, task order, when
+``preserve_order`` is set and a ``FIFOBundleQueue``, completion order, otherwise). With 2 CPUs the same job happened to
+keep the order without ``preserve_order``: nothing promises it. To publish the data again on purpose
+(a new epoch, a changed pipeline), use a new run name.
 
 **Rows to global batches** (one of):
 
@@ -87,7 +98,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import pyarrow as pa
@@ -216,7 +227,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         properties: Table properties for ``create``.
         catalog_properties: Extra non-secret catalog properties, with a catalog name (secrets: pyiceberg config).
         branch: The branch to publish into.
-        verify_replays: Compare each replayed step's per-rank row counts with the published step's (see module).
+        verify_replays: How a replayed step is checked against the published one: ``"rows"`` (read it back and compare
+            the rows), ``"counts"`` (per-rank row counts only) or ``"off"`` (see the module docstring).
 
     Raises:
         ConfigError: An invalid argument (a run name that cannot be part of a producer id, both or neither of
@@ -246,7 +258,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         properties: Mapping[str, str] | None = None,
         catalog_properties: Mapping[str, str] | None = None,
         branch: str = "main",
-        verify_replays: bool = True,
+        verify_replays: Literal["rows", "counts", "off"] = "rows",
     ) -> None:
         if not isinstance(run_name, str) or len(run_name) > MAX_RUN_NAME:
             raise ConfigError(f"run_name must be a string of at most {MAX_RUN_NAME} characters, got {run_name!r}")
@@ -281,7 +293,9 @@ class LakestreamDatasink(Datasink[TaskReport]):
         self.drop_last, self.cast, self.create, self.world_size = bool(drop_last), bool(cast), bool(create), world_size
         self.schema = None if schema is None else schema.remove_metadata()
         self.properties = dict(properties or {})
-        self.branch, self.verify_replays = branch, bool(verify_replays)
+        if verify_replays not in ("rows", "counts", "off"):
+            raise ConfigError(f"verify_replays must be 'rows', 'counts' or 'off', got {verify_replays!r}")
+        self.branch, self.verify_replays = branch, verify_replays
         self._catalog: Catalog | None = None
         self._ref = self._address(catalog, stream, catalog_properties)
         self.report: SinkReport | None = None  # set on the driver when the job completes
@@ -384,7 +398,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
             steps.append(result.step)
             if result.duplicate:
                 duplicates += 1
-                if self.verify_replays and result.step is not None:
+                if self.verify_replays != "off" and result.step is not None:
                     self._verify_replay(stream, result.step, shards, where, seq)
             else:
                 published += 1
@@ -398,13 +412,23 @@ class LakestreamDatasink(Datasink[TaskReport]):
             return  # collected by GC since: nothing left to compare with
         published = [int(f.record_count) for f in files]
         replayed = [s.num_rows for s in shards]
-        if published != replayed:
+        differs = f"{published} rows per rank, but this run formed {replayed}" if published != replayed else ""
+        if not differs and self.verify_replays == "rows":
+            for rank, shard in enumerate(shards):
+                try:
+                    stored = stream.read(step, rank=rank, branch=self.branch)
+                except ReadError:
+                    return  # collected by GC meanwhile
+                if not all(a.equals(b) for a, b in zip(stored.columns, shard.columns)):
+                    differs = f"other rows for rank {rank} than this run formed (same counts, {replayed})"
+                    break
+        if differs:
             raise BatchError(
-                f"{where}: seq {seq} is already published as step {step} with {published} rows per rank, but this run "
-                f"formed {replayed}: the job is not deterministic (input order, block count, or preprocessing differ "
-                "from the run that published it). Nothing was published twice, but this run's rows for that step "
-                "would be dropped. Use a new run_name to publish this data again, or make the job deterministic "
-                "(override_num_blocks=, execution_options.preserve_order=True, seeded preprocessing)"
+                f"{where}: seq {seq} is already published as step {step} with {differs}: the job is not deterministic "
+                "(input order, block count, or preprocessing differ from the run that published it). Nothing was "
+                "published twice, but this run's rows for that step would be dropped. Use a new run_name to publish "
+                "this data again, or make the job deterministic (override_num_blocks=, "
+                "DataContext.execution_options.preserve_order=True, seeded preprocessing)"
             )
 
     def _steps(self, blocks: Iterable[Block], stream: StreamTable, where: str) -> Iterator[list[pa.Table]]:
