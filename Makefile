@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q -c constraints.txt 'torch==2.13.0'
-	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,dev]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,dev,ray]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -48,6 +48,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/vs_colocated.py
 	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
 	$(BIN)/python benchmarks/step_cost.py
+	$(BIN)/python benchmarks/vs_ray.py
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache

@@ -1,4 +1,5 @@
-"""Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py).
+"""Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
+benchmarks/vs_ray.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -132,6 +133,27 @@ def test_producer_churn_smoke(tmp_path: Path) -> None:
     assert check["head_step"] == pool["pool"]["commits"] + check["unresolved_landed"]
     assert {t["scenario"] for t in data["targets"]} == {"A", "B", "C"}
     assert all(isinstance(t["met"], bool) for t in data["targets"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # a hang guard: ~30 s on 2 idle cores (10 s of it Ray's start)
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra (make test installs it)")
+def test_vs_ray_smoke(tmp_path: Path) -> None:
+    data = _run("vs_ray.py", tmp_path / "vs_ray.json", timeout=230)
+    assert data["benchmark"] == "vs_ray" and data["smoke"] is True
+    for key in ("environment", "config", "machine", "versions", "runs", "ratios", "tables", "printed"):
+        assert key in data, key
+    config = data["config"]
+    steps = config["blocks"] * config["rows_per_block"] // config["rows_per_step"]
+    assert {r["variant"] for r in data["runs"]} == {"parquet", "iceberg", "lakestream"}
+    for run in data["runs"]:
+        assert run["steps"] == steps and run["rows"] == config["blocks"] * config["rows_per_block"], run
+        assert _positive(run["first_step_s"]) and run["first_step_s"] <= run["last_step_s"], run
+    lake = next(r for r in data["runs"] if r["variant"] == "lakestream")
+    assert lake["published"] == steps and lake["duplicates"] == 0 and lake["head_step"] == steps
+    assert next(r for r in data["runs"] if r["variant"] == "iceberg")["snapshots"] == 1  # one commit at the end
+    for name in ("parquet", "iceberg"):
+        assert _positive(data["ratios"][name]["first_step"]) and _positive(data["ratios"][name]["last_step"])
 
 
 def test_vs_colocated_child_exit_guard_lets_the_sigchld_error_surface_only_while_armed() -> None:

@@ -1,0 +1,300 @@
+"""Ray Data preprocessing feeding a trainer: write_parquet vs write_iceberg vs the lakestream sink, side by side.
+
+The same preprocessing job (``ray.data.range`` cut into ``--blocks`` blocks of ``--rows-per-block`` rows, a
+``map_batches`` that turns each block into token rows with ``--work-ms`` of CPU work per block) and the same trainer
+(one process, steps of ``--rows-per-step`` rows, ``--step-ms`` of simulated accelerator time per step: a sleep, so the
+trainer takes no CPU from the job) run three ways, one after another in one Ray session:
+
+* **(a) parquet**: ``Dataset.write_parquet(dir)``; the trainer starts when the job has finished and reads the files
+  (pyarrow) in steps of ``--rows-per-step`` rows;
+* **(b) iceberg**: ``Dataset.write_iceberg(table)`` (Ray's own Iceberg sink: one commit when every task finished); the
+  trainer starts after that commit and scans the table (pyiceberg) in steps;
+* **(c) lakestream**: ``Dataset.write_datasink(LakestreamDatasink(...))``: each write task publishes a step as soon as
+  it has formed one; a trainer (``LakestreamDataset`` in follow mode) starts with the job and follows it.
+
+Reported for each: time from the job's start to the trainer's first step and to its last step, and the ratios of
+(a) and (b) over (c) (> 1: lakestream is faster). Everything runs locally: ``ray.init(num_cpus=--cpus)`` (logical
+CPUs; the trainer runs in this driver process, outside Ray), SQLite catalogs in a temp dir (removed at the end).
+``--repeat N`` interleaves N repetitions of (a), (b), (c) and reports the median of each ratio.
+
+Run::
+
+    .venv/bin/python benchmarks/vs_ray.py                       # 300 blocks, a few minutes
+    .venv/bin/python benchmarks/vs_ray.py --rows-per-block 64 --rows-per-step 32 --tokens 64 --step-ms 10  # tiny steps
+    .venv/bin/python benchmarks/vs_ray.py --repeat 3
+    .venv/bin/python benchmarks/vs_ray.py --smoke --out /tmp/vs_ray.json   # seconds: tests/test_benchmarks_smoke.py
+
+Writes ``benchmarks/results/vs_ray.json`` (``--out``): the table (also as text under ``printed``), every run's
+timings, the machine and the load average.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH_DIR))
+sys.path.insert(0, str(BENCH_DIR.parent))
+
+from _common import RESULTS_DIR, Table, machine, write_json  # noqa: E402
+
+
+def payload_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32())), ("label", pa.int32())])
+
+
+def preprocess(batch: Any, work_ms: float, tokens_per_row: int) -> Any:
+    """One block -> token rows: deterministic in the block's ids, with ``work_ms`` of CPU work (a tokenizer stand-in)."""
+    import numpy as np
+    import pyarrow as pa
+
+    ids = batch.column("id").to_numpy()
+    rng = np.random.default_rng(int(ids[0]) if len(ids) else 0)
+    deadline = time.perf_counter() + work_ms / 1000
+    x = rng.random((64, 64))
+    while time.perf_counter() < deadline:
+        x = np.tanh(x @ x.T / 64)
+    tokens = rng.integers(0, 50_000, size=(len(ids), tokens_per_row), dtype=np.int32)
+    values = pa.array(tokens.reshape(-1), pa.int32())
+    offsets = pa.array(np.arange(0, (len(ids) + 1) * tokens_per_row, tokens_per_row, dtype=np.int32))
+    return pa.table({"id": pa.array(ids, pa.int64()), "tokens": pa.ListArray.from_arrays(offsets, values),
+                     "label": pa.array((ids % 10).astype(np.int32))}, schema=payload_schema())
+
+
+def job(args: argparse.Namespace) -> Any:
+    import ray
+
+    return ray.data.range(args.blocks * args.rows_per_block, override_num_blocks=args.blocks).map_batches(
+        preprocess, fn_kwargs={"work_ms": args.work_ms, "tokens_per_row": args.tokens}, batch_format="pyarrow", batch_size=None)
+
+
+class Trainer:
+    """Counts steps and stamps the first and the last; each step 'trains' for ``step_ms`` (a sleep)."""
+
+    def __init__(self, t0: float, step_ms: float) -> None:
+        self.t0, self.step_s = t0, step_ms / 1000
+        self.first_s: float | None = None
+        self.last_s: float | None = None
+        self.steps = 0
+        self.rows = 0
+
+    def step(self, rows: int) -> None:
+        if self.first_s is None:
+            self.first_s = time.monotonic() - self.t0
+        time.sleep(self.step_s)
+        self.steps += 1
+        self.rows += rows
+        self.last_s = time.monotonic() - self.t0
+
+
+def in_steps(batches: Iterable[Any], rows_per_step: int) -> Iterator[int]:
+    """Re-cut record batches into steps of ``rows_per_step`` rows (the last may be smaller); yields each step's size."""
+    held = 0
+    for batch in batches:
+        held += batch.num_rows
+        while held >= rows_per_step:
+            held -= rows_per_step
+            yield rows_per_step
+    if held:
+        yield held
+
+
+def run_parquet(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    import pyarrow.dataset as pads
+
+    out = root / f"parquet-{time.monotonic_ns()}"
+    ds = job(args)
+    t0 = time.monotonic()
+    ds.write_parquet(str(out))
+    job_s = time.monotonic() - t0
+    trainer = Trainer(t0, args.step_ms)
+    files = sorted(str(p) for p in out.rglob("*.parquet"))
+    for rows in in_steps(pads.dataset(files, format="parquet").to_batches(batch_size=args.rows_per_step), args.rows_per_step):
+        trainer.step(rows)
+    return result("parquet", job_s, trainer, files=len(files))
+
+
+def run_iceberg(root: Path, args: argparse.Namespace, props: dict[str, str]) -> dict[str, Any]:
+    from pyiceberg.catalog import load_catalog
+
+    catalog = load_catalog("bench", **props)
+    name = f"bench.plain_{time.monotonic_ns()}"
+    try:
+        catalog.create_namespace("bench")
+    except Exception:  # exists
+        pass
+    catalog.create_table(name, schema=payload_schema())
+    ds = job(args)
+    t0 = time.monotonic()
+    ds.write_iceberg(name, catalog_kwargs={"name": "bench", **props})
+    job_s = time.monotonic() - t0
+    trainer = Trainer(t0, args.step_ms)
+    table = catalog.load_table(name)
+    for rows in in_steps(table.scan().to_arrow_batch_reader(), args.rows_per_step):
+        trainer.step(rows)
+    return result("iceberg", job_s, trainer, snapshots=len(table.metadata.snapshots))
+
+
+def run_lakestream(root: Path, args: argparse.Namespace, props: dict[str, str]) -> dict[str, Any]:
+    from lakestream_iceberg import LakestreamDataset, Stream, load_catalog
+    from lakestream_iceberg.integrations.ray import LakestreamDatasink
+
+    catalog = load_catalog("bench", **props)
+    name = f"bench.stream_{time.monotonic_ns()}"
+    stream = Stream.create(catalog, name, schema=payload_schema(), world_size=1)
+    steps = args.blocks * args.rows_per_block // args.rows_per_step
+    sink = LakestreamDatasink(catalog=catalog, stream=name, run_name="prep", rows_per_step=args.rows_per_step)
+    follower = LakestreamDataset(stream, rank=0, world_size=1, follow=True, end_step=steps, timeout=600,
+                                 collate=lambda shard: shard.table.num_rows)
+    ds = job(args)
+    t0 = time.monotonic()
+    trainer = Trainer(t0, args.step_ms)
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            for rows in follower:
+                trainer.step(rows)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    ds.write_datasink(sink)
+    job_s = time.monotonic() - t0
+    thread.join(600)
+    if errors or thread.is_alive():
+        raise RuntimeError(f"the following trainer failed: {errors or 'still running after 600 s'}")
+    report = sink.report
+    assert report is not None
+    commits = sum(t.published + t.duplicates for t in report.tasks)
+    return result("lakestream", job_s, trainer, published=report.published, duplicates=report.duplicates,
+                  head_step=stream.refresh().head_step(), write_tasks=len(report.tasks),
+                  commit_s_in_tasks=sum(t.commit_s for t in report.tasks),
+                  commit_ms_mean=1000 * sum(t.commit_s for t in report.tasks) / max(1, commits))
+
+
+def result(name: str, job_s: float, trainer: Trainer, **extra: Any) -> dict[str, Any]:
+    return {"variant": name, "job_s": job_s, "first_step_s": trainer.first_s, "last_step_s": trainer.last_s,
+            "steps": trainer.steps, "rows": trainer.rows, **extra}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
+    parser.add_argument("--blocks", type=int, default=300, help="blocks (and write tasks) of the preprocessing job")
+    parser.add_argument("--rows-per-block", type=int, default=128)
+    parser.add_argument("--rows-per-step", type=int, default=128, help="rows per trainer step (divides rows-per-block)")
+    parser.add_argument("--tokens", type=int, default=256, help="int32 tokens per row (128 x 256: 128 KiB of tokens a step)")
+    parser.add_argument("--work-ms", type=float, default=40.0, help="CPU work of the preprocessing, per block")
+    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated accelerator time per trainer step (sleep)")
+    parser.add_argument("--cpus", type=int, default=2, help="ray.init(num_cpus=...): logical CPUs of the job")
+    parser.add_argument("--repeat", type=int, default=1, help="interleaved repetitions; ratios are medians")
+    parser.add_argument("--out", default=str(RESULTS_DIR / "vs_ray.json"))
+    args = parser.parse_args(argv)
+    if args.smoke:
+        defaults = parser.parse_args([])
+        for key, value in {"blocks": 8, "rows_per_block": 16, "rows_per_step": 8, "tokens": 16, "work_ms": 5.0,
+                                  "step_ms": 2.0}.items():
+            if getattr(args, key) == getattr(defaults, key):
+                setattr(args, key, value)
+    if min(args.blocks, args.rows_per_block, args.rows_per_step, args.tokens, args.repeat, args.cpus) < 1:
+        parser.error("--blocks, --rows-per-block, --rows-per-step, --tokens, --repeat and --cpus must be >= 1")
+    if args.rows_per_block % args.rows_per_step:
+        parser.error("--rows-per-step must divide --rows-per-block (every write task then forms whole steps)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    import ray
+
+    args = parse_args(argv)
+    logging.getLogger("pyiceberg").setLevel(logging.ERROR)
+    logging.getLogger("ray").setLevel(logging.WARNING)  # one INFO line per job and commit phase otherwise
+    started = time.monotonic()
+    load_at_start = os.getloadavg()
+    root = Path(tempfile.mkdtemp(prefix="vs-ray-"))
+    (root / "warehouse").mkdir()
+    props = {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    repo = str(BENCH_DIR.parent)  # Ray workers import this checkout's lakestream_iceberg and this script's functions
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
+    print(f"vs_ray: {args.blocks} blocks x {args.rows_per_block} rows of {args.tokens} tokens, steps of {args.rows_per_step} rows, "
+          f"{args.work_ms:g} ms/block, {args.step_ms:g} ms/step, {args.cpus} logical CPUs, repeat {args.repeat}"
+          f"{' [smoke]' if args.smoke else ''}", flush=True)
+    ray.init(num_cpus=args.cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    runs: list[dict[str, Any]] = []
+    try:
+        from ray.data import DataContext
+
+        DataContext.get_current().enable_progress_bars = False
+        job(args).materialize()  # warm the workers (imports) so that no variant pays for them
+        for repetition in range(args.repeat):
+            for name, run in (("parquet", lambda: run_parquet(root, args)), ("iceberg", lambda: run_iceberg(root, args, props)),
+                              ("lakestream", lambda: run_lakestream(root, args, props))):
+                outcome = run()
+                outcome["repetition"] = repetition
+                runs.append(outcome)
+                print(f"  {name:10s} job {outcome['job_s']:.2f} s, first step {outcome['first_step_s']:.2f} s, "
+                      f"last step {outcome['last_step_s']:.2f} s ({outcome['steps']} steps)", flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+    steps = args.blocks * args.rows_per_block // args.rows_per_step
+    table = Table(f"Ray Data job -> trainer ({args.blocks} blocks, {steps} steps of {args.rows_per_step} rows)",
+                  ["variant", "job s", "first step s", "last step s", "first step: x / lakestream", "last step: x / lakestream"])
+    ratios: dict[str, dict[str, float]] = {}
+    for name in ("parquet", "iceberg", "lakestream"):
+        mine = [r for r in runs if r["variant"] == name]
+        first = [r["first_step_s"] / lake["first_step_s"] for r, lake in zip(mine, (r for r in runs if r["variant"] == "lakestream"))]
+        last = [r["last_step_s"] / lake["last_step_s"] for r, lake in zip(mine, (r for r in runs if r["variant"] == "lakestream"))]
+        ratios[name] = {"first_step": statistics.median(first), "last_step": statistics.median(last)}
+        table.add(name, statistics.median(r["job_s"] for r in mine), statistics.median(r["first_step_s"] for r in mine),
+                  statistics.median(r["last_step_s"] for r in mine), f"{ratios[name]['first_step']:.2f}x",
+                  f"{ratios[name]['last_step']:.2f}x")
+    table.note("times from the job's start; ratios > 1: lakestream's trainer gets there sooner (medians over repetitions)")
+    table.note("(a) and (b) start the trainer once the job (and, for iceberg, its single commit) is done; (c) follows it")
+    lake_runs = [r for r in runs if r["variant"] == "lakestream"]
+    table.note(f"(c): {statistics.median(r['commit_ms_mean'] for r in lake_runs):.0f} ms per step committed inside the "
+               f"write tasks (mean), {statistics.median(r['commit_s_in_tasks'] for r in lake_runs):.1f} s of task time "
+               f"in all, over {lake_runs[0]['write_tasks']} write tasks")
+    bad = [r for r in runs if r["steps"] != steps or (r["variant"] == "lakestream" and (r["head_step"] != steps or r["duplicates"]))]
+    if bad:
+        table.note(f"UNEXPECTED step counts: {bad}")
+    print()
+    print(table)
+    out = Path(args.out)
+    path = write_json(out.name, {
+        "benchmark": "vs_ray",
+        "smoke": args.smoke,
+        "wall_s": time.monotonic() - started,
+        "loadavg_at_start": load_at_start,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "versions": {"ray": ray.__version__},
+        "machine": machine(),
+        "runs": runs,
+        "ratios": ratios,
+        "tables": [table],
+        "printed": str(table),
+    }, directory=out.parent)
+    print(f"\nwrote {path}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""Ray Data producers (``LakestreamDatasink``) and Ray Train consumers, on a real local Ray cluster.
+
+Ray runs locally (``ray.init`` in a module fixture, no dashboard, shut down at the end), the catalog is SQLite with a
+local warehouse, every process is real. Nothing waits for a fixed time window: each test waits for progress it can
+observe (a step published, a marker file written by a task), with generous bounds only as a safety net.
+
+Logical CPUs: ``ray.init(num_cpus=4)`` on 2 physical cores. Logical CPUs are scheduling tokens, not cores: the Ray
+Train test needs its 2 training workers (1 CPU each) to run *while* the Ray Data job writes, so the data job is capped
+at the other 2 (``execution_options.resource_limits``). The work itself is small; the cores are shared either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+from lakestream_iceberg import Stream  # noqa: E402
+from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError  # noqa: E402
+from lakestream_iceberg.integrations.ray import LakestreamDatasink, producer_id  # noqa: E402
+from tests.support import sqlite_catalog  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float32())])
+BOUND_S = 240  # safety net only: every wait below ends on observed progress
+
+
+def _rows(start: int, n: int) -> pa.Table:
+    ids = list(range(start, start + n))
+    return pa.table({"id": ids, "x": [float(i) / 2 for i in ids]}, schema=SCHEMA)
+
+
+def _wait(what: str, condition: Any, bound_s: float = BOUND_S) -> Any:
+    deadline = time.monotonic() + bound_s
+    delay = 0.02
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what} after {bound_s}s")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def _task_context(task_idx: int) -> Any:
+    from ray.data._internal.execution.interfaces import TaskContext
+
+    return TaskContext(task_idx=task_idx, op_name="Write")
+
+
+def _step_ids(stream: Stream, step: int) -> list[list[int]]:
+    return [stream.read(step, rank=r).column("id").to_pylist() for r in range(stream.world_size)]
+
+
+# ------------------------------------------------------------------------------------------------ without a cluster
+
+
+def test_core_imports_without_ray_and_the_integration_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['ray'] = None\n"  # as if the extra were not installed
+        "import lakestream_iceberg, lakestream_iceberg.stream, lakestream_iceberg.read.dataset\n"
+        "from lakestream_iceberg.errors import MissingExtraError\n"
+        "try:\n    import lakestream_iceberg.integrations.ray\nexcept MissingExtraError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr
+    assert "lakestream-iceberg[ray]" in out.stdout
+
+
+def test_sink_arguments_are_checked(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    ok = {"catalog": catalog, "stream": "ns.s", "run_name": "prep"}
+    with pytest.raises(ConfigError, match="exactly one of rows_per_step"):
+        LakestreamDatasink(**ok)
+    with pytest.raises(ConfigError, match="rows_per_step must be an integer, got the bool"):
+        LakestreamDatasink(**ok, rows_per_step=True)
+    with pytest.raises(ConfigError, match="rows_per_step must be >= 1"):
+        LakestreamDatasink(**ok, rows_per_step=0)
+    with pytest.raises(ConfigError, match="run_name 'bad name' is invalid"):
+        LakestreamDatasink(**{**ok, "run_name": "bad name"}, rows_per_step=4)
+    with pytest.raises(ConfigError, match="create=True needs world_size"):
+        LakestreamDatasink(**ok, rows_per_step=4, create=True)
+    with pytest.raises(ConfigError, match="holds secrets"):
+        LakestreamDatasink(catalog="prod", stream="ns.s", run_name="p", rows_per_step=4,
+                           catalog_properties={"s3.secret-access-key": "hunter22"})
+    assert producer_id("prep", 7) == "prep-7"
+
+
+def test_pickled_sink_carries_no_secret(tmp_path: Path) -> None:
+    import pickle
+
+    catalog = sqlite_catalog(str(tmp_path))
+    catalog.properties["s3.secret-access-key"] = "hunter22-not-shipped"
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="prep", rows_per_step=4)
+    blob = pickle.dumps(sink)
+    assert b"hunter22-not-shipped" not in blob
+    assert pickle.loads(blob).stream_ref.identifier == "ns.s"
+
+
+def test_catalog_by_name_is_resolved_from_pyiceberg_config_in_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import pickle
+
+    (tmp_path / "warehouse").mkdir()
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__TYPE", "sql")
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__URI", f"sqlite:///{tmp_path}/catalog.db")
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__WAREHOUSE", f"file://{tmp_path}/warehouse")
+    monkeypatch.setenv("PYICEBERG_CATALOG__LOCALRAY__S3__SECRET_ACCESS_KEY", "hunter22-from-env")
+    import pyiceberg.catalog
+    from pyiceberg.utils.config import Config
+
+    monkeypatch.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())  # what a worker process reads when it starts
+    sink = LakestreamDatasink(catalog="localray", stream="ns.named", run_name="named", rows_per_step=2, create=True,
+                              world_size=1)
+    sink.on_write_start(SCHEMA.with_metadata({b"pandas": b"{}"}))  # the stream is created from the first block's schema
+    shipped = pickle.loads(pickle.dumps(sink))  # what a Ray task receives
+    assert b"hunter22-from-env" not in pickle.dumps(sink)
+    assert shipped.write(iter([_rows(0, 4)]), _task_context(0)).steps == (1, 2)
+    assert Stream.open(shipped.stream_ref.catalog(), "ns.named").payload_arrow_schema.equals(SCHEMA)
+
+
+def test_write_task_replays_exactly_once_and_detects_a_nondeterministic_rerun(tmp_path: Path) -> None:
+    """``Datasink.write`` called as Ray calls it: a retry (same task_idx, same blocks) publishes nothing twice."""
+    catalog = sqlite_catalog(str(tmp_path))
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="job", rows_per_step=4, create=True, world_size=2)
+    sink.on_write_start(SCHEMA)
+    blocks = [_rows(0, 6), _rows(6, 5)]  # 11 rows: steps of 4, 4 and a last one of 3
+    first = sink.write(iter(blocks), _task_context(3))
+    assert (first.producer, first.published, first.duplicates, first.rows, first.steps) == ("job-3", 3, 0, 11, (1, 2, 3))
+    stream = Stream.open(catalog, "ns.s")
+    assert [_step_ids(stream, s) for s in (1, 2, 3)] == [[[0, 2], [1, 3]], [[4, 6], [5, 7]], [[8, 10], [9]]]
+    again = sink.write(iter(blocks), _task_context(3))  # the retried task
+    assert (again.published, again.duplicates, again.steps) == (0, 3, (1, 2, 3))
+    assert stream.refresh().head_step() == 3
+    other = sink.write(iter([_rows(100, 4)]), _task_context(4))  # another task: another producer
+    assert (other.producer, other.steps) == ("job-4", (4,))
+    with pytest.raises(BatchError, match=r"step 2 with \[2, 2\] rows per rank, but this run formed \[1, 0\]: the job is not det"):
+        sink.write(iter([_rows(0, 5)]), _task_context(3))
+    shuffled = [_rows(6, 5), _rows(0, 6)]  # the same rows, in another order: equal counts, other rows
+    with pytest.raises(BatchError, match="other rows for rank 0 than this run formed"):
+        sink.write(iter(shuffled), _task_context(3))
+    counts_only = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="job", rows_per_step=4, verify_replays="counts")
+    assert counts_only.write(iter(shuffled), _task_context(3)).duplicates == 3  # what "counts" cannot see
+    drop = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="drop", rows_per_step=4, drop_last=True)
+    assert drop.write(iter(blocks), _task_context(0)).steps == (5, 6)
+
+
+def test_rank_column_step_fn_and_schema_errors(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    by_rank = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=4, rank_column="rank")
+    first = _rows(0, 3).append_column("rank", pa.array([1, 1, 0], pa.int8()))
+    second = _rows(3, 1).append_column("rank", pa.array([1], pa.int32()))  # a step spans blocks of other rank types
+    assert by_rank.write(iter([first, second]), _task_context(0)).steps == (1,)
+    stream = Stream.open(catalog, "ns.s")
+    assert _step_ids(stream, 1) == [[2], [0, 1, 3]]
+    with pytest.raises(BatchError, match=r"outside 0\.\.1"):
+        by_rank.write(iter([_rows(0, 4).append_column("rank", pa.array([0, 2, 0, 0], pa.int8()))]), _task_context(1))
+
+    def halves(table: pa.Table) -> Iterator[list[pa.Table]]:
+        yield [table.slice(0, 1), table.slice(1)]
+
+    custom = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="f", step_fn=halves)
+    assert custom.write(iter([_rows(10, 3)]), _task_context(0)).steps == (2,)
+    assert _step_ids(stream, 2) == [[10], [11, 12]]
+
+    plain = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="s", rows_per_step=2)
+    with pytest.raises(SchemaMismatchError, match=r"column 'x' of a block is double, the stream expects float"):
+        plain.write(iter([pa.table({"id": [1, 2], "x": [0.5, 1.5]})]), _task_context(0))
+    with pytest.raises(SchemaMismatchError, match=r"not in the stream \['extra'\]"):
+        plain.write(iter([_rows(0, 2).append_column("extra", pa.array([1, 2]))]), _task_context(0))
+    reordered = pa.table({"x": pa.array([0.5, 1.0], pa.float32()), "id": [1, 2]})  # any column order is fine
+    required = pa.table({"id": [3], "x": pa.array([2.0], pa.float32())},
+                        schema=pa.schema([pa.field("id", pa.int64(), nullable=False), ("x", pa.float32())]))
+    assert plain.write(iter([reordered, required, required]), _task_context(0)).published == 2  # nullability differs
+    casting = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="c", rows_per_step=2, cast=True)
+    assert casting.write(iter([pa.table({"id": [1, 2], "x": [0.5, 1.5]})]), _task_context(0)).published == 1
+
+
+# ------------------------------------------------------------------------------------------------ on a Ray cluster
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_DEDUP_LOGS")}
+    # workers import this checkout (and tests.*, for the functions below) whatever the venv's editable install points to
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
+    os.environ["RAY_DEDUP_LOGS"] = "0"
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _data_context(cpus: float | None = None) -> Any:
+    """A fresh Ray DataContext for one job (settings do not leak between tests)."""
+    from ray.data import DataContext, ExecutionResources
+
+    with warnings.catch_warnings():  # copying touches Ray's own deprecated settings
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ctx = DataContext.get_current().copy()
+    if cpus is not None:
+        ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus)
+    DataContext._set_current(ctx)
+    return ctx
+
+
+@pytest.mark.slow
+def test_ray_data_job_publishes_exactly_once_and_a_rerun_publishes_nothing(ray_cluster: None, tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    _data_context()
+    tables, rows, per_step = 6, 24, 8
+    dataset = ray.data.from_arrow([_rows(t * rows, rows) for t in range(tables)])
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.ray", run_name="prep-a", rows_per_step=per_step, create=True,
+                              world_size=2)
+    dataset.write_datasink(sink)
+    steps = tables * rows // per_step
+    assert sink.report is not None and sink.report.published == steps and sink.report.duplicates == 0
+    assert sink.report.steps == list(range(1, steps + 1))
+    stream = Stream.open(catalog, "ns.ray")
+    assert stream.head_step() == steps
+    seen = sorted(i for s in range(1, steps + 1) for rank in _step_ids(stream, s) for i in rank)
+    assert seen == list(range(tables * rows))  # every row once
+    rerun = LakestreamDatasink(catalog=catalog, stream="ns.ray", run_name="prep-a", rows_per_step=per_step)
+    ray.data.from_arrow([_rows(t * rows, rows) for t in range(tables)]).write_datasink(rerun)
+    assert rerun.report is not None and (rerun.report.published, rerun.report.duplicates) == (0, steps)
+    assert stream.refresh().head_step() == steps
+
+    bad = ray.data.from_arrow([pa.table({"id": [1, 2], "x": [0.5, 1.5]})])  # x is double: the job fails loudly
+    with pytest.raises(Exception, match="column 'x' of a block is double, the stream expects float"):
+        bad.write_datasink(LakestreamDatasink(catalog=catalog, stream="ns.ray", run_name="bad", rows_per_step=2))
+    assert stream.refresh().head_step() == steps
+
+
+# -- the Ray Train test: trainers follow a job that is still writing ---------------------------------------------------
+
+
+def _gated_preprocess(batch: pa.Table, gate: str, from_id: int) -> pa.Table:
+    """The job's later rows wait until a trainer has seen a step: the job cannot finish before a trainer read from it."""
+    if batch.num_rows and batch.column("id")[0].as_py() >= from_id:
+        deadline = time.monotonic() + BOUND_S
+        while not os.path.exists(gate):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no trainer saw a step within {BOUND_S}s")
+            time.sleep(0.05)
+    return batch
+
+
+def _train_loop(config: dict[str, Any]) -> None:
+    import ray.train
+    import torch.distributed as dist
+
+    from lakestream_iceberg.integrations.ray import ray_train_dataset
+
+    stream = config["stream"]
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+
+    def collate(shard: Any) -> dict[str, Any]:
+        return {"step": shard.step, "ids": shard.table.column("id").to_pylist(), "world_size": shard.world_size}
+
+    dataset = ray_train_dataset(stream, checkpoint=config["resume"], end_step=config["end_step"], collate=collate,
+                                timeout=BOUND_S)
+    got = []
+    for item in dataset:
+        got.append(item)
+        if rank == 0 and not os.path.exists(config["gate"]):
+            Path(config["gate"]).write_text(str(item["step"]))
+    Path(config["out"], f"rank{rank}-{config['name']}.json").write_text(json.dumps(got))
+    dist.barrier()  # both ranks are done with end_step before the checkpoint tag marks it
+    if rank == 0 and config["checkpoint"]:
+        stream.checkpoint(config["checkpoint"], step=config["end_step"])
+
+
+@pytest.mark.slow
+def test_ray_train_follows_a_running_ray_data_job_and_resumes_from_a_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.train", schema=SCHEMA, world_size=2)
+    tables, rows, per_step = 8, 16, 8
+    steps, first_part = tables * rows // per_step, 6
+    gate = str(tmp_path / "trainer-saw-a-step")
+    _data_context(cpus=2)  # the other 2 logical CPUs are the trainer's
+    dataset = ray.data.from_arrow([_rows(t * rows, rows) for t in range(tables)]).map_batches(
+        _gated_preprocess, fn_kwargs={"gate": gate, "from_id": 4 * rows}, batch_format="pyarrow", batch_size=None)
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.train", run_name="prep", rows_per_step=per_step)
+    outcome: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            dataset.write_datasink(sink)
+        except BaseException as exc:  # reported by the main thread
+            outcome["error"] = exc
+        outcome["done_at_head"] = Stream.open(catalog, "ns.train").head_step()
+
+    writer = threading.Thread(target=job, daemon=True)
+    writer.start()
+
+    def fit(name: str, resume: str | None, end_step: int, checkpoint: str | None) -> None:
+        config = {"stream": stream, "resume": resume, "end_step": end_step, "gate": gate, "out": str(tmp_path),
+                  "name": name, "checkpoint": checkpoint}
+        TorchTrainer(_train_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
+                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                     run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray_results"))).fit()
+
+    fit("first", None, first_part, "after-first")   # reads steps 1..6 while the job is still writing (gated)
+    fit("resumed", "after-first", steps, None)      # a new trainer resumes from the checkpoint tag at step 7
+    writer.join(BOUND_S)
+    assert not writer.is_alive() and "error" not in outcome, outcome.get("error")
+    assert int(Path(gate).read_text()) == 1  # the first step a trainer saw was step 1, before the gated rows existed
+    stream.refresh()
+    for rank in (0, 1):
+        first = json.loads((tmp_path / f"rank{rank}-first.json").read_text())
+        resumed = json.loads((tmp_path / f"rank{rank}-resumed.json").read_text())
+        assert [i["step"] for i in first] == list(range(1, first_part + 1))
+        assert [i["step"] for i in resumed] == list(range(first_part + 1, steps + 1))  # the next step, none missed
+        for item in first + resumed:
+            assert item["world_size"] == 2
+            assert item["ids"] == stream.read(item["step"], rank=rank).column("id").to_pylist()  # its partition, exactly
+    assert sink.report is not None and sink.report.published == steps and outcome["done_at_head"] == steps
+
+
+# -- faults: a write task's worker process is killed mid-job ---------------------------------------------------------
+
+
+def _kill_me_once(batch: pa.Table, kill_id: int, marks: str) -> pa.Table:
+    """On the first attempt, the batch holding ``kill_id`` reports this worker's pid and waits to be SIGKILLed."""
+    from ray.data._internal.execution.interfaces import TaskContext
+
+    ids = batch.column("id").to_pylist()
+    if kill_id in ids and not os.path.exists(os.path.join(marks, "killed")):
+        task = TaskContext.get_current()
+        Path(marks, "victim.tmp").write_text(json.dumps({"pid": os.getpid(), "task_idx": task.task_idx if task else None}))
+        os.replace(os.path.join(marks, "victim.tmp"), os.path.join(marks, "victim"))
+        deadline = time.monotonic() + BOUND_S
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise TimeoutError("the test did not kill this worker")
+    return batch
+
+
+@pytest.mark.slow
+def test_killed_write_task_publishes_no_duplicate_and_no_gap(ray_cluster: None, tmp_path: Path) -> None:
+    from lakestream_iceberg import LakestreamDataset
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.faults", schema=SCHEMA, world_size=2)
+    ctx = _data_context(cpus=2)
+    ctx.target_max_block_size = 64  # each map batch of 8 rows (96 bytes) becomes its own block: a task streams several blocks
+    tables, rows, per_step, batch = 4, 32, 8, 8
+    kill_id = rows + 3 * batch  # the 4th block of task 1: its steps of the first 3 blocks are already published
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    dataset = ray.data.from_arrow([_rows(t * rows, rows) for t in range(tables)]).map_batches(
+        _kill_me_once, fn_kwargs={"kill_id": kill_id, "marks": str(marks)}, batch_format="pyarrow", batch_size=batch)
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.faults", run_name="faulty", rows_per_step=per_step)
+    steps = tables * rows // per_step
+
+    follower = LakestreamDataset(stream, rank=0, world_size=1, follow=True, end_step=steps, timeout=BOUND_S,
+                                 collate=lambda shard: (shard.step, shard.table.column("id").to_pylist()))
+    seen: list[tuple[int, list[int]]] = []
+    reader = threading.Thread(target=lambda: seen.extend(follower), daemon=True)
+    reader.start()
+    outcome: dict[str, Any] = {}
+
+    def job() -> None:
+        try:
+            dataset.write_datasink(sink)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    writer = threading.Thread(target=job, daemon=True)
+    writer.start()
+    victim = json.loads(_wait("the victim task to report its pid", lambda: (marks / "victim").exists()
+                              and (marks / "victim").read_text()))
+    assert victim["task_idx"] is not None
+    name = producer_id("faulty", victim["task_idx"])
+    published_before = stream.refresh().producer(name).next_seq
+    assert published_before >= 1  # killed mid-task: some of its steps are out, the rest is not
+    (marks / "killed").touch()
+    os.kill(victim["pid"], signal.SIGKILL)
+    writer.join(BOUND_S)
+    reader.join(BOUND_S)
+    assert not writer.is_alive() and "error" not in outcome, outcome.get("error")
+    assert not reader.is_alive()
+
+    stream.refresh()
+    assert stream.head_step() == steps  # no gap, nothing twice: exactly the job's steps
+    assert sink.report is not None
+    retried = next(t for t in sink.report.tasks if t.task_idx == victim["task_idx"])
+    assert retried.pid != victim["pid"] and retried.duplicates == published_before  # replayed, not republished
+    # the report holds each task's completing attempt: the retry replayed what the killed attempt had published
+    assert sink.report.published + published_before == steps and sink.report.duplicates == published_before
+    everything = sorted(i for s in range(1, steps + 1) for rank in _step_ids(stream, s) for i in rank)
+    assert everything == list(range(tables * rows))
+    # the follower (a trainer) saw every step once, in order, each whole: what it read is the final content
+    assert [s for s, _ in seen] == list(range(1, steps + 1))
+    for step, ids in seen:
+        assert len(ids) == per_step and sorted(ids) == sorted(i for rank in _step_ids(stream, step) for i in rank)
