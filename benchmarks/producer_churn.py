@@ -279,8 +279,11 @@ def run_lone(root: Path, churned: Any, args: argparse.Namespace) -> dict[str, An
 
 
 def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batches: int, rotate: int,
-                 retries: int) -> None:
-    """One producer process: ``batches`` commits, a fresh producer id every ``rotate`` batches (0: never)."""
+                 retries: int, profile_dir: str | None = None) -> None:
+    """One producer process: ``batches`` commits, a fresh producer id every ``rotate`` batches (0: never).
+
+    ``profile_dir``: cProfile the commits (after the start barrier) and dump ``<label>-<worker>.prof`` there."""
+    profiler = None
     try:
         import logging
 
@@ -295,6 +298,12 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
         while time.time() < start_at:
             time.sleep(min(0.02, max(0.0, start_at - time.time())))
         records: list[dict[str, Any]] = []
+        cpu0 = time.process_time()
+        if profile_dir:
+            import cProfile
+
+            profiler = cProfile.Profile()
+            profiler.enable()
         producer, pid, seq, id_no = None, "", 0, 0
         for b in range(batches):
             if producer is None or (rotate and b % rotate == 0):
@@ -320,7 +329,11 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
                 seq += 1
             else:  # this (producer, seq) may still land (a staged batch); a fresh id avoids a gap either way
                 producer = None
-        conn.send(("ok", records))
+        cpu = time.process_time() - cpu0
+        if profiler is not None and profile_dir:
+            profiler.disable()
+            profiler.dump_stats(str(Path(profile_dir) / f"{table.split('.')[-1]}-{worker:02d}.prof"))
+        conn.send(("ok", (records, cpu)))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
 
@@ -335,13 +348,14 @@ def process_context(method: str) -> Any:
 
 
 def pool_run(props: dict[str, str], table: str, processes: int, batches: int, rotate: int, retries: int,
-             label: str, start_method: str) -> dict[str, Any]:
+             label: str, start_method: str, profile_dir: str | None = None) -> dict[str, Any]:
     ctx = process_context(start_method)
     conns, procs = [], []
     t_spawn = time.monotonic()
     for w in range(processes):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_pool_worker, args=(child, props, table, w, batches, rotate, retries), daemon=True)
+        proc = ctx.Process(target=_pool_worker, args=(child, props, table, w, batches, rotate, retries, profile_dir),
+                           daemon=True)
         proc.start()
         conns.append(parent)
         procs.append(proc)
@@ -355,11 +369,13 @@ def pool_run(props: dict[str, str], table: str, processes: int, batches: int, ro
         for conn in conns:
             conn.send(start_at)
         records: list[dict[str, Any]] = []
+        cpu_s = 0.0
         for conn in conns:
             status, body = conn.recv()
             if status != "ok":
                 raise RuntimeError(f"{label} worker failed:\n{body}")
-            records += body
+            records += body[0]
+            cpu_s += body[1]
     finally:
         for proc in procs:
             proc.join(timeout=30)
@@ -379,23 +395,26 @@ def pool_run(props: dict[str, str], table: str, processes: int, batches: int, ro
             "commits_per_s": len(ok) / elapsed if elapsed > 0 else math.nan, "p50_s": p50(lat),
             "p99_s": percentile(lat, 99), "carried": sum(1 for r in ok if r["carried"]),
             "duplicates_reported": sum(1 for r in ok if r["duplicate"]),
-            "ids": len({r["producer"] for r in records}), "spawn_ready_s": ready_s, "records": records}
+            "ids": len({r["producer"] for r in records}), "spawn_ready_s": ready_s, "cpu_s": cpu_s, "records": records}
 
 
 def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     alone_props = catalog_props(root / "pool-alone")
     create_stream(open_catalog(alone_props), "alone")
     alone = pool_run(alone_props, f"{NS}.alone", 1, args.alone_batches, 0, args.retries, "alone",
-                     args.start_method)
+                     args.start_method, args.profile_dir)
     print(f"[C] one producer alone: {alone['commits']} commits in {alone['elapsed_s']:.1f} s = "
-          f"{alone['commits_per_s']:.1f} commits/s", flush=True)
+          f"{alone['commits_per_s']:.1f} commits/s (worker CPU {alone['cpu_s']:.1f} s)", flush=True)
     props = catalog_props(root / "pool")
     stream = create_stream(open_catalog(props), "pool")
     pool = pool_run(props, f"{NS}.pool", args.pool, args.pool_batches, args.rotate, args.retries, "pool",
-                    args.start_method)
+                    args.start_method, args.profile_dir)
     print(f"[C] {args.pool} processes, a new id every {args.rotate} batches: {pool['commits']} commits, "
           f"{pool['failed']} failed, {pool['elapsed_s']:.1f} s = {pool['commits_per_s']:.1f} commits/s "
-          f"(p50 {pool['p50_s'] * 1000:.0f} ms, p99 {pool['p99_s'] * 1000:.0f} ms; spawn+import {pool['spawn_ready_s']:.1f} s)",
+          f"(p50 {pool['p50_s'] * 1000:.0f} ms, p99 {pool['p99_s'] * 1000:.0f} ms; spawn+import {pool['spawn_ready_s']:.1f} s; "
+          f"worker CPU {pool['cpu_s']:.1f} s = {pool['cpu_s'] / max(pool['elapsed_s'], 1e-9):.2f} cores)",
           flush=True)
     check = read_back(stream)
     expected = {(r["producer"], r["seq"]) for r in pool["records"] if r["ok"]}
@@ -527,6 +546,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--alone-batches", type=int, default=60, help="C: batches of the lone producer process")
     parser.add_argument("--start-method", choices=["forkserver", "spawn"], default="forkserver",
                         help="C: how producer processes start (forkserver: one import, then a fork per process)")
+    parser.add_argument("--profile-dir", default=None,
+                        help="C: cProfile every worker's commits, one <table>-<worker>.prof per process in this folder")
     parser.add_argument("--retries", type=int, default=2, help="C: re-commits of the same seq after a failed commit")
     parser.add_argument("--out", default=str(RESULTS_DIR / "producer_churn.json"))
     parser.add_argument("--workdir", default=None, help="where tables live (default: a temp dir, removed at the end)")

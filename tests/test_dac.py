@@ -394,3 +394,18 @@ def test_a_successor_keeps_its_predecessors_turn_and_timings() -> None:
     heir.inherit(third)
     slot = heir.group_slot_s
     assert 3 * slot <= heir.hold_delay(waited=0.0) <= 3.1 * slot + 1e-9  # position 3, like its predecessor
+
+
+def test_cold_start_losers_take_turns_by_their_place_in_the_staging_queue() -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    assert not p.wants_queue and p.hold_delay(waited=0.0, queued=3) == 0.0  # alone, never lost: commits at once
+    p.record_attempt(started=0.0, ended=0.100, won=False, head_step=1, foreign=1)  # everybody thought itself alone
+    assert p.contenders == 1.0 and p.wants_queue
+    slot = p.group_slot_s
+    assert p.hold_delay(waited=0.0, queued=0) == 0.0  # the oldest staged batch: commits (and carries the rest) now
+    assert p.hold_delay(waited=0.0, queued=None) == 0.0  # no listing: as before
+    for queued in (1, 2, 3):  # one slot of margin for the first, larger commit, then one slot per batch ahead
+        assert (1 + queued) * slot <= p.hold_delay(waited=0.0, queued=queued) <= (1.1 + queued) * slot + 1e-9
+    p.record_published(step=5, at=clock.t, carried_after=0.2)  # carried: no longer a loser
+    assert not p.wants_queue

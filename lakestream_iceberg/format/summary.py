@@ -156,6 +156,13 @@ class StreamState:
         return props
 
 
+# Producer tables parsed and validated (raw summary value -> its entries; ProducerState is immutable, callers get a
+# copy of the dict): a head's table is read at every refresh, plan and reconcile, by every producer of the process,
+# and the snapshots of one group commit repeat it. Bounded: cleared when full.
+_PARSED_PRODUCERS: dict[str, dict[str, ProducerState]] = {}
+_MAX_PARSED = 64
+
+
 class _Fields:
     """Strict readers of one summary's values: anything lakestream does not write is a :class:`CorruptStateError`."""
 
@@ -185,6 +192,9 @@ class _Fields:
 
     def producers(self) -> dict[str, ProducerState]:
         raw = self._summary.get(KEY_PRODUCERS, "{}")
+        cached = _PARSED_PRODUCERS.get(raw) if isinstance(raw, str) else None
+        if cached is not None:  # the same table, already validated: every refresh of every producer reads it again
+            return dict(cached)
         try:
             table = json.loads(raw)
         except (TypeError, ValueError):
@@ -198,7 +208,10 @@ class _Fields:
                 raise self.error(KEY_PRODUCERS, raw,
                                  f"producer {producer!r}: expected [seq, step, snapshot id, first step] integers")
             out[producer] = ProducerState(*value)
-        return out
+        if len(_PARSED_PRODUCERS) >= _MAX_PARSED:
+            _PARSED_PRODUCERS.clear()
+        _PARSED_PRODUCERS[raw] = out
+        return dict(out)
 
     def token(self) -> str | None:
         raw = self._summary.get(KEY_TOKEN)

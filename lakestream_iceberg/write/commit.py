@@ -88,6 +88,7 @@ class Carry:
     staged_at: float
     gone: Callable[[], bool]
     published: Callable[[TableMetadata], bool] = lambda _metadata: False  # the batch is published in this metadata
+    queued: Callable[[], int] | None = None  # staged batches older than this one (a listing; see hold_delay)
 
 
 class CommitLoop:
@@ -201,7 +202,11 @@ class CommitLoop:
             if carry is not None:
                 waited = self._clock() - carry.staged_at if attempt == 1 else 0.0
                 # after a lost swap the head just read may already show the batch published (the winner carried it)
-                hold = 0.0 if attempt > 1 and carry.published(metadata) else self.policy.hold_delay(waited=waited)
+                if attempt > 1 and carry.published(metadata):
+                    hold = 0.0
+                else:
+                    queued = carry.queued() if carry.queued is not None and self.policy.wants_queue else None
+                    hold = self.policy.hold_delay(waited=waited, queued=queued)
                 if hold > 0:
                     if self._hold(min(hold, max(0.0, deadline - self._clock())), carry):
                         carried_after = self._clock() - carry.staged_at

@@ -158,6 +158,7 @@ class CommitPolicy:
         self._head: tuple[int, list[int], int] | None = None  # last head seen: (step, producers' last steps, group)
         self._position: int | None = None  # own place in the head's group ordering (group commit)
         self._head_group_s = 0.0  # the last group committer's reported critical section
+        self._lost = False  # lost a swap since its last published batch (contended, whatever the head's table says)
         self.conflicts = 0
         self.carried = 0
 
@@ -251,8 +252,10 @@ class CommitPolicy:
             self._last_win_end = ended
             self._last_win_step = head_step
             self._older = self._position = None  # ranked again at the next head seen
+            self._lost = False
         else:
             self.conflicts += 1
+            self._lost = True
 
     def record_published(self, *, step: int, at: float, carried_after: float | None = None) -> None:
         """Own batch published as ``step`` at ``at``; ``carried_after``: it rode in another producer's commit (group
@@ -271,6 +274,7 @@ class CommitPolicy:
             self._wins.append(step)
             self._last_win_end = at
         self._last_win_step = step
+        self._lost = False
         self._rank()
 
     # -- decisions ----------------------------------------------------------------------------------------------------
@@ -309,12 +313,29 @@ class CommitPolicy:
             carry = math.exp(self._log_carry + self._cfg.carry_spread * self._log_carry_dev)
         return max(self.slot_s, carry, self._head_group_s * (1.0 + self._cfg.slot_margin))
 
-    def hold_delay(self, *, waited: float) -> float:
+    @property
+    def wants_queue(self) -> bool:
+        """Whether :meth:`hold_delay` needs ``queued``: the head's producer table shows no contention, yet this
+        producer lost a swap since it last published (a cold start, where every producer thought itself alone)."""
+        return self._lost and self.contenders < 1.5
+
+    def hold_delay(self, *, waited: float, queued: int | None = None) -> float:
         """Group commit: seconds to keep holding a staged batch (``waited`` seconds so far) before committing it (and
-        everything else staged) oneself; 0 commits now. Alone it never holds."""
+        everything else staged) oneself; 0 commits now. Alone it never holds.
+
+        ``queued`` (used when :attr:`wants_queue`): how many staged batches are older than this one, from a listing of
+        the staging folder. Producers that all believed themselves alone and lost to each other then take turns by
+        age: the oldest commits at once (publishing the others' batches with its own), the next ones hold one slot
+        each after a slot of margin for that first, larger commit; without the queue they would all re-plan at once
+        and all but one would lose again."""
         n = self.contenders
         if n < 1.5:
-            return 0.0
+            if not self._lost or queued is None or queued <= 0:
+                return 0.0
+            cap = self._cfg.hold_max_slots
+            slots = 1 + min(cap, queued) + max(0, queued - cap) / self._cfg.group_max_batches
+            slots += self._rng.uniform(0.0, self._cfg.hold_jitter)
+            return min(self._cfg.max_wait_s, max(0.0, slots * self.group_slot_s - max(0.0, waited)))
         gather = self._cfg.hold_gather * self.slot_s
         cap = self._cfg.hold_max_slots
         if self._position == 0:  # its turn: no jitter (everybody else holds at least a slot)

@@ -177,7 +177,9 @@ class Producer:
         def carry_for(staged_intent: Intent) -> Carry:
             staging = self._staging
             return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path),
-                         published=lambda metadata: self._published(metadata, seq) is not None)
+                         published=lambda metadata: self._published(metadata, seq) is not None,
+                         queued=lambda: staging.queued(self.branch, staged_intent.path,
+                                                       max_age_s=self._stream.config.gc_grace_ms / 2000))
 
         def escalate() -> Carry | None:
             """Lost a swap while committing alone: others are committing too, so stage the batch for them."""

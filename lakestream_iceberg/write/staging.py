@@ -158,6 +158,7 @@ class StagingArea:
         self._table_uuid = str(table_uuid)
         self._file_shape = _shape(file_schema.as_struct())
         self._footers: dict[str, bool] = {}  # data file path -> its footer matched (immutable files: checked once)
+        self._good_schemas: list[pa.Schema] = []  # footers' Arrow schemas (with field metadata) that matched the table's
         self._pool: ThreadPoolExecutor | None = None
         self._retry_s = retry_s
         self._lock = threading.Lock()
@@ -221,6 +222,22 @@ class StagingArea:
                 out.append(replace(intent, modified=mtime or None))
         self._listed[branch] = (now, out)
         return out
+
+    def queued(self, branch: str, path: str, *, max_age_s: float) -> int:
+        """How many intents of ``branch`` were staged before the intent at ``path`` (by the store's modification time,
+        then name), from one listing (no intent is read): its place in the queue of staged batches. 0 when it is gone
+        (published) or the store cannot be listed."""
+        folder = self.folder(branch)
+        try:
+            listed = [(mtime, p) for p, _size, mtime in list_files(self._io, folder)
+                      if p.endswith(".parquet") and p not in self._rejected]
+        except Exception:  # noqa: BLE001 - storage unreachable: no queue, the caller commits
+            return 0
+        mine = next((mtime for mtime, p in listed if p == path), None)
+        if mine is None:
+            return 0
+        now = time.time()
+        return sum(1 for mtime, p in listed if (mtime, p) < (mine, path) and not (mtime and now - mtime > max_age_s))
 
     def remove(self, paths: list[str]) -> None:
         """Delete intents (best effort: one already gone, or a failing store, is left to GC)."""
@@ -299,11 +316,20 @@ class StagingArea:
         if metadata.num_rows != f.record_count:
             return f"holds {metadata.num_rows} rows, its intent declares {f.record_count}"
         try:
-            shape = _shape(pyarrow_to_schema(metadata.schema.to_arrow_schema()).as_struct())
+            arrow = metadata.schema.to_arrow_schema()
+        except Exception as exc:  # noqa: BLE001 - a schema Arrow cannot represent
+            return f"has no Iceberg schema ({exc})"
+        if any(arrow.equals(known, check_metadata=True) for known in self._good_schemas):
+            return None  # field for field (field ids in the field metadata) a schema that matched: the same shape
+        try:
+            shape = _shape(pyarrow_to_schema(arrow).as_struct())
         except Exception as exc:  # noqa: BLE001 - e.g. a Parquet file without Iceberg field ids
             return f"has no Iceberg schema ({exc})"
         if shape != self._file_shape:
             return "does not have the table's file schema (field ids, names, types, nullability)"
+        with self._lock:
+            if len(self._good_schemas) < 8:
+                self._good_schemas.append(arrow)
         return None
 
     def _usable(self, intent: Intent, *, branch: str, name: str) -> bool:
