@@ -52,3 +52,37 @@ def test_manifest_and_list_bytes_equal_pyicebergs(tmp_path: Path, monkeypatch: p
     back = written["ours"][1].fetch_manifest_entry(io)
     assert [e.data_file.file_path for e in back] == [f.path for f in staged.files]
     assert [e.data_file.partition[0] for e in back] == [9, 9, 9]
+
+
+def test_a_data_file_encoded_once_is_reused_byte_for_byte_by_later_manifests(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge copies entries (same DataFile objects, EXISTING): their cached data_file bytes must be exactly what
+    encoding them again gives, and pyiceberg must read the entries back unchanged."""
+    from lakestream_iceberg.format import avro_writers
+
+    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = [f for seq in range(2) for f in stream.writer.write(producer="p", seq=seq, shards=batch("p", seq, 3))
+             .data_files(step=seq + 1, spec_id=metadata.default_spec_id)]
+    io = PyArrowFileIO()
+
+    def write(name: str, status: ManifestEntryStatus) -> tuple[bytes, list[ManifestEntry]]:
+        path = f"{tmp_path}/{name}.avro"
+        with manifest_writer(format_version=2, spec=metadata.spec(), schema=metadata.schema(),
+                             output_file=io.new_output(path), snapshot_id=5, avro_compression="gzip") as writer:
+            for f in files:
+                writer.add_entry(ManifestEntry.from_args(status=status, snapshot_id=5, sequence_number=3,
+                                                         file_sequence_number=3, data_file=f))
+        manifest = writer.to_manifest_file()
+        manifest.sequence_number = manifest.min_sequence_number = 3
+        return Path(path).read_bytes(), manifest.fetch_manifest_entry(io, discard_deleted=False)
+
+    first, _ = write("added", ManifestEntryStatus.ADDED)  # encodes and caches every data file
+    assert all(id(f) in avro_writers._encoded_files for f in files)
+    cached, cached_back = write("merged-cached", ManifestEntryStatus.EXISTING)
+    avro_writers._encoded_files.clear()
+    fresh, _ = write("merged-fresh", ManifestEntryStatus.EXISTING)
+    assert cached == fresh and cached != first  # the same bytes as encoding anew; only the status differs from first
+    assert [e.data_file for e in cached_back] == files
+    assert {e.status for e in cached_back} == {ManifestEntryStatus.EXISTING}

@@ -119,6 +119,48 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
         _META_WRITER.write(self.encoder, AvroFileHeader(MAGIC, meta, self.sync_bytes))
 
 
+class _ManifestAvroOutputFile(_PreparedAvroOutputFile):
+    """Manifest entries whose ``data_file`` record is encoded once per DataFile object and process.
+
+    A data file's record (path, partition, sizes, column statistics: most of an entry's bytes and of its encoding time)
+    is written again, unchanged, each time a merge copies its entry into a larger manifest (``EXISTING``, the same
+    DataFile object); only the entry's status and sequence numbers change. The cache holds the DataFile object itself,
+    so an id is never reused while its bytes are cached.
+    """
+
+    def encode(self, obj: Any) -> bytes:
+        buffer = io.BytesIO()
+        encoder = BinaryEncoder(output_stream=buffer)
+        for pos, field_writer in self.writer.field_writers:  # type: ignore[attr-defined]
+            value = obj[pos] if pos is not None else None
+            if pos == _DATA_FILE_POS and value is not None:
+                encoder.write(_encoded_data_file(field_writer, value))
+            else:
+                field_writer.write(encoder, value)
+        return buffer.getvalue()
+
+
+_DATA_FILE_POS = 4  # ManifestEntry: status, snapshot_id, sequence_number, file_sequence_number, data_file
+_encoded_files: OrderedDict[int, tuple[Any, Writer, bytes]] = OrderedDict()  # id(DataFile) -> (it, writer, bytes)
+
+
+def _encoded_data_file(writer: Writer, data_file: Any) -> bytes:
+    key = id(data_file)
+    with _lock:
+        hit = _encoded_files.get(key)
+        if hit is not None and hit[0] is data_file and hit[1] is writer:
+            _encoded_files.move_to_end(key)
+            return hit[2]
+    buffer = io.BytesIO()
+    writer.write(BinaryEncoder(output_stream=buffer), data_file)
+    encoded = buffer.getvalue()
+    with _lock:
+        _encoded_files[key] = (data_file, writer, encoded)
+        while len(_encoded_files) > _MAX_ENCODED:
+            _encoded_files.popitem(last=False)
+    return encoded
+
+
 class _ManifestWriter(ManifestWriterV2):
     def new_writer(self) -> AvroOutputFile[Any]:
         partition_type = self._spec.partition_type(self._schema)
@@ -128,7 +170,7 @@ class _ManifestWriter(ManifestWriterV2):
         if hit is None:
             hit = _prepare(key, self._with_partition(self.version), self._with_partition(DEFAULT_READ_VERSION),
                            "manifest_entry")
-        return _PreparedAvroOutputFile(output_file=self._output_file, prepared=hit, schema_name="manifest_entry",
+        return _ManifestAvroOutputFile(output_file=self._output_file, prepared=hit, schema_name="manifest_entry",
                                        metadata=self._meta)
 
 
