@@ -13,6 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from pyiceberg.io.pyarrow import PyArrowFileIO
 
 from lakestream_iceberg import CorruptStateError, Stream
 from lakestream_iceberg.format import producers
@@ -215,3 +216,28 @@ def test_a_compacted_producer_killed_and_restarted_has_no_gap_and_no_duplicate(c
     steps = published(churned)
     assert sorted(steps) == list(range(1, churned.head_step() + 1))
     assert sorted(seq for p, seq in steps.values() if p == "id-7") == list(range(count))
+
+
+def test_a_merge_lets_the_process_forget_the_files_it_replaced(small_constants: None, tmp_path: Path) -> None:
+    """A long-lived producer keeps in memory the producer-state files its head lists, not every past base file."""
+    from lakestream_iceberg.format.producers import ProducerFiles, ProducerState, compact
+
+    cache = ProducerFiles()
+    location = f"file://{tmp_path}/table"
+    active: dict[str, ProducerState] = {}
+    files: tuple[str, ...] = ()
+    merges = 0
+    for step in range(1, 400):
+        active[f"id-{step}"] = ProducerState(0, step, step, step)  # a one-shot id: not recurring
+        before = files
+        result = compact(PyArrowFileIO(), location, step=step, active=active, files=files, cache=cache)
+        active, files = dict(result.active), result.files
+        if len(files) == 1 and len(before) > 1:
+            merges += 1
+            assert all(cache.merged(PyArrowFileIO(), (f,)) is not None for f in files)
+        listed = sum(len(cache.merged(PyArrowFileIO(), (f,))) for f in files)
+        assert cache.entries == listed  # nothing but what the current files hold
+    assert merges >= 3
+    everyone = cache.merged(PyArrowFileIO(), files)
+    everyone.update(active)
+    assert sorted(everyone) == sorted(f"id-{s}" for s in range(1, 400))

@@ -114,6 +114,21 @@ class ProducerFiles:
                 _, dropped = self._files.popitem(last=False)
                 self._size -= len(dropped)
 
+    def forget(self, paths: Iterable[str]) -> None:
+        """Drop files a merge replaced: a head lists only the new base, and a long-lived producer would otherwise keep
+        every past base (tens of thousands of entries each) until the LRU bound. An older snapshot that still lists
+        them reads them again."""
+        with self._lock:
+            for path in paths:
+                dropped = self._files.pop(path, None)
+                if dropped is not None:
+                    self._size -= len(dropped)
+
+    @property
+    def entries(self) -> int:
+        """Producer states held, all files together."""
+        return self._size
+
     def lookup(self, io: FileIO, files: Iterable[str], producer: str) -> ProducerState | None:
         """The newest state of ``producer`` in ``files`` (listed oldest first)."""
         for path in reversed(tuple(files)):
@@ -193,6 +208,7 @@ def compact(
     merged = cache.merged(io, files)
     merged.update(idle)
     path = _write(io, location, merged, cache)
+    cache.forget(files)
     return Compacted(keep, (path,), (path,))
 
 
