@@ -421,3 +421,19 @@ def test_killed_write_task_publishes_no_duplicate_and_no_gap(ray_cluster: None, 
     assert [s for s, _ in seen] == list(range(1, steps + 1))
     for step, ids in seen:
         assert len(ids) == per_step and sorted(ids) == sorted(i for rank in _step_ids(stream, step) for i in rank)
+
+
+def test_step_rule_deals_rows_across_blocks_round_robin_and_keeps_or_drops_the_rest() -> None:
+    """The rows-to-steps rule on its own (pure pyarrow): steps span blocks, rows go to rank row % world_size."""
+    from lakestream_iceberg.integrations.ray import StepRule
+
+    payload = pa.schema([("x", pa.int64())])
+    blocks = [pa.table({"x": list(range(0, 5))}), pa.table({"x": list(range(5, 11))})]
+    for drop_last, expected in ((False, 3), (True, 2)):
+        rule = StepRule(rows_per_step=4, step_fn=None, rank_column=None, drop_last=drop_last, cast=False)
+        steps = list(rule.steps(iter(blocks), payload=payload, world_size=2, where="test"))
+        assert len(steps) == expected
+        assert [s.column("x").to_pylist() for s in steps[0]] == [[0, 2], [1, 3]]
+        assert [s.column("x").to_pylist() for s in steps[1]] == [[4, 6], [5, 7]]
+        if not drop_last:
+            assert [s.column("x").to_pylist() for s in steps[2]] == [[8, 10], [9]]

@@ -1,0 +1,285 @@
+"""The Ray Data sink: each write task is a producer that commits the steps it forms, exactly once across retries (the
+argument and Ray's evidence: :mod:`lakestream_iceberg.integrations.ray`)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
+from ray.data import Datasink
+from ray.data.block import BlockAccessor
+
+from lakestream_iceberg.connect.secrets import split_secrets
+from lakestream_iceberg.errors import BatchError, ConfigError, ReadError
+from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
+from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
+from lakestream_iceberg.read.follow import PY_CATALOG_IMPL, StreamRef
+from lakestream_iceberg.stream import Stream
+from lakestream_iceberg.write.writer import check_producer_id
+
+if TYPE_CHECKING:
+    from ray.data._internal.execution.interfaces import TaskContext
+    from ray.data.block import Block
+    from ray.data.datasource.datasink import WriteResult
+
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["LakestreamDatasink"]
+
+
+_streams: dict[tuple[int, StreamRef], Stream] = {}
+_streams_lock = threading.Lock()
+
+
+def _open(ref: StreamRef) -> Stream:
+    """The stream, opened once per worker process (a Ray worker runs many write tasks; one catalog engine each)."""
+    key = (os.getpid(), ref)
+    with _streams_lock:
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = Stream.open(ref.catalog(), ref.identifier)
+        return stream
+
+
+class LakestreamDatasink(Datasink[TaskReport]):
+    """A Ray Data sink that publishes a dataset's rows as global training steps, exactly once, while the job runs.
+
+    Use with ``Dataset.write_datasink(sink)``. Read the module docstring for the exactly-once argument, what makes a
+    re-run deterministic, and how rows become global batches.
+
+    Args:
+        catalog: A catalog name (resolved on every node by pyiceberg: ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__*``)
+            or a pyiceberg ``Catalog`` (its name and non-secret properties travel to the tasks).
+        stream: The stream's identifier, ``"namespace.name"``.
+        run_name: Names this job's producers (``f"{run_name}-{task_idx}"``): the same run name re-run publishes
+            nothing twice; a new one publishes everything again.
+        rows_per_step: Rows per global step (rows dealt round-robin, or by ``rank_column``, to the ranks).
+        rank_column: Integer column with each row's rank (``0..world_size-1``), instead of round-robin.
+        step_fn: ``block -> iterable of steps`` (each ``world_size`` pyarrow Tables), instead of ``rows_per_step``.
+        drop_last: With ``rows_per_step``, drop a task's last rows when fewer than ``rows_per_step`` remain.
+        cast: Cast each block to the stream's schema (safe casts only) instead of requiring the exact types.
+        create: Create the stream when missing (``world_size`` required; schema: ``schema`` or the first block's).
+        world_size: Ranks per step, for ``create`` (checked against the stream otherwise, when given).
+        schema: The payload schema, for ``create`` (default: the first block's, minus ``rank_column``).
+        properties: Table properties for ``create``.
+        catalog_properties: Extra non-secret catalog properties, with a catalog name (secrets: pyiceberg config).
+        branch: The branch to publish into.
+        verify_replays: How a replayed step is checked against the published one: ``"rows"`` (read it back and compare
+            the rows), ``"counts"`` (per-rank row counts only) or ``"off"`` (see the module docstring).
+
+    Raises:
+        ConfigError: An invalid argument (a run name that cannot be part of a producer id, both or neither of
+            ``rows_per_step`` and ``step_fn``, a secret in ``catalog_properties``, ...).
+
+    Example:
+        >>> sink = LakestreamDatasink(catalog="prod", stream="train.batches", run_name="prep-v1",   # doctest: +SKIP
+        ...                           rows_per_step=256, create=True, world_size=8)
+        >>> ds.write_datasink(sink)                                                                  # doctest: +SKIP
+        >>> sink.report.published, sink.report.steps[-1]                                             # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        catalog: str | Catalog,
+        stream: str,
+        run_name: str,
+        rows_per_step: int | None = None,
+        rank_column: str | None = None,
+        step_fn: StepFn | None = None,
+        drop_last: bool = False,
+        cast: bool = False,
+        create: bool = False,
+        world_size: int | None = None,
+        schema: pa.Schema | None = None,
+        properties: Mapping[str, str] | None = None,
+        catalog_properties: Mapping[str, str] | None = None,
+        branch: str = "main",
+        verify_replays: Literal["rows", "counts", "off"] = "rows",
+    ) -> None:
+        if not isinstance(run_name, str) or len(run_name) > MAX_RUN_NAME:
+            raise ConfigError(f"run_name must be a string of at most {MAX_RUN_NAME} characters, got {run_name!r}")
+        try:
+            check_producer_id(run_name)
+        except ConfigError:
+            raise ConfigError(
+                f"run_name {run_name!r} is invalid: it becomes part of producer ids (f'{{run_name}}-{{task_idx}}'), so use "
+                "letters, digits, '.', '_' or '-', starting with a letter or digit"
+            ) from None
+        if (rows_per_step is None) == (step_fn is None):
+            raise ConfigError("pass exactly one of rows_per_step= (rows dealt to the ranks) and step_fn= (block -> steps)")
+        if rows_per_step is not None:
+            rows_per_step = check_int(rows_per_step, what="rows_per_step", minimum=1)
+        if step_fn is not None and not callable(step_fn):
+            raise ConfigError(f"step_fn must be callable (block -> iterable of steps), got {type(step_fn).__name__}")
+        if step_fn is not None and (rank_column is not None or drop_last):
+            raise ConfigError("rank_column= and drop_last= apply to rows_per_step=, not to step_fn=")
+        if rank_column is not None and not isinstance(rank_column, str):
+            raise ConfigError(f"rank_column must be a column name, got {rank_column!r}")
+        if world_size is not None:
+            world_size = check_int(world_size, what="world_size", minimum=1)
+        if create and world_size is None:
+            raise ConfigError("create=True needs world_size= (ranks per step)")
+        if schema is not None and not isinstance(schema, pa.Schema):
+            raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
+        if not isinstance(stream, str) or not stream:
+            raise ConfigError(f"stream must be the stream's identifier ('namespace.name'), got {stream!r}")
+        if not isinstance(branch, str) or not branch:
+            raise ConfigError(f"branch must be a branch name, got {branch!r}")
+        self.run_name, self.rows_per_step, self.rank_column, self.step_fn = run_name, rows_per_step, rank_column, step_fn
+        self.drop_last, self.cast, self.create, self.world_size = bool(drop_last), bool(cast), bool(create), world_size
+        self.schema = None if schema is None else schema.remove_metadata()
+        self.properties = dict(properties or {})
+        if verify_replays not in ("rows", "counts", "off"):
+            raise ConfigError(f"verify_replays must be 'rows', 'counts' or 'off', got {verify_replays!r}")
+        self.branch, self.verify_replays = branch, verify_replays
+        self._catalog: Catalog | None = None
+        self._ref = self._address(catalog, stream, catalog_properties)
+        self.report: SinkReport | None = None  # set on the driver when the job completes
+
+    @staticmethod
+    def _address(catalog: str | Catalog, stream: str, extra: Mapping[str, str] | None) -> StreamRef:
+        if isinstance(catalog, Catalog):
+            if extra:
+                raise ConfigError("catalog_properties= applies to a catalog name; a Catalog object has its own properties")
+            props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
+            if "type" not in props and PY_CATALOG_IMPL not in props:
+                props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
+            public, _secret = split_secrets(props)  # the secrets stay here: tasks resolve them from their config
+            return StreamRef(catalog.name, tuple(sorted(public.items())), stream)
+        if not isinstance(catalog, str) or not catalog:
+            raise ConfigError(f"catalog must be a catalog name or a pyiceberg Catalog, got {type(catalog).__name__}")
+        public, secret = split_secrets({str(k): str(v) for k, v in (extra or {}).items()})
+        if secret:
+            raise ConfigError(
+                f"catalog_properties holds secrets ({sorted(secret)}); they would travel inside Ray task payloads. Put "
+                f"them in .pyiceberg.yaml or PYICEBERG_CATALOG__{catalog.upper().replace('-', '_')}__* on every node"
+            )
+        return StreamRef(catalog, tuple(sorted(public.items())), stream)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_catalog"] = None  # a live catalog (engine, HTTP session, maybe secrets) never travels
+        return state
+
+    @property
+    def stream_ref(self) -> StreamRef:
+        """The stream's address as the tasks see it (no secrets)."""
+        return self._ref
+
+    def get_name(self) -> str:
+        return "Lakestream"
+
+    # -- driver ---------------------------------------------------------------------------------------------------------
+    def on_write_start(self, schema: pa.Schema | None = None) -> None:
+        """On the driver, before the first task: create the stream (``create=True``) or check that it exists."""
+        catalog = self._ref.catalog()
+        if self.create:
+            payload = self.schema if self.schema is not None else self._schema_of_first_block(schema)
+            stream = Stream.create(catalog, self._ref.identifier, schema=payload, world_size=self.world_size or 1,
+                                   properties=self.properties or None)
+        else:
+            try:
+                stream = Stream.open(catalog, self._ref.identifier)
+            except NoSuchTableError:
+                raise ConfigError(
+                    f"stream {self._ref.identifier} does not exist in catalog {self._ref.catalog_name!r}: create it with "
+                    "Stream.create(...) or pass create=True, world_size=... to LakestreamDatasink"
+                ) from None
+            if self.world_size is not None and stream.world_size != self.world_size:
+                raise ConfigError(f"stream {stream.name} has world_size {stream.world_size}, the sink was given "
+                                  f"world_size={self.world_size}")
+        self._check_against(stream)
+
+    def _schema_of_first_block(self, schema: object) -> pa.Schema:
+        if not isinstance(schema, pa.Schema):
+            raise ConfigError(
+                f"create=True could not take the stream's schema from the first block (Ray gave {type(schema).__name__}); "
+                "pass schema=pyarrow.schema([...])"
+            )
+        found: pa.Schema = schema
+        if self.rank_column is not None and self.rank_column in found.names:
+            found = found.remove(found.get_field_index(self.rank_column))
+        return found.remove_metadata()
+
+    def _check_against(self, stream: StreamTable) -> None:
+        if self.rank_column is not None and self.rank_column in stream.payload_arrow_schema.names:
+            kind = stream.payload_arrow_schema.field(self.rank_column).type
+            if not pa.types.is_integer(kind):
+                raise ConfigError(f"rank_column {self.rank_column!r} is a {kind} column of {stream.name}; it must be integer")
+
+    def on_write_complete(self, write_result: WriteResult[TaskReport]) -> None:
+        reports = [r for r in write_result.write_returns if isinstance(r, TaskReport)]
+        self.report = SinkReport(run_name=self.run_name, stream=self._ref.identifier,
+                                 tasks=tuple(sorted(reports, key=lambda r: r.task_idx)))
+
+    # -- tasks ----------------------------------------------------------------------------------------------------------
+    def write(self, blocks: Iterable[Block], ctx: TaskContext) -> TaskReport:
+        """One write task: form steps from its blocks and commit each with the next seq of producer ``run-task_idx``."""
+        task_idx = check_int(ctx.task_idx, what="TaskContext.task_idx", minimum=0)
+        producer_name = producer_id(self.run_name, task_idx)
+        stream = _open(self._ref)
+        producer = stream.producer(producer_name, branch=self.branch)
+        where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {stream.name}"
+        steps: list[int | None] = []
+        published = duplicates = rows = 0
+        commit_s = 0.0
+        for seq, shards in enumerate(self._steps(blocks, stream, where)):
+            started = time.monotonic()
+            try:
+                result = producer.commit(shards, seq=seq)
+            except BatchError as exc:
+                raise type(exc)(f"{where}, step seq {seq}: {exc}. The job fails rather than skip data") from exc
+            commit_s += time.monotonic() - started
+            rows += sum(s.num_rows for s in shards)
+            steps.append(result.step)
+            if result.duplicate:
+                duplicates += 1
+                if self.verify_replays != "off" and result.step is not None:
+                    self._verify_replay(stream, result.step, shards, where, seq)
+            else:
+                published += 1
+        return TaskReport(task_idx=task_idx, producer=producer_name, steps=tuple(steps), published=published,
+                          duplicates=duplicates, rows=rows, pid=os.getpid(), commit_s=commit_s)
+
+    def _steps(self, blocks: Iterable[Block], stream: StreamTable, where: str) -> Iterator[list[pa.Table]]:
+        world_size = stream.world_size
+        if self.world_size is not None and world_size != self.world_size:
+            raise ConfigError(f"{where}: the stream has world_size {world_size}, the sink was given {self.world_size}")
+        rule = StepRule(rows_per_step=self.rows_per_step, step_fn=self.step_fn, rank_column=self.rank_column,
+                        drop_last=self.drop_last, cast=self.cast)
+        tables = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
+        return rule.steps(tables, payload=stream.payload_arrow_schema, world_size=world_size, where=where)
+
+    def _verify_replay(self, stream: Stream, step: int, shards: Sequence[pa.Table], where: str, seq: int) -> None:
+        try:
+            files = stream.locate(step, branch=self.branch)
+        except ReadError:
+            return  # collected by GC since: nothing left to compare with
+        published = [int(f.record_count) for f in files]
+        replayed = [s.num_rows for s in shards]
+        differs = f"{published} rows per rank, but this run formed {replayed}" if published != replayed else ""
+        if not differs and self.verify_replays == "rows":
+            for rank, shard in enumerate(shards):
+                try:
+                    stored = stream.read(step, rank=rank, branch=self.branch)
+                except ReadError:
+                    return  # collected by GC meanwhile
+                if not all(a.equals(b) for a, b in zip(stored.columns, shard.columns)):
+                    differs = f"other rows for rank {rank} than this run formed (same counts, {replayed})"
+                    break
+        if differs:
+            raise BatchError(
+                f"{where}: seq {seq} is already published as step {step} with {differs}: the job is not deterministic "
+                "(input order, block count, or preprocessing differ from the run that published it). Nothing was "
+                "published twice, but this run's rows for that step would be dropped. Use a new run_name to publish "
+                "this data again, or make the job deterministic (override_num_blocks=, "
+                "DataContext.execution_options.preserve_order=True, seeded preprocessing)"
+            )

@@ -1,0 +1,112 @@
+"""How a write task's rows become global batches: ``rows_per_step`` rows dealt to the ranks (round-robin or by a rank
+column), or a user ``step_fn``; every block conformed to the stream's schema first. Pure pyarrow: no Ray here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError
+
+__all__ = ["StepFn", "StepRule"]
+
+StepFn = Callable[[pa.Table], Iterable[Sequence[pa.Table]]]
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """The rule a :class:`~lakestream_iceberg.integrations.ray.LakestreamDatasink` was given (see its arguments)."""
+
+    rows_per_step: int | None
+    step_fn: StepFn | None
+    rank_column: str | None
+    drop_last: bool
+    cast: bool
+
+    def steps(self, tables: Iterable[pa.Table], *, payload: pa.Schema, world_size: int,
+              where: str) -> Iterator[list[pa.Table]]:
+        """The global batches (one pyarrow Table per rank each) that a task's blocks, in order, form."""
+        if self.step_fn is not None:
+            for block in tables:
+                table = self.conform(block, payload, where)
+                for shards in self.step_fn(table):
+                    if isinstance(shards, (pa.Table, pa.RecordBatch)):
+                        raise ConfigError(f"{where}: step_fn must yield steps (a sequence of {world_size} pyarrow Tables, "
+                                          "one per rank), it yielded a single table")
+                    yield list(shards)
+            return
+        assert self.rows_per_step is not None
+        size = self.rows_per_step
+        pending: list[pa.Table] = []
+        held = 0
+        for block in tables:
+            table = self.conform(block, payload, where)
+            if not table.num_rows:
+                continue
+            pending.append(table)
+            held += table.num_rows
+            while held >= size:
+                rows = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+                pending, held = [rows.slice(size)], held - size
+                yield self.deal(rows.slice(0, size), world_size, payload, where)
+        if held and not self.drop_last:
+            rows = pa.concat_tables(pending) if len(pending) > 1 else pending[0]
+            yield self.deal(rows, world_size, payload, where)
+
+    def conform(self, table: pa.Table, payload: pa.Schema, where: str) -> pa.Table:
+        """The block with the stream's columns in the stream's order (plus the rank column), or a clear error."""
+        extra = [self.rank_column] if self.rank_column is not None and self.rank_column not in payload.names else []
+        want = payload.names + extra
+        if sorted(table.column_names) != sorted(want):
+            missing = [c for c in want if c not in table.column_names]
+            unknown = [c for c in table.column_names if c not in want]
+            raise SchemaMismatchError(
+                f"{where}: a block has columns {table.column_names}, the stream expects {payload.names}"
+                + (f" plus rank_column {self.rank_column!r}" if extra else "")
+                + (f"; missing {missing}" if missing else "") + (f"; not in the stream {unknown}" if unknown else "")
+                + ". Make the preprocessing return the stream's columns (select or drop them in map_batches); "
+                "the job fails rather than skip data"
+            )
+        table = table.select(want)
+        if self.cast:
+            target = pa.schema([*payload, *(table.schema.field(c) for c in extra)])
+            try:
+                table = table.cast(target)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+                raise SchemaMismatchError(f"{where}: a block cannot be cast to the stream's schema: {exc}") from None
+        for name, field in zip(payload.names, payload):
+            got = table.schema.field(name).type
+            if not got.equals(field.type):
+                raise SchemaMismatchError(
+                    f"{where}: column {name!r} of a block is {got}, the stream expects {field.type}; cast it in the "
+                    "preprocessing (or pass cast=True to LakestreamDatasink); the job fails rather than skip data"
+                )
+        # One schema for every block of the task (nullability and metadata as the stream's), so that rows of several
+        # blocks concatenate into one step; nulls in required fields are refused by the commit's own check.
+        columns, fields = table.columns, list(payload)
+        if extra:
+            ranks = columns[-1]
+            if not pa.types.is_integer(ranks.type):
+                raise SchemaMismatchError(f"{where}: rank_column {self.rank_column!r} is {ranks.type}; it must be integer")
+            columns[-1] = ranks.cast(pa.int64())
+            fields.append(pa.field(extra[0], pa.int64()))
+        return pa.Table.from_arrays(columns, schema=pa.schema(fields))
+
+    def deal(self, rows: pa.Table, world_size: int, payload: pa.Schema, where: str) -> list[pa.Table]:
+        if self.rank_column is None:
+            if world_size == 1:
+                return [rows]
+            return [rows.take(np.arange(r, rows.num_rows, world_size)) for r in range(world_size)]
+        ranks = rows.column(self.rank_column)
+        low, high = pc.min_max(ranks).values()
+        if ranks.null_count or low.as_py() < 0 or high.as_py() >= world_size:
+            raise BatchError(
+                f"{where}: rank_column {self.rank_column!r} holds {'nulls' if ranks.null_count else 'values'} outside "
+                f"0..{world_size - 1} (min {low.as_py()}, max {high.as_py()}); fix the ranks in the preprocessing"
+            )
+        keep = payload.names
+        return [rows.filter(pc.equal(ranks, r)).select(keep) for r in range(world_size)]
