@@ -11,8 +11,9 @@ Everything runs on the embedded SQLite catalog with a local warehouse in a temp 
   p50 commit latency and commits/s of each, and their ratio.
 * **Profile of one step** (cProfile over the same loop, per mode): where a step's time goes (the swap, writing the
   data files, planning the manifests, the rest).
-* **World-size sweep** (``--worlds``, default 1 8 64 256 1024; one producer, one row per rank): commit p50 and data
-  files (PUTs) per step, and a rank's read p50 (``stream.read(step, rank)``), each as a ratio to W=1.
+* **World-size sweep** (``--worlds``, default 1 8 64 256 1024, per layout: ``per-rank`` and ``packed``; one producer,
+  one row per rank): commit p50 and data files (PUTs) per step, and a rank's read p50 (``stream.read(step, rank)``),
+  each as a ratio to the per-rank layout at W=1.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ class Mode:
 
 
 def commit_loop(root: Path, name: str, *, world: int, commits: int, rows: int, payload: int,
-                profile: cProfile.Profile | None = None) -> tuple[list[float], Stream]:
-    stream = Stream.create(catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world)
+                profile: cProfile.Profile | None = None, layout: str | None = None) -> tuple[list[float], Stream]:
+    properties = None if layout is None else {"lakestream.layout": layout}
+    stream = Stream.create(catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world, properties=properties)
     producer = stream.producer("p")
     producer.commit(shards(world, 0, rows, payload))  # warm-up: caches, first metadata
     latencies = []
@@ -137,29 +139,32 @@ def profile_step(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str,
 
 
 def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
-    rows: dict[int, dict[str, Any]] = {}
-    for world in args.worlds:
-        commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
-        lat, stream = commit_loop(root / f"w{world}", "s", world=world, commits=commits, rows=1, payload=64)
-        stream.refresh()
-        files = len(stream.index.files(stream.table.current_snapshot(), commits))
-        reads = []
-        ranks = sorted({0, world // 2, world - 1})
-        for step in range(1, commits + 1):
-            for rank in ranks:
-                began = time.perf_counter()
-                stream.read(step, rank=rank)
-                reads.append(time.perf_counter() - began)
-        rows[world] = {"commits": commits, "commit_p50_s": percentile(lat, 50), "files_per_step": files,
-                       "read_p50_s": percentile(reads, 50), "reads": len(reads)}
-    base = rows[args.worlds[0]]
-    table = Table("world-size sweep: one producer, one row per rank (ratios to the first W)",
-                  ["W", "steps", "commit p50 ms", "commit x W=1", "data files (PUTs) / step", "rank read p50 ms",
-                   "read x W=1"])
-    for world, r in rows.items():
-        table.add(world, r["commits"], r["commit_p50_s"] * 1000, r["commit_p50_s"] / base["commit_p50_s"],
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for layout in args.layouts:
+        for world in args.worlds:
+            commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
+            lat, stream = commit_loop(root / f"{layout}-w{world}", "s", world=world, commits=commits, rows=1,
+                                      payload=64, layout=layout)
+            stream.refresh()
+            files = len(stream.index.files(stream.table.current_snapshot(), commits))
+            reads = []
+            ranks = sorted({0, world // 2, world - 1})
+            for step in range(1, commits + 1):
+                for rank in ranks:  # a fresh read each time: a trainer rank reads each step once (footer included)
+                    began = time.perf_counter()
+                    stream.read(step, rank=rank)
+                    reads.append(time.perf_counter() - began)
+            rows[(layout, world)] = {"commits": commits, "commit_p50_s": percentile(lat, 50), "files_per_step": files,
+                                     "read_p50_s": percentile(reads, 50), "reads": len(reads)}
+    base = rows[(args.layouts[0], args.worlds[0])]
+    table = Table(f"world-size sweep: one producer, one row per rank (ratios to {args.layouts[0]} W={args.worlds[0]})",
+                  ["layout", "W", "steps", "commit p50 ms", "commit x base", "data files (PUTs) / step",
+                   "rank read p50 ms", "read x base"])
+    for (layout, world), r in rows.items():
+        table.add(layout, world, r["commits"], r["commit_p50_s"] * 1000, r["commit_p50_s"] / base["commit_p50_s"],
                   r["files_per_step"], r["read_p50_s"] * 1000, r["read_p50_s"] / base["read_p50_s"])
-    return table, {str(k): v for k, v in rows.items()}
+    table.note("commit = write the step's data files + plan + swap; a read opens the step fresh (packed: its footer)")
+    return table, {f"{layout}/{world}": v for (layout, world), v in rows.items()}
 
 
 def main() -> None:
@@ -169,6 +174,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--payload", type=int, default=256, help="bytes per row in the commit-path runs")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
+    parser.add_argument("--layouts", nargs="+", default=["per-rank", "packed"], choices=["per-rank", "packed"])
     parser.add_argument("--sweep-commits", type=int, default=40)
     parser.add_argument("--sweep-budget", type=int, default=20_000, help="at most this many rank files per W")
     parser.add_argument("--out", type=Path, default=None)

@@ -21,7 +21,17 @@ from pyiceberg.table import Table
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StepError, StreamExistsError
 from lakestream_iceberg.format.checks import check_branch, check_int
-from lakestream_iceberg.format.layout import StreamConfig, check_rank, partition_spec, payload_schema, table_arrow_schema
+from lakestream_iceberg.format.layout import (
+    LAYOUT_PACKED,
+    LAYOUT_PER_RANK,
+    PACKED_FROM_WORLD_SIZE,
+    PROP_LAYOUT,
+    StreamConfig,
+    check_rank,
+    file_schema,
+    partition_spec,
+    table_arrow_schema,
+)
 from lakestream_iceberg.format.manifests import ManifestCache
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
@@ -39,7 +49,7 @@ from lakestream_iceberg.lifecycle.gc import (
     sweep,
 )
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
-from lakestream_iceberg.read.reader import read_file
+from lakestream_iceberg.read.reader import StepFiles
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 from lakestream_iceberg.write.producer import Producer
@@ -94,7 +104,9 @@ class Stream(StreamTable):
             schema: The pyarrow schema of one sample (the payload); ``_step`` and ``_rank`` are reserved.
             world_size: Ranks per global batch.
             location: Table location; defaults to the catalog's warehouse.
-            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``.
+            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``. The layout,
+                ``lakestream.layout`` (``per-rank``: one data file per rank and step; ``packed``: one per step), is fixed
+                here; by default a stream of world size 64 or more is packed (README, "Per-step cost").
 
         Raises:
             StreamExistsError: A stream of that name exists with another schema or world size.
@@ -118,10 +130,11 @@ class Stream(StreamTable):
             existing = None
         if existing is None:
             iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
-            props = StreamConfig(world_size=world_size).to_properties()
+            layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
+            props = StreamConfig(world_size=world_size, layout=layout).to_properties()
             props.update(properties or {})
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
-            StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
+            config = StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
             namespace = Catalog.namespace_from(identifier)
             if namespace:
                 try:
@@ -130,7 +143,7 @@ class Stream(StreamTable):
                     pass
             try:
                 table = catalog.create_table(
-                    identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema),
+                    identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),
                     location=location, properties=props,
                 )
                 return cls(table)
@@ -140,6 +153,12 @@ class Stream(StreamTable):
             raise StreamExistsError(
                 f"stream {identifier} already exists with world_size={existing.world_size} and schema "
                 f"{existing.payload_arrow_schema}; open it with Stream.open() or create a stream under another name"
+            )
+        asked = (properties or {}).get(PROP_LAYOUT)
+        if asked is not None and asked != existing.config.layout:
+            raise StreamExistsError(
+                f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
+                "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
             )
         return existing
 
@@ -154,7 +173,8 @@ class Stream(StreamTable):
     def writer(self) -> BatchWriter:
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
-            file_schema=payload_schema(self.table.schema()), properties=self.table.metadata.properties,
+            file_schema=file_schema(self.table.schema(), self.config.layout), properties=self.table.metadata.properties,
+            packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
         )
 
     @cached_property
@@ -162,7 +182,7 @@ class Stream(StreamTable):
         """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.write.staging`)."""
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
                            retry_s=self.config.io_retry_timeout_ms / 1000, table_uuid=str(self.table.metadata.table_uuid),
-                           file_schema=payload_schema(self.table.schema()))
+                           file_schema=file_schema(self.table.schema(), self.config.layout), packed=self.config.packed)
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
@@ -280,8 +300,15 @@ class Stream(StreamTable):
         return history(self, branch=branch, samples_steps=samples_steps)
 
     # -- reading --------------------------------------------------------------------------------------------------------
+    def step_files(self, step: int, *, branch: str = MAIN) -> StepFiles:
+        """The data files of a published ``step`` and where each rank's rows are in them (packed layout: reads the
+        step file's footer); close it when done. Raises like :meth:`read`."""
+        return StepFiles(self.io, self.locate(step, branch=branch), world_size=self.world_size,
+                         packed=self.config.packed, schema=self.payload_arrow_schema)
+
     def read(self, step: int, *, rank: int, branch: str = MAIN, columns: list[str] | None = None) -> pa.Table:
-        """The rows committed for ``rank`` at ``step``, reading only that rank's data file.
+        """The rows committed for ``rank`` at ``step``, reading only that rank's data file (packed layout: the row
+        groups of the step's file that hold its rows).
 
         Raises:
             StepError: ``step`` is not an integer >= 1 (steps start at 1).
@@ -292,13 +319,17 @@ class Stream(StreamTable):
         step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
         rank = check_rank(rank, self.world_size)
 
+        def read_rank() -> pa.Table:
+            with self.step_files(step, branch=branch) as files:
+                return files.read(rank, columns=columns)
+
         def once() -> pa.Table:
             try:
-                return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
+                return read_rank()
             except FileNotFoundError:
                 # GC collected files our (stale) view still listed: re-resolve on the current head, once.
                 self.refresh()
-                return read_file(self.io, self.locate(step, branch=branch)[rank], self.payload_arrow_schema, columns)
+                return read_rank()
 
         what = f"reading step {step} rank {rank} of {self.name}"
         with config_errors(self.io.properties, action=what):  # storage outages retry; a wrong secret fails at once

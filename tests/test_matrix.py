@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -22,7 +23,7 @@ from tests.backends import (
     seaweedfs_service,
     spawn_worker,
 )
-from tests.support import SCHEMA, batch, digest
+from tests.support import SCHEMA, batch, digest, shard
 
 __all__ = ["backend", "moto_service", "postgres_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -101,6 +102,62 @@ def test_targeted_read_opens_only_that_ranks_file(backend: Backend, monkeypatch:
         assert parquet.num_row_groups == 1
         assert parquet.read().cast(SCHEMA).equals(batch("p", 1, WORLD)[1])
     assert files[1].record_count == batch("p", 1, WORLD)[1].num_rows
+
+
+def test_packed_layout_reads_each_rank_from_its_row_groups_with_range_reads(backend: Backend,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """One file per step on object storage too; a rank reads its rows through a seekable stream (footer + its row
+    groups), not the whole file, and plain scans see ``_rank`` from the file."""
+    world = 5
+
+    def big(seq: int) -> list[pa.Table]:  # ~100 KiB of incompressible bytes per rank: the file is read by ranges
+        rng = np.random.default_rng(seq)
+        shards = [shard("p", seq, r, rows=4) for r in range(world)]
+        images = [pa.array([rng.bytes(25_000) for _ in range(4)], pa.binary()) for _ in range(world)]
+        return [s.set_column(s.schema.get_field_index("image"), "image", im) for s, im in zip(shards, images)]
+
+    stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=world,
+                           properties={"lakestream.layout": "packed", "lakestream.layout.packed.row-group-bytes": "1"})
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(big(seq))
+    reader = Stream.open(backend.catalog(), backend.identifier())
+    for rank in range(world):
+        assert digest(reader.read(2, rank=rank)) == digest(big(1)[rank]), (backend.kind, rank)
+    (data_file,) = reader.locate(2)
+    fetched: list[int] = []
+    original = reader.io.new_input
+
+    class CountingStream:  # what the reader's Parquet decoder pulls from storage
+        def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+            self._inner = inner
+
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            attr = getattr(self._inner, name)
+            if name not in ("read", "read_at", "read_buffer", "readinto"):
+                return attr
+
+            def counted(*args):  # type: ignore[no-untyped-def]
+                out = attr(*args)
+                fetched.append(out if name == "readinto" else len(out))
+                return out
+            return counted
+
+    class CountingInput:
+        def __init__(self, location: str) -> None:
+            self._input = original(location)
+
+        def open(self, seekable: bool = True):  # type: ignore[no-untyped-def]
+            return CountingStream(self._input.open(seekable=seekable))
+
+    monkeypatch.setattr(reader.io, "new_input", CountingInput)
+    assert digest(reader.read(2, rank=3)) == digest(big(1)[3])
+    # the footer (pyarrow reads the last 64 KiB for it) and rank 3's row group: not the other ranks' 400 KiB
+    assert 100_000 < sum(fetched) < data_file.file_size_in_bytes / 2, (backend.kind, fetched, data_file.file_size_in_bytes)
+    monkeypatch.undo()
+    full = backend.catalog().load_table(backend.identifier()).scan().to_arrow()
+    assert full.num_rows == 3 * world * 4
+    assert all((r["_step"], r["_rank"]) == (r["seq"] + 1, r["rank"]) for r in full.select(["_step", "_rank", "seq", "rank"]).to_pylist())
 
 
 def test_plain_iceberg_scan_sees_step_and_rank(backend: Backend) -> None:

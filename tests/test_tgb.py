@@ -21,6 +21,13 @@ from lakestream_iceberg import (
 from tests.support import SCHEMA, batch, digest, shard
 
 
+@pytest.fixture(params=["per-rank", "packed"])
+def stream(catalog, request: pytest.FixtureRequest) -> Stream:
+    """Every test here runs on both layouts; packed with tiny row groups, so that ranks share and span row groups."""
+    return Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4,
+                         properties={"lakestream.layout": request.param, "lakestream.layout.packed.row-group-bytes": "200"})
+
+
 def data_files_on_disk(stream: Stream) -> set[str]:
     root = stream.table.metadata.location.removeprefix("file://") + "/data"
     return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
@@ -51,15 +58,25 @@ def test_shards_may_differ_in_size_and_be_empty(stream: Stream) -> None:
     assert stream.read(step, rank=1).equals(shards[1])
 
 
-def test_each_rank_is_one_file_with_one_row_group(stream: Stream) -> None:
+def test_each_rank_is_one_file_with_one_row_group_or_the_step_one_packed_file(stream: Stream) -> None:
     import pyarrow.parquet as pq
 
-    stream.producer("p").commit(batch("p", 0, 4))
+    shards = [shard("p", 0, r, rows=n) for r, n in enumerate([3, 0, 5, 2])]
+    stream.producer("p").commit(shards)
     files = stream.locate(1)
-    assert [f.partition[1] for f in files] == [0, 1, 2, 3]
-    for f in files:
-        assert pq.ParquetFile(f.file_path.removeprefix("file://")).num_row_groups == 1
-        assert "_step" not in pq.read_schema(f.file_path.removeprefix("file://")).names
+    if not stream.config.packed:
+        assert [f.partition[1] for f in files] == [0, 1, 2, 3]
+        for f in files:
+            assert pq.ParquetFile(f.file_path.removeprefix("file://")).num_row_groups == 1
+            assert "_step" not in pq.read_schema(f.file_path.removeprefix("file://")).names
+        return
+    assert len(files) == 1 and len(files[0].partition) == 1 and files[0].file_path.endswith("-packed.parquet")
+    parquet = pq.ParquetFile(files[0].file_path.removeprefix("file://"))
+    assert parquet.schema_arrow.names == [*SCHEMA.names, "_rank"]  # _rank stored, _step in the partition tuple
+    ranks = [parquet.read_row_group(g).column("_rank").to_pylist() for g in range(parquet.num_row_groups)]
+    assert sum(ranks, []) == [0] * 3 + [2] * 5 + [3] * 2
+    assert parquet.num_row_groups > 1 and all(len(set(g)) >= 1 for g in ranks)
+    assert all(set(a).isdisjoint(b) for a, b in zip(ranks, ranks[1:]))  # a rank never spans two row groups
 
 
 def test_duplicate_seq_returns_original_and_publishes_nothing(stream: Stream) -> None:
@@ -124,20 +141,21 @@ def test_malformed_batches_raise_clear_errors_and_publish_nothing(stream: Stream
 def test_a_failed_rank_write_deletes_the_other_ranks_files(stream: Stream, monkeypatch: pytest.MonkeyPatch) -> None:
     from lakestream_iceberg.write.writer import BatchWriter
 
-    original = BatchWriter._write_one
+    original = BatchWriter._write_file
 
-    def failing(self: BatchWriter, path: str, rank: int, table: pa.Table):  # type: ignore[no-untyped-def]
-        if rank == 2:
+    def failing(self: BatchWriter, path: str, rank: int | None, *args):  # type: ignore[no-untyped-def]
+        if rank in (2, None):  # rank 2's file, or the packed file
+            original(self, path, rank, *args)  # written (as a partial upload might be), then refused
             raise pa.ArrowInvalid("refused by pyarrow")
-        return original(self, path, rank, table)
+        return original(self, path, rank, *args)
 
     producer = stream.producer("p")
     before = data_files_on_disk(stream)
-    monkeypatch.setattr(BatchWriter, "_write_one", failing)
+    monkeypatch.setattr(BatchWriter, "_write_file", failing)
     with pytest.raises(SchemaMismatchError, match="deleted"):
         producer.commit(batch("p", 0, 4))
     assert data_files_on_disk(stream) == before and stream.head_step() == 0
-    monkeypatch.setattr(BatchWriter, "_write_one", original)
+    monkeypatch.setattr(BatchWriter, "_write_file", original)
     assert producer.commit(batch("p", 0, 4)).step == 1
 
 

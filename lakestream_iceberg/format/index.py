@@ -1,7 +1,7 @@
 """Finding a step's data files: through the head snapshot's manifests, pruned by their ``_step`` partition bounds.
 
 A step's own snapshot may have been expired long ago (see :mod:`lakestream_iceberg.format.expiry`); its files are still listed
-by the branch head's manifests with ``(_step, _rank)`` as the partition tuple. The manifest list of the head holds a few
+by the branch head's manifests with ``(_step, _rank)`` (packed layout: ``(_step,)``) as the partition tuple. The manifest list of the head holds a few
 dozen manifests with contiguous step ranges (:mod:`lakestream_iceberg.format.manifests`), so a lookup reads one manifest list
 and one manifest, both immutable and cached by path: consecutive steps cost one cached lookup each.
 """
@@ -17,6 +17,12 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.format.manifests import ManifestCache, step_bounds
+
+
+def rank_of(entry: ManifestEntry) -> int:
+    """The rank of a per-rank layout's entry (0 for a packed file, which holds every rank)."""
+    partition = entry.data_file.partition
+    return int(partition[1]) if len(partition) > 1 else 0
 
 
 class StepIndex:
@@ -55,7 +61,8 @@ class StepIndex:
         return self._bounds[path]
 
     def files(self, snapshot: Snapshot | None, step: int) -> list[DataFile]:
-        """The data files of ``step`` in ``snapshot``'s table state, ordered by rank (empty when absent)."""
+        """The data files of ``step`` in ``snapshot``'s table state, ordered by rank (packed layout: the one file; empty
+        when absent)."""
         return [e.data_file for e in self.entries(snapshot, step)]
 
     def entries(self, snapshot: Snapshot | None, step: int) -> list[ManifestEntry]:
@@ -68,7 +75,7 @@ class StepIndex:
             if bounds is not None and not bounds[0] <= step <= bounds[1]:
                 continue
             found.extend(self._step_map(manifest).get(step, ()))
-        return sorted(found, key=lambda e: e.data_file.partition[1])
+        return sorted(found, key=rank_of)
 
     def all_files(self, snapshot: Snapshot | None) -> list[DataFile]:
         """Every live data file of ``snapshot``'s table state."""

@@ -1,12 +1,23 @@
 """How a stream is laid out as a plain Iceberg table, and the ``lakestream.*`` table properties that configure it.
 
-A stream's table schema is the payload schema plus two columns, ``_step`` (long) and ``_rank`` (int). Both are identity
-partition fields and neither is stored in the data files: a rank's shard of one step is exactly one Parquet file (one
-row group) holding the payload columns only, and the manifest entry of that file carries ``(_step, _rank)`` as its
-partition tuple. The step is therefore decided at commit time, after the compare-and-swap is won, and a commit that
-loses the race is rebuilt with a new step without rewriting any data. Iceberg's column-projection rules (spec: "return
-the value from partition metadata if an identity transform exists for the field") let every Iceberg reader fill both
-columns in, so ``table.scan().to_arrow()`` returns every retained sample with its step and rank.
+A stream's table schema is the payload schema plus two columns, ``_step`` (long) and ``_rank`` (int). ``_step`` is an
+identity partition field and is never stored in the data files: the manifest entry of a file carries it in its
+partition tuple, so the step is decided at commit time, after the compare-and-swap is won, and a commit that loses the
+race is rebuilt with a new step without rewriting any data. Where ``_rank`` lives depends on the stream's layout
+(``lakestream.layout``, fixed when the stream is created):
+
+* ``per-rank``: ``_rank`` is a second identity partition field. A rank's shard of one step is exactly one Parquet file
+  (one row group) holding the payload columns only; its manifest entry carries ``(_step, _rank)``. A rank reads exactly
+  its own bytes in one GET, and a step costs ``world_size`` data files (PUTs) and manifest entries.
+* ``packed``: the partition spec is ``_step`` alone and a step is one Parquet file holding every rank's rows in rank
+  order, ``_rank`` stored as a column (see :mod:`lakestream_iceberg.format.packed`). A step costs one PUT and one
+  manifest entry whatever the world size; a rank reads the file's footer and the row groups holding its rows (range
+  reads). Consecutive ranks share a row group of up to ``lakestream.layout.packed.row-group-bytes`` (1 MiB), which
+  keeps the footer small when shards are tiny (a rank then reads its neighbours' rows of the same row group too).
+
+Either way the table is a plain Iceberg table: Iceberg's column-projection rules (spec: "return the value from
+partition metadata if an identity transform exists for the field") fill partition-only columns in, so
+``table.scan().to_arrow()`` returns every retained sample with its step and rank.
 """
 
 from __future__ import annotations
@@ -40,6 +51,16 @@ PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
 PROP_IO_RETRY_TIMEOUT_MS = "lakestream.io.retry-timeout-ms"
 PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"
 PROP_GROUP_MAX_BATCHES = "lakestream.commit.group.max-batches"
+PROP_LAYOUT = "lakestream.layout"
+PROP_PACKED_ROW_GROUP_BYTES = "lakestream.layout.packed.row-group-bytes"
+
+LAYOUT_PER_RANK = "per-rank"
+LAYOUT_PACKED = "packed"
+LAYOUTS = (LAYOUT_PER_RANK, LAYOUT_PACKED)
+# Stream.create picks the packed layout from this world size on, unless lakestream.layout is given: below it a step's
+# few per-rank files cost little, from it on the PUTs and manifest entries per step dominate a commit (README,
+# "Per-step cost").
+PACKED_FROM_WORLD_SIZE = 64
 
 # The GC grace rule: lakestream.gc.grace-period-ms >= GRACE_PER_COMMIT_TIMEOUT x lakestream.commit.timeout-ms. A staged
 # batch is publishable while younger than half the grace period (write/staging.py), and the commit that publishes it
@@ -68,6 +89,11 @@ class StreamConfig:
         group_commit: Group commit (see :mod:`lakestream_iceberg.write.staging`): a producer that is not alone stages its
             batch, and one compare-and-swap publishes every staged batch, each as its own snapshot.
         group_max_batches: The most batches one group commit publishes (bounds one commit's critical section).
+        layout: ``per-rank`` (one data file per rank and step) or ``packed`` (one data file per step); see the module
+            docstring. Fixed when the stream is created (a table created before layouts existed is ``per-rank``).
+        packed_row_group_bytes: Packed layout: consecutive ranks share a row group while it holds at most this many
+            bytes (of Arrow data), so a rank reads less than this beyond its own rows; a rank larger than this is a row
+            group alone.
     """
 
     world_size: int
@@ -80,12 +106,16 @@ class StreamConfig:
     io_retry_timeout_ms: int = 120_000
     group_commit: bool = True
     group_max_batches: int = 32
+    layout: str = LAYOUT_PER_RANK
+    packed_row_group_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name, (key, minimum) in _INT_FIELDS.items():
             object.__setattr__(self, name, check_int(getattr(self, name), what=f"{key} ({name})", minimum=minimum))
         if not isinstance(self.group_commit, bool):
             raise ConfigError(f"{PROP_GROUP_COMMIT} (group_commit) must be a bool, got {self.group_commit!r}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"{PROP_LAYOUT} (layout) must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
         need = GRACE_PER_COMMIT_TIMEOUT * self.commit_timeout_ms
         if self.gc_grace_ms < need:
             raise ConfigError(
@@ -123,7 +153,14 @@ class StreamConfig:
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
         ints = {name: as_int(key, getattr(defaults, name), minimum) for name, (key, minimum) in _INT_FIELDS.items()}
-        return cls(**ints, group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit))
+        layout = properties.get(PROP_LAYOUT, LAYOUT_PER_RANK)
+        if layout not in LAYOUTS:
+            raise ConfigError(f"table property {PROP_LAYOUT}={layout!r} is not a layout; use one of {', '.join(LAYOUTS)}")
+        return cls(**ints, group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit), layout=layout)
+
+    @property
+    def packed(self) -> bool:
+        return self.layout == LAYOUT_PACKED
 
     def to_properties(self) -> dict[str, str]:
         return {
@@ -138,6 +175,8 @@ class StreamConfig:
             PROP_IO_RETRY_TIMEOUT_MS: str(self.io_retry_timeout_ms),
             PROP_GROUP_COMMIT: str(self.group_commit).lower(),
             PROP_GROUP_MAX_BATCHES: str(self.group_max_batches),
+            PROP_LAYOUT: self.layout,
+            PROP_PACKED_ROW_GROUP_BYTES: str(self.packed_row_group_bytes),
             # Exactly one retry owner: lakestream's commit loop. pyiceberg's own retries are off on stream tables.
             "commit.retry.num-retries": "0",
             # Old metadata.json files are dropped by the commit loop once this many newer versions exist.
@@ -156,6 +195,7 @@ _INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table prop
     "gc_grace_ms": (PROP_GC_GRACE_MS, 0),
     "io_retry_timeout_ms": (PROP_IO_RETRY_TIMEOUT_MS, 0),
     "group_max_batches": (PROP_GROUP_MAX_BATCHES, 1),
+    "packed_row_group_bytes": (PROP_PACKED_ROW_GROUP_BYTES, 1),
 }
 
 
@@ -173,17 +213,38 @@ def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
     return plain.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
 
 
-def partition_spec(schema: Schema) -> PartitionSpec:
-    """Identity partitions on ``_step`` and ``_rank``: one data file per (step, rank)."""
+def partition_spec(schema: Schema, layout: str = LAYOUT_PER_RANK) -> PartitionSpec:
+    """Identity partitions on ``_step`` and (per-rank layout) ``_rank``: one data file per (step, rank), or per step."""
+    step = PartitionField(source_id=schema.find_field(STEP_COLUMN).field_id, field_id=1000, transform=IdentityTransform(),
+                          name=STEP_COLUMN)
+    if layout == LAYOUT_PACKED:
+        return PartitionSpec(step)
     return PartitionSpec(
-        PartitionField(source_id=schema.find_field(STEP_COLUMN).field_id, field_id=1000, transform=IdentityTransform(), name=STEP_COLUMN),
+        step,
         PartitionField(source_id=schema.find_field(RANK_COLUMN).field_id, field_id=1001, transform=IdentityTransform(), name=RANK_COLUMN),
     )
+
+
+def layout_of_spec(spec: PartitionSpec, schema: Schema) -> str | None:
+    """The layout a table's partition spec implements (None: neither, the table was changed by hand)."""
+    sources = [(schema.find_column_name(f.source_id), type(f.transform)) for f in spec.fields]
+    if sources == [(STEP_COLUMN, IdentityTransform), (RANK_COLUMN, IdentityTransform)]:
+        return LAYOUT_PER_RANK
+    if sources == [(STEP_COLUMN, IdentityTransform)]:
+        return LAYOUT_PACKED
+    return None
 
 
 def payload_schema(schema: Schema) -> Schema:
     """The Iceberg schema of the data files: the table schema without the partition-only columns."""
     return schema.select(*[f.name for f in schema.fields if f.name not in RESERVED_COLUMNS])
+
+
+def file_schema(schema: Schema, layout: str) -> Schema:
+    """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed."""
+    if layout != LAYOUT_PACKED:
+        return payload_schema(schema)
+    return schema.select(*[f.name for f in schema.fields if f.name != STEP_COLUMN])
 
 
 def payload_names(schema: Schema) -> list[str]:
@@ -202,31 +263,41 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
             f"rank (an empty table for a rank with no samples)"
         )
     out: list[pa.Table] = []
+    nested = [_has_required(want.type) for want in expected]  # once per batch, not per rank
+    fields = list(expected)
+    to_scan = [i for i, want in enumerate(fields) if not want.nullable or nested[i]]  # columns whose values need a look
+    checked: list[pa.Schema] = []  # shard schemas whose names and types matched (most batches: one)
     for rank, shard in enumerate(shards):
         if isinstance(shard, pa.RecordBatch):
             shard = pa.Table.from_batches([shard])
         if not isinstance(shard, pa.Table):
             raise SchemaMismatchError(f"shard for rank {rank} is a {type(shard).__name__}, expected a pyarrow Table")
-        if shard.schema.names != expected.names:
-            raise SchemaMismatchError(
-                f"shard for rank {rank} has columns {shard.schema.names}, the stream expects {expected.names} (same order)"
-            )
-        for field, want in zip(shard.schema, expected):
-            if not field.type.equals(want.type):
+        schema = shard.schema
+        known = any(schema.equals(seen) for seen in checked)
+        if not known:
+            if schema.names != expected.names:
                 raise SchemaMismatchError(
-                    f"shard for rank {rank}: column {field.name!r} is {field.type}, the stream expects {want.type}; "
-                    f"cast it (e.g. table.cast(schema)) before committing"
+                    f"shard for rank {rank} has columns {schema.names}, the stream expects {expected.names} (same order)"
                 )
-            column = shard.column(field.name)
-            if not want.nullable and column.null_count:
-                raise SchemaMismatchError(f"shard for rank {rank}: column {field.name!r} is required but has nulls")
-            if _has_required(want.type):
+            for field, want in zip(schema, fields):
+                if not field.type.equals(want.type):
+                    raise SchemaMismatchError(
+                        f"shard for rank {rank}: column {field.name!r} is {field.type}, the stream expects {want.type}; "
+                        f"cast it (e.g. table.cast(schema)) before committing"
+                    )
+        for i in to_scan if shard.num_rows else ():
+            name, column = fields[i].name, shard.column(i)
+            if not fields[i].nullable and column.null_count:
+                raise SchemaMismatchError(f"shard for rank {rank}: column {name!r} is required but has nulls")
+            if nested[i]:
                 for chunk in column.chunks:
-                    if (path := _required_null(chunk, field.name)) is not None:
+                    if (path := _required_null(chunk, name)) is not None:
                         raise SchemaMismatchError(
                             f"shard for rank {rank}: nested field {path!r} is required (not nullable) but holds a null "
                             "under a non-null parent; fill it in, or make the field nullable in the stream's schema"
                         )
+        if not known and len(checked) < 4:
+            checked.append(schema)
         out.append(shard)
     return out
 

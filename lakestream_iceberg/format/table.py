@@ -19,10 +19,10 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.pointer import refresh_if_moved
-from lakestream_iceberg.errors import NotAStreamError
+from lakestream_iceberg.errors import ConfigError, NotAStreamError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.index import StepIndex
-from lakestream_iceberg.format.layout import PROP_VERSION, PROP_WORLD_SIZE, StreamConfig
+from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 
@@ -60,6 +60,16 @@ class StreamTable:
             )
         self.table = table
         self.config = StreamConfig.from_properties(props)
+        implemented = layout_of_spec(table.metadata.spec(), table.metadata.schema())
+        if implemented != self.config.layout:
+            raise ConfigError(
+                f"stream {'.'.join(table.name())} has {PROP_LAYOUT}={self.config.layout!r} but its partition spec "
+                f"({table.metadata.spec()}) implements {implemented or 'no lakestream layout'}: the layout is fixed when "
+                f"a stream is created; set {PROP_LAYOUT} back to {implemented!r} and do not evolve the partition spec"
+                if implemented else
+                f"stream {'.'.join(table.name())} has a partition spec ({table.metadata.spec()}) that is not a lakestream "
+                "layout (identity _step, then identity _rank unless packed): it was changed by hand; restore the spec"
+            )
         self.cache = cache or DEFAULT_CACHE
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
 
@@ -109,7 +119,7 @@ class StreamTable:
         return list_checkpoints(self.table.metadata)
 
     def locate(self, step: int, *, branch: str = MAIN) -> list[DataFile]:
-        """The data files of ``step`` (one per rank, ordered by rank).
+        """The data files of ``step`` (one per rank, ordered by rank; packed layout: one).
 
         A view that predates a GC commit may list manifests GC already deleted; the lookup then refreshes and retries
         on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``.

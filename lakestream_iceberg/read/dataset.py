@@ -40,12 +40,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, fetch_table, pump_steps
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
+from lakestream_iceberg.read.reader import StepFiles
 from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
 
 if TYPE_CHECKING:
@@ -276,21 +276,11 @@ class _DatasetCore:
         files = stream.index.files(snapshot, step)
         if not files:
             raise missing_step_error(step, StreamState.of(snapshot), self.branch, stream.name)
-        counts = [int(f.record_count) for f in files]
-        tables, ids = [], []
-        for seg in partition(counts, self.rank, self.world_size):
-            if seg.stop <= seg.start:
-                continue
-            table = fetch_table(io, files[seg.source], self._schema, self.columns)
-            if seg.start or seg.stop != counts[seg.source]:
-                table = table.slice(seg.start, seg.stop - seg.start)
-            tables.append(table)
-            ids.append(np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64))
-        if not tables:
-            schema = self._schema if self.columns is None else pa.schema([self._schema.field(c) for c in self.columns])
-            tables, ids = [schema.empty_table()], [np.empty(0, np.int64)]
-        table = tables[0] if len(tables) == 1 else pa.concat_tables(tables)
-        sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids)) + (step << ID_SHIFT)
+        with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema) as data:
+            segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
+            table = data.read_ranges([(seg.source, seg.start, seg.stop) for seg in segments], self.columns)
+        ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
+        sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))
         return item if self.transform is None else self.transform(item)
 

@@ -7,8 +7,11 @@ checkpoint tags) into Arrow tables and registers them as views of an in-memory D
 ``batches``     one row per step: ``step, snapshot_id, parent_id, producer, seq, committed_at, attempts, committer,
                 group_size, ranks, samples, bytes, samples_per_rank, bytes_per_rank, retained, collected``
                 (``committer``: the producer whose compare-and-swap published the step, ``group_size``: how many steps
-                that one swap published; see :mod:`lakestream_iceberg.write.staging`)
-``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id``
+                that one swap published; see :mod:`lakestream_iceberg.write.staging`; packed layout:
+                ``samples_per_rank`` and ``bytes_per_rank`` are NULL, the per-rank rows are in the step file's footer,
+                ``stream.step_files(step).counts``)
+``files``       one row per data file: ``path, step, rank, records, bytes, producer, seq, snapshot_id`` (``rank`` is
+                NULL for a packed layout's file, which holds every rank)
 ``producers``   ``producer, last_seq, last_step, last_snapshot_id, commits, lag, active`` (``lag`` = head step -
                ``last_step``; ``active``: in the head's summary, else compacted into a producer-state file)
 ``checkpoints`` every checkpoint (all branches): ``name, branch, step, snapshot_id, source_snapshot_id, created_at,
@@ -54,6 +57,7 @@ from lakestream_iceberg.errors import MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import ancestors
+from lakestream_iceberg.format.index import rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
 from lakestream_iceberg.format.summary import (
     KEY_ATTEMPTS,
@@ -86,13 +90,14 @@ __all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "parse_data_path", 
            "utc_from_ms"]
 
 VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "samples")
-_DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-r(?P<rank>\d+)\.parquet$")
-def parse_data_path(path: str) -> tuple[str, int, int] | None:
-    """``(producer, seq, rank)`` from a data file path ``.../data/<producer>/<seq>-<token>-r<rank>.parquet``."""
+_DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-(?:r(?P<rank>\d+)|packed)\.parquet$")
+def parse_data_path(path: str) -> tuple[str, int, int | None] | None:
+    """``(producer, seq, rank)`` from a data file path ``.../data/<producer>/<seq>-<token>-r<rank>.parquet`` (rank None:
+    ``...-packed.parquet``, the packed layout's file of every rank)."""
     match = _DATA_PATH.search(path)
     if match is None:
         return None
-    return match["producer"], int(match["seq"]), int(match["rank"])
+    return match["producer"], int(match["seq"]), None if match["rank"] is None else int(match["rank"])
 
 
 def utc_from_ms(ms: int | float | None) -> datetime | None:
@@ -122,22 +127,24 @@ def live_entries(stream: StreamTable, *, branch: str) -> list[ManifestEntry]:
     if head is None:
         return []
     entries = [e for m in stream.cache.manifests(stream.io, head) for e in stream.cache.entries(stream.io, m)]
-    return sorted(entries, key=lambda e: (int(e.data_file.partition[0]), int(e.data_file.partition[1])))
+    return sorted(entries, key=lambda e: (int(e.data_file.partition[0]), rank_of(e)))
 
 
-def file_rows(entries: Iterable[ManifestEntry]) -> list[dict[str, Any]]:
-    """One row per live data file (works for steps whose snapshot was expired: manifests keep the adding snapshot)."""
-    rows = []
-    for entry in entries:
-        data_file = entry.data_file
-        parsed = parse_data_path(data_file.file_path)
-        rows.append({
-            "path": data_file.file_path, "step": int(data_file.partition[0]), "rank": int(data_file.partition[1]),
-            "records": data_file.record_count, "bytes": data_file.file_size_in_bytes,
-            "producer": parsed[0] if parsed else None, "seq": parsed[1] if parsed else None,
-            "snapshot_id": entry.snapshot_id,
-        })
-    return rows
+def _file_row(data_file: DataFile, *, step: int, snapshot_id: int | None, world_size: int) -> dict[str, Any]:
+    parsed = parse_data_path(data_file.file_path)
+    packed = len(data_file.partition) == 1
+    return {
+        "path": data_file.file_path, "step": step, "rank": None if packed else int(data_file.partition[1]),
+        "ranks": world_size if packed else 1, "records": data_file.record_count, "bytes": data_file.file_size_in_bytes,
+        "producer": parsed[0] if parsed else None, "seq": parsed[1] if parsed else None, "snapshot_id": snapshot_id,
+    }
+
+
+def file_rows(entries: Iterable[ManifestEntry], *, world_size: int) -> list[dict[str, Any]]:
+    """One row per live data file (works for steps whose snapshot was expired: manifests keep the adding snapshot);
+    ``rank`` is NULL for a packed layout's file, which holds every rank."""
+    return [_file_row(e.data_file, step=int(e.data_file.partition[0]), snapshot_id=e.snapshot_id, world_size=world_size)
+            for e in entries]
 
 
 def snapshot_rows(stream: StreamTable, *, branch: str) -> list[dict[str, Any]]:
@@ -172,8 +179,9 @@ def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> 
     out = []
     for step in sorted(set(by_step) | set(published)):
         snap = published.get(step)
-        step_files = sorted(by_step.get(step, []), key=lambda r: r["rank"])
+        step_files = sorted(by_step.get(step, []), key=lambda r: r["rank"] or 0)
         first = step_files[0] if step_files else {}
+        per_rank = all(f["rank"] is not None for f in step_files)  # packed: one file, per-rank figures in its footer
         samples = [f["records"] for f in step_files]
         sizes = [f["bytes"] for f in step_files]
         out.append({
@@ -186,11 +194,11 @@ def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> 
             "attempts": snap["attempts"] if snap else None,
             "committer": snap["committer"] if snap else None,
             "group_size": snap["group_size"] if snap else None,
-            "ranks": len(step_files) if step_files else None,
+            "ranks": sum(f["ranks"] for f in step_files) if step_files else None,
             "samples": sum(samples) if step_files else None,
             "bytes": sum(sizes) if step_files else None,
-            "samples_per_rank": samples if step_files else None,
-            "bytes_per_rank": sizes if step_files else None,
+            "samples_per_rank": samples if step_files and per_rank else None,
+            "bytes_per_rank": sizes if step_files and per_rank else None,
             "retained": snap is not None,
             "collected": not step_files,
         })
@@ -210,13 +218,7 @@ def step_rows(stream: StreamTable, steps: Iterable[int], *, branch: str) -> list
             located = stream.locate(step, branch=branch)
         except ReadError:
             continue
-        for data_file in located:
-            parsed = parse_data_path(data_file.file_path)
-            files.append({
-                "path": data_file.file_path, "step": step, "rank": int(data_file.partition[1]),
-                "records": data_file.record_count, "bytes": data_file.file_size_in_bytes,
-                "producer": parsed[0] if parsed else None, "seq": parsed[1] if parsed else None, "snapshot_id": None,
-            })
+        files += [_file_row(f, step=step, snapshot_id=None, world_size=stream.world_size) for f in located]
     keep = set(wanted)
     snapshots = [s for s in snapshot_rows(stream, branch=branch) if s["step"] in keep]
     return [row for row in batch_rows(files, snapshots) if row["step"] in keep]
@@ -278,10 +280,12 @@ def read_samples(
 ) -> pa.Table:
     """The committed samples of ``steps`` (all live steps when None) with ``_step`` and ``_rank`` columns.
 
-    Each rank's shard is one targeted read of its data file, exactly as :meth:`StreamTable.read` does; the files come from
-    ``entries`` (see :func:`live_entries`) so a range costs no per-step manifest lookup.
+    Each data file is read once (a per-rank file: one rank's shard; a packed file: every rank's, ``_rank`` stored in it);
+    the files come from ``entries`` (see :func:`live_entries`) so a range costs no per-step manifest lookup.
     """
-    schema = stream.payload_arrow_schema.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
+    rank_field = pa.field(RANK_COLUMN, pa.int32())
+    schema = stream.payload_arrow_schema.append(pa.field(STEP_COLUMN, pa.int64())).append(rank_field)
+    packed_schema = stream.payload_arrow_schema.append(rank_field)
     wanted = None if steps is None else set(steps)
     work = [e.data_file for e in entries if wanted is None or int(e.data_file.partition[0]) in wanted]
     iterator: Iterable[DataFile] = work
@@ -291,10 +295,16 @@ def read_samples(
         iterator = tqdm(work, desc="reading samples", unit="shard", leave=False, disable=None)  # terminals only
     parts = []
     for data_file in iterator:
-        step, rank = int(data_file.partition[0]), int(data_file.partition[1])
+        step = int(data_file.partition[0])
+        if len(data_file.partition) == 1:  # packed: the file holds every rank and their _rank values
+            shard = read_file(stream.io, data_file, packed_schema)
+            shard = shard.append_column(pa.field(STEP_COLUMN, pa.int64()), pa.array([step] * shard.num_rows, pa.int64()))
+            parts.append(shard.select(schema.names))
+            continue
+        rank = int(data_file.partition[1])
         shard = read_file(stream.io, data_file, stream.payload_arrow_schema)
         shard = shard.append_column(pa.field(STEP_COLUMN, pa.int64()), pa.array([step] * shard.num_rows, pa.int64()))
-        shard = shard.append_column(pa.field(RANK_COLUMN, pa.int32()), pa.array([rank] * shard.num_rows, pa.int32()))
+        shard = shard.append_column(rank_field, pa.array([rank] * shard.num_rows, pa.int32()))
         parts.append(shard)
     return pa.concat_tables(parts) if parts else schema.empty_table()
 
@@ -372,7 +382,7 @@ def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) 
     """The metadata views (all but ``samples``) as Arrow tables keyed by view name."""
     state = stream.state(branch=branch, refresh=refresh)
     entries = live_entries(stream, branch=branch)
-    files = file_rows(entries)
+    files = file_rows(entries, world_size=stream.world_size)
     snapshots = snapshot_rows(stream, branch=branch)
     batches = batch_rows(files, snapshots)
     return {

@@ -1,12 +1,20 @@
-"""Reading one rank's shard of one step: a targeted read of exactly one data file, never a table scan."""
+"""Reading one rank's shard of one step: a targeted read of that rank's data file (per-rank layout) or of the row
+groups of the step's packed file that hold its rows (packed layout), never a table scan."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
+
+from lakestream_iceberg.errors import CorruptStateError
+from lakestream_iceberg.format.layout import RANK_COLUMN
+from lakestream_iceberg.format.packed import PackedFooter
 
 
 def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
@@ -17,12 +25,16 @@ def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[
     ``read`` returned, and when that buffer wraps a Python ``bytes`` object the drop needs the GIL, which aborts the
     process if it happens during interpreter shutdown (apache/arrow#34314).
     """
-    with io.new_input(data_file.file_path).open(seekable=False) as stream:
-        read_buffer = getattr(stream, "read_buffer", None)  # pyarrow streams (PyArrowFileIO): zero-copy
-        buffer = read_buffer() if callable(read_buffer) else _arrow_owned(stream.read())
-    table = pq.ParquetFile(pa.BufferReader(buffer)).read(columns=columns, use_threads=True)
+    table = pq.ParquetFile(pa.BufferReader(fetch(io, data_file.file_path))).read(columns=columns, use_threads=True)
     target = schema if columns is None else pa.schema([schema.field(c) for c in columns])
     return target.empty_table() if table.num_rows == 0 else table.cast(target)
+
+
+def fetch(io: FileIO, path: str) -> pa.Buffer:
+    """A whole file in one read, in a buffer Arrow owns."""
+    with io.new_input(path).open(seekable=False) as stream:
+        read_buffer = getattr(stream, "read_buffer", None)  # pyarrow streams (PyArrowFileIO): zero-copy
+        return read_buffer() if callable(read_buffer) else _arrow_owned(stream.read())
 
 
 def _arrow_owned(data: bytes) -> pa.Buffer:
@@ -31,3 +43,117 @@ def _arrow_owned(data: bytes) -> pa.Buffer:
     if data:
         np.frombuffer(buffer, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
     return buffer
+
+
+# A packed file this small is read whole, in one request: Parquet readers fetch the last 64 KiB speculatively for the
+# footer, so range reads of a small file cost two round trips for little saved.
+WHOLE_FILE_BYTES = 256 * 1024
+
+
+class StepFiles:
+    """One step's data files as a reader sees them: the rows of each stream rank, and reads of any rank's rows.
+
+    Per-rank layout: rank ``r``'s rows are file ``r`` (a read fetches the whole file, one GET). Packed layout: one file;
+    making a ``StepFiles`` opens it and reads its footer (the rank table, :mod:`lakestream_iceberg.format.packed`), and a
+    read fetches only the row groups holding the rows asked for (range reads, coalesced), checking their ``_rank``
+    values. A packed file of at most ``WHOLE_FILE_BYTES`` is fetched whole in one read instead.
+    Close it (or use it as a context manager) to release the packed file.
+
+    Raises:
+        CorruptStateError: A packed file's footer or rows do not match the stream (it was damaged, or not written by
+            lakestream), or a step lists other than one packed file.
+    """
+
+    def __init__(self, io: FileIO, files: Sequence[DataFile], *, world_size: int, packed: bool, schema: pa.Schema) -> None:
+        self._io = io
+        self._files = list(files)
+        self._schema = schema
+        self._packed_file: pq.ParquetFile | None = None
+        self._stream: Any = None
+        self.footer: PackedFooter | None = None
+        if not packed:
+            self.counts = [int(f.record_count) for f in self._files]
+            return
+        if len(self._files) != 1:
+            raise CorruptStateError(
+                f"a step of a packed stream lists {len(self._files)} data files, not one: the table was written by "
+                "something other than lakestream; roll the stream back to a checkpoint before that step"
+            )
+        data_file = self._files[0]
+        if data_file.file_size_in_bytes <= WHOLE_FILE_BYTES:  # one GET beats a footer GET plus row-group GETs
+            self._stream = pa.BufferReader(fetch(io, data_file.file_path))
+        else:
+            self._stream = io.new_input(data_file.file_path).open(seekable=True)
+        try:
+            self._packed_file = pq.ParquetFile(self._stream, pre_buffer=True)
+            self.footer = PackedFooter.of(self._packed_file.metadata, path=data_file.file_path, world_size=world_size,
+                                          record_count=int(data_file.record_count))
+        except BaseException:
+            self.close()
+            raise
+        self.counts = self.footer.counts
+
+    def __enter__(self) -> StepFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def read(self, rank: int, start: int = 0, stop: int | None = None, columns: list[str] | None = None) -> pa.Table:
+        """Rows ``start:stop`` of stream rank ``rank`` (all of them by default), decoded to the payload schema."""
+        return self.read_ranges([(rank, start, self.counts[rank] if stop is None else stop)], columns)
+
+    def read_ranges(self, ranges: Sequence[tuple[int, int, int]], columns: list[str] | None = None) -> pa.Table:
+        """The rows ``(rank, start, stop)`` of each range, concatenated in order (a packed file: one read of the
+        row groups spanning them when they are consecutive in the file)."""
+        target = self._schema if columns is None else pa.schema([self._schema.field(c) for c in columns])
+        if self.footer is None:
+            tables = []
+            for rank, start, stop in ranges:
+                table = read_file(self._io, self._files[rank], self._schema, columns)
+                tables.append(table if (start, stop) == (0, table.num_rows) else table.slice(start, stop - start))
+            return _concat(tables, target)
+        tables, run = [], None  # run: consecutive file rows [first, last) and the ranks they hold
+        for rank, start, stop in ranges:
+            first, last = self.footer.row_range(rank, start, stop)
+            if last <= first:
+                continue
+            if run is not None and run[1] == first:
+                run = (run[0], last, [*run[2], (rank, last - first)])
+            else:
+                if run is not None:
+                    tables.append(self._read_rows(*run, columns, target))
+                run = (first, last, [(rank, last - first)])
+        if run is not None:
+            tables.append(self._read_rows(*run, columns, target))
+        return _concat(tables, target)
+
+    def _read_rows(self, first: int, last: int, ranks: list[tuple[int, int]], columns: list[str] | None,
+                   target: pa.Schema) -> pa.Table:
+        assert self.footer is not None and self._packed_file is not None
+        groups = self.footer.groups(first, last)
+        wanted = None if columns is None else [*columns, RANK_COLUMN]
+        table = self._packed_file.read_row_groups(groups, columns=wanted, use_threads=True)
+        base = self.footer.group_starts[groups[0]]
+        if (first - base, last - first) != (0, table.num_rows):
+            table = table.slice(first - base, last - first)
+        stored = table.column(RANK_COLUMN).to_numpy(zero_copy_only=False)
+        expected = np.repeat([r for r, _ in ranks], [n for _, n in ranks])
+        if table.num_rows != last - first or not np.array_equal(stored, expected):
+            raise CorruptStateError(
+                f"packed data file {self.footer.path}: rows {first}..{last} do not hold the ranks its footer declares "
+                "(the file was damaged or not written by lakestream); restore it from a backup, or roll the stream "
+                "back to a checkpoint before the step that lists it"
+            )
+        return table.drop_columns([RANK_COLUMN]).cast(target)
+
+
+def _concat(tables: list[pa.Table], target: pa.Schema) -> pa.Table:
+    if not tables:
+        return target.empty_table()
+    return tables[0] if len(tables) == 1 else pa.concat_tables(tables)

@@ -34,11 +34,13 @@ not a trusted message; see README "Threat model"):
 * the intent names this table (its UUID: a table dropped and re-created at the same location has another one) and
   this branch, and its file name is exactly ``<producer>@<seq>-<token>.parquet`` for the producer, seq and token its
   body declares;
-* every data file is exactly ``<location>/data/<producer>/<seq:012d>-<token>-r<rank:05d>.parquet``, the name the owner's
-  writer gives it: no ``..``, no other producer's folder, no other table; one file per rank;
+* every data file is exactly ``<location>/data/<producer>/<seq:012d>-<token>-r<rank:05d>.parquet`` (packed layout:
+  ``-packed.parquet``), the name the owner's writer gives it: no ``..``, no other producer's folder, no other table; one
+  file per rank (packed: one file);
 * its seq is the owner's next one: a gap (``allow_gap``) is published only by the owner's own commit;
 * each file's Parquet footer (read once per file, cached: a footer, not the data) matches the table's file schema
-  (field ids, names, types, nullability), the declared row count and the declared size.
+  (field ids, names, types, nullability), the declared row count and the declared size; a packed file's rank table
+  (:mod:`lakestream_iceberg.format.packed`) fits the world size and the file.
 
 An intent failing any check is never published (reported once in the log); GC removes it after the grace period.
 """
@@ -66,6 +68,8 @@ from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.storage import list_files
+from lakestream_iceberg.errors import CorruptStateError
+from lakestream_iceberg.format.packed import PackedFooter
 from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id, data_file_path
 
 log = logging.getLogger(__name__)
@@ -149,8 +153,9 @@ class StagingArea:
     """The intents of one table, under ``<location>/data/_staging/``."""
 
     def __init__(self, *, io: FileIO, location: str, world_size: int, retry_s: float, table_uuid: str,
-                 file_schema: Schema, max_cached: int = 4096) -> None:
+                 file_schema: Schema, packed: bool = False, max_cached: int = 4096) -> None:
         self._io = io
+        self._packed = packed
         self._location = location.rstrip("/")
         self._data = f"{self._location}/data/"
         self._root = f"{self._data}{STAGING_DIR}"
@@ -315,8 +320,13 @@ class StagingArea:
             return f"is {size} bytes, its intent declares {f.size_bytes}"
         if metadata.num_rows != f.record_count:
             return f"holds {metadata.num_rows} rows, its intent declares {f.record_count}"
+        if self._packed:
+            try:
+                PackedFooter.of(metadata, path=f.path, world_size=self._world_size)
+            except CorruptStateError as exc:
+                return f"has no usable rank table ({exc})"
         try:
-            arrow = metadata.schema.to_arrow_schema()
+            arrow = metadata.schema.to_arrow_schema().remove_metadata()  # field metadata (ids) stays
         except Exception as exc:  # noqa: BLE001 - a schema Arrow cannot represent
             return f"has no Iceberg schema ({exc})"
         if any(arrow.equals(known, check_metadata=True) for known in self._good_schemas):
@@ -351,8 +361,10 @@ class StagingArea:
             return f"it names branch {intent.branch!r} but is staged under branch {branch!r}"
         if name != intent_name(batch):
             return f"its name does not match its producer {batch.producer!r}, seq {batch.seq} and token {batch.token!r}"
-        ranks = sorted(f.rank for f in batch.files)
-        if ranks != list(range(self._world_size)):
+        ranks = [f.rank for f in batch.files]
+        if self._packed and ranks != [None]:
+            return f"it lists {len(ranks)} files with ranks {ranks}; the stream is packed: one file of every rank"
+        if not self._packed and (None in ranks or sorted(ranks) != list(range(self._world_size))):  # type: ignore[type-var]
             return f"it has ranks {ranks}, the stream has world size {self._world_size}"
         for f in batch.files:
             expected = data_file_path(self._location, producer=batch.producer, seq=batch.seq, token=batch.token,

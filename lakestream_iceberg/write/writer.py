@@ -1,8 +1,10 @@
 """Writing a global batch's data files: once per batch, before any commit attempt.
 
-Each rank's shard becomes one Parquet file with a single row group, holding the payload columns only (step and rank
-live in the manifest entry's partition tuple, see :mod:`lakestream_iceberg.format.layout`). A rank therefore reads exactly its
-own bytes, and a commit that loses the compare-and-swap re-uses these files with a new step: no data is rewritten.
+Per-rank layout: each rank's shard becomes one Parquet file with a single row group, holding the payload columns only
+(step and rank live in the manifest entry's partition tuple, see :mod:`lakestream_iceberg.format.layout`), so a rank reads
+exactly its own bytes. Packed layout: the whole batch becomes one Parquet file, ranks in order with a ``_rank`` column
+(see :mod:`lakestream_iceberg.format.packed`). Either way the step is not in the files: a commit that loses the
+compare-and-swap re-uses them with a new step, and no data is rewritten.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
@@ -31,6 +34,8 @@ from pyiceberg.typedef import Record
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
+from lakestream_iceberg.format.layout import RANK_COLUMN
+from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
 
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -44,21 +49,24 @@ def check_producer_id(producer_id: str) -> str:
     return producer_id
 
 
-def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int) -> str:
-    """Where a producer's writer puts rank ``rank`` of batch ``seq``: its own folder under the table's ``data/``."""
-    return f"{location.rstrip('/')}/data/{producer}/{seq:012d}-{token}-r{rank:05d}.parquet"
+def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int | None) -> str:
+    """Where a producer's writer puts rank ``rank`` of batch ``seq`` (``None``: the packed file of every rank): its own
+    folder under the table's ``data/``."""
+    suffix = "packed" if rank is None else f"r{rank:05d}"
+    return f"{location.rstrip('/')}/data/{producer}/{seq:012d}-{token}-{suffix}.parquet"
 
 
 @dataclass(frozen=True)
 class StagedFile:
-    """One rank's written shard, waiting for the step it will be published as.
+    """One rank's written shard (``rank`` None: the packed file of every rank), waiting for the step it will be
+    published as.
 
     ``stats`` are the Iceberg column statistics in :meth:`DataFileStatistics.to_serialized_dict` form (record count,
     per-column sizes and counts, serialized lower/upper bounds, split offsets): what a manifest entry needs, and what a
     staged intent (:mod:`lakestream_iceberg.write.staging`) carries as JSON.
     """
 
-    rank: int
+    rank: int | None
     path: str
     size_bytes: int
     stats: dict[str, Any]
@@ -72,7 +80,7 @@ class StagedFile:
             content=DataFileContent.DATA,
             file_path=self.path,
             file_format=FileFormat.PARQUET,
-            partition=Record(step, self.rank),
+            partition=Record(step) if self.rank is None else Record(step, self.rank),
             file_size_in_bytes=self.size_bytes,
             sort_order_id=None,
             spec_id=spec_id,
@@ -107,7 +115,10 @@ class StagedFile:
             "upper_bounds": blobs(raw["upper_bounds"]),
             "split_offsets": [int(x) for x in raw["split_offsets"]] if raw.get("split_offsets") is not None else None,
         }
-        return cls(rank=int(raw["rank"]), path=str(raw["path"]), size_bytes=int(raw["size"]), stats=stats)
+        rank = raw["rank"]
+        if rank is not None and type(rank) is not int:
+            raise ValueError(f"rank {rank!r} is neither an integer nor null")
+        return cls(rank=rank, path=str(raw["path"]), size_bytes=int(raw["size"]), stats=stats)
 
 
 @dataclass(frozen=True)
@@ -133,10 +144,13 @@ class StagedBatch:
 
 
 class BatchWriter:
-    """Writes shards as Iceberg data files (Parquet with field ids, one row group) under ``<location>/data/``."""
+    """Writes shards as Iceberg data files (Parquet with field ids) under ``<location>/data/``: one file per rank with
+    one row group, or (``packed_row_group_bytes`` given: the packed layout) one file per batch."""
 
-    def __init__(self, *, io: FileIO, location: str, file_schema: Schema, properties: dict[str, str]) -> None:
+    def __init__(self, *, io: FileIO, location: str, file_schema: Schema, properties: dict[str, str],
+                 packed_row_group_bytes: int | None = None) -> None:
         self._io = io
+        self._packed_bytes = packed_row_group_bytes
         self._location = location.rstrip("/")
         self._schema = file_schema
         self._arrow_schema = schema_to_pyarrow(file_schema, include_field_ids=True)
@@ -159,10 +173,14 @@ class BatchWriter:
         """
         token = uuid.uuid4().hex[:12]
         written_at = time.time()  # before any file exists: a lower bound of every file's modification time
-        paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=rank)
-                 for rank in range(len(shards))]
-        futures = [self._pool.submit(self._write_retrying, path, rank, shard)
-                   for rank, (path, shard) in enumerate(zip(paths, shards))]
+        if self._packed_bytes is not None:
+            paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=None)]
+            futures = [self._pool.submit(self._write_packed_retrying, paths[0], shards)]
+        else:
+            paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=rank)
+                     for rank in range(len(shards))]
+            futures = [self._pool.submit(self._write_retrying, path, rank, shard)
+                       for rank, (path, shard) in enumerate(zip(paths, shards))]
         files: list[StagedFile] = []
         failure: Exception | None = None
         for future in futures:  # wait for every rank, so that no write is still running when the others are deleted
@@ -187,16 +205,69 @@ class BatchWriter:
     def _write_retrying(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
         return call_with_retry(lambda: self._write_one(path, rank, shard), what=f"writing {path}", timeout_s=self._retry_s)
 
+    def _write_packed_retrying(self, path: str, shards: Sequence[pa.Table]) -> StagedFile:
+        groups = self._row_groups(shards)  # once: a retry rewrites the same row groups
+        counts = [s.num_rows for s in shards]
+        return call_with_retry(lambda: self._write_file(path, None, groups, counts), what=f"writing {path}",
+                               timeout_s=self._retry_s)
+
+    def _row_groups(self, shards: Sequence[pa.Table]) -> list[pa.Table]:
+        """The packed file's row groups: consecutive ranks (with their ``_rank`` column) while they fit in
+        ``packed_row_group_bytes``; a rank never spans two row groups, and one larger than that is a row group alone.
+
+        The ranks are concatenated and cast once, and the row groups are slices of that table: the cost per rank is
+        a size lookup, not an Arrow call per column.
+        """
+        assert self._packed_bytes is not None
+        payload = pa.schema(list(self._arrow_schema)[:-1])
+        rank_field = self._arrow_schema.field(RANK_COLUMN)
+        filled = [(rank, shard) for rank, shard in enumerate(shards) if shard.num_rows]
+        if not filled:
+            return []
+        try:
+            whole = pa.concat_tables([shard for _, shard in filled])
+        except (pa.ArrowInvalid, pa.ArrowTypeError):  # shards that differ in nullability or metadata: cast each first
+            whole = pa.concat_tables([shard.cast(payload) for _, shard in filled])
+        counts = np.array([shard.num_rows for _, shard in filled], dtype=np.int64)
+        ranks = np.repeat(np.array([rank for rank, _ in filled], dtype=np.int32), counts)
+        # One chunk per column: casting, sizing and writing a 1,024-chunk table costs per chunk (the copy is a memcpy)
+        whole = whole.combine_chunks().cast(payload).append_column(rank_field, pa.array(ranks, rank_field.type))
+        if whole.nbytes <= self._packed_bytes:  # the usual small step: one row group, no size per rank needed
+            return [whole]
+        bounds: list[tuple[int, int]] = []  # (first row, rows) of each row group
+        first = rows = size = 0
+        for (_, shard), n in zip(filled, counts.tolist()):
+            nbytes = shard.nbytes
+            if rows and size + nbytes > self._packed_bytes:  # would overflow: close the group first
+                bounds.append((first, rows))
+                first, rows, size = first + rows, 0, 0
+            rows += n
+            size += nbytes
+            if size >= self._packed_bytes:  # full (or one rank as large as a group: alone)
+                bounds.append((first, rows))
+                first, rows, size = first + rows, 0, 0
+        if rows:
+            bounds.append((first, rows))
+        return [whole.slice(start, n) for start, n in bounds]
+
     def _write_one(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
         table = shard.cast(self._arrow_schema) if shard.num_rows else self._arrow_schema.empty_table()
+        return self._write_file(path, rank, [table], None)
+
+    def _write_file(self, path: str, rank: int | None, groups: list[pa.Table], rank_rows: list[int] | None) -> StagedFile:
+        """Write ``groups`` as the row groups of one file (a per-rank file: one group, possibly empty)."""
+        schema = self._arrow_schema
+        if rank_rows is not None:
+            schema = schema.with_metadata({**(schema.metadata or {}), RANK_ROWS_KEY: encode_rank_rows(rank_rows)})
         output = self._io.new_output(path)
         with output.create(overwrite=True) as stream:
-            writer = pq.ParquetWriter(stream, schema=self._arrow_schema, compression=self._compression, store_decimal_as_integer=True)
-            writer.write_table(table, row_group_size=max(1, table.num_rows))
+            writer = pq.ParquetWriter(stream, schema=schema, compression=self._compression, store_decimal_as_integer=True)
+            for table in groups:
+                writer.write_table(table, row_group_size=max(1, table.num_rows))
             writer.close()
             metadata = writer.writer.metadata
             size = stream.tell()
-        if table.num_rows == 0:  # no column statistics to collect (pyiceberg would warn per column)
+        if metadata.num_rows == 0:  # no column statistics to collect (pyiceberg would warn per column)
             stats = DataFileStatistics(record_count=0, column_sizes={}, value_counts={}, null_value_counts={},
                                        nan_value_counts={}, column_aggregates={}, split_offsets=[])
         else:

@@ -1,0 +1,95 @@
+"""The packed layout's data file: one Parquet file per step, every rank's rows in rank order.
+
+The file holds the payload columns and ``_rank`` (an int column, the rank of each row). Consecutive ranks share a row
+group while it holds at most ``lakestream.layout.packed.row-group-bytes``; a rank never spans two row groups, and one
+larger than that is a row group alone. The footer's key-value metadata carries the rows of each rank under
+``lakestream.rank-rows`` (comma-separated, one count per rank), so a reader finds a rank's row range from the footer
+alone and fetches only the row groups that hold it (range reads). A footer is input like any data read back from
+storage: :func:`rank_rows` checks it against the file and the stream, and a reader checks the ``_rank`` values of the
+rows it returns.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import pyarrow.parquet as pq
+
+from lakestream_iceberg.errors import CorruptStateError
+
+RANK_ROWS_KEY = b"lakestream.rank-rows"
+
+__all__ = ["RANK_ROWS_KEY", "PackedFooter", "encode_rank_rows"]
+
+
+def encode_rank_rows(counts: list[int]) -> bytes:
+    return ",".join(map(str, counts)).encode()
+
+
+@dataclass(frozen=True)
+class PackedFooter:
+    """Where each rank's rows are in one packed file.
+
+    Attributes:
+        rank_starts: Row offset of each rank's first row, plus the file's row count last (``world_size + 1`` values).
+        group_starts: Row offset of each row group's first row, plus the row count last.
+    """
+
+    path: str
+    rank_starts: tuple[int, ...]
+    group_starts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, metadata: pq.FileMetaData, *, path: str, world_size: int, record_count: int | None = None) -> PackedFooter:
+        """Parse and check a packed file's footer.
+
+        Raises:
+            CorruptStateError: The footer has no rank table, or one that does not fit the stream or the file.
+        """
+        def corrupt(why: str) -> CorruptStateError:
+            return CorruptStateError(
+                f"packed data file {path} {why}: it was not written by lakestream or was damaged. Restore the file from "
+                "a backup, or roll the stream back to a checkpoint before the step that lists it"
+            )
+
+        raw = (metadata.metadata or {}).get(RANK_ROWS_KEY)
+        if raw is None:
+            raise corrupt(f"has no {RANK_ROWS_KEY.decode()} entry in its footer")
+        try:
+            counts = [int(x) for x in raw.decode("ascii").split(",")]
+        except (UnicodeDecodeError, ValueError):
+            raise corrupt(f"has a malformed {RANK_ROWS_KEY.decode()} entry") from None
+        if len(counts) != world_size or any(c < 0 for c in counts):
+            raise corrupt(f"declares rows for {len(counts)} ranks (or a negative count); the stream has world size {world_size}")
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        if starts[-1] != metadata.num_rows or (record_count is not None and record_count != metadata.num_rows):
+            raise corrupt(f"declares {starts[-1]} rows per its rank table, holds {metadata.num_rows}"
+                          + (f", and its manifest entry says {record_count}" if record_count is not None else ""))
+        groups = [0]
+        for i in range(metadata.num_row_groups):
+            groups.append(groups[-1] + metadata.row_group(i).num_rows)
+        return cls(path=path, rank_starts=tuple(starts), group_starts=tuple(groups))
+
+    @property
+    def counts(self) -> list[int]:
+        """Rows of each rank."""
+        s = self.rank_starts
+        return [s[i + 1] - s[i] for i in range(len(s) - 1)]
+
+    def row_range(self, rank: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """File row offsets ``[first, last)`` of ``rank``'s rows ``start:stop``."""
+        first, end = self.rank_starts[rank], self.rank_starts[rank + 1]
+        stop = end - first if stop is None else stop
+        return first + start, first + stop
+
+    def groups(self, first: int, last: int) -> list[int]:
+        """The row groups holding file rows ``[first, last)`` (none when the range is empty)."""
+        if last <= first:
+            return []
+        g = self.group_starts
+        lo = bisect.bisect_right(g, first) - 1
+        hi = bisect.bisect_left(g, last)
+        return list(range(lo, hi))
