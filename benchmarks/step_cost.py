@@ -10,7 +10,7 @@ Everything runs on the embedded SQLite catalog with a local warehouse in a temp 
   again, applies the updates to that copy, deep-copies it and writes it), in alternating rounds on fresh streams;
   p50 commit latency and commits/s of each, and their ratio.
 * **Profile of one step** (cProfile over the same loop, per mode): where a step's time goes (the swap, writing the
-  data files, planning the manifests, the rest).
+  data files, planning the manifests, the rest); and the same at W=``--profile-world`` (1024) per layout.
 * **World-size sweep** (``--worlds``, default 1 8 64 256 1024, per layout: ``per-rank`` and ``packed``; one producer,
   one row per rank): commit p50 and data files (PUTs) per step, and a rank's read p50 (``stream.read(step, rank)``),
   each as a ratio to the per-rank layout at W=1.
@@ -106,10 +106,25 @@ def commit_path(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
 
 GROUPS = (  # (label, substrings of "file:function" in the profile: the first group that matches takes the time)
     ("the swap (catalog commit)", ("connect/swap.py:swap", "catalog/sql.py:commit_table")),
+    ("checking the batch (schema, nulls)", ("format/layout.py:check_shards",)),
     ("writing the data files", ("write/writer.py:write",)),
     ("planning: manifests, lists, summary", ("write/producer.py:_plan_group",)),
     ("reading the head", ("write/commit.py:refresh",)),
 )
+
+
+def _parts(prof: cProfile.Profile, latencies: list[float]) -> dict[str, float]:
+    """Seconds per step in each GROUPS part (cumulative time of the first matching function), and the rest."""
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    total = sum(latencies)
+    parts: dict[str, float] = {}
+    for label, keys in GROUPS:
+        parts[label] = max((v[3] for (file, _line, func), v in stats.items()
+                            if any(f"{file}:{func}".endswith(k) or f"{file}:{func}".find(k) >= 0 for k in keys)),
+                           default=0.0)
+    parts["everything else"] = max(0.0, total - sum(parts.values()))
+    parts["total"] = total
+    return {k: v / len(latencies) for k, v in parts.items()}
 
 
 def profile_step(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
@@ -121,20 +136,28 @@ def profile_step(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str,
         with Mode(mode):
             lat, _ = commit_loop(root / f"prof-{mode}", "s", world=2, commits=args.commits, rows=4,
                                  payload=args.payload, profile=prof)
-        stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
-        total = sum(lat)
-        parts: dict[str, float] = {}
-        for label, keys in GROUPS:
-            parts[label] = max((v[3] for (file, _line, func), v in stats.items()
-                                if any(f"{file}:{func}".endswith(k) or f"{file}:{func}".find(k) >= 0 for k in keys)),
-                               default=0.0)
-        parts["everything else"] = max(0.0, total - sum(parts.values()))
-        parts["total"] = total
-        out[mode] = {k: v / len(lat) for k, v in parts.items()}
+        out[mode] = _parts(prof, lat)
     for label in [g[0] for g in GROUPS] + ["everything else", "total"]:
         table.add(label, *(out[m][label] * 1000 for m in MODES))
     table.note("one commit = one step; 'the swap' is pyiceberg's commit_table (reload, deep copy, write, UPDATE) or "
                "lakestream's swap from held metadata (write, UPDATE)")
+    return table, out
+
+
+def profile_world(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
+    """The same profile at a large world size, per layout: where a step's time goes when it has W ranks."""
+    world = args.profile_world
+    table = Table(f"profile of one step at W={world} (cProfile, cumulative ms per step; one row per rank)",
+                  ["part", *args.layouts])
+    out: dict[str, Any] = {}
+    for layout in args.layouts:
+        prof = cProfile.Profile()
+        lat, _ = commit_loop(root / f"profw-{layout}", "s", world=world, commits=args.profile_commits, rows=1,
+                             payload=64, profile=prof, layout=layout)
+        out[layout] = _parts(prof, lat)
+    for label in [g[0] for g in GROUPS] + ["everything else", "total"]:
+        table.add(label, *(out[layout][label] * 1000 for layout in args.layouts))
+    table.note("per-rank: W Parquet files and W manifest entries per step; packed: one file, one entry")
     return table, out
 
 
@@ -176,11 +199,14 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--layouts", nargs="+", default=["per-rank", "packed"], choices=["per-rank", "packed"])
     parser.add_argument("--sweep-commits", type=int, default=40)
+    parser.add_argument("--profile-world", type=int, default=1024, help="W of the per-layout profile")
+    parser.add_argument("--profile-commits", type=int, default=8)
     parser.add_argument("--sweep-budget", type=int, default=20_000, help="at most this many rank files per W")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.smoke:
         args.commits, args.rounds, args.worlds, args.sweep_commits = 6, 2, [1, 8], 3
+        args.profile_world, args.profile_commits = 8, 3
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="lakestream-step-cost-"))
     try:
@@ -188,14 +214,16 @@ def main() -> None:
         print(commit_table, flush=True)
         prof_table, prof_json = profile_step(root, args)
         print(prof_table, flush=True)
+        world_table, world_json = profile_world(root, args)
+        print(world_table, flush=True)
         sweep_table, sweep_json = world_sweep(root, args)
         print(sweep_table, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     payload = {"benchmark": "step_cost", "smoke": args.smoke,
                "config": {k: v for k, v in vars(args).items() if k != "out"},
-               "commit_path": commit_json, "profile": prof_json, "world_sweep": sweep_json,
-               "tables": [t.to_json() for t in (commit_table, prof_table, sweep_table)],
+               "commit_path": commit_json, "profile": prof_json, "profile_world": world_json, "world_sweep": sweep_json,
+               "tables": [t.to_json() for t in (commit_table, prof_table, world_table, sweep_table)],
                "seconds": time.monotonic() - started}
     if args.out is not None:
         path = write_json(args.out.name, payload, directory=args.out.parent)

@@ -202,5 +202,8 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     for mode in ("held", "commit_table"):
         assert _positive(data["profile"][mode]["total"]) and _positive(data["profile"][mode]["the swap (catalog commit)"])
     sweep = data["world_sweep"]
-    assert [sweep[w]["files_per_step"] for w in ("1", "8")] == [1, 8]  # one data file per rank and step today
+    assert [sweep[w]["files_per_step"] for w in ("per-rank/1", "per-rank/8")] == [1, 8]  # one data file per rank
+    assert [sweep[w]["files_per_step"] for w in ("packed/1", "packed/8")] == [1, 1]  # one data file per step
     assert all(_positive(sweep[w]["commit_p50_s"]) and _positive(sweep[w]["read_p50_s"]) for w in sweep)
+    assert set(data["profile_world"]) == {"per-rank", "packed"}
+    assert all(_positive(data["profile_world"][layout]["total"]) for layout in data["profile_world"])

@@ -12,13 +12,16 @@ rows it returns.
 from __future__ import annotations
 
 import bisect
+import re
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from lakestream_iceberg.errors import CorruptStateError
 
 RANK_ROWS_KEY = b"lakestream.rank-rows"
+_RANK_ROWS = re.compile(rb"\d{1,18}(?:,\d{1,18})*")
 
 __all__ = ["RANK_ROWS_KEY", "PackedFooter", "encode_rank_rows"]
 
@@ -37,7 +40,7 @@ class PackedFooter:
     """
 
     path: str
-    rank_starts: tuple[int, ...]
+    rank_starts: np.ndarray
     group_starts: tuple[int, ...]
 
     @classmethod
@@ -56,32 +59,28 @@ class PackedFooter:
         raw = (metadata.metadata or {}).get(RANK_ROWS_KEY)
         if raw is None:
             raise corrupt(f"has no {RANK_ROWS_KEY.decode()} entry in its footer")
-        try:
-            counts = [int(x) for x in raw.decode("ascii").split(",")]
-        except (UnicodeDecodeError, ValueError):
-            raise corrupt(f"has a malformed {RANK_ROWS_KEY.decode()} entry") from None
-        if len(counts) != world_size or any(c < 0 for c in counts):
-            raise corrupt(f"declares rows for {len(counts)} ranks (or a negative count); the stream has world size {world_size}")
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
-        if starts[-1] != metadata.num_rows or (record_count is not None and record_count != metadata.num_rows):
-            raise corrupt(f"declares {starts[-1]} rows per its rank table, holds {metadata.num_rows}"
+        if not _RANK_ROWS.fullmatch(raw):
+            raise corrupt(f"has a malformed {RANK_ROWS_KEY.decode()} entry (not comma-separated row counts)")
+        counts = np.array(raw.decode("ascii").split(","), dtype=np.int64)  # parsed in C: 1,024 ranks cost microseconds
+        if len(counts) != world_size:
+            raise corrupt(f"declares rows for {len(counts)} ranks; the stream has world size {world_size}")
+        starts = np.concatenate(([0], np.cumsum(counts)))
+        if int(starts[-1]) != metadata.num_rows or (record_count is not None and record_count != metadata.num_rows):
+            raise corrupt(f"declares {int(starts[-1])} rows per its rank table, holds {metadata.num_rows}"
                           + (f", and its manifest entry says {record_count}" if record_count is not None else ""))
         groups = [0]
         for i in range(metadata.num_row_groups):
             groups.append(groups[-1] + metadata.row_group(i).num_rows)
-        return cls(path=path, rank_starts=tuple(starts), group_starts=tuple(groups))
+        return cls(path=path, rank_starts=starts, group_starts=tuple(groups))
 
     @property
     def counts(self) -> list[int]:
         """Rows of each rank."""
-        s = self.rank_starts
-        return [s[i + 1] - s[i] for i in range(len(s) - 1)]
+        return np.diff(self.rank_starts).tolist()
 
     def row_range(self, rank: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """File row offsets ``[first, last)`` of ``rank``'s rows ``start:stop``."""
-        first, end = self.rank_starts[rank], self.rank_starts[rank + 1]
+        first, end = int(self.rank_starts[rank]), int(self.rank_starts[rank + 1])
         stop = end - first if stop is None else stop
         return first + start, first + stop
 

@@ -80,12 +80,14 @@ class StepFiles:
                 "something other than lakestream; roll the stream back to a checkpoint before that step"
             )
         data_file = self._files[0]
-        if data_file.file_size_in_bytes <= WHOLE_FILE_BYTES:  # one GET beats a footer GET plus row-group GETs
+        whole = data_file.file_size_in_bytes <= WHOLE_FILE_BYTES  # one GET beats a footer GET plus row-group GETs
+        if whole:
             self._stream = pa.BufferReader(fetch(io, data_file.file_path))
         else:
             self._stream = io.new_input(data_file.file_path).open(seekable=True)
         try:
-            self._packed_file = pq.ParquetFile(self._stream, pre_buffer=True)
+            # pre_buffer: the column chunks of the row groups read are fetched in coalesced ranges (storage, not memory)
+            self._packed_file = pq.ParquetFile(self._stream, pre_buffer=not whole)
             self.footer = PackedFooter.of(self._packed_file.metadata, path=data_file.file_path, world_size=world_size,
                                           record_count=int(data_file.record_count))
         except BaseException:

@@ -256,14 +256,14 @@ class BatchWriter:
 
     def _write_file(self, path: str, rank: int | None, groups: list[pa.Table], rank_rows: list[int] | None) -> StagedFile:
         """Write ``groups`` as the row groups of one file (a per-rank file: one group, possibly empty)."""
-        schema = self._arrow_schema
-        if rank_rows is not None:
-            schema = schema.with_metadata({**(schema.metadata or {}), RANK_ROWS_KEY: encode_rank_rows(rank_rows)})
         output = self._io.new_output(path)
         with output.create(overwrite=True) as stream:
-            writer = pq.ParquetWriter(stream, schema=schema, compression=self._compression, store_decimal_as_integer=True)
+            writer = pq.ParquetWriter(stream, schema=self._arrow_schema, compression=self._compression,
+                                      store_decimal_as_integer=True)
             for table in groups:
                 writer.write_table(table, row_group_size=max(1, table.num_rows))
+            if rank_rows is not None:  # the footer's own key-value metadata (not the Arrow schema's: stored once)
+                writer.add_key_value_metadata({RANK_ROWS_KEY: encode_rank_rows(rank_rows)})
             writer.close()
             metadata = writer.writer.metadata
             size = stream.tell()
