@@ -456,7 +456,8 @@ class Bench:
         root = self.tmp / run
         (root / "warehouse").mkdir(parents=True)
         catalog = sqlite_catalog(str(root))
-        Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size)
+        layout = None if self.args.layout == "auto" else {"lakestream.layout": self.args.layout}
+        Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size, properties=layout)
         catalog.engine.dispose()  # no pooled SQLite connection crosses the fork
         try:
             spec = dict(run=run, mode=mode, producers=producers, batch_bytes=batch_bytes, world_size=self.args.world_size,
@@ -470,8 +471,8 @@ class Bench:
 
     # -- 1. ingestion ------------------------------------------------------------------------------------------------
     def ingestion(self) -> tuple[Table, list[dict[str, Any]]]:
-        table = Table(f"ingestion, MiB/s (W={self.args.world_size} shards/batch, {self.args.duration:g} s per run, saturated, "
-                      "no consumer; ratio > 1: lakestream faster)",
+        table = Table(f"ingestion, MiB/s (W={self.args.world_size} shards/batch, lakestream layout {self.args.layout}, "
+                      f"{self.args.duration:g} s per run, saturated, no consumer; ratio > 1: lakestream faster)",
                       ["batch MiB", "P", "kafka MiB/s", "lakestream MiB/s", "ratio", "kafka publish p50 ms",
                        "lake commit p50 ms", "lake CAS attempts/commit", "kafka CPU s/GiB", "lake CPU s/GiB"])
         rows = []
@@ -818,6 +819,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
     ap.add_argument("--world-size", type=int, default=8)
+    ap.add_argument("--layout", choices=("auto", "per-rank", "packed"), default="auto",
+                    help="lakestream.layout of the stream (auto: the default for the world size)")
     ap.add_argument("--duration", type=float, default=None, help="seconds per saturated ingestion run (default 4)")
     ap.add_argument("--sizes", default=None, help="global batch sizes in MiB (default 1,16,64)")
     ap.add_argument("--producers", default=None, help="producer process counts (default 1,4,8)")

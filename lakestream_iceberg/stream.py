@@ -106,7 +106,7 @@ class Stream(StreamTable):
             location: Table location; defaults to the catalog's warehouse.
             properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``. The layout,
                 ``lakestream.layout`` (``per-rank``: one data file per rank and step; ``packed``: one per step), is fixed
-                here; by default a stream of world size 64 or more is packed (README, "Per-step cost").
+                here; by default a stream of world size 8 or more is packed (README, "Per-step cost").
 
         Raises:
             StreamExistsError: A stream of that name exists with another schema or world size.

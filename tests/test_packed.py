@@ -45,15 +45,15 @@ def data_files(stream: Stream) -> list[Path]:
 
 
 def test_layout_is_chosen_by_world_size_unless_set_and_is_fixed_at_creation(catalog: SqlCatalog) -> None:
-    small = Stream.create(catalog, "ns.small", schema=SCHEMA, world_size=63)
-    large = Stream.create(catalog, "ns.large", schema=SCHEMA, world_size=64)
+    small = Stream.create(catalog, "ns.small", schema=SCHEMA, world_size=7)
+    large = Stream.create(catalog, "ns.large", schema=SCHEMA, world_size=8)
     forced = Stream.create(catalog, "ns.forced", schema=SCHEMA, world_size=2, properties={"lakestream.layout": "packed"})
     assert (small.config.layout, large.config.layout, forced.config.layout) == ("per-rank", "packed", "packed")
     assert [f.name for f in large.table.metadata.spec().fields] == ["_step"]
     assert [f.name for f in small.table.metadata.spec().fields] == ["_step", "_rank"]
-    assert Stream.create(catalog, "ns.large", schema=SCHEMA, world_size=64).config.packed  # idempotent
+    assert Stream.create(catalog, "ns.large", schema=SCHEMA, world_size=8).config.packed  # idempotent
     with pytest.raises(StreamExistsError, match="layout is fixed"):
-        Stream.create(catalog, "ns.large", schema=SCHEMA, world_size=64, properties={"lakestream.layout": "per-rank"})
+        Stream.create(catalog, "ns.large", schema=SCHEMA, world_size=8, properties={"lakestream.layout": "per-rank"})
     with pytest.raises(ConfigError, match="not a layout"):
         Stream.create(catalog, "ns.bad", schema=SCHEMA, world_size=2, properties={"lakestream.layout": "Packed"})
     with pytest.raises(ConfigError, match="row-group-bytes"):
