@@ -738,7 +738,7 @@ def observe_kafka(bootstrap: str, topic: str, world: int, isolation: str, shard_
 
 
 def observe_lake(stream: Any, world: int, rows: list[int]) -> dict[str, Any]:
-    """Every published step: all W files present with the right row counts? which (producer, seq) published it?"""
+    """Every published step: all W shards present with the right row counts? which (producer, seq) published it?"""
     head = stream.head_step()
     steps = []
     bad = []
@@ -746,7 +746,8 @@ def observe_lake(stream: Any, world: int, rows: list[int]) -> dict[str, Any]:
         files = stream.locate(step)
         producer, name = files[0].file_path.rsplit("/data/", 1)[1].split("/")[:2]
         producer_seq = f"{producer}/{int(name.split('-')[0])}"
-        ok = len(files) == world and [int(f.record_count) for f in files] == rows
+        with stream.step_files(step) as located:  # per rank: its file's rows; packed: the step file's rank table
+            ok = len(located.counts) == world and located.counts == rows
         for rank in range(world):
             ok = ok and stream.read(step, rank=rank).num_rows == rows[rank]
         steps.append(producer_seq)
