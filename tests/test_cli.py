@@ -95,6 +95,7 @@ def test_entry_point_is_installed() -> None:
 def test_status_json_and_human(env: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status = run_json(env, "status", STREAM, "--json")
     assert status["stream"] == STREAM and status["head_step"] == 6 and status["world_size"] == WORLD
+    assert status["layout"] == "per-rank"
     assert status["staged_batches"] == 0
     assert [(p["producer"], p["last_seq"], p["lag"]) for p in status["producers"]] == [("prep-0", 2, 1), ("prep-1", 2, 0)]
     assert status["storage"]["data_files"] == 6 * WORLD and status["storage"]["bytes"] > 0

@@ -94,6 +94,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "stream": stream.name,
         "location": metadata.location,
         "world_size": stream.world_size,
+        "layout": stream.config.layout,
         "branch": branch,
         "head_step": state.step,
         "head_snapshot_id": head.snapshot_id if head else None,
@@ -123,7 +124,7 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         return 0
     storage = status["storage"]
     out.fields([
-        ("location", status["location"]), ("world size", status["world_size"]),
+        ("location", status["location"]), ("world size", f"{status['world_size']} ({status['layout']} layout)"),
         ("branch", f"{status['branch']} (branches: {', '.join(status['branches']) or '-'})"),
         ("head step", status["head_step"]), ("last commit", status["last_commit_at"]),
         ("consumer lag", f"{status['consumer_lag']} steps ({status['consumer_lag_basis']})"
