@@ -70,13 +70,29 @@ def _pad(values: np.ndarray, offsets: np.ndarray, pad_value: int | float) -> np.
     if n and (lengths == width).all():
         return values.reshape(n, width)  # all the same length: a view, no copy
     out = np.zeros((n, width), values.dtype) if pad_value == 0 else np.full((n, width), pad_value, values.dtype)
-    if len(values) >= 16 * n:  # long rows (token sequences): one slice copy per row beats a mask over n * width
-        bounds = offsets.tolist()
-        for i in range(n):
-            out[i, : bounds[i + 1] - bounds[i]] = values[bounds[i] : bounds[i + 1]]
+    if len(values) >= 16 * n:  # long rows (token sequences): one memcpy per row beats a mask over n * width
+        _copy_rows(out, values, offsets)
     else:
         out[np.arange(width) < lengths[:, None]] = values
     return out
+
+
+def _copy_rows(out: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> None:
+    """``out[i, :len_i] = values[offsets[i]:offsets[i+1]]`` for every row, as byte-slice assignments of memoryviews.
+
+    Same bytes as numpy row assignment, at about half the cost per row (no index parsing, no temporary views), and
+    without dropping the GIL: numpy releases and retakes it around every copy of more than 500 elements, and each of
+    those is a chance to hand it to a waiting thread (another prefetch thread, the training loop) mid-step.
+    """
+    item = values.dtype.itemsize
+    source = memoryview(np.ascontiguousarray(values).view(np.uint8))
+    target = memoryview(out.reshape(-1).view(np.uint8))  # fresh from np.zeros/np.full: C-contiguous, a view
+    bounds = (offsets * item).tolist()
+    row = out.shape[1] * item
+    start = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        target[start : start + hi - lo] = source[lo:hi]
+        start += row
 
 
 class TensorCollate:
