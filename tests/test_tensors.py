@@ -118,3 +118,36 @@ def test_empty_shard() -> None:
     item = collate(table)
     assert tuple(item["t"].shape) == (0, 0) and item["t"].dtype == torch.int32
     assert item["t_lengths"].tolist() == [] and item["b"] == []
+
+
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -> None:
+    from lakestream_iceberg.errors import ConfigError
+
+    n = 40 if long_rows else 2
+    table = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.uint8()))})
+    with pytest.raises(ConfigError, match="pad_value"):
+        collate(table, pad_value=-1)
+    floats = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.int32()))})
+    assert collate(floats, pad_value=2.7)["t"][1, 1:].tolist() == [2] * (n - 1)  # cast like np.full: truncated
+
+
+def test_padded_memory_outlives_the_table_and_later_steps() -> None:
+    """The padded tensor owns its memory (Arrow's pool): dropping the shard's table and padding more steps, which
+    reuse freed pool memory, leaves earlier tensors intact."""
+    import gc
+
+    rows = [list(range(i, i + 20 + 3 * i)) for i in range(30)]
+    item = collate(pa.table({"t": pa.array(rows, pa.list_(pa.int64()))}), pad_value=-5)
+    expected = reference(rows, -5, np.dtype(np.int64))
+    for k in range(20):
+        other = collate(pa.table({"t": pa.array([[k] * (25 + k), [k]] * 15, pa.list_(pa.int64()))}), pad_value=9)
+        del other
+        gc.collect()
+    assert np.array_equal(item["t"].numpy(), expected)
+    view = item["t"][:, :5]  # a view: holds the storage, hence the pool buffer
+    del item
+    gc.collect()
+    for k in range(5):
+        collate(pa.table({"t": pa.array([[k] * (25 + k), [k]] * 15, pa.list_(pa.int64()))}), pad_value=9)
+    assert np.array_equal(view.numpy(), expected[:, :5])
