@@ -69,14 +69,45 @@ def _pad(values: np.ndarray, offsets: np.ndarray, pad_value: int | float) -> np.
     width = int(lengths.max()) if n else 0
     if n and (lengths == width).all():
         return values.reshape(n, width)  # all the same length: a view, no copy
-    out = np.zeros((n, width), values.dtype) if pad_value == 0 else np.full((n, width), pad_value, values.dtype)
-    if len(values) >= 16 * n:  # long rows (token sequences): one slice copy per row beats a mask over n * width
-        bounds = offsets.tolist()
-        for i in range(n):
-            out[i, : bounds[i + 1] - bounds[i]] = values[bounds[i] : bounds[i + 1]]
+    out = _pool_array((n, width), values.dtype)
+    np.copyto(out, pad_value, casting="unsafe")  # exactly what np.full does with the pad value (casts, errors, warnings)
+    if len(values) >= 16 * n:  # long rows (token sequences): one memcpy per row beats a mask over n * width
+        _copy_rows(out, values, offsets)
     else:
         out[np.arange(width) < lengths[:, None]] = values
     return out
+
+
+def _pool_array(shape: tuple[int, int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised, writable, C-contiguous array in memory from Arrow's memory pool (64-byte aligned).
+
+    Arrow's allocator (mimalloc or jemalloc) keeps freed pages for the next allocation, where glibc hands a padded
+    tensor's megabyte back to the kernel when it is freed and takes fresh, zero-filled pages again for the next step
+    (about 100 page faults a step for 256 x 1152 int32, against about 15 from the pool). The memory is released when
+    the last tensor or array viewing it goes; it counts in ``pyarrow.total_allocated_bytes()``.
+    """
+    nbytes = shape[0] * shape[1] * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    return np.frombuffer(pa.allocate_buffer(nbytes), dtype=dtype).reshape(shape)
+
+
+def _copy_rows(out: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> None:
+    """``out[i, :len_i] = values[offsets[i]:offsets[i+1]]`` for every row, as byte-slice assignments of memoryviews.
+
+    Same bytes as numpy row assignment, at about half the cost per row (no index parsing, no temporary views), and
+    without dropping the GIL: numpy releases and retakes it around every copy of more than 500 elements, and each of
+    those is a chance to hand it to a waiting thread (another prefetch thread, the training loop) mid-step.
+    """
+    item = values.dtype.itemsize
+    source = memoryview(np.ascontiguousarray(values).view(np.uint8))
+    target = memoryview(out.reshape(-1).view(np.uint8))  # fresh from _pool_array: C-contiguous, a view
+    bounds = (offsets * item).tolist()
+    row = out.shape[1] * item
+    start = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        target[start : start + hi - lo] = source[lo:hi]
+        start += row
 
 
 class TensorCollate:

@@ -1,0 +1,98 @@
+"""The follow-mode poll schedule (ArrivalClock) on synthetic arrival times, and HeadWatcher feeding it real commits.
+
+The schedule is a pure function of the arrivals and the clock, so it is tested with made-up times: nothing here sleeps
+or measures time.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.read.follow import ArrivalClock, HeadWatcher
+
+POLL, MAX = 0.002, 0.5
+
+
+def clock_with(*polls: float) -> ArrivalClock:
+    """A clock whose arrivals were found by polls at these times, each right after a poll 1 ms earlier."""
+    clock = ArrivalClock()
+    for t in polls:
+        clock.note(t - 0.001, t)
+    return clock
+
+
+def test_arrivals_are_dated_between_the_two_polls() -> None:
+    clock = ArrivalClock()
+    clock.note(None, 1.0)  # no earlier poll: the poll's own time
+    clock.note(1.2, 1.4)
+    clock.note(1.5, 1.5)
+    assert list(clock._arrivals) == pytest.approx([1.0, 1.3, 1.5])
+
+
+def test_too_little_history_backs_off() -> None:
+    assert ArrivalClock().delay(0.0, poll_s=POLL, max_poll_s=MAX) is None
+    assert clock_with(1.0, 1.05).delay(1.06, poll_s=POLL, max_poll_s=MAX) is None
+
+
+def test_steady_arrivals_sleep_until_just_before_the_next_one_is_due() -> None:
+    clock = clock_with(1.0, 1.05, 1.10, 1.15)  # every 50 ms; last arrival dated 1.1495
+    last = 1.1495
+    # right after an arrival: sleep until 10% of the shortest interval (5 ms) before the next is due
+    assert clock.delay(last + 0.001, poll_s=POLL, max_poll_s=MAX) == pytest.approx(0.050 - 0.005 - 0.001)
+    # never longer than max_poll_s, never shorter than poll_s
+    assert clock.delay(last + 0.001, poll_s=POLL, max_poll_s=0.01) == pytest.approx(0.01)
+    assert clock.delay(last + 0.044, poll_s=POLL, max_poll_s=MAX) == pytest.approx(POLL)
+    # due or overdue, but not idle: poll every poll_s, no backoff
+    assert clock.delay(last + 0.060, poll_s=POLL, max_poll_s=MAX) == pytest.approx(POLL)
+    assert clock.delay(last + 0.199, poll_s=POLL, max_poll_s=MAX) == pytest.approx(POLL)
+    # no step for more than 4 typical intervals: idle, the caller backs off
+    assert clock.delay(last + 0.201, poll_s=POLL, max_poll_s=MAX) is None
+
+
+def test_the_shortest_recent_interval_bounds_the_sleep() -> None:
+    """Irregular producers: the wake-up follows the shortest interval, so an early commit is not slept through."""
+    clock = clock_with(1.0, 1.02, 1.14, 1.20, 1.32)  # intervals 20, 120, 60, 120 ms
+    last = 1.3195
+    assert clock.delay(last, poll_s=POLL, max_poll_s=MAX) == pytest.approx(0.020 - POLL)
+    # a slow poll_s (the dataset's default 20 ms) is the floor, and the margin is at least one poll
+    assert clock.delay(last, poll_s=0.02, max_poll_s=MAX) == pytest.approx(0.02)
+
+
+def test_old_arrivals_fall_out_of_the_window() -> None:
+    clock = clock_with(*[1.0 + 0.5 * i for i in range(5)], *[3.5 + 0.05 * i for i in range(1, 10)])
+    assert len(clock._arrivals) == ArrivalClock.ARRIVALS_KEPT
+    last = 3.5 + 0.45 - 0.0005
+    assert clock.delay(last + 0.001, poll_s=POLL, max_poll_s=MAX) == pytest.approx(0.050 - 0.005 - 0.001)
+
+
+def test_head_watcher_notes_each_new_head_once(tmp_path: Path) -> None:
+    (tmp_path / "wh").mkdir()
+    catalog = SqlCatalog("lakestream_follow_test", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/wh")
+    stream = Stream.create(catalog, "ns.s", schema=pa.schema([("x", pa.int64())]), world_size=1)
+    producer = stream.producer("p")
+    producer.commit([pa.table({"x": [0]})])
+    reader = Stream.open(catalog, "ns.s")
+    watcher = HeadWatcher(reader, branch="main")
+    watcher.check()  # the head found at start is not an arrival: nobody knows when it landed
+    assert len(watcher.clock._arrivals) == 0
+    for i in range(1, 4):
+        producer.commit([pa.table({"x": [i]})])
+        assert watcher.check() and watcher.head()[0] == i + 1
+        assert not watcher.check()  # unchanged pointer: no arrival
+        assert len(watcher.clock._arrivals) == i
+    assert watcher.clock.delay(watcher.clock._arrivals[-1], poll_s=POLL, max_poll_s=MAX) is not None
+    # wait() returns at once for a published step, and keeps working on the clock's schedule
+    assert watcher.wait(4, timeout=60, stop=threading.Event(), poll_s=POLL, max_poll_s=MAX)[0] == 4  # type: ignore[index]
+    done: list[object] = []
+    thread = threading.Thread(target=lambda: done.append(
+        watcher.wait(5, timeout=600, stop=threading.Event(), poll_s=POLL, max_poll_s=MAX)))
+    thread.start()
+    producer.commit([pa.table({"x": [4]})])
+    thread.join(600)
+    assert done and done[0][0] == 5  # type: ignore[index]

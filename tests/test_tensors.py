@@ -1,0 +1,153 @@
+"""TensorCollate's padded and packed layouts against a plain-Python reference, for every padding path of ``_pad``.
+
+``_pad`` has three ways to build a padded array (a view when all rows have one length, a boolean mask for short rows,
+one byte copy per row for long rows); all must give the same values, dtypes, shapes and pad placement, whatever the
+Arrow layout (nulls, sliced arrays, several chunks, values not starting at offset 0).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lakestream_iceberg.read.tensors import StepShard, TensorCollate, _pad
+
+LIST_TYPES = [pa.int8(), pa.int32(), pa.int64(), pa.uint16(), pa.float16(), pa.float32(), pa.float64()]
+
+
+def reference(rows: list[list | bytes | None], pad: int | float, dtype: np.dtype) -> np.ndarray:
+    rows = [[] if r is None else list(r) for r in rows]
+    width = max((len(r) for r in rows), default=0)
+    out = np.full((len(rows), width), pad, dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def collate(table: pa.Table, **kwargs) -> dict:
+    shard = StepShard(step=1, rank=0, world_size=1, table=table, sample_ids=np.arange(table.num_rows, dtype=np.int64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "non-writable NumPy array" warning would fail here
+        return TensorCollate(**kwargs)(shard)
+
+
+row_lengths = st.one_of(
+    st.lists(st.integers(0, 4), max_size=12),  # short rows: the mask path
+    st.lists(st.integers(0, 80), min_size=1, max_size=12),  # long rows: the per-row copy path
+    st.integers(1, 40).flatmap(lambda n: st.lists(st.just(n), min_size=1, max_size=6)),  # one length: a view
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    lengths=row_lengths,
+    kind=st.sampled_from(LIST_TYPES),
+    pad=st.sampled_from([0, -1, 7]),
+    nulls=st.lists(st.booleans(), max_size=12),
+    cut=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    chunks=st.integers(1, 3),
+)
+def test_padded_lists_match_the_reference(lengths, kind, pad, nulls, cut, chunks) -> None:
+    if pa.types.is_unsigned_integer(kind) and pad < 0:
+        pad = 0
+    rng = np.random.default_rng(len(lengths) + 31 * sum(lengths))
+    dtype = np.dtype(kind.to_pandas_dtype())
+    rows: list = [rng.integers(0, 100, n).astype(dtype).tolist() for n in lengths]
+    rows = [None if i < len(nulls) and nulls[i] else r for i, r in enumerate(rows)]
+    array = pa.array(rows, pa.list_(kind))
+    lo, hi = min(cut[0], len(rows)), max(len(rows) - cut[1], min(cut[0], len(rows)))
+    array = array.slice(lo, hi - lo)  # the values no longer start at offset 0
+    rows = rows[lo:hi]
+    step = max(1, -(-len(rows) // chunks))
+    parts = [array.slice(i, step) for i in range(0, len(rows), step)] or [array]
+    table = pa.table({"t": pa.chunked_array(parts, pa.list_(kind))})
+
+    item = collate(table, pad_value=pad)
+    expected = reference(rows, pad, dtype)
+    assert item["t"].dtype == torch.from_numpy(expected).dtype
+    assert tuple(item["t"].shape) == expected.shape
+    assert np.array_equal(item["t"].numpy(), expected)
+    assert item["t_lengths"].dtype == torch.int64
+    assert item["t_lengths"].tolist() == [0 if r is None else len(r) for r in rows]
+    assert item["t"].numpy().flags.writeable
+
+    packed = collate(table, lists="packed")
+    offsets = packed["t_offsets"].tolist()
+    assert [packed["t"][a:b].tolist() for a, b in zip(offsets, offsets[1:], strict=False)] == [
+        [] if r is None else np.asarray(r, dtype).tolist() for r in rows
+    ]
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=row_lengths, nulls=st.lists(st.booleans(), max_size=12))
+def test_padded_blobs_match_the_reference(lengths, nulls) -> None:
+    blobs = [None if i < len(nulls) and nulls[i] else bytes((i * 7 + j) % 256 for j in range(n))
+             for i, n in enumerate(lengths)]
+    table = pa.table({"b": pa.array(blobs, pa.binary())})
+    item = collate(table, binary="padded", pad_value=-1)  # blobs pad with 0 whatever pad_value
+    assert np.array_equal(item["b"].numpy(), reference(blobs, 0, np.dtype(np.uint8)))
+    assert item["b_lengths"].tolist() == [0 if b is None else len(b) for b in blobs]
+    listed = collate(table)
+    assert [bytes(t.numpy()) for t in listed["b"]] == [b or b"" for b in blobs]
+
+
+@pytest.mark.parametrize("pad", [0, -3])
+def test_pad_copies_long_rows_into_fresh_memory(pad: int) -> None:
+    """The per-row copy path: every value lands at its row's start, the rest of each row holds the pad value, and
+    the source is untouched (it may be Arrow's read-only memory)."""
+    lengths = [300, 0, 17, 512, 1]
+    values = np.arange(sum(lengths), dtype=np.int32)
+    values.flags.writeable = False
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    out = _pad(values, offsets, pad)
+    assert out.shape == (5, 512) and out.dtype == np.int32 and out.flags.writeable and out.flags.c_contiguous
+    for i, n in enumerate(lengths):
+        assert np.array_equal(out[i, :n], values[offsets[i] : offsets[i + 1]])
+        assert (out[i, n:] == pad).all()
+    assert np.array_equal(values, np.arange(sum(lengths), dtype=np.int32))
+
+
+def test_empty_shard() -> None:
+    table = pa.table({"t": pa.array([], pa.list_(pa.int32())), "b": pa.array([], pa.binary())})
+    item = collate(table)
+    assert tuple(item["t"].shape) == (0, 0) and item["t"].dtype == torch.int32
+    assert item["t_lengths"].tolist() == [] and item["b"] == []
+
+
+@pytest.mark.parametrize("long_rows", [False, True])
+def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -> None:
+    from lakestream_iceberg.errors import ConfigError
+
+    n = 40 if long_rows else 2
+    table = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.uint8()))})
+    with pytest.raises(ConfigError, match="pad_value"):
+        collate(table, pad_value=-1)
+    floats = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.int32()))})
+    assert collate(floats, pad_value=2.7)["t"][1, 1:].tolist() == [2] * (n - 1)  # cast like np.full: truncated
+
+
+def test_padded_memory_outlives_the_table_and_later_steps() -> None:
+    """The padded tensor owns its memory (Arrow's pool): dropping the shard's table and padding more steps, which
+    reuse freed pool memory, leaves earlier tensors intact."""
+    import gc
+
+    rows = [list(range(i, i + 20 + 3 * i)) for i in range(30)]
+    item = collate(pa.table({"t": pa.array(rows, pa.list_(pa.int64()))}), pad_value=-5)
+    expected = reference(rows, -5, np.dtype(np.int64))
+    for k in range(20):
+        other = collate(pa.table({"t": pa.array([[k] * (25 + k), [k]] * 15, pa.list_(pa.int64()))}), pad_value=9)
+        del other
+        gc.collect()
+    assert np.array_equal(item["t"].numpy(), expected)
+    view = item["t"][:, :5]  # a view: holds the storage, hence the pool buffer
+    del item
+    gc.collect()
+    for k in range(5):
+        collate(pa.table({"t": pa.array([[k] * (25 + k), [k]] * 15, pa.list_(pa.int64()))}), pad_value=9)
+    assert np.array_equal(view.numpy(), expected[:, :5])
