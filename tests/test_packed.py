@@ -19,7 +19,7 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.expressions import EqualTo
 
-from lakestream_iceberg import ConfigError, CorruptStateError, StepCollectedError, Stream, StreamExistsError
+from lakestream_iceberg import ConfigError, CorruptStateError, RankError, StepCollectedError, Stream, StreamExistsError
 from tests.support import SCHEMA, batch, digest, shard
 from tests.test_hardening import file_json, forge_intent, local, published_by
 
@@ -156,16 +156,23 @@ def test_the_dataset_gives_every_consumer_world_size_the_same_rows_as_the_per_ra
 # -- damaged files are errors, never wrong rows -----------------------------------------------------------------------
 
 
-def rewrite(path: Path, *, rank_rows: bytes | None = None, ranks: list[int] | None = None) -> None:
-    """Rewrite a packed file in place with another rank table or other ``_rank`` values (same row groups)."""
+def rewrite(path: Path, *, rank_rows: bytes | None = None, ranks: list[int] | None = None, drop_table: bool = False,
+            drop_rank_column: bool = False) -> None:
+    """Rewrite a packed file in place with another (or no) rank table, other ``_rank`` values or no ``_rank`` column
+    (same row groups)."""
     parquet = pq.ParquetFile(path)
     table = parquet.read()
-    schema = table.schema
+    metadata = dict(parquet.metadata.metadata or {})
+    metadata.pop(b"ARROW:schema", None)
     if ranks is not None:
-        table = table.set_column(table.schema.get_field_index("_rank"), schema.field("_rank"), pa.array(ranks, pa.int32()))
-    metadata = dict(schema.metadata or {})
+        table = table.set_column(table.schema.get_field_index("_rank"), table.schema.field("_rank"), pa.array(ranks, pa.int32()))
+    if drop_rank_column:
+        table = table.drop_columns(["_rank"])
     if rank_rows is not None:
         metadata[b"lakestream.rank-rows"] = rank_rows
+    if drop_table:
+        del metadata[b"lakestream.rank-rows"]
+    schema = table.schema.with_metadata(metadata)
     sizes = [parquet.metadata.row_group(g).num_rows for g in range(parquet.num_row_groups)]
     with pq.ParquetWriter(path, schema.with_metadata(metadata)) as writer:
         offset = 0
@@ -174,25 +181,46 @@ def rewrite(path: Path, *, rank_rows: bytes | None = None, ranks: list[int] | No
             offset += n
 
 
-@pytest.mark.parametrize("defect", ["too-few-ranks", "counts-do-not-add-up", "not-a-number", "missing", "rows-swapped"])
+BIG = 999_999_999_999_999_999
+
+DEFECTS = {  # a damaged rank table (or rows) of a packed file holding 6 ranks x 3 rows, and what the error says
+    "too-few-ranks": (dict(rank_rows=b"3,3,3,3,6"), "for 5 ranks"),
+    "counts-do-not-add-up": (dict(rank_rows=b"3,3,3,3,3,4"), "declares 19 rows"),
+    "not-a-number": (dict(rank_rows=b"3,3,3,x,3,3"), "malformed"),
+    "empty": (dict(rank_rows=b""), "malformed"),
+    "missing": (dict(drop_table=True), "has no lakestream.rank-rows"),
+    # a count larger than the file (with enough ranks such counts could wrap an int64 sum around to the right total)
+    "huge-count": (dict(rank_rows=b"3,3,3,%d,3,3" % BIG), "for one rank"),
+    "no-rank-column": (dict(drop_rank_column=True), "has no _rank column"),
+    # the rank table is right, but rank 1's rows hold rank 2's
+    "rows-swapped": (dict(ranks=[0] * 3 + [2] * 3 + [1] * 3 + [3] * 3 + [4] * 3 + [5] * 3), "do not hold the ranks"),
+}
+
+
+@pytest.mark.parametrize("defect", sorted(DEFECTS))
 def test_a_damaged_packed_file_raises_corrupt_state_never_returns_other_rows(catalog: SqlCatalog, defect: str) -> None:
     stream = make(catalog)
     stream.producer("p").commit([shard("p", 0, r, rows=3) for r in range(6)])
     (path,) = data_files(stream)
-    if defect == "too-few-ranks":
-        rewrite(path, rank_rows=b"3,3,3,3,6")
-    elif defect == "counts-do-not-add-up":
-        rewrite(path, rank_rows=b"3,3,3,3,3,4")
-    elif defect == "not-a-number":
-        rewrite(path, rank_rows=b"3,3,3,x,3,3")
-    elif defect == "missing":
-        rewrite(path, rank_rows=b"")
-    else:  # the rank table is right, but rank 1's rows hold rank 2's
-        rewrite(path, ranks=[0] * 3 + [2] * 3 + [1] * 3 + [3] * 3 + [4] * 3 + [5] * 3)
+    change, says = DEFECTS[defect]
+    rewrite(path, **change)
     reopened = Stream.open(catalog, "ns.packed")
-    with pytest.raises(CorruptStateError, match="roll the stream back"):
+    with pytest.raises(CorruptStateError, match="roll the stream back") as caught:
         for rank in range(6):
             reopened.read(1, rank=rank)
+    assert says in str(caught.value)
+    with pytest.raises(CorruptStateError):  # history's samples view reads packed files through the same checks
+        reopened.history(samples_steps=(1, 1)).sql("SELECT count(*) FROM samples").fetchall()
+
+
+def test_row_ranges_outside_a_rank_are_refused(catalog: SqlCatalog) -> None:
+    stream = make(catalog)
+    stream.producer("p").commit([shard("p", 0, r, rows=3) for r in range(6)])
+    with stream.step_files(1) as files:
+        assert files.read(2, 1, 3).num_rows == 2
+        for bad in [(6, 0, 1), (-1, 0, 1), (2, 0, 4), (2, 2, 1), (True, 0, 1)]:
+            with pytest.raises(RankError):
+                files.read_ranges([bad])
 
 
 # -- staged intents (group commit) ------------------------------------------------------------------------------------
@@ -226,7 +254,7 @@ def test_a_staged_packed_batch_is_published_by_another_producers_commit(catalog:
     assert [digest(stream.read(step, rank=r)) for r in range(6)] == [digest(s) for s in batch("a", 0, 6)]
 
 
-@pytest.mark.parametrize("defect", ["per-rank-entry", "bad-rank-table"])
+@pytest.mark.parametrize("defect", ["per-rank-entry", *sorted(set(DEFECTS) - {"rows-swapped"})])
 def test_a_staged_packed_batch_that_does_not_fit_the_layout_is_never_published(catalog: SqlCatalog, defect: str) -> None:
     stream = make(catalog)
     a = two_active(stream)
@@ -234,7 +262,11 @@ def test_a_staged_packed_batch_that_does_not_fit_the_layout_is_never_published(c
     if defect == "per-rank-entry":
         files = [{**files[0], "rank": 0}]
     else:
-        rewrite(local(files[0]["path"]), rank_rows=b"1,1,1,1,1")
+        rows = pq.ParquetFile(local(files[0]["path"])).metadata.num_rows
+        change = dict(DEFECTS[defect][0])
+        if defect == "huge-count":
+            change["rank_rows"] = b"%d,0,0,%d,0,0" % (rows, BIG)
+        rewrite(local(files[0]["path"]), **change)
         files[0]["size"] = local(files[0]["path"]).stat().st_size
     forge_intent(stream, producer="c", seq=0, files=files, token="packedbad01")
     a.commit(batch("a", 2, 6))

@@ -75,7 +75,7 @@ def test_each_rank_is_one_file_with_one_row_group_or_the_step_one_packed_file(st
     assert parquet.schema_arrow.names == [*SCHEMA.names, "_rank"]  # _rank stored, _step in the partition tuple
     ranks = [parquet.read_row_group(g).column("_rank").to_pylist() for g in range(parquet.num_row_groups)]
     assert sum(ranks, []) == [0] * 3 + [2] * 5 + [3] * 2
-    assert parquet.num_row_groups > 1 and all(len(set(g)) >= 1 for g in ranks)
+    assert parquet.num_row_groups > 1  # 200-byte row groups: the ranks do not fit in one
     assert all(set(a).isdisjoint(b) for a, b in zip(ranks, ranks[1:]))  # a rank never spans two row groups
 
 

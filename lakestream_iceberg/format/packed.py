@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from lakestream_iceberg.errors import CorruptStateError
+from lakestream_iceberg.format.layout import RANK_COLUMN
 
 RANK_ROWS_KEY = b"lakestream.rank-rows"
 _RANK_ROWS = re.compile(rb"\d{1,18}(?:,\d{1,18})*")
@@ -64,13 +65,20 @@ class PackedFooter:
         counts = np.array(raw.decode("ascii").split(","), dtype=np.int64)  # parsed in C: 1,024 ranks cost microseconds
         if len(counts) != world_size:
             raise corrupt(f"declares rows for {len(counts)} ranks; the stream has world size {world_size}")
+        rows = metadata.num_rows
+        if counts.max(initial=0) > rows:  # also keeps the sum below from wrapping around (each count <= rows)
+            raise corrupt(f"declares {int(counts.max())} rows for one rank, holds {rows} in all")
         starts = np.concatenate(([0], np.cumsum(counts)))
-        if int(starts[-1]) != metadata.num_rows or (record_count is not None and record_count != metadata.num_rows):
-            raise corrupt(f"declares {int(starts[-1])} rows per its rank table, holds {metadata.num_rows}"
+        if int(starts[-1]) != rows or (record_count is not None and record_count != rows):
+            raise corrupt(f"declares {int(starts[-1])} rows per its rank table, holds {rows}"
                           + (f", and its manifest entry says {record_count}" if record_count is not None else ""))
         groups = [0]
         for i in range(metadata.num_row_groups):
             groups.append(groups[-1] + metadata.row_group(i).num_rows)
+        if groups[-1] != rows:
+            raise corrupt(f"has row groups of {groups[-1]} rows in all, its footer says {rows}")
+        if RANK_COLUMN not in metadata.schema.names:
+            raise corrupt(f"has no {RANK_COLUMN} column")
         return cls(path=path, rank_starts=starts, group_starts=tuple(groups))
 
     @property

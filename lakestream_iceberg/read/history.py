@@ -50,6 +50,7 @@ from collections.abc import Iterable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 from pyiceberg.io import FileIO
 
@@ -77,7 +78,7 @@ from lakestream_iceberg.read.history_schemas import (
     PRODUCERS_SCHEMA,
     SNAPSHOTS_SCHEMA,
 )
-from lakestream_iceberg.read.reader import read_file
+from lakestream_iceberg.read.reader import StepFiles, read_file
 
 if TYPE_CHECKING:
     import duckdb
@@ -285,7 +286,6 @@ def read_samples(
     """
     rank_field = pa.field(RANK_COLUMN, pa.int32())
     schema = stream.payload_arrow_schema.append(pa.field(STEP_COLUMN, pa.int64())).append(rank_field)
-    packed_schema = stream.payload_arrow_schema.append(rank_field)
     wanted = None if steps is None else set(steps)
     work = [e.data_file for e in entries if wanted is None or int(e.data_file.partition[0]) in wanted]
     iterator: Iterable[DataFile] = work
@@ -296,10 +296,14 @@ def read_samples(
     parts = []
     for data_file in iterator:
         step = int(data_file.partition[0])
-        if len(data_file.partition) == 1:  # packed: the file holds every rank and their _rank values
-            shard = read_file(stream.io, data_file, packed_schema)
+        if len(data_file.partition) == 1:  # packed: every rank's rows, read (and checked) as a reader reads them
+            with StepFiles(stream.io, [data_file], world_size=stream.world_size, packed=True,
+                           schema=stream.payload_arrow_schema) as packed:
+                counts = packed.counts
+                shard = packed.read_ranges([(r, 0, n) for r, n in enumerate(counts)])
             shard = shard.append_column(pa.field(STEP_COLUMN, pa.int64()), pa.array([step] * shard.num_rows, pa.int64()))
-            parts.append(shard.select(schema.names))
+            ranks = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+            parts.append(shard.append_column(rank_field, pa.array(ranks, pa.int32())))
             continue
         rank = int(data_file.partition[1])
         shard = read_file(stream.io, data_file, stream.payload_arrow_schema)

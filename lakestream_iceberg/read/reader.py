@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
 
-from lakestream_iceberg.errors import CorruptStateError
+from lakestream_iceberg.errors import CorruptStateError, RankError
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import PackedFooter
 
@@ -56,7 +56,8 @@ class StepFiles:
     Per-rank layout: rank ``r``'s rows are file ``r`` (a read fetches the whole file, one GET). Packed layout: one file;
     making a ``StepFiles`` opens it and reads its footer (the rank table, :mod:`lakestream_iceberg.format.packed`), and a
     read fetches only the row groups holding the rows asked for (range reads, coalesced), checking their ``_rank``
-    values. A packed file of at most ``WHOLE_FILE_BYTES`` is fetched whole in one read instead.
+    values. A packed file of at most ``WHOLE_FILE_BYTES`` is fetched whole in one read instead. Not thread-safe: one
+    reader per ``StepFiles``.
     Close it (or use it as a context manager) to release the packed file.
 
     Raises:
@@ -112,7 +113,16 @@ class StepFiles:
 
     def read_ranges(self, ranges: Sequence[tuple[int, int, int]], columns: list[str] | None = None) -> pa.Table:
         """The rows ``(rank, start, stop)`` of each range, concatenated in order (a packed file: one read of the
-        row groups spanning them when they are consecutive in the file)."""
+        row groups spanning them when they are consecutive in the file).
+
+        Raises:
+            RankError: A rank outside the step's ranks, or a row range outside that rank's rows.
+        """
+        for rank, start, stop in ranges:
+            if not (_index(rank) and 0 <= rank < len(self.counts)):
+                raise RankError(f"rank {rank!r} is outside 0..{len(self.counts) - 1}")
+            if not (_index(start) and _index(stop) and 0 <= start <= stop <= self.counts[rank]):
+                raise RankError(f"rows {start!r}:{stop!r} of rank {rank} are outside its {self.counts[rank]} rows")
         target = self._schema if columns is None else pa.schema([self._schema.field(c) for c in columns])
         if self.footer is None:
             tables = []
@@ -153,6 +163,10 @@ class StepFiles:
                 "back to a checkpoint before the step that lists it"
             )
         return table.drop_columns([RANK_COLUMN]).cast(target)
+
+
+def _index(value: object) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def _concat(tables: list[pa.Table], target: pa.Schema) -> pa.Table:

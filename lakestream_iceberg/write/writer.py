@@ -219,7 +219,7 @@ class BatchWriter:
         a size lookup, not an Arrow call per column.
         """
         assert self._packed_bytes is not None
-        payload = pa.schema(list(self._arrow_schema)[:-1])
+        payload = pa.schema([f for f in self._arrow_schema if f.name != RANK_COLUMN])
         rank_field = self._arrow_schema.field(RANK_COLUMN)
         filled = [(rank, shard) for rank, shard in enumerate(shards) if shard.num_rows]
         if not filled:
