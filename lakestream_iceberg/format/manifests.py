@@ -14,6 +14,7 @@ Manifests and manifest lists are immutable, so they are cached per process by pa
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import uuid
@@ -41,8 +42,11 @@ from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifes
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
 
 
+@functools.lru_cache(maxsize=65536)
 def manifest_level(path: str) -> int:
-    """The merge level encoded in a manifest's file name; manifests written by other engines count as level 0."""
+    """The merge level encoded in a manifest's file name; manifests written by other engines count as level 0.
+
+    Cached: every commit asks it of every manifest in the list, once per level."""
     match = _LEVEL_RE.search(path)
     return int(match.group(1)) if match else 0
 
