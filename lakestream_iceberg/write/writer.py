@@ -173,21 +173,24 @@ class BatchWriter:
         """
         token = uuid.uuid4().hex[:12]
         written_at = time.time()  # before any file exists: a lower bound of every file's modification time
-        if self._packed_bytes is not None:
+        files: list[StagedFile] = []
+        failure: Exception | None = None
+        if self._packed_bytes is not None:  # one file: written here, no hand-off to a pool thread and back
             paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=None)]
-            futures = [self._pool.submit(self._write_packed_retrying, paths[0], shards)]
+            try:
+                files.append(self._write_packed_retrying(paths[0], shards))
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after the cleanup
+                failure = exc
         else:
             paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=rank)
                      for rank in range(len(shards))]
             futures = [self._pool.submit(self._write_retrying, path, rank, shard)
                        for rank, (path, shard) in enumerate(zip(paths, shards))]
-        files: list[StagedFile] = []
-        failure: Exception | None = None
-        for future in futures:  # wait for every rank, so that no write is still running when the others are deleted
-            try:
-                files.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - re-raised below, after the cleanup
-                failure = failure or exc
+            for future in futures:  # wait for every rank, so that no write is still running when the others are deleted
+                try:
+                    files.append(future.result())
+                except Exception as exc:  # noqa: BLE001 - re-raised below, after the cleanup
+                    failure = failure or exc
         if failure is None:
             return StagedBatch(producer=producer, seq=seq, files=tuple(files), token=token, written_at=written_at)
         for path in paths:  # a failed rank may have left a partial file too
