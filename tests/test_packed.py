@@ -221,6 +221,9 @@ def test_row_ranges_outside_a_rank_are_refused(catalog: SqlCatalog) -> None:
         for bad in [(6, 0, 1), (-1, 0, 1), (2, 0, 4), (2, 2, 1), (True, 0, 1)]:
             with pytest.raises(RankError):
                 files.read_ranges([bad])
+        for rank in (6, -1, True):
+            with pytest.raises(RankError):
+                files.read(rank)
 
 
 # -- staged intents (group commit) ------------------------------------------------------------------------------------

@@ -108,8 +108,14 @@ class StepFiles:
             self._stream = None
 
     def read(self, rank: int, start: int = 0, stop: int | None = None, columns: list[str] | None = None) -> pa.Table:
-        """Rows ``start:stop`` of stream rank ``rank`` (all of them by default), decoded to the payload schema."""
-        return self.read_ranges([(rank, start, self.counts[rank] if stop is None else stop)], columns)
+        """Rows ``start:stop`` of stream rank ``rank`` (all of them by default), decoded to the payload schema.
+
+        Raises:
+            RankError: ``rank`` is not a rank of the step, or ``start:stop`` is not within its rows.
+        """
+        if stop is None:  # a bad rank is refused by read_ranges, not indexed here (-1 would be the last rank)
+            stop = self.counts[rank] if _index(rank) and 0 <= rank < len(self.counts) else 0
+        return self.read_ranges([(rank, start, stop)], columns)
 
     def read_ranges(self, ranges: Sequence[tuple[int, int, int]], columns: list[str] | None = None) -> pa.Table:
         """The rows ``(rank, start, stop)`` of each range, concatenated in order (a packed file: one read of the
