@@ -19,10 +19,14 @@ from pyiceberg.table.snapshots import Snapshot
 from lakestream_iceberg.format.manifests import ManifestCache, step_bounds
 
 
+def is_packed(data_file: DataFile) -> bool:
+    """Whether a data file is a packed layout's step file (partition ``(_step,)``), not one rank's (``(_step, _rank)``)."""
+    return len(data_file.partition) == 1
+
+
 def rank_of(entry: ManifestEntry) -> int:
     """The rank of a per-rank layout's entry (0 for a packed file, which holds every rank)."""
-    partition = entry.data_file.partition
-    return int(partition[1]) if len(partition) > 1 else 0
+    return 0 if is_packed(entry.data_file) else int(entry.data_file.partition[1])
 
 
 class StepIndex:

@@ -58,7 +58,7 @@ from lakestream_iceberg.errors import MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import ancestors
-from lakestream_iceberg.format.index import rank_of
+from lakestream_iceberg.format.index import is_packed, rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
 from lakestream_iceberg.format.summary import (
     KEY_ATTEMPTS,
@@ -133,7 +133,7 @@ def live_entries(stream: StreamTable, *, branch: str) -> list[ManifestEntry]:
 
 def _file_row(data_file: DataFile, *, step: int, snapshot_id: int | None, world_size: int) -> dict[str, Any]:
     parsed = parse_data_path(data_file.file_path)
-    packed = len(data_file.partition) == 1
+    packed = is_packed(data_file)
     return {
         "path": data_file.file_path, "step": step, "rank": None if packed else int(data_file.partition[1]),
         "ranks": world_size if packed else 1, "records": data_file.record_count, "bytes": data_file.file_size_in_bytes,
@@ -296,7 +296,7 @@ def read_samples(
     parts = []
     for data_file in iterator:
         step = int(data_file.partition[0])
-        if len(data_file.partition) == 1:  # packed: every rank's rows, read (and checked) as a reader reads them
+        if is_packed(data_file):  # packed: every rank's rows, read (and checked) as a reader reads them
             with StepFiles(stream.io, [data_file], world_size=stream.world_size, packed=True,
                            schema=stream.payload_arrow_schema) as packed:
                 counts = packed.counts
