@@ -107,12 +107,28 @@ def test_each_batch_of_a_group_is_its_own_snapshot_in_lineage_order(tmp_path: Pa
     # each snapshot sees exactly the steps up to its own: time travel works per step
     for snap, state in zip(reversed(chain), states, strict=True):
         steps = set(stream.table.scan(snapshot_id=snap.snapshot_id, selected_fields=("_step",)).to_arrow()["_step"].to_pylist())
-        assert max(steps, default=0) <= state.step
+        assert steps == set(range(1, state.step + 1))
         entries = [e for m in snap.manifests(stream.io) for e in m.fetch_manifest_entry(stream.io)
                    if e.status == ManifestEntryStatus.ADDED and e.snapshot_id == snap.snapshot_id]
         assert {e.data_file.partition[0] for e in entries} == {state.step}
     # and every step's producer table carries the batches before it
     assert states[-1].producers["c"].seq == 0 and states[0].producers.get("d") is None
+    # the group's head lists one new manifest for the whole group: the earlier batches EXISTING (their own snapshot
+    # ids and sequence numbers kept), its own ADDED, so the head's list grows by one manifest per group
+    snaps = list(reversed(chain))
+    newest = [m for m in snaps[-1].manifests(stream.io) if m.added_snapshot_id == snaps[-1].snapshot_id]
+    assert len(newest) == 1
+    entries = newest[0].fetch_manifest_entry(stream.io)
+    by_step = {}
+    for e in entries:
+        by_step.setdefault(e.data_file.partition[0], set()).add((e.status, e.snapshot_id, e.sequence_number))
+    last = ManifestEntryStatus.ADDED
+    assert by_step == {state.step: {(last if snap is snaps[-1] else ManifestEntryStatus.EXISTING, snap.snapshot_id,
+                                     snap.sequence_number)} for snap, state in zip(snaps, states, strict=True)}
+    assert len(entries) == 4 * WORLD  # one file per rank and step
+    parent = metadata.snapshot_by_id(snaps[0].parent_snapshot_id)
+    before = {m.manifest_path for m in parent.manifests(stream.io)}
+    assert [m.manifest_path for m in snaps[-1].manifests(stream.io) if m.manifest_path not in before] == [newest[0].manifest_path]
 
 
 def test_stale_foreign_and_broken_intents_are_never_published(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,6 +1,7 @@
 """Manifest bookkeeping whose cost per commit does not grow with the stream's history.
 
-Each commit writes one small level-0 manifest holding the new step's files. Whenever ``fanout`` manifests of one level
+Each commit writes one small level-0 manifest holding the new step's files (a group commit: one for the whole group,
+see :meth:`ManifestPlanner.group`). Whenever ``fanout`` manifests of one level
 accumulate in a snapshot's manifest list they are merged into one manifest of the next level (their entries rewritten
 as EXISTING, snapshot ids and sequence numbers kept). This is a log-structured merge: the manifest list stays at most
 ``(fanout - 1) * levels + 1`` entries long, the entries rewritten per commit are ``O(world_size * log_fanout(steps))``
@@ -200,6 +201,22 @@ class ManifestPlanner:
                 for f in data_files
             ),
         )
+
+    def group(self, *, earlier: Sequence[ManifestFile], snapshot_id: int, sequence_number: int,
+              data_files: Sequence[DataFile]) -> ManifestFile:
+        """The last snapshot of a group commit: one level-0 manifest listing the group's ``earlier`` manifests'
+        entries as EXISTING (their snapshot ids and sequence numbers kept) and ``data_files`` as ADDED.
+
+        Each snapshot of a group needs a manifest list of its own, but only the last one stays the head: with this
+        manifest it lists one new manifest for the whole group instead of one per batch, so the list stays short and
+        merges come ``group`` times less often (a merge reads the manifests that other producers' commits wrote)."""
+        entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in earlier for e in self._cache.entries(self._io, m)]
+        entries += [
+            ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=snapshot_id,
+                                    sequence_number=sequence_number, file_sequence_number=sequence_number, data_file=f)
+            for f in data_files
+        ]
+        return self._write(0, snapshot_id, sequence_number, entries)
 
     def merged(self, manifests: list[ManifestFile], *, snapshot_id: int, sequence_number: int) -> list[ManifestFile]:
         """Merge every level holding ``fanout`` or more manifests into one manifest of the next level, cascading."""

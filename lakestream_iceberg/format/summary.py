@@ -18,7 +18,8 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from pyiceberg.io import FileIO
@@ -102,11 +103,23 @@ class StreamState:
 
     @classmethod
     def of(cls, snapshot: Snapshot | None) -> StreamState:
-        """The state a snapshot records (empty for None or a snapshot without lakestream fields)."""
+        """The state a snapshot records (empty for None or a snapshot without lakestream fields).
+
+        A snapshot never changes, so its state is parsed once per process (keyed by snapshot id and manifest list,
+        which names the table) and shared: its ``producers`` mapping is read-only. A commit, its holders' checks and
+        DAC's observation each ask it of the same head several times."""
         if snapshot is None or snapshot.summary is None:
             return cls.empty()
-        return cls.parse(snapshot.summary.additional_properties, snapshot_id=snapshot.snapshot_id,
-                         parent_id=snapshot.parent_snapshot_id)
+        key = (snapshot.snapshot_id, snapshot.manifest_list)
+        state = _PARSED_STATES.get(key)
+        if state is None:
+            state = cls.parse(snapshot.summary.additional_properties, snapshot_id=snapshot.snapshot_id,
+                              parent_id=snapshot.parent_snapshot_id)
+            state = replace(state, producers=MappingProxyType(dict(state.producers)))
+            if len(_PARSED_STATES) >= _MAX_PARSED_STATES:
+                _PARSED_STATES.clear()
+            _PARSED_STATES[key] = state
+        return state
 
     def lookup(self, io: FileIO, producer_id: str) -> ProducerState | None:
         """What this snapshot knows of a producer: the active map first, then the producer-state files."""
@@ -161,6 +174,9 @@ class StreamState:
 # and the snapshots of one group commit repeat it. Bounded: cleared when full.
 _PARSED_PRODUCERS: dict[str, dict[str, ProducerState]] = {}
 _MAX_PARSED = 64
+# Parsed states of snapshots, by (snapshot id, manifest list): see StreamState.of. Bounded: cleared when full.
+_PARSED_STATES: dict[tuple[int, str], StreamState] = {}
+_MAX_PARSED_STATES = 256
 
 
 class _Fields:

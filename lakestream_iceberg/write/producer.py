@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+from pyiceberg.manifest import ManifestFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotSummaryCollector, Summary, update_snapshot_summaries
@@ -319,6 +320,7 @@ class Producer:
         taken = {s.snapshot_id for s in metadata.snapshots}
         planner = stream.manifest_planner(metadata)
         manifests = planner.parent_manifests(parent)
+        own_manifests: list[ManifestFile] = []  # this group's manifests so far, one per batch, newest first
         producers = dict(state.producers)
         updates: list[TableUpdate] = []
         result: CommitResult | None = None
@@ -331,9 +333,16 @@ class Producer:
             taken.add(snapshot_id)
             sequence_number = first_sequence + i
             data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
-            added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
-            manifests = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
-            manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=parent_id,
+            if i < group - 1:  # a snapshot inside the group: its batch's manifest on top of the earlier ones
+                added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
+                own_manifests.insert(0, added)
+                listed = [*own_manifests, *manifests]
+            else:  # the group's head: one manifest for the whole group (alone: just its batch), then merges
+                added = planner.group(earlier=own_manifests, snapshot_id=snapshot_id, sequence_number=sequence_number,
+                                      data_files=data_files) if own_manifests else \
+                    planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
+                listed = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
+            manifest_list = planner.write_list(listed, snapshot_id=snapshot_id, parent_id=parent_id,
                                                sequence_number=sequence_number)
             previous = producers.get(staged.producer)  # active: keeps its first step; else it (re)enters now
             first = step if previous is None else (previous.step if previous.first is None else previous.first)

@@ -113,7 +113,8 @@ class Intent:
 
     @classmethod
     def from_bytes(cls, path: str, raw: bytes) -> Intent:
-        column = pq.read_table(io.BytesIO(raw)).column("intent")
+        # ParquetFile, not pq.read_table: a dataset scan costs 4x as much for this one-row file, once per listed intent
+        column = pq.ParquetFile(pa.BufferReader(raw)).read(columns=["intent"]).column("intent")
         if len(column) != 1:
             raise ValueError(f"an intent file holds one row, this one {len(column)}")
         return cls.from_json(path, column[0].as_py())
