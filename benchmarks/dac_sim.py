@@ -58,8 +58,9 @@ sent, ``wasted`` the fraction of them lost, ``carried`` the fraction of commits 
 ``batches_per_cas`` the mean batches per winning swap.
 
 Run ``python benchmarks/dac_sim.py --producers 64 256 1024`` for a quick table. ``--cold-start 5`` adds a table of
-the start-up: swaps won and lost in the first 5 s (from t=0, warm-up included), lost afterwards, and the time of the
-last lost swap; e.g. ``--producers 1024 --strategies dac --cold-start 5`` (all start within one critical section) and
+the start-up: swaps won and lost in the first 5 s (from t=0, warm-up included), lost afterwards, the time of the
+last lost swap, and the batches published per second in those first 5 s against the steady rate (``vs steady``: does
+the start-up hold the throughput?); e.g. ``--producers 1024 --strategies dac --cold-start 5`` (all start within one critical section) and
 the same with ``--stagger 30`` (producers start within 30 s).
 """
 
@@ -338,7 +339,8 @@ class SimResult:
     carried: int = 0  # commits (batches) published by another producer's swap, with no swap of their own
     swaps_won: int = 0  # compare-and-swaps won
     swap_batches: int = 0  # batches those swaps published
-    swap_log: list[tuple[float, bool]] = field(repr=False, default_factory=list)  # (time, won) of every swap from t=0
+    # (time, won, batches published) of every swap from t=0
+    swap_log: list[tuple[float, bool, int]] = field(repr=False, default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -363,10 +365,13 @@ class SimResult:
     def cold_start(self, window_s: float) -> dict[str, float | int]:
         """Swaps from t=0 (warm-up included): won and lost in the first ``window_s`` seconds, lost later, and the time
         of the last lost swap (when losses stopped; near the end of the run when they never do)."""
-        early = [won for t, won in self.swap_log if t < window_s]
-        lost_times = [t for t, won in self.swap_log if not won]
+        early = [won for t, won, _ in self.swap_log if t < window_s]
+        lost_times = [t for t, won, _ in self.swap_log if not won]
+        published = sum(n for t, won, n in self.swap_log if won and t < window_s)
         return {
             "won_early": sum(early), "lost_early": len(early) - sum(early),
+            "published_early_per_s": published / window_s,
+            "vs_steady": published / window_s / self.throughput if self.throughput else math.nan,
             "lost_later": sum(1 for t in lost_times if t >= window_s),
             "last_loss_s": max(lost_times) if lost_times else math.nan,
         }
@@ -511,7 +516,7 @@ def simulate(
             counted = now >= warm
             if counted:
                 res.attempts += 1
-            res.swap_log.append((now, version == base[i]))
+            res.swap_log.append((now, version == base[i], 1 if version == base[i] else 0))
             if version == base[i]:
                 version += 1
                 own_view[i] = version
@@ -709,7 +714,9 @@ def _simulate_loop(
                     waited = now - carry_at if attempt == 1 else 0.0
                     # after a lost swap the head just read may already show the batch published (Carry.published)
                     published = attempt > 1 and own.step is not None and own.step <= view[i]
-                    hold = 0.0 if published else policy.hold_delay(waited=waited)
+                    # Carry.queued: a listing of the staging folder, only when the policy asks (a cold start)
+                    queued = bisect.bisect_left(staging, own.key) if own.staged and policy.wants_queue else None
+                    hold = 0.0 if published else policy.hold_delay(waited=waited, queued=queued)
                     if hold > 0:
                         seconds = min(hold, max(0.0, deadline - now))
                         poll = policy.poll_interval()
@@ -743,7 +750,7 @@ def _simulate_loop(
                 counted = now >= warm
                 if counted:
                     res.attempts += 1
-                res.swap_log.append((now, version == base))
+                res.swap_log.append((now, version == base, len(batches) if version == base else 0))
                 if version == base:  # won: every batch of the plan becomes a step, in staging order
                     for b in batches:
                         version += 1
@@ -881,7 +888,8 @@ def main(argv: list[str] | None = None) -> int:
         cold = Table(f"cold start (producers start within {stagger}; swaps from t=0, run of "
                      f"{args.duration * 1.25:g} s)",
                      ["strategy", "P", f"won <{args.cold_start:g}s", f"lost <{args.cold_start:g}s",
-                      f"lost >={args.cold_start:g}s", "last loss s"])
+                      f"lost >={args.cold_start:g}s", "last loss s", f"published/s <{args.cold_start:g}s",
+                      "vs steady"])
     for n in args.producers:
         for name in args.strategies:
             t0 = time.monotonic()
@@ -889,7 +897,8 @@ def main(argv: list[str] | None = None) -> int:
                               background=args.background, stagger_s=args.stagger)
             if cold is not None:
                 c = result.cold_start(args.cold_start)
-                cold.add(name, n, c["won_early"], c["lost_early"], c["lost_later"], c["last_loss_s"])
+                cold.add(name, n, c["won_early"], c["lost_early"], c["lost_later"], c["last_loss_s"],
+                         c["published_early_per_s"], c["vs_steady"])
             r = result.row()
             table.add(name, n, r["commits_per_s"], r["failed"], r["attempts"], r["wasted_frac"], r["carried"],
                       r["batches_per_cas"], r["p50_s"] * 1000, r["p99_s"] * 1000, r["p99_over_p50"], r["jain"],

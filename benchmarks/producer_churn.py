@@ -569,7 +569,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pool", type=int, default=16, help="C: producer processes")
     parser.add_argument("--pool-batches", type=int, default=30, help="C: batches per process")
     parser.add_argument("--rotate", type=int, default=3, help="C: a fresh producer id every N batches")
-    parser.add_argument("--alone-batches", type=int, default=60, help="C: batches of the lone producer process")
+    parser.add_argument("--alone-batches", type=int, default=200,
+                        help="C: batches of the lone producer process (the baseline: 200 take 1.5-2.5 s here)")
     parser.add_argument("--start-method", choices=["forkserver", "spawn"], default="forkserver",
                         help="C: how producer processes start (forkserver: one import, then a fork per process)")
     parser.add_argument("--profile-dir", default=None,
