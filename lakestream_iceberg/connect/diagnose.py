@@ -258,11 +258,29 @@ def load_catalog(name: str, **properties: str) -> Any:
     from lakestream_iceberg.connect.rest_sigv4 import install_rest_sigv4_fix
     from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
 
-    install_rest_sigv4_fix()
-    install_rest_timeout()
+    if _may_be_rest(name, properties):  # the fixes import botocore (~0.3 s per process): not for SQL catalogs
+        install_rest_sigv4_fix()
+        install_rest_timeout()
 
     with config_errors(properties, action=f"loading catalog {name!r}", catalog=name):
         return _load(name, **properties)
+
+
+def _may_be_rest(name: str, properties: dict[str, str]) -> bool:
+    """Whether pyiceberg's ``load_catalog`` could make a REST catalog of this name and these properties (its own
+    rule: ``type``, else the URI's scheme, over the config file and environment); True when in doubt."""
+    try:
+        from pyiceberg.utils.config import Config, merge_config
+
+        conf = merge_config(Config().get_catalog_config(name) or {}, dict(properties))  # type: ignore[arg-type]
+        kind, uri = conf.get("type"), conf.get("uri")
+        if conf.get("py-catalog-impl"):
+            return True
+        if isinstance(kind, str) and kind:
+            return kind.lower() == "rest"
+        return not (isinstance(uri, str) and uri.startswith(("sqlite", "postgresql", "thrift")))
+    except Exception:  # noqa: BLE001 - pyiceberg's config helpers moved: install the fixes as before
+        return True
 
 
 # --------------------------------------------------------------------------------------------------- retry

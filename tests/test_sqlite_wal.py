@@ -1,0 +1,74 @@
+"""SQLite catalogs are put in write-ahead-log mode when a stream is opened on them (connect/sqlite.py)."""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.sqlite import PROP_SQLITE_WAL, prefer_wal
+from lakestream_iceberg.errors import ConfigError
+from tests.backends import published
+from tests.support import SCHEMA, batch
+
+WORLD = 2
+
+
+def catalog(tmp_path: Path, **props: str) -> SqlCatalog:
+    return SqlCatalog("wal", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/wh", **props)
+
+
+def journal_mode(tmp_path: Path) -> str:
+    with closing(sqlite3.connect(tmp_path / "catalog.db")) as conn:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+
+
+def test_a_stream_puts_its_sqlite_catalog_in_wal_mode_and_commits_land_in_it(tmp_path: Path) -> None:
+    cat = catalog(tmp_path)
+    assert journal_mode(tmp_path) == "delete"  # what pyiceberg leaves
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    assert journal_mode(tmp_path) == "wal"
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, WORLD))
+    # another process's view (a fresh catalog and connection) sees every commit: WAL readers read the log
+    other = Stream.open(catalog(tmp_path), "ns.s")
+    assert other.head_step() == 3 and published(other) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}
+    assert prefer_wal(cat) is None  # checked once per engine and process
+
+
+def test_the_catalog_property_false_leaves_the_database_alone(tmp_path: Path) -> None:
+    stream = Stream.create(catalog(tmp_path, **{PROP_SQLITE_WAL: "false"}), "ns.s", schema=SCHEMA, world_size=WORLD)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    assert journal_mode(tmp_path) == "delete"
+
+
+@pytest.mark.parametrize("value", ["yes", "1", ""])
+def test_a_malformed_property_is_a_config_error_that_names_it(tmp_path: Path, value: str) -> None:
+    Stream.create(catalog(tmp_path, **{PROP_SQLITE_WAL: "false"}), "ns.s", schema=SCHEMA, world_size=WORLD)
+    with pytest.raises(ConfigError, match=PROP_SQLITE_WAL):
+        Stream.open(catalog(tmp_path, **{PROP_SQLITE_WAL: value}), "ns.s")
+    assert journal_mode(tmp_path) == "delete"
+
+
+def test_a_database_that_cannot_switch_now_keeps_working_and_switches_later(tmp_path: Path,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    Stream.create(catalog(tmp_path, **{PROP_SQLITE_WAL: "false"}), "ns.s", schema=SCHEMA, world_size=WORLD)
+    holder = sqlite3.connect(tmp_path / "catalog.db", timeout=0.1)
+    holder.execute("BEGIN IMMEDIATE")  # another writer's open transaction: the mode cannot change under it
+    try:
+        with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.connect.sqlite"):
+            cat = SqlCatalog("wal", uri=f"sqlite:///{tmp_path}/catalog.db?timeout=0.1", warehouse=f"file://{tmp_path}/wh")
+            stream = Stream.open(cat, "ns.s")
+        assert "WAL mode" in caplog.text and journal_mode(tmp_path) == "delete"
+        assert stream.head_step() == 0  # reading works meanwhile
+    finally:
+        holder.rollback()
+        holder.close()
+    Stream.open(cat, "ns.s").producer("p").commit(batch("p", 0, WORLD))  # the next open in this process retries
+    assert journal_mode(tmp_path) == "wal"
