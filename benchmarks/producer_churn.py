@@ -21,8 +21,9 @@ Scenarios (``--scenarios A,B,C``; each a section of the printed table; every rat
   released together after a start barrier)
   each commit ``--pool-batches`` batches, taking a fresh producer id every ``--rotate`` batches. Reported: failed
   commits (target 0), total commits/s vs one producer process alone (one id, ``--alone-batches`` batches, on a fresh
-  stream, in the same run; target >= 1.0x), and a read-back of the table: head step == total batches, steps dense,
-  every (producer, seq) exactly once with all its rank rows.
+  stream, in the same run; target >= 1.0x), and a read-back of each pool's table: head step == total batches, steps
+  dense, every (producer, seq) exactly once with all its rank rows. ``--pool-rounds`` rounds of each (default 2),
+  alternating (alone, pool, pool, alone), each on a fresh stream after ``os.sync()``; the ratio pools the rounds.
 
 Run::
 
@@ -421,16 +422,9 @@ def pool_run(props: dict[str, str], table: str, processes: int, batches: int, ro
             "ids": len({r["producer"] for r in records}), "spawn_ready_s": ready_s, "cpu_s": cpu_s, "records": records}
 
 
-def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    if args.profile_dir:
-        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-    alone_props = catalog_props(root / "pool-alone")
-    create_stream(open_catalog(alone_props), "alone")
-    alone = pool_run(alone_props, f"{NS}.alone", 1, args.alone_batches, 0, args.retries, "alone",
-                     args.start_method, args.profile_dir)
-    print(f"[C] one producer alone: {alone['commits']} commits in {alone['elapsed_s']:.1f} s = "
-          f"{alone['commits_per_s']:.1f} commits/s (worker CPU {alone['cpu_s']:.1f} s)", flush=True)
-    props = catalog_props(root / "pool")
+def _pool_round(root: Path, args: argparse.Namespace, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One rotating-pool run on a fresh stream, and the read-back check of that stream."""
+    props = catalog_props(root / f"pool-{i}")
     stream = create_stream(open_catalog(props), "pool")
     pool = pool_run(props, f"{NS}.pool", args.pool, args.pool_batches, args.rotate, args.retries, "pool",
                     args.start_method, args.profile_dir)
@@ -456,8 +450,78 @@ def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     check["dense"] = check["missing_steps_count"] == 0 and not check["extra_steps"] and check["steps_with_rows"] == check["head_step"]
     print(f"[C] read back: head step {check['head_step']} (total batches {total}), dense {check['dense']}, "
           f"exactly once {check['exactly_once']}", flush=True)
+    return pool, check
+
+
+def _alone_round(root: Path, args: argparse.Namespace, i: int) -> dict[str, Any]:
+    props = catalog_props(root / f"pool-alone-{i}")
+    create_stream(open_catalog(props), "alone")
+    alone = pool_run(props, f"{NS}.alone", 1, args.alone_batches, 0, args.retries, "alone", args.start_method,
+                     args.profile_dir)
+    print(f"[C] one producer alone: {alone['commits']} commits in {alone['elapsed_s']:.1f} s = "
+          f"{alone['commits_per_s']:.1f} commits/s (worker CPU {alone['cpu_s']:.1f} s)", flush=True)
+    return alone
+
+
+def _merge_pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one kind as one run: commits/s over all of them (commits / summed elapsed), latencies pooled."""
+    records = [r for run in runs for r in run["records"]]
+    lat = [r["end"] - r["start"] for r in records if r["ok"]]
+    elapsed = sum(run["elapsed_s"] for run in runs)
+    commits = sum(run["commits"] for run in runs)
+    errors: dict[str, int] = {}
+    for run in runs:
+        for key, n in run["errors"].items():
+            errors[key] = errors.get(key, 0) + n
+    merged = dict(runs[0])
+    merged.update({"commits": commits, "failed": sum(run["failed"] for run in runs), "errors": errors,
+                   "elapsed_s": elapsed, "commits_per_s": commits / elapsed if elapsed > 0 else math.nan,
+                   "p50_s": p50(lat), "p99_s": percentile(lat, 99), "carried": sum(run["carried"] for run in runs),
+                   "duplicates_reported": sum(run["duplicates_reported"] for run in runs),
+                   "ids": sum(run["ids"] for run in runs), "cpu_s": sum(run["cpu_s"] for run in runs),
+                   "records": records, "rounds": len(runs),
+                   "round_commits_per_s": [run["commits_per_s"] for run in runs]})
+    return merged
+
+
+def _merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The read-back checks of every pool round: counts summed, lists joined, flags true only when true for all."""
+    out = dict(checks[0])
+    for key in ("head_step", "total_batches", "steps_with_rows", "missing_steps_count", "duplicates_count",
+                "missing_pairs_count", "expected_pairs", "unresolved_landed"):
+        out[key] = sum(c[key] for c in checks)
+    for key in ("mixed_steps", "incomplete_steps", "missing_steps", "extra_steps", "missing_pairs", "unexpected_pairs"):
+        out[key] = [x for c in checks for x in c[key]][:20]
+    out["duplicates"] = {k: v for c in checks for k, v in c["duplicates"].items()}
+    out["exactly_once"] = all(c["exactly_once"] for c in checks)
+    out["dense"] = all(c["dense"] for c in checks)
+    out["rounds"] = len(checks)
+    return out
+
+
+def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Alternating rounds (alone, pool, pool, alone, ...), each on a fresh stream and after ``os.sync()``: one run of
+    each kind measured the machine's drift as much as the code (one producer alone swung 95-205 commits/s between
+    runs of the same code on this machine)."""
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
+    alone_runs: list[dict[str, Any]] = []
+    pool_runs: list[dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
+    order = ["alone", "pool", "pool", "alone"] * ((args.pool_rounds + 1) // 2)
+    for i, which in enumerate(order[: 2 * args.pool_rounds]):
+        os.sync()
+        if which == "alone":
+            alone_runs.append(_alone_round(root, args, i))
+        else:
+            pool, check = _pool_round(root, args, i)
+            pool_runs.append(pool)
+            checks.append(check)
+    alone, pool = _merge_pool_runs(alone_runs), _merge_pool_runs(pool_runs)
+    rounds = [p["commits_per_s"] / a["commits_per_s"] if a["commits_per_s"] else math.nan
+              for p, a in zip(pool_runs, alone_runs, strict=True)]
     return {"alone": alone, "pool": pool, "ratio": pool["commits_per_s"] / alone["commits_per_s"]
-            if alone["commits_per_s"] else math.nan, "check": check}
+            if alone["commits_per_s"] else math.nan, "round_ratios": rounds, "check": _merge_checks(checks)}
 
 
 # ================================================================================================ report
@@ -533,6 +597,11 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> tuple[list[Tabl
                f"steps mixing batches {len(check['mixed_steps'])}, steps without all {WORLD_SIZE} ranks "
                f"{len(check['incomplete_steps'])})")
         t.note("commits/s: published batches / (last commit returned - start barrier); spawn and imports are before the barrier")
+        t.note(f"{pool.get('rounds', 1)} rounds of each, alternating (alone, pool, pool, alone, ...), each on a fresh stream "
+               "after os.sync(); the rows pool their rounds; per round: alone "
+               + ", ".join(f"{x:.0f}" for x in alone.get("round_commits_per_s", [alone["commits_per_s"]]))
+               + " commits/s, pool " + ", ".join(f"{x:.0f}" for x in pool.get("round_commits_per_s", [pool["commits_per_s"]]))
+               + " commits/s, pool/alone " + ", ".join(f"{x:.2f}x" for x in c.get("round_ratios", [c["ratio"]])))
         tables.append(t)
         target("C", "failed commits", pool["failed"], f"== {TARGET_C_FAILED}", pool["failed"] == TARGET_C_FAILED)
         target("C", f"pool commits/s / one producer alone ({pool['processes']} processes)", f"{c['ratio']:.2f}x",
@@ -563,7 +632,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=None, help="A: stop the churn after this many seconds")
     parser.add_argument("--progress-s", type=float, default=15.0, help="A: print progress this often")
     parser.add_argument("--profile", type=int, default=0, help="A: cProfile N commits of new ids after the measured ones")
-    parser.add_argument("--lone-commits", type=int, default=200, help="B: stop the lone producer after this many commits")
+    parser.add_argument("--lone-commits", type=int, default=1000,
+                        help="B: stop the lone producer after this many commits (or --lone-seconds)")
     parser.add_argument("--lone-seconds", type=float, default=5.0, help="B: ... or after this many seconds")
     parser.add_argument("--lone-rounds", type=int, default=2, help="B: rounds per stream, alternating")
     parser.add_argument("--pool", type=int, default=16, help="C: producer processes")
@@ -576,16 +646,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-dir", default=None,
                         help="C: cProfile every worker's commits, one <table>-<worker>.prof per process in this folder")
     parser.add_argument("--retries", type=int, default=2, help="C: re-commits of the same seq after a failed commit")
+    parser.add_argument("--pool-rounds", type=int, default=2,
+                        help="C: rounds of the pool and of the lone producer, alternating, each on a fresh stream")
     parser.add_argument("--out", default=str(RESULTS_DIR / "producer_churn.json"))
     parser.add_argument("--workdir", default=None, help="where tables live (default: a temp dir, removed at the end)")
     args = parser.parse_args(argv)
     defaults = parser.parse_args([])
     small = {}
     if args.quick:
-        small = {"ids": 2_000, "pool": 8, "pool_batches": 12, "alone_batches": 30, "lone_commits": 100, "lone_seconds": 3.0}
+        small = {"ids": 2_000, "pool": 8, "pool_batches": 12, "alone_batches": 30, "lone_commits": 100, "lone_seconds": 3.0,
+                 "pool_rounds": 1}
     if args.smoke:
         small = {"ids": 30, "window": 10, "points": "10,30", "pool": 2, "pool_batches": 4, "rotate": 2, "alone_batches": 4,
-                 "lone_commits": 10, "lone_seconds": 1.0, "progress_s": 5.0}
+                 "lone_commits": 10, "lone_seconds": 1.0, "progress_s": 5.0, "pool_rounds": 1}
     for key, value in small.items():
         if getattr(args, key) == getattr(defaults, key):
             setattr(args, key, value)
@@ -594,8 +667,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from A, B, C")
     args.points = [int(p) for p in str(args.points).split(",") if p.strip()]
-    if args.ids < 1 or args.window < 1 or args.pool < 1 or args.pool_batches < 1 or args.rotate < 0:
-        parser.error("--ids, --window, --pool and --pool-batches must be >= 1, --rotate >= 0")
+    if args.ids < 1 or args.window < 1 or args.pool < 1 or args.pool_batches < 1 or args.rotate < 0 or args.pool_rounds < 1:
+        parser.error("--ids, --window, --pool, --pool-batches and --pool-rounds must be >= 1, --rotate >= 0")
     return args
 
 
