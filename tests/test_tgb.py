@@ -227,6 +227,22 @@ def test_commit_cost_state_stays_bounded(catalog) -> None:
         assert stream.read(step, rank=1).equals(shard("p", step - 1, 1))
 
 
+def test_merges_drop_the_manifests_they_replace_from_the_cache_and_keep_the_live_ones(catalog) -> None:
+    from lakestream_iceberg.format.manifests import ManifestCache
+
+    cache = ManifestCache(max_files=512)
+    created = Stream.create(catalog, "ns.cached", schema=SCHEMA, world_size=2,
+                            properties={"lakestream.manifest.merge-fanout": "4"})
+    stream = Stream(created.table, cache=cache)
+    producer = stream.producer("p")
+    for seq in range(70):  # levels 0..2 merge: 64 steps make one level-3 manifest
+        producer.commit(batch("p", seq, 2))
+    live = {m.manifest_path for m in stream.refresh().head().manifests(stream.io)}
+    assert any("-L3-" in path for path in live)
+    # the next, larger merge reads the live manifests' entries from memory; merged-away ones are not kept
+    assert cache.entries_cached() == live
+
+
 def test_wait_for_polls_the_pointer_and_reloads_only_when_it_moved(stream: Stream) -> None:
     from lakestream_iceberg import ReadTimeoutError
 

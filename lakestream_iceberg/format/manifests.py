@@ -93,6 +93,18 @@ class ManifestCache:
     def entries(self, io: FileIO, manifest: ManifestFile) -> list[ManifestEntry]:
         return self._get(self._entries, manifest.manifest_path, lambda: manifest.fetch_manifest_entry(io, discard_deleted=True))
 
+    def forget_entries(self, paths: Iterable[str]) -> None:
+        """Drop the entries of manifests a merge just replaced: the head no longer lists them, and keeping them would
+        push out the entries of the live higher-level manifests that the next, larger merge reads."""
+        with self._lock:
+            for path in paths:
+                self._entries.pop(path, None)
+
+    def entries_cached(self) -> set[str]:
+        """The manifests whose entries are cached now."""
+        with self._lock:
+            return set(self._entries)
+
     def remember_list(self, path: str, manifests: list[ManifestFile]) -> None:
         self._put(self._lists, path, manifests)
 
@@ -232,6 +244,7 @@ class ManifestPlanner:
                 entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in ordered for e in self._cache.entries(self._io, m)]
                 merged = self._write(level + 1, snapshot_id, sequence_number, entries)
                 result = [m for m in result if manifest_level(m.manifest_path) != level] + [merged]
+                self._cache.forget_entries(m.manifest_path for m in at_level)
                 top = max(top, level + 1)
             level += 1
         return result
