@@ -23,7 +23,7 @@ believes it is alone plans on that view without reading the head again.
 
 Group commit (``dac``; ``lakestream.commit.group.enabled``, the default):
 
-* a producer that is not alone (``contenders >= 1.5``) writes its batch, stages an intent (``stage_s`` of CPU; the
+* a producer that is not alone (``contenders >= 1.5``, and the catalog not ``quiet``) writes its batch, stages an intent (``stage_s`` of CPU; the
   intent is visible to listings from then on, ordered by when it was created) and holds ``hold_delay`` seconds;
 * while holding it polls every ``poll_interval``: polls are not simulated one by one. When a swap publishes its batch
   at ``T`` (the committer deletes the intents it published the instant its swap lands), the holder wakes at its first
@@ -689,7 +689,7 @@ def _simulate_loop(
             yield ("work", model.write_s)
             own = _Batch(i, now, last_step.get(i))
             carry_at: float | None = None  # Carry.staged_at: when the intent was written
-            if group_on and policy.contenders >= 1.5:  # Producer._contended: stage it for group commit
+            if group_on and policy.contenders >= 1.5 and not policy.quiet:  # Producer._contended: stage it
                 created = now
                 yield ("work", model.stage_s)
                 stage(own, created)

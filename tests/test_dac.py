@@ -409,3 +409,47 @@ def test_cold_start_losers_take_turns_by_their_place_in_the_staging_queue() -> N
         assert (1 + queued) * slot <= p.hold_delay(waited=0.0, queued=queued) <= (1.1 + queued) * slot + 1e-9
     p.record_published(step=5, at=clock.t, carried_after=0.2)  # carried: no longer a loser
     assert not p.wants_queue
+
+
+def test_a_mostly_idle_catalog_is_quiet_and_a_busy_one_is_not() -> None:
+    """Producers that commit now and then (paced, 2 x 10 per second, 10 ms commits) need no group commit: the catalog
+    is busy 10-20 % of the time, so they commit directly instead of holding a slot for a group that would not form."""
+    clock = Clock()
+    p = policy(clock=clock)
+    win(p, clock, 1)  # critical section 10 ms
+    step = 1
+    for _ in range(8):  # two steps land every 100 ms (its own and another producer's)
+        assert not p.quiet  # the rate is not known before rate_window new heads
+        clock.t += 0.1
+        step += 2
+        p.observe_head(step, producers=[step - 1, step], group=1)
+    clock.t += 0.1
+    step += 2
+    p.observe_head(step, producers=[step - 1, step], group=1)
+    assert p.contenders >= 1.5 and p.step_rate == pytest.approx(20.0, rel=0.05)  # not alone, yet quiet:
+    assert p.quiet  # 20 steps/s x 10 ms = 0.2 < 0.3
+    p.record_attempt(started=clock.t, ended=clock.t + 0.01, won=False, head_step=step + 1, foreign=1)
+    assert not p.quiet  # lost a swap: contended after all, whatever the rate says
+    win(p, clock, step + 2)
+    assert p.quiet
+    clock.t += 30.0  # nothing lands for a long time: the rate falls, still quiet
+    assert p.quiet and p.step_rate < 1.0
+
+    busy = policy(clock=(c2 := Clock()))
+    win(busy, c2, 1)
+    for i in range(12):  # a step every 5 ms: 200 steps/s x 10 ms = 2.0
+        c2.t += 0.005
+        busy.observe_head(2 + i, producers=[1 + i, 2 + i], group=1)
+    assert busy.step_rate == pytest.approx(200.0, rel=0.05) and not busy.quiet
+    carried = policy(clock=(c3 := Clock()))  # never committed itself: its critical section is the 1 ms floor
+    for i in range(12):
+        c3.t += 0.03
+        carried.observe_head(8 * (i + 1), producers=[8 * i + k for k in range(1, 9)], group=8, group_commit_s=0.04)
+    assert not carried.quiet  # 267 steps/s x the committer's reported 40 ms: busy
+
+
+def test_quiet_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="quiet_utilization"):
+        PolicyConfig(quiet_utilization=-0.1)
+    with pytest.raises(ValueError, match="rate_window"):
+        PolicyConfig(rate_window=1)

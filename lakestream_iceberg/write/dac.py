@@ -105,6 +105,8 @@ class PolicyConfig:
     group_max_batches: int = 32
     min_poll_s: float = 0.002
     max_poll_s: float = 0.1
+    quiet_utilization: float = 0.3
+    rate_window: int = 8
 
     def __post_init__(self) -> None:
         if not 0 < self.ewma_alpha <= 1:
@@ -119,6 +121,8 @@ class PolicyConfig:
             raise ValueError(f"group_max_batches must be >= 1, got {self.group_max_batches}")
         if self.hold_gather < 0 or self.hold_jitter < 0 or not 0 < self.min_poll_s <= self.max_poll_s:
             raise ValueError("hold_gather and hold_jitter must be >= 0 and 0 < min_poll_s <= max_poll_s")
+        if self.quiet_utilization < 0 or self.rate_window < 2:
+            raise ValueError("quiet_utilization must be >= 0 and rate_window >= 2")
 
 
 class CommitPolicy:
@@ -159,6 +163,7 @@ class CommitPolicy:
         self._position: int | None = None  # own place in the head's group ordering (group commit)
         self._head_group_s = 0.0  # the last group committer's reported critical section
         self._lost = False  # lost a swap since its last published batch (contended, whatever the head's table says)
+        self._heads: deque[tuple[float, int]] = deque(maxlen=self._cfg.rate_window + 1)  # (time seen, head step)
         self.conflicts = 0
         self.carried = 0
 
@@ -167,7 +172,7 @@ class CommitPolicy:
         elastic worker that takes a fresh producer id every few batches) is the same contender for the catalog.
 
         Copied: the timings (critical section, waits until carried, the group committer's reported time, metadata
-        size) and the place in the commit order (the step and time of the predecessor's last published batch, which
+        size, the step rate) and the place in the commit order (the step and time of the predecessor's last published batch, which
         the head's producer table still lists). Without it every new id would start as a stranger, hold for several
         slots behind everybody, and a pool that rotates ids would stall each time the producer whose turn it was
         took a new id.
@@ -176,6 +181,7 @@ class CommitPolicy:
                      "_baseline", "_last_win_end", "_last_win_step", "_active"):
             setattr(self, name, getattr(predecessor, name))
         self._wins = deque(predecessor._wins, maxlen=self._wins.maxlen)
+        self._heads = deque(predecessor._heads, maxlen=self._heads.maxlen)
         self._head = predecessor._head
         self._rank()
 
@@ -196,6 +202,8 @@ class CommitPolicy:
         """
         if self._baseline is None:
             self._baseline = step
+        if not self._heads or step > self._heads[-1][1]:
+            self._heads.append((self._clock(), step))
         if group_commit_s is not None and group_commit_s > 0:
             self._head_group_s = group_commit_s
         if producers is None:
@@ -312,6 +320,27 @@ class CommitPolicy:
         if self._log_carry is not None:  # a high quantile, not the typical wait: a slow commit is still in flight
             carry = math.exp(self._log_carry + self._cfg.carry_spread * self._log_carry_dev)
         return max(self.slot_s, carry, self._head_group_s * (1.0 + self._cfg.slot_margin))
+
+    @property
+    def step_rate(self) -> float | None:
+        """Steps per second landing on the branch, from the heads this producer saw (None until it saw ``rate_window``
+        new heads spread over some time). Until the current time: a stream that went idle has a falling rate."""
+        if len(self._heads) <= self._cfg.rate_window:
+            return None
+        (t0, s0), (_, s1) = self._heads[0], self._heads[-1]
+        elapsed = self._clock() - t0
+        return (s1 - s0) / elapsed if elapsed > 0 else None
+
+    @property
+    def quiet(self) -> bool:
+        """The catalog is mostly idle: steps land so rarely that a commit's critical section overlaps another one
+        less than ``quiet_utilization`` of the time (``step rate x critical section``, the larger of its own and the
+        one the last group's committer reported). Producers that commit in
+        turns, each now and then (paced producers, a consumer-bound pipeline), then commit directly instead of
+        staging and holding a slot for a group that would not form; a lost swap still joins group commit at once."""
+        rate = self.step_rate
+        busy_s = max(self.critical_section_s, self._head_group_s)  # a producer always carried: the committer's time
+        return rate is not None and not self._lost and rate * busy_s < self._cfg.quiet_utilization
 
     @property
     def wants_queue(self) -> bool:

@@ -229,7 +229,8 @@ class Producer:
 
     def _contended(self) -> bool:
         """Whether other producers are committing to the stream (as far as the head's producer table tells)."""
-        return self._loop.policy.contenders >= 1.5
+        policy = self._loop.policy
+        return policy.contenders >= 1.5 and not policy.quiet  # a mostly idle catalog: commit directly (dac.quiet)
 
     def _stage(self, staged: StagedBatch, allow_gap: bool) -> Intent | None:
         """Stage the batch for group commit (None when group commit is off)."""
