@@ -66,7 +66,10 @@ producers instead of shrinking. The law decides who commits the next group and w
   was carried knows from it how long a group commit takes, instead of firing into one;
 * while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms); once
   gone, its batch was published and it returns without an attempt;
-* a producer whose attempt lost and whose batch was not carried by the winner holds again from its position.
+* a producer whose attempt lost and whose batch was not carried by the winner holds again from its position;
+* a *quiet* catalog needs no groups: when ``step rate x critical section`` (the step rate from the heads the producer
+  saw, the critical section its own or the last group committer's) is under ``quiet_utilization`` (0.3), producers
+  that take turns now and then commit directly, as if alone; a lost swap makes it group commit again at once.
 
 The policy is simulated at scale (and on shared CPUs) in ``benchmarks/dac_sim.py`` and measured in
 ``benchmarks/commit_scaling.py``.
