@@ -434,6 +434,8 @@ def test_a_mostly_idle_catalog_is_quiet_and_a_busy_one_is_not() -> None:
     assert p.quiet
     clock.t += 30.0  # nothing lands for a long time: the rate falls, still quiet
     assert p.quiet and p.step_rate < 1.0
+    p.observe_head(3, producers=[2, 3], group=1)  # the branch was rolled back: its old rate says nothing
+    assert p.step_rate is None and not p.quiet
 
     busy = policy(clock=(c2 := Clock()))
     win(busy, c2, 1)

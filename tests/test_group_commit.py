@@ -256,3 +256,33 @@ def test_a_commit_still_lands_when_the_staging_folder_cannot_be_listed(tmp_path:
     monkeypatch.undo()
     b.commit(batch("b", 3, WORLD))
     assert ("c", 0) in published(stream).values()
+
+
+def test_the_manifest_list_stays_bounded_after_group_commits_end(tmp_path: Path) -> None:
+    """A group's manifest holds the whole group, so one level mixes manifest sizes: a level too large to merge whole
+    merges its longest run that fits, and the list stays bounded once contention ends (one producer alone)."""
+    from lakestream_iceberg.format.manifests import manifest_level
+
+    cap = 64
+    stream = make(tmp_path, **{"lakestream.manifest.merge-fanout": "4", "lakestream.manifest.max-merge-entries": str(cap)})
+    _, b = both_active(stream)
+    seq = 2
+    groups = 0
+    for round_ in range(12):  # contended: five other producers' staged batches ride in each of b's commits
+        for producer in ("c", "d", "e", "f", "g"):
+            stage(stream, producer, round_)
+            time.sleep(0.002)
+        result = b.commit(batch("b", seq, WORLD), seq=seq)
+        seq += 1
+        groups += summary_of(stream, result.step).group > 1
+    assert groups >= 6  # group manifests were written
+    for _ in range(300):  # then b alone
+        b.commit(batch("b", seq, WORLD), seq=seq)
+        seq += 1
+    manifests = stream.refresh().head().manifests(stream.io)
+    live = sum(m.added_files_count + m.existing_files_count for m in manifests)
+    levels = 1 + max(manifest_level(m.manifest_path) for m in manifests)
+    assert live == stream.head_step() * WORLD
+    # (fanout - 1) per level, plus the manifests too large to merge with a neighbour (one per cap / 2 files at most)
+    assert len(manifests) <= 3 * levels + 1 + 2 * live // cap
+    assert published(stream)[stream.head_step()] == ("b", seq - 1)

@@ -254,3 +254,13 @@ def test_wait_for_polls_the_pointer_and_reloads_only_when_it_moved(stream: Strea
     assert stream.table.metadata is before  # several polls, no metadata reload: nothing changed
     stream.producer("q").commit(batch("q", 0, 4))
     assert stream.wait_for(2, timeout=1) == 2 and stream.table.metadata is not before
+
+
+def test_state_hands_the_caller_its_own_producer_table(stream: Stream) -> None:
+    import pickle
+
+    stream.producer("p").commit(batch("p", 0, 4))
+    state = stream.state()
+    assert type(state.producers) is dict and pickle.loads(pickle.dumps(state)) == state
+    state.producers.clear()  # the caller's copy: the parsed state shared in this process is untouched
+    assert set(stream.state().producers) == {"p"} and stream.head_step() == 1

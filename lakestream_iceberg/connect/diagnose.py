@@ -270,9 +270,10 @@ def _may_be_rest(name: str, properties: dict[str, str]) -> bool:
     """Whether pyiceberg's ``load_catalog`` could make a REST catalog of this name and these properties (its own
     rule: ``type``, else the URI's scheme, over the config file and environment); True when in doubt."""
     try:
-        from pyiceberg.utils.config import Config, merge_config
+        from pyiceberg.catalog import _ENV_CONFIG  # the config load_catalog itself reads (captured at import)
+        from pyiceberg.utils.config import merge_config
 
-        conf = merge_config(Config().get_catalog_config(name) or {}, dict(properties))  # type: ignore[arg-type]
+        conf = merge_config(_ENV_CONFIG.get_catalog_config(name) or {}, dict(properties))  # type: ignore[arg-type]
         kind, uri = conf.get("type"), conf.get("uri")
         if conf.get("py-catalog-impl"):
             return True

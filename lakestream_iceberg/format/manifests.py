@@ -6,7 +6,9 @@ accumulate in a snapshot's manifest list they are merged into one manifest of th
 as EXISTING, snapshot ids and sequence numbers kept). This is a log-structured merge: the manifest list stays at most
 ``(fanout - 1) * levels + 1`` entries long, the entries rewritten per commit are ``O(world_size * log_fanout(steps))``
 amortised (no single merge rewrites more than ``lakestream.manifest.max-merge-entries`` entries, default 4096, so no
-commit stalls on a huge merge; past that size manifests simply accumulate, one per 4096 files), and manifests keep contiguous step ranges, so the partition summary
+commit stalls on a huge merge; a level too large to merge whole merges its longest run that fits, and manifests too
+large to merge with a neighbour accumulate, at most one per 2,048 files), and manifests keep contiguous step ranges,
+so the partition summary
 in the manifest list (``_step`` lower/upper bounds) lets a reader open exactly one manifest to find a step's files.
 
 The level is recorded in the manifest's file name (``...-L<level>-m<n>.avro``): no extra metadata, still plain Iceberg.
@@ -231,23 +233,49 @@ class ManifestPlanner:
         return self._write(0, snapshot_id, sequence_number, entries)
 
     def merged(self, manifests: list[ManifestFile], *, snapshot_id: int, sequence_number: int) -> list[ManifestFile]:
-        """Merge every level holding ``fanout`` or more manifests into one manifest of the next level, cascading."""
+        """Merge every level holding ``fanout`` or more manifests into one manifest of the next level, cascading.
+
+        A level whose manifests hold more than ``max_merge_entries`` live files in all merges the longest run of
+        consecutive manifests (in step order) that fits, at least two; a manifest that fits with no neighbour stays
+        where it is. Manifests of one level differ in size (a group commit's manifest holds the whole group), so
+        without this one large manifest would keep its level from ever merging again, and every later manifest of
+        that level would stay in the list."""
         result = list(manifests)
         top = max((manifest_level(m.manifest_path) for m in result), default=0)
         level = 0
         while level <= top:
             at_level = [m for m in result if manifest_level(m.manifest_path) == level]
-            # A merge larger than max_merge_entries would stall one commit for seconds: such manifests stay at their
-            # level (the list then grows by one entry per max_merge_entries files, and GC keeps live files bounded).
-            if len(at_level) >= self._fanout and sum(_live_files(m) or 0 for m in at_level) <= self._max_merge_entries:
-                ordered = sorted(at_level, key=lambda m: step_bounds(m) or (0, 0))
-                entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in ordered for e in self._cache.entries(self._io, m)]
+            run = self._mergeable(sorted(at_level, key=lambda m: step_bounds(m) or (0, 0))) \
+                if len(at_level) >= self._fanout else []
+            if run:
+                entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in run for e in self._cache.entries(self._io, m)]
                 merged = self._write(level + 1, snapshot_id, sequence_number, entries)
-                result = [m for m in result if manifest_level(m.manifest_path) != level] + [merged]
-                self._cache.forget_entries(m.manifest_path for m in at_level)
+                gone = {m.manifest_path for m in run}
+                result = [m for m in result if m.manifest_path not in gone] + [merged]
+                self._cache.forget_entries(gone)
                 top = max(top, level + 1)
             level += 1
         return result
+
+    def _mergeable(self, ordered: list[ManifestFile]) -> list[ManifestFile]:
+        """What to merge of one level's manifests (in step order): all of them when their live files fit in
+        ``max_merge_entries`` (the usual case), else the longest consecutive run that fits, if it has two or more.
+
+        A merge larger than ``max_merge_entries`` would stall one commit for seconds: manifests that fit with no
+        neighbour stay at their level, so the list grows by at most one entry per ``max_merge_entries / 2`` files
+        (and GC keeps live files bounded)."""
+        sizes = [_live_files(m) or 0 for m in ordered]
+        if sum(sizes) <= self._max_merge_entries:
+            return ordered
+        best = (0, 0)  # (start, length)
+        for start in range(len(ordered)):
+            total, end = 0, start
+            while end < len(ordered) and total + sizes[end] <= self._max_merge_entries:
+                total += sizes[end]
+                end += 1
+            if end - start > best[1]:
+                best = (start, end - start)
+        return ordered[best[0]: best[0] + best[1]] if best[1] >= 2 else []
 
     def without_steps_below(
         self, manifests: list[ManifestFile], below: int, *, snapshot_id: int, sequence_number: int

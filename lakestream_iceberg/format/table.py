@@ -9,6 +9,7 @@ on its own, and dependencies point one way.
 from __future__ import annotations
 
 import base64
+from dataclasses import replace
 from functools import cached_property
 
 import pyarrow as pa
@@ -107,11 +108,13 @@ class StreamTable:
         if refresh:
             self.refresh()
         head = self.head(branch=branch)
-        return StreamState.of(head)
+        state = StreamState.of(head)  # shared per process, read-only producers: the caller gets its own dict
+        return replace(state, producers=dict(state.producers))
 
     def head_step(self, *, branch: str = MAIN) -> int:
         """The newest published step of ``branch`` (0 when nothing is published)."""
-        return self.state(branch=branch).step
+        self.refresh()
+        return StreamState.of(self.head(branch=branch)).step
 
     def checkpoints(self) -> list[Checkpoint]:
         """Every checkpoint of the stream (all branches), oldest step first."""

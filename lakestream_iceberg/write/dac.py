@@ -205,6 +205,8 @@ class CommitPolicy:
         """
         if self._baseline is None:
             self._baseline = step
+        if self._heads and step < self._heads[-1][1]:  # the branch was rolled back or re-created: a new history
+            self._heads.clear()
         if not self._heads or step > self._heads[-1][1]:
             self._heads.append((self._clock(), step))
         if group_commit_s is not None and group_commit_s > 0:
