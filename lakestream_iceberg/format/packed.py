@@ -24,11 +24,19 @@ from lakestream_iceberg.format.layout import RANK_COLUMN
 RANK_ROWS_KEY = b"lakestream.rank-rows"
 _RANK_ROWS = re.compile(rb"\d{1,18}(?:,\d{1,18})*")
 
-__all__ = ["RANK_ROWS_KEY", "PackedFooter", "encode_rank_rows"]
+__all__ = ["RANK_ROWS_KEY", "PackedFooter", "corrupt_packed", "encode_rank_rows"]
 
 
 def encode_rank_rows(counts: list[int]) -> bytes:
     return ",".join(map(str, counts)).encode()
+
+
+def corrupt_packed(path: str, why: str) -> CorruptStateError:
+    """The error for a packed file whose footer or rows do not match the stream (``why`` says what)."""
+    return CorruptStateError(
+        f"packed data file {path} {why}: it was not written by lakestream or was damaged. Restore the file from "
+        "a backup, or roll the stream back to a checkpoint before the step that lists it"
+    )
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,7 @@ class PackedFooter:
             CorruptStateError: The footer has no rank table, or one that does not fit the stream or the file.
         """
         def corrupt(why: str) -> CorruptStateError:
-            return CorruptStateError(
-                f"packed data file {path} {why}: it was not written by lakestream or was damaged. Restore the file from "
-                "a backup, or roll the stream back to a checkpoint before the step that lists it"
-            )
+            return corrupt_packed(path, why)
 
         raw = (metadata.metadata or {}).get(RANK_ROWS_KEY)
         if raw is None:

@@ -14,7 +14,7 @@ from pyiceberg.manifest import DataFile
 
 from lakestream_iceberg.errors import CorruptStateError, RankError
 from lakestream_iceberg.format.layout import RANK_COLUMN
-from lakestream_iceberg.format.packed import PackedFooter
+from lakestream_iceberg.format.packed import PackedFooter, corrupt_packed
 
 
 def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
@@ -163,11 +163,7 @@ class StepFiles:
         stored = table.column(RANK_COLUMN).to_numpy(zero_copy_only=False)
         expected = np.repeat([r for r, _ in ranks], [n for _, n in ranks])
         if table.num_rows != last - first or not np.array_equal(stored, expected):
-            raise CorruptStateError(
-                f"packed data file {self.footer.path}: rows {first}..{last} do not hold the ranks its footer declares "
-                "(the file was damaged or not written by lakestream); restore it from a backup, or roll the stream "
-                "back to a checkpoint before the step that lists it"
-            )
+            raise corrupt_packed(self.footer.path, f"rows {first}..{last} do not hold the ranks its footer declares")
         return table.drop_columns([RANK_COLUMN]).cast(target)
 
 
