@@ -17,7 +17,8 @@ Feeds:
     trains, on the same 2 cores (they compete with it for the CPU, exactly as the DataLoader workers do).
 
 Failure isolation: kill -9 one preprocessing worker mid-run (a DataLoader worker; a lakestream producer, restarted a few
-seconds later) and report what the training loop sees.
+seconds later) and report what the training loop sees. The lakestream victim waits at half its quota until it is killed,
+so the kill always lands on a live producer with work left, however fast the producers run.
 
 Run: ``.venv/bin/python benchmarks/vs_colocated.py`` (about 2-3 minutes on 2 cores) or ``--smoke`` (seconds).
 """
@@ -195,8 +196,14 @@ def sqlite_catalog(root: str) -> Any:
     return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
 
 
-def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, raw: RawData, out: Any) -> None:
-    """Producer ``prep-idx``: its seq ``s`` is global batch ``s * producers + idx``; resumes from the table's next_seq."""
+def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, raw: RawData, out: Any,
+                  hold: tuple[int, Any] | None = None) -> None:
+    """Producer ``prep-idx``: its seq ``s`` is global batch ``s * producers + idx``; resumes from the table's next_seq.
+
+    ``hold=(seq, held)``: the failure run's victim. Before preparing batch ``seq`` it sets the event ``held`` and waits
+    to be killed, so the kill always lands on a live worker with work left (a worker that already finished its quota
+    would be no failure at all, and its pid may be gone: the forkserver reaps its children).
+    """
     try:
         from lakestream_iceberg import Stream
 
@@ -207,6 +214,9 @@ def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, r
         started = time.monotonic()
         prep_s = 0.0
         while seq < quota:
+            if hold is not None and seq == hold[0]:
+                hold[1].set()
+                time.sleep(3600)  # the parent kills this process; it never wakes up in a run that works
             t0 = time.monotonic()
             table = make_batch_table(raw, (seq * producers + idx) * batch, batch)
             prep_s += time.monotonic() - t0
@@ -406,10 +416,13 @@ class Bench:
         catalog.engine.dispose()
         return str(root)
 
-    def start_producers(self, root: str, quota: int, out: Any, only: list[int] | None = None) -> list[Any]:
+    def start_producers(self, root: str, quota: int, out: Any, only: list[int] | None = None,
+                        hold: tuple[int, Any] | None = None) -> list[Any]:
+        """Start producer processes; ``hold`` (see ``producer_main``) goes to the first one started."""
         procs = []
         for idx in (only if only is not None else range(self.args.producers)):
-            proc = CTX.Process(target=producer_main, args=(root, idx, self.args.producers, quota, self.args.batch, self.raw, out),
+            proc = CTX.Process(target=producer_main, args=(root, idx, self.args.producers, quota, self.args.batch, self.raw, out,
+                                                           hold if not procs else None),
                                daemon=True)
             proc.start()
             procs.append(proc)
@@ -455,7 +468,9 @@ class Bench:
         root = self.new_stream("failure" if fail else "concurrent")
         quota = math.ceil(steps / self.args.producers)
         out = CTX.Queue()
-        procs = self.start_producers(root, quota, out)
+        held = CTX.Event()
+        hold_seq = max(1, quota // 2)  # the victim commits batches 0..hold_seq-1, then waits for the kill
+        procs = self.start_producers(root, quota, out, hold=(hold_seq, held) if fail else None)
         events: dict[str, Any] = {}
 
         def restart() -> None:
@@ -464,9 +479,15 @@ class Bench:
 
         def on_step(step: int, it: Any) -> None:
             if fail and step == self.args.kill_step and "kill_at" not in events:
-                os.kill(procs[0].pid, signal.SIGKILL)
-                procs[0].join(5)
+                # Wait for observed progress: the victim has committed its first hold_seq batches and is alive.
+                while not held.wait(0.5):
+                    if not procs[0].is_alive():
+                        raise RuntimeError(f"producer prep-0 exited (code {procs[0].exitcode}) before the kill: "
+                                           f"{out.get(timeout=5) if not out.empty() else 'no report'}")
+                procs[0].kill()
+                procs[0].join(60)
                 events["kill_at"] = time.monotonic()
+                events["victim_exitcode"] = procs[0].exitcode
                 timer = threading.Timer(self.args.restart_after_s, restart)
                 timer.daemon = True
                 timer.start()
@@ -489,6 +510,8 @@ class Bench:
             after = ends[ends > kill_at]
             result.update(
                 kill_step=self.args.kill_step,
+                victim_exitcode=events.get("victim_exitcode"),
+                victim_batches_before_kill=hold_seq,
                 restart_after_s=self.args.restart_after_s,
                 restarted_producer=next((r for r in reports if r["idx"] == 0), None),
                 steps_while_producer_down=int(len(during)),
@@ -497,7 +520,8 @@ class Bench:
                 steps_per_s_after_kill=float((len(after) - 1) / (after[-1] - after[0])) if len(after) > 1 else math.nan,
                 training_survived=result["steps_done"] == steps and result["error"] is None,
             )
-            label += f", prep-0 killed at step {self.args.kill_step}, restarted {self.args.restart_after_s:.0f} s later"
+            label += (f", prep-0 killed at step {self.args.kill_step} with {quota - hold_seq} of its {quota} batches left, "
+                      f"restarted {self.args.restart_after_s:.0f} s later")
         result.update(feed=label, producer_batches=sum(r["batches"] for r in reports))
         shutil.rmtree(root, ignore_errors=True)
         return result
@@ -505,8 +529,7 @@ class Bench:
 
 def _stop(procs: list[Any]) -> None:
     for proc in procs:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()  # a no-op for a process that already exited (its pid may be gone: the forkserver reaps it)
     for proc in procs:
         proc.join(5)
 

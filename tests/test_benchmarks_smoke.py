@@ -108,7 +108,10 @@ def test_vs_colocated_smoke(tmp_path: Path) -> None:
     assert lake["training_survived"] is True and lake["error"] is None, lake
     assert lake["steps_done"] == data["config"]["fail_steps"]
     assert lake["unique_samples"] == lake["samples"]
-    assert lake["restarted_producer"] is not None and lake["restarted_producer"]["first_seq"] >= 1
+    assert lake["victim_exitcode"] == -signal.SIGKILL, lake  # the kill landed on a live producer
+    restarted = lake["restarted_producer"]
+    assert restarted is not None and restarted["first_seq"] == lake["victim_batches_before_kill"] >= 1, restarted
+    assert restarted["batches"] >= 1, "the restarted producer had work left"
 
 
 @pytest.mark.timeout(180)
