@@ -114,3 +114,32 @@ def test_an_empty_commit_writes_nothing_and_checks_its_requirements_on_the_curre
     stream.producer("q").commit(batch("q", 0, WORLD))
     with pytest.raises(CommitFailedException):
         swap(stale, (), ())
+
+
+@pytest.mark.parametrize("codec", ["none", "gzip"])
+def test_the_metadata_file_is_byte_for_byte_what_pyiceberg_writes(tmp_path: Path, codec: str) -> None:
+    """swap() writes metadata.json itself (pyiceberg's config read once per process, not per commit): the bytes must be
+    the ones pyiceberg's ToOutputFile writes, for a plain and a gzip location, and a file that exists is never
+    overwritten."""
+    from pyiceberg.serializers import FromInputFile, ToOutputFile
+
+    from lakestream_iceberg.connect.swap import _write_metadata
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD,
+                           properties={"write.metadata.compression-codec": codec})
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, WORLD))
+    metadata = fresh_view(stream).metadata
+    suffix = ".gz.metadata.json" if codec == "gzip" else ".metadata.json"
+    ours, theirs = tmp_path / f"ours{suffix}", tmp_path / f"theirs{suffix}"
+    _write_metadata(metadata, stream.table.io.new_output(f"file://{ours}"))
+    ToOutputFile.table_metadata(metadata, stream.table.io.new_output(f"file://{theirs}"))
+    assert ours.read_bytes() == theirs.read_bytes()
+    assert FromInputFile.table_metadata(stream.table.io.new_input(f"file://{ours}")) == metadata
+    with pytest.raises(FileExistsError):
+        _write_metadata(metadata, stream.table.io.new_output(f"file://{ours}"))
+    assert ours.read_bytes() == theirs.read_bytes()
+    # and what a swapped commit wrote is what pyiceberg reads back
+    producer.commit(batch("p", 1, WORLD))
+    assert catalog.load_table("ns.stream").metadata == producer._loop.table.metadata  # noqa: SLF001

@@ -18,9 +18,13 @@ override) is theirs to run.
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import TYPE_CHECKING
 
 from pyiceberg.catalog import Catalog, MetastoreCatalog
+from pyiceberg.io import OutputFile
+from pyiceberg.serializers import Compressor
 from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.locations import load_location_provider
 from pyiceberg.table.metadata import TableMetadata
@@ -28,6 +32,9 @@ from pyiceberg.table.update import TableRequirement, TableUpdate, update_table_m
 
 from lakestream_iceberg.connect.notify import channel, notifies
 from lakestream_iceberg.connect.pointer import pointer_probe
+
+if TYPE_CHECKING:
+    from sqlalchemy.sql.dml import Update
 
 __all__ = ["swap", "swaps_from_held"]
 
@@ -58,11 +65,8 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     """
     if not swaps_from_held(table):
         return table.catalog.commit_table(table, requirements, updates)
-    from pyiceberg.catalog.sql import IcebergTables
     from pyiceberg.exceptions import CommitFailedException
-    from pyiceberg.serializers import ToOutputFile
-    from sqlalchemy import text, update
-    from sqlalchemy.orm import Session
+    from sqlalchemy import text
 
     base, base_location = table.metadata, table.metadata_location
     for requirement in requirements:
@@ -75,27 +79,57 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
         return CommitTableResponse(metadata=base, metadata_location=base_location)
     version = MetastoreCatalog._parse_metadata_version(base_location) + 1  # noqa: SLF001 - pyiceberg's own naming
     location = load_location_provider(metadata.location, metadata.properties).new_table_metadata_file_location(version)
-    ToOutputFile.table_metadata(metadata, table.io.new_output(location))
+    _write_metadata(metadata, table.io.new_output(location))
     catalog = table.catalog
     identifier = table.name()
-    stmt = (
-        update(IcebergTables)
-        .where(
-            IcebergTables.catalog_name == catalog.name,
-            IcebergTables.table_namespace == Catalog.namespace_to_string(identifier[:-1]),
-            IcebergTables.table_name == identifier[-1],
-            IcebergTables.metadata_location == base_location,
-        )
-        .values(metadata_location=location, previous_metadata_location=base_location)
-    )
-    with Session(catalog.engine) as session:  # type: ignore[attr-defined]
-        if session.execute(stmt).rowcount < 1:
+    params = {"p_catalog": catalog.name, "p_namespace": Catalog.namespace_to_string(identifier[:-1]),
+              "p_table": identifier[-1], "p_base": base_location, "p_location": location}
+    # One transaction on a Core connection (the statement pyiceberg's commit_table runs, without the ORM session's
+    # per-call evaluation of the WHERE clause against loaded objects: we load none). Leaving the block commits it;
+    # an exception rolls it back.
+    with catalog.engine.begin() as conn:  # type: ignore[attr-defined]
+        if conn.execute(_swap_statement(), params).rowcount < 1:
             raise CommitFailedException(f"Table has been updated by another process: {'.'.join(identifier)}")
         if notifies(catalog):  # delivered when (and only if) this transaction commits: see connect/notify.py
-            session.execute(text("SELECT pg_notify(:channel, :location)"),
-                            {"channel": channel(catalog.name, identifier), "location": location})
-        session.commit()
+            conn.execute(text("SELECT pg_notify(:channel, :location)"),
+                         {"channel": channel(catalog.name, identifier), "location": location})
     return CommitTableResponse(metadata=metadata, metadata_location=location)
+
+
+def _write_metadata(metadata: TableMetadata, output_file: OutputFile) -> None:
+    """What pyiceberg's ``ToOutputFile.table_metadata`` writes (the same JSON, codec and no-overwrite check), with its
+    ``legacy-current-snapshot-id`` setting read once per process instead of loading pyiceberg's config on every commit."""
+    with output_file.create(overwrite=False) as output_stream:
+        json_bytes = metadata.model_dump_json(exclude_none=not _legacy_current_snapshot_id()).encode("utf-8")
+        output_stream.write(Compressor.get_compressor(output_file.location).bytes_compressor()(json_bytes))
+
+
+@functools.cache
+def _legacy_current_snapshot_id() -> bool:
+    from pyiceberg.utils.config import Config
+
+    return bool(Config().get_bool("legacy-current-snapshot-id"))
+
+
+@functools.cache
+def _swap_statement() -> Update:
+    """``UPDATE iceberg_tables SET metadata_location, previous_metadata_location WHERE <the table> AND
+    metadata_location = <the held location>``: pyiceberg's own conditional update, built once (bound parameters), so
+    SQLAlchemy compiles it once per dialect instead of once per commit."""
+    from pyiceberg.catalog.sql import IcebergTables
+    from sqlalchemy import bindparam, update
+
+    columns = IcebergTables.__table__.c
+    return (
+        update(IcebergTables.__table__)
+        .where(
+            columns.catalog_name == bindparam("p_catalog"),
+            columns.table_namespace == bindparam("p_namespace"),
+            columns.table_name == bindparam("p_table"),
+            columns.metadata_location == bindparam("p_base"),
+        )
+        .values(metadata_location=bindparam("p_location"), previous_metadata_location=bindparam("p_base"))
+    )
 
 
 def _updated(base: TableMetadata, updates: tuple[TableUpdate, ...], base_location: str) -> TableMetadata:
