@@ -29,7 +29,6 @@ import os
 import random
 import resource
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -164,7 +163,7 @@ def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out
     seq = 0
     while True:
         if spec["mode"] == "saturate":
-            if time.monotonic() >= t_go + spec["duration"]:
+            if seq and time.monotonic() >= t_go + spec["duration"]:  # at least one batch, however late this woke up
                 break
         else:
             if seq >= spec["batches"]:
@@ -245,7 +244,7 @@ def lake_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out:
     seq = 0
     while True:
         if spec["mode"] == "saturate":
-            if time.monotonic() >= t_go + spec["duration"]:
+            if seq and time.monotonic() >= t_go + spec["duration"]:  # at least one batch, however late this woke up
                 break
         else:
             if seq >= spec["batches"]:
@@ -312,8 +311,7 @@ def _sleep_until(t: float) -> None:
 
 def _kill_all(procs: list[Any]) -> None:
     for proc in procs:
-        if proc.is_alive():
-            os.kill(proc.pid, signal.SIGKILL)
+        proc.kill()  # a no-op for a process that already exited, whichever start method reaped it
     for proc in procs:
         proc.join(5)
 
@@ -624,7 +622,7 @@ class Bench:
                 if not parent.poll(60):
                     raise TimeoutError("the victim producer did not send its half batch within 60 s")
                 parent.recv()
-                os.kill(proc.pid, signal.SIGKILL)
+                proc.kill()  # it waits to be killed (sleeps), so it is alive
             finally:
                 _kill_all([proc])
 
@@ -699,7 +697,7 @@ class Bench:
                     raise TimeoutError("victim did not report")
                 parent.recv()
                 time.sleep(delay)
-                os.kill(proc.pid, signal.SIGKILL)
+                proc.kill()  # the looper never exits on its own
             finally:
                 _kill_all([proc])
 
@@ -731,25 +729,36 @@ class Bench:
 
 
 def observe_kafka(bootstrap: str, topic: str, world: int, isolation: str, shard_bytes: int,
-                  idle_s: float = 1.0) -> dict[str, Any]:
-    """Read the whole topic with a fresh consumer; which batches are complete, which are partial."""
+                  idle_s: float = 1.0, hard_s: float = 60.0) -> dict[str, Any]:
+    """Read the whole topic with a fresh consumer; which batches are complete, which are partial.
+
+    It reads until every partition reported its end (``enable.partition.eof``: the high watermark, or the last stable
+    offset under ``read_committed``) with nothing received since, then ``idle_s`` more: never for a fixed window from
+    the consumer's creation, which a slow machine could spend before the first fetch (a new consumer's first message
+    takes about 0.5 s even on idle cores). ``hard_s`` bounds a broker that never reports the end."""
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-    consumer = Consumer(kafka_consumer_config(bootstrap, group=f"observe-{time.monotonic_ns()}", shard_bytes=shard_bytes,
-                                              isolation=isolation))
+    config = kafka_consumer_config(bootstrap, group=f"observe-{time.monotonic_ns()}", shard_bytes=shard_bytes,
+                                   isolation=isolation)
+    consumer = Consumer({**config, "enable.partition.eof": True})
     consumer.assign([TopicPartition(topic, r, OFFSET_BEGINNING) for r in range(world)])
     groups: dict[str, set[int]] = {}
-    idle_until = time.monotonic() + 2 * idle_s
-    hard = time.monotonic() + 10.0
+    at_end: set[int] = set()
+    ended_at: float | None = None  # when the last partition reached its end
+    hard = time.monotonic() + hard_s
     try:
-        while time.monotonic() < min(idle_until, hard):
+        while time.monotonic() < hard and (ended_at is None or time.monotonic() < ended_at + idle_s):
             for msg in consumer.consume(num_messages=64, timeout=0.1):
                 if msg.error():
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         raise RuntimeError(str(msg.error()))
+                    at_end.add(msg.partition())
+                    if len(at_end) == world and ended_at is None:
+                        ended_at = time.monotonic()
                     continue
                 groups.setdefault(msg.key().decode(), set()).add(msg.partition())
-                idle_until = time.monotonic() + idle_s
+                at_end.discard(msg.partition())
+                ended_at = None
     finally:
         consumer.close()
     complete = sorted(k for k, v in groups.items() if len(v) == world)
