@@ -351,10 +351,18 @@ def test_stalled_producer_does_not_hang_past_timeout(tmp_path: Path, num_workers
 def test_close_ends_a_waiting_follow_iteration(tmp_path: Path) -> None:
     stream = make_stream(tmp_path, steps=1)
     ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, timeout=None)
-    threading.Timer(0.3, ds.close).start()
-    started = time.monotonic()
-    assert [it["step"] for it in ds] == [1]
-    assert time.monotonic() - started < 5
+    it = iter(ds)
+    assert next(it)["step"] == 1  # delivered before the close (a timer started first could fire before step 1)
+    closed_at: list[float] = []
+
+    def close() -> None:
+        closed_at.append(time.monotonic())
+        ds.close()
+
+    threading.Timer(0.3, close).start()  # the iteration is now waiting for step 2, which never comes
+    assert list(it) == []
+    # without the close it would wait forever (timeout=None); the bound only rules out a close that waits out a poll
+    assert closed_at and time.monotonic() - closed_at[0] < 30
     assert not [t for t in threading.enumerate() if t.name.startswith("lakestream-read")]
 
 
