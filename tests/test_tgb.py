@@ -264,3 +264,34 @@ def test_state_hands_the_caller_its_own_producer_table(stream: Stream) -> None:
     assert type(state.producers) is dict and pickle.loads(pickle.dumps(state)) == state
     state.producers.clear()  # the caller's copy: the parsed state shared in this process is untouched
     assert set(stream.state().producers) == {"p"} and stream.head_step() == 1
+
+
+def test_a_wide_batch_is_checked_as_a_whole_and_a_bad_rank_is_still_named() -> None:
+    """check_shards takes a batch of one schema in a few Arrow calls whatever the world size, and falls back to the
+    per-rank checks for anything else: the error still names the rank, and what those checks accept stays accepted."""
+    from lakestream_iceberg.format.layout import check_shards
+
+    inner = pa.struct([pa.field("a", pa.int64(), nullable=False), pa.field("b", pa.string())])
+    schema = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("meta", inner), pa.field("x", pa.float32())])
+    world = 1024
+
+    def rank_table(rank: int, *, id_: int | None = 0, a: int | None = 1) -> pa.Table:
+        return pa.table({"id": pa.array([id_], pa.int64()), "meta": pa.array([{"a": a, "b": None}], type=inner),
+                         "x": pa.array([float(rank)], pa.float32())}, schema=schema)
+
+    good = [rank_table(r) for r in range(world)]
+    assert all(a is b for a, b in zip(check_shards(good, world_size=world, expected=schema), good))
+    with pytest.raises(SchemaMismatchError, match=r"rank 700: column 'id' is required but has nulls"):
+        check_shards([*good[:700], rank_table(700, id_=None), *good[701:]], world_size=world, expected=schema)
+    with pytest.raises(SchemaMismatchError, match=r"rank 900: nested field 'meta.a' is required"):
+        check_shards([*good[:900], rank_table(900, a=None), *good[901:]], world_size=world, expected=schema)
+    with pytest.raises(SchemaMismatchError, match=r"rank 5: column 'x' is double"):
+        check_shards([*good[:5], good[5].cast(schema.set(2, pa.field("x", pa.float64()))), *good[6:]],
+                     world_size=world, expected=schema)
+    # accepted by the per-rank checks, so still accepted: a nullable copy of the schema, a RecordBatch, other metadata
+    relaxed = good[3].cast(pa.schema([f.with_nullable(True) for f in schema]))
+    batch_shard = good[4].to_batches()[0]
+    tagged = good[6].replace_schema_metadata({"origin": "rank 6"})
+    mixed = [*good[:3], relaxed, batch_shard, good[5], tagged, *good[7:]]
+    out = check_shards(mixed, world_size=world, expected=schema)
+    assert len(out) == world and all(isinstance(t, pa.Table) for t in out) and out[4].equals(good[4])

@@ -263,10 +263,12 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
             f"got {len(shards)} shards but the stream's world size is {world_size}; pass exactly one pyarrow Table per "
             f"rank (an empty table for a rank with no samples)"
         )
-    out: list[pa.Table] = []
     nested = [_has_required(want.type) for want in expected]  # once per batch, not per rank
     fields = list(expected)
     to_scan = [i for i, want in enumerate(fields) if not want.nullable or nested[i]]  # columns whose values need a look
+    if _all_valid(shards, expected, fields, to_scan, nested):
+        return list(shards)
+    out: list[pa.Table] = []
     checked: list[pa.Schema] = []  # shard schemas whose names and types matched (most batches: one)
     for rank, shard in enumerate(shards):
         if isinstance(shard, pa.RecordBatch):
@@ -301,6 +303,29 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
             checked.append(schema)
         out.append(shard)
     return out
+
+
+def _all_valid(shards: list[object] | tuple[object, ...], expected: pa.Schema, fields: list[pa.Field], to_scan: list[int],
+               nested: list[bool]) -> bool:
+    """The common case in a few Arrow calls, however many ranks: every shard a ``pa.Table`` with one and the same
+    schema (``concat_tables`` refuses anything else) whose names and types are the stream's, and no null where a
+    column or nested field is required. False sends the batch through the per-rank checks, which name the rank."""
+    if not all(type(shard) is pa.Table for shard in shards):
+        return False
+    try:
+        whole = pa.concat_tables(shards)  # zero-copy: it only collects the shards' chunks
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return False
+    schema = whole.schema
+    if schema.names != expected.names or not all(field.type.equals(want.type) for field, want in zip(schema, fields)):
+        return False
+    for i in to_scan:
+        column = whole.column(i)
+        if not fields[i].nullable and column.null_count:
+            return False
+        if nested[i] and any(_required_null(chunk, fields[i].name) is not None for chunk in column.chunks):
+            return False
+    return True
 
 
 def _children(data_type: pa.DataType) -> list[pa.Field]:
