@@ -25,7 +25,8 @@ def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[
     ``read`` returned, and when that buffer wraps a Python ``bytes`` object the drop needs the GIL, which aborts the
     process if it happens during interpreter shutdown (apache/arrow#34314).
     """
-    table = pq.ParquetFile(pa.BufferReader(fetch(io, data_file.file_path))).read(columns=columns, use_threads=True)
+    buffer = fetch(io, data_file.file_path)
+    table = pq.ParquetFile(pa.BufferReader(buffer)).read(columns=columns, use_threads=buffer.size > DECODE_THREADS_BYTES)
     target = schema if columns is None else pa.schema([schema.field(c) for c in columns])
     return target.empty_table() if table.num_rows == 0 else table.cast(target)
 
@@ -44,6 +45,10 @@ def _arrow_owned(data: bytes) -> pa.Buffer:
         np.frombuffer(buffer, dtype=np.uint8)[:] = np.frombuffer(data, dtype=np.uint8)
     return buffer
 
+
+# Arrow decodes the columns of a read on its thread pool only when there is this much to decode: handing a small read
+# to the pool costs more than decoding it in the calling thread (a 10 KiB row group: 0.26 ms with threads, 0.14 without).
+DECODE_THREADS_BYTES = 1024 * 1024
 
 # A packed file this small is read whole, in one request: Parquet readers fetch the last 64 KiB speculatively for the
 # footer, so range reads of a small file cost two round trips for little saved.
@@ -156,7 +161,9 @@ class StepFiles:
         assert self.footer is not None and self._packed_file is not None
         groups = self.footer.groups(first, last)
         wanted = None if columns is None else [*columns, RANK_COLUMN]
-        table = self._packed_file.read_row_groups(groups, columns=wanted, use_threads=True)
+        metadata = self._packed_file.metadata
+        size = sum(metadata.row_group(g).total_byte_size for g in groups)  # uncompressed: what decoding costs
+        table = self._packed_file.read_row_groups(groups, columns=wanted, use_threads=size > DECODE_THREADS_BYTES)
         base = self.footer.group_starts[groups[0]]
         if (first - base, last - first) != (0, table.num_rows):
             table = table.slice(first - base, last - first)
