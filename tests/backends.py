@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import pytest
 
@@ -248,9 +248,13 @@ def catalog_from_env() -> Catalog:
     return load_catalog(spec["name"], **spec["properties"])
 
 
-def spawn_worker(backend: Backend, *args: str, **env: str) -> subprocess.Popen[str]:
-    """``python -m tests.workers_matrix ARGS...`` with the backend's catalog in its environment."""
+def spawn_worker(backend: Backend, *args: str, stderr: IO[str] | None = None, **env: str) -> subprocess.Popen[str]:
+    """``python -m tests.workers_matrix ARGS...`` with the backend's catalog in its environment.
+
+    ``stderr``: an open file for the worker's stderr (the parent can watch it while the worker runs); default a pipe.
+    """
     cmd: Sequence[str] = [sys.executable, "-m", "tests.workers_matrix", *args]
     return subprocess.Popen(
-        cmd, cwd=ROOT, env=backend.worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd, cwd=ROOT, env=backend.worker_env(**env), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stderr is None else stderr, text=True,
     )

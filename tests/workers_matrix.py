@@ -7,6 +7,8 @@
 
 ``LAKESTREAM_TEST_PAUSE_S`` (float) sleeps between commits / reads so that a run spans a fault injected by the parent;
 ``LAKESTREAM_TEST_READY_FILE`` (a path) is created once the stream is open, so the parent can inject it after start-up.
+``LAKESTREAM_TEST_GATE=SEQ:PATH`` (commit): before committing seq ``SEQ`` the worker creates ``PATH.PRODUCER`` and waits
+until ``PATH`` exists, so the parent can break a service while every producer still has commits to make.
 Each output line is JSON; the parent checks it against ``tests.support.batch``.
 """
 
@@ -38,7 +40,15 @@ def opened(ident: str) -> Stream:
 def commit(ident: str, producer_id: str, count: int, pause: float) -> None:
     stream = opened(ident)
     producer = stream.producer(producer_id)
+    gate_seq, _, gate = os.environ.get("LAKESTREAM_TEST_GATE", "-1:").partition(":")
     while (seq := producer.next_seq) < count:
+        if seq == int(gate_seq):
+            Path(f"{gate}.{producer_id}").touch()
+            deadline = time.monotonic() + 600
+            while not Path(gate).exists():
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{producer_id}: the parent never opened the gate {gate}")
+                time.sleep(0.01)
         result = producer.commit(batch(producer_id, seq, stream.world_size), seq=seq)
         emit(seq=result.seq, step=result.step, attempts=result.attempts, dup=result.duplicate)
         time.sleep(pause)
