@@ -24,6 +24,7 @@ import glob
 import http.client
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -57,13 +58,23 @@ def free_ports(count: int, *, offset: int = 0, exclude: Collection[int] = ()) ->
 
     With ``offset``, each returned port ``p`` also has ``p + offset`` free (SeaweedFS derives gRPC ports that way);
     neither is in ``exclude``.
+
+    The ports lie below the kernel's ephemeral range when it leaves room (``ip_local_port_range``, 32768-60999 by
+    default): the crash and outage tests restart a service on the same port, and while it is down a client's outgoing
+    connection could otherwise be given that port as its local port, and the restart would fail with EADDRINUSE.
     """
     held: list[socket.socket] = []
     ports: list[int] = []
+    below = _ephemeral_low() - offset
+    rng = random.Random()
     try:
         while len(ports) < count:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((HOST, 0))
+            try:
+                sock.bind((HOST, rng.randrange(_PORT_FLOOR, below) if below - _PORT_FLOOR >= 1000 else 0))
+            except OSError:  # taken: draw again
+                sock.close()
+                continue
             held.append(sock)
             port = sock.getsockname()[1]
             if port in exclude or port + offset in exclude:
@@ -83,6 +94,17 @@ def free_ports(count: int, *, offset: int = 0, exclude: Collection[int] = ()) ->
         for sock in held:
             sock.close()
     return ports
+
+
+_PORT_FLOOR = 10_000  # above the well-known and registered ports most services default to
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (0 when it cannot be read: then the kernel picks ports)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
