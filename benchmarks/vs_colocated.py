@@ -469,7 +469,7 @@ class Bench:
         quota = math.ceil(steps / self.args.producers)
         out = CTX.Queue()
         held = CTX.Event()
-        hold_seq = max(1, quota // 2)  # the victim commits batches 0..hold_seq-1, then waits for the kill
+        hold_seq = quota // 2  # the victim commits batches 0..hold_seq-1 (none when its quota is 1), then waits for the kill
         procs = self.start_producers(root, quota, out, hold=(hold_seq, held) if fail else None)
         events: dict[str, Any] = {}
 
@@ -480,10 +480,12 @@ class Bench:
         def on_step(step: int, it: Any) -> None:
             if fail and step == self.args.kill_step and "kill_at" not in events:
                 # Wait for observed progress: the victim has committed its first hold_seq batches and is alive.
+                deadline = time.monotonic() + 600
                 while not held.wait(0.5):
                     if not procs[0].is_alive():
-                        raise RuntimeError(f"producer prep-0 exited (code {procs[0].exitcode}) before the kill: "
-                                           f"{out.get(timeout=5) if not out.empty() else 'no report'}")
+                        raise RuntimeError(f"producer prep-0 exited (code {procs[0].exitcode}) before the kill")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"producer prep-0 did not commit its first {hold_seq} batches in 600 s")
                 procs[0].kill()
                 procs[0].join(60)
                 events["kill_at"] = time.monotonic()

@@ -67,11 +67,13 @@ def free_ports(count: int, *, offset: int = 0, exclude: Collection[int] = ()) ->
     ports: list[int] = []
     below = _ephemeral_low() - offset
     rng = random.Random()
+    draws = 0
     try:
         while len(ports) < count:
+            draws += 1
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                sock.bind((HOST, rng.randrange(_PORT_FLOOR, below) if below - _PORT_FLOOR >= 1000 else 0))
+            try:  # after 1,000 draws (a crowded range), let the kernel pick
+                sock.bind((HOST, rng.randrange(_PORT_FLOOR, below) if below - _PORT_FLOOR >= 1000 and draws <= 1000 else 0))
             except OSError:  # taken: draw again
                 sock.close()
                 continue

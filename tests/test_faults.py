@@ -95,42 +95,59 @@ def run_through_fault(
 ) -> tuple[dict[str, int], dict[str, Result], dict[str, Result]]:
     """Two producer processes and the given consumer processes run through a fault, by observed progress only.
 
-    Every producer commits seqs ``0..gate_seq-1`` and then waits at a gate; once every worker is up and both wait,
-    ``fault`` breaks the service, the gate opens, and ``repair`` runs only after a producer's stderr shows one of
-    ``hit`` (its commit met the fault): however fast or slow the machine, the fault lands on commits still to make.
+    Every producer commits seqs ``0..gate_seq-1`` and waits at a first gate until every worker is up; the gate opens,
+    and ``fault`` breaks the service once a commit landed after it (the producers are committing: a commit may be in
+    flight). A second gate before each producer's last seq keeps them from finishing before the fault: if both reach
+    it without having met the fault, it opens and their last commits meet it. ``repair`` runs only once a producer's
+    stderr shows one of ``hit``, however fast or slow the machine.
     """
     ident = backend.identifier()
     stream = Stream.create(backend.catalog(), ident, schema=SCHEMA, world_size=2)
     producers = {f"prep-{i}": per_producer for i in range(2)}
     ready = tmp_path / "ready"
     ready.mkdir()
-    gate = tmp_path / "gate"
+    start, end = tmp_path / "gate-start", tmp_path / "gate-end"
+    gates = f"{gate_seq}:{start},{per_producer - 1}:{end}"
     logs = {p: tmp_path / f"{p}.stderr" for p in producers}
-    procs = {}
-    for p, n in producers.items():
-        with logs[p].open("w") as log:  # the child keeps its own descriptor
-            procs[p] = spawn_worker(backend, "commit", ident, p, str(n), stderr=log, LAKESTREAM_TEST_PAUSE_S="0.05",
-                                    LAKESTREAM_TEST_READY_FILE=str(ready / p), LAKESTREAM_TEST_GATE=f"{gate_seq}:{gate}")
-    readers = {c: spawn_worker(backend, c, ident, str(sum(producers.values())), LAKESTREAM_TEST_READY_FILE=str(ready / c))
-               for c in consumers}  # fmt: skip
+    procs: dict[str, subprocess.Popen[str]] = {}
+    readers: dict[str, subprocess.Popen[str]] = {}
+
+    def alive() -> None:
+        for name, proc in [*procs.items(), *readers.items()]:
+            if proc.poll() is not None:
+                raise AssertionError(f"{name} exited early ({proc.returncode}): {finish(proc, 30, logs.get(name))[2][-3000:]}")
+
+    def at(gate: Path) -> bool:
+        return all(Path(f"{gate}.{p}").exists() for p in procs)
+
+    def met() -> bool:
+        alive()
+        if any(mark in log.read_text() for log in logs.values() for mark in hit):
+            return True
+        if at(end):  # both finished every commit but the last before the fault landed: the last ones will meet it
+            end.touch()
+        return False
+
     try:
-
-        def steady() -> bool:
-            for name, proc in [*procs.items(), *readers.items()]:
-                if proc.poll() is not None:
-                    raise AssertionError(f"{name} exited early ({proc.returncode}): {finish(proc, 30, logs.get(name))[2][-3000:]}")
-            return (all((ready / name).exists() for name in [*procs, *readers])
-                    and all(Path(f"{gate}.{p}").exists() for p in procs))
-
-        wait_until(steady, 240, "every worker to start and every producer to reach the gate")
+        for p, n in producers.items():
+            with logs[p].open("w") as log:  # the child keeps its own descriptor
+                procs[p] = spawn_worker(backend, "commit", ident, p, str(n), stderr=log, LAKESTREAM_TEST_PAUSE_S="0.05",
+                                        LAKESTREAM_TEST_READY_FILE=str(ready / p), LAKESTREAM_TEST_GATE=gates)
+        for c in consumers:
+            readers[c] = spawn_worker(backend, c, ident, str(sum(producers.values())),
+                                      LAKESTREAM_TEST_READY_FILE=str(ready / c))
+        wait_until(lambda: (alive(), all((ready / n).exists() for n in [*procs, *readers]) and at(start))[1], 240,
+                   "every worker to start and every producer to reach the first gate")
         assert stream.head_step() == len(producers) * gate_seq
-        fault()
+        start.touch()
+        wait_until(lambda: (alive(), stream.head_step() > len(producers) * gate_seq)[1], 240,
+                   "a commit after the first gate")
         try:
-            gate.touch()
-            wait_until(lambda: any(mark in log.read_text() for log in logs.values() for mark in hit), 240,
-                       f"a producer's commit to meet the fault (its stderr to show one of {hit})")
+            fault()
+            wait_until(met, 240, f"a producer's commit to meet the fault (its stderr to show one of {hit})")
         finally:
             repair()
+        end.touch()
         results = {p: finish(proc, 240, logs[p]) for p, proc in procs.items()}
         if any(rc != 0 for rc, _, _ in results.values()):  # the consumers would wait for steps that never come
             for proc in readers.values():

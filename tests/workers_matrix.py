@@ -7,8 +7,9 @@
 
 ``LAKESTREAM_TEST_PAUSE_S`` (float) sleeps between commits / reads so that a run spans a fault injected by the parent;
 ``LAKESTREAM_TEST_READY_FILE`` (a path) is created once the stream is open, so the parent can inject it after start-up.
-``LAKESTREAM_TEST_GATE=SEQ:PATH`` (commit): before committing seq ``SEQ`` the worker creates ``PATH.PRODUCER`` and waits
-until ``PATH`` exists, so the parent can break a service while every producer still has commits to make.
+``LAKESTREAM_TEST_GATE=SEQ:PATH[,SEQ:PATH...]`` (commit): before committing seq ``SEQ`` the worker creates
+``PATH.PRODUCER`` and waits until ``PATH`` exists, so the parent can break a service while every producer still has
+commits to make.
 Each output line is JSON; the parent checks it against ``tests.support.batch``.
 """
 
@@ -40,9 +41,9 @@ def opened(ident: str) -> Stream:
 def commit(ident: str, producer_id: str, count: int, pause: float) -> None:
     stream = opened(ident)
     producer = stream.producer(producer_id)
-    gate_seq, _, gate = os.environ.get("LAKESTREAM_TEST_GATE", "-1:").partition(":")
+    gates = dict((int(at), path) for at, _, path in (g.partition(":") for g in os.environ.get("LAKESTREAM_TEST_GATE", "").split(",") if g))
     while (seq := producer.next_seq) < count:
-        if seq == int(gate_seq):
+        if (gate := gates.get(seq)) is not None:
             Path(f"{gate}.{producer_id}").touch()
             deadline = time.monotonic() + 600
             while not Path(gate).exists():

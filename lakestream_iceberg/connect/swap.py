@@ -106,6 +106,8 @@ def _write_metadata(metadata: TableMetadata, output_file: OutputFile) -> None:
 
 @functools.cache
 def _legacy_current_snapshot_id() -> bool:
+    """pyiceberg's ``legacy-current-snapshot-id`` (``~/.pyiceberg.yaml`` or ``PYICEBERG_LEGACY_CURRENT_SNAPSHOT_ID``),
+    read at the first commit of a process: a change made later in the same process is not seen."""
     from pyiceberg.utils.config import Config
 
     return bool(Config().get_bool("legacy-current-snapshot-id"))
