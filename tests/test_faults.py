@@ -108,7 +108,7 @@ def run_through_fault(
     ready.mkdir()
     start, end = tmp_path / "gate-start", tmp_path / "gate-end"
     gates = f"{gate_seq}:{start},{per_producer - 1}:{end}"
-    logs = {p: tmp_path / f"{p}.stderr" for p in producers}
+    logs = {name: tmp_path / f"{name}.stderr" for name in [*producers, *consumers]}  # files: no pipe fills up
     procs: dict[str, subprocess.Popen[str]] = {}
     readers: dict[str, subprocess.Popen[str]] = {}
 
@@ -122,7 +122,7 @@ def run_through_fault(
 
     def met() -> bool:
         alive()
-        if any(mark in log.read_text() for log in logs.values() for mark in hit):
+        if any(mark in logs[p].read_text() for p in procs for mark in hit):
             return True
         if at(end):  # both finished every commit but the last before the fault landed: the last ones will meet it
             end.touch()
@@ -134,8 +134,9 @@ def run_through_fault(
                 procs[p] = spawn_worker(backend, "commit", ident, p, str(n), stderr=log, LAKESTREAM_TEST_PAUSE_S="0.05",
                                         LAKESTREAM_TEST_READY_FILE=str(ready / p), LAKESTREAM_TEST_GATE=gates)
         for c in consumers:
-            readers[c] = spawn_worker(backend, c, ident, str(sum(producers.values())),
-                                      LAKESTREAM_TEST_READY_FILE=str(ready / c))
+            with logs[c].open("w") as log:
+                readers[c] = spawn_worker(backend, c, ident, str(sum(producers.values())), stderr=log,
+                                          LAKESTREAM_TEST_READY_FILE=str(ready / c))
         wait_until(lambda: (alive(), all((ready / n).exists() for n in [*procs, *readers]) and at(start))[1], 240,
                    "every worker to start and every producer to reach the first gate")
         assert stream.head_step() == len(producers) * gate_seq
@@ -152,7 +153,7 @@ def run_through_fault(
         if any(rc != 0 for rc, _, _ in results.values()):  # the consumers would wait for steps that never come
             for proc in readers.values():
                 proc.kill()
-        consumed = {c: finish(proc, 240) for c, proc in readers.items()}
+        consumed = {c: finish(proc, 240, logs[c]) for c, proc in readers.items()}
     finally:
         for proc in [*procs.values(), *readers.values()]:
             if proc.poll() is None:
