@@ -224,7 +224,7 @@ class ManifestPlanner:
         Each snapshot of a group needs a manifest list of its own, but only the last one stays the head: with this
         manifest it lists one new manifest for the whole group instead of one per batch, so the list stays short and
         merges come ``group`` times less often (a merge reads the manifests that other producers' commits wrote)."""
-        entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in earlier for e in self._cache.entries(self._io, m)]
+        entries = self._as_existing(earlier)
         entries += [
             ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=snapshot_id,
                                     sequence_number=sequence_number, file_sequence_number=sequence_number, data_file=f)
@@ -248,14 +248,17 @@ class ManifestPlanner:
             run = self._mergeable(sorted(at_level, key=lambda m: step_bounds(m) or (0, 0))) \
                 if len(at_level) >= self._fanout else []
             if run:
-                entries = [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in run for e in self._cache.entries(self._io, m)]
-                merged = self._write(level + 1, snapshot_id, sequence_number, entries)
+                merged = self._write(level + 1, snapshot_id, sequence_number, self._as_existing(run))
                 gone = {m.manifest_path for m in run}
                 result = [m for m in result if m.manifest_path not in gone] + [merged]
                 self._cache.forget_entries(gone)
                 top = max(top, level + 1)
             level += 1
         return result
+
+    def _as_existing(self, manifests: Iterable[ManifestFile]) -> list[ManifestEntry]:
+        """The live entries of ``manifests``, in order, as EXISTING (their snapshot ids and sequence numbers kept)."""
+        return [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in manifests for e in self._cache.entries(self._io, m)]
 
     def _mergeable(self, ordered: list[ManifestFile]) -> list[ManifestFile]:
         """What to merge of one level's manifests (in step order): all of them when their live files fit in

@@ -12,6 +12,7 @@ rows it returns.
 from __future__ import annotations
 
 import bisect
+import functools
 import re
 from dataclasses import dataclass
 
@@ -59,8 +60,7 @@ class PackedFooter:
         Raises:
             CorruptStateError: The footer has no rank table, or one that does not fit the stream or the file.
         """
-        def corrupt(why: str) -> CorruptStateError:
-            return corrupt_packed(path, why)
+        corrupt = functools.partial(corrupt_packed, path)
 
         raw = (metadata.metadata or {}).get(RANK_ROWS_KEY)
         if raw is None:
