@@ -176,7 +176,7 @@ class Stream(StreamTable):
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
             file_schema=file_schema(self.table.schema(), self.config.layout), properties=self.table.metadata.properties,
-            packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
+            retry_s=self.config.io_retry_timeout_ms / 1000, packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
         )
 
     @cached_property

@@ -243,6 +243,54 @@ def test_merges_drop_the_manifests_they_replace_from_the_cache_and_keep_the_live
     assert cache.entries_cached() == live
 
 
+
+def test_a_lost_swap_keeps_the_manifests_it_would_have_merged_cached(catalog, monkeypatch) -> None:
+    """A merge whose swap is lost must not drop the parent's manifests from the cache: the re-plan merges the same
+    manifests again and would read each of them back from storage inside its critical section."""
+    import lakestream_iceberg.write.commit as commit_module
+    from lakestream_iceberg.format.manifests import ManifestCache
+
+    class CountingCache(ManifestCache):
+        def __init__(self) -> None:
+            super().__init__(max_files=512)
+            self.read_back: list[str] = []
+
+        def entries(self, io, manifest):  # type: ignore[no-untyped-def]
+            if manifest.manifest_path not in self.entries_cached():
+                self.read_back.append(manifest.manifest_path)
+            return super().entries(io, manifest)
+
+    cache = CountingCache()
+    created = Stream.create(catalog, "ns.lostmerge", schema=SCHEMA, world_size=2,
+                            properties={"lakestream.manifest.merge-fanout": "4"})
+    stream = Stream(created.table, cache=cache)
+    producer = stream.producer("p")
+    for seq in range(3):  # three level-0 manifests: the next commit merges them with its own
+        producer.commit(batch("p", seq, 2))
+    parent = {m.manifest_path for m in stream.refresh().head().manifests(stream.io)}
+    assert len(parent) == 3 and parent <= cache.entries_cached()
+
+    real_swap = commit_module.swap
+    raced: list[int] = []
+
+    def swap_after_a_foreign_commit(table, requirements, updates):  # type: ignore[no-untyped-def]
+        if not raced:  # the first swap of the merging commit: a checkpoint moves the pointer first, so it is lost
+            raced.append(1)
+            stream.checkpoint("race", step=1)
+        return real_swap(table, requirements, updates)
+
+    monkeypatch.setattr(commit_module, "swap", swap_after_a_foreign_commit)
+    result = producer.commit(batch("p", 3, 2))
+    assert result.step == 4 and result.attempts == 2  # the first swap was lost to the checkpoint
+    assert cache.read_back == []  # the re-plan found the parent's manifests in memory
+    live = {m.manifest_path for m in stream.refresh().head().manifests(stream.io)}
+    assert not live & parent  # merged: the parent's level-0 manifests are no longer listed
+    tag = {m.manifest_path for m in stream.table.metadata.snapshot_by_name("race").manifests(stream.io)}
+    # landed: the merged-away manifests and those the lost plan wrote are forgotten; the live ones and the
+    # checkpoint's own manifest stay
+    assert cache.entries_cached() == live | (tag - parent)
+    assert stream.read(4, rank=1).equals(shard("p", 3, 1))
+
 def test_wait_for_polls_the_pointer_and_reloads_only_when_it_moved(stream: Stream) -> None:
     from lakestream_iceberg import ReadTimeoutError
 

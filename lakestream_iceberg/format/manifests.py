@@ -158,6 +158,7 @@ class ManifestPlanner:
         self._commit_uuid = uuid.uuid4()
         self._counter = 0
         self.written: list[str] = []
+        self._replaced: list[str] = []  # manifests this plan's merges replaced (their entries go once it lands)
 
     def parent_manifests(self, parent: Snapshot | None) -> list[ManifestFile]:
         """The parent's manifests that still hold live files (all-DELETED manifests are not carried forward)."""
@@ -251,10 +252,17 @@ class ManifestPlanner:
                 merged = self._write(level + 1, snapshot_id, sequence_number, self._as_existing(run))
                 gone = {m.manifest_path for m in run}
                 result = [m for m in result if m.manifest_path not in gone] + [merged]
-                self._cache.forget_entries(gone)
+                self._replaced.extend(gone)
                 top = max(top, level + 1)
             level += 1
         return result
+
+    def settle(self, landed: bool) -> None:
+        """Update the cache once the commit this planner built is decided: landed, the manifests its merges replaced
+        are no longer listed by the head (their entries would push out those of the live, higher-level manifests that
+        the next, larger merge reads); lost, the head still lists them and the re-plan merges them again, while the
+        manifests this plan wrote are never listed by anyone."""
+        self._cache.forget_entries(self._replaced if landed else self.written)
 
     def _as_existing(self, manifests: Iterable[ManifestFile]) -> list[ManifestEntry]:
         """The live entries of ``manifests``, in order, as EXISTING (their snapshot ids and sequence numbers kept)."""

@@ -102,6 +102,7 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
          AssertRefSnapshotId(ref=branch, snapshot_id=head.snapshot_id)),
         result,
         planner.written,
+        planner.settle,
     )
 
 

@@ -182,7 +182,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     still = protected(remaining, retain_last=stream.config.retain_snapshots)
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
-    return Plan(tuple(updates), tuple(requirements), report, planner.written), collected, deferred
+    return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
 
 
 def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Done[int]:

@@ -57,6 +57,7 @@ class Plan(Generic[T]):
     requirements: tuple[TableRequirement, ...]
     result: T
     written: list[str]
+    settle: Callable[[bool], None] | None = None  # told whether the swap landed (True) or was lost (False)
 
 
 @dataclass
@@ -253,6 +254,8 @@ class CommitLoop:
                         "published. This is a bug or an incompatible table change: please report it"
                     ) from exc
                 abandoned.extend(plan.written)
+                if plan.settle is not None:
+                    plan.settle(False)
                 self._fresh = False
                 metadata = self.refresh(deadline=deadline)
                 foreign = max(0, self._head_state(metadata).step - base_step)
@@ -274,6 +277,8 @@ class CommitLoop:
                 metadata = self.refresh(deadline=deadline)
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
             else:
+                if plan.settle is not None:
+                    plan.settle(True)
                 self._adopt(response.metadata, response.metadata_location, previous=metadata)
                 new_step = self._head_state(response.metadata).step
                 self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)

@@ -386,7 +386,7 @@ class Producer:
         requirements = (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=self.branch, snapshot_id=base_id))
         assert result is not None
         intents = [b.intent for b in batches if b.intent is not None]
-        return Plan(tuple(updates), requirements, _Published(result, intents, stale), planner.written)
+        return Plan(tuple(updates), requirements, _Published(result, intents, stale), planner.written, planner.settle)
 
 
 @dataclass(frozen=True)

@@ -147,7 +147,7 @@ class BatchWriter:
     """Writes shards as Iceberg data files (Parquet with field ids) under ``<location>/data/``: one file per rank with
     one row group, or (``packed_row_group_bytes`` given: the packed layout) one file per batch."""
 
-    def __init__(self, *, io: FileIO, location: str, file_schema: Schema, properties: dict[str, str],
+    def __init__(self, *, io: FileIO, location: str, file_schema: Schema, properties: dict[str, str], retry_s: float,
                  packed_row_group_bytes: int | None = None) -> None:
         self._io = io
         self._packed_bytes = packed_row_group_bytes
@@ -158,9 +158,10 @@ class BatchWriter:
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
         self._compression = properties.get("write.parquet.compression-codec", "zstd")
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-write")
-        # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long; the path is unique to
-        # this batch and an object appears only when its upload completes, so writing it again is safe.
-        self._retry_s = int(properties.get("lakestream.io.retry-timeout-ms", "120000")) / 1000
+        # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long (the stream's checked
+        # lakestream.io.retry-timeout-ms); the path is unique to this batch and an object appears only when its upload
+        # completes, so writing it again is safe.
+        self._retry_s = retry_s
 
     def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table]) -> StagedBatch:
         """Write every rank's file; when any rank's write fails, delete what was written and raise.
