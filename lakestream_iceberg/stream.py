@@ -33,7 +33,7 @@ from lakestream_iceberg.format.layout import (
     partition_spec,
     table_arrow_schema,
 )
-from lakestream_iceberg.format.manifests import ManifestCache
+from lakestream_iceberg.format.manifests import ManifestCache, avro_codec
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import (
@@ -55,7 +55,7 @@ from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 from lakestream_iceberg.write.producer import Producer
 from lakestream_iceberg.write.staging import StagingArea
-from lakestream_iceberg.write.writer import BatchWriter
+from lakestream_iceberg.write.writer import BatchWriter, parquet_options
 
 __all__ = ["Stream"]
 
@@ -137,6 +137,8 @@ class Stream(StreamTable):
             props.update(properties or {})
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             config = StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
+            parquet_options(props)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
+            avro_codec(props)
             namespace = Catalog.namespace_from(identifier)
             if namespace:
                 try:
@@ -173,6 +175,7 @@ class Stream(StreamTable):
     # -- properties -----------------------------------------------------------------------------------------------------
     @cached_property
     def writer(self) -> BatchWriter:
+        avro_codec(self.table.metadata.properties)  # a producer is refused before it writes anything
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
             file_schema=file_schema(self.table.schema(), self.config.layout), properties=self.table.metadata.properties,

@@ -198,6 +198,52 @@ def test_reserved_column_names_are_refused(catalog) -> None:
         Stream.create(catalog, "ns.bad", schema=pa.schema([("_step", pa.int64())]), world_size=1)
 
 
+
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
+@pytest.mark.parametrize(("settings", "codec"), [
+    ({"write.parquet.compression-codec": "uncompressed"}, "UNCOMPRESSED"),  # Iceberg's name, not pyarrow's "none"
+    ({"write.parquet.compression-codec": "gzip", "write.parquet.compression-level": "9"}, "GZIP"),
+    ({}, "ZSTD"),
+])
+def test_icebergs_parquet_writer_properties_are_honoured(catalog, layout: str, settings: dict[str, str],
+                                                         codec: str) -> None:
+    import pyarrow.parquet as pq
+
+    stream = Stream.create(catalog, "ns.codec", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.layout": layout, **settings})
+    stream.producer("p").commit(batch("p", 0, 2))
+    written = [path for path in data_files_on_disk(stream) if path.endswith(".parquet")]
+    assert len(written) == (1 if layout == "packed" else 2)
+    for path in written:
+        metadata = pq.read_metadata(path)
+        assert {metadata.row_group(0).column(i).compression for i in range(metadata.num_columns)} == {codec}
+    assert stream.read(1, rank=1).equals(shard("p", 0, 1))
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    ({"write.parquet.compression-codec": "lzma"}, "write.parquet.compression-codec='lzma'"),
+    ({"write.parquet.compression-codec": "snappy", "write.parquet.compression-level": "3"}, "compression-level='3'"),
+    ({"write.parquet.compression-codec": "gzip", "write.parquet.compression-level": "100"}, "compression-level='100'"),
+    ({"write.parquet.page-size-bytes": "big"}, "write.parquet.page-size-bytes='big' is not an integer"),
+    ({"write.parquet.dict-size-bytes": "0"}, "write.parquet.dict-size-bytes=0 must be >= 1"),
+    ({"write.avro.compression-codec": "lzma"}, "write.avro.compression-codec='lzma'"),
+])
+def test_file_settings_pyarrow_or_pyiceberg_refuse_are_config_errors(catalog, settings: dict[str, str],
+                                                                     words: str) -> None:
+    """Refused at creation, before the table exists; and set on an existing stream (by any Iceberg client), refused
+    when a producer is made, before it writes anything, instead of failing every commit with a raw library error."""
+    from lakestream_iceberg import ConfigError
+
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        Stream.create(catalog, "ns.refused", schema=SCHEMA, world_size=2, properties=settings)
+    assert not catalog.table_exists("ns.refused")
+    stream = Stream.create(catalog, "ns.changed", schema=SCHEMA, world_size=2)
+    stream.table.transaction().set_properties(settings).commit_transaction()
+    reopened = Stream.open(catalog, "ns.changed")
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace("[", r"\[")):
+        reopened.producer("p")
+    assert not [f for f in data_files_on_disk(reopened)]
+
 def test_plain_iceberg_scan_sees_every_sample_with_step_and_rank(stream: Stream) -> None:
     producer = stream.producer("p")
     expected = 0

@@ -40,7 +40,26 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import LongType
 
+from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
+
+AVRO_CODEC = "write.avro.compression-codec"
+
+
+def avro_codec(properties: dict[str, str]) -> str:
+    """The table's ``write.avro.compression-codec`` (default gzip), one pyiceberg's Avro writer knows; anything else is a
+    :class:`ConfigError` (pyiceberg would fail every commit with a ``ValueError`` while writing its manifests)."""
+    from pyiceberg.avro.codecs import CODEC_MAPPING_ICEBERG_TO_AVRO, KNOWN_CODECS
+
+    codec = properties.get(AVRO_CODEC, "gzip")
+    if CODEC_MAPPING_ICEBERG_TO_AVRO.get(codec, codec) not in KNOWN_CODECS:
+        names = sorted({*CODEC_MAPPING_ICEBERG_TO_AVRO, *KNOWN_CODECS} - {"deflate", "zstandard"})
+        raise ConfigError(
+            f"table property {AVRO_CODEC}={codec!r} is not a codec pyiceberg writes manifests with; use one of "
+            f"{', '.join(names)} (with pyiceberg: table.transaction().set_properties({{...}}).commit_transaction())"
+        )
+    return codec
+
 
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
 
@@ -154,7 +173,7 @@ class ManifestPlanner:
         self._max_merge_entries = max_merge_entries
         self._spec: PartitionSpec = metadata.spec()
         self._schema: Schema = metadata.schema()
-        self._compression = metadata.properties.get("write.avro.compression-codec", "gzip")
+        self._compression = avro_codec(metadata.properties)
         self._commit_uuid = uuid.uuid4()
         self._counter = 0
         self.written: list[str] = []

@@ -49,6 +49,53 @@ def check_producer_id(producer_id: str) -> str:
     return producer_id
 
 
+# pyiceberg's Parquet writer properties (TableProperties), honoured as pyiceberg's own writer honours them. Not
+# applicable: write.parquet.row-group-size-bytes (a per-rank file is one row group; packed files group ranks by
+# lakestream.layout.packed.row-group-bytes) and the bloom filter options (pyiceberg does not write them either).
+_CODEC = "write.parquet.compression-codec"
+_CODEC_DEFAULT = "zstd"
+_INT_OPTIONS = {  # table property -> pyarrow ParquetWriter argument
+    "write.parquet.compression-level": "compression_level",
+    "write.parquet.page-size-bytes": "data_page_size",
+    "write.parquet.dict-size-bytes": "dictionary_pagesize_limit",
+    "write.parquet.page-row-limit": "write_batch_size",
+}
+
+
+def parquet_options(properties: dict[str, str]) -> dict[str, Any]:
+    """The ``pq.ParquetWriter`` arguments a table's ``write.parquet.*`` properties ask for, checked by pyarrow itself:
+    a codec or level it refuses is a :class:`ConfigError` before any data is written, not a failure of every commit.
+
+    The codec defaults to zstd (pyiceberg's default) and accepts Iceberg's ``uncompressed``; a property that is not
+    set leaves pyarrow's own default (page size, dictionary page limit, rows per write batch)."""
+    codec = str(properties.get(_CODEC, _CODEC_DEFAULT)).strip().lower()
+    options: dict[str, Any] = {"compression": "none" if codec == "uncompressed" else codec}
+    for key, argument in _INT_OPTIONS.items():
+        raw = properties.get(key)
+        if raw is None or raw == "":
+            continue
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(f"table property {key}={raw!r} is not an integer; set it to an integer or remove it") from None
+        if argument != "compression_level" and value < 1:
+            raise ConfigError(f"table property {key}={value} must be >= 1")
+        options[argument] = value
+    try:  # pyarrow is the judge of codecs and levels (some only when compressing): one tiny file in memory
+        probe = pa.table({"x": pa.array(range(64), pa.int64())})
+        with pq.ParquetWriter(pa.BufferOutputStream(), schema=probe.schema, **options) as writer:
+            writer.write_table(probe)
+    except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
+        level = properties.get("write.parquet.compression-level")
+        raise ConfigError(
+            f"the table's Parquet writer settings are refused by pyarrow ({exc}): {_CODEC}={codec!r}"
+            + (f", write.parquet.compression-level={level!r}" if level is not None else "")
+            + ". Use a codec pyarrow supports (uncompressed, snappy, gzip, brotli, lz4, zstd) and a level that codec "
+            "accepts (with pyiceberg: table.transaction().set_properties({...}).commit_transaction())"
+        ) from exc
+    return options
+
+
 def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int | None) -> str:
     """Where a producer's writer puts rank ``rank`` of batch ``seq`` (``None``: the packed file of every rank): its own
     folder under the table's ``data/``."""
@@ -156,7 +203,7 @@ class BatchWriter:
         self._arrow_schema = schema_to_pyarrow(file_schema, include_field_ids=True)
         self._stats_plan = compute_statistics_plan(file_schema, properties)
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
-        self._compression = properties.get("write.parquet.compression-codec", "zstd")
+        self._options = parquet_options(properties)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-write")
         # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long (the stream's checked
         # lakestream.io.retry-timeout-ms); the path is unique to this batch and an object appears only when its upload
@@ -262,8 +309,7 @@ class BatchWriter:
         """Write ``groups`` as the row groups of one file (a per-rank file: one group, possibly empty)."""
         output = self._io.new_output(path)
         with output.create(overwrite=True) as stream:
-            writer = pq.ParquetWriter(stream, schema=self._arrow_schema, compression=self._compression,
-                                      store_decimal_as_integer=True)
+            writer = pq.ParquetWriter(stream, schema=self._arrow_schema, store_decimal_as_integer=True, **self._options)
             for table in groups:
                 writer.write_table(table, row_group_size=max(1, table.num_rows))
             if rank_rows is not None:  # the footer's own key-value metadata (not the Arrow schema's: stored once)
