@@ -137,7 +137,7 @@ class Stream(StreamTable):
             props.update(properties or {})
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             config = StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
-            parquet_options(props)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
+            parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
             namespace = Catalog.namespace_from(identifier)
             if namespace:

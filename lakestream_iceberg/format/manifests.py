@@ -47,17 +47,28 @@ AVRO_CODEC = "write.avro.compression-codec"
 
 
 def avro_codec(properties: dict[str, str]) -> str:
-    """The table's ``write.avro.compression-codec`` (default gzip), one pyiceberg's Avro writer knows; anything else is a
-    :class:`ConfigError` (pyiceberg would fail every commit with a ``ValueError`` while writing its manifests)."""
+    """The codec of the manifests, from the table's ``write.avro.compression-codec`` (default gzip; Iceberg's
+    ``uncompressed`` is Avro's ``null``), as pyiceberg's Avro writer names it. A codec it does not know, or one whose
+    library is not installed (snappy needs ``pyiceberg[snappy]``), is a :class:`ConfigError`: pyiceberg would fail
+    every commit with a raw error while writing its manifests."""
     from pyiceberg.avro.codecs import CODEC_MAPPING_ICEBERG_TO_AVRO, KNOWN_CODECS
 
-    codec = properties.get(AVRO_CODEC, "gzip")
-    if CODEC_MAPPING_ICEBERG_TO_AVRO.get(codec, codec) not in KNOWN_CODECS:
-        names = sorted({*CODEC_MAPPING_ICEBERG_TO_AVRO, *KNOWN_CODECS} - {"deflate", "zstandard"})
-        raise ConfigError(
-            f"table property {AVRO_CODEC}={codec!r} is not a codec pyiceberg writes manifests with; use one of "
-            f"{', '.join(names)} (with pyiceberg: table.transaction().set_properties({{...}}).commit_transaction())"
-        )
+    raw = properties.get(AVRO_CODEC)
+    codec = "gzip" if raw is None or not str(raw).strip() else str(raw).strip().lower()
+    codec = "null" if codec == "uncompressed" else codec
+    how = ("change it with pyiceberg: table.transaction().set_properties({...}) or .remove_properties(...), "
+           "then .commit_transaction()")
+    known = KNOWN_CODECS.get(CODEC_MAPPING_ICEBERG_TO_AVRO.get(codec, codec), False)  # type: ignore[call-overload]
+    if known is False:
+        names = sorted({*CODEC_MAPPING_ICEBERG_TO_AVRO, *KNOWN_CODECS, "uncompressed"} - {"deflate", "zstandard"})
+        raise ConfigError(f"table property {AVRO_CODEC}={raw!r} is not a codec pyiceberg writes manifests with; use one "
+                          f"of {', '.join(names)} ({how})")
+    if known is not None:
+        try:
+            known.compress(b"lakestream")
+        except Exception as exc:  # noqa: BLE001 - e.g. ImportError: the codec's library is not installed
+            raise ConfigError(f"table property {AVRO_CODEC}={raw!r} cannot be used here: {exc}. Install what it names, "
+                              f"or use another codec ({how})") from exc
     return codec
 
 
@@ -276,12 +287,20 @@ class ManifestPlanner:
             level += 1
         return result
 
-    def settle(self, landed: bool) -> None:
-        """Update the cache once the commit this planner built is decided: landed, the manifests its merges replaced
-        are no longer listed by the head (their entries would push out those of the live, higher-level manifests that
-        the next, larger merge reads); lost, the head still lists them and the re-plan merges them again, while the
-        manifests this plan wrote are never listed by anyone."""
-        self._cache.forget_entries(self._replaced if landed else self.written)
+    def settle(self, landed: bool, head: Snapshot | None) -> None:
+        """Update the cache once the commit this planner built is decided (``head``: the branch's head then).
+
+        Landed: the manifests its merges and rewrites replaced are no longer listed (their entries would push out
+        those of the live, higher-level manifests that the next, larger merge reads). Lost: the manifests this plan
+        wrote are listed by no one; those it replaced are forgotten only if the new head no longer lists them either
+        (the winner merged them too), since a re-plan on a head that still lists them merges them again."""
+        if landed:
+            self._cache.forget_entries(self._replaced)
+            return
+        self._cache.forget_entries(self.written)
+        if self._replaced:
+            listed = {m.manifest_path for m in self._cache.manifests(self._io, head)} if head is not None else set()
+            self._cache.forget_entries(path for path in self._replaced if path not in listed)
 
     def _as_existing(self, manifests: Iterable[ManifestFile]) -> list[ManifestEntry]:
         """The live entries of ``manifests``, in order, as EXISTING (their snapshot ids and sequence numbers kept)."""
@@ -331,6 +350,7 @@ class ManifestPlanner:
             kept = [_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries if e.data_file.partition[0] >= below]
             rewritten = [_copy_entry(e, ManifestEntryStatus.DELETED, snapshot_id) for e in gone] + kept
             out.append(self._write(manifest_level(manifest.manifest_path), snapshot_id, sequence_number, rewritten))
+            self._replaced.append(manifest.manifest_path)
         return out, dropped
 
     def write_list(

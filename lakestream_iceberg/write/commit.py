@@ -35,6 +35,7 @@ from typing import Generic, TypeVar
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.connect.diagnose import transient
@@ -57,7 +58,9 @@ class Plan(Generic[T]):
     requirements: tuple[TableRequirement, ...]
     result: T
     written: list[str]
-    settle: Callable[[bool], None] | None = None  # told whether the swap landed (True) or was lost (False)
+    # Cache upkeep once the swap is decided: settle(True, head) after it landed, settle(False, head) after it was lost
+    # (``head``: the branch's head snapshot then). Never for an unknown outcome; a failure in it never fails a commit.
+    settle: Callable[[bool, Snapshot | None], None] | None = None
 
 
 @dataclass
@@ -249,15 +252,15 @@ class CommitLoop:
                 # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
                 invalid = invalid + 1 if isinstance(exc, ValueError) else 0
                 if invalid >= 5:  # not a race: the same update keeps being refused
+                    self._settle(plan, landed=False, metadata=metadata)
                     raise CommitError(
                         f"the catalog keeps refusing this commit to {self.table.name()} as invalid ({exc}); nothing was "
                         "published. This is a bug or an incompatible table change: please report it"
                     ) from exc
                 abandoned.extend(plan.written)
-                if plan.settle is not None:
-                    plan.settle(False)
                 self._fresh = False
                 metadata = self.refresh(deadline=deadline)
+                self._settle(plan, landed=False, metadata=metadata)
                 foreign = max(0, self._head_state(metadata).step - base_step)
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign, foreign=foreign)
                 log.debug("commit attempt %d on %s lost (%s)", attempt, self.table.name(), exc)
@@ -277,9 +280,8 @@ class CommitLoop:
                 metadata = self.refresh(deadline=deadline)
                 self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
             else:
-                if plan.settle is not None:
-                    plan.settle(True)
                 self._adopt(response.metadata, response.metadata_location, previous=metadata)
+                self._settle(plan, landed=True, metadata=response.metadata)
                 new_step = self._head_state(response.metadata).step
                 self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
                 self._observe(response.metadata)
@@ -297,6 +299,14 @@ class CommitLoop:
                 self._sleep(delay)
                 # plan the retry on the head as it is now: a commit that landed during the sleep would doom it
                 metadata = self.refresh(deadline=deadline)
+
+    def _settle(self, plan: Plan[T], *, landed: bool, metadata: TableMetadata) -> None:
+        if plan.settle is None:
+            return
+        try:
+            plan.settle(landed, metadata.snapshot_by_name(self._branch))
+        except Exception:  # noqa: BLE001 - cache upkeep (it may read a manifest list): never a commit's outcome
+            log.debug("cache upkeep after a commit attempt on %s failed", self.table.name(), exc_info=True)
 
     def _adopt(self, metadata: TableMetadata, location: str, *, previous: TableMetadata) -> None:
         """Take the committed metadata as the table's current state (no reload) and drop aged-out metadata files."""

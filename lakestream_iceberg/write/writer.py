@@ -9,10 +9,12 @@ compare-and-swap re-uses them with a new step, and no data is rewritten.
 
 from __future__ import annotations
 
+import inspect
+import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,9 @@ from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
 
+log = logging.getLogger(__name__)
+
+_PAGE_ROWS = "max_rows_per_page" in inspect.signature(pq.ParquetWriter.__init__).parameters
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -49,49 +54,68 @@ def check_producer_id(producer_id: str) -> str:
     return producer_id
 
 
-# pyiceberg's Parquet writer properties (TableProperties), honoured as pyiceberg's own writer honours them. Not
-# applicable: write.parquet.row-group-size-bytes (a per-rank file is one row group; packed files group ranks by
-# lakestream.layout.packed.row-group-bytes) and the bloom filter options (pyiceberg does not write them either).
+# Iceberg's Parquet writer properties (pyiceberg's TableProperties) that apply to lakestream's files. Not applicable:
+# write.parquet.row-group-size-bytes and write.parquet.row-group-limit (a per-rank file is one row group; a packed file
+# groups ranks by lakestream.layout.packed.row-group-bytes) and the bloom filter options (pyiceberg writes none).
 _CODEC = "write.parquet.compression-codec"
-_CODEC_DEFAULT = "zstd"
+_LEVEL = "write.parquet.compression-level"
 _INT_OPTIONS = {  # table property -> pyarrow ParquetWriter argument
-    "write.parquet.compression-level": "compression_level",
+    _LEVEL: "compression_level",
     "write.parquet.page-size-bytes": "data_page_size",
     "write.parquet.dict-size-bytes": "dictionary_pagesize_limit",
-    "write.parquet.page-row-limit": "write_batch_size",
+    "write.parquet.page-row-limit": "max_rows_per_page",  # rows per page (pyarrow's write_batch_size is not that)
 }
+_LEVELLESS = frozenset({"none", "snappy"})  # codecs that take no level
+_HOW = ("change it with pyiceberg: table.transaction().set_properties({...}) or .remove_properties(...), then "
+        ".commit_transaction()")
 
 
-def parquet_options(properties: dict[str, str]) -> dict[str, Any]:
-    """The ``pq.ParquetWriter`` arguments a table's ``write.parquet.*`` properties ask for, checked by pyarrow itself:
-    a codec or level it refuses is a :class:`ConfigError` before any data is written, not a failure of every commit.
+def parquet_options(properties: Mapping[str, str], *, strict: bool = True) -> dict[str, Any]:
+    """The ``pq.ParquetWriter`` arguments for a table's ``write.parquet.*`` properties, checked by pyarrow itself (a
+    trial write in memory): a codec, level or size it refuses is a :class:`ConfigError` before any data is written,
+    not a failure of every commit.
 
-    The codec defaults to zstd (pyiceberg's default) and accepts Iceberg's ``uncompressed``; a property that is not
-    set leaves pyarrow's own default (page size, dictionary page limit, rows per write batch)."""
-    codec = str(properties.get(_CODEC, _CODEC_DEFAULT)).strip().lower()
+    The codec defaults to zstd (pyiceberg's default) and accepts Iceberg's ``uncompressed``; an unset property keeps
+    pyarrow's default. A level given with a codec that takes none (uncompressed, snappy) is refused when ``strict``
+    (a stream being created) and otherwise ignored with a warning, as Iceberg's writers ignore it: a table another
+    client configured keeps working. ``write.parquet.page-row-limit`` needs pyarrow's ``max_rows_per_page``
+    (pyarrow >= 18); with an older pyarrow it is ignored with a warning.
+    """
+    raw_codec = properties.get(_CODEC)
+    codec = "zstd" if raw_codec is None or not str(raw_codec).strip() else str(raw_codec).strip().lower()
     options: dict[str, Any] = {"compression": "none" if codec == "uncompressed" else codec}
+    given = {_CODEC: raw_codec} if raw_codec is not None else {}
     for key, argument in _INT_OPTIONS.items():
         raw = properties.get(key)
-        if raw is None or raw == "":
+        if raw is None or not str(raw).strip():
             continue
         try:
             value = int(raw)
         except (TypeError, ValueError):
-            raise ConfigError(f"table property {key}={raw!r} is not an integer; set it to an integer or remove it") from None
+            raise ConfigError(f"table property {key}={raw!r} is not an integer; {_HOW}") from None
         if argument != "compression_level" and value < 1:
-            raise ConfigError(f"table property {key}={value} must be >= 1")
+            raise ConfigError(f"table property {key}={value} must be >= 1; {_HOW}")
+        if argument == "max_rows_per_page" and not _PAGE_ROWS:
+            log.warning("table property %s is ignored: pyarrow %s cannot limit the rows of a page", key, pa.__version__)
+            continue
         options[argument] = value
-    try:  # pyarrow is the judge of codecs and levels (some only when compressing): one tiny file in memory
+        given[key] = raw
+    if "compression_level" in options and options["compression"] in _LEVELLESS:
+        if strict:
+            raise ConfigError(f"table property {_LEVEL}={given[_LEVEL]!r} is given, but codec {codec!r} takes no level; "
+                              f"remove it or pick a codec that has levels (gzip, zstd, brotli, lz4); {_HOW}")
+        log.warning("table property %s=%r is ignored: codec %r takes no level", _LEVEL, given[_LEVEL], codec)
+        del options["compression_level"]
+        del given[_LEVEL]
+    try:  # pyarrow is the judge (some codecs refuse a level only when they compress): one tiny file in memory
         probe = pa.table({"x": pa.array(range(64), pa.int64())})
         with pq.ParquetWriter(pa.BufferOutputStream(), schema=probe.schema, **options) as writer:
             writer.write_table(probe)
-    except (pa.ArrowException, OSError, ValueError, TypeError) as exc:
-        level = properties.get("write.parquet.compression-level")
+    except (pa.ArrowException, OSError, ValueError, TypeError, OverflowError) as exc:
+        settings = ", ".join(f"{k}={v!r}" for k, v in given.items())
         raise ConfigError(
-            f"the table's Parquet writer settings are refused by pyarrow ({exc}): {_CODEC}={codec!r}"
-            + (f", write.parquet.compression-level={level!r}" if level is not None else "")
-            + ". Use a codec pyarrow supports (uncompressed, snappy, gzip, brotli, lz4, zstd) and a level that codec "
-            "accepts (with pyiceberg: table.transaction().set_properties({...}).commit_transaction())"
+            f"pyarrow cannot write Parquet with the table's settings {settings} ({exc}). Use a codec pyarrow supports "
+            f"(uncompressed, snappy, gzip, brotli, lz4, zstd), a level that codec accepts and sizes it can hold; {_HOW}"
         ) from exc
     return options
 
@@ -203,7 +227,7 @@ class BatchWriter:
         self._arrow_schema = schema_to_pyarrow(file_schema, include_field_ids=True)
         self._stats_plan = compute_statistics_plan(file_schema, properties)
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
-        self._options = parquet_options(properties)
+        self._options = parquet_options(properties, strict=False)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-write")
         # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long (the stream's checked
         # lakestream.io.retry-timeout-ms); the path is unique to this batch and an object appears only when its upload

@@ -18,11 +18,12 @@ from ray.data.block import BlockAccessor
 from lakestream_iceberg.connect.secrets import split_secrets
 from lakestream_iceberg.errors import BatchError, ConfigError, ReadError
 from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.manifests import avro_codec
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
 from lakestream_iceberg.read.follow import PY_CATALOG_IMPL, StreamRef
 from lakestream_iceberg.stream import Stream
-from lakestream_iceberg.write.writer import check_producer_id
+from lakestream_iceberg.write.writer import check_producer_id, parquet_options
 
 if TYPE_CHECKING:
     from ray.data._internal.execution.interfaces import TaskContext
@@ -210,6 +211,9 @@ class LakestreamDatasink(Datasink[TaskReport]):
         return found.remove_metadata()
 
     def _check_against(self, stream: StreamTable) -> None:
+        # the table's file settings, once on the driver: not a ConfigError in every write task (and every Ray retry)
+        parquet_options(stream.table.metadata.properties, strict=False)
+        avro_codec(stream.table.metadata.properties)
         if self.rank_column is not None and self.rank_column in stream.payload_arrow_schema.names:
             kind = stream.payload_arrow_schema.field(self.rank_column).type
             if not pa.types.is_integer(kind):
