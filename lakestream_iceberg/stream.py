@@ -19,6 +19,7 @@ from pyiceberg.schema import assign_fresh_schema_ids
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
+from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StepError, StreamExistsError
 from lakestream_iceberg.format.checks import check_branch, check_int
@@ -80,6 +81,7 @@ class Stream(StreamTable):
     def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
         super().__init__(table, cache=cache)
         prefer_wal(table.catalog)  # SQLite catalogs: write-ahead log unless lakestream.sqlite.wal=false (connect/sqlite.py)
+        fork_safe(table.catalog)  # SQL catalogs: a forked child opens its own connections (connect/fork.py)
         self._policies: dict[str, CommitPolicy] = {}  # branch -> the DAC state of the last producer made here
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -176,3 +176,41 @@ def test_outcome_unknown_commit_that_did_not_land_is_published_once(tmp_path: Pa
     assert (result.step, result.duplicate, result.attempts) == (1, False, 3)
     assert stream.head_step() == 1
     assert digest(stream.read(1, rank=1)) == digest(batch("p", 0, 2)[1])
+
+
+def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_connections_of_its_own(
+        tmp_path: Path) -> None:
+    """A ``fork``ed worker inherits the parent's writer pool without its threads and the catalog's pooled connections:
+    its first commit used to wait forever for threads that do not exist in it, and it reused the parent's SQLite
+    handle. Now it makes its own pool and its own connections, and the parent keeps working."""
+    import multiprocessing
+
+    (tmp_path / "warehouse").mkdir()
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.fork", schema=SCHEMA, world_size=8, properties={"lakestream.layout": "per-rank"})
+    stream.producer("parent").commit(batch("parent", 0, 8))  # all 8 threads of the writer pool and a pooled connection
+    assert catalog.engine.pool.checkedin() >= 1
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child() -> None:
+        try:
+            fresh = catalog.engine.pool.checkedin() == 0  # the inherited connections were dropped at the fork
+            results.put(("ok", fresh, stream.producer("child").commit(batch("child", 0, 8)).step))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put(("error", repr(exc), None))
+
+    proc = context.Process(target=child)
+    proc.start()
+    try:
+        status, fresh, step = results.get(timeout=300)  # a hang guard only: the commit takes milliseconds
+    except queue.Empty:
+        pytest.fail("the forked worker's commit did not return")
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert (status, fresh, step) == ("ok", True, 2)
+    assert proc.exitcode == 0
+    assert stream.producer("parent").commit(batch("parent", 1, 8)).step == 3  # the parent's connections still work
+    assert published(stream) == {1: ("parent", 0), 2: ("child", 0), 3: ("parent", 1)}

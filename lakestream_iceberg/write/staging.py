@@ -54,7 +54,6 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
@@ -70,7 +69,7 @@ from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.packed import PackedFooter
-from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id, data_file_path
+from lakestream_iceberg.write.writer import ProcessPool, StagedBatch, StagedFile, check_producer_id, data_file_path
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,7 @@ class StagingArea:
         self._file_shape = _shape(file_schema.as_struct())
         self._footers: dict[str, bool] = {}  # data file path -> its footer matched (immutable files: checked once)
         self._good_schemas: list[pa.Schema] = []  # footers' Arrow schemas (with field metadata) that matched the table's
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool = ProcessPool(max_workers=8, name="lakestream-footer")  # made on first use, in each process
         self._retry_s = retry_s
         self._lock = threading.Lock()
         self._parsed: OrderedDict[str, Intent | None] = OrderedDict()  # immutable files: parse each once
@@ -294,9 +293,7 @@ class StagingArea:
         if len(files) == 1:
             reasons = [self._footer(files[0])]
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-footer")
-            reasons = list(self._pool.map(self._footer, files))
+            reasons = list(self._pool.get().map(self._footer, files))
         for f, reason in zip(files, reasons):
             if reason is None:
                 if len(self._footers) >= 65536:  # published long ago: forget (a re-check is one footer read)

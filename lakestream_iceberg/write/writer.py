@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
+import threading
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -118,6 +120,41 @@ def parquet_options(properties: Mapping[str, str], *, strict: bool = True) -> di
             f"(uncompressed, snappy, gzip, brotli, lz4, zstd), a level that codec accepts and sizes it can hold; {_HOW}"
         ) from exc
     return options
+
+
+class ProcessPool:
+    """A thread pool made on first use in each process.
+
+    A process forked from one whose pool had started its threads inherits the pool but none of its threads: work
+    submitted to it would wait forever (a worker process forked after the parent committed once would hang on its
+    first commit). Here a process that finds a pool made by another process makes its own; the inherited one is
+    dropped, never shut down (its threads belong to the parent).
+    """
+
+    def __init__(self, *, max_workers: int, name: str) -> None:
+        self._max_workers = max_workers
+        self._name = name
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = -1
+
+    def get(self) -> ThreadPoolExecutor:
+        pid = os.getpid()
+        pool = self._pool
+        if pool is not None and self._pid == pid:
+            return pool
+        with self._lock:
+            if self._pool is None or self._pid != pid:
+                self._pool = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=self._name)
+                self._pid = pid
+            return self._pool
+
+    def shutdown(self) -> None:
+        """Stop this process's threads (a pool inherited from another process is left alone)."""
+        with self._lock:
+            pool, self._pool = (self._pool, None) if self._pid == os.getpid() else (None, None)
+        if pool is not None:
+            pool.shutdown(wait=True)
 
 
 def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int | None) -> str:
@@ -228,7 +265,7 @@ class BatchWriter:
         self._stats_plan = compute_statistics_plan(file_schema, properties)
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
         self._options = parquet_options(properties, strict=False)
-        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="lakestream-write")
+        self._pool = ProcessPool(max_workers=8, name="lakestream-write")
         # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long (the stream's checked
         # lakestream.io.retry-timeout-ms); the path is unique to this batch and an object appears only when its upload
         # completes, so writing it again is safe.
@@ -256,7 +293,8 @@ class BatchWriter:
         else:
             paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=rank)
                      for rank in range(len(shards))]
-            futures = [self._pool.submit(self._write_retrying, path, rank, shard)
+            pool = self._pool.get()
+            futures = [pool.submit(self._write_retrying, path, rank, shard)
                        for rank, (path, shard) in enumerate(zip(paths, shards))]
             for future in futures:  # wait for every rank, so that no write is still running when the others are deleted
                 try:
