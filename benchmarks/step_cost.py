@@ -13,13 +13,16 @@ Everything runs on the embedded SQLite catalog with a local warehouse in a temp 
   data files, planning the manifests, the rest); and the same at W=``--profile-world`` (1024) per layout.
 * **World-size sweep** (``--worlds``, default 1 8 64 256 1024, per layout: ``per-rank`` and ``packed``; one producer,
   one row per rank): commit p50 and data files (PUTs) per step, and a rank's read p50 (``stream.read(step, rank)``),
-  each as a ratio to the per-rank layout at W=1.
+  each as a ratio to the per-rank layout at W=1 and to the same layout at W=1. ``--sweep-rounds`` (3) rounds, W by W
+  with the layouts side by side, ``os.sync()`` before each point (the writeback of a large point must not land on the
+  next one); the p50s pool the rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import shutil
 import sys
@@ -162,31 +165,44 @@ def profile_world(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str
 
 
 def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
-    rows: dict[tuple[str, int], dict[str, Any]] = {}
-    for layout in args.layouts:
+    lats: dict[tuple[str, int], list[float]] = {}
+    reads: dict[tuple[str, int], list[float]] = {}
+    files: dict[tuple[str, int], int] = {}
+    # ``--sweep-rounds`` rounds, W by W with the layouts side by side (their order alternating by round), each point on
+    # a fresh stream after the previous one's files are deleted and everything is on disk (the writeback of a large
+    # point, per-rank W=1024 writes ~20,000 files, must not land on the next one); p50s pool the rounds.
+    for rnd in range(args.sweep_rounds):
         for world in args.worlds:
-            commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
-            lat, stream = commit_loop(root / f"{layout}-w{world}", "s", world=world, commits=commits, rows=1,
-                                      payload=64, layout=layout)
-            stream.refresh()
-            files = len(stream.index.files(stream.table.current_snapshot(), commits))
-            reads = []
-            ranks = sorted({0, world // 2, world - 1})
-            for step in range(1, commits + 1):
-                for rank in ranks:  # a fresh read each time: a trainer rank reads each step once (footer included)
-                    began = time.perf_counter()
-                    stream.read(step, rank=rank)
-                    reads.append(time.perf_counter() - began)
-            rows[(layout, world)] = {"commits": commits, "commit_p50_s": percentile(lat, 50), "files_per_step": files,
-                                     "read_p50_s": percentile(reads, 50), "reads": len(reads)}
+            for layout in args.layouts if rnd % 2 == 0 else args.layouts[::-1]:
+                commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
+                where = root / f"{layout}-w{world}-r{rnd}"
+                os.sync()
+                lat, stream = commit_loop(where, "s", world=world, commits=commits, rows=1, payload=64, layout=layout)
+                stream.refresh()
+                files[(layout, world)] = len(stream.index.files(stream.table.current_snapshot(), commits))
+                ranks = sorted({0, world // 2, world - 1})
+                for step in range(1, commits + 1):
+                    for rank in ranks:  # a fresh read each time: a trainer rank reads each step once (footer included)
+                        began = time.perf_counter()
+                        stream.read(step, rank=rank)
+                        reads.setdefault((layout, world), []).append(time.perf_counter() - began)
+                lats.setdefault((layout, world), []).extend(lat)
+                shutil.rmtree(where, ignore_errors=True)
+    rows = {key: {"commits": len(lats[key]), "commit_p50_s": percentile(lats[key], 50), "files_per_step": files[key],
+                  "read_p50_s": percentile(reads[key], 50), "reads": len(reads[key])} for key in lats}
     base = rows[(args.layouts[0], args.worlds[0])]
-    table = Table(f"world-size sweep: one producer, one row per rank (ratios to {args.layouts[0]} W={args.worlds[0]})",
-                  ["layout", "W", "steps", "commit p50 ms", "commit x base", "data files (PUTs) / step",
-                   "rank read p50 ms", "read x base"])
-    for (layout, world), r in rows.items():
+    table = Table(f"world-size sweep: one producer, one row per rank (x base: ratios to {args.layouts[0]} "
+                  f"W={args.worlds[0]}; x W={args.worlds[0]}: to the same layout at W={args.worlds[0]})",
+                  ["layout", "W", "steps", "commit p50 ms", "commit x base", f"commit x W={args.worlds[0]}",
+                   "data files (PUTs) / step", "rank read p50 ms", "read x base", f"read x W={args.worlds[0]}"])
+    for (layout, world), r in sorted(rows.items(), key=lambda kv: (args.layouts.index(kv[0][0]), kv[0][1])):
+        own = rows[(layout, args.worlds[0])]
         table.add(layout, world, r["commits"], r["commit_p50_s"] * 1000, r["commit_p50_s"] / base["commit_p50_s"],
-                  r["files_per_step"], r["read_p50_s"] * 1000, r["read_p50_s"] / base["read_p50_s"])
-    table.note("commit = write the step's data files + plan + swap; a read opens the step fresh (packed: its footer)")
+                  r["commit_p50_s"] / own["commit_p50_s"], r["files_per_step"], r["read_p50_s"] * 1000,
+                  r["read_p50_s"] / base["read_p50_s"], r["read_p50_s"] / own["read_p50_s"])
+    table.note("commit = write the step's data files + plan + swap; a read opens the step fresh (packed: its footer); "
+               f"{args.sweep_rounds} rounds, W by W with the layouts side by side, os.sync() before each point; p50s pool "
+               "the rounds")
     return table, {f"{layout}/{world}": v for (layout, world), v in rows.items()}
 
 
@@ -199,13 +215,14 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 8, 64, 256, 1024])
     parser.add_argument("--layouts", nargs="+", default=["per-rank", "packed"], choices=["per-rank", "packed"])
     parser.add_argument("--sweep-commits", type=int, default=40)
+    parser.add_argument("--sweep-rounds", type=int, default=3, help="rounds of the world-size sweep (p50s pool them)")
     parser.add_argument("--profile-world", type=int, default=1024, help="W of the per-layout profile")
     parser.add_argument("--profile-commits", type=int, default=8)
     parser.add_argument("--sweep-budget", type=int, default=20_000, help="at most this many rank files per W")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.smoke:
-        args.commits, args.rounds, args.worlds, args.sweep_commits = 6, 2, [1, 8], 3
+        args.commits, args.rounds, args.worlds, args.sweep_commits, args.sweep_rounds = 6, 2, [1, 8], 3, 1
         args.profile_world, args.profile_commits = 8, 3
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="lakestream-step-cost-"))
