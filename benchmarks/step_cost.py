@@ -176,7 +176,8 @@ def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
             for layout in args.layouts if rnd % 2 == 0 else args.layouts[::-1]:
                 commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
                 where = root / f"{layout}-w{world}-r{rnd}"
-                os.sync()
+                if hasattr(os, "sync"):
+                    os.sync()
                 lat, stream = commit_loop(where, "s", world=world, commits=commits, rows=1, payload=64, layout=layout)
                 stream.refresh()
                 files[(layout, world)] = len(stream.index.files(stream.table.current_snapshot(), commits))
@@ -188,12 +189,12 @@ def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
                         reads.setdefault((layout, world), []).append(time.perf_counter() - began)
                 lats.setdefault((layout, world), []).extend(lat)
                 shutil.rmtree(where, ignore_errors=True)
-    rows = {key: {"commits": len(lats[key]), "commit_p50_s": percentile(lats[key], 50), "files_per_step": files[key],
+    rows = {key: {"commits": len(lats[key]), "rounds": args.sweep_rounds, "commit_p50_s": percentile(lats[key], 50), "files_per_step": files[key],
                   "read_p50_s": percentile(reads[key], 50), "reads": len(reads[key])} for key in lats}
     base = rows[(args.layouts[0], args.worlds[0])]
     table = Table(f"world-size sweep: one producer, one row per rank (x base: ratios to {args.layouts[0]} "
                   f"W={args.worlds[0]}; x W={args.worlds[0]}: to the same layout at W={args.worlds[0]})",
-                  ["layout", "W", "steps", "commit p50 ms", "commit x base", f"commit x W={args.worlds[0]}",
+                  ["layout", "W", "commits", "commit p50 ms", "commit x base", f"commit x W={args.worlds[0]}",
                    "data files (PUTs) / step", "rank read p50 ms", "read x base", f"read x W={args.worlds[0]}"])
     for (layout, world), r in sorted(rows.items(), key=lambda kv: (args.layouts.index(kv[0][0]), kv[0][1])):
         own = rows[(layout, args.worlds[0])]
@@ -221,6 +222,8 @@ def main() -> None:
     parser.add_argument("--sweep-budget", type=int, default=20_000, help="at most this many rank files per W")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.sweep_rounds < 1:
+        parser.error("--sweep-rounds must be >= 1")
     if args.smoke:
         args.commits, args.rounds, args.worlds, args.sweep_commits, args.sweep_rounds = 6, 2, [1, 8], 3, 1
         args.profile_world, args.profile_commits = 8, 3

@@ -203,9 +203,15 @@ def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_con
     proc = context.Process(target=child)
     proc.start()
     try:
-        status, fresh, step = results.get(timeout=300)  # a hang guard only: the commit takes milliseconds
-    except queue.Empty:
-        pytest.fail("the forked worker's commit did not return")
+        for _ in range(300):  # a hang guard only (the commit takes milliseconds); a child that died fails at once
+            try:
+                status, fresh, step = results.get(timeout=1)
+                break
+            except queue.Empty:
+                if not proc.is_alive() and results.empty():
+                    pytest.fail(f"the forked worker died (exit code {proc.exitcode}) before it reported")
+        else:
+            pytest.fail("the forked worker's commit did not return")
     finally:
         proc.join(timeout=60)
         if proc.is_alive():

@@ -297,6 +297,21 @@ def test_page_row_limit_and_uncompressed_manifests_are_honoured(catalog) -> None
             assert (b"avro.codec\x08null" in header) == (name == "paged")  # uncompressed is Avro's null codec
     assert sizes["paged"] > sizes["plain"]  # 10 one-row pages per column instead of one page
 
+
+def test_closing_the_writer_stops_its_threads_and_a_later_commit_makes_new_ones(catalog) -> None:
+    import threading
+
+    stream = Stream.create(catalog, "ns.closing", schema=SCHEMA, world_size=4, properties={"lakestream.layout": "per-rank"})
+    producer = stream.producer("p")
+    before = set(threading.enumerate())  # other streams' writers of this process may have threads of their own
+    producer.commit(batch("p", 0, 4))
+    mine = [t for t in threading.enumerate() if t.name.startswith("lakestream-write") and t not in before]
+    assert mine
+    stream.writer.close()
+    assert not any(t.is_alive() for t in mine)
+    assert producer.commit(batch("p", 1, 4)).step == 2
+    assert stream.read(2, rank=3).equals(shard("p", 1, 3))
+
 def test_plain_iceberg_scan_sees_every_sample_with_step_and_rank(stream: Stream) -> None:
     producer = stream.producer("p")
     expected = 0

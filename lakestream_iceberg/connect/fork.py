@@ -41,7 +41,9 @@ def fork_safe(catalog: Any) -> None:
 
 
 def _after_fork_in_child() -> None:
-    # The child runs one thread: no lock (another thread of the parent may have held it at the fork).
+    # The child runs one thread: a fresh lock (another thread of the parent may have held it at the fork).
+    global _lock
+    _lock = threading.Lock()
     for engine in list(_engines):
         try:
             engine.dispose(close=False)

@@ -39,6 +39,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.config import Config, merge_config
 
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
+from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
@@ -117,6 +118,7 @@ class StreamRef:
 
     def open(self) -> StreamTable:
         catalog = self.catalog()
+        fork_safe(catalog)  # a reader's forked workers open their own catalog connections (connect/fork.py)
         with config_errors(catalog.properties, action=f"opening stream {self.identifier}", catalog=catalog.name):
             return StreamTable(catalog.load_table(self.identifier))
 

@@ -16,6 +16,7 @@ import re
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -127,34 +128,53 @@ class ProcessPool:
 
     A process forked from one whose pool had started its threads inherits the pool but none of its threads: work
     submitted to it would wait forever (a worker process forked after the parent committed once would hang on its
-    first commit). Here a process that finds a pool made by another process makes its own; the inherited one is
-    dropped, never shut down (its threads belong to the parent).
+    first commit). Here a forked child starts with no pool and a fresh lock (reset at the fork, when the child runs
+    one thread: another thread of the parent may have held the lock), and makes its own pool on first use; the
+    inherited one is dropped, never shut down (its threads belong to the parent). The pid kept with the pool is the
+    fallback for a fork that bypassed ``os.register_at_fork``.
     """
 
     def __init__(self, *, max_workers: int, name: str) -> None:
         self._max_workers = max_workers
         self._name = name
         self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._pid = -1
+        self._state: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool), read and replaced as one value
+        _POOLS.add(self)
 
     def get(self) -> ThreadPoolExecutor:
         pid = os.getpid()
-        pool = self._pool
-        if pool is not None and self._pid == pid:
-            return pool
+        state = self._state
+        if state is not None and state[0] == pid:
+            return state[1]
         with self._lock:
-            if self._pool is None or self._pid != pid:
-                self._pool = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=self._name)
-                self._pid = pid
-            return self._pool
+            state = self._state
+            if state is None or state[0] != pid:
+                state = self._state = (pid, ThreadPoolExecutor(max_workers=self._max_workers,
+                                                               thread_name_prefix=self._name))
+            return state[1]
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, wait: bool = True) -> None:
         """Stop this process's threads (a pool inherited from another process is left alone)."""
         with self._lock:
-            pool, self._pool = (self._pool, None) if self._pid == os.getpid() else (None, None)
-        if pool is not None:
-            pool.shutdown(wait=True)
+            state, self._state = self._state, None
+        if state is not None and state[0] == os.getpid():
+            state[1].shutdown(wait=wait)
+
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()
+        self._state = None
+
+
+_POOLS: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
+
+
+def _reset_pools_after_fork() -> None:
+    for pool in list(_POOLS):
+        pool._after_fork_in_child()  # noqa: SLF001 - the module's own at-fork hook
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_pools_after_fork)
 
 
 def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int | None) -> str:
