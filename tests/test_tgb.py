@@ -312,6 +312,24 @@ def test_closing_the_writer_stops_its_threads_and_a_later_commit_makes_new_ones(
     assert producer.commit(batch("p", 1, 4)).step == 2
     assert stream.read(2, rank=3).equals(shard("p", 1, 3))
 
+
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
+def test_large_binary_values_are_written_without_a_dictionary_and_small_ones_keep_it(catalog, layout: str) -> None:
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("id", pa.int64()), ("image", pa.binary()), ("label", pa.string())])
+    stream = Stream.create(catalog, "ns.blobs", schema=schema, world_size=2, properties={"lakestream.layout": layout})
+    shards = [pa.table({"id": [r * 10 + i for i in range(6)],
+                        "image": [bytes([r, i]) * 1024 for i in range(6)],  # 2 KiB each: no dictionary
+                        "label": ["cat", "dog", "cat", None, "dog", "cat"]}, schema=schema) for r in range(2)]
+    stream.producer("p").commit(shards)
+    for path in (p for p in data_files_on_disk(stream) if p.endswith(".parquet")):
+        metadata = pq.read_metadata(path)
+        chunks = {metadata.schema.column(i).name: metadata.row_group(0).column(i) for i in range(metadata.num_columns)}
+        assert not chunks["image"].has_dictionary_page
+        assert chunks["label"].has_dictionary_page and chunks["id"].has_dictionary_page
+    assert stream.read(1, rank=1).equals(shards[1])
+
 def test_plain_iceberg_scan_sees_every_sample_with_step_and_rank(stream: Stream) -> None:
     producer = stream.producer("p")
     expected = 0
