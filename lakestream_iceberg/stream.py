@@ -23,6 +23,7 @@ from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StepError, StreamExistsError
 from lakestream_iceberg.format.checks import check_branch, check_int
+from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
     LAYOUT_PER_RANK,
@@ -34,7 +35,7 @@ from lakestream_iceberg.format.layout import (
     partition_spec,
     table_arrow_schema,
 )
-from lakestream_iceberg.format.manifests import ManifestCache, avro_codec
+from lakestream_iceberg.format.manifests import ManifestCache
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import (
@@ -56,7 +57,7 @@ from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 from lakestream_iceberg.write.producer import Producer
 from lakestream_iceberg.write.staging import StagingArea
-from lakestream_iceberg.write.writer import BatchWriter, parquet_options
+from lakestream_iceberg.write.writer import BatchWriter
 
 __all__ = ["Stream"]
 

@@ -40,37 +40,8 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import LongType
 
-from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
-
-AVRO_CODEC = "write.avro.compression-codec"
-
-
-def avro_codec(properties: dict[str, str]) -> str:
-    """The codec of the manifests, from the table's ``write.avro.compression-codec`` (default gzip; Iceberg's
-    ``uncompressed`` is Avro's ``null``), as pyiceberg's Avro writer names it. A codec it does not know, or one whose
-    library is not installed (snappy needs ``pyiceberg[snappy]``), is a :class:`ConfigError`: pyiceberg would fail
-    every commit with a raw error while writing its manifests."""
-    from pyiceberg.avro.codecs import CODEC_MAPPING_ICEBERG_TO_AVRO, KNOWN_CODECS
-
-    raw = properties.get(AVRO_CODEC)
-    codec = "gzip" if raw is None or not str(raw).strip() else str(raw).strip().lower()
-    codec = "null" if codec == "uncompressed" else codec
-    how = ("change it with pyiceberg: table.transaction().set_properties({...}) or .remove_properties(...), "
-           "then .commit_transaction()")
-    known = KNOWN_CODECS.get(CODEC_MAPPING_ICEBERG_TO_AVRO.get(codec, codec), False)  # type: ignore[call-overload]
-    if known is False:
-        names = sorted({*CODEC_MAPPING_ICEBERG_TO_AVRO, *KNOWN_CODECS, "uncompressed"} - {"deflate", "zstandard"})
-        raise ConfigError(f"table property {AVRO_CODEC}={raw!r} is not a codec pyiceberg writes manifests with; use one "
-                          f"of {', '.join(names)} ({how})")
-    if known is not None:
-        try:
-            known.compress(b"lakestream")
-        except Exception as exc:  # noqa: BLE001 - e.g. ImportError: the codec's library is not installed
-            raise ConfigError(f"table property {AVRO_CODEC}={raw!r} cannot be used here: {exc}. Install what it names, "
-                              f"or use another codec ({how})") from exc
-    return codec
-
+from lakestream_iceberg.format.file_settings import avro_codec
 
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
 

@@ -66,10 +66,11 @@ from pyiceberg.schema import Schema
 from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
+from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.packed import PackedFooter
-from lakestream_iceberg.write.writer import ProcessPool, StagedBatch, StagedFile, check_producer_id, data_file_path
+from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id, data_file_path
 
 log = logging.getLogger(__name__)
 

@@ -9,16 +9,10 @@ compare-and-swap re-uses them with a new step, and no data is rewritten.
 
 from __future__ import annotations
 
-import inspect
-import logging
-import os
 import re
-import threading
 import time
 import uuid
-import weakref
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,13 +33,12 @@ from pyiceberg.schema import Schema
 from pyiceberg.typedef import Record
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
+from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
+from lakestream_iceberg.format.file_settings import parquet_options
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
 
-log = logging.getLogger(__name__)
-
-_PAGE_ROWS = "max_rows_per_page" in inspect.signature(pq.ParquetWriter.__init__).parameters
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
@@ -58,130 +51,12 @@ def check_producer_id(producer_id: str) -> str:
     return producer_id
 
 
-# Iceberg's Parquet writer properties (pyiceberg's TableProperties) that apply to lakestream's files. Not applicable:
-# write.parquet.row-group-size-bytes and write.parquet.row-group-limit (a per-rank file is one row group; a packed file
-# groups ranks by lakestream.layout.packed.row-group-bytes) and the bloom filter options (pyiceberg writes none).
-_CODEC = "write.parquet.compression-codec"
-_LEVEL = "write.parquet.compression-level"
-_INT_OPTIONS = {  # table property -> pyarrow ParquetWriter argument
-    _LEVEL: "compression_level",
-    "write.parquet.page-size-bytes": "data_page_size",
-    "write.parquet.dict-size-bytes": "dictionary_pagesize_limit",
-    "write.parquet.page-row-limit": "max_rows_per_page",  # rows per page (pyarrow's write_batch_size is not that)
-}
-_LEVELLESS = frozenset({"none", "snappy"})  # codecs that take no level
 # A binary or string column whose values average this many bytes or more is written without a dictionary: large
 # values (encoded images, token buffers, serialized tensors) hardly ever repeat, so the dictionary pyarrow tries first
 # is built, overflows and is thrown away (measured: 0.4 ms per MiB of 64 KiB values, 20% of encoding a 16 MiB batch),
 # and a value that does repeat within a page is still found by the codec.
 DICTIONARY_MAX_AVG_BYTES = 1024
 _BLOB_TYPES = (pa.types.is_binary, pa.types.is_large_binary, pa.types.is_string, pa.types.is_large_string)
-_HOW = ("change it with pyiceberg: table.transaction().set_properties({...}) or .remove_properties(...), then "
-        ".commit_transaction()")
-
-
-def parquet_options(properties: Mapping[str, str], *, strict: bool = True) -> dict[str, Any]:
-    """The ``pq.ParquetWriter`` arguments for a table's ``write.parquet.*`` properties, checked by pyarrow itself (a
-    trial write in memory): a codec, level or size it refuses is a :class:`ConfigError` before any data is written,
-    not a failure of every commit.
-
-    The codec defaults to zstd (pyiceberg's default) and accepts Iceberg's ``uncompressed``; an unset property keeps
-    pyarrow's default. A level given with a codec that takes none (uncompressed, snappy) is refused when ``strict``
-    (a stream being created) and otherwise ignored with a warning, as Iceberg's writers ignore it: a table another
-    client configured keeps working. ``write.parquet.page-row-limit`` needs pyarrow's ``max_rows_per_page``
-    (pyarrow >= 18); with an older pyarrow it is ignored with a warning.
-    """
-    raw_codec = properties.get(_CODEC)
-    codec = "zstd" if raw_codec is None or not str(raw_codec).strip() else str(raw_codec).strip().lower()
-    options: dict[str, Any] = {"compression": "none" if codec == "uncompressed" else codec}
-    given = {_CODEC: raw_codec} if raw_codec is not None else {}
-    for key, argument in _INT_OPTIONS.items():
-        raw = properties.get(key)
-        if raw is None or not str(raw).strip():
-            continue
-        try:
-            value = int(raw)
-        except (TypeError, ValueError):
-            raise ConfigError(f"table property {key}={raw!r} is not an integer; {_HOW}") from None
-        if argument != "compression_level" and value < 1:
-            raise ConfigError(f"table property {key}={value} must be >= 1; {_HOW}")
-        if argument == "max_rows_per_page" and not _PAGE_ROWS:
-            log.warning("table property %s is ignored: pyarrow %s cannot limit the rows of a page", key, pa.__version__)
-            continue
-        options[argument] = value
-        given[key] = raw
-    if "compression_level" in options and options["compression"] in _LEVELLESS:
-        if strict:
-            raise ConfigError(f"table property {_LEVEL}={given[_LEVEL]!r} is given, but codec {codec!r} takes no level; "
-                              f"remove it or pick a codec that has levels (gzip, zstd, brotli, lz4); {_HOW}")
-        log.warning("table property %s=%r is ignored: codec %r takes no level", _LEVEL, given[_LEVEL], codec)
-        del options["compression_level"]
-        del given[_LEVEL]
-    try:  # pyarrow is the judge (some codecs refuse a level only when they compress): one tiny file in memory
-        probe = pa.table({"x": pa.array(range(64), pa.int64())})
-        with pq.ParquetWriter(pa.BufferOutputStream(), schema=probe.schema, **options) as writer:
-            writer.write_table(probe)
-    except (pa.ArrowException, OSError, ValueError, TypeError, OverflowError) as exc:
-        settings = ", ".join(f"{k}={v!r}" for k, v in given.items())
-        raise ConfigError(
-            f"pyarrow cannot write Parquet with the table's settings {settings} ({exc}). Use a codec pyarrow supports "
-            f"(uncompressed, snappy, gzip, brotli, lz4, zstd), a level that codec accepts and sizes it can hold; {_HOW}"
-        ) from exc
-    return options
-
-
-class ProcessPool:
-    """A thread pool made on first use in each process.
-
-    A process forked from one whose pool had started its threads inherits the pool but none of its threads: work
-    submitted to it would wait forever (a worker process forked after the parent committed once would hang on its
-    first commit). Here a forked child starts with no pool and a fresh lock (reset at the fork, when the child runs
-    one thread: another thread of the parent may have held the lock), and makes its own pool on first use; the
-    inherited one is dropped, never shut down (its threads belong to the parent). The pid kept with the pool is the
-    fallback for a fork that bypassed ``os.register_at_fork``.
-    """
-
-    def __init__(self, *, max_workers: int, name: str) -> None:
-        self._max_workers = max_workers
-        self._name = name
-        self._lock = threading.Lock()
-        self._state: tuple[int, ThreadPoolExecutor] | None = None  # (pid, pool), read and replaced as one value
-        _POOLS.add(self)
-
-    def get(self) -> ThreadPoolExecutor:
-        pid = os.getpid()
-        state = self._state
-        if state is not None and state[0] == pid:
-            return state[1]
-        with self._lock:
-            state = self._state
-            if state is None or state[0] != pid:
-                state = self._state = (pid, ThreadPoolExecutor(max_workers=self._max_workers,
-                                                               thread_name_prefix=self._name))
-            return state[1]
-
-    def shutdown(self, *, wait: bool = True) -> None:
-        """Stop this process's threads (a pool inherited from another process is left alone)."""
-        with self._lock:
-            state, self._state = self._state, None
-        if state is not None and state[0] == os.getpid():
-            state[1].shutdown(wait=wait)
-
-    def _after_fork_in_child(self) -> None:
-        self._lock = threading.Lock()
-        self._state = None
-
-
-_POOLS: weakref.WeakSet[ProcessPool] = weakref.WeakSet()
-
-
-def _reset_pools_after_fork() -> None:
-    for pool in list(_POOLS):
-        pool._after_fork_in_child()  # noqa: SLF001 - the module's own at-fork hook
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_pools_after_fork)
 
 
 def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: int | None) -> str:

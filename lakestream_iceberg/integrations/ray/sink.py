@@ -18,12 +18,12 @@ from ray.data.block import BlockAccessor
 from lakestream_iceberg.connect.secrets import split_secrets
 from lakestream_iceberg.errors import BatchError, ConfigError, ReadError
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.format.manifests import avro_codec
+from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
 from lakestream_iceberg.read.follow import PY_CATALOG_IMPL, StreamRef
 from lakestream_iceberg.stream import Stream
-from lakestream_iceberg.write.writer import check_producer_id, parquet_options
+from lakestream_iceberg.write.writer import check_producer_id
 
 if TYPE_CHECKING:
     from ray.data._internal.execution.interfaces import TaskContext
