@@ -89,6 +89,23 @@ class Stream(StreamTable):
         """Pickle as an address (catalog name + properties + identifier): the process that unpickles reopens it."""
         return (_reopen, (StreamRef.of(self),))
 
+    def close(self) -> None:
+        """Stop the worker threads this stream started in this process (the data writer's, the staged-batch footer
+        checks'); idempotent. It releases threads only: the catalog and the table stay the caller's, nothing staged or
+        published changes, and the stream stays usable (a later commit starts its threads again). Call it, or use the
+        stream as a context manager, where a long-lived process opens many streams; producers should be done first
+        (a commit running in another thread meanwhile finishes, but may start the threads again)."""
+        for name in ("writer", "staging"):
+            part = self.__dict__.get(name)  # cached_property: only what was made
+            if part is not None:
+                part.close()
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- construction -------------------------------------------------------------------------------------------------
     @classmethod
     def create(

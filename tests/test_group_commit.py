@@ -286,3 +286,28 @@ def test_the_manifest_list_stays_bounded_after_group_commits_end(tmp_path: Path)
     # (fanout - 1) per level, plus the manifests too large to merge with a neighbour (one per cap / 2 files at most)
     assert len(manifests) <= 3 * levels + 1 + 2 * live // cap
     assert published(stream)[stream.head_step()] == ("b", seq - 1)
+
+
+def test_closing_a_stream_stops_its_writer_and_footer_threads_and_it_stays_usable(tmp_path: Path) -> None:
+    import threading
+
+    def started(since: set[threading.Thread]) -> dict[str, list[threading.Thread]]:
+        return {prefix: [t for t in threading.enumerate() if t.name.startswith(prefix) and t not in since]
+                for prefix in ("lakestream-write", "lakestream-footer")}
+
+    before = set(threading.enumerate())  # other streams of this process may have threads of their own
+    with make(tmp_path) as stream:
+        _, b = both_active(stream)
+        stage(stream, "a", 2)  # three files: b's commit checks their footers on its pool
+        assert b.commit(batch("b", 2, WORLD)).step == 6
+        threads = started(before)
+        assert threads["lakestream-write"] and threads["lakestream-footer"]
+        stream.close()
+        assert not any(t.is_alive() for group in threads.values() for t in group)
+        stream.close()  # idempotent
+        stage(stream, "a", 3)  # closed is not finished: both pools start again on use
+        assert b.commit(batch("b", 3, WORLD)).step == 8
+        again = started(before)
+        assert again["lakestream-write"] and again["lakestream-footer"]
+    assert not any(t.is_alive() for group in again.values() for t in group)  # the with block closed it
+    assert published(stream)[7] == ("a", 3) and stream.read(8, rank=2).equals(batch("b", 3, WORLD)[2])

@@ -245,6 +245,10 @@ class StagingArea:
         now = time.time()
         return sum(1 for mtime, p in listed if (mtime, p) < (mine, path) and not (mtime and now - mtime > max_age_s))
 
+    def close(self) -> None:
+        """Stop this process's footer-check threads (made again on the next use)."""
+        self._pool.shutdown(wait=True)
+
     def remove(self, paths: list[str]) -> None:
         """Delete intents (best effort: one already gone, or a failing store, is left to GC)."""
         for path in paths:
