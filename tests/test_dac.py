@@ -450,6 +450,31 @@ def test_a_mostly_idle_catalog_is_quiet_and_a_busy_one_is_not() -> None:
     assert not carried.quiet  # 267 steps/s x the committer's reported 40 ms: busy
 
 
+def test_a_group_committers_report_applies_while_group_commits_are_recent_then_expires() -> None:
+    clock = Clock()
+    p = policy(clock=clock)
+    win(p, clock, 1)  # its own critical section: 10 ms
+    for i in range(12):  # a burst of group commits, each reporting 80 ms
+        clock.t += 0.1
+        p.observe_head(8 * (i + 1), producers=[8 * i + k for k in range(1, 9)], group=8, group_commit_s=0.08)
+    assert p.group_commit_s == pytest.approx(0.08)
+    assert p.group_slot_s == pytest.approx(0.08 * 1.25)  # the committer's slot, not its own 12.5 ms
+    head = 96
+    for _ in range(40):  # then two producers commit directly, alternating: no group commit any more
+        clock.t += 0.1
+        head += 1
+        p.observe_head(head, producers=[head - 1, head], group=1)
+        if head - 96 <= 16:  # within the horizon (16 steps: min_horizon_steps, 3 x 2 producers is less)
+            assert p.group_commit_s == pytest.approx(0.08), head
+    assert p.group_commit_s == 0.0 and p.group_slot_s == pytest.approx(p.slot_s)  # stale: its own slot again
+    assert p.quiet  # 10 steps/s x its own 10 ms; the old 80 ms report (0.8) no longer counts
+    p.observe_head(head + 2, producers=[head + 1, head + 2], group=2, group_commit_s=0.03)  # grouping again
+    assert p.group_commit_s == pytest.approx(0.03)
+    successor = policy(clock=clock)
+    successor.inherit(p)  # a fresh id of the same worker keeps the report and its age
+    assert successor.group_commit_s == pytest.approx(0.03)
+
+
 def test_quiet_config_is_validated() -> None:
     with pytest.raises(ValueError, match="quiet_utilization"):
         PolicyConfig(quiet_utilization=-0.1)

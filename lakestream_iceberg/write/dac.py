@@ -63,7 +63,9 @@ producers instead of shrinking. The law decides who commits the next group and w
   until a commit carried them (the quantile, not the typical value, because firing while a slow commit that would
   have carried it is still in flight wastes a whole group's critical section), and the slot of the critical section
   the last group's committer reports in the head (``lakestream.group-commit-ms``): a newcomer that never committed or
-  was carried knows from it how long a group commit takes, instead of firing into one;
+  was carried knows from it how long a group commit takes, instead of firing into one. The report counts while group
+  commits are recent (within the active horizon of steps); a pool that shrank to producers committing directly
+  forgets it;
 * while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms); once
   gone, its batch was published and it returns without an attempt;
 * a producer whose attempt lost and whose batch was not carried by the winner holds again from its position;
@@ -165,6 +167,7 @@ class CommitPolicy:
         self._head: tuple[int, list[int], int] | None = None  # last head seen: (step, producers' last steps, group)
         self._position: int | None = None  # own place in the head's group ordering (group commit)
         self._head_group_s = 0.0  # the last group committer's reported critical section
+        self._head_group_step = 0  # the head step that reported it (a report older than the horizon is stale)
         self._lost = False  # lost a swap since its last published batch (contended, whatever the head's table says)
         self._heads: deque[tuple[float, int]] = deque(maxlen=self._cfg.rate_window + 1)  # (time seen, head step)
         self.conflicts = 0
@@ -181,7 +184,7 @@ class CommitPolicy:
         took a new id.
         """
         for name in ("_log_critical", "_metadata_bytes", "_log_carry", "_log_carry_dev", "_head_group_s",
-                     "_baseline", "_last_win_end", "_last_win_step", "_active"):
+                     "_head_group_step", "_baseline", "_last_win_end", "_last_win_step", "_active"):
             setattr(self, name, getattr(predecessor, name))
         self._wins = deque(predecessor._wins, maxlen=self._wins.maxlen)
         self._heads = deque(predecessor._heads, maxlen=self._heads.maxlen)
@@ -207,10 +210,11 @@ class CommitPolicy:
             self._baseline = step
         if self._heads and step < self._heads[-1][1]:  # the branch was rolled back or re-created: a new history
             self._heads.clear()
+            self._head_group_step = min(self._head_group_step, step)  # its report ages from here
         if not self._heads or step > self._heads[-1][1]:
             self._heads.append((self._clock(), step))
         if group_commit_s is not None and group_commit_s > 0:
-            self._head_group_s = group_commit_s
+            self._head_group_s, self._head_group_step = group_commit_s, step
         if producers is None:
             return
         steps = sorted(producers)
@@ -324,7 +328,20 @@ class CommitPolicy:
         carry = 0.0
         if self._log_carry is not None:  # a high quantile, not the typical wait: a slow commit is still in flight
             carry = math.exp(self._log_carry + self._cfg.carry_spread * self._log_carry_dev)
-        return max(self.slot_s, carry, self._head_group_s * (1.0 + self._cfg.slot_margin))
+        return max(self.slot_s, carry, self.group_commit_s * (1.0 + self._cfg.slot_margin))
+
+    @property
+    def group_commit_s(self) -> float:
+        """The critical section the last group committer reported (``lakestream.group-commit-ms``), while group
+        commits are recent: 0 once the branch moved on for longer than the active horizon (``active_horizon x n``
+        steps, at least ``min_horizon_steps``) with no group commit, e.g. a pool that shrank to producers committing
+        directly. A report from a burst long past would otherwise lengthen every hold and keep the catalog from
+        counting as quiet for good."""
+        if not self._head_group_s:
+            return 0.0
+        latest = self._heads[-1][1] if self._heads else self._head_group_step
+        horizon = max(self._cfg.min_horizon_steps, self._cfg.active_horizon * self.contenders)
+        return self._head_group_s if latest - self._head_group_step <= horizon else 0.0
 
     @property
     def step_rate(self) -> float | None:
@@ -344,7 +361,7 @@ class CommitPolicy:
         turns, each now and then (paced producers, a consumer-bound pipeline), then commit directly instead of
         staging and holding a slot for a group that would not form; a lost swap still joins group commit at once."""
         rate = self.step_rate
-        busy_s = max(self.critical_section_s, self._head_group_s)  # a producer always carried: the committer's time
+        busy_s = max(self.critical_section_s, self.group_commit_s)  # a producer always carried: the committer's time
         return rate is not None and not self._lost and rate * busy_s < self._cfg.quiet_utilization
 
     @property
