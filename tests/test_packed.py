@@ -313,3 +313,27 @@ def test_packed_rank_rows_entry_is_written_once_per_rank(catalog: SqlCatalog) ->
     (path,) = data_files(stream)
     raw = pq.ParquetFile(path).metadata.metadata[b"lakestream.rank-rows"]
     assert json.loads(f"[{raw.decode()}]") == [r % 3 for r in range(64)]
+
+
+def test_a_batch_checked_as_a_whole_and_one_checked_rank_by_rank_are_written_alike(catalog: SqlCatalog) -> None:
+    """The packed writer starts from the concatenation the batch check made (one schema, all Tables), or concatenates
+    the ranks itself (a RecordBatch, a nullable copy of the schema, other metadata): the same file either way."""
+    from lakestream_iceberg.format.layout import check_batch
+
+    stream = make(catalog, world_size=4)
+    expected = stream.payload_arrow_schema
+    plain = batch("p", 0, 4)
+    checked, whole = check_batch(plain, world_size=4, expected=expected)
+    assert whole is not None and whole.num_rows == sum(s.num_rows for s in plain)
+    mixed = batch("p", 1, 4)
+    mixed[1] = mixed[1].to_batches()[0] if mixed[1].num_rows else mixed[1]
+    mixed[2] = mixed[2].cast(pa.schema([f.with_nullable(True) for f in mixed[2].schema]))
+    mixed[3] = mixed[3].replace_schema_metadata({"origin": "elsewhere"})
+    assert check_batch(mixed, world_size=4, expected=expected)[1] is None  # the per-rank path
+    producer = stream.producer("p")
+    assert producer.commit(plain).step == 1 and producer.commit(mixed).step == 2
+    for step, shards in ((1, plain), (2, batch("p", 1, 4))):
+        files = stream.step_files(step)
+        assert list(files.counts) == [s.num_rows for s in shards]  # the footer's rank table
+        for rank in range(4):
+            assert digest(stream.read(step, rank=rank)) == digest(shards[rank])

@@ -254,6 +254,13 @@ def payload_names(schema: Schema) -> list[str]:
 
 def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> list[pa.Table]:
     """Validate a global batch before anything is written; raise a :class:`BatchError` naming the fix."""
+    return check_batch(shards, world_size=world_size, expected=expected)[0]
+
+
+def check_batch(shards: object, *, world_size: int, expected: pa.Schema) -> tuple[list[pa.Table], pa.Table | None]:
+    """:func:`check_shards`, and the shards concatenated in rank order when the common case checked them in one go
+    (every shard a ``pa.Table`` of one schema; else None): the packed layout's writer starts from it instead of
+    concatenating the ranks a second time."""
     if isinstance(shards, (pa.Table, pa.RecordBatch)) or not isinstance(shards, (list, tuple)):
         raise ShardCountError(
             f"shards must be a list of {world_size} pyarrow Tables (one per rank), got {type(shards).__name__}"
@@ -266,8 +273,8 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
     nested = [_has_required(want.type) for want in expected]  # once per batch, not per rank
     fields = list(expected)
     to_scan = [i for i, want in enumerate(fields) if not want.nullable or nested[i]]  # columns whose values need a look
-    if _all_valid(shards, expected, fields, to_scan, nested):
-        return list(shards)
+    if (whole := _all_valid(shards, expected, fields, to_scan, nested)) is not None:
+        return list(shards), whole
     out: list[pa.Table] = []
     checked: list[pa.Schema] = []  # shard schemas whose names and types matched (most batches: one)
     for rank, shard in enumerate(shards):
@@ -302,30 +309,31 @@ def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> lis
         if not known and len(checked) < 4:
             checked.append(schema)
         out.append(shard)
-    return out
+    return out, None
 
 
 def _all_valid(shards: list[object] | tuple[object, ...], expected: pa.Schema, fields: list[pa.Field], to_scan: list[int],
-               nested: list[bool]) -> bool:
+               nested: list[bool]) -> pa.Table | None:
     """The common case in a few Arrow calls, however many ranks: every shard a ``pa.Table`` with one and the same
     schema (``concat_tables`` refuses anything else) whose names and types are the stream's, and no null where a
-    column or nested field is required. False sends the batch through the per-rank checks, which name the rank."""
+    column or nested field is required; then the shards concatenated (zero-copy: the shards' chunks, in rank order).
+    None sends the batch through the per-rank checks, which name the rank."""
     if not all(type(shard) is pa.Table for shard in shards):
-        return False
+        return None
     try:
         whole = pa.concat_tables(shards)  # zero-copy: it only collects the shards' chunks
     except (pa.ArrowInvalid, pa.ArrowTypeError):
-        return False
+        return None
     schema = whole.schema
     if schema.names != expected.names or not all(field.type.equals(want.type) for field, want in zip(schema, fields)):
-        return False
+        return None
     for i in to_scan:
         column = whole.column(i)
         if not fields[i].nullable and column.null_count:
-            return False
+            return None
         if nested[i] and any(_required_null(chunk, fields[i].name) is not None for chunk in column.chunks):
-            return False
-    return True
+            return None
+    return whole
 
 
 def _children(data_type: pa.DataType) -> list[pa.Field]:

@@ -36,7 +36,7 @@ from lakestream_iceberg.errors import (
 )
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import expirable
-from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_shards
+from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_batch
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Plan
@@ -149,7 +149,7 @@ class Producer:
         stream = self._stream
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
             seq = check_int(seq, what="seq", error=SequenceError, minimum=0)
-        checked = check_shards(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
+        checked, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
         state = self._state(self._loop.table.metadata if self._loop_fresh() else self._refresh())
         if seq is None:
             seq = state.next_seq(self._stream.io, self.producer_id)
@@ -158,7 +158,7 @@ class Producer:
             return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
                                 latency_s=time.monotonic() - started)
 
-        staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked)
+        staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked, whole=whole)
         intent = self._stage(staged, allow_gap) if self._contended() else None
         # ``own`` changes once: when a producer that committed alone loses a swap, it stages the batch (escalate)
         own = [_Batch(staged, allow_gap, intent.staged_at if intent else time.time(), intent.path if intent else None)]

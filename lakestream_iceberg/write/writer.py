@@ -177,8 +177,11 @@ class BatchWriter:
         # completes, so writing it again is safe.
         self._retry_s = retry_s
 
-    def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table]) -> StagedBatch:
+    def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table], whole: pa.Table | None = None) -> StagedBatch:
         """Write every rank's file; when any rank's write fails, delete what was written and raise.
+
+        ``whole``: the shards already concatenated in rank order (``check_batch`` makes it); the packed layout writes
+        from it instead of concatenating them again.
 
         Raises:
             SchemaMismatchError: pyarrow refused a shard's data (e.g. a null in a non-nullable field); nothing is left
@@ -193,7 +196,7 @@ class BatchWriter:
         if self._packed_bytes is not None:  # one file: written here, no hand-off to a pool thread and back
             paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=None)]
             try:
-                files.append(self._write_packed_retrying(paths[0], shards))
+                files.append(self._write_packed_retrying(paths[0], shards, whole))
             except Exception as exc:  # noqa: BLE001 - re-raised below, after the cleanup
                 failure = exc
         else:
@@ -224,38 +227,41 @@ class BatchWriter:
     def _write_retrying(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
         return call_with_retry(lambda: self._write_one(path, rank, shard), what=f"writing {path}", timeout_s=self._retry_s)
 
-    def _write_packed_retrying(self, path: str, shards: Sequence[pa.Table]) -> StagedFile:
-        groups = self._row_groups(shards)  # once: a retry rewrites the same row groups
-        counts = [s.num_rows for s in shards]
-        return call_with_retry(lambda: self._write_file(path, None, groups, counts), what=f"writing {path}",
+    def _write_packed_retrying(self, path: str, shards: Sequence[pa.Table], whole: pa.Table | None) -> StagedFile:
+        counts = np.fromiter((shard.num_rows for shard in shards), dtype=np.int64, count=len(shards))
+        groups = self._row_groups(shards, counts, whole)  # once: a retry rewrites the same row groups
+        return call_with_retry(lambda: self._write_file(path, None, groups, counts.tolist()), what=f"writing {path}",
                                timeout_s=self._retry_s)
 
-    def _row_groups(self, shards: Sequence[pa.Table]) -> list[pa.Table]:
+    def _row_groups(self, shards: Sequence[pa.Table], counts: np.ndarray, whole: pa.Table | None) -> list[pa.Table]:
         """The packed file's row groups: consecutive ranks (with their ``_rank`` column) while they fit in
         ``packed_row_group_bytes``; a rank never spans two row groups, and one larger than that is a row group alone.
 
-        The ranks are concatenated and cast once, and the row groups are slices of that table: the cost per rank is
-        a size lookup, not an Arrow call per column.
+        The ranks are concatenated and cast once (``whole``, when the caller has them concatenated already), and the
+        row groups are slices of that table: the cost per rank is a row count, and a size only when the step is
+        larger than one row group, not an Arrow call per column.
         """
         assert self._packed_bytes is not None
         payload = pa.schema([f for f in self._arrow_schema if f.name != RANK_COLUMN])
         rank_field = self._arrow_schema.field(RANK_COLUMN)
-        filled = [(rank, shard) for rank, shard in enumerate(shards) if shard.num_rows]
-        if not filled:
+        if not counts.any():
             return []
-        try:
-            whole = pa.concat_tables([shard for _, shard in filled])
-        except (pa.ArrowInvalid, pa.ArrowTypeError):  # shards that differ in nullability or metadata: cast each first
-            whole = pa.concat_tables([shard.cast(payload) for _, shard in filled])
-        counts = np.array([shard.num_rows for _, shard in filled], dtype=np.int64)
-        ranks = np.repeat(np.array([rank for rank, _ in filled], dtype=np.int32), counts)
+        if whole is None:
+            filled = [shard for shard, n in zip(shards, counts.tolist()) if n]
+            try:
+                whole = pa.concat_tables(filled)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # shards that differ in nullability or metadata: cast each first
+                whole = pa.concat_tables([shard.cast(payload) for shard in filled])
+        ranks = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
         # One chunk per column: casting, sizing and writing a 1,024-chunk table costs per chunk (the copy is a memcpy)
         whole = whole.combine_chunks().cast(payload).append_column(rank_field, pa.array(ranks, rank_field.type))
         if whole.nbytes <= self._packed_bytes:  # the usual small step: one row group, no size per rank needed
             return [whole]
         bounds: list[tuple[int, int]] = []  # (first row, rows) of each row group
         first = rows = size = 0
-        for (_, shard), n in zip(filled, counts.tolist()):
+        for shard, n in zip(shards, counts.tolist()):
+            if not n:
+                continue
             nbytes = shard.nbytes
             if rows and size + nbytes > self._packed_bytes:  # would overflow: close the group first
                 bounds.append((first, rows))
