@@ -311,3 +311,27 @@ def test_closing_a_stream_stops_its_writer_and_footer_threads_and_it_stays_usabl
         assert again["lakestream-write"] and again["lakestream-footer"]
     assert not any(t.is_alive() for group in again.values() for t in group)  # the with block closed it
     assert published(stream)[7] == ("a", 3) and stream.read(8, rank=2).equals(batch("b", 3, WORLD)[2])
+
+
+def test_a_task_submitted_while_the_stream_closes_runs_once_on_a_fresh_pool() -> None:
+    """close() may land between taking a pool and submitting to it (another thread commits meanwhile): the task goes
+    to the next pool instead of failing with "cannot schedule new futures after shutdown", and runs exactly once."""
+    from lakestream_iceberg.connect.fork import ProcessPool
+
+    pool = ProcessPool(max_workers=2, name="lakestream-test")
+    taken = pool.get
+    closed: list[object] = []
+
+    def get_then_closed():  # the window: the caller holds a pool that close() shuts down before it submits
+        executor = taken()
+        if not closed:
+            closed.append(executor)
+            pool.shutdown(wait=True)
+        return executor
+
+    pool.get = get_then_closed  # type: ignore[method-assign]
+    runs: list[int] = []
+    assert pool.submit(lambda x: runs.append(x) or x * 2, 21).result() == 42
+    assert runs == [21] and len(closed) == 1
+    assert taken() is not closed[0]  # the task ran on a fresh pool
+    pool.shutdown(wait=True)

@@ -316,8 +316,9 @@ def test_packed_rank_rows_entry_is_written_once_per_rank(catalog: SqlCatalog) ->
 
 
 def test_a_batch_checked_as_a_whole_and_one_checked_rank_by_rank_are_written_alike(catalog: SqlCatalog) -> None:
-    """The packed writer starts from the concatenation the batch check made (one schema, all Tables), or concatenates
-    the ranks itself (a RecordBatch, a nullable copy of the schema, other metadata): the same file either way."""
+    """The packed writer starts from the concatenation the batch check made (shards that concatenate: one schema, other
+    metadata allowed), or concatenates the ranks itself (a RecordBatch; a field declared non-nullable, which Arrow
+    does not concatenate with the nullable one): the same rows and ranks either way."""
     from lakestream_iceberg.format.layout import check_batch
 
     stream = make(catalog, world_size=4)
@@ -325,15 +326,18 @@ def test_a_batch_checked_as_a_whole_and_one_checked_rank_by_rank_are_written_ali
     plain = batch("p", 0, 4)
     checked, whole = check_batch(plain, world_size=4, expected=expected)
     assert whole is not None and whole.num_rows == sum(s.num_rows for s in plain)
-    mixed = batch("p", 1, 4)
-    mixed[1] = mixed[1].to_batches()[0] if mixed[1].num_rows else mixed[1]
-    mixed[2] = mixed[2].cast(pa.schema([f.with_nullable(True) for f in mixed[2].schema]))
-    mixed[3] = mixed[3].replace_schema_metadata({"origin": "elsewhere"})
-    assert check_batch(mixed, world_size=4, expected=expected)[1] is None  # the per-rank path
+    tagged = batch("p", 1, 4)
+    tagged[3] = tagged[3].replace_schema_metadata({"origin": "elsewhere"})
+    assert check_batch(tagged, world_size=4, expected=expected)[1] is not None  # metadata: still one concatenation
+    record = batch("p", 2, 4)
+    record[1] = record[1].to_batches()[0]
+    strict = batch("p", 3, 4)
+    strict[2] = strict[2].cast(pa.schema([f.with_nullable(False) for f in strict[2].schema]))
+    for shards in (record, strict):
+        assert check_batch(shards, world_size=4, expected=expected)[1] is None  # the per-rank path
     producer = stream.producer("p")
-    assert producer.commit(plain).step == 1 and producer.commit(mixed).step == 2
-    for step, shards in ((1, plain), (2, batch("p", 1, 4))):
-        files = stream.step_files(step)
-        assert list(files.counts) == [s.num_rows for s in shards]  # the footer's rank table
+    for step, shards in enumerate((plain, tagged, record, strict), start=1):
+        assert producer.commit(shards).step == step
+        assert list(stream.step_files(step).counts) == [len(s) for s in batch("p", step - 1, 4)]  # the rank table
         for rank in range(4):
-            assert digest(stream.read(step, rank=rank)) == digest(shards[rank])
+            assert digest(stream.read(step, rank=rank)) == digest(batch("p", step - 1, 4)[rank])

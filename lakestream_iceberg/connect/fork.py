@@ -16,8 +16,11 @@ import logging
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 __all__ = ["ProcessPool", "fork_safe"]
 
@@ -81,6 +84,19 @@ class ProcessPool:
                 state = self._state = (pid, ThreadPoolExecutor(max_workers=self._max_workers,
                                                                thread_name_prefix=self._name))
             return state[1]
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """``get().submit(fn, *args)``; when ``shutdown`` (``Stream.close``) came between the two, the task goes to the
+        fresh pool instead (it was not submitted, so it runs once either way)."""
+        for _ in range(3):
+            pool = self.get()
+            try:
+                return pool.submit(fn, *args)
+            except RuntimeError:  # "cannot schedule new futures after shutdown"
+                state = self._state
+                if state is not None and state[1] is pool:  # still the current pool: interpreter shutdown, not close()
+                    raise
+        return self.get().submit(fn, *args)
 
     def shutdown(self, *, wait: bool = True) -> None:
         """Stop this process's threads (a pool inherited from another process is left alone)."""

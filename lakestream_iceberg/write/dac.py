@@ -340,7 +340,7 @@ class CommitPolicy:
         if not self._head_group_s:
             return 0.0
         latest = self._heads[-1][1] if self._heads else self._head_group_step
-        horizon = max(self._cfg.min_horizon_steps, self._cfg.active_horizon * self.contenders)
+        horizon = max(self._cfg.min_horizon_steps, math.ceil(self._cfg.active_horizon * self.contenders))
         return self._head_group_s if latest - self._head_group_step <= horizon else 0.0
 
     @property

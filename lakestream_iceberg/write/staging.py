@@ -298,7 +298,7 @@ class StagingArea:
         if len(files) == 1:
             reasons = [self._footer(files[0])]
         else:
-            reasons = list(self._pool.get().map(self._footer, files))
+            reasons = [future.result() for future in [self._pool.submit(self._footer, f) for f in files]]
         for f, reason in zip(files, reasons):
             if reason is None:
                 if len(self._footers) >= 65536:  # published long ago: forget (a re-check is one footer read)

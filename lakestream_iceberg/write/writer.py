@@ -202,9 +202,13 @@ class BatchWriter:
         else:
             paths = [data_file_path(self._location, producer=producer, seq=seq, token=token, rank=rank)
                      for rank in range(len(shards))]
-            pool = self._pool.get()
-            futures = [pool.submit(self._write_retrying, path, rank, shard)
-                       for rank, (path, shard) in enumerate(zip(paths, shards))]
+            futures = []
+            for rank, (path, shard) in enumerate(zip(paths, shards)):
+                try:
+                    futures.append(self._pool.submit(self._write_retrying, path, rank, shard))
+                except Exception as exc:  # noqa: BLE001 - e.g. interpreter shutdown: clean up what was submitted
+                    failure = exc
+                    break
             for future in futures:  # wait for every rank, so that no write is still running when the others are deleted
                 try:
                     files.append(future.result())
@@ -246,6 +250,8 @@ class BatchWriter:
         rank_field = self._arrow_schema.field(RANK_COLUMN)
         if not counts.any():
             return []
+        if whole is not None and whole.num_rows != int(counts.sum()):  # not these shards' concatenation: ignore it
+            whole = None
         if whole is None:
             filled = [shard for shard, n in zip(shards, counts.tolist()) if n]
             try:
