@@ -5,7 +5,9 @@ What is measured (see benchmarks/README.md for the meaning of every number):
 1. ingestion MiB/s: P producer processes (P = 1, 4, 8) publish global batches of 1, 16 and 64 MiB (world size W shards)
    as fast as they can for ``--duration`` seconds. Kafka: one transaction per global batch, one message per rank shard
    (partition = rank, key = producer/seq), idempotent + transactional producer. lakestream: ``Producer.commit(shards)``
-   on the embedded SQLite catalog and a local warehouse in a temp dir.
+   on the embedded SQLite catalog and a local warehouse in a temp dir. ``--rounds`` rounds per configuration (default
+   2), Kafka first in even rounds and lakestream first in odd ones, each run after ``os.sync()``; a row pools its
+   rounds (MiB over seconds) and the JSON keeps each round's ratio: one 4 s pair on a shared machine drifts by 20%.
 2. visibility latency p50/p99: 2 paced producers, one consumer that assembles whole global batches (all W shards
    decoded). Latency = the moment the producer starts publishing a batch -> the consumer holds all W shards.
    Kafka consumer: read_committed, fetch.wait.max.ms=10; lakestream consumer: LakestreamDataset(follow=True) polling
@@ -29,6 +31,7 @@ import os
 import random
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -317,7 +320,12 @@ def _kill_all(procs: list[Any]) -> None:
 
 
 def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any | None, timeout_s: float) -> dict[str, Any]:
-    """Start P producers (and a consumer), release them together, collect their reports."""
+    """Start P producers (and a consumer), release them together, collect their reports.
+
+    Everything the previous run wrote is flushed to disk first (``os.sync()``, as the other benchmarks do before each
+    point): otherwise the kernel writes back one system's files while the next one runs, and charges it for them."""
+    if hasattr(os, "sync"):
+        os.sync()
     n = spec["producers"] + (1 if consumer_main else 0)
     ready = CTX.Semaphore(0)
     go = CTX.Event()
@@ -391,6 +399,28 @@ def summarize_ingestion(result: dict[str, Any]) -> dict[str, Any]:
         "publish_p99_ms": percentile(commit_s, 99) * 1000,
         "attempts_per_commit": (sum(r.get("attempts", 0) for r in producers) / batches)
         if batches and "attempts" in producers[0] else None,
+    }
+
+
+def pool_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's ingestion rounds of one configuration as one figure: MiB over seconds and CPU over GiB pooled,
+    the publish percentiles as the rounds' median, attempts per commit weighted by the rounds' batches."""
+    if len(rounds) == 1:
+        return rounds[0]
+    mib, elapsed, cpu, batches = (sum(r[k] for r in rounds) for k in ("mib", "elapsed_s", "cpu_s", "batches"))
+    attempts = [r["attempts_per_commit"] for r in rounds]
+    return {
+        "cpu_s": cpu,
+        "cpu_s_per_gib": cpu / (mib / 1024) if mib else math.nan,
+        "batches": batches,
+        "mib": mib,
+        "elapsed_s": elapsed,
+        "mib_s": mib / elapsed if elapsed else math.nan,
+        "publish_p50_ms": statistics.median(r["publish_p50_ms"] for r in rounds),
+        "publish_p99_ms": statistics.median(r["publish_p99_ms"] for r in rounds),
+        "attempts_per_commit": None if None in attempts else
+        sum(a * r["batches"] for a, r in zip(attempts, rounds)) / batches if batches else None,
+        "rounds": len(rounds),
     }
 
 
@@ -492,16 +522,30 @@ class Bench:
         for size in self.args.sizes:
             for p in self.args.producers:
                 kw = dict(mode="saturate", producers=p, batch_bytes=size * MiB, consumer=False, duration=self.args.duration)
-                k_res, rss = self.kafka_run(**kw)
-                l_res, disk = self.lake_run(**kw)
-                k, lk = summarize_ingestion(k_res), summarize_ingestion(l_res)
+                k_rounds, l_rounds = [], []
+                for rnd in range(self.args.rounds):  # alternating order: whatever drifts hits both systems alike
+                    for system in ("kafka", "lake") if rnd % 2 == 0 else ("lake", "kafka"):
+                        if system == "kafka":
+                            k_res, rss = self.kafka_run(**kw)
+                            k_rounds.append(summarize_ingestion(k_res))
+                        else:
+                            l_res, disk = self.lake_run(**kw)
+                            l_rounds.append(summarize_ingestion(l_res))
+                k, lk = pool_rounds(k_rounds), pool_rounds(l_rounds)
                 ratio = lk["mib_s"] / k["mib_s"] if k["mib_s"] else math.nan
+                per_round = [lr["mib_s"] / kr["mib_s"] if kr["mib_s"] else math.nan for kr, lr in zip(k_rounds, l_rounds)]
                 table.add(size, p, k["mib_s"], lk["mib_s"], ratio, k["publish_p50_ms"], lk["publish_p50_ms"],
                           lk["attempts_per_commit"], k["cpu_s_per_gib"], lk["cpu_s_per_gib"])
                 rows.append({"batch_mib": size, "producers": p, "kafka": k, "lakestream": lk, "ratio_mib_s": ratio,
+                             "ratio_per_round": per_round, "kafka_rounds": k_rounds, "lakestream_rounds": l_rounds,
                              "kafka_broker_rss_mib": rss, "lakestream_disk_mib": disk})
-                print(f"  ingestion {size:>3} MiB P={p}: kafka {k['mib_s']:7.1f} MiB/s  lakestream {lk['mib_s']:7.1f} MiB/s",
-                      flush=True)
+                rounds = ", ".join(f"{r:.2f}" for r in per_round)
+                print(f"  ingestion {size:>3} MiB P={p}: kafka {k['mib_s']:7.1f} MiB/s  lakestream {lk['mib_s']:7.1f} MiB/s "
+                      f"(ratio per round: {rounds})", flush=True)
+        if self.args.rounds > 1:
+            table.note(f"{self.args.rounds} rounds per row in alternating order (kafka then lakestream, then the other way "
+                       "round), each system's rounds pooled (MiB / seconds, CPU / GiB; p50 and attempts: the rounds' "
+                       "median and mean); every run starts after os.sync()")
         return table, rows
 
     # -- 2. latency ---------------------------------------------------------------------------------------------------
@@ -852,6 +896,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layout", choices=("auto", "per-rank", "packed"), default="auto",
                     help="lakestream.layout of the stream (auto: the default for the world size)")
     ap.add_argument("--duration", type=float, default=None, help="seconds per saturated ingestion run (default 4)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="ingestion rounds per configuration, in alternating order (default 2; --smoke 1)")
     ap.add_argument("--sizes", default=None, help="global batch sizes in MiB (default 1,16,64)")
     ap.add_argument("--producers", default=None, help="producer process counts (default 1,4,8)")
     ap.add_argument("--latency-producers", type=int, default=2)
@@ -863,6 +909,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.only = set(args.only.split(","))
     smoke = args.smoke
     args.duration = args.duration or (0.5 if smoke else 4.0)
+    args.rounds = args.rounds or (1 if smoke else 2)
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     args.sizes = [int(s) for s in (args.sizes or ("1" if smoke else "1,16,64")).split(",")]
     args.producers = [int(s) for s in (args.producers or ("1,2" if smoke else "1,4,8")).split(",")]
     # (interval between a producer's batches, batches per producer) for the paced latency runs
@@ -925,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
         "phase_s": phases,
         "loadavg_at_start": load_at_start,
         "config": {"world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
-                   "duration_s": args.duration, "latency_producers": args.latency_producers,
+                   "duration_s": args.duration, "rounds": args.rounds, "latency_producers": args.latency_producers,
                    "pacing": {str(k): {"interval_s": v[0], "batches_per_producer": v[1]} for k, v in args.pacing.items()},
                    "sample_bytes": SAMPLE_BYTES, "kafka_acks": "all", "kafka_isolation": "read_committed",
                    "lakestream_catalog": "sqlite (embedded) + local warehouse in a temp dir"},

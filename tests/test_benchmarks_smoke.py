@@ -66,6 +66,7 @@ def test_vs_kafka_smoke(tmp_path: Path) -> None:
     for row in data["ingestion"]:
         assert _positive(row["kafka"]["mib_s"]) and _positive(row["lakestream"]["mib_s"]), row
         assert _positive(row["ratio_mib_s"])
+        assert len(row["ratio_per_round"]) == data["config"]["rounds"] == 1  # --smoke: one round
         assert row["lakestream"]["attempts_per_commit"] > 0  # < 1 when group commits carry batches
     for row in data["latency"]:
         for system in ("kafka", "lakestream"):
@@ -210,3 +211,27 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     assert all(_positive(sweep[w]["commit_p50_s"]) and _positive(sweep[w]["read_p50_s"]) for w in sweep)
     assert set(data["profile_world"]) == {"per-rank", "packed"}
     assert all(_positive(data["profile_world"][layout]["total"]) for layout in data["profile_world"])
+
+
+def test_vs_kafka_pools_its_rounds() -> None:
+    """The ingestion figure of several rounds is the rounds pooled: bytes over seconds, CPU over bytes, not a mean of
+    rates (a slow round weighs by its length)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("vs_kafka_under_test", BENCH / "vs_kafka.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    fast = {"mib": 400.0, "elapsed_s": 2.0, "cpu_s": 2.0, "batches": 400, "mib_s": 200.0, "publish_p50_ms": 5.0,
+            "publish_p99_ms": 9.0, "attempts_per_commit": 0.25, "cpu_s_per_gib": 5.12}
+    slow = {"mib": 100.0, "elapsed_s": 2.0, "cpu_s": 1.0, "batches": 100, "mib_s": 50.0, "publish_p50_ms": 15.0,
+            "publish_p99_ms": 30.0, "attempts_per_commit": 1.0, "cpu_s_per_gib": 10.24}
+    pooled = module.pool_rounds([fast, slow])
+    assert pooled["mib_s"] == 500.0 / 4.0 and pooled["mib"] == 500.0 and pooled["batches"] == 500
+    assert pooled["cpu_s_per_gib"] == 3.0 / (500.0 / 1024)
+    assert pooled["publish_p50_ms"] == 10.0 and pooled["publish_p99_ms"] == 19.5
+    assert pooled["attempts_per_commit"] == (0.25 * 400 + 1.0 * 100) / 500 and pooled["rounds"] == 2
+    assert module.pool_rounds([fast]) is fast
+    assert module.pool_rounds([fast, dict(slow, attempts_per_commit=None)])["attempts_per_commit"] is None
