@@ -241,3 +241,76 @@ def test_a_merge_lets_the_process_forget_the_files_it_replaced(small_constants: 
     everyone = cache.merged(PyArrowFileIO(), files)
     everyone.update(active)
     assert sorted(everyone) == sorted(f"id-{s}" for s in range(1, 400))
+
+
+def _rotating_pool(steps: int, *, workers: int, rotate: int):
+    """(step, producer id, seq) of ``workers`` producers taking turns, each taking a fresh id every ``rotate`` batches
+    (an elastic pool whose tasks are rescheduled): every retired id committed ``rotate`` times, so it *recurs*."""
+    ids, seqs = [0] * workers, [0] * workers
+    for step in range(1, steps + 1):
+        w = (step - 1) % workers
+        yield step, f"w{w}-{ids[w]}", seqs[w]
+        seqs[w] += 1
+        if seqs[w] == rotate:
+            ids[w], seqs[w] = ids[w] + 1, 0
+
+
+def test_a_pool_that_retires_its_ids_keeps_a_bounded_summary(tmp_path: Path) -> None:
+    """The real constants: 16 producers taking turns, a fresh id every 3 batches. Retired ids recur (3 commits each);
+    before, each of them counted as a producer taking turns, lengthened the horizon that kept it, and the summary kept
+    every id the pool ever used (160 at step 480, none compacted). Now they leave it and the summary stays bounded."""
+    from lakestream_iceberg.format.producers import ProducerFiles, ProducerState, active_horizon, compact
+
+    cache, io = ProducerFiles(), PyArrowFileIO()
+    location = f"file://{tmp_path}/table"
+    active: dict[str, ProducerState] = {}
+    files: tuple[str, ...] = ()
+    largest = 0
+    last: dict[str, ProducerState] = {}
+    for step, pid, seq in _rotating_pool(2_000, workers=16, rotate=3):
+        previous = active.get(pid)
+        first = step if previous is None else (previous.step if previous.first is None else previous.first)
+        active[pid] = last[pid] = ProducerState(seq, step, step, first)
+        result = compact(io, location, step=step, active=active, files=files, cache=cache)
+        active, files = dict(result.active), result.files
+        largest = max(largest, len(active))
+    # within the horizon (a floor of ACTIVE_MIN_STEPS steps: at most that many ids) plus the idle ones not yet moved out
+    assert largest < producers.ACTIVE_MIN_STEPS + producers.COMPACT_AT + 16, largest
+    assert active_horizon(active, 2_000) < 4 * 16
+    everyone = cache.merged(io, files)
+    everyone.update(active)
+    assert len(everyone) == len(last) == 16 * -(-2_000 // 48)
+    assert all(everyone[pid].seq == state.seq and everyone[pid].step == state.step for pid, state in last.items())
+
+
+def test_the_horizon_follows_the_producers_taking_turns_now() -> None:
+    """About ACTIVE_ROUNDS rounds of the producers committing now, whatever the ids listed long ago."""
+    from lakestream_iceberg.format.producers import ACTIVE_ROUNDS, ProducerState, active_horizon
+
+    taking_turns = {f"p{i}": ProducerState(7, 10_000 - i, 1, 1) for i in range(1_000)}  # each commits once a round
+    assert active_horizon(taking_turns, 10_000) == round(ACTIVE_ROUNDS * 1_000)
+    long_gone = {f"old{i}": ProducerState(3, 100 + i, 1, 1) for i in range(5_000)}  # recurred, then stopped
+    assert active_horizon({**taking_turns, **long_gone}, 10_000) == round(ACTIVE_ROUNDS * 1_000)
+    assert active_horizon({f"x{i}": ProducerState(0, i, i, i) for i in range(1, 500)}, 500) == producers.ACTIVE_MIN_STEPS
+    assert active_horizon({}, 7) == producers.ACTIVE_MIN_STEPS
+
+
+def test_a_rotating_pool_end_to_end_stays_exactly_once(small_constants: None, tmp_path: Path) -> None:
+    """Real commits of producers taking turns and rotating ids: the summary stays small, every retired id was compacted
+    with its sequence, and one that comes back continues exactly once."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    sizes = []
+    for step, pid, seq in _rotating_pool(96, workers=4, rotate=3):
+        result = stream.producer(pid).commit(batch(pid, seq, WORLD), seq=seq)
+        assert (result.step, result.duplicate) == (step, False)
+        sizes.append(len(stream.state().producers))
+    assert max(sizes[40:]) < ACTIVE_MIN_STEPS + COMPACT_AT + 4 + 4, sizes
+    state = stream.state()
+    assert state.producer_files and "w0-0" not in state.producers
+    everyone = state.all_producers(stream.io)
+    assert len(everyone) == 4 * (96 // 12)
+    returning = stream.producer("w0-0")
+    assert returning.next_seq == 3
+    assert returning.commit(batch("w0-0", 2, WORLD), seq=2).duplicate
+    assert returning.commit(batch("w0-0", 3, WORLD)).step == 97
+    assert sorted(published(stream)) == list(range(1, 98))

@@ -25,6 +25,7 @@ bytes per id in the base file), so an id that returns after any number of others
 
 from __future__ import annotations
 
+import bisect
 import io as _io
 import json
 import math
@@ -52,6 +53,7 @@ __all__ = [
 
 PRODUCERS_DIR = "_producers"  # under the table's data/ folder (producer ids start with a letter or digit)
 ACTIVE_MIN_STEPS = 32  # an active producer stays in the summary at least this many steps after its last commit
+ACTIVE_ROUNDS = 1.5  # ... and this many rounds of the producers taking turns now (see active_horizon; must be < 2)
 COMPACT_AT = 32  # idle producers are moved out of the summary this many at a time
 MAX_FILES = 8  # producer-state files listed in a summary before they are merged into one
 
@@ -76,11 +78,29 @@ class ProducerState:
         return self.first is None or self.first < self.step
 
 
-def active_horizon(active: Mapping[str, ProducerState]) -> int:
-    """Steps after its last commit that a producer stays active: 4 rounds of the producers that recur (each commits
-    about once per round), at least ``ACTIVE_MIN_STEPS``."""
-    recurring = sum(1 for p in active.values() if p.recurring)
-    return max(ACTIVE_MIN_STEPS, math.ceil(4 * recurring))
+def active_horizon(active: Mapping[str, ProducerState], step: int | None = None) -> int:
+    """Steps after its last commit that a producer stays active (``step``: the head's; default the newest listed).
+
+    ``ACTIVE_ROUNDS`` rounds of the producers that recur *now*: those whose last commit lies within the horizon itself,
+    at least ``ACTIVE_MIN_STEPS``. The horizon is the least fixed point reached from ``ACTIVE_MIN_STEPS`` upwards
+    (``h = ACTIVE_ROUNDS x recurring producers within the last h steps``): with ``P`` producers taking turns it is about
+    ``ACTIVE_ROUNDS x P``. Counting every recurring id the summary lists instead (as before) never let go of a pool that
+    retires its ids: 16 processes taking a fresh id every 3 batches kept every id they ever used in the summary (160
+    ids at step 480, none compacted), because each retired id counted as a producer and so lengthened the horizon that
+    kept it. An id retired every ``k`` steps now adds ``ACTIVE_ROUNDS / k`` to the fixed point, which exists for every
+    ``k >= 2`` (a recurring id commits at least twice) since ``ACTIVE_ROUNDS < 2``.
+    """
+    recurring = sorted(p.step for p in active.values() if p.recurring)
+    if not recurring:
+        return ACTIVE_MIN_STEPS
+    head = recurring[-1] if step is None else max(step, recurring[-1])
+    horizon = ACTIVE_MIN_STEPS
+    while True:
+        within = len(recurring) - bisect.bisect_right(recurring, head - horizon)
+        wanted = max(ACTIVE_MIN_STEPS, math.ceil(ACTIVE_ROUNDS * within))
+        if wanted <= horizon:
+            return horizon
+        horizon = wanted
 
 
 class ProducerFiles:
@@ -197,7 +217,7 @@ def compact(
 ) -> Compacted:
     """The producer state a snapshot at ``step`` records: idle producers moved to a new file once ``COMPACT_AT`` of
     them accumulated, and the files merged once more than ``MAX_FILES`` would be listed. Writes at most two files."""
-    horizon = active_horizon(active)
+    horizon = active_horizon(active, step)
     idle = {k: v for k, v in active.items() if v.step <= step - horizon}
     if len(idle) < COMPACT_AT:
         return Compacted(dict(active), files, ())
