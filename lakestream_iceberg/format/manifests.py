@@ -40,6 +40,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import LongType
 
+from lakestream_iceberg.format.avro_readers import read_manifest_entries, read_manifest_list
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from lakestream_iceberg.format.file_settings import avro_codec
 
@@ -91,10 +92,10 @@ class ManifestCache:
                 store.popitem(last=False)
 
     def manifests(self, io: FileIO, snapshot: Snapshot) -> list[ManifestFile]:
-        return self._get(self._lists, snapshot.manifest_list, lambda: snapshot.manifests(io))
+        return self._get(self._lists, snapshot.manifest_list, lambda: read_manifest_list(io, snapshot.manifest_list))
 
     def entries(self, io: FileIO, manifest: ManifestFile) -> list[ManifestEntry]:
-        return self._get(self._entries, manifest.manifest_path, lambda: manifest.fetch_manifest_entry(io, discard_deleted=True))
+        return self._get(self._entries, manifest.manifest_path, lambda: read_manifest_entries(io, manifest))
 
     def forget_entries(self, paths: Iterable[str]) -> None:
         """Drop the entries of manifests a merge just replaced: the head no longer lists them, and keeping them would

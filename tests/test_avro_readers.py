@@ -1,0 +1,80 @@
+"""The cached manifest readers return exactly the records pyiceberg's own readers return, for every schema they meet."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pyiceberg.io.pyarrow import PyArrowFileIO
+from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus, write_manifest, write_manifest_list
+from pyiceberg.partitioning import PartitionSpec
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.format import avro_readers
+from lakestream_iceberg.format.avro_readers import read_manifest_entries, read_manifest_list
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+
+def _fields(entry: ManifestEntry) -> tuple:
+    f = entry.data_file
+    return (entry.status, entry.snapshot_id, entry.sequence_number, entry.file_sequence_number, f.file_path,
+            f.file_format, tuple(f.partition), f.record_count, f.file_size_in_bytes, dict(f.column_sizes or {}),
+            dict(f.value_counts or {}), dict(f.null_value_counts or {}), dict(f.lower_bounds or {}),
+            dict(f.upper_bounds or {}), f.split_offsets, f.spec_id)
+
+
+@pytest.mark.parametrize("codec", ["null", "deflate", "zstd"])
+def test_entries_and_lists_equal_pyicebergs_for_every_status_codec_and_partition_type(tmp_path: Path, codec: str) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = stream.writer.write(producer="p", seq=0, shards=batch("p", 0, 3)).data_files(
+        step=4, spec_id=metadata.default_spec_id)
+    io = PyArrowFileIO()
+    manifests = []
+    # the stream's own partition type (_step) and an unpartitioned spec: two header schemas, read alternately
+    for n, spec in enumerate((metadata.spec(), PartitionSpec())):
+        path = f"{tmp_path}/m{n}-{codec}.avro"
+        with write_manifest(format_version=2, spec=spec, schema=metadata.schema(), output_file=io.new_output(path),
+                            snapshot_id=11, avro_compression=codec) as writer:
+            for status, f in zip((ManifestEntryStatus.ADDED, ManifestEntryStatus.EXISTING, ManifestEntryStatus.DELETED),
+                                 files, strict=True):
+                writer.add_entry(ManifestEntry.from_args(status=status, snapshot_id=None if status.value == 1 else 7,
+                                                         sequence_number=None if status.value == 1 else 2,
+                                                         file_sequence_number=None if status.value == 1 else 2,
+                                                         data_file=f))
+        manifest = writer.to_manifest_file()
+        manifest.sequence_number = manifest.min_sequence_number = 3  # what a commit assigns: ADDED inherits it
+        manifests.append(manifest)
+    list_path = f"{tmp_path}/list-{codec}.avro"
+    with write_manifest_list(format_version=2, output_file=io.new_output(list_path), snapshot_id=11,
+                             parent_snapshot_id=10, sequence_number=3, avro_compression=codec) as lw:
+        lw.add_manifests(manifests)
+    for _ in range(2):  # the second round reads with the cached reader trees
+        for manifest in manifests:
+            ours, theirs = read_manifest_entries(io, manifest), manifest.fetch_manifest_entry(io, discard_deleted=True)
+            assert [_fields(e) for e in ours] == [_fields(e) for e in theirs]
+            assert [e.status for e in ours] == [ManifestEntryStatus.ADDED, ManifestEntryStatus.EXISTING]
+            assert ours[0].sequence_number == 3 and ours[1].sequence_number == 2  # inherited only by ADDED
+        listed = read_manifest_list(io, list_path)
+        assert listed == list(pyiceberg_list(io, list_path))
+        assert [(m.manifest_path, m.added_files_count, m.existing_files_count, m.deleted_files_count, m.partitions)
+                for m in listed] == [(m.manifest_path, m.added_files_count, m.existing_files_count,
+                                      m.deleted_files_count, m.partitions) for m in pyiceberg_list(io, list_path)]
+    kinds = {kind for kind, _ in avro_readers._RESOLVED}  # noqa: SLF001 - one reader per (kind, header schema)
+    assert kinds == {"entries", "list"}
+    assert sum(1 for kind, _ in avro_readers._RESOLVED if kind == "entries") >= 2  # noqa: SLF001
+
+
+def pyiceberg_list(io: PyArrowFileIO, path: str) -> list:
+    from pyiceberg.manifest import read_manifest_list as theirs
+
+    return list(theirs(io.new_input(path)))
+
+
+def test_a_file_without_a_schema_in_its_header_is_refused(tmp_path: Path) -> None:
+    from pyiceberg.manifest import ManifestFile
+
+    path = tmp_path / "not-avro.avro"
+    path.write_bytes(b"Obj\x01\x00\x00" + b"\x00" * 16)  # an Avro header with an empty meta map
+    with pytest.raises(ValueError, match="No schema found"):
+        read_manifest_entries(PyArrowFileIO(), ManifestFile.from_args(manifest_path=str(path)))
