@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -335,3 +337,73 @@ def test_a_task_submitted_while_the_stream_closes_runs_once_on_a_fresh_pool() ->
     assert runs == [21] and len(closed) == 1
     assert taken() is not closed[0]  # the task ran on a fresh pool
     pool.shutdown(wait=True)
+
+
+def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_commit_continues(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer whose staged batch another producer's commit published learns its step from the head's summaries
+    read as plain JSON (no full metadata read), and its next commit still plans on a full read and continues the seq."""
+    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    monkeypatch.setattr(a, "_contended", lambda: True)  # a stages and holds; b commits alone and carries it
+    monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    refreshes = a._loop._refreshes  # noqa: SLF001 - full reads of the head so far
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not staged_files(stream):  # a has written and staged its batch
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(STAGING_SCAN_S)  # b, committing alone, lists the staging folder at most this often
+    assert b.commit(batch("b", 2, WORLD)).step == 6
+    thread.join(120)
+    assert not thread.is_alive()
+    (result,) = results
+    assert (result.step, result.seq, result.carried, result.duplicate, result.attempts) == (5, 2, True, False, 0)
+    assert published(stream)[5] == ("a", 2)
+    assert result.snapshot_id == next(s.snapshot_id for s in stream.refresh().table.metadata.snapshots
+                                      if StreamState.of(s).step == 5)
+    assert a._loop._refreshes == refreshes and a._loop.peeked  # noqa: SLF001 - answered without a full read
+    # the next commit: seq 3 (not a gap), planned on a full read of the head, published after b's step
+    monkeypatch.undo()
+    after = a.commit(batch("a", 3, WORLD))
+    assert (after.step, after.seq, after.duplicate) == (7, 3, False) and not a._loop.peeked  # noqa: SLF001
+    assert published(stream) == {1: ("a", 0), 2: ("b", 0), 3: ("a", 1), 4: ("b", 1), 5: ("a", 2), 6: ("b", 2),
+                                 7: ("a", 3)}
+
+
+def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(tmp_path: Path) -> None:
+    """CommitLoop.peek reads the head's summaries and checks them as a full read does: a malformed lakestream value is
+    the same CorruptStateError, a snapshot the metadata does not list is None, and a head it cannot answer for (the
+    branch is not a branch) is None, so the caller reads the head fully."""
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    loop = a._loop  # noqa: SLF001
+    loop.mark_stale()
+    peek = loop.peek()
+    assert peek is not None and peek.state.step == 4 and peek.state.producers["b"].seq == 1
+    assert peek.states(peek.state.producers["a"].snapshot_id).producer == "a"  # a snapshot the head's metadata lists
+    assert peek.states(12345) is None and peek.states(True) is None  # type: ignore[arg-type]
+    # a summary value lakestream never writes is refused by the light read too
+    metadata_path = Path(stream.refresh().table.metadata_location.removeprefix("file://"))
+    text = metadata_path.read_text()
+    document = json.loads(text)
+    head_id = document["refs"]["main"]["snapshot-id"]
+    head = next(s for s in document["snapshots"] if s["snapshot-id"] == head_id)
+    head["summary"]["lakestream.step"] = "four"
+    metadata_path.write_text(json.dumps(document))
+    loop.mark_stale()
+    loop.table.metadata_location = "elsewhere"  # the pointer 'moved' for this loop: it reads the file lightly
+    with pytest.raises(CorruptStateError, match="lakestream.step"):
+        loop.peek()
+    head["summary"]["lakestream.step"] = "4"
+    document["refs"]["main"]["type"] = "tag"  # main is no branch: not answerable lightly
+    metadata_path.write_text(json.dumps(document))
+    assert loop.peek() is None
+    metadata_path.write_text(text)
+    assert loop.peek() is not None and loop.peek().state.step == 4

@@ -6,19 +6,25 @@ second; when it did not, nothing but the pointer should be read.
 * SQL catalogs (SQLite, PostgreSQL): one indexed ``SELECT metadata_location FROM iceberg_tables`` on the catalog's own
   SQLAlchemy engine; the new ``metadata.json`` is read through the table's FileIO only when the pointer moved.
 * Any other catalog (REST, Glue, Hive): ``Table.refresh()`` (those catalogs answer with the full metadata anyway).
+
+:func:`read_moved` is the lighter read still for a caller that needs a few fields of the new head (a producer whose
+batch another producer's commit carried asks only where it was published): the new ``metadata.json`` as plain JSON,
+without building pyiceberg's ``TableMetadata`` from it.
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
-__all__ = ["pointer_probe", "refresh_if_moved"]
+__all__ = ["pointer_probe", "read_moved", "refresh_if_moved"]
 
 _PROBES: dict[int, tuple[weakref.ref[Table], Callable[[], str | None] | None]] = {}  # id(table) -> (table, probe)
 
@@ -48,18 +54,45 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
     return probe
 
 
+def _probe_of(table: Table) -> Callable[[], str | None] | None:
+    key = id(table)
+    cached = _PROBES.get(key)
+    if cached is None or cached[0]() is not table:  # pyiceberg tables are not hashable: keyed by id, checked by ref
+        cached = (weakref.ref(table, lambda _ref, key=key: _PROBES.pop(key, None)), pointer_probe(table))
+        _PROBES[key] = cached
+    return cached[1]
+
+
+def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
+    """The table's current metadata location, with its ``metadata.json`` as plain JSON when it is not ``table``'s own.
+
+    Returns ``(location, None)`` when the pointer did not move (``table.metadata`` is current), and None when this
+    cannot be answered lightly: a catalog without a pointer probe, a table the catalog no longer has, a compressed
+    ``metadata.json``, or a file that is not a JSON object. ``table`` itself is left as it is. The JSON is unchecked:
+    the caller validates every field it uses.
+    """
+    probe = _probe_of(table)
+    if probe is None:
+        return None
+    location = probe()
+    if location is None:
+        return None
+    if location == table.metadata_location:
+        return location, None
+    if not location.endswith(".metadata.json") or location.endswith(".gz.metadata.json"):
+        return None
+    with table.io.new_input(location).open() as f:
+        document = json.loads(f.read())
+    return (location, document) if isinstance(document, dict) else None
+
+
 def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
     """Bring ``table`` up to date, reading its metadata only when the catalog pointer moved; True when it changed.
 
     ``io`` reads the new ``metadata.json`` (default: the table's own FileIO).
     A table that no longer exists (dropped, renamed) falls back to ``Table.refresh()``, which raises pyiceberg's error.
     """
-    key = id(table)
-    cached = _PROBES.get(key)
-    if cached is None or cached[0]() is not table:  # pyiceberg tables are not hashable: keyed by id, checked by ref
-        cached = (weakref.ref(table, lambda _ref, key=key: _PROBES.pop(key, None)), pointer_probe(table))
-        _PROBES[key] = cached
-    probe = cached[1]
+    probe = _probe_of(table)
     before = table.metadata_location
     if probe is None:
         table.refresh()

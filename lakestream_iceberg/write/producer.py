@@ -39,7 +39,7 @@ from lakestream_iceberg.format.expiry import expirable
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_batch
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
-from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Plan
+from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Peek, Plan
 from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
 from lakestream_iceberg.write.staging import Intent, StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, StagedBatch, check_producer_id
@@ -99,6 +99,7 @@ class Producer:
         self.producer_id = check_producer_id(producer_id)
         self.branch = branch
         self._loop = loop
+        self._peeked_next = 0  # this id's next seq, as the light read that answered its last commit showed it
 
     @property
     def policy(self) -> object:
@@ -150,13 +151,19 @@ class Producer:
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
             seq = check_int(seq, what="seq", error=SequenceError, minimum=0)
         checked, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
-        state = self._state(self._loop.table.metadata if self._loop_fresh() else self._refresh())
-        if seq is None:
-            seq = state.next_seq(self._stream.io, self.producer_id)
-        self._check_seq(seq, state, allow_gap)
-        if (known := self._published(self._loop.table.metadata, seq)) is not None:
-            return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
-                                latency_s=time.monotonic() - started)
+        if self._loop.peeked and seq in (None, self._peeked_next):
+            # The last commit was answered from a light read of the head (it was carried): the loaded metadata is
+            # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
+            self._state(self._loop.table.metadata)
+            seq = self._peeked_next
+        else:
+            state = self._state(self._loop.table.metadata if self._loop_fresh() else self._refresh())
+            if seq is None:
+                seq = state.next_seq(self._stream.io, self.producer_id)
+            self._check_seq(seq, state, allow_gap)
+            if (known := self._published(self._loop.table.metadata, seq)) is not None:
+                return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
+                                    latency_s=time.monotonic() - started)
 
         staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked, whole=whole)
         intent = self._stage(staged, allow_gap) if self._contended() else None
@@ -175,12 +182,28 @@ class Producer:
             self._check_seq(seq, current, allow_gap)
             return self._plan_group(metadata, current, own[0], attempt)
 
+        def answer(peek: Peek, attempt: int) -> _Published | None:
+            """Carried: where the head's producer table says this seq was published, if that snapshot holds this
+            call's batch (its token); anything else (an earlier incarnation's batch, a compacted id, an expired
+            snapshot) is decided by the planner on a full read."""
+            known = peek.state.producers.get(self.producer_id)
+            if known is None or known.seq != seq or known.snapshot_id is None:
+                return None
+            at = peek.states(known.snapshot_id)
+            if at is None or at.token is None or at.token != staged.token or (at.producer, at.seq, at.step) != \
+                    (self.producer_id, seq, known.step):
+                return None
+            return _Published(CommitResult(step=known.step, snapshot_id=known.snapshot_id, seq=seq,
+                                           producer=self.producer_id, attempts=attempt, duplicate=False,
+                                           rows=staged.rows, bytes=staged.size_bytes))
+
         def carry_for(staged_intent: Intent) -> Carry:
             staging = self._staging
             return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path),
                          published=lambda metadata: self._published(metadata, seq) is not None,
                          queued=lambda: staging.queued(self.branch, staged_intent.path,
-                                                       max_age_s=self._stream.config.gc_grace_ms / 2000))
+                                                       max_age_s=self._stream.config.gc_grace_ms / 2000),
+                         answer=answer)
 
         def escalate() -> Carry | None:
             """Lost a swap while committing alone: others are committing too, so stage the batch for them."""
@@ -206,6 +229,8 @@ class Producer:
                 self._staging.remove([intent.path])  # refused (e.g. the branch is gone): nobody may publish it
             raise
         published = outcome.result
+        if outcome.peeked:
+            self._peeked_next = seq + 1
         if outcome.landed:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
