@@ -111,7 +111,7 @@ def kafka_producer_config(bootstrap: str, *, shard_bytes: int, txn_id: str | Non
         "bootstrap.servers": bootstrap,
         "enable.idempotence": True,  # implies acks=all, max.in.flight<=5, retries
         "acks": "all",
-        "compression.type": "none",  # the payload is incompressible; lakestream's zstd finds nothing either
+        "compression.type": "none",  # the payload is incompressible; lakestream writes it uncompressed too (--lake-codec)
         "linger.ms": 0,
         # The shard must fit one message: raised above librdkafka's 1,000,000-byte default when needed.
         "message.max.bytes": max(1_000_000, shard_bytes + MiB),
@@ -499,8 +499,10 @@ class Bench:
         root = self.tmp / run
         (root / "warehouse").mkdir(parents=True)
         catalog = sqlite_catalog(str(root))
-        layout = None if self.args.layout == "auto" else {"lakestream.layout": self.args.layout}
-        Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size, properties=layout)
+        properties = {"write.parquet.compression-codec": self.args.lake_codec}
+        if self.args.layout != "auto":
+            properties["lakestream.layout"] = self.args.layout
+        Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size, properties=properties)
         catalog.engine.dispose()  # no pooled SQLite connection crosses the fork
         try:
             spec = dict(run=run, mode=mode, producers=producers, batch_bytes=batch_bytes, world_size=self.args.world_size,
@@ -515,6 +517,7 @@ class Bench:
     # -- 1. ingestion ------------------------------------------------------------------------------------------------
     def ingestion(self) -> tuple[Table, list[dict[str, Any]]]:
         table = Table(f"ingestion, MiB/s (W={self.args.world_size} shards/batch, lakestream layout {self.args.layout}, "
+                      f"Parquet {self.args.lake_codec} vs Kafka compression.type=none, "
                       f"{self.args.duration:g} s per run, saturated, no consumer; ratio > 1: lakestream faster)",
                       ["batch MiB", "P", "kafka MiB/s", "lakestream MiB/s", "ratio", "kafka publish p50 ms",
                        "lake commit p50 ms", "lake CAS attempts/commit", "kafka CPU s/GiB", "lake CPU s/GiB"])
@@ -895,6 +898,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--layout", choices=("auto", "per-rank", "packed"), default="auto",
                     help="lakestream.layout of the stream (auto: the default for the world size)")
+    ap.add_argument("--lake-codec", default="uncompressed",
+                    help="write.parquet.compression-codec of the stream (default uncompressed, as the Kafka producer's "
+                         "compression.type=none: the payload is incompressible; zstd is lakestream's default codec)")
     ap.add_argument("--duration", type=float, default=None, help="seconds per saturated ingestion run (default 4)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="ingestion rounds per configuration, in alternating order (default 2; --smoke 1)")
@@ -973,7 +979,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started,
         "phase_s": phases,
         "loadavg_at_start": load_at_start,
-        "config": {"world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
+        "config": {"lake_codec": args.lake_codec, "world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
                    "duration_s": args.duration, "rounds": args.rounds, "latency_producers": args.latency_producers,
                    "pacing": {str(k): {"interval_s": v[0], "batches_per_producer": v[1]} for k, v in args.pacing.items()},
                    "sample_bytes": SAMPLE_BYTES, "kafka_acks": "all", "kafka_isolation": "read_committed",
