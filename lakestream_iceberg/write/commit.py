@@ -95,7 +95,7 @@ class Peek:
     that metadata records (None for a snapshot it does not hold)."""
 
     state: StreamState
-    states: Callable[[int], StreamState | None]
+    states: Callable[[object], StreamState | None]
 
 
 @dataclass(frozen=True)
@@ -185,7 +185,9 @@ class CommitLoop:
         if document is None:  # the pointer did not move: the loaded metadata is the head
             metadata = self.table.metadata
 
-            def loaded(snapshot_id: int) -> StreamState | None:
+            def loaded(snapshot_id: object) -> StreamState | None:
+                if not isinstance(snapshot_id, int) or isinstance(snapshot_id, bool):
+                    return None
                 snapshot = metadata.snapshot_by_id(snapshot_id)
                 return StreamState.of(snapshot) if snapshot is not None else None
 
@@ -196,9 +198,13 @@ class CommitLoop:
             return None
         by_id = {s.get("snapshot-id"): s for s in snapshots if isinstance(s, dict)}
 
-        def states(snapshot_id: int) -> StreamState | None:
-            snapshot = by_id.get(snapshot_id) if type(snapshot_id) is int else None
-            summary = snapshot.get("summary") if snapshot is not None else None
+        def states(snapshot_id: object) -> StreamState | None:
+            if not isinstance(snapshot_id, int) or isinstance(snapshot_id, bool):
+                return None
+            snapshot = by_id.get(snapshot_id)
+            if snapshot is None:
+                return None
+            summary = snapshot.get("summary")
             if not isinstance(summary, dict) or not all(isinstance(v, str) for v in summary.values()):
                 return None
             parent = snapshot.get("parent-snapshot-id")
