@@ -378,7 +378,8 @@ def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_
 def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(tmp_path: Path) -> None:
     """CommitLoop.peek reads the head's summaries and checks them as a full read does: a malformed lakestream value is
     the same CorruptStateError, a snapshot the metadata does not list is None, and a head it cannot answer for (the
-    branch is not a branch) is None, so the caller reads the head fully."""
+    branch is not a branch, a snapshot id that is no integer or appears twice) is None, so the caller reads the head
+    fully."""
     from lakestream_iceberg.errors import CorruptStateError
 
     stream = make(tmp_path)
@@ -405,5 +406,40 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
     document["refs"]["main"]["type"] = "tag"  # main is no branch: not answerable lightly
     metadata_path.write_text(json.dumps(document))
     assert loop.peek() is None
+    document["refs"]["main"]["type"] = "branch"
+    for odd in ([1, 2], None, True):  # an id no writer gives (unhashable, missing, a bool): not answerable lightly
+        document["snapshots"][0]["snapshot-id"] = odd
+        metadata_path.write_text(json.dumps(document))
+        assert loop.peek() is None
+    document["snapshots"][0]["snapshot-id"] = head_id  # the same id twice: which one a reader takes is ambiguous
+    metadata_path.write_text(json.dumps(document))
+    assert loop.peek() is None
     metadata_path.write_text(text)
     assert loop.peek() is not None and loop.peek().state.step == 4
+
+
+def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A staged batch whose commit is refused at planning (here: the branch was rolled back behind the producer, so
+    its seq would leave a gap) is withdrawn with the error: no later group commit publishes the batch the caller was
+    told failed, and the producer's real next batch is not reported as a duplicate of it."""
+    from lakestream_iceberg.errors import SequenceError
+
+    stream = make(tmp_path)
+    a, _ = both_active(stream)  # a: seq 0 at step 1, seq 1 at step 3
+    table = stream.refresh().table
+    step2 = next(s.snapshot_id for s in table.metadata.snapshots if StreamState.of(s).step == 2)
+    table.manage_snapshots().rollback_to_snapshot(step2).commit()  # an operator rolls main back: a's seq 1 is gone
+    monkeypatch.setattr(a, "_contended", lambda: True)  # a stages its batch (group commit), then plans at once
+    monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 0.0)  # noqa: SLF001
+    with pytest.raises(SequenceError, match="would skip from seq 1 to 2"):
+        a.commit(batch("a", 2, WORLD))  # a's view still ends at its own seq 1: seq 2, refused at planning
+    assert staged_files(stream) == []  # withdrawn with the error
+    monkeypatch.undo()
+    # b's seq 1, published at the rolled-back step 4, is open again; its intent (removed by the commit that published
+    # it) is not offered again from this process's last listing of the staging folder
+    assert a.commit(batch("a", 1, WORLD), seq=1).step == 3
+    assert stream.producer("c").commit(batch("c", 0, WORLD)).step == 4  # would have carried an orphaned seq 2
+    again = a.commit(batch("a", 2, WORLD), seq=2)
+    assert (again.step, again.duplicate) == (5, False)
+    assert published(stream) == {1: ("a", 0), 2: ("b", 0), 3: ("a", 1), 4: ("c", 0), 5: ("a", 2)}

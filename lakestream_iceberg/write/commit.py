@@ -196,7 +196,10 @@ class CommitLoop:
         ref = refs.get(self._branch) if isinstance(refs, dict) else None
         if not isinstance(ref, dict) or ref.get("type") != "branch" or not isinstance(snapshots, list):
             return None
-        by_id = {s.get("snapshot-id"): s for s in snapshots if isinstance(s, dict)}
+        ids = [s.get("snapshot-id") if isinstance(s, dict) else None for s in snapshots]
+        if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
+            return None  # not what lakestream or pyiceberg writes (an id that is no integer, or one id twice)
+        by_id: dict[object, dict] = dict(zip(ids, snapshots, strict=True))
 
         def states(snapshot_id: object) -> StreamState | None:
             if not isinstance(snapshot_id, int) or isinstance(snapshot_id, bool):

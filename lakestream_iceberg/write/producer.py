@@ -224,9 +224,13 @@ class Producer:
                 f"{exc}. Its staged batch was withdrawn, but a group commit of another producer that had already read "
                 "it may still publish it: retrying with the same seq is safe either way (it is reconciled, not duplicated)"
             ) from exc
-        except CommitError as exc:
-            if intent is not None and not isinstance(exc, CommitOutcomeUnknownError):
-                self._staging.remove([intent.path])  # refused (e.g. the branch is gone): nobody may publish it
+        except CommitOutcomeUnknownError:
+            raise  # the catalog stayed unreachable: a staged batch stays staged (the retry reconciles either way)
+        except Exception:
+            # Refused (a seq that would leave a gap after a rollback, the branch gone, a conflicting writer) or failed:
+            # the caller is told this batch was not published, so no later group commit may publish it.
+            if intent is not None:
+                self._staging.remove([intent.path])
             raise
         published = outcome.result
         if outcome.peeked:

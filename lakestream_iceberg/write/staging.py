@@ -250,14 +250,23 @@ class StagingArea:
         self._pool.shutdown(wait=True)
 
     def remove(self, paths: list[str]) -> None:
-        """Delete intents (best effort: one already gone, or a failing store, is left to GC)."""
+        """Delete intents (best effort: one already gone, or a failing store, is left to GC).
+
+        They also leave this process's last listing (``pending(every_s=...)`` answers from it): a listing that still
+        held an intent this process published would offer it again to a commit on a head where its seq is open again
+        (the branch was rolled back), and that commit would publish a batch its owner may be committing anew."""
+        gone = set(paths)
         for path in paths:
             try:
                 self._io.delete(path)
             except Exception:  # noqa: BLE001 - already deleted by its owner or another committer
                 pass
-            with self._lock:
+        with self._lock:
+            for path in paths:
                 self._parsed.pop(path, None)
+            for branch, (when, listed) in list(self._listed.items()):
+                if any(i.path in gone for i in listed):
+                    self._listed[branch] = (when, [i for i in listed if i.path not in gone])
 
     # -- internals ----------------------------------------------------------------------------------------------------
     def _remember(self, path: str, intent: Intent | None) -> None:
