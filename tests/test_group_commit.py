@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -443,3 +444,32 @@ def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(t
     again = a.commit(batch("a", 2, WORLD), seq=2)
     assert (again.step, again.duplicate) == (5, False)
     assert published(stream) == {1: ("a", 0), 2: ("b", 0), 3: ("a", 1), 4: ("c", 0), 5: ("a", 2)}
+
+
+def test_a_fresh_intent_of_a_batch_whose_files_are_old_is_never_published(tmp_path: Path) -> None:
+    """GC deletes unreferenced files older than the grace period: what counts is the age of the batch's data files, not
+    of its intent (an owner that held its batch alone for a while stages it late)."""
+    stream = make(tmp_path)
+    _, b = both_active(stream)
+    grace_s = stream.config.gc_grace_ms / 1000
+    written = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    late = stream.staging.stage(branch="main", batch=replace(written, written_at=time.time() - 0.6 * grace_s),
+                                allow_gap=False)
+    assert late.files_age_s >= 0.6 * grace_s  # the intent itself is brand new
+    reread = Intent.from_bytes(late.path, Path(late.path.removeprefix("file://")).read_bytes())
+    assert reread.files_age_s == late.files_age_s
+    fresh = stream.writer.write(producer="d", seq=0, shards=batch("d", 0, WORLD))
+    stream.staging.stage(branch="main", batch=fresh, allow_gap=False)
+    b.commit(batch("b", 2, WORLD))
+    b.commit(batch("b", 3, WORLD))
+    owners = [v[0] for v in published(stream).values()]
+    assert "c" not in owners and owners.count("d") == 1
+    assert Path(late.path.removeprefix("file://")).exists()  # left to GC, never published
+
+
+@pytest.mark.parametrize("age", [-1, True, "3", float("nan"), 1e400])
+def test_an_intent_declaring_a_malformed_files_age_is_unreadable(age: object) -> None:
+    body = {"format": 2, "table_uuid": "u", "branch": "main", "producer": "p", "seq": 0, "token": "t",
+            "allow_gap": False, "staged_at": 1.0, "files_age_s": age, "files": []}
+    with pytest.raises(ValueError, match="files_age_s"):
+        Intent.from_json("x", json.dumps(body))

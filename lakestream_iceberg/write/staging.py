@@ -26,7 +26,10 @@ Rules that keep exactly-once intact:
 * The owner learns its batch was published when its intent disappears (the committer deletes what it published)
   or when a refresh shows its seq in the head's producer table.
 * Intents older than half the GC grace period are never published: lifecycle GC may delete an unreferenced intent and
-  its data files once they are older than the grace period.
+  its data files once they are older than the grace period. The age counted is the data files', not the intent's: an
+  intent declares how long before staging its files were written (``files_age_s``, by the owner's clock, which wrote
+  both), and a committer adds the intent's age by the store's clock. A batch its owner held alone for a while and staged
+  late is not published with files GC may already be deleting.
 
 What a committer checks before it publishes another producer's staged batch (an intent is input read from storage,
 not a trusted message; see README "Threat model"):
@@ -99,6 +102,7 @@ class Intent:
     staged_at: float  # unix seconds, by the owner's clock
     table_uuid: str
     modified: float | None = None  # the store's modification time of the intent file (set when listed)
+    files_age_s: float = 0.0  # how long before staged_at the batch's data files were written (owner's clock)
 
     @property
     def staged_since(self) -> float:
@@ -125,7 +129,7 @@ class Intent:
                 "format": INTENT_FORMAT, "table_uuid": self.table_uuid, "branch": self.branch,
                 "producer": self.batch.producer, "seq": self.batch.seq,
                 "token": self.batch.token, "allow_gap": self.allow_gap, "staged_at": self.staged_at,
-                "files": [f.to_json() for f in self.batch.files],
+                "files_age_s": self.files_age_s, "files": [f.to_json() for f in self.batch.files],
             },
             separators=(",", ":"),
         )
@@ -142,12 +146,15 @@ class Intent:
             raise ValueError(f"token {token!r} is not 1-32 letters or digits")
         if type(staged_at) not in (int, float) or not isinstance(body["allow_gap"], bool):
             raise ValueError("staged_at must be a number and allow_gap a boolean")
+        files_age_s = body.get("files_age_s", 0.0)  # absent: an intent of an earlier release, aged by the store alone
+        if type(files_age_s) not in (int, float) or not 0 <= files_age_s < float("inf"):
+            raise ValueError(f"files_age_s {files_age_s!r} is not a non-negative number of seconds")
         if not isinstance(body["table_uuid"], str) or not isinstance(body["branch"], str):
             raise ValueError("table_uuid and branch must be strings")
         files = tuple(StagedFile.from_json(f) for f in body["files"])
         batch = StagedBatch(producer=check_producer_id(body["producer"]), seq=seq, files=files, token=token)
         return cls(path=path, branch=body["branch"], batch=batch, allow_gap=body["allow_gap"],
-                   staged_at=float(staged_at), table_uuid=body["table_uuid"])
+                   staged_at=float(staged_at), table_uuid=body["table_uuid"], files_age_s=float(files_age_s))
 
 
 class StagingArea:
@@ -179,8 +186,10 @@ class StagingArea:
     def stage(self, *, branch: str, batch: StagedBatch, allow_gap: bool) -> Intent:
         """Write the intent of a batch whose data files are all written; storage outages are retried."""
         path = f"{self.folder(branch)}/{intent_name(batch)}"
-        intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=time.time(),
-                        table_uuid=self._table_uuid)
+        staged_at = time.time()
+        files_age_s = 0.0 if batch.written_at is None else max(0.0, staged_at - batch.written_at)
+        intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=staged_at,
+                        table_uuid=self._table_uuid, files_age_s=files_age_s)
         body = intent.to_bytes()
 
         def write() -> None:
@@ -199,7 +208,8 @@ class StagingArea:
             return True
 
     def pending(self, branch: str, *, max_age_s: float, every_s: float = 0.0) -> list[Intent]:
-        """Every readable intent of ``branch`` younger than ``max_age_s`` (by the store's modification time).
+        """Every readable intent of ``branch`` whose data files are younger than ``max_age_s``: the intent's age by the
+        store's modification time plus the age its files had when it was staged (``Intent.files_age_s``).
 
         ``every_s`` > 0 lists the store at most that often and answers from the last listing in between (its intents
         may have been published since: callers check every intent's seq against the head anyway).
@@ -224,6 +234,8 @@ class StagingArea:
                 self._reject(path, f"its name is not <producer>@<seq:012d>-<token>.parquet directly under {folder}")
                 continue
             intent = self._read(path)
+            if intent is not None and (now - mtime if mtime else 0.0) + intent.files_age_s > max_age_s:
+                continue  # its data files are older than the bound, though the intent is not
             if intent is not None and self._usable(intent, branch=branch, name=name):
                 out.append(replace(intent, modified=mtime or None))
         self._listed[branch] = (now, out)
