@@ -21,7 +21,7 @@ from pyiceberg.table import Table
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.sqlite import prefer_wal
-from lakestream_iceberg.errors import ConfigError, ReadTimeoutError, StepError, StreamExistsError
+from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
@@ -52,7 +52,7 @@ from lakestream_iceberg.lifecycle.gc import (
     sweep,
 )
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
-from lakestream_iceberg.read.reader import StepFiles
+from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 from lakestream_iceberg.write.producer import Producer
@@ -288,9 +288,12 @@ class Stream(StreamTable):
                 ``grace=timedelta(0)`` in tests and benchmarks.
 
         Raises:
-            LifecycleError: Invalid ``keep_last`` / ``keep_within``.
+            LifecycleError: Invalid ``keep_last`` / ``keep_within``, or ``dry_run`` / ``allow_short_grace`` not a bool.
             ConfigError: ``grace`` breaks the GC grace rule and ``allow_short_grace`` is false.
         """
+        for name, flag in (("dry_run", dry_run), ("allow_short_grace", allow_short_grace)):
+            if not isinstance(flag, bool):  # dry_run=None must not delete, nor "no" allow anything
+                raise LifecycleError(f"{name} must be True or False, not {flag!r}")
         keep_last = check_policy(keep_last, keep_within)
         grace_s = grace_seconds(grace, self.config, allow_short=allow_short_grace)
         loop = self._control_loop(MAIN)
@@ -338,11 +341,14 @@ class Stream(StreamTable):
         Raises:
             StepError: ``step`` is not an integer >= 1 (steps start at 1).
             RankError: ``rank`` is outside ``0..world_size-1``.
+            ConfigError: ``columns`` names a column the stream does not have.
             StepNotPublishedError: The step is not committed yet.
             StepCollectedError: Lifecycle GC removed the step.
+            CorruptStateError: The step's data files do not match its manifest entries (damaged or replaced).
         """
         step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
         rank = check_rank(rank, self.world_size)
+        columns = check_columns(columns, self.payload_arrow_schema, stream=self.name)
 
         def read_rank() -> pa.Table:
             with self.step_files(step, branch=branch) as files:

@@ -162,15 +162,35 @@ def test_gc_keeps_the_producer_files_retained_snapshots_list(churned: Stream) ->
     assert producer.commit(batch("id-2", 0, WORLD), seq=0).duplicate
 
 
-def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream) -> None:
+def _row(producer: str, seq: object, step: object, snapshot_id: object = 1) -> pa.Table:
+    return pa.table({"producer": [producer], "seq": pa.array([seq], pa.int64()), "step": pa.array([step], pa.int64()),
+                     "snapshot_id": pa.array([snapshot_id], pa.int64())})
+
+
+@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "step 0", "null id"])
+def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) -> None:
+    """A producer-state file is input read back from storage: whatever is wrong with it, the answer is a
+    CorruptStateError naming the file, and nothing is committed on top of it (a negative seq must not become next_seq)."""
     path = churned.state().producer_files[0]
-    local = path.removeprefix("file://")
-    pq.write_table(pa.table({"x": [1]}), local)
+    local = Path(path.removeprefix("file://"))
+    head = churned.head_step()
+    if damage == "foreign columns":
+        pq.write_table(pa.table({"x": [1]}), local)
+    elif damage == "not parquet":
+        local.write_bytes(b"definitely not parquet")
+    elif damage == "truncated":
+        local.write_bytes(local.read_bytes()[: len(local.read_bytes()) // 2])
+    else:
+        seq, step, snapshot_id = {"negative seq": (-5, 3, 1), "step 0": (0, 0, 1), "null id": (0, 3, None)}[damage]
+        pq.write_table(_row("id-0", seq, step, snapshot_id), local)
     from lakestream_iceberg.format.producers import DEFAULT_FILES
 
     DEFAULT_FILES._files.pop(path, None)  # noqa: SLF001 - forget this process's parsed copy, as a new process would
     with pytest.raises(CorruptStateError, match="producer-state file"):
         churned.producer("id-0").next_seq  # noqa: B018
+    with pytest.raises(CorruptStateError, match="producer-state file"):
+        churned.producer("id-0").commit(batch("id-0", 1, WORLD))
+    assert churned.refresh().head_step() == head
 
 
 def test_a_lone_producer_among_thousands_of_idle_ids_is_alone(churned: Stream) -> None:

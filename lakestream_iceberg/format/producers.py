@@ -119,7 +119,12 @@ class ProducerFiles:
                 self._files.move_to_end(path)
                 return found
         with io.new_input(path).open() as f:
-            table = pq.read_table(pa.BufferReader(f.read()))
+            raw = f.read()
+        try:  # in memory: an error from here on is the file's, not the storage's
+            table = pq.read_table(pa.BufferReader(raw))
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise CorruptStateError(f"producer-state file {path} is not a readable Parquet file ({exc}); restore it from "
+                                    "a backup or roll the branch back to a snapshot that does not list it") from exc
         parsed = _parse(path, table)
         self.remember(path, parsed)
         return parsed
@@ -176,8 +181,11 @@ def _parse(path: str, table: pa.Table) -> dict[str, ProducerState]:
                                 "restore it from a backup or roll the branch back to a snapshot that does not list it") from exc
     out: dict[str, ProducerState] = {}
     for producer, seq, step, snapshot_id in zip(*cols, strict=True):
-        if not isinstance(producer, str) or seq is None or step is None or snapshot_id is None:
-            raise CorruptStateError(f"producer-state file {path} holds a malformed row for producer {producer!r}")
+        if not (isinstance(producer, str) and type(seq) is int and seq >= 0 and type(step) is int and step >= 1
+                and type(snapshot_id) is int):
+            raise CorruptStateError(f"producer-state file {path} holds a malformed row for producer {producer!r} "
+                                    f"(seq {seq!r}, step {step!r}, snapshot id {snapshot_id!r}); restore it from a backup "
+                                    "or roll the branch back to a snapshot that does not list it")
         out[producer] = ProducerState(seq, step, snapshot_id)
     return out
 

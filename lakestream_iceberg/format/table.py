@@ -20,8 +20,9 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.pointer import refresh_if_moved
-from lakestream_iceberg.errors import ConfigError, NotAStreamError
+from lakestream_iceberg.errors import ConfigError, NotAStreamError, StepError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
@@ -125,8 +126,10 @@ class StreamTable:
         """The data files of ``step`` (one per rank, ordered by rank; packed layout: one).
 
         A view that predates a GC commit may list manifests GC already deleted; the lookup then refreshes and retries
-        on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``.
+        on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``;
+        ``step`` must be an integer >= 1 (``StepError``).
         """
+        step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
         try:
             files = self.index.files(self.head(branch=branch), step)
         except FileNotFoundError:

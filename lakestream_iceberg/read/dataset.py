@@ -45,7 +45,7 @@ from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
-from lakestream_iceberg.read.reader import StepFiles
+from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
 
 if TYPE_CHECKING:
@@ -136,10 +136,7 @@ class _DatasetCore:
         if end_step is not None:
             end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
         prefetch = check_int(prefetch, what="prefetch", minimum=0)
-        if columns is not None:
-            unknown = sorted(set(columns) - set(stream.payload_arrow_schema.names))
-            if unknown:
-                raise ConfigError(f"columns {unknown} are not in stream {stream.name} ({stream.payload_arrow_schema.names})")
+        columns = check_columns(columns, stream.payload_arrow_schema, stream=stream.name)
         self.rank, self.world_size = _default_rank_world(rank, world_size)
         self.start_step, self.end_step, self.follow, self.branch = start_step, end_step, follow, branch
         self.timeout, self.columns, self.transform, self.prefetch = timeout, columns, transform, prefetch

@@ -43,7 +43,8 @@ from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
-from lakestream_iceberg.errors import ReadTimeoutError
+from lakestream_iceberg.errors import ReadTimeoutError, StepError
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import StreamTable
 from lakestream_iceberg.read.reader import read_file
@@ -402,6 +403,8 @@ def consumer_lag(stream: StreamTable, delivered_step: int, *, branch: str = "mai
         >>> consumer_lag(stream, 40)     # head step 42 -> 2     # doctest: +SKIP
         2
     """
+    delivered_step = check_int(delivered_step, what="delivered_step", error=StepError, minimum=0,
+                               hint="0 when nothing was delivered yet")
     watcher = HeadWatcher(stream, branch=branch)
     watcher.check()
     return max(0, watcher.head()[0] - delivered_step)

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
 
-from lakestream_iceberg.errors import CorruptStateError, RankError
+from lakestream_iceberg.errors import ConfigError, CorruptStateError, RankError
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import PackedFooter, corrupt_packed
 
@@ -24,11 +24,24 @@ def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[
     hands Arrow a buffer Arrow owns: Arrow's decode threads may drop their last reference to the file buffer after
     ``read`` returned, and when that buffer wraps a Python ``bytes`` object the drop needs the GIL, which aborts the
     process if it happens during interpreter shutdown (apache/arrow#34314).
+
+    Raises:
+        CorruptStateError: The file is not a Parquet file of the stream's schema, or holds another number of rows than
+            the manifest says (it was damaged or replaced after it was published).
     """
     buffer = fetch(io, data_file.file_path)
-    table = pq.ParquetFile(pa.BufferReader(buffer)).read(columns=columns, use_threads=buffer.size > DECODE_THREADS_BYTES)
     target = schema if columns is None else pa.schema([schema.field(c) for c in columns])
-    return target.empty_table() if table.num_rows == 0 else table.cast(target)
+    try:  # the bytes are in memory: any error from here on is the file's, not the storage's
+        table = pq.ParquetFile(pa.BufferReader(buffer)).read(columns=columns, use_threads=buffer.size > DECODE_THREADS_BYTES)
+        if table.num_rows != data_file.record_count:
+            raise ValueError(f"it holds {table.num_rows} rows, its manifest entry says {data_file.record_count}")
+        return target.empty_table() if table.num_rows == 0 else table.cast(target)
+    except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptStateError(
+            f"data file {data_file.file_path} cannot be read as the stream's data ({type(exc).__name__}: {exc}): it was "
+            "damaged or replaced after it was published; roll the stream back to a checkpoint before its step, or "
+            "restore the file from a backup"
+        ) from exc
 
 
 def fetch(io: FileIO, path: str) -> pa.Buffer:
@@ -58,7 +71,8 @@ WHOLE_FILE_BYTES = 256 * 1024
 class StepFiles:
     """One step's data files as a reader sees them: the rows of each stream rank, and reads of any rank's rows.
 
-    Per-rank layout: rank ``r``'s rows are file ``r`` (a read fetches the whole file, one GET). Packed layout: one file;
+    Per-rank layout: rank ``r``'s rows are file ``r`` (a read fetches the whole file, one GET); the step must list one
+    file per rank, each with its rank's partition value, or nothing is read. Packed layout: one file;
     making a ``StepFiles`` opens it and reads its footer (the rank table, :mod:`lakestream_iceberg.format.packed`), and a
     read fetches only the row groups holding the rows asked for (range reads, coalesced), checking their ``_rank``
     values. A packed file of at most ``WHOLE_FILE_BYTES`` is fetched whole in one read instead. Not thread-safe: one
@@ -78,7 +92,7 @@ class StepFiles:
         self._stream: Any = None
         self.footer: PackedFooter | None = None
         if not packed:
-            self.counts = [int(f.record_count) for f in self._files]
+            self.counts = _rank_counts(self._files, world_size)
             return
         if len(self._files) != 1:
             raise CorruptStateError(
@@ -93,7 +107,10 @@ class StepFiles:
             self._stream = io.new_input(data_file.file_path).open(seekable=True)
         try:
             # pre_buffer: the column chunks of the row groups read are fetched in coalesced ranges (storage, not memory)
-            self._packed_file = pq.ParquetFile(self._stream, pre_buffer=not whole)
+            try:
+                self._packed_file = pq.ParquetFile(self._stream, pre_buffer=not whole)
+            except (pa.ArrowInvalid, ValueError) as exc:  # not Parquet at all (an I/O failure is an OSError)
+                raise corrupt_packed(data_file.file_path, f"it is not a Parquet file ({exc})") from exc
             self.footer = PackedFooter.of(self._packed_file.metadata, path=data_file.file_path, world_size=world_size,
                                           record_count=int(data_file.record_count))
         except BaseException:
@@ -172,6 +189,37 @@ class StepFiles:
         if table.num_rows != last - first or not np.array_equal(stored, expected):
             raise corrupt_packed(self.footer.path, f"rows {first}..{last} do not hold the ranks its footer declares")
         return table.drop_columns([RANK_COLUMN]).cast(target)
+
+
+def check_columns(columns: object, schema: pa.Schema, *, stream: str) -> list[str] | None:
+    """``columns`` as a list of payload column names (None: all of them).
+
+    Raises:
+        ConfigError: Not a list of names, or a name that is not a payload column.
+    """
+    if columns is None:
+        return None
+    if isinstance(columns, str) or not isinstance(columns, Sequence) or not all(isinstance(c, str) for c in columns):
+        raise ConfigError(f"columns must be a list of column names of stream {stream}, not {columns!r}")
+    unknown = sorted(set(columns) - set(schema.names))
+    if unknown:
+        raise ConfigError(f"columns {unknown} are not in stream {stream} ({schema.names})")
+    return list(columns)
+
+
+def _rank_counts(files: Sequence[DataFile], world_size: int) -> list[int]:
+    """The row count of each rank of a per-rank step, after checking that file ``r`` is rank ``r``'s: a step missing a
+    rank's file, or listing one twice, must not hand one rank another rank's rows."""
+    ranks = [f.partition[1] if len(f.partition) == 2 else None for f in files]
+    counts = [f.record_count for f in files]
+    if len(files) != world_size or ranks != list(range(world_size)) or \
+            not all(_index(r) for r in ranks) or not all(_index(c) and c >= 0 for c in counts):
+        raise CorruptStateError(
+            f"a step of a per-rank stream of world size {world_size} lists {len(files)} data files with ranks "
+            f"{ranks[:8]}{'...' if len(ranks) > 8 else ''}, not one file per rank 0..{world_size - 1}: the table was "
+            "changed by something other than lakestream; roll the stream back to a checkpoint before that step"
+        )
+    return [int(c) for c in counts]
 
 
 def _index(value: object) -> bool:
