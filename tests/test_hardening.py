@@ -39,6 +39,7 @@ from lakestream_iceberg import (
     CheckpointError,
     CommitOutcomeUnknownError,
     ConfigError,
+    CorruptStateError,
     LakestreamError,
     ProducerConflictError,
     RankError,
@@ -279,7 +280,7 @@ def test_2_numpy_read_step_and_rank_are_accepted(small: tuple[Stream, Any]) -> N
     assert digest(stream.read(np.int64(1), rank=np.int64(1))) == digest(batch("p", 0, WORLD)[1])
 
 
-def malformed_head(catalog: SqlCatalog) -> tuple[Stream, Any, int]:
+def malformed_head(catalog: SqlCatalog, bad: dict[str, str] | None = None) -> tuple[Stream, Any, int]:
     """A stream whose main head is a snapshot, appended with pyiceberg's own API, carrying ``lakestream.seq=True``.
 
     The commit budget is short (1 s) so that today's behaviour (retrying the parse error as if the catalog were down)
@@ -293,7 +294,8 @@ def malformed_head(catalog: SqlCatalog) -> tuple[Stream, Any, int]:
     table = catalog.load_table("ns.stream")
     head = table.metadata.snapshot_by_name("main")
     props = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("lakestream.")}
-    props.update({"lakestream.step": "4", "lakestream.producer": "p", "lakestream.seq": "True"})
+    props.update({"lakestream.step": "4", "lakestream.producer": "p", "lakestream.seq": "3"})
+    props.update(bad or {"lakestream.seq": "True"})
     rows = shard("p", 3, 0, rows=2)
     rows = rows.append_column("_step", pa.array([4, 4], pa.int64())).append_column("_rank", pa.array([0, 0], pa.int32()))
     table.append(rows, snapshot_properties=props)
@@ -312,6 +314,14 @@ def test_2_malformed_summary_head_step_raises_a_clear_error(catalog: SqlCatalog)
     with pytest.raises(Exception) as info:
         stream.head_step()
     assert_names_bad_summary(info.value, bad)
+
+
+@pytest.mark.parametrize("key", ["lakestream.producers", "lakestream.producer-files"])
+def test_2_summary_json_nested_past_the_parser_stack_raises_a_clear_error(catalog: SqlCatalog, key: str) -> None:
+    stream, _, bad = malformed_head(catalog, {key: "[" * 200_000 + "]" * 200_000})
+    with pytest.raises(Exception) as info:
+        stream.producer("p").next_seq  # noqa: B018
+    assert_names_bad_summary(info.value, bad, key=key)
 
 
 def test_2_malformed_summary_commit_raises_a_clear_error(catalog: SqlCatalog) -> None:
@@ -338,7 +348,10 @@ def test_2_malformed_summary_gc_raises_a_clear_error(catalog: SqlCatalog) -> Non
     assert_names_bad_summary(info.value, bad)
 
 
-def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(catalog: SqlCatalog) -> None:
+@pytest.mark.parametrize(("key", "value"), [("lakestream.step", "True"), ("lakestream.source-snapshot-id", "12x"),
+                                            ("lakestream.source-snapshot-id", "\u00b2")])
+def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(catalog: SqlCatalog, key: str,
+                                                                            value: str) -> None:
     # what checkpoint("broken", step=True) writes today: a tagged anchor whose summary says lakestream.step=True. Here
     # it is written with pyiceberg's own API (on a scratch branch, then tagged), so the test does not depend on that bug
     stream = make(catalog)
@@ -349,14 +362,17 @@ def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(cat
     table.manage_snapshots().create_branch(snapshot_id=table.metadata.snapshot_by_name("main").snapshot_id,
                                            branch_name="scratch").commit()
     table.append(rows, branch="scratch", snapshot_properties={
-        "lakestream.op": "checkpoint", "lakestream.step": "True", "lakestream.collected-below": "1",
-        "lakestream.producers": "{}", "lakestream.checkpoint": "broken", "lakestream.source-branch": "main"})
+        "lakestream.op": "checkpoint", "lakestream.step": "1", "lakestream.collected-below": "1",
+        "lakestream.producers": "{}", "lakestream.checkpoint": "broken", "lakestream.source-branch": "main", key: value})
     bad = table.metadata.snapshot_by_name("scratch").snapshot_id
     table.manage_snapshots().create_tag(snapshot_id=bad, tag_name="broken").remove_branch("scratch").commit()
     assert stream.head_step() == 1
     with pytest.raises(Exception) as info:
         stream.checkpoints()
-    assert_names_bad_summary(info.value, bad, key="lakestream.step")
+    if key == "lakestream.step":
+        assert_names_bad_summary(info.value, bad, key=key)
+    else:  # a checkpoint's own key: the message names the tag and the key
+        assert isinstance(info.value, CorruptStateError) and "'broken'" in str(info.value) and key in str(info.value)
 
 
 # =================================================================================================== 3. branch names

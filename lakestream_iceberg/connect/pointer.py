@@ -82,7 +82,11 @@ def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
     if not location.endswith(".metadata.json") or location.endswith(".gz.metadata.json"):
         return None
     with table.io.new_input(location).open() as f:
-        document = json.loads(f.read())
+        raw = f.read()
+    try:
+        document = json.loads(raw)
+    except (ValueError, RecursionError):  # not JSON (or nested past the parser's stack): the full read reports it
+        return None
     return (location, document) if isinstance(document, dict) else None
 
 

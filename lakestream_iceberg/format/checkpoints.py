@@ -3,6 +3,7 @@ and the snapshot that published the step (see :mod:`lakestream_iceberg.lifecycle
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -10,6 +11,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
 
 KEY_SOURCE_BRANCH = "lakestream.source-branch"
@@ -41,6 +43,8 @@ class Checkpoint:
 def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
+_SNAPSHOT_ID = re.compile(r"^-?[0-9]{1,19}$")
+
 
 def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
     ref = metadata.refs.get(name)
@@ -57,7 +61,20 @@ def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
         snapshot_id=snapshot.snapshot_id,
         created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
         branch=summary.get(KEY_SOURCE_BRANCH, "main"),
-        source_snapshot_id=int(source) if source else None,
+        source_snapshot_id=_snapshot_id(name, source),
+    )
+
+
+def _snapshot_id(name: str, raw: object) -> int | None:
+    """The source snapshot id a checkpoint's summary records (None: not recorded)."""
+    if raw is None or raw == "":
+        return None
+    if isinstance(raw, str) and _SNAPSHOT_ID.match(raw):
+        return int(raw)
+    raise CorruptStateError(
+        f"checkpoint tag {name!r} has a malformed {KEY_SOURCE_SNAPSHOT}={str(raw)[:64]!r} in its summary (lakestream "
+        "writes a snapshot id): the tag was written by another tool or its summary was corrupted; remove the tag "
+        f"(table.manage_snapshots().remove_tag({name!r}).commit()) or point it at a lakestream checkpoint"
     )
 
 

@@ -213,7 +213,7 @@ class _Fields:
             return dict(cached)
         try:
             table = json.loads(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
             raise self.error(KEY_PRODUCERS, raw, "not JSON") from None
         if not isinstance(table, dict):
             raise self.error(KEY_PRODUCERS, raw, "expected a JSON object")
@@ -239,7 +239,7 @@ class _Fields:
         raw = self._summary.get(KEY_PRODUCER_FILES, "[]")
         try:
             files = json.loads(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RecursionError):
             raise self.error(KEY_PRODUCER_FILES, raw, "not JSON") from None
         if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
             raise self.error(KEY_PRODUCER_FILES, raw, "expected a JSON list of file paths")
