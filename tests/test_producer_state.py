@@ -152,8 +152,11 @@ def test_outcome_unknown_commit_of_a_compacted_producer_is_reconciled(small_cons
 
 def test_gc_keeps_the_producer_files_retained_snapshots_list(churned: Stream) -> None:
     churned.checkpoint("c1", step=CHURN)
+    plan = churned.collect_garbage(dry_run=True, keep_last=1, grace=timedelta(0), allow_short_grace=True)
     report = churned.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
-    assert report.dry_run is False
+    assert report.dry_run is False and plan.dry_run is True
+    assert report.files_deleted.get("producer-state", 0) >= 1  # merged-away files no retained snapshot lists
+    assert plan.files_deleted == report.files_deleted  # the dry run reports what the real run deletes, no more
     state = churned.state()
     for path in state.producer_files:
         assert churned.io.new_input(path).exists()

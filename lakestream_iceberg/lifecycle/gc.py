@@ -224,6 +224,7 @@ def kept_after_dry_run(stream: StreamTable, metadata: TableMetadata, metadata_lo
     """What a real run would leave referenced: retained snapshots, plus the collected heads' surviving steps."""
     keep = referenced_files(stream.io, metadata, metadata_location, stream, skip=frozenset(expired))
     for head, cutoff in collected.values():
+        keep.update(norm(p) for p in StreamState.of(head).producer_files)  # the collecting snapshot lists them too
         for manifest in stream.cache.manifests(stream.io, head):
             bounds = step_bounds(manifest)
             if bounds is not None and bounds[0] >= cutoff:
