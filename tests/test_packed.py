@@ -188,6 +188,12 @@ DEFECTS = {  # a damaged rank table (or rows) of a packed file holding 6 ranks x
     "counts-do-not-add-up": (dict(rank_rows=b"3,3,3,3,3,4"), "declares 19 rows"),
     "not-a-number": (dict(rank_rows=b"3,3,3,x,3,3"), "malformed"),
     "empty": (dict(rank_rows=b""), "malformed"),
+    "empty-field": (dict(rank_rows=b"3,3,,3,3,3,3"), "malformed"),
+    "leading-comma": (dict(rank_rows=b",3,3,3,3,3,3"), "malformed"),
+    "trailing-comma": (dict(rank_rows=b"3,3,3,3,3,3,"), "malformed"),
+    "negative": (dict(rank_rows=b"3,3,-3,9,3,3"), "malformed"),
+    "spaces": (dict(rank_rows=b"3, 3,3,3,3,3"), "malformed"),
+    "overflows-int64": (dict(rank_rows=b"3,3,3,%d,3,3" % (BIG * 10**6)), "for one rank"),
     "missing": (dict(drop_table=True), "has no lakestream.rank-rows"),
     # a count larger than the file (with enough ranks such counts could wrap an int64 sum around to the right total)
     "huge-count": (dict(rank_rows=b"3,3,3,%d,3,3" % BIG), "for one rank"),

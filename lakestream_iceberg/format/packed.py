@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +22,7 @@ from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.layout import RANK_COLUMN
 
 RANK_ROWS_KEY = b"lakestream.rank-rows"
-_RANK_ROWS = re.compile(rb"\d{1,18}(?:,\d{1,18})*")
+_DIGITS_AND_COMMAS = b"0123456789,"
 
 __all__ = ["RANK_ROWS_KEY", "PackedFooter", "corrupt_packed", "encode_rank_rows"]
 
@@ -47,11 +46,13 @@ class PackedFooter:
     Attributes:
         rank_starts: Row offset of each rank's first row, plus the file's row count last (``world_size + 1`` values).
         group_starts: Row offset of each row group's first row, plus the row count last.
+        counts: Rows of each rank (do not modify).
     """
 
     path: str
     rank_starts: np.ndarray
     group_starts: tuple[int, ...]
+    counts: list[int]  # rows of each rank
 
     @classmethod
     def of(cls, metadata: pq.FileMetaData, *, path: str, world_size: int, record_count: int | None = None) -> PackedFooter:
@@ -65,9 +66,16 @@ class PackedFooter:
         raw = (metadata.metadata or {}).get(RANK_ROWS_KEY)
         if raw is None:
             raise corrupt(f"has no {RANK_ROWS_KEY.decode()} entry in its footer")
-        if not _RANK_ROWS.fullmatch(raw):
+        # Digits and commas only, no empty field: checked with byte operations in C, not a regular expression (which
+        # cost 32 us of a 0.45 ms read at W=1,024). A count too large for int64 parses as its maximum, which the row
+        # count check below refuses.
+        fields = raw.count(b",") + 1
+        if not raw or raw.translate(None, _DIGITS_AND_COMMAS) or b",," in raw or raw[:1] == b"," \
+                or raw[-1:] == b",":
             raise corrupt(f"has a malformed {RANK_ROWS_KEY.decode()} entry (not comma-separated row counts)")
-        counts = np.fromstring(raw, dtype=np.int64, sep=",")  # digits and commas (checked above), parsed in C
+        counts = np.fromstring(raw, dtype=np.int64, sep=",")  # parsed in C
+        if len(counts) != fields:
+            raise corrupt(f"has a malformed {RANK_ROWS_KEY.decode()} entry (not comma-separated row counts)")
         if len(counts) != world_size:
             raise corrupt(f"declares rows for {len(counts)} ranks; the stream has world size {world_size}")
         rows = metadata.num_rows
@@ -84,12 +92,7 @@ class PackedFooter:
             raise corrupt(f"has row groups of {groups[-1]} rows in all, its footer says {rows}")
         if RANK_COLUMN not in metadata.schema.names:
             raise corrupt(f"has no {RANK_COLUMN} column")
-        return cls(path=path, rank_starts=starts, group_starts=tuple(groups))
-
-    @property
-    def counts(self) -> list[int]:
-        """Rows of each rank."""
-        return np.diff(self.rank_starts).tolist()
+        return cls(path=path, rank_starts=starts, group_starts=tuple(groups), counts=counts.tolist())
 
     def row_range(self, rank: int, start: int = 0, stop: int | None = None) -> tuple[int, int]:
         """File row offsets ``[first, last)`` of ``rank``'s rows ``start:stop``."""
