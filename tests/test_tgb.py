@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import os
 
 import pyarrow as pa
@@ -114,6 +116,29 @@ def test_sequence_gap_is_refused_unless_allowed(stream: Stream) -> None:
     with pytest.raises(SequenceError, match="seq 1 was never published.*skipped.*Commit seq 4 next"):
         producer.commit(batch("p", 1, 4), seq=1)
     assert stream.head_step() == 1
+
+
+def test_a_skipped_seq_is_refused_after_gc_while_a_lower_seq_of_the_producer_is_live(stream: Stream) -> None:
+    """After GC collected steps, a seq missing from the retained lineage may have been published and collected, or
+    skipped: it was skipped for certain when a lower seq of the same producer is still live (seqs land in order, GC
+    collects only below a step), and only then is the re-commit refused rather than reported as a duplicate."""
+    q, p = stream.producer("q"), stream.producer("p")
+    q.commit(batch("q", 0, 4))  # step 1
+    q.commit(batch("q", 1, 4))  # step 2
+    p.commit(batch("p", 0, 4))  # step 3
+    p.commit(batch("p", 1, 4))  # step 4
+    p.commit(batch("p", 3, 4), seq=3, allow_gap=True)  # step 5: seq 2 skipped
+    for seq in range(4, 4 + 8):  # enough later steps that steps 3-5 leave the retained snapshots' summaries
+        p.commit(batch("p", seq, 4))
+    stream.checkpoint("c", step=3)
+    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 3} and stream.state().collected_below == 3
+    with pytest.raises(SequenceError, match="seq 2 was never published.*skipped"):
+        p.commit(batch("p", 2, 4), seq=2)
+    assert p.commit(batch("p", 1, 4), seq=1).duplicate  # a published seq still reads as one
+    # q's steps were collected: a re-commit of its published seq 0 is still a duplicate, and nothing is published
+    again = q.commit(batch("q", 0, 4), seq=0)
+    assert again.duplicate and again.step in (1, None) and stream.head_step() == 13
 
 
 @pytest.mark.parametrize(

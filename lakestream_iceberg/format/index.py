@@ -87,6 +87,21 @@ class StepIndex:
             return []
         return [e.data_file for m in self._cache.manifests(self._io, snapshot) for e in self._cache.entries(self._io, m)]
 
+    def lowest_live_seq(self, metadata: TableMetadata, branch: str, producer_id: str) -> int | None:
+        """The lowest seq of ``producer_id`` whose data files are live on ``branch`` (slow path: scans all manifests;
+        the seq is read from the file name the writer gives, ``data/<producer>/<seq:012d>-<token>-...``)."""
+        fragment = f"/data/{producer_id}/"
+        lowest: int | None = None
+        for data_file in self.all_files(metadata.snapshot_by_name(branch)):
+            path = data_file.file_path
+            at = path.rfind(fragment)
+            if at < 0:
+                continue
+            digits = path[at + len(fragment):].split("-", 1)[0]
+            if digits.isascii() and digits.isdigit() and (lowest is None or int(digits) < lowest):
+                lowest = int(digits)
+        return lowest
+
     def step_of_file(self, metadata: TableMetadata, branch: str, path_fragment: str) -> int | None:
         """The step of the first live file whose path contains ``path_fragment`` (slow path: scans all manifests)."""
         for data_file in self.all_files(metadata.snapshot_by_name(branch)):

@@ -161,7 +161,11 @@ class Producer:
             if seq is None:
                 seq = state.next_seq(self._stream.io, self.producer_id)
             self._check_seq(seq, state, allow_gap)
-            if (known := self._published(self._loop.table.metadata, seq)) is not None:
+            try:
+                known = self._published(self._loop.table.metadata, seq)
+            except FileNotFoundError:  # the view predates a GC commit that deleted a manifest it lists: ask the head
+                known = self._published(self._refresh(), seq)
+            if known is not None:
                 return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
                                     latency_s=time.monotonic() - started)
 

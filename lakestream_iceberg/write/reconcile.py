@@ -39,7 +39,10 @@ def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamSt
 
     Raises:
         SequenceError: ``seq`` is below the producer's published seq but was never published (it was skipped with
-            ``allow_gap``, and nothing was ever collected, so its absence is certain).
+            ``allow_gap``), and its absence is certain: nothing was ever collected, or a lower seq of the producer is
+            still live (seqs land in order, and GC collects only steps below every live one, so ``seq`` would be
+            live too). Only when every earlier seq of the producer was collected is the answer "published, step
+            unknown" (``step`` None).
     """
     known = state.lookup(stream.io, producer_id)
     if known is None or known.seq < seq:
@@ -52,13 +55,18 @@ def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamSt
         if st.op == OP_APPEND and st.producer == producer_id and st.seq == seq:
             return {"step": st.step, "snapshot_id": snapshot_id}
     step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-")
-    if step is None and state.collected_below <= 1:  # nothing was ever collected: it was never published
+    if step is None and (state.collected_below <= 1 or _lower_seq_live(stream, metadata, branch, producer_id, seq)):
         raise SequenceError(
             f"producer {producer_id!r} seq {seq} was never published on branch {branch!r} and never will be: the "
             f"producer's published seq is {known.seq}, so seq {seq} was skipped (a commit with allow_gap=True). "
             f"Commit seq {known.seq + 1} next"
         )
     return {"step": step, "snapshot_id": None}
+
+
+def _lower_seq_live(stream: StreamTable, metadata: TableMetadata, branch: str, producer_id: str, seq: int) -> bool:
+    lowest = stream.index.lowest_live_seq(metadata, branch, producer_id)
+    return lowest is not None and lowest < seq
 
 
 def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: StagedBatch, *, producer_id: str,
