@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import os
+from datetime import timedelta
 
 import pyarrow as pa
 import pytest
