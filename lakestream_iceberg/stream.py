@@ -22,7 +22,7 @@ from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, 
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
-from lakestream_iceberg.format.checks import check_branch, check_int
+from lakestream_iceberg.format.checks import check_branch, check_identifier, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
@@ -131,10 +131,12 @@ class Stream(StreamTable):
                 here; by default a stream of world size 8 or more is packed (README, "Per-step cost").
 
         Raises:
+            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part).
             StreamExistsError: A stream of that name exists with another schema or world size.
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name.
         """
+        identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"creating stream {identifier}", catalog=catalog.name):
             return cls._create(catalog, identifier, schema=schema, world_size=world_size, location=location,
                                properties=properties)
@@ -188,7 +190,9 @@ class Stream(StreamTable):
 
     @classmethod
     def open(cls, catalog: Catalog, identifier: str) -> Stream:
-        """Open an existing stream. Raises ``NoSuchTableError`` (pyiceberg's) when no table has that name."""
+        """Open an existing stream. Raises ``NoSuchTableError`` (pyiceberg's) when no table has that name, and
+        ``ConfigError`` when ``identifier`` is not ``"namespace.name"``."""
+        identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
             return cls(catalog.load_table(identifier))
 

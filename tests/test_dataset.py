@@ -186,7 +186,8 @@ def test_resume_from_state_dict_is_identical(tmp_path: Path) -> None:
         if len(head) == 3:
             break
     state = first.state_dict()
-    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1}
+    ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main"}
+    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1, **ident}
     resumed = LakestreamDataset(stream, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state
@@ -209,7 +210,9 @@ def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> No
     states = [w.state_dict() for w in workers]
     for it in iters:
         it.close()
-    assert states == [{"next_step": 7, "worker_id": 0, "num_workers": 2}, {"next_step": 6, "worker_id": 1, "num_workers": 2}]
+    ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main"}
+    assert states == [{"next_step": 7, "worker_id": 0, "num_workers": 2, **ident},
+                      {"next_step": 6, "worker_id": 1, "num_workers": 2, **ident}]
 
     def load(worker_id: int) -> None:
         torch.utils.data.get_worker_info().dataset.load_state_dict(states[worker_id])

@@ -469,7 +469,7 @@ def test_a_fresh_intent_of_a_batch_whose_files_are_old_is_never_published(tmp_pa
 
 @pytest.mark.parametrize("age", [-1, True, "3", float("nan"), 1e400])
 def test_an_intent_declaring_a_malformed_files_age_is_unreadable(age: object) -> None:
-    body = {"format": 2, "table_uuid": "u", "branch": "main", "producer": "p", "seq": 0, "token": "t",
+    body = {"format": 3, "table_uuid": "u", "branch": "main", "producer": "p", "seq": 0, "token": "t",
             "allow_gap": False, "staged_at": 1.0, "files_age_s": age, "files": []}
     with pytest.raises(ValueError, match="files_age_s"):
         Intent.from_json("x", json.dumps(body))

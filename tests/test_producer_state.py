@@ -170,7 +170,7 @@ def _row(producer: str, seq: object, step: object, snapshot_id: object = 1) -> p
                      "snapshot_id": pa.array([snapshot_id], pa.int64())})
 
 
-@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "step 0", "null id"])
+@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "negative step", "null id"])
 def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) -> None:
     """A producer-state file is input read back from storage: whatever is wrong with it, the answer is a
     CorruptStateError naming the file, and nothing is committed on top of it (a negative seq must not become next_seq)."""
@@ -184,7 +184,7 @@ def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) 
     elif damage == "truncated":
         local.write_bytes(local.read_bytes()[: len(local.read_bytes()) // 2])
     else:
-        seq, step, snapshot_id = {"negative seq": (-5, 3, 1), "step 0": (0, 0, 1), "null id": (0, 3, None)}[damage]
+        seq, step, snapshot_id = {"negative seq": (-5, 3, 1), "negative step": (0, -3, 1), "null id": (0, 3, None)}[damage]
         pq.write_table(_row("id-0", seq, step, snapshot_id), local)
     from lakestream_iceberg.format.producers import DEFAULT_FILES
 

@@ -24,6 +24,8 @@ from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
+from lakestream_iceberg.errors import StreamError
+
 __all__ = ["pointer_probe", "read_moved", "refresh_if_moved"]
 
 _PROBES: dict[int, tuple[weakref.ref[Table], Callable[[], str | None] | None]] = {}  # id(table) -> (table, probe)
@@ -68,7 +70,8 @@ def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
 
     Returns ``(location, None)`` when the pointer did not move (``table.metadata`` is current), and None when this
     cannot be answered lightly: a catalog without a pointer probe, a table the catalog no longer has, a compressed
-    ``metadata.json``, or a file that is not a JSON object. ``table`` itself is left as it is. The JSON is unchecked:
+    ``metadata.json``, a file that is not a JSON object, or one of another table (dropped and created again under this
+    name: :func:`refresh_if_moved` refuses it). ``table`` itself is left as it is. The JSON is unchecked:
     the caller validates every field it uses.
     """
     probe = _probe_of(table)
@@ -87,7 +90,9 @@ def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
         document = json.loads(raw)
     except (ValueError, RecursionError):  # not JSON (or nested past the parser's stack): the full read reports it
         return None
-    return (location, document) if isinstance(document, dict) else None
+    if not isinstance(document, dict) or document.get("table-uuid") != str(table.metadata.table_uuid):
+        return None  # not an object, or another table under this name: the full read reports it
+    return location, document
 
 
 def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
@@ -95,18 +100,43 @@ def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
 
     ``io`` reads the new ``metadata.json`` (default: the table's own FileIO).
     A table that no longer exists (dropped, renamed) falls back to ``Table.refresh()``, which raises pyiceberg's error.
+
+    Raises:
+        StreamError: The name now holds another table (a different table UUID: dropped and created again);
+            ``table`` keeps its metadata.
     """
     probe = _probe_of(table)
-    before = table.metadata_location
+    before, held = table.metadata_location, table.metadata
     if probe is None:
         table.refresh()
+        _same_table(table, held, before)
         return table.metadata_location != before
     location = probe()
     if location is None:
         table.refresh()
+        _same_table(table, held, before)
         return True
     if location == before:
         return False
-    table.metadata = FromInputFile.table_metadata((io or table.io).new_input(location))
+    metadata = FromInputFile.table_metadata((io or table.io).new_input(location))
+    if metadata.table_uuid != held.table_uuid:
+        raise _recreated(table, held, metadata)
+    table.metadata = metadata
     table.metadata_location = location
     return True
+
+
+def _same_table(table: Table, held: Any, before: str) -> None:
+    """Undo a refresh that found another table under the same name (dropped and created again), and refuse it."""
+    if table.metadata.table_uuid != held.table_uuid:
+        found = table.metadata
+        table.metadata, table.metadata_location = held, before
+        raise _recreated(table, held, found)
+
+
+def _recreated(table: Table, held: Any, found: Any) -> StreamError:
+    return StreamError(
+        f"table {'.'.join(table.name())} was dropped and created again since it was opened (table UUID {held.table_uuid}, "
+        f"now {found.table_uuid}): this handle's world size, schema and producer state belong to the old table, so "
+        "nothing is read or published through it. Open the stream again (Stream.open) to use the new table"
+    )

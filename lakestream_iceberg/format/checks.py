@@ -13,6 +13,8 @@ lineage at step 1. :func:`check_branch` is used when a producer is made and agai
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 from pyiceberg.table.metadata import TableMetadata
@@ -20,7 +22,7 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
-__all__ = ["branches", "check_branch", "check_int"]
+__all__ = ["branches", "check_bool", "check_branch", "check_identifier", "check_int", "check_seconds"]
 
 
 def check_int(value: object, *, what: str, error: type[LakestreamError] = ConfigError, minimum: int | None = None,
@@ -38,7 +40,7 @@ def check_int(value: object, *, what: str, error: type[LakestreamError] = Config
         error: ``value`` is a bool, not an integer, or out of bounds.
     """
     suffix = f" ({hint})" if hint else ""
-    if isinstance(value, bool):
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):  # numpy and torch bools too
         raise error(f"{what} must be an integer, got the bool {value!r}{suffix}")
     try:
         number = operator.index(value)  # int, numpy integers; not float, str, None, numpy bool
@@ -48,6 +50,32 @@ def check_int(value: object, *, what: str, error: type[LakestreamError] = Config
         bounds = f">= {minimum}" if maximum is None else f"<= {maximum}" if minimum is None else f"in {minimum}..{maximum}"
         raise error(f"{what} must be {bounds}, got {number}{suffix}")
     return number
+
+
+def check_bool(value: object, *, what: str, error: type[LakestreamError] = ConfigError) -> bool:
+    """``value`` when it is ``True`` or ``False``: ``bool("false")`` is True, so a flag never takes a truthy string."""
+    if not isinstance(value, bool):
+        raise error(f"{what} must be True or False, got {value!r}")
+    return value
+
+
+def check_seconds(value: object, *, what: str, minimum: float = 0.0, allow_none: bool = False,
+                  error: type[LakestreamError] = ConfigError) -> float | None:
+    """``value`` as a finite number of seconds >= ``minimum`` (``None`` when ``allow_none``), never a bool or NaN."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < minimum:
+        raise error(f"{what} must be a finite number of seconds >= {minimum:g}{' (or None)' if allow_none else ''}, "
+                    f"got {value!r}")
+    return float(value)
+
+
+def check_identifier(identifier: object) -> str:
+    """``identifier`` when it is a stream's ``"namespace.name"`` (a nested namespace may have more parts), else
+    :class:`ConfigError`: pyiceberg would raise a bare ``ValueError`` for an empty or blank part."""
+    if not isinstance(identifier, str) or "." not in identifier or any(not part.strip() for part in identifier.split(".")):
+        raise ConfigError(f"a stream is named 'namespace.name' (no empty part), got {identifier!r}")
+    return identifier
 
 
 def branches(metadata: TableMetadata) -> list[str]:

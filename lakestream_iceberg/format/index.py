@@ -16,6 +16,7 @@ from pyiceberg.manifest import DataFile, ManifestEntry, ManifestFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.manifests import ManifestCache, step_bounds
 
 
@@ -27,6 +28,31 @@ def is_packed(data_file: DataFile) -> bool:
 def rank_of(entry: ManifestEntry) -> int:
     """The rank of a per-rank layout's entry (0 for a packed file, which holds every rank)."""
     return 0 if is_packed(entry.data_file) else int(entry.data_file.partition[1])
+
+
+def _step_of(entry: ManifestEntry) -> int | None:
+    """An entry's ``_step``, or None when it has none a step lookup could ask for (steps are integers >= 1): an entry
+    another engine added at step 0 or with a null step is no step's file, and merges and GC carry it as before."""
+    step = entry.data_file.partition[0] if len(entry.data_file.partition) else None
+    return step if type(step) is int and step >= 1 else None
+
+
+def _ranked(path: str, step: int, found: list[ManifestEntry]) -> list[ManifestEntry]:
+    """A step's entries ordered by rank, after checking their partitions: ``(_step,)`` alone (packed), or
+    ``(_step, _rank)`` with ranks ``0..n-1``, each once. A rank missing in the middle or listed twice would hand one
+    rank another rank's rows (the reader checks that ``n`` is the world size)."""
+    if len(found) == 1 and len(found[0].data_file.partition) == 1:
+        return found
+    ranks = [e.data_file.partition[1] if len(e.data_file.partition) == 2 else None for e in found]
+    if all(type(r) is int for r in ranks):
+        order = sorted(range(len(found)), key=ranks.__getitem__)
+        if [ranks[i] for i in order] == list(range(len(found))):
+            return [found[i] for i in order]
+    raise CorruptStateError(
+        f"step {step} of {path} lists data files with partitions {[list(e.data_file.partition) for e in found][:8]}, "
+        "not one file per rank 0..n-1 (per-rank layout) or one file (packed): the table was changed by something other "
+        "than lakestream; roll the stream back to a checkpoint before that step"
+    )
 
 
 class StepIndex:
@@ -49,7 +75,9 @@ class StepIndex:
                 return self._by_step[path]
         by_step: dict[int, list[ManifestEntry]] = {}
         for entry in self._cache.entries(self._io, manifest):
-            by_step.setdefault(int(entry.data_file.partition[0]), []).append(entry)
+            step = _step_of(entry)
+            if step is not None:
+                by_step.setdefault(step, []).append(entry)
         with self._lock:
             self._by_step[path] = by_step
             while len(self._by_step) > self._max:
@@ -70,7 +98,11 @@ class StepIndex:
         return [e.data_file for e in self.entries(snapshot, step)]
 
     def entries(self, snapshot: Snapshot | None, step: int) -> list[ManifestEntry]:
-        """The live manifest entries of ``step`` in ``snapshot``'s table state, ordered by rank."""
+        """The live manifest entries of ``step`` in ``snapshot``'s table state, ordered by rank.
+
+        Raises:
+            CorruptStateError: The step's entries are not one per rank ``0..n-1`` (or one packed file).
+        """
         if snapshot is None:
             return []
         found: list[ManifestEntry] = []
@@ -79,7 +111,7 @@ class StepIndex:
             if bounds is not None and not bounds[0] <= step <= bounds[1]:
                 continue
             found.extend(self._step_map(manifest).get(step, ()))
-        return sorted(found, key=rank_of)
+        return _ranked(snapshot.manifest_list, step, found) if found else found
 
     def all_files(self, snapshot: Snapshot | None) -> list[DataFile]:
         """Every live data file of ``snapshot``'s table state."""

@@ -40,7 +40,6 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.types import LongType
 
-from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.avro_readers import read_manifest_entries, read_manifest_list
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from lakestream_iceberg.format.file_settings import avro_codec
@@ -68,27 +67,6 @@ def step_bounds(manifest: ManifestFile) -> tuple[int, int] | None:
     if len(summary.lower_bound) != 8 or len(summary.upper_bound) != 8:  # a long is 8 bytes (Iceberg single-value)
         return None
     return from_bytes(LongType(), summary.lower_bound), from_bytes(LongType(), summary.upper_bound)
-
-
-def checked_entries(path: str, entries: list[ManifestEntry]) -> list[ManifestEntry]:
-    """``entries`` after checking that each is a stream's data file: partition ``(_step, _rank)`` (packed: ``(_step,)``)
-    of integers, step >= 1, rank >= 0. Every lookup indexes by these values, so a null or a string must fail here,
-    with an error that names the manifest, not as a TypeError deep in a read.
-
-    Raises:
-        CorruptStateError: An entry does not have such a partition.
-    """
-    for entry in entries:
-        part = entry.data_file.partition
-        size = len(part)
-        values = [part[i] for i in range(size)]
-        if not (1 <= size <= 2 and all(type(v) is int for v in values) and values[0] >= 1 and values[-1] >= 0):
-            raise CorruptStateError(
-                f"manifest {path} lists data file {entry.data_file.file_path} with partition {values!r}, not "
-                "(_step >= 1, _rank >= 0): the table was changed by something other than lakestream; roll the stream "
-                "back to a checkpoint before that change"
-            )
-    return entries
 
 
 class ManifestCache:
@@ -120,14 +98,7 @@ class ManifestCache:
         return self._get(self._lists, snapshot.manifest_list, lambda: read_manifest_list(io, snapshot.manifest_list))
 
     def entries(self, io: FileIO, manifest: ManifestFile) -> list[ManifestEntry]:
-        """The live entries of a manifest, each checked to have a stream's partition tuple.
-
-        Raises:
-            CorruptStateError: An entry's partition is not ``(_step,)`` or ``(_step, _rank)`` with a step >= 1 and a
-                rank >= 0 (a file added by another engine, or a damaged manifest).
-        """
-        return self._get(self._entries, manifest.manifest_path,
-                         lambda: checked_entries(manifest.manifest_path, read_manifest_entries(io, manifest)))
+        return self._get(self._entries, manifest.manifest_path, lambda: read_manifest_entries(io, manifest))
 
     def forget_entries(self, paths: Iterable[str]) -> None:
         """Drop the entries of manifests a merge just replaced: the head no longer lists them, and keeping them would

@@ -181,7 +181,7 @@ def _parse(path: str, table: pa.Table) -> dict[str, ProducerState]:
                                 "restore it from a backup or roll the branch back to a snapshot that does not list it") from exc
     out: dict[str, ProducerState] = {}
     for producer, seq, step, snapshot_id in zip(*cols, strict=True):
-        if not (isinstance(producer, str) and type(seq) is int and seq >= 0 and type(step) is int and step >= 1
+        if not (isinstance(producer, str) and type(seq) is int and seq >= 0 and type(step) is int and step >= 0
                 and type(snapshot_id) is int):
             raise CorruptStateError(f"producer-state file {path} holds a malformed row for producer {producer!r} "
                                     f"(seq {seq!r}, step {step!r}, snapshot id {snapshot_id!r}); restore it from a backup "

@@ -24,8 +24,9 @@ global batch is partitioned deterministically, each sample to exactly one consum
 ranges, the ``(r % m)``-th one; any other ``W``: the rows ``[r*n//W, (r+1)*n//W)`` of the concatenated batch of ``n``
 rows. A Parquet shard is one row group, so a consumer holding part of a file still fetches all of it.
 
-**Resume.** ``state_dict()`` is a plain dict ``{"next_step": s, "worker_id": w, "num_workers": k}``: the next step this
-instance (or this DataLoader worker) will deliver. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
+**Resume.** ``state_dict()`` is a plain dict ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid,
+"branch": b}``: the next step this instance (or this DataLoader worker) will deliver, and of which stream (its table
+UUID) and branch; loading it into a dataset of another stream or branch is refused. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
 in each worker after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``)
 can be loaded under any number of workers.
 """
@@ -42,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.checks import check_bool, check_branch, check_int, check_seconds
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -133,6 +134,13 @@ class _DatasetCore:
         ship_credentials: bool = False,
     ) -> None:
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
+        follow = check_bool(follow, what="follow")
+        ship_credentials = check_bool(ship_credentials, what="ship_credentials")  # "false" must not ship secrets
+        timeout = check_seconds(timeout, what="timeout", allow_none=True)
+        poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)
+        max_poll_s = check_seconds(max_poll_s, what="max_poll_s", minimum=poll_s)
+        stream.refresh()  # a branch forked since the stream was opened is a branch
+        branch = check_branch(stream.table.metadata, branch, stream=stream.name, doing="cannot read")
         if end_step is not None:
             end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
         prefetch = check_int(prefetch, what="prefetch", minimum=0)
@@ -149,6 +157,7 @@ class _DatasetCore:
         self._init_runtime()
         self._end = end_step if follow else self._resolve_end(stream)
         self._position = {"next_step": start_step, "worker_id": 0, "num_workers": 1}
+        self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
         self._pending: dict[str, int] | None = None
         self.last_step: int | None = None  # the last step this instance delivered
 
@@ -200,19 +209,36 @@ class _DatasetCore:
         return head if self.end_step is None else min(self.end_step, head)
 
     # -- resume ------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, int]:
-        """The next step to deliver, as a plain dict (see the module docstring)."""
-        return dict(self._pending or self._position)
+    def state_dict(self) -> dict[str, Any]:
+        """The next step to deliver, and the stream (its table UUID) and branch it is a step of, as a plain dict (see
+        the module docstring)."""
+        return {**(self._pending or self._position), **self._identity}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance).
+
+        Raises:
+            ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
+                ``branch``, from an earlier release, is taken as this dataset's).
+        """
         try:
             raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
                    "num_workers": state.get("num_workers", 1)}
+            identity = {key: state.get(key, mine) for key, mine in self._identity.items()}
         except (KeyError, TypeError, AttributeError):
             raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
-        self._pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
-                         for key, value in raw.items()}
+        if identity != self._identity:
+            raise ConfigError(
+                f"the state_dict is of stream {identity['stream']!r} branch {identity['branch']!r}, this dataset reads "
+                f"stream {self._identity['stream']!r} (table UUID) branch {self._identity['branch']!r}: its next_step "
+                "would skip or repeat steps here. Load the state into a dataset of the stream and branch that saved it"
+            )
+        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
+                   for key, value in raw.items()}
+        if pending["worker_id"] >= pending["num_workers"]:
+            raise ConfigError(f"state_dict worker_id {pending['worker_id']} is not a worker of num_workers "
+                              f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
+        self._pending = pending
 
     def _first(self, worker_id: int, num_workers: int) -> int:
         """This worker's first step, consuming a loaded state."""

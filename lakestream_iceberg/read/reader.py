@@ -3,7 +3,7 @@ groups of the step's packed file that hold its rows (packed layout), never a tab
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,8 @@ def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[
         if table.num_rows != data_file.record_count:
             raise ValueError(f"it holds {table.num_rows} rows, its manifest entry says {data_file.record_count}")
         return target.empty_table() if table.num_rows == 0 else table.cast(target)
+    except (MemoryError, pa.ArrowNotImplementedError):
+        raise  # out of memory, or a codec this pyarrow lacks: the reader's problem, not the file's
     except (pa.ArrowException, OSError, ValueError, KeyError, TypeError) as exc:
         raise CorruptStateError(
             f"data file {data_file.file_path} cannot be read as the stream's data ({type(exc).__name__}: {exc}): it was "
@@ -91,6 +93,7 @@ class StepFiles:
         self._packed_file: pq.ParquetFile | None = None
         self._stream: Any = None
         self.footer: PackedFooter | None = None
+        self._whole = False  # the packed file is in memory (fetched whole)
         if not packed:
             self.counts = _rank_counts(self._files, world_size)
             return
@@ -100,7 +103,7 @@ class StepFiles:
                 "something other than lakestream; roll the stream back to a checkpoint before that step"
             )
         data_file = self._files[0]
-        whole = data_file.file_size_in_bytes <= WHOLE_FILE_BYTES  # one GET beats a footer GET plus row-group GETs
+        whole = self._whole = data_file.file_size_in_bytes <= WHOLE_FILE_BYTES  # one GET, not footer + row groups
         if whole:
             self._stream = pa.BufferReader(fetch(io, data_file.file_path))
         else:
@@ -180,7 +183,16 @@ class StepFiles:
         wanted = None if columns is None else [*columns, RANK_COLUMN]
         metadata = self._packed_file.metadata
         size = sum(metadata.row_group(g).total_byte_size for g in groups)  # uncompressed: what decoding costs
-        table = self._packed_file.read_row_groups(groups, columns=wanted, use_threads=size > DECODE_THREADS_BYTES)
+        try:
+            table = self._packed_file.read_row_groups(groups, columns=wanted, use_threads=size > DECODE_THREADS_BYTES)
+        except (MemoryError, pa.ArrowNotImplementedError):
+            raise
+        except (pa.ArrowInvalid, ValueError) as exc:
+            raise corrupt_packed(self.footer.path, f"has row groups that do not decode ({exc})") from exc
+        except OSError as exc:
+            if not self._whole:  # ranged reads: an I/O failure is the storage's, retried by the caller
+                raise
+            raise corrupt_packed(self.footer.path, f"has row groups that do not decode ({exc})") from exc
         base = self.footer.group_starts[groups[0]]
         if (first - base, last - first) != (0, table.num_rows):
             table = table.slice(first - base, last - first)
@@ -195,31 +207,35 @@ def check_columns(columns: object, schema: pa.Schema, *, stream: str) -> list[st
     """``columns`` as a list of payload column names (None: all of them).
 
     Raises:
-        ConfigError: Not a list of names, or a name that is not a payload column.
+        ConfigError: Not an iterable of names, a name that is not a payload column, or a name given twice.
     """
     if columns is None:
         return None
-    if isinstance(columns, str) or not isinstance(columns, Sequence) or not all(isinstance(c, str) for c in columns):
+    if isinstance(columns, (str, bytes)) or not isinstance(columns, Iterable):
         raise ConfigError(f"columns must be a list of column names of stream {stream}, not {columns!r}")
-    unknown = sorted(set(columns) - set(schema.names))
+    names = list(columns)
+    if not all(isinstance(c, str) for c in names):
+        raise ConfigError(f"columns must be a list of column names of stream {stream}, not {columns!r}")
+    unknown = sorted(set(names) - set(schema.names))
     if unknown:
         raise ConfigError(f"columns {unknown} are not in stream {stream} ({schema.names})")
-    return list(columns)
+    if len(set(names)) != len(names):
+        raise ConfigError(f"columns {names} name a column more than once")
+    return [str(c) for c in names]
 
 
 def _rank_counts(files: Sequence[DataFile], world_size: int) -> list[int]:
-    """The row count of each rank of a per-rank step, after checking that file ``r`` is rank ``r``'s: a step missing a
-    rank's file, or listing one twice, must not hand one rank another rank's rows."""
-    ranks = [f.partition[1] if len(f.partition) == 2 else None for f in files]
+    """The row count of each rank of a per-rank step. The step index hands the files ordered by their ``_rank``
+    partition, checked to be ``0..n-1`` each once (:mod:`lakestream_iceberg.format.index`); here ``n`` must be the
+    world size: a step missing its last ranks' files must not read as a smaller step."""
     counts = [f.record_count for f in files]
-    if len(files) != world_size or ranks != list(range(world_size)) or \
-            not all(_index(r) for r in ranks) or not all(_index(c) and c >= 0 for c in counts):
+    if len(files) != world_size or not all(type(c) is int and c >= 0 for c in counts):
         raise CorruptStateError(
-            f"a step of a per-rank stream of world size {world_size} lists {len(files)} data files with ranks "
-            f"{ranks[:8]}{'...' if len(ranks) > 8 else ''}, not one file per rank 0..{world_size - 1}: the table was "
+            f"a step of a per-rank stream of world size {world_size} lists {len(files)} data files with row counts "
+            f"{counts[:8]}{'...' if len(counts) > 8 else ''}, not one file per rank 0..{world_size - 1}: the table was "
             "changed by something other than lakestream; roll the stream back to a checkpoint before that step"
         )
-    return [int(c) for c in counts]
+    return counts
 
 
 def _index(value: object) -> bool:

@@ -79,7 +79,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Intent", "StagingArea"]
 
-INTENT_FORMAT = 2  # 2: bound to the table UUID (format 1 intents are never published by another producer)
+INTENT_FORMAT = 3  # 3: declares files_age_s; 2: bound to the table UUID (format 1 intents are never published)
+_READABLE_FORMATS = (2, 3)  # a format-2 intent (an older release's) is aged by the store's clock alone
 STAGING_DIR = "_staging"  # under the table's data/ folder
 _PARQUET_MAGIC = b"PAR1"
 _TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
@@ -137,7 +138,7 @@ class Intent:
     @classmethod
     def from_json(cls, path: str, raw: str) -> Intent:
         body = json.loads(raw)
-        if not isinstance(body, dict) or body.get("format") != INTENT_FORMAT:
+        if not isinstance(body, dict) or body.get("format") not in _READABLE_FORMATS:
             raise ValueError(f"unknown intent format {body.get('format') if isinstance(body, dict) else body!r}")
         seq, token, staged_at = body["seq"], body["token"], body["staged_at"]
         if type(seq) is not int or seq < 0:
@@ -234,7 +235,10 @@ class StagingArea:
                 self._reject(path, f"its name is not <producer>@<seq:012d>-<token>.parquet directly under {folder}")
                 continue
             intent = self._read(path)
-            if intent is not None and (now - mtime if mtime else 0.0) + intent.files_age_s > max_age_s:
+            # the store's age of the intent, or the owner's (staged_at is taken before the intent's write, which may be
+            # retried for a while): the larger, plus how old its files were when it was staged
+            if intent is not None and max(now - mtime if mtime else 0.0, now - intent.staged_at) + intent.files_age_s \
+                    > max_age_s:
                 continue  # its data files are older than the bound, though the intent is not
             if intent is not None and self._usable(intent, branch=branch, name=name):
                 out.append(replace(intent, modified=mtime or None))

@@ -16,8 +16,8 @@ from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
 from lakestream_iceberg.connect.secrets import split_secrets
-from lakestream_iceberg.errors import BatchError, ConfigError, ReadError
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.errors import BatchError, ConfigError, ReadError, StreamError
+from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
@@ -40,13 +40,59 @@ _streams_lock = threading.Lock()
 
 
 def _open(ref: StreamRef) -> Stream:
-    """The stream, opened once per worker process (a Ray worker runs many write tasks; one catalog engine each)."""
+    """The stream, opened once per worker process (a Ray worker runs many write tasks; one catalog engine each).
+
+    A cached stream is refreshed first (one catalog pointer query on SQL catalogs): when the name now holds another
+    table (dropped and created again, e.g. between two jobs of one Ray session), it is opened again instead of
+    publishing with the old table's world size, schema and producer state."""
     key = (os.getpid(), ref)
+    with _streams_lock:
+        stream = _streams.get(key)
+    if stream is not None:
+        try:
+            stream.refresh()
+            return stream
+        except StreamError:  # another table under this name now: forget the old one's handle
+            with _streams_lock:
+                if _streams.get(key) is stream:
+                    del _streams[key]
     with _streams_lock:
         stream = _streams.get(key)
         if stream is None:
             stream = _streams[key] = Stream.open(ref.catalog(), ref.identifier)
         return stream
+
+
+def _same_rows(stored: pa.Table, shard: pa.Table | pa.RecordBatch) -> bool:
+    """Whether a replayed shard holds the rows a step stores: column by column, NaN equal to NaN (Arrow's ``equals``
+    is IEEE: a float feature holding NaN would make every retry of a deterministic job look like a different one)."""
+    if isinstance(shard, pa.RecordBatch):
+        shard = pa.Table.from_batches([shard])
+    if stored.num_rows != shard.num_rows or stored.num_columns != shard.num_columns:
+        return False
+    for a, b in zip(stored.columns, shard.columns, strict=True):
+        if a.equals(b):
+            continue
+        if a.type != b.type:
+            try:
+                b = b.cast(a.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
+                return False
+            if a.equals(b):
+                continue
+        if not _same_values(a.to_pylist(), b.to_pylist()):  # slow path: only when Arrow says they differ
+            return False
+    return True
+
+
+def _same_values(a: object, b: object) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (a != a and b != b)  # NaN == NaN here
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
+    return type(a) is type(b) and a == b
 
 
 class LakestreamDatasink(Datasink[TaskReport]):
@@ -135,7 +181,10 @@ class LakestreamDatasink(Datasink[TaskReport]):
         if not isinstance(branch, str) or not branch:
             raise ConfigError(f"branch must be a branch name, got {branch!r}")
         self.run_name, self.rows_per_step, self.rank_column, self.step_fn = run_name, rows_per_step, rank_column, step_fn
-        self.drop_last, self.cast, self.create, self.world_size = bool(drop_last), bool(cast), bool(create), world_size
+        for name, flag in (("drop_last", drop_last), ("cast", cast), ("create", create)):
+            if not isinstance(flag, bool):  # bool("false") is True: a string must not drop rows or create a stream
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
+        self.drop_last, self.cast, self.create, self.world_size = drop_last, cast, create, world_size
         self.schema = None if schema is None else schema.remove_metadata()
         self.properties = dict(properties or {})
         if verify_replays not in ("rows", "counts", "off"):
@@ -211,7 +260,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         return found.remove_metadata()
 
     def _check_against(self, stream: StreamTable) -> None:
-        # the table's file settings, once on the driver: not a ConfigError in every write task (and every Ray retry)
+        # the table's file settings and the branch, once on the driver: not an error in every write task (and retry)
+        check_branch(stream.table.metadata, self.branch, stream=stream.name, doing="the sink cannot write to")
         parquet_options(stream.table.metadata.properties, strict=False)
         avro_codec(stream.table.metadata.properties)
         if self.rank_column is not None and self.rank_column in stream.payload_arrow_schema.names:
@@ -276,7 +326,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
                     stored = stream.read(step, rank=rank, branch=self.branch)
                 except ReadError:
                     return  # collected by GC meanwhile
-                if not all(a.equals(b) for a, b in zip(stored.columns, shard.columns)):
+                if not _same_rows(stored, shard):
                     differs = f"other rows for rank {rank} than this run formed (same counts, {replayed})"
                     break
         if differs:
