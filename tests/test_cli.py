@@ -200,3 +200,49 @@ def test_tail_follows_new_steps(env: dict[str, str], home: Path, capsys: pytest.
     assert code == 0 and len(lines) == 1 and lines[0].startswith("following ns.cli")
     code, out, _ = main_inprocess(home, capsys, "tail", STREAM, "--from-step", "7", "--max-steps", "1")
     assert code == 0 and "prep-0 seq 3" in out
+
+
+# ----------------------------------------------------------------------------- arguments checked before anything runs
+def in_process(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
+    """``main()`` in this process (no interpreter start-up): the exit code and stderr."""
+    from lakestream_iceberg.tools.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["--home", str(home), *args])
+    except SystemExit as exc:  # argparse refuses a malformed option: usage + exit 2
+        code = int(exc.code or 0)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["status", STREAM], ["sql", STREAM, "SELECT count(*) FROM batches"],
+                                     ["tail", STREAM, "--timeout", "0.1"]])
+def test_a_branch_the_stream_does_not_have_is_an_error_not_an_empty_stream(home: Path, capsys: pytest.CaptureFixture[str],
+                                                                          command: list[str]) -> None:
+    code, err = in_process(home, capsys, *command, "--branch", "mian")  # showed head step 0 / empty views, exit 0
+    assert code == 1 and "no branch 'mian'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("option", [["--max-steps", "0"], ["--max-steps", "-1"], ["--from-step", "0"],
+                                    ["--from-step", "x"], ["--poll", "-1"], ["--poll", "nan"], ["--timeout", "-5"],
+                                    ["--timeout", "nan"], ["--timeout", "inf"]])
+def test_tail_refuses_numbers_it_cannot_use(home: Path, capsys: pytest.CaptureFixture[str], option: list[str]) -> None:
+    code, err = in_process(home, capsys, "tail", STREAM, "--timeout", "0.1", *option)  # --timeout nan waited forever
+    assert code == 2 and option[0] in err
+
+
+@pytest.mark.parametrize("steps", ["5:1", "0", "-5:3", "0:2"])
+def test_sql_refuses_a_step_range_that_is_not_one(home: Path, capsys: pytest.CaptureFixture[str], steps: str) -> None:
+    code, err = in_process(home, capsys, "sql", STREAM, "SELECT count(*) FROM samples", f"--steps={steps}")
+    assert code == 1 and "--steps" in err  # an empty or silently clipped samples view, exit 0
+
+
+def test_a_file_that_is_not_a_catalog_database_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "catalog.db").write_bytes(b"this is not a sqlite database" * 10)
+    code, err = in_process(tmp_path, capsys, "status", "ns.x")  # a raw sqlalchemy DatabaseError
+    assert code == 1 and err.startswith("lakestream: error: the embedded catalog") and "move it aside" in err
+
+
+def test_a_stream_name_with_an_empty_part_is_a_one_line_error(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = in_process(home, capsys, "status", "a..b")
+    assert code == 1 and err.startswith("lakestream: error:") and "namespace.name" in err

@@ -207,3 +207,31 @@ def test_a_worker_reopens_its_cached_stream_when_the_table_was_created_again(tmp
     fresh = Stream.open(sqlite_catalog(str(tmp_path)), "ns.s")
     with fresh.step_files(1) as files:
         assert files.counts == [1, 1, 1, 1]
+
+
+# ---------------------------------------------------------------------------------- history and table properties
+@pytest.mark.parametrize("steps", [5, (1, 2, 3), (1,), (0, 2), (3, 1), (True, 2)])
+def test_history_refuses_a_samples_range_that_is_not_one(tmp_path: Path, steps: object) -> None:
+    pytest.importorskip("duckdb")
+    stream = make(tmp_path, steps=2)
+    with pytest.raises(ConfigError, match="samples_steps"):  # raw TypeError / ValueError before
+        stream.history(samples_steps=steps)  # type: ignore[arg-type]
+    assert stream.history(samples_steps=(1, 2)).sql("SELECT count(DISTINCT _step) FROM samples").fetchall() == [(2,)]
+
+
+def test_history_of_a_branch_the_stream_does_not_have_is_refused(tmp_path: Path) -> None:
+    pytest.importorskip("duckdb")
+    stream = make(tmp_path, steps=2)
+    with pytest.raises(ConfigError, match="no branch 'mian'"):
+        stream.history(branch="mian")  # empty views, as if the branch existed and had no steps
+
+
+@pytest.mark.parametrize("value", ["not base64!!", "aGVsbG8="])  # not base64; base64 of b"hello", not an Arrow schema
+def test_a_damaged_arrow_schema_property_is_a_corrupt_state_error(tmp_path: Path, value: str) -> None:
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream = make(tmp_path, steps=1)
+    with stream.table.transaction() as tx:
+        tx.set_properties({"lakestream.arrow-schema": value})
+    with pytest.raises(CorruptStateError, match="lakestream.arrow-schema"):  # binascii.Error / ArrowInvalid before
+        Stream.open(sqlite_catalog(str(tmp_path)), "ns.s")

@@ -20,7 +20,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.pointer import refresh_if_moved
-from lakestream_iceberg.errors import ConfigError, NotAStreamError, StepError
+from lakestream_iceberg.errors import ConfigError, CorruptStateError, NotAStreamError, StepError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.index import StepIndex
@@ -39,7 +39,19 @@ def encode_schema(schema: pa.Schema) -> str:
 
 
 def decode_schema(text: str) -> pa.Schema:
-    return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text)))
+    """The payload schema stored in the ``lakestream.arrow-schema`` table property.
+
+    Raises:
+        CorruptStateError: The property is not a base64 Arrow schema (it was edited by hand or damaged).
+    """
+    try:
+        return pa.ipc.read_schema(pa.py_buffer(base64.b64decode(text, validate=True)))
+    except (ValueError, TypeError, pa.ArrowException) as exc:  # binascii.Error is a ValueError
+        raise CorruptStateError(
+            f"table property {PROP_ARROW_SCHEMA} is not a base64 Arrow schema ({type(exc).__name__}): it was edited by "
+            "hand or damaged; set it back to the value lakestream wrote (it is in every earlier metadata.json of the "
+            "table)"
+        ) from exc
 
 
 class StreamTable:

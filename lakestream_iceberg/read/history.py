@@ -54,9 +54,9 @@ import numpy as np
 import pyarrow as pa
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.errors import MissingExtraError, ReadError
+from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.index import is_packed, rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
@@ -358,13 +358,28 @@ def history(
         >>> con.sql("SELECT _rank, count(*) FROM samples GROUP BY 1 ORDER BY 1").fetchall()  # doctest: +SKIP
     """
     duckdb = _import_duckdb()
+    if refresh:
+        stream.refresh()
+    check_branch(stream.table.metadata, branch, stream=stream.name, doing="no history of")
+    samples_steps = _step_range(samples_steps)
     con = duckdb.connect()
-    tables = collect(stream, branch=branch, refresh=refresh)
+    tables = collect(stream, branch=branch, refresh=False)
     for name, table in tables.items():
         con.register(name, table)
     if samples:
         register_samples(con, stream, branch=branch, samples_steps=samples_steps, progress=progress)
     return con
+
+
+def _step_range(steps: object) -> Any:
+    """``steps`` as an inclusive ``(first, last)`` step range, 1 <= first <= last, or None."""
+    if steps is None:
+        return None
+    if not isinstance(steps, (tuple, list)) or len(steps) != 2:
+        raise ConfigError(f"samples_steps must be a (first, last) pair of steps, got {steps!r}")
+    first = check_int(steps[0], what="samples_steps first", minimum=1, hint="steps start at 1")
+    last = check_int(steps[1], what="samples_steps last", minimum=first, hint="last >= first")
+    return first, last
 
 
 def register_samples(
@@ -377,7 +392,7 @@ def register_samples(
     if samples_steps is None:
         wanted = live_steps[-1:]
     else:
-        first, last = (check_int(s, what="samples_steps (first, last)") for s in samples_steps)
+        first, last = _step_range(samples_steps)
         wanted = [s for s in live_steps if first <= s <= last]
     con.register("samples", read_samples(stream, entries, steps=wanted, progress=progress))
 

@@ -15,12 +15,14 @@ Example:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
+from lakestream_iceberg.format.checks import check_branch
 from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
 from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, _human, _mb, _plain
 
@@ -47,7 +49,11 @@ def _spec(args: argparse.Namespace) -> CatalogSpec:
 
 def _stream(args: argparse.Namespace) -> Stream:
     spec = _spec(args)
-    return open_stream(load(spec), args.stream, spec=spec)
+    stream = open_stream(load(spec), args.stream, spec=spec)
+    branch = getattr(args, "branch", None)
+    if branch is not None:  # a misspelled branch must not show an empty stream (head step 0) and exit 0
+        check_branch(stream.table.metadata, branch, stream=stream.name, doing=f"lakestream {args.command}: no")
+    return stream
 
 
 def cmd_demo(args: argparse.Namespace, out: Output) -> int:
@@ -150,13 +156,15 @@ def _parse_steps(text: str | None) -> tuple[int, int] | None:
         lo, hi = int(first), int(last or first)
     except ValueError:
         raise UserError(f"--steps {text!r} is not a step range; write FIRST:LAST (e.g. 1:100) or one step") from None
+    if not 1 <= lo <= hi:
+        raise UserError(f"--steps {text!r} is not a step range: steps start at 1 and FIRST <= LAST (e.g. 1:100)")
     return lo, hi
 
 
 def cmd_sql(args: argparse.Namespace, out: Output) -> int:
-    import duckdb
+    from lakestream_iceberg.read.history import _import_duckdb, history, register_samples
 
-    from lakestream_iceberg.read.history import history, register_samples
+    duckdb = _import_duckdb()  # MissingExtraError naming the extra when DuckDB is not installed
 
     stream = _stream(args)
     steps = _parse_steps(args.steps)
@@ -317,11 +325,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, metavar="K", help="keep the newest K steps")
 
     p = with_stream(add("tail", cmd_tail, "follow new steps live"))
-    p.add_argument("--from-step", type=int, metavar="S", help="start at step S (default: the next new step)")
-    p.add_argument("--max-steps", type=int, metavar="N", help="stop after N steps")
-    p.add_argument("--timeout", type=float, metavar="SECONDS", help="stop after this long")
-    p.add_argument("--poll", type=float, default=0.05, metavar="SECONDS", help="first poll interval (default 0.05)")
+    p.add_argument("--from-step", type=_at_least(1), metavar="S", help="start at step S (default: the next new step)")
+    p.add_argument("--max-steps", type=_at_least(1), metavar="N", help="stop after N steps")
+    p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS", help="stop after this long")
+    p.add_argument("--poll", type=_seconds(0.001), default=0.05, metavar="SECONDS",
+                   help="first poll interval (default 0.05)")
     return parser
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        return value
+    return parse
+
+
+def _seconds(minimum: float) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds >= {minimum:g}")
+        return value
+    return parse
 
 
 def main(argv: Sequence[str] | None = None) -> int:

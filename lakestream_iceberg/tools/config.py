@@ -65,7 +65,14 @@ def embedded_catalog(home: str | os.PathLike[str] | None = None) -> Catalog:
         (root / "warehouse").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"cannot create the lakestream home {root}: {exc.strerror}; pass --home DIR or set {ENV_HOME}") from exc
-    return SqlCatalog(EMBEDDED_NAME, uri=f"sqlite:///{root}/catalog.db", warehouse=(root / "warehouse").as_uri())
+    try:
+        return SqlCatalog(EMBEDDED_NAME, uri=f"sqlite:///{root}/catalog.db", warehouse=(root / "warehouse").as_uri())
+    except Exception as exc:  # sqlalchemy's DatabaseError: not a SQLite file, or one pyiceberg cannot set up
+        raise ConfigError(
+            f"the embedded catalog {root / 'catalog.db'} cannot be opened ({type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]}); it is not a SQLite catalog database: move it aside (the tables' files "
+            f"stay in {root / 'warehouse'}), or pass --home DIR / set {ENV_HOME} to another folder"
+        ) from exc
 
 
 def load(spec: CatalogSpec) -> Catalog:
