@@ -235,3 +235,18 @@ def test_a_damaged_arrow_schema_property_is_a_corrupt_state_error(tmp_path: Path
         tx.set_properties({"lakestream.arrow-schema": value})
     with pytest.raises(CorruptStateError, match="lakestream.arrow-schema"):  # binascii.Error / ArrowInvalid before
         Stream.open(sqlite_catalog(str(tmp_path)), "ns.s")
+
+
+def test_the_only_checkpoint_of_a_branch_frees_nothing_when_released(tmp_path: Path) -> None:
+    """The checkpoints view says what releasing a checkpoint lets GC collect; a branch without a checkpoint loses
+    nothing, so releasing its only one frees nothing (the view said 4 steps)."""
+    pytest.importorskip("duckdb")
+    from datetime import timedelta
+
+    stream = make(tmp_path, steps=6)
+    stream.checkpoint("only", step=3)
+    [(steps, size)] = stream.history().sql("SELECT exclusive_steps, exclusive_bytes FROM checkpoints").fetchall()
+    stream.release("only")
+    report = stream.collect_garbage(dry_run=True, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {} and report.bytes_deleted.get("data", 0) == 0
+    assert (steps, size) == (0, 0)

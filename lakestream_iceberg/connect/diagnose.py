@@ -189,7 +189,7 @@ def explain(
         elif _S3_UNREACHABLE.search(text):
             message = f"cannot connect to the S3 endpoint {endpoint}; " + _settings(["s3.endpoint"], catalog)
     elif kind == "sql":
-        uri = str(props.get("uri", "")) or "the catalog database"
+        uri = str(props.get("uri", "")) or "(no uri set)"
         if _SQL_AUTH.search(text):
             message = (
                 f"the catalog database {uri} refused the login; check the user and password in uri "
@@ -203,7 +203,7 @@ def explain(
         elif _SQL_UNREACHABLE.search(text):
             message = f"cannot connect to the catalog database {uri}; " + _settings(["uri"], catalog)
     elif kind == "rest":
-        uri = props.get("uri") or "the REST catalog"
+        uri = props.get("uri") or "(no uri set)"
         names = {type(e).__name__ for e in _chain(exc)}
         if "ForbiddenError" in names or "UnauthorizedError" in names or "AuthorizationExpiredError" in names:
             if "access key id you provided does not exist" in text.lower() or "InvalidAccessKeyId" in text:
@@ -262,18 +262,29 @@ def load_catalog(name: str, **properties: str) -> Any:
         install_rest_sigv4_fix()
         install_rest_timeout()
 
-    with config_errors(properties, action=f"loading catalog {name!r}", catalog=name):
+    # the messages quote the settings pyiceberg used (config file and environment too), e.g. the uri it could not reach
+    with config_errors(_merged(name, properties) or properties, action=f"loading catalog {name!r}", catalog=name):
         return _load(name, **properties)
+
+
+def _merged(name: str, properties: dict[str, str]) -> dict[str, Any] | None:
+    """The catalog's settings as pyiceberg's ``load_catalog`` merges them (None when its config helpers moved)."""
+    try:
+        from pyiceberg.catalog import _ENV_CONFIG
+        from pyiceberg.utils.config import merge_config
+
+        return merge_config(_ENV_CONFIG.get_catalog_config(name) or {}, dict(properties))  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _may_be_rest(name: str, properties: dict[str, str]) -> bool:
     """Whether pyiceberg's ``load_catalog`` could make a REST catalog of this name and these properties (its own
     rule: ``type``, else the URI's scheme, over the config file and environment); True when in doubt."""
+    conf = _merged(name, properties)  # the config load_catalog itself reads (captured at import)
+    if conf is None:
+        return True
     try:
-        from pyiceberg.catalog import _ENV_CONFIG  # the config load_catalog itself reads (captured at import)
-        from pyiceberg.utils.config import merge_config
-
-        conf = merge_config(_ENV_CONFIG.get_catalog_config(name) or {}, dict(properties))  # type: ignore[arg-type]
         kind, uri = conf.get("type"), conf.get("uri")
         if conf.get("py-catalog-impl"):
             return True

@@ -245,7 +245,8 @@ def checkpoint_rows(stream: StreamTable, entries_by_branch: dict[str, list[Manif
     from its branch, and lifecycle GC collects only the steps older than the oldest retained checkpoint of a branch.
     So a checkpoint *pins* steps S..head of its branch (``pinned_*``), and releasing it would let GC collect only
     what no other checkpoint pins (``exclusive_*``: the steps from S up to the next newer checkpoint on the branch,
-    non-zero only for the oldest one).
+    non-zero only for the oldest one, and zero for a branch's only checkpoint: GC collects nothing on a branch without
+    a checkpoint).
     """
     metadata = stream.table.metadata
     cache = dict(entries_by_branch or {})
@@ -262,7 +263,9 @@ def checkpoint_rows(stream: StreamTable, entries_by_branch: dict[str, list[Manif
         oldest = min(c.step for c in same_branch)
         newer = [c.step for c in same_branch if c.step > ckpt.step]
         upper = min(newer) if newer else None
-        exclusive = [] if ckpt.step != oldest or sum(c.step == oldest for c in same_branch) > 1 else [
+        # Releasing the oldest lets GC collect up to the next newer one; releasing the only one frees nothing (a branch
+        # without a checkpoint loses nothing, lifecycle.gc)
+        exclusive = [] if ckpt.step != oldest or upper is None or sum(c.step == oldest for c in same_branch) > 1 else [
             f for f in pinned if upper is None or int(f.partition[0]) < upper
         ]
         rows.append({
