@@ -1,8 +1,9 @@
 """Staged batches: a written global batch announced in object storage, so that any producer's commit can publish it.
 
 This is how commits stay cheap when many producers share a stream (group commit). A producer that is not alone writes
-its batch's data files, then one small *intent* naming them (a one-row Parquet file holding a JSON document: object
-stores that serve Iceberg tables, such as S3 Tables buckets, accept only Parquet and Avro under a table's ``data/``)::
+its batch's data files, then one small *intent* naming them (a one-row Parquet file holding a JSON document, the same
+document also in the file's footer metadata, where committers read it: object stores that serve Iceberg tables, such
+as S3 Tables buckets, accept only Parquet and Avro under a table's ``data/``)::
 
     <table location>/data/_staging/<branch, URL-quoted>/<producer>@<seq:012d>-<token>.parquet
 
