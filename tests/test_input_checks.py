@@ -250,3 +250,119 @@ def test_the_only_checkpoint_of_a_branch_frees_nothing_when_released(tmp_path: P
     report = stream.collect_garbage(dry_run=True, grace=timedelta(0), allow_short_grace=True)
     assert report.collected_below == {} and report.bytes_deleted.get("data", 0) == 0
     assert (steps, size) == (0, 0)
+
+
+# ------------------------------------------------------------- found reviewing the fixes above (each failed before)
+def _recreate(catalog: object, name: str = "ns.s", commits: int = 3) -> Stream:
+    catalog.drop_table(name)  # type: ignore[attr-defined]
+    again = Stream.create(catalog, name, schema=SCHEMA, world_size=WORLD)  # type: ignore[arg-type]
+    for seq in range(commits):
+        again.producer("b").commit(batch("b", seq, WORLD))
+    return again
+
+
+def test_a_follower_of_a_table_created_again_raises_instead_of_waiting(tmp_path: Path) -> None:
+    import threading
+
+    from lakestream_iceberg.read.follow import HeadWatcher
+
+    stream = make(tmp_path, steps=1)
+    watcher = HeadWatcher(stream, branch="main")
+    watcher.check()
+    ds = LakestreamDataset(stream, rank=0, world_size=1, follow=True, timeout=60)
+    items = iter(ds)
+    assert next(items)["step"] == 1
+    _recreate(stream.table.catalog)
+    with pytest.raises(StreamError, match="dropped and created again"):  # polled it as an outage until the timeout
+        watcher.wait(3, timeout=60, stop=threading.Event())
+    with pytest.raises(StreamError, match="dropped and created again"):
+        next(items)
+
+
+def test_dataloader_workers_refuse_a_table_created_again(tmp_path: Path) -> None:
+    stream = make(tmp_path, steps=1)
+    ds = LakestreamDataset(stream, rank=0, world_size=1, end_step=1)
+    _recreate(stream.table.catalog, commits=1)
+    with pytest.raises(StreamError):
+        list(ds)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(Exception, match="dropped and created again"):  # a worker read the new table's rows
+        list(loader)
+
+
+@pytest.mark.parametrize(("step", "rank"), [(None, 0), (0, None), (-2, 0)])
+def test_gc_and_history_skip_rows_another_engine_appended_without_a_step(tmp_path: Path, step: object,
+                                                                        rank: object) -> None:
+    pytest.importorskip("duckdb")
+    from datetime import timedelta
+
+    stream = make(tmp_path, steps=1)
+    table = stream.table.catalog.load_table("ns.s")
+    props = {k: v for k, v in table.metadata.snapshot_by_name("main").summary.additional_properties.items()
+             if k.startswith("lakestream.")}
+    from tests.support import shard
+
+    rows = shard("x", 0, 0, rows=1)
+    table.append(rows.append_column("_step", pa.array([step], pa.int64())).append_column("_rank", pa.array([rank], pa.int32())),
+                 snapshot_properties=props)
+    stream.refresh()
+    producer = stream.producer("p")
+    for seq in range(1, 6):
+        producer.commit(batch("p", seq, WORLD))
+    assert stream.history().sql("SELECT count(*) FROM batches").fetchall() == [(6,)]  # int(None): TypeError before
+    stream.checkpoint("c", step=4)
+    plan = stream.collect_garbage(dry_run=True, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert plan.collected_below == report.collected_below == {"main": 4}
+    assert report.files_deleted.get("data", 0) == 3 * WORLD + 1  # steps 1-3, and the row that is no step's
+    assert set(stream.read(5, rank=1).column("seq").to_pylist()) <= {4}  # step 5 is seq 4 of p, still readable
+
+
+def test_a_slow_poll_alone_is_accepted(tmp_path: Path) -> None:
+    stream = make(tmp_path, steps=1)
+    ds = LakestreamDataset(stream, rank=0, world_size=1, follow=True, poll_s=1.0)  # max_poll_s defaults to >= poll_s
+    assert ds.max_poll_s == 1.0
+
+
+def test_a_state_saved_on_main_resumes_on_a_fork_of_its_checkpoint_and_not_past_it(tmp_path: Path) -> None:
+    stream = make(tmp_path, steps=5)
+    stream.checkpoint("c3", step=3)
+    ds = LakestreamDataset(stream, rank=0, world_size=1, end_step=3)
+    assert [item["step"] for item in ds] == [1, 2, 3]
+    at_checkpoint = ds.state_dict()
+    stream.fork("c3", branch="retry")
+    stream.producer("q", branch="retry").commit(batch("q", 0, WORLD))
+    resumed = LakestreamDataset(stream, rank=0, world_size=1, branch="retry")
+    resumed.load_state_dict(at_checkpoint)  # the README's fork flow: steps continue at 4 on the fork
+    assert [item["step"] for item in resumed] == [4]
+    later = LakestreamDataset(stream, rank=0, world_size=1, end_step=5)
+    list(later)
+    with pytest.raises(ConfigError, match="fork's checkpoint step"):  # main's step 5 is not the fork's step 5
+        LakestreamDataset(stream, rank=0, world_size=1, branch="retry").load_state_dict(later.state_dict())
+
+
+def test_replays_compare_nan_inside_maps_and_large_float_columns_in_arrow() -> None:
+    pytest.importorskip("ray.data")
+    import numpy as np
+
+    from lakestream_iceberg.integrations.ray.sink import _same_rows
+
+    kind = pa.map_(pa.string(), pa.float64())
+    one = pa.table({"m": pa.array([[("k", math.nan)]], kind)})
+    assert _same_rows(one, pa.table({"m": pa.array([[("k", math.nan)]], kind)}))
+    assert not _same_rows(one, pa.table({"m": pa.array([[("k", 1.0)]], kind)}))
+    values = np.random.default_rng(0).random(2_000_000)
+    values[0] = np.nan
+    def table(v: np.ndarray) -> pa.Table:  # a float column and an embedding column (8 floats per row)
+        return pa.table({"x": pa.array(v[:250_000]), "e": pa.FixedSizeListArray.from_arrays(pa.array(v), 8)})
+
+    a, b = table(values), table(values.copy())
+    assert _same_rows(a, b)  # compared in Arrow (as Python objects, 2M floats took seconds)
+    changed = values.copy()
+    changed[-1] += 1.0
+    assert not _same_rows(a, table(changed))
+
+
+def test_a_stream_may_be_named_by_a_tuple_as_pyiceberg_allows(tmp_path: Path) -> None:
+    stream = make(tmp_path, steps=1)
+    assert Stream.open(stream.table.catalog, ("ns", "s")).head_step() == 1

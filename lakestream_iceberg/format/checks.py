@@ -70,12 +70,15 @@ def check_seconds(value: object, *, what: str, minimum: float = 0.0, allow_none:
     return float(value)
 
 
-def check_identifier(identifier: object) -> str:
-    """``identifier`` when it is a stream's ``"namespace.name"`` (a nested namespace may have more parts), else
-    :class:`ConfigError`: pyiceberg would raise a bare ``ValueError`` for an empty or blank part."""
-    if not isinstance(identifier, str) or "." not in identifier or any(not part.strip() for part in identifier.split(".")):
+def check_identifier(identifier: object) -> str | tuple[str, ...]:
+    """``identifier`` when it is a stream's ``"namespace.name"`` or pyiceberg's ``("namespace", "name")`` (a nested
+    namespace may have more parts), else :class:`ConfigError`: pyiceberg would raise a bare ``ValueError`` for an
+    empty or blank part."""
+    parts = identifier.split(".") if isinstance(identifier, str) else identifier
+    if not isinstance(parts, (list, tuple)) or len(parts) < 2 or \
+            any(not isinstance(part, str) or not part.strip() for part in parts):
         raise ConfigError(f"a stream is named 'namespace.name' (no empty part), got {identifier!r}")
-    return identifier
+    return identifier if isinstance(identifier, str) else tuple(parts)
 
 
 def branches(metadata: TableMetadata) -> list[str]:

@@ -17,7 +17,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.errors import CorruptStateError
-from lakestream_iceberg.format.manifests import ManifestCache, step_bounds
+from lakestream_iceberg.format.manifests import ManifestCache, entry_step, step_bounds
 
 
 def is_packed(data_file: DataFile) -> bool:
@@ -30,11 +30,6 @@ def rank_of(entry: ManifestEntry) -> int:
     return 0 if is_packed(entry.data_file) else int(entry.data_file.partition[1])
 
 
-def _step_of(entry: ManifestEntry) -> int | None:
-    """An entry's ``_step``, or None when it has none a step lookup could ask for (steps are integers >= 1): an entry
-    another engine added at step 0 or with a null step is no step's file, and merges and GC carry it as before."""
-    step = entry.data_file.partition[0] if len(entry.data_file.partition) else None
-    return step if type(step) is int and step >= 1 else None
 
 
 def _ranked(path: str, step: int, found: list[ManifestEntry]) -> list[ManifestEntry]:
@@ -75,7 +70,7 @@ class StepIndex:
                 return self._by_step[path]
         by_step: dict[int, list[ManifestEntry]] = {}
         for entry in self._cache.entries(self._io, manifest):
-            step = _step_of(entry)
+            step = entry_step(entry.data_file)  # None: no step's file (e.g. another engine's row at step 0)
             if step is not None:
                 by_step.setdefault(step, []).append(entry)
         with self._lock:
@@ -138,5 +133,5 @@ class StepIndex:
         """The step of the first live file whose path contains ``path_fragment`` (slow path: scans all manifests)."""
         for data_file in self.all_files(metadata.snapshot_by_name(branch)):
             if path_fragment in data_file.file_path:
-                return int(data_file.partition[0])
+                return entry_step(data_file)
         return None

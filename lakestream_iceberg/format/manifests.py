@@ -56,6 +56,24 @@ def manifest_level(path: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def entry_step(data_file: DataFile) -> int | None:
+    """A data file's ``_step``, or None when it has none a step could be (steps are integers >= 1): a row another engine
+    appended with a null or non-positive step is no step's file; reads skip it and GC collects it with the first
+    steps it collects."""
+    partition = data_file.partition
+    step = partition[0] if len(partition) else None
+    return step if type(step) is int and step >= 1 else None
+
+
+def stream_entry(data_file: DataFile) -> bool:
+    """Whether a data file has a stream's partition: ``(_step,)`` (packed) or ``(_step, _rank)``, integers, step >= 1,
+    rank >= 0."""
+    partition = data_file.partition
+    if entry_step(data_file) is None or len(partition) not in (1, 2):
+        return False
+    return len(partition) == 1 or (type(partition[1]) is int and partition[1] >= 0)
+
+
 def step_bounds(manifest: ManifestFile) -> tuple[int, int] | None:
     """The ``_step`` range a manifest covers, from its partition summary (None when unknown or malformed: the manifest's
     entries are read and checked instead)."""
@@ -317,12 +335,12 @@ class ManifestPlanner:
                 out.append(manifest)
                 continue
             entries = self._cache.entries(self._io, manifest)
-            gone = [e for e in entries if e.data_file.partition[0] < below]
+            gone = [e for e in entries if (entry_step(e.data_file) or 0) < below]
             if not gone:
                 out.append(manifest)
                 continue
             dropped.extend(e.data_file for e in gone)
-            kept = [_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries if e.data_file.partition[0] >= below]
+            kept = [_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries if (entry_step(e.data_file) or 0) >= below]
             rewritten = [_copy_entry(e, ManifestEntryStatus.DELETED, snapshot_id) for e in gone] + kept
             out.append(self._write(manifest_level(manifest.manifest_path), snapshot_id, sequence_number, rewritten))
             self._replaced.append(manifest.manifest_path)

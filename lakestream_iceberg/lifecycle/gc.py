@@ -70,7 +70,7 @@ from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
-from lakestream_iceberg.format.manifests import step_bounds
+from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.write.commit import Done, Plan
@@ -230,7 +230,7 @@ def kept_after_dry_run(stream: StreamTable, metadata: TableMetadata, metadata_lo
             if bounds is not None and bounds[0] >= cutoff:
                 keep.add(norm(manifest.manifest_path))
             keep.update(norm(e.data_file.file_path) for e in stream.cache.entries(stream.io, manifest)
-                        if e.data_file.partition[0] >= cutoff)
+                        if (entry_step(e.data_file) or 0) >= cutoff)
     return keep
 
 

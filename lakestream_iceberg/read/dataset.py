@@ -42,9 +42,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError
+from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
+from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
 from lakestream_iceberg.format.checks import check_bool, check_branch, check_int, check_seconds
-from lakestream_iceberg.format.summary import StreamState, missing_step_error
+from lakestream_iceberg.format.expiry import ancestors
+from lakestream_iceberg.format.summary import OP_CHECKPOINT, StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
@@ -130,7 +132,7 @@ class _DatasetCore:
         collate: Callable[[StepShard], Any] | None = None,
         prefetch: int = 2,
         poll_s: float = 0.02,
-        max_poll_s: float = 0.5,
+        max_poll_s: float | None = None,
         ship_credentials: bool = False,
     ) -> None:
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
@@ -138,7 +140,8 @@ class _DatasetCore:
         ship_credentials = check_bool(ship_credentials, what="ship_credentials")  # "false" must not ship secrets
         timeout = check_seconds(timeout, what="timeout", allow_none=True)
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)
-        max_poll_s = check_seconds(max_poll_s, what="max_poll_s", minimum=poll_s)
+        max_poll_s = max(0.5, poll_s) if max_poll_s is None else check_seconds(max_poll_s, what="max_poll_s",
+                                                                                minimum=poll_s)
         stream.refresh()  # a branch forked since the stream was opened is a branch
         branch = check_branch(stream.table.metadata, branch, stream=stream.name, doing="cannot read")
         if end_step is not None:
@@ -199,7 +202,14 @@ class _DatasetCore:
     def _stream_here(self) -> StreamTable:
         """The stream, reopened from the catalog in a forked or spawned process (engines do not survive a fork)."""
         if self._stream is None or self._pid != os.getpid():
-            self._stream, self._pid = self._ref.open(), os.getpid()
+            stream = self._ref.open()
+            if str(stream.table.metadata.table_uuid) != self._identity["stream"]:
+                raise StreamError(
+                    f"table {stream.name} was dropped and created again since this dataset was made (table UUID "
+                    f"{self._identity['stream']}, now {stream.table.metadata.table_uuid}): its schema, world size and "
+                    "positions belong to the old table. Make the dataset again on the new stream"
+                )
+            self._stream, self._pid = stream, os.getpid()
         return self._stream
 
     def _resolve_end(self, stream: StreamTable) -> int:
@@ -227,18 +237,35 @@ class _DatasetCore:
             identity = {key: state.get(key, mine) for key, mine in self._identity.items()}
         except (KeyError, TypeError, AttributeError):
             raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
-        if identity != self._identity:
+        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
+                   for key, value in raw.items()}
+        if identity != self._identity and not (identity["stream"] == self._identity["stream"]
+                                               and self._forked_after(identity["branch"], pending["next_step"])):
             raise ConfigError(
                 f"the state_dict is of stream {identity['stream']!r} branch {identity['branch']!r}, this dataset reads "
                 f"stream {self._identity['stream']!r} (table UUID) branch {self._identity['branch']!r}: its next_step "
-                "would skip or repeat steps here. Load the state into a dataset of the stream and branch that saved it"
+                "would skip or repeat steps here. Load the state into a dataset of the stream and branch that saved it "
+                "(a state of the branch a fork was made from loads on the fork up to the fork's checkpoint step + 1; "
+                "LakestreamDataset.from_checkpoint starts a fork at its checkpoint)"
             )
-        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
-                   for key, value in raw.items()}
         if pending["worker_id"] >= pending["num_workers"]:
             raise ConfigError(f"state_dict worker_id {pending['worker_id']} is not a worker of num_workers "
                               f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
         self._pending = pending
+
+    def _forked_after(self, source: object, next_step: int) -> bool:
+        """Whether this dataset's branch was forked from ``source`` at a checkpoint step S >= ``next_step - 1``: steps
+        below ``next_step`` are then the same on both branches, so a position saved on ``source`` is right here too."""
+        if not isinstance(source, str):
+            return False
+        metadata = self._stream_here().refresh().table.metadata
+        head = metadata.snapshot_by_name(self.branch)
+        chain = ancestors(metadata, head.snapshot_id if head is not None else None, len(metadata.snapshots))
+        anchor = metadata.snapshot_by_id(chain[-1]) if chain else None
+        summary = anchor.summary.additional_properties if anchor is not None and anchor.summary is not None else {}
+        if summary.get("lakestream.op") != OP_CHECKPOINT or summary.get(KEY_SOURCE_BRANCH, "main") != source:
+            return False
+        return next_step <= StreamState.of(anchor).step + 1
 
     def _first(self, worker_id: int, num_workers: int) -> int:
         """This worker's first step, consuming a loaded state."""
@@ -351,7 +378,7 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
         prefetch: Steps read ahead in background threads (0: read in the iterating thread).
-        poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds).
+        poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
         ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
             clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
             that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``

@@ -43,7 +43,7 @@ from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
-from lakestream_iceberg.errors import ReadTimeoutError, StepError
+from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import StreamTable
@@ -267,6 +267,8 @@ class HeadWatcher:
             try:
                 self.check()
                 error = None
+            except LakestreamError:
+                raise  # the table was read and is wrong (re-created, malformed): waiting cannot fix it
             except Exception as exc:  # the catalog is unreachable for now: keep trying until the deadline
                 log.warning("polling %s failed (%s); retrying", self._stream.name, type(exc).__name__)
                 error = exc

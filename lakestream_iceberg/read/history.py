@@ -60,6 +60,7 @@ from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.index import is_packed, rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
+from lakestream_iceberg.format.manifests import stream_entry
 from lakestream_iceberg.format.summary import (
     KEY_ATTEMPTS,
     KEY_COMMITTER,
@@ -123,11 +124,13 @@ def _int(value: str | None) -> int | None:
 
 # -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------
 def live_entries(stream: StreamTable, *, branch: str) -> list[ManifestEntry]:
-    """The manifest entries of every live data file of the branch head, ordered by (step, rank)."""
+    """The manifest entries of every live data file of the branch head, ordered by (step, rank); rows another engine
+    added without a stream's partition (a null or non-positive step, a null rank) are no step's and not shown."""
     head = stream.head(branch=branch)
     if head is None:
         return []
-    entries = [e for m in stream.cache.manifests(stream.io, head) for e in stream.cache.entries(stream.io, m)]
+    entries = [e for m in stream.cache.manifests(stream.io, head) for e in stream.cache.entries(stream.io, m)
+               if stream_entry(e.data_file)]
     return sorted(entries, key=lambda e: (int(e.data_file.partition[0]), rank_of(e)))
 
 
@@ -256,7 +259,7 @@ def checkpoint_rows(stream: StreamTable, entries_by_branch: dict[str, list[Manif
         if ckpt.branch not in cache:
             cache[ckpt.branch] = live_entries(stream, branch=ckpt.branch) if ckpt.branch in metadata.refs else []
         files = [e.data_file for e in cache[ckpt.branch]]
-        anchor = stream.index.all_files(metadata.snapshot_by_id(ckpt.snapshot_id))
+        anchor = [f for f in stream.index.all_files(metadata.snapshot_by_id(ckpt.snapshot_id)) if stream_entry(f)]
         live_paths = {f.file_path for f in files}
         pinned = [f for f in files if int(f.partition[0]) >= ckpt.step] + [f for f in anchor if f.file_path not in live_paths]
         same_branch = [c for c in checkpoints if c.branch == ckpt.branch]

@@ -10,11 +10,13 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
+from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.secrets import split_secrets
 from lakestream_iceberg.errors import BatchError, ConfigError, ReadError, StreamError
 from lakestream_iceberg.format.checks import check_branch, check_int
@@ -56,6 +58,10 @@ def _open(ref: StreamRef) -> Stream:
             with _streams_lock:
                 if _streams.get(key) is stream:
                     del _streams[key]
+        except Exception as exc:  # noqa: BLE001 - the catalog is busy or down for now: the commit's refresh retries
+            if not transient(exc):
+                raise
+            return stream
     with _streams_lock:
         stream = _streams.get(key)
         if stream is None:
@@ -78,18 +84,33 @@ def _same_rows(stored: pa.Table, shard: pa.Table | pa.RecordBatch) -> bool:
                 b = b.cast(a.type)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
                 return False
-            if a.equals(b):
-                continue
-        if not _same_values(a.to_pylist(), b.to_pylist()):  # slow path: only when Arrow says they differ
+        if not _same_array(a.combine_chunks(), b.combine_chunks()):  # only when Arrow's equals says they differ
             return False
     return True
+
+
+def _same_array(a: pa.Array, b: pa.Array) -> bool:
+    """``a.equals(b)`` with NaN equal to NaN, in Arrow for floats and lists of floats (embeddings: no Python objects);
+    other nested types (maps, structs) compare as Python values."""
+    if len(a) != len(b) or a.null_count != b.null_count or not pc.all(pc.equal(a.is_null(), b.is_null())).as_py():
+        return False
+    if pa.types.is_floating(a.type):
+        same = pc.or_(pc.equal(a, b), pc.and_(pc.is_nan(a), pc.is_nan(b)))
+        return bool(pc.all(pc.fill_null(same, True)).as_py())
+    if pa.types.is_list(a.type) or pa.types.is_large_list(a.type) or pa.types.is_fixed_size_list(a.type):
+        if not pc.all(pc.fill_null(pc.equal(pc.list_value_length(a), pc.list_value_length(b)), True)).as_py():
+            return False
+        return _same_array(pc.list_flatten(a), pc.list_flatten(b))
+    if a.equals(b):
+        return True
+    return _same_values(a.to_pylist(), b.to_pylist())
 
 
 def _same_values(a: object, b: object) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (a != a and b != b)  # NaN == NaN here
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # maps come back as lists of (key, value)
+        return type(a) is type(b) and len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
