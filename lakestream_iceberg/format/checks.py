@@ -76,7 +76,8 @@ def check_identifier(identifier: object) -> str | tuple[str, ...]:
     empty or blank part."""
     parts = identifier.split(".") if isinstance(identifier, str) else identifier
     if not isinstance(parts, (list, tuple)) or len(parts) < 2 or \
-            any(not isinstance(part, str) or not part.strip() for part in parts):
+            any(not isinstance(part, str) or not part.strip() or "." in part for part in parts):  # a dotted part would
+        # reopen as another name: a stream travels to workers as its dotted name
         raise ConfigError(f"a stream is named 'namespace.name' (no empty part), got {identifier!r}")
     return identifier if isinstance(identifier, str) else tuple(parts)
 

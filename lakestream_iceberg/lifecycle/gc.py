@@ -227,10 +227,11 @@ def kept_after_dry_run(stream: StreamTable, metadata: TableMetadata, metadata_lo
         keep.update(norm(p) for p in StreamState.of(head).producer_files)  # the collecting snapshot lists them too
         for manifest in stream.cache.manifests(stream.io, head):
             bounds = step_bounds(manifest)
-            if bounds is not None and bounds[0] >= cutoff:
+            whole = bounds is not None and bounds[0] >= cutoff  # a real run keeps it as it is, every entry with it
+            if whole:
                 keep.add(norm(manifest.manifest_path))
             keep.update(norm(e.data_file.file_path) for e in stream.cache.entries(stream.io, manifest)
-                        if (entry_step(e.data_file) or 0) >= cutoff)
+                        if whole or (entry_step(e.data_file) or 0) >= cutoff)
     return keep
 
 

@@ -43,10 +43,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
-from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
 from lakestream_iceberg.format.checks import check_bool, check_branch, check_int, check_seconds
-from lakestream_iceberg.format.expiry import ancestors
-from lakestream_iceberg.format.summary import OP_CHECKPOINT, StreamState, missing_step_error
+from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
@@ -240,12 +238,14 @@ class _DatasetCore:
         pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
                    for key, value in raw.items()}
         if identity != self._identity and not (identity["stream"] == self._identity["stream"]
-                                               and self._forked_after(identity["branch"], pending["next_step"])):
+                                               and self._forked_after(identity["branch"], pending["next_step"],
+                                                                      pending["num_workers"])):
             raise ConfigError(
                 f"the state_dict is of stream {identity['stream']!r} branch {identity['branch']!r}, this dataset reads "
                 f"stream {self._identity['stream']!r} (table UUID) branch {self._identity['branch']!r}: its next_step "
                 "would skip or repeat steps here. Load the state into a dataset of the stream and branch that saved it "
-                "(a state of the branch a fork was made from loads on the fork up to the fork's checkpoint step + 1; "
+                "(a state of the branch a fork was made from loads on the fork while everything it delivered is shared: "
+                "up to the fork's checkpoint step; "
                 "LakestreamDataset.from_checkpoint starts a fork at its checkpoint)"
             )
         if pending["worker_id"] >= pending["num_workers"]:
@@ -253,19 +253,28 @@ class _DatasetCore:
                               f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
         self._pending = pending
 
-    def _forked_after(self, source: object, next_step: int) -> bool:
-        """Whether this dataset's branch was forked from ``source`` at a checkpoint step S >= ``next_step - 1``: steps
-        below ``next_step`` are then the same on both branches, so a position saved on ``source`` is right here too."""
+    def _forked_after(self, source: object, next_step: int, num_workers: int) -> bool:
+        """Whether every step a worker with this position delivered on branch ``source`` is the same step on this
+        dataset's branch: the branch was forked from ``source`` at or after the worker's last delivered step, so resuming
+        here neither skips nor repeats one. A worker delivered up to ``next_step - num_workers`` (its stride); a step
+        lists the same data files on both branches exactly when both lineages share it (after a fork each branch writes
+        its own files), which holds however many snapshots either branch has expired since."""
         if not isinstance(source, str):
             return False
-        metadata = self._stream_here().refresh().table.metadata
-        head = metadata.snapshot_by_name(self.branch)
-        chain = ancestors(metadata, head.snapshot_id if head is not None else None, len(metadata.snapshots))
-        anchor = metadata.snapshot_by_id(chain[-1]) if chain else None
-        summary = anchor.summary.additional_properties if anchor is not None and anchor.summary is not None else {}
-        if summary.get("lakestream.op") != OP_CHECKPOINT or summary.get(KEY_SOURCE_BRANCH, "main") != source:
+        last = next_step - num_workers
+        if last < 1:
+            return True  # nothing delivered yet
+        stream = self._stream_here()
+        metadata = stream.refresh().table.metadata
+        if source not in metadata.refs:
             return False
-        return next_step <= StreamState.of(anchor).step + 1
+        here, there = metadata.snapshot_by_name(self.branch), metadata.snapshot_by_name(source)
+        # A fork starts at its checkpoint's anchor, which lists only the checkpoint step: steps below it are not on
+        # the fork (StreamState.collected_below). Below that lowest step, compare the lowest step itself: when it is
+        # shared, so is everything the worker delivered.
+        step = max(last, StreamState.of(here).collected_below)
+        mine = [f.file_path for f in stream.index.files(here, step)]
+        return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
 
     def _first(self, worker_id: int, num_workers: int) -> int:
         """This worker's first step, consuming a loaded state."""
