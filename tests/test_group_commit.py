@@ -17,7 +17,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.manifest import ManifestEntryStatus
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import CommitTimeoutError, ConfigError
+from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, SequenceError
 from lakestream_iceberg.format.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.write.staging import STAGING_DIR, Intent
@@ -502,3 +502,54 @@ def test_an_intent_carries_its_json_in_the_footer_and_one_without_it_is_still_pu
     b.commit(batch("b", 2, WORLD))
     owners = [v[0] for v in published(stream).values()]
     assert owners.count("c") == 1 and owners.count("d") == 1
+
+
+def test_a_new_producer_whose_batch_is_carried_reads_the_head_only_lightly(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer made from a view older than the head (the stream's, as every fresh id of an elastic pool is) learns
+    its next seq from a light read of the head, stages, and is answered from a light read when another producer's
+    commit carries its batch: no full read of the metadata at all, and the seq is the head's, not the old view's."""
+    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+
+    stream = make(tmp_path)  # its view: the empty table; a and b then publish steps 1-4, c's seq 0 step 5
+    a, b = both_active(stream)
+    assert Stream.open(stream.table.catalog, "ns.stream").producer("c").commit(batch("c", 0, WORLD)).step == 5
+    c = stream.producer("c")
+    assert StreamState.of(c._loop.table.metadata.current_snapshot()).step == 0  # noqa: SLF001 - the old view
+    monkeypatch.setattr(c, "_contended", lambda: True)
+    monkeypatch.setattr(c._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(c.commit(batch("c", 1, WORLD))))  # seq from the head: 1
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not staged_files(stream):
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(STAGING_SCAN_S)  # b, committing alone, lists the staging folder at most this often
+    assert b.commit(batch("b", 2, WORLD)).step == 7
+    thread.join(120)
+    assert not thread.is_alive()
+    (result,) = results
+    assert (result.step, result.seq, result.carried, result.duplicate) == (6, 1, True, False)
+    assert c._loop._refreshes == 0  # noqa: SLF001 - the head was never read fully
+    assert published(stream)[5] == ("c", 0) and published(stream)[6] == ("c", 1)
+
+
+@pytest.mark.parametrize("contended", [False, True])
+def test_a_new_producer_with_an_old_view_still_finds_duplicates_and_gaps_before_writing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, contended: bool) -> None:
+    """Whatever read of the head a new producer starts from, a re-commit of a seq published after its view was taken
+    is answered as a duplicate of the original step before anything is written, and a seq past the head's next one is
+    refused: the light read decides only when the head shows the seq as the id's next one."""
+    stream = make(tmp_path)
+    first = Stream.open(stream.table.catalog, "ns.stream").producer("d").commit(batch("d", 0, WORLD))
+    assert first.step == 1 and not first.carried
+    data = Path(stream.table.metadata.location.removeprefix("file://")) / "data" / "d"
+    files = sorted(data.iterdir())
+    again = stream.producer("d")  # the stream's view predates step 1
+    monkeypatch.setattr(again, "_contended", lambda: contended)
+    result = again.commit(batch("d", 0, WORLD), seq=0)
+    assert (result.duplicate, result.step, result.attempts) == (True, 1, 0)
+    with pytest.raises(SequenceError, match="would skip from seq 1 to 3"):
+        stream.producer("d").commit(batch("d", 3, WORLD), seq=3)
+    assert sorted(data.iterdir()) == files and not staged_files(stream)  # nothing written, nothing staged

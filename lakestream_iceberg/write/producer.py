@@ -156,6 +156,14 @@ class Producer:
             # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
             self._state(self._loop.table.metadata)
             seq = self._peeked_next
+        elif not self._loop_fresh() and self._contended() and (opens := self._head_opens(seq)) is not None:
+            # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
+            # staged: a light read of the head shows ``seq`` as this id's next one, so it is neither a duplicate nor a
+            # gap there, which is all a full read would check before writing. Whoever plans its publication reads the
+            # head fully and checks it again; when another producer's commit carries it, the light read that answers
+            # the call is the only read of the head (a fresh id of an elastic pool reloads no metadata). Alone, the
+            # full read is made here as before: its own commit plans on it.
+            seq = opens
         else:
             state = self._state(self._loop.table.metadata if self._loop_fresh() else self._refresh())
             if seq is None:
@@ -203,7 +211,8 @@ class Producer:
 
         def carry_for(staged_intent: Intent) -> Carry:
             staging = self._staging
-            return Carry(staged_at=time.monotonic(), gone=lambda: not staging.exists(staged_intent.path),
+            exists = staging.watch(staged_intent.path)
+            return Carry(staged_at=time.monotonic(), gone=lambda: not exists(),
                          published=lambda metadata: self._published(metadata, seq) is not None,
                          queued=lambda: staging.queued(self.branch, staged_intent.path,
                                                        max_age_s=self._stream.config.gc_grace_ms / 2000),
@@ -278,6 +287,19 @@ class Producer:
 
     def _refresh(self) -> TableMetadata:
         return self._loop.refresh(deadline=time.monotonic() + self._stream.config.commit_timeout_ms / 1000)
+
+    def _head_opens(self, seq: int | None) -> int | None:
+        """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or
+        ``seq`` is None; else (a duplicate, a gap, a head the light read cannot tell) None: read the head fully."""
+        self._state(self._loop.table.metadata)  # a branch that is no branch is refused before anything is written
+        peek = self._loop.peek()
+        if peek is None:
+            return None
+        try:
+            expected = peek.state.next_seq(self._stream.io, self.producer_id)
+        except Exception:  # noqa: BLE001 - e.g. a producer-state file unreadable now: the full read retries or reports
+            return None
+        return expected if seq in (None, expected) else None
 
     def _check_seq(self, seq: int, state: StreamState, allow_gap: bool) -> None:
         expected = state.next_seq(self._stream.io, self.producer_id)

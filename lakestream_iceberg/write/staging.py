@@ -58,6 +58,7 @@ import re
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import quote
@@ -215,10 +216,23 @@ class StagingArea:
 
     def exists(self, path: str) -> bool:
         """Whether an intent is still staged (False once a commit published it and its committer removed it)."""
+        return self.watch(path)()
+
+    def watch(self, path: str) -> Callable[[], bool]:
+        """``exists(path)`` as a function to call repeatedly (a holding producer polls it): the path is resolved once,
+        each call is one metadata request (a stat, a HEAD)."""
         try:
-            return self._io.new_input(path).exists()
-        except Exception:  # storage unreachable: still staged, as far as we know
-            return True
+            source = self._io.new_input(path)
+        except Exception:  # noqa: BLE001 - a path the FileIO cannot resolve now: resolve it at every call
+            source = None
+
+        def exists() -> bool:
+            try:
+                return (source if source is not None else self._io.new_input(path)).exists()
+            except Exception:  # storage unreachable: still staged, as far as we know
+                return True
+
+        return exists
 
     def pending(self, branch: str, *, max_age_s: float, every_s: float = 0.0) -> list[Intent]:
         """Every readable intent of ``branch`` whose data files are younger than ``max_age_s``: the intent's age by the
