@@ -243,6 +243,18 @@ def test_a_file_that_is_not_a_catalog_database_is_a_one_line_error(tmp_path: Pat
     assert code == 1 and err.startswith("lakestream: error: the embedded catalog") and "move it aside" in err
 
 
+@pytest.mark.parametrize("option", [["--catalog", ""], ["--catalog", "  "], ["--home", ""]])
+def test_an_empty_catalog_or_home_is_an_error_not_the_embedded_default(home: Path, capsys: pytest.CaptureFixture[str],
+                                                                         option: list[str]) -> None:
+    """``--catalog "$CATALOG"`` with the variable unset selected the embedded catalog and showed another lake."""
+    from lakestream_iceberg.tools.cli import main
+
+    capsys.readouterr()
+    code = main(["status", STREAM, *option])
+    err = capsys.readouterr().err
+    assert code == 1 and err.startswith("lakestream: error:") and option[0] in err and "Traceback" not in err
+
+
 def test_a_stream_name_with_an_empty_part_is_a_one_line_error(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, err = in_process(home, capsys, "status", "a..b")
     assert code == 1 and err.startswith("lakestream: error:") and "namespace.name" in err

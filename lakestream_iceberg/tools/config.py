@@ -52,6 +52,16 @@ class CatalogSpec:
     name: str | None = None
     home: str | None = None
 
+    def __post_init__(self) -> None:
+        # An empty value is what an unset shell variable gives (``--catalog "$CATALOG"``): it must not quietly select
+        # the embedded catalog (or the default home) and show another, empty, lake
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigError(f"the catalog name is {self.name!r}: give a pyiceberg catalog name, or none (leave out "
+                              "--catalog) for the embedded catalog")
+        if self.home is not None and (not isinstance(self.home, str | os.PathLike) or not str(self.home).strip()):
+            raise ConfigError(f"the lakestream home is {self.home!r}: give a directory, or none (leave out --home) for "
+                              f"${ENV_HOME} or ./{DEFAULT_HOME}")
+
     def describe(self) -> str:
         return f"catalog {self.name!r}" if self.name else f"the embedded catalog in {resolve_home(self.home)}"
 
