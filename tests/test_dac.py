@@ -361,6 +361,34 @@ def test_carry_waits_set_the_group_slot_to_a_high_quantile_not_the_typical_value
     assert p.poll_interval() == pytest.approx(min(PolicyConfig().max_poll_s, p.group_slot_s / 32))
 
 
+def test_a_holder_polls_sparsely_until_the_typical_carry_and_then_every_poll_interval() -> None:
+    """Each poll is a request (a HEAD on object storage): before the typical wait until its batches were carried a
+    holder sleeps a quarter of the time left to it, then polls every poll_interval; without carries it polls as
+    before."""
+    clock = Clock()
+    p = policy(clock=clock)
+    win(p, clock, 10, duration=0.002)
+    assert p.poll_delay(waited=0.0) == p.poll_interval()  # never carried: no typical wait to aim at
+    for i in range(30):
+        p.record_published(step=20 + i, at=clock.t, carried_after=0.08)
+    poll = p.poll_interval()
+    assert poll < 0.01
+    assert p.poll_delay(waited=0.0) == pytest.approx(0.02)  # (0.08 - 0) / 4
+    assert p.poll_delay(waited=0.04) == pytest.approx(0.01)
+    assert p.poll_delay(waited=0.079) == poll and p.poll_delay(waited=5.0) == poll  # at and past the typical wait
+    # a hold that starts with no carry seen checks (0.02, 0.035, 0.046, ...): far fewer checks than every poll_interval
+    waited, checks = 0.0, 0
+    while waited < 0.08:
+        waited += p.poll_delay(waited=waited)
+        checks += 1
+    assert checks < 0.08 / poll / 2
+    slow = policy(clock=clock)
+    win(slow, clock, 10, duration=0.002)
+    for i in range(30):
+        slow.record_published(step=20 + i, at=clock.t, carried_after=5.0)
+    assert slow.poll_delay(waited=0.0) == PolicyConfig().max_poll_s  # capped: a long typical wait never means deaf
+
+
 def test_group_config_is_validated() -> None:
     with pytest.raises(ValueError, match="hold_gather"):
         PolicyConfig(hold_gather=-1)

@@ -72,3 +72,55 @@ def test_a_database_that_cannot_switch_now_keeps_working_and_switches_later(tmp_
         holder.close()
     Stream.open(cat, "ns.s").producer("p").commit(batch("p", 0, WORLD))  # the next open in this process retries
     assert journal_mode(tmp_path) == "wal"
+
+
+# ------------------------------------------------------------------ the pointer probe reads SQLite on its own connection
+def _fork_probe(conn: object, probe: object) -> None:
+    try:
+        conn.send(("ok", probe()))  # type: ignore[attr-defined, operator]
+    except Exception as exc:  # noqa: BLE001
+        conn.send(("error", repr(exc)))  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("wal", ["true", "false"])
+def test_the_pointer_probe_sees_every_commit_and_a_recreated_database_through_a_new_catalog(tmp_path: Path,
+                                                                                          wal: str) -> None:
+    """The probe (one query per "did the head move?") runs on a sqlite3 connection kept per catalog engine, thread and
+    process: it must see commits of other connections at once (in either journal mode), a forked child must not read
+    through its parent's connection, and a catalog opened on a database replaced since must read the new file."""
+    import multiprocessing as mp
+
+    from lakestream_iceberg.connect.pointer import pointer_probe
+
+    stream = Stream.create(catalog(tmp_path, **{PROP_SQLITE_WAL: wal}), "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    assert probe is not None and probe() == stream.table.metadata_location
+    other = Stream.open(catalog(tmp_path, **{PROP_SQLITE_WAL: wal}), "ns.s")  # another engine commits
+    writer = other.producer("p")
+    writer.commit(batch("p", 0, WORLD))
+    moved = writer._loop.table.metadata_location  # noqa: SLF001 - where its commit left the pointer
+    assert probe() == moved != stream.table.metadata_location
+    parent, child = mp.get_context("fork").Pipe()
+    proc = mp.get_context("fork").Process(target=_fork_probe, args=(child, probe))
+    proc.start()
+    assert parent.recv() == ("ok", moved)
+    proc.join(60)
+    writer.commit(batch("p", 1, WORLD))
+    assert probe() == writer._loop.table.metadata_location != moved  # noqa: SLF001  # the parent's connection still answers, after the child used its own
+    # the database file replaced under the same path: a catalog opened now reads the new file, not a kept connection
+    (tmp_path / "catalog.db").rename(tmp_path / "old.db")
+    for leftover in tmp_path.glob("catalog.db-*"):
+        leftover.rename(tmp_path / f"old.db{leftover.name.removeprefix('catalog.db')}")
+    fresh = Stream.create(catalog(tmp_path, **{PROP_SQLITE_WAL: wal}), "ns.s", schema=SCHEMA, world_size=WORLD,
+                          location=f"file://{tmp_path}/wh2")
+    fresh_probe = pointer_probe(fresh.table)
+    assert fresh_probe is not None and fresh_probe() == fresh.table.metadata_location
+
+
+def test_a_database_named_by_a_uri_with_options_keeps_sqlalchemys_connections(tmp_path: Path) -> None:
+    from lakestream_iceberg.connect.pointer import _sqlite_reader
+
+    plain = catalog(tmp_path)
+    assert _sqlite_reader(plain.engine) is not None
+    with_options = SqlCatalog("wal", uri=f"sqlite:///{tmp_path}/catalog.db?timeout=30", warehouse=f"file://{tmp_path}/wh")
+    assert _sqlite_reader(with_options.engine) is None

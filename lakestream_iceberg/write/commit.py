@@ -230,9 +230,8 @@ class CommitLoop:
     def _hold(self, seconds: float, carry: Carry) -> bool:
         """Wait up to ``seconds`` for the staged batch to be carried; True when it was."""
         end = self._clock() + seconds
-        poll = self.policy.poll_interval()
         while (now := self._clock()) < end:
-            self._sleep(min(poll, end - now))
+            self._sleep(min(self.policy.poll_delay(waited=now - carry.staged_at), end - now))
             if carry.gone():
                 return True
         return False

@@ -66,8 +66,9 @@ producers instead of shrinking. The law decides who commits the next group and w
   was carried knows from it how long a group commit takes, instead of firing into one. The report counts while group
   commits are recent (within the active horizon of steps); a pool that shrank to producers committing directly
   forgets it;
-* while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms); once
-  gone, its batch was published and it returns without an attempt;
+* while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms; before the
+  typical wait until it was carried, a quarter of the time left to it, see ``poll_delay``); once gone, its batch was
+  published and it returns without an attempt;
 * a producer whose attempt lost and whose batch was not carried by the winner holds again from its position;
 * a *quiet* catalog needs no groups: when ``step rate x critical section`` (the step rate from the heads the producer
   saw, the critical section its own or the last group committer's) is under ``quiet_utilization`` (0.3), producers
@@ -401,6 +402,16 @@ class CommitPolicy:
     def poll_interval(self) -> float:
         """How often a holding producer checks whether its staged batch was published."""
         return min(self._cfg.max_poll_s, max(self._cfg.min_poll_s, self.group_slot_s / 32))
+
+    def poll_delay(self, *, waited: float) -> float:
+        """How long a holding producer sleeps before it next checks whether its staged batch was published (``waited``:
+        seconds since it was staged): a quarter of what is left until the typical wait until a commit carried one of
+        its batches, at least :meth:`poll_interval` and at most ``max_poll_s``. The checks gather where carries
+        happen, a few before (each check is a request: a HEAD on object storage), then every ``poll_interval``."""
+        poll = self.poll_interval()
+        if self._log_carry is None:
+            return poll
+        return min(self._cfg.max_poll_s, max(poll, (math.exp(self._log_carry) - max(0.0, waited)) / 4))
 
     def pacing_delay(self) -> float:
         """Seconds to wait before the first attempt of the next commit (0 when alone or when the turn is due)."""
