@@ -389,6 +389,35 @@ def test_a_holder_polls_sparsely_until_the_typical_carry_and_then_every_poll_int
     assert slow.poll_delay(waited=0.0) == PolicyConfig().max_poll_s  # capped: a long typical wait never means deaf
 
 
+def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
+    """CommitLoop._hold sleeps what poll_delay says for the time since the batch was staged, and stops at the first
+    check that finds the batch carried."""
+    from lakestream_iceberg.write.commit import Carry, CommitLoop
+
+    clock = Clock()
+    p = policy(clock=clock)
+    win(p, clock, 10, duration=0.002)
+    for i in range(30):
+        p.record_published(step=20 + i, at=clock.t, carried_after=0.08)
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        clock.t += seconds
+
+    loop = CommitLoop(table=None, policy=p, branch="main", timeout_s=60, max_attempts=10, clock=clock,  # type: ignore[arg-type]
+                      sleep=sleep)
+    checks = []
+    staged_at = clock.t
+    carry = Carry(staged_at=staged_at, gone=lambda: checks.append(clock.t) or len(checks) >= 6)
+    assert loop._hold(10.0, carry)  # noqa: SLF001
+    expected, t = [], staged_at
+    for _ in range(6):
+        expected.append(p.poll_delay(waited=t - staged_at))
+        t += expected[-1]
+    assert sleeps == pytest.approx(expected) and sleeps[0] == pytest.approx(0.02) and len(checks) == 6
+
+
 def test_group_config_is_validated() -> None:
     with pytest.raises(ValueError, match="hold_gather"):
         PolicyConfig(hold_gather=-1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 from contextlib import closing
 from pathlib import Path
@@ -75,11 +76,15 @@ def test_a_database_that_cannot_switch_now_keeps_working_and_switches_later(tmp_
 
 
 # ------------------------------------------------------------------ the pointer probe reads SQLite on its own connection
-def _fork_probe(conn: object, probe: object) -> None:
+def _fork_probe(conn: object, probe: object, engine: object) -> None:
+    from lakestream_iceberg.connect.pointer import _READERS
+
     try:
-        conn.send(("ok", probe()))  # type: ignore[attr-defined, operator]
+        found = probe()  # type: ignore[operator]
+        readers = _READERS[engine]
+        conn.send(("ok", found, readers is not None and readers.local.key[0] == os.getpid()))  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
-        conn.send(("error", repr(exc)))  # type: ignore[attr-defined]
+        conn.send(("error", repr(exc), False))  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("wal", ["true", "false"])
@@ -101,10 +106,13 @@ def test_the_pointer_probe_sees_every_commit_and_a_recreated_database_through_a_
     moved = writer._loop.table.metadata_location  # noqa: SLF001 - where its commit left the pointer
     assert probe() == moved != stream.table.metadata_location
     parent, child = mp.get_context("fork").Pipe()
-    proc = mp.get_context("fork").Process(target=_fork_probe, args=(child, probe))
+    proc = mp.get_context("fork").Process(target=_fork_probe, args=(child, probe, stream.table.catalog.engine))
     proc.start()
-    assert parent.recv() == ("ok", moved)
-    proc.join(60)
+    child.close()  # a child that dies closes the pipe: recv raises instead of waiting forever
+    try:
+        assert parent.recv() == ("ok", moved, True)  # the child read through a connection of its own
+    finally:
+        proc.join()
     writer.commit(batch("p", 1, WORLD))
     assert probe() == writer._loop.table.metadata_location != moved  # noqa: SLF001  # the parent's connection still answers, after the child used its own
     # the database file replaced under the same path: a catalog opened now reads the new file, not a kept connection
@@ -117,10 +125,63 @@ def test_the_pointer_probe_sees_every_commit_and_a_recreated_database_through_a_
     assert fresh_probe is not None and fresh_probe() == fresh.table.metadata_location
 
 
-def test_a_database_named_by_a_uri_with_options_keeps_sqlalchemys_connections(tmp_path: Path) -> None:
+def test_a_database_named_by_a_uri_with_options_or_another_driver_keeps_sqlalchemys_connections(tmp_path: Path) -> None:
+    from sqlalchemy import create_engine
+
     from lakestream_iceberg.connect.pointer import _sqlite_reader
 
     plain = catalog(tmp_path)
     assert _sqlite_reader(plain.engine) is not None
     with_options = SqlCatalog("wal", uri=f"sqlite:///{tmp_path}/catalog.db?timeout=30", warehouse=f"file://{tmp_path}/wh")
     assert _sqlite_reader(with_options.engine) is None
+    # SQLCipher's dialect is "sqlite" too, but plain sqlite3 cannot read its encrypted file (sqlite3 stands in for its
+    # driver module here: only the URL and the dialect matter)
+    assert _sqlite_reader(create_engine(f"sqlite+pysqlcipher://:secret@/{tmp_path}/enc.db", module=sqlite3)) is None
+
+
+def test_a_relative_database_path_is_read_where_the_catalog_opened_it(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """SQLAlchemy makes ``sqlite:///catalog.db`` absolute when the engine is made: a probe from a thread that starts
+    after the working directory changed read (and created) another, empty catalog.db there, and every commit then
+    waited out its timeout."""
+    import threading
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    cat = SqlCatalog("wal", uri="sqlite:///catalog.db", warehouse=f"file://{tmp_path}/wh")
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p")
+    assert producer.commit(batch("p", 0, WORLD)).step == 1
+    monkeypatch.chdir(tmp_path / "b")
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(stream.producer("p").commit(batch("p", 1, WORLD)).step))
+    thread.start()
+    thread.join(120)
+    assert results == [2] and not (tmp_path / "b" / "catalog.db").exists()
+
+
+def test_closing_the_catalog_closes_the_probe_connections_of_this_process(tmp_path: Path) -> None:
+    """pyiceberg's ``catalog.close()`` releases the database files (SQLAlchemy disposes its engine): so do the probe's
+    connections, and a probe after that opens a new one."""
+    from lakestream_iceberg.connect.pointer import pointer_probe
+
+    def open_files() -> list[str]:
+        found = []
+        for fd in Path("/proc/self/fd").iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(str(tmp_path / "catalog.db")):
+                found.append(target)
+        return found
+
+    cat = catalog(tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    assert probe is not None and probe() == stream.table.metadata_location
+    assert open_files()
+    cat.close()
+    assert open_files() == []
+    assert probe() == stream.table.metadata_location  # still answers, on a connection opened again

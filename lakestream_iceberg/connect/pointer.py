@@ -21,6 +21,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+from urllib.request import pathname2url
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
@@ -66,36 +67,93 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
 # pyiceberg's IcebergTables: (catalog_name, table_namespace, table_name) is the primary key
 _SQLITE_PROBE = ("SELECT metadata_location FROM iceberg_tables "
                  "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ?")
-_READERS: weakref.WeakKeyDictionary[Any, threading.local] = weakref.WeakKeyDictionary()  # engine -> its connections
+
+
+class _SqliteReaders:
+    """The ``sqlite3`` connections that answer one engine's probes: one per thread and process, opened on first use on
+    the file the engine's own connections opened, closed when the engine is disposed (``catalog.close()``)."""
+
+    def __init__(self, path: str) -> None:
+        self.uri = f"file:{pathname2url(path)}?mode=rw"  # never creates a database: a missing file is an error
+        self.local = threading.local()
+        self.generation = 0  # bumped by dispose(): every thread opens a new connection at its next query
+        self.opened: list[tuple[int, sqlite3.Connection]] = []  # (pid, connection), for dispose()
+        self.lock = threading.Lock()
+
+    def read(self, sql: str, params: tuple[str, ...]) -> str | None:
+        key = (os.getpid(), self.generation)
+        if getattr(self.local, "key", None) != key:  # first use in this thread, a forked child, or disposed since
+            # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect; check_same_thread off only so that
+            # dispose() may close it from another thread (each connection is used by the thread that opened it)
+            conn = sqlite3.connect(self.uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
+            with self.lock:
+                self.opened.append((key[0], conn))
+            self.local.key, self.local.conn = key, conn  # an inherited connection is dropped, never closed
+        row = self.local.conn.execute(sql, params).fetchone()
+        return row[0] if row is not None else None
+
+    def dispose(self, *_args: Any) -> None:
+        """Close this process's connections (SQLAlchemy's ``engine_disposed`` event); a child's dispose after a
+        fork (``close=False``) leaves its parent's connections alone, as SQLAlchemy does."""
+        pid = os.getpid()
+        with self.lock:
+            mine = [conn for owner, conn in self.opened if owner == pid]
+            self.opened = [(owner, conn) for owner, conn in self.opened if owner != pid]
+            self.generation += 1
+        for conn in mine:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - in use by its thread right now: closed with it
+                pass
+
+
+_READERS: weakref.WeakKeyDictionary[Any, _SqliteReaders | None] = weakref.WeakKeyDictionary()  # engine -> readers
 _READERS_LOCK = threading.Lock()
 
 
 def _sqlite_reader(engine: Any) -> Callable[[str, tuple[str, ...]], str | None] | None:
-    """For an SQLAlchemy engine on a plain SQLite database file: run one read-only query on a ``sqlite3`` connection
-    of this thread and process, opened on first use and kept (autocommit: each query reads the last committed state,
-    in WAL mode without blocking the writer); None for any other database or a URI with options, which keep
-    SQLAlchemy's connections. One connection per engine, thread and process: a catalog opened again (a new engine)
-    never reads through an older catalog's connection, and a forked child opens its own (a SQLite connection must not
-    cross a fork)."""
+    """For an SQLAlchemy engine of the standard ``pysqlite`` driver on a plain SQLite database file: a function that
+    runs one read-only query on a ``sqlite3`` connection of this thread and process (autocommit: each query reads the
+    last committed state, in WAL mode without blocking the writer). None for anything else (an in-memory database, a
+    URI with options, another driver such as SQLCipher, credentials), which keeps SQLAlchemy's connections.
+
+    The file is the one the engine's own connections opened (SQLAlchemy makes a relative path absolute when the engine
+    is made; the working directory may have changed since), asked once per engine. A catalog opened again (a new
+    engine) never reads through an older catalog's connection, and a forked child opens its own (a SQLite connection
+    must not cross a fork)."""
     url = engine.url
     database = url.database or ""
-    if engine.dialect.name != "sqlite" or url.query or database in ("", ":memory:") or database.startswith("file:"):
+    if engine.dialect.name != "sqlite" or getattr(engine.dialect, "driver", None) != "pysqlite" or url.query \
+            or url.username or url.password or url.host or url.port or database in ("", ":memory:") \
+            or database.startswith("file:"):
         return None
     with _READERS_LOCK:
-        local = _READERS.get(engine)
-        if local is None:
-            local = _READERS[engine] = threading.local()
+        if engine in _READERS:
+            readers = _READERS[engine]
+            return readers.read if readers is not None else None
+    with engine.connect() as conn:  # outside the lock: the engine's own connection, maybe a busy database
+        rows = conn.exec_driver_sql("PRAGMA database_list").fetchall()
+    path = next((row[2] for row in rows if row[1] == "main"), "")
+    made = _SqliteReaders(path) if path else None
+    with _READERS_LOCK:
+        readers = _READERS.setdefault(engine, made)  # a thread that got here first wins
+    if readers is made and made is not None:
+        from sqlalchemy import event
 
-    def read(sql: str, params: tuple[str, ...]) -> str | None:
-        pid = os.getpid()
-        conn = getattr(local, "connections", {}).get(pid)
-        if conn is None:  # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect uses
-            conn = sqlite3.connect(database, timeout=5.0, isolation_level=None)
-            local.connections = {**getattr(local, "connections", {}), pid: conn}  # an inherited one is never closed
-        row = conn.execute(sql, params).fetchone()
-        return row[0] if row is not None else None
+        event.listen(engine, "engine_disposed", made.dispose)
+    return readers.read if readers is not None else None
 
-    return read
+
+def _reset_lock_after_fork() -> None:
+    global _READERS_LOCK
+    _READERS_LOCK = threading.Lock()  # another thread of the parent may have held a lock at the fork
+    for readers in list(_READERS.values()):
+        if readers is not None:
+            readers.lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 def _probe_of(table: Table) -> Callable[[], str | None] | None:

@@ -156,7 +156,7 @@ class Producer:
             # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
             self._state(self._loop.table.metadata)
             seq = self._peeked_next
-        elif not self._loop_fresh() and self._contended() and (opens := self._head_opens(seq)) is not None:
+        elif not self._loop_fresh() and self._stages() and (opens := self._head_opens(seq)) is not None:
             # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
             # staged: a light read of the head shows ``seq`` as this id's next one, so it is neither a duplicate nor a
             # gap there, which is all a full read would check before writing. Whoever plans its publication reads the
@@ -178,7 +178,7 @@ class Producer:
                                     latency_s=time.monotonic() - started)
 
         staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked, whole=whole)
-        intent = self._stage(staged, allow_gap) if self._contended() else None
+        intent = self._stage(staged, allow_gap) if self._stages() else None
         # ``own`` changes once: when a producer that committed alone loses a swap, it stages the batch (escalate)
         own = [_Batch(staged, allow_gap, intent.staged_at if intent else time.time(), intent.path if intent else None)]
 
@@ -273,6 +273,11 @@ class Producer:
         """Whether other producers are committing to the stream (as far as the head's producer table tells)."""
         policy = self._loop.policy
         return policy.contenders >= 1.5 and not policy.quiet  # a mostly idle catalog: commit directly (dac.quiet)
+
+    def _stages(self) -> bool:
+        """Whether this commit stages its batch for group commit: others are committing and group commit is on."""
+        config = self._stream.config
+        return config.group_commit and config.group_max_batches >= 2 and self._contended()
 
     def _stage(self, staged: StagedBatch, allow_gap: bool) -> Intent | None:
         """Stage the batch for group commit (None when group commit is off)."""
