@@ -418,6 +418,38 @@ def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
     assert sleeps == pytest.approx(expected) and sleeps[0] == pytest.approx(0.02) and len(checks) == 6
 
 
+def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits() -> None:
+    """A head that does not move for idle_after_s while a batch is held means the producers ahead stopped: the hold
+    ends (False: commit now) instead of lasting its slots; a head that keeps moving never ends it early."""
+    from lakestream_iceberg.write.commit import Carry, CommitLoop
+
+    clock = Clock()
+    p = policy(clock=clock)
+    win(p, clock, 10, duration=0.010)
+    assert p.idle_after_s == pytest.approx(3 * p.critical_section_s)
+
+    def sleep(seconds: float) -> None:
+        clock.t += seconds
+
+    def loop_with(probe: object) -> CommitLoop:
+        loop = CommitLoop(table=None, policy=p, branch="main", timeout_s=60, max_attempts=10, clock=clock,  # type: ignore[arg-type]
+                          sleep=sleep)
+        loop._probe = lambda: probe  # type: ignore[method-assign]  # noqa: SLF001
+        return loop
+
+    never = Carry(staged_at=clock.t, gone=lambda: False)
+    start = clock.t
+    assert not loop_with(lambda: "m-1.json")._hold(600.0, never)  # noqa: SLF001
+    assert p.idle_after_s <= clock.t - start <= p.idle_after_s + 2 * p.poll_interval() + p.idle_after_s / 4
+    moves = iter(range(10**6))
+    start = clock.t
+    assert not loop_with(lambda: f"m-{next(moves)}.json")._hold(2.0, never)  # noqa: SLF001
+    assert clock.t - start == pytest.approx(2.0)  # held the whole time: the head kept moving
+    start = clock.t
+    assert not loop_with(None)._hold(2.0, never)  # noqa: SLF001 - no pointer probe (e.g. REST): holds as before
+    assert clock.t - start == pytest.approx(2.0)
+
+
 def test_group_config_is_validated() -> None:
     with pytest.raises(ValueError, match="hold_gather"):
         PolicyConfig(hold_gather=-1)

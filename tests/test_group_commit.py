@@ -20,6 +20,7 @@ from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, SequenceError
 from lakestream_iceberg.format.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
 from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.write.dac import CommitPolicy
 from lakestream_iceberg.write.staging import STAGING_DIR, Intent
 from tests.backends import published
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
@@ -350,6 +351,7 @@ def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_
     a, b = both_active(stream)
     monkeypatch.setattr(a, "_contended", lambda: True)  # a stages and holds; b commits alone and carries it
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
     refreshes = a._loop._refreshes  # noqa: SLF001 - full reads of the head so far
     results: list = []
     thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))))
@@ -518,6 +520,7 @@ def test_a_new_producer_whose_batch_is_carried_reads_the_head_only_lightly(tmp_p
     assert StreamState.of(c._loop.table.metadata.current_snapshot()).step == 0  # noqa: SLF001 - the old view
     monkeypatch.setattr(c, "_contended", lambda: True)
     monkeypatch.setattr(c._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
     results: list = []
     thread = threading.Thread(target=lambda: results.append(c.commit(batch("c", 1, WORLD))))  # seq from the head: 1
     thread.start()
@@ -553,3 +556,21 @@ def test_a_new_producer_with_an_old_view_still_finds_duplicates_and_gaps_before_
     with pytest.raises(SequenceError, match="would skip from seq 1 to 3"):
         stream.producer("d").commit(batch("d", 3, WORLD), seq=3)
     assert sorted(data.iterdir()) == files and not staged_files(stream)  # nothing written, nothing staged
+
+
+def test_a_holder_whose_batch_nobody_carries_commits_it_once_the_head_stays_put(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer that holds its staged batch for a turn that never comes (the producers ahead of it finished) commits
+    it itself once the head has not moved for three group commits, not after its slots (here 600 s)."""
+    stream = make(tmp_path)
+    a, _b = both_active(stream)
+    monkeypatch.setattr(a, "_contended", lambda: True)
+    monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
+    thread.start()
+    thread.join(120)  # a broken idle check holds for 600 s
+    assert not thread.is_alive()
+    (result,) = results
+    assert (result.step, result.seq, result.carried, result.duplicate) == (5, 2, False, False)
+    assert published(stream)[5] == ("a", 2) and not staged_files(stream)

@@ -30,7 +30,7 @@ from pyiceberg.table import Table
 
 from lakestream_iceberg.errors import StreamError
 
-__all__ = ["pointer_probe", "read_moved", "refresh_if_moved"]
+__all__ = ["cached_probe", "pointer_probe", "read_moved", "refresh_if_moved"]
 
 _PROBES: dict[int, tuple[weakref.ref[Table], Callable[[], str | None] | None]] = {}  # id(table) -> (table, probe)
 
@@ -154,6 +154,11 @@ def _reset_lock_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_lock_after_fork)
+
+
+def cached_probe(table: Table) -> Callable[[], str | None] | None:
+    """:func:`pointer_probe` of ``table``, made once per table object (None for catalogs without one)."""
+    return _probe_of(table)
 
 
 def _probe_of(table: Table) -> Callable[[], str | None] | None:

@@ -68,7 +68,9 @@ producers instead of shrinking. The law decides who commits the next group and w
   forgets it;
 * while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms; before the
   typical wait until it was carried, a quarter of the time left to it, see ``poll_delay``); once gone, its batch was
-  published and it returns without an attempt;
+  published and it returns without an attempt. Where the catalog has a cheap pointer read (SQL catalogs), it also
+  checks whether the head moves at all: a head that stays put for ``idle_after_s`` (three group commits) means the
+  producers ahead of it stopped or are stuck, and it commits at once instead of waiting out its slots;
 * a producer whose attempt lost and whose batch was not carried by the winner holds again from its position;
 * a *quiet* catalog needs no groups: when ``step rate x critical section`` (the step rate from the heads the producer
   saw, the critical section its own or the last group committer's) is under ``quiet_utilization`` (0.3), producers
@@ -412,6 +414,15 @@ class CommitPolicy:
         if self._log_carry is None:
             return poll
         return min(self._cfg.max_poll_s, max(poll, (math.exp(self._log_carry) - max(0.0, waited)) / 4))
+
+    @property
+    def idle_after_s(self) -> float:
+        """How long the head may stay where it is while this producer holds a staged batch before it stops holding and
+        commits (everything staged) itself: three group commits' critical sections (the last group committer's
+        report, or its own), at least ``4 * min_poll_s``. The producers whose turn came first have stopped or
+        are stuck; waiting out its position's slots would leave the catalog idle (a pool whose workers are finishing
+        held the last batches for up to 1.3 s)."""
+        return max(4 * self._cfg.min_poll_s, 3 * max(self.group_commit_s, self.critical_section_s))
 
     def pacing_delay(self) -> float:
         """Seconds to wait before the first attempt of the next commit (0 when alone or when the turn is due)."""
