@@ -62,6 +62,26 @@ def summary_of(stream: Stream, step: int) -> StreamState:
     raise AssertionError(f"no retained snapshot for step {step}")
 
 
+def carried_by(stream: Stream, holder, carrier, holder_batch: list, carrier_batch: list, *, carrier_step: int):
+    """``holder.commit(holder_batch)`` in a thread, held until ``carrier`` (committing alone) publishes it with its own
+    batch; returns the holder's result."""
+    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(holder.commit(holder_batch)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not staged_files(stream):  # the holder has written and staged its batch
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    time.sleep(STAGING_SCAN_S)  # the carrier, committing alone, lists the staging folder at most this often
+    assert carrier.commit(carrier_batch).step == carrier_step
+    thread.join(120)
+    assert not thread.is_alive()
+    (result,) = results
+    return result
+
+
 def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_once(tmp_path: Path) -> None:
     stream = make(tmp_path)
     _, b = both_active(stream)
@@ -345,7 +365,6 @@ def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A producer whose staged batch another producer's commit published learns its step from the head's summaries
     read as plain JSON (no full metadata read), and its next commit still plans on a full read and continues the seq."""
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
 
     stream = make(tmp_path)
     a, b = both_active(stream)
@@ -353,18 +372,7 @@ def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
     monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
     refreshes = a._loop._refreshes  # noqa: SLF001 - full reads of the head so far
-    results: list = []
-    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))))
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not staged_files(stream):  # a has written and staged its batch
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.005)
-    time.sleep(STAGING_SCAN_S)  # b, committing alone, lists the staging folder at most this often
-    assert b.commit(batch("b", 2, WORLD)).step == 6
-    thread.join(120)
-    assert not thread.is_alive()
-    (result,) = results
+    result = carried_by(stream, a, b, batch("a", 2, WORLD), batch("b", 2, WORLD), carrier_step=6)
     assert (result.step, result.seq, result.carried, result.duplicate, result.attempts) == (5, 2, True, False, 0)
     assert published(stream)[5] == ("a", 2)
     assert result.snapshot_id == next(s.snapshot_id for s in stream.refresh().table.metadata.snapshots
@@ -511,7 +519,6 @@ def test_a_new_producer_whose_batch_is_carried_reads_the_head_only_lightly(tmp_p
     """A producer made from a view older than the head (the stream's, as every fresh id of an elastic pool is) learns
     its next seq from a light read of the head, stages, and is answered from a light read when another producer's
     commit carries its batch: no full read of the metadata at all, and the seq is the head's, not the old view's."""
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
 
     stream = make(tmp_path)  # its view: the empty table; a and b then publish steps 1-4, c's seq 0 step 5
     a, b = both_active(stream)
@@ -521,18 +528,7 @@ def test_a_new_producer_whose_batch_is_carried_reads_the_head_only_lightly(tmp_p
     monkeypatch.setattr(c, "_contended", lambda: True)
     monkeypatch.setattr(c._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
     monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
-    results: list = []
-    thread = threading.Thread(target=lambda: results.append(c.commit(batch("c", 1, WORLD))))  # seq from the head: 1
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not staged_files(stream):
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.005)
-    time.sleep(STAGING_SCAN_S)  # b, committing alone, lists the staging folder at most this often
-    assert b.commit(batch("b", 2, WORLD)).step == 7
-    thread.join(120)
-    assert not thread.is_alive()
-    (result,) = results
+    result = carried_by(stream, c, b, batch("c", 1, WORLD), batch("b", 2, WORLD), carrier_step=7)  # c's seq: the head's
     assert (result.step, result.seq, result.carried, result.duplicate) == (6, 1, True, False)
     assert c._loop._refreshes == 0  # noqa: SLF001 - the head was never read fully
     assert published(stream)[5] == ("c", 0) and published(stream)[6] == ("c", 1)
