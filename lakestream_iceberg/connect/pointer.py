@@ -15,6 +15,7 @@ without building pyiceberg's ``TableMetadata`` from it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
 import threading
@@ -30,7 +31,7 @@ from pyiceberg.table import Table
 
 from lakestream_iceberg.errors import StreamError
 
-__all__ = ["cached_probe", "pointer_probe", "read_moved", "refresh_if_moved"]
+__all__ = ["PointerWatch", "cached_probe", "pointer_probe", "read_moved", "refresh_if_moved"]
 
 _PROBES: dict[int, tuple[weakref.ref[Table], Callable[[], str | None] | None]] = {}  # id(table) -> (table, probe)
 
@@ -158,16 +159,40 @@ if hasattr(os, "register_at_fork"):
 
 def cached_probe(table: Table) -> Callable[[], str | None] | None:
     """:func:`pointer_probe` of ``table``, made once per table object (None for catalogs without one)."""
-    return _probe_of(table)
-
-
-def _probe_of(table: Table) -> Callable[[], str | None] | None:
     key = id(table)
     cached = _PROBES.get(key)
     if cached is None or cached[0]() is not table:  # pyiceberg tables are not hashable: keyed by id, checked by ref
         cached = (weakref.ref(table, lambda _ref, key=key: _PROBES.pop(key, None)), pointer_probe(table))
         _PROBES[key] = cached
     return cached[1]
+
+
+class PointerWatch:
+    """How long a table's catalog pointer has stayed where it is, as seen from the first read (``probe``: see
+    :func:`cached_probe`; probed at most every ``every_s``). A failing or missing probe never reports idleness."""
+
+    def __init__(self, probe: Callable[[], str | None] | None, now: float, *, every_s: float) -> None:
+        self._probe = probe
+        self._every_s = every_s
+        self._location: str | None = None
+        self._since = now
+        self._read = False
+        self._probed = -math.inf
+
+    def idle_for(self, now: float) -> float:
+        if self._probe is None:
+            return 0.0
+        if self._read and now - self._probed < self._every_s:
+            return now - self._since
+        self._probed = now
+        try:
+            location = self._probe()
+        except Exception:  # noqa: BLE001 - an unreachable catalog is not an idle one: keep holding
+            self._read = False
+            return 0.0
+        if not self._read or location != self._location:
+            self._location, self._since, self._read = location, now, True
+        return now - self._since
 
 
 def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
@@ -179,7 +204,7 @@ def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
     name: :func:`refresh_if_moved` refuses it). ``table`` itself is left as it is. The JSON is unchecked:
     the caller validates every field it uses.
     """
-    probe = _probe_of(table)
+    probe = cached_probe(table)
     if probe is None:
         return None
     location = probe()
@@ -210,7 +235,7 @@ def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
         StreamError: The name now holds another table (a different table UUID: dropped and created again);
             ``table`` keeps its metadata.
     """
-    probe = _probe_of(table)
+    probe = cached_probe(table)
     before, held = table.metadata_location, table.metadata
     if probe is None:
         table.refresh()

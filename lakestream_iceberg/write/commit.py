@@ -30,7 +30,6 @@ on a full read of the head, which it makes anyway right before planning. Parsing
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -44,7 +43,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.connect.diagnose import transient
-from lakestream_iceberg.connect.pointer import cached_probe, read_moved, refresh_if_moved
+from lakestream_iceberg.connect.pointer import PointerWatch, cached_probe, read_moved, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
 from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
 from lakestream_iceberg.format.summary import StreamState
@@ -110,34 +109,6 @@ class Carry:
     queued: Callable[[], int] | None = None  # staged batches older than this one (a listing; see hold_delay)
     # once the batch is gone: the final answer from a light read of the head, or None to read it fully and plan
     answer: Callable[[Peek, int], object | None] | None = None
-
-
-class _HeadWatch:
-    """How long the catalog pointer has stayed where it is, as seen from the first read (probed at most every
-    ``every_s``; a failing or missing probe never reports idleness)."""
-
-    def __init__(self, probe: Callable[[], str | None] | None, now: float, *, every_s: float) -> None:
-        self._probe = probe
-        self._every_s = every_s
-        self._location: str | None = None
-        self._since = now
-        self._read = False
-        self._probed = -math.inf
-
-    def idle_for(self, now: float) -> float:
-        if self._probe is None:
-            return 0.0
-        if self._read and now - self._probed < self._every_s:
-            return now - self._since
-        self._probed = now
-        try:
-            location = self._probe()
-        except Exception:  # noqa: BLE001 - an unreachable catalog is not an idle one: keep holding
-            self._read = False
-            return 0.0
-        if not self._read or location != self._location:
-            self._location, self._since, self._read = location, now, True
-        return now - self._since
 
 
 class CommitLoop:
@@ -263,7 +234,7 @@ class CommitLoop:
         start = self._clock()
         end = start + seconds
         idle_s = self.policy.idle_after_s
-        watch = _HeadWatch(self._probe(), start, every_s=idle_s / 4) if seconds > idle_s else None
+        watch = PointerWatch(self._probe(), start, every_s=idle_s / 4) if seconds > idle_s else None
         while (now := self._clock()) < end:
             self._sleep(min(self.policy.poll_delay(waited=now - carry.staged_at), end - now))
             if carry.gone():
