@@ -331,6 +331,22 @@ def test_hold_alone_is_zero_and_the_head_groups_first_batch_commits_at_once() ->
     assert first.contenders == 8.0 and first.hold_delay(waited=0.0) == 0.0
 
 
+def test_a_holder_that_leads_the_queue_holds_one_slot_more_as_a_bound_only() -> None:
+    """With the queue rule (``led``: the loop commits as soon as the batch leads the queue of staged batches) the hold
+    is only the bound for a queue whose first batch never goes: position 0 no longer commits at once (it would fire
+    into the commit still in flight), and every position holds one slot more."""
+    slot = grouped(94).group_slot_s
+    assert grouped(93).hold_delay(waited=0.0) == 0.0
+    assert slot <= grouped(93).hold_delay(waited=0.0, led=True) <= 1.1 * slot + 1e-9
+    for pos in (1, 2, 3):
+        assert (pos + 1) * slot <= grouped(93 + pos, seed=pos).hold_delay(waited=0.0, led=True) <= (pos + 1.1) * slot + 1e-9
+    clock = Clock()
+    alone = policy(clock=clock)
+    win(alone, clock, 1)
+    alone.observe_head(1, producers=[1])
+    assert alone.hold_delay(waited=0.0, led=True) == 0.0  # alone: never holds
+
+
 def test_hold_grows_one_slot_per_position_and_is_capped() -> None:
     slot = grouped(94).group_slot_s
     holds = [grouped(93 + pos, seed=pos).hold_delay(waited=0.0) for pos in range(8)]
@@ -447,6 +463,70 @@ def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits(
     assert clock.t - start == pytest.approx(2.0)  # held the whole time: the head kept moving
     start = clock.t
     assert not loop_with(None)._hold(2.0, never)  # noqa: SLF001 - no pointer probe (e.g. REST): holds as before
+    assert clock.t - start == pytest.approx(2.0)
+
+
+def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> None:
+    """The queue rule in the loop, on a fake clock: a batch with nothing staged before it commits when the hold starts,
+    without sleeping; one behind an unpublished batch holds while the head stays put; once the head moves, it commits
+    when what was ahead is published (shown by a light read of the head) or gone, and returns as carried when its own
+    intent is gone. Without a pointer probe (REST) the rule is off."""
+    from lakestream_iceberg.format.summary import ProducerState, StreamState
+    from lakestream_iceberg.write.commit import Carry, CommitLoop, Peek
+
+    clock = Clock()
+    p = policy(clock=clock)
+    win(p, clock, 10, duration=0.010)
+
+    def sleep(seconds: float) -> None:
+        clock.t += seconds
+
+    head = {"location": "m-1.json", "published": {}}
+
+    def loop_with(probe: object) -> CommitLoop:
+        loop = CommitLoop(table=None, policy=p, branch="main", timeout_s=60, max_attempts=10, clock=clock,  # type: ignore[arg-type]
+                          sleep=sleep)
+        loop._probe = lambda: probe  # type: ignore[method-assign]  # noqa: SLF001
+        loop.peek = lambda: Peek(StreamState(op="append", step=10, producers={  # type: ignore[method-assign]
+            name: ProducerState(seq, 10, 1) for name, seq in head["published"].items()}), lambda _id: None)
+        return loop
+
+    probe = lambda: head["location"]  # noqa: E731
+    first = Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])
+    start = clock.t
+    assert loop_with(probe)._hold(600.0, first) is False and clock.t == start  # noqa: SLF001 - nothing ahead: at once
+
+    ahead = [("x", 3)]
+    behind = Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
+    moves = []
+
+    def moving_sleep(seconds: float) -> None:
+        clock.t += seconds
+        if clock.t - start >= p.idle_after_s / 2 and not moves:  # the commit ahead lands: x's seq 3 is published
+            moves.append(clock.t)
+            head["location"], head["published"] = "m-2.json", {"x": 3}
+
+    start = clock.t
+    loop = loop_with(probe)
+    loop._sleep = moving_sleep  # noqa: SLF001
+    assert loop._hold(600.0, behind) is False  # noqa: SLF001
+    # right after the move (the idle rule would end it idle_after_s after the move, its slots after 600 s)
+    assert moves and moves[0] <= clock.t <= moves[0] + p.poll_interval() + 1e-9 < moves[0] + p.idle_after_s
+
+    # the head moves but the batch ahead is still unpublished: it keeps holding (here until the bound)
+    head["published"] = {}
+    ahead[:] = [("y", 0)]
+    flips = iter(range(10**6))
+    stuck = Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
+    start = clock.t
+    assert loop_with(lambda: f"m-{next(flips)}.json")._hold(2.0, stuck) is False  # noqa: SLF001
+    assert clock.t - start == pytest.approx(2.0)
+    # its own intent gone at a move: carried
+    gone = Carry(staged_at=clock.t, gone=lambda: True, ahead=lambda: None)
+    assert loop_with(probe)._hold(2.0, gone) is True  # noqa: SLF001
+    # no pointer probe: the rule is off (it holds its slots, polling the intent)
+    start = clock.t
+    assert loop_with(None)._hold(2.0, Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])) is False  # noqa: SLF001
     assert clock.t - start == pytest.approx(2.0)
 
 

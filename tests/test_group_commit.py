@@ -371,6 +371,7 @@ def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_
     monkeypatch.setattr(a, "_contended", lambda: True)  # a stages and holds; b commits alone and carries it
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
     monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
+    monkeypatch.setattr(CommitPolicy, "leads_queue", False)  # nor a batch that leads the queue: it is the only one
     refreshes = a._loop._refreshes  # noqa: SLF001 - full reads of the head so far
     result = carried_by(stream, a, b, batch("a", 2, WORLD), batch("b", 2, WORLD), carrier_step=6)
     assert (result.step, result.seq, result.carried, result.duplicate, result.attempts) == (5, 2, True, False, 0)
@@ -408,24 +409,30 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
     head_id = document["refs"]["main"]["snapshot-id"]
     head = next(s for s in document["snapshots"] if s["snapshot-id"] == head_id)
     head["summary"]["lakestream.step"] = "four"
-    metadata_path.write_text(json.dumps(document))
+
+    def rewrite(content: str) -> None:
+        """Rewrite the head's metadata file in place (a committed one never changes: light reads are kept per file)."""
+        metadata_path.write_text(content)
+        loop._last_peek = None  # noqa: SLF001
+
+    rewrite(json.dumps(document))
     loop.mark_stale()
     loop.table.metadata_location = "elsewhere"  # the pointer 'moved' for this loop: it reads the file lightly
     with pytest.raises(CorruptStateError, match="lakestream.step"):
         loop.peek()
     head["summary"]["lakestream.step"] = "4"
     document["refs"]["main"]["type"] = "tag"  # main is no branch: not answerable lightly
-    metadata_path.write_text(json.dumps(document))
+    rewrite(json.dumps(document))
     assert loop.peek() is None
     document["refs"]["main"]["type"] = "branch"
     for odd in ([1, 2], None, True):  # an id no writer gives (unhashable, missing, a bool): not answerable lightly
         document["snapshots"][0]["snapshot-id"] = odd
-        metadata_path.write_text(json.dumps(document))
+        rewrite(json.dumps(document))
         assert loop.peek() is None
     document["snapshots"][0]["snapshot-id"] = head_id  # the same id twice: which one a reader takes is ambiguous
-    metadata_path.write_text(json.dumps(document))
+    rewrite(json.dumps(document))
     assert loop.peek() is None
-    metadata_path.write_text(text)
+    rewrite(text)
     assert loop.peek() is not None and loop.peek().state.step == 4
 
 
@@ -528,6 +535,7 @@ def test_a_new_producer_whose_batch_is_carried_reads_the_head_only_lightly(tmp_p
     monkeypatch.setattr(c, "_contended", lambda: True)
     monkeypatch.setattr(c._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
     monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
+    monkeypatch.setattr(CommitPolicy, "leads_queue", False)  # nor a batch that leads the queue: it is the only one
     result = carried_by(stream, c, b, batch("c", 1, WORLD), batch("b", 2, WORLD), carrier_step=7)  # c's seq: the head's
     assert (result.step, result.seq, result.carried, result.duplicate) == (6, 1, True, False)
     assert c._loop._refreshes == 0  # noqa: SLF001 - the head was never read fully
@@ -562,6 +570,7 @@ def test_a_holder_whose_batch_nobody_carries_commits_it_once_the_head_stays_put(
     a, _b = both_active(stream)
     monkeypatch.setattr(a, "_contended", lambda: True)
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001
+    monkeypatch.setattr(CommitPolicy, "leads_queue", False)  # the idle head ends the hold, not the queue
     results: list = []
     thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
     thread.start()
@@ -570,3 +579,99 @@ def test_a_holder_whose_batch_nobody_carries_commits_it_once_the_head_stays_put(
     (result,) = results
     assert (result.step, result.seq, result.carried, result.duplicate) == (5, 2, False, False)
     assert published(stream)[5] == ("a", 2) and not staged_files(stream)
+
+
+def _holding(a, monkeypatch: pytest.MonkeyPatch) -> list:
+    """Make ``a`` stage and hold its next batch for as long as only the queue rule can end the hold (slots and idle
+    head: 600 s); returns the list its loop appends each place check's verdict to."""
+    from lakestream_iceberg.write.commit import CommitLoop
+
+    monkeypatch.setattr(a, "_contended", lambda: True)
+    monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001
+    monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)
+    verdicts: list = []
+    place = a._loop._place  # noqa: SLF001
+
+    def recorded(carry):  # type: ignore[no-untyped-def]
+        verdicts.append(place(carry))
+        return verdicts[-1]
+
+    monkeypatch.setattr(a._loop, "_place", recorded)  # noqa: SLF001
+    assert isinstance(a._loop, CommitLoop)  # noqa: SLF001
+    return verdicts
+
+
+def test_a_held_batch_commits_itself_once_it_leads_the_queue_of_staged_batches(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch staged behind another one that nobody has published holds (that batch's owner, or the commit already in
+    flight, goes first); when the head moves and nothing is staged before it any more, it commits at once, not after
+    its slots or an idle head."""
+    stream = make(tmp_path)
+    a, _b = both_active(stream)
+    ahead = stage(stream, "x", 0)  # staged first; its owner holds it too (here: died)
+    verdicts = _holding(a, monkeypatch)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not verdicts:  # a staged its batch and looked at its place in the queue
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    assert verdicts == [None] and thread.is_alive() and stream.head_step() == 4  # behind x's batch: holding
+    stream.staging.remove([ahead.path])  # x's batch withdrawn (its commit gave up) ...
+    other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    other.table.transaction().set_properties({"touched": "1"}).commit_transaction()  # ... and the head moves
+    thread.join(120)
+    assert not thread.is_alive()
+    (result,) = results
+    assert (result.step, result.seq, result.carried, result.duplicate) == (5, 2, False, False)
+    assert verdicts[-1] is False and published(stream)[5] == ("a", 2) and not staged_files(stream)
+
+
+def test_an_intent_left_behind_for_a_published_batch_does_not_hold_the_queue(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An intent staged before this batch whose seq the head shows published (its committer has not removed it yet,
+    or died right after the swap) is not a batch to wait for: the light read of the head shows it, and the batch
+    behind it leads the queue and commits at once (removing the leftover)."""
+    stream = make(tmp_path)
+    a, _b = both_active(stream)
+    x = stream.producer("x")
+    x.commit(batch("x", 0, WORLD))  # step 5
+    leftover = stage(stream, "x", 0)  # another copy of x's seq 0, staged after it was published
+    verdicts = _holding(a, monkeypatch)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive()
+    (result,) = results
+    assert (result.step, result.seq, result.carried) == (6, 2, False) and verdicts == [False]
+    steps = published(stream)
+    assert stream.head_step() == 6 and (steps[5], steps[6]) == (("x", 0), ("a", 2))
+    assert list(steps.values()).count(("x", 0)) == 1  # the leftover was not published again
+    assert leftover.path not in {f"file://{p}" for p in staged_files(stream)} and not staged_files(stream)
+
+
+def test_staging_lists_the_batches_staged_before_one_in_the_order_every_producer_sees(tmp_path: Path) -> None:
+    """StagingArea.ahead: (producer, seq) of the intents staged before one (store time, then name), without reading
+    them; files that are not intents do not count; None once the intent is gone."""
+    stream = make(tmp_path)
+    first = stage(stream, "x", 0)
+    second = stage(stream, "y", 4)
+    third = stage(stream, "z", 1)
+    folder = Path(first.path.removeprefix("file://")).parent
+    (folder / "notes.parquet").write_bytes(b"PAR1")  # not an intent's name: never published, never waited for
+    for i, intent in enumerate((first, second, third)):  # distinct, increasing store times
+        os.utime(intent.path.removeprefix("file://"), ns=(10**18 + i * 10**9, 10**18 + i * 10**9))
+    staging = stream.staging
+    max_age_s = 10**10
+    assert staging.ahead("main", first.path, max_age_s=max_age_s) == []
+    assert staging.ahead("main", second.path, max_age_s=max_age_s) == [("x", 0)]
+    assert sorted(staging.ahead("main", third.path, max_age_s=max_age_s)) == [("x", 0), ("y", 4)]
+    assert staging.queued("main", third.path, max_age_s=max_age_s) == 2
+    os.utime(second.path.removeprefix("file://"), ns=(10**18, 10**18))  # the same store time as x: by name then
+    assert staging.ahead("main", second.path, max_age_s=max_age_s) == [("x", 0)]
+    assert staging.ahead("main", first.path, max_age_s=max_age_s) == []
+    staging.remove([first.path])
+    assert staging.ahead("main", first.path, max_age_s=max_age_s) is None
+    assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("y", 4)]

@@ -169,7 +169,8 @@ def cached_probe(table: Table) -> Callable[[], str | None] | None:
 
 class PointerWatch:
     """How long a table's catalog pointer has stayed where it is, as seen from the first read (``probe``: see
-    :func:`cached_probe`; probed at most every ``every_s``). A failing or missing probe never reports idleness."""
+    :func:`cached_probe`; probed at most every ``every_s``), and whether it moved since the last look. A failing or
+    missing probe never reports idleness nor a move."""
 
     def __init__(self, probe: Callable[[], str | None] | None, now: float, *, every_s: float) -> None:
         self._probe = probe
@@ -178,21 +179,30 @@ class PointerWatch:
         self._since = now
         self._read = False
         self._probed = -math.inf
+        self._moved = False  # moved (or first read) since moved() last answered
 
-    def idle_for(self, now: float) -> float:
-        if self._probe is None:
-            return 0.0
-        if self._read and now - self._probed < self._every_s:
-            return now - self._since
+    def _look(self, now: float) -> None:
+        if self._probe is None or (self._read and now - self._probed < self._every_s):
+            return
         self._probed = now
         try:
             location = self._probe()
         except Exception:  # noqa: BLE001 - an unreachable catalog is not an idle one: keep holding
             self._read = False
-            return 0.0
+            return
         if not self._read or location != self._location:
-            self._location, self._since, self._read = location, now, True
-        return now - self._since
+            self._location, self._since, self._read, self._moved = location, now, True, True
+
+    def idle_for(self, now: float) -> float:
+        """Seconds the pointer has stayed where it is (0 when it cannot be read)."""
+        self._look(now)
+        return now - self._since if self._read else 0.0
+
+    def moved(self, now: float) -> bool:
+        """Whether the pointer moved since the last call (the first successful read counts as a move)."""
+        self._look(now)
+        moved, self._moved = self._moved, False
+        return moved
 
 
 def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:

@@ -19,8 +19,10 @@ Outcomes of one attempt:
 
 Group commit (``carry``): the caller's batch is staged (:mod:`lakestream_iceberg.write.staging`), and any producer's commit
 may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether the staged batch
-is gone (another commit carried it); then it reads the head and the planner either finds the batch published (done,
-with no attempt of its own) or plans a commit of every staged batch. Once the staged batch is gone the head is first
+is gone (another commit carried it), or, where the catalog pointer is cheap to read, whether the head moved: then the
+batch was carried, or leads the queue of staged batches and is committed at once (see :meth:`CommitLoop._hold`); then
+it reads the head and the planner either finds the batch published (done, with no attempt of its own) or plans a
+commit of every staged batch. Once the staged batch is gone the head is first
 read *lightly* (:meth:`CommitLoop.peek`: the new ``metadata.json`` as plain JSON, only the summaries asked for parsed):
 when it shows the batch published (``Carry.answer``) the call returns from that, and the producer's next commit plans
 on a full read of the head, which it makes anyway right before planning. Parsing the whole metadata into pyiceberg's
@@ -109,6 +111,9 @@ class Carry:
     queued: Callable[[], int] | None = None  # staged batches older than this one (a listing; see hold_delay)
     # once the batch is gone: the final answer from a light read of the head, or None to read it fully and plan
     answer: Callable[[Peek, int], object | None] | None = None
+    # (producer, seq) of the staged batches older than this one that a commit could still publish (one listing), None
+    # when this one is no longer listed or the listing failed: the batch leads the queue once all of them are published
+    ahead: Callable[[], list[tuple[str, int]] | None] | None = None
 
 
 class CommitLoop:
@@ -138,6 +143,9 @@ class CommitLoop:
         self._refreshes = 0
         # True from an answer found by peek() until the next full read: table.metadata is older than the head
         self.peeked = False
+        self._carried_peek: Peek | None = None  # the light read of the head a hold found its batch published in
+        self._blind = False  # a hold's light read of the head failed: it polls its intent instead
+        self._last_peek: tuple[str, Peek] | None = None  # (metadata location, its light read)
 
     def refresh(self, *, deadline: float) -> TableMetadata:
         """Reload the table, retrying a failing catalog with bounded, jittered backoff until ``deadline``."""
@@ -176,6 +184,9 @@ class CommitLoop:
         Raises :class:`CorruptStateError` for a lakestream summary value lakestream never writes, as a full read does.
         """
         try:
+            last = self._last_peek
+            if last is not None and (probe := cached_probe(self.table)) is not None and probe() == last[0]:
+                return last[1]  # the pointer has not moved since the last light read (a metadata file never changes)
             found = read_moved(self.table)
         except Exception:  # noqa: BLE001 - unreachable or unreadable: the full read retries and reports it
             return None
@@ -214,7 +225,11 @@ class CommitLoop:
             return StreamState.parse(summary, snapshot_id=snapshot_id, parent_id=parent if type(parent) is int else None)
 
         head = states(ref.get("snapshot-id"))
-        return Peek(head, states) if head is not None else None
+        if head is None:
+            return None
+        peek = Peek(head, states)
+        self._last_peek = (location, peek)
+        return peek
 
     def _observe(self, metadata: TableMetadata) -> None:
         self._observe_state(self._head_state(metadata))
@@ -228,21 +243,62 @@ class CommitLoop:
                                  group_commit_s=state.group_commit_ms / 1000 if state.group_commit_ms else None)
 
     def _hold(self, seconds: float, carry: Carry) -> bool:
-        """Wait up to ``seconds`` for the staged batch to be carried; True when it was. False also as soon as the head
-        has not moved for ``policy.idle_after_s`` (read from the catalog pointer, where it is cheap): nobody is
-        committing, so the caller commits now."""
+        """Wait up to ``seconds`` for the staged batch to be carried; True when it was. False (commit now) as soon as:
+
+        * the batch leads the queue of staged batches (``carry.ahead``): every batch staged before it is published.
+          Checked when the hold starts and whenever the head moves, read from the catalog pointer where that is
+          cheap (SQL catalogs): the commit ahead of it landed, so the catalog is free and nobody else is due. A
+          commit then starts as soon as the previous one landed, with whatever was staged meanwhile, and while it
+          runs the producers it did not carry write their next batches;
+        * the head has not moved for ``policy.idle_after_s``: nobody is committing (the producers ahead stopped).
+
+        Without a pointer probe (REST catalogs) it holds for ``seconds``, polling whether its intent is gone."""
         start = self._clock()
         end = start + seconds
         idle_s = self.policy.idle_after_s
-        watch = PointerWatch(self._probe(), start, every_s=idle_s / 4) if seconds > idle_s else None
+        probe = self._probe()
+        lead = carry.ahead is not None and self.policy.leads_queue and probe is not None
+        watch = PointerWatch(probe, start, every_s=0.0 if lead else idle_s / 4) if lead or seconds > idle_s else None
+        self._carried_peek = None
+        polls = not lead  # whether every poll checks the intent (with ``lead``: on every move of the head)
         while (now := self._clock()) < end:
+            if lead and watch is not None and watch.moved(now):
+                place = self._place(carry)
+                if place is not None:
+                    return place
+                polls = polls or self._blind
             self._sleep(min(self.policy.poll_delay(waited=now - carry.staged_at), end - now))
-            if carry.gone():
+            if polls and carry.gone():
                 return True
-            if watch is not None and watch.idle_for(self._clock()) >= idle_s:
+            if watch is not None and seconds > idle_s and watch.idle_for(self._clock()) >= idle_s:
                 log.debug("head of branch %s idle for %.3fs while holding: committing now", self._branch, idle_s)
                 return False
         return False
+
+    def _place(self, carry: Carry) -> bool | None:
+        """The held batch's place once the head moved: True when it was carried (the light read that shows it is kept
+        for :meth:`_answer`), False when it leads the queue (every batch staged before it is published), None to keep
+        holding. Sets ``_blind`` when the head could not be read lightly (then every poll checks the intent)."""
+        assert carry.ahead is not None
+        self._blind = False
+        if carry.gone():  # published, and its committer removed the intent
+            return True
+        ahead = carry.ahead()
+        if ahead is None:  # no longer listed (published and removed since), or the listing failed
+            return True if carry.gone() else None
+        if not ahead:
+            return False
+        peek = self.peek()
+        if peek is None:
+            self._blind = True
+            return None
+        if carry.answer is not None and carry.answer(peek, 0) is not None:  # published by the commit that moved it
+            self._carried_peek = peek
+            return True
+        producers = peek.state.producers
+        if all((known := producers.get(producer)) is not None and known.seq >= seq for producer, seq in ahead):
+            return False  # what is listed before it is published (its committer removes the intents right after)
+        return None
 
     def _probe(self) -> Callable[[], str | None] | None:
         """The table's catalog pointer probe (None: the catalog has none, or it cannot be made now)."""
@@ -296,7 +352,8 @@ class CommitLoop:
                     hold = 0.0
                 else:
                     queued = carry.queued() if carry.queued is not None and self.policy.wants_queue else None
-                    hold = self.policy.hold_delay(waited=waited, queued=queued)
+                    led = carry.ahead is not None and self.policy.leads_queue and self._probe() is not None
+                    hold = self.policy.hold_delay(waited=waited, queued=queued, led=led)
                 if hold > 0:
                     if self._hold(min(hold, max(0.0, deadline - self._clock())), carry):
                         carried_after = self._clock() - carry.staged_at
@@ -392,7 +449,8 @@ class CommitLoop:
 
     def _answer(self, carry: Carry, attempt: int) -> T | None:
         """The carried batch's final answer from a light read of the head (see :meth:`peek`), or None."""
-        if carry.answer is None or (peek := self.peek()) is None:
+        peek, self._carried_peek = self._carried_peek, None
+        if carry.answer is None or (peek is None and (peek := self.peek()) is None):
             return None
         answer = carry.answer(peek, attempt)
         if answer is None:

@@ -68,9 +68,13 @@ producers instead of shrinking. The law decides who commits the next group and w
   forgets it;
 * while holding, it polls whether its intent still exists (``poll_interval``: a 32nd of a slot, 2-100 ms; before the
   typical wait until it was carried, a quarter of the time left to it, see ``poll_delay``); once gone, its batch was
-  published and it returns without an attempt. Where the catalog has a cheap pointer read (SQL catalogs), it also
-  checks whether the head moves at all: a head that stays put for ``idle_after_s`` (three group commits) means the
-  producers ahead of it stopped or are stuck, and it commits at once instead of waiting out its slots;
+  published and it returns without an attempt. Where the catalog has a cheap pointer read (SQL catalogs), it polls the
+  pointer instead and acts when the head moves: its intent gone or its batch in the new head means carried; its batch
+  *leading the queue* of staged batches (every intent staged before it, in the store's order, published) means
+  commit now (``lead_queue``, on by default; ``hold_delay(led=True)`` then only bounds the hold: position 0 too holds
+  a slot). That starts each group commit right after the previous one landed, and never while one is in flight. A
+  head that stays put for ``idle_after_s`` (three group commits) means the producers ahead of it stopped or are
+  stuck, and it commits at once instead of waiting out its slots;
 * a producer whose attempt lost and whose batch was not carried by the winner holds again from its position;
 * a *quiet* catalog needs no groups: when ``step rate x critical section`` (the step rate from the heads the producer
   saw, the critical section its own or the last group committer's) is under ``quiet_utilization`` (0.3), producers
@@ -115,6 +119,7 @@ class PolicyConfig:
     max_poll_s: float = 0.1
     quiet_utilization: float = 0.3
     rate_window: int = 8
+    lead_queue: bool = True
 
     def __post_init__(self) -> None:
         if not 0 < self.ewma_alpha <= 1:
@@ -373,9 +378,14 @@ class CommitPolicy:
         producer lost a swap since it last published (a cold start, where every producer thought itself alone)."""
         return self._lost and self.contenders < 1.5
 
-    def hold_delay(self, *, waited: float, queued: int | None = None) -> float:
+    def hold_delay(self, *, waited: float, queued: int | None = None, led: bool = False) -> float:
         """Group commit: seconds to keep holding a staged batch (``waited`` seconds so far) before committing it (and
         everything else staged) oneself; 0 commits now. Alone it never holds.
+
+        ``led``: the holder commits as soon as its batch leads the queue of staged batches (see
+        ``CommitLoop._hold``), so the hold computed here is only the bound for when that never happens (the producer
+        whose batch is ahead died): the producer in position 0 holds one slot too instead of committing at once,
+        which would fire into a commit still in flight, and every position one slot more.
 
         ``queued`` (used when :attr:`wants_queue`): how many staged batches are older than this one, from a listing of
         the staging folder. Producers that all believed themselves alone and lost to each other then take turns by
@@ -392,10 +402,10 @@ class CommitPolicy:
             return min(self._cfg.max_wait_s, max(0.0, slots * self.group_slot_s - max(0.0, waited)))
         gather = self._cfg.hold_gather * self.slot_s
         cap = self._cfg.hold_max_slots
-        if self._position == 0:  # its turn: no jitter (everybody else holds at least a slot)
+        if self._position == 0 and not led:  # its turn: no jitter (everybody else holds at least a slot)
             slots = 0.0
         elif self._position is not None and self._position < cap:
-            slots = self._position + self._rng.uniform(0.0, self._cfg.hold_jitter)
+            slots = self._position + (1 if led else 0) + self._rng.uniform(0.0, self._cfg.hold_jitter)
         else:  # far back, or never published: past the cap, one slot per group of batches ahead of it
             ahead = self._position if self._position is not None else n
             slots = min(cap, ahead) + max(0.0, ahead - cap) / self._cfg.group_max_batches + self._rng.uniform(0.0, 1.0)
@@ -414,6 +424,12 @@ class CommitPolicy:
         if self._log_carry is None:
             return poll
         return min(self._cfg.max_poll_s, max(poll, (math.exp(self._log_carry) - max(0.0, waited)) / 4))
+
+    @property
+    def leads_queue(self) -> bool:
+        """Whether a holder commits as soon as its batch leads the queue of staged batches (see ``hold_delay(led=)``;
+        the commit loop checks it where the catalog has a cheap pointer read)."""
+        return self._cfg.lead_queue
 
     @property
     def idle_after_s(self) -> float:

@@ -212,11 +212,18 @@ class Producer:
         def carry_for(staged_intent: Intent) -> Carry:
             staging = self._staging
             exists = staging.watch(staged_intent.path)
+            max_age_s = self._stream.config.gc_grace_ms / 2000
+
+            def ahead() -> list[tuple[str, int]] | None:
+                """The batches staged before this one that a commit could publish: a dead incarnation's copy of this
+                id's seq (or an older seq) is never published, so it does not count."""
+                listed = staging.ahead(self.branch, staged_intent.path, max_age_s=max_age_s)
+                return None if listed is None else [(p, s) for p, s in listed if p != self.producer_id or s > seq]
+
             return Carry(staged_at=time.monotonic(), gone=lambda: not exists(),
                          published=lambda metadata: self._published(metadata, seq) is not None,
-                         queued=lambda: staging.queued(self.branch, staged_intent.path,
-                                                       max_age_s=self._stream.config.gc_grace_ms / 2000),
-                         answer=answer)
+                         queued=lambda: staging.queued(self.branch, staged_intent.path, max_age_s=max_age_s),
+                         answer=answer, ahead=ahead)
 
         def escalate() -> Carry | None:
             """Lost a swap while committing alone: others are committing too, so stage the batch for them."""

@@ -272,20 +272,35 @@ class StagingArea:
         return out
 
     def queued(self, branch: str, path: str, *, max_age_s: float) -> int:
-        """How many intents of ``branch`` were staged before the intent at ``path`` (by the store's modification time,
-        then name), from one listing (no intent is read): its place in the queue of staged batches. 0 when it is gone
-        (published) or the store cannot be listed."""
+        """How many intents of ``branch`` were staged before the intent at ``path`` (see :meth:`ahead`): its place in
+        the queue of staged batches. 0 when it is gone (published) or the store cannot be listed."""
+        ahead = self.ahead(branch, path, max_age_s=max_age_s)
+        return 0 if ahead is None else len(ahead)
+
+    def ahead(self, branch: str, path: str, *, max_age_s: float) -> list[tuple[str, int]] | None:
+        """The ``(producer, seq)`` of every intent of ``branch`` staged before the intent at ``path`` (by the store's
+        modification time, then name: every producer that lists the folder sees the same order), from one listing, no
+        intent read. Names that are not intents, intents this process rejected and intents older than ``max_age_s``
+        (never published) do not count. None when ``path`` is not listed (published and removed, or withdrawn) or
+        the store cannot be listed."""
         folder = self.folder(branch)
         try:
             listed = [(mtime, p) for p, _size, mtime in list_files(self._io, folder)
                       if p.endswith(".parquet") and p not in self._rejected]
-        except Exception:  # noqa: BLE001 - storage unreachable: no queue, the caller commits
-            return 0
+        except Exception:  # noqa: BLE001 - storage unreachable: the caller cannot tell its place
+            return None
         mine = next((mtime for mtime, p in listed if p == path), None)
         if mine is None:
-            return 0
+            return None
         now = time.time()
-        return sum(1 for mtime, p in listed if (mtime, p) < (mine, path) and not (mtime and now - mtime > max_age_s))
+        out: list[tuple[str, int]] = []
+        for mtime, p in listed:
+            if (mtime, p) >= (mine, path) or (mtime and now - mtime > max_age_s):
+                continue
+            match = _INTENT_NAME.match(p[len(folder) + 1:]) if p.startswith(folder + "/") else None
+            if match is not None:
+                out.append((match["producer"], int(match["seq"])))
+        return out
 
     def close(self) -> None:
         """Stop this process's footer-check threads (made again on the next use)."""
