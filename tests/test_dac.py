@@ -524,6 +524,13 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
     # its own intent gone at a move: carried
     gone = Carry(staged_at=clock.t, gone=lambda: True, ahead=lambda: None)
     assert loop_with(probe)._hold(2.0, gone) is True  # noqa: SLF001
+    # the pointer cannot be read right now (the database unreachable): it polls its intent meanwhile
+    def failing() -> str:
+        raise OSError("catalog unreachable")
+
+    polled: list = []
+    unreadable = Carry(staged_at=clock.t, gone=lambda: polled.append(clock.t) or len(polled) >= 3, ahead=lambda: [("y", 0)])
+    assert loop_with(failing)._hold(2.0, unreadable) is True and len(polled) == 3  # noqa: SLF001
     # no pointer probe: the rule is off (it holds its slots, polling the intent)
     start = clock.t
     assert loop_with(None)._hold(2.0, Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])) is False  # noqa: SLF001

@@ -198,6 +198,11 @@ class PointerWatch:
         self._look(now)
         return now - self._since if self._read else 0.0
 
+    @property
+    def readable(self) -> bool:
+        """Whether the last probe read the pointer (False before the first one and after a failed one)."""
+        return self._read
+
     def moved(self, now: float) -> bool:
         """Whether the pointer moved since the last call (the first successful read counts as a move)."""
         self._look(now)

@@ -268,7 +268,7 @@ class CommitLoop:
                     return place
                 polls = polls or self._blind
             self._sleep(min(self.policy.poll_delay(waited=now - carry.staged_at), end - now))
-            if polls and carry.gone():
+            if (polls or (watch is not None and not watch.readable)) and carry.gone():  # no pointer now: the intent
                 return True
             if watch is not None and seconds > idle_s and watch.idle_for(self._clock()) >= idle_s:
                 log.debug("head of branch %s idle for %.3fs while holding: committing now", self._branch, idle_s)
