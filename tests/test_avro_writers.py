@@ -86,3 +86,36 @@ def test_a_data_file_encoded_once_is_reused_byte_for_byte_by_later_manifests(tmp
     assert cached == fresh and cached != first  # the same bytes as encoding anew; only the status differs from first
     assert [e.data_file for e in cached_back] == files
     assert {e.status for e in cached_back} == {ManifestEntryStatus.EXISTING}
+
+
+def test_the_encoding_cache_does_not_keep_a_data_file_alive(tmp_path: Path) -> None:
+    """A DataFile's cached record goes with the object: a long-running producer's cache tracks the files it still
+    holds (its manifest cache), not every file it ever wrote (it used to keep the last 65,536 alive)."""
+    import gc
+    import weakref
+
+    from lakestream_iceberg.format import avro_writers
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    io = PyArrowFileIO()
+
+    def write(files: list, name: str) -> None:
+        with manifest_writer(format_version=2, spec=metadata.spec(), schema=metadata.schema(),
+                             output_file=io.new_output(f"{tmp_path}/{name}.avro"), snapshot_id=5,
+                             avro_compression="gzip") as writer:
+            for f in files:
+                writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=5,
+                                                         sequence_number=3, file_sequence_number=3, data_file=f))
+
+    kept = stream.writer.write(producer="p", seq=0, shards=batch("p", 0, 3)).data_files(step=1, spec_id=0)
+    dropped = stream.writer.write(producer="p", seq=1, shards=batch("p", 1, 3)).data_files(step=2, spec_id=0)
+    write(kept + dropped, "m1")
+    ids, refs = [id(f) for f in dropped], [weakref.ref(f) for f in dropped]
+    assert all(i in avro_writers._encoded_files for i in ids)
+    del dropped
+    gc.collect()
+    assert all(r() is None for r in refs)  # the cache held none of them
+    write(kept, "m2")  # the next lookup drops the dead objects' encodings; the live ones stay and are reused
+    assert all(avro_writers._encoded_files.get(i, (lambda: None,))[0]() is None for i in ids)
+    assert all(avro_writers._encoded_files[id(f)][0]() is f for f in kept)

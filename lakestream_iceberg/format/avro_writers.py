@@ -20,6 +20,7 @@ import io
 import json
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -124,8 +125,10 @@ class _ManifestAvroOutputFile(_PreparedAvroOutputFile):
 
     A data file's record (path, partition, sizes, column statistics: most of an entry's bytes and of its encoding time)
     is written again, unchanged, each time a merge copies its entry into a larger manifest (``EXISTING``, the same
-    DataFile object); only the entry's status and sequence numbers change. The cache holds the DataFile object itself,
-    so an id is never reused while its bytes are cached.
+    DataFile object); only the entry's status and sequence numbers change. The cache refers to the DataFile weakly:
+    only an object something else still holds (the manifest cache's entries, a plan in progress) can be looked up
+    again, so an entry goes with its object and the cache never keeps a file's metadata alive (it used to keep the
+    last 65,536, some 200 MiB in a producer after as many commits).
     """
 
     def encode(self, obj: Any) -> bytes:
@@ -141,21 +144,36 @@ class _ManifestAvroOutputFile(_PreparedAvroOutputFile):
 
 
 _DATA_FILE_POS = 4  # ManifestEntry: status, snapshot_id, sequence_number, file_sequence_number, data_file
-_encoded_files: OrderedDict[int, tuple[Any, Writer, bytes]] = OrderedDict()  # id(DataFile) -> (it, writer, bytes)
+# id(DataFile) -> (a weak reference to it, writer, bytes); ids of objects that died since, to drop on the next lookup
+_encoded_files: OrderedDict[int, tuple[weakref.ref[Any], Writer, bytes]] = OrderedDict()
+_dead_files: list[int] = []
+
+
+def _forget_dead() -> None:
+    """Drop the encodings of DataFile objects that died (called with ``_lock`` held). A weak reference's callback only
+    records the id: it may run inside any allocation, even one under ``_lock``; an id reused by a live object since
+    keeps its (new) entry."""
+    while _dead_files:
+        key = _dead_files.pop()
+        hit = _encoded_files.get(key)
+        if hit is not None and hit[0]() is None:
+            del _encoded_files[key]
 
 
 def _encoded_data_file(writer: Writer, data_file: Any) -> bytes:
     key = id(data_file)
     with _lock:
+        _forget_dead()
         hit = _encoded_files.get(key)
-        if hit is not None and hit[0] is data_file and hit[1] is writer:
+        if hit is not None and hit[0]() is data_file and hit[1] is writer:
             _encoded_files.move_to_end(key)
             return hit[2]
     buffer = io.BytesIO()
     writer.write(BinaryEncoder(output_stream=buffer), data_file)
     encoded = buffer.getvalue()
+    ref = weakref.ref(data_file, lambda _ref, key=key: _dead_files.append(key))
     with _lock:
-        _encoded_files[key] = (data_file, writer, encoded)
+        _encoded_files[key] = (ref, writer, encoded)
         while len(_encoded_files) > _MAX_ENCODED:
             _encoded_files.popitem(last=False)
     return encoded
