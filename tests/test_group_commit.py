@@ -21,7 +21,7 @@ from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, SequenceE
 from lakestream_iceberg.format.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.write.dac import CommitPolicy
-from lakestream_iceberg.write.staging import STAGING_DIR, Intent
+from lakestream_iceberg.write.intent import STAGING_DIR, Intent
 from tests.backends import published
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 

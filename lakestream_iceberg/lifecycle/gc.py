@@ -74,7 +74,7 @@ from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.write.commit import Done, Plan
-from lakestream_iceberg.write.staging import STAGING_DIR
+from lakestream_iceberg.write.intent import STAGING_DIR
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable

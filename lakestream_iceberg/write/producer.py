@@ -40,8 +40,9 @@ from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_batch
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Peek, Plan
+from lakestream_iceberg.write.intent import Intent
 from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
-from lakestream_iceberg.write.staging import Intent, StagingArea
+from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, StagedBatch, check_producer_id
 
 if TYPE_CHECKING:
