@@ -82,7 +82,7 @@ def _fork_probe(conn: object, probe: object, engine: object) -> None:
     try:
         found = probe()  # type: ignore[operator]
         readers = _READERS[engine]
-        conn.send(("ok", found, readers is not None and readers.local.key[0] == os.getpid()))  # type: ignore[attr-defined]
+        conn.send(("ok", found, readers is not None and readers.local.held.key[0] == os.getpid()))  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
         conn.send(("error", repr(exc), False))  # type: ignore[attr-defined]
 
@@ -123,6 +123,58 @@ def test_the_pointer_probe_sees_every_commit_and_a_recreated_database_through_a_
                           location=f"file://{tmp_path}/wh2")
     fresh_probe = pointer_probe(fresh.table)
     assert fresh_probe is not None and fresh_probe() == fresh.table.metadata_location
+
+
+def _open_files_of(path: Path) -> int:
+    """How many file descriptors of this process are open on ``path``."""
+    fds = Path("/proc/self/fd")
+    return sum(1 for fd in fds.iterdir() if os.path.realpath(fd) == str(path.resolve())) if fds.is_dir() else -1
+
+
+def test_a_thread_that_ends_closes_its_probe_connection(tmp_path: Path) -> None:
+    """A process whose threads come and go (a pool replacing its workers, a data loader's threads) keeps one probe
+    connection per live thread: 64 threads that each probed the head once left 64 connections (128 descriptors)
+    open, and a long-running process ran out of file descriptors."""
+    import gc
+    import threading
+
+    from lakestream_iceberg.connect.pointer import _READERS, pointer_probe
+
+    stream = Stream.create(catalog(tmp_path), "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)  # what head_step(), commit loops and followers ask
+    assert probe is not None and probe() == stream.table.metadata_location
+    readers = _READERS[stream.table.catalog.engine]
+    assert readers is not None and readers.open_connections() == 1
+    before = _open_files_of(tmp_path / "catalog.db")
+    gate, release = threading.Barrier(9), threading.Event()
+    answers: list[str | None] = []
+
+    def ask() -> None:
+        answers.append(probe())
+        gate.wait()  # eight threads alive together, each holding its own connection ...
+        release.wait()  # ... until the main thread has counted them
+
+    for _ in range(8):
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        gate.wait()
+        assert readers.open_connections() == 9
+        release.set()
+        for t in threads:
+            t.join()
+        release.clear()
+    gc.collect()
+    assert answers == [stream.table.metadata_location] * 64
+    assert readers.open_connections() == 1  # this thread's
+    if before >= 0:  # SQLite keeps a closed connection's descriptor while the process holds locks on the file (WAL
+        # mode: the other connections' shared locks) and reuses it for the next connection: bounded by the 8 threads
+        # alive at once, not by the 64 that ran
+        assert _open_files_of(tmp_path / "catalog.db") <= before + 8
+    stream.table.catalog.engine.dispose()  # dispose() closes the rest
+    assert readers.open_connections() == 0
+    assert probe() == stream.table.metadata_location  # and the next probe opens a new one
+    assert readers.open_connections() == 1
 
 
 def test_a_database_named_by_a_uri_with_options_or_another_driver_keeps_sqlalchemys_connections(tmp_path: Path) -> None:

@@ -70,42 +70,72 @@ _SQLITE_PROBE = ("SELECT metadata_location FROM iceberg_tables "
                  "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ?")
 
 
+class _Connection:
+    """One thread's probe connection; closed when the thread ends (its thread-local copy is the only strong reference)
+    or when the engine is disposed, whichever comes first."""
+
+    __slots__ = ("__weakref__", "conn", "key")
+
+    def __init__(self, key: tuple[int, int], conn: sqlite3.Connection) -> None:
+        self.key, self.conn = key, conn
+
+
+def _close(conn: sqlite3.Connection, pid: int) -> None:
+    """Close a probe connection, but only in the process that opened it: a forked child never touches its parent's
+    (SQLite's own state may have been copied mid-operation), it just drops it."""
+    if os.getpid() != pid:
+        return
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - in use by its thread right now: closed with it
+        pass
+
+
 class _SqliteReaders:
     """The ``sqlite3`` connections that answer one engine's probes: one per thread and process, opened on first use on
-    the file the engine's own connections opened, closed when the engine is disposed (``catalog.close()``)."""
+    the file the engine's own connections opened, closed when their thread ends or the engine is disposed
+    (``catalog.close()``). A process whose threads come and go (a pool that replaces its workers) keeps one open
+    connection per live thread, not one per thread it ever ran."""
 
     def __init__(self, path: str) -> None:
         self.uri = f"file:{pathname2url(path)}?mode=rw"  # never creates a database: a missing file is an error
         self.local = threading.local()
         self.generation = 0  # bumped by dispose(): every thread opens a new connection at its next query
-        self.opened: list[tuple[int, sqlite3.Connection]] = []  # (pid, connection), for dispose()
+        self.opened: weakref.WeakSet[_Connection] = weakref.WeakSet()  # the live threads' connections, for dispose()
         self.lock = threading.Lock()
 
     def read(self, sql: str, params: tuple[str, ...]) -> str | None:
         key = (os.getpid(), self.generation)
-        if getattr(self.local, "key", None) != key:  # first use in this thread, a forked child, or disposed since
+        held: _Connection | None = getattr(self.local, "held", None)
+        if held is None or held.key != key:  # first use in this thread, a forked child, or disposed since
             # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect; check_same_thread off only so that
-            # dispose() may close it from another thread (each connection is used by the thread that opened it)
+            # dispose() and the finalizer may close it from another thread (each is used by the thread that opened it)
             conn = sqlite3.connect(self.uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
+            held = _Connection(key, conn)
+            weakref.finalize(held, _close, conn, key[0])
             with self.lock:
-                self.opened.append((key[0], conn))
-            self.local.key, self.local.conn = key, conn  # an inherited connection is dropped, never closed
-        row = self.local.conn.execute(sql, params).fetchone()
+                self.opened.add(held)
+            self.local.held = held  # an inherited connection is dropped, never closed (see _close)
+        row = held.conn.execute(sql, params).fetchone()
         return row[0] if row is not None else None
+
+    def open_connections(self) -> int:
+        """How many probe connections this process holds open now."""
+        pid = os.getpid()
+        with self.lock:
+            return sum(1 for held in list(self.opened) if held.key[0] == pid)
 
     def dispose(self, *_args: Any) -> None:
         """Close this process's connections (SQLAlchemy's ``engine_disposed`` event); a child's dispose after a
         fork (``close=False``) leaves its parent's connections alone, as SQLAlchemy does."""
         pid = os.getpid()
         with self.lock:
-            mine = [conn for owner, conn in self.opened if owner == pid]
-            self.opened = [(owner, conn) for owner, conn in self.opened if owner != pid]
+            mine = [held for held in list(self.opened) if held.key[0] == pid]
+            for held in mine:
+                self.opened.discard(held)
             self.generation += 1
-        for conn in mine:
-            try:
-                conn.close()
-            except Exception:  # noqa: BLE001 - in use by its thread right now: closed with it
-                pass
+        for held in mine:
+            _close(held.conn, pid)
 
 
 _READERS: weakref.WeakKeyDictionary[Any, _SqliteReaders | None] = weakref.WeakKeyDictionary()  # engine -> readers
