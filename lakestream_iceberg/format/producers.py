@@ -104,13 +104,24 @@ def active_horizon(active: Mapping[str, ProducerState], step: int | None = None)
 
 
 class ProducerFiles:
-    """A process-wide, bounded LRU of parsed producer-state files (immutable: each is read once)."""
+    """A process-wide cache of parsed producer-state files (immutable: each is read once).
 
-    def __init__(self, *, max_entries: int = 2_000_000) -> None:
+    It keeps the files that the last ``max_lists`` distinct file lists asked about name (a list is what one head's
+    summary holds; a process following a branch or two, or a fork, asks about one or two at a time), and drops the
+    others whenever a new file comes in: once a merge elsewhere replaced them by a new base, no head lists them again.
+    With one branch, eight lists span the deltas of one or two bases (a merge comes every ``MAX_FILES`` compactions),
+    so a process holds about twice what the head lists. Without this a process that never merged itself kept every
+    base it ever read, each one larger than the last (6,000 ids left 76,608 entries in 186 files, about ids^2 / 512).
+    ``max_entries`` bounds it whatever is listed (least recently used files first; the newest file always stays).
+    """
+
+    def __init__(self, *, max_entries: int = 2_000_000, max_lists: int = 8) -> None:
         self._max = max_entries
         self._size = 0
         self._lock = threading.Lock()
         self._files: OrderedDict[str, dict[str, ProducerState]] = OrderedDict()
+        self._lists: OrderedDict[tuple[str, ...], None] = OrderedDict()  # the lists asked about lately
+        self._max_lists = max_lists
 
     def load(self, io: FileIO, path: str) -> dict[str, ProducerState]:
         with self._lock:
@@ -129,10 +140,16 @@ class ProducerFiles:
         self.remember(path, parsed)
         return parsed
 
-    def remember(self, path: str, parsed: dict[str, ProducerState]) -> None:
+    def remember(self, path: str, parsed: dict[str, ProducerState], *, listed_with: tuple[str, ...] | None = None) -> None:
+        """Cache a parsed file (``listed_with``: the files the next head lists beside it, when this process wrote it)."""
+        if listed_with is not None:
+            self._asked((*listed_with, path))
         with self._lock:
             if path in self._files:
                 return
+            listed = {p for files in self._lists for p in files}
+            for old in [p for p in self._files if p not in listed]:  # replaced since: no head asked about lists them
+                self._size -= len(self._files.pop(old))
             self._files[path] = parsed
             self._size += len(parsed)
             while self._size > self._max and len(self._files) > 1:
@@ -154,9 +171,25 @@ class ProducerFiles:
         """Producer states held, all files together."""
         return self._size
 
+    @property
+    def files(self) -> int:
+        """Files held."""
+        return len(self._files)
+
+    def _asked(self, files: Iterable[str]) -> tuple[str, ...]:
+        listed = tuple(files)
+        with self._lock:
+            if listed in self._lists:
+                self._lists.move_to_end(listed)
+            else:
+                self._lists[listed] = None
+                while len(self._lists) > self._max_lists:
+                    self._lists.popitem(last=False)
+        return listed
+
     def lookup(self, io: FileIO, files: Iterable[str], producer: str) -> ProducerState | None:
         """The newest state of ``producer`` in ``files`` (listed oldest first)."""
-        for path in reversed(tuple(files)):
+        for path in reversed(self._asked(files)):
             found = self.load(io, path).get(producer)
             if found is not None:
                 return found
@@ -165,7 +198,7 @@ class ProducerFiles:
     def merged(self, io: FileIO, files: Iterable[str]) -> dict[str, ProducerState]:
         """Every producer of ``files``, the newest file winning."""
         out: dict[str, ProducerState] = {}
-        for path in files:
+        for path in self._asked(files):
             out.update(self.load(io, path))
         return out
 
@@ -190,7 +223,8 @@ def _parse(path: str, table: pa.Table) -> dict[str, ProducerState]:
     return out
 
 
-def _write(io: FileIO, location: str, entries: Mapping[str, ProducerState], cache: ProducerFiles) -> str:
+def _write(io: FileIO, location: str, entries: Mapping[str, ProducerState], cache: ProducerFiles,
+           listed_with: tuple[str, ...]) -> str:
     path = f"{location.rstrip('/')}/data/{PRODUCERS_DIR}/{uuid.uuid4().hex}.parquet"
     names = sorted(entries)
     table = pa.table({
@@ -203,7 +237,8 @@ def _write(io: FileIO, location: str, entries: Mapping[str, ProducerState], cach
     pq.write_table(table, sink, compression="zstd")
     with io.new_output(path).create(overwrite=True) as out:
         out.write(sink.getvalue())
-    cache.remember(path, {n: ProducerState(e.seq, e.step, e.snapshot_id) for n, e in entries.items()})
+    cache.remember(path, {n: ProducerState(e.seq, e.step, e.snapshot_id) for n, e in entries.items()},
+                   listed_with=listed_with)
     return path
 
 
@@ -231,11 +266,11 @@ def compact(
         return Compacted(dict(active), files, ())
     keep = {k: v for k, v in active.items() if k not in idle}
     if len(files) + 1 <= MAX_FILES:
-        path = _write(io, location, idle, cache)
+        path = _write(io, location, idle, cache, listed_with=files)
         return Compacted(keep, (*files, path), (path,))
     merged = cache.merged(io, files)
     merged.update(idle)
-    path = _write(io, location, merged, cache)
+    path = _write(io, location, merged, cache, listed_with=())
     cache.forget(files)
     return Compacted(keep, (path,), (path,))
 
