@@ -82,6 +82,35 @@ def carried_by(stream: Stream, holder, carrier, holder_batch: list, carrier_batc
     return result
 
 
+def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path: Path) -> None:
+    """The manifests and lists of the snapshots inside a group are named by those snapshots only (the group's head lists
+    one manifest for the whole group), so no later commit merges them: the process-wide manifest cache keeps what the
+    head lists. It cached them all, and a few per group pushed the live manifests a merge reads out of its 512."""
+    from lakestream_iceberg.format.manifests import DEFAULT_CACHE
+
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    for producer in ("c", "d", "e"):  # three staged batches: the next commit publishes a group of four
+        stage(stream, producer, 0)
+        time.sleep(0.002)  # staged in this order, each seen as staged before the next
+    before_entries, before_lists = DEFAULT_CACHE.entries_cached(), set(DEFAULT_CACHE._lists)  # noqa: SLF001
+    result = b.commit(batch("b", 2, WORLD))
+    assert result.step == 8 and published(stream)[8] == ("b", 2)
+    metadata = stream.refresh().table.metadata
+    head = metadata.snapshot_by_name("main")
+    listed = {m.manifest_path for m in head.manifests(stream.io)}
+    new_entries = DEFAULT_CACHE.entries_cached() - before_entries
+    new_lists = set(DEFAULT_CACHE._lists) - before_lists  # noqa: SLF001
+    assert new_entries and new_entries <= listed
+    assert new_lists == {head.manifest_list}
+    inner = [s for s in metadata.snapshots if s.snapshot_id != head.snapshot_id
+             and StreamState.of(s).step in (5, 6, 7)]
+    assert len(inner) == 3 and all(s.manifest_list not in DEFAULT_CACHE._lists for s in inner)  # noqa: SLF001
+    for step, producer in ((5, "c"), (6, "d"), (7, "e")):  # every batch still reads back at its own step
+        for rank in range(WORLD):
+            assert digest(stream.read(step, rank=rank)) == digest(batch(producer, 0, WORLD)[rank])
+
+
 def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_once(tmp_path: Path) -> None:
     stream = make(tmp_path)
     _, b = both_active(stream)

@@ -182,6 +182,7 @@ class ManifestPlanner:
         self._counter = 0
         self.written: list[str] = []
         self._replaced: list[str] = []  # manifests this plan's merges replaced (their entries go once it lands)
+        self._inner: dict[str, list[ManifestEntry]] = {}  # entries of manifests no head will list (see added(inner=))
 
     def parent_manifests(self, parent: Snapshot | None) -> list[ManifestFile]:
         """The parent's manifests that still hold live files (all-DELETED manifests are not carried forward)."""
@@ -194,7 +195,8 @@ class ManifestPlanner:
         name = f"{self._commit_uuid}-L{level}-m{self._counter}.avro"
         return f"{self._metadata.location.rstrip('/')}/metadata/{name}"
 
-    def _write(self, level: int, snapshot_id: int, sequence_number: int, entries: Iterable[ManifestEntry]) -> ManifestFile:
+    def _write(self, level: int, snapshot_id: int, sequence_number: int, entries: Iterable[ManifestEntry], *,
+               inner: bool = False) -> ManifestFile:
         path = self._new_path(level)
         self.written.append(path)
         kept: list[ManifestEntry] = []
@@ -215,15 +217,24 @@ class ManifestPlanner:
             manifest.sequence_number = sequence_number
         if manifest.min_sequence_number == UNASSIGNED_SEQ:
             manifest.min_sequence_number = sequence_number
-        self._cache.remember_entries(path, kept)
+        if inner:
+            self._inner[path] = kept
+        else:
+            self._cache.remember_entries(path, kept)
         return manifest
 
     def existing(self, *, snapshot_id: int, sequence_number: int, entries: Iterable[ManifestEntry]) -> ManifestFile:
         """A level-0 manifest listing ``entries`` as EXISTING (e.g. a checkpoint anchor's copy of one step's files)."""
         return self._write(0, snapshot_id, sequence_number, (_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries))
 
-    def added(self, *, snapshot_id: int, sequence_number: int, data_files: Sequence[DataFile]) -> ManifestFile:
-        """A level-0 manifest of ADDED entries (sequence numbers explicit, so the entries can be cached as read)."""
+    def added(self, *, snapshot_id: int, sequence_number: int, data_files: Sequence[DataFile],
+              inner: bool = False) -> ManifestFile:
+        """A level-0 manifest of ADDED entries (sequence numbers explicit, so the entries can be cached as read).
+
+        ``inner``: the manifest of a snapshot inside a group commit, which only that snapshot's list names (the group's
+        head lists the :meth:`group` manifest instead), so no later commit merges it: its entries are kept for this
+        plan's :meth:`group` only, not in the shared cache, where a few per group pushed out the entries of the live
+        manifests that merges read (the cache holds 512 manifests; 480 of them were such manifests)."""
         return self._write(
             0,
             snapshot_id,
@@ -238,6 +249,7 @@ class ManifestPlanner:
                 )
                 for f in data_files
             ),
+            inner=inner,
         )
 
     def group(self, *, earlier: Sequence[ManifestFile], snapshot_id: int, sequence_number: int,
@@ -297,7 +309,11 @@ class ManifestPlanner:
 
     def _as_existing(self, manifests: Iterable[ManifestFile]) -> list[ManifestEntry]:
         """The live entries of ``manifests``, in order, as EXISTING (their snapshot ids and sequence numbers kept)."""
-        return [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in manifests for e in self._cache.entries(self._io, m)]
+        return [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in manifests for e in self._entries(m)]
+
+    def _entries(self, manifest: ManifestFile) -> list[ManifestEntry]:
+        inner = self._inner.get(manifest.manifest_path)
+        return inner if inner is not None else self._cache.entries(self._io, manifest)
 
     def _mergeable(self, ordered: list[ManifestFile]) -> list[ManifestFile]:
         """What to merge of one level's manifests (in step order): all of them when their live files fit in
@@ -347,8 +363,11 @@ class ManifestPlanner:
         return out, dropped
 
     def write_list(
-        self, manifests: list[ManifestFile], *, snapshot_id: int, parent_id: int | None, sequence_number: int
+        self, manifests: list[ManifestFile], *, snapshot_id: int, parent_id: int | None, sequence_number: int,
+        inner: bool = False,
     ) -> str:
+        """Write a snapshot's manifest list (``inner``: a snapshot inside a group commit, never a commit's parent: not
+        cached, see :meth:`added`)."""
         path = f"{self._metadata.location.rstrip('/')}/metadata/snap-{snapshot_id}-0-{self._commit_uuid}.avro"
         self.written.append(path)
         with manifest_list_writer(
@@ -360,5 +379,6 @@ class ManifestPlanner:
             avro_compression=self._compression,  # type: ignore[arg-type]
         ) as writer:
             writer.add_manifests(manifests)
-        self._cache.remember_list(path, manifests)
+        if not inner:
+            self._cache.remember_list(path, manifests)
         return path

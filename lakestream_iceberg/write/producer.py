@@ -403,7 +403,8 @@ class Producer:
             sequence_number = first_sequence + i
             data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
             if i < group - 1:  # a snapshot inside the group: its batch's manifest on top of the earlier ones
-                added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
+                added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files,
+                                      inner=True)
                 own_manifests.insert(0, added)
                 listed = [*own_manifests, *manifests]
             else:  # the group's head: one manifest for the whole group (alone: just its batch), then merges
@@ -412,7 +413,7 @@ class Producer:
                     planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
                 listed = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
             manifest_list = planner.write_list(listed, snapshot_id=snapshot_id, parent_id=parent_id,
-                                               sequence_number=sequence_number)
+                                               sequence_number=sequence_number, inner=i < group - 1)
             previous = producers.get(staged.producer)  # active: keeps its first step; else it (re)enters now
             first = step if previous is None else (previous.step if previous.first is None else previous.first)
             producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id, first)
