@@ -111,6 +111,31 @@ def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path:
             assert digest(stream.read(step, rank=rank)) == digest(batch(producer, 0, WORLD)[rank])
 
 
+def test_a_process_forgets_the_intents_that_are_gone(tmp_path: Path) -> None:
+    """What a process keeps about other producers' intents (parsed intents, their files' footer checks, rejections)
+    goes once the intent is no longer listed: published and removed by another process, or collected."""
+    stream = make(tmp_path)
+    _, b = both_active(stream)
+    staging = stream.staging
+    intents = [stage(stream, producer, 0) for producer in ("c", "d")]
+    bad = Path(staging.folder("main").removeprefix("file://")) / "not-an-intent.parquet"
+    bad.write_bytes(b"PAR1")
+    listed = staging.pending("main", max_age_s=600)
+    assert sorted(i.path for i in listed) == sorted(i.path for i in intents)
+    assert all(staging.verified(i) for i in listed)
+    files = [f.path for i in intents for f in i.batch.files]
+    assert all(staging._footers.get(f) is True for f in files)  # noqa: SLF001
+    assert {i.path for i in intents} <= set(staging._parsed)  # noqa: SLF001
+    assert any(p.endswith("not-an-intent.parquet") for p in staging._rejected)  # noqa: SLF001
+    for gone in (*(Path(i.path.removeprefix("file://")) for i in intents), bad):  # another process's doing
+        gone.unlink()
+    assert staging.pending("main", max_age_s=600) == []
+    assert not {i.path for i in intents} & set(staging._parsed)  # noqa: SLF001
+    assert not any(f in staging._footers for f in files)  # noqa: SLF001
+    assert not staging._rejected  # noqa: SLF001
+    assert b.commit(batch("b", 2, WORLD)).step == 5  # and nothing of theirs is published
+
+
 def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_once(tmp_path: Path) -> None:
     stream = make(tmp_path)
     _, b = both_active(stream)

@@ -50,7 +50,8 @@ __all__ = ["manifest_list_writer", "manifest_writer"]
 _lock = threading.Lock()
 _prepared: dict[tuple[Any, ...], tuple[Schema, Writer, str]] = {}  # key -> (file schema, value writer, Avro JSON)
 _META_WRITER = construct_writer(META_SCHEMA)
-_MAX_ENCODED = 65536
+_MAX_ENCODED = 65536  # DataFile records (only live objects stay: see _encoded_data_file)
+_MAX_LIST_RECORDS = 4096  # manifest-list records: a head lists a few dozen manifests, the rest were merged away
 _encoded_lists: OrderedDict[tuple[str, int | None, int | None], bytes] = OrderedDict()  # manifest list records
 
 
@@ -211,7 +212,7 @@ class _ManifestListWriter(ManifestListWriterV2):
                 record = writer.encode(prepared)
                 with _lock:
                     _encoded_lists[key] = record
-                    while len(_encoded_lists) > _MAX_ENCODED:
+                    while len(_encoded_lists) > _MAX_LIST_RECORDS:
                         _encoded_lists.popitem(last=False)
             writer.add_encoded(record)
         return self

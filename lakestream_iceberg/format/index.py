@@ -82,7 +82,7 @@ class StepIndex:
     def _step_bounds(self, manifest: ManifestFile) -> tuple[int, int] | None:
         path = manifest.manifest_path
         if path not in self._bounds:
-            if len(self._bounds) > 100_000:
+            if len(self._bounds) > 4096:  # a head lists a few dozen manifests; the rest were merged or collected
                 self._bounds.clear()
             self._bounds[path] = step_bounds(manifest)
         return self._bounds[path]

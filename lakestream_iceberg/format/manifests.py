@@ -47,7 +47,7 @@ from lakestream_iceberg.format.file_settings import avro_codec
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=4096)  # a head lists a few dozen manifests; a plan asks each of them once per level
 def manifest_level(path: str) -> int:
     """The merge level encoded in a manifest's file name; manifests written by other engines count as level 0.
 

@@ -176,7 +176,23 @@ class StagingArea:
             if intent is not None and self._usable(intent, branch=branch, name=name):
                 out.append(replace(intent, modified=mtime or None))
         self._listed[branch] = (now, out)
+        self._forget_unlisted(folder, {path for path, _size, _mtime in listed})
         return out
+
+    def _forget_unlisted(self, folder: str, present: set[str]) -> None:
+        """Drop what this process keeps about intents of ``folder`` that are gone (published and removed by another
+        producer, or collected): they never come back under the same name. Without this every intent another
+        producer published stayed parsed (with its files' statistics) until 4,096 were, and its files' footer checks
+        until 65,536 were."""
+        prefix = folder + "/"
+        with self._lock:
+            gone = [p for p in self._parsed if p.startswith(prefix) and p not in present]
+            for path in gone:
+                intent = self._parsed.pop(path)
+                if intent is not None:
+                    for f in intent.batch.files:
+                        self._footers.pop(f.path, None)
+            self._rejected.difference_update([p for p in self._rejected if p.startswith(prefix) and p not in present])
 
     def queued(self, branch: str, path: str, *, max_age_s: float) -> int:
         """How many intents of ``branch`` were staged before the intent at ``path`` (see :meth:`ahead`): its place in
