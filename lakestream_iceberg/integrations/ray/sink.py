@@ -3,9 +3,11 @@ argument and Ray's evidence: :mod:`lakestream_iceberg.integrations.ray`)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -36,9 +38,35 @@ if TYPE_CHECKING:
 
 __all__ = ["LakestreamDatasink"]
 
+log = logging.getLogger(__name__)
 
-_streams: dict[tuple[int, StreamRef], Stream] = {}
+
+_streams: OrderedDict[tuple[int, StreamRef], Stream] = OrderedDict()  # least recently used first
 _streams_lock = threading.Lock()
+MAX_OPEN_STREAMS = 8  # per worker process: a worker that wrote to more streams closes the least recently used
+
+
+def _release(stream: Stream) -> None:
+    """Close a stream this module opened: its threads, and its catalog (the catalog's connections)."""
+    try:
+        stream.close()
+        stream.table.catalog.close()
+    except Exception as exc:  # noqa: BLE001 - best effort: an unreachable catalog has nothing left to close
+        log.debug("closing a cached stream failed (%s)", exc)
+
+
+def _cache(key: tuple[int, StreamRef], stream: Stream) -> list[Stream]:
+    """Keep ``stream`` (with ``_streams_lock`` held); returns the streams to release: the least recently used beyond
+    ``MAX_OPEN_STREAMS``, and forgets (never closes) those a forked worker inherited from its parent."""
+    pid = key[0]
+    for other in [k for k in _streams if k[0] != pid]:
+        del _streams[other]  # the parent's: its connections must not be touched from here
+    _streams[key] = stream
+    _streams.move_to_end(key)
+    evicted = []
+    while len(_streams) > MAX_OPEN_STREAMS:
+        evicted.append(_streams.popitem(last=False)[1])
+    return evicted
 
 
 def _open(ref: StreamRef) -> Stream:
@@ -50,6 +78,8 @@ def _open(ref: StreamRef) -> Stream:
     key = (os.getpid(), ref)
     with _streams_lock:
         stream = _streams.get(key)
+        if stream is not None:
+            _streams.move_to_end(key)
     if stream is not None:
         try:
             stream.refresh()
@@ -62,11 +92,15 @@ def _open(ref: StreamRef) -> Stream:
             if not transient(exc):
                 raise
             return stream
+    evicted: list[Stream] = []
     with _streams_lock:
         stream = _streams.get(key)
         if stream is None:
-            stream = _streams[key] = Stream.open(ref.catalog(), ref.identifier)
-        return stream
+            stream = Stream.open(ref.catalog(), ref.identifier)
+            evicted = _cache(key, stream)
+    for old in evicted:  # outside the lock. A Ray worker runs one write task at a time, so nothing commits through it
+        _release(old)    # now; had it been, SQLAlchemy leaves a checked-out connection to its holder, and a stream
+    return stream        # stays usable after close() (its next use starts its threads and connections again)
 
 
 def _same_rows(stored: pa.Table, shard: pa.Table | pa.RecordBatch) -> bool:
