@@ -400,6 +400,26 @@ def test_merges_drop_the_manifests_they_replace_from_the_cache_and_keep_the_live
 
 
 
+def test_a_manifest_too_large_to_merge_again_is_not_cached_by_its_writer(catalog) -> None:
+    """A manifest holding more than ``max-merge-entries`` files (a step of a wide per-rank stream, a large group) is
+    never merged again, so no commit reads it back: its writer does not keep its entries; the others it keeps."""
+    from lakestream_iceberg.format.manifests import ManifestCache
+
+    world = 20
+    cache = ManifestCache(max_files=512)
+    created = Stream.create(catalog, "ns.capped", schema=SCHEMA, world_size=world,
+                            properties={"lakestream.layout": "per-rank", "lakestream.manifest.merge-fanout": "4",
+                                        "lakestream.manifest.max-merge-entries": "16"})
+    stream = Stream(created.table, cache=cache)
+    producer = stream.producer("p")
+    for seq in range(6):
+        producer.commit(batch("p", seq, world))
+    manifests = stream.refresh().head().manifests(stream.io)
+    assert len(manifests) == 6 and all(m.added_files_count + m.existing_files_count == world for m in manifests)
+    assert not cache.entries_cached() & {m.manifest_path for m in manifests}  # none merged, none kept
+    assert stream.read(3, rank=7).equals(shard("p", 2, 7))  # a reader reads (and caches) the one it needs
+
+
 def test_a_lost_swap_keeps_the_manifests_it_would_have_merged_cached(catalog, monkeypatch) -> None:
     """A merge whose swap is lost must not drop the parent's manifests from the cache: the re-plan merges the same
     manifests again and would read each of them back from storage inside its critical section."""
@@ -532,3 +552,29 @@ def test_a_wide_batch_is_checked_as_a_whole_and_a_bad_rank_is_still_named() -> N
     mixed = [*good[:3], relaxed, batch_shard, good[5], tagged, *good[7:]]
     out = check_shards(mixed, world_size=world, expected=schema)
     assert len(out) == world and all(isinstance(t, pa.Table) for t in out) and out[4].equals(good[4])
+
+
+def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
+    """A manifest holds up to thousands of entries (each with its file's statistics): 512 manifests could hold two
+    million. The cache also bounds the entries held, all manifests together, least recently used first."""
+    from pyiceberg.manifest import DataFile, ManifestEntry, ManifestEntryStatus
+
+    from lakestream_iceberg.format.manifests import ManifestCache
+
+    def entries(n: int) -> list[ManifestEntry]:
+        return [ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=1, sequence_number=1,
+                                        file_sequence_number=1, data_file=DataFile.from_args(file_path=f"f{i}"))
+                for i in range(n)]
+
+    cache = ManifestCache(max_files=512, max_entries=1_000)
+    for i in range(10):
+        cache.remember_entries(f"m{i}", entries(300))
+        assert cache.entry_count <= 1_000
+    assert cache.entries_cached() == {"m7", "m8", "m9"} and cache.entry_count == 900
+    cache.remember_entries("big", entries(1_500))  # larger than the bound alone: kept (the newest always stays)
+    assert cache.entries_cached() == {"big"} and cache.entry_count == 1_500
+    cache.forget_entries(["big"])
+    assert cache.entry_count == 0 and not cache.entries_cached()
+    cache.remember_entries("m", entries(10))
+    cache.remember_entries("m", entries(20))  # the same path again: counted once
+    assert cache.entry_count == 20

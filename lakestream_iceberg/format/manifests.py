@@ -88,10 +88,17 @@ def step_bounds(manifest: ManifestFile) -> tuple[int, int] | None:
 
 
 class ManifestCache:
-    """A bounded, thread-safe LRU of manifest lists and live manifest entries, keyed by (immutable) file path."""
+    """A bounded, thread-safe LRU of manifest lists and live manifest entries, keyed by (immutable) file path.
 
-    def __init__(self, *, max_files: int = 512) -> None:
+    Bounded in files (``max_files`` lists, ``max_files`` manifests) and in entries (``max_entries`` manifest entries, all
+    manifests together: a manifest holds up to ``lakestream.manifest.max-merge-entries`` of them, or more once too
+    large to merge, each with its data file's statistics, about 2.5 KB); the least recently used go first, the newest
+    always stays."""
+
+    def __init__(self, *, max_files: int = 512, max_entries: int = 262_144) -> None:
         self._max = max_files
+        self._max_entries = max_entries
+        self._entry_count = 0
         self._lock = threading.Lock()
         self._lists: OrderedDict[str, list[ManifestFile]] = OrderedDict()
         self._entries: OrderedDict[str, list[ManifestEntry]] = OrderedDict()
@@ -106,11 +113,21 @@ class ManifestCache:
         return value
 
     def _put(self, store: OrderedDict[str, list], key: str, value: list) -> None:
+        entries = store is self._entries
         with self._lock:
+            if entries:
+                self._entry_count += len(value) - len(store.get(key, ()))
             store[key] = value
             store.move_to_end(key)
-            while len(store) > self._max:
-                store.popitem(last=False)
+            while len(store) > 1 and (len(store) > self._max or (entries and self._entry_count > self._max_entries)):
+                _, dropped = store.popitem(last=False)
+                if entries:
+                    self._entry_count -= len(dropped)
+
+    @property
+    def entry_count(self) -> int:
+        """Manifest entries held, all manifests together."""
+        return self._entry_count
 
     def manifests(self, io: FileIO, snapshot: Snapshot) -> list[ManifestFile]:
         return self._get(self._lists, snapshot.manifest_list, lambda: read_manifest_list(io, snapshot.manifest_list))
@@ -123,7 +140,7 @@ class ManifestCache:
         push out the entries of the live higher-level manifests that the next, larger merge reads."""
         with self._lock:
             for path in paths:
-                self._entries.pop(path, None)
+                self._entry_count -= len(self._entries.pop(path, ()))
 
     def entries_cached(self) -> set[str]:
         """The manifests whose entries are cached now."""
@@ -219,7 +236,7 @@ class ManifestPlanner:
             manifest.min_sequence_number = sequence_number
         if inner:
             self._inner[path] = kept
-        else:
+        elif len(kept) <= self._max_merge_entries:  # a larger one is never merged again: no commit reads it back
             self._cache.remember_entries(path, kept)
         return manifest
 
