@@ -119,3 +119,45 @@ def test_the_encoding_cache_does_not_keep_a_data_file_alive(tmp_path: Path) -> N
     write(kept, "m2")  # the next lookup drops the dead objects' encodings; the live ones stay and are reused
     assert all(avro_writers._encoded_files.get(i, (lambda: None,))[0]() is None for i in ids)
     assert all(avro_writers._encoded_files[id(f)][0]() is f for f in kept)
+
+
+def test_a_manifest_is_written_in_one_piece_and_its_length_needs_no_stat(tmp_path: Path) -> None:
+    """The manifest's length comes from what was written, not from a stat of the file (a HEAD request per manifest on
+    object storage, inside a commit's critical section); a writer that fails leaves no file behind."""
+    from pyiceberg.io.pyarrow import PyArrowFile
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = stream.writer.write(producer="p", seq=0, shards=batch("p", 0, 3)).data_files(step=1, spec_id=0)
+    io = PyArrowFileIO()
+    calls: list[str] = []
+
+    class Watched(PyArrowFile):
+        def __len__(self) -> int:
+            calls.append("len")
+            return super().__len__()
+
+        def create(self, overwrite: bool = False):  # type: ignore[no-untyped-def]
+            calls.append("create")
+            return super().create(overwrite=overwrite)
+
+    path = f"{tmp_path}/m.avro"
+    with manifest_writer(format_version=2, spec=metadata.spec(), schema=metadata.schema(),
+                         output_file=Watched(path, path, io.fs_by_scheme("file", None)), snapshot_id=5,
+                         avro_compression="gzip") as writer:
+        for f in files:
+            writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=5,
+                                                     sequence_number=3, file_sequence_number=3, data_file=f))
+        assert not Path(path).exists()  # nothing on storage until it is complete
+    manifest = writer.to_manifest_file()
+    assert calls == ["create"]  # one write, no stat
+    assert manifest.manifest_length == Path(path).stat().st_size
+    assert [e.data_file.file_path for e in manifest.fetch_manifest_entry(io)] == [f.file_path for f in files]
+    failed = f"{tmp_path}/failed.avro"
+    with pytest.raises(RuntimeError), manifest_writer(format_version=2, spec=metadata.spec(), schema=metadata.schema(),
+                                                      output_file=io.new_output(failed), snapshot_id=5,
+                                                      avro_compression="gzip") as writer:
+        writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=5, sequence_number=3,
+                                                 file_sequence_number=3, data_file=files[0]))
+        raise RuntimeError("the plan failed half-way")
+    assert not Path(failed).exists()

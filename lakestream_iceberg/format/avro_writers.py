@@ -67,6 +67,22 @@ def _prepare(key: tuple[Any, ...], file_schema: Schema, record_schema: Schema, s
     return hit
 
 
+class _Written:
+    """A file this process just wrote, whose length it knows: pyiceberg's manifest writer asks ``len()`` of the file it
+    wrote for the manifest's ``manifest_length``, which costs a stat (a HEAD request on object storage, inside a
+    commit's critical section) per manifest."""
+
+    def __init__(self, output_file: OutputFile, length: int) -> None:
+        self._file = output_file
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
 class _PreparedAvroOutputFile(AvroOutputFile[Any]):
     """:class:`AvroOutputFile` with a prepared value writer and header schema (see the module docstring)."""
 
@@ -94,14 +110,22 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
         self._records.append(record)
 
     def __enter__(self) -> _PreparedAvroOutputFile:
+        """Encode into memory: the file is written in one call when it is closed (pyiceberg's writer sends every
+        varint of the header to the output stream on its own), and only if nothing failed (no header-only file left
+        behind)."""
         self._records: list[bytes] = []
-        super().__enter__()
+        self._buffer = io.BytesIO()
+        self.encoder = BinaryEncoder(self._buffer)
+        self._write_header()
         return self
 
     def __exit__(self, exctype: Any, excinst: Any, exctb: Any) -> None:
-        if exctype is None and self._records:  # AvroOutputFile.write_block, for records encoded beforehand
-            content = b"".join(self._records)
-            self.encoder.write_int(len(self._records))
+        records, self._records = self._records, []
+        if exctype is not None:
+            return
+        if records:  # AvroOutputFile.write_block, for records encoded beforehand
+            content = b"".join(records)
+            self.encoder.write_int(len(records))
             if codec := self.compression_codec():
                 content, length = codec.compress(content)
                 self.encoder.write_int(length)
@@ -109,8 +133,10 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
                 self.encoder.write_int(len(content))
             self.encoder.write(content)
             self.encoder.write(self.sync_bytes)
-        self._records = []
-        super().__exit__(exctype, excinst, exctb)
+        data = self._buffer.getvalue()
+        with self.output_file.create(overwrite=True) as stream:
+            stream.write(data)
+        self.output_file = _Written(self.output_file, len(data))
 
     def _write_header(self) -> None:  # AvroOutputFile._write_header, with the schema JSON computed once
         from pyiceberg.table import TableProperties
