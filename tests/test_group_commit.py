@@ -93,6 +93,9 @@ def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path:
     for producer in ("c", "d", "e"):  # three staged batches: the next commit publishes a group of four
         stage(stream, producer, 0)
         time.sleep(0.002)  # staged in this order, each seen as staged before the next
+    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+
+    time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
     before_entries, before_lists = DEFAULT_CACHE.entries_cached(), set(DEFAULT_CACHE._lists)  # noqa: SLF001
     result = b.commit(batch("b", 2, WORLD))
     assert result.step == 8 and published(stream)[8] == ("b", 2)
@@ -134,6 +137,16 @@ def test_a_process_forgets_the_intents_that_are_gone(tmp_path: Path) -> None:
     assert not any(f in staging._footers for f in files)  # noqa: SLF001
     assert not staging._rejected  # noqa: SLF001
     assert b.commit(batch("b", 2, WORLD)).step == 5  # and nothing of theirs is published
+    # intents this process publishes itself: gone with their footer checks once it removes them
+    published_here = [stage(stream, producer, 0) for producer in ("e", "f")]
+    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+
+    time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
+    assert b.commit(batch("b", 3, WORLD)).step == 8  # a group: e's and f's batches, then b's
+    assert {published(stream)[s] for s in (6, 7)} == {("e", 0), ("f", 0)}
+    files = [f.path for i in published_here for f in i.batch.files]
+    assert not {i.path for i in published_here} & set(staging._parsed)  # noqa: SLF001
+    assert not any(f in staging._footers for f in files)  # noqa: SLF001
 
 
 def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_once(tmp_path: Path) -> None:

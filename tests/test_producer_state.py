@@ -295,6 +295,40 @@ def test_a_process_that_only_reads_keeps_the_files_the_head_lists(small_constant
     assert max(ratios[len(ratios) // 2:]) < 5, max(ratios)
 
 
+def test_the_file_cache_keeps_each_tables_files_apart(tmp_path: Path) -> None:
+    """A process asking about many tables in turn (a Ray worker writing to several streams) keeps each table's listed
+    files: a new file of one table drops only that table's unlisted ones. Across the process, 9 tables of 3 files made
+    every round of lookups read all 27 files again."""
+    from lakestream_iceberg.format.producers import ProducerFiles, ProducerState, compact
+
+    reads: list[str] = []
+
+    class Counting(PyArrowFileIO):
+        def new_input(self, location: str):  # type: ignore[no-untyped-def]
+            reads.append(location)
+            return super().new_input(location)
+
+    io, writer_cache, cache = Counting(), ProducerFiles(), ProducerFiles()
+    heads = []
+    for t in range(12):
+        active = {f"id-{i}": ProducerState(0, i, i, i) for i in range(1, 200)}  # one-shot ids, long idle
+        result = compact(io, f"file://{tmp_path}/t{t}", step=500, active=active, files=(), cache=writer_cache)
+        files = result.files
+        for step in (700, 900):  # two more compactions: three files listed
+            idle = {f"more-{step}-{i}": ProducerState(0, step - 300, step - 300, step - 300) for i in range(40)}
+            files = compact(io, f"file://{tmp_path}/t{t}", step=step, active=idle, files=files,
+                            cache=writer_cache).files
+        assert len(files) == 3
+        heads.append(files)
+    reads.clear()
+    for _ in range(3):  # rounds of lookups across the tables, as a worker's commits would
+        for files in heads:
+            assert cache.lookup(io, files, "id-7") == ProducerState(0, 7, 7)
+            assert cache.lookup(io, files, "nobody") is None
+    assert len(reads) == 12 * 3  # each file read once, in the first round
+    assert cache.files == 36
+
+
 def _rotating_pool(steps: int, *, workers: int, rotate: int):
     """(step, producer id, seq) of ``workers`` producers taking turns, each taking a fresh id every ``rotate`` batches
     (an elastic pool whose tasks are rescheduled): every retired id committed ``rotate`` times, so it *recurs*."""

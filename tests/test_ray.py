@@ -470,7 +470,7 @@ def test_step_rule_deals_rows_across_blocks_round_robin_and_keeps_or_drops_the_r
             assert [s.column("x").to_pylist() for s in steps[2]] == [[8, 10], [9]]
 
 
-def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path) -> None:
+def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A long-lived Ray worker that wrote to many streams (one job after another) keeps the least recently used few
     open, closing the others (their threads and catalog connections); it kept every one, each with its engine and
     thread pools. A handle a forked worker inherited is forgotten there, never closed from the child."""
@@ -478,6 +478,14 @@ def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path) -> None
     from lakestream_iceberg.read.follow import StreamRef
 
     sink._streams.clear()  # noqa: SLF001 - what earlier tests of this process opened
+    released: list[object] = []
+    release = sink._release  # noqa: SLF001
+
+    def spy(stream: Stream) -> None:
+        released.append(stream)
+        release(stream)
+
+    monkeypatch.setattr(sink, "_release", spy)
     refs = []
     for i in range(sink.MAX_OPEN_STREAMS + 3):
         (tmp_path / f"c{i}").mkdir()
@@ -487,6 +495,9 @@ def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path) -> None
     assert len(sink._streams) == sink.MAX_OPEN_STREAMS  # noqa: SLF001
     kept = {id(s) for s in sink._streams.values()}  # noqa: SLF001
     assert kept == {id(s) for s in opened[-sink.MAX_OPEN_STREAMS:]}
+    assert released == opened[:3]  # the least recently used, closed: threads and catalog connections
+    assert opened[0].table.catalog.engine.pool.checkedin() == 0  # its catalog's engine was disposed
+    assert opened[-1].table.catalog.engine.pool.checkedin() >= 1  # a kept one's was not
     assert sink._open(refs[-1]) is opened[-1]  # noqa: SLF001 - still cached, the same handle
     first = opened[0]
     assert "writer" not in first.__dict__ and "staging" not in first.__dict__  # closed (never used: nothing made)

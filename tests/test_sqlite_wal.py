@@ -146,16 +146,16 @@ def test_a_thread_that_ends_closes_its_probe_connection(tmp_path: Path) -> None:
     readers = _READERS[stream.table.catalog.engine]
     assert readers is not None and readers.open_connections() == 1
     before = _open_files_of(tmp_path / "catalog.db")
-    gate, release = threading.Barrier(9), threading.Event()
+    gate, release = threading.Barrier(9, timeout=120), threading.Event()  # a failed assertion must not hang it
     answers: list[str | None] = []
 
     def ask() -> None:
         answers.append(probe())
         gate.wait()  # eight threads alive together, each holding its own connection ...
-        release.wait()  # ... until the main thread has counted them
+        release.wait(120)  # ... until the main thread has counted them
 
     for _ in range(8):
-        threads = [threading.Thread(target=ask) for _ in range(8)]
+        threads = [threading.Thread(target=ask, daemon=True) for _ in range(8)]
         for t in threads:
             t.start()
         gate.wait()
@@ -175,6 +175,29 @@ def test_a_thread_that_ends_closes_its_probe_connection(tmp_path: Path) -> None:
     assert readers.open_connections() == 0
     assert probe() == stream.table.metadata_location  # and the next probe opens a new one
     assert readers.open_connections() == 1
+
+
+def test_a_forked_child_keeps_its_parents_probe_connections_open(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forked child never closes the copies of its parent's connections (the last reference closes a sqlite3
+    connection, which runs SQLite code on state that may have been copied mid-operation): it keeps them, and opens
+    its own. Here the child is this process seen under another pid."""
+    from lakestream_iceberg.connect import pointer
+
+    stream = Stream.create(catalog(tmp_path), "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer.pointer_probe(stream.table)
+    assert probe is not None and probe() == stream.table.metadata_location
+    readers = pointer._READERS[stream.table.catalog.engine]
+    parents = readers.local.held
+    real = os.getpid()
+    monkeypatch.setattr(pointer.os, "getpid", lambda: real + 1)  # "the child"
+    assert probe() == stream.table.metadata_location
+    assert readers.local.held is not parents and readers.local.held.key[0] == real + 1
+    assert any(kept is parents for kept in pointer._INHERITED)
+    pointer._close(parents.conn, real)  # a finalizer of the parent's connection running in the child
+    assert parents.conn.execute("SELECT 1").fetchone() == (1,)  # still open: kept, not closed
+    monkeypatch.setattr(pointer.os, "getpid", lambda: real)
+    pointer._INHERITED[:] = [k for k in pointer._INHERITED if k is not parents and k is not parents.conn]
 
 
 def test_a_database_named_by_a_uri_with_options_or_another_driver_keeps_sqlalchemys_connections(tmp_path: Path) -> None:

@@ -556,7 +556,8 @@ def test_a_wide_batch_is_checked_as_a_whole_and_a_bad_rank_is_still_named() -> N
 
 def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
     """A manifest holds up to thousands of entries (each with its file's statistics): 512 manifests could hold two
-    million. The cache also bounds the entries held, all manifests together, least recently used first."""
+    million. The cache also bounds the entries held, all manifests together, least recently used first; one manifest
+    larger than a quarter of that bound is not kept (it would push out every live one)."""
     from pyiceberg.manifest import DataFile, ManifestEntry, ManifestEntryStatus
 
     from lakestream_iceberg.format.manifests import ManifestCache
@@ -568,12 +569,12 @@ def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
 
     cache = ManifestCache(max_files=512, max_entries=1_000)
     for i in range(10):
-        cache.remember_entries(f"m{i}", entries(300))
+        cache.remember_entries(f"m{i}", entries(200))
         assert cache.entry_count <= 1_000
-    assert cache.entries_cached() == {"m7", "m8", "m9"} and cache.entry_count == 900
-    cache.remember_entries("big", entries(1_500))  # larger than the bound alone: kept (the newest always stays)
-    assert cache.entries_cached() == {"big"} and cache.entry_count == 1_500
-    cache.forget_entries(["big"])
+    assert cache.entries_cached() == {f"m{i}" for i in range(5, 10)} and cache.entry_count == 1_000
+    cache.remember_entries("big", entries(251))  # over a quarter of the bound: not kept, the live ones stay
+    assert "big" not in cache.entries_cached() and cache.entry_count == 1_000
+    cache.forget_entries([f"m{i}" for i in range(5, 10)])
     assert cache.entry_count == 0 and not cache.entries_cached()
     cache.remember_entries("m", entries(10))
     cache.remember_entries("m", entries(20))  # the same path again: counted once

@@ -80,10 +80,15 @@ class _Connection:
         self.key, self.conn = key, conn
 
 
+_INHERITED: list[object] = []  # a forked child's copies of its parent's connections: kept, never closed
+
+
 def _close(conn: sqlite3.Connection, pid: int) -> None:
-    """Close a probe connection, but only in the process that opened it: a forked child never touches its parent's
-    (SQLite's own state may have been copied mid-operation), it just drops it."""
+    """Close a probe connection, but only in the process that opened it. A forked child keeps its copies (in
+    ``_INHERITED``) instead of letting them go: the last reference closes a ``sqlite3`` connection, which runs SQLite
+    code on state that may have been copied mid-operation (another thread's query at the fork)."""
     if os.getpid() != pid:
+        _INHERITED.append(conn)
         return
     try:
         conn.close()
@@ -108,6 +113,8 @@ class _SqliteReaders:
         key = (os.getpid(), self.generation)
         held: _Connection | None = getattr(self.local, "held", None)
         if held is None or held.key != key:  # first use in this thread, a forked child, or disposed since
+            if held is not None and held.key[0] != key[0]:
+                _INHERITED.append(held)  # the parent's: dropping the last reference would close it here
             # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect; check_same_thread off only so that
             # dispose() and the finalizer may close it from another thread (each is used by the thread that opened it)
             conn = sqlite3.connect(self.uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
@@ -115,7 +122,7 @@ class _SqliteReaders:
             weakref.finalize(held, _close, conn, key[0])
             with self.lock:
                 self.opened.add(held)
-            self.local.held = held  # an inherited connection is dropped, never closed (see _close)
+            self.local.held = held
         row = held.conn.execute(sql, params).fetchone()
         return row[0] if row is not None else None
 

@@ -115,6 +115,7 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
         behind)."""
         self._records: list[bytes] = []
         self._buffer = io.BytesIO()
+        self.output_stream = self._buffer  # type: ignore[assignment]  # tell(): bytes encoded so far
         self.encoder = BinaryEncoder(self._buffer)
         self._write_header()
         return self

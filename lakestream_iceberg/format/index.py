@@ -81,11 +81,15 @@ class StepIndex:
 
     def _step_bounds(self, manifest: ManifestFile) -> tuple[int, int] | None:
         path = manifest.manifest_path
-        if path not in self._bounds:
-            if len(self._bounds) > 4096:  # a head lists a few dozen manifests; the rest were merged or collected
-                self._bounds.clear()
-            self._bounds[path] = step_bounds(manifest)
-        return self._bounds[path]
+        try:
+            return self._bounds[path]
+        except KeyError:
+            pass
+        bounds = step_bounds(manifest)
+        if len(self._bounds) > 4096:  # a head lists a few dozen manifests; the rest were merged or collected
+            self._bounds.clear()  # (another thread may clear it too: the local value is what is returned)
+        self._bounds[path] = bounds
+        return bounds
 
     def files(self, snapshot: Snapshot | None, step: int) -> list[DataFile]:
         """The data files of ``step`` in ``snapshot``'s table state, ordered by rank (packed layout: the one file; empty

@@ -93,7 +93,7 @@ class ManifestCache:
     Bounded in files (``max_files`` lists, ``max_files`` manifests) and in entries (``max_entries`` manifest entries, all
     manifests together: a manifest holds up to ``lakestream.manifest.max-merge-entries`` of them, or more once too
     large to merge, each with its data file's statistics, about 2.5 KB); the least recently used go first, the newest
-    always stays."""
+    always stays; a manifest holding more than a quarter of ``max_entries`` is not kept at all."""
 
     def __init__(self, *, max_files: int = 512, max_entries: int = 262_144) -> None:
         self._max = max_files
@@ -114,6 +114,8 @@ class ManifestCache:
 
     def _put(self, store: OrderedDict[str, list], key: str, value: list) -> None:
         entries = store is self._entries
+        if entries and len(value) > self._max_entries // 4:  # one huge manifest (another engine's) would push out
+            return  # every live one a merge reads: it is read again when asked instead
         with self._lock:
             if entries:
                 self._entry_count += len(value) - len(store.get(key, ()))

@@ -106,9 +106,10 @@ def active_horizon(active: Mapping[str, ProducerState], step: int | None = None)
 class ProducerFiles:
     """A process-wide cache of parsed producer-state files (immutable: each is read once).
 
-    It keeps the files that the last ``max_lists`` distinct file lists asked about name (a list is what one head's
-    summary holds; a process following a branch or two, or a fork, asks about one or two at a time), and drops the
-    others whenever a new file comes in: once a merge elsewhere replaced them by a new base, no head lists them again.
+    Per table (the folder its files are in), it keeps the files that the last ``max_lists`` distinct file lists asked
+    about name (a list is what one head's summary holds; a process following a branch or two, or a fork, asks about
+    one or two at a time), and drops that table's others whenever a new file of it comes in: once a merge elsewhere
+    replaced them by a new base, no head lists them again.
     With one branch, eight lists span the deltas of one or two bases (a merge comes every ``MAX_FILES`` compactions),
     so a process holds about twice what the head lists. Without this a process that never merged itself kept every
     base it ever read, each one larger than the last (6,000 ids left 76,608 entries in 186 files, about ids^2 / 512).
@@ -120,7 +121,8 @@ class ProducerFiles:
         self._size = 0
         self._lock = threading.Lock()
         self._files: OrderedDict[str, dict[str, ProducerState]] = OrderedDict()
-        self._lists: OrderedDict[tuple[str, ...], None] = OrderedDict()  # the lists asked about lately
+        # per folder (one table's files), the lists asked about lately; the folders least recently asked about go first
+        self._lists: OrderedDict[str, OrderedDict[tuple[str, ...], None]] = OrderedDict()
         self._max_lists = max_lists
 
     def load(self, io: FileIO, path: str) -> dict[str, ProducerState]:
@@ -144,11 +146,12 @@ class ProducerFiles:
         """Cache a parsed file (``listed_with``: the files the next head lists beside it, when this process wrote it)."""
         if listed_with is not None:
             self._asked((*listed_with, path))
+        folder = _folder(path)
         with self._lock:
             if path in self._files:
                 return
-            listed = {p for files in self._lists for p in files}
-            for old in [p for p in self._files if p not in listed]:  # replaced since: no head asked about lists them
+            listed = {p for files in self._lists.get(folder, ()) for p in files}
+            for old in [p for p in self._files if _folder(p) == folder and p not in listed]:  # replaced since
                 self._size -= len(self._files.pop(old))
             self._files[path] = parsed
             self._size += len(parsed)
@@ -178,13 +181,20 @@ class ProducerFiles:
 
     def _asked(self, files: Iterable[str]) -> tuple[str, ...]:
         listed = tuple(files)
+        if not listed:
+            return listed
+        folder = _folder(listed[0])
         with self._lock:
-            if listed in self._lists:
-                self._lists.move_to_end(listed)
-            else:
-                self._lists[listed] = None
-                while len(self._lists) > self._max_lists:
+            recent = self._lists.get(folder)
+            if recent is None:
+                recent = self._lists[folder] = OrderedDict()
+                while len(self._lists) > _MAX_FOLDERS:
                     self._lists.popitem(last=False)
+            self._lists.move_to_end(folder)
+            recent[listed] = None
+            recent.move_to_end(listed)
+            while len(recent) > self._max_lists:
+                recent.popitem(last=False)
         return listed
 
     def lookup(self, io: FileIO, files: Iterable[str], producer: str) -> ProducerState | None:
@@ -201,6 +211,14 @@ class ProducerFiles:
         for path in self._asked(files):
             out.update(self.load(io, path))
         return out
+
+
+_MAX_FOLDERS = 1024  # tables whose recent lists are remembered (a table asked about again starts a new record)
+
+
+def _folder(path: str) -> str:
+    """The folder of a producer-state file: one table's (``<location>/data/_producers``)."""
+    return path.rpartition("/")[0]
 
 
 DEFAULT_FILES = ProducerFiles()

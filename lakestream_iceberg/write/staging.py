@@ -243,7 +243,10 @@ class StagingArea:
                 pass
         with self._lock:
             for path in paths:
-                self._parsed.pop(path, None)
+                intent = self._parsed.pop(path, None)
+                if intent is not None:  # its files are published now: no commit checks their footers again
+                    for f in intent.batch.files:
+                        self._footers.pop(f.path, None)
             for branch, (when, listed) in list(self._listed.items()):
                 if any(i.path in gone for i in listed):
                     self._listed[branch] = (when, [i for i in listed if i.path not in gone])
@@ -366,8 +369,10 @@ class StagingArea:
         return None
 
     def _reject(self, path: str, reason: str) -> None:
-        if path not in self._rejected:
+        with self._lock:  # another thread's listing may be forgetting rejections (_forget_unlisted)
+            new = path not in self._rejected
             self._rejected.add(path)
+        if new:
             log.warning("ignoring staged intent %s: %s; it is never published (GC removes it)", path, reason)
 
 

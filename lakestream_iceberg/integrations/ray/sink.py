@@ -48,11 +48,11 @@ MAX_OPEN_STREAMS = 8  # per worker process: a worker that wrote to more streams 
 
 def _release(stream: Stream) -> None:
     """Close a stream this module opened: its threads, and its catalog (the catalog's connections)."""
-    try:
-        stream.close()
-        stream.table.catalog.close()
-    except Exception as exc:  # noqa: BLE001 - best effort: an unreachable catalog has nothing left to close
-        log.debug("closing a cached stream failed (%s)", exc)
+    for close in (stream.close, stream.table.catalog.close):
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - best effort: an unreachable catalog has nothing left to close
+            log.debug("closing a cached stream failed (%s)", exc)
 
 
 def _cache(key: tuple[int, StreamRef], stream: Stream) -> list[Stream]:
@@ -84,10 +84,11 @@ def _open(ref: StreamRef) -> Stream:
         try:
             stream.refresh()
             return stream
-        except StreamError:  # another table under this name now: forget the old one's handle
+        except StreamError:  # another table under this name now: forget (and close) the old one's handle
             with _streams_lock:
                 if _streams.get(key) is stream:
                     del _streams[key]
+            _release(stream)
         except Exception as exc:  # noqa: BLE001 - the catalog is busy or down for now: the commit's refresh retries
             if not transient(exc):
                 raise
