@@ -190,13 +190,13 @@ def test_a_forked_child_keeps_its_parents_probe_connections_open(tmp_path: Path,
     readers = pointer._READERS[stream.table.catalog.engine]
     parents = readers.local.held
     real = os.getpid()
-    monkeypatch.setattr(pointer.os, "getpid", lambda: real + 1)  # "the child"
+    monkeypatch.setattr(pointer, "_getpid", lambda: real + 1)  # "the child"
     assert probe() == stream.table.metadata_location
     assert readers.local.held is not parents and readers.local.held.key[0] == real + 1
     assert any(kept is parents for kept in pointer._INHERITED)
     pointer._close(parents.conn, real)  # a finalizer of the parent's connection running in the child
     assert parents.conn.execute("SELECT 1").fetchone() == (1,)  # still open: kept, not closed
-    monkeypatch.setattr(pointer.os, "getpid", lambda: real)
+    monkeypatch.setattr(pointer, "_getpid", lambda: real)
     pointer._INHERITED[:] = [k for k in pointer._INHERITED if k is not parents and k is not parents.conn]
 
 

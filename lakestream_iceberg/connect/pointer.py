@@ -81,13 +81,14 @@ class _Connection:
 
 
 _INHERITED: list[object] = []  # a forked child's copies of its parent's connections: kept, never closed
+_getpid = os.getpid  # which process this is (a name of its own, so a test can play a forked child)
 
 
 def _close(conn: sqlite3.Connection, pid: int) -> None:
     """Close a probe connection, but only in the process that opened it. A forked child keeps its copies (in
     ``_INHERITED``) instead of letting them go: the last reference closes a ``sqlite3`` connection, which runs SQLite
     code on state that may have been copied mid-operation (another thread's query at the fork)."""
-    if os.getpid() != pid:
+    if _getpid() != pid:
         _INHERITED.append(conn)
         return
     try:
@@ -110,7 +111,7 @@ class _SqliteReaders:
         self.lock = threading.Lock()
 
     def read(self, sql: str, params: tuple[str, ...]) -> str | None:
-        key = (os.getpid(), self.generation)
+        key = (_getpid(), self.generation)
         held: _Connection | None = getattr(self.local, "held", None)
         if held is None or held.key != key:  # first use in this thread, a forked child, or disposed since
             if held is not None and held.key[0] != key[0]:
@@ -128,14 +129,14 @@ class _SqliteReaders:
 
     def open_connections(self) -> int:
         """How many probe connections this process holds open now."""
-        pid = os.getpid()
+        pid = _getpid()
         with self.lock:
             return sum(1 for held in list(self.opened) if held.key[0] == pid)
 
     def dispose(self, *_args: Any) -> None:
         """Close this process's connections (SQLAlchemy's ``engine_disposed`` event); a child's dispose after a
         fork (``close=False``) leaves its parent's connections alone, as SQLAlchemy does."""
-        pid = os.getpid()
+        pid = _getpid()
         with self.lock:
             mine = [held for held in list(self.opened) if held.key[0] == pid]
             for held in mine:
