@@ -188,10 +188,7 @@ class StagingArea:
         with self._lock:
             gone = [p for p in self._parsed if p.startswith(prefix) and p not in present]
             for path in gone:
-                intent = self._parsed.pop(path)
-                if intent is not None:
-                    for f in intent.batch.files:
-                        self._footers.pop(f.path, None)
+                self._forget(path)
             self._rejected.difference_update([p for p in self._rejected if p.startswith(prefix) and p not in present])
 
     def queued(self, branch: str, path: str, *, max_age_s: float) -> int:
@@ -242,16 +239,20 @@ class StagingArea:
             except Exception:  # noqa: BLE001 - already deleted by its owner or another committer
                 pass
         with self._lock:
-            for path in paths:
-                intent = self._parsed.pop(path, None)
-                if intent is not None:  # its files are published now: no commit checks their footers again
-                    for f in intent.batch.files:
-                        self._footers.pop(f.path, None)
+            for path in paths:  # its files are published now: no commit checks their footers again
+                self._forget(path)
             for branch, (when, listed) in list(self._listed.items()):
                 if any(i.path in gone for i in listed):
                     self._listed[branch] = (when, [i for i in listed if i.path not in gone])
 
     # -- internals ----------------------------------------------------------------------------------------------------
+    def _forget(self, path: str) -> None:
+        """Drop the parsed intent at ``path`` and its files' footer checks (called with ``_lock`` held)."""
+        intent = self._parsed.pop(path, None)
+        if intent is not None:
+            for f in intent.batch.files:
+                self._footers.pop(f.path, None)
+
     def _remember(self, path: str, intent: Intent | None) -> None:
         with self._lock:
             self._parsed[path] = intent
