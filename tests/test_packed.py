@@ -347,3 +347,30 @@ def test_a_batch_checked_as_a_whole_and_one_checked_rank_by_rank_are_written_ali
         assert list(stream.step_files(step).counts) == [len(s) for s in batch("p", step - 1, 4)]  # the rank table
         for rank in range(4):
             assert digest(stream.read(step, rank=rank)) == digest(batch("p", step - 1, 4)[rank])
+
+
+def test_large_ranks_are_written_from_their_own_buffers_and_tiny_ones_as_one_chunk(catalog: SqlCatalog) -> None:
+    """Copying a step's ranks into one chunk per column pays only for many tiny ranks (per-chunk costs); large ranks
+    are written from the shards' own buffers, and every rank still reads back exactly its rows."""
+    from lakestream_iceberg.write.writer import COMBINE_BELOW_CHUNK_BYTES
+
+    stream = make(catalog, world_size=4, **{"lakestream.layout.packed.row-group-bytes": str(1 << 20)})
+    writer = stream.producer("p")._writer
+    value = COMBINE_BELOW_CHUNK_BYTES // 4
+    large = [shard("p", 0, r, rows=6).set_column(5, "image", pa.array([bytes([r]) * value] * 6, pa.binary()))
+             for r in range(4)]
+    counts = np.array([6] * 4)
+    (group,) = writer._row_groups(large, counts, pa.concat_tables(large))
+    images = group.column("image")
+    assert images.num_chunks == 4  # one chunk per rank: not copied
+    for r in range(4):
+        assert images.chunk(r).buffers()[2].address == large[r].column("image").chunk(0).buffers()[2].address
+    assert group.column("_rank").to_pylist() == [r for r in range(4) for _ in range(6)]
+    tiny = [shard("p", 1, r, rows=1) for r in range(4)]
+    (group,) = writer._row_groups(tiny, np.array([1] * 4), pa.concat_tables(tiny))
+    assert {column.num_chunks for column in group.columns} == {1}
+    producer = stream.producer("p")
+    for step, shards in enumerate((large, tiny), start=1):
+        assert producer.commit(shards).step == step
+        for rank in range(4):
+            assert stream.read(step, rank=rank).equals(shards[rank])
