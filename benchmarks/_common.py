@@ -11,6 +11,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -26,7 +27,10 @@ __all__ = [
     "BENCH_DIR",
     "REPO_ROOT",
     "RESULTS_DIR",
+    "RunFolders",
     "Table",
+    "file_creation_ms",
+    "settle_file_creation",
     "environment",
     "fmt_ms",
     "jain_index",
@@ -215,6 +219,69 @@ def write_json(name: str, payload: Mapping[str, Any], *, directory: Path | None 
     tmp.write_text(json.dumps(_jsonable(body), indent=2, sort_keys=False) + "\n")
     tmp.replace(path)
     return path
+
+
+# ------------------------------------------------------------------------------------------------ file system hygiene
+#
+# Deleting thousands of small files makes creating files slow for the next minutes on some local file systems, and a
+# benchmark that deletes one run's folder before the next run charges that to whichever system creates files. ext4
+# without a journal (this project's CI and benchmark VMs) skips, when it allocates an inode, every free inode freed less
+# than 60 s ago, or 6 minutes while its inode table block is dirty (``recently_deleted`` in fs/ext4/ialloc.c; ``perf``
+# shows 70% of a file creation's CPU there). Measured on such a VM: creating an empty file costs 0.02-0.06 ms of CPU
+# when calm and 0.4-1.3 ms after a run folder of a few thousand files was deleted; 8 lakestream producers publishing
+# 1 MiB batches (about 4 new files per batch) fell from 145 to 54 MiB/s. A Kafka broker with in-memory storage creates
+# no files. So the benchmarks that compare keep every run's folder until they end (``RunFolders``) and wait, once at the
+# start, until creating a file costs what it costs on a calm file system (``settle_file_creation``).
+
+
+def file_creation_ms(directory: Path, *, files: int = 100) -> float:
+    """CPU milliseconds to create one empty file in ``directory``: the mean of ``files`` creations. The files are kept
+    (deleting them is what slows the next ones); they go with ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    start = time.process_time()
+    for _ in range(files):
+        fd = os.open(directory / f"probe-{time.time_ns()}-{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.close(fd)
+    return (time.process_time() - start) / files * 1000
+
+
+def settle_file_creation(directory: Path, *, calm_ms: float = 0.15, max_wait_s: float = 420.0,
+                         poll_s: float = 10.0) -> dict[str, Any]:
+    """Wait until creating a file in ``directory`` costs at most ``calm_ms`` of CPU (see above), or ``max_wait_s``
+    passed (0: measure once, do not wait). Returns what it saw: the first and last cost, the seconds waited, and
+    whether it settled; a benchmark records it next to its figures."""
+    start = time.monotonic()
+    first = last = file_creation_ms(directory)
+    while last > calm_ms and time.monotonic() - start < max_wait_s:
+        time.sleep(poll_s)
+        last = file_creation_ms(directory)
+    return {"create_ms_first": round(first, 4), "create_ms": round(last, 4), "waited_s": round(time.monotonic() - start, 1),
+            "settled": last <= calm_ms, "calm_ms": calm_ms}
+
+
+class RunFolders:
+    """Folders of finished runs, deleted when the benchmark ends (``close``) instead of between the runs it measures
+    (see above). When the disk would go below ``min_free_bytes``, the oldest are deleted at once and counted in
+    ``deleted_early`` (a benchmark reports it: the runs after it may have paid for the deletion)."""
+
+    def __init__(self, *, min_free_bytes: int = 8 << 30, delete_at_once: bool = False) -> None:
+        self._kept: list[Path] = []
+        self._min_free = min_free_bytes
+        self._at_once = delete_at_once
+        self.deleted_early = 0
+
+    def retire(self, path: Path) -> None:
+        if self._at_once:
+            shutil.rmtree(path, ignore_errors=True)
+            return
+        self._kept.append(path)
+        while self._kept and shutil.disk_usage(path.parent).free < self._min_free:
+            shutil.rmtree(self._kept.pop(0), ignore_errors=True)
+            self.deleted_early += 1
+
+    def close(self) -> None:
+        while self._kept:
+            shutil.rmtree(self._kept.pop(0), ignore_errors=True)
 
 
 def machine() -> dict[str, Any]:

@@ -55,7 +55,15 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent))
 
-from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    Table,
+    file_creation_ms,
+    machine,
+    percentile,
+    settle_file_creation,
+    write_json,
+)
 
 WORLD_SIZE = 8
 NS = "bench"
@@ -511,17 +519,20 @@ def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     order = ["alone", "pool", "pool", "alone"] * ((args.pool_rounds + 1) // 2)
     for i, which in enumerate(order[: 2 * args.pool_rounds]):
         os.sync()
+        create_ms = file_creation_ms(root / "probe")  # what creating a file cost just before this round
         if which == "alone":
-            alone_runs.append(_alone_round(root, args, i))
+            alone_runs.append(dict(_alone_round(root, args, i), create_ms_before=create_ms))
         else:
             pool, check = _pool_round(root, args, i)
-            pool_runs.append(pool)
+            pool_runs.append(dict(pool, create_ms_before=create_ms))
             checks.append(check)
     alone, pool = _merge_pool_runs(alone_runs), _merge_pool_runs(pool_runs)
     rounds = [p["commits_per_s"] / a["commits_per_s"] if a["commits_per_s"] else math.nan
               for p, a in zip(pool_runs, alone_runs, strict=True)]
     return {"alone": alone, "pool": pool, "ratio": pool["commits_per_s"] / alone["commits_per_s"]
-            if alone["commits_per_s"] else math.nan, "round_ratios": rounds, "check": _merge_checks(checks)}
+            if alone["commits_per_s"] else math.nan, "round_ratios": rounds, "check": _merge_checks(checks),
+            "create_ms_before": {"alone": [r["create_ms_before"] for r in alone_runs],
+                                 "pool": [r["create_ms_before"] for r in pool_runs]}}
 
 
 # ================================================================================================ report
@@ -602,6 +613,10 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> tuple[list[Tabl
                + ", ".join(f"{x:.0f}" for x in alone.get("round_commits_per_s", [alone["commits_per_s"]]))
                + " commits/s, pool " + ", ".join(f"{x:.0f}" for x in pool.get("round_commits_per_s", [pool["commits_per_s"]]))
                + " commits/s, pool/alone " + ", ".join(f"{x:.2f}x" for x in c.get("round_ratios", [c["ratio"]])))
+        if c.get("create_ms_before"):
+            t.note("CPU ms to create an empty file just before each round (calm: about 0.05; see benchmarks/_common.py): "
+                   "alone " + ", ".join(f"{x:.2f}" for x in c["create_ms_before"]["alone"]) + "; pool "
+                   + ", ".join(f"{x:.2f}" for x in c["create_ms_before"]["pool"]))
         tables.append(t)
         target("C", "failed commits", pool["failed"], f"== {TARGET_C_FAILED}", pool["failed"] == TARGET_C_FAILED)
         target("C", f"pool commits/s / one producer alone ({pool['processes']} processes)", f"{c['ratio']:.2f}x",
@@ -650,6 +665,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="C: rounds of the pool and of the lone producer, alternating, each on a fresh stream")
     parser.add_argument("--out", default=str(RESULTS_DIR / "producer_churn.json"))
     parser.add_argument("--workdir", default=None, help="where tables live (default: a temp dir, removed at the end)")
+    parser.add_argument("--settle-max-s", type=float, default=None,
+                        help="at most this long, before the first run, wait for file creation to be calm after deletions "
+                             "made before the benchmark (default 420; --smoke 0: measure only; see benchmarks/_common.py)")
     args = parser.parse_args(argv)
     defaults = parser.parse_args([])
     small = {}
@@ -667,6 +685,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from A, B, C")
     args.points = [int(p) for p in str(args.points).split(",") if p.strip()]
+    if args.settle_max_s is None:
+        args.settle_max_s = 0.0 if args.smoke else 420.0
     if args.ids < 1 or args.window < 1 or args.pool < 1 or args.pool_batches < 1 or args.rotate < 0 or args.pool_rounds < 1:
         parser.error("--ids, --window, --pool, --pool-batches and --pool-rounds must be >= 1, --rotate >= 0")
     return args
@@ -690,6 +710,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{f' (at most {args.max_seconds:g} s)' if args.max_seconds is not None else ''}, pool {args.pool} x "
           f"{args.pool_batches} (new id every {args.rotate}){' [smoke]' if args.smoke else ''}", flush=True)
     try:
+        results["file_system_at_start"] = settle = settle_file_creation(root / "probe", max_wait_s=args.settle_max_s)
+        print(f"file system {'calm' if settle['settled'] else 'NOT calm'}: creating a file {settle['create_ms']:.3f} ms "
+              f"of CPU (first probe {settle['create_ms_first']:.3f} ms, waited {settle['waited_s']:.0f} s)", flush=True)
         churned = None
         if "A" in args.scenarios or "B" in args.scenarios:
             mark = time.monotonic()

@@ -43,7 +43,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    RunFolders,
+    Table,
+    file_creation_ms,
+    machine,
+    percentile,
+    settle_file_creation,
+    write_json,
+)
 from _kafka import Tansu, admin_config, create_topic, tansu_version  # noqa: E402
 
 MiB = 1 << 20
@@ -466,8 +475,24 @@ class Bench:
         (self.tmp / "logs").mkdir()
         os.environ.setdefault("VS_KAFKA_CLIENT_LOG", str(self.tmp / "logs" / "librdkafka.log"))
         self.run_no = 0
+        # lakestream's run folders stay until the end: deleting one (thousands of files) slows the file creations of
+        # the runs after it on some file systems (see benchmarks/_common.py), and only lakestream creates files
+        self.runs = RunFolders(delete_at_once=args.delete_runs_at_once)
+        self.settle: dict[str, Any] = {}
+
+    def settle_file_system(self) -> None:
+        """Once, before the first run: wait until creating a file costs what it costs on a calm file system (the
+        test suite or a benchmark run just before may have deleted thousands of files)."""
+        self.settle = settle_file_creation(self.tmp / "probe", max_wait_s=self.args.settle_max_s)
+        state = "calm" if self.settle["settled"] else "NOT calm"
+        print(f"  file system {state}: creating a file {self.settle['create_ms']:.3f} ms of CPU "
+              f"(first probe {self.settle['create_ms_first']:.3f} ms, waited {self.settle['waited_s']:.0f} s)", flush=True)
+
+    def create_ms(self) -> float:
+        return file_creation_ms(self.tmp / "probe")
 
     def close(self) -> None:
+        self.runs.close()
         if not self.args.keep_tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -511,7 +536,7 @@ class Bench:
                                    timeout_s=self.args.run_timeout)
             disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / MiB
         finally:
-            shutil.rmtree(root, ignore_errors=True)
+            self.runs.retire(root)
         return result, disk
 
     # -- 1. ingestion ------------------------------------------------------------------------------------------------
@@ -528,12 +553,13 @@ class Bench:
                 k_rounds, l_rounds = [], []
                 for rnd in range(self.args.rounds):  # alternating order: whatever drifts hits both systems alike
                     for system in ("kafka", "lake") if rnd % 2 == 0 else ("lake", "kafka"):
+                        create_ms = self.create_ms()  # what creating a file cost just before this run
                         if system == "kafka":
                             k_res, rss = self.kafka_run(**kw)
-                            k_rounds.append(summarize_ingestion(k_res))
+                            k_rounds.append(dict(summarize_ingestion(k_res), create_ms_before=create_ms))
                         else:
                             l_res, disk = self.lake_run(**kw)
-                            l_rounds.append(summarize_ingestion(l_res))
+                            l_rounds.append(dict(summarize_ingestion(l_res), create_ms_before=create_ms))
                 k, lk = pool_rounds(k_rounds), pool_rounds(l_rounds)
                 ratio = lk["mib_s"] / k["mib_s"] if k["mib_s"] else math.nan
                 per_round = [lr["mib_s"] / kr["mib_s"] if kr["mib_s"] else math.nan for kr, lr in zip(k_rounds, l_rounds)]
@@ -549,6 +575,12 @@ class Bench:
             table.note(f"{self.args.rounds} rounds per row in alternating order (kafka then lakestream, then the other way "
                        "round), each system's rounds pooled (MiB / seconds, CPU / GiB; p50 and attempts: the rounds' "
                        "median and mean); every run starts after os.sync()")
+        kept = "kept until the end" if not self.args.delete_runs_at_once else "deleted after each run (--delete-runs-at-once)"
+        probes = "; ".join(f"{row['batch_mib']} MiB P={row['producers']}: kafka "
+                           + "/".join(f"{r['create_ms_before']:.2f}" for r in row["kafka_rounds"]) + ", lakestream "
+                           + "/".join(f"{r['create_ms_before']:.2f}" for r in row["lakestream_rounds"]) for row in rows)
+        table.note(f"lakestream run folders {kept} (deleted early for disk space: {self.runs.deleted_early}); CPU ms to "
+                   f"create an empty file just before each run (calm: about 0.05): {probes}")
         return table, rows
 
     # -- 2. latency ---------------------------------------------------------------------------------------------------
@@ -910,6 +942,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--txn-timeout-ms", type=int, default=5000)
     ap.add_argument("--out", default=str(RESULTS_DIR / "vs_kafka.json"))
     ap.add_argument("--keep-tmp", action="store_true")
+    ap.add_argument("--settle-max-s", type=float, default=None,
+                    help="at most this long, before the first run, wait for file creation to be calm after deletions "
+                         "made before the benchmark (default 420; --smoke 0: measure only)")
+    ap.add_argument("--delete-runs-at-once", action="store_true",
+                    help="delete each lakestream run's folder right after the run, as before 2026-12-03 (the runs after "
+                         "it then pay for the deletion on some file systems; see benchmarks/_common.py)")
     ap.add_argument("--only", default="ingestion,latency,death", help="parts to run (message limits always run)")
     args = ap.parse_args(argv)
     args.only = set(args.only.split(","))
@@ -925,6 +963,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.death_mib = 1
     args.random_kills = 1 if smoke else 3
     args.run_timeout = 120.0
+    if args.settle_max_s is None:
+        args.settle_max_s = 0.0 if smoke else 420.0
     args.observe_idle_s = 0.5 if smoke else 1.0
     if smoke:
         args.txn_timeout_ms = min(args.txn_timeout_ms, 1000)
@@ -941,6 +981,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     phases: dict[str, float] = {}
     try:
+        bench.settle_file_system()
         print(f"vs_kafka: tansu {tansu_version()}, confluent-kafka {confluent_kafka.version()[0]} "
               f"(librdkafka {confluent_kafka.libversion()[0]}), W={args.world_size}, sizes {args.sizes} MiB, "
               f"P {args.producers}{' [smoke]' if args.smoke else ''}", flush=True)
@@ -979,6 +1020,7 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started,
         "phase_s": phases,
         "loadavg_at_start": load_at_start,
+        "file_system_at_start": bench.settle,
         "config": {"lake_codec": args.lake_codec, "world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
                    "duration_s": args.duration, "rounds": args.rounds, "latency_producers": args.latency_producers,
                    "pacing": {str(k): {"interval_s": v[0], "batches_per_producer": v[1]} for k, v in args.pacing.items()},

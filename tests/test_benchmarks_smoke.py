@@ -68,6 +68,10 @@ def test_vs_kafka_smoke(tmp_path: Path) -> None:
         assert _positive(row["ratio_mib_s"])
         assert len(row["ratio_per_round"]) == data["config"]["rounds"] == 1  # --smoke: one round
         assert row["lakestream"]["attempts_per_commit"] > 0  # < 1 when group commits carry batches
+        for run in row["kafka_rounds"] + row["lakestream_rounds"]:  # the file system's state before each run
+            assert _positive(run["create_ms_before"]), run
+    start = data["file_system_at_start"]
+    assert start["waited_s"] == 0 and _positive(start["create_ms"])  # --smoke measures once, never waits
     for row in data["latency"]:
         for system in ("kafka", "lakestream"):
             lat = row[system]
@@ -131,6 +135,8 @@ def test_producer_churn_smoke(tmp_path: Path) -> None:
         assert lone[run]["commits"] >= 1 and _positive(lone[run]["commits_per_s"]), lone[run]
     assert _positive(lone["ratio"])
     assert pool["alone"]["commits"] >= 1 and pool["pool"]["commits"] >= 1 and _positive(pool["ratio"])
+    assert all(_positive(x) for x in pool["create_ms_before"]["alone"] + pool["create_ms_before"]["pool"])
+    assert data["scenarios"]["file_system_at_start"]["waited_s"] == 0
     check = pool["check"]
     # whatever the timings: the rotating pool's batches are published dense and exactly once
     assert check["dense"] and check["exactly_once"], check
@@ -235,3 +241,37 @@ def test_vs_kafka_pools_its_rounds() -> None:
     assert pooled["attempts_per_commit"] == (0.25 * 400 + 1.0 * 100) / 500 and pooled["rounds"] == 2
     assert module.pool_rounds([fast]) is fast
     assert module.pool_rounds([fast, dict(slow, attempts_per_commit=None)])["attempts_per_commit"] is None
+
+
+def test_run_folders_are_deleted_at_the_end_unless_the_disk_runs_short(tmp_path: Path) -> None:
+    """The comparing benchmarks keep their run folders until they end (deleting one slows the next runs' file
+    creations on some file systems): deleted at close, at once when asked, or early, oldest first, for disk space."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        from _common import RunFolders, file_creation_ms, settle_file_creation
+    finally:
+        sys.path.remove(str(BENCH))
+
+    def folder(name: str) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "f").write_bytes(b"x")
+        return tmp_path / name
+
+    kept = RunFolders()
+    for name in ("a", "b"):
+        kept.retire(folder(name))
+    assert (tmp_path / "a").exists() and (tmp_path / "b").exists() and kept.deleted_early == 0
+    kept.close()
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    at_once = RunFolders(delete_at_once=True)
+    at_once.retire(folder("c"))
+    assert not (tmp_path / "c").exists()
+    short = RunFolders(min_free_bytes=1 << 62)  # no disk has that much free: every retired folder goes at once
+    short.retire(folder("d"))
+    assert not (tmp_path / "d").exists() and short.deleted_early == 1
+    probe = tmp_path / "probe"
+    assert file_creation_ms(probe, files=10) > 0 and len(list(probe.iterdir())) == 10  # the probe's files are kept
+    calm = settle_file_creation(probe, calm_ms=1e9, max_wait_s=60)
+    assert calm["settled"] and calm["waited_s"] < 60
+    never = settle_file_creation(probe, calm_ms=0.0, max_wait_s=0)  # nothing is that cheap: measured once, no wait
+    assert not never["settled"] and len(list(probe.iterdir())) == 10 + 100 + 100  # one probe of 100 files each
