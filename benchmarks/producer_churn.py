@@ -55,15 +55,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 sys.path.insert(0, str(BENCH_DIR.parent))
 
-from _common import (  # noqa: E402
-    RESULTS_DIR,
-    Table,
-    file_creation_ms,
-    machine,
-    percentile,
-    settle_file_creation,
-    write_json,
-)
+from _common import RESULTS_DIR, Table, file_creation_ms, machine, percentile, settle_file_creation, write_json  # noqa: E402
 
 WORLD_SIZE = 8
 NS = "bench"
