@@ -250,12 +250,14 @@ def settle_file_creation(directory: Path, *, calm_ms: float = 0.15, max_wait_s: 
     """Wait until creating a file in ``directory`` costs at most ``calm_ms`` of CPU (see above), or ``max_wait_s``
     passed (0: measure once, do not wait). Returns what it saw: the first and last cost, the seconds waited, and
     whether it settled; a benchmark records it next to its figures."""
-    start = time.monotonic()
     first = last = file_creation_ms(directory)
+    start = time.monotonic()
+    waited = 0.0  # seconds spent waiting after the first probe (none when it was calm, or max_wait_s is 0)
     while last > calm_ms and time.monotonic() - start < max_wait_s:
         time.sleep(poll_s)
         last = file_creation_ms(directory)
-    return {"create_ms_first": round(first, 4), "create_ms": round(last, 4), "waited_s": round(time.monotonic() - start, 1),
+        waited = time.monotonic() - start
+    return {"create_ms_first": round(first, 4), "create_ms": round(last, 4), "waited_s": round(waited, 1),
             "settled": last <= calm_ms, "calm_ms": calm_ms}
 
 

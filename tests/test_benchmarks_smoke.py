@@ -274,4 +274,5 @@ def test_run_folders_are_deleted_at_the_end_unless_the_disk_runs_short(tmp_path:
     calm = settle_file_creation(probe, calm_ms=1e9, max_wait_s=60)
     assert calm["settled"] and calm["waited_s"] < 60
     never = settle_file_creation(probe, calm_ms=0.0, max_wait_s=0)  # nothing is that cheap: measured once, no wait
-    assert not never["settled"] and len(list(probe.iterdir())) == 10 + 100 + 100  # one probe of 100 files each
+    assert not never["settled"] and never["waited_s"] == 0
+    assert len(list(probe.iterdir())) == 10 + 100 + 100  # one probe of 100 files each
