@@ -225,13 +225,14 @@ def write_json(name: str, payload: Mapping[str, Any], *, directory: Path | None 
 #
 # Deleting thousands of small files makes creating files slow for the next minutes on some local file systems, and a
 # benchmark that deletes one run's folder before the next run charges that to whichever system creates files. ext4
-# without a journal (this project's CI and benchmark VMs) skips, when it allocates an inode, every free inode freed less
-# than 60 s ago, or 6 minutes while its inode table block is dirty (``recently_deleted`` in fs/ext4/ialloc.c; ``perf``
-# shows 70% of a file creation's CPU there). Measured on such a VM: creating an empty file costs 0.02-0.06 ms of CPU
-# when calm and 0.4-1.3 ms after a run folder of a few thousand files was deleted; 8 lakestream producers publishing
-# 1 MiB batches (about 4 new files per batch) fell from 145 to 54 MiB/s. A Kafka broker with in-memory storage creates
-# no files. So the benchmarks that compare keep every run's folder until they end (``RunFolders``) and wait, once at the
-# start, until creating a file costs what it costs on a calm file system (``settle_file_creation``).
+# without a journal (this project's VMs) skips, when it allocates an inode, every free inode freed less than 60 s ago,
+# or 6 minutes while its inode table block is dirty (``recently_deleted`` in fs/ext4/ialloc.c; ``perf`` shows about
+# three quarters of a file creation's CPU there). Measured on such a VM: creating an empty file costs 0.02-0.06 ms of
+# CPU when calm and 0.4-1.3 ms after a run folder of a few thousand files was deleted; 8 lakestream producers publishing
+# 1 MiB batches (about 4 new files per batch) published 54 MiB/s right after 10,000 files were deleted, 145 on a calm
+# file system. A Kafka broker with in-memory storage creates no files. So the benchmarks that compare keep every run's
+# folder until they end (``RunFolders``) and wait, once at the start, until creating a file costs what it costs on a
+# calm file system (``settle_file_creation``).
 
 
 def file_creation_ms(directory: Path, *, files: int = 100) -> float:
@@ -239,8 +240,8 @@ def file_creation_ms(directory: Path, *, files: int = 100) -> float:
     (deleting them is what slows the next ones); they go with ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
     start = time.process_time()
-    for _ in range(files):
-        fd = os.open(directory / f"probe-{time.time_ns()}-{os.getpid()}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    for i in range(files):
+        fd = os.open(directory / f"probe-{os.getpid()}-{time.time_ns()}-{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.close(fd)
     return (time.process_time() - start) / files * 1000
 
