@@ -97,11 +97,14 @@ def batch(producer: str, seq: int, rows: int = 1) -> list[Any]:
             for rank in range(WORLD_SIZE)]
 
 
+STAGING = "auto"  # lakestream.commit.group.staging of every stream (--staging)
+
+
 def create_stream(catalog: Any, name: str) -> Any:
     from lakestream_iceberg import Stream
 
     return Stream.create(catalog, f"{NS}.{name}", schema=payload_schema(), world_size=WORLD_SIZE,
-                         properties={PROP_GROUP_COMMIT: "true"})
+                         properties={PROP_GROUP_COMMIT: "true", "lakestream.commit.group.staging": STAGING})
 
 
 def metadata_bytes(stream: Any) -> int:
@@ -653,6 +656,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-dir", default=None,
                         help="C: cProfile every worker's commits, one <table>-<worker>.prof per process in this folder")
     parser.add_argument("--retries", type=int, default=2, help="C: re-commits of the same seq after a failed commit")
+    parser.add_argument("--staging", choices=("auto", "catalog", "storage"), default="auto",
+                        help="lakestream.commit.group.staging of every stream (auto: intents as rows of the SQLite catalog)")
     parser.add_argument("--pool-rounds", type=int, default=2,
                         help="C: rounds of the pool and of the lone producer, alternating, each on a fresh stream")
     parser.add_argument("--out", default=str(RESULTS_DIR / "producer_churn.json"))
@@ -692,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("pyiceberg").setLevel(logging.ERROR)
     args = parse_args(argv)
+    global STAGING
+    STAGING = args.staging
     started = time.monotonic()
     load_at_start = os.getloadavg()
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="producer-churn-"))
@@ -700,7 +707,8 @@ def main(argv: list[str] | None = None) -> int:
     phases: dict[str, float] = {}
     print(f"producer_churn: scenarios {','.join(args.scenarios)}, ids {args.ids:,}"
           f"{f' (at most {args.max_seconds:g} s)' if args.max_seconds is not None else ''}, pool {args.pool} x "
-          f"{args.pool_batches} (new id every {args.rotate}){' [smoke]' if args.smoke else ''}", flush=True)
+          f"{args.pool_batches} (new id every {args.rotate}), staging {args.staging}{' [smoke]' if args.smoke else ''}",
+          flush=True)
     try:
         results["file_system_at_start"] = settle = settle_file_creation(root / "probe", max_wait_s=args.settle_max_s)
         print(f"file system {'calm' if settle['settled'] else 'NOT calm'}: creating a file {settle['create_ms']:.3f} ms "

@@ -527,6 +527,7 @@ class Bench:
         properties = {"write.parquet.compression-codec": self.args.lake_codec}
         if self.args.layout != "auto":
             properties["lakestream.layout"] = self.args.layout
+        properties["lakestream.commit.group.staging"] = self.args.staging
         Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size, properties=properties)
         catalog.engine.dispose()  # no pooled SQLite connection crosses the fork
         try:
@@ -542,6 +543,7 @@ class Bench:
     # -- 1. ingestion ------------------------------------------------------------------------------------------------
     def ingestion(self) -> tuple[Table, list[dict[str, Any]]]:
         table = Table(f"ingestion, MiB/s (W={self.args.world_size} shards/batch, lakestream layout {self.args.layout}, "
+                      f"staging {self.args.staging}, "
                       f"Parquet {self.args.lake_codec} vs Kafka compression.type=none, "
                       f"{self.args.duration:g} s per run, saturated, no consumer; ratio > 1: lakestream faster)",
                       ["batch MiB", "P", "kafka MiB/s", "lakestream MiB/s", "ratio", "kafka publish p50 ms",
@@ -930,6 +932,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--layout", choices=("auto", "per-rank", "packed"), default="auto",
                     help="lakestream.layout of the stream (auto: the default for the world size)")
+    ap.add_argument("--staging", choices=("auto", "catalog", "storage"), default="auto",
+                    help="lakestream.commit.group.staging of the stream (auto: intents as rows of the SQLite catalog)")
     ap.add_argument("--lake-codec", default="uncompressed",
                     help="write.parquet.compression-codec of the stream (default uncompressed, as the Kafka producer's "
                          "compression.type=none: the payload is incompressible; zstd is lakestream's default codec)")
@@ -1021,7 +1025,7 @@ def main(argv: list[str] | None = None) -> int:
         "phase_s": phases,
         "loadavg_at_start": load_at_start,
         "file_system_at_start": bench.settle,
-        "config": {"lake_codec": args.lake_codec, "world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
+        "config": {"lake_codec": args.lake_codec, "staging": args.staging, "world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
                    "duration_s": args.duration, "rounds": args.rounds, "latency_producers": args.latency_producers,
                    "pacing": {str(k): {"interval_s": v[0], "batches_per_producer": v[1]} for k, v in args.pacing.items()},
                    "sample_bytes": SAMPLE_BYTES, "kafka_acks": "all", "kafka_isolation": "read_committed",

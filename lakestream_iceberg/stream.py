@@ -55,6 +55,7 @@ from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
+from lakestream_iceberg.write.intent_store import CatalogIntents, intent_table
 from lakestream_iceberg.write.producer import Producer
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter
@@ -83,6 +84,7 @@ class Stream(StreamTable):
         super().__init__(table, cache=cache)
         prefer_wal(table.catalog)  # SQLite catalogs: write-ahead log unless lakestream.sqlite.wal=false (connect/sqlite.py)
         fork_safe(table.catalog)  # SQL catalogs: a forked child opens its own connections (connect/fork.py)
+        self._intent_table = intent_table(table.catalog, self.config.group_staging, name=".".join(table.name()))
         self._policies: dict[str, CommitPolicy] = {}  # branch -> the DAC state of the last producer made here
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -209,9 +211,12 @@ class Stream(StreamTable):
     @cached_property
     def staging(self) -> StagingArea:
         """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.write.staging`)."""
+        retry_s = self.config.io_retry_timeout_ms / 1000
+        store = CatalogIntents(table=self._intent_table, retry_s=retry_s) if self._intent_table is not None else None
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
-                           retry_s=self.config.io_retry_timeout_ms / 1000, table_uuid=str(self.table.metadata.table_uuid),
-                           file_schema=file_schema(self.table.schema(), self.config.layout), packed=self.config.packed)
+                           retry_s=retry_s, table_uuid=str(self.table.metadata.table_uuid),
+                           file_schema=file_schema(self.table.schema(), self.config.layout), packed=self.config.packed,
+                           store=store)
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
@@ -308,6 +313,7 @@ class Stream(StreamTable):
             keep = kept_after_dry_run(self, metadata, self.table.metadata_location, plan.result, collected,
                                       snapshots_expired(plan) | deferred)
             sweep(self, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s, delete=False)
+            self._expire_intents(plan.result, grace_s=grace_s, delete=False)
             return plan.result
         # Two commits (see lifecycle.gc, "Forks and GC"): release + collect first, then expire what no ref needs, planned
         # on a head that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
@@ -319,7 +325,18 @@ class Stream(StreamTable):
         keep = referenced_files(self.io, expiry.metadata, self.table.metadata_location, self)
         known |= {norm(p) for p in outcome.abandoned_files}
         sweep(self, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True)
+        self._expire_intents(report, grace_s=grace_s, delete=True)
         return report
+
+    def _expire_intents(self, report: GCReport, *, grace_s: float, delete: bool) -> None:
+        """Catalog staging: intents older than the grace period are rows, not files the sweep finds (kind ``intent``,
+        0 bytes); their data files are unreferenced files, which the sweep deletes once as old."""
+        if self._intent_table is None:
+            return
+        expired = self.staging.expire(older_than_s=grace_s, delete=delete)
+        if expired:
+            report.files_deleted["intent"] = report.files_deleted.get("intent", 0) + len(expired)
+            report.bytes_deleted.setdefault("intent", 0)
 
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
         """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).

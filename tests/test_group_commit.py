@@ -18,7 +18,7 @@ from pyiceberg.manifest import ManifestEntryStatus
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, SequenceError
-from lakestream_iceberg.format.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT
+from lakestream_iceberg.format.layout import PROP_COMMIT_MAX_ATTEMPTS, PROP_GROUP_COMMIT, PROP_GROUP_STAGING
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.write.dac import CommitPolicy
 from lakestream_iceberg.write.intent import STAGING_DIR, Intent
@@ -26,6 +26,9 @@ from tests.backends import published
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
 WORLD = 3
+
+
+STORAGE = {PROP_GROUP_STAGING: "storage"}  # intents as files: for tests that write, age or delete intent files
 
 
 def make(tmp_path: Path, **props: str) -> Stream:
@@ -48,9 +51,12 @@ def stage(stream: Stream, producer: str, seq: int, *, allow_gap: bool = False) -
     return stream.staging.stage(branch="main", batch=staged, allow_gap=allow_gap)
 
 
-def staged_files(stream: Stream) -> list[Path]:
+def staged_files(stream: Stream) -> list[str]:
+    """Every staged intent of the stream (any branch), where it keeps them: files, or rows of the catalog's database."""
+    if stream.staging.kind == "catalog":
+        return sorted(stream.staging.expire(older_than_s=-1.0, delete=False))
     root = Path(stream.table.metadata.location.removeprefix("file://")) / "data" / STAGING_DIR
-    return sorted(p for p in root.rglob("*") if p.is_file())
+    return sorted(f"file://{p}" for p in root.rglob("*") if p.is_file())
 
 
 def summary_of(stream: Stream, step: int) -> StreamState:
@@ -117,7 +123,7 @@ def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path:
 def test_a_process_forgets_the_intents_that_are_gone(tmp_path: Path) -> None:
     """What a process keeps about other producers' intents (parsed intents, their files' footer checks, rejections)
     goes once the intent is no longer listed: published and removed by another process, or collected."""
-    stream = make(tmp_path)
+    stream = make(tmp_path, **STORAGE)
     _, b = both_active(stream)
     staging = stream.staging
     intents = [stage(stream, producer, 0) for producer in ("c", "d")]
@@ -162,7 +168,7 @@ def test_a_dead_producers_staged_batch_is_published_by_the_next_commit_exactly_o
     a_state, b_state = summary_of(stream, 5), summary_of(stream, 6)
     assert (a_state.producer, a_state.seq, a_state.committer, a_state.group) == ("a", 2, "b", 2)
     assert (b_state.producer, b_state.seq, b_state.committer, b_state.group) == ("b", 2, None, 2)
-    assert not Path(intent.path.removeprefix("file://")).exists() and staged_files(stream) == []
+    assert not stream.staging.exists(intent.path) and staged_files(stream) == []
     rows = stream.history().sql("SELECT step, producer, committer, group_size FROM batches WHERE step >= 4 ORDER BY step")
     assert rows.fetchall() == [(4, "b", "b", 1), (5, "a", "b", 2), (6, "b", "b", 2)]
     # the restarted producer continues after the batch it staged before dying: nothing lost, nothing twice
@@ -223,7 +229,7 @@ def test_each_batch_of_a_group_is_its_own_snapshot_in_lineage_order(tmp_path: Pa
 
 
 def test_stale_foreign_and_broken_intents_are_never_published(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    stream = make(tmp_path)
+    stream = make(tmp_path, **STORAGE)
     a, b = both_active(stream)
     stale = stage(stream, "a", 1)  # seq 1 of "a" is already published
     ahead = stage(stream, "c", 3)  # c never published seq 0..2: a gap it did not allow
@@ -312,7 +318,7 @@ def test_gc_keeps_fresh_intents_and_their_files_and_collects_abandoned_ones(tmp_
     intent = stage(stream, "c", 0)
     report = stream.collect_garbage(dry_run=False)
     assert "intent" not in report.files_deleted and report.files_in_grace >= 1 + WORLD
-    assert Path(intent.path.removeprefix("file://")).exists()
+    assert stream.staging.exists(intent.path)
     report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     assert report.files_deleted.get("intent") == 1 and report.files_deleted.get("data") == WORLD
     assert staged_files(stream) == []
@@ -328,18 +334,28 @@ def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
     assert status_dict(stream, "main")["staged_batches"] == 1
 
 
-def test_a_commit_still_lands_when_the_staging_folder_cannot_be_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
-    import lakestream_iceberg.write.staging as staging_module
+@pytest.mark.parametrize("staging", ["storage", "catalog"])
+def test_a_commit_still_lands_when_the_staged_intents_cannot_be_listed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture, staging: str) -> None:
+    import sqlite3
 
-    stream = make(tmp_path)
+    import lakestream_iceberg.connect.intents as intents_module
+    import lakestream_iceberg.write.intent_store as store_module
+
+    stream = make(tmp_path, **{PROP_GROUP_STAGING: staging})
+    assert stream.staging.kind == staging
     _, b = both_active(stream)
     stage(stream, "c", 0)
 
     def unreachable(*_args: object, **_kwargs: object) -> object:
+        if staging == "catalog":
+            raise sqlite3.OperationalError("unable to open database file (injected)")
         raise OSError("AWS Error NETWORK_CONNECTION during ListObjectsV2 operation (injected)")
 
-    monkeypatch.setattr(staging_module, "list_files", unreachable)
+    if staging == "catalog":
+        monkeypatch.setattr(intents_module.IntentTable, "listing", unreachable)
+    else:
+        monkeypatch.setattr(store_module, "list_files", unreachable)
     with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.write.staging"):
         result = b.commit(batch("b", 2, WORLD))
     assert result.step == 5 and published(stream)[5] == ("b", 2)  # its own batch; c's waits for a listing that works
@@ -533,7 +549,7 @@ def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(t
 def test_a_fresh_intent_of_a_batch_whose_files_are_old_is_never_published(tmp_path: Path) -> None:
     """GC deletes unreferenced files older than the grace period: what counts is the age of the batch's data files, not
     of its intent (an owner that held its batch alone for a while stages it late)."""
-    stream = make(tmp_path)
+    stream = make(tmp_path, **STORAGE)
     _, b = both_active(stream)
     grace_s = stream.config.gc_grace_ms / 1000
     written = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
@@ -567,7 +583,7 @@ def test_an_intent_carries_its_json_in_the_footer_and_one_without_it_is_still_pu
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    stream = make(tmp_path)
+    stream = make(tmp_path, **STORAGE)
     _, b = both_active(stream)
     staged = stage(stream, "c", 0)
     raw = Path(staged.path.removeprefix("file://")).read_bytes()
@@ -576,7 +592,7 @@ def test_an_intent_carries_its_json_in_the_footer_and_one_without_it_is_still_pu
     assert footer == row and json.loads(footer)["format"] == 3
     written = stream.writer.write(producer="d", seq=0, shards=batch("d", 0, WORLD))
     body = json.loads(Intent(path="x", branch="main", batch=written, allow_gap=False, staged_at=time.time(),
-                             table_uuid=str(stream.table.metadata.table_uuid))._json())
+                             table_uuid=str(stream.table.metadata.table_uuid)).to_json())
     body["format"] = 2
     del body["files_age_s"]
     sink = io.BytesIO()
@@ -716,13 +732,13 @@ def test_an_intent_left_behind_for_a_published_batch_does_not_hold_the_queue(tmp
     steps = published(stream)
     assert stream.head_step() == 6 and (steps[5], steps[6]) == (("x", 0), ("a", 2))
     assert list(steps.values()).count(("x", 0)) == 1  # the leftover was not published again
-    assert leftover.path not in {f"file://{p}" for p in staged_files(stream)} and not staged_files(stream)
+    assert leftover.path not in staged_files(stream) and not staged_files(stream)
 
 
 def test_staging_lists_the_batches_staged_before_one_in_the_order_every_producer_sees(tmp_path: Path) -> None:
     """StagingArea.ahead: (producer, seq) of the intents staged before one (store time, then name), without reading
     them; files that are not intents do not count; None once the intent is gone."""
-    stream = make(tmp_path)
+    stream = make(tmp_path, **STORAGE)
     first = stage(stream, "x", 0)
     second = stage(stream, "y", 4)
     third = stage(stream, "z", 1)

@@ -3,9 +3,10 @@
 Only the public API (``from lakestream_iceberg import ...``), pyiceberg and pyarrow are used, so the tests survive the
 package's restructuring. Races are created deterministically: the catalog's ``commit_table`` is wrapped so that a
 competing operation runs at an exact point (after the victim planned, before its compare-and-swap reaches the
-catalog); nothing depends on sleeps or timing windows. Staged group-commit intents are forged by writing the on-disk
-format that ``staging`` documents (a one-row Parquet file holding a JSON document under
-``<location>/data/_staging/<branch>/<producer>/``), exactly what a buggy or hostile writer sharing the bucket could do.
+catalog); nothing depends on sleeps or timing windows. Staged group-commit intents are forged in the format that
+``staging`` documents (a one-row Parquet file holding a JSON document under ``<location>/data/_staging/<branch>/``, or
+that JSON document as a row of the SQL catalog's intent table), exactly what a buggy or hostile writer sharing the
+bucket or the catalog database could do; every intent test runs with both.
 
 Findings (one section each): 1 GC vs fork, 2 bool/numpy integers and malformed summaries, 3 branch names, 4 trusted
 intents, 5 GC grace vs commit timeout, 6 secrets, 7 dataset after GC, 8 step 0 / nested nulls.
@@ -138,13 +139,21 @@ def copy_step(stream: Stream, step: int, *, producer: str, seq: int, token: str)
 def forge_intent(stream: Stream, *, producer: str, seq: int, files: list[dict[str, Any]], allow_gap: bool = False,
                  staged_at: float | None = None, token: str | None = None, branch: str = "main",
                  location: str | None = None) -> str:
-    """Write a staged intent in the documented on-disk format; return its path."""
+    """Stage an intent in the documented format where the stream keeps them (an intent file, or a row of the SQL
+    catalog's intent table, see ``connect/intents.py``); return its path."""
     token = token or uuid.uuid4().hex[:12]
     root = (location or stream.table.metadata.location).rstrip("/")
     path = f"{root}/data/_staging/{quote(branch, safe='')}/{producer}@{seq:012d}-{token}.parquet"
     body = {"format": 2, "table_uuid": str(stream.table.metadata.table_uuid), "branch": branch, "producer": producer,
             "seq": seq, "token": token, "allow_gap": allow_gap,
             "staged_at": time.time() if staged_at is None else staged_at, "files": files}
+    if stream.staging.kind == "catalog":
+        from lakestream_iceberg.connect.intents import IntentTable
+
+        table = IntentTable.of(stream.table.catalog)
+        assert table is not None
+        table.insert(path, json.dumps(body, separators=(",", ":")))
+        return path
     local(path).parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"intent": [json.dumps(body, separators=(",", ":"))]}), str(local(path)), compression="none")
     return path
@@ -402,10 +411,18 @@ def test_3_producer_on_a_misspelt_branch_is_refused(small: tuple[Stream, Any]) -
 
 # =================================================================================================== 4. intents
 
+STAGING = "lakestream.commit.group.staging"
 
-def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(catalog: SqlCatalog) -> None:
-    stream = make(catalog)
-    other = make(catalog, "ns.other")
+
+@pytest.fixture(params=["catalog", "storage"])
+def staging(request: pytest.FixtureRequest) -> dict[str, str]:
+    """Every intent test runs with intents as rows of the SQL catalog (the default there) and as files."""
+    return {STAGING: request.param}
+
+
+def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    stream = make(catalog, **staging)
+    other = make(catalog, "ns.other", **staging)
     other.producer("x").commit(batch("x", 0, WORLD))
     a, _ = both_active(stream)
     location = stream.table.metadata.location.rstrip("/")
@@ -423,8 +440,8 @@ def test_4a_intent_naming_another_tables_file_through_dotdot_is_never_published(
     assert not any(".." in f.file_path or not f.file_path.startswith(location + "/data/") for f in live_files(stream))
 
 
-def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog: SqlCatalog) -> None:
-    stream = make(catalog)
+def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    stream = make(catalog, **staging)
     a, _ = both_active(stream)
     forge_intent(stream, producer="c", seq=7, allow_gap=True,
                  files=copy_step(stream, 1, producer="c", seq=7, token="forgedgap01"), token="forgedgap01")
@@ -439,17 +456,17 @@ def test_4b_foreign_gap_intent_is_not_published_by_someone_elses_commit(catalog:
 
 @pytest.mark.parametrize("new_schema", ["same-schema", "other-schema"])
 def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_location(
-        catalog: SqlCatalog, new_schema: str) -> None:
-    old = make(catalog)
+        catalog: SqlCatalog, new_schema: str, staging: dict[str, str]) -> None:
+    old = make(catalog, **staging)
     old.producer("c").commit(batch("c", 0, WORLD))
     location = old.table.metadata.location
     # producer d staged its first batch in the old table and died before anyone published it
     leftover = forge_intent(old, producer="d", seq=0, files=copy_step(old, 1, producer="d", seq=0, token="oldtable001"), token="oldtable001")
     catalog.drop_table("ns.stream")  # no purge: the old table's files (and its staged intent) stay
     schema = SCHEMA if new_schema == "same-schema" else pa.schema([("x", pa.int64()), ("name", pa.string())])
-    new = Stream.create(catalog, "ns.stream", schema=schema, world_size=WORLD, location=location)
+    new = Stream.create(catalog, "ns.stream", schema=schema, world_size=WORLD, location=location, properties=staging)
     assert new.table.metadata.table_uuid != old.table.metadata.table_uuid
-    assert local(leftover).exists()
+    assert new.staging.exists(leftover)
     a, b = new.producer("a"), new.producer("b")
 
     def rows(producer: str, seq: int, rank: int) -> pa.Table:
@@ -466,8 +483,8 @@ def test_4c_intent_of_a_dropped_table_is_not_published_into_a_new_table_at_its_l
 
 
 @pytest.mark.parametrize("defect", ["footer-schema", "footer-types", "row-count"])
-def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(catalog: SqlCatalog, defect: str) -> None:
-    stream = make(catalog)
+def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(catalog: SqlCatalog, defect: str, staging: dict[str, str]) -> None:
+    stream = make(catalog, **staging)
     a, _ = both_active(stream)
     files = copy_step(stream, 1, producer="c", seq=0, token="badfooter01")
     if defect == "row-count":
@@ -490,8 +507,8 @@ def test_4d_staged_file_not_matching_schema_or_declared_rows_is_not_published(ca
     assert published_by(stream, "c") == [], f"a staged batch with a bad file ({defect}) was published"
 
 
-def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_success(catalog: SqlCatalog) -> None:
-    stream = make(catalog)
+def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_success(catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    stream = make(catalog, **staging)
     a, b = both_active(stream)
     # a forged intent claiming b's next seq (2), holding a copy of a's step-1 files; its staged_at is the newest, so
     # a committer prefers it over b's real intent of the same seq
@@ -520,10 +537,10 @@ def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_s
     )
 
 
-def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_duplicate(catalog: SqlCatalog) -> None:
+def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_duplicate(catalog: SqlCatalog, staging: dict[str, str]) -> None:
     """A producer that staged seq 2 and died; its restart commits seq 2 again while another producer's commit carries
     the dead incarnation's intent: the restart gets ``duplicate=True`` and the carried step, not an error."""
-    stream = make(catalog)
+    stream = make(catalog, **staging)
     a, _ = both_active(stream)
     dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
     stream.staging.stage(branch="main", batch=dead, allow_gap=False)
@@ -549,8 +566,8 @@ def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_d
     assert [digest(stream.read(result.step, rank=r)) for r in range(WORLD)] == [digest(t) for t in batch("b", 2, WORLD)]
 
 
-def test_4g_a_carried_batch_records_its_token_and_when_it_was_staged(catalog: SqlCatalog) -> None:
-    stream = make(catalog)
+def test_4g_a_carried_batch_records_its_token_and_when_it_was_staged(catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    stream = make(catalog, **staging)
     a, _ = both_active(stream)
     staged = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
     intent = stream.staging.stage(branch="main", batch=staged, allow_gap=False)

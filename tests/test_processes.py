@@ -60,6 +60,8 @@ def test_eight_producer_processes_publish_dense_steps_exactly_once(tmp_path: Pat
     # eight producers contend: group commit published batches of producers that made no attempt of their own
     assert len(results) == total and any(r["carried"] and r["attempts"] == 0 for r in results)
     assert not [p for p in Path(tmp_path, "warehouse").rglob("_staging/**/*.parquet")], "staged intents left behind"
+    assert stream.staging.kind == "catalog" and stream.staging.expire(older_than_s=-1.0, delete=False) == [], \
+        "staged intents left behind in the catalog"
     steps = published(stream)
     assert sorted(steps) == list(range(1, total + 1))
     assert sorted(steps.values()) == sorted((f"prep-{i}", s) for i in range(8) for s in range(per))

@@ -111,6 +111,11 @@ class _SqliteReaders:
         self.lock = threading.Lock()
 
     def read(self, sql: str, params: tuple[str, ...]) -> str | None:
+        row = self.connection().execute(sql, params).fetchone()
+        return row[0] if row is not None else None
+
+    def connection(self) -> sqlite3.Connection:
+        """This thread's connection (autocommit), opened on first use in this thread and process."""
         key = (_getpid(), self.generation)
         held: _Connection | None = getattr(self.local, "held", None)
         if held is None or held.key != key:  # first use in this thread, a forked child, or disposed since
@@ -119,13 +124,16 @@ class _SqliteReaders:
             # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect; check_same_thread off only so that
             # dispose() and the finalizer may close it from another thread (each is used by the thread that opened it)
             conn = sqlite3.connect(self.uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
+            # These connections write nothing but staged intents (connect/intents.py), which need no sync of their
+            # own; in WAL mode NORMAL keeps the database consistent through a crash (the swap keeps FULL)
+            if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+                conn.execute("PRAGMA synchronous=NORMAL")
             held = _Connection(key, conn)
             weakref.finalize(held, _close, conn, key[0])
             with self.lock:
                 self.opened.add(held)
             self.local.held = held
-        row = held.conn.execute(sql, params).fetchone()
-        return row[0] if row is not None else None
+        return held.conn
 
     def open_connections(self) -> int:
         """How many probe connections this process holds open now."""
@@ -151,10 +159,17 @@ _READERS_LOCK = threading.Lock()
 
 
 def _sqlite_reader(engine: Any) -> Callable[[str, tuple[str, ...]], str | None] | None:
-    """For an SQLAlchemy engine of the standard ``pysqlite`` driver on a plain SQLite database file: a function that
-    runs one read-only query on a ``sqlite3`` connection of this thread and process (autocommit: each query reads the
-    last committed state, in WAL mode without blocking the writer). None for anything else (an in-memory database, a
-    URI with options, another driver such as SQLCipher, credentials), which keeps SQLAlchemy's connections.
+    """:func:`sqlite_connections`' one-value query function (None where there are none)."""
+    readers = sqlite_connections(engine)
+    return readers.read if readers is not None else None
+
+
+def sqlite_connections(engine: Any) -> _SqliteReaders | None:
+    """For an SQLAlchemy engine of the standard ``pysqlite`` driver on a plain SQLite database file: ``sqlite3``
+    connections of this thread and process (autocommit: each query reads the last committed state, in WAL mode without
+    blocking the writer), for the pointer probe and the staged intents (:mod:`lakestream_iceberg.connect.intents`).
+    None for anything else (an in-memory database, a URI with options, another driver such as SQLCipher,
+    credentials), which keeps SQLAlchemy's connections.
 
     The file is the one the engine's own connections opened (SQLAlchemy makes a relative path absolute when the engine
     is made; the working directory may have changed since), asked once per engine. A catalog opened again (a new
@@ -168,8 +183,7 @@ def _sqlite_reader(engine: Any) -> Callable[[str, tuple[str, ...]], str | None] 
         return None
     with _READERS_LOCK:
         if engine in _READERS:
-            readers = _READERS[engine]
-            return readers.read if readers is not None else None
+            return _READERS[engine]
     with engine.connect() as conn:  # outside the lock: the engine's own connection, maybe a busy database
         rows = conn.exec_driver_sql("PRAGMA database_list").fetchall()
     path = next((row[2] for row in rows if row[1] == "main"), "")
@@ -180,7 +194,7 @@ def _sqlite_reader(engine: Any) -> Callable[[str, tuple[str, ...]], str | None] 
         from sqlalchemy import event
 
         event.listen(engine, "engine_disposed", made.dispose)
-    return readers.read if readers is not None else None
+    return readers
 
 
 def _reset_lock_after_fork() -> None:

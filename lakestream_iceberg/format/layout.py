@@ -51,12 +51,18 @@ PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
 PROP_IO_RETRY_TIMEOUT_MS = "lakestream.io.retry-timeout-ms"
 PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"
 PROP_GROUP_MAX_BATCHES = "lakestream.commit.group.max-batches"
+PROP_GROUP_STAGING = "lakestream.commit.group.staging"
 PROP_LAYOUT = "lakestream.layout"
 PROP_PACKED_ROW_GROUP_BYTES = "lakestream.layout.packed.row-group-bytes"
 
 LAYOUT_PER_RANK = "per-rank"
 LAYOUT_PACKED = "packed"
 LAYOUTS = (LAYOUT_PER_RANK, LAYOUT_PACKED)
+
+# Where group commit's staged intents are kept (write/intent_store.py): "catalog" (rows of a SQL catalog's database),
+# "storage" (files under the table's data/_staging/), "auto" (the catalog where it has an intent table, else storage)
+STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE = "auto", "catalog", "storage"
+STAGINGS = (STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE)
 # Stream.create picks the packed layout from this world size on, unless lakestream.layout is given. Measured
 # (benchmarks/vs_kafka.py, W=8, one run per layout): packed ingests 1 MiB batches 2.1x (1 producer) to 2.2x (8)
 # faster and 16 MiB batches from 8 producers 2.9x faster than per-rank, whose W files and manifest entries per step
@@ -90,6 +96,9 @@ class StreamConfig:
         group_commit: Group commit (see :mod:`lakestream_iceberg.write.staging`): a producer that is not alone stages its
             batch, and one compare-and-swap publishes every staged batch, each as its own snapshot.
         group_max_batches: The most batches one group commit publishes (bounds one commit's critical section).
+        group_staging: Where staged intents are kept: ``catalog`` (rows of the SQL catalog's database; SQLite or
+            PostgreSQL ``SqlCatalog`` only), ``storage`` (files under ``data/_staging/``), or ``auto`` (the default:
+            ``catalog`` where the catalog can, ``storage`` elsewhere). Every producer of a stream must use the same.
         layout: ``per-rank`` (one data file per rank and step) or ``packed`` (one data file per step); see the module
             docstring. Fixed when the stream is created (a table created before layouts existed is ``per-rank``).
         packed_row_group_bytes: Packed layout: consecutive ranks share a row group while it holds at most this many
@@ -107,6 +116,7 @@ class StreamConfig:
     io_retry_timeout_ms: int = 120_000
     group_commit: bool = True
     group_max_batches: int = 32
+    group_staging: str = STAGING_AUTO
     layout: str = LAYOUT_PER_RANK
     packed_row_group_bytes: int = 256 << 10
 
@@ -117,6 +127,9 @@ class StreamConfig:
             raise ConfigError(f"{PROP_GROUP_COMMIT} (group_commit) must be a bool, got {self.group_commit!r}")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"{PROP_LAYOUT} (layout) must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
+        if self.group_staging not in STAGINGS:
+            raise ConfigError(f"{PROP_GROUP_STAGING} (group_staging) must be one of {', '.join(map(repr, STAGINGS))}, "
+                              f"got {self.group_staging!r}")
         need = GRACE_PER_COMMIT_TIMEOUT * self.commit_timeout_ms
         if self.gc_grace_ms < need:
             raise ConfigError(
@@ -157,7 +170,12 @@ class StreamConfig:
         layout = properties.get(PROP_LAYOUT, LAYOUT_PER_RANK)
         if layout not in LAYOUTS:
             raise ConfigError(f"table property {PROP_LAYOUT}={layout!r} is not a layout; use one of {', '.join(LAYOUTS)}")
-        return cls(**ints, group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit), layout=layout)
+        staging = properties.get(PROP_GROUP_STAGING, STAGING_AUTO)
+        if staging not in STAGINGS:
+            raise ConfigError(f"table property {PROP_GROUP_STAGING}={staging!r} is not a staging place; use one of "
+                              f"{', '.join(STAGINGS)}")
+        return cls(**ints, group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit), layout=layout,
+                   group_staging=staging)
 
     @property
     def packed(self) -> bool:
@@ -176,6 +194,7 @@ class StreamConfig:
             PROP_IO_RETRY_TIMEOUT_MS: str(self.io_retry_timeout_ms),
             PROP_GROUP_COMMIT: str(self.group_commit).lower(),
             PROP_GROUP_MAX_BATCHES: str(self.group_max_batches),
+            PROP_GROUP_STAGING: self.group_staging,
             PROP_LAYOUT: self.layout,
             PROP_PACKED_ROW_GROUP_BYTES: str(self.packed_row_group_bytes),
             # Exactly one retry owner: lakestream's commit loop. pyiceberg's own retries are off on stream tables.

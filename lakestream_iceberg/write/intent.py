@@ -56,7 +56,7 @@ class Intent:
     def to_bytes(self) -> bytes:
         """The intent file: one row, one string column ``intent`` holding the JSON document, and the same document in
         the footer's key-value metadata (``lakestream.intent``), which a committer reads without decoding a page."""
-        body = self._json()
+        body = self.to_json()
         table = pa.table({"intent": [body]})
         sink = io.BytesIO()
         with pq.ParquetWriter(sink, table.schema, compression="none", store_schema=False) as writer:
@@ -77,7 +77,8 @@ class Intent:
         column = pq.ParquetFile(pa.BufferReader(raw)).read(columns=["intent"]).column("intent")
         return cls.from_json(path, column[0].as_py())
 
-    def _json(self) -> str:
+    def to_json(self) -> str:
+        """The intent's JSON document (what an intent file carries; a row of the catalog's intent table holds it)."""
         return json.dumps(
             {
                 "format": INTENT_FORMAT, "table_uuid": self.table_uuid, "branch": self.branch,

@@ -1,12 +1,15 @@
-"""Staged batches: a written global batch announced in object storage, so that any producer's commit can publish it.
+"""Staged batches: a written global batch announced where every producer can see it, so that any producer's commit can
+publish it.
 
 This is how commits stay cheap when many producers share a stream (group commit). A producer that is not alone writes
-its batch's data files, then one small *intent* naming them (a one-row Parquet file holding a JSON document, its
-format in :mod:`lakestream_iceberg.write.intent`)::
+its batch's data files, then one small *intent* naming them (a JSON document, its format in
+:mod:`lakestream_iceberg.write.intent`), kept under the path::
 
     <table location>/data/_staging/<branch, URL-quoted>/<producer>@<seq:012d>-<token>.parquet
 
-(one flat folder per branch: listing it costs the intents staged now, never a folder per producer id ever seen)
+as a row of the SQL catalog's database or as a one-row Parquet file at that path (:mod:`lakestream_iceberg.write.
+intent_store`; one flat folder per branch: listing it costs the intents staged now, never a folder per producer id
+ever seen)
 
 and waits (:mod:`lakestream_iceberg.write.dac` decides how long) for another producer's commit to publish it. Whichever
 producer commits next lists the branch's staging folder and publishes every eligible intent in the same
@@ -66,12 +69,11 @@ from pyiceberg.io.pyarrow import pyarrow_to_schema
 from pyiceberg.schema import Schema
 from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
-from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
-from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.packed import PackedFooter
-from lakestream_iceberg.write.intent import INTENT_NAME, PARQUET_MAGIC, STAGING_DIR, Intent, intent_name
+from lakestream_iceberg.write.intent import INTENT_NAME, STAGING_DIR, Intent, intent_name
+from lakestream_iceberg.write.intent_store import CatalogIntents, Entry, FileIntents, UnusableIntent
 from lakestream_iceberg.write.writer import StagedBatch, StagedFile, data_file_path
 
 log = logging.getLogger(__name__)
@@ -82,8 +84,10 @@ class StagingArea:
     """The intents of one table, under ``<location>/data/_staging/``."""
 
     def __init__(self, *, io: FileIO, location: str, world_size: int, retry_s: float, table_uuid: str,
-                 file_schema: Schema, packed: bool = False, max_cached: int = 4096) -> None:
+                 file_schema: Schema, packed: bool = False, max_cached: int = 4096,
+                 store: FileIntents | CatalogIntents | None = None) -> None:
         self._io = io
+        self._store = store if store is not None else FileIntents(io=io, retry_s=retry_s)
         self._packed = packed
         self._location = location.rstrip("/")
         self._data = f"{self._location}/data/"
@@ -101,6 +105,11 @@ class StagingArea:
         self._listed: dict[str, tuple[float, list[Intent]]] = {}  # branch -> (when, what) of the last listing
         self._rejected: set[str] = set()  # intents found unusable (reported once)
 
+    @property
+    def kind(self) -> str:
+        """Where intents are kept: ``storage`` (files) or ``catalog`` (rows of the SQL catalog's database)."""
+        return self._store.kind
+
     def folder(self, branch: str) -> str:
         return f"{self._root}/{quote(branch, safe='')}"
 
@@ -111,13 +120,7 @@ class StagingArea:
         files_age_s = 0.0 if batch.written_at is None else max(0.0, staged_at - batch.written_at)
         intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=staged_at,
                         table_uuid=self._table_uuid, files_age_s=files_age_s)
-        body = intent.to_bytes()
-
-        def write() -> None:
-            with self._io.new_output(path).create(overwrite=True) as out:
-                out.write(body)
-
-        call_with_retry(write, what=f"staging {path}", timeout_s=self._retry_s)
+        self._store.put(intent)
         self._remember(path, intent)
         return intent
 
@@ -127,19 +130,8 @@ class StagingArea:
 
     def watch(self, path: str) -> Callable[[], bool]:
         """``exists(path)`` as a function to call repeatedly (a holding producer polls it): the path is resolved once,
-        each call is one metadata request (a stat, a HEAD)."""
-        try:
-            source = self._io.new_input(path)
-        except Exception:  # noqa: BLE001 - a path the FileIO cannot resolve now: resolve it at every call
-            source = None
-
-        def exists() -> bool:
-            try:
-                return (source if source is not None else self._io.new_input(path)).exists()
-            except Exception:  # storage unreachable: still staged, as far as we know
-                return True
-
-        return exists
+        each call is one metadata request (a stat, a HEAD, an indexed SELECT)."""
+        return self._store.watch(path)
 
     def pending(self, branch: str, *, max_age_s: float, every_s: float = 0.0) -> list[Intent]:
         """Every readable intent of ``branch`` whose data files are younger than ``max_age_s``: the intent's age by the
@@ -155,19 +147,20 @@ class StagingArea:
         out: list[Intent] = []
         folder = self.folder(branch)
         try:
-            listed = list(list_files(self._io, folder))
+            listed = self._store.listing(folder, bodies=True)
         except Exception as exc:  # noqa: BLE001 - storage unreachable: publish no one else's batch this time
             log.warning("cannot list staged batches under %s (%s); committing without them", self.folder(branch),
                         type(exc).__name__)
             return []
-        for path, _size, mtime in listed:
-            if not path.endswith(".parquet") or (mtime and now - mtime > max_age_s):
+        for entry in listed:
+            path, mtime = entry.path, entry.modified
+            if mtime and now - mtime > max_age_s:
                 continue
             name = path[len(folder) + 1:] if path.startswith(folder + "/") else ""
             if not INTENT_NAME.match(name):  # a sub-folder, or not a name stage() gives: never ours to publish
                 self._reject(path, f"its name is not <producer>@<seq:012d>-<token>.parquet directly under {folder}")
                 continue
-            intent = self._read(path)
+            intent = self._read(entry)
             # the store's age of the intent, or the owner's (staged_at is taken before the intent's write, which may be
             # retried for a while): the larger, plus how old its files were when it was staged
             if intent is not None and max(now - mtime if mtime else 0.0, now - intent.staged_at) + intent.files_age_s \
@@ -176,7 +169,7 @@ class StagingArea:
             if intent is not None and self._usable(intent, branch=branch, name=name):
                 out.append(replace(intent, modified=mtime or None))
         self._listed[branch] = (now, out)
-        self._forget_unlisted(folder, {path for path, _size, _mtime in listed})
+        self._forget_unlisted(folder, {entry.path for entry in listed})
         return out
 
     def _forget_unlisted(self, folder: str, present: set[str]) -> None:
@@ -205,17 +198,17 @@ class StagingArea:
         the store cannot be listed."""
         folder = self.folder(branch)
         try:
-            listed = [(mtime, p) for p, _size, mtime in list_files(self._io, folder)
-                      if p.endswith(".parquet") and p not in self._rejected]
+            listed = [e for e in self._store.listing(folder, bodies=False) if e.path not in self._rejected]
         except Exception:  # noqa: BLE001 - storage unreachable: the caller cannot tell its place
             return None
-        mine = next((mtime for mtime, p in listed if p == path), None)
+        mine = next((e.order for e in listed if e.path == path), None)
         if mine is None:
             return None
         now = time.time()
         out: list[tuple[str, int]] = []
-        for mtime, p in listed:
-            if (mtime, p) >= (mine, path) or (mtime and now - mtime > max_age_s):
+        for e in listed:
+            p, mtime = e.path, e.modified
+            if e.order >= mine or (mtime and now - mtime > max_age_s):
                 continue
             match = INTENT_NAME.match(p[len(folder) + 1:]) if p.startswith(folder + "/") else None
             if match is not None:
@@ -233,11 +226,7 @@ class StagingArea:
         held an intent this process published would offer it again to a commit on a head where its seq is open again
         (the branch was rolled back), and that commit would publish a batch its owner may be committing anew."""
         gone = set(paths)
-        for path in paths:
-            try:
-                self._io.delete(path)
-            except Exception:  # noqa: BLE001 - already deleted by its owner or another committer
-                pass
+        self._store.delete(list(paths))
         with self._lock:
             for path in paths:  # its files are published now: no commit checks their footers again
                 self._forget(path)
@@ -260,24 +249,26 @@ class StagingArea:
             while len(self._parsed) > self._max_cached:
                 self._parsed.popitem(last=False)
 
-    def _read(self, path: str) -> Intent | None:
+    def _read(self, entry: Entry) -> Intent | None:
+        path = entry.path
         with self._lock:
             if path in self._parsed:
                 return self._parsed[path]
         try:
-            with self._io.new_input(path).open() as f:
-                raw = f.read()
-        except Exception:  # noqa: BLE001 - deleted since the listing (published meanwhile) or unreachable: skip
+            intent = self._store.load(entry)
+        except UnusableIntent as exc:  # complete but unusable: never read again
+            log.warning("ignoring unreadable staged intent %s (%s)", path, exc)
+            self._remember(path, None)
             return None
-        try:
-            intent = Intent.from_bytes(path, raw)
-        except Exception as exc:  # noqa: BLE001 - half-written (local filesystems have no atomic PUT) or foreign
-            if raw.endswith(PARQUET_MAGIC) and len(raw) > 8:  # complete but unusable: never retry it
-                log.warning("ignoring unreadable staged intent %s (%s)", path, exc)
-                self._remember(path, None)
-            return None
-        self._remember(path, intent)
+        if intent is not None:
+            self._remember(path, intent)
         return intent
+
+    def expire(self, *, older_than_s: float, delete: bool) -> list[str]:
+        """The intents of every branch staged more than ``older_than_s`` ago where GC's sweep of the table's files does
+        not reach them (catalog staging), removed unless ``delete`` is false; returns their paths. Their data files
+        are unreferenced files, which the sweep deletes once older than the grace period."""
+        return self._store.expire(self._root, older_than_s=older_than_s, delete=delete)
 
     def verified(self, intent: Intent) -> bool:
         """Whether every data file of another producer's staged batch has the footer its intent declares: the table's

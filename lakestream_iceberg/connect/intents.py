@@ -1,0 +1,254 @@
+"""Staged intents as rows of the catalog's own database: group commit's queue on SQL catalogs (SQLite, PostgreSQL).
+
+With storage staging every carried batch costs the object store a PUT (its intent), a LIST per holding producer per
+move of the head, a GET per committer and a DELETE, and a local file system an inode created and freed. On a SQL
+catalog the same intents are rows of one table in the catalog's database, next to pyiceberg's ``iceberg_tables``::
+
+    lakestream_staged_intents
+        id         integer primary key (never reused): the staging order every producer reads
+        folder     the intent's storage folder, <table location>/data/_staging/<branch, URL-quoted>
+        name       <producer>@<seq:012d>-<token>.parquet, as in storage; (folder, name) is unique
+        body       the intent's JSON document (the same document an intent file carries)
+        staged_at  the database's clock when the row was inserted, unix seconds
+
+An intent keeps the path it would have in storage (``folder/name``), so everything above this module (the checks a
+committer makes, the queue order, exactly-once) is the same code for both. Staging is one ``INSERT``, holding one
+indexed ``SELECT`` per move of the head, a committer's listing one ``SELECT`` that returns the bodies too, removal one
+``DELETE``. Ages come from the database's clock (``staged_at`` and "now" in the same query), as a file's age comes from
+the store's clock.
+
+SQLite: statements run on this thread's own ``sqlite3`` connection (:func:`~lakestream_iceberg.connect.pointer.
+sqlite_connections`), in WAL mode with ``synchronous=NORMAL``: an intent needs no sync of its own. A machine that loses
+power may lose the rows of its last moments, and with them nothing that was published (the producers that staged them
+were on that machine and never returned from ``commit()``; their restarts commit those seqs again). The pointer swap
+keeps pyiceberg's connections and SQLite's ``synchronous=FULL``. PostgreSQL: SQLAlchemy Core on the catalog's engine.
+Other dialects have no intent table (storage staging).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from lakestream_iceberg.connect.pointer import sqlite_connections
+
+__all__ = ["INTENT_TABLE", "IntentRow", "IntentTable"]
+
+INTENT_TABLE = "lakestream_staged_intents"
+_SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"  # unix seconds, millisecond resolution
+_SQLITE_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {INTENT_TABLE} (id INTEGER PRIMARY KEY AUTOINCREMENT, folder TEXT NOT NULL, "
+    "name TEXT NOT NULL, body TEXT NOT NULL, staged_at REAL NOT NULL, UNIQUE (folder, name))"
+)
+_made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class IntentRow:
+    """One staged intent as listed: its storage-like path, its place in the staging order, its age by the database's
+    clock, and its JSON document (None when listed without bodies)."""
+
+    path: str
+    order: int
+    age_s: float
+    body: str | None
+
+
+class IntentTable:
+    """The staged intents of one SQL catalog's database (see the module docstring)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._sqlite = sqlite_connections(engine) if engine.dialect.name == "sqlite" else None
+        self._rows: Any = None  # SQLAlchemy Table (PostgreSQL), made in _ensure
+
+    @staticmethod
+    def of(catalog: Any) -> IntentTable | None:
+        """The intent table of ``catalog``'s database: a plain pyiceberg ``SqlCatalog`` on a SQLite database file or on
+        PostgreSQL; None for any other catalog (REST, Glue, Hive, an in-memory SQLite database, other dialects)."""
+        try:
+            from pyiceberg.catalog.sql import SqlCatalog
+        except ImportError:  # pragma: no cover - the sql extra is a core dependency
+            return None
+        if type(catalog) is not SqlCatalog:
+            return None
+        engine = catalog.engine
+        if engine.dialect.name == "postgresql":
+            return IntentTable(engine)
+        if engine.dialect.name == "sqlite" and sqlite_connections(engine) is not None:
+            return IntentTable(engine)
+        return None
+
+    # -- statements -----------------------------------------------------------------------------------------------------
+    def insert(self, path: str, body: str) -> None:
+        """Stage ``body`` under ``path`` (``folder/name``). Inserting the same path again with the same body is a no-op
+        (a retried insert whose first try landed); another body under the same path raises ``ValueError``."""
+        folder, name = _split(path)
+        self._ensure()
+        try:
+            if self._sqlite is not None:
+                self._sqlite_conn().execute(
+                    f"INSERT INTO {INTENT_TABLE} (folder, name, body, staged_at) VALUES (?, ?, ?, {_SQLITE_NOW})",
+                    (folder, name, body))
+                return
+            from sqlalchemy.exc import IntegrityError
+
+            try:
+                with self._engine.begin() as conn:
+                    conn.execute(self._rows.insert().values(folder=folder, name=name, body=body, staged_at=_pg_now()))
+            except IntegrityError as exc:
+                raise sqlite3.IntegrityError(str(exc)) from exc
+        except sqlite3.IntegrityError:
+            if self.body(path) != body:
+                raise ValueError(f"another intent is already staged under {path}") from None
+
+    def body(self, path: str) -> str | None:
+        folder, name = _split(path)
+        self._ensure()
+        if self._sqlite is not None:
+            row = self._sqlite_conn().execute(f"SELECT body FROM {INTENT_TABLE} WHERE folder = ? AND name = ?",
+                                              (folder, name)).fetchone()
+            return None if row is None else row[0]
+        from sqlalchemy import select
+
+        t = self._rows
+        with self._engine.connect() as conn:
+            return conn.execute(select(t.c.body).where(t.c.folder == folder, t.c.name == name)).scalar_one_or_none()
+
+    def exists(self, path: str) -> bool:
+        folder, name = _split(path)
+        self._ensure()
+        if self._sqlite is not None:
+            return self._sqlite_conn().execute(f"SELECT 1 FROM {INTENT_TABLE} WHERE folder = ? AND name = ?",
+                                               (folder, name)).fetchone() is not None
+        from sqlalchemy import select
+
+        t = self._rows
+        with self._engine.connect() as conn:
+            return conn.execute(select(t.c.id).where(t.c.folder == folder, t.c.name == name)).first() is not None
+
+    def listing(self, folder: str, *, bodies: bool) -> list[IntentRow]:
+        """The intents staged under ``folder``, in staging order (with their bodies when ``bodies``)."""
+        self._ensure()
+        if self._sqlite is not None:
+            rows = self._sqlite_conn().execute(
+                f"SELECT id, name, {_SQLITE_NOW} - staged_at, {'body' if bodies else 'NULL'} FROM {INTENT_TABLE} "
+                "WHERE folder = ? ORDER BY id", (folder,)).fetchall()
+        else:
+            from sqlalchemy import literal, select
+
+            t = self._rows
+            stmt = select(t.c.id, t.c.name, _pg_now() - t.c.staged_at, t.c.body if bodies else literal(None)) \
+                .where(t.c.folder == folder).order_by(t.c.id)
+            with self._engine.connect() as conn:
+                rows = conn.execute(stmt).all()
+        return [IntentRow(path=f"{folder}/{name}", order=int(i), age_s=max(0.0, float(age)), body=body)
+                for i, name, age, body in rows]
+
+    def delete(self, paths: list[str]) -> None:
+        """Remove intents (one already gone is no error)."""
+        if not paths:
+            return
+        self._ensure()
+        keys = [_split(p) for p in paths]
+        if self._sqlite is not None:
+            conn = self._sqlite_conn()
+            if len(keys) == 1:
+                conn.execute(f"DELETE FROM {INTENT_TABLE} WHERE folder = ? AND name = ?", keys[0])
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(f"DELETE FROM {INTENT_TABLE} WHERE folder = ? AND name = ?", keys)
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+            return
+        from sqlalchemy import and_, delete, or_
+
+        t = self._rows
+        with self._engine.begin() as conn:
+            conn.execute(delete(t).where(or_(*[and_(t.c.folder == f, t.c.name == n) for f, n in keys])))
+
+    def expire(self, root: str, *, older_than_s: float, delete: bool = True) -> list[str]:
+        """Every intent under ``root`` (a table's staging root, any branch) staged more than ``older_than_s`` ago by
+        the database's clock, removed unless ``delete`` is false; returns their paths."""
+        self._ensure()
+        prefix = root.rstrip("/") + "/"
+        if self._sqlite is not None:
+            rows = self._sqlite_conn().execute(
+                f"SELECT folder, name FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ? AND {_SQLITE_NOW} - staged_at > ?",
+                (len(prefix), prefix, older_than_s)).fetchall()
+        else:
+            from sqlalchemy import func, select
+
+            t = self._rows
+            with self._engine.connect() as conn:
+                rows = conn.execute(select(t.c.folder, t.c.name).where(
+                    func.substr(t.c.folder, 1, len(prefix)) == prefix, _pg_now() - t.c.staged_at > older_than_s)).all()
+        paths = [f"{folder}/{name}" for folder, name in rows]
+        if delete:
+            self.delete(paths)
+        return paths
+
+    # -- internals ----------------------------------------------------------------------------------------------------
+    def _sqlite_conn(self) -> sqlite3.Connection:
+        assert self._sqlite is not None
+        return self._sqlite.connection()
+
+    def _ensure(self) -> None:
+        """Create the table on first use in this process (``IF NOT EXISTS``: producers racing to create it all
+        succeed). SQLite connections of this module sync the write-ahead log only at checkpoints (see the module
+        docstring)."""
+        if self._sqlite is None and self._rows is None:
+            self._rows = _pg_table()
+        with _lock:
+            if self._engine in _made:
+                return
+        if self._sqlite is not None:
+            self._sqlite_conn().execute(_SQLITE_DDL)
+        else:
+            from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+            try:
+                self._rows.metadata.create_all(self._engine, checkfirst=True)
+            except (IntegrityError, ProgrammingError):  # another process created it between the check and the CREATE
+                from sqlalchemy import inspect
+
+                if not inspect(self._engine).has_table(INTENT_TABLE):
+                    raise
+        with _lock:
+            _made.add(self._engine)
+
+
+def _split(path: str) -> tuple[str, str]:
+    folder, _, name = path.rpartition("/")
+    return folder, name
+
+
+_PG_TABLE: Any = None
+
+
+def _pg_table() -> Any:
+    global _PG_TABLE
+    if _PG_TABLE is None:
+        from sqlalchemy import BigInteger, Column, Float, MetaData, Table, Text, UniqueConstraint
+
+        _PG_TABLE = Table(
+            INTENT_TABLE, MetaData(),
+            Column("id", BigInteger, primary_key=True, autoincrement=True),
+            Column("folder", Text, nullable=False), Column("name", Text, nullable=False),
+            Column("body", Text, nullable=False), Column("staged_at", Float, nullable=False),
+            UniqueConstraint("folder", "name"),
+        )
+    return _PG_TABLE
+
+
+def _pg_now() -> Any:
+    from sqlalchemy import func
+
+    return func.extract("epoch", func.clock_timestamp())

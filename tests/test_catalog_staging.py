@@ -1,0 +1,161 @@
+"""Group commit's staged intents as rows of the SQL catalog's database (``lakestream.commit.group.staging``).
+
+On a SQLite or PostgreSQL ``SqlCatalog`` (``auto``, the default) a staged batch is one row of
+``lakestream_staged_intents`` instead of a file under ``data/_staging/``: no PUT, LIST, GET or DELETE per batch. The
+checks a committer makes, the queue order and exactly-once are the same code as for files (``tests/test_hardening.py``
+section 4 and ``tests/test_group_commit.py`` run with both); these tests cover what is particular to rows.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
+from lakestream_iceberg.errors import ConfigError
+from lakestream_iceberg.format.layout import PROP_GROUP_STAGING
+from lakestream_iceberg.write.intent import STAGING_DIR
+from tests.backends import published
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+WORLD = 3
+
+
+def make(tmp_path: Path, **props: str) -> Stream:
+    return Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD, properties=props or None)
+
+
+def both_active(stream: Stream) -> tuple:
+    a, b = stream.producer("a"), stream.producer("b")
+    for seq in range(2):
+        a.commit(batch("a", seq, WORLD))
+        b.commit(batch("b", seq, WORLD))
+    return a, b
+
+
+def stage(stream: Stream, producer: str, seq: int):  # type: ignore[no-untyped-def]
+    staged = stream.writer.write(producer=producer, seq=seq, shards=batch(producer, seq, WORLD))
+    return stream.staging.stage(branch="main", batch=staged, allow_gap=False)
+
+
+def rows(tmp_path: Path) -> list[tuple]:
+    """The intent table as another client of the catalog database sees it."""
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        return conn.execute(f"SELECT id, folder, name, body, staged_at FROM {INTENT_TABLE} ORDER BY id").fetchall()
+
+
+def staging_folder(stream: Stream) -> Path:
+    return Path(stream.table.metadata.location.removeprefix("file://")) / "data" / STAGING_DIR
+
+
+def test_a_staged_batch_is_a_row_of_the_catalog_database_and_its_group_commit_removes_it(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    assert stream.staging.kind == "catalog"
+    _, b = both_active(stream)
+    before = time.time()
+    intent = stage(stream, "c", 0)
+    (row,) = rows(tmp_path)
+    _id, folder, name, body, staged_at = row
+    assert f"{folder}/{name}" == intent.path == f"{stream.staging.folder('main')}/c@{0:012d}-{intent.batch.token}.parquet"
+    assert json.loads(body)["producer"] == "c" and json.loads(body)["table_uuid"] == str(stream.table.metadata.table_uuid)
+    assert before - 5 < staged_at < time.time() + 5  # the database's clock, unix seconds
+    assert stream.staging.exists(intent.path) and not staging_folder(stream).exists()  # no file, no folder
+    result = b.commit(batch("b", 2, WORLD))
+    assert result.step == 6 and published(stream)[5] == ("c", 0)
+    assert rows(tmp_path) == [] and not stream.staging.exists(intent.path)
+    for rank in range(WORLD):
+        assert digest(stream.read(5, rank=rank)) == digest(batch("c", 0, WORLD)[rank])
+    assert not staging_folder(stream).exists()  # group commit never touched storage for its intents
+
+
+def test_rows_keep_the_staging_order_and_a_retried_insert_is_idempotent(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    staging = stream.staging
+    first, second, third = stage(stream, "x", 0), stage(stream, "y", 4), stage(stream, "z", 1)
+    max_age_s = 10**10
+    assert staging.ahead("main", first.path, max_age_s=max_age_s) == []
+    assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("x", 0), ("y", 4)]  # insertion order
+    assert staging.queued("main", second.path, max_age_s=max_age_s) == 1
+    table = IntentTable.of(stream.table.catalog)
+    assert table is not None
+    table.insert(first.path, first.to_json())  # a retry whose first try landed: no second row, no error
+    assert len(rows(tmp_path)) == 3
+    with pytest.raises(ValueError, match="another intent is already staged"):
+        table.insert(first.path, second.to_json())
+    staging.remove([first.path])
+    assert staging.ahead("main", first.path, max_age_s=max_age_s) is None
+    assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("y", 4)]
+
+
+def test_a_malformed_row_is_reported_once_and_never_published(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    table = IntentTable.of(stream.table.catalog)
+    assert table is not None
+    folder = stream.staging.folder("main")
+    table.insert(f"{folder}/x@{0:012d}-junk.parquet", "{not json")
+    table.insert(f"{folder}/notes.parquet", "{}")  # not a name stage() gives
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.write.staging"):
+        a.commit(batch("a", 2, WORLD))
+        b.commit(batch("b", 2, WORLD))
+    assert caplog.text.count("ignoring unreadable staged intent") == 1 and "junk" in caplog.text
+    assert caplog.text.count("notes.parquet") == 1
+    assert {p for p, _ in published(stream).values()} == {"a", "b"}
+    assert len(rows(tmp_path)) == 2  # left for GC
+
+
+def test_a_row_older_than_half_the_grace_period_is_never_published_and_gc_removes_it(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    _, b = both_active(stream)
+    old = stage(stream, "c", 0)
+    grace_s = stream.config.gc_grace_ms / 1000
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:  # staged long ago, by the database's clock
+        conn.execute(f"UPDATE {INTENT_TABLE} SET staged_at = staged_at - ?", (0.6 * grace_s,))
+    b.commit(batch("b", 2, WORLD))
+    assert "c" not in {p for p, _ in published(stream).values()}
+    report = stream.collect_garbage(dry_run=False)  # older than half the grace period, not yet the grace period
+    assert "intent" not in report.files_deleted and stream.staging.exists(old.path)
+    dry = stream.collect_garbage(dry_run=True, grace=timedelta(0), allow_short_grace=True)
+    assert dry.files_deleted.get("intent") == 1 and stream.staging.exists(old.path)  # a dry run removes nothing
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert report.files_deleted.get("intent") == 1 and report.files_deleted.get("data") == WORLD
+    assert rows(tmp_path) == [] and not any(Path(f.path.removeprefix("file://")).exists() for f in old.batch.files)
+
+
+def test_the_staging_property_is_checked_and_catalog_staging_needs_a_catalog_that_can(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=PROP_GROUP_STAGING):
+        make(tmp_path, **{PROP_GROUP_STAGING: "memory"})
+    stored = make(tmp_path, **{PROP_GROUP_STAGING: "storage"})
+    assert stored.staging.kind == "storage"
+    stored.producer("a").commit(batch("a", 0, WORLD))
+    intent = stage(stored, "c", 0)
+    assert [p.name for p in (staging_folder(stored) / "main").iterdir()] == [f"c@{0:012d}-{intent.batch.token}.parquet"]
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        assert conn.execute(f"SELECT count(*) FROM sqlite_master WHERE name = '{INTENT_TABLE}'").fetchone() == (0,)
+    memory = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/mem")
+    auto = Stream.create(memory, "ns.auto", schema=SCHEMA, world_size=WORLD)
+    assert auto.staging.kind == "storage"  # an in-memory database has no intent table: files, as everywhere else
+    with pytest.raises(ConfigError, match="cannot keep staged intents"):
+        Stream.create(memory, "ns.forced", schema=SCHEMA, world_size=WORLD, properties={PROP_GROUP_STAGING: "catalog"})
+
+
+def test_intent_rows_are_written_without_a_sync_of_their_own_and_the_swap_keeps_full_sync(tmp_path: Path) -> None:
+    """SQLite in WAL mode: the connections that write intents use synchronous=NORMAL (an intent lost to a power cut
+    belonged to a producer that never returned), pyiceberg's connections that swap the pointer keep FULL."""
+    from lakestream_iceberg.connect.pointer import sqlite_connections
+
+    stream = make(tmp_path)
+    stage(stream, "c", 0)
+    readers = sqlite_connections(stream.table.catalog.engine)
+    assert readers is not None
+    assert readers.connection().execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL
+    with stream.table.catalog.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
