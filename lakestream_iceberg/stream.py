@@ -6,6 +6,7 @@ Any catalog that ``pyiceberg.catalog.load_catalog`` returns works: SQLite/Postgr
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from datetime import timedelta
@@ -28,6 +29,7 @@ from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
     LAYOUT_PER_RANK,
     PACKED_FROM_WORLD_SIZE,
+    PROP_GROUP_STAGING,
     PROP_LAYOUT,
     StreamConfig,
     check_rank,
@@ -55,12 +57,14 @@ from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
-from lakestream_iceberg.write.intent_store import CatalogIntents, intent_table
+from lakestream_iceberg.write.intent_store import CatalogIntents, intent_table, resolve_staging
 from lakestream_iceberg.write.producer import Producer
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter
 
 __all__ = ["Stream"]
+
+log = logging.getLogger(__name__)
 
 
 def _reopen(ref: StreamRef) -> Stream:
@@ -163,6 +167,8 @@ class Stream(StreamTable):
             config = StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
+            prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
+            props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=identifier)
             namespace = Catalog.namespace_from(identifier)
             if namespace:
                 try:
@@ -333,7 +339,13 @@ class Stream(StreamTable):
         0 bytes); their data files are unreferenced files, which the sweep deletes once as old."""
         if self._intent_table is None:
             return
-        expired = self.staging.expire(older_than_s=grace_s, delete=delete)
+        try:
+            expired = call_with_retry(lambda: self.staging.expire(older_than_s=grace_s, delete=delete),
+                                      what="expiring staged intents", timeout_s=self.config.io_retry_timeout_ms / 1000)
+        except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
+            log.warning("GC of %s could not expire old staged intents in the catalog (%s); the next GC retries",
+                        ".".join(self.table.name()), exc)
+            return
         if expired:
             report.files_deleted["intent"] = report.files_deleted.get("intent", 0) + len(expired)
             report.bytes_deleted.setdefault("intent", 0)

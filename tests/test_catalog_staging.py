@@ -79,10 +79,10 @@ def test_a_staged_batch_is_a_row_of_the_catalog_database_and_its_group_commit_re
 def test_rows_keep_the_staging_order_and_a_retried_insert_is_idempotent(tmp_path: Path) -> None:
     stream = make(tmp_path)
     staging = stream.staging
-    first, second, third = stage(stream, "x", 0), stage(stream, "y", 4), stage(stream, "z", 1)
+    first, second, third = stage(stream, "z", 0), stage(stream, "y", 4), stage(stream, "x", 1)  # names descending
     max_age_s = 10**10
     assert staging.ahead("main", first.path, max_age_s=max_age_s) == []
-    assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("x", 0), ("y", 4)]  # insertion order
+    assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("z", 0), ("y", 4)]  # insertion order
     assert staging.queued("main", second.path, max_age_s=max_age_s) == 1
     table = IntentTable.of(stream.table.catalog)
     assert table is not None
@@ -143,8 +143,28 @@ def test_the_staging_property_is_checked_and_catalog_staging_needs_a_catalog_tha
     memory = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/mem")
     auto = Stream.create(memory, "ns.auto", schema=SCHEMA, world_size=WORLD)
     assert auto.staging.kind == "storage"  # an in-memory database has no intent table: files, as everywhere else
+    assert auto.table.metadata.properties[PROP_GROUP_STAGING] == "storage"  # resolved once, for every producer
     with pytest.raises(ConfigError, match="cannot keep staged intents"):
         Stream.create(memory, "ns.forced", schema=SCHEMA, world_size=WORLD, properties={PROP_GROUP_STAGING: "catalog"})
+    assert not memory.table_exists("ns.forced")  # refused before anything was created
+
+
+def test_auto_is_resolved_when_the_stream_is_created_and_a_stream_without_the_property_stages_files(
+        tmp_path: Path) -> None:
+    """``auto`` is stored as what it resolved to, so every producer (whatever catalog object it opens the table with)
+    stages in the same place; a stream created by an earlier release has no property and keeps staging files, which
+    is what that release's producers read."""
+    stream = make(tmp_path)
+    assert stream.table.metadata.properties[PROP_GROUP_STAGING] == "catalog"
+    assert [r[0] for r in sqlite3.connect(tmp_path / "catalog.db").execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table'")].count(INTENT_TABLE) == 1  # created with the stream
+    with stream.table.transaction() as tx:
+        tx.remove_properties(PROP_GROUP_STAGING)
+    legacy = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    assert legacy.config.group_staging == "storage" and legacy.staging.kind == "storage"
+    with legacy.table.transaction() as tx:  # switched once every producer runs this release
+        tx.set_properties({PROP_GROUP_STAGING: "catalog"})
+    assert Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").staging.kind == "catalog"
 
 
 def test_intent_rows_are_written_without_a_sync_of_their_own_and_the_swap_keeps_full_sync(tmp_path: Path) -> None:
@@ -159,3 +179,26 @@ def test_intent_rows_are_written_without_a_sync_of_their_own_and_the_swap_keeps_
     assert readers.connection().execute("PRAGMA synchronous").fetchone() == (1,)  # NORMAL
     with stream.table.catalog.engine.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA synchronous").scalar() == 2  # FULL
+
+
+def test_a_catalog_whose_database_uri_has_options_stages_through_sqlalchemy_and_sees_the_same_rows(
+        tmp_path: Path) -> None:
+    """A SQLite URI with options (``?timeout=...``) is served by SQLAlchemy's connections, not lakestream's own: the
+    rows are the same table, so producers of either kind group-commit each other's batches."""
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    other = SqlCatalog("test", uri=f"sqlite:///{tmp_path}/catalog.db?timeout=5", warehouse=f"file://{tmp_path}/warehouse")
+    via_options = Stream.open(other, "ns.stream")
+    table = IntentTable.of(other)
+    assert table is not None and table._sqlite is None  # noqa: SLF001 - the SQLAlchemy path
+    staged = via_options.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    intent = via_options.staging.stage(branch="main", batch=staged, allow_gap=False)
+    assert [f"{r[1]}/{r[2]}" for r in rows(tmp_path)] == [intent.path]
+    assert via_options.staging.ahead("main", intent.path, max_age_s=10**10) == []
+    b.commit(batch("b", 2, WORLD))  # a producer on lakestream's own connections publishes it
+    assert published(stream)[5] == ("c", 0) and rows(tmp_path) == []
+    assert not via_options.staging.exists(intent.path)
+    own = via_options.writer.write(producer="d", seq=0, shards=batch("d", 0, WORLD))
+    via_options.staging.stage(branch="main", batch=own, allow_gap=False)
+    assert via_options.staging.expire(older_than_s=-1.0, delete=True) == [f"{stream.staging.folder('main')}/d@{0:012d}-{own.token}.parquet"]
+    assert rows(tmp_path) == []

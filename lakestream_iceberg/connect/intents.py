@@ -18,15 +18,17 @@ indexed ``SELECT`` per move of the head, a committer's listing one ``SELECT`` th
 the store's clock.
 
 SQLite: statements run on this thread's own ``sqlite3`` connection (:func:`~lakestream_iceberg.connect.pointer.
-sqlite_connections`), in WAL mode with ``synchronous=NORMAL``: an intent needs no sync of its own. A machine that loses
+sqlite_connections`; SQLAlchemy's where the database URI has options), in WAL mode with ``synchronous=NORMAL``: an intent needs no sync of its own. A machine that loses
 power may lose the rows of its last moments, and with them nothing that was published (the producers that staged them
 were on that machine and never returned from ``commit()``; their restarts commit those seqs again). The pointer swap
 keeps pyiceberg's connections and SQLite's ``synchronous=FULL``. PostgreSQL: SQLAlchemy Core on the catalog's engine.
+A catalog on an in-memory SQLite database has none (its producers share one process: storage staging).
 Other dialects have no intent table (storage staging).
 """
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 import weakref
@@ -45,6 +47,16 @@ _SQLITE_DDL = (
 )
 _made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
 _lock = threading.Lock()
+_DELETE_CHUNK = 500  # (folder, name) pairs per PostgreSQL DELETE
+
+
+def _reset_lock_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 @dataclass(frozen=True)
@@ -79,8 +91,10 @@ class IntentTable:
         engine = catalog.engine
         if engine.dialect.name == "postgresql":
             return IntentTable(engine)
-        if engine.dialect.name == "sqlite" and sqlite_connections(engine) is not None:
-            return IntentTable(engine)
+        database = engine.url.database or ""
+        if engine.dialect.name == "sqlite" and database not in ("", ":memory:") and "mode=memory" not in database \
+                and not database.startswith("file::memory:"):
+            return IntentTable(engine)  # through this module's own connections where it can (sqlite_connections)
         return None
 
     # -- statements -----------------------------------------------------------------------------------------------------
@@ -99,7 +113,7 @@ class IntentTable:
 
             try:
                 with self._engine.begin() as conn:
-                    conn.execute(self._rows.insert().values(folder=folder, name=name, body=body, staged_at=_pg_now()))
+                    conn.execute(self._rows.insert().values(folder=folder, name=name, body=body, staged_at=self._now()))
             except IntegrityError as exc:
                 raise sqlite3.IntegrityError(str(exc)) from exc
         except sqlite3.IntegrityError:
@@ -139,10 +153,10 @@ class IntentTable:
                 f"SELECT id, name, {_SQLITE_NOW} - staged_at, {'body' if bodies else 'NULL'} FROM {INTENT_TABLE} "
                 "WHERE folder = ? ORDER BY id", (folder,)).fetchall()
         else:
-            from sqlalchemy import literal, select
+            from sqlalchemy import null, select
 
             t = self._rows
-            stmt = select(t.c.id, t.c.name, _pg_now() - t.c.staged_at, t.c.body if bodies else literal(None)) \
+            stmt = select(t.c.id, t.c.name, self._now() - t.c.staged_at, t.c.body if bodies else null()) \
                 .where(t.c.folder == folder).order_by(t.c.id)
             with self._engine.connect() as conn:
                 rows = conn.execute(stmt).all()
@@ -163,16 +177,19 @@ class IntentTable:
             conn.execute("BEGIN IMMEDIATE")
             try:
                 conn.executemany(f"DELETE FROM {INTENT_TABLE} WHERE folder = ? AND name = ?", keys)
+                conn.execute("COMMIT")
             except BaseException:
-                conn.execute("ROLLBACK")
+                if conn.in_transaction:  # a failed COMMIT (busy, I/O) leaves it open, holding the write lock
+                    conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
             return
         from sqlalchemy import and_, delete, or_
 
         t = self._rows
         with self._engine.begin() as conn:
-            conn.execute(delete(t).where(or_(*[and_(t.c.folder == f, t.c.name == n) for f, n in keys])))
+            for i in range(0, len(keys), _DELETE_CHUNK):  # bounded statements, whatever a GC finds
+                chunk = keys[i:i + _DELETE_CHUNK]
+                conn.execute(delete(t).where(or_(*[and_(t.c.folder == f, t.c.name == n) for f, n in chunk])))
 
     def expire(self, root: str, *, older_than_s: float, delete: bool = True) -> list[str]:
         """Every intent under ``root`` (a table's staging root, any branch) staged more than ``older_than_s`` ago by
@@ -189,16 +206,36 @@ class IntentTable:
             t = self._rows
             with self._engine.connect() as conn:
                 rows = conn.execute(select(t.c.folder, t.c.name).where(
-                    func.substr(t.c.folder, 1, len(prefix)) == prefix, _pg_now() - t.c.staged_at > older_than_s)).all()
+                    func.substr(t.c.folder, 1, len(prefix)) == prefix, self._now() - t.c.staged_at > older_than_s)).all()
         paths = [f"{folder}/{name}" for folder, name in rows]
         if delete:
             self.delete(paths)
         return paths
 
+    def create(self) -> bool:
+        """Create the table now if it does not exist; False (nothing created) when the database refuses it for lack of
+        permission (a read-only database file, a PostgreSQL role without ``CREATE`` on the schema). Other failures
+        raise."""
+        try:
+            self._ensure()
+        except Exception as exc:  # noqa: BLE001 - classified below
+            if _refused(exc):
+                return False
+            raise
+        return True
+
     # -- internals ----------------------------------------------------------------------------------------------------
     def _sqlite_conn(self) -> sqlite3.Connection:
         assert self._sqlite is not None
         return self._sqlite.connection()
+
+    def _now(self) -> Any:
+        """The database's clock in unix seconds, as an SQL expression."""
+        if self._engine.dialect.name == "sqlite":
+            from sqlalchemy import literal_column
+
+            return literal_column(_SQLITE_NOW)
+        return _pg_now()
 
     def _ensure(self) -> None:
         """Create the table on first use in this process (``IF NOT EXISTS``: producers racing to create it all
@@ -211,6 +248,9 @@ class IntentTable:
                 return
         if self._sqlite is not None:
             self._sqlite_conn().execute(_SQLITE_DDL)
+        elif self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
+            with self._engine.begin() as conn:
+                conn.exec_driver_sql(_SQLITE_DDL)
         else:
             from sqlalchemy.exc import IntegrityError, ProgrammingError
 
@@ -223,6 +263,13 @@ class IntentTable:
                     raise
         with _lock:
             _made.add(self._engine)
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether ``exc`` says the database does not let this user create or write the table."""
+    text = str(exc).lower()
+    return any(k in text for k in ("permission denied", "readonly database", "read-only", "insufficient privilege",
+                                   "must be owner", "not authorized"))
 
 
 def _split(path: str) -> tuple[str, str]:

@@ -97,8 +97,10 @@ class StreamConfig:
             batch, and one compare-and-swap publishes every staged batch, each as its own snapshot.
         group_max_batches: The most batches one group commit publishes (bounds one commit's critical section).
         group_staging: Where staged intents are kept: ``catalog`` (rows of the SQL catalog's database; SQLite or
-            PostgreSQL ``SqlCatalog`` only), ``storage`` (files under ``data/_staging/``), or ``auto`` (the default:
-            ``catalog`` where the catalog can, ``storage`` elsewhere). Every producer of a stream must use the same.
+            PostgreSQL ``SqlCatalog`` only) or ``storage`` (files under ``data/_staging/``). ``auto`` (the default of
+            ``Stream.create``) is resolved when the stream is created: ``catalog`` where the catalog can keep them,
+            ``storage`` elsewhere, and the result is stored, so every producer uses the same. A stream without the
+            property (created by an earlier release) stages files.
         layout: ``per-rank`` (one data file per rank and step) or ``packed`` (one data file per step); see the module
             docstring. Fixed when the stream is created (a table created before layouts existed is ``per-rank``).
         packed_row_group_bytes: Packed layout: consecutive ranks share a row group while it holds at most this many
@@ -170,7 +172,8 @@ class StreamConfig:
         layout = properties.get(PROP_LAYOUT, LAYOUT_PER_RANK)
         if layout not in LAYOUTS:
             raise ConfigError(f"table property {PROP_LAYOUT}={layout!r} is not a layout; use one of {', '.join(LAYOUTS)}")
-        staging = properties.get(PROP_GROUP_STAGING, STAGING_AUTO)
+        # absent: a stream created by a release that staged files only; its producers may still run that release
+        staging = properties.get(PROP_GROUP_STAGING, STAGING_STORAGE)
         if staging not in STAGINGS:
             raise ConfigError(f"table property {PROP_GROUP_STAGING}={staging!r} is not a staging place; use one of "
                               f"{', '.join(STAGINGS)}")

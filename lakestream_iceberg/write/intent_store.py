@@ -8,8 +8,8 @@ queue order, ages); a store only keeps intents under their paths (``<location>/d
 * :class:`CatalogIntents` (``catalog``): one row per intent in the catalog's database
   (:mod:`lakestream_iceberg.connect.intents`), on SQL catalogs: no PUT, LIST, GET or DELETE per batch.
 
-The table property ``lakestream.commit.group.staging`` chooses (``auto``: the catalog where it can, storage elsewhere);
-see README "Many producers: group commit".
+The table property ``lakestream.commit.group.staging`` chooses (``Stream.create`` resolves ``auto``: the catalog where
+it can, storage elsewhere); see README "Many producers: group commit".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pyiceberg.io import FileIO
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
-from lakestream_iceberg.connect.intents import IntentTable
+from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.layout import PROP_GROUP_STAGING, STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE
@@ -30,7 +30,32 @@ from lakestream_iceberg.write.intent import PARQUET_MAGIC, Intent
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CatalogIntents", "Entry", "FileIntents", "UnusableIntent", "intent_table"]
+__all__ = ["CatalogIntents", "Entry", "FileIntents", "UnusableIntent", "intent_table", "resolve_staging"]
+
+
+def resolve_staging(catalog: object, staging: str, *, name: str) -> str:
+    """What a new stream stores as ``lakestream.commit.group.staging``: ``auto`` becomes ``catalog`` where the catalog
+    has an intent table and lets this user create it (it is created now), else ``storage``.
+
+    Raises:
+        ConfigError: ``catalog`` on a catalog without an intent table, or whose database refuses to create it.
+    """
+    if staging == STAGING_STORAGE:
+        return staging
+    table = intent_table(catalog, staging, name=name)
+    if table is None:
+        return STAGING_STORAGE
+    if table.create():
+        return STAGING_CATALOG
+    if staging == STAGING_CATALOG:
+        raise ConfigError(
+            f"stream {name} has {PROP_GROUP_STAGING}={STAGING_CATALOG!r}, but the catalog's database does not let this "
+            f"user create the intent table {INTENT_TABLE}: grant CREATE (once) and INSERT/SELECT/DELETE on it, or set "
+            f"{PROP_GROUP_STAGING} to {STAGING_STORAGE!r}"
+        )
+    log.warning("stream %s stages group-commit intents as files: the catalog's database does not let this user "
+                "create %s", name, INTENT_TABLE)
+    return STAGING_STORAGE
 
 
 def intent_table(catalog: object, staging: str, *, name: str) -> IntentTable | None:
