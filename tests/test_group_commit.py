@@ -332,6 +332,7 @@ def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
     assert status_dict(stream, "main")["staged_batches"] == 0
     stage(stream, "c", 0)
     assert status_dict(stream, "main")["staged_batches"] == 1
+    assert status_dict(stream, "main")["staging"] == "catalog"  # a SQLite catalog keeps them as rows
 
 
 @pytest.mark.parametrize("staging", ["storage", "catalog"])

@@ -107,6 +107,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "last_commit_at": utc_from_ms(head.timestamp_ms) if head else None,
         "collected_below": state.collected_below,
         "staged_batches": staged,
+        "staging": stream.staging.kind,
         "producers": [{"producer": pid, "last_seq": p.seq, "last_step": p.step, "lag": state.step - p.step,
                        "active": pid in state.producers} for pid, p in sorted(state.all_producers(stream.io).items())],
         "consumer_lag": None if newest is None else state.step - newest,
@@ -136,7 +137,8 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         ("consumer lag", f"{status['consumer_lag']} steps ({status['consumer_lag_basis']})"
                          if status["consumer_lag"] is not None else status["consumer_lag_basis"]),
         ("steps collected below", status["collected_below"]),
-        ("staged batches", "-" if status["staged_batches"] is None else status["staged_batches"]),
+        ("staged batches", ("-" if status["staged_batches"] is None else str(status["staged_batches"]))
+         + f" (intents kept in the {status['staging']})"),
         ("snapshots retained", status["snapshots_retained"]),
         ("metadata", f"{_mb(status['metadata_bytes'])} in {status['metadata_file']}"),
         ("storage", f"{_mb(storage['bytes'])}, {storage['data_files'] or 0:,} data files, "
