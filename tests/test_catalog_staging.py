@@ -23,8 +23,10 @@ from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
 from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.layout import PROP_GROUP_STAGING
 from lakestream_iceberg.write.intent import STAGING_DIR
-from tests.backends import published
+from tests.backends import make_backend, postgres_service, published, seaweedfs_service
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+__all__ = ["postgres_service", "seaweedfs_service"]  # fixtures used by name
 
 WORLD = 3
 
@@ -202,3 +204,34 @@ def test_a_catalog_whose_database_uri_has_options_stages_through_sqlalchemy_and_
     via_options.staging.stage(branch="main", batch=own, allow_gap=False)
     assert via_options.staging.expire(older_than_s=-1.0, delete=True) == [f"{stream.staging.folder('main')}/d@{0:012d}-{own.token}.parquet"]
     assert rows(tmp_path) == []
+
+
+@pytest.mark.services
+def test_postgresql_keeps_intents_as_rows_in_staging_order_by_its_own_clock(request: pytest.FixtureRequest,
+                                                                           tmp_path: Path) -> None:
+    """The same intent table on the real PostgreSQL catalog (SQLAlchemy Core, ages by ``clock_timestamp()``)."""
+    backend = make_backend("postgres-seaweedfs", request, tmp_path)
+    try:
+        stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+        assert stream.table.metadata.properties[PROP_GROUP_STAGING] == "catalog" and stream.staging.kind == "catalog"
+        _, b = both_active(stream)
+        later, first = stage(stream, "z", 0), stage(stream, "c", 0)  # names descending: the order is the insertion's
+        assert stream.staging.ahead("main", first.path, max_age_s=10**10) == [("z", 0)]
+        table = IntentTable.of(stream.table.catalog)
+        assert table is not None
+        table.insert(first.path, first.to_json())  # a retried insert: no second row
+        with pytest.raises(ValueError, match="another intent is already staged"):
+            table.insert(first.path, later.to_json())
+        assert [r.path for r in table.listing(stream.staging.folder("main"), bodies=False)] == [later.path, first.path]
+        assert all(0 <= r.age_s < 600 for r in table.listing(stream.staging.folder("main"), bodies=True))
+        b.commit(batch("b", 2, WORLD))  # publishes both, oldest first, then b's own
+        assert [published(stream)[s] for s in (5, 6, 7)] == [("z", 0), ("c", 0), ("b", 2)]
+        assert table.listing(stream.staging.folder("main"), bodies=False) == []
+        for rank in range(WORLD):
+            assert digest(stream.read(6, rank=rank)) == digest(batch("c", 0, WORLD)[rank])
+        left = stage(stream, "d", 0)
+        assert stream.collect_garbage(dry_run=False).files_deleted.get("intent") is None  # within the grace period
+        report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+        assert report.files_deleted.get("intent") == 1 and not stream.staging.exists(left.path)
+    finally:
+        backend.close()
