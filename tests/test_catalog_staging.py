@@ -20,7 +20,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
-from lakestream_iceberg.errors import ConfigError
+from lakestream_iceberg.errors import ConfigError, ProducerConflictError
 from lakestream_iceberg.format.layout import PROP_GROUP_STAGING
 from lakestream_iceberg.write.intent import STAGING_DIR
 from tests.backends import make_backend, postgres_service, published, seaweedfs_service
@@ -90,7 +90,7 @@ def test_rows_keep_the_staging_order_and_a_retried_insert_is_idempotent(tmp_path
     assert table is not None
     table.insert(first.path, first.to_json())  # a retry whose first try landed: no second row, no error
     assert len(rows(tmp_path)) == 3
-    with pytest.raises(ValueError, match="another intent is already staged"):
+    with pytest.raises(ProducerConflictError, match="another intent is already staged"):
         table.insert(first.path, second.to_json())
     staging.remove([first.path])
     assert staging.ahead("main", first.path, max_age_s=max_age_s) is None
@@ -220,7 +220,7 @@ def test_postgresql_keeps_intents_as_rows_in_staging_order_by_its_own_clock(requ
         table = IntentTable.of(stream.table.catalog)
         assert table is not None
         table.insert(first.path, first.to_json())  # a retried insert: no second row
-        with pytest.raises(ValueError, match="another intent is already staged"):
+        with pytest.raises(ProducerConflictError, match="another intent is already staged"):
             table.insert(first.path, later.to_json())
         assert [r.path for r in table.listing(stream.staging.folder("main"), bodies=False)] == [later.path, first.path]
         assert all(0 <= r.age_s < 600 for r in table.listing(stream.staging.folder("main"), bodies=True))
@@ -235,3 +235,21 @@ def test_postgresql_keeps_intents_as_rows_in_staging_order_by_its_own_clock(requ
         assert report.files_deleted.get("intent") == 1 and not stream.staging.exists(left.path)
     finally:
         backend.close()
+
+
+def test_a_read_only_client_lists_staged_intents_without_writing(tmp_path: Path) -> None:
+    """A trainer or ``lakestream status`` may open the catalog database read-only: reading the intent table (the
+    staged-batch count) must not try to create it."""
+    from lakestream_iceberg.tools.cli import status_dict
+
+    stream = make(tmp_path)
+    stage(stream, "c", 0)
+    reader = SqlCatalog("test", uri=f"sqlite:///file:{tmp_path}/catalog.db?mode=ro&uri=true",
+                        warehouse=f"file://{tmp_path}/warehouse")
+    seen = Stream.open(reader, "ns.stream")
+    assert seen.staging.kind == "catalog"
+    assert status_dict(seen, "main")["staged_batches"] == 1
+    with pytest.raises(Exception, match="readonly"):  # the connection really is read-only
+        with reader.engine.begin() as conn:
+            conn.exec_driver_sql(f"DELETE FROM {INTENT_TABLE}")
+    assert len(rows(tmp_path)) == 1

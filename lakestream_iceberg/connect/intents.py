@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lakestream_iceberg.connect.pointer import sqlite_connections
+from lakestream_iceberg.errors import ProducerConflictError
 
 __all__ = ["INTENT_TABLE", "IntentRow", "IntentTable"]
 
@@ -45,6 +46,7 @@ _SQLITE_DDL = (
     f"CREATE TABLE IF NOT EXISTS {INTENT_TABLE} (id INTEGER PRIMARY KEY AUTOINCREMENT, folder TEXT NOT NULL, "
     "name TEXT NOT NULL, body TEXT NOT NULL, staged_at REAL NOT NULL, UNIQUE (folder, name))"
 )
+_SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 _made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
 _lock = threading.Lock()
 _DELETE_CHUNK = 500  # (folder, name) pairs per PostgreSQL DELETE
@@ -76,7 +78,7 @@ class IntentTable:
     def __init__(self, engine: Any) -> None:
         self._engine = engine
         self._sqlite = sqlite_connections(engine) if engine.dialect.name == "sqlite" else None
-        self._rows: Any = None  # SQLAlchemy Table (PostgreSQL), made in _ensure
+        self._rows: Any = None  # the SQLAlchemy Table (PostgreSQL, SQLite URIs with options), made in _ensure
 
     @staticmethod
     def of(catalog: Any) -> IntentTable | None:
@@ -100,7 +102,8 @@ class IntentTable:
     # -- statements -----------------------------------------------------------------------------------------------------
     def insert(self, path: str, body: str) -> None:
         """Stage ``body`` under ``path`` (``folder/name``). Inserting the same path again with the same body is a no-op
-        (a retried insert whose first try landed); another body under the same path raises ``ValueError``."""
+        (a retried insert whose first try landed); another body under the same path raises
+        :class:`~lakestream_iceberg.errors.ProducerConflictError`."""
         folder, name = _split(path)
         self._ensure()
         try:
@@ -118,7 +121,10 @@ class IntentTable:
                 raise sqlite3.IntegrityError(str(exc)) from exc
         except sqlite3.IntegrityError:
             if self.body(path) != body:
-                raise ValueError(f"another intent is already staged under {path}") from None
+                raise ProducerConflictError(
+                    f"another intent is already staged under {path}: two live writers use the same producer id, seq and "
+                    "data-file token. Give every live producer its own id"
+                ) from None
 
     def body(self, path: str) -> str | None:
         folder, name = _split(path)
@@ -247,10 +253,13 @@ class IntentTable:
             if self._engine in _made:
                 return
         if self._sqlite is not None:
-            self._sqlite_conn().execute(_SQLITE_DDL)
+            conn = self._sqlite_conn()
+            if conn.execute(_SQLITE_HAS, (INTENT_TABLE,)).fetchone() is None:  # a reader never writes
+                conn.execute(_SQLITE_DDL)
         elif self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
             with self._engine.begin() as conn:
-                conn.exec_driver_sql(_SQLITE_DDL)
+                if conn.exec_driver_sql(_SQLITE_HAS, (INTENT_TABLE,)).first() is None:
+                    conn.exec_driver_sql(_SQLITE_DDL)
         else:
             from sqlalchemy.exc import IntegrityError, ProgrammingError
 
