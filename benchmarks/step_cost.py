@@ -36,7 +36,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import Table, percentile, write_json  # noqa: E402
+from _common import RunFolders, Table, percentile, write_json  # noqa: E402
 from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 
 import lakestream_iceberg.connect.swap as swap_module  # noqa: E402
@@ -164,13 +164,29 @@ def profile_world(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str
     return table, out
 
 
-def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
+def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any], int]:
     lats: dict[tuple[str, int], list[float]] = {}
     reads: dict[tuple[str, int], list[float]] = {}
     files: dict[tuple[str, int], int] = {}
     # ``--sweep-rounds`` rounds, W by W with the layouts side by side (their order alternating by round), each point on
-    # a fresh stream after the previous one's files are deleted and everything is on disk (the writeback of a large
-    # point, per-rank W=1024 writes ~20,000 files, must not land on the next one); p50s pool the rounds.
+    # a fresh stream after everything is on disk (the writeback of a large point, per-rank W=1024 writes ~60,000 files,
+    # must not land on the next one); p50s pool the rounds. Points' folders are kept until the sweep ends
+    # (_common.RunFolders): deleting 60,000 files made creating a file 10-20x dearer for minutes on this project's
+    # machine (benchmarks/README.md), and the point after it paid: packed W=1,024 measured 12.7-21.3 ms per commit
+    # right after per-rank W=1,024's folder was deleted, 9.2-11.6 ms alone.
+    runs = RunFolders()
+    try:
+        _sweep_rounds(root, args, runs, lats, reads, files)
+    finally:
+        runs.close()
+    rows = {key: {"commits": len(lats[key]), "rounds": args.sweep_rounds, "commit_p50_s": percentile(lats[key], 50), "files_per_step": files[key],
+                  "read_p50_s": percentile(reads[key], 50), "reads": len(reads[key])} for key in lats}
+    table, as_json = _sweep_table(args, rows, runs.deleted_early)
+    return table, as_json, runs.deleted_early
+
+
+def _sweep_rounds(root: Path, args: argparse.Namespace, runs: RunFolders, lats: dict[tuple[str, int], list[float]],
+                  reads: dict[tuple[str, int], list[float]], files: dict[tuple[str, int], int]) -> None:
     for rnd in range(args.sweep_rounds):
         for world in args.worlds:
             for layout in args.layouts if rnd % 2 == 0 else args.layouts[::-1]:
@@ -188,9 +204,12 @@ def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
                         stream.read(step, rank=rank)
                         reads.setdefault((layout, world), []).append(time.perf_counter() - began)
                 lats.setdefault((layout, world), []).extend(lat)
-                shutil.rmtree(where, ignore_errors=True)
-    rows = {key: {"commits": len(lats[key]), "rounds": args.sweep_rounds, "commit_p50_s": percentile(lats[key], 50), "files_per_step": files[key],
-                  "read_p50_s": percentile(reads[key], 50), "reads": len(reads[key])} for key in lats}
+                stream.table.catalog.engine.dispose()
+                runs.retire(where)
+
+
+def _sweep_table(args: argparse.Namespace, rows: dict[tuple[str, int], dict[str, Any]],
+                 deleted_early: int) -> tuple[Table, dict[str, Any]]:
     base = rows[(args.layouts[0], args.worlds[0])]
     table = Table(f"world-size sweep: one producer, one row per rank (x base: ratios to {args.layouts[0]} "
                   f"W={args.worlds[0]}; x W={args.worlds[0]}: to the same layout at W={args.worlds[0]})",
@@ -203,7 +222,7 @@ def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
                   r["read_p50_s"] / base["read_p50_s"], r["read_p50_s"] / own["read_p50_s"])
     table.note("commit = write the step's data files + plan + swap; a read opens the step fresh (packed: its footer); "
                f"{args.sweep_rounds} rounds, W by W with the layouts side by side, os.sync() before each point; p50s pool "
-               "the rounds")
+               f"the rounds; points' folders kept until the sweep ends (deleted early for disk space: {deleted_early})")
     return table, {f"{layout}/{world}": v for (layout, world), v in rows.items()}
 
 
@@ -236,13 +255,14 @@ def main() -> None:
         print(prof_table, flush=True)
         world_table, world_json = profile_world(root, args)
         print(world_table, flush=True)
-        sweep_table, sweep_json = world_sweep(root, args)
+        sweep_table, sweep_json, sweep_deleted_early = world_sweep(root, args)
         print(sweep_table, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     payload = {"benchmark": "step_cost", "smoke": args.smoke,
                "config": {k: v for k, v in vars(args).items() if k != "out"},
                "commit_path": commit_json, "profile": prof_json, "profile_world": world_json, "world_sweep": sweep_json,
+               "world_sweep_folders_deleted_early": sweep_deleted_early,
                "tables": [t.to_json() for t in (commit_table, prof_table, world_table, sweep_table)],
                "seconds": time.monotonic() - started}
     if args.out is not None:

@@ -369,6 +369,19 @@ def test_large_ranks_are_written_from_their_own_buffers_and_tiny_ones_as_one_chu
     tiny = [shard("p", 1, r, rows=1) for r in range(4)]
     (group,) = writer._row_groups(tiny, np.array([1] * 4), pa.concat_tables(tiny))
     assert {column.num_chunks for column in group.columns} == {1}
+    # small slices of one large table: the cheap bound (each slice counts the whole buffers) says large, so with few
+    # chunks the exact size decides (small: one chunk); past EXACT_SIZE_UP_TO_CHUNKS they are written as they are
+    from lakestream_iceberg.write.writer import EXACT_SIZE_UP_TO_CHUNKS
+
+    base = pa.concat_tables([shard("p", 2, 0, rows=1)] * 1000).combine_chunks()
+    base = base.set_column(5, "image", pa.array([b"x" * 1024] * 1000, pa.binary()))
+    few = [base.slice(10 * r, 10) for r in range(4)]
+    (group,) = writer._row_groups(few, np.array([10] * 4), None)
+    assert {column.num_chunks for column in group.columns} == {1}
+    many = [base.slice(r, 1) for r in range(EXACT_SIZE_UP_TO_CHUNKS + 1)]
+    (group,) = writer._row_groups(many, np.array([1] * len(many)), None)
+    assert group.column("image").num_chunks == len(many)
+    assert group.column("image").to_pylist() == [b"x" * 1024] * len(many)
     producer = stream.producer("p")
     for step, shards in enumerate((large, tiny), start=1):
         assert producer.commit(shards).step == step
