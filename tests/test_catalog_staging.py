@@ -253,3 +253,32 @@ def test_a_read_only_client_lists_staged_intents_without_writing(tmp_path: Path)
         with reader.engine.begin() as conn:
             conn.exec_driver_sql(f"DELETE FROM {INTENT_TABLE}")
     assert len(rows(tmp_path)) == 1
+
+
+def test_a_batch_that_cannot_be_staged_is_committed_directly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """The catalog's database unreachable when a producer stages: staging is an optimisation, so the producer commits
+    its batch itself (its commit handles the outage the way every commit does) instead of failing the call."""
+    stream = make(tmp_path)
+    a, _ = both_active(stream)
+    monkeypatch.setattr(type(a), "_stages", lambda self: True)  # as under contention: every commit stages first
+    calls: list[str] = []
+
+    def unreachable(self: IntentTable, path: str, body: str) -> None:
+        calls.append(path)
+        raise sqlite3.OperationalError("unable to open database file (injected)")
+
+    monkeypatch.setattr(IntentTable, "insert", unreachable)
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.write.producer"):
+        result = a.commit(batch("a", 2, WORLD))
+    assert calls and "committing it directly" in caplog.text and "OperationalError" in caplog.text
+    assert (result.step, result.carried, result.duplicate) == (5, False, False)
+    assert published(stream)[5] == ("a", 2) and rows(tmp_path) == []
+
+    def refused(self: IntentTable, path: str, body: str) -> None:
+        raise ProducerConflictError("injected: not an outage")
+
+    monkeypatch.setattr(IntentTable, "insert", refused)
+    with pytest.raises(ProducerConflictError, match="not an outage"):  # anything but an outage is the caller's to see
+        a.commit(batch("a", 3, WORLD))
+    assert stream.head_step() == 5

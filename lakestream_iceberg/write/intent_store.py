@@ -160,6 +160,9 @@ class FileIntents:
         return []
 
 
+STAGE_RETRY_S = 2.0  # how long staging an intent in the catalog retries before the producer commits directly
+
+
 class CatalogIntents:
     """Intents as rows of the SQL catalog's database (``catalog`` staging)."""
 
@@ -170,9 +173,11 @@ class CatalogIntents:
         self._retry_s = retry_s
 
     def put(self, intent: Intent) -> None:
+        """Insert the intent; a database that stays unreachable for ``STAGE_RETRY_S`` raises (the producer then commits
+        its batch directly: its commit has its own handling of a catalog outage)."""
         body = intent.to_json()
         call_with_retry(lambda: self._table.insert(intent.path, body), what=f"staging {intent.path} in the catalog",
-                        timeout_s=self._retry_s)
+                        timeout_s=min(self._retry_s, STAGE_RETRY_S))
 
     def watch(self, path: str) -> Callable[[], bool]:
         def exists() -> bool:

@@ -8,6 +8,7 @@ and :mod:`lakestream_iceberg.write.dac` for its pacing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
-from lakestream_iceberg.connect.diagnose import config_errors
+from lakestream_iceberg.connect.diagnose import config_errors, transient
 from lakestream_iceberg.errors import (
     CommitError,
     CommitOutcomeUnknownError,
@@ -44,6 +45,8 @@ from lakestream_iceberg.write.intent import Intent
 from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, StagedBatch, check_producer_id
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
@@ -288,11 +291,22 @@ class Producer:
         return config.group_commit and config.group_max_batches >= 2 and self._contended()
 
     def _stage(self, staged: StagedBatch, allow_gap: bool) -> Intent | None:
-        """Stage the batch for group commit (None when group commit is off)."""
+        """Stage the batch for group commit (None when group commit is off, or when the intent cannot be staged now:
+        the catalog's database or the store is unreachable. The batch is then committed directly, by this producer,
+        whose commit has its own handling of an outage: retries, reconciliation, ``CommitOutcomeUnknownError``. An
+        intent that did land although its staging failed is published at most once all the same: its seq is checked
+        against the head like any other)."""
         config = self._stream.config
         if not config.group_commit or config.group_max_batches < 2:
             return None
-        return self._staging.stage(branch=self.branch, batch=staged, allow_gap=allow_gap)
+        try:
+            return self._staging.stage(branch=self.branch, batch=staged, allow_gap=allow_gap)
+        except Exception as exc:
+            if not transient(exc):
+                raise
+            log.warning("cannot stage batch seq %d of producer %r for group commit (%s); committing it directly",
+                        staged.seq, self.producer_id, type(exc).__name__)
+            return None
 
     # -- internals ----------------------------------------------------------------------------------------------------
     def _loop_fresh(self) -> bool:
