@@ -369,19 +369,29 @@ def test_large_ranks_are_written_from_their_own_buffers_and_tiny_ones_as_one_chu
     tiny = [shard("p", 1, r, rows=1) for r in range(4)]
     (group,) = writer._row_groups(tiny, np.array([1] * 4), pa.concat_tables(tiny))
     assert {column.num_chunks for column in group.columns} == {1}
-    # small slices of one large table: the cheap bound (each slice counts the whole buffers) says large, so with few
-    # chunks the exact size decides (small: one chunk); past EXACT_SIZE_UP_TO_CHUNKS they are written as they are
-    from lakestream_iceberg.write.writer import EXACT_SIZE_UP_TO_CHUNKS
+    # more ranks than the size sample: large ones are still written from their own buffers
+    from lakestream_iceberg.write.writer import SIZE_SAMPLE_RANKS
 
-    base = pa.concat_tables([shard("p", 2, 0, rows=1)] * 1000).combine_chunks()
-    base = base.set_column(5, "image", pa.array([b"x" * 1024] * 1000, pa.binary()))
-    few = [base.slice(10 * r, 10) for r in range(4)]
-    (group,) = writer._row_groups(few, np.array([10] * 4), None)
-    assert {column.num_chunks for column in group.columns} == {1}
-    many = [base.slice(r, 1) for r in range(EXACT_SIZE_UP_TO_CHUNKS + 1)]
-    (group,) = writer._row_groups(many, np.array([1] * len(many)), None)
-    assert group.column("image").num_chunks == len(many)
-    assert group.column("image").to_pylist() == [b"x" * 1024] * len(many)
+    wide = [large[r % 4] for r in range(SIZE_SAMPLE_RANKS * 2 + 3)]
+    groups = writer._row_groups(wide, np.array([6] * len(wide)), pa.concat_tables(wide))
+    assert len(groups) > 1 and sum(group.column("image").num_chunks for group in groups) == len(wide)
+    assert pa.concat_tables(groups).column("_rank").to_pylist() == [r for r in range(len(wide)) for _ in range(6)]
+
+    # small slices of large tables: a slice's buffer size counts the table's whole buffers, so the exact sizes of the
+    # sample decide (small: one chunk), with few ranks and with more than the sample
+    def big(seed: int) -> pa.Table:
+        base = pa.concat_tables([shard("p", 2, 0, rows=1)] * 200).combine_chunks()
+        return base.set_column(5, "image", pa.array([bytes([seed % 256]) * 1024] * 200, pa.binary()))
+
+    base = big(0)
+    for slices in ([base.slice(r, 1) for r in range(SIZE_SAMPLE_RANKS * 4 + 1)],
+                   [big(r).slice(10 * r, 10) for r in range(4)],
+                   [big(r).slice(r, 1) for r in range(SIZE_SAMPLE_RANKS * 4 + 1)]):
+        counts = np.array([len(s) for s in slices])
+        (group,) = writer._row_groups(slices, counts, None)
+        assert {column.num_chunks for column in group.columns} == {1}
+        assert group.column("image").to_pylist() == pa.concat_tables(slices).column("image").to_pylist()
+        assert group.column("_rank").to_pylist() == np.repeat(np.arange(len(slices)), counts).tolist()
     producer = stream.producer("p")
     for step, shards in enumerate((large, tiny), start=1):
         assert producer.commit(shards).step == step

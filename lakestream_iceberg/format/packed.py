@@ -27,8 +27,12 @@ _DIGITS_AND_COMMAS = b"0123456789,"
 __all__ = ["RANK_ROWS_KEY", "PackedFooter", "corrupt_packed", "encode_rank_rows"]
 
 
-def encode_rank_rows(counts: list[int]) -> bytes:
-    return ",".join(map(str, counts)).encode()
+def encode_rank_rows(counts: np.ndarray) -> bytes:
+    """The footer value of a step whose ranks hold ``counts`` rows (one string repeat when every rank holds as many,
+    the usual global batch: 20 us instead of 200 us for 1,024 ranks)."""
+    if len(counts) and (counts == counts[0]).all():
+        return ((str(int(counts[0])) + ",") * len(counts))[:-1].encode()
+    return ",".join(map(str, counts.tolist())).encode()
 
 
 def corrupt_packed(path: str, why: str) -> CorruptStateError:
