@@ -109,7 +109,7 @@ def commit_path(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
 
 GROUPS = (  # (label, substrings of "file:function" in the profile: the first group that matches takes the time)
     ("the swap (catalog commit)", ("connect/swap.py:swap", "catalog/sql.py:commit_table")),
-    ("checking the batch (schema, nulls)", ("format/layout.py:check_shards",)),
+    ("checking the batch (schema, nulls)", ("format/layout.py:check_batch",)),
     ("writing the data files", ("write/writer.py:write",)),
     ("planning: manifests, lists, summary", ("write/producer.py:_plan_group",)),
     ("reading the head", ("write/commit.py:refresh",)),
