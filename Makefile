@@ -48,6 +48,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/vs_colocated.py
 	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
 	$(BIN)/python benchmarks/step_cost.py
+	$(BIN)/python benchmarks/commit_writes.py
 	$(BIN)/python benchmarks/vs_ray.py
 
 lint: $(STAMP)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyiceberg.io.pyarrow import PyArrowFileIO
@@ -161,3 +162,52 @@ def test_a_manifest_is_written_in_one_piece_and_its_length_needs_no_stat(tmp_pat
                                                  file_sequence_number=3, data_file=files[0]))
         raise RuntimeError("the plan failed half-way")
     assert not Path(failed).exists()
+
+
+def test_cached_headers_partition_types_and_list_records_write_what_pyiceberg_writes(tmp_path: Path,
+                                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header, partition type and spec JSON computed once per spec and schema, and list records of manifests whose
+    sequence numbers are assigned taken as they are: every later manifest and list is still pyiceberg's, byte for byte
+    (headers; records of lists) and field for field (manifest files), with assigned and unassigned sequence numbers,
+    another spec object and another codec."""
+    from lakestream_iceberg.format import avro_writers
+
+    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    io = PyArrowFileIO()
+    specs = [metadata.spec(), metadata.spec(), metadata.spec().model_copy()]  # the same object twice, then another
+    for round_, (spec, codec) in enumerate(zip(specs, ("gzip", "gzip", "null"))):
+        files = stream.writer.write(producer="p", seq=round_, shards=batch("p", round_, 3)).data_files(
+            step=round_ + 1, spec_id=0)
+        written: dict[str, Any] = {}
+        for name, make in (("pyiceberg", write_manifest), ("ours", manifest_writer)):
+            path = f"{tmp_path}/{name}-{round_}.avro"
+            with make(format_version=2, spec=spec, schema=metadata.schema(), output_file=io.new_output(path),
+                      snapshot_id=7 + round_, avro_compression=codec) as writer:
+                for f in files:
+                    writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=7 + round_,
+                                                             sequence_number=None, file_sequence_number=None,
+                                                             data_file=f))
+            written[name] = (Path(path).read_bytes(), writer.to_manifest_file())
+        mine, theirs = written["ours"][1], written["pyiceberg"][1]
+        header_end = written["pyiceberg"][0].index(b"\x07" * 16) + 16
+        assert written["ours"][0][:header_end] == written["pyiceberg"][0][:header_end]
+        assert mine.partitions == theirs.partitions and mine.partitions[0].lower_bound is not None
+        assert (mine.sequence_number, mine.min_sequence_number, mine.added_files_count, mine.added_rows_count) == \
+            (theirs.sequence_number, theirs.min_sequence_number, theirs.added_files_count, theirs.added_rows_count)
+        assert [e.data_file for e in mine.fetch_manifest_entry(io)] == [e.data_file for e in theirs.fetch_manifest_entry(io)]
+        # a list naming a manifest with unassigned sequence numbers (assigned by the list) and assigned ones
+        assigned = avro_writers.ManifestFile.from_args(**{k: getattr(theirs, k) for k in (
+            "manifest_path", "manifest_length", "partition_spec_id", "content", "added_snapshot_id", "added_files_count",
+            "existing_files_count", "deleted_files_count", "added_rows_count", "existing_rows_count",
+            "deleted_rows_count", "partitions", "key_metadata")}, sequence_number=2, min_sequence_number=1)
+        lists = []
+        for name, make_list in (("pyiceberg", write_manifest_list), ("ours", manifest_list_writer)):
+            lpath = f"{tmp_path}/{name}-{round_}-l.avro"
+            with make_list(format_version=2, output_file=io.new_output(lpath), snapshot_id=7 + round_,
+                           parent_snapshot_id=6, sequence_number=4, avro_compression=codec) as lw:
+                lw.add_manifests([theirs, assigned])
+            lists.append(Path(lpath).read_bytes())
+        assert lists[0] == lists[1]
+    assert len(avro_writers._specs) >= 2  # one per spec object

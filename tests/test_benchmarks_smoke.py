@@ -1,5 +1,5 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
-benchmarks/vs_ray.py).
+benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -217,6 +217,18 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
     assert all(_positive(sweep[w]["commit_p50_s"]) and _positive(sweep[w]["read_p50_s"]) for w in sweep)
     assert set(data["profile_world"]) == {"per-rank", "packed"}
     assert all(_positive(data["profile_world"][layout]["total"]) for layout in data["profile_world"])
+
+
+@pytest.mark.services
+@pytest.mark.timeout(300)
+def test_commit_writes_smoke(tmp_path: Path) -> None:
+    data = _run("commit_writes.py", tmp_path / "commit_writes.json", timeout=240)
+    assert data["benchmark"] == "commit_writes" and data["smoke"] is True
+    rows = data["rows"]
+    assert {(r["producers"], r["mode"]) for r in rows} == {(p, m) for p in (1, 2) for m in ("concurrent", "sequential")}
+    assert all(r["batches"] > 0 and _positive(r["rate"]) and _positive(r["plan_p50"]) for r in rows)
+    assert all(r["exactly_once"] for r in rows)  # dense steps, every producer's seqs published once, in both modes
+    assert all(run["head_step"] == run["batches"] for run in data["runs"])
 
 
 def test_vs_kafka_pools_its_rounds() -> None:

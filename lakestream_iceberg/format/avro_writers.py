@@ -24,6 +24,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from pydantic_core import to_json
 from pyiceberg.avro.codecs import AVRO_CODEC_KEY, CODEC_MAPPING_ICEBERG_TO_AVRO
 from pyiceberg.avro.encoder import BinaryEncoder
 from pyiceberg.avro.file import _SCHEMA_KEY, MAGIC, META_SCHEMA, SYNC_SIZE, AvroFileHeader, AvroOutputFile
@@ -33,17 +34,25 @@ from pyiceberg.io import OutputFile
 from pyiceberg.manifest import (
     DEFAULT_READ_VERSION,
     MANIFEST_LIST_FILE_SCHEMAS,
+    UNASSIGNED_SEQ,
     ManifestFile,
     ManifestListWriter,
     ManifestListWriterV2,
     ManifestWriter,
     ManifestWriterV2,
+    PartitionFieldStats,
+    PartitionFieldSummary,
     write_manifest,
     write_manifest_list,
 )
 from pyiceberg.partitioning import PartitionSpec
 from pyiceberg.schema import Schema
+from pyiceberg.table import TableProperties
+from pyiceberg.typedef import Record
+from pyiceberg.types import PrimitiveType, StructType
 from pyiceberg.utils.schema_conversion import AvroSchemaConversion
+
+from lakestream_iceberg.format.uploads import Uploads
 
 __all__ = ["manifest_list_writer", "manifest_writer"]
 
@@ -53,6 +62,33 @@ _META_WRITER = construct_writer(META_SCHEMA)
 _MAX_ENCODED = 65536  # DataFile records (only live objects stay: see _encoded_data_file)
 _MAX_LIST_RECORDS = 4096  # manifest-list records: a head lists a few dozen manifests, the rest were merged away
 _encoded_lists: OrderedDict[tuple[str, int | None, int | None], bytes] = OrderedDict()  # manifest list records
+# A manifest's header (schema and spec JSON, codec) is the same for every manifest of a table: encoded once, then only
+# its sync marker differs. Manifest lists' headers name their snapshot, so they fill at most a few of these slots.
+_MAX_HEADERS = 64
+_encoded_headers: OrderedDict[tuple[tuple[str, str], ...], bytes] = OrderedDict()
+_MAX_SPECS = 32
+# (id(spec), id(schema)) -> (spec, schema, partition type, its str, the manifest header's schema and spec JSON); the
+# objects are kept, so an id is never another object's while its entry lives
+_specs: OrderedDict[tuple[int, int], tuple[PartitionSpec, Schema, StructType, str, str, str]] = OrderedDict()
+
+
+def _spec_facts(spec: PartitionSpec, schema: Schema) -> tuple[StructType, str, str, str]:
+    """What every manifest writer of one partition spec and schema computes again: the partition type (pyiceberg
+    builds it field by field, twice per manifest) and the header's schema and spec JSON. A table's metadata object
+    hands out the same spec and schema objects to every commit planned on it."""
+    key = (id(spec), id(schema))
+    with _lock:
+        hit = _specs.get(key)
+        if hit is not None and hit[0] is spec and hit[1] is schema:
+            _specs.move_to_end(key)
+            return hit[2:]
+    partition_type = spec.partition_type(schema)
+    facts = (partition_type, str(partition_type), schema.model_dump_json(), to_json(spec.fields).decode("utf-8"))
+    with _lock:
+        _specs[key] = (spec, schema, *facts)
+        while len(_specs) > _MAX_SPECS:
+            _specs.popitem(last=False)
+    return facts
 
 
 def _prepare(key: tuple[Any, ...], file_schema: Schema, record_schema: Schema, schema_name: str) -> tuple[Schema, Writer, str]:
@@ -87,8 +123,9 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
     """:class:`AvroOutputFile` with a prepared value writer and header schema (see the module docstring)."""
 
     def __init__(self, *, output_file: OutputFile, prepared: tuple[Schema, Writer, str], schema_name: str,
-                 metadata: dict[str, str]) -> None:
+                 metadata: dict[str, str], uploads: Uploads | None = None) -> None:
         self.output_file = output_file
+        self._uploads = uploads
         self.file_schema, self.writer, self._avro_json = prepared
         self.schema_name = schema_name
         self.sync_bytes = os.urandom(SYNC_SIZE)
@@ -135,17 +172,32 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
             self.encoder.write(content)
             self.encoder.write(self.sync_bytes)
         data = self._buffer.getvalue()
-        with self.output_file.create(overwrite=True) as stream:
-            stream.write(data)
+        if self._uploads is not None:  # written on a pool thread; the commit waits for it before its swap
+            self._uploads.put(self.output_file, data)
+        else:
+            with self.output_file.create(overwrite=True) as stream:
+                stream.write(data)
         self.output_file = _Written(self.output_file, len(data))
 
     def _write_header(self) -> None:  # AvroOutputFile._write_header, with the schema JSON computed once
-        from pyiceberg.table import TableProperties
-
         codec_name = self.metadata.get(AVRO_CODEC_KEY, TableProperties.WRITE_AVRO_COMPRESSION_DEFAULT)
         codec_name = CODEC_MAPPING_ICEBERG_TO_AVRO.get(codec_name, codec_name)
         meta = {**self.metadata, _SCHEMA_KEY: self._avro_json, AVRO_CODEC_KEY: codec_name}
-        _META_WRITER.write(self.encoder, AvroFileHeader(MAGIC, meta, self.sync_bytes))
+        key = tuple(meta.items())
+        with _lock:
+            encoded = _encoded_headers.get(key)
+            if encoded is not None:
+                _encoded_headers.move_to_end(key)
+        if encoded is None:  # everything the header holds but its sync marker, which is written last
+            buffer = io.BytesIO()
+            _META_WRITER.write(BinaryEncoder(buffer), AvroFileHeader(MAGIC, meta, bytes(SYNC_SIZE)))
+            encoded = buffer.getvalue()[:-SYNC_SIZE]
+            with _lock:
+                _encoded_headers[key] = encoded
+                while len(_encoded_headers) > _MAX_HEADERS:
+                    _encoded_headers.popitem(last=False)
+        self.encoder.write(encoded)
+        self.encoder.write(self.sync_bytes)
 
 
 class _ManifestAvroOutputFile(_PreparedAvroOutputFile):
@@ -208,16 +260,68 @@ def _encoded_data_file(writer: Writer, data_file: Any) -> bytes:
 
 
 class _ManifestWriter(ManifestWriterV2):
+    def __init__(self, spec: PartitionSpec, schema: Schema, output_file: OutputFile, snapshot_id: int,
+                 avro_compression: Any, uploads: Uploads | None) -> None:
+        super().__init__(spec, schema, output_file, snapshot_id, avro_compression)
+        self._uploads = uploads
+
+    @property
+    def _meta(self) -> dict[str, str]:  # ManifestWriter._meta, with the schema and spec JSON computed once
+        _, _, schema_json, spec_json = _spec_facts(self._spec, self._schema)
+        return {
+            "schema": schema_json,
+            "partition-spec": spec_json,
+            "partition-spec-id": str(self._spec.spec_id),
+            "format-version": str(self.version),
+            AVRO_CODEC_KEY: self._compression,
+            "content": "data",  # ManifestWriterV2._meta
+        }
+
     def new_writer(self) -> AvroOutputFile[Any]:
-        partition_type = self._spec.partition_type(self._schema)
-        key = ("manifest", self.version, str(partition_type))
+        _, type_name, _, _ = _spec_facts(self._spec, self._schema)
+        key = ("manifest", self.version, type_name)
         with _lock:
             hit = _prepared.get(key)
         if hit is None:
             hit = _prepare(key, self._with_partition(self.version), self._with_partition(DEFAULT_READ_VERSION),
                            "manifest_entry")
         return _ManifestAvroOutputFile(output_file=self._output_file, prepared=hit, schema_name="manifest_entry",
-                                       metadata=self._meta)
+                                       metadata=self._meta, uploads=self._uploads)
+
+    def to_manifest_file(self) -> ManifestFile:
+        """pyiceberg's ``to_manifest_file`` with the partition type computed once per spec and schema (see
+        :func:`_spec_facts`) for the partition summaries."""
+        self.closed = True
+        min_sequence_number = self._min_sequence_number if self._min_sequence_number is not None else UNASSIGNED_SEQ
+        return ManifestFile.from_args(
+            manifest_path=self._output_file.location,
+            manifest_length=len(self._writer.output_file),
+            partition_spec_id=self._spec.spec_id,
+            content=self.content(),
+            sequence_number=UNASSIGNED_SEQ,
+            min_sequence_number=min_sequence_number,
+            added_snapshot_id=self._snapshot_id,
+            added_files_count=self._added_files,
+            existing_files_count=self._existing_files,
+            deleted_files_count=self._deleted_files,
+            added_rows_count=self._added_rows,
+            existing_rows_count=self._existing_rows,
+            deleted_rows_count=self._deleted_rows,
+            partitions=_partition_summaries(_spec_facts(self._spec, self._schema)[0], self._partitions),
+            key_metadata=None,
+        )
+
+
+def _partition_summaries(partition_type: StructType, partitions: list[Record]) -> list[PartitionFieldSummary]:
+    """pyiceberg's ``construct_partition_summaries``, given the partition type."""
+    types = [field.field_type for field in partition_type.fields]
+    field_stats = [PartitionFieldStats(field_type) for field_type in types]
+    for partition_keys in partitions:
+        for i, field_type in enumerate(types):
+            if not isinstance(field_type, PrimitiveType):
+                raise ValueError(f"Expected a primitive type for the partition field, got {field_type}")
+            field_stats[i].update(partition_keys[i])
+    return [field.to_summary() for field in field_stats]
 
 
 class _ManifestListWriter(ManifestListWriterV2):
@@ -225,11 +329,19 @@ class _ManifestListWriter(ManifestListWriterV2):
     its parent's manifests, and a manifest's list record (path, length, counts, partition summary, sequence numbers)
     never changes once assigned, so writing a list costs its new manifests, not its length."""
 
+    def __init__(self, output_file: OutputFile, snapshot_id: int, parent_snapshot_id: int | None, sequence_number: int,
+                 compression: Any, uploads: Uploads | None) -> None:
+        super().__init__(output_file, snapshot_id, parent_snapshot_id, sequence_number, compression)
+        self._uploads = uploads
+
     def add_manifests(self, manifest_files: list[ManifestFile]) -> ManifestListWriter:
         writer = self._writer
         assert isinstance(writer, _PreparedAvroOutputFile)
         for manifest in manifest_files:
-            prepared = self.prepare_manifest(manifest)
+            # prepare_manifest copies the record to assign this list's sequence number where it is unassigned; a
+            # manifest with both assigned is recorded as it is
+            assigned = UNASSIGNED_SEQ not in (manifest.sequence_number, manifest.min_sequence_number)
+            prepared = manifest if assigned else self.prepare_manifest(manifest)
             key = (prepared.manifest_path, prepared.sequence_number, prepared.min_sequence_number)
             with _lock:
                 record = _encoded_lists.get(key)
@@ -249,25 +361,28 @@ class _ManifestListWriter(ManifestListWriterV2):
         prepared = _prepare(key, MANIFEST_LIST_FILE_SCHEMAS[self._format_version],
                             MANIFEST_LIST_FILE_SCHEMAS[DEFAULT_READ_VERSION], "manifest_file")
         self._writer = _PreparedAvroOutputFile(output_file=self._output_file, prepared=prepared,
-                                               schema_name="manifest_file", metadata=self._meta)
+                                               schema_name="manifest_file", metadata=self._meta, uploads=self._uploads)
         self._writer.__enter__()
         return self
 
 
 def manifest_writer(*, format_version: int, spec: PartitionSpec, schema: Schema, output_file: OutputFile,
-                    snapshot_id: int, avro_compression: Any) -> ManifestWriter:
-    """Like :func:`pyiceberg.manifest.write_manifest`."""
+                    snapshot_id: int, avro_compression: Any, uploads: Uploads | None = None) -> ManifestWriter:
+    """Like :func:`pyiceberg.manifest.write_manifest`; with ``uploads``, the file is written by :meth:`Uploads.put`
+    (format version 2)."""
     if format_version != 2:
         return write_manifest(format_version=format_version, spec=spec, schema=schema,  # type: ignore[arg-type]
                               output_file=output_file, snapshot_id=snapshot_id, avro_compression=avro_compression)
-    return _ManifestWriter(spec, schema, output_file, snapshot_id, avro_compression)
+    return _ManifestWriter(spec, schema, output_file, snapshot_id, avro_compression, uploads)
 
 
 def manifest_list_writer(*, format_version: int, output_file: OutputFile, snapshot_id: int,
-                         parent_snapshot_id: int | None, sequence_number: int, avro_compression: Any) -> ManifestListWriter:
-    """Like :func:`pyiceberg.manifest.write_manifest_list`."""
+                         parent_snapshot_id: int | None, sequence_number: int, avro_compression: Any,
+                         uploads: Uploads | None = None) -> ManifestListWriter:
+    """Like :func:`pyiceberg.manifest.write_manifest_list`; with ``uploads``, the file is written by
+    :meth:`Uploads.put` (format version 2)."""
     if format_version != 2:
         return write_manifest_list(format_version=format_version, output_file=output_file,  # type: ignore[arg-type]
                                    snapshot_id=snapshot_id, parent_snapshot_id=parent_snapshot_id,
                                    sequence_number=sequence_number, avro_compression=avro_compression)
-    return _ManifestListWriter(output_file, snapshot_id, parent_snapshot_id, sequence_number, avro_compression)
+    return _ManifestListWriter(output_file, snapshot_id, parent_snapshot_id, sequence_number, avro_compression, uploads)

@@ -17,13 +17,15 @@ Manifests and manifest lists are immutable, so they are cached per process by pa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from pyiceberg.conversions import from_bytes
 from pyiceberg.io import FileIO
@@ -43,8 +45,10 @@ from pyiceberg.types import LongType
 from lakestream_iceberg.format.avro_readers import read_manifest_entries, read_manifest_list
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from lakestream_iceberg.format.file_settings import avro_codec
+from lakestream_iceberg.format.uploads import Uploads
 
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
+_LOCAL_SCHEMES = ("", "file")  # table locations on a local file system (pyiceberg's PyArrowFileIO writes them inline)
 
 
 @functools.lru_cache(maxsize=4096)  # a head lists a few dozen manifests; a plan asks each of them once per level
@@ -202,6 +206,29 @@ class ManifestPlanner:
         self.written: list[str] = []
         self._replaced: list[str] = []  # manifests this plan's merges replaced (their entries go once it lands)
         self._inner: dict[str, list[ManifestEntry]] = {}  # entries of manifests no head will list (see added(inner=))
+        self._uploads: Uploads | None = None  # within concurrent_writes(): the files sent and not yet waited for
+
+    @contextlib.contextmanager
+    def concurrent_writes(self) -> Iterator[None]:
+        """Within: the manifests and manifest lists this planner writes to object storage are sent concurrently (see
+        :mod:`lakestream_iceberg.format.uploads`); on exit every one of them is written, or the first failure is
+        raised (an exception from the block itself wins: the writes are waited for, their failures dropped).
+
+        On a local file system they are written inline as before: creating a file is CPU time in the kernel, not a
+        wait, and concurrent creations only contend (measured: no gain with 4 producers on 2 cores)."""
+        if urlsplit(self._metadata.location).scheme in _LOCAL_SCHEMES:
+            yield
+            return
+        uploads = self._uploads = Uploads()
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                uploads.wait()
+            raise
+        finally:
+            self._uploads = None
+        uploads.wait()
 
     def parent_manifests(self, parent: Snapshot | None) -> list[ManifestFile]:
         """The parent's manifests that still hold live files (all-DELETED manifests are not carried forward)."""
@@ -226,6 +253,7 @@ class ManifestPlanner:
             output_file=self._io.new_output(path),
             snapshot_id=snapshot_id,
             avro_compression=self._compression,  # type: ignore[arg-type]
+            uploads=self._uploads,
         ) as writer:
             for entry in entries:
                 writer.add_entry(entry)
@@ -332,7 +360,11 @@ class ManifestPlanner:
 
     def _entries(self, manifest: ManifestFile) -> list[ManifestEntry]:
         inner = self._inner.get(manifest.manifest_path)
-        return inner if inner is not None else self._cache.entries(self._io, manifest)
+        if inner is not None:
+            return inner
+        if self._uploads is not None and self._uploads.pending(manifest.manifest_path):
+            self._uploads.wait()  # written by this plan and no longer in the cache: read it once it exists
+        return self._cache.entries(self._io, manifest)
 
     def _mergeable(self, ordered: list[ManifestFile]) -> list[ManifestFile]:
         """What to merge of one level's manifests (in step order): all of them when their live files fit in
@@ -396,6 +428,7 @@ class ManifestPlanner:
             parent_snapshot_id=parent_id,
             sequence_number=sequence_number,
             avro_compression=self._compression,  # type: ignore[arg-type]
+            uploads=self._uploads,
         ) as writer:
             writer.add_manifests(manifests)
         if not inner:

@@ -407,62 +407,64 @@ class Producer:
         producers = dict(state.producers)
         updates: list[TableUpdate] = []
         result: CommitResult | None = None
-        for i, item in enumerate(batches):
-            staged = item.batch
-            step = state.step + 1 + i
-            snapshot_id = metadata.new_snapshot_id()
-            while snapshot_id in taken:
+        # the group's manifests and manifest lists are written concurrently; all of them exist once the block ends
+        with planner.concurrent_writes():
+            for i, item in enumerate(batches):
+                staged = item.batch
+                step = state.step + 1 + i
                 snapshot_id = metadata.new_snapshot_id()
-            taken.add(snapshot_id)
-            sequence_number = first_sequence + i
-            data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
-            if i < group - 1:  # a snapshot inside the group: its batch's manifest on top of the earlier ones
-                added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files,
-                                      inner=True)
-                own_manifests.insert(0, added)
-                listed = [*own_manifests, *manifests]
-            else:  # the group's head: one manifest for the whole group (alone: just its batch), then merges
-                added = planner.group(earlier=own_manifests, snapshot_id=snapshot_id, sequence_number=sequence_number,
-                                      data_files=data_files) if own_manifests else \
-                    planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
-                listed = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
-            manifest_list = planner.write_list(listed, snapshot_id=snapshot_id, parent_id=parent_id,
-                                               sequence_number=sequence_number, inner=i < group - 1)
-            previous = producers.get(staged.producer)  # active: keeps its first step; else it (re)enters now
-            first = step if previous is None else (previous.step if previous.first is None else previous.first)
-            producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id, first)
-            files = state.producer_files
-            if i == group - 1:  # the head this commit leaves: idle producers compacted out of the summary
-                compacted = compact(stream.io, metadata.location, step=step, active=producers, files=files)
-                producers, files = compacted.active, compacted.files
-                planner.written.extend(compacted.written)
-            carried = item is not own and item.intent is not None
-            new_state = StreamState(op=OP_APPEND, step=step, producers=dict(producers),
-                                    collected_below=state.collected_below, producer=staged.producer, seq=staged.seq,
-                                    group=group, committer=self.producer_id,
-                                    group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None,
-                                    producer_files=files, token=staged.token or None,
-                                    staged_at_ms=int(item.staged_at * 1000) if carried else None)
-            collector = SnapshotSummaryCollector()
-            for data_file in data_files:
-                collector.add_file(data_file, schema=schema, partition_spec=spec)
-            summary = update_snapshot_summaries(
-                Summary(Operation.APPEND, **collector.build(), **new_state.properties(**{KEY_ATTEMPTS: str(attempt)})),
-                previous_summary=previous_summary,
-            )
-            timestamp = max(int(time.time() * 1000), timestamp + 1)
-            snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=sequence_number,
-                                manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id,
-                                timestamp_ms=timestamp)
-            updates += [
-                AddSnapshotUpdate(snapshot=snapshot),
-                SetSnapshotRefUpdate(ref_name=self.branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
-                                     parent_snapshot_id=parent_id),
-            ]
-            if item is own:
-                result = CommitResult(step=step, snapshot_id=snapshot_id, seq=staged.seq, producer=self.producer_id,
-                                      attempts=attempt, duplicate=False)
-            parent_id, previous_summary = snapshot_id, summary
+                while snapshot_id in taken:
+                    snapshot_id = metadata.new_snapshot_id()
+                taken.add(snapshot_id)
+                sequence_number = first_sequence + i
+                data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
+                if i < group - 1:  # a snapshot inside the group: its batch's manifest on top of the earlier ones
+                    added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files,
+                                          inner=True)
+                    own_manifests.insert(0, added)
+                    listed = [*own_manifests, *manifests]
+                else:  # the group's head: one manifest for the whole group (alone: just its batch), then merges
+                    added = planner.group(earlier=own_manifests, snapshot_id=snapshot_id, sequence_number=sequence_number,
+                                          data_files=data_files) if own_manifests else \
+                        planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
+                    listed = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
+                manifest_list = planner.write_list(listed, snapshot_id=snapshot_id, parent_id=parent_id,
+                                                   sequence_number=sequence_number, inner=i < group - 1)
+                previous = producers.get(staged.producer)  # active: keeps its first step; else it (re)enters now
+                first = step if previous is None else (previous.step if previous.first is None else previous.first)
+                producers[staged.producer] = ProducerState(staged.seq, step, snapshot_id, first)
+                files = state.producer_files
+                if i == group - 1:  # the head this commit leaves: idle producers compacted out of the summary
+                    compacted = compact(stream.io, metadata.location, step=step, active=producers, files=files)
+                    producers, files = compacted.active, compacted.files
+                    planner.written.extend(compacted.written)
+                carried = item is not own and item.intent is not None
+                new_state = StreamState(op=OP_APPEND, step=step, producers=dict(producers),
+                                        collected_below=state.collected_below, producer=staged.producer, seq=staged.seq,
+                                        group=group, committer=self.producer_id,
+                                        group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None,
+                                        producer_files=files, token=staged.token or None,
+                                        staged_at_ms=int(item.staged_at * 1000) if carried else None)
+                collector = SnapshotSummaryCollector()
+                for data_file in data_files:
+                    collector.add_file(data_file, schema=schema, partition_spec=spec)
+                summary = update_snapshot_summaries(
+                    Summary(Operation.APPEND, **collector.build(), **new_state.properties(**{KEY_ATTEMPTS: str(attempt)})),
+                    previous_summary=previous_summary,
+                )
+                timestamp = max(int(time.time() * 1000), timestamp + 1)
+                snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=sequence_number,
+                                    manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id,
+                                    timestamp_ms=timestamp)
+                updates += [
+                    AddSnapshotUpdate(snapshot=snapshot),
+                    SetSnapshotRefUpdate(ref_name=self.branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
+                                         parent_snapshot_id=parent_id),
+                ]
+                if item is own:
+                    result = CommitResult(step=step, snapshot_id=snapshot_id, seq=staged.seq, producer=self.producer_id,
+                                          attempts=attempt, duplicate=False)
+                parent_id, previous_summary = snapshot_id, summary
         expired = expirable(metadata, retain_last=max(1, stream.config.retain_snapshots - group))
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))

@@ -1,0 +1,192 @@
+"""A commit's metadata writes on object storage: concurrent (lakestream's default) vs one after another.
+
+    .venv/bin/python benchmarks/commit_writes.py           # about 2 minutes on 2 cores
+    .venv/bin/python benchmarks/commit_writes.py --smoke --out /tmp/commit_writes.json   # seconds
+
+SQLite catalog, warehouse on SeaweedFS's S3 (started, waited for and stopped by this script through
+``catalog/services.py``). P producer processes (``--producers``, default 1 and 4) publish 1 MiB global batches (world
+size 8, 64 KiB incompressible samples, as ``vs_kafka.py``) as fast as they can for ``--duration`` seconds. Each row
+runs ``--rounds`` rounds of both modes, in alternating order, each on a fresh table:
+
+* ``concurrent``: the code as it is. Inside ``ManifestPlanner.concurrent_writes`` a plan's manifests and manifest
+  lists (two per batch of a group commit) are sent on a thread pool, and the plan waits for all of them before it is
+  returned, so before the swap (``format/uploads.py``);
+* ``sequential``: the same code with ``concurrent_writes`` a no-op, so every file is written inline, one after
+  another (what the code did before, and still does on a local file system).
+
+Per mode: batches/s (rounds pooled), commit p50, and the planning p50 (the part of the critical section these writes
+are in; the swap that follows writes ``metadata.json`` and updates the catalog), with the ratio of the two modes.
+Every run also checks that the published steps are dense and each producer's seqs were published exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np  # noqa: E402
+import pyarrow as pa  # noqa: E402
+from _common import Table, percentile, write_json  # noqa: E402
+
+from catalog import services  # noqa: E402
+
+MiB = 1 << 20
+SCHEMA = pa.schema([("sample", pa.binary())])
+MODES = ("concurrent", "sequential")
+
+
+def make_shards(world: int, seed: int) -> list[pa.Table]:
+    rng = np.random.default_rng(seed)
+    per_rank = MiB // world // (64 * 1024)
+    return [pa.table({"sample": pa.array([rng.bytes(64 * 1024) for _ in range(per_rank)], pa.binary())}, schema=SCHEMA)
+            for _ in range(world)]
+
+
+def producer_main(props: dict[str, str], table: str, mode: str, idx: int, duration: float, world: int,
+                  ready: Any, go: Any, out: Any) -> None:
+    from pyiceberg.catalog import load_catalog
+
+    from lakestream_iceberg import Stream
+    from lakestream_iceberg.format.manifests import ManifestPlanner
+    from lakestream_iceberg.write import producer as producer_module
+
+    if mode == "sequential":
+        @contextlib.contextmanager
+        def inline(self: ManifestPlanner) -> Iterator[None]:
+            yield
+
+        ManifestPlanner.concurrent_writes = inline  # type: ignore[method-assign]
+    plans: list[float] = []
+    plan_group = producer_module.Producer._plan_group
+
+    def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return plan_group(self, *args, **kwargs)
+        finally:
+            plans.append(time.perf_counter() - began)
+
+    producer_module.Producer._plan_group = timed  # type: ignore[method-assign]
+    shards = make_shards(world, idx)
+    producer = Stream.open(load_catalog("bench", **props), table).producer(f"p{idx}")
+    ready.release()
+    go.wait()
+    latencies: list[float] = []
+    end = time.monotonic() + duration
+    while not latencies or time.monotonic() < end:
+        began = time.perf_counter()
+        producer.commit(shards)
+        latencies.append(time.perf_counter() - began)
+    out.put({"idx": idx, "latencies": latencies, "plans": plans, "seconds": duration})
+
+
+def run(props: dict[str, str], table: str, mode: str, producers: int, args: argparse.Namespace) -> dict[str, Any]:
+    from pyiceberg.catalog import load_catalog
+
+    from lakestream_iceberg import Stream
+
+    stream = Stream.create(load_catalog("bench", **props), table, schema=SCHEMA, world_size=args.world_size,
+                           properties={"write.parquet.compression-codec": "uncompressed"})
+    ctx = mp.get_context("spawn")
+    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=producer_main, args=(props, table, mode, i, args.duration, args.world_size, ready, go,
+                                                     out)) for i in range(producers)]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.acquire()
+    began = time.perf_counter()
+    go.set()
+    results = [out.get(timeout=args.duration + 300) for _ in procs]
+    wall = time.perf_counter() - began
+    for proc in procs:
+        proc.join()
+    batches = sum(len(r["latencies"]) for r in results)
+    state = stream.state(refresh=True)
+    seqs = {f"p{r['idx']}": len(r["latencies"]) for r in results}
+    exactly_once = state.step == batches and all(
+        state.producers[p].seq == n - 1 for p, n in seqs.items())
+    return {"mode": mode, "producers": producers, "batches": batches, "seconds": wall,
+            "latencies": [x for r in results for x in r["latencies"]],
+            "plans": [x for r in results for x in r["plans"]], "head_step": state.step, "exactly_once": exactly_once}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="seconds, for tests")
+    parser.add_argument("--producers", default="1,4")
+    parser.add_argument("--duration", type=float, default=6.0, help="seconds per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.smoke:
+        args.producers, args.duration, args.rounds = "1,2", 1.0, 1
+    counts = [int(p) for p in args.producers.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="commit_writes-"))
+    weed = services.SeaweedFS(root / "seaweedfs")
+    weed.start()
+    started = time.perf_counter()
+    try:
+        props = {"type": "sql", "uri": f"sqlite:///{root}/catalog.db", "warehouse": f"s3://{weed.bucket}/bench",
+                 **weed.s3_properties()}
+        from pyiceberg.catalog import load_catalog
+
+        load_catalog("bench", **props).create_namespace_if_not_exists("bench")
+        runs: list[dict[str, Any]] = []
+        for producers in counts:
+            for rnd in range(args.rounds):
+                for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
+                    result = run(props, f"bench.p{producers}_{rnd}_{mode}", mode, producers, args)
+                    runs.append(result)
+                    print(f"  P={producers} round {rnd} {mode:10s}: {result['batches'] / result['seconds']:6.1f} "
+                          f"batches/s, plan p50 {percentile(result['plans'], 50) * 1000:.1f} ms", flush=True)
+    finally:
+        weed.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    table = Table("commit writes on S3 (SeaweedFS), 1 MiB batches, W=8; concurrent vs sequential metadata writes "
+                  "(rounds pooled)", ["P", "mode", "batches", "batches/s", "commit p50 ms", "plan p50 ms", "plan p99 ms",
+                                      "batches/s vs sequential", "plan p50 vs sequential", "exactly once"])
+    rows: list[dict[str, Any]] = []
+    for producers in counts:
+        pooled = {}
+        for mode in MODES:
+            mine = [r for r in runs if r["producers"] == producers and r["mode"] == mode]
+            pooled[mode] = {
+                "batches": sum(r["batches"] for r in mine),
+                "rate": sum(r["batches"] for r in mine) / sum(r["seconds"] for r in mine),
+                "commit_p50": percentile([x for r in mine for x in r["latencies"]], 50),
+                "plan_p50": percentile([x for r in mine for x in r["plans"]], 50),
+                "plan_p99": percentile([x for r in mine for x in r["plans"]], 99),
+                "exactly_once": all(r["exactly_once"] for r in mine),
+            }
+        for mode in MODES:
+            p, s = pooled[mode], pooled["sequential"]
+            table.add(producers, mode, p["batches"], p["rate"], p["commit_p50"] * 1000, p["plan_p50"] * 1000,
+                      p["plan_p99"] * 1000, p["rate"] / s["rate"], p["plan_p50"] / s["plan_p50"],
+                      "yes" if p["exactly_once"] else "NO")
+            rows.append({"producers": producers, "mode": mode, **pooled[mode]})
+    table.note(f"{args.rounds} rounds per row, modes in alternating order, {args.duration:.0f} s per run, each on a "
+               "fresh table; plan = Producer._plan_group (manifests, lists, summaries), the swap not included")
+    print(table)
+    kwargs = {"directory": Path(args.out).parent} if args.out else {}
+    path = write_json(Path(args.out).name if args.out else "commit_writes", {
+        "benchmark": "commit_writes", "smoke": args.smoke, "rows": rows, "table": table.as_dicts(),
+        "runs": [{k: v for k, v in r.items() if k not in ("latencies", "plans")} for r in runs],
+        "seconds": time.perf_counter() - started}, **kwargs)
+    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""A commit's manifests and manifest lists on object storage are written concurrently, all before its swap; on a local
+file system inline. A failed write fails the attempt (retried when transient) and publishes nothing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyiceberg.io.pyarrow import PyArrowFile, PyArrowFileIO
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.format import uploads as uploads_module
+from lakestream_iceberg.format.uploads import Uploads
+from tests.backends import Backend, make_backend, moto_service  # noqa: F401 - the fixture, used by name
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+
+class _Refused(PyArrowFile):
+    def create(self, overwrite: bool = False):  # type: ignore[no-untyped-def]
+        raise ConnectionError("storage unreachable (injected)")
+
+
+def test_uploads_wait_for_every_write_and_raise_the_first_failure(tmp_path: Path) -> None:
+    io = PyArrowFileIO()
+    uploads = Uploads()
+    paths = [f"{tmp_path}/f{i}.avro" for i in range(20)]
+    for i, path in enumerate(paths):
+        uploads.put(io.new_output(path), bytes([i]) * (i + 1))
+    uploads.wait()
+    assert [Path(p).read_bytes() for p in paths] == [bytes([i]) * (i + 1) for i in range(20)]
+    assert not any(uploads.pending(p) for p in paths)
+
+    refused = f"{tmp_path}/refused.avro"
+    later = [f"{tmp_path}/g{i}.avro" for i in range(10)]
+    uploads.put(_Refused(refused, refused, io.fs_by_scheme("file", None)), b"x")
+    for path in later:
+        uploads.put(io.new_output(path), b"y")
+    with pytest.raises(ConnectionError, match="injected"):
+        uploads.wait()
+    assert all(Path(p).read_bytes() == b"y" for p in later)  # every other write finished before the failure was raised
+    assert not Path(refused).exists()
+    uploads.wait()  # nothing left to wait for
+
+
+@pytest.fixture()
+def s3(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    backend = make_backend("sqlite-moto", request, tmp_path)
+    try:
+        yield backend
+    finally:
+        backend.close()
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Record (thread name, location) of every concurrent write, and still write."""
+    sent: list[tuple[str, str]] = []
+    real = uploads_module._put
+
+    def put(output_file, data):  # type: ignore[no-untyped-def]
+        sent.append((threading.current_thread().name, output_file.location))
+        real(output_file, data)
+
+    monkeypatch.setattr(uploads_module, "_put", put)
+    return sent
+
+
+@pytest.mark.services
+def test_manifests_and_lists_on_object_storage_are_written_on_pool_threads_before_the_swap(
+        s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = _spy(monkeypatch)
+    stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(3):
+        assert producer.commit(batch("p", seq, 2)).step == seq + 1
+    assert sent and all(name.startswith("lakestream-upload") for name, _ in sent)
+    lists = {loc for _, loc in sent if "/snap-" in loc}
+    head = stream.table.refresh().metadata
+    listed = {s.manifest_list for s in head.snapshots}
+    assert listed <= lists  # every snapshot's list went through the pool ...
+    io = stream.table.io
+    for snapshot in head.snapshots:  # ... and exists with every manifest it names
+        for manifest in snapshot.manifests(io):
+            assert io.new_input(manifest.manifest_path).exists()
+    reopened = Stream.open(s3.catalog(), s3.identifier())
+    for seq in range(3):
+        for rank in range(2):
+            assert digest(reopened.read(seq + 1, rank=rank)) == digest(batch("p", seq, 2)[rank])
+
+
+@pytest.mark.services
+def test_a_failed_concurrent_write_fails_only_that_attempt(s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest list that cannot be written (storage unreachable for a moment) fails the planning attempt: nothing
+    is swapped, the attempt is retried, and the step is published once."""
+    stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2))
+    real = uploads_module._put
+    refused: list[str] = []
+
+    def put(output_file, data):  # type: ignore[no-untyped-def]
+        if "/snap-" in output_file.location and not refused:
+            refused.append(output_file.location)
+            raise ConnectionError("storage unreachable (injected)")
+        real(output_file, data)
+
+    monkeypatch.setattr(uploads_module, "_put", put)
+    result = producer.commit(batch("p", 1, 2))
+    assert refused and result.step == 2 and result.attempts == 2
+    head = stream.table.refresh().metadata
+    assert refused[0] not in {s.manifest_list for s in head.snapshots}
+    assert [int(s.summary["lakestream.step"]) for s in head.snapshots][-2:] == [1, 2]
+
+
+def test_a_local_warehouse_writes_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = _spy(monkeypatch)
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=2)
+    stream.producer("p").commit(batch("p", 0, 2))
+    assert sent == []
+    assert digest(stream.read(1, rank=0)) == digest(batch("p", 0, 2)[0])
