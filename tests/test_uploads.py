@@ -4,6 +4,7 @@ file system inline. A failed write fails the attempt (retried when transient) an
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,9 @@ from pyiceberg.io.pyarrow import PyArrowFile, PyArrowFileIO
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.format import uploads as uploads_module
+from lakestream_iceberg.format.manifests import ManifestCache, ManifestPlanner
 from lakestream_iceberg.format.uploads import Uploads
+from lakestream_iceberg.write import commit as commit_module
 from tests.backends import Backend, make_backend, moto_service  # noqa: F401 - the fixture, used by name
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
@@ -22,21 +25,33 @@ class _Refused(PyArrowFile):
         raise ConnectionError("storage unreachable (injected)")
 
 
+class _RefusingIO(PyArrowFileIO):
+    """A real FileIO whose writes to ``*refused*`` paths fail (storage unreachable)."""
+
+    def new_output(self, location: str):  # type: ignore[no-untyped-def]
+        if "refused" in location:
+            return _Refused(location, location, self.fs_by_scheme("file", None))
+        return super().new_output(location)
+
+
 def test_uploads_wait_for_every_write_and_raise_the_first_failure(tmp_path: Path) -> None:
-    io = PyArrowFileIO()
-    uploads = Uploads()
+    uploads = Uploads(_RefusingIO())
     paths = [f"{tmp_path}/f{i}.avro" for i in range(20)]
     for i, path in enumerate(paths):
-        uploads.put(io.new_output(path), bytes([i]) * (i + 1))
+        uploads.put(path, bytes([i]) * (i + 1))
+    assert uploads.pending(paths[0])  # sent and not waited for, finished or not
     uploads.wait()
     assert [Path(p).read_bytes() for p in paths] == [bytes([i]) * (i + 1) for i in range(20)]
     assert not any(uploads.pending(p) for p in paths)
 
     refused = f"{tmp_path}/refused.avro"
     later = [f"{tmp_path}/g{i}.avro" for i in range(10)]
-    uploads.put(_Refused(refused, refused, io.fs_by_scheme("file", None)), b"x")
+    uploads.put(refused, b"x")
     for path in later:
-        uploads.put(io.new_output(path), b"y")
+        uploads.put(path, b"y")
+    while not all(Path(p).exists() for p in later):  # every write ran, the failed one included
+        time.sleep(0.01)
+    assert uploads.pending(refused)  # failed, but not waited for: a reader must wait() and get the failure
     with pytest.raises(ConnectionError, match="injected"):
         uploads.wait()
     assert all(Path(p).read_bytes() == b"y" for p in later)  # every other write finished before the failure was raised
@@ -58,9 +73,10 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
     sent: list[tuple[str, str]] = []
     real = uploads_module._put
 
-    def put(output_file, data):  # type: ignore[no-untyped-def]
-        sent.append((threading.current_thread().name, output_file.location))
-        real(output_file, data)
+    def put(io, location, data):  # type: ignore[no-untyped-def]
+        sent.append((threading.current_thread().name, location))
+        time.sleep(0.05)  # slower than the planning thread: a commit that did not wait would swap before the files exist
+        real(io, location, data)
 
     monkeypatch.setattr(uploads_module, "_put", put)
     return sent
@@ -71,10 +87,20 @@ def test_manifests_and_lists_on_object_storage_are_written_on_pool_threads_befor
         s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     sent = _spy(monkeypatch)
     stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2)
+    real_swap = commit_module.swap
+    checked: list[int] = []
+
+    def swap(table, requirements, updates):  # type: ignore[no-untyped-def]
+        io = table.io
+        assert sent and all(io.new_input(location).exists() for _, location in sent)  # every file sent is written
+        checked.append(len(sent))
+        return real_swap(table, requirements, updates)
+
+    monkeypatch.setattr(commit_module, "swap", swap)
     producer = stream.producer("p")
     for seq in range(3):
         assert producer.commit(batch("p", seq, 2)).step == seq + 1
-    assert sent and all(name.startswith("lakestream-upload") for name, _ in sent)
+    assert len(checked) == 3 and all(name.startswith("lakestream-upload") for name, _ in sent)
     lists = {loc for _, loc in sent if "/snap-" in loc}
     head = stream.table.refresh().metadata
     listed = {s.manifest_list for s in head.snapshots}
@@ -99,11 +125,11 @@ def test_a_failed_concurrent_write_fails_only_that_attempt(s3: Backend, monkeypa
     real = uploads_module._put
     refused: list[str] = []
 
-    def put(output_file, data):  # type: ignore[no-untyped-def]
-        if "/snap-" in output_file.location and not refused:
-            refused.append(output_file.location)
+    def put(io, location, data):  # type: ignore[no-untyped-def]
+        if "/snap-" in location and not refused:
+            refused.append(location)
             raise ConnectionError("storage unreachable (injected)")
-        real(output_file, data)
+        real(io, location, data)
 
     monkeypatch.setattr(uploads_module, "_put", put)
     result = producer.commit(batch("p", 1, 2))
@@ -111,6 +137,27 @@ def test_a_failed_concurrent_write_fails_only_that_attempt(s3: Backend, monkeypa
     head = stream.table.refresh().metadata
     assert refused[0] not in {s.manifest_list for s in head.snapshots}
     assert [int(s.summary["lakestream.step"]) for s in head.snapshots][-2:] == [1, 2]
+
+
+@pytest.mark.services
+def test_a_merge_reading_back_a_manifest_of_its_own_plan_waits_for_its_write(
+        s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest this plan wrote, whose entries are not cached (too large for the cache here), is read back by the
+    merge that follows: only once its write finished, not as a missing file."""
+    stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2,
+                           properties={"lakestream.layout": "per-rank"})
+    stream.producer("p").commit(batch("p", 0, 2))
+    metadata = stream.table.refresh().metadata
+    files = stream.writer.write(producer="q", seq=0, shards=batch("q", 0, 2)).data_files(step=2, spec_id=0)
+    _spy(monkeypatch)  # every write now takes 50 ms
+    planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=ManifestCache(max_entries=4), fanout=2)
+    parent = planner.parent_manifests(metadata.snapshot_by_name("main"))
+    with planner.concurrent_writes():
+        added = planner.added(snapshot_id=99, sequence_number=metadata.next_sequence_number(), data_files=files)
+        (merged,) = planner.merged([added, *parent], snapshot_id=99, sequence_number=metadata.next_sequence_number())
+    entries = merged.fetch_manifest_entry(stream.io)
+    assert sorted(e.data_file.file_path for e in entries) == sorted(
+        [f.file_path for f in files] + [e.data_file.file_path for m in parent for e in m.fetch_manifest_entry(stream.io)])
 
 
 def test_a_local_warehouse_writes_inline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -63,7 +63,7 @@ _MAX_ENCODED = 65536  # DataFile records (only live objects stay: see _encoded_d
 _MAX_LIST_RECORDS = 4096  # manifest-list records: a head lists a few dozen manifests, the rest were merged away
 _encoded_lists: OrderedDict[tuple[str, int | None, int | None], bytes] = OrderedDict()  # manifest list records
 # A manifest's header (schema and spec JSON, codec) is the same for every manifest of a table: encoded once, then only
-# its sync marker differs. Manifest lists' headers name their snapshot, so they fill at most a few of these slots.
+# its sync marker differs. A manifest list's header names its snapshot: never kept.
 _MAX_HEADERS = 64
 _encoded_headers: OrderedDict[tuple[tuple[str, str], ...], bytes] = OrderedDict()
 _MAX_SPECS = 32
@@ -173,7 +173,7 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
             self.encoder.write(self.sync_bytes)
         data = self._buffer.getvalue()
         if self._uploads is not None:  # written on a pool thread; the commit waits for it before its swap
-            self._uploads.put(self.output_file, data)
+            self._uploads.put(self.output_file.location, data)
         else:
             with self.output_file.create(overwrite=True) as stream:
                 stream.write(data)
@@ -183,19 +183,23 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
         codec_name = self.metadata.get(AVRO_CODEC_KEY, TableProperties.WRITE_AVRO_COMPRESSION_DEFAULT)
         codec_name = CODEC_MAPPING_ICEBERG_TO_AVRO.get(codec_name, codec_name)
         meta = {**self.metadata, _SCHEMA_KEY: self._avro_json, AVRO_CODEC_KEY: codec_name}
-        key = tuple(meta.items())
-        with _lock:
-            encoded = _encoded_headers.get(key)
-            if encoded is not None:
-                _encoded_headers.move_to_end(key)
+        # a manifest list's header names its snapshot: only manifests' headers repeat, and only they are kept
+        key = tuple(meta.items()) if "snapshot-id" not in meta else None
+        encoded = None
+        if key is not None:
+            with _lock:
+                encoded = _encoded_headers.get(key)
+                if encoded is not None:
+                    _encoded_headers.move_to_end(key)
         if encoded is None:  # everything the header holds but its sync marker, which is written last
             buffer = io.BytesIO()
             _META_WRITER.write(BinaryEncoder(buffer), AvroFileHeader(MAGIC, meta, bytes(SYNC_SIZE)))
             encoded = buffer.getvalue()[:-SYNC_SIZE]
-            with _lock:
-                _encoded_headers[key] = encoded
-                while len(_encoded_headers) > _MAX_HEADERS:
-                    _encoded_headers.popitem(last=False)
+            if key is not None:
+                with _lock:
+                    _encoded_headers[key] = encoded
+                    while len(_encoded_headers) > _MAX_HEADERS:
+                        _encoded_headers.popitem(last=False)
         self.encoder.write(encoded)
         self.encoder.write(self.sync_bytes)
 

@@ -212,23 +212,25 @@ class ManifestPlanner:
     def concurrent_writes(self) -> Iterator[None]:
         """Within: the manifests and manifest lists this planner writes to object storage are sent concurrently (see
         :mod:`lakestream_iceberg.format.uploads`); on exit every one of them is written, or the first failure is
-        raised (an exception from the block itself wins: the writes are waited for, their failures dropped).
+        raised (an exception from the block itself wins: the writes are waited for, their failures dropped). Either
+        way the entries and lists cached for this plan's files are forgotten: no head will list them.
 
         On a local file system they are written inline as before: creating a file is CPU time in the kernel, not a
         wait, and concurrent creations only contend (measured: no gain with 4 producers on 2 cores)."""
         if urlsplit(self._metadata.location).scheme in _LOCAL_SCHEMES:
             yield
             return
-        uploads = self._uploads = Uploads()
+        uploads = self._uploads = Uploads(self._io)
         try:
             yield
+            uploads.wait()
         except BaseException:
             with contextlib.suppress(Exception):
-                uploads.wait()
+                uploads.wait()  # nothing may still be writing once the caller cleans up
+            self._cache.forget_entries(self.written)
             raise
         finally:
             self._uploads = None
-        uploads.wait()
 
     def parent_manifests(self, parent: Snapshot | None) -> list[ManifestFile]:
         """The parent's manifests that still hold live files (all-DELETED manifests are not carried forward)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future
 
-from pyiceberg.io import OutputFile
+from pyiceberg.io import FileIO
 
 from lakestream_iceberg.connect.fork import ProcessPool
 
@@ -27,28 +27,32 @@ __all__ = ["Uploads"]
 _POOL = ProcessPool(max_workers=8, name="lakestream-upload")
 
 
-def _put(output_file: OutputFile, data: bytes) -> None:
-    with output_file.create(overwrite=True) as stream:
+def _put(io: FileIO, location: str, data: bytes) -> None:
+    # the output file is made on the thread that writes it: an fsspec file system (and its client) belongs to the
+    # thread that made it (pyiceberg keeps one per thread)
+    with io.new_output(location).create(overwrite=True) as stream:
         stream.write(data)
 
 
 class Uploads:
-    """The files one plan has sent and not yet seen written (:meth:`put`); :meth:`wait` for all of them."""
+    """The files one plan has sent through ``io`` and not yet waited for (:meth:`put`); :meth:`wait` for all of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, io: FileIO) -> None:
+        self._io = io
         self._lock = threading.Lock()
         self._futures: list[tuple[str, Future[None]]] = []
 
-    def put(self, output_file: OutputFile, data: bytes) -> None:
-        """Write ``data`` to ``output_file`` (replacing it) on a pool thread."""
-        future = _POOL.submit(_put, output_file, data)
+    def put(self, location: str, data: bytes) -> None:
+        """Write ``data`` to ``location`` (replacing it) on a pool thread."""
+        future = _POOL.submit(_put, self._io, location, data)
         with self._lock:
-            self._futures.append((output_file.location, future))
+            self._futures.append((location, future))
 
     def pending(self, location: str) -> bool:
-        """Whether a write of ``location`` was sent and may not have finished."""
+        """Whether a write of ``location`` was sent and not yet waited for: before reading it back, :meth:`wait` (which
+        raises the write's own failure, where a read would only find no file)."""
         with self._lock:
-            return any(path == location and not future.done() for path, future in self._futures)
+            return any(path == location for path, _ in self._futures)
 
     def wait(self) -> None:
         """Return once every write sent so far finished; raise the first failure (after all of them finished, so
