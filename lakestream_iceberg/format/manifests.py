@@ -212,8 +212,8 @@ class ManifestPlanner:
     def concurrent_writes(self) -> Iterator[None]:
         """Within: the manifests and manifest lists this planner writes to object storage are sent concurrently (see
         :mod:`lakestream_iceberg.format.uploads`); on exit every one of them is written, or the first failure is
-        raised (an exception from the block itself wins: the writes are waited for, their failures dropped). Either
-        way the entries and lists cached for this plan's files are forgotten: no head will list them.
+        raised (an exception from the block itself wins: the writes are waited for, their failures dropped). On a
+        failure the manifest entries cached for this plan's files are forgotten: no head will list them.
 
         On a local file system they are written inline as before: creating a file is CPU time in the kernel, not a
         wait, and concurrent creations only contend (measured: no gain with 4 producers on 2 cores)."""

@@ -407,7 +407,7 @@ class Producer:
         producers = dict(state.producers)
         updates: list[TableUpdate] = []
         result: CommitResult | None = None
-        # the group's manifests and manifest lists are written concurrently; all of them exist once the block ends
+        # on object storage the group's manifests and lists are written concurrently; all exist once the block ends
         with planner.concurrent_writes():
             for i, item in enumerate(batches):
                 staged = item.batch
