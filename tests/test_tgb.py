@@ -449,11 +449,11 @@ def test_a_lost_swap_keeps_the_manifests_it_would_have_merged_cached(catalog, mo
     real_swap = commit_module.swap
     raced: list[int] = []
 
-    def swap_after_a_foreign_commit(table, requirements, updates):  # type: ignore[no-untyped-def]
+    def swap_after_a_foreign_commit(table, requirements, updates, **kw):  # type: ignore[no-untyped-def]
         if not raced:  # the first swap of the merging commit: a checkpoint moves the pointer first, so it is lost
             raced.append(1)
             stream.checkpoint("race", step=1)
-        return real_swap(table, requirements, updates)
+        return real_swap(table, requirements, updates, **kw)
 
     monkeypatch.setattr(commit_module, "swap", swap_after_a_foreign_commit)
     result = producer.commit(batch("p", 3, 2))
@@ -488,11 +488,11 @@ def test_a_lost_swap_whose_winner_merged_the_same_manifests_forgets_them(catalog
     real_swap = commit_module.swap
     raced: list[int] = []
 
-    def swap_after_the_other_merged(table, requirements, updates):  # type: ignore[no-untyped-def]
+    def swap_after_the_other_merged(table, requirements, updates, **kw):  # type: ignore[no-untyped-def]
         if not raced:
             raced.append(1)
             other.commit(batch("q", 0, 2))  # merges the same three manifests with its own, and lands first
-        return real_swap(table, requirements, updates)
+        return real_swap(table, requirements, updates, **kw)
 
     monkeypatch.setattr(commit_module, "swap", swap_after_the_other_merged)
     result = producer.commit(batch("p", 3, 2))

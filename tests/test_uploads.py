@@ -1,21 +1,24 @@
-"""A commit's manifests and manifest lists on object storage are written concurrently, all before its swap; on a local
-file system inline. A failed write fails the attempt (retried when transient) and publishes nothing."""
+"""A commit's manifests and manifest lists on object storage are written concurrently, overlapping its metadata.json,
+and all before the catalog's update; on a local file system inline. A failed write fails the attempt (retried when
+transient) and publishes nothing."""
 
 from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from pyiceberg.io.pyarrow import PyArrowFile, PyArrowFileIO
+from sqlalchemy import event
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.connect import swap as swap_module
 from lakestream_iceberg.format import uploads as uploads_module
 from lakestream_iceberg.format.manifests import ManifestCache, ManifestPlanner
 from lakestream_iceberg.format.uploads import Uploads
-from lakestream_iceberg.write import commit as commit_module
 from tests.backends import Backend, make_backend, moto_service  # noqa: F401 - the fixture, used by name
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
@@ -83,29 +86,31 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 
 
 @pytest.mark.services
-def test_manifests_and_lists_on_object_storage_are_written_on_pool_threads_before_the_swap(
+def test_manifests_and_lists_on_object_storage_are_written_on_pool_threads_before_the_catalog_update(
         s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     sent = _spy(monkeypatch)
     stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2)
-    real_swap = commit_module.swap
+    engine = stream.table.catalog.engine  # type: ignore[attr-defined]
+    io = stream.table.io
     checked: list[int] = []
 
-    def swap(table, requirements, updates):  # type: ignore[no-untyped-def]
-        io = table.io
-        assert sent and all(io.new_input(location).exists() for _, location in sent)  # every file sent is written
-        checked.append(len(sent))
-        return real_swap(table, requirements, updates)
+    def before_update(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+        if statement.lstrip().upper().startswith("UPDATE ICEBERG_TABLES"):  # the swap itself
+            assert sent and all(io.new_input(location).exists() for _, location in sent)  # every file sent is written
+            checked.append(len(sent))
 
-    monkeypatch.setattr(commit_module, "swap", swap)
-    producer = stream.producer("p")
-    for seq in range(3):
-        assert producer.commit(batch("p", seq, 2)).step == seq + 1
+    event.listen(engine, "before_cursor_execute", before_update)
+    try:
+        producer = stream.producer("p")
+        for seq in range(3):
+            assert producer.commit(batch("p", seq, 2)).step == seq + 1
+    finally:
+        event.remove(engine, "before_cursor_execute", before_update)
     assert len(checked) == 3 and all(name.startswith("lakestream-upload") for name, _ in sent)
     lists = {loc for _, loc in sent if "/snap-" in loc}
     head = stream.table.refresh().metadata
     listed = {s.manifest_list for s in head.snapshots}
     assert listed <= lists  # every snapshot's list went through the pool ...
-    io = stream.table.io
     for snapshot in head.snapshots:  # ... and exists with every manifest it names
         for manifest in snapshot.manifests(io):
             assert io.new_input(manifest.manifest_path).exists()
@@ -113,6 +118,35 @@ def test_manifests_and_lists_on_object_storage_are_written_on_pool_threads_befor
     for seq in range(3):
         for rank in range(2):
             assert digest(reopened.read(seq + 1, rank=rank)) == digest(batch("p", seq, 2)[rank])
+
+
+@pytest.mark.services
+def test_metadata_json_is_written_while_the_manifests_and_lists_are_in_flight(
+        s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The swap writes metadata.json before it waits for the plan's manifests and lists, so on object storage their
+    writes overlap (one round trip less per commit); the catalog's update still comes after all of them (above)."""
+    stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2))
+    started = threading.Event()
+    real_write = swap_module._write_metadata
+
+    def write_metadata(metadata, output_file):  # type: ignore[no-untyped-def]
+        started.set()
+        real_write(metadata, output_file)
+
+    real_put = uploads_module._put
+    overlapped: list[bool] = []
+
+    def put(io, location, data):  # type: ignore[no-untyped-def]
+        overlapped.append(started.wait(timeout=60))  # held until metadata.json's write began (or a minute passed)
+        real_put(io, location, data)
+
+    monkeypatch.setattr(swap_module, "_write_metadata", write_metadata)
+    monkeypatch.setattr(uploads_module, "_put", put)
+    assert producer.commit(batch("p", 1, 2)).step == 2
+    assert overlapped and all(overlapped)
+    assert digest(Stream.open(s3.catalog(), s3.identifier()).read(2, rank=1)) == digest(batch("p", 1, 2)[1])
 
 
 @pytest.mark.services
@@ -140,6 +174,36 @@ def test_a_failed_concurrent_write_fails_only_that_attempt(s3: Backend, monkeypa
 
 
 @pytest.mark.services
+def test_a_write_refused_for_good_fails_the_commit_and_publishes_nothing(s3: Backend,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write the store refuses for good (access denied) is not retried: the commit raises it, the catalog was not
+    asked, and the same seq commits once the store accepts writes again."""
+    stream = Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2))
+    before = stream.table.refresh().metadata_location
+    real = uploads_module._put
+    refused: list[str] = []
+
+    def put(io, location, data):  # type: ignore[no-untyped-def]
+        if "/snap-" in location:
+            refused.append(location)
+            raise PermissionError("access denied (injected)")
+        real(io, location, data)
+
+    monkeypatch.setattr(uploads_module, "_put", put)
+    with pytest.raises(PermissionError, match="injected") as raised:
+        producer.commit(batch("p", 1, 2), seq=1)
+    assert "_WritesFailed" not in "".join(traceback.format_exception(raised.value))  # the store's error, as it is
+    assert len(refused) == 1  # not retried
+    assert stream.table.refresh().metadata_location == before  # the catalog was not asked
+    monkeypatch.setattr(uploads_module, "_put", real)
+    result = producer.commit(batch("p", 1, 2), seq=1)
+    assert result.step == 2 and not result.duplicate
+    assert digest(Stream.open(s3.catalog(), s3.identifier()).read(2, rank=0)) == digest(batch("p", 1, 2)[0])
+
+
+@pytest.mark.services
 def test_a_merge_reading_back_a_manifest_of_its_own_plan_waits_for_its_write(
         s3: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     """A manifest this plan wrote, whose entries are not cached (too large for the cache here), is read back by the
@@ -155,6 +219,7 @@ def test_a_merge_reading_back_a_manifest_of_its_own_plan_waits_for_its_write(
     with planner.concurrent_writes():
         added = planner.added(snapshot_id=99, sequence_number=metadata.next_sequence_number(), data_files=files)
         (merged,) = planner.merged([added, *parent], snapshot_id=99, sequence_number=metadata.next_sequence_number())
+    planner.wait_written()  # what the swap does before anything names these files
     entries = merged.fetch_manifest_entry(stream.io)
     assert sorted(e.data_file.file_path for e in entries) == sorted(
         [f.file_path for f in files] + [e.data_file.file_path for m in parent for e in m.fetch_manifest_entry(stream.io)])
@@ -166,3 +231,32 @@ def test_a_local_warehouse_writes_inline(tmp_path: Path, monkeypatch: pytest.Mon
     stream.producer("p").commit(batch("p", 0, 2))
     assert sent == []
     assert digest(stream.read(1, rank=0)) == digest(batch("p", 0, 2)[0])
+
+
+
+def _fail_after_a_manifest(stream: Stream) -> tuple[ManifestCache, str]:
+    """Plan a manifest on ``stream``'s head, then fail the attempt (a parent manifest GC just deleted, say)."""
+    stream.producer("p").commit(batch("p", 0, 2))
+    metadata = stream.table.refresh().metadata
+    files = stream.writer.write(producer="q", seq=0, shards=batch("q", 0, 2)).data_files(step=2, spec_id=0)
+    cache = ManifestCache()
+    planner = ManifestPlanner(io=stream.io, metadata=metadata, cache=cache, fanout=2)
+    with pytest.raises(FileNotFoundError, match="injected"):
+        with planner.concurrent_writes():
+            added = planner.added(snapshot_id=99, sequence_number=metadata.next_sequence_number(), data_files=files)
+            assert added.manifest_path in cache.entries_cached()
+            raise FileNotFoundError("a parent manifest is gone (injected)")
+    return cache, added.manifest_path
+
+
+def test_a_failed_plan_on_a_local_disk_forgets_the_manifest_entries_it_cached(tmp_path: Path) -> None:
+    """No head will list the manifest of a failed planning attempt: its entries leave the shared cache."""
+    cache, path = _fail_after_a_manifest(Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA,
+                                                       world_size=2))
+    assert path not in cache.entries_cached()
+
+
+@pytest.mark.services
+def test_a_failed_plan_on_object_storage_forgets_the_manifest_entries_it_cached(s3: Backend) -> None:
+    cache, path = _fail_after_a_manifest(Stream.create(s3.catalog(), s3.identifier(), schema=SCHEMA, world_size=2))
+    assert path not in cache.entries_cached()

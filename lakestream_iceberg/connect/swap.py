@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pyiceberg.catalog import Catalog, MetastoreCatalog
@@ -56,14 +57,20 @@ def swaps_from_held(table: Table) -> bool:
 
 
 def swap(table: Table, requirements: tuple[TableRequirement, ...],
-         updates: tuple[TableUpdate, ...]) -> CommitTableResponse:
+         updates: tuple[TableUpdate, ...], *, ready: Callable[[], None] | None = None) -> CommitTableResponse:
     """Commit ``updates`` to ``table`` if its held metadata is still the catalog's current one.
+
+    ``ready``: called before the catalog is asked to change anything, and after the new ``metadata.json`` is written
+    where this function writes it (SQL catalogs), so that its write overlaps the writes ``ready`` waits for (the
+    commit's manifests and lists on object storage); an exception from it propagates and nothing is committed.
 
     Raises:
         CommitFailedException: A requirement does not hold, or another commit landed since ``table.metadata`` was read.
         Exception: The catalog or the store failed (outcome unknown when it happened during the ``UPDATE``).
     """
     if not swaps_from_held(table):
+        if ready is not None:
+            ready()
         return table.catalog.commit_table(table, requirements, updates)
     from pyiceberg.exceptions import CommitFailedException
     from sqlalchemy import text
@@ -73,6 +80,8 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
         requirement.validate(base)
     metadata = _updated(base, updates, base_location)
     if metadata is base:  # nothing to change (as pyiceberg: no new metadata), but the requirements held on the current
+        if ready is not None:
+            ready()
         probe = pointer_probe(table)  # table only if what we hold is still current
         if probe is None or probe() != base_location:
             raise CommitFailedException(f"Table has been updated by another process: {'.'.join(table.name())}")
@@ -80,6 +89,8 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     version = MetastoreCatalog._parse_metadata_version(base_location) + 1  # noqa: SLF001 - pyiceberg's own naming
     location = load_location_provider(metadata.location, metadata.properties).new_table_metadata_file_location(version)
     _write_metadata(metadata, table.io.new_output(location))
+    if ready is not None:
+        ready()  # every file the new metadata names exists before the pointer names it
     catalog = table.catalog
     identifier = table.name()
     params = {"p_catalog": catalog.name, "p_namespace": Catalog.namespace_to_string(identifier[:-1]),

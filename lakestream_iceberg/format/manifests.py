@@ -206,31 +206,47 @@ class ManifestPlanner:
         self.written: list[str] = []
         self._replaced: list[str] = []  # manifests this plan's merges replaced (their entries go once it lands)
         self._inner: dict[str, list[ManifestEntry]] = {}  # entries of manifests no head will list (see added(inner=))
-        self._uploads: Uploads | None = None  # within concurrent_writes(): the files sent and not yet waited for
+        self._uploads: Uploads | None = None  # from concurrent_writes() until wait_written(): the files in flight
 
     @contextlib.contextmanager
     def concurrent_writes(self) -> Iterator[None]:
         """Within: the manifests and manifest lists this planner writes to object storage are sent concurrently (see
-        :mod:`lakestream_iceberg.format.uploads`); on exit every one of them is written, or the first failure is
-        raised (an exception from the block itself wins: the writes are waited for, their failures dropped). On a
-        failure the manifest entries cached for this plan's files are forgotten: no head will list them.
+        :mod:`lakestream_iceberg.format.uploads`). They may still be in flight when the block ends: whoever names them
+        (the swap, after it wrote ``metadata.json``) first calls :meth:`wait_written`. An exception from the block
+        itself waits for them (their failures dropped: nothing may still be writing once the caller cleans up) and,
+        on any file system, forgets the manifest entries cached for this plan's files: no head will list them.
 
         On a local file system they are written inline as before: creating a file is CPU time in the kernel, not a
-        wait, and concurrent creations only contend (measured: no gain with 4 producers on 2 cores)."""
+        wait, and concurrent creations only contend (measured: no gain with 1, 4 or 8 producers on 2 cores)."""
         if urlsplit(self._metadata.location).scheme in _LOCAL_SCHEMES:
-            yield
+            try:
+                yield
+            except BaseException:
+                self._cache.forget_entries(self.written)
+                raise
             return
         uploads = self._uploads = Uploads(self._io)
         try:
             yield
-            uploads.wait()
         except BaseException:
+            self._uploads = None
             with contextlib.suppress(Exception):
-                uploads.wait()  # nothing may still be writing once the caller cleans up
+                uploads.wait()
             self._cache.forget_entries(self.written)
             raise
-        finally:
-            self._uploads = None
+
+    def wait_written(self) -> None:
+        """Return once every file :meth:`concurrent_writes` sent is written; raise the first failure (after all of them
+        finished), having forgotten the manifest entries cached for this plan's files. A no-op when nothing is in
+        flight (a local file system, or waited for already)."""
+        uploads, self._uploads = self._uploads, None
+        if uploads is None:
+            return
+        try:
+            uploads.wait()
+        except BaseException:
+            self._cache.forget_entries(self.written)
+            raise
 
     def parent_manifests(self, parent: Snapshot | None) -> list[ManifestFile]:
         """The parent's manifests that still hold live files (all-DELETED manifests are not carried forward)."""

@@ -5,7 +5,9 @@ inside the group, one for the whole group) before its ``metadata.json``. Written
 round trip: a PUT on object storage (tens of milliseconds each), a file creation on a local file system (0.1-1.5 ms
 on a busy disk). None of them is visible to anyone before the swap names them, and none depends on another's
 existence, only on its bytes, which are encoded in memory first (see :mod:`lakestream_iceberg.format.avro_writers`).
-So they are sent concurrently, and the commit waits for all of them before it writes ``metadata.json``.
+So they are sent concurrently, and the commit waits for all of them before the catalog's update names them: the swap
+writes ``metadata.json`` meanwhile (:meth:`~lakestream_iceberg.format.manifests.ManifestPlanner.wait_written`, called
+through ``Plan.ready``), so that write overlaps theirs.
 
 Only the writes move to other threads: encoding stays in the planning thread, in order, so the files are byte for
 byte what sequential writes produce.

@@ -67,6 +67,10 @@ class Plan(Generic[T]):
     # Cache upkeep once the swap is decided: settle(True, head) after it landed, settle(False, head) after it was lost
     # (``head``: the branch's head snapshot then). Never for an unknown outcome; a failure in it never fails a commit.
     settle: Callable[[bool, Snapshot | None], None] | None = None
+    # Files of ``updates`` may still be in flight (object storage, see ManifestPlanner.concurrent_writes): returns once
+    # all are written, raises the first failure. The swap calls it after writing metadata.json, before the catalog's
+    # update; a failure then publishes nothing and is handled as a failed planning attempt.
+    ready: Callable[[], None] | None = None
 
 
 @dataclass
@@ -114,6 +118,10 @@ class Carry:
     # (producer, seq) of the staged batches older than this one that a commit could still publish (one listing), None
     # when this one is no longer listed or the listing failed: the batch leads the queue once all of them are published
     ahead: Callable[[], list[tuple[str, int]] | None] | None = None
+
+
+class _WritesFailed(Exception):
+    """A file of the plan could not be written (its cause): raised before the catalog's update, nothing published."""
 
 
 class CommitLoop:
@@ -378,13 +386,7 @@ class CommitLoop:
                 continue
             except Exception as exc:
                 # Storage unreachable while writing this attempt's manifests: nothing was committed; back off, re-plan.
-                if not transient(exc) or self._clock() + io_delay > deadline:
-                    raise
-                log.warning("planning commit attempt %d on %s failed (%s); retrying", attempt, self.table.name(),
-                            type(exc).__name__)
-                self._sleep(io_delay * self._rng.uniform(0.5, 1.5))
-                io_delay = min(io_delay * 2, 2.0)
-                self._fresh = False
+                io_delay = self._back_off(exc, io_delay, deadline=deadline, what=f"planning commit attempt {attempt}")
                 metadata = self.refresh(deadline=deadline)
                 continue
             if isinstance(plan, Done):
@@ -392,11 +394,27 @@ class CommitLoop:
                     carried_after = self._clock() - carry.staged_at
                 return Outcome(plan.result, attempt, False, metadata, abandoned, sent,
                                carried_after if carry is not None else None)
+            readied = plan.ready is None
+
+            def ready(plan: Plan[T] = plan) -> None:
+                nonlocal readied
+                readied = True
+                try:
+                    plan.ready()  # type: ignore[misc]
+                except Exception as exc:
+                    raise _WritesFailed() from exc
+
+            unwritten: BaseException | None = None
             try:
                 sent += 1
-                response = swap(self.table, plan.requirements, plan.updates)  # SQL: from the held metadata
+                # SQL: from the held metadata; the plan's files are waited for before the catalog's update
+                response = swap(self.table, plan.requirements, plan.updates, ready=None if readied else ready)
+            except _WritesFailed as failed:
+                unwritten = failed.__cause__  # handled below, where it is raised as itself (not as this one's context)
             except (CommitFailedException, ValueError) as exc:
                 # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
+                if not readied:
+                    self._drain(plan)
                 invalid = invalid + 1 if isinstance(exc, ValueError) else 0
                 if invalid >= 5:  # not a race: the same update keeps being refused
                     self._settle(plan, landed=False, metadata=metadata)
@@ -414,9 +432,13 @@ class CommitLoop:
                 if carry is None and escalate is not None:  # not alone after all: join group commit
                     carry, escalate = escalate(), None
             except (LakestreamError, AttributeError, TypeError, NameError, KeyError, AssertionError):
+                if not readied:
+                    self._drain(plan)
                 raise  # our own errors and programming errors are not catalog outcomes to reconcile
             except Exception as exc:
                 # Outcome unknown: read the table back and let the planner reconcile.
+                if not readied:
+                    self._drain(plan)
                 log.warning(
                     "commit attempt %d on %s failed with %s; reconciling from the table",
                     attempt,
@@ -433,6 +455,15 @@ class CommitLoop:
                 self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
                 self._observe(response.metadata)
                 return Outcome(plan.result, attempt, True, response.metadata, abandoned, sent)
+            if isinstance(unwritten, Exception):
+                # A file this attempt sent could not be written: nothing was swapped. As a planning failure: back off
+                # and re-plan when transient (the files it did write are abandoned, as a lost swap's).
+                sent -= 1  # the catalog was not asked
+                abandoned.extend(plan.written)
+                io_delay = self._back_off(unwritten, io_delay, deadline=deadline,
+                                          what=f"writing the files of commit attempt {attempt}")
+                metadata = self.refresh(deadline=deadline)
+                continue
             if attempt >= self._max_attempts or self._clock() >= deadline:
                 raise CommitTimeoutError(
                     f"gave up committing to {self.table.name()} after {attempt} attempts and "
@@ -446,6 +477,25 @@ class CommitLoop:
                 self._sleep(delay)
                 # plan the retry on the head as it is now: a commit that landed during the sleep would doom it
                 metadata = self.refresh(deadline=deadline)
+
+    def _back_off(self, exc: Exception, delay: float, *, deadline: float, what: str) -> float:
+        """After a storage failure that published nothing: raise ``exc`` unless it is transient and ``delay`` fits
+        before ``deadline``; else sleep about ``delay`` and return the next one (the caller re-reads the head)."""
+        if not transient(exc) or self._clock() + delay > deadline:
+            raise exc
+        log.warning("%s on %s failed (%s); retrying", what, self.table.name(), type(exc).__name__)
+        self._sleep(delay * self._rng.uniform(0.5, 1.5))
+        self._fresh = False
+        return min(delay * 2, 2.0)
+
+    @staticmethod
+    def _drain(plan: Plan[T]) -> None:
+        """Wait for a plan's files that are still in flight, failures dropped (its swap was not sent)."""
+        if plan.ready is not None:
+            try:
+                plan.ready()
+            except Exception:  # noqa: BLE001 - the attempt failed already; nothing names these files
+                pass
 
     def _answer(self, carry: Carry, attempt: int) -> T | None:
         """The carried batch's final answer from a light read of the head (see :meth:`peek`), or None."""

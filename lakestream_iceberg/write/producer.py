@@ -407,7 +407,7 @@ class Producer:
         producers = dict(state.producers)
         updates: list[TableUpdate] = []
         result: CommitResult | None = None
-        # on object storage the group's manifests and lists are written concurrently; all exist once the block ends
+        # on object storage the group's manifests and lists are written concurrently (waited for by the swap)
         with planner.concurrent_writes():
             for i, item in enumerate(batches):
                 staged = item.batch
@@ -471,7 +471,10 @@ class Producer:
         requirements = (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=self.branch, snapshot_id=base_id))
         assert result is not None
         intents = [b.intent for b in batches if b.intent is not None]
-        return Plan(tuple(updates), requirements, _Published(result, intents, stale), planner.written, planner.settle)
+        # on object storage the manifests and lists may still be in flight: the swap waits for them right after it
+        # wrote metadata.json (both writes overlap), before the catalog's update
+        return Plan(tuple(updates), requirements, _Published(result, intents, stale), planner.written, planner.settle,
+                    ready=planner.wait_written)
 
 
 @dataclass(frozen=True)
