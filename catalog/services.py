@@ -445,8 +445,9 @@ class SeaweedFS(Service):
     def _command(self) -> list[str]:
         assert self.binary is not None and self.data_dir is not None
         p, d = self.ports, self.data_dir
+        (d / "logs").mkdir(parents=True, exist_ok=True)  # glog's files, which would otherwise pile up in /tmp
         return [
-            self.binary, "mini", f"-dir={d}", f"-ip={HOST}", f"-ip.bind={HOST}",
+            self.binary, f"-logdir={d / 'logs'}", "mini", f"-dir={d}", f"-ip={HOST}", f"-ip.bind={HOST}",
             "-master.telemetry=false", "-webdav=false", "-admin.ui=false", "-s3.port.lance=0",
             "-volume.preStopSeconds=0", f"-bucket={self.bucket}", f"-tableBucket={self.table_bucket}",
             f"-s3.port={p['s3']}", f"-s3.port.grpc={p['s3_grpc']}", f"-s3.port.iceberg={p['iceberg']}",

@@ -349,3 +349,12 @@ def test_example_yaml_configs_match_the_property_functions(
             line.strip("# ").split("=", 1) for line in text.splitlines() if line.startswith("#   PYICEBERG_CATALOG__")
         )
         assert documented == services.catalog_env(name, props), name
+
+
+@services_mark
+def test_seaweedfs_writes_its_logs_in_its_own_folder(weed: services.SeaweedFS) -> None:
+    """weed's glog files go to the server's data folder (removed with it), not to the shared temp folder where every
+    start of every run would leave a dozen of them."""
+    assert weed.data_dir is not None
+    logs = weed.data_dir / "logs"
+    assert any(path.name.startswith("weed.") for path in logs.iterdir())
