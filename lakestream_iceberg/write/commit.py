@@ -413,8 +413,6 @@ class CommitLoop:
                 unwritten = failed.__cause__  # handled below, where it is raised as itself (not as this one's context)
             except (CommitFailedException, ValueError) as exc:
                 # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
-                if not readied:
-                    self._drain(plan)
                 invalid = invalid + 1 if isinstance(exc, ValueError) else 0
                 if invalid >= 5:  # not a race: the same update keeps being refused
                     self._settle(plan, landed=False, metadata=metadata)
@@ -432,13 +430,9 @@ class CommitLoop:
                 if carry is None and escalate is not None:  # not alone after all: join group commit
                     carry, escalate = escalate(), None
             except (LakestreamError, AttributeError, TypeError, NameError, KeyError, AssertionError):
-                if not readied:
-                    self._drain(plan)
                 raise  # our own errors and programming errors are not catalog outcomes to reconcile
             except Exception as exc:
                 # Outcome unknown: read the table back and let the planner reconcile.
-                if not readied:
-                    self._drain(plan)
                 log.warning(
                     "commit attempt %d on %s failed with %s; reconciling from the table",
                     attempt,
@@ -455,6 +449,9 @@ class CommitLoop:
                 self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
                 self._observe(response.metadata)
                 return Outcome(plan.result, attempt, True, response.metadata, abandoned, sent)
+            finally:
+                if not readied:  # the swap failed before it waited for the plan's files: nothing may still be writing
+                    self._drain(plan)
             if isinstance(unwritten, Exception):
                 # A file this attempt sent could not be written: nothing was swapped. As a planning failure: back off
                 # and re-plan when transient (the files it did write are abandoned, as a lost swap's).
