@@ -21,9 +21,10 @@ from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
+from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
-from lakestream_iceberg.format.checks import check_branch, check_identifier, check_int
+from lakestream_iceberg.format.checks import check_bool, check_branch, check_identifier, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
@@ -203,6 +204,50 @@ class Stream(StreamTable):
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
             return cls(catalog.load_table(identifier))
+
+    @classmethod
+    def drop(cls, catalog: Catalog, identifier: str, *, purge: bool = False) -> int:
+        """Drop a stream: its catalog entry, and the batches still staged for group commit as rows of the catalog's
+        database (catalog staging), which nothing would remove once the table is gone (GC of the stream expires them
+        while it exists). Stop the stream's producers first: a producer still holding a staged batch would wait on an
+        intent removed under it (its commit then fails, the table being gone).
+
+        Args:
+            catalog: The stream's catalog.
+            identifier: ``"namespace.name"``.
+            purge: Also delete the files the table references (pyiceberg's ``purge_table``; files no snapshot names,
+                such as storage-staged intents and abandoned uploads, stay, as with any Iceberg table).
+
+        Returns:
+            How many staged intents were removed from the catalog's database (0 on catalogs without an intent table).
+
+        Raises:
+            ConfigError: ``identifier`` is not ``"namespace.name"``, or ``purge`` is not a bool.
+            NotAStreamError: The table is a plain Iceberg table, not a stream (nothing is dropped).
+            NoSuchTableError: pyiceberg's, when no table has that name.
+            Exception: The catalog's database unreachable after the table was dropped, unchanged; the intents left
+                are unusable rows (their table is gone) and a later drop of a stream at the same location, or its GC,
+                removes them.
+        """
+        check_bool(purge, what="purge")
+        stream = cls.open(catalog, identifier)  # a plain Iceberg table is refused before anything is dropped
+        root = stream.staging.root
+        retry_s = stream.config.io_retry_timeout_ms / 1000
+        stream.close()
+        identifier = check_identifier(identifier)
+        with config_errors(catalog.properties, action=f"dropping stream {identifier}", catalog=catalog.name):
+            if purge:
+                catalog.purge_table(identifier)
+            else:
+                catalog.drop_table(identifier)
+        intents = IntentTable.of(catalog)  # whatever the staging property said: rows of an earlier setting too
+        if intents is None:
+            return 0
+        removed = call_with_retry(lambda: intents.remove_under(root), what=f"removing the staged intents of {identifier}",
+                                  timeout_s=retry_s)
+        if removed:
+            log.info("dropped stream %s and %d staged intents", identifier, removed)
+        return removed
 
     # -- properties -----------------------------------------------------------------------------------------------------
     @cached_property

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import NoSuchTableError
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
-from lakestream_iceberg.errors import ConfigError, ProducerConflictError
+from lakestream_iceberg.errors import ConfigError, NotAStreamError, ProducerConflictError
 from lakestream_iceberg.format.layout import PROP_GROUP_STAGING
 from lakestream_iceberg.write.intent import STAGING_DIR
 from tests.backends import make_backend, postgres_service, published, seaweedfs_service
@@ -204,6 +205,8 @@ def test_a_catalog_whose_database_uri_has_options_stages_through_sqlalchemy_and_
     via_options.staging.stage(branch="main", batch=own, allow_gap=False)
     assert via_options.staging.expire(older_than_s=-1.0, delete=True) == [f"{stream.staging.folder('main')}/d@{0:012d}-{own.token}.parquet"]
     assert rows(tmp_path) == []
+    via_options.staging.stage(branch="main", batch=own, allow_gap=False)
+    assert Stream.drop(other, "ns.stream") == 1 and rows(tmp_path) == []  # the drop's DELETE on SQLAlchemy's connection
 
 
 @pytest.mark.services
@@ -233,8 +236,77 @@ def test_postgresql_keeps_intents_as_rows_in_staging_order_by_its_own_clock(requ
         assert stream.collect_garbage(dry_run=False).files_deleted.get("intent") is None  # within the grace period
         report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
         assert report.files_deleted.get("intent") == 1 and not stream.staging.exists(left.path)
+        dropped = [stage(stream, "e", 0).path, stage(stream, "f", 0).path]
+        assert Stream.drop(backend.catalog(), backend.identifier()) == 2  # the rows go with the table
+        assert not any(table.exists(path) for path in dropped)
+        assert table.listing(stream.staging.folder("main"), bodies=False) == []
+        with pytest.raises(NoSuchTableError):
+            Stream.open(backend.catalog(), backend.identifier())
     finally:
         backend.close()
+
+
+def test_dropping_a_stream_removes_its_staged_intents_and_leaves_other_streams_alone(tmp_path: Path) -> None:
+    """GC expires a stream's intent rows while the stream exists; once its table is dropped nothing would: Stream.drop
+    removes them with the catalog entry, and only its own (another stream's location shares the prefix)."""
+    catalog = sqlite_catalog(str(tmp_path))
+    gone = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    kept = Stream.create(catalog, "ns.stream2", schema=SCHEMA, world_size=WORLD)  # location .../stream2: same prefix
+    assert kept.staging.root.startswith(gone.staging.root.removesuffix(f"/data/{STAGING_DIR}"))
+    both_active(gone)
+    gone.fork(gone.checkpoint("c", step=2), branch="b")
+    staged = [stage(gone, "c", 0), stage(gone, "d", 0)]
+    on_branch = gone.staging.stage(branch="b", batch=gone.writer.write(producer="e", seq=0, shards=batch("e", 0, WORLD)),
+                                   allow_gap=False)
+    other = stage(kept, "c", 0)
+    assert len(rows(tmp_path)) == 4
+    assert Stream.drop(catalog, "ns.stream") == 3  # every branch's
+    assert [f"{r[1]}/{r[2]}" for r in rows(tmp_path)] == [other.path]
+    assert not any(kept.staging.exists(i.path) for i in (*staged, on_branch))
+    with pytest.raises(NoSuchTableError):
+        Stream.open(catalog, "ns.stream")
+    with pytest.raises(NoSuchTableError):  # a second drop: nothing left to drop, the other stream untouched
+        Stream.drop(catalog, "ns.stream")
+    assert kept.staging.exists(other.path)
+    kept.producer("z").commit(batch("z", 0, WORLD))  # publishes the staged batch with its own
+    assert rows(tmp_path) == [] and published(kept)[1] == ("c", 0)
+
+
+def test_drop_checks_its_arguments_and_refuses_a_plain_table_before_dropping_anything(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    intent = stage(stream, "c", 0)
+    for purge in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="purge must be True or False"):
+            Stream.drop(catalog, "ns.stream", purge=purge)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        Stream.drop(catalog, "stream")
+    plain = catalog.create_table("ns.plain", schema=stream.table.schema())
+    with pytest.raises(NotAStreamError):
+        Stream.drop(catalog, "ns.plain")
+    assert catalog.load_table("ns.plain").metadata_location == plain.metadata_location
+    assert stream.staging.exists(intent.path) and len(rows(tmp_path)) == 1
+
+
+def test_drop_with_purge_deletes_the_files_the_table_references(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stream.producer("a").commit(batch("a", 0, WORLD))
+    files = [Path(t.file.file_path.removeprefix("file://")) for t in catalog.load_table("ns.stream").scan().plan_files()]
+    assert files and all(f.exists() for f in files)
+    metadata = Path(catalog.load_table("ns.stream").metadata_location.removeprefix("file://"))
+    stage(stream, "c", 0)
+    assert Stream.drop(catalog, "ns.stream", purge=True) == 1
+    assert not any(f.exists() for f in files) and not metadata.exists()
+    assert rows(tmp_path) == []
+
+
+def test_drop_on_storage_staging_removes_no_rows_and_creates_no_intent_table(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD, properties={PROP_GROUP_STAGING: "storage"})
+    assert Stream.drop(catalog, "ns.stream") == 0
+    with sqlite3.connect(tmp_path / "catalog.db") as conn:
+        assert conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (INTENT_TABLE,)).fetchone() is None
 
 
 def test_a_read_only_client_lists_staged_intents_without_writing(tmp_path: Path) -> None:

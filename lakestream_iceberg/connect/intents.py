@@ -218,6 +218,28 @@ class IntentTable:
             self.delete(paths)
         return paths
 
+    def remove_under(self, root: str) -> int:
+        """Remove every intent under ``root`` (a dropped table's staging root, any branch, any age) in one ``DELETE``;
+        returns how many rows it removed. A database without the intent table has none: nothing is created."""
+        prefix = root.rstrip("/") + "/"
+        if self._sqlite is not None:
+            conn = self._sqlite_conn()
+            if conn.execute(_SQLITE_HAS, (INTENT_TABLE,)).fetchone() is None:
+                return 0
+            return conn.execute(f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?",  # autocommit: one statement
+                                (len(prefix), prefix)).rowcount
+        from sqlalchemy import delete, func, inspect
+
+        if not inspect(self._engine).has_table(INTENT_TABLE):
+            return 0
+        if self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
+            with self._engine.begin() as conn:
+                return conn.exec_driver_sql(f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?",
+                                            (len(prefix), prefix)).rowcount
+        t = _pg_table()
+        with self._engine.begin() as conn:
+            return conn.execute(delete(t).where(func.substr(t.c.folder, 1, len(prefix)) == prefix)).rowcount
+
     def create(self) -> bool:
         """Create the table now if it does not exist; False (nothing created) when the database refuses it for lack of
         permission (a read-only database file, a PostgreSQL role without ``CREATE`` on the schema). Other failures

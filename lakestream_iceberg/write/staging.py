@@ -110,6 +110,11 @@ class StagingArea:
         """Where intents are kept: ``storage`` (files) or ``catalog`` (rows of the SQL catalog's database)."""
         return self._store.kind
 
+    @property
+    def root(self) -> str:
+        """The staging root of the table: every branch's folder is under it."""
+        return self._root
+
     def folder(self, branch: str) -> str:
         return f"{self._root}/{quote(branch, safe='')}"
 
