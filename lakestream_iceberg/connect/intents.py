@@ -47,6 +47,7 @@ _SQLITE_DDL = (
     "name TEXT NOT NULL, body TEXT NOT NULL, staged_at REAL NOT NULL, UNIQUE (folder, name))"
 )
 _SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+_SQLITE_REMOVE_UNDER = f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?"  # (prefix length, prefix)
 _made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
 _lock = threading.Lock()
 _DELETE_CHUNK = 500  # (folder, name) pairs per PostgreSQL DELETE
@@ -226,16 +227,14 @@ class IntentTable:
             conn = self._sqlite_conn()
             if conn.execute(_SQLITE_HAS, (INTENT_TABLE,)).fetchone() is None:
                 return 0
-            return conn.execute(f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?",  # autocommit: one statement
-                                (len(prefix), prefix)).rowcount
+            return conn.execute(_SQLITE_REMOVE_UNDER, (len(prefix), prefix)).rowcount  # autocommit: one statement
         from sqlalchemy import delete, func, inspect
 
         if not inspect(self._engine).has_table(INTENT_TABLE):
             return 0
         if self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
             with self._engine.begin() as conn:
-                return conn.exec_driver_sql(f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?",
-                                            (len(prefix), prefix)).rowcount
+                return conn.exec_driver_sql(_SQLITE_REMOVE_UNDER, (len(prefix), prefix)).rowcount
         t = _pg_table()
         with self._engine.begin() as conn:
             return conn.execute(delete(t).where(func.substr(t.c.folder, 1, len(prefix)) == prefix)).rowcount
