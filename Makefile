@@ -49,6 +49,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
 	$(BIN)/python benchmarks/step_cost.py
 	$(BIN)/python benchmarks/commit_writes.py
+	$(BIN)/python benchmarks/host_copy.py
 	$(BIN)/python benchmarks/vs_ray.py
 
 lint: $(STAMP)

@@ -302,5 +302,10 @@ def machine() -> dict[str, Any]:
         mem = int(Path("/proc/meminfo").read_text().split()[1]) // 1024
     except (OSError, ValueError, IndexError):
         pass
-    return {"nproc": os.cpu_count(), "cpu_model": model, "mem_mib": mem, "date": time.strftime("%Y-%m-%d")}
+    libc, libc_version = platform.libc_ver()
+    # glibc and its tunables are recorded because they move the figures on some CPUs: glibc 2.36 (Debian 12) copies
+    # with `rep movsb` on AMD EPYC, which is about 10x slower when destination - source is a few bytes past a multiple
+    # of 4 KiB, as in pyarrow's Parquet page assembly (glibc bug 30994; benchmarks/README.md, fifteenth session)
+    return {"nproc": os.cpu_count(), "cpu_model": model, "mem_mib": mem, "date": time.strftime("%Y-%m-%d"),
+            "libc": f"{libc} {libc_version}".strip(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 

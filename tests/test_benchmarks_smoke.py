@@ -288,3 +288,18 @@ def test_run_folders_are_deleted_at_the_end_unless_the_disk_runs_short(tmp_path:
     never = settle_file_creation(probe, calm_ms=0.0, max_wait_s=0)  # nothing is that cheap: measured once, no wait
     assert not never["settled"] and never["waited_s"] == 0
     assert len(list(probe.iterdir())) == 10 + 100 + 100  # one probe of 100 files each
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # a hang guard: ~5 s on 2 idle cores
+def test_host_copy_smoke(tmp_path: Path) -> None:
+    data = _run("host_copy.py", tmp_path / "host_copy.json", timeout=230)
+    assert data["benchmark"] == "host_copy" and data["smoke"] is True
+    assert data["machine"]["libc"] is not None and "glibc_tunables" in data["machine"]
+    for name in ("default", "tuned"):  # both variants ran, in their own processes, and measured every part
+        (result,) = data["rounds"][name]
+        assert set(result["memmove_gb_s"]) == {"0", "4", "8", "16", "64", "2048"}
+        assert all(_positive(v) for v in result["memmove_gb_s"].values())
+        assert _positive(result["parquet_ms"]["row_group_per_rank"]) and _positive(result["parquet_ms"]["one_row_group"])
+        assert _positive(result["commit"]["cpu_ms_per_commit"]) and _positive(result["commit"]["mib_s"])
+    assert len(data["summary"]) == 10 and _positive(data["distance4_vs_0_default"])
