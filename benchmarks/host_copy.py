@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import Table, machine, write_json  # noqa: E402
+from _common import Table, machine, percentile, write_json  # noqa: E402
 
 DISTANCES = (0, 4, 8, 16, 64, 2048)
 COPY_BYTES = 64 << 10
@@ -164,12 +164,6 @@ def run_child(args: argparse.Namespace, tuned: bool) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
@@ -209,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
             for key in path:
                 value = value[key]
             values.append(float(value))
-        return median(values)
+        return percentile(values, 50)
 
     table = Table(f"host copies: default glibc vs GLIBC_TUNABLES={TUNABLE}={args.threshold} (median of "
                   f"{args.rounds} alternating rounds)", ["measure", "default", "tuned", "tuned / default"])
