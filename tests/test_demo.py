@@ -31,6 +31,13 @@ def test_demo_small_run_passes_the_exactly_once_check(tmp_path: Path) -> None:
     assert f"{CHECK_PASSED}: every rank received every sample exactly once, in step order (6 steps x 2 ranks" in proc.stdout
     for label in ("steps ", "samples ", "MB/s", "p50", "p99"):
         assert label in proc.stdout
+    # The host check is reported once, in the summary, and only where the host has the slow copy; the producer
+    # processes do not each log it.
+    from lakestream_iceberg.write.host import check_copy
+
+    slow = check_copy().slow
+    assert ("slow memcpy (glibc bug 30994)" in proc.stdout) == slow, proc.stdout
+    assert "bug 30994" not in proc.stderr, proc.stderr
     stream = next(line.split()[3] for line in proc.stdout.splitlines() if line.startswith("lakestream demo: stream "))
     # The stream the demo left behind answers the CLI (in-process: the subprocess path is covered by test_cli).
     from lakestream_iceberg.tools.cli import main
@@ -45,6 +52,7 @@ def test_demo_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     summary = json.loads(capsys.readouterr().out)
     assert code == 0 and summary["exactly_once"] == "passed" and summary["steps"] == 2 and summary["problems"] == []
     assert summary["commit_latency_p50_ms"] > 0 and summary["bytes_published"] > 0
+    assert isinstance(summary["host_copy_slow"], bool)
 
 
 def test_samples_are_deterministic_and_vary_in_size() -> None:

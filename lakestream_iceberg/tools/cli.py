@@ -10,6 +10,7 @@ Example:
     $ lakestream status demo.run_20261129_210727_ab12
     $ lakestream sql demo.run_20261129_210727_ab12 "SELECT producer, count(*) FROM batches GROUP BY 1" --json
     $ lakestream tail demo.run_20261129_210727_ab12 --max-steps 10
+    $ lakestream host --strict          # a preflight check of the producer host's memcpy (glibc bug 30994)
 """
 
 from __future__ import annotations
@@ -236,6 +237,25 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def cmd_host(args: argparse.Namespace, out: Output) -> int:
+    from lakestream_iceberg.write.host import check_copy
+
+    check = check_copy()
+    report = dict(_plain(check), ratio=check.ratio)
+    if out.json:
+        out.emit_json(report)
+    else:
+        verdict = "SLOW at short distances (glibc bug 30994)" if check.slow else "ok"
+        out.fields([("libc", check.libc), ("GLIBC_TUNABLES", check.tunables or "-"),
+                    ("64 KiB copy, distance 0 mod 4 KiB", f"{check.aligned_gb_s:.1f} GB/s"),
+                    ("64 KiB copy, distance 4 mod 4 KiB", f"{check.near_gb_s:.1f} GB/s"),
+                    ("ratio", f"{check.ratio:.2f}"), ("verdict", verdict)],
+                   title="this host's memcpy, as pyarrow's Parquet writer uses it")
+        if check.advice:  # plain print: the variable must not be folded or cut by the table
+            print(f"advice: {check.advice}")
+    return 1 if check.slow and args.strict else 0
+
+
 def cmd_tail(args: argparse.Namespace, out: Output) -> int:
     import threading
 
@@ -332,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS", help="stop after this long")
     p.add_argument("--poll", type=_seconds(0.001), default=0.05, metavar="SECONDS",
                    help="first poll interval (default 0.05)")
+
+    p = add("host", cmd_host, "check whether this host's memcpy slows Parquet writing (glibc bug 30994 on AMD) and what to set")
+    p.add_argument("--strict", action="store_true", help="exit 1 when the host has the slow copy (for preflight checks)")
     return parser
 
 

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_mod
@@ -30,6 +31,7 @@ from typing import Any
 import pyarrow as pa
 
 from lakestream_iceberg.tools.config import CatalogSpec, load
+from lakestream_iceberg.write import host
 
 __all__ = ["SCHEMA", "DemoResult", "make_shard", "run_demo", "shard_digest"]
 
@@ -91,6 +93,7 @@ def _finish(out: Any) -> None:
 
 
 def _producer_main(spec: CatalogSpec, name: str, producer_id: str, steps: int, out: Any) -> None:
+    logging.getLogger(host.__name__).setLevel(logging.ERROR)  # the parent reports the host check once, in the summary
     try:
         from lakestream_iceberg.stream import Stream
 
@@ -154,6 +157,7 @@ class DemoResult:
     latencies_s: list[float] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    host_copy_slow: bool = False  # this host's memcpy has glibc bug 30994 (write/host.py): producers pay more CPU
 
     @property
     def passed(self) -> bool:
@@ -176,6 +180,7 @@ class DemoResult:
             "commit_latency_p99_ms": round(self.percentile(99) * 1000, 1),
             "attempts_max": max(self.attempts, default=0),
             "exactly_once": "passed" if self.passed else "failed", "problems": self.problems,
+            "host_copy_slow": self.host_copy_slow,
         }
 
 
@@ -238,7 +243,7 @@ def run_demo(
     name = stream_name or f"demo.run_{datetime.now():%Y%m%d_%H%M%S}_{secrets.token_hex(2)}"
     stream = Stream.create(load(spec), name, schema=SCHEMA, world_size=ranks)
     result = DemoResult(stream=name, where=spec.describe(), producers=producers, ranks=ranks,
-                        steps_per_producer=steps_per_producer)
+                        steps_per_producer=steps_per_producer, host_copy_slow=host.check_copy().slow)
     total = producers * steps_per_producer
     producer_ids = [f"prep-{i}" for i in range(producers)]
     ctx = mp.get_context("spawn")
@@ -334,6 +339,9 @@ def format_summary(result: DemoResult, *, hint_args: str = "") -> str:
         f"  commit latency     p50 {d['commit_latency_p50_ms']} ms, p99 {d['commit_latency_p99_ms']} ms "
         f"(compare-and-swap attempts: max {d['attempts_max']})",
     ]
+    if result.host_copy_slow:
+        lines.append(f"  host               slow memcpy (glibc bug 30994): Parquet writing costs up to a third more CPU; "
+                     f"set {host.TUNABLES_ADVICE} for producers (`lakestream host`)")
     total = result.producers * result.steps_per_producer
     if result.passed:
         lines.append(f"{CHECK_PASSED}: every rank received every sample exactly once, in step order "

@@ -38,6 +38,7 @@ from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
 from lakestream_iceberg.format.file_settings import parquet_options
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
+from lakestream_iceberg.write.host import warn_if_slow_copy
 
 _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -198,6 +199,7 @@ class BatchWriter:
         # lakestream.io.retry-timeout-ms); the path is unique to this batch and an object appears only when its upload
         # completes, so writing it again is safe.
         self._retry_s = retry_s
+        warn_if_slow_copy()  # once per process: a host whose memcpy slows pyarrow's Parquet writer (write/host.py)
 
     def write(self, *, producer: str, seq: int, shards: Sequence[pa.Table], whole: pa.Table | None = None) -> StagedBatch:
         """Write every rank's file; when any rank's write fails, delete what was written and raise.
