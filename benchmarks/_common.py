@@ -1,6 +1,6 @@
 """Helpers shared by the benchmarks: statistics, result tables, JSON results, environment info.
 
-Generic on purpose (no lakestream imports): any benchmark under ``benchmarks/`` may use it.
+Generic on purpose (no lakestream imports but one guarded, lazy one in machine()): any benchmark under ``benchmarks/`` may use it.
 
     from _common import percentile, jain_index, Table, write_json   # benchmarks/ is on sys.path when run as a script
 """
@@ -8,6 +8,7 @@ Generic on purpose (no lakestream imports): any benchmark under ``benchmarks/`` 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import platform
@@ -18,6 +19,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# A producer logs the host copy check once per process (lakestream_iceberg/write/host.py); a benchmark starts dozens of
+# producer processes, so it records the check once in machine() instead and keeps that warning out of its tables.
+logging.getLogger("lakestream_iceberg.write.host").setLevel(logging.ERROR)
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -306,6 +311,13 @@ def machine() -> dict[str, Any]:
     # glibc and its tunables are recorded because they move the figures on some CPUs: glibc 2.36 (Debian 12) copies
     # with `rep movsb` on AMD EPYC, which is about 10x slower when destination - source is a few bytes past a multiple
     # of 4 KiB, as in pyarrow's Parquet page assembly (glibc bug 30994; benchmarks/README.md, fifteenth session)
+    try:  # lakestream's own check of that pathology (write/host.py), when the package is importable
+        from lakestream_iceberg.write.host import check_copy
+
+        slow: bool | None = check_copy().slow
+    except ImportError:
+        slow = None
     return {"nproc": os.cpu_count(), "cpu_model": model, "mem_mib": mem, "date": time.strftime("%Y-%m-%d"),
-            "libc": f"{libc} {libc_version}".strip(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
+            "libc": f"{libc} {libc_version}".strip(), "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
+            "host_copy_slow": slow}
 
