@@ -132,6 +132,26 @@ def test_plain_iceberg_readers_see_step_and_rank_and_a_rank_filter_is_exact(cata
     assert set(ranks.column("_rank").to_pylist()) == {5}
 
 
+def test_duckdb_reads_the_files_pyiceberg_plans_as_the_same_rows(catalog: SqlCatalog) -> None:
+    """Another engine on the same files: DuckDB's own Parquet reader, over the data files a pyiceberg scan plans (the
+    packed files with their ``_rank`` column and several ranks per row group), returns exactly pyiceberg's rows."""
+    duckdb = pytest.importorskip("duckdb")
+    stream = make(catalog, "ns.duck")
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(uneven("p", seq, 6))
+    table = catalog.load_table("ns.duck")
+    paths = sorted(str(local(task.file.file_path)) for task in table.scan().plan_files())
+    assert len(paths) == 3  # one file per step
+    columns = [*SCHEMA.names, "_rank"]
+    theirs = duckdb.sql(f"SELECT {', '.join(columns)} FROM read_parquet({paths!r})").fetchall()
+    ours = table.scan().to_arrow().select(columns)
+
+    expected = sorted((tuple(r.values()) for r in ours.to_pylist()), key=repr)
+    assert len(theirs) == len(expected) > 0
+    assert sorted(theirs, key=repr) == expected
+
+
 @pytest.mark.parametrize("consumers", [1, 4, 6, 12])
 def test_the_dataset_gives_every_consumer_world_size_the_same_rows_as_the_per_rank_layout(
         catalog: SqlCatalog, consumers: int) -> None:
