@@ -77,8 +77,8 @@ def check_copy(*, runs: int = 7, copies: int = 4) -> CopyCheck:
     """Measure a 64 KiB copy at distance 0 and 4 past a multiple of 4 KiB, in this process; see the module docstring.
 
     Each figure is the best of ``runs`` timings of ``copies`` copies: preemption or another busy core only ever makes a
-    timing slower, so the best one is what the copy costs. Both figures are taken alternately, run by run, so a slow
-    phase of the machine touches both.
+    timing slower, so the best one is what the copy costs. Both figures are taken in each of two passes (the first also
+    warms the pages and caches) and the best of both passes counts, so a slow phase of the machine touches both.
     """
     for name, value in (("runs", runs), ("copies", copies)):
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 1000:
@@ -87,7 +87,7 @@ def check_copy(*, runs: int = 7, copies: int = 4) -> CopyCheck:
     base = (ctypes.addressof(arena) + 4095) & ~4095
     src, aligned, near = base, base + 2 * COPY_BYTES, base + 2 * COPY_BYTES + 4
     best_aligned = best_near = 0.0
-    for _ in range(2):  # the first pass warms the pages and caches; the second one's best counts with it
+    for _ in range(2):
         best_aligned = max(best_aligned, _best_gb_s(aligned, src, runs=runs, copies=copies))
         best_near = max(best_near, _best_gb_s(near, src, runs=runs, copies=copies))
     slow = best_near < SLOW_RATIO * best_aligned
