@@ -41,6 +41,7 @@ from lakestream_iceberg.format.layout import (
 from lakestream_iceberg.format.manifests import ManifestCache
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
+from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.lifecycle.gc import (
     GCReport,
     check_policy,
@@ -325,6 +326,37 @@ class Stream(StreamTable):
         """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1."""
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
         return self._control_loop(MAIN).run(lambda md, _: plan_fork(md, name=name, branch=branch), pace=False).result
+
+    def repair(self, *, branch: str = MAIN, dry_run: bool = False) -> RepairReport:
+        """Roll ``branch`` back to its last lakestream snapshot when another engine changed its data.
+
+        A snapshot another engine wrote that changes a stream's data (an append, a ``DELETE``, an overwrite,
+        ``rewrite_data_files``) stops commits and reads with :class:`ForeignSnapshotError`. This moves the branch
+        back to the snapshot lakestream wrote below it (see :mod:`lakestream_iceberg.lifecycle.repair`): every
+        published step stays as it was published, producers go on at the next step (a re-commit of a published seq
+        is a duplicate), and the foreign change leaves the branch. Metadata-only foreign snapshots
+        (``rewrite_manifests``) need no repair.
+
+        Args:
+            branch: The branch to repair.
+            dry_run: Only report what would be rolled back.
+
+        Returns:
+            A :class:`RepairReport` (``foreign`` empty: nothing to repair).
+
+        Raises:
+            LifecycleError: ``branch`` is not a branch of the stream.
+            ForeignSnapshotError: No lakestream snapshot is left below the foreign ones (expired).
+
+        Example:
+            >>> report = stream.repair()  # doctest: +SKIP
+            >>> report.rolled_back_to, report.foreign, report.step  # doctest: +SKIP
+        """
+        dry_run = check_bool(dry_run, what="dry_run", error=LifecycleError)
+        if not isinstance(branch, str) or not branch:
+            raise LifecycleError(f"branch must be a branch name, not {branch!r}")
+        return self._control_loop(branch).run(
+            lambda md, _: plan_repair(md, stream=self.name, branch=branch, dry_run=dry_run), pace=False).result
 
     def collect_garbage(
         self,

@@ -24,6 +24,7 @@ from lakestream_iceberg.errors import ConfigError, CorruptStateError, NotAStream
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.index import StepIndex
+from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
@@ -120,14 +121,23 @@ class StreamTable:
         """The lakestream state (head step, producers) of a branch's head snapshot."""
         if refresh:
             self.refresh()
-        head = self.head(branch=branch)
-        state = StreamState.of(head)  # shared per process, read-only producers: the caller gets its own dict
+        state = self.branch_state(branch=branch)  # shared per process, read-only producers: the caller gets its own dict
         return replace(state, producers=dict(state.producers))
+
+    def branch_state(self, *, branch: str = MAIN, metadata: TableMetadata | None = None) -> StreamState:
+        """The state of a branch in the current view (or ``metadata``), found under snapshots of other engines that
+        change no data (:mod:`lakestream_iceberg.format.lineage`); read-only, no I/O.
+
+        Raises:
+            ForeignSnapshotError: Another engine changed the branch's data; ``Stream.repair()`` brings it back.
+        """
+        metadata = metadata if metadata is not None else self.table.metadata
+        return branch_state(metadata, metadata.snapshot_by_name(branch), stream=self.name, branch=branch)
 
     def head_step(self, *, branch: str = MAIN) -> int:
         """The newest published step of ``branch`` (0 when nothing is published)."""
         self.refresh()
-        return StreamState.of(self.head(branch=branch)).step
+        return self.branch_state(branch=branch).step
 
     def checkpoints(self) -> list[Checkpoint]:
         """Every checkpoint of the stream (all branches), oldest step first."""
@@ -142,6 +152,7 @@ class StreamTable:
         ``step`` must be an integer >= 1 (``StepError``).
         """
         step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        self.branch_state(branch=branch)  # refuses a head whose data another engine changed
         try:
             files = self.index.files(self.head(branch=branch), step)
         except FileNotFoundError:

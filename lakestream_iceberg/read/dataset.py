@@ -272,7 +272,7 @@ class _DatasetCore:
         # A fork starts at its checkpoint's anchor, which lists only the checkpoint step: steps below it are not on
         # the fork (StreamState.collected_below). Below that lowest step, compare the lowest step itself: when it is
         # shared, so is everything the worker delivered.
-        step = max(last, StreamState.of(here).collected_below)
+        step = max(last, stream.branch_state(branch=self.branch, metadata=metadata).collected_below)
         mine = [f.file_path for f in stream.index.files(here, step)]
         return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
 
