@@ -24,7 +24,7 @@ from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
-from lakestream_iceberg.format.checks import check_bool, check_branch, check_identifier, check_int
+from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
@@ -41,7 +41,6 @@ from lakestream_iceberg.format.layout import (
 from lakestream_iceberg.format.manifests import ManifestCache
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
-from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.lifecycle.gc import (
     GCReport,
     check_policy,
@@ -55,6 +54,7 @@ from lakestream_iceberg.lifecycle.gc import (
     snapshots_expired,
     sweep,
 )
+from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.write.commit import CommitLoop
@@ -283,9 +283,9 @@ class Stream(StreamTable):
         """
         # Its own view of the table, starting from ours: the first commit refreshes it (on SQL catalogs one read of the
         # catalog pointer, no metadata reload when nothing moved), so making a producer costs no catalog round trip.
+        self.require_branch(branch, doing=f"cannot make producer {producer_id!r} on")
         table = Table(self.table.name(), metadata=self.table.metadata, metadata_location=self.table.metadata_location,
                       io=self.table.io, catalog=self.table.catalog, config=self.table.config)
-        check_branch(table.metadata, branch, stream=self.name, doing=f"cannot make producer {producer_id!r} on")
         policy = CommitPolicy(clock=time.monotonic, rng=random.Random(seed),
                               config=PolicyConfig(group_max_batches=self.config.group_max_batches))
         predecessor = self._policies.get(branch)

@@ -16,7 +16,7 @@ from pyiceberg.table.snapshots import Operation, Snapshot, Summary
 from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSnapshotRefUpdate
 
 from lakestream_iceberg import ForeignSnapshotError, Stream
-from lakestream_iceberg.errors import LifecycleError
+from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.summary import StreamState
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
@@ -233,3 +233,47 @@ def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     with pytest.raises(LifecycleError, match="dry_run"):
         stream.repair(dry_run="yes")  # type: ignore[arg-type]
     assert stream.repair().rolled_back_to is None
+
+
+def test_lakestream_repair_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from lakestream_iceberg.tools.cli import main
+    from lakestream_iceberg.tools.config import embedded_catalog
+
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.cli", schema=SCHEMA, world_size=WORLD)
+    _, before = published(stream)
+    base = stream.refresh().table.metadata.current_snapshot().snapshot_id
+    foreign_delete(stream)
+    foreign = stream.refresh().table.metadata.current_snapshot().snapshot_id
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["--home", str(tmp_path), *args])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return code, out, err
+
+    code, _, err = cli("status", "ns.cli")
+    assert code == 1 and str(foreign) in err and "lakestream repair" in err
+    code, out, _ = cli("repair", "ns.cli", "--dry-run", "--json")
+    assert code == 0 and json.loads(out) == {"branch": "main", "foreign": [foreign], "rolled_back_to": base, "step": 8,
+                                             "dry_run": True}
+    code, out, _ = cli("repair", "ns.cli")
+    assert code == 0 and str(base) in out
+    code, out, _ = cli("status", "ns.cli", "--json")
+    assert code == 0 and json.loads(out)["head_step"] == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    code, out, _ = cli("repair", "ns.cli")
+    assert code == 0 and "nothing to repair" in out
+
+
+def test_a_branch_forked_by_another_process_is_found(tmp_path: Path) -> None:
+    stream, _ = published(make(tmp_path))
+    other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    other.fork(other.checkpoint("at5", step=5), branch="lr")
+    producer = stream.producer("a", branch="lr")  # this view predates the fork: it looks again before refusing
+    assert producer.commit(batch("a", 0, WORLD), seq=0).step == 6
+    assert stream.history(branch="lr").sql("SELECT max(step) FROM batches").fetchall() == [(6,)]
+    with pytest.raises(ConfigError, match="no branch 'nope'"):
+        stream.producer("a", branch="nope")
