@@ -277,3 +277,35 @@ def test_a_branch_forked_by_another_process_is_found(tmp_path: Path) -> None:
     assert stream.history(branch="lr").sql("SELECT max(step) FROM batches").fetchall() == [(6,)]
     with pytest.raises(ConfigError, match="no branch 'nope'"):
         stream.producer("a", branch="nope")
+
+
+def metadata_files(stream: Stream) -> set[str]:
+    root = Path(stream.table.metadata.location.removeprefix("file://")) / "metadata"
+    return {f"file://{p}" for p in root.glob("*.metadata.json")}
+
+
+def test_old_metadata_files_are_deleted_only_as_the_table_properties_say(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    with stream.table.transaction() as tx:  # as a user (or Spark's ALTER TABLE) would set it
+        tx.set_properties({"write.metadata.delete-after-commit.enabled": "false"})
+    producer = stream.producer("a")
+    before = metadata_files(stream)
+    for seq in range(20):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    kept = metadata_files(stream.refresh())
+    assert before < kept and len(kept - before) == 20  # every commit's metadata.json is still there
+    metadata = stream.table.metadata
+    aged_out = kept - {e.metadata_file for e in metadata.metadata_log} - {stream.table.metadata_location}
+    assert len(metadata.metadata_log) == 16 and len(aged_out) >= 4  # the log is bounded, the files were kept
+
+    with stream.table.transaction() as tx:
+        tx.set_properties({"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "3"})
+    producer = stream.producer("a")
+    for seq in range(20, 30):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    metadata = stream.refresh().table.metadata
+    log_files = {e.metadata_file for e in metadata.metadata_log}
+    assert len(log_files) == 3
+    # each file that left the log while deletion was on is gone; those that left it while it was off stay, as with
+    # Iceberg's own writers
+    assert metadata_files(stream) == log_files | {stream.table.metadata_location} | aged_out
