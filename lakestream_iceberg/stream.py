@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
-from pyiceberg.schema import assign_fresh_schema_ids
+from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
@@ -256,7 +256,7 @@ class Stream(StreamTable):
         avro_codec(self.table.metadata.properties)  # a producer is refused before it writes anything
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
-            file_schema=file_schema(self.table.schema(), self.config.layout), properties=self.table.metadata.properties,
+            file_schema=self._file_schema(), properties=self.table.metadata.properties,
             retry_s=self.config.io_retry_timeout_ms / 1000, packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
         )
 
@@ -267,8 +267,12 @@ class Stream(StreamTable):
         store = CatalogIntents(table=self._intent_table, retry_s=retry_s) if self._intent_table is not None else None
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
                            retry_s=retry_s, table_uuid=str(self.table.metadata.table_uuid),
-                           file_schema=file_schema(self.table.schema(), self.config.layout), packed=self.config.packed,
+                           file_schema=self._file_schema(), packed=self.config.packed,
                            store=store)
+
+    def _file_schema(self) -> Schema:
+        """The data files' schema: the stream's payload columns as the table's current schema types them."""
+        return file_schema(self.table.schema(), self.config.layout, self.payload_arrow_schema, stream=self.name)
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:

@@ -309,3 +309,38 @@ def test_old_metadata_files_are_deleted_only_as_the_table_properties_say(tmp_pat
     # each file that left the log while deletion was on is gone; those that left it while it was off stay, as with
     # Iceberg's own writers
     assert metadata_files(stream) == log_files | {stream.table.metadata_location} | aged_out
+
+
+def test_an_added_optional_column_keeps_producers_writing_and_readers_see_nulls(tmp_path: Path) -> None:
+    from pyiceberg.types import LongType
+
+    stream, before = published(make(tmp_path))
+    with stream.table.update_schema() as update:  # a legal Iceberg change by another engine
+        update.add_column("extra", LongType())
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    producer = again.producer("a")
+    assert producer.commit(batch("a", 3, WORLD), seq=3).duplicate  # state intact
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert stream.producer("b").commit(batch("b", 4, WORLD), seq=4).step == 10  # a producer made before the change
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+    assert again.read(9, rank=1).equals(batch("a", 4, WORLD)[1])  # the stream's payload, as committed
+    rows = again.refresh().table.scan(row_filter="_step >= 9", selected_fields=("_step", "extra")).to_arrow()
+    assert rows.num_rows > 0 and rows["extra"].null_count == rows.num_rows
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda u: u.delete_column("i"), "no longer has the payload column 'i'"),
+    (lambda u: u.rename_column("tokens", "ids"), "no longer has the payload column 'tokens'"),
+    (lambda u: u.add_column("needed", __import__("pyiceberg.types").types.LongType(), required=True),
+     r"gained required column\(s\) \['needed'\]"),
+], ids=["drop", "rename", "required"])
+def test_an_incompatible_schema_change_is_refused_with_what_changed(tmp_path: Path, change, says: str) -> None:
+    from lakestream_iceberg import SchemaMismatchError
+
+    stream, before = published(make(tmp_path))
+    with stream.table.update_schema(allow_incompatible_changes=True) as update:
+        change(update)
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    with pytest.raises(SchemaMismatchError, match=says):
+        again.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    assert again.head_step() == 8  # nothing published

@@ -263,11 +263,48 @@ def payload_schema(schema: Schema) -> Schema:
     return schema.select(*[f.name for f in schema.fields if f.name not in RESERVED_COLUMNS])
 
 
-def file_schema(schema: Schema, layout: str) -> Schema:
-    """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed."""
-    if layout != LAYOUT_PACKED:
-        return payload_schema(schema)
-    return schema.select(*[f.name for f in schema.fields if f.name != STEP_COLUMN])
+def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *, stream: str = "the stream") -> Schema:
+    """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed.
+
+    With ``payload`` (the stream's payload schema, ``lakestream.arrow-schema``), the payload columns are those of the
+    stream, whatever other columns the table's schema gained since (schema evolution by another engine): producers
+    keep writing the stream's columns, and Iceberg readers return nulls for an added optional column.
+
+    Raises:
+        SchemaMismatchError: The table's schema no longer holds a payload column (dropped or renamed), changed its
+            type to one the payload cannot be written as, or gained a required column lakestream cannot write.
+    """
+    if payload is not None:
+        _check_evolution(schema, payload, stream)
+        names = set(payload.names)
+    else:
+        names = {f.name for f in schema.fields if f.name not in RESERVED_COLUMNS}
+    if layout == LAYOUT_PACKED:
+        names.add(RANK_COLUMN)
+    return schema.select(*[f.name for f in schema.fields if f.name in names])
+
+
+def _check_evolution(schema: Schema, payload: pa.Schema, stream: str) -> None:
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    fix = ("lakestream producers write the stream's payload schema (table property lakestream.arrow-schema); revert the "
+           "change, or write the new columns to a new stream")
+    by_name = {f.name: f for f in schema.fields}
+    for field in payload:
+        found = by_name.get(field.name)
+        if found is None:
+            raise SchemaMismatchError(f"the table schema of {stream} no longer has the payload column {field.name!r} "
+                                      f"(dropped or renamed by another engine): {fix}")
+        target = schema_to_pyarrow(Schema(found), include_field_ids=False).field(0).type
+        try:
+            pa.schema([field]).empty_table().cast(pa.schema([pa.field(field.name, target)]))
+        except (pa.ArrowException, ValueError, TypeError):
+            raise SchemaMismatchError(f"the table schema of {stream} changed the type of payload column {field.name!r} "
+                                      f"from {field.type} to {found.field_type}, which it cannot be written as: {fix}") from None
+    added = [f.name for f in schema.fields if f.required and f.name not in RESERVED_COLUMNS and f.name not in payload.names]
+    if added:
+        raise SchemaMismatchError(f"the table schema of {stream} gained required column(s) {added} that lakestream "
+                                  f"producers cannot write (an optional column is fine: readers see nulls): {fix}")
 
 
 def payload_names(schema: Schema) -> list[str]:
