@@ -344,3 +344,33 @@ def test_an_incompatible_schema_change_is_refused_with_what_changed(tmp_path: Pa
     with pytest.raises(SchemaMismatchError, match=says):
         again.producer("a").commit(batch("a", 4, WORLD), seq=4)
     assert again.head_step() == 8  # nothing published
+
+
+def branch_snapshots(stream: Stream) -> int:
+    return len(lineage(stream))
+
+
+@pytest.mark.parametrize(("props", "kept"), [
+    ({}, 2),  # lakestream.snapshots.retain-last only
+    ({"history.expire.max-snapshot-age-ms": "3600000"}, 21),  # every snapshot younger than an hour (21 commits)
+    ({"history.expire.max-snapshot-age-ms": "3600000", "lakestream.snapshots.retain-max": "10"}, 10),  # the bound
+    ({"history.expire.min-snapshots-to-keep": "5"}, 5),  # Iceberg's count raises lakestream's
+], ids=["count", "age", "age-bounded", "iceberg-count"])
+def test_snapshots_are_kept_by_age_for_streaming_readers_within_a_bound(tmp_path: Path, props: dict, kept: int) -> None:
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2", **props})
+    producer = stream.producer("a")
+    for seq in range(21):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    assert branch_snapshots(stream) == kept
+    assert len(stream.table.metadata.snapshots) <= kept + 1  # + the one a commit expires in passing next time
+    assert {step: rows_of(stream, step) for step in (1, 21)} == {s: [digest(t) for t in batch("a", s - 1, WORLD)]
+                                                                 for s in (1, 21)}
+
+
+def test_an_age_retention_that_ended_lets_the_next_commit_expire(tmp_path: Path) -> None:
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2", "history.expire.max-snapshot-age-ms": "1"})
+    producer = stream.producer("a")
+    for seq in range(6):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+        time.sleep(0.002)  # older than 1 ms by the next commit: an age of 1 ms keeps nothing beyond the count
+    assert branch_snapshots(stream) == 2

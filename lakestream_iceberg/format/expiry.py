@@ -15,9 +15,12 @@ two commits, are in :mod:`lakestream_iceberg.lifecycle.gc` ("Forks and GC").
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from pyiceberg.table.metadata import TableMetadata
+
+from lakestream_iceberg.format.layout import StreamConfig
 
 
 def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int) -> list[int]:
@@ -33,17 +36,33 @@ def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int) -> l
     return out
 
 
-def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = ()) -> set[int]:
+def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = (), max_age_ms: int = 0,
+              retain_max: int = 0, now_ms: int | None = None) -> set[int]:
+    """What no commit may expire: every ref's snapshot, the ``retain_last`` newest ancestors of each branch head, and,
+    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata)."""
     keep = set(extra)
+    by_age = max_age_ms > 0 and retain_max > retain_last
+    cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
+    stamps = {s.snapshot_id: s.timestamp_ms for s in metadata.snapshots} if by_age else {}
     for ref in metadata.refs.values():
         keep.add(ref.snapshot_id)
         if ref.snapshot_ref_type == "branch":
-            keep.update(ancestors(metadata, ref.snapshot_id, retain_last))
+            lineage = ancestors(metadata, ref.snapshot_id, retain_max if by_age else retain_last)
+            keep.update(lineage[:retain_last])
+            keep.update(sid for sid in lineage[retain_last:] if stamps.get(sid, 0) >= cutoff)
     return keep
 
 
-def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256) -> list[int]:
+def retention(config: StreamConfig) -> dict[str, int]:
+    """The retention arguments of :func:`protected` and :func:`expirable` from a stream's config."""
+    return {"retain_last": config.retain_snapshots, "max_age_ms": config.retain_max_age_ms,
+            "retain_max": config.retain_max}
+
+
+def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256,
+              max_age_ms: int = 0, retain_max: int = 0, now_ms: int | None = None) -> list[int]:
     """Snapshot ids that no ref needs and that fall outside every branch's retention window (oldest first)."""
-    keep = protected(metadata, retain_last=retain_last, extra=extra_keep)
+    keep = protected(metadata, retain_last=retain_last, extra=extra_keep, max_age_ms=max_age_ms, retain_max=retain_max,
+                     now_ms=now_ms)
     old = sorted((s for s in metadata.snapshots if s.snapshot_id not in keep), key=lambda s: s.timestamp_ms)
     return [s.snapshot_id for s in old[:limit]]

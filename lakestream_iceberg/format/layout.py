@@ -43,6 +43,10 @@ FORMAT_VERSION = "1"
 PROP_VERSION = "lakestream.format-version"
 PROP_WORLD_SIZE = "lakestream.world-size"
 PROP_RETAIN_SNAPSHOTS = "lakestream.snapshots.retain-last"
+PROP_RETAIN_MAX = "lakestream.snapshots.retain-max"
+# Iceberg's own snapshot-retention properties, honoured by the expiry every commit does in passing (when set)
+PROP_MAX_SNAPSHOT_AGE_MS = "history.expire.max-snapshot-age-ms"
+PROP_MIN_SNAPSHOTS_TO_KEEP = "history.expire.min-snapshots-to-keep"
 PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
 PROP_MAX_MERGE_ENTRIES = "lakestream.manifest.max-merge-entries"
 PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
@@ -84,6 +88,10 @@ class StreamConfig:
         world_size: Number of ranks (shards) in every global batch.
         retain_snapshots: Snapshots of each branch kept in table metadata by normal commits (older untagged ones are
             expired in the same commit, so commit cost does not grow with history; their data stays in the table).
+        retain_max_age_ms: Snapshots of a branch younger than this are kept too (Iceberg's
+            ``history.expire.max-snapshot-age-ms``; unset: 0, off), so a streaming reader of another engine whose
+            trigger interval is shorter finds the snapshot it stopped at; at most ``retain_max`` per branch.
+        retain_max: The most snapshots per branch that ``retain_max_age_ms`` keeps: the bound on metadata.json.
         merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
         max_merge_entries: No merge rewrites more entries than this (bounds the worst commit).
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
@@ -110,6 +118,8 @@ class StreamConfig:
 
     world_size: int
     retain_snapshots: int = 8
+    retain_max_age_ms: int = 0
+    retain_max: int = 2_000
     merge_fanout: int = 16
     max_merge_entries: int = 4096
     commit_timeout_ms: int = 300_000
@@ -169,6 +179,8 @@ class StreamConfig:
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
         ints = {name: as_int(key, getattr(defaults, name), minimum) for name, (key, minimum) in _INT_FIELDS.items()}
+        # Iceberg's history.expire.min-snapshots-to-keep raises the count kept (never lowers lakestream's own)
+        ints["retain_snapshots"] = max(ints["retain_snapshots"], as_int(PROP_MIN_SNAPSHOTS_TO_KEEP, 0, 1))
         layout = properties.get(PROP_LAYOUT, LAYOUT_PER_RANK)
         if layout not in LAYOUTS:
             raise ConfigError(f"table property {PROP_LAYOUT}={layout!r} is not a layout; use one of {', '.join(LAYOUTS)}")
@@ -189,6 +201,8 @@ class StreamConfig:
             PROP_VERSION: FORMAT_VERSION,
             PROP_WORLD_SIZE: str(self.world_size),
             PROP_RETAIN_SNAPSHOTS: str(self.retain_snapshots),
+            PROP_RETAIN_MAX: str(self.retain_max),
+            **({PROP_MAX_SNAPSHOT_AGE_MS: str(self.retain_max_age_ms)} if self.retain_max_age_ms else {}),
             PROP_MERGE_FANOUT: str(self.merge_fanout),
             PROP_MAX_MERGE_ENTRIES: str(self.max_merge_entries),
             PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
@@ -211,6 +225,8 @@ class StreamConfig:
 _INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table property, minimum)
     "world_size": (PROP_WORLD_SIZE, 1),
     "retain_snapshots": (PROP_RETAIN_SNAPSHOTS, 2),
+    "retain_max_age_ms": (PROP_MAX_SNAPSHOT_AGE_MS, 0),
+    "retain_max": (PROP_RETAIN_MAX, 2),
     "merge_fanout": (PROP_MERGE_FANOUT, 2),
     "max_merge_entries": (PROP_MAX_MERGE_ENTRIES, 1),
     "commit_timeout_ms": (PROP_COMMIT_TIMEOUT_MS, 1),
