@@ -9,6 +9,7 @@ sets the file or the variables and then installs a ``Config()`` read from them, 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -81,6 +82,17 @@ def test_the_issue_repro_reads_pool_pre_ping_from_the_environment(tmp_path: Path
     assert "'pool_pre_ping': 'true'" in out.stdout and "pool-pre-ping" not in out.stdout
 
 
+@pytest.fixture
+def engine_log_handlers() -> Iterator[None]:
+    """``echo`` adds a handler to SQLAlchemy's engine logger for the process: take it off again."""
+    logger = logging.getLogger("sqlalchemy.engine.Engine")
+    before = list(logger.handlers)
+    yield
+    for handler in [h for h in logger.handlers if h not in before]:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.usefixtures("engine_log_handlers")
 def test_each_sql_setting_means_the_same_three_ways(tmp_path: Path) -> None:
     props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh", **SETTINGS}
     seen = {way: behaviour(load(way, "three", props, tmp_path / way)) for way in WAYS}

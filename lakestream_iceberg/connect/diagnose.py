@@ -11,7 +11,8 @@ message names the catalog property to fix (``s3.secret-access-key``, ``s3.endpoi
   failure;
 * :func:`config_errors` -- a context manager applying :func:`explain` to whatever its block raises;
 * :func:`load_catalog` -- ``pyiceberg.catalog.load_catalog`` with :func:`explain` applied (REST catalogs connect
-  when loaded);
+  when loaded), each setting given the same meaning in the file, a variable or an argument
+  (:mod:`lakestream_iceberg.connect.catalog_settings`);
 * :func:`transient` / :func:`call_with_retry` -- bounded, jittered retry of transient storage/catalog failures;
 * :func:`redact` -- removes every secret value of a property dict (and URI passwords) from a text (it lives in
   :mod:`lakestream_iceberg.connect.secrets`, with the rule of which properties are secret).
