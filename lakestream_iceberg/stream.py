@@ -15,7 +15,12 @@ from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
+from pyiceberg.exceptions import (
+    NamespaceAlreadyExistsError,
+    NoSuchNamespaceError,
+    NoSuchTableError,
+    TableAlreadyExistsError,
+)
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
@@ -23,7 +28,14 @@ from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, 
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.sqlite import prefer_wal
-from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
+from lakestream_iceberg.errors import (
+    ConfigError,
+    LifecycleError,
+    ReadTimeoutError,
+    StepError,
+    StreamExistsError,
+    StreamNotFoundError,
+)
 from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
@@ -200,11 +212,23 @@ class Stream(StreamTable):
 
     @classmethod
     def open(cls, catalog: Catalog, identifier: str) -> Stream:
-        """Open an existing stream. Raises ``NoSuchTableError`` (pyiceberg's) when no table has that name, and
-        ``ConfigError`` when ``identifier`` is not ``"namespace.name"``."""
+        """Open an existing stream.
+
+        Raises:
+            StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
+            NotAStreamError: The table is a plain Iceberg table.
+            ConfigError: ``identifier`` is not ``"namespace.name"``, or the catalog is unreachable.
+        """
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
-            return cls(catalog.load_table(identifier))
+            try:
+                table = catalog.load_table(identifier)
+            except (NoSuchTableError, NoSuchNamespaceError) as exc:
+                raise StreamNotFoundError(
+                    f"no stream {identifier} in catalog {catalog.name!r}: create it with Stream.create(), or check the "
+                    "name and the catalog"
+                ) from exc
+            return cls(table)
 
     @classmethod
     def drop(cls, catalog: Catalog, identifier: str, *, purge: bool = False) -> int:
@@ -225,7 +249,7 @@ class Stream(StreamTable):
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"``, or ``purge`` is not a bool.
             NotAStreamError: The table is a plain Iceberg table, not a stream (nothing is dropped).
-            NoSuchTableError: pyiceberg's, when no table has that name.
+            StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
             Exception: The catalog's database unreachable after the table was dropped, unchanged; the intents left
                 are unusable rows (their table is gone) and a later drop of a stream at the same location, or its GC,
                 removes them.

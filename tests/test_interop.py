@@ -374,3 +374,23 @@ def test_an_age_retention_that_ended_lets_the_next_commit_expire(tmp_path: Path)
         producer.commit(batch("a", seq, WORLD), seq=seq)
         time.sleep(0.002)  # older than 1 ms by the next commit: an age of 1 ms keeps nothing beyond the count
     assert branch_snapshots(stream) == 2
+
+
+def test_a_missing_or_dropped_stream_is_a_stream_not_found_error(tmp_path: Path) -> None:
+    from pyiceberg.exceptions import NoSuchTableError
+
+    from lakestream_iceberg import StreamNotFoundError
+
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(StreamNotFoundError, match="no stream ns.nope") as err:
+        Stream.open(catalog, "ns.nope")
+    assert isinstance(err.value, NoSuchTableError)  # code written against pyiceberg still catches it
+    with pytest.raises(StreamNotFoundError):
+        Stream.open(catalog, "nonamespace.nope")
+    with pytest.raises(StreamNotFoundError):
+        Stream.drop(catalog, "ns.nope")
+    stream, _ = published(make(tmp_path))
+    Stream.drop(sqlite_catalog(str(tmp_path)), "ns.stream")  # by another process
+    for call in (stream.head_step, stream.refresh, lambda: stream.history()):
+        with pytest.raises(StreamNotFoundError, match="no longer exists"):
+            call()
