@@ -19,21 +19,44 @@ import time
 from collections.abc import Iterable
 
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.format.layout import StreamConfig
 
 
-def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int) -> list[int]:
-    """Up to ``limit`` snapshot ids from ``snapshot_id`` back along parent links (the snapshot itself first)."""
-    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int, *,
+              by_id: dict[int, Snapshot] | None = None) -> list[int]:
+    """Up to ``limit`` snapshot ids from ``snapshot_id`` back along parent links (the snapshot itself first).
+
+    ``by_id``: the metadata's snapshots by id, when the caller has them (a commit keeping snapshots by age walks
+    thousands: the summary is read as its plain dict, not through pydantic's attribute lookup)."""
+    if by_id is None:
+        by_id = {s.snapshot_id: s for s in metadata.snapshots}
     out: list[int] = []
     current = by_id.get(snapshot_id) if snapshot_id is not None else None
     while current is not None and len(out) < limit:
         out.append(current.snapshot_id)
-        if current.summary is not None and current.summary.get("lakestream.op") == "checkpoint":
+        if _is_anchor(current):
             break  # a fork's lineage starts at its checkpoint anchor: do not pin the source branch's history
         current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
     return out
+
+
+# Whether a snapshot is a checkpoint anchor, by (snapshot id, manifest list): a snapshot never changes, and a commit
+# keeping snapshots by age asks it of thousands of them (a summary read through pydantic costs ~10 us). Bounded.
+_ANCHORS: dict[tuple[int, str], bool] = {}
+_MAX_ANCHORS = 16_384
+
+
+def _is_anchor(snapshot: Snapshot) -> bool:
+    key = (snapshot.snapshot_id, snapshot.manifest_list)
+    found = _ANCHORS.get(key)
+    if found is None:
+        found = snapshot.summary is not None and snapshot.summary.additional_properties.get("lakestream.op") == "checkpoint"
+        if len(_ANCHORS) >= _MAX_ANCHORS:
+            _ANCHORS.clear()
+        _ANCHORS[key] = found
+    return found
 
 
 def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = (), max_age_ms: int = 0,
@@ -43,13 +66,13 @@ def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int]
     keep = set(extra)
     by_age = max_age_ms > 0 and retain_max > retain_last
     cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
-    stamps = {s.snapshot_id: s.timestamp_ms for s in metadata.snapshots} if by_age else {}
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
     for ref in metadata.refs.values():
         keep.add(ref.snapshot_id)
         if ref.snapshot_ref_type == "branch":
-            lineage = ancestors(metadata, ref.snapshot_id, retain_max if by_age else retain_last)
+            lineage = ancestors(metadata, ref.snapshot_id, retain_max if by_age else retain_last, by_id=by_id)
             keep.update(lineage[:retain_last])
-            keep.update(sid for sid in lineage[retain_last:] if stamps.get(sid, 0) >= cutoff)
+            keep.update(sid for sid in lineage[retain_last:] if by_id[sid].timestamp_ms >= cutoff)
     return keep
 
 
