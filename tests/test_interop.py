@@ -5,8 +5,8 @@ the Spark half is in tests/test_interop_spark.py)."""
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
