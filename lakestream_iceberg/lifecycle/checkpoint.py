@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
-from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import (
-    AddSnapshotUpdate,
     AssertRefSnapshotId,
     AssertTableUUID,
     RemoveSnapshotRefUpdate,
@@ -37,6 +36,7 @@ from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint,
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.lineage import branch_state
+from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
 from lakestream_iceberg.write.commit import Done, Plan
 
@@ -75,8 +75,8 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     entries = stream.index.entries(head, step)
     if step < state.collected_below or not entries:
         raise CheckpointError(f"cannot checkpoint step {step} of {stream.name}: it was already collected by lifecycle GC")
-    snapshot_id = metadata.new_snapshot_id()
-    sequence_number = metadata.next_sequence_number()
+    builder = SnapshotBuilder(metadata)
+    snapshot_id, sequence_number = builder.next_ids()
     planner = stream.manifest_planner(metadata)
     manifest = planner.existing(snapshot_id=snapshot_id, sequence_number=sequence_number, entries=entries)
     source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
@@ -86,19 +86,21 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     rows = sum(e.data_file.record_count for e in entries)
     size = sum(e.data_file.file_size_in_bytes for e in entries)
     anchor_state = StreamState(op=OP_CHECKPOINT, step=step, producers={}, collected_below=step)
-    summary = Summary(
-        Operation.DELETE,
-        **{"total-records": str(rows), "total-data-files": str(len(entries)), "total-files-size": str(size),
-           "total-delete-files": "0", "total-position-deletes": "0", "total-equality-deletes": "0"},
-        **anchor_state.properties(**{KEY_CHECKPOINT: name, KEY_SOURCE_BRANCH: branch,
-                                     **({KEY_SOURCE_SNAPSHOT: str(source)} if source is not None else {})}),
+    # its table state is the one step (totals given), listed as EXISTING: it adds and removes nothing
+    snapshot = builder.snapshot(
+        snapshot_id=snapshot_id, sequence_number=sequence_number,
+        parent=metadata.snapshot_by_id(source) if source is not None else None, manifest_list=manifest_list,
+        operation=Operation.DELETE,
+        totals={"total-records": str(rows), "total-data-files": str(len(entries)), "total-files-size": str(size),
+                "total-delete-files": "0", "total-position-deletes": "0", "total-equality-deletes": "0"},
+        properties=anchor_state.properties(**{KEY_CHECKPOINT: name, KEY_SOURCE_BRANCH: branch,
+                                              **({KEY_SOURCE_SNAPSHOT: str(source)} if source is not None else {})}),
     )
-    snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=source, sequence_number=sequence_number,
-                        manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id)
+    builder.add(snapshot, tag=name)
     result = Checkpoint(name=name, step=step, snapshot_id=snapshot_id, created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
                         branch=branch, source_snapshot_id=source)
     return Plan(
-        (AddSnapshotUpdate(snapshot=snapshot), SetSnapshotRefUpdate(ref_name=name, type=SnapshotRefType.TAG, snapshot_id=snapshot_id)),
+        tuple(builder.updates),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=None),
          AssertRefSnapshotId(ref=branch, snapshot_id=head.snapshot_id)),
         result,

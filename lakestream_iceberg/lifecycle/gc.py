@@ -55,14 +55,12 @@ from urllib.parse import urlparse
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
-from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import (
-    AddSnapshotUpdate,
     AssertRefSnapshotId,
     AssertTableUUID,
     RemoveSnapshotRefUpdate,
     RemoveSnapshotsUpdate,
-    SetSnapshotRefUpdate,
     TableUpdate,
 )
 
@@ -75,6 +73,7 @@ from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMM
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
+from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.write.commit import CommitLoop, Done, Plan
 from lakestream_iceberg.write.intent import STAGING_DIR
@@ -120,10 +119,6 @@ def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_withi
     return [c for c in checkpoints if c.name in keep]
 
 
-def _summary(snapshot: Snapshot | None) -> dict[str, str]:
-    return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
-
-
 def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
                  write: bool) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
     """GC's first commit, the collected branches' heads, and the released anchors that the second commit
@@ -139,7 +134,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     requirements += [AssertRefSnapshotId(ref=c.name, snapshot_id=c.snapshot_id) for c in released]
     collected: dict[str, tuple[Snapshot, int]] = {}
     planner = stream.manifest_planner(metadata)
-    sequence_number = metadata.next_sequence_number()
+    builder = SnapshotBuilder(metadata)
     for branch, ref in sorted(metadata.refs.items()):
         if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
             continue
@@ -154,25 +149,18 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
         collected[branch] = (head, cutoff)
         if not write:
             continue
-        snapshot_id = metadata.new_snapshot_id()
+        snapshot_id, sequence_number = builder.next_ids()
         manifests, dropped = planner.without_steps_below(planner.parent_manifests(head), cutoff,
                                                         snapshot_id=snapshot_id, sequence_number=sequence_number)
         manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=head.snapshot_id,
                                            sequence_number=sequence_number)
         new_state = StreamState(op=OP_COLLECT, step=state.step, producers=state.producers, collected_below=cutoff,
                                 producer_files=state.producer_files)
-        previous = _summary(head)
-        totals = {k: previous[k] for k in ("total-records", "total-data-files", "total-files-size") if k in previous}
-        totals["total-records"] = str(int(totals.get("total-records", "0")) - sum(f.record_count for f in dropped))
-        totals["total-data-files"] = str(int(totals.get("total-data-files", "0")) - len(dropped))
-        totals["total-files-size"] = str(int(totals.get("total-files-size", "0")) - sum(f.file_size_in_bytes for f in dropped))
-        summary = Summary(Operation.DELETE, **{"deleted-data-files": str(len(dropped))}, **totals, **new_state.properties())
-        snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id, sequence_number=sequence_number,
-                            manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id)
-        updates += [AddSnapshotUpdate(snapshot=snapshot),
-                    SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
-                                         parent_snapshot_id=head.snapshot_id)]
-        sequence_number += 1
+        snapshot = builder.snapshot(snapshot_id=snapshot_id, sequence_number=sequence_number, parent=head,
+                                    manifest_list=manifest_list, operation=Operation.DELETE, removed=dropped,
+                                    properties=new_state.properties())
+        builder.add(snapshot, branch=branch)
+    updates += builder.updates
     # Keep every snapshot a ref of this metadata points at, *released tags' anchors included* (a fork may be landing on
     # one right now: see "Forks and GC" above), the new heads, and the retention window of branches not collected. Of
     # a collected branch only the snapshots that age retention keeps for streaming readers of other engines

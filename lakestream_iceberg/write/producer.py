@@ -17,14 +17,11 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyiceberg.manifest import ManifestFile
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.refs import SnapshotRefType
-from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotSummaryCollector, Summary, update_snapshot_summaries
+from pyiceberg.table.snapshots import Operation
 from pyiceberg.table.update import (
-    AddSnapshotUpdate,
     AssertRefSnapshotId,
     AssertTableUUID,
     RemoveSnapshotsUpdate,
-    SetSnapshotRefUpdate,
     TableUpdate,
 )
 
@@ -39,6 +36,7 @@ from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import expirable, retention
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_batch
 from lakestream_iceberg.format.producers import compact
+from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Peek, Plan
@@ -397,28 +395,19 @@ class Producer:
         batches = sorted([own, *others], key=lambda b: b.staged_at)
         group = len(batches)
         parent = metadata.snapshot_by_name(self.branch)
-        parent_id = base_id = parent.snapshot_id if parent is not None else None
-        previous_summary = parent.summary if parent is not None else None
-        timestamp = parent.timestamp_ms if parent is not None else 0
-        first_sequence = metadata.next_sequence_number()
-        spec, schema = metadata.spec(), metadata.schema()
-        taken = {s.snapshot_id for s in metadata.snapshots}
+        base_id = parent.snapshot_id if parent is not None else None
+        builder = SnapshotBuilder(metadata)
         planner = stream.manifest_planner(metadata)
         manifests = planner.parent_manifests(parent)
         own_manifests: list[ManifestFile] = []  # this group's manifests so far, one per batch, newest first
         producers = dict(state.producers)
-        updates: list[TableUpdate] = []
         result: CommitResult | None = None
         # on object storage the group's manifests and lists are written concurrently (waited for by the swap)
         with planner.concurrent_writes():
             for i, item in enumerate(batches):
                 staged = item.batch
                 step = state.step + 1 + i
-                snapshot_id = metadata.new_snapshot_id()
-                while snapshot_id in taken:
-                    snapshot_id = metadata.new_snapshot_id()
-                taken.add(snapshot_id)
-                sequence_number = first_sequence + i
+                snapshot_id, sequence_number = builder.next_ids()
                 data_files = staged.data_files(step=step, spec_id=metadata.default_spec_id)
                 if i < group - 1:  # a snapshot inside the group: its batch's manifest on top of the earlier ones
                     added = planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files,
@@ -430,7 +419,8 @@ class Producer:
                                           data_files=data_files) if own_manifests else \
                         planner.added(snapshot_id=snapshot_id, sequence_number=sequence_number, data_files=data_files)
                     listed = planner.merged([added, *manifests], snapshot_id=snapshot_id, sequence_number=sequence_number)
-                manifest_list = planner.write_list(listed, snapshot_id=snapshot_id, parent_id=parent_id,
+                manifest_list = planner.write_list(listed, snapshot_id=snapshot_id,
+                                                   parent_id=parent.snapshot_id if parent is not None else None,
                                                    sequence_number=sequence_number, inner=i < group - 1)
                 previous = producers.get(staged.producer)  # active: keeps its first step; else it (re)enters now
                 first = step if previous is None else (previous.step if previous.first is None else previous.first)
@@ -447,29 +437,18 @@ class Producer:
                                         group_commit_ms=self._loop.policy.critical_section_s * 1000 if group > 1 else None,
                                         producer_files=files, token=staged.token or None,
                                         staged_at_ms=int(item.staged_at * 1000) if carried else None)
-                collector = SnapshotSummaryCollector()
-                for data_file in data_files:
-                    collector.add_file(data_file, schema=schema, partition_spec=spec)
-                summary = update_snapshot_summaries(
-                    Summary(Operation.APPEND, **collector.build(), **new_state.properties(**{KEY_ATTEMPTS: str(attempt)})),
-                    previous_summary=previous_summary,
-                )
-                timestamp = max(int(time.time() * 1000), timestamp + 1)
-                snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=sequence_number,
-                                    manifest_list=manifest_list, summary=summary, schema_id=metadata.current_schema_id,
-                                    timestamp_ms=timestamp)
-                updates += [
-                    AddSnapshotUpdate(snapshot=snapshot),
-                    SetSnapshotRefUpdate(ref_name=self.branch, type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id,
-                                         parent_snapshot_id=parent_id),
-                ]
+                snapshot = builder.snapshot(snapshot_id=snapshot_id, sequence_number=sequence_number, parent=parent,
+                                            manifest_list=manifest_list, operation=Operation.APPEND, added=data_files,
+                                            properties=new_state.properties(**{KEY_ATTEMPTS: str(attempt)}))
+                builder.add(snapshot, branch=self.branch)
                 if item is own:
                     result = CommitResult(step=step, snapshot_id=snapshot_id, seq=staged.seq, producer=self.producer_id,
                                           attempts=attempt, duplicate=False)
-                parent_id, previous_summary = snapshot_id, summary
+                parent = snapshot
         # counted on the parent: the group's snapshots join what is kept
         expired = expirable(metadata, **{**retention(stream.config), "retain_last": max(1, stream.config.retain_snapshots - group),
                                          "retain_max": max(1, stream.config.retain_max - group)})
+        updates: list[TableUpdate] = builder.updates
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
         requirements = (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=self.branch, snapshot_id=base_id))
