@@ -416,3 +416,28 @@ def test_lifecycle_gc_keeps_the_snapshots_age_retention_keeps(tmp_path: Path) ->
     old = metadata.snapshot_by_id(ids[1])  # step 2's snapshot: its table state still reads, its files were kept
     assert sorted(set(stream.table.scan(snapshot_id=old.snapshot_id, selected_fields=("_step",)).to_arrow()["_step"]
                       .to_pylist())) == [1, 2]
+
+
+def test_a_producer_refused_by_a_foreign_change_commits_again_after_the_repair(tmp_path: Path) -> None:
+    stream, _ = published(make(tmp_path))
+    producer = stream.producer("a")
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9  # its view is fresh: it just committed
+    foreign_delete(Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream"))  # another engine, meanwhile
+    with pytest.raises(ForeignSnapshotError):
+        producer.commit(batch("a", 5, WORLD), seq=5)
+    Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").repair()  # by another process
+    assert producer.commit(batch("a", 5, WORLD), seq=5).step == 10  # the same producer object goes on
+
+
+def test_a_retention_set_on_a_live_stream_applies_from_the_next_commit(tmp_path: Path) -> None:
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2"})
+    producer = stream.producer("a")
+    for seq in range(5):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    assert branch_snapshots(stream) == 2
+    other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    with other.table.transaction() as tx:  # as Spark's ALTER TABLE ... SET TBLPROPERTIES would, producers running
+        tx.set_properties({"history.expire.max-snapshot-age-ms": "3600000"})
+    for seq in range(5, 15):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    assert branch_snapshots(stream) == 12  # the 2 kept before, and every one since

@@ -87,10 +87,27 @@ def young(metadata: TableMetadata, snapshot_id: int, *, max_age_ms: int, retain_
     return {sid for sid in ancestors(metadata, snapshot_id, retain_max, by_id=by_id) if by_id[sid].timestamp_ms >= cutoff}
 
 
-def retention(config: StreamConfig) -> dict[str, int]:
-    """The retention arguments of :func:`protected` and :func:`expirable` from a stream's config."""
-    return {"retain_last": config.retain_snapshots, "max_age_ms": config.retain_max_age_ms,
-            "retain_max": config.retain_max}
+def retention(metadata: TableMetadata) -> dict[str, int]:
+    """The retention arguments of :func:`protected` and :func:`expirable`, from the properties of the metadata a
+    commit is planned on: a retention changed on a live stream (``ALTER TABLE ... SET TBLPROPERTIES``, pyiceberg's
+    ``set_properties``) applies from the next commit of every producer, with no reopening.
+
+    Raises:
+        ConfigError: A retention property holds a value lakestream cannot use (names it).
+    """
+    key = tuple(sorted(metadata.properties.items()))
+    found = _RETENTIONS.get(key)
+    if found is None:
+        config = StreamConfig.from_properties(metadata.properties)
+        found = {"retain_last": config.retain_snapshots, "max_age_ms": config.retain_max_age_ms,
+                 "retain_max": config.retain_max}
+        if len(_RETENTIONS) >= 64:
+            _RETENTIONS.clear()
+        _RETENTIONS[key] = found
+    return dict(found)
+
+
+_RETENTIONS: dict[tuple[tuple[str, str], ...], dict[str, int]] = {}
 
 
 def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256,

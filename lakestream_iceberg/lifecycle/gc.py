@@ -166,9 +166,9 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     # a collected branch only the snapshots that age retention keeps for streaming readers of other engines
     # (history.expire.max-snapshot-age-ms) stay: their files stay with them, until a later GC finds them aged out.
     uncollected = metadata.model_copy(update={"refs": {n: r for n, r in metadata.refs.items() if n not in collected}})
-    keep_ids = protected(uncollected, **retention(stream.config))
+    keep_ids = protected(uncollected, **retention(metadata))
     for head, _ in collected.values():
-        keep_ids |= young(metadata, head.snapshot_id, **retention(stream.config))
+        keep_ids |= young(metadata, head.snapshot_id, **retention(metadata))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
     if expired:
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
@@ -176,7 +176,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     # other ref keeps.
     remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items()
                                                         if n not in report.released_checkpoints}})
-    still = protected(remaining, **retention(stream.config))
+    still = protected(remaining, **retention(metadata))
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
     return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
@@ -186,7 +186,7 @@ def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Don
     """GC's second commit: expire every snapshot that no ref of ``metadata`` needs (released anchors, once their tag
     is gone). Planned on a head that already shows the release, so no fork can target those anchors any more, and a
     fork that landed before the release is a ref of ``metadata``: its anchor is kept."""
-    keep = protected(metadata, **retention(stream.config))
+    keep = protected(metadata, **retention(metadata))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep]
     if not expired:
         return Done(0)

@@ -30,6 +30,7 @@ from lakestream_iceberg.errors import (
     CommitError,
     CommitOutcomeUnknownError,
     CommitTimeoutError,
+    ForeignSnapshotError,
     SequenceError,
 )
 from lakestream_iceberg.format.checks import check_branch, check_int
@@ -121,7 +122,11 @@ class Producer:
 
     def _state(self, metadata: TableMetadata) -> StreamState:
         self._check_branch(metadata)
-        return self._stream.branch_state(branch=self.branch, metadata=metadata)
+        try:
+            return self._stream.branch_state(branch=self.branch, metadata=metadata)
+        except ForeignSnapshotError:
+            self._loop.mark_stale()  # the next call reads the head again: it may have been repaired meanwhile
+            raise
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
@@ -446,8 +451,9 @@ class Producer:
                                           attempts=attempt, duplicate=False)
                 parent = snapshot
         # counted on the parent: the group's snapshots join what is kept
-        expired = expirable(metadata, **{**retention(stream.config), "retain_last": max(1, stream.config.retain_snapshots - group),
-                                         "retain_max": max(1, stream.config.retain_max - group)})
+        kept = retention(metadata)
+        expired = expirable(metadata, **{**kept, "retain_last": max(1, kept["retain_last"] - group),
+                                         "retain_max": max(1, kept["retain_max"] - group)})
         updates: list[TableUpdate] = builder.updates
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
