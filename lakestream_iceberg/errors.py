@@ -7,7 +7,8 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     ├── StreamError                 the table is not a stream / not the stream you asked for
     │   ├── NotAStreamError
     │   ├── StreamExistsError
-    │   └── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed
+    │   ├── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed
+    │   └── ForeignSnapshotError    another engine changed the stream's data; Stream.repair() brings it back
     ├── BatchError                  a batch handed to a producer is malformed; nothing was written or published
     │   ├── ShardCountError
     │   ├── SchemaMismatchError
@@ -38,6 +39,7 @@ __all__ = [
     "CommitTimeoutError",
     "ConfigError",
     "CorruptStateError",
+    "ForeignSnapshotError",
     "LakestreamError",
     "LifecycleError",
     "MissingExtraError",
@@ -76,6 +78,17 @@ class StreamExistsError(StreamError):
 class CorruptStateError(StreamError):
     """Lakestream state read back from the table (a snapshot summary value, a producer-state file) is malformed: it was
     not written by lakestream, or was damaged. The message names the snapshot or file and how to roll back."""
+
+
+class ForeignSnapshotError(StreamError):
+    """A snapshot that another engine wrote on a stream's branch changed its data (an append, a delete, an overwrite,
+    a data-file rewrite), or hides the stream's lineage: lakestream refuses to commit on it or read through it rather
+    than republish or mis-read a step. ``Stream.repair()`` (``lakestream repair``) rolls the branch back to its last
+    lakestream snapshot, with every published step intact. ``snapshot_id`` names the foreign snapshot."""
+
+    def __init__(self, message: str, *, snapshot_id: int | None = None) -> None:
+        super().__init__(message)
+        self.snapshot_id = snapshot_id
 
 
 class BatchError(LakestreamError):

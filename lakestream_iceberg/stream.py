@@ -24,7 +24,7 @@ from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
-from lakestream_iceberg.format.checks import check_bool, check_branch, check_identifier, check_int
+from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
@@ -54,6 +54,7 @@ from lakestream_iceberg.lifecycle.gc import (
     snapshots_expired,
     sweep,
 )
+from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.write.commit import CommitLoop
@@ -282,9 +283,9 @@ class Stream(StreamTable):
         """
         # Its own view of the table, starting from ours: the first commit refreshes it (on SQL catalogs one read of the
         # catalog pointer, no metadata reload when nothing moved), so making a producer costs no catalog round trip.
+        self.require_branch(branch, doing=f"cannot make producer {producer_id!r} on")
         table = Table(self.table.name(), metadata=self.table.metadata, metadata_location=self.table.metadata_location,
                       io=self.table.io, catalog=self.table.catalog, config=self.table.config)
-        check_branch(table.metadata, branch, stream=self.name, doing=f"cannot make producer {producer_id!r} on")
         policy = CommitPolicy(clock=time.monotonic, rng=random.Random(seed),
                               config=PolicyConfig(group_max_batches=self.config.group_max_batches))
         predecessor = self._policies.get(branch)
@@ -325,6 +326,37 @@ class Stream(StreamTable):
         """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1."""
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
         return self._control_loop(MAIN).run(lambda md, _: plan_fork(md, name=name, branch=branch), pace=False).result
+
+    def repair(self, *, branch: str = MAIN, dry_run: bool = False) -> RepairReport:
+        """Roll ``branch`` back to its last lakestream snapshot when another engine changed its data.
+
+        A snapshot another engine wrote that changes a stream's data (an append, a ``DELETE``, an overwrite,
+        ``rewrite_data_files``) stops commits and reads with :class:`ForeignSnapshotError`. This moves the branch
+        back to the snapshot lakestream wrote below it (see :mod:`lakestream_iceberg.lifecycle.repair`): every
+        published step stays as it was published, producers go on at the next step (a re-commit of a published seq
+        is a duplicate), and the foreign change leaves the branch. Metadata-only foreign snapshots
+        (``rewrite_manifests``) need no repair.
+
+        Args:
+            branch: The branch to repair.
+            dry_run: Only report what would be rolled back.
+
+        Returns:
+            A :class:`RepairReport` (``foreign`` empty: nothing to repair).
+
+        Raises:
+            LifecycleError: ``branch`` is not a branch of the stream.
+            ForeignSnapshotError: No lakestream snapshot is left below the foreign ones (expired).
+
+        Example:
+            >>> report = stream.repair()  # doctest: +SKIP
+            >>> report.rolled_back_to, report.foreign, report.step  # doctest: +SKIP
+        """
+        dry_run = check_bool(dry_run, what="dry_run", error=LifecycleError)
+        if not isinstance(branch, str) or not branch:
+            raise LifecycleError(f"branch must be a branch name, not {branch!r}")
+        return self._control_loop(branch).run(
+            lambda md, _: plan_repair(md, stream=self.name, branch=branch, dry_run=dry_run), pace=False).result
 
     def collect_garbage(
         self,

@@ -349,7 +349,7 @@ class ManifestPlanner:
             run = self._mergeable(sorted(at_level, key=lambda m: step_bounds(m) or (0, 0))) \
                 if len(at_level) >= self._fanout else []
             if run:
-                merged = self._write(level + 1, snapshot_id, sequence_number, self._as_existing(run))
+                merged = self._write(level + 1, snapshot_id, sequence_number, self._as_existing(run, own=snapshot_id))
                 gone = {m.manifest_path for m in run}
                 result = [m for m in result if m.manifest_path not in gone] + [merged]
                 self._replaced.extend(gone)
@@ -372,9 +372,17 @@ class ManifestPlanner:
             listed = {m.manifest_path for m in self._cache.manifests(self._io, head)} if head is not None else set()
             self._cache.forget_entries(path for path in self._replaced if path not in listed)
 
-    def _as_existing(self, manifests: Iterable[ManifestFile]) -> list[ManifestEntry]:
-        """The live entries of ``manifests``, in order, as EXISTING (their snapshot ids and sequence numbers kept)."""
-        return [_copy_entry(e, ManifestEntryStatus.EXISTING) for m in manifests for e in self._entries(m)]
+    def _as_existing(self, manifests: Iterable[ManifestFile], *, own: int | None = None) -> list[ManifestEntry]:
+        """The live entries of ``manifests``, in order, as EXISTING (their snapshot ids and sequence numbers kept),
+        except the files that the committing snapshot ``own`` adds: those stay ADDED.
+
+        Iceberg's incremental reads (Java's ``IncrementalAppendScan``, Spark's ``start-snapshot-id`` reads and
+        structured streaming, Flink's incremental source) take a snapshot's new files from the ADDED entries of the
+        manifests it wrote: a merge that folds the committing snapshot's own manifest into a larger one must keep them
+        ADDED (as Java's ``ManifestMergeManager`` does), or that step is never delivered to those readers."""
+        return [e if own is not None and e.status == ManifestEntryStatus.ADDED and e.snapshot_id == own
+                else _copy_entry(e, ManifestEntryStatus.EXISTING)
+                for m in manifests for e in self._entries(m)]
 
     def _entries(self, manifest: ManifestFile) -> list[ManifestEntry]:
         inner = self._inner.get(manifest.manifest_path)

@@ -20,11 +20,19 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.pointer import refresh_if_moved
-from lakestream_iceberg.errors import ConfigError, CorruptStateError, NotAStreamError, StepError
+from lakestream_iceberg.errors import (
+    ConfigError,
+    CorruptStateError,
+    ForeignSnapshotError,
+    LakestreamError,
+    NotAStreamError,
+    StepError,
+)
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
+from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 
@@ -120,14 +128,35 @@ class StreamTable:
         """The lakestream state (head step, producers) of a branch's head snapshot."""
         if refresh:
             self.refresh()
-        head = self.head(branch=branch)
-        state = StreamState.of(head)  # shared per process, read-only producers: the caller gets its own dict
+        state = self.branch_state(branch=branch)  # shared per process, read-only producers: the caller gets its own dict
         return replace(state, producers=dict(state.producers))
+
+    def branch_state(self, *, branch: str = MAIN, metadata: TableMetadata | None = None) -> StreamState:
+        """The state of a branch in the current view (or ``metadata``), found under snapshots of other engines that
+        change no data (:mod:`lakestream_iceberg.format.lineage`); read-only, no I/O.
+
+        Raises:
+            ForeignSnapshotError: Another engine changed the branch's data; ``Stream.repair()`` brings it back.
+        """
+        metadata = metadata if metadata is not None else self.table.metadata
+        return branch_state(metadata, metadata.snapshot_by_name(branch), stream=self.name, branch=branch)
+
+    def require_branch(self, branch: object, *, doing: str, error: type[LakestreamError] = ConfigError) -> str:
+        """``branch`` when it is a branch of the stream, else ``error`` (``doing`` starts its message). A name the
+        current view does not show as a branch is looked up again on a refreshed view first: another process may have
+        forked it since this view was read."""
+        try:
+            return check_branch(self.table.metadata, branch, stream=self.name, doing=doing, error=error)
+        except LakestreamError:
+            if not isinstance(branch, str):
+                raise
+            self.refresh()
+            return check_branch(self.table.metadata, branch, stream=self.name, doing=doing, error=error)
 
     def head_step(self, *, branch: str = MAIN) -> int:
         """The newest published step of ``branch`` (0 when nothing is published)."""
         self.refresh()
-        return StreamState.of(self.head(branch=branch)).step
+        return self.branch_state(branch=branch).step
 
     def checkpoints(self) -> list[Checkpoint]:
         """Every checkpoint of the stream (all branches), oldest step first."""
@@ -142,6 +171,11 @@ class StreamTable:
         ``step`` must be an integer >= 1 (``StepError``).
         """
         step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        try:
+            self.branch_state(branch=branch)  # refuses a head whose data another engine changed...
+        except ForeignSnapshotError:
+            self.refresh()  # ...unless the view is older than a repair
+            self.branch_state(branch=branch)
         try:
             files = self.index.files(self.head(branch=branch), step)
         except FileNotFoundError:

@@ -36,6 +36,7 @@ from lakestream_iceberg.errors import CheckpointError
 from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint, checkpoint_of
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
+from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
 from lakestream_iceberg.write.commit import Done, Plan
 
@@ -68,7 +69,7 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     head = metadata.snapshot_by_name(branch)
     if head is None:
         raise CheckpointError(f"branch {branch!r} of {stream.name} does not exist or has no steps")
-    state = StreamState.of(head)
+    state = branch_state(metadata, head, stream=stream.name, branch=branch)
     if step < 1 or step > state.step:
         raise CheckpointError(f"cannot checkpoint step {step!r} of {stream.name}: published steps are 1..{state.step}")
     entries = stream.index.entries(head, step)

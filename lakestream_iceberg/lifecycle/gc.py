@@ -70,6 +70,7 @@ from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
+from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
@@ -140,7 +141,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
             continue
         requirements.append(AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id))
         head = metadata.snapshot_by_id(ref.snapshot_id)
-        state = StreamState.of(head)
+        state = branch_state(metadata, head, stream=stream.name, branch=branch)
         on_branch = [c.step for c in keep if c.branch == branch]
         cutoff = min(on_branch) if on_branch else 1
         if cutoff <= state.collected_below or head is None:

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
-from lakestream_iceberg.format.checks import check_bool, check_branch, check_int, check_seconds
+from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -141,7 +141,7 @@ class _DatasetCore:
         max_poll_s = max(0.5, poll_s) if max_poll_s is None else check_seconds(max_poll_s, what="max_poll_s",
                                                                                 minimum=poll_s)
         stream.refresh()  # a branch forked since the stream was opened is a branch
-        branch = check_branch(stream.table.metadata, branch, stream=stream.name, doing="cannot read")
+        branch = stream.require_branch(branch, doing="cannot read")
         if end_step is not None:
             end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
         prefetch = check_int(prefetch, what="prefetch", minimum=0)
@@ -272,7 +272,7 @@ class _DatasetCore:
         # A fork starts at its checkpoint's anchor, which lists only the checkpoint step: steps below it are not on
         # the fork (StreamState.collected_below). Below that lowest step, compare the lowest step itself: when it is
         # shared, so is everything the worker delivered.
-        step = max(last, StreamState.of(here).collected_below)
+        step = max(last, stream.branch_state(branch=self.branch, metadata=metadata).collected_below)
         mine = [f.file_path for f in stream.index.files(here, step)]
         return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
 

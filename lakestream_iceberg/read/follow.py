@@ -45,7 +45,6 @@ from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import StreamTable
 from lakestream_iceberg.read.reader import read_file
 
@@ -239,8 +238,9 @@ class HeadWatcher:
 
     def head(self) -> tuple[int, Snapshot | None]:
         """The head step and snapshot of the branch in the current table view (no I/O)."""
-        snapshot = self._stream.table.metadata.snapshot_by_name(self._branch)
-        return StreamState.of(snapshot).step, snapshot
+        metadata = self._stream.table.metadata
+        snapshot = metadata.snapshot_by_name(self._branch)
+        return self._stream.branch_state(branch=self._branch, metadata=metadata).step, snapshot
 
     def wait(
         self,

@@ -56,7 +56,7 @@ from pyiceberg.io import FileIO
 
 from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
-from lakestream_iceberg.format.checks import check_branch, check_int
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.index import is_packed, rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
@@ -366,7 +366,7 @@ def history(
     duckdb = _import_duckdb()
     if refresh:
         stream.refresh()
-    check_branch(stream.table.metadata, branch, stream=stream.name, doing="no history of")
+    stream.require_branch(branch, doing="no history of")
     samples_steps = _step_range(samples_steps)
     con = duckdb.connect()
     tables = collect(stream, branch=branch, refresh=False)

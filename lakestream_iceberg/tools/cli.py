@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
-from lakestream_iceberg.format.checks import check_branch
 from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
 from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, _human, _mb, _plain
 
@@ -53,7 +52,7 @@ def _stream(args: argparse.Namespace) -> Stream:
     stream = open_stream(load(spec), args.stream, spec=spec)
     branch = getattr(args, "branch", None)
     if branch is not None:  # a misspelled branch must not show an empty stream (head step 0) and exit 0
-        check_branch(stream.table.metadata, branch, stream=stream.name, doing=f"lakestream {args.command}: no")
+        stream.require_branch(branch, doing=f"lakestream {args.command}: no")
     return stream
 
 
@@ -237,6 +236,22 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def cmd_repair(args: argparse.Namespace, out: Output) -> int:
+    stream = _stream(args)
+    report = stream.repair(branch=args.branch, dry_run=args.dry_run)
+    if out.json:
+        out.emit_json(report)
+        return 0
+    if not report.foreign:
+        out.fields([("branch", report.branch), ("head step", report.step), ("foreign data changes", "none")],
+                   title=f"repair of {stream.name}: nothing to repair")
+        return 0
+    out.fields([("branch", report.branch), ("foreign snapshots", ", ".join(map(str, report.foreign))),
+                ("rolled back to", report.rolled_back_to), ("head step", report.step)],
+               title=f"repair of {stream.name}" + (" (dry run: nothing changed)" if args.dry_run else ""))
+    return 0
+
+
 def cmd_host(args: argparse.Namespace, out: Output) -> int:
     from lakestream_iceberg.write.host import check_copy
 
@@ -345,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_stream(add("gc", cmd_gc, "collect steps and files no retained checkpoint needs"))
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
     p.add_argument("--keep-last", type=int, metavar="K", help="keep the newest K steps")
+
+    p = with_stream(add("repair", cmd_repair, "roll a branch back to its last lakestream snapshot after another engine "
+                                              "changed its data"))
+    p.add_argument("--dry-run", action="store_true", help="report what would be rolled back, change nothing")
 
     p = with_stream(add("tail", cmd_tail, "follow new steps live"))
     p.add_argument("--from-step", type=_at_least(1), metavar="S", help="start at step S (default: the next new step)")

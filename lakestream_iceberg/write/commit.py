@@ -47,8 +47,15 @@ from pyiceberg.table.update import TableRequirement, TableUpdate
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.pointer import PointerWatch, cached_probe, read_moved, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
-from lakestream_iceberg.errors import CommitError, CommitOutcomeUnknownError, CommitTimeoutError, LakestreamError
-from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.errors import (
+    CommitError,
+    CommitOutcomeUnknownError,
+    CommitTimeoutError,
+    ForeignSnapshotError,
+    LakestreamError,
+)
+from lakestream_iceberg.format.lineage import branch_state
+from lakestream_iceberg.format.summary import KEY_STEP, StreamState
 from lakestream_iceberg.write.dac import CommitPolicy
 
 log = logging.getLogger(__name__)
@@ -232,6 +239,9 @@ class CommitLoop:
             parent = snapshot.get("parent-snapshot-id")
             return StreamState.parse(summary, snapshot_id=snapshot_id, parent_id=parent if type(parent) is int else None)
 
+        head_summary = by_id.get(ref.get("snapshot-id"), {}).get("summary")
+        if not isinstance(head_summary, dict) or KEY_STEP not in head_summary:
+            return None  # another engine's snapshot: the full read finds the state under it (or refuses it)
         head = states(ref.get("snapshot-id"))
         if head is None:
             return None
@@ -240,7 +250,18 @@ class CommitLoop:
         return peek
 
     def _observe(self, metadata: TableMetadata) -> None:
-        self._observe_state(self._head_state(metadata))
+        try:
+            state = self._head_state(metadata)
+        except ForeignSnapshotError:  # the planner refuses it (or repairs it): pacing has nothing to observe
+            return
+        self._observe_state(state)
+
+    def _base_step(self, metadata: TableMetadata) -> int:
+        """The head step an attempt plans on, for pacing (0 under a foreign data change: the planner refuses it)."""
+        try:
+            return self._head_state(metadata).step
+        except ForeignSnapshotError:
+            return 0
 
     def _observe_state(self, state: StreamState) -> None:
         # DAC counts the producers that contend: those that recur (committed more than once since they became
@@ -322,7 +343,9 @@ class CommitLoop:
             pass
 
     def _head_state(self, metadata: TableMetadata) -> StreamState:
-        return StreamState.of(metadata.snapshot_by_name(self._branch))
+        """The branch's state (through foreign snapshots that change no data; see format/lineage.py)."""
+        return branch_state(metadata, metadata.snapshot_by_name(self._branch), stream=".".join(self.table.name()),
+                            branch=self._branch)
 
     def mark_stale(self) -> None:
         self._fresh = False
@@ -374,7 +397,7 @@ class CommitLoop:
                     metadata = self.refresh(deadline=deadline)
                     stale = False
             began = self._clock()
-            base_step = self._head_state(metadata).step
+            base_step = self._base_step(metadata)
             try:
                 plan = planner(metadata, attempt)
             except FileNotFoundError:

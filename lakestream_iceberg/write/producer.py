@@ -116,10 +116,13 @@ class Producer:
         metadata = self._loop.refresh(deadline=time.monotonic() + self._stream.config.commit_timeout_ms / 1000)
         return self._state(metadata).next_seq(self._stream.io, self.producer_id)
 
-    def _state(self, metadata: TableMetadata) -> StreamState:
+    def _check_branch(self, metadata: TableMetadata) -> None:
         check_branch(metadata, self.branch, stream=self._stream.name, error=CommitError,
                      doing=f"producer {self.producer_id!r} cannot commit to")  # deleted or re-tagged since: never a tag
-        return StreamState.of(metadata.snapshot_by_name(self.branch))
+
+    def _state(self, metadata: TableMetadata) -> StreamState:
+        self._check_branch(metadata)
+        return self._stream.branch_state(branch=self.branch, metadata=metadata)
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
@@ -158,7 +161,7 @@ class Producer:
         if self._loop.peeked and seq in (None, self._peeked_next):
             # The last commit was answered from a light read of the head (it was carried): the loaded metadata is
             # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
-            self._state(self._loop.table.metadata)
+            self._check_branch(self._loop.table.metadata)
             seq = self._peeked_next
         elif not self._loop_fresh() and self._stages() and (opens := self._head_opens(seq)) is not None:
             # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
@@ -318,7 +321,7 @@ class Producer:
     def _head_opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or
         ``seq`` is None; else (a duplicate, a gap, a head the light read cannot tell) None: read the head fully."""
-        self._state(self._loop.table.metadata)  # a branch that is no branch is refused before anything is written
+        self._check_branch(self._loop.table.metadata)  # a branch that is no branch is refused before anything is written
         peek = self._loop.peek()
         if peek is None:
             return None

@@ -21,7 +21,7 @@ from ray.data.block import BlockAccessor
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.secrets import split_secrets
 from lakestream_iceberg.errors import BatchError, ConfigError, ReadError, StreamError
-from lakestream_iceberg.format.checks import check_branch, check_int
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
@@ -323,7 +323,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
 
     def _check_against(self, stream: StreamTable) -> None:
         # the table's file settings and the branch, once on the driver: not an error in every write task (and retry)
-        check_branch(stream.table.metadata, self.branch, stream=stream.name, doing="the sink cannot write to")
+        stream.require_branch(self.branch, doing="the sink cannot write to")
         parquet_options(stream.table.metadata.properties, strict=False)
         avro_codec(stream.table.metadata.properties)
         if self.rank_column is not None and self.rank_column in stream.payload_arrow_schema.names:

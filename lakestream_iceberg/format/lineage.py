@@ -1,0 +1,142 @@
+"""Snapshots that other engines write on a stream's branch, and where the stream's state is found under them.
+
+A stream stays a plain Iceberg table, so Spark, Trino, Flink or pyiceberg may commit to it: maintenance that changes
+no data (``rewrite_manifests``), or writes that do (an append, a ``DELETE``, an overwrite, ``rewrite_data_files``).
+Their snapshots carry no ``lakestream.*`` summary keys. The rule, applied wherever the state of a branch head is read
+(commits, reads, GC, checkpoints):
+
+* the stream's state is the one recorded by the nearest snapshot at or below the head that lakestream wrote, so step
+  numbering counts lakestream steps only and a foreign snapshot never resets it;
+* a foreign snapshot that changes **no data** (every added/removed file and record count of its summary is zero) is
+  passed over: commits go on on top of it, reads go through it;
+* a foreign snapshot that **changes data** is refused: the published steps are no longer what the stream's state
+  says, so neither a commit (which would carry that state forward) nor a read may go on.
+  :class:`~lakestream_iceberg.errors.ForeignSnapshotError` names it and the way back, ``Stream.repair()``, which
+  rolls the branch back to its last lakestream snapshot (:mod:`lakestream_iceberg.lifecycle.repair`);
+* a lineage that ends in an expired snapshot before any lakestream snapshot is refused the same way: the state is
+  not reachable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.errors import ForeignSnapshotError
+from lakestream_iceberg.format.summary import KEY_STEP, StreamState
+
+__all__ = ["Lineage", "branch_state", "changes_data", "is_lakestream", "lineage"]
+
+# The summary counts of Iceberg's SnapshotSummary that record a change of the table's rows or files; any non-zero one
+# makes a snapshot a data change.
+_CHANGE_KEYS = (
+    "added-data-files", "deleted-data-files", "added-delete-files", "removed-delete-files",
+    "added-records", "deleted-records", "added-position-deletes", "removed-position-deletes",
+    "added-equality-deletes", "removed-equality-deletes", "added-position-delete-files",
+    "removed-position-delete-files", "added-equality-delete-files", "removed-equality-delete-files",
+    "added-dvs", "removed-dvs",
+)
+
+
+def is_lakestream(snapshot: Snapshot) -> bool:
+    """Whether lakestream wrote the snapshot (its summary records a step)."""
+    return snapshot.summary is not None and KEY_STEP in snapshot.summary.additional_properties
+
+
+def changes_data(snapshot: Snapshot) -> bool:
+    """Whether a foreign snapshot changed the table's rows or files, from its summary.
+
+    A snapshot that records no counts at all is a change unless its operation is ``replace`` (which by Iceberg's
+    definition changes no rows: ``rewrite_manifests``); one that records counts is a change when any is non-zero or
+    when it replaced partitions."""
+    summary = snapshot.summary
+    if summary is None:
+        return True
+    props = summary.additional_properties
+    counts = [props[k] for k in _CHANGE_KEYS if k in props]
+    if any(c.strip() != "0" for c in counts) or props.get("replace-partitions") == "true":
+        return True
+    return not counts and summary.operation.value != "replace"
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A branch head's lineage down to its nearest lakestream snapshot.
+
+    ``base``: that snapshot (None when there is none: a new stream, or a lineage cut by expiry, see ``broken``);
+    ``foreign``: the foreign snapshots above it, newest first; ``broken``: the lineage reached a parent id that the
+    metadata no longer lists before any lakestream snapshot."""
+
+    base: Snapshot | None
+    foreign: tuple[Snapshot, ...] = ()
+    broken: bool = False
+
+    @property
+    def changed(self) -> Snapshot | None:
+        """The oldest foreign snapshot that changed data (None: every foreign snapshot is metadata-only)."""
+        return next((s for s in reversed(self.foreign) if changes_data(s)), None)
+
+
+def lineage(metadata: TableMetadata, head: Snapshot | None) -> Lineage:
+    """``head``'s lineage down to the nearest snapshot lakestream wrote (``head`` itself in the usual case)."""
+    if head is None or is_lakestream(head):
+        return Lineage(head)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    foreign: list[Snapshot] = []
+    current: Snapshot | None = head
+    while current is not None and not is_lakestream(current):
+        foreign.append(current)
+        parent = current.parent_snapshot_id
+        current = by_id.get(parent) if parent is not None else None
+        if parent is not None and current is None:
+            return Lineage(None, tuple(foreign), broken=True)
+    return Lineage(current, tuple(foreign))
+
+
+def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str, branch: str) -> StreamState:
+    """The stream's state on a branch whose head is ``head``: its own when lakestream wrote it, else its nearest
+    lakestream ancestor's, through foreign snapshots that change no data.
+
+    Raises:
+        ForeignSnapshotError: A foreign snapshot above that ancestor changed data, or the lineage was expired before
+            reaching one. The message names the snapshot and how to bring the branch back.
+    """
+    if head is None or is_lakestream(head):
+        return StreamState.of(head)
+    found = lineage(metadata, head)
+    changed = found.changed
+    if changed is not None:
+        raise ForeignSnapshotError(_changed_message(found, changed, stream=stream, branch=branch),
+                                   snapshot_id=changed.snapshot_id)
+    if found.broken:
+        oldest = found.foreign[-1]
+        raise ForeignSnapshotError(
+            f"branch {branch!r} of stream {stream}: its head {head.snapshot_id} was written by another engine, and its "
+            f"lineage ends at snapshot {oldest.snapshot_id}, whose parent {oldest.parent_snapshot_id} was expired "
+            "before lakestream committed on top of it; the stream's state (head step, producer sequences) is no longer "
+            "reachable. Point the branch at a snapshot lakestream wrote (a retained checkpoint tag: "
+            "table.manage_snapshots().rollback_to_snapshot(ID).commit() for main), and keep "
+            "history.expire.min-snapshots-to-keep above the number of foreign commits between two lakestream commits",
+            snapshot_id=oldest.snapshot_id,
+        )
+    return StreamState.of(found.base)
+
+
+def _changed_message(found: Lineage, changed: Snapshot, *, stream: str, branch: str) -> str:
+    props = changed.summary.additional_properties if changed.summary is not None else {}
+    engine = props.get("engine-name") or props.get("app-id")
+    operation = changed.summary.operation.value if changed.summary is not None else "unknown"
+    counts = ", ".join(f"{k}={props[k]}" for k in _CHANGE_KEYS if props.get(k, "0").strip() != "0")
+    base = found.base
+    back = (f"roll the branch back to snapshot {base.snapshot_id} (step {StreamState.of(base).step}), the last one "
+            "lakestream wrote" if base is not None else "roll the branch back to the last snapshot lakestream wrote")
+    return (
+        f"branch {branch!r} of stream {stream}: snapshot {changed.snapshot_id} ({operation}"
+        f"{', by ' + engine if engine else ''}{': ' + counts if counts else ''}) was written by another engine and "
+        "changes the stream's data, so its steps may no longer hold what was published; lakestream neither commits on "
+        "it nor reads through it. Run stream.repair() (or `lakestream repair`) to "
+        f"{back}: every published step stays intact and the foreign change is dropped from the branch. Change a "
+        "stream's data only on a fork (Stream.fork) or after its producers are done"
+    )

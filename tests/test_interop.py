@@ -1,0 +1,279 @@
+"""A stream is a plain Iceberg table in fact: incremental reads see every step, and what other engines commit to it
+never makes lakestream republish, skip or mis-read a step (the engine-independent half of the compatibility contract;
+the Spark half is in tests/test_interop_spark.py)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyiceberg.manifest import ManifestEntryStatus, write_manifest_list
+from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSnapshotRefUpdate
+
+from lakestream_iceberg import ForeignSnapshotError, Stream
+from lakestream_iceberg.errors import ConfigError, LifecycleError
+from lakestream_iceberg.format.summary import StreamState
+from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+WORLD = 2
+
+
+def make(tmp_path: Path, world: int = WORLD, **props: str) -> Stream:
+    return Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=world,
+                         properties={"lakestream.snapshots.retain-last": "500", **props})
+
+
+def lineage(stream: Stream) -> list[Snapshot]:
+    """The main branch's snapshots, oldest first."""
+    metadata = stream.refresh().table.metadata
+    out, current = [], metadata.snapshot_by_name("main")
+    while current is not None:
+        out.append(current)
+        current = metadata.snapshot_by_id(current.parent_snapshot_id) if current.parent_snapshot_id else None
+    return out[::-1]
+
+
+def incremental_steps(stream: Stream, snapshot: Snapshot) -> list[int]:
+    """The ``_step`` of every row an incremental append scan over (parent, snapshot] returns, as Iceberg Java's
+    IncrementalAppendScan, Spark's start/end-snapshot-id reads and Spark streaming take them."""
+    scan = stream.table.incremental_append_scan(from_snapshot_id_exclusive=snapshot.parent_snapshot_id,
+                                                to_snapshot_id_inclusive=snapshot.snapshot_id, selected_fields=("_step",))
+    return sorted(scan.to_arrow()["_step"].to_pylist())
+
+
+def rows_of(stream: Stream, step: int) -> list[str]:
+    return [digest(stream.read(step, rank=r)) for r in range(stream.world_size)]
+
+
+def test_every_step_of_a_merging_stream_is_an_incremental_append(tmp_path: Path) -> None:
+    """Each commit whose manifests merge keeps its own files ADDED in the merged manifest: an incremental reader of each
+    snapshot gets exactly that step's rows, and the manifests' added counts match the summary's."""
+    stream = make(tmp_path, world=1, **{"lakestream.manifest.merge-fanout": "4"})  # merges every 4th commit or more
+    producer = stream.producer("p")
+    for seq in range(40):
+        producer.commit([_rows(seq)], seq=seq)
+    snapshots = lineage(stream)
+    assert len(snapshots) == 40
+    merged = 0
+    for snapshot in snapshots:
+        step = StreamState.of(snapshot).step
+        assert incremental_steps(stream, snapshot) == [step] * 3, f"step {step} is not an incremental append"
+        own = [m for m in snapshot.manifests(stream.io) if m.added_snapshot_id == snapshot.snapshot_id]
+        added = sum(m.added_files_count or 0 for m in own)
+        assert added == int(snapshot.summary["added-data-files"]) == 1
+        entries = [e for m in own for e in m.fetch_manifest_entry(stream.io, discard_deleted=False)]
+        assert [e.status for e in entries if e.snapshot_id == snapshot.snapshot_id] == [ManifestEntryStatus.ADDED]
+        merged += any(e.snapshot_id != snapshot.snapshot_id for e in entries)
+    assert merged >= 10  # merges were frequent: the rule was exercised
+
+
+def _rows(seq: int) -> pa.Table:
+    return pa.table({"producer": ["p"] * 3, "seq": [seq] * 3, "rank": [0] * 3, "i": [0, 1, 2],
+                     "tokens": [[seq]] * 3, "image": [b"x"] * 3}, schema=SCHEMA)
+
+
+def test_a_group_commit_is_an_incremental_append_for_every_batch(tmp_path: Path) -> None:
+    """Group commits with merges: every snapshot of the lineage is one step as an incremental read sees it."""
+    stream = make(tmp_path, **{"lakestream.manifest.merge-fanout": "2"})
+    a, b = stream.producer("a"), stream.producer("b")
+    for seq in range(3):
+        a.commit(batch("a", seq, WORLD), seq=seq)
+        b.commit(batch("b", seq, WORLD), seq=seq)
+    for round_ in range(6):
+        for producer in ("c", "d", "e"):  # staged batches: the next commit carries them, a group of four
+            staged = stream.writer.write(producer=producer, seq=round_, shards=batch(producer, round_, WORLD))
+            stream.staging.stage(branch="main", batch=staged, allow_gap=False)
+            time.sleep(0.002)
+        b.commit(batch("b", 3 + round_, WORLD), seq=3 + round_)
+    snapshots = lineage(stream)
+    groups = [StreamState.of(s).group for s in snapshots]
+    assert max(groups) == 4
+    total = 0
+    for snapshot in snapshots:
+        step = StreamState.of(snapshot).step
+        expected = sum(t.num_rows for t in (stream.read(step, rank=r) for r in range(WORLD)))
+        found = incremental_steps(stream, snapshot)
+        assert found == [step] * expected
+        total += len(found)
+    assert total == len(stream.table.scan(selected_fields=("_step",)).to_arrow())  # each row exactly once
+
+
+# --------------------------------------------------------------------------------------------------- foreign snapshots
+
+
+def commit_replace(stream: Stream) -> Snapshot:
+    """What ``rewrite_manifests`` commits: a ``replace`` snapshot listing the same files (here: the same manifests in a
+    new manifest list), no data changed, no ``lakestream.*`` keys."""
+    table = stream.refresh().table
+    metadata = table.metadata
+    head = metadata.current_snapshot()
+    assert head is not None
+    snapshot_id = metadata.new_snapshot_id()
+    sequence_number = metadata.next_sequence_number()
+    path = f"{metadata.location}/metadata/snap-{snapshot_id}-1-{uuid.uuid4()}.avro"
+    with write_manifest_list(format_version=metadata.format_version, output_file=table.io.new_output(path),
+                             snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id,
+                             sequence_number=sequence_number, avro_compression="deflate") as writer:
+        writer.add_manifests(head.manifests(table.io))
+    totals = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("total-")}
+    snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id, sequence_number=sequence_number,
+                        manifest_list=path, schema_id=metadata.current_schema_id,
+                        summary=Summary(Operation.REPLACE, **totals, **{"manifests-created": "0", "manifests-kept": "1",
+                                                                      "engine-name": "test"}))
+    with table.transaction() as tx:
+        tx._apply((AddSnapshotUpdate(snapshot=snapshot),
+                   SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id)),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    return snapshot
+
+
+def published(stream: Stream, world: int = WORLD) -> tuple[Stream, dict[int, list[str]]]:
+    a, b = stream.producer("a"), stream.producer("b")
+    for seq in range(4):
+        assert a.commit(batch("a", seq, world), seq=seq).step == 2 * seq + 1
+        assert b.commit(batch("b", seq, world), seq=seq).step == 2 * seq + 2
+    return stream, {step: rows_of(stream, step) for step in range(1, 9)}
+
+
+def test_a_metadata_only_foreign_snapshot_keeps_exactly_once_and_dense_steps(tmp_path: Path) -> None:
+    stream, before = published(make(tmp_path))
+    foreign = commit_replace(stream)
+    assert "lakestream.step" not in foreign.summary.additional_properties
+    assert stream.head_step() == 8  # not 0: the state is the nearest lakestream ancestor's
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    # published (producer, seq) pairs are duplicates at their original steps, in a new process's view too
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    a, b = again.producer("a"), again.producer("b")
+    first = a.commit(batch("a", 0, WORLD), seq=0)
+    assert (first.duplicate, first.step) == (True, 1)
+    last = b.commit(batch("b", 3, WORLD), seq=3)
+    assert (last.duplicate, last.step) == (True, 8)
+    assert a.next_seq == 4
+    # new commits land densely on top of the foreign snapshot, and every step still reads what it published
+    new = a.commit(batch("a", 4, WORLD), seq=4)
+    assert (new.step, new.duplicate) == (9, False)
+    metadata = again.refresh().table.metadata
+    assert metadata.snapshot_by_id(new.snapshot_id).parent_snapshot_id == foreign.snapshot_id
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+    assert incremental_steps(again, metadata.snapshot_by_id(new.snapshot_id)) == [9] * sum(
+        again.read(9, rank=r).num_rows for r in range(WORLD))
+
+
+def test_a_follower_reads_through_a_metadata_only_foreign_snapshot(tmp_path: Path) -> None:
+    stream, before = published(make(tmp_path))
+    commit_replace(stream)
+    stream.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    from lakestream_iceberg.read.follow import HeadWatcher
+
+    watcher = HeadWatcher(stream, branch="main")
+    try:
+        watcher.check()
+        assert watcher.head()[0] == 9
+    finally:
+        watcher.close()
+    assert stream.wait_for(9, timeout=60) == 9
+
+
+def foreign_append(stream: Stream) -> None:
+    """A pyiceberg append of rows into step 3 (another engine writing to the stream's table)."""
+    table = stream.refresh().table
+    rows = batch("x", 0, 1)[0]
+    rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
+    rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
+    table.append(rows.select([f.name for f in table.schema().as_arrow()]).cast(table.schema().as_arrow()))
+
+
+def foreign_delete(stream: Stream) -> None:
+    stream.refresh().table.delete("_step == 3")
+
+
+@pytest.mark.parametrize("write", [foreign_append, foreign_delete], ids=["append", "delete"])
+def test_a_foreign_data_change_is_refused_loudly_and_repair_brings_the_stream_back(tmp_path: Path, write) -> None:
+    stream, before = published(make(tmp_path))
+    base = stream.refresh().table.metadata.current_snapshot()
+    write(stream)
+    foreign = stream.refresh().table.metadata.current_snapshot()
+    assert foreign.snapshot_id != base.snapshot_id
+    producer = stream.producer("a")
+    # the next commit and the next read refuse it, naming the snapshot and the way back; nothing is published
+    with pytest.raises(ForeignSnapshotError, match=rf"snapshot {foreign.snapshot_id} .*stream.repair\(\)") as err:
+        producer.commit(batch("a", 0, WORLD), seq=0)
+    assert err.value.snapshot_id == foreign.snapshot_id
+    with pytest.raises(ForeignSnapshotError):
+        producer.commit(batch("a", 4, WORLD), seq=4)
+    with pytest.raises(ForeignSnapshotError):
+        stream.read(1, rank=0)
+    with pytest.raises(ForeignSnapshotError):
+        stream.head_step()
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == foreign.snapshot_id  # nothing published
+    # a dry run says what it would do and changes nothing
+    plan = stream.repair(dry_run=True)
+    assert (plan.rolled_back_to, plan.foreign, plan.step, plan.repaired) == (base.snapshot_id, (foreign.snapshot_id,), 8,
+                                                                             False)
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == foreign.snapshot_id
+    report = stream.repair()
+    assert (report.rolled_back_to, report.foreign, report.step, report.repaired) == (base.snapshot_id,
+                                                                                     (foreign.snapshot_id,), 8, True)
+    assert stream.head_step() == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    assert (producer.commit(batch("a", 0, WORLD), seq=0).duplicate, producer.commit(batch("a", 3, WORLD), seq=3).step) == (True, 7)
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert stream.repair().foreign == ()  # nothing left to repair
+
+
+def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:
+    stream, _ = published(make(tmp_path))
+    with pytest.raises(LifecycleError, match="no branch 'nope'"):
+        stream.repair(branch="nope")
+    with pytest.raises(LifecycleError, match="dry_run"):
+        stream.repair(dry_run="yes")  # type: ignore[arg-type]
+    assert stream.repair().rolled_back_to is None
+
+
+def test_lakestream_repair_on_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from lakestream_iceberg.tools.cli import main
+    from lakestream_iceberg.tools.config import embedded_catalog
+
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.cli", schema=SCHEMA, world_size=WORLD)
+    _, before = published(stream)
+    base = stream.refresh().table.metadata.current_snapshot().snapshot_id
+    foreign_delete(stream)
+    foreign = stream.refresh().table.metadata.current_snapshot().snapshot_id
+
+    def cli(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = main(["--home", str(tmp_path), *args])
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err
+        return code, out, err
+
+    code, _, err = cli("status", "ns.cli")
+    assert code == 1 and str(foreign) in err and "lakestream repair" in err
+    code, out, _ = cli("repair", "ns.cli", "--dry-run", "--json")
+    assert code == 0 and json.loads(out) == {"branch": "main", "foreign": [foreign], "rolled_back_to": base, "step": 8,
+                                             "dry_run": True}
+    code, out, _ = cli("repair", "ns.cli")
+    assert code == 0 and str(base) in out
+    code, out, _ = cli("status", "ns.cli", "--json")
+    assert code == 0 and json.loads(out)["head_step"] == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    code, out, _ = cli("repair", "ns.cli")
+    assert code == 0 and "nothing to repair" in out
+
+
+def test_a_branch_forked_by_another_process_is_found(tmp_path: Path) -> None:
+    stream, _ = published(make(tmp_path))
+    other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    other.fork(other.checkpoint("at5", step=5), branch="lr")
+    producer = stream.producer("a", branch="lr")  # this view predates the fork: it looks again before refusing
+    assert producer.commit(batch("a", 0, WORLD), seq=0).step == 6
+    assert stream.history(branch="lr").sql("SELECT max(step) FROM batches").fetchall() == [(6,)]
+    with pytest.raises(ConfigError, match="no branch 'nope'"):
+        stream.producer("a", branch="nope")
