@@ -150,6 +150,12 @@ def expected_rows(published: dict[int, tuple[str, int]], steps: Iterable[int] | 
     return out
 
 
+def incremental(lake: Lake, start: int, end: int) -> Rows:
+    """Iceberg's incremental append read: the files of the snapshots after ``start`` up to ``end``."""
+    reader = lake.spark.read.format("iceberg").option("start-snapshot-id", str(start)).option("end-snapshot-id", str(end))
+    return spark_rows(reader.load(lake.table()).collect())
+
+
 def snapshot_of_step(stream: Stream, step: int) -> int:
     """The id of the snapshot that published ``step`` on main (found along the head's ancestry)."""
     metadata = stream.refresh().table.metadata
@@ -179,3 +185,33 @@ def wait_until(what: str, done: Callable[[], bool], *, deadline_s: float = DEADL
     while not done():
         assert time.monotonic() < end, f"timed out after {deadline_s:.0f} s waiting for {what}"
         time.sleep(0.05)
+
+
+def foreign_snapshots(stream: Stream, branch: str = "main") -> list[int]:
+    """The snapshots above the branch's newest lakestream snapshot (another engine's), newest first."""
+    metadata = stream.refresh().table.metadata
+    snap = metadata.snapshot_by_name(branch)
+    out = []
+    while snap is not None and "lakestream.step" not in (snap.summary.additional_properties if snap.summary else {}):
+        out.append(snap.snapshot_id)
+        snap = metadata.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
+    return out
+
+
+def assert_intact(lake: Lake, writers: Writers, *, head: int) -> None:
+    """The stream after another engine touched it: ``head`` steps, each reading (in lakestream and in Spark) as its
+    producer published it; a re-commit of every published (producer, seq) is a duplicate at its step; the next commit
+    is step ``head + 1``."""
+    stream = writers.stream
+    assert stream.head_step() == head
+    assert sorted(writers.published) == list(range(1, head + 1))
+    expected = expected_rows(writers.published)
+    assert lakestream_rows(stream, range(1, head + 1)) == expected
+    assert spark_rows(lake.spark.table(lake.table()).collect()) == expected
+    for step, (producer, seq) in sorted(writers.published.items()):
+        if producer not in writers.producers:  # c's batches were published by b's group commits
+            writers.producers[producer] = stream.producer(producer)
+        again = writers.producers[producer].commit(shards(producer, seq), seq=seq)
+        assert (again.duplicate, again.step) == (True, step), (producer, seq, again)
+    assert stream.head_step() == head
+    assert writers.commit("a").step == head + 1

@@ -20,6 +20,7 @@ from tests.interop.checks import (
     Writers,
     create,
     expected_rows,
+    incremental,
     lakestream_rows,
     snapshot_of_step,
     spark_rows,
@@ -49,12 +50,6 @@ def test_time_travel_to_a_steps_snapshot_returns_every_step_up_to_it(lake: Lake)
         snapshot_id = snapshot_of_step(stream, step)
         got = spark_rows(lake.sql(f"SELECT * FROM {lake.table()} VERSION AS OF {snapshot_id}"))
         assert got == expected_rows(writers.published, range(1, step + 1)), f"time travel to step {step}"
-
-
-def incremental(lake: Lake, start: int, end: int) -> Rows:
-    """Iceberg's incremental append read: the files of the snapshots after ``start`` up to ``end``."""
-    reader = lake.spark.read.format("iceberg").option("start-snapshot-id", str(start)).option("end-snapshot-id", str(end))
-    return spark_rows(reader.load(lake.table()).collect())
 
 
 def test_an_incremental_read_delivers_every_step_once_across_merges_and_group_commits(lake: Lake) -> None:
