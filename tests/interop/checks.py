@@ -119,24 +119,24 @@ def norm(value: Any) -> Any:
 
 
 def spark_rows(rows: Iterable[Any]) -> Rows:
-    """Spark rows (with ``_step`` and ``_rank``) as (step, rank) -> payload tuples, in row order ``i``."""
+    """Spark rows (with ``_step`` and ``_rank``) as (step, rank) -> payload tuples, sorted."""
     out: Rows = {}
     for row in rows:
         d = row.asDict()
         out.setdefault((d["_step"], d["_rank"]), []).append(tuple(norm(d[c]) for c in PAYLOAD))
     for key in out:
-        out[key].sort(key=lambda r: r[PAYLOAD.index("i")])
+        out[key].sort()
     return out
 
 
-def lakestream_rows(stream: Stream, steps: Iterable[int]) -> Rows:
-    """What lakestream's reader returns for every rank of ``steps``, in the same shape."""
+def lakestream_rows(stream: Stream, steps: Iterable[int], *, branch: str = "main") -> Rows:
+    """What lakestream's reader returns for every rank of ``steps`` (of ``branch``), in the same shape."""
     out: Rows = {}
     for step in steps:
         for rank in range(stream.world_size):
-            table = stream.read(step, rank=rank)
+            table = stream.read(step, rank=rank, branch=branch)
             assert table.schema.equals(SCHEMA), table.schema
-            out[(step, rank)] = [tuple(norm(r[c]) for c in PAYLOAD) for r in table.to_pylist()]
+            out[(step, rank)] = sorted(tuple(norm(r[c]) for c in PAYLOAD) for r in table.to_pylist())
     return out
 
 
@@ -146,7 +146,7 @@ def expected_rows(published: dict[int, tuple[str, int]], steps: Iterable[int] | 
     for step in published if steps is None else steps:
         producer, seq = published[step]
         for rank, table in enumerate(shards(producer, seq)):
-            out[(step, rank)] = [tuple(norm(r[c]) for c in PAYLOAD) for r in table.to_pylist()]
+            out[(step, rank)] = sorted(tuple(norm(r[c]) for c in PAYLOAD) for r in table.to_pylist())
     return out
 
 
