@@ -48,6 +48,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/commit_scaling.py
 	$(BIN)/python benchmarks/read_path.py
 	$(BIN)/python benchmarks/retention.py
+	$(BIN)/python benchmarks/stream_retention.py
 	$(BIN)/python benchmarks/vs_kafka.py
 	$(BIN)/python benchmarks/vs_colocated.py
 	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900

@@ -162,7 +162,11 @@ def _boto3_s3(endpoint: str, access_key: str, secret_key: str, region: str, time
 
 
 def catalog_env(name: str, properties: dict[str, str]) -> dict[str, str]:
-    """pyiceberg env vars for a catalog: ``s3.access-key-id`` of ``pg`` -> ``PYICEBERG_CATALOG__PG__S3__ACCESS_KEY_ID``."""
+    """pyiceberg env vars for a catalog: ``s3.access-key-id`` of ``pg`` -> ``PYICEBERG_CATALOG__PG__S3__ACCESS_KEY_ID``.
+
+    pyiceberg reads ``PYICEBERG_CATALOG__PG__POOL_PRE_PING`` as ``pool-pre-ping``; ``lakestream_iceberg.load_catalog``
+    reads it as ``pool_pre_ping`` (pyiceberg's own ``load_catalog`` ignores it).
+    """
     prefix = "PYICEBERG_CATALOG__" + name.upper().replace("-", "_") + "__"
     return {prefix + key.replace(".", "__").replace("-", "_").upper(): value for key, value in properties.items()}
 
@@ -725,7 +729,8 @@ def postgres_seaweedfs(pg: Postgres, s3: SeaweedFS, database: str = "postgres", 
     """SqlCatalog on PostgreSQL ``database`` with data in SeaweedFS ``s3://<s3.bucket>/<prefix>``.
 
     ``pool_pre_ping`` makes the catalog's SQLAlchemy pool survive a Postgres restart (pyiceberg's default is off:
-    the first query after a restart would fail on a dead pooled connection).
+    the first query after a restart would fail on a dead pooled connection). As an environment variable it takes
+    ``lakestream_iceberg.load_catalog`` to be read (see :func:`catalog_env`).
     """
     return {"type": "sql", "uri": pg.sqlalchemy_uri(database), "pool_pre_ping": "true",
             "warehouse": f"s3://{s3.bucket}/{prefix}", **s3.s3_properties()}  # fmt: skip
@@ -845,6 +850,8 @@ def main(argv: list[str] | None = None) -> int:
     _save_state(args.state, {n: s.to_state() for n, s in live.items()})
     for catalog, props in _catalogs(live, args.state.parent).items():
         print(f"# catalog {catalog}")
+        if any("_" in key for key in props):  # pyiceberg reads POOL_PRE_PING as pool-pre-ping
+            print("# read by lakestream_iceberg.load_catalog and the lakestream command (not pyiceberg's load_catalog)")
         for key, value in catalog_env(catalog, props).items():
             print(f"export {key}={value}")
     return 0

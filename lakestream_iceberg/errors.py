@@ -6,6 +6,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     LakestreamError
     ├── StreamError                 the table is not a stream / not the stream you asked for
     │   ├── NotAStreamError
+    │   ├── StreamNotFoundError     no table has that name (dropped, or never created); also pyiceberg's NoSuchTableError
     │   ├── StreamExistsError
     │   ├── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed
     │   └── ForeignSnapshotError    another engine changed the stream's data; Stream.repair() brings it back
@@ -30,6 +31,8 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
 """
 
 from __future__ import annotations
+
+from pyiceberg.exceptions import NoSuchTableError
 
 __all__ = [
     "BatchError",
@@ -56,6 +59,7 @@ __all__ = [
     "StepNotPublishedError",
     "StreamError",
     "StreamExistsError",
+    "StreamNotFoundError",
 ]
 
 
@@ -69,6 +73,11 @@ class StreamError(LakestreamError):
 
 class NotAStreamError(StreamError):
     """The Iceberg table exists but carries no ``lakestream.*`` properties."""
+
+
+class StreamNotFoundError(StreamError, NoSuchTableError):
+    """No table has the stream's name: it was never created, or it was dropped (by another process too). It is also
+    pyiceberg's ``NoSuchTableError``, which code written against pyiceberg catches."""
 
 
 class StreamExistsError(StreamError):

@@ -15,15 +15,27 @@ from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchTableError, TableAlreadyExistsError
-from pyiceberg.schema import assign_fresh_schema_ids
+from pyiceberg.exceptions import (
+    NamespaceAlreadyExistsError,
+    NoSuchNamespaceError,
+    NoSuchTableError,
+    TableAlreadyExistsError,
+)
+from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.sqlite import prefer_wal
-from lakestream_iceberg.errors import ConfigError, LifecycleError, ReadTimeoutError, StepError, StreamExistsError
+from lakestream_iceberg.errors import (
+    ConfigError,
+    LifecycleError,
+    ReadTimeoutError,
+    StepError,
+    StreamExistsError,
+    StreamNotFoundError,
+)
 from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import (
@@ -200,11 +212,23 @@ class Stream(StreamTable):
 
     @classmethod
     def open(cls, catalog: Catalog, identifier: str) -> Stream:
-        """Open an existing stream. Raises ``NoSuchTableError`` (pyiceberg's) when no table has that name, and
-        ``ConfigError`` when ``identifier`` is not ``"namespace.name"``."""
+        """Open an existing stream.
+
+        Raises:
+            StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
+            NotAStreamError: The table is a plain Iceberg table.
+            ConfigError: ``identifier`` is not ``"namespace.name"``, or the catalog is unreachable.
+        """
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
-            return cls(catalog.load_table(identifier))
+            try:
+                table = catalog.load_table(identifier)
+            except (NoSuchTableError, NoSuchNamespaceError) as exc:
+                raise StreamNotFoundError(
+                    f"no stream {identifier} in catalog {catalog.name!r}: create it with Stream.create(), or check the "
+                    "name and the catalog"
+                ) from exc
+            return cls(table)
 
     @classmethod
     def drop(cls, catalog: Catalog, identifier: str, *, purge: bool = False) -> int:
@@ -225,7 +249,7 @@ class Stream(StreamTable):
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"``, or ``purge`` is not a bool.
             NotAStreamError: The table is a plain Iceberg table, not a stream (nothing is dropped).
-            NoSuchTableError: pyiceberg's, when no table has that name.
+            StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
             Exception: The catalog's database unreachable after the table was dropped, unchanged; the intents left
                 are unusable rows (their table is gone) and a later drop of a stream at the same location, or its GC,
                 removes them.
@@ -256,7 +280,7 @@ class Stream(StreamTable):
         avro_codec(self.table.metadata.properties)  # a producer is refused before it writes anything
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
-            file_schema=file_schema(self.table.schema(), self.config.layout), properties=self.table.metadata.properties,
+            file_schema=self._file_schema(), properties=self.table.metadata.properties,
             retry_s=self.config.io_retry_timeout_ms / 1000, packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
         )
 
@@ -267,8 +291,12 @@ class Stream(StreamTable):
         store = CatalogIntents(table=self._intent_table, retry_s=retry_s) if self._intent_table is not None else None
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
                            retry_s=retry_s, table_uuid=str(self.table.metadata.table_uuid),
-                           file_schema=file_schema(self.table.schema(), self.config.layout), packed=self.config.packed,
+                           file_schema=self._file_schema(), packed=self.config.packed,
                            store=store)
+
+    def _file_schema(self) -> Schema:
+        """The data files' schema: the stream's payload columns as the table's current schema types them."""
+        return file_schema(self.table.schema(), self.config.layout, self.payload_arrow_schema, stream=self.name)
 
     # -- writing --------------------------------------------------------------------------------------------------------
     def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:

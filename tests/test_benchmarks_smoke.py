@@ -1,5 +1,5 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
-benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py).
+benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -229,6 +229,18 @@ def test_commit_writes_smoke(tmp_path: Path) -> None:
     assert all(r["batches"] > 0 and _positive(r["rate"]) and _positive(r["plan_p50"]) for r in rows)
     assert all(r["exactly_once"] for r in rows)  # dense steps, every producer's seqs published once, in every mode
     assert all(run["head_step"] == run["batches"] for run in data["runs"])
+
+
+@pytest.mark.timeout(300)
+def test_stream_retention_smoke(tmp_path: Path) -> None:
+    data = _run("stream_retention.py", tmp_path / "stream_retention.json", timeout=240)
+    assert data["benchmark"] == "stream_retention" and data["smoke"] is True
+    count, age = data["results"]["count"], data["results"]["age"]
+    assert count["snapshots_kept"] <= 9  # retain-last 8, + the one the next commit expires
+    # age retention keeps every snapshot younger than the age: here the whole run (3 s < 6 s), within the bound
+    assert age["snapshots_kept"] >= age["steps"] and age["snapshots_kept"] <= 2_001
+    assert age["metadata_json_kib"] > count["metadata_json_kib"]
+    assert all(_positive(r["commit_p50_ms"]) for r in (count, age))
 
 
 def test_vs_kafka_pools_its_rounds() -> None:

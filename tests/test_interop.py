@@ -277,3 +277,120 @@ def test_a_branch_forked_by_another_process_is_found(tmp_path: Path) -> None:
     assert stream.history(branch="lr").sql("SELECT max(step) FROM batches").fetchall() == [(6,)]
     with pytest.raises(ConfigError, match="no branch 'nope'"):
         stream.producer("a", branch="nope")
+
+
+def metadata_files(stream: Stream) -> set[str]:
+    root = Path(stream.table.metadata.location.removeprefix("file://")) / "metadata"
+    return {f"file://{p}" for p in root.glob("*.metadata.json")}
+
+
+def test_old_metadata_files_are_deleted_only_as_the_table_properties_say(tmp_path: Path) -> None:
+    stream = make(tmp_path)
+    with stream.table.transaction() as tx:  # as a user (or Spark's ALTER TABLE) would set it
+        tx.set_properties({"write.metadata.delete-after-commit.enabled": "false"})
+    producer = stream.producer("a")
+    before = metadata_files(stream)
+    for seq in range(20):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    kept = metadata_files(stream.refresh())
+    assert before < kept and len(kept - before) == 20  # every commit's metadata.json is still there
+    metadata = stream.table.metadata
+    aged_out = kept - {e.metadata_file for e in metadata.metadata_log} - {stream.table.metadata_location}
+    assert len(metadata.metadata_log) == 16 and len(aged_out) >= 4  # the log is bounded, the files were kept
+
+    with stream.table.transaction() as tx:
+        tx.set_properties({"write.metadata.delete-after-commit.enabled": "true", "write.metadata.previous-versions-max": "3"})
+    producer = stream.producer("a")
+    for seq in range(20, 30):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    metadata = stream.refresh().table.metadata
+    log_files = {e.metadata_file for e in metadata.metadata_log}
+    assert len(log_files) == 3
+    # each file that left the log while deletion was on is gone; those that left it while it was off stay, as with
+    # Iceberg's own writers
+    assert metadata_files(stream) == log_files | {stream.table.metadata_location} | aged_out
+
+
+def test_an_added_optional_column_keeps_producers_writing_and_readers_see_nulls(tmp_path: Path) -> None:
+    from pyiceberg.types import LongType
+
+    stream, before = published(make(tmp_path))
+    with stream.table.update_schema() as update:  # a legal Iceberg change by another engine
+        update.add_column("extra", LongType())
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    producer = again.producer("a")
+    assert producer.commit(batch("a", 3, WORLD), seq=3).duplicate  # state intact
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert stream.producer("b").commit(batch("b", 4, WORLD), seq=4).step == 10  # a producer made before the change
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+    assert again.read(9, rank=1).equals(batch("a", 4, WORLD)[1])  # the stream's payload, as committed
+    rows = again.refresh().table.scan(row_filter="_step >= 9", selected_fields=("_step", "extra")).to_arrow()
+    assert rows.num_rows > 0 and rows["extra"].null_count == rows.num_rows
+
+
+@pytest.mark.parametrize(("change", "says"), [
+    (lambda u: u.delete_column("i"), "no longer has the payload column 'i'"),
+    (lambda u: u.rename_column("tokens", "ids"), "no longer has the payload column 'tokens'"),
+    (lambda u: u.add_column("needed", __import__("pyiceberg.types").types.LongType(), required=True),
+     r"gained required column\(s\) \['needed'\]"),
+], ids=["drop", "rename", "required"])
+def test_an_incompatible_schema_change_is_refused_with_what_changed(tmp_path: Path, change, says: str) -> None:
+    from lakestream_iceberg import SchemaMismatchError
+
+    stream, before = published(make(tmp_path))
+    with stream.table.update_schema(allow_incompatible_changes=True) as update:
+        change(update)
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    with pytest.raises(SchemaMismatchError, match=says):
+        again.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    assert again.head_step() == 8  # nothing published
+
+
+def branch_snapshots(stream: Stream) -> int:
+    return len(lineage(stream))
+
+
+@pytest.mark.parametrize(("props", "kept"), [
+    ({}, 2),  # lakestream.snapshots.retain-last only
+    ({"history.expire.max-snapshot-age-ms": "3600000"}, 21),  # every snapshot younger than an hour (21 commits)
+    ({"history.expire.max-snapshot-age-ms": "3600000", "lakestream.snapshots.retain-max": "10"}, 10),  # the bound
+    ({"history.expire.min-snapshots-to-keep": "5"}, 5),  # Iceberg's count raises lakestream's
+], ids=["count", "age", "age-bounded", "iceberg-count"])
+def test_snapshots_are_kept_by_age_for_streaming_readers_within_a_bound(tmp_path: Path, props: dict, kept: int) -> None:
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2", **props})
+    producer = stream.producer("a")
+    for seq in range(21):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    assert branch_snapshots(stream) == kept
+    assert len(stream.table.metadata.snapshots) <= kept + 1  # + the one a commit expires in passing next time
+    assert {step: rows_of(stream, step) for step in (1, 21)} == {s: [digest(t) for t in batch("a", s - 1, WORLD)]
+                                                                 for s in (1, 21)}
+
+
+def test_an_age_retention_that_ended_lets_the_next_commit_expire(tmp_path: Path) -> None:
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2", "history.expire.max-snapshot-age-ms": "1"})
+    producer = stream.producer("a")
+    for seq in range(6):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+        time.sleep(0.002)  # older than 1 ms by the next commit: an age of 1 ms keeps nothing beyond the count
+    assert branch_snapshots(stream) == 2
+
+
+def test_a_missing_or_dropped_stream_is_a_stream_not_found_error(tmp_path: Path) -> None:
+    from pyiceberg.exceptions import NoSuchTableError
+
+    from lakestream_iceberg import StreamNotFoundError
+
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(StreamNotFoundError, match="no stream ns.nope") as err:
+        Stream.open(catalog, "ns.nope")
+    assert isinstance(err.value, NoSuchTableError)  # code written against pyiceberg still catches it
+    with pytest.raises(StreamNotFoundError):
+        Stream.open(catalog, "nonamespace.nope")
+    with pytest.raises(StreamNotFoundError):
+        Stream.drop(catalog, "ns.nope")
+    stream, _ = published(make(tmp_path))
+    Stream.drop(sqlite_catalog(str(tmp_path)), "ns.stream")  # by another process
+    for call in (stream.head_step, stream.refresh, lambda: stream.history()):
+        with pytest.raises(StreamNotFoundError, match="no longer exists"):
+            call()

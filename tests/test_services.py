@@ -352,6 +352,38 @@ def test_example_yaml_configs_match_the_property_functions(
 
 
 @services_mark
+def test_exported_variables_load_the_catalog_the_arguments_load(
+    pg: services.Postgres, weed: services.SeaweedFS, moto: services.MotoS3, tmp_path: Path
+) -> None:
+    """What ``catalog_env`` exports (and ``up`` prints) means what the property functions' keyword arguments mean to
+    ``lakestream_iceberg.load_catalog``: ``pool_pre_ping`` too, which pyiceberg reads as ``pool-pre-ping``."""
+    import pyiceberg.catalog
+
+    from lakestream_iceberg import load_catalog as lakestream_load
+
+    assert moto.data_dir is not None
+    pg.create_database(db := _name("db"))
+    catalogs = {
+        "sqlite-local": services.sqlite_local(tmp_path / "wh"),
+        "postgres-seaweedfs": services.postgres_seaweedfs(pg, weed, database=db, prefix=db),
+        "rest-seaweedfs": services.rest_seaweedfs(weed),
+        "sqlite-moto": services.sqlite_moto(moto, tmp_path / "moto" / "catalog.db"),
+    }
+    for name, props in catalogs.items():
+        given = lakestream_load(name, **props)
+        with pytest.MonkeyPatch.context() as mp:  # pyiceberg reads PYICEBERG_* once, at import: read them again here
+            for key, value in services.catalog_env(name, props).items():
+                mp.setenv(key, value)
+            mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+            exported = lakestream_load(name)
+        assert dict(exported.properties) == dict(given.properties), name
+        if hasattr(given, "engine"):
+            assert exported.engine.pool._pre_ping == given.engine.pool._pre_ping == ("pool_pre_ping" in props), name
+            given.engine.dispose()
+            exported.engine.dispose()
+
+
+@services_mark
 def test_seaweedfs_writes_its_logs_in_its_own_folder(weed: services.SeaweedFS) -> None:
     """weed's glog files go to the server's data folder (removed with it), not to the shared temp folder where every
     start of every run would leave a dozen of them."""

@@ -11,7 +11,8 @@ message names the catalog property to fix (``s3.secret-access-key``, ``s3.endpoi
   failure;
 * :func:`config_errors` -- a context manager applying :func:`explain` to whatever its block raises;
 * :func:`load_catalog` -- ``pyiceberg.catalog.load_catalog`` with :func:`explain` applied (REST catalogs connect
-  when loaded);
+  when loaded), each setting given the same meaning in the file, a variable or an argument
+  (:mod:`lakestream_iceberg.connect.catalog_settings`);
 * :func:`transient` / :func:`call_with_retry` -- bounded, jittered retry of transient storage/catalog failures;
 * :func:`redact` -- removes every secret value of a property dict (and URI passwords) from a text (it lives in
   :mod:`lakestream_iceberg.connect.secrets`, with the rule of which properties are secret).
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
+from lakestream_iceberg.connect.catalog_settings import env_name, resolve
 from lakestream_iceberg.connect.secrets import redact, secret_values
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
@@ -44,14 +46,6 @@ __all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "redac
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-# --------------------------------------------------------------------------------------------------- settings
-
-
-def _env_name(catalog: str | None, key: str) -> str:
-    name = (catalog or "<NAME>").upper().replace("-", "_")
-    return f"PYICEBERG_CATALOG__{name}__" + key.replace(".", "__").replace("-", "_").upper()
 
 
 # --------------------------------------------------------------------------------------------------- classification
@@ -140,7 +134,7 @@ def transient(exc: BaseException) -> bool:
 
 def _settings(keys: list[str], catalog: str | None) -> str:
     named = " and ".join(keys)
-    envs = ", ".join(_env_name(catalog, k) for k in keys)
+    envs = ", ".join(env_name(catalog, k) for k in keys)
     return f"check {named} in .pyiceberg.yaml (or {envs})"
 
 
@@ -193,7 +187,7 @@ def explain(
         if _SQL_AUTH.search(text):
             message = (
                 f"the catalog database {uri} refused the login; check the user and password in uri "
-                f"(or {_env_name(catalog, 'uri')}; prefer a password file / PGPASSWORD over a password in the uri)"
+                f"(or {env_name(catalog, 'uri')}; prefer a password file / PGPASSWORD over a password in the uri)"
             )
         elif _SQL_DATABASE.search(text):
             message = f"the catalog database in {uri} does not exist; create it or " + _settings(["uri"], catalog)
@@ -245,6 +239,12 @@ def load_catalog(name: str, **properties: str) -> Any:
     """``pyiceberg.catalog.load_catalog`` that raises a :class:`ConfigError` naming the setting on connection or
     credential failures (SQL catalogs connect when loaded, REST catalogs fetch their config).
 
+    A setting means the same in ``.pyiceberg.yaml``, as a ``PYICEBERG_CATALOG__<NAME>__<KEY>`` variable and as a
+    keyword argument: ``PYICEBERG_CATALOG__PROD__POOL_PRE_PING=true``, which pyiceberg reads as ``pool-pre-ping``,
+    sets ``pool_pre_ping`` as ``pool_pre_ping="true"`` does (:mod:`lakestream_iceberg.connect.catalog_settings`).
+    A ``type`` that names no catalog type, or a SQLAlchemy engine option pyiceberg's SQL catalog would ignore
+    (``pool_size``, ``pool_recycle``, ...), raises a :class:`ConfigError`.
+
     It also installs the two REST client fixes pyiceberg 0.12 needs for SigV4 object-store catalogs (the
     ``x-amz-content-sha256`` header, see :mod:`lakestream_iceberg.connect.rest_sigv4`, and request timeouts, see
     :mod:`lakestream_iceberg.connect.rest_timeout`); both are idempotent and off where pyiceberg does not need them.
@@ -262,18 +262,34 @@ def load_catalog(name: str, **properties: str) -> Any:
         install_rest_sigv4_fix()
         install_rest_timeout()
 
+    given, dashed = resolve(name, _configured(name) or {}, properties)
     # the messages quote the settings pyiceberg used (config file and environment too), e.g. the uri it could not reach
-    with config_errors(_merged(name, properties) or properties, action=f"loading catalog {name!r}", catalog=name):
-        return _load(name, **properties)
+    with config_errors(_merged(name, given) or given, action=f"loading catalog {name!r}", catalog=name):
+        catalog = _load(name, **given)
+    if isinstance(getattr(catalog, "properties", None), dict):  # pyiceberg merged them back in from its config
+        for key in dashed:
+            catalog.properties.pop(key, None)
+    return catalog
 
 
-def _merged(name: str, properties: dict[str, str]) -> dict[str, Any] | None:
-    """The catalog's settings as pyiceberg's ``load_catalog`` merges them (None when its config helpers moved)."""
+def _configured(name: str) -> dict[str, Any] | None:
+    """What pyiceberg's configuration (``.pyiceberg.yaml`` and ``PYICEBERG_*``, read when pyiceberg was imported)
+    holds for the catalog ``name`` (None when its config helpers moved)."""
     try:
         from pyiceberg.catalog import _ENV_CONFIG
+
+        return dict(_ENV_CONFIG.get_catalog_config(name) or {})
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _merged(name: str, properties: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The catalog's settings as pyiceberg's ``load_catalog`` merges them (None when its config helpers moved)."""
+    try:
         from pyiceberg.utils.config import merge_config
 
-        return merge_config(_ENV_CONFIG.get_catalog_config(name) or {}, dict(properties))  # type: ignore[arg-type]
+        configured = _configured(name)
+        return None if configured is None else merge_config(configured, dict(properties))  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001
         return None
 

@@ -25,11 +25,12 @@ from typing import Any
 from urllib.request import pathname2url
 
 from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
-from lakestream_iceberg.errors import StreamError
+from lakestream_iceberg.errors import StreamError, StreamNotFoundError
 
 __all__ = ["PointerWatch", "cached_probe", "pointer_probe", "read_moved", "refresh_if_moved"]
 
@@ -296,21 +297,22 @@ def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
     """Bring ``table`` up to date, reading its metadata only when the catalog pointer moved; True when it changed.
 
     ``io`` reads the new ``metadata.json`` (default: the table's own FileIO).
-    A table that no longer exists (dropped, renamed) falls back to ``Table.refresh()``, which raises pyiceberg's error.
+    A table that no longer exists (dropped, renamed) falls back to ``Table.refresh()``.
 
     Raises:
+        StreamNotFoundError: No table has the name any more (dropped or renamed).
         StreamError: The name now holds another table (a different table UUID: dropped and created again);
             ``table`` keeps its metadata.
     """
     probe = cached_probe(table)
     before, held = table.metadata_location, table.metadata
     if probe is None:
-        table.refresh()
+        _reload(table)
         _same_table(table, held, before)
         return table.metadata_location != before
     location = probe()
     if location is None:
-        table.refresh()
+        _reload(table)
         _same_table(table, held, before)
         return True
     if location == before:
@@ -321,6 +323,18 @@ def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
     table.metadata = metadata
     table.metadata_location = location
     return True
+
+
+def _reload(table: Table) -> None:
+    try:
+        table.refresh()
+    except NoSuchTableError as exc:
+        if isinstance(exc, StreamNotFoundError):
+            raise
+        raise StreamNotFoundError(
+            f"table {'.'.join(table.name())} no longer exists (dropped or renamed, by another process too): stop using "
+            "this stream; create it again with Stream.create() if it is to go on"
+        ) from exc
 
 
 def _same_table(table: Table, held: Any, before: str) -> None:

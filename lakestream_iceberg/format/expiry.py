@@ -15,35 +15,77 @@ two commits, are in :mod:`lakestream_iceberg.lifecycle.gc` ("Forks and GC").
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.format.layout import StreamConfig
 
 
-def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int) -> list[int]:
-    """Up to ``limit`` snapshot ids from ``snapshot_id`` back along parent links (the snapshot itself first)."""
-    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int, *,
+              by_id: dict[int, Snapshot] | None = None) -> list[int]:
+    """Up to ``limit`` snapshot ids from ``snapshot_id`` back along parent links (the snapshot itself first).
+
+    ``by_id``: the metadata's snapshots by id, when the caller has them (a commit keeping snapshots by age walks
+    thousands: the summary is read as its plain dict, not through pydantic's attribute lookup)."""
+    if by_id is None:
+        by_id = {s.snapshot_id: s for s in metadata.snapshots}
     out: list[int] = []
     current = by_id.get(snapshot_id) if snapshot_id is not None else None
     while current is not None and len(out) < limit:
         out.append(current.snapshot_id)
-        if current.summary is not None and current.summary.get("lakestream.op") == "checkpoint":
+        if _is_anchor(current):
             break  # a fork's lineage starts at its checkpoint anchor: do not pin the source branch's history
         current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
     return out
 
 
-def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = ()) -> set[int]:
+# Whether a snapshot is a checkpoint anchor, by (snapshot id, manifest list): a snapshot never changes, and a commit
+# keeping snapshots by age asks it of thousands of them (a summary read through pydantic costs ~10 us). Bounded.
+_ANCHORS: dict[tuple[int, str], bool] = {}
+_MAX_ANCHORS = 16_384
+
+
+def _is_anchor(snapshot: Snapshot) -> bool:
+    key = (snapshot.snapshot_id, snapshot.manifest_list)
+    found = _ANCHORS.get(key)
+    if found is None:
+        found = snapshot.summary is not None and snapshot.summary.additional_properties.get("lakestream.op") == "checkpoint"
+        if len(_ANCHORS) >= _MAX_ANCHORS:
+            _ANCHORS.clear()
+        _ANCHORS[key] = found
+    return found
+
+
+def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = (), max_age_ms: int = 0,
+              retain_max: int = 0, now_ms: int | None = None) -> set[int]:
+    """What no commit may expire: every ref's snapshot, the ``retain_last`` newest ancestors of each branch head, and,
+    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata)."""
     keep = set(extra)
+    by_age = max_age_ms > 0 and retain_max > retain_last
+    cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
     for ref in metadata.refs.values():
         keep.add(ref.snapshot_id)
         if ref.snapshot_ref_type == "branch":
-            keep.update(ancestors(metadata, ref.snapshot_id, retain_last))
+            lineage = ancestors(metadata, ref.snapshot_id, retain_max if by_age else retain_last, by_id=by_id)
+            keep.update(lineage[:retain_last])
+            keep.update(sid for sid in lineage[retain_last:] if by_id[sid].timestamp_ms >= cutoff)
     return keep
 
 
-def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256) -> list[int]:
+def retention(config: StreamConfig) -> dict[str, int]:
+    """The retention arguments of :func:`protected` and :func:`expirable` from a stream's config."""
+    return {"retain_last": config.retain_snapshots, "max_age_ms": config.retain_max_age_ms,
+            "retain_max": config.retain_max}
+
+
+def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256,
+              max_age_ms: int = 0, retain_max: int = 0, now_ms: int | None = None) -> list[int]:
     """Snapshot ids that no ref needs and that fall outside every branch's retention window (oldest first)."""
-    keep = protected(metadata, retain_last=retain_last, extra=extra_keep)
+    keep = protected(metadata, retain_last=retain_last, extra=extra_keep, max_age_ms=max_age_ms, retain_max=retain_max,
+                     now_ms=now_ms)
     old = sorted((s for s in metadata.snapshots if s.snapshot_id not in keep), key=lambda s: s.timestamp_ms)
     return [s.snapshot_id for s in old[:limit]]

@@ -43,6 +43,10 @@ FORMAT_VERSION = "1"
 PROP_VERSION = "lakestream.format-version"
 PROP_WORLD_SIZE = "lakestream.world-size"
 PROP_RETAIN_SNAPSHOTS = "lakestream.snapshots.retain-last"
+PROP_RETAIN_MAX = "lakestream.snapshots.retain-max"
+# Iceberg's own snapshot-retention properties, honoured by the expiry every commit does in passing (when set)
+PROP_MAX_SNAPSHOT_AGE_MS = "history.expire.max-snapshot-age-ms"
+PROP_MIN_SNAPSHOTS_TO_KEEP = "history.expire.min-snapshots-to-keep"
 PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
 PROP_MAX_MERGE_ENTRIES = "lakestream.manifest.max-merge-entries"
 PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
@@ -84,6 +88,10 @@ class StreamConfig:
         world_size: Number of ranks (shards) in every global batch.
         retain_snapshots: Snapshots of each branch kept in table metadata by normal commits (older untagged ones are
             expired in the same commit, so commit cost does not grow with history; their data stays in the table).
+        retain_max_age_ms: Snapshots of a branch younger than this are kept too (Iceberg's
+            ``history.expire.max-snapshot-age-ms``; unset: 0, off), so a streaming reader of another engine whose
+            trigger interval is shorter finds the snapshot it stopped at; at most ``retain_max`` per branch.
+        retain_max: The most snapshots per branch that ``retain_max_age_ms`` keeps: the bound on metadata.json.
         merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
         max_merge_entries: No merge rewrites more entries than this (bounds the worst commit).
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
@@ -110,6 +118,8 @@ class StreamConfig:
 
     world_size: int
     retain_snapshots: int = 8
+    retain_max_age_ms: int = 0
+    retain_max: int = 2_000
     merge_fanout: int = 16
     max_merge_entries: int = 4096
     commit_timeout_ms: int = 300_000
@@ -169,6 +179,8 @@ class StreamConfig:
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
         ints = {name: as_int(key, getattr(defaults, name), minimum) for name, (key, minimum) in _INT_FIELDS.items()}
+        # Iceberg's history.expire.min-snapshots-to-keep raises the count kept (never lowers lakestream's own)
+        ints["retain_snapshots"] = max(ints["retain_snapshots"], as_int(PROP_MIN_SNAPSHOTS_TO_KEEP, 0, 1))
         layout = properties.get(PROP_LAYOUT, LAYOUT_PER_RANK)
         if layout not in LAYOUTS:
             raise ConfigError(f"table property {PROP_LAYOUT}={layout!r} is not a layout; use one of {', '.join(LAYOUTS)}")
@@ -189,6 +201,8 @@ class StreamConfig:
             PROP_VERSION: FORMAT_VERSION,
             PROP_WORLD_SIZE: str(self.world_size),
             PROP_RETAIN_SNAPSHOTS: str(self.retain_snapshots),
+            PROP_RETAIN_MAX: str(self.retain_max),
+            **({PROP_MAX_SNAPSHOT_AGE_MS: str(self.retain_max_age_ms)} if self.retain_max_age_ms else {}),
             PROP_MERGE_FANOUT: str(self.merge_fanout),
             PROP_MAX_MERGE_ENTRIES: str(self.max_merge_entries),
             PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
@@ -211,6 +225,8 @@ class StreamConfig:
 _INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table property, minimum)
     "world_size": (PROP_WORLD_SIZE, 1),
     "retain_snapshots": (PROP_RETAIN_SNAPSHOTS, 2),
+    "retain_max_age_ms": (PROP_MAX_SNAPSHOT_AGE_MS, 0),
+    "retain_max": (PROP_RETAIN_MAX, 2),
     "merge_fanout": (PROP_MERGE_FANOUT, 2),
     "max_merge_entries": (PROP_MAX_MERGE_ENTRIES, 1),
     "commit_timeout_ms": (PROP_COMMIT_TIMEOUT_MS, 1),
@@ -263,11 +279,48 @@ def payload_schema(schema: Schema) -> Schema:
     return schema.select(*[f.name for f in schema.fields if f.name not in RESERVED_COLUMNS])
 
 
-def file_schema(schema: Schema, layout: str) -> Schema:
-    """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed."""
-    if layout != LAYOUT_PACKED:
-        return payload_schema(schema)
-    return schema.select(*[f.name for f in schema.fields if f.name != STEP_COLUMN])
+def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *, stream: str = "the stream") -> Schema:
+    """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed.
+
+    With ``payload`` (the stream's payload schema, ``lakestream.arrow-schema``), the payload columns are those of the
+    stream, whatever other columns the table's schema gained since (schema evolution by another engine): producers
+    keep writing the stream's columns, and Iceberg readers return nulls for an added optional column.
+
+    Raises:
+        SchemaMismatchError: The table's schema no longer holds a payload column (dropped or renamed), changed its
+            type to one the payload cannot be written as, or gained a required column lakestream cannot write.
+    """
+    if payload is not None:
+        _check_evolution(schema, payload, stream)
+        names = set(payload.names)
+    else:
+        names = {f.name for f in schema.fields if f.name not in RESERVED_COLUMNS}
+    if layout == LAYOUT_PACKED:
+        names.add(RANK_COLUMN)
+    return schema.select(*[f.name for f in schema.fields if f.name in names])
+
+
+def _check_evolution(schema: Schema, payload: pa.Schema, stream: str) -> None:
+    from pyiceberg.io.pyarrow import schema_to_pyarrow
+
+    fix = ("lakestream producers write the stream's payload schema (table property lakestream.arrow-schema); revert the "
+           "change, or write the new columns to a new stream")
+    by_name = {f.name: f for f in schema.fields}
+    for field in payload:
+        found = by_name.get(field.name)
+        if found is None:
+            raise SchemaMismatchError(f"the table schema of {stream} no longer has the payload column {field.name!r} "
+                                      f"(dropped or renamed by another engine): {fix}")
+        target = schema_to_pyarrow(Schema(found), include_field_ids=False).field(0).type
+        try:
+            pa.schema([field]).empty_table().cast(pa.schema([pa.field(field.name, target)]))
+        except (pa.ArrowException, ValueError, TypeError):
+            raise SchemaMismatchError(f"the table schema of {stream} changed the type of payload column {field.name!r} "
+                                      f"from {field.type} to {found.field_type}, which it cannot be written as: {fix}") from None
+    added = [f.name for f in schema.fields if f.required and f.name not in RESERVED_COLUMNS and f.name not in payload.names]
+    if added:
+        raise SchemaMismatchError(f"the table schema of {stream} gained required column(s) {added} that lakestream "
+                                  f"producers cannot write (an optional column is fine: readers see nulls): {fix}")
 
 
 def payload_names(schema: Schema) -> list[str]:

@@ -68,7 +68,7 @@ from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.format.expiry import protected
+from lakestream_iceberg.format.expiry import protected, retention
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import entry_step, step_bounds
@@ -172,7 +172,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     # Keep every snapshot a ref of this metadata points at, *released tags' anchors included* (a fork may be landing on
     # one right now: see "Forks and GC" above), the new heads, and the retention window of branches not collected.
     uncollected = metadata.model_copy(update={"refs": {n: r for n, r in metadata.refs.items() if n not in collected}})
-    keep_ids = protected(uncollected, retain_last=stream.config.retain_snapshots)
+    keep_ids = protected(uncollected, **retention(stream.config))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
     if expired:
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
@@ -180,7 +180,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     # other ref keeps.
     remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items()
                                                         if n not in report.released_checkpoints}})
-    still = protected(remaining, retain_last=stream.config.retain_snapshots)
+    still = protected(remaining, **retention(stream.config))
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
     return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
@@ -190,7 +190,7 @@ def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Don
     """GC's second commit: expire every snapshot that no ref of ``metadata`` needs (released anchors, once their tag
     is gone). Planned on a head that already shows the release, so no fork can target those anchors any more, and a
     fork that landed before the release is a ref of ``metadata``: its anchor is kept."""
-    keep = protected(metadata, retain_last=stream.config.retain_snapshots)
+    keep = protected(metadata, **retention(stream.config))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep]
     if not expired:
         return Done(0)

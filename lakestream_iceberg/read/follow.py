@@ -38,6 +38,7 @@ from pyiceberg.io import FileIO
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.config import Config, merge_config
 
+from lakestream_iceberg.connect.catalog_settings import resolve
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.notify import HeadListener
@@ -109,12 +110,14 @@ class StreamRef:
         if impl is None:
             return load_catalog(self.catalog_name, **props)  # pyiceberg merges .pyiceberg.yaml and PYICEBERG_* itself
         # pyiceberg's load_catalog ignores the configuration when given py-catalog-impl: merge it here, the same way
-        configured = {k: v for k, v in (Config().get_catalog_config(self.catalog_name) or {}).items()
-                      if isinstance(v, str) and k not in ("type", PY_CATALOG_IMPL)}
+        configured: dict[str, Any] = {k: v for k, v in (Config().get_catalog_config(self.catalog_name) or {}).items()
+                                      if isinstance(v, str) and k not in ("type", PY_CATALOG_IMPL)}
+        given, dashed = resolve(self.catalog_name, configured, props)  # POOL_PRE_PING=true means pool_pre_ping here too
+        configured = {k: v for k, v in configured.items() if k not in dashed}
         module, _, name = impl.rpartition(".")
         catalog_class = getattr(importlib.import_module(module), name)
-        with config_errors(configured | props, action=f"loading catalog {self.catalog_name!r}", catalog=self.catalog_name):
-            return catalog_class(self.catalog_name, **merge_config(configured, props))
+        with config_errors(configured | given, action=f"loading catalog {self.catalog_name!r}", catalog=self.catalog_name):
+            return catalog_class(self.catalog_name, **merge_config(configured, given))
 
     def open(self) -> StreamTable:
         catalog = self.catalog()

@@ -2,9 +2,9 @@
 
 Two ways, and nothing lakestream-specific to learn:
 
-* ``--catalog NAME``: whatever ``pyiceberg.catalog.load_catalog(NAME)`` returns, so the catalog is configured exactly as
-  for pyiceberg: ``~/.pyiceberg.yaml`` (or ``$PYICEBERG_HOME/.pyiceberg.yaml``) and ``PYICEBERG_CATALOG__NAME__*``
-  environment variables.
+* ``--catalog NAME``: whatever ``lakestream_iceberg.load_catalog(NAME)`` (pyiceberg's ``load_catalog``) returns, so the
+  catalog is configured as for pyiceberg: ``~/.pyiceberg.yaml`` (or ``$PYICEBERG_HOME/.pyiceberg.yaml``) and
+  ``PYICEBERG_CATALOG__NAME__*`` environment variables (``..._POOL_PRE_PING`` read as ``pool_pre_ping``).
 * otherwise the **embedded default**: a SQLite ``SqlCatalog`` at ``<home>/catalog.db`` with its warehouse at
   ``<home>/warehouse``, where ``<home>`` is ``--home DIR``, else ``$LAKESTREAM_HOME``, else ``./.lakestream``.
 

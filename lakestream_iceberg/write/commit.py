@@ -80,6 +80,26 @@ class Plan(Generic[T]):
     ready: Callable[[], None] | None = None
 
 
+def _deletes_old_metadata(metadata: TableMetadata) -> bool:
+    """Iceberg's ``write.metadata.delete-after-commit.enabled`` (default false); a value that is no boolean deletes
+    nothing (and says so once per value)."""
+    raw = metadata.properties.get(PROP_DELETE_AFTER_COMMIT)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value not in ("true", "false"):
+        if raw not in _WARNED_VALUES:
+            _WARNED_VALUES.add(raw)
+            log.warning("table property %s=%r is not true or false: old metadata files are kept", PROP_DELETE_AFTER_COMMIT,
+                        raw)
+        return False
+    return value == "true"
+
+
+PROP_DELETE_AFTER_COMMIT = "write.metadata.delete-after-commit.enabled"
+_WARNED_VALUES: set[str] = set()
+
+
 @dataclass
 class Done(Generic[T]):
     """The planner found nothing to commit (e.g. the batch is already published)."""
@@ -539,11 +559,15 @@ class CommitLoop:
             log.debug("cache upkeep after a commit attempt on %s failed", self.table.name(), exc_info=True)
 
     def _adopt(self, metadata: TableMetadata, location: str, *, previous: TableMetadata) -> None:
-        """Take the committed metadata as the table's current state (no reload) and drop aged-out metadata files."""
+        """Take the committed metadata as the table's current state (no reload) and drop the metadata files that aged
+        out of its log, when ``write.metadata.delete-after-commit.enabled`` says so (as Iceberg's writers do: off
+        unless set; lakestream sets it when it creates a stream, and a user may turn it off)."""
         self.table.metadata = metadata
         self.table.metadata_location = location
         self._fresh = True
         self.peeked = False
+        if not _deletes_old_metadata(metadata):
+            return
         kept = {entry.metadata_file for entry in metadata.metadata_log}
         for entry in previous.metadata_log:
             if entry.metadata_file not in kept:

@@ -36,7 +36,7 @@ from lakestream_iceberg.errors import (
     SequenceError,
 )
 from lakestream_iceberg.format.checks import check_branch, check_int
-from lakestream_iceberg.format.expiry import expirable
+from lakestream_iceberg.format.expiry import expirable, retention
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_batch
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
@@ -468,7 +468,9 @@ class Producer:
                     result = CommitResult(step=step, snapshot_id=snapshot_id, seq=staged.seq, producer=self.producer_id,
                                           attempts=attempt, duplicate=False)
                 parent_id, previous_summary = snapshot_id, summary
-        expired = expirable(metadata, retain_last=max(1, stream.config.retain_snapshots - group))
+        # counted on the parent: the group's snapshots join what is kept
+        expired = expirable(metadata, **{**retention(stream.config), "retain_last": max(1, stream.config.retain_snapshots - group),
+                                         "retain_max": max(1, stream.config.retain_max - group)})
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
         requirements = (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=self.branch, snapshot_id=base_id))

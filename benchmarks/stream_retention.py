@@ -1,0 +1,113 @@
+"""Retention for other engines' streaming readers: what keeping snapshots by age costs a stream committing at R steps/s.
+
+A Spark or Flink streaming reader with a trigger of T seconds resumes at the snapshot it stopped at, so that snapshot
+must still be in the table's metadata T seconds (and R x T commits) later. Iceberg's
+``history.expire.max-snapshot-age-ms`` (honoured by the expiry every lakestream commit does in passing) keeps every
+snapshot of a branch younger than that age, at most ``lakestream.snapshots.retain-max`` (default 2,000) per branch:
+metadata.json is bounded by that count.
+
+One producer commits paced at ``--rate`` steps/s for ``--seconds`` on the embedded SQLite catalog + local warehouse,
+once with count retention only (``lakestream.snapshots.retain-last`` 8, the default) and once with an age of
+``--trigger`` + 5 s, one after the other on fresh streams. Reported per scenario: snapshots kept at the end, the size
+of the current metadata.json, and commit latency p50/p99 over the last quarter of the run (steady state).
+
+    python benchmarks/stream_retention.py                     # R = 100 steps/s, T = 10 s, 40 s per scenario
+    python benchmarks/stream_retention.py --quick             # R = 50, T = 2, 8 s per scenario
+
+Writes ``benchmarks/results/stream_retention.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+from pyiceberg.catalog.sql import SqlCatalog
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import Table, percentile, write_json  # noqa: E402
+
+from lakestream_iceberg import Stream  # noqa: E402
+
+SCHEMA = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32()))])
+WORLD = 2
+
+
+def _batch(seq: int) -> list[pa.Table]:
+    return [pa.table({"id": [seq * 8 + i for i in range(8)], "tokens": [[rank, i] for i in range(8)]}, schema=SCHEMA)
+            for rank in range(WORLD)]
+
+
+def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: float) -> dict[str, float]:
+    catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+    stream = Stream.create(catalog, f"bench.{name}", schema=SCHEMA, world_size=WORLD, properties=props)
+    producer = stream.producer("p")
+    latencies: list[tuple[float, float]] = []
+    start = time.monotonic()
+    seq = 0
+    while (now := time.monotonic()) - start < seconds:
+        due = start + seq / rate
+        if due > now:
+            time.sleep(due - now)
+        began = time.monotonic()
+        producer.commit(_batch(seq), seq=seq)
+        latencies.append((began - start, time.monotonic() - began))
+        seq += 1
+    metadata = stream.refresh().table.metadata
+    steady = [lat for at, lat in latencies if at >= seconds * 0.75]
+    return {
+        "steps": seq,
+        "steps_per_s": seq / seconds,
+        "snapshots_kept": len(metadata.snapshots),
+        "metadata_json_kib": len(stream.io.new_input(stream.table.metadata_location)) / 1024,
+        "commit_p50_ms": percentile(steady, 50) * 1000,
+        "commit_p99_ms": percentile(steady, 99) * 1000,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rate", type=float, default=100.0, help="steps per second (default 100)")
+    parser.add_argument("--trigger", type=float, default=10.0, help="the streaming reader's trigger, seconds (default 10)")
+    parser.add_argument("--seconds", type=float, default=40.0, help="length of each scenario (default 40)")
+    parser.add_argument("--quick", action="store_true", help="R = 50, T = 2 s, 8 s per scenario")
+    parser.add_argument("--smoke", action="store_true", help="R = 50, T = 1 s, 3 s per scenario (tests)")
+    parser.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results/")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rate, args.trigger, args.seconds = 50.0, 2.0, 8.0
+    if args.smoke:
+        args.rate, args.trigger, args.seconds = 50.0, 1.0, 3.0
+    age_ms = int((args.trigger + 5) * 1000)
+    scenarios = {
+        "count": {},
+        "age": {"history.expire.max-snapshot-age-ms": str(age_ms)},
+    }
+    table = Table(f"retention for streaming readers: R = {args.rate:g} steps/s, T = {args.trigger:g} s "
+                  f"(age kept: {age_ms / 1000:g} s)",
+                  ["retention", "steps/s", "snapshots kept", "metadata.json KiB", "commit p50 ms", "commit p99 ms"])
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="lakestream-stream-retention-") as tmp:
+        for name, props in scenarios.items():
+            found = run(Path(tmp), name, props, rate=args.rate, seconds=args.seconds)
+            results[name] = found
+            table.add(name, found["steps_per_s"], found["snapshots_kept"], found["metadata_json_kib"],
+                      found["commit_p50_ms"], found["commit_p99_ms"])
+    needed = args.rate * args.trigger
+    table.note(f"a reader with trigger T needs the last R x T = {needed:,.0f} snapshots; age retention kept "
+               f"{results['age']['snapshots_kept']:,} (bound: lakestream.snapshots.retain-max, default 2,000)")
+    print(table)
+    payload = {"benchmark": "stream_retention", "smoke": args.smoke, "rate": args.rate, "trigger_s": args.trigger,
+               "seconds": args.seconds, "max_age_ms": age_ms, "results": results, "table": table}
+    path = write_json(args.out.name, payload, directory=args.out.parent) if args.out else \
+        write_json("stream_retention", payload)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""A catalog setting means the same in ``.pyiceberg.yaml``, as a ``PYICEBERG_CATALOG__<NAME>__<KEY>`` variable and as a
+keyword argument of ``lakestream_iceberg.load_catalog`` (connect/catalog_settings.py), on real SQLite and PostgreSQL
+catalogs, a PostgreSQL restart included.
+
+pyiceberg reads its configuration once, at import (``pyiceberg.catalog._ENV_CONFIG``): each way of configuring below
+sets the file or the variables and then installs a ``Config()`` read from them, as a fresh process would.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pyiceberg.catalog
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.utils.config import Config
+from sqlalchemy.exc import OperationalError
+
+from catalog import services
+from lakestream_iceberg import ConfigError, Stream, load_catalog
+from lakestream_iceberg.connect.catalog_settings import catalog_types, engine_options, engine_options_passed, sql_catalog_keys
+from lakestream_iceberg.read.follow import StreamRef
+from tests.backends import postgres_service
+from tests.support import SCHEMA
+
+__all__ = ["postgres_service"]  # fixture used by name
+
+ROOT = Path(__file__).resolve().parent.parent
+WAYS = ("yaml", "env", "kwargs")
+# every setting pyiceberg 0.12's SqlCatalog reads, each set to a value other than its default where one exists
+SETTINGS = {"pool_pre_ping": "true", "echo": "true", "schema_version": "v1", "init_catalog_tables": "true"}
+
+
+@contextmanager
+def configured(way: str, name: str, props: dict[str, str], home: Path) -> Iterator[dict[str, str]]:
+    """pyiceberg's configuration holding ``props`` for catalog ``name`` the ``way`` given (the file, or the variables
+    ``catalog.services.catalog_env`` exports); yields the keyword arguments to pass (``props`` for ``kwargs``)."""
+    home.mkdir(parents=True, exist_ok=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(home))
+        if way == "yaml":
+            lines = ["catalog:", f"  {name}:", *(f"    {k}: {json.dumps(v)}" for k, v in props.items())]
+            (home / ".pyiceberg.yaml").write_text("\n".join(lines) + "\n")
+        elif way == "env":
+            for key, value in services.catalog_env(name, props).items():
+                mp.setenv(key, value)
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+        yield props if way == "kwargs" else {}
+
+
+def load(way: str, name: str, props: dict[str, str], home: Path) -> Any:
+    with configured(way, name, props, home) as kwargs:
+        return load_catalog(name, **kwargs)
+
+
+def behaviour(catalog: Any) -> dict[str, Any]:
+    """What the settings change: the catalog's properties and its engine."""
+    return {"properties": dict(catalog.properties), "pre_ping": catalog.engine.pool._pre_ping,
+            "echo": catalog.engine.echo, "schema_version": catalog._schema_version, "pool_size": catalog.engine.pool.size()}  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------------- without servers
+
+
+def test_the_issue_repro_reads_pool_pre_ping_from_the_environment(tmp_path: Path) -> None:
+    """pyiceberg read at import, as in a user's process: POOL_PRE_PING=true reaches the engine."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYICEBERG_")}
+    env.update(PYICEBERG_HOME=str(tmp_path), PYICEBERG_CATALOG__X__TYPE="sql", PYTHONPATH=str(ROOT),
+               PYICEBERG_CATALOG__X__URI=f"sqlite:///{tmp_path}/x.db", PYICEBERG_CATALOG__X__POOL_PRE_PING="true")  # fmt: skip
+    code = "from lakestream_iceberg import load_catalog; c = load_catalog('x'); print(dict(c.properties), c.engine.pool._pre_ping)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-1] == "True", out.stdout + out.stderr
+    assert "'pool_pre_ping': 'true'" in out.stdout and "pool-pre-ping" not in out.stdout
+
+
+@pytest.fixture
+def engine_log_handlers() -> Iterator[None]:
+    """``echo`` adds a handler to SQLAlchemy's engine logger for the process: take it off again."""
+    logger = logging.getLogger("sqlalchemy.engine.Engine")
+    before = list(logger.handlers)
+    yield
+    for handler in [h for h in logger.handlers if h not in before]:
+        logger.removeHandler(handler)
+
+
+@pytest.mark.usefixtures("engine_log_handlers")
+def test_each_sql_setting_means_the_same_three_ways(tmp_path: Path) -> None:
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh", **SETTINGS}
+    seen = {way: behaviour(load(way, "three", props, tmp_path / way)) for way in WAYS}
+    assert seen["yaml"] == seen["env"] == seen["kwargs"]
+    assert seen["env"]["properties"] == props
+    assert seen["env"]["pre_ping"] is True and seen["env"]["echo"] is True and seen["env"]["schema_version"] == "v1"
+
+
+def test_the_derived_lists_cover_what_pyiceberg_and_sqlalchemy_read() -> None:
+    assert sql_catalog_keys() >= {"uri", "echo", "pool_pre_ping", "schema_version", "init_catalog_tables"}
+    assert engine_options_passed() == {"echo", "pool_pre_ping"}  # pyiceberg 0.12: create_engine(uri, echo=, pool_pre_ping=)
+    assert engine_options() >= {"pool_size", "pool_recycle", "max_overflow", "pool_timeout", "pool_pre_ping", "echo"}
+
+
+@pytest.mark.parametrize("key", ["pool_size", "pool_recycle", "max_overflow"])
+@pytest.mark.parametrize("way", WAYS)
+def test_engine_options_pyiceberg_would_ignore_are_refused_every_way(way: str, key: str, tmp_path: Path) -> None:
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", key: "3"}
+    with pytest.raises(ConfigError, match=rf"{key} would have no effect: .*remove {key} .*PYICEBERG_CATALOG__SIZED__{key.upper()}"):
+        load(way, "sized", props, tmp_path / way)
+
+
+def test_the_environment_overrides_the_file_and_arguments_override_both(tmp_path: Path) -> None:
+    uri = f"sqlite:///{tmp_path}/catalog.db"
+    (tmp_path / ".pyiceberg.yaml").write_text(f'catalog:\n  mixed:\n    type: sql\n    uri: "{uri}"\n    pool_pre_ping: "false"\n')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(tmp_path))
+        mp.setenv("PYICEBERG_CATALOG__MIXED__POOL_PRE_PING", "true")
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+        from_env = load_catalog("mixed")
+        from_call = load_catalog("mixed", pool_pre_ping="false")
+        dashed_call = load_catalog("mixed", **{"pool-pre-ping": "false"})
+    assert from_env.engine.pool._pre_ping is True and from_env.properties["pool_pre_ping"] == "true"
+    assert from_call.engine.pool._pre_ping is False and dashed_call.engine.pool._pre_ping is False
+    assert "pool-pre-ping" not in from_env.properties and "pool-pre-ping" not in dashed_call.properties
+
+
+def test_both_spellings_as_arguments_must_agree(tmp_path: Path) -> None:
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db"}
+    with pytest.raises(ConfigError, match="both pool_pre_ping='true' and pool-pre-ping='false'.*keep only pool_pre_ping"):
+        load_catalog("twice", **props, pool_pre_ping="true", **{"pool-pre-ping": "false"})
+    assert load_catalog("twice", **props, pool_pre_ping="true", **{"pool-pre-ping": "true"}).engine.pool._pre_ping is True
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_an_unknown_type_names_the_types_that_exist(way: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"type 'no-such-type' is not a pyiceberg catalog type.*one of rest, .*sql") as info:
+        load(way, "odd", {"type": "no-such-type"}, tmp_path / way)
+    assert "PYICEBERG_CATALOG__ODD__TYPE" in str(info.value)
+    assert set(catalog_types()) >= {"rest", "sql", "glue", "hive", "in-memory"}
+
+
+def test_a_stream_reopened_from_its_address_reads_the_variables_the_same_way(tmp_path: Path) -> None:
+    """``StreamRef`` of a catalog built as a class (py-catalog-impl) merges the worker's configuration itself."""
+    name = f"ref-{uuid.uuid4().hex[:8]}"
+    catalog = SqlCatalog(name, uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/wh")
+    catalog.create_namespace("ns")
+    ref = StreamRef.of(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(f"PYICEBERG_CATALOG__{name.upper().replace('-', '_')}__POOL_PRE_PING", "true")
+        reopened = ref.catalog()
+    assert reopened.engine.pool._pre_ping is True and reopened.properties.get("pool_pre_ping") == "true"
+    assert "pool-pre-ping" not in reopened.properties
+
+
+# --------------------------------------------------------------------------------------------------- PostgreSQL
+
+
+@pytest.mark.services
+def test_postgres_restart_first_query_succeeds_three_ways(postgres_service: services.Postgres, tmp_path: Path) -> None:
+    """The catalog ``catalog.services.postgres_seaweedfs`` documents (its ``pool_pre_ping``), on a fresh database,
+    configured three ways: after a PostgreSQL restart the first query of each succeeds. A catalog without
+    ``pool_pre_ping`` shows what the restart does to a pooled connection."""
+    pg = postgres_service
+    database = f"db_{uuid.uuid4().hex[:10]}"
+    pg.create_database(database)
+    props = {"type": "sql", "uri": pg.sqlalchemy_uri(database), "pool_pre_ping": "true", "warehouse": f"file://{tmp_path}/wh"}
+    catalogs = {way: load(way, "pg", props, tmp_path / way) for way in WAYS}
+    unpinged = load("kwargs", "pg", {**props, "pool_pre_ping": "false"}, tmp_path / "unpinged")
+    catalogs["kwargs"].create_namespace("ns")
+    every: list[Callable[[], Any]] = [c.list_namespaces for c in (*catalogs.values(), unpinged)]
+    try:
+        assert [query() for query in every] == [[("ns",)]] * 4  # each pool now holds an open connection
+        assert behaviour(catalogs["yaml"]) == behaviour(catalogs["env"]) == behaviour(catalogs["kwargs"])
+        assert catalogs["env"].engine.pool._pre_ping is True
+
+        pg.restart()
+        assert {way: c.list_namespaces() for way, c in catalogs.items()} == {way: [("ns",)] for way in WAYS}
+        with pytest.raises(OperationalError):  # the dead pooled connection, handed out unchecked
+            unpinged.list_namespaces()
+        assert unpinged.list_namespaces() == [("ns",)]  # the pool dropped it
+    finally:
+        if not pg.running:  # a failed restart must not leave the shared server down
+            pg.start()
+        for catalog in (*catalogs.values(), unpinged):
+            catalog.engine.dispose()
