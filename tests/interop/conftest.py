@@ -70,22 +70,24 @@ def spark() -> Iterator[Any]:
         from pyspark.sql import SparkSession
     except ImportError:
         pytest.fail(f"the Spark interop tests need pyspark==3.5.9: {SETUP_HINT}", pytrace=False)
-    jars = f"{iceberg_runtime_jar()},{sqlite_jdbc_jar()}"
-    session = (
+    builder = (
         SparkSession.builder.master("local[1]")
         .appName("lakestream-interop")
-        .config("spark.jars", jars)
+        .config("spark.jars", f"{iceberg_runtime_jar()},{sqlite_jdbc_jar()}")
         .config("spark.sql.extensions", "org.apache.iceberg.spark.extensions.IcebergSparkSessionExtensions")
         .config("spark.driver.memory", "768m")
+        .config("spark.driver.extraJavaOptions", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
         .config("spark.driver.host", services.HOST)
         .config("spark.driver.bindAddress", services.HOST)
         .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "1")
         .config("spark.default.parallelism", "1")
         .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.streaming.forceDeleteTempCheckpointLocation", "true")
-        .getOrCreate()
     )
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("SPARK_LOCAL_IP", services.HOST)  # the JVM's own address, read when it starts
+        session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     gateway = SparkContext._gateway  # noqa: SLF001
     try:
