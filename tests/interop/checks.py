@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,6 @@ IDENTIFIER = "ns.stream"
 WORLD = 2
 ROWS = 3  # rows per shard: every (step, rank) holds rows, so a step Spark skips or repeats always shows
 PAYLOAD = SCHEMA.names
-DEADLINE_S = 120.0  # the overall bound of every wait for observed progress
 
 
 @dataclass
@@ -177,14 +176,6 @@ def age_files(root: Path, seconds: float) -> int:
             os.utime(os.path.join(folder, name), (past, past))
             count += 1
     return count
-
-
-def wait_until(what: str, done: Callable[[], bool], *, deadline_s: float = DEADLINE_S) -> None:
-    """Poll ``done`` until it holds; fail after ``deadline_s`` (an overall bound, never the expected wait)."""
-    end = time.monotonic() + deadline_s
-    while not done():
-        assert time.monotonic() < end, f"timed out after {deadline_s:.0f} s waiting for {what}"
-        time.sleep(0.05)
 
 
 def foreign_snapshots(stream: Stream, branch: str = "main") -> list[int]:
