@@ -132,15 +132,20 @@ def test_structured_streaming_continues_across_lifecycle_gc(lake: Lake, tmp_path
     assert lakestream_rows(stream, range(4, 9)) == expected_rows(writers.published, range(4, 9))
 
 
+@pytest.mark.parametrize("set_by", ["create", "spark-while-producing"])
 def test_a_streaming_reader_resumes_after_more_steps_than_retain_last_within_the_max_snapshot_age(
-        lake: Lake, tmp_path: Path) -> None:
+        lake: Lake, tmp_path: Path, set_by: str) -> None:
     """Iceberg's ``history.expire.max-snapshot-age-ms`` keeps young snapshots although ``retain-last`` is 2: a
     streaming reader whose offset names a snapshot 8 commits old resumes instead of failing with "Cannot load current
-    offset at snapshot ..., the snapshot was expired or removed"."""
-    stream = create(lake, **{"lakestream.snapshots.retain-last": "2", "history.expire.max-snapshot-age-ms": "3600000"})
+    offset at snapshot ..., the snapshot was expired or removed". The property is set when the stream is created, or
+    by Spark on a stream whose producers are running (docs/interop.md, "Retention for streaming readers")."""
+    age = {"history.expire.max-snapshot-age-ms": "3600000"}
+    stream = create(lake, **{"lakestream.snapshots.retain-last": "2", **(age if set_by == "create" else {})})
     writers = Writers(stream)
     writers.commit("a")
     writers.commit("b")
+    if set_by == "spark-while-producing":
+        lake.sql(f"ALTER TABLE {lake.table()} SET TBLPROPERTIES ('history.expire.max-snapshot-age-ms' = '3600000')")
     first, second = Collected(), Collected()
     query = start_query(lake, first, tmp_path / "checkpoint", available_now=True)
     query.awaitTermination()
