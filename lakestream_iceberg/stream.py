@@ -176,7 +176,12 @@ class Stream(StreamTable):
             iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()
-            props.update(properties or {})
+            if properties is not None:
+                if not isinstance(properties, dict) or not all(
+                        isinstance(k, str) and isinstance(v, str) for k, v in properties.items()):
+                    raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
+                                      f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
+                props.update(properties)
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             config = StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)

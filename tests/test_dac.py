@@ -14,6 +14,7 @@ import statistics
 
 import pytest
 
+from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 
 
@@ -208,7 +209,7 @@ def test_same_seed_same_decisions() -> None:
 @pytest.mark.parametrize("bad", [{"ewma_alpha": 0.0}, {"pacing_jitter": 1.0}, {"gap_window": 0}, {"active_horizon": 1.0},
                                  {"max_wait_s": -1.0}])
 def test_config_is_validated(bad: dict[str, float]) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError):
         PolicyConfig(**bad)
 
 
@@ -538,9 +539,9 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
 
 
 def test_group_config_is_validated() -> None:
-    with pytest.raises(ValueError, match="hold_gather"):
+    with pytest.raises(ConfigError, match="hold_gather"):
         PolicyConfig(hold_gather=-1)
-    with pytest.raises(ValueError, match="min_poll_s"):
+    with pytest.raises(ConfigError, match="min_poll_s"):
         PolicyConfig(min_poll_s=0.2, max_poll_s=0.1)
 
 
@@ -652,7 +653,7 @@ def test_a_group_committers_report_applies_while_group_commits_are_recent_then_e
 
 
 def test_quiet_config_is_validated() -> None:
-    with pytest.raises(ValueError, match="quiet_utilization"):
+    with pytest.raises(ConfigError, match="quiet_utilization"):
         PolicyConfig(quiet_utilization=-0.1)
-    with pytest.raises(ValueError, match="rate_window"):
+    with pytest.raises(ConfigError, match="rate_window"):
         PolicyConfig(rate_window=1)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -394,3 +395,24 @@ def test_a_missing_or_dropped_stream_is_a_stream_not_found_error(tmp_path: Path)
     for call in (stream.head_step, stream.refresh, lambda: stream.history()):
         with pytest.raises(StreamNotFoundError, match="no longer exists"):
             call()
+
+
+def test_lifecycle_gc_keeps_the_snapshots_age_retention_keeps(tmp_path: Path) -> None:
+    """A streaming reader of another engine stopped at a snapshot from before a GC still finds it: GC collects the
+    steps below the checkpoint from the head, and expires only what age retention lets go."""
+    from lakestream_iceberg import StepCollectedError
+
+    stream, before = published(make(tmp_path, **{"lakestream.snapshots.retain-last": "2",
+                                                  "history.expire.max-snapshot-age-ms": "3600000"}))
+    ids = [s.snapshot_id for s in lineage(stream)]
+    stream.checkpoint("ck", step=5)
+    assert stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0),
+                                  allow_short_grace=True).collected_below == {"main": 5}
+    metadata = stream.refresh().table.metadata
+    assert {s.snapshot_id for s in metadata.snapshots} >= set(ids)  # every snapshot younger than the age is kept
+    with pytest.raises(StepCollectedError):
+        stream.read(4, rank=0)
+    assert {step: rows_of(stream, step) for step in range(5, 9)} == {s: before[s] for s in range(5, 9)}
+    old = metadata.snapshot_by_id(ids[1])  # step 2's snapshot: its table state still reads, its files were kept
+    assert sorted(set(stream.table.scan(snapshot_id=old.snapshot_id, selected_fields=("_step",)).to_arrow()["_step"]
+                      .to_pylist())) == [1, 2]

@@ -76,6 +76,17 @@ def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int]
     return keep
 
 
+def young(metadata: TableMetadata, snapshot_id: int, *, max_age_ms: int, retain_max: int,
+          now_ms: int | None = None, **_: int) -> set[int]:
+    """The ancestors of ``snapshot_id`` (itself included) that age retention keeps: younger than ``max_age_ms``, at
+    most ``retain_max`` (none when ``max_age_ms`` is 0). Takes :func:`retention`'s arguments."""
+    if max_age_ms <= 0:
+        return set()
+    cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    return {sid for sid in ancestors(metadata, snapshot_id, retain_max, by_id=by_id) if by_id[sid].timestamp_ms >= cutoff}
+
+
 def retention(config: StreamConfig) -> dict[str, int]:
     """The retention arguments of :func:`protected` and :func:`expirable` from a stream's config."""
     return {"retain_last": config.retain_snapshots, "max_age_ms": config.retain_max_age_ms,

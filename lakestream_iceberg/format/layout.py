@@ -240,6 +240,8 @@ _INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table prop
 
 def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
     """The Arrow schema of the Iceberg table: the payload plus ``_step`` and ``_rank``."""
+    if not isinstance(payload, pa.Schema) or len(payload) == 0:
+        raise SchemaMismatchError(f"a stream's payload schema is a pyarrow Schema with at least one column, got {payload!r}")
     clash = RESERVED_COLUMNS.intersection(payload.names)
     if clash:
         raise SchemaMismatchError(

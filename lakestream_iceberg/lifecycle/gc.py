@@ -68,7 +68,7 @@ from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.format.expiry import protected, retention
+from lakestream_iceberg.format.expiry import protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import entry_step, step_bounds
@@ -170,9 +170,13 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
                                          parent_snapshot_id=head.snapshot_id)]
         sequence_number += 1
     # Keep every snapshot a ref of this metadata points at, *released tags' anchors included* (a fork may be landing on
-    # one right now: see "Forks and GC" above), the new heads, and the retention window of branches not collected.
+    # one right now: see "Forks and GC" above), the new heads, and the retention window of branches not collected. Of
+    # a collected branch only the snapshots that age retention keeps for streaming readers of other engines
+    # (history.expire.max-snapshot-age-ms) stay: their files stay with them, until a later GC finds them aged out.
     uncollected = metadata.model_copy(update={"refs": {n: r for n, r in metadata.refs.items() if n not in collected}})
     keep_ids = protected(uncollected, **retention(stream.config))
+    for head, _ in collected.values():
+        keep_ids |= young(metadata, head.snapshot_id, **retention(stream.config))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
     if expired:
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))

@@ -34,7 +34,7 @@ __all__ = ["main", "build_parser"]
 EXIT_ERROR = 1
 
 
-class UserError(Exception):
+class UserError(LakestreamError):
     """A mistake reported as one line (distinct from bugs, which keep their traceback)."""
 
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:

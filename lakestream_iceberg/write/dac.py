@@ -93,6 +93,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from lakestream_iceberg.errors import ConfigError
+
 __all__ = ["CommitPolicy", "PolicyConfig"]
 
 
@@ -123,19 +125,19 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if not 0 < self.ewma_alpha <= 1:
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
+            raise ConfigError(f"ewma_alpha must be in (0, 1], got {self.ewma_alpha}")
         if self.gap_window < 1 or self.min_horizon_steps < 1 or self.active_horizon <= 1:
-            raise ValueError("gap_window and min_horizon_steps must be >= 1 and active_horizon > 1")
+            raise ConfigError("gap_window and min_horizon_steps must be >= 1 and active_horizon > 1")
         if not 0 <= self.pacing_jitter < 1:
-            raise ValueError(f"pacing_jitter must be in [0, 1), got {self.pacing_jitter}")
+            raise ConfigError(f"pacing_jitter must be in [0, 1), got {self.pacing_jitter}")
         if self.slot_margin < 0 or self.retry_slots < 0 or self.max_wait_s < 0:
-            raise ValueError("slot_margin, retry_slots and max_wait_s must be >= 0")
+            raise ConfigError("slot_margin, retry_slots and max_wait_s must be >= 0")
         if self.group_max_batches < 1:
-            raise ValueError(f"group_max_batches must be >= 1, got {self.group_max_batches}")
+            raise ConfigError(f"group_max_batches must be >= 1, got {self.group_max_batches}")
         if self.hold_gather < 0 or self.hold_jitter < 0 or not 0 < self.min_poll_s <= self.max_poll_s:
-            raise ValueError("hold_gather and hold_jitter must be >= 0 and 0 < min_poll_s <= max_poll_s")
+            raise ConfigError("hold_gather and hold_jitter must be >= 0 and 0 < min_poll_s <= max_poll_s")
         if self.quiet_utilization < 0 or self.rate_window < 2:
-            raise ValueError("quiet_utilization must be >= 0 and rate_window >= 2")
+            raise ConfigError("quiet_utilization must be >= 0 and rate_window >= 2")
 
 
 class CommitPolicy:

@@ -156,7 +156,8 @@ class Producer:
         started, began_at = time.monotonic(), time.time()
         stream = self._stream
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
-            seq = check_int(seq, what="seq", error=SequenceError, minimum=0)
+            seq = check_int(seq, what="seq", error=SequenceError, minimum=0,
+                            hint="a producer's sequence numbers start at 0; pass seq=None to take the next one")
         checked, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
         if self._loop.peeked and seq in (None, self._peeked_next):
             # The last commit was answered from a light read of the head (it was carried): the loaded metadata is
