@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "parse_data_path", "register_samples", "step_rows",
+__all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "import_duckdb", "parse_data_path", "register_samples", "step_rows",
            "utc_from_ms"]
 
 VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "samples")
@@ -320,7 +320,7 @@ def read_samples(
 
 
 # -- the public entry point ---------------------------------------------------------------------------------------------
-def _import_duckdb() -> Any:
+def import_duckdb() -> Any:
     try:
         import duckdb
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
@@ -363,7 +363,7 @@ def history(
         [('prep-0', 12), ('prep-1', 12)]
         >>> con.sql("SELECT _rank, count(*) FROM samples GROUP BY 1 ORDER BY 1").fetchall()  # doctest: +SKIP
     """
-    duckdb = _import_duckdb()
+    duckdb = import_duckdb()
     if refresh:
         stream.refresh()
     stream.require_branch(branch, doing="no history of")

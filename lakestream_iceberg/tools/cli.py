@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
 from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
-from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, _human, _mb, _plain
+from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, human, megabytes, plain
 
 if TYPE_CHECKING:
     from lakestream_iceberg.stream import Stream
@@ -140,12 +140,12 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         ("staged batches", ("-" if status["staged_batches"] is None else str(status["staged_batches"]))
          + f" (intents kept in the {status['staging']})"),
         ("snapshots retained", status["snapshots_retained"]),
-        ("metadata", f"{_mb(status['metadata_bytes'])} in {status['metadata_file']}"),
-        ("storage", f"{_mb(storage['bytes'])}, {storage['data_files'] or 0:,} data files, "
+        ("metadata", f"{megabytes(status['metadata_bytes'])} in {status['metadata_file']}"),
+        ("storage", f"{megabytes(storage['bytes'])}, {storage['data_files'] or 0:,} data files, "
                     f"{storage['records'] or 0:,} samples"),
     ], title=f"stream {status['stream']}")
     out.table(status["producers"], title="producers", columns=["producer", "last_seq", "last_step", "lag"])
-    out.table([_plain(c) for c in status["checkpoints"]], title="checkpoints",
+    out.table([plain(c) for c in status["checkpoints"]], title="checkpoints",
               columns=["name", "branch", "step", "snapshot_id", "created_at"])
     return 0
 
@@ -164,9 +164,9 @@ def _parse_steps(text: str | None) -> tuple[int, int] | None:
 
 
 def cmd_sql(args: argparse.Namespace, out: Output) -> int:
-    from lakestream_iceberg.read.history import _import_duckdb, history, register_samples
+    from lakestream_iceberg.read.history import history, import_duckdb, register_samples
 
-    duckdb = _import_duckdb()  # MissingExtraError naming the extra when DuckDB is not installed
+    duckdb = import_duckdb()  # MissingExtraError naming the extra when DuckDB is not installed
 
     stream = _stream(args)
     steps = _parse_steps(args.steps)
@@ -204,7 +204,7 @@ def cmd_checkpoint(args: argparse.Namespace, out: Output) -> int:
     if out.json:
         out.emit_json(checkpoint)
     else:
-        out.fields(list(_plain(checkpoint).items()), title=f"checkpoint {args.name} of {stream.name}")
+        out.fields(list(plain(checkpoint).items()), title=f"checkpoint {args.name} of {stream.name}")
     return 0
 
 
@@ -214,7 +214,7 @@ def cmd_checkpoints(args: argparse.Namespace, out: Output) -> int:
     if out.json:
         out.emit_json(listing)
     else:
-        out.table([_plain(c) for c in listing], title=f"checkpoints of {stream.name}",
+        out.table([plain(c) for c in listing], title=f"checkpoints of {stream.name}",
                   columns=["name", "branch", "step", "created_at", "snapshot_id", "source_snapshot_id"])
     return 0
 
@@ -230,8 +230,8 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
         return 0
     with out.console.status("planning garbage collection" if args.dry_run else "collecting garbage"):
         report = stream.collect_garbage(**kwargs)
-    pairs = [(k, ", ".join(map(str, v)) or "-" if isinstance(v, list) else v) for k, v in _plain(report).items()]
-    pairs += [("total", f"{report.total_files:,} files, {_mb(report.total_bytes)}")] if hasattr(report, "total_files") else []
+    pairs = [(k, ", ".join(map(str, v)) or "-" if isinstance(v, list) else v) for k, v in plain(report).items()]
+    pairs += [("total", f"{report.total_files:,} files, {megabytes(report.total_bytes)}")] if hasattr(report, "total_files") else []
     out.fields(pairs, title=f"gc of {stream.name}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
     return 0
 
@@ -256,7 +256,7 @@ def cmd_host(args: argparse.Namespace, out: Output) -> int:
     from lakestream_iceberg.write.host import check_copy
 
     check = check_copy()
-    report = dict(_plain(check), ratio=check.ratio)
+    report = dict(plain(check), ratio=check.ratio)
     if out.json:
         out.emit_json(report)
     else:
@@ -306,7 +306,7 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
                     f"step {row['step']:>7}  {row['producer'] or '?'} seq {row['seq'] if row['seq'] is not None else '?'}"
                     f"  {row['samples'] if row['samples'] is not None else '-'} samples {row['samples_per_rank'] or ''}"
                     f"  {(row['bytes'] or 0) / 1e3:,.1f} kB  attempts {row['attempts'] or '-'}"
-                    f"  {_human(row['committed_at'])}"
+                    f"  {human(row['committed_at'])}"
                 )
             shown += 1
         next_step = last + 1

@@ -12,7 +12,7 @@ from datetime import date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-__all__ = ["Output", "to_jsonable"]
+__all__ = ["MAX_HUMAN_ROWS", "Output", "human", "megabytes", "plain", "to_jsonable"]
 
 MAX_HUMAN_ROWS = 50
 
@@ -75,7 +75,7 @@ class Output:
         for name in columns:
             table.add_column(str(name), overflow="fold")
         for row in rows[:MAX_HUMAN_ROWS]:
-            table.add_row(*(_human(row.get(c)) for c in columns))
+            table.add_row(*(human(row.get(c)) for c in columns))
         self.console.print(table)
         if len(rows) > MAX_HUMAN_ROWS:
             self.console.print(f"... {len(rows) - MAX_HUMAN_ROWS} more rows (use --json for all of them)")
@@ -89,11 +89,11 @@ class Output:
         table.add_column(style="bold")
         table.add_column()
         for key, value in pairs:
-            table.add_row(key, _human(value))
+            table.add_row(key, human(value))
         self.console.print(table)
 
 
-def _human(value: Any) -> str:
+def human(value: Any) -> str:
     if value is None:
         return "-"
     if isinstance(value, datetime):
@@ -107,12 +107,12 @@ def _human(value: Any) -> str:
     return str(value)
 
 
-def _plain(value: Any) -> dict[str, Any]:
+def plain(value: Any) -> dict[str, Any]:
     """A dataclass (Checkpoint, GCReport) as a dict of its fields, values kept as they are (for human output)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     return {k: v for k, v in vars(value).items() if not k.startswith("_")}
 
 
-def _mb(n: int | None) -> str:
+def megabytes(n: int | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.2f} MB ({n:,} bytes)"
