@@ -170,3 +170,15 @@ def test_tags_and_branches_spark_creates_are_kept_and_readable(lake: Lake) -> No
     on_branch = spark_rows(lake.sql(f"SELECT * FROM {lake.table()}.branch_spark_branch"))
     assert on_branch == {**first, **expected_rows({5: ("d", 0)})}
     assert_intact(lake, writers, head=12)  # main is untouched
+
+
+def test_a_payload_column_renamed_by_spark_is_refused_until_it_is_renamed_back(lake: Lake) -> None:
+    stream = create(lake)
+    writers = Writers(stream)
+    writers.rounds(1)
+    lake.sql(f"ALTER TABLE {lake.table()} RENAME COLUMN tokens TO token_ids")
+    with pytest.raises(lakestream_iceberg.SchemaMismatchError) as refused:
+        Stream.open(lake.catalog, IDENTIFIER).producer("d")
+    assert "tokens" in str(refused.value)
+    lake.sql(f"ALTER TABLE {lake.table()} RENAME COLUMN token_ids TO tokens")
+    assert_intact(lake, writers, head=4)
