@@ -51,21 +51,9 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifests import ManifestCache
-from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, encode_schema
+from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
-from lakestream_iceberg.lifecycle.gc import (
-    GCReport,
-    check_policy,
-    grace_seconds,
-    kept_after_dry_run,
-    known_files,
-    norm,
-    plan_collect,
-    plan_expire,
-    referenced_files,
-    snapshots_expired,
-    sweep,
-)
+from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
 from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -421,44 +409,13 @@ class Stream(StreamTable):
                 raise LifecycleError(f"{name} must be True or False, not {flag!r}")
         keep_last = check_policy(keep_last, keep_within)
         grace_s = grace_seconds(grace, self.config, allow_short=allow_short_grace)
-        loop = self._control_loop(MAIN)
-        metadata = loop.refresh(deadline=time.monotonic() + self.config.commit_timeout_ms / 1000)
-        known = known_files(self, metadata)
-        if dry_run:
-            plan, collected, deferred = plan_collect(self, metadata, keep_last=keep_last, keep_within=keep_within, write=False)
-            keep = kept_after_dry_run(self, metadata, self.table.metadata_location, plan.result, collected,
-                                      snapshots_expired(plan) | deferred)
-            sweep(self, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s, delete=False)
-            self._expire_intents(plan.result, grace_s=grace_s, delete=False)
-            return plan.result
-        # Two commits (see lifecycle.gc, "Forks and GC"): release + collect first, then expire what no ref needs, planned
-        # on a head that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
-        outcome = loop.run(lambda md, _: plan_collect(self, md, keep_last=keep_last, keep_within=keep_within, write=True)[0],
-                           pace=False)
-        report = outcome.result
-        expiry = loop.run(lambda md, _: plan_expire(self, md), pace=False)
-        report.snapshots_expired += expiry.result
-        keep = referenced_files(self.io, expiry.metadata, self.table.metadata_location, self)
-        known |= {norm(p) for p in outcome.abandoned_files}
-        sweep(self, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True)
-        self._expire_intents(report, grace_s=grace_s, delete=True)
-        return report
+        return collect_garbage(self, self._control_loop(MAIN), dry_run=dry_run, keep_last=keep_last,
+                               keep_within=keep_within, grace_s=grace_s,
+                               expire_intents=self._expire_intents if self._intent_table is not None else None)
 
-    def _expire_intents(self, report: GCReport, *, grace_s: float, delete: bool) -> None:
-        """Catalog staging: intents older than the grace period are rows, not files the sweep finds (kind ``intent``,
-        0 bytes); their data files are unreferenced files, which the sweep deletes once as old."""
-        if self._intent_table is None:
-            return
-        try:
-            expired = call_with_retry(lambda: self.staging.expire(older_than_s=grace_s, delete=delete),
-                                      what="expiring staged intents", timeout_s=self.config.io_retry_timeout_ms / 1000)
-        except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
-            log.warning("GC of %s could not expire old staged intents in the catalog (%s); the next GC retries",
-                        ".".join(self.table.name()), exc)
-            return
-        if expired:
-            report.files_deleted["intent"] = report.files_deleted.get("intent", 0) + len(expired)
-            report.bytes_deleted.setdefault("intent", 0)
+    def _expire_intents(self, older_than_s: float, delete: bool) -> list[str]:
+        return call_with_retry(lambda: self.staging.expire(older_than_s=older_than_s, delete=delete),
+                               what="expiring staged intents", timeout_s=self.config.io_retry_timeout_ms / 1000)
 
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
         """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).
@@ -497,13 +454,8 @@ class Stream(StreamTable):
             with self.step_files(step, branch=branch) as files:
                 return files.read(rank, columns=columns)
 
-        def once() -> pa.Table:
-            try:
-                return read_rank()
-            except FileNotFoundError:
-                # GC collected files our (stale) view still listed: re-resolve on the current head, once.
-                self.refresh()
-                return read_rank()
+        def once() -> pa.Table:  # GC collected files our (stale) view still listed: re-resolved on the head, once
+            return after_gc(read_rank, refresh=self.refresh)
 
         what = f"reading step {step} rank {rank} of {self.name}"
         with config_errors(self.io.properties, action=what):  # storage outages retry; a wrong secret fails at once

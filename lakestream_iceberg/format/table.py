@@ -9,8 +9,10 @@ on its own, and dependencies point one way.
 from __future__ import annotations
 
 import base64
+from collections.abc import Callable
 from dataclasses import replace
 from functools import cached_property
+from typing import TypeVar
 
 import pyarrow as pa
 from pyiceberg.io import FileIO
@@ -39,7 +41,24 @@ from lakestream_iceberg.format.summary import StreamState, missing_step_error
 PROP_ARROW_SCHEMA = "lakestream.arrow-schema"
 MAIN = "main"
 
-__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "decode_schema", "encode_schema"]
+__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "decode_schema", "encode_schema"]
+
+T = TypeVar("T")
+
+
+def after_gc(attempt: Callable[[], T], *, refresh: Callable[[], object], again: Callable[[], T] | None = None) -> T:
+    """``attempt()``, and once more on the current head when lifecycle GC deleted a file of the view it used.
+
+    A view of the table that predates a GC commit may list a manifest, a manifest list or a data file that GC has
+    deleted since (``FileNotFoundError``). Every reader and writer handles that the same way, here: ``refresh()`` the
+    view, then run ``again()`` (default: ``attempt`` itself) once; a second ``FileNotFoundError`` is real and raised.
+    A retained step is then found; a collected one raises its ``StepCollectedError`` from the fresh view.
+    """
+    try:
+        return attempt()
+    except FileNotFoundError:
+        refresh()
+        return (again or attempt)()
 
 
 def encode_schema(schema: pa.Schema) -> str:
@@ -176,10 +195,7 @@ class StreamTable:
         except ForeignSnapshotError:
             self.refresh()  # ...unless the view is older than a repair
             self.branch_state(branch=branch)
-        try:
-            files = self.index.files(self.head(branch=branch), step)
-        except FileNotFoundError:
-            files = []
+        files = after_gc(lambda: self.index.files(self.head(branch=branch), step), refresh=self.refresh)
         if not files:
             state = self.state(branch=branch, refresh=True)
             files = self.index.files(self.head(branch=branch), step)

@@ -42,9 +42,11 @@ snapshot while a lakestream commit that expires it is in flight; Iceberg's own s
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
@@ -74,13 +76,15 @@ from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
-from lakestream_iceberg.write.commit import Done, Plan
+from lakestream_iceberg.write.commit import CommitLoop, Done, Plan
 from lakestream_iceberg.write.intent import STAGING_DIR
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["GCReport"]
+__all__ = ["GCReport", "check_policy", "collect_garbage", "grace_seconds"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -323,3 +327,56 @@ def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short:
             f"unset (the stream's {PROP_GC_GRACE_MS}), or pass allow_short_grace=True only when no producer is running"
         )
     return grace.total_seconds()
+
+
+def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, keep_last: int | None,
+                    keep_within: timedelta | None, grace_s: float,
+                    expire_intents: Callable[[float, bool], list[str]] | None = None) -> GCReport:
+    """Lifecycle GC of ``stream`` through ``loop`` (its control commit loop on ``main``): release the checkpoints the
+    policy does not retain, collect every branch's steps below its oldest retained checkpoint, expire what no ref
+    needs, and delete the files no retained snapshot references once older than ``grace_s`` (validated by the
+    caller: :func:`check_policy`, :func:`grace_seconds`). A dry run commits and deletes nothing and reports the plan.
+
+    ``expire_intents(older_than_s, delete)``: catalog staging's intent rows older than the grace period (their rows are
+    no files the sweep finds), or None where intents are files.
+    """
+    metadata = loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_ms / 1000)
+    known = known_files(stream, metadata)
+    if dry_run:
+        plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
+                                                 write=False)
+        keep = kept_after_dry_run(stream, metadata, stream.table.metadata_location, plan.result, collected,
+                                  snapshots_expired(plan) | deferred)
+        sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
+              delete=False)
+        _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
+        return plan.result
+    # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
+    # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
+    outcome = loop.run(lambda md, _: plan_collect(stream, md, keep_last=keep_last, keep_within=keep_within, write=True)[0],
+                       pace=False)
+    report = outcome.result
+    expiry = loop.run(lambda md, _: plan_expire(stream, md), pace=False)
+    report.snapshots_expired += expiry.result
+    keep = referenced_files(stream.io, expiry.metadata, stream.table.metadata_location, stream)
+    known |= {norm(p) for p in outcome.abandoned_files}
+    sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True)
+    _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
+    return report
+
+
+def _expire_intents(stream: StreamTable, report: GCReport, expire: Callable[[float, bool], list[str]] | None, *,
+                    grace_s: float, delete: bool) -> None:
+    """Catalog staging: intents older than the grace period are rows, not files the sweep finds (kind ``intent``,
+    0 bytes); their data files are unreferenced files, which the sweep deletes once as old."""
+    if expire is None:
+        return
+    try:
+        expired = expire(grace_s, delete)
+    except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
+        log.warning("GC of %s could not expire old staged intents in the catalog (%s); the next GC retries",
+                    stream.name, exc)
+        return
+    if expired:
+        report.files_deleted["intent"] = report.files_deleted.get("intent", 0) + len(expired)
+        report.bytes_deleted.setdefault("intent", 0)

@@ -46,7 +46,7 @@ from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.format.table import StreamTable
+from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
@@ -376,18 +376,17 @@ def pump_steps(
                             return
                         raise
                 submit += stride
+            def on_head(number: int = step) -> T:  # the step resolved again on the current head, after a GC
+                nonlocal head, snapshot
+                head, snapshot = watcher.head()
+                return load(snapshot, number)
+
             try:
-                item = pending.popleft().result()
+                item = after_gc(pending.popleft().result, refresh=watcher.check, again=on_head)
             except CancelledError:
                 if stop.is_set():
                     return
                 raise
-            except FileNotFoundError:
-                # GC deleted files of the (older) head this step was resolved on: resolve it again on the current head,
-                # once. A retained step is read; a collected one now raises the loader's StepCollectedError.
-                watcher.check()
-                head, snapshot = watcher.head()
-                item = load(snapshot, step)
             if stop.is_set():
                 return
             yield step, item

@@ -40,6 +40,7 @@ from lakestream_iceberg.format.expiry import expirable, retention
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, check_batch
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
+from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.commit import Carry, CommitLoop, Done, Peek, Plan
 from lakestream_iceberg.write.intent import Intent
 from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
@@ -177,10 +178,7 @@ class Producer:
             if seq is None:
                 seq = state.next_seq(self._stream.io, self.producer_id)
             self._check_seq(seq, state, allow_gap)
-            try:
-                known = self._published(self._loop.table.metadata, seq)
-            except FileNotFoundError:  # the view predates a GC commit that deleted a manifest it lists: ask the head
-                known = self._published(self._refresh(), seq)
+            known = after_gc(lambda: self._published(self._loop.table.metadata, seq), refresh=self._refresh)
             if known is not None:
                 return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True,
                                     latency_s=time.monotonic() - started)
