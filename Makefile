@@ -5,14 +5,14 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: postgres-bin install demo test test-fast services-up services-down bench lint clean
+.PHONY: postgres-bin spark-bin install demo test test-fast services-up services-down bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q -c constraints.txt 'torch==2.13.0'
-	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,dev,ray]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,dev,ray,interop]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -21,18 +21,22 @@ install: $(STAMP)
 postgres-bin:
 	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql)
 
+# Java 17 and the SQLite JDBC driver (Debian) for the Spark interop tests (tests/interop); installed once per machine.
+spark-bin:
+	@(java -version >/dev/null 2>&1 && ls /usr/share/java/sqlite-jdbc.jar >/dev/null 2>&1) || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q openjdk-17-jre-headless libxerial-sqlite-jdbc-java)
+
 demo: $(STAMP)
 	$(BIN)/lakestream demo
 
 # Every test, against the real services (the session fixtures start and stop them; services-down clears leftovers).
-test: $(STAMP) postgres-bin
+test: $(STAMP) postgres-bin spark-bin
 	$(BIN)/lint-imports --no-cache
 	@set +e; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	$(BIN)/python -m catalog.services down >/dev/null 2>&1; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not services and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not services and not slow and not spark" $(PYTEST_ARGS)
 
 services-up: $(STAMP) postgres-bin
 	$(BIN)/python -m catalog.services up
