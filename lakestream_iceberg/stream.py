@@ -377,7 +377,7 @@ class Stream(StreamTable):
         if not isinstance(branch, str) or not branch:
             raise LifecycleError(f"branch must be a branch name, not {branch!r}")
         return self._control_loop(branch).run(
-            lambda md, _: plan_repair(md, stream=self.name, branch=branch, dry_run=dry_run), pace=False).result
+            lambda md, _: plan_repair(self, md, branch=branch, dry_run=dry_run), pace=False).result
 
     def collect_garbage(
         self,

@@ -259,7 +259,7 @@ def test_lakestream_repair_on_the_command_line(tmp_path: Path, capsys: pytest.Ca
     assert code == 1 and str(foreign) in err and "lakestream repair" in err
     code, out, _ = cli("repair", "ns.cli", "--dry-run", "--json")
     assert code == 0 and json.loads(out) == {"branch": "main", "foreign": [foreign], "rolled_back_to": base, "step": 8,
-                                             "dry_run": True}
+                                             "dry_run": True, "rebased_on": None}
     code, out, _ = cli("repair", "ns.cli")
     assert code == 0 and str(base) in out
     code, out, _ = cli("status", "ns.cli", "--json")
@@ -441,3 +441,36 @@ def test_a_retention_set_on_a_live_stream_applies_from_the_next_commit(tmp_path:
     for seq in range(5, 15):
         producer.commit(batch("a", seq, WORLD), seq=seq)
     assert branch_snapshots(stream) == 12  # the 2 kept before, and every one since
+
+
+def test_a_state_expired_under_a_metadata_only_snapshot_is_refused_then_rebased_from_the_metadata_log(
+        tmp_path: Path) -> None:
+    """``rewrite_manifests`` then an expiry that keeps only the newest snapshot (Spark's usual maintenance pair with
+    retain_last 1): no snapshot of the table records the stream's state any more. Commits and reads refuse; repair
+    reads the state back from the metadata log and re-bases it on the foreign head, and the stream goes on exactly
+    once."""
+    stream, before = published(make(tmp_path))
+    foreign = commit_replace(stream)
+    table = stream.refresh().table
+    others = [s.snapshot_id for s in table.metadata.snapshots if s.snapshot_id != foreign.snapshot_id]
+    table.maintenance.expire_snapshots().by_ids(others).commit()
+    assert [s.snapshot_id for s in stream.refresh().table.metadata.snapshots] == [foreign.snapshot_id]
+    producer = stream.producer("a")
+    with pytest.raises(ForeignSnapshotError, match=r"stream.repair\(\)") as err:
+        producer.commit(batch("a", 4, WORLD), seq=4)
+    assert err.value.snapshot_id == foreign.snapshot_id
+    with pytest.raises(ForeignSnapshotError):
+        stream.head_step()
+    plan = stream.repair(dry_run=True)
+    assert (plan.rebased_on, plan.rolled_back_to, plan.step, plan.repaired) == (foreign.snapshot_id, None, 8, False)
+    report = stream.repair()
+    assert (report.rebased_on, report.foreign, report.step, report.repaired) == (foreign.snapshot_id,
+                                                                                 (foreign.snapshot_id,), 8, True)
+    assert stream.head_step() == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").producer("b")
+    assert (again.commit(batch("b", 2, WORLD), seq=2).duplicate, again.commit(batch("b", 3, WORLD), seq=3).step) == \
+        (True, 8)
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert again.commit(batch("b", 4, WORLD), seq=4).step == 10
+    assert stream.repair().foreign == ()

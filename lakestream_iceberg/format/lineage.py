@@ -66,8 +66,10 @@ class Lineage:
     """A branch head's lineage down to its nearest lakestream snapshot.
 
     ``base``: that snapshot (None when there is none: a new stream, or a lineage cut by expiry, see ``broken``);
-    ``foreign``: the foreign snapshots above it, newest first; ``broken``: the lineage reached a parent id that the
-    metadata no longer lists before any lakestream snapshot."""
+    ``foreign``: the foreign snapshots above it, newest first; ``broken``: the lineage was cut by expiry before any
+    lakestream snapshot: it reached a parent id that the metadata no longer lists (Iceberg Java's expiry), or a root
+    whose table state holds data files (pyiceberg's expiry clears the parent id of a snapshot whose parent it
+    removed), where only a stream with nothing published yet could start."""
 
     base: Snapshot | None
     foreign: tuple[Snapshot, ...] = ()
@@ -92,7 +94,15 @@ def lineage(metadata: TableMetadata, head: Snapshot | None) -> Lineage:
         current = by_id.get(parent) if parent is not None else None
         if parent is not None and current is None:
             return Lineage(None, tuple(foreign), broken=True)
+    if current is None and _holds_data(foreign[-1]):
+        return Lineage(None, tuple(foreign), broken=True)
     return Lineage(current, tuple(foreign))
+
+
+def _holds_data(snapshot: Snapshot) -> bool:
+    """Whether a snapshot's table state holds data files, from its summary's total (unknown: yes)."""
+    props = snapshot.summary.additional_properties if snapshot.summary is not None else {}
+    return props.get("total-data-files", "").strip() != "0"
 
 
 def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str, branch: str) -> StreamState:
@@ -114,11 +124,11 @@ def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str,
         oldest = found.foreign[-1]
         raise ForeignSnapshotError(
             f"branch {branch!r} of stream {stream}: its head {head.snapshot_id} was written by another engine, and its "
-            f"lineage ends at snapshot {oldest.snapshot_id}, whose parent {oldest.parent_snapshot_id} was expired "
-            "before lakestream committed on top of it; the stream's state (head step, producer sequences) is no longer "
-            "reachable. Point the branch at a snapshot lakestream wrote (a retained checkpoint tag: "
-            "table.manage_snapshots().rollback_to_snapshot(ID).commit() for main), and keep "
-            "history.expire.min-snapshots-to-keep above the number of foreign commits between two lakestream commits",
+            f"lineage ends at snapshot {oldest.snapshot_id}, whose parent was expired "
+            "before lakestream committed on top of it: the stream's state (head step, producer sequences) is not in this "
+            "metadata, and a commit could republish published batches. Run stream.repair() (or `lakestream repair`): "
+            "it reads the state back from the table's metadata log and re-bases it on this head. Keep "
+            "history.expire.min-snapshots-to-keep at 2 or more so that expiry keeps a lakestream snapshot",
             snapshot_id=oldest.snapshot_id,
         )
     return StreamState.of(found.base)

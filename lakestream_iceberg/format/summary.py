@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 OP_APPEND = "append"
 OP_COLLECT = "collect"
 OP_CHECKPOINT = "checkpoint"
+OP_REPAIR = "repair"  # Stream.repair re-based the state on a foreign snapshot (lifecycle/repair.py): no step published
 
 KEY_OP = "lakestream.op"
 KEY_STEP = "lakestream.step"

@@ -1,28 +1,49 @@
-"""Bring a branch back after another engine changed a stream's data: roll it back to its last lakestream snapshot.
+"""Bring a branch back after another engine changed a stream's data or expired its state.
 
-A foreign snapshot that changes data (see :mod:`lakestream_iceberg.format.lineage`) stops every commit and read of
-the branch with :class:`~lakestream_iceberg.errors.ForeignSnapshotError`. ``Stream.repair()`` moves the branch ref
-back to the nearest snapshot lakestream wrote below it, in one compare-and-swap that asserts the head it was planned
-on (a producer or another engine committing meanwhile makes it re-plan). Every published step is in that snapshot's
-table state, so nothing published is lost; the foreign snapshots leave the branch (Iceberg's rollback), their files
-stay until expiry or lifecycle GC removes them. Metadata-only foreign snapshots (``rewrite_manifests``) need no repair
-and are left where they are.
+A foreign snapshot (see :mod:`lakestream_iceberg.format.lineage`) stops every commit and read of the branch with
+:class:`~lakestream_iceberg.errors.ForeignSnapshotError` in two cases, and ``Stream.repair()`` has a way back for each,
+one compare-and-swap that asserts the head it was planned on (a producer or another engine committing meanwhile makes
+it re-plan):
+
+* **it changed data** (an append, a delete, an overwrite, ``rewrite_data_files``): the branch ref moves back to the
+  nearest snapshot lakestream wrote below it (Iceberg's rollback). Every published step is in that snapshot's table
+  state, so nothing published is lost; the foreign snapshots leave the branch, their files stay until expiry or
+  lifecycle GC removes them;
+* **it changed no data, but the snapshots below it that recorded the stream's state were expired** (Spark's
+  ``rewrite_manifests`` then ``expire_snapshots(retain_last => 1)``): the state is read back from the newest earlier
+  ``metadata.json`` in the table's metadata log that still lists that lineage, and a ``repair`` snapshot carrying it is
+  committed on top of the foreign head (a re-base: the foreign snapshots changed no data, so the table state is the
+  one that state describes). It publishes no step; producers go on at the next one, re-commits of published
+  ``(producer, seq)`` pairs are duplicates. When no metadata file of the log holds the lineage any more, repair refuses
+  and says what is left to do.
+
+Metadata-only foreign snapshots on an intact lineage need no repair and are left where they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
+from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID, SetSnapshotRefUpdate
 
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
-from lakestream_iceberg.format.lineage import branch_state, lineage
-from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.format.lineage import Lineage, branch_state, lineage
+from lakestream_iceberg.format.snapshots import SnapshotBuilder
+from lakestream_iceberg.format.summary import OP_REPAIR, StreamState
 from lakestream_iceberg.write.commit import Done, Plan
 
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
 __all__ = ["RepairReport", "plan_repair"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,10 +52,13 @@ class RepairReport:
 
     Attributes:
         branch: The branch repaired.
-        foreign: The foreign snapshots removed from the branch, newest first (empty: nothing to repair).
-        rolled_back_to: The lakestream snapshot the branch points at now (None: it was not moved).
+        foreign: The foreign snapshots removed from the branch (rollback) or re-based on (newest first; empty: nothing
+            to repair).
+        rolled_back_to: The lakestream snapshot the branch points at now after a rollback (None: not rolled back).
         step: The branch's head step after the repair.
         dry_run: Only planned: nothing was committed.
+        rebased_on: The foreign head a ``repair`` snapshot was committed on, carrying the state read back from the
+            metadata log (None: not re-based).
     """
 
     branch: str
@@ -42,35 +66,41 @@ class RepairReport:
     rolled_back_to: int | None
     step: int
     dry_run: bool
+    rebased_on: int | None = None
 
     @property
     def repaired(self) -> bool:
-        return self.rolled_back_to is not None and not self.dry_run
+        return (self.rolled_back_to is not None or self.rebased_on is not None) and not self.dry_run
 
 
-def plan_repair(metadata: TableMetadata, *, stream: str, branch: str, dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
-    """The rollback of ``branch`` to its last lakestream snapshot, when a foreign snapshot above it changed data.
+def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
+                dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
+    """The rollback of ``branch`` to its last lakestream snapshot, when a foreign snapshot above it changed data; the
+    re-base of its state on the foreign head, when only the snapshots recording the state were expired.
 
     Raises:
         LifecycleError: ``branch`` is not a branch of the stream.
-        ForeignSnapshotError: The lineage was expired below the foreign snapshots: there is no lakestream snapshot to
-            roll back to (the message says what to do instead).
+        ForeignSnapshotError: There is no lakestream snapshot to roll back to, or no state to re-base on (the message
+            says what to do instead).
     """
+    name = stream.name
     ref = metadata.refs.get(branch)
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
-        raise LifecycleError(f"stream {stream} has no branch {branch!r} to repair; its branches: "
+        raise LifecycleError(f"stream {name} has no branch {branch!r} to repair; its branches: "
                              f"{sorted(n for n, r in metadata.refs.items() if r.snapshot_ref_type == SnapshotRefType.BRANCH)}")
     head = metadata.snapshot_by_id(ref.snapshot_id)
     found = lineage(metadata, head)
-    if found.changed is None:  # nothing to roll back; a broken lineage raises here with its own advice
-        state = branch_state(metadata, head, stream=stream, branch=branch)
+    if found.changed is None and found.broken:
+        return _plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run)
+    if found.changed is None:  # nothing to roll back
+        state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
     if found.base is None:
         raise ForeignSnapshotError(
-            f"branch {branch!r} of stream {stream} cannot be repaired automatically: below its foreign snapshots "
-            f"({', '.join(str(s.snapshot_id) for s in found.foreign)}) no snapshot lakestream wrote is left (expired). "
-            "Point the branch at a retained checkpoint instead (stream.checkpoints() lists them; with pyiceberg: "
-            "table.manage_snapshots().rollback_to_snapshot(ID).commit() for main)",
+            f"branch {branch!r} of stream {name} cannot be repaired automatically: below its foreign snapshots "
+            f"({', '.join(str(s.snapshot_id) for s in found.foreign)}), one of which changed data, no snapshot "
+            "lakestream wrote is left (expired). Revert the foreign change with the engine that made it; repair can "
+            "then re-base the stream's state",
             snapshot_id=found.foreign[-1].snapshot_id,
         )
     report = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign),
@@ -83,3 +113,62 @@ def plan_repair(metadata: TableMetadata, *, stream: str, branch: str, dry_run: b
         report,
         [],
     )
+
+
+def _plan_rebase(stream: StreamTable, metadata: TableMetadata, head: Snapshot, found: Lineage, *, branch: str,
+                 dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
+    """A ``repair`` snapshot on ``head`` carrying the state of the lineage's expired lakestream snapshot, read back from
+    the newest metadata file of the log that lists it."""
+    oldest = found.foreign[-1].snapshot_id
+    state = _state_from_log(stream, metadata, oldest)
+    if state is None:
+        raise ForeignSnapshotError(
+            f"branch {branch!r} of stream {stream.name} cannot be repaired automatically: its head {head.snapshot_id} was "
+            f"written by another engine, the snapshots below it that recorded the stream's state (below {oldest}) "
+            "were expired, and no metadata file of the table's metadata log lists them any more. Committing now could "
+            "republish published batches. Create a new stream for the producers (this table still reads as it is), or "
+            "register an older metadata.json with the catalog if a backup has one; keep "
+            "history.expire.min-snapshots-to-keep at 2 or more so that expiry keeps a lakestream snapshot",
+            snapshot_id=found.foreign[-1].snapshot_id,
+        )
+    report = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign), rolled_back_to=None,
+                          step=state.step, dry_run=dry_run, rebased_on=head.snapshot_id)
+    if dry_run:
+        return Done(report)
+    builder = SnapshotBuilder(metadata)
+    planner = stream.manifest_planner(metadata)
+    snapshot_id, sequence_number = builder.next_ids()
+    manifest_list = planner.write_list(planner.parent_manifests(head), snapshot_id=snapshot_id,
+                                       parent_id=head.snapshot_id, sequence_number=sequence_number)
+    repaired = replace(state, op=OP_REPAIR, producer=None, seq=None, group=1, committer=None, group_commit_ms=None,
+                       token=None, staged_at_ms=None)
+    snapshot = builder.snapshot(snapshot_id=snapshot_id, sequence_number=sequence_number, parent=head,
+                                manifest_list=manifest_list, operation=Operation.APPEND,
+                                properties=repaired.properties())
+    builder.add(snapshot, branch=branch)
+    return Plan(tuple(builder.updates),
+                (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=head.snapshot_id)),
+                report, planner.written, planner.settle)
+
+
+def _state_from_log(stream: StreamTable, metadata: TableMetadata, oldest: int) -> StreamState | None:
+    """The stream's state below snapshot ``oldest`` (the oldest foreign snapshot left of the lineage), through
+    foreign snapshots that changed no data, from the newest earlier metadata file that still lists a lakestream
+    snapshot below it; None when none does."""
+    for entry in reversed(metadata.metadata_log):
+        try:
+            earlier = FromInputFile.table_metadata(stream.io.new_input(entry.metadata_file))
+        except Exception as exc:  # noqa: BLE001 - deleted (delete-after-commit) or unreadable: try an older one
+            log.debug("metadata file %s unreadable (%s)", entry.metadata_file, type(exc).__name__)
+            continue
+        if earlier.table_uuid != metadata.table_uuid:
+            continue
+        snapshot = earlier.snapshot_by_id(oldest)
+        if snapshot is None:
+            continue
+        there = lineage(earlier, snapshot)
+        if there.changed is not None:
+            return None  # a data change below: no state describes this table
+        if there.base is not None:
+            return StreamState.of(there.base)
+    return None

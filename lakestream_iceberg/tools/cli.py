@@ -246,8 +246,9 @@ def cmd_repair(args: argparse.Namespace, out: Output) -> int:
         out.fields([("branch", report.branch), ("head step", report.step), ("foreign data changes", "none")],
                    title=f"repair of {stream.name}: nothing to repair")
         return 0
-    out.fields([("branch", report.branch), ("foreign snapshots", ", ".join(map(str, report.foreign))),
-                ("rolled back to", report.rolled_back_to), ("head step", report.step)],
+    done = ("re-based on", report.rebased_on) if report.rebased_on is not None else ("rolled back to", report.rolled_back_to)
+    out.fields([("branch", report.branch), ("foreign snapshots", ", ".join(map(str, report.foreign))), done,
+                ("head step", report.step)],
                title=f"repair of {stream.name}" + (" (dry run: nothing changed)" if args.dry_run else ""))
     return 0
 

@@ -125,13 +125,14 @@ def test_rewrite_manifests_is_a_foreign_snapshot_lakestream_commits_on(lake: Lak
     assert spark_rows(lake.spark.table(lake.table()).collect()) == expected_rows(writers.published)
 
 
-def test_expire_snapshots_after_rewrite_manifests_must_keep_a_lakestream_snapshot(lake: Lake) -> None:
+def test_expire_snapshots_after_rewrite_manifests_keeps_or_rebases_the_stream_state(lake: Lake) -> None:
     """Iceberg's usual maintenance pair on a stream between two producer commits: ``rewrite_manifests`` makes Spark's
     metadata-only snapshot the head, then ``expire_snapshots`` keeps the newest ones. The table's
     ``history.expire.min-snapshots-to-keep`` (Spark's default ``retain_last``) at 2 keeps the lakestream snapshot
     below it, and the stream goes on. Keeping only Spark's snapshot (``retain_last => 1``) expires every snapshot
     that records the stream's state (head step, producer sequences): lakestream then refuses to commit (it could
-    republish) or read, naming the snapshot, while Spark still reads every step."""
+    republish) or read, naming the snapshot, while Spark still reads every step; ``repair()`` reads the state back
+    from the metadata log, re-bases it on Spark's snapshot, and the stream goes on exactly once."""
     stream = create(lake, **{"history.expire.min-snapshots-to-keep": "2"})
     writers = Writers(stream)
     writers.rounds(2)
@@ -151,9 +152,10 @@ def test_expire_snapshots_after_rewrite_manifests_must_keep_a_lakestream_snapsho
     assert refused.value.snapshot_id == rewrite and str(rewrite) in str(refused.value)
     with pytest.raises(ForeignSnapshotError):
         stream.head_step()
-    with pytest.raises(ForeignSnapshotError):
-        stream.repair()  # no lakestream snapshot is left to roll back to
     assert spark_rows(lake.spark.table(lake.table()).collect()) == expected_rows(writers.published)
+    report = stream.repair()
+    assert (report.rebased_on, report.rolled_back_to, report.step) == (rewrite, None, 13)
+    assert_intact(lake, writers, head=13)
 
 
 def test_rewrite_position_delete_files_finds_nothing_to_do_on_a_stream(lake: Lake) -> None:
