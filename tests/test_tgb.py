@@ -366,7 +366,9 @@ def test_plain_iceberg_scan_sees_every_sample_with_step_and_rank(stream: Stream)
     assert full.num_rows == expected
     rows = full.select(["seq", "rank", "_step", "_rank"]).to_pylist()
     assert all(r["_step"] == r["seq"] + 1 and r["_rank"] == r["rank"] for r in rows)
-    assert table.properties["commit.retry.num-retries"] == "0"
+    # Iceberg's own commit retries stay at their defaults (other engines' commits on the stream retry); lakestream's
+    # commits never go through pyiceberg's retrying commit_transaction
+    assert "commit.retry.num-retries" not in table.properties
 
 
 def test_commit_cost_state_stays_bounded(catalog) -> None:

@@ -214,8 +214,12 @@ class StreamConfig:
             PROP_GROUP_STAGING: self.group_staging,
             PROP_LAYOUT: self.layout,
             PROP_PACKED_ROW_GROUP_BYTES: str(self.packed_row_group_bytes),
-            # Exactly one retry owner: lakestream's commit loop. pyiceberg's own retries are off on stream tables.
-            "commit.retry.num-retries": "0",
+            # Exactly one retry owner for lakestream's commits: its commit loop, which never commits through pyiceberg's
+            # retrying Transaction.commit_transaction. Iceberg's commit.retry.* stay at their defaults, so another
+            # engine's maintenance commit (Spark's expire_snapshots) retries when it loses to a producer's.
+            # Spark's expire_snapshots keeps this many snapshots by default: with 2, its usual run after a
+            # rewrite_manifests keeps the lakestream snapshot below Spark's (docs/interop.md).
+            PROP_MIN_SNAPSHOTS_TO_KEEP: "2",
             # Old metadata.json files are dropped by the commit loop once this many newer versions exist.
             "write.metadata.previous-versions-max": "16",
             "write.metadata.delete-after-commit.enabled": "true",
