@@ -312,7 +312,7 @@ def test_vs_streaming_smoke(tmp_path: Path) -> None:
     (`make bench-packages`) and are skipped with the reason without it."""
     data = _run("vs_streaming.py", tmp_path / "vs_streaming.json", timeout=230)
     assert data["benchmark"] == "vs_streaming" and data["smoke"] is True
-    for key in ("environment", "config", "machine", "disk_bytes", "runs", "tables", "printed"):
+    for key in ("environment", "config", "machine", "disk_bytes", "runs", "first_pass", "tables", "printed"):
         assert key in data, key
     workers, codecs = data["config"]["workers"], data["config"]["codecs"]
     assert workers == [0, 2] and codecs == ["uncompressed", "zstd"]
@@ -329,4 +329,5 @@ def test_vs_streaming_smoke(tmp_path: Path) -> None:
         for run in runs:
             assert _positive(run["samples_per_s"]) and _positive(run["cpu_us_per_sample"]), (cell, run)
             assert _positive(run["first_batch_ms"]), (cell, run)
+        assert _positive(data["first_pass"][cell]["first_batch_ms"]), cell  # a new loader's first batch
     assert all(_positive(v) for v in data["disk_bytes"].values()) and "lakestream zstd" in data["disk_bytes"]
