@@ -2,9 +2,14 @@
 
 Each item is this consumer rank's shard of one step, built by ``collate`` (default :class:`TensorCollate`)::
 
-    {"step": 7, "sample_ids": int64[n], "tokens": int32[n, L], "tokens_lengths": int64[n], "image": [uint8[k], ...]}
+    {"step": 7, "sample_ids": int64[n], "tokens": int32[n, L], "tokens_lengths": int64[n], "image": Blobs}
 
-Use ``DataLoader(dataset, batch_size=None, num_workers=k)``: an item already is a batch. Worker ``w`` of ``k`` takes
+(``Blobs``: one uint8 tensor plus offsets; ``item["image"][i]`` and iteration give each sample's uint8 tensor.)
+
+Use ``DataLoader(dataset, batch_size=None)``: an item already is a batch, and the dataset reads and decodes ahead in
+background threads. Add ``num_workers=k`` only with a free core per worker and decoding or ``transform`` dominating
+(README "Training with torch"); an item then leaves its worker in one shared-memory segment
+(:mod:`lakestream_iceberg.read.handoff`), and the training process logs once when ``k`` leaves no core free. Worker ``w`` of ``k`` takes
 the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
 steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
 name and non-secret properties, and takes the credentials from its own pyiceberg configuration, see
@@ -409,7 +414,7 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
 
     Example:
         >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)   # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: README "Training with torch"  # doctest: +SKIP
         >>> for item in loader:                                                        # doctest: +SKIP
         ...     train(item["tokens"], item["tokens_lengths"])
         >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP
