@@ -1,6 +1,6 @@
 """lakestream vs MosaicML Streaming: one trainer rank reading the same samples into the same tensors.
 
-    .venv/bin/python benchmarks/vs_streaming.py            # ~2-4 minutes on 2 cores; writes benchmarks/results/vs_streaming.json
+    .venv/bin/python benchmarks/vs_streaming.py            # ~5 minutes on 2 cores; writes benchmarks/results/vs_streaming.json
     .venv/bin/python benchmarks/vs_streaming.py --smoke    # seconds; what tests/test_benchmarks_smoke.py runs
 
 The samples: ``--steps`` (200) steps of ``--batch`` (256) samples, each an int64 id, 256-768 int32 tokens (ids below

@@ -73,7 +73,7 @@ class _Pool:
     def take(self, nbytes: int) -> tuple[int, _Segment]:
         need = _HEADER + nbytes
         with self.lock:
-            fitting = [(s.size, i) for i, s in enumerate(self.segments) if s is not None and s.free() and s.size >= need]
+            fitting = [(s.size, i) for i, s in enumerate(self.segments) if s.free() and s.size >= need]
             if fitting:
                 index = min(fitting)[1]
             else:
@@ -215,8 +215,10 @@ def _usable_cores() -> int:
 def advise_workers(num_workers: int, cores: int | None = None) -> bool:
     """Log once per process (the training process, on the first item from its workers) when ``num_workers``
     DataLoader workers leave no core free (README "Training with torch": when workers pay). Returns whether it logged."""
+    if num_workers in _advised:
+        return False
     cores = _usable_cores() if cores is None else cores
-    if num_workers < cores or num_workers in _advised:
+    if num_workers < cores:
         return False
     _advised.add(num_workers)
     log.warning(
