@@ -5,7 +5,9 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
 
-.PHONY: postgres-bin spark-bin install demo test test-fast services-up services-down bench lint clean
+BENCH_PKGS := benchmarks/.bench-packages/.installed-stamp
+
+.PHONY: postgres-bin spark-bin install demo test test-fast services-up services-down bench bench-packages lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -44,7 +46,15 @@ services-up: $(STAMP) postgres-bin
 services-down:
 	$(BIN)/python -m catalog.services down
 
-bench: $(STAMP) postgres-bin
+# Benchmark-only packages (mosaicml-streaming for vs_streaming.py), --no-deps into their own folder, never the venv:
+# their declared dependencies (transformers, torchvision, cloud SDKs, numpy<2.2) are not the project's.
+$(BENCH_PKGS): $(STAMP) benchmarks/bench-requirements.txt
+	$(BIN)/pip install -q --no-deps --upgrade --target benchmarks/.bench-packages -r benchmarks/bench-requirements.txt
+	touch $(BENCH_PKGS)
+
+bench-packages: $(BENCH_PKGS)
+
+bench: $(STAMP) $(BENCH_PKGS) postgres-bin
 	$(BIN)/python benchmarks/commit_scaling.py
 	$(BIN)/python benchmarks/read_path.py
 	$(BIN)/python benchmarks/retention.py
@@ -56,6 +66,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/commit_writes.py
 	$(BIN)/python benchmarks/host_copy.py
 	$(BIN)/python benchmarks/vs_ray.py
+	$(BIN)/python benchmarks/vs_streaming.py
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache

@@ -315,3 +315,31 @@ def test_host_copy_smoke(tmp_path: Path) -> None:
         assert _positive(result["parquet_ms"]["row_group_per_rank"]) and _positive(result["parquet_ms"]["one_row_group"])
         assert _positive(result["commit"]["cpu_ms_per_commit"]) and _positive(result["commit"]["mib_s"])
     assert len(data["summary"]) == 10 and _positive(data["distance4_vs_0_default"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # a hang guard: ~10 s on 2 idle cores; several times that beside other test runs
+def test_vs_streaming_smoke(tmp_path: Path) -> None:
+    """The lakestream and colocated rows always run; the MDS rows need the bench-only mosaicml-streaming
+    (`make bench-packages`) and are skipped with the reason without it."""
+    data = _run("vs_streaming.py", tmp_path / "vs_streaming.json", timeout=230)
+    assert data["benchmark"] == "vs_streaming" and data["smoke"] is True
+    for key in ("environment", "config", "machine", "disk_bytes", "runs", "first_pass", "tables", "printed"):
+        assert key in data, key
+    workers, codecs = data["config"]["workers"], data["config"]["codecs"]
+    assert workers == [0, 2] and codecs == ["uncompressed", "zstd"]
+    readers = ["lakestream, default collate", "lakestream, binary=packed"]
+    if data["mds_skipped"] is None:
+        readers.append("MDS")
+    else:
+        assert "mosaicml-streaming" in data["mds_skipped"] or "streaming.base" in data["mds_skipped"]
+    cells = [f"{reader}|{codec}|{k}" for reader in readers for codec in codecs for k in workers]
+    cells += [f"colocated, in memory|-|{k}" for k in workers]
+    for cell in cells:
+        runs = data["runs"][cell]
+        assert len(runs) == data["config"]["rounds"] == 1, cell
+        for run in runs:
+            assert _positive(run["samples_per_s"]) and _positive(run["cpu_us_per_sample"]), (cell, run)
+            assert _positive(run["first_batch_ms"]), (cell, run)
+        assert _positive(data["first_pass"][cell]["first_batch_ms"]), cell  # a new loader's first batch
+    assert all(_positive(v) for v in data["disk_bytes"].values()) and "lakestream zstd" in data["disk_bytes"]

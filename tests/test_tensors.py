@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lakestream_iceberg.read.tensors import StepShard, TensorCollate, _pad
+from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, _pad
 
 LIST_TYPES = [pa.int8(), pa.int32(), pa.int64(), pa.uint16(), pa.float16(), pa.float32(), pa.float64()]
 
@@ -95,6 +95,30 @@ def test_padded_blobs_match_the_reference(lengths, nulls) -> None:
     assert item["b_lengths"].tolist() == [0 if b is None else len(b) for b in blobs]
     listed = collate(table)
     assert [bytes(t.numpy()) for t in listed["b"]] == [b or b"" for b in blobs]
+    as_list = collate(table, binary="list")["b"]
+    assert isinstance(as_list, list) and [bytes(t.numpy()) for t in as_list] == [b or b"" for b in blobs]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=row_lengths, nulls=st.lists(st.booleans(), max_size=12), cut=st.integers(0, 3))
+def test_blobs_behave_as_the_list_of_rows(lengths, nulls, cut) -> None:
+    blobs = [None if i < len(nulls) and nulls[i] else bytes((i * 5 + j) % 256 for j in range(n))
+             for i, n in enumerate(lengths)]
+    array = pa.array(blobs, pa.binary())
+    cut = min(cut, len(array))
+    expected = [b or b"" for b in blobs[cut:]]
+    item = collate(pa.table({"b": array.slice(cut)}))  # values not starting at offset 0
+    rows = item["b"]
+    assert isinstance(rows, Blobs) and len(rows) == len(expected)
+    assert [bytes(t.numpy()) for t in rows] == expected
+    assert [bytes(rows[i].numpy()) for i in range(len(expected))] == expected
+    assert [bytes(rows[-i - 1].numpy()) for i in range(len(expected))] == expected[::-1]
+    assert [bytes(t.numpy()) for t in rows.tolist()] == expected
+    assert [bytes(t.numpy()) for t in rows[1:]] == expected[1:]
+    assert rows.lengths.tolist() == [len(b) for b in expected] and rows.offsets.tolist()[0] == 0
+    assert all(t.dtype == torch.uint8 for t in rows)
+    with pytest.raises(IndexError):
+        rows[len(expected)]
 
 
 @pytest.mark.parametrize("pad", [0, -3])
@@ -117,7 +141,9 @@ def test_empty_shard() -> None:
     table = pa.table({"t": pa.array([], pa.list_(pa.int32())), "b": pa.array([], pa.binary())})
     item = collate(table)
     assert tuple(item["t"].shape) == (0, 0) and item["t"].dtype == torch.int32
-    assert item["t_lengths"].tolist() == [] and item["b"] == []
+    # the default binary output is Blobs since issue 42 (was a list: `item["b"] == []`); it is empty all the same
+    assert item["t_lengths"].tolist() == [] and len(item["b"]) == 0 and list(item["b"]) == []
+    assert collate(table, binary="list")["b"] == []
 
 
 @pytest.mark.parametrize("long_rows", [False, True])

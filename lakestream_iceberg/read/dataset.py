@@ -2,9 +2,14 @@
 
 Each item is this consumer rank's shard of one step, built by ``collate`` (default :class:`TensorCollate`)::
 
-    {"step": 7, "sample_ids": int64[n], "tokens": int32[n, L], "tokens_lengths": int64[n], "image": [uint8[k], ...]}
+    {"step": 7, "sample_ids": int64[n], "tokens": int32[n, L], "tokens_lengths": int64[n], "image": Blobs}
 
-Use ``DataLoader(dataset, batch_size=None, num_workers=k)``: an item already is a batch. Worker ``w`` of ``k`` takes
+(``Blobs``: one uint8 tensor plus offsets; ``item["image"][i]`` and iteration give each sample's uint8 tensor.)
+
+Use ``DataLoader(dataset, batch_size=None)``: an item already is a batch, and the dataset reads and decodes ahead in
+background threads. Add ``num_workers=k`` only with a free core per worker and decoding or ``transform`` dominating
+(README "Training with torch"); an item then leaves its worker in one shared-memory segment
+(:mod:`lakestream_iceberg.read.handoff`), and the training process logs once when ``k`` leaves no core free. Worker ``w`` of ``k`` takes
 the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
 steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
 name and non-secret properties, and takes the credentials from its own pyiceberg configuration, see
@@ -46,13 +51,14 @@ from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, S
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
+from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
-from lakestream_iceberg.read.tensors import StepShard, TensorCollate, require_torch
+from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
+__all__ = ["Blobs", "LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
 
 ID_SHIFT = 32
 
@@ -128,7 +134,7 @@ class _DatasetCore:
         columns: list[str] | None = None,
         transform: Callable[[Any], Any] | None = None,
         collate: Callable[[StepShard], Any] | None = None,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         poll_s: float = 0.02,
         max_poll_s: float | None = None,
         ship_credentials: bool = False,
@@ -144,7 +150,8 @@ class _DatasetCore:
         branch = stream.require_branch(branch, doing="cannot read")
         if end_step is not None:
             end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
-        prefetch = check_int(prefetch, what="prefetch", minimum=0)
+        if prefetch is not None:
+            prefetch = check_int(prefetch, what="prefetch", minimum=0, hint="or None")
         columns = check_columns(columns, stream.payload_arrow_schema, stream=stream.name)
         self.rank, self.world_size = _default_rank_world(rank, world_size)
         self.start_step, self.end_step, self.follow, self.branch = start_step, end_step, follow, branch
@@ -312,17 +319,18 @@ class _DatasetCore:
         stream = self._stream_here()
         if info is None and not self.follow:
             self._end = self._resolve_end(stream)  # workers keep the end fixed in the main process: they agree
-        return self._iterate(stream, worker_id, num_workers)
+        return self._iterate(stream, worker_id, num_workers, in_worker=info is not None)
 
-    def _iterate(self, stream: StreamTable, worker_id: int, num_workers: int) -> Iterator[Any]:
+    def _iterate(self, stream: StreamTable, worker_id: int, num_workers: int, *, in_worker: bool = False) -> Iterator[Any]:
+        handoff = in_worker and supported()
         first = self._first(worker_id, num_workers)
         self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
         io = stream.io
         steps = pump_steps(
             HeadWatcher(stream, branch=self.branch, io=io),
-            lambda snapshot, step: self._load(stream, io, snapshot, step),
-            first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self.prefetch,
+            lambda snapshot, step: self._load(stream, io, snapshot, step, handoff=handoff),
+            first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
         with closing(steps):
@@ -331,7 +339,15 @@ class _DatasetCore:
                 self.last_step = step
                 yield item
 
-    def _load(self, stream: StreamTable, io: Any, snapshot: Any, step: int) -> Any:
+    def _prefetch(self, in_worker: bool) -> int:
+        """Read-ahead threads: ``prefetch``, else 2 in the training process and none in a DataLoader worker, where
+        DataLoader reads ahead itself (``prefetch_factor``) and the workers decode in parallel: threads there would only
+        add to the page faults and the switching of processes that share the cores."""
+        if self.prefetch is not None:
+            return int(self.prefetch)
+        return 0 if in_worker else 2
+
+    def _load(self, stream: StreamTable, io: Any, snapshot: Any, step: int, *, handoff: bool = False) -> Any:
         files = stream.index.files(snapshot, step)
         if not files:
             raise missing_step_error(step, StreamState.of(snapshot), self.branch, stream.name)
@@ -341,7 +357,9 @@ class _DatasetCore:
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))
-        return item if self.transform is None else self.transform(item)
+        item = item if self.transform is None else self.transform(item)
+        # in a DataLoader worker, a dict item crosses to the training process as one shared-memory buffer (handoff.py)
+        return Handoff(item, num_workers=self._position["num_workers"]) if handoff and type(item) is dict else item
 
 
 _lock = threading.Lock()
@@ -386,7 +404,8 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         columns: Payload columns to deliver (default: all).
         transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
-        prefetch: Steps read ahead in background threads (0: read in the iterating thread).
+        prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
+            DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
         ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
             clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
@@ -395,7 +414,7 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
 
     Example:
         >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)   # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: README "Training with torch"  # doctest: +SKIP
         >>> for item in loader:                                                        # doctest: +SKIP
         ...     train(item["tokens"], item["tokens_lengths"])
         >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP

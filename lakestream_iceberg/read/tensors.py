@@ -1,12 +1,14 @@
 """Turning one consumer rank's Arrow rows of a step into torch tensors (the default ``collate`` of the dataset).
 
 Token lists become a right-padded 2-D tensor plus ``<col>_lengths`` (or, packed, a flat tensor plus ``<col>_offsets``),
-binary blobs become uint8 tensors viewing one buffer, numbers and fixed-size lists become tensors sharing the decoded
+binary blobs become :class:`Blobs` (one flat uint8 tensor plus offsets, indexed and iterated like a list of uint8
+tensors), numbers and fixed-size lists become tensors sharing the decoded
 Arrow memory: no copy where Arrow's buffers allow it. torch is imported on first use only.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,7 @@ import pyarrow.compute as pc
 
 from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
 
-__all__ = ["StepShard", "TensorCollate", "require_torch"]
+__all__ = ["Blobs", "StepShard", "TensorCollate", "require_torch"]
 
 TORCH_EXTRA = "pip install 'lakestream-iceberg[torch]'"
 
@@ -110,6 +112,67 @@ def _copy_rows(out: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> None
         start += row
 
 
+class Blobs:
+    """A binary column's rows as one flat uint8 tensor plus offsets, used like a list of uint8 tensors.
+
+    ``blobs[i]`` is row ``i`` (``values[offsets[i]:offsets[i+1]]``, a view), ``len(blobs)`` the number of rows, and
+    iterating gives the rows in order, so code written for a list of tensors keeps working. It is two tensors
+    whatever the number of rows: a DataLoader worker hands it to the training process as one buffer, where a list
+    holds one tensor (and one shared-memory handle) per sample. ``tolist()`` gives the list.
+
+    Example:
+        >>> item = next(iter(LakestreamDataset(stream)))                  # doctest: +SKIP
+        >>> [bytes(b.numpy()) for b in item["image"]]                    # doctest: +SKIP
+        >>> item["image"].values, item["image"].offsets                  # doctest: +SKIP
+    """
+
+    __slots__ = ("offsets", "values")
+
+    def __init__(self, *, values: Any, offsets: Any) -> None:
+        if values.dim() != 1 or offsets.dim() != 1 or len(offsets) < 1:
+            raise ConfigError(f"Blobs takes a 1-D values tensor and 1-D offsets of n + 1 entries, got shapes "
+                              f"{tuple(values.shape)} and {tuple(offsets.shape)}")
+        self.values, self.offsets = values, offsets  # uint8 [total]; int64 [n + 1], offsets[0] == 0
+
+    @property
+    def lengths(self) -> Any:
+        """int64 ``[n]``: each row's length in bytes."""
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return self.tolist()[index]
+        n = len(self)
+        i = index + n if index < 0 else index
+        if not 0 <= i < n:
+            raise IndexError(f"Blobs index {index} out of range for {n} rows")
+        lo, hi = self.offsets[i : i + 2].tolist()
+        return self.values[lo:hi]
+
+    def __iter__(self) -> Iterator[Any]:
+        bounds = self.offsets.tolist()
+        values = self.values
+        return (values[lo:hi] for lo, hi in zip(bounds, bounds[1:]))
+
+    def tolist(self) -> list[Any]:
+        """The rows as a list of uint8 tensors (views of ``values``), what ``binary="list"`` gives."""
+        return list(self)
+
+    def pin_memory(self) -> Blobs:
+        """Both tensors in pinned memory (``DataLoader(pin_memory=True)`` calls this)."""
+        return Blobs(values=self.values.pin_memory(), offsets=self.offsets.pin_memory())
+
+    def to(self, *args: Any, **kwargs: Any) -> Blobs:
+        """``Tensor.to`` on both tensors (e.g. ``blobs.to("cuda", non_blocking=True)``)."""
+        return Blobs(values=self.values.to(*args, **kwargs), offsets=self.offsets.to(*args, **kwargs))
+
+    def __repr__(self) -> str:
+        return f"Blobs({len(self)} rows, {self.values.numel()} bytes)"
+
+
 class TensorCollate:
     """The default ``collate``: Arrow columns to tensors.
 
@@ -118,8 +181,10 @@ class TensorCollate:
     * lists of numbers (token ids): ``lists="padded"`` -> ``col`` ``[n, max_len]`` right-padded with ``pad_value`` plus
       ``col_lengths`` (int64 ``[n]``); ``lists="packed"`` -> ``col`` flat (zero-copy) plus ``col_offsets`` (int64
       ``[n + 1]``, row ``i`` is ``col[offsets[i]:offsets[i+1]]``) and ``col_lengths``;
-    * binary -> uint8: ``binary="list"`` -> a list of ``n`` tensors, each a view of one buffer (no per-sample copy);
-      ``"padded"`` (with zeros) and ``"packed"`` as for lists;
+    * binary -> uint8: ``binary="blobs"`` (the default) -> :class:`Blobs`, list-like (``len``, ``blobs[i]``,
+      iteration give uint8 tensors) but two tensors whatever the row count, so DataLoader workers hand it over
+      cheaply; ``"list"`` -> a Python list of ``n`` tensors, each a view of one buffer (the default before ``Blobs``:
+      ``blobs.tolist()`` gives the same); ``"padded"`` (with zeros) and ``"packed"`` as for lists;
     * strings and anything else -> Python lists.
 
     A null list or blob counts as empty; a null number raises :class:`ReadError` (fill it upstream or pass your own
@@ -129,11 +194,11 @@ class TensorCollate:
         >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP
     """
 
-    def __init__(self, *, lists: str = "padded", binary: str = "list", pad_value: int | float = 0) -> None:
+    def __init__(self, *, lists: str = "padded", binary: str = "blobs", pad_value: int | float = 0) -> None:
         if lists not in ("padded", "packed"):
             raise ConfigError(f"lists={lists!r}: use 'padded' or 'packed'")
-        if binary not in ("list", "padded", "packed"):
-            raise ConfigError(f"binary={binary!r}: use 'list', 'padded' or 'packed'")
+        if binary not in ("blobs", "list", "padded", "packed"):
+            raise ConfigError(f"binary={binary!r}: use 'blobs', 'list', 'padded' or 'packed'")
         self.lists, self.binary, self.pad_value = lists, binary, pad_value
 
     def __call__(self, shard: StepShard) -> dict[str, Any]:
@@ -173,6 +238,8 @@ class TensorCollate:
             mode = self.binary
             values = np.frombuffer(data, dtype=np.uint8, count=hi - lo, offset=lo) if hi > lo else np.empty(0, np.uint8)
             values = values if values.flags.writeable or mode == "padded" else values.copy()
+        if mode == "blobs":
+            return {name: Blobs(values=torch.from_numpy(values), offsets=torch.from_numpy(offsets - lo))}
         if mode == "list":
             return {name: list(torch.split(torch.from_numpy(values), lengths.tolist()))}
         if mode == "packed":

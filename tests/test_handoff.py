@@ -1,0 +1,134 @@
+"""Items crossing from a DataLoader worker to the training process (lakestream_iceberg/read/handoff.py).
+
+An item is pickled the way DataLoader pickles it (``ForkingPickler``, torch's reductions registered) and loaded back;
+in one process that exercises the same code as two (the descriptor goes through multiprocessing's resource sharer
+either way). Then real DataLoader workers, fork and spawn, against the items read without workers.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import pickle
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+from pyiceberg.catalog.sql import SqlCatalog
+from torch.utils.data import DataLoader
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.read import handoff
+from lakestream_iceberg.read.dataset import LakestreamDataset
+from lakestream_iceberg.read.handoff import Handoff, advise_workers
+from lakestream_iceberg.read.tensors import Blobs
+
+pytestmark = pytest.mark.skipif(not handoff.supported(), reason="the segment pool needs os.memfd_create (Linux)")
+
+
+def ship(item: dict) -> dict:
+    return pickle.loads(ForkingPickler.dumps(Handoff(item, num_workers=1)))
+
+
+def sample_item(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 256, (37,), dtype=torch.uint8, generator=g)
+    return {
+        "step": seed,
+        "sample_ids": torch.arange(5, dtype=torch.int64) + seed,
+        "tokens": torch.randint(0, 1000, (5, 9), dtype=torch.int32, generator=g),
+        "mask": torch.rand(5, generator=g) > 0.5,
+        "half": torch.rand(3, 2, generator=g).to(torch.bfloat16),
+        "scalar": torch.tensor(seed * 1.5),
+        "empty": torch.empty(0, 4, dtype=torch.float64),
+        "strided": torch.arange(20, dtype=torch.int16).reshape(4, 5).t(),  # not contiguous
+        "blob": Blobs(values=values, offsets=torch.tensor([0, 3, 3, 20, 37])),
+        "texts": ["a", "b"],
+    }
+
+
+def same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Blobs):
+        return isinstance(b, Blobs) and same(a.values, b.values) and same(a.offsets, b.offsets)
+    return a == b
+
+
+def test_an_item_arrives_equal_as_a_plain_dict_of_views_of_one_buffer() -> None:
+    item = sample_item(3)
+    got = ship(item)
+    assert type(got) is dict and list(got) == list(item)
+    for key, value in item.items():
+        assert same(value, got[key]), key
+    storages = {t.untyped_storage().data_ptr() for t in got.values() if isinstance(t, torch.Tensor) and t.numel()}
+    storages |= {got["blob"].values.untyped_storage().data_ptr(), got["blob"].offsets.untyped_storage().data_ptr()}
+    assert len(storages) == 1  # one buffer, whatever the number of tensors
+    got["tokens"][0, 0] = -1  # writable, as a tensor from DataLoader always was
+    assert [bytes(b.numpy()) for b in got["blob"]] == [bytes(b.numpy()) for b in item["blob"]]
+
+
+def test_a_segment_is_reused_only_after_every_view_of_its_item_is_gone() -> None:
+    pool = handoff._pool_here()
+    first = ship(sample_item(1))
+    kept = first["tokens"]  # one view is enough to hold the segment
+    del first
+    gc.collect()
+    second = ship(sample_item(2))
+    assert same(kept, sample_item(1)["tokens"])  # the second item went elsewhere
+    before = len(pool.segments)
+    del kept, second
+    gc.collect()
+    for seed in range(4, 10):  # one item at a time: the freed segments serve them all
+        assert same(ship(sample_item(seed))["tokens"], sample_item(seed)["tokens"])
+    assert len(pool.segments) == before
+
+
+def test_items_without_tensors_and_other_types_pass_unchanged() -> None:
+    assert ship({"step": 1, "rows": [1, 2]}) == {"step": 1, "rows": [1, 2]}
+    got = ship({"step": 2, "ids": torch.arange(3), "grad": torch.ones(2, requires_grad=True)})
+    assert got["grad"].requires_grad and torch.equal(got["ids"], torch.arange(3))
+
+
+# ---------------------------------------------------------------------------------------------- real workers
+SCHEMA = pa.schema([pa.field("tokens", pa.list_(pa.int32())), pa.field("blob", pa.binary()), pa.field("label", pa.int64())])
+
+
+def make_stream(tmp_path: Path, steps: int) -> Stream:
+    catalog = SqlCatalog("t", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/wh")
+    stream = Stream.create(catalog, "ns.handoff", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for step in range(1, steps + 1):
+        rows = range(step * 10, step * 10 + 3 + step % 3)
+        producer.commit([pa.table({"tokens": [list(range(r % 7)) for r in rows], "blob": [bytes([r % 256]) * (r % 5) for r in rows],
+                                   "label": list(rows)}, schema=SCHEMA)])
+    return stream
+
+
+def payload(items: list[dict]) -> list[tuple]:
+    return [(it["step"], it["sample_ids"].tolist(), it["tokens"].tolist(), it["tokens_lengths"].tolist(),
+             [bytes(b.numpy()) for b in it["blob"]], it["label"].tolist()) for it in items]
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_items_from_workers_equal_the_items_without_workers_all_held_at_once(tmp_path: Path, context: str) -> None:
+    stream = make_stream(tmp_path, steps=9)
+    alone = list(LakestreamDataset(stream, rank=0, world_size=1))
+    held = list(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=2,
+                           multiprocessing_context=context))  # every item kept: no segment may be written twice
+    assert payload(held) == payload(alone) and [it["step"] for it in held] == list(range(1, 10))
+    assert all(type(it) is dict and isinstance(it["blob"], Blobs) for it in held)
+
+
+def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(handoff, "_advised", set())
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.dataset"):
+        assert advise_workers(1, cores=2) is False  # a free core: no advice
+        assert advise_workers(2, cores=2) is True
+        assert advise_workers(2, cores=2) is False  # once per process
+        assert advise_workers(4, cores=2) is True
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2 and "num_workers=2) on 2 usable CPU cores" in messages[0] and "num_workers=0" in messages[0]
