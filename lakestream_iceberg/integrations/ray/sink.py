@@ -3,10 +3,13 @@ argument and Ray's evidence: :mod:`lakestream_iceberg.integrations.ray`)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import sys
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -20,7 +23,14 @@ from ray.data.block import BlockAccessor
 
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.secrets import split_secrets
-from lakestream_iceberg.errors import BatchError, ConfigError, ReadError, StreamError
+from lakestream_iceberg.errors import (
+    BatchError,
+    ConfigError,
+    ProducerConflictError,
+    ReadError,
+    StreamError,
+    StreamExistsError,
+)
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
@@ -255,6 +265,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         self._catalog: Catalog | None = None
         self._ref = self._address(catalog, stream, catalog_properties)
         self.report: SinkReport | None = None  # set on the driver when the job completes
+        self._fused: bool | None = None  # what on_write_start saw of Ray's plan (None: not seen)
+        self._plan_notes: list[str] = []
 
     @staticmethod
     def _address(catalog: str | Catalog, stream: str, extra: Mapping[str, str] | None) -> StreamRef:
@@ -291,16 +303,24 @@ class LakestreamDatasink(Datasink[TaskReport]):
 
     # -- driver ---------------------------------------------------------------------------------------------------------
     def on_write_start(self, schema: pa.Schema | None = None) -> None:
-        """On the driver, before the first task: create the stream (``create=True``) or check that it exists."""
+        """On the driver, before the first task: look at the write operator Ray built (:meth:`_shape_plan`), then create
+        the stream (``create=True`` with ``schema=``) or check that it exists.
+
+        ``schema`` (what Ray passes) is not used: it is the schema of the operator's *input* blocks, which in a fused
+        read -> map_batches -> write operator is the read's (with Ray's internal columns), not what the sink receives.
+        With ``create=True`` and no ``schema=``, the first write task creates the stream from the first block it
+        writes."""
+        self._shape_plan()
         catalog = self._ref.catalog()
-        if self.create:
-            payload = self.schema if self.schema is not None else self._schema_of_first_block(schema)
-            stream = Stream.create(catalog, self._ref.identifier, schema=payload, world_size=self.world_size or 1,
+        if self.create and self.schema is not None:
+            stream = Stream.create(catalog, self._ref.identifier, schema=self.schema, world_size=self.world_size or 1,
                                    properties=self.properties or None)
         else:
             try:
                 stream = Stream.open(catalog, self._ref.identifier)
             except NoSuchTableError:
+                if self.create:
+                    return  # the first write task creates it, from the first block it writes (see _task_stream)
                 raise ConfigError(
                     f"stream {self._ref.identifier} does not exist in catalog {self._ref.catalog_name!r}: create it with "
                     "Stream.create(...) or pass create=True, world_size=... to LakestreamDatasink"
@@ -310,16 +330,49 @@ class LakestreamDatasink(Datasink[TaskReport]):
                                   f"world_size={self.world_size}")
         self._check_against(stream)
 
-    def _schema_of_first_block(self, schema: object) -> pa.Schema:
-        if not isinstance(schema, pa.Schema):
-            raise ConfigError(
-                f"create=True could not take the stream's schema from the first block (Ray gave {type(schema).__name__}); "
-                "pass schema=pyarrow.schema([...])"
-            )
-        found: pa.Schema = schema
-        if self.rank_column is not None and self.rank_column in found.names:
-            found = found.remove(found.get_field_index(self.rank_column))
-        return found.remove_metadata()
+    def _shape_plan(self) -> None:
+        """Look at the write operator Ray built (the ``MapOperator`` whose first input called this hook, before its
+        transformer is serialized, as Ray's ``_map_transformer_ref`` docstring allows) and
+
+        * when the write is fused with the transform that feeds it, turn off Ray's block shaping for that transform's
+          output: every batch the preprocessing returns or yields reaches the sink as it is, so steps stream as they
+          are formed (with the default 128 MiB target block size Ray merged a task's batches into one block, and the
+          task published all its steps at its end), and a batch that lacks a column is refused (merged, Ray fills the
+          missing column of a nullable field with nulls);
+        * when the write is not fused and its input comes from another operator (``map_batches(batch_size=...)``,
+          ``concurrency=``, a repartition), without ``preserve_order`` its tasks receive blocks in completion order:
+          warn (``RuntimeWarning``, also in :attr:`SinkReport.warnings`) that a re-run may give a task index other rows.
+        """
+        self._plan_notes = []
+        self._fused = None
+        op = _calling_operator()
+        if op is None:  # called by hand, or another Ray version: nothing to shape (the README says what to set)
+            log.debug("on_write_start was not called by a Ray Data MapOperator: the plan is left as Ray built it")
+            return
+        transforms = op._map_transformer.get_transform_fns()  # noqa: SLF001 - see the docstring
+        write_at = next((i for i, t in enumerate(transforms) if _is_write_transform(t, self)), None)
+        if write_at is None:
+            return
+        self._fused = write_at > 0
+        if self._fused:
+            _stream_batches(transforms[write_at - 1])
+            return
+        upstream = op.input_dependencies[0] if op.input_dependencies else None
+        from ray.data._internal.execution.operators.input_data_buffer import InputDataBuffer
+
+        if isinstance(upstream, InputDataBuffer) or op.data_context.execution_options.preserve_order:
+            return  # blocks reach the write in input order: task i gets the same rows in every run
+        note = (
+            f"LakestreamDatasink (run {self.run_name!r}): the write is not fused with the operator before it "
+            f"({upstream.name if upstream is not None else '?'}) and DataContext.execution_options.preserve_order is "
+            "off, so write tasks receive blocks in completion order: a re-run with the same run_name may give a task "
+            "index other rows, which verify_replays then refuses (nothing is published twice, but the re-run fails). "
+            "Set ray.data.DataContext.get_current().execution_options.preserve_order = True before building the "
+            "dataset, or avoid what splits the write from the map (map_batches(batch_size=...), concurrency=)"
+        )
+        self._plan_notes.append(note)
+        log.warning("%s", note)
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
 
     def _check_against(self, stream: StreamTable) -> None:
         # the table's file settings and the branch, once on the driver: not an error in every write task (and retry)
@@ -334,25 +387,34 @@ class LakestreamDatasink(Datasink[TaskReport]):
     def on_write_complete(self, write_result: WriteResult[TaskReport]) -> None:
         reports = [r for r in write_result.write_returns if isinstance(r, TaskReport)]
         self.report = SinkReport(run_name=self.run_name, stream=self._ref.identifier,
-                                 tasks=tuple(sorted(reports, key=lambda r: r.task_idx)))
+                                 tasks=tuple(sorted(reports, key=lambda r: r.task_idx)), fused=self._fused,
+                                 warnings=tuple(self._plan_notes))
 
     # -- tasks ----------------------------------------------------------------------------------------------------------
     def write(self, blocks: Iterable[Block], ctx: TaskContext) -> TaskReport:
         """One write task: form steps from its blocks and commit each with the next seq of producer ``run-task_idx``."""
         task_idx = check_int(ctx.task_idx, what="TaskContext.task_idx", minimum=0)
         producer_name = producer_id(self.run_name, task_idx)
-        stream = _open(self._ref)
-        producer = stream.producer(producer_name, branch=self.branch)
-        where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {stream.name}"
+        where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {self._ref.identifier}"
+        tables: Iterator[pa.Table] = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
+        stream, tables = self._task_stream(tables, where)
         steps: list[int | None] = []
-        published = duplicates = rows = 0
+        published = duplicates = rows = raced = 0
         commit_s = 0.0
-        for seq, shards in enumerate(self._steps(blocks, stream, where)):
+        if stream is None:  # create=True, the stream is missing and this task has no rows: nothing to publish
+            return TaskReport(task_idx=task_idx, producer=producer_name, steps=(), published=0, duplicates=0, rows=0,
+                              pid=os.getpid(), commit_s=0.0)
+        producer = stream.producer(producer_name, branch=self.branch)
+        for seq, shards in enumerate(self._steps(tables, stream, where)):
             started = time.monotonic()
             try:
                 result = producer.commit(shards, seq=seq)
             except BatchError as exc:
                 raise type(exc)(f"{where}, step seq {seq}: {exc}. The job fails rather than skip data") from exc
+            except ProducerConflictError as exc:
+                producer = stream.producer(producer_name, branch=self.branch)  # a fresh view of the head
+                result = self._settle_conflict(stream, producer, shards, seq, where, exc)
+                raced += 1
             commit_s += time.monotonic() - started
             rows += sum(s.num_rows for s in shards)
             steps.append(result.step)
@@ -363,34 +425,66 @@ class LakestreamDatasink(Datasink[TaskReport]):
             else:
                 published += 1
         return TaskReport(task_idx=task_idx, producer=producer_name, steps=tuple(steps), published=published,
-                          duplicates=duplicates, rows=rows, pid=os.getpid(), commit_s=commit_s)
+                          duplicates=duplicates, rows=rows, pid=os.getpid(), commit_s=commit_s, raced=raced)
 
-    def _steps(self, blocks: Iterable[Block], stream: StreamTable, where: str) -> Iterator[list[pa.Table]]:
+    def _task_stream(self, tables: Iterator[pa.Table], where: str) -> tuple[Stream | None, Iterator[pa.Table]]:
+        """The stream, and the task's tables. With ``create=True`` and no ``schema=``, a missing stream is created
+        here from the first block this task writes (what the sink receives, after every fused map): tasks that race
+        to create it agree on one (``Stream.create`` opens the winner's), and each block is then checked against it."""
+        try:
+            return _open(self._ref), tables
+        except NoSuchTableError:
+            if not self.create:
+                raise ConfigError(f"{where}: the stream does not exist (dropped while the job ran?); create it with "
+                                  "Stream.create(...) or pass create=True, world_size=... to LakestreamDatasink") from None
+        first = next((t for t in tables if t.num_rows), None)
+        if first is None:
+            return None, tables
+        if not first.num_columns:
+            raise ConfigError(f"{where}: create=True cannot take the stream's schema from a block without columns; "
+                              "pass schema=pyarrow.schema([...]) to LakestreamDatasink")
+        try:
+            Stream.create(self._ref.catalog(), self._ref.identifier, schema=self._payload_of(first.schema),
+                          world_size=self.world_size or 1, properties=self.properties or None)
+        except StreamExistsError:
+            pass  # another task created it from its first block (other nullability, or another schema: conform says)
+        stream = _open(self._ref)
+        self._check_against(stream)
+        return stream, itertools.chain([first], tables)
+
+    def _payload_of(self, found: pa.Schema) -> pa.Schema:
+        if self.rank_column is not None and self.rank_column in found.names:
+            found = found.remove(found.get_field_index(self.rank_column))
+        return found.remove_metadata()
+
+    def _settle_conflict(self, stream: Stream, producer: Any, shards: Sequence[pa.Table], seq: int, where: str,
+                         conflict: ProducerConflictError) -> Any:
+        """Another attempt of this task (a zombie: a worker that outlived its lost node, publishing while the retry
+        starts) committed this seq at the same moment. The same rows published under this producer id and seq are a
+        replay, not a conflict; other rows are a real conflict (two jobs sharing a run name), and fail the task."""
+        result = producer.commit(shards, seq=seq)  # published: answered from the head, nothing written
+        if result.step is None:
+            return result  # collected by GC since: nothing left to compare with
+        differs = self._replay_difference(stream, result.step, shards, mode="rows")
+        if differs:
+            raise ProducerConflictError(
+                f"{where}, seq {seq}: another attempt or job published this seq as step {result.step} with {differs}. "
+                f"Two jobs are using run_name {self.run_name!r} at once: give each job its own run_name ({conflict})"
+            ) from conflict
+        log.info("%s, seq %s: published at the same moment by another attempt of this task, with the same rows: "
+                 "a replay", where, seq)
+        return result
+
+    def _steps(self, tables: Iterable[pa.Table], stream: StreamTable, where: str) -> Iterator[list[pa.Table]]:
         world_size = stream.world_size
         if self.world_size is not None and world_size != self.world_size:
             raise ConfigError(f"{where}: the stream has world_size {world_size}, the sink was given {self.world_size}")
         rule = StepRule(rows_per_step=self.rows_per_step, step_fn=self.step_fn, rank_column=self.rank_column,
                         drop_last=self.drop_last, cast=self.cast)
-        tables = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
         return rule.steps(tables, payload=stream.payload_arrow_schema, world_size=world_size, where=where)
 
     def _verify_replay(self, stream: Stream, step: int, shards: Sequence[pa.Table], where: str, seq: int) -> None:
-        try:
-            with stream.step_files(step, branch=self.branch) as files:
-                published = files.counts
-        except (ReadError, FileNotFoundError):
-            return  # collected by GC since: nothing left to compare with
-        replayed = [s.num_rows for s in shards]
-        differs = f"{published} rows per rank, but this run formed {replayed}" if published != replayed else ""
-        if not differs and self.verify_replays == "rows":
-            for rank, shard in enumerate(shards):
-                try:
-                    stored = stream.read(step, rank=rank, branch=self.branch)
-                except ReadError:
-                    return  # collected by GC meanwhile
-                if not _same_rows(stored, shard):
-                    differs = f"other rows for rank {rank} than this run formed (same counts, {replayed})"
-                    break
+        differs = self._replay_difference(stream, step, shards, mode=self.verify_replays)
         if differs:
             raise BatchError(
                 f"{where}: seq {seq} is already published as step {step} with {differs}: the job is not deterministic "
@@ -399,3 +493,66 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 "this data again, or make the job deterministic (override_num_blocks=, "
                 "DataContext.execution_options.preserve_order=True, seeded preprocessing)"
             )
+
+    def _replay_difference(self, stream: Stream, step: int, shards: Sequence[pa.Table], *, mode: str) -> str:
+        """How the published ``step`` differs from ``shards`` ("" when it holds them, or is gone)."""
+        try:
+            with stream.step_files(step, branch=self.branch) as files:
+                published = files.counts
+        except (ReadError, FileNotFoundError):
+            return ""  # collected by GC since: nothing left to compare with
+        replayed = [s.num_rows for s in shards]
+        if published != replayed:
+            return f"{published} rows per rank, but this run formed {replayed}"
+        if mode == "rows":
+            for rank, shard in enumerate(shards):
+                try:
+                    stored = stream.read(step, rank=rank, branch=self.branch)
+                except ReadError:
+                    return ""  # collected by GC meanwhile
+                if not _same_rows(stored, shard):
+                    return f"other rows for rank {rank} than this run formed (same counts, {replayed})"
+        return ""
+
+
+def _calling_operator() -> Any:
+    """The Ray Data ``MapOperator`` whose ``_notify_first_input`` called ``on_write_start`` (directly, or through the
+    ``fused_on_start`` of operator fusion), or None."""
+    try:
+        from ray.data._internal.execution.operators.map_operator import MapOperator
+    except ImportError:  # pragma: no cover - another Ray version
+        return None
+    frame: Any = sys._getframe(2)  # noqa: SLF001 - above on_write_start and _shape_plan
+    for _ in range(6):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, MapOperator):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _is_write_transform(transform: Any, sink: LakestreamDatasink) -> bool:
+    """Whether ``transform`` is the one ``plan_write_op.generate_write_fn`` made for ``sink``."""
+    fn = getattr(transform, "_fn", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    return any(_cell(c) is sink for c in cells)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _stream_batches(transform: Any) -> None:
+    """Make ``transform`` hand each output batch on as its own block (Ray's ``disable_block_shaping``), unless the job
+    asked for a row count per block."""
+    from ray.data._internal.output_buffer import OutputBlockSizeOption
+
+    option = getattr(transform, "_output_block_size_option", None)
+    if option is not None and (option.disable_block_shaping or option.target_num_rows_per_block is not None):
+        return
+    transform._output_block_size_option = OutputBlockSizeOption.of(disable_block_shaping=True)  # noqa: SLF001
