@@ -276,7 +276,9 @@ def ray_cluster() -> Iterator[None]:
     # workers import this checkout (and tests.*, for the functions below) whatever the venv's editable install points to
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     os.environ["RAY_DEDUP_LOGS"] = "0"
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    # address="local": a new local instance, whatever cluster another process on this machine started (ray.init()
+    # without it joins the one named in /tmp/ray/ray_current_cluster, and then refuses num_cpus)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
     raylets = {str(p.process.pid) for p in ray._private.worker.global_worker.node.all_processes.get("raylet", [])}
     try:
         yield

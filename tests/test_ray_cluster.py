@@ -45,6 +45,9 @@ def three_nodes() -> Iterator[Any]:
     fast_failure = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"trainer": 2},
                                                             "include_dashboard": False, "_system_config": fast_failure})
+    # Cluster writes its address to /tmp/ray/ray_current_cluster, where any ray.init() on this machine (another
+    # test run's, a benchmark's) would find it and join this cluster: this test connects by address, so remove it
+    ray._common.utils.reset_ray_address()
     workers = [cluster.add_node(num_cpus=2, resources={"data": 2}) for _ in range(2)]
     raylets: set[str] = set()
     try:
