@@ -658,3 +658,17 @@ def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path, monkeyp
     assert all(pid == os.getpid() for pid, _ in sink._streams)  # noqa: SLF001
     assert len(sink._streams) == sink.MAX_OPEN_STREAMS  # noqa: SLF001
     sink._streams.clear()  # noqa: SLF001
+
+
+def test_nulls_in_a_required_column_fail_the_task(tmp_path: Path) -> None:
+    """What a job that must never publish a filled-in null declares: the column as required (``nullable=False``).
+    A batch that lacked a nullable column and was merged with others by an upstream Ray operator arrives with nulls
+    in it (Ray fills them in); in a required column they fail the task, and nothing of the step is published."""
+    catalog = sqlite_catalog(str(tmp_path))
+    required = pa.schema([("id", pa.int64()), pa.field("x", pa.float32(), nullable=False)])
+    Stream.create(catalog, "ns.req", schema=required, world_size=1)
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.req", run_name="req", rows_per_step=2)
+    merged = pa.table({"id": [1, 2, 3, 4], "x": pa.array([0.5, 1.0, None, None], pa.float32())})  # as Ray merges them
+    with pytest.raises(BatchError, match="step seq 1: shard for rank 0: column 'x' is required but has nulls"):
+        sink.write(iter([merged]), _task_context(0))
+    assert Stream.open(catalog, "ns.req").head_step() == 1  # the first step (no nulls) only
