@@ -184,7 +184,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         step_fn: ``block -> iterable of steps`` (each ``world_size`` pyarrow Tables), instead of ``rows_per_step``.
         drop_last: With ``rows_per_step``, drop a task's last rows when fewer than ``rows_per_step`` remain.
         cast: Cast each block to the stream's schema (safe casts only) instead of requiring the exact types.
-        create: Create the stream when missing (``world_size`` required; schema: ``schema`` or the first block's).
+        create: Create the stream when missing (``world_size`` required; schema: ``schema``, created on the driver, or
+            that of the first block a write task writes, created by that task).
         world_size: Ranks per step, for ``create`` (checked against the stream otherwise, when given).
         schema: The payload schema, for ``create`` (default: the first block's, minus ``rank_column``).
         properties: Table properties for ``create``.
