@@ -230,8 +230,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_all(root: Path, args: argparse.Namespace, props: dict[str, str], runs: list[dict[str, Any]], *,
             cluster: str) -> None:
     """(a), (b), (c), ``--repeat`` times interleaved, on the Ray cluster this process is connected to."""
+    import logging
+
     from ray.data import DataContext
 
+    logging.getLogger("ray").setLevel(logging.WARNING)  # again: joining a cluster configures Ray's loggers anew
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     DataContext.get_current().enable_progress_bars = False
     job(args).materialize()  # warm the workers (imports) so that no variant pays for them
     for repetition in range(args.repeat):
