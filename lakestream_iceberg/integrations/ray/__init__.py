@@ -44,8 +44,8 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   that of the operator's *input* bundle: in a fused ``read -> map_batches -> Write`` operator, the read's (with Ray's
   internal ``__file_chunk_metadata`` column) or the pre-map columns, never what the sink receives. The sink ignores it.
 
-**What the sink does to Ray's plan** (``LakestreamDatasink._shape_plan``, in ``on_write_start``, on the operator that
-called it, before its transformer is serialized):
+**What the sink does to Ray's plan** (:func:`~lakestream_iceberg.integrations.ray.plan.shape_write`, in
+``on_write_start``, on the operator that called it, before its transformer is serialized):
 
 * **Fused write: every batch is its own block.** Ray's output buffer merges the batches a transform returns or yields
   into blocks of ``DataContext.target_max_block_size`` (128 MiB by default), so with the defaults a task's steps were

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import sys
 import threading
 import time
 import warnings
@@ -33,6 +32,7 @@ from lakestream_iceberg.errors import (
 )
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
+from lakestream_iceberg.integrations.ray.plan import shape_write
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
 from lakestream_iceberg.read.follow import PY_CATALOG_IMPL, StreamRef
@@ -332,48 +332,13 @@ class LakestreamDatasink(Datasink[TaskReport]):
         self._check_against(stream)
 
     def _shape_plan(self) -> None:
-        """Look at the write operator Ray built (the ``MapOperator`` whose first input called this hook, before its
-        transformer is serialized, as Ray's ``_map_transformer_ref`` docstring allows) and
-
-        * when the write is fused with the transform that feeds it, turn off Ray's block shaping for that transform's
-          output: every batch the preprocessing returns or yields reaches the sink as it is, so steps stream as they
-          are formed (with the default 128 MiB target block size Ray merged a task's batches into one block, and the
-          task published all its steps at its end), and a batch that lacks a column is refused (merged, Ray fills the
-          missing column of a nullable field with nulls);
-        * when the write is not fused and its input comes from another operator (``map_batches(batch_size=...)``,
-          ``concurrency=``, a repartition), without ``preserve_order`` its tasks receive blocks in completion order:
-          warn (``RuntimeWarning``, also in :attr:`SinkReport.warnings`) that a re-run may give a task index other rows.
-        """
-        self._plan_notes = []
-        self._fused = None
-        op = _calling_operator()
-        if op is None:  # called by hand, or another Ray version: nothing to shape (the README says what to set)
-            log.debug("on_write_start was not called by a Ray Data MapOperator: the plan is left as Ray built it")
-            return
-        transforms = op._map_transformer.get_transform_fns()  # noqa: SLF001 - see the docstring
-        write_at = next((i for i, t in enumerate(transforms) if _is_write_transform(t, self)), None)
-        if write_at is None:
-            return
-        self._fused = write_at > 0
-        if self._fused:
-            _stream_batches(transforms[write_at - 1])
-            return
-        upstream = op.input_dependencies[0] if op.input_dependencies else None
-        from ray.data._internal.execution.operators.input_data_buffer import InputDataBuffer
-
-        if isinstance(upstream, InputDataBuffer) or op.data_context.execution_options.preserve_order:
-            return  # blocks reach the write in input order: task i gets the same rows in every run
-        note = (
-            f"LakestreamDatasink (run {self.run_name!r}): the write is not fused with the operator before it "
-            f"({upstream.name if upstream is not None else '?'}) and DataContext.execution_options.preserve_order is "
-            "off, so write tasks receive blocks in completion order: a re-run with the same run_name may give a task "
-            "index other rows, which verify_replays then refuses (nothing is published twice, but the re-run fails). "
-            "Set ray.data.DataContext.get_current().execution_options.preserve_order = True before building the "
-            "dataset, or avoid what splits the write from the map (map_batches(batch_size=...), concurrency=)"
-        )
-        self._plan_notes.append(note)
-        log.warning("%s", note)
-        warnings.warn(note, RuntimeWarning, stacklevel=2)
+        """What :func:`~lakestream_iceberg.integrations.ray.plan.shape_write` sees and does (batches as blocks when the
+        write is fused; a warning when it is neither fused nor ordered)."""
+        self._fused, notes = shape_write(self, run_name=self.run_name)
+        self._plan_notes = list(notes)
+        for note in notes:
+            log.warning("%s", note)
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
 
     def _check_against(self, stream: StreamTable) -> None:
         # the table's file settings and the branch, once on the driver: not an error in every write task (and retry)
@@ -514,46 +479,3 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 if not _same_rows(stored, shard):
                     return f"other rows for rank {rank} than this run formed (same counts, {replayed})"
         return ""
-
-
-def _calling_operator() -> Any:
-    """The Ray Data ``MapOperator`` whose ``_notify_first_input`` called ``on_write_start`` (directly, or through the
-    ``fused_on_start`` of operator fusion), or None."""
-    try:
-        from ray.data._internal.execution.operators.map_operator import MapOperator
-    except ImportError:  # pragma: no cover - another Ray version
-        return None
-    frame: Any = sys._getframe(2)  # noqa: SLF001 - above on_write_start and _shape_plan
-    for _ in range(6):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, MapOperator):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-def _is_write_transform(transform: Any, sink: LakestreamDatasink) -> bool:
-    """Whether ``transform`` is the one ``plan_write_op.generate_write_fn`` made for ``sink``."""
-    fn = getattr(transform, "_fn", None)
-    cells = getattr(fn, "__closure__", None) or ()
-    return any(_cell(c) is sink for c in cells)
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
-
-
-def _stream_batches(transform: Any) -> None:
-    """Make ``transform`` hand each output batch on as its own block (Ray's ``disable_block_shaping``), unless the job
-    asked for a row count per block."""
-    from ray.data._internal.output_buffer import OutputBlockSizeOption
-
-    option = getattr(transform, "_output_block_size_option", None)
-    if option is not None and (option.disable_block_shaping or option.target_num_rows_per_block is not None):
-        return
-    transform._output_block_size_option = OutputBlockSizeOption.of(disable_block_shaping=True)  # noqa: SLF001
