@@ -188,7 +188,7 @@ def test_two_attempts_of_a_task_committing_the_same_step_at_once_do_not_fail_the
     catalog = sqlite_catalog(str(tmp_path))
     Stream.create(catalog, "ns.z", schema=SCHEMA, world_size=2)
     spawn = multiprocessing.get_context("spawn")
-    barrier, out, trials = spawn.Barrier(2), spawn.Queue(), 6
+    barrier, out, trials = spawn.Barrier(2), spawn.Queue(), 12
     children = [spawn.Process(target=_commit_at_once, args=(str(tmp_path), barrier, trials, out)) for _ in range(2)]
     for child in children:
         child.start()
