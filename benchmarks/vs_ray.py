@@ -17,11 +17,17 @@ Reported for each: time from the job's start to the trainer's first step and to 
 CPUs; the trainer runs in this driver process, outside Ray), SQLite catalogs in a temp dir (removed at the end).
 ``--repeat N`` interleaves N repetitions of (a), (b), (c) and reports the median of each ratio.
 
+Then the same three run on a **multi-node cluster** (``--nodes``, default 3: ``ray.cluster_utils.Cluster``, a head and
+``--nodes - 1`` worker raylets on this machine, each with ``--node-cpus`` logical CPUs; the driver and its trainer on
+the head), reported in a second table: time to the first and the last step when the write tasks run on several
+nodes. ``--nodes 0`` skips it.
+
 Run::
 
     .venv/bin/python benchmarks/vs_ray.py                       # 300 blocks, a few minutes
     .venv/bin/python benchmarks/vs_ray.py --rows-per-block 64 --rows-per-step 32 --tokens 64 --step-ms 10  # tiny steps
     .venv/bin/python benchmarks/vs_ray.py --repeat 3
+    .venv/bin/python benchmarks/vs_ray.py --nodes 4 --node-cpus 1   # the multi-node part on 4 raylets
     .venv/bin/python benchmarks/vs_ray.py --smoke --out /tmp/vs_ray.json   # seconds: tests/test_benchmarks_smoke.py
 
 Writes ``benchmarks/results/vs_ray.json`` (``--out``): the table (also as text under ``printed``), every run's
@@ -202,6 +208,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--step-ms", type=float, default=20.0, help="simulated accelerator time per trainer step (sleep)")
     parser.add_argument("--cpus", type=int, default=2, help="ray.init(num_cpus=...): logical CPUs of the job")
     parser.add_argument("--repeat", type=int, default=1, help="interleaved repetitions; ratios are medians")
+    parser.add_argument("--nodes", type=int, default=3, help="raylets of the multi-node run (head included); 0: skip it")
+    parser.add_argument("--node-cpus", type=int, default=1, help="logical CPUs of each node of the multi-node run")
     parser.add_argument("--out", default=str(RESULTS_DIR / "vs_ray.json"))
     args = parser.parse_args(argv)
     if args.smoke:
@@ -210,11 +218,55 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                   "step_ms": 2.0}.items():
             if getattr(args, key) == getattr(defaults, key):
                 setattr(args, key, value)
-    if min(args.blocks, args.rows_per_block, args.rows_per_step, args.tokens, args.repeat, args.cpus) < 1:
-        parser.error("--blocks, --rows-per-block, --rows-per-step, --tokens, --repeat and --cpus must be >= 1")
+    if min(args.blocks, args.rows_per_block, args.rows_per_step, args.tokens, args.repeat, args.cpus, args.node_cpus) < 1:
+        parser.error("--blocks, --rows-per-block, --rows-per-step, --tokens, --repeat, --cpus and --node-cpus must be >= 1")
+    if args.nodes == 1 or args.nodes < 0:
+        parser.error("--nodes must be 0 (no multi-node run) or at least 2")
     if args.rows_per_block % args.rows_per_step:
         parser.error("--rows-per-step must divide --rows-per-block (every write task then forms whole steps)")
     return args
+
+
+def run_all(root: Path, args: argparse.Namespace, props: dict[str, str], runs: list[dict[str, Any]], *,
+            cluster: str) -> None:
+    """(a), (b), (c), ``--repeat`` times interleaved, on the Ray cluster this process is connected to."""
+    import logging
+
+    from ray.data import DataContext
+
+    logging.getLogger("ray").setLevel(logging.WARNING)  # again: joining a cluster configures Ray's loggers anew
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
+    DataContext.get_current().enable_progress_bars = False
+    job(args).materialize()  # warm the workers (imports) so that no variant pays for them
+    for repetition in range(args.repeat):
+        for name, run in (("parquet", lambda: run_parquet(root, args)), ("iceberg", lambda: run_iceberg(root, args, props)),
+                          ("lakestream", lambda: run_lakestream(root, args, props))):
+            outcome = run()
+            outcome["repetition"], outcome["cluster"] = repetition, cluster
+            runs.append(outcome)
+            print(f"  {name:10s} job {outcome['job_s']:.2f} s, first step {outcome['first_step_s']:.2f} s, "
+                  f"last step {outcome['last_step_s']:.2f} s ({outcome['steps']} steps) [{cluster}]", flush=True)
+
+
+def summarize(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int, cluster: str) -> tuple[Table, dict[str, Any]]:
+    table = Table(f"Ray Data job -> trainer ({args.blocks} blocks, {steps} steps of {args.rows_per_step} rows), {cluster}",
+                  ["variant", "job s", "first step s", "last step s", "first step: x / lakestream", "last step: x / lakestream"])
+    ratios: dict[str, dict[str, float]] = {}
+    lake_runs = [r for r in runs if r["variant"] == "lakestream"]
+    for name in ("parquet", "iceberg", "lakestream"):
+        mine = [r for r in runs if r["variant"] == name]
+        first = [r["first_step_s"] / lake["first_step_s"] for r, lake in zip(mine, lake_runs)]
+        last = [r["last_step_s"] / lake["last_step_s"] for r, lake in zip(mine, lake_runs)]
+        ratios[name] = {"first_step": statistics.median(first), "last_step": statistics.median(last)}
+        table.add(name, statistics.median(r["job_s"] for r in mine), statistics.median(r["first_step_s"] for r in mine),
+                  statistics.median(r["last_step_s"] for r in mine), f"{ratios[name]['first_step']:.2f}x",
+                  f"{ratios[name]['last_step']:.2f}x")
+    table.note("times from the job's start; ratios > 1: lakestream's trainer gets there sooner (medians over repetitions)")
+    table.note("(a) and (b) start the trainer once the job (and, for iceberg, its single commit) is done; (c) follows it")
+    table.note(f"(c): {statistics.median(r['commit_ms_mean'] for r in lake_runs):.0f} ms per step committed inside the "
+               f"write tasks (mean), {statistics.median(r['commit_s_in_tasks'] for r in lake_runs):.1f} s of task time "
+               f"in all, over {lake_runs[0]['write_tasks']} write tasks")
+    return table, ratios
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,48 +288,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"vs_ray: {args.blocks} blocks x {args.rows_per_block} rows of {args.tokens} tokens, steps of {args.rows_per_step} rows, "
           f"{args.work_ms:g} ms/block, {args.step_ms:g} ms/step, {args.cpus} logical CPUs, repeat {args.repeat}"
           f"{' [smoke]' if args.smoke else ''}", flush=True)
-    ray.init(num_cpus=args.cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
     runs: list[dict[str, Any]] = []
+    # address="local": a new instance, even while another process on this machine runs a Ray cluster
+    ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        from ray.data import DataContext
-
-        DataContext.get_current().enable_progress_bars = False
-        job(args).materialize()  # warm the workers (imports) so that no variant pays for them
-        for repetition in range(args.repeat):
-            for name, run in (("parquet", lambda: run_parquet(root, args)), ("iceberg", lambda: run_iceberg(root, args, props)),
-                              ("lakestream", lambda: run_lakestream(root, args, props))):
-                outcome = run()
-                outcome["repetition"] = repetition
-                runs.append(outcome)
-                print(f"  {name:10s} job {outcome['job_s']:.2f} s, first step {outcome['first_step_s']:.2f} s, "
-                      f"last step {outcome['last_step_s']:.2f} s ({outcome['steps']} steps)", flush=True)
+        run_all(root, args, props, runs, cluster="1 node")
     finally:
         ray.shutdown()
-        shutil.rmtree(root, ignore_errors=True)
+    if args.nodes:
+        from ray.cluster_utils import Cluster
+
+        print(f"  on {args.nodes} nodes ({args.node_cpus} logical CPUs each):", flush=True)
+        nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": args.node_cpus, "include_dashboard": False})
+        ray._common.utils.reset_ray_address()  # so that no other ray.init() on this machine joins this cluster
+        try:
+            for _ in range(args.nodes - 1):
+                nodes.add_node(num_cpus=args.node_cpus)
+            nodes.wait_for_nodes(timeout=300)
+            ray.init(address=nodes.address, configure_logging=False, log_to_driver=False)
+            run_all(root, args, props, runs, cluster=f"{args.nodes} nodes")
+        finally:
+            ray.shutdown()
+            nodes.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
 
     steps = args.blocks * args.rows_per_block // args.rows_per_step
-    table = Table(f"Ray Data job -> trainer ({args.blocks} blocks, {steps} steps of {args.rows_per_step} rows)",
-                  ["variant", "job s", "first step s", "last step s", "first step: x / lakestream", "last step: x / lakestream"])
-    ratios: dict[str, dict[str, float]] = {}
-    for name in ("parquet", "iceberg", "lakestream"):
-        mine = [r for r in runs if r["variant"] == name]
-        first = [r["first_step_s"] / lake["first_step_s"] for r, lake in zip(mine, (r for r in runs if r["variant"] == "lakestream"))]
-        last = [r["last_step_s"] / lake["last_step_s"] for r, lake in zip(mine, (r for r in runs if r["variant"] == "lakestream"))]
-        ratios[name] = {"first_step": statistics.median(first), "last_step": statistics.median(last)}
-        table.add(name, statistics.median(r["job_s"] for r in mine), statistics.median(r["first_step_s"] for r in mine),
-                  statistics.median(r["last_step_s"] for r in mine), f"{ratios[name]['first_step']:.2f}x",
-                  f"{ratios[name]['last_step']:.2f}x")
-    table.note("times from the job's start; ratios > 1: lakestream's trainer gets there sooner (medians over repetitions)")
-    table.note("(a) and (b) start the trainer once the job (and, for iceberg, its single commit) is done; (c) follows it")
-    lake_runs = [r for r in runs if r["variant"] == "lakestream"]
-    table.note(f"(c): {statistics.median(r['commit_ms_mean'] for r in lake_runs):.0f} ms per step committed inside the "
-               f"write tasks (mean), {statistics.median(r['commit_s_in_tasks'] for r in lake_runs):.1f} s of task time "
-               f"in all, over {lake_runs[0]['write_tasks']} write tasks")
+    tables: list[Table] = []
+    ratios: dict[str, dict[str, Any]] = {}
+    for cluster in dict.fromkeys(r["cluster"] for r in runs):
+        table, ratios[cluster] = summarize([r for r in runs if r["cluster"] == cluster], args, steps, cluster)
+        tables.append(table)
     bad = [r for r in runs if r["steps"] != steps or (r["variant"] == "lakestream" and (r["head_step"] != steps or r["duplicates"]))]
     if bad:
-        table.note(f"UNEXPECTED step counts: {bad}")
+        tables[-1].note(f"UNEXPECTED step counts: {bad}")
+    printed = "\n\n".join(str(t) for t in tables)
     print()
-    print(table)
+    print(printed)
     out = Path(args.out)
     path = write_json(out.name, {
         "benchmark": "vs_ray",
@@ -288,9 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"ray": ray.__version__},
         "machine": machine(),
         "runs": runs,
-        "ratios": ratios,
-        "tables": [table],
-        "printed": str(table),
+        "ratios": ratios["1 node"],  # the single-node run's
+        "ratios_by_cluster": ratios,
+        "tables": tables,
+        "printed": printed,
     }, directory=out.parent)
     print(f"\nwrote {path}")
     return 1 if bad else 0

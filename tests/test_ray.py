@@ -23,6 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from pyiceberg.exceptions import NoSuchTableError
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
@@ -128,8 +129,10 @@ def test_catalog_by_name_is_resolved_from_pyiceberg_config_in_the_task(tmp_path:
     monkeypatch.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())  # what a worker process reads when it starts
     sink = LakestreamDatasink(catalog="localray", stream="ns.named", run_name="named", rows_per_step=2, create=True,
                               world_size=1)
-    sink.on_write_start(SCHEMA.with_metadata({b"pandas": b"{}"}))  # the stream is created from the first block's schema
-    shipped = pickle.loads(pickle.dumps(sink))  # what a Ray task receives
+    sink.on_write_start(SCHEMA.with_metadata({b"pandas": b"{}"}))  # Ray's schema is not used: nothing is created yet
+    with pytest.raises(NoSuchTableError):
+        Stream.open(sink.stream_ref.catalog(), "ns.named")
+    shipped = pickle.loads(pickle.dumps(sink))  # what a Ray task receives: it creates the stream from its first block
     assert b"hunter22-from-env" not in pickle.dumps(sink)
     assert shipped.write(iter([_rows(0, 4)]), _task_context(0)).steps == (1, 2)
     assert Stream.open(shipped.stream_ref.catalog(), "ns.named").payload_arrow_schema.equals(SCHEMA)
@@ -159,6 +162,48 @@ def test_write_task_replays_exactly_once_and_detects_a_nondeterministic_rerun(tm
     assert counts_only.write(iter(shuffled), _task_context(3)).duplicates == 3  # what "counts" cannot see
     drop = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="drop", rows_per_step=4, drop_last=True)
     assert drop.write(iter(blocks), _task_context(0)).steps == (5, 6)
+
+
+def _commit_at_once(path: str, barrier: Any, trials: int, out: Any) -> None:
+    """One of two processes of one write task (a zombie attempt and its retry): each trial, both write the same rows
+    as the same task at the same moment."""
+    sink = LakestreamDatasink(catalog=sqlite_catalog(path), stream="ns.z", run_name="z", rows_per_step=4)
+    reports = []
+    for trial in range(trials):
+        barrier.wait(BOUND_S)
+        try:
+            r = sink.write(iter([_rows(0, 8)]), _task_context(trial))
+            reports.append((r.published, r.duplicates, r.raced))
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            reports.append(repr(exc))
+    out.put(reports)
+
+
+def test_two_attempts_of_a_task_committing_the_same_step_at_once_do_not_fail_the_job(tmp_path: Path) -> None:
+    """A worker that lost its node can outlive its raylet and publish while the retry starts: when both commit the same
+    (producer, seq) at the same moment, the loser finds the same rows published under its own id and seq, a replay;
+    it failed with ProducerConflictError (the whole job failed) in 20 of 20 trials."""
+    import multiprocessing
+
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.z", schema=SCHEMA, world_size=2)
+    spawn = multiprocessing.get_context("spawn")
+    barrier, out, trials = spawn.Barrier(2), spawn.Queue(), 12
+    children = [spawn.Process(target=_commit_at_once, args=(str(tmp_path), barrier, trials, out)) for _ in range(2)]
+    for child in children:
+        child.start()
+    got = [out.get(timeout=BOUND_S) for _ in children]
+    for child in children:
+        child.join(BOUND_S)
+    assert all(isinstance(r, tuple) for reports in got for r in reports), got
+    for trial in range(trials):
+        first, second = got[0][trial], got[1][trial]
+        assert first[0] + second[0] == 2 and first[0] + first[1] == second[0] + second[1] == 2  # each step once
+    assert sum(r[2] for reports in got for r in reports) >= 1  # the race happened (it does nearly every trial)
+    stream = Stream.open(catalog, "ns.z")
+    assert stream.head_step() == 2 * trials
+    for trial in range(trials):
+        assert stream.producer(producer_id("z", trial)).next_seq == 2
 
 
 def test_rank_column_step_fn_and_schema_errors(tmp_path: Path) -> None:
@@ -231,7 +276,9 @@ def ray_cluster() -> Iterator[None]:
     # workers import this checkout (and tests.*, for the functions below) whatever the venv's editable install points to
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     os.environ["RAY_DEDUP_LOGS"] = "0"
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    # address="local": a new local instance, whatever cluster another process on this machine started (ray.init()
+    # without it joins the one named in /tmp/ray/ray_current_cluster, and then refuses num_cpus)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
     raylets = {str(p.process.pid) for p in ray._private.worker.global_worker.node.all_processes.get("raylet", [])}
     try:
         yield
@@ -283,6 +330,104 @@ def test_ray_data_job_publishes_exactly_once_and_a_rerun_publishes_nothing(ray_c
     with pytest.raises(Exception, match="column 'x' of a block is double, the stream expects float"):
         bad.write_datasink(LakestreamDatasink(catalog=catalog, stream="ns.ray", run_name="bad", rows_per_step=2))
     assert stream.refresh().head_step() == steps
+
+
+def _to_payload(batch: pa.Table) -> pa.Table:
+    """The preprocessing: other columns than its input's (what a created stream must get)."""
+    ids = batch.column("id")
+    return pa.table({"id": ids.cast(pa.int64()), "x": pa.compute.divide(ids.cast(pa.float32()), 2)}, schema=SCHEMA)
+
+
+@pytest.mark.slow
+def test_create_takes_the_schema_of_what_the_sink_receives(ray_cluster: None, tmp_path: Path) -> None:
+    """``create=True`` without ``schema=``: the stream gets the schema of the first block the sink writes, not the
+    schema Ray passes to ``on_write_start`` (the fused operator's input: the pre-map columns, or a read's internal
+    ``__file_chunk_metadata``)."""
+    import pyarrow.parquet as pq
+
+    catalog = sqlite_catalog(str(tmp_path))
+    _data_context()
+    items = ray.data.from_items([{"id": i, "text": f"doc {i}"} for i in range(24)], override_num_blocks=2)
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.items", run_name="a", rows_per_step=4, create=True,
+                              world_size=2)
+    items.map_batches(_to_payload, batch_format="pyarrow").write_datasink(sink)
+    stream = Stream.open(catalog, "ns.items")
+    assert stream.payload_arrow_schema.names == ["id", "x"] and sink.report is not None and sink.report.published == 6
+    assert sorted(i for s in sink.report.steps for rank in _step_ids(stream, s) for i in rank) == list(range(24))
+
+    (tmp_path / "raw").mkdir()
+    for f in range(2):
+        pq.write_table(pa.table({"id": list(range(f * 8, f * 8 + 8)), "text": ["t"] * 8}), tmp_path / "raw" / f"{f}.parquet")
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.parquet", run_name="p", rows_per_step=4, create=True,
+                              world_size=1)
+    ray.data.read_parquet(str(tmp_path / "raw")).map_batches(_to_payload, batch_format="pyarrow").write_datasink(sink)
+    assert Stream.open(catalog, "ns.parquet").payload_arrow_schema.names == ["id", "x"]
+    assert sink.report is not None and sink.report.rows == 16 and sink.report.fused is True
+
+
+def _chunks_in_step(batch: pa.Table, catalog_root: str, per_step: int, drop_x_from: int | None) -> Iterator[pa.Table]:
+    """A generator UDF: one step's rows at a time. Before yielding step k+1's rows it waits until the table shows
+    step k: the task's steps must be published while the task runs, not when it ends."""
+    stream = Stream.open(sqlite_catalog(catalog_root), "ns.streaming")
+    for k, start in enumerate(range(0, batch.num_rows, per_step)):
+        if k:
+            deadline = time.monotonic() + BOUND_S
+            while (stream.refresh().head_step() or 0) < k:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"step {k} was not published while its task ran")
+                time.sleep(0.02)
+        chunk = batch.slice(start, per_step)
+        yield chunk.drop_columns(["x"]) if drop_x_from is not None and start >= drop_x_from else chunk
+
+
+@pytest.mark.slow
+def test_steps_stream_within_a_task_and_a_batch_missing_a_column_fails_the_job(ray_cluster: None, tmp_path: Path) -> None:
+    """With Ray's default 128 MiB target block size, a generator UDF's batches were merged into one block, so a task
+    published all its steps at its end, and a batch missing a nullable column was merged with nulls filled in. The sink
+    turns block shaping off for the transform that feeds a fused write: every batch is its own block."""
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.streaming", schema=SCHEMA, world_size=1)
+    _data_context()
+    per_step = 4
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.streaming", run_name="gen", rows_per_step=per_step)
+    ray.data.from_arrow([_rows(0, 5 * per_step)]).map_batches(
+        _chunks_in_step, fn_kwargs={"catalog_root": str(tmp_path), "per_step": per_step, "drop_x_from": None},
+        batch_format="pyarrow", batch_size=None).write_datasink(sink)
+    assert sink.report is not None and sink.report.steps == [1, 2, 3, 4, 5] and sink.report.fused is True
+
+    missing = LakestreamDatasink(catalog=catalog, stream="ns.streaming", run_name="missing", rows_per_step=per_step)
+    with pytest.raises(Exception, match=r"missing \['x'\]"):
+        ray.data.from_arrow([_rows(100, 3 * per_step)]).map_batches(
+            _chunks_in_step, fn_kwargs={"catalog_root": str(tmp_path), "per_step": per_step, "drop_x_from": per_step},
+            batch_format="pyarrow", batch_size=None).write_datasink(missing)
+    stream.refresh()
+    assert stream.head_step() == 6  # the batch before the one without 'x', and nothing of that one
+    assert stream.read(6, rank=0).column("x").null_count == 0
+
+
+@pytest.mark.slow
+def test_an_unfused_write_without_preserve_order_is_warned_about(ray_cluster: None, tmp_path: Path) -> None:
+    """A write that is not fused with the map before it receives blocks in completion order unless preserve_order is
+    set: a re-run may give a task index other rows (verify_replays then fails it). The sink says so at start."""
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.order", schema=SCHEMA, world_size=1)
+
+    def job(run_name: str) -> LakestreamDatasink:
+        sink = LakestreamDatasink(catalog=catalog, stream="ns.order", run_name=run_name, rows_per_step=4)
+        ray.data.from_arrow([_rows(i * 4, 4) for i in range(4)]).map_batches(
+            _to_payload, batch_format="pyarrow").write_datasink(sink, concurrency=1)
+        return sink
+
+    _data_context()
+    with pytest.warns(RuntimeWarning, match="preserve_order is off"):
+        unordered = job("unordered")
+    assert unordered.report is not None and unordered.report.fused is False and len(unordered.report.warnings) == 1
+    _data_context().execution_options.preserve_order = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ordered = job("ordered")
+    assert ordered.report is not None and ordered.report.fused is False and ordered.report.warnings == ()
+    assert ordered.report.published == 4
 
 
 # -- the Ray Train test: trainers follow a job that is still writing ---------------------------------------------------
@@ -513,3 +658,17 @@ def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path, monkeyp
     assert all(pid == os.getpid() for pid, _ in sink._streams)  # noqa: SLF001
     assert len(sink._streams) == sink.MAX_OPEN_STREAMS  # noqa: SLF001
     sink._streams.clear()  # noqa: SLF001
+
+
+def test_nulls_in_a_required_column_fail_the_task(tmp_path: Path) -> None:
+    """What a job that must never publish a filled-in null declares: the column as required (``nullable=False``).
+    A batch that lacked a nullable column and was merged with others by an upstream Ray operator arrives with nulls
+    in it (Ray fills them in); in a required column they fail the task, and nothing of the step is published."""
+    catalog = sqlite_catalog(str(tmp_path))
+    required = pa.schema([("id", pa.int64()), pa.field("x", pa.float32(), nullable=False)])
+    Stream.create(catalog, "ns.req", schema=required, world_size=1)
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.req", run_name="req", rows_per_step=2)
+    merged = pa.table({"id": [1, 2, 3, 4], "x": pa.array([0.5, 1.0, None, None], pa.float32())})  # as Ray merges them
+    with pytest.raises(BatchError, match="step seq 1: shard for rank 0: column 'x' is required but has nulls"):
+        sink.write(iter([merged]), _task_context(0))
+    assert Stream.open(catalog, "ns.req").head_step() == 1  # the first step (no nulls) only

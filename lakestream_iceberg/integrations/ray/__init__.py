@@ -40,11 +40,37 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   its first steps were published and checks the outcome from the table.
 * ``on_write_start`` runs on the driver when the first input bundle is ready, before the operator's transformer
   (holding this sink) is serialized (``MapOperator._map_transformer_ref`` is created lazily, after ``on_start``), and
-  ``on_write_complete`` runs on the driver after every task finished.
+  ``on_write_complete`` runs on the driver after every task finished. The schema Ray passes to ``on_write_start`` is
+  that of the operator's *input* bundle: in a fused ``read -> map_batches -> Write`` operator, the read's (with Ray's
+  internal ``__file_chunk_metadata`` column) or the pre-map columns, never what the sink receives. The sink ignores it.
+
+**What the sink does to Ray's plan** (:func:`~lakestream_iceberg.integrations.ray.plan.shape_write`, in
+``on_write_start``, on the operator that called it, before its transformer is serialized):
+
+* **Fused write: every batch is its own block.** Ray's output buffer merges the batches a transform returns or yields
+  into blocks of ``DataContext.target_max_block_size`` (128 MiB by default), so with the defaults a task's steps were
+  formed only when its whole block arrived: the head jumped ``0 -> 1 -> 4 -> 8 -> 12`` as tasks finished. The sink turns
+  block shaping off for the transform that feeds the write (``OutputBlockSizeOption(disable_block_shaping=True)``,
+  unless the job set a row count per block): a generator UDF's chunks reach the sink as they are yielded, and each
+  step is published as soon as its rows exist (``SinkReport.fused`` says whether this applied). The blocks stay in the
+  task's process (fused), so nothing more goes through the object store.
+* **Not fused, not ordered: a warning.** When the write is not fused with the operator before it
+  (``map_batches(concurrency=...)``, ``write_datasink(concurrency=...)``, other remote args, a repartition) and
+  ``preserve_order`` is off, write tasks get blocks in completion order, so a re-run with the same run name may give a
+  task index other rows (``verify_replays`` then fails it: safe, but surprising). The sink warns at start
+  (``RuntimeWarning``, logged, and in ``SinkReport.warnings``) naming the fix. Reading straight from the input (no
+  operator before the write) keeps the input order and is not warned about.
 
 So the steps a task forms depend only on its input blocks, and exactly once holds across task retries and worker
 deaths (a worker killed mid-commit leaves an outcome-unknown commit or a staged intent: the retry's commit of the same
 seq is reconciled from the table, see README "Group commit").
+
+**A zombie attempt.** A worker whose node is lost can outlive its raylet for a moment and keep publishing while Ray
+starts the retry elsewhere. When both attempts commit the same seq at the same moment, the loser's commit finds that
+seq published under its producer id with a batch it did not write (``ProducerConflictError``: two processes with one
+producer id committing an identical batch lost this race in 20 of 20 trials, and the job failed). The sink then reads
+the published step back: the same rows are a replay (counted in ``TaskReport.duplicates`` and ``TaskReport.raced``);
+other rows are a real conflict (two jobs running under one run name) and fail the task with ``ProducerConflictError``.
 
 **Re-running a job** (the driver died, or the job is run again) with the **same run name** publishes nothing twice
 provided each ``task_idx`` receives the same rows in the same order as before. That holds when
@@ -52,7 +78,8 @@ provided each ``task_idx`` receives the same rows in the same order as before. T
 * the input is read in a deterministic order with a fixed block count (``override_num_blocks=``; the default
   parallelism depends on the cluster's CPUs, so another cluster size would cut other blocks),
 * ``DataContext.get_current().execution_options.preserve_order = True`` when the Write is not fused with the read
-  (otherwise blocks reach the Write operator, and get their ``task_idx``, in completion order), and
+  (otherwise blocks reach the Write operator, and get their ``task_idx``, in completion order; the sink warns at start
+  when it sees this), and
 * the preprocessing is deterministic (seeded randomness).
 
 When it does not hold, every (task, seq) already published is still published once, but the re-run's content for it
@@ -83,7 +110,16 @@ keep the order without ``preserve_order``: nothing promises it. To publish the d
 
 **Schema.** Every block must have the stream's payload columns (any order, plus ``rank_column``) with the stream's
 types; ``cast=True`` casts (safely: an overflow is an error). A block that does not match fails its task with a
-:class:`SchemaMismatchError` naming the column, and the job fails; no data is skipped.
+:class:`SchemaMismatchError` naming the column, and the job fails; no data is skipped. With a fused write every batch
+of the preprocessing is its own block, so a batch that lacks a column fails the job. A batch merged with others
+*before* the sink sees it (by an upstream operator of an unfused write) is another matter: Ray fills a missing
+nullable column with nulls when it merges, and the sink cannot tell those from real nulls; declare such a column
+required (``nullable=False`` in the stream's schema) and a filled-in null fails the task (``BatchError``).
+
+**Creating the stream.** ``create=True, world_size=W`` with ``schema=`` creates it on the driver, before any task. Without
+``schema=`` the first write task with rows creates it from the first block it writes (what the preprocessing
+returned, minus ``rank_column``): tasks that race to create it agree on one (``Stream.create`` opens the winner's),
+and a job that fails before any block reaches the sink creates nothing.
 
 **Catalogs and secrets.** ``catalog`` is a catalog *name* (resolved in each task by pyiceberg from ``.pyiceberg.yaml``
 or ``PYICEBERG_CATALOG__<NAME>__*``, like any ``load_catalog(NAME)``, plus ``catalog_properties``, which must not hold

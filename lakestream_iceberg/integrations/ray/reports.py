@@ -28,6 +28,8 @@ class TaskReport:
         rows: Rows of the task's steps (all of them, published or replayed).
         pid: The worker process of the attempt that completed.
         commit_s: Seconds this attempt spent in ``Producer.commit`` (writing files and publishing).
+        raced: Steps another attempt of this task published with the same rows at the same moment as this one (a
+            zombie attempt whose node was lost): replays, counted in ``duplicates``.
     """
 
     task_idx: int
@@ -38,15 +40,25 @@ class TaskReport:
     rows: int
     pid: int
     commit_s: float = 0.0
+    raced: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
 class SinkReport:
-    """What a whole ``write_datasink`` did (``LakestreamDatasink.report`` after the job)."""
+    """What a whole ``write_datasink`` did (``LakestreamDatasink.report`` after the job).
+
+    Attributes:
+        fused: Whether Ray fused the write with the transform that feeds it (then each batch that transform returns
+            reaches the sink as its own block, and steps stream as they are formed); None when the sink could not see
+            Ray's plan.
+        warnings: What ``on_write_start`` warned about (a write whose re-run may give a task index other rows).
+    """
 
     run_name: str
     stream: str
     tasks: tuple[TaskReport, ...]
+    fused: bool | None = None
+    warnings: tuple[str, ...] = ()
 
     @property
     def published(self) -> int:

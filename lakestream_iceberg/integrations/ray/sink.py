@@ -3,10 +3,12 @@ argument and Ray's evidence: :mod:`lakestream_iceberg.integrations.ray`)."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -20,9 +22,17 @@ from ray.data.block import BlockAccessor
 
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.secrets import split_secrets
-from lakestream_iceberg.errors import BatchError, ConfigError, ReadError, StreamError
+from lakestream_iceberg.errors import (
+    BatchError,
+    ConfigError,
+    ProducerConflictError,
+    ReadError,
+    StreamError,
+    StreamExistsError,
+)
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
+from lakestream_iceberg.integrations.ray.plan import shape_write
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
 from lakestream_iceberg.read.follow import PY_CATALOG_IMPL, StreamRef
@@ -174,7 +184,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         step_fn: ``block -> iterable of steps`` (each ``world_size`` pyarrow Tables), instead of ``rows_per_step``.
         drop_last: With ``rows_per_step``, drop a task's last rows when fewer than ``rows_per_step`` remain.
         cast: Cast each block to the stream's schema (safe casts only) instead of requiring the exact types.
-        create: Create the stream when missing (``world_size`` required; schema: ``schema`` or the first block's).
+        create: Create the stream when missing (``world_size`` required; schema: ``schema``, created on the driver, or
+            that of the first block a write task writes, created by that task).
         world_size: Ranks per step, for ``create`` (checked against the stream otherwise, when given).
         schema: The payload schema, for ``create`` (default: the first block's, minus ``rank_column``).
         properties: Table properties for ``create``.
@@ -255,6 +266,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         self._catalog: Catalog | None = None
         self._ref = self._address(catalog, stream, catalog_properties)
         self.report: SinkReport | None = None  # set on the driver when the job completes
+        self._fused: bool | None = None  # what on_write_start saw of Ray's plan (None: not seen)
+        self._plan_notes: list[str] = []
 
     @staticmethod
     def _address(catalog: str | Catalog, stream: str, extra: Mapping[str, str] | None) -> StreamRef:
@@ -291,16 +304,24 @@ class LakestreamDatasink(Datasink[TaskReport]):
 
     # -- driver ---------------------------------------------------------------------------------------------------------
     def on_write_start(self, schema: pa.Schema | None = None) -> None:
-        """On the driver, before the first task: create the stream (``create=True``) or check that it exists."""
+        """On the driver, before the first task: look at the write operator Ray built (:meth:`_shape_plan`), then create
+        the stream (``create=True`` with ``schema=``) or check that it exists.
+
+        ``schema`` (what Ray passes) is not used: it is the schema of the operator's *input* blocks, which in a fused
+        read -> map_batches -> write operator is the read's (with Ray's internal columns), not what the sink receives.
+        With ``create=True`` and no ``schema=``, the first write task creates the stream from the first block it
+        writes."""
+        self._shape_plan()
         catalog = self._ref.catalog()
-        if self.create:
-            payload = self.schema if self.schema is not None else self._schema_of_first_block(schema)
-            stream = Stream.create(catalog, self._ref.identifier, schema=payload, world_size=self.world_size or 1,
+        if self.create and self.schema is not None:
+            stream = Stream.create(catalog, self._ref.identifier, schema=self.schema, world_size=self.world_size or 1,
                                    properties=self.properties or None)
         else:
             try:
                 stream = Stream.open(catalog, self._ref.identifier)
             except NoSuchTableError:
+                if self.create:
+                    return  # the first write task creates it, from the first block it writes (see _task_stream)
                 raise ConfigError(
                     f"stream {self._ref.identifier} does not exist in catalog {self._ref.catalog_name!r}: create it with "
                     "Stream.create(...) or pass create=True, world_size=... to LakestreamDatasink"
@@ -310,16 +331,14 @@ class LakestreamDatasink(Datasink[TaskReport]):
                                   f"world_size={self.world_size}")
         self._check_against(stream)
 
-    def _schema_of_first_block(self, schema: object) -> pa.Schema:
-        if not isinstance(schema, pa.Schema):
-            raise ConfigError(
-                f"create=True could not take the stream's schema from the first block (Ray gave {type(schema).__name__}); "
-                "pass schema=pyarrow.schema([...])"
-            )
-        found: pa.Schema = schema
-        if self.rank_column is not None and self.rank_column in found.names:
-            found = found.remove(found.get_field_index(self.rank_column))
-        return found.remove_metadata()
+    def _shape_plan(self) -> None:
+        """What :func:`~lakestream_iceberg.integrations.ray.plan.shape_write` sees and does (batches as blocks when the
+        write is fused; a warning when it is neither fused nor ordered)."""
+        self._fused, notes = shape_write(self, run_name=self.run_name)
+        self._plan_notes = list(notes)
+        for note in notes:
+            log.warning("%s", note)
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
 
     def _check_against(self, stream: StreamTable) -> None:
         # the table's file settings and the branch, once on the driver: not an error in every write task (and retry)
@@ -334,25 +353,34 @@ class LakestreamDatasink(Datasink[TaskReport]):
     def on_write_complete(self, write_result: WriteResult[TaskReport]) -> None:
         reports = [r for r in write_result.write_returns if isinstance(r, TaskReport)]
         self.report = SinkReport(run_name=self.run_name, stream=self._ref.identifier,
-                                 tasks=tuple(sorted(reports, key=lambda r: r.task_idx)))
+                                 tasks=tuple(sorted(reports, key=lambda r: r.task_idx)), fused=self._fused,
+                                 warnings=tuple(self._plan_notes))
 
     # -- tasks ----------------------------------------------------------------------------------------------------------
     def write(self, blocks: Iterable[Block], ctx: TaskContext) -> TaskReport:
         """One write task: form steps from its blocks and commit each with the next seq of producer ``run-task_idx``."""
         task_idx = check_int(ctx.task_idx, what="TaskContext.task_idx", minimum=0)
         producer_name = producer_id(self.run_name, task_idx)
-        stream = _open(self._ref)
-        producer = stream.producer(producer_name, branch=self.branch)
-        where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {stream.name}"
+        where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {self._ref.identifier}"
+        tables: Iterator[pa.Table] = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
+        stream, tables = self._task_stream(tables, where)
         steps: list[int | None] = []
-        published = duplicates = rows = 0
+        published = duplicates = rows = raced = 0
         commit_s = 0.0
-        for seq, shards in enumerate(self._steps(blocks, stream, where)):
+        if stream is None:  # create=True, the stream is missing and this task has no rows: nothing to publish
+            return TaskReport(task_idx=task_idx, producer=producer_name, steps=(), published=0, duplicates=0, rows=0,
+                              pid=os.getpid(), commit_s=0.0)
+        producer = stream.producer(producer_name, branch=self.branch)
+        for seq, shards in enumerate(self._steps(tables, stream, where)):
             started = time.monotonic()
             try:
                 result = producer.commit(shards, seq=seq)
             except BatchError as exc:
                 raise type(exc)(f"{where}, step seq {seq}: {exc}. The job fails rather than skip data") from exc
+            except ProducerConflictError as exc:
+                producer = stream.producer(producer_name, branch=self.branch)  # a fresh view of the head
+                result = self._settle_conflict(stream, producer, shards, seq, where, exc)
+                raced += 1
             commit_s += time.monotonic() - started
             rows += sum(s.num_rows for s in shards)
             steps.append(result.step)
@@ -363,34 +391,66 @@ class LakestreamDatasink(Datasink[TaskReport]):
             else:
                 published += 1
         return TaskReport(task_idx=task_idx, producer=producer_name, steps=tuple(steps), published=published,
-                          duplicates=duplicates, rows=rows, pid=os.getpid(), commit_s=commit_s)
+                          duplicates=duplicates, rows=rows, pid=os.getpid(), commit_s=commit_s, raced=raced)
 
-    def _steps(self, blocks: Iterable[Block], stream: StreamTable, where: str) -> Iterator[list[pa.Table]]:
+    def _task_stream(self, tables: Iterator[pa.Table], where: str) -> tuple[Stream | None, Iterator[pa.Table]]:
+        """The stream, and the task's tables. With ``create=True`` and no ``schema=``, a missing stream is created
+        here from the first block this task writes (what the sink receives, after every fused map): tasks that race
+        to create it agree on one (``Stream.create`` opens the winner's), and each block is then checked against it."""
+        try:
+            return _open(self._ref), tables
+        except NoSuchTableError:
+            if not self.create:
+                raise ConfigError(f"{where}: the stream does not exist (dropped while the job ran?); create it with "
+                                  "Stream.create(...) or pass create=True, world_size=... to LakestreamDatasink") from None
+        first = next((t for t in tables if t.num_rows), None)
+        if first is None:
+            return None, tables
+        if not first.num_columns:
+            raise ConfigError(f"{where}: create=True cannot take the stream's schema from a block without columns; "
+                              "pass schema=pyarrow.schema([...]) to LakestreamDatasink")
+        try:
+            Stream.create(self._ref.catalog(), self._ref.identifier, schema=self._payload_of(first.schema),
+                          world_size=self.world_size or 1, properties=self.properties or None)
+        except StreamExistsError:
+            pass  # another task created it from its first block (other nullability, or another schema: conform says)
+        stream = _open(self._ref)
+        self._check_against(stream)
+        return stream, itertools.chain([first], tables)
+
+    def _payload_of(self, found: pa.Schema) -> pa.Schema:
+        if self.rank_column is not None and self.rank_column in found.names:
+            found = found.remove(found.get_field_index(self.rank_column))
+        return found.remove_metadata()
+
+    def _settle_conflict(self, stream: Stream, producer: Any, shards: Sequence[pa.Table], seq: int, where: str,
+                         conflict: ProducerConflictError) -> Any:
+        """Another attempt of this task (a zombie: a worker that outlived its lost node, publishing while the retry
+        starts) committed this seq at the same moment. The same rows published under this producer id and seq are a
+        replay, not a conflict; other rows are a real conflict (two jobs sharing a run name), and fail the task."""
+        result = producer.commit(shards, seq=seq)  # published: answered from the head, nothing written
+        if result.step is None:
+            return result  # collected by GC since: nothing left to compare with
+        differs = self._replay_difference(stream, result.step, shards, mode="rows")
+        if differs:
+            raise ProducerConflictError(
+                f"{where}, seq {seq}: another attempt or job published this seq as step {result.step} with {differs}. "
+                f"Two jobs are using run_name {self.run_name!r} at once: give each job its own run_name ({conflict})"
+            ) from conflict
+        log.info("%s, seq %s: published at the same moment by another attempt of this task, with the same rows: "
+                 "a replay", where, seq)
+        return result
+
+    def _steps(self, tables: Iterable[pa.Table], stream: StreamTable, where: str) -> Iterator[list[pa.Table]]:
         world_size = stream.world_size
         if self.world_size is not None and world_size != self.world_size:
             raise ConfigError(f"{where}: the stream has world_size {world_size}, the sink was given {self.world_size}")
         rule = StepRule(rows_per_step=self.rows_per_step, step_fn=self.step_fn, rank_column=self.rank_column,
                         drop_last=self.drop_last, cast=self.cast)
-        tables = (BlockAccessor.for_block(block).to_arrow() for block in blocks)
         return rule.steps(tables, payload=stream.payload_arrow_schema, world_size=world_size, where=where)
 
     def _verify_replay(self, stream: Stream, step: int, shards: Sequence[pa.Table], where: str, seq: int) -> None:
-        try:
-            with stream.step_files(step, branch=self.branch) as files:
-                published = files.counts
-        except (ReadError, FileNotFoundError):
-            return  # collected by GC since: nothing left to compare with
-        replayed = [s.num_rows for s in shards]
-        differs = f"{published} rows per rank, but this run formed {replayed}" if published != replayed else ""
-        if not differs and self.verify_replays == "rows":
-            for rank, shard in enumerate(shards):
-                try:
-                    stored = stream.read(step, rank=rank, branch=self.branch)
-                except ReadError:
-                    return  # collected by GC meanwhile
-                if not _same_rows(stored, shard):
-                    differs = f"other rows for rank {rank} than this run formed (same counts, {replayed})"
-                    break
+        differs = self._replay_difference(stream, step, shards, mode=self.verify_replays)
         if differs:
             raise BatchError(
                 f"{where}: seq {seq} is already published as step {step} with {differs}: the job is not deterministic "
@@ -399,3 +459,23 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 "this data again, or make the job deterministic (override_num_blocks=, "
                 "DataContext.execution_options.preserve_order=True, seeded preprocessing)"
             )
+
+    def _replay_difference(self, stream: Stream, step: int, shards: Sequence[pa.Table], *, mode: str) -> str:
+        """How the published ``step`` differs from ``shards`` ("" when it holds them, or is gone)."""
+        try:
+            with stream.step_files(step, branch=self.branch) as files:
+                published = files.counts
+        except (ReadError, FileNotFoundError):
+            return ""  # collected by GC since: nothing left to compare with
+        replayed = [s.num_rows for s in shards]
+        if published != replayed:
+            return f"{published} rows per rank, but this run formed {replayed}"
+        if mode == "rows":
+            for rank, shard in enumerate(shards):
+                try:
+                    stored = stream.read(step, rank=rank, branch=self.branch)
+                except ReadError:
+                    return ""  # collected by GC meanwhile
+                if not _same_rows(stored, shard):
+                    return f"other rows for rank {rank} than this run formed (same counts, {replayed})"
+        return ""

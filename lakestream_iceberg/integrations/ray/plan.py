@@ -1,0 +1,90 @@
+"""What the sink does to the write operator Ray Data built, in ``on_write_start`` (on the driver, before the operator's
+transformer is serialized: Ray's ``MapOperator._map_transformer_ref`` is created lazily so that an ``on_start`` hook
+may change it). Read against Ray 2.60.0's source (``plan_write_op.py``, ``map_operator.py``, ``map_transformer.py``,
+``output_buffer.py``); with another layout nothing is changed and nothing is warned about."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+__all__ = ["shape_write"]
+
+
+def shape_write(sink: object, *, run_name: str) -> tuple[bool | None, tuple[str, ...]]:
+    """Look at the operator whose first input called ``sink.on_write_start``; returns whether the write is fused with
+    the transform that feeds it (None: not seen) and what to warn about.
+
+    * Fused: Ray's block shaping is turned off for the output of the transform that feeds the write, so every batch
+      the preprocessing returns or yields reaches the sink as its own block. With the default 128 MiB target block
+      size Ray merged a task's batches into one block: the task published all its steps at its end, and a batch that
+      lacked a nullable column was merged with nulls filled in.
+    * Not fused, fed by another operator, ``preserve_order`` off: write tasks receive blocks in completion order, so a
+      re-run under the same run name may give a task index other rows (``verify_replays`` then fails it): a warning.
+    """
+    op = _calling_operator()
+    if op is None:  # called by hand, or another Ray version: nothing to shape (the README says what to set)
+        return None, ()
+    transforms = op._map_transformer.get_transform_fns()  # noqa: SLF001 - see the module docstring
+    write_at = next((i for i, t in enumerate(transforms) if _is_write_transform(t, sink)), None)
+    if write_at is None:
+        return None, ()
+    if write_at > 0:
+        _stream_batches(transforms[write_at - 1])
+        return True, ()
+    from ray.data._internal.execution.operators.input_data_buffer import InputDataBuffer
+
+    upstream = op.input_dependencies[0] if op.input_dependencies else None
+    if isinstance(upstream, InputDataBuffer) or op.data_context.execution_options.preserve_order:
+        return False, ()  # blocks reach the write in input order: task i gets the same rows in every run
+    return False, (
+        f"LakestreamDatasink (run {run_name!r}): the write is not fused with the operator before it "
+        f"({getattr(upstream, 'name', '?')}) and DataContext.execution_options.preserve_order is off, so write tasks "
+        "receive blocks in completion order: a re-run with the same run_name may give a task index other rows, which "
+        "verify_replays then refuses (nothing is published twice, but the re-run fails). Set "
+        "ray.data.DataContext.get_current().execution_options.preserve_order = True before building the dataset, or "
+        "keep the write fused with the map (no concurrency= on map_batches or write_datasink, the same ray_remote_args)",
+    )
+
+
+def _calling_operator() -> Any:
+    """The Ray Data ``MapOperator`` whose ``_notify_first_input`` called ``on_write_start`` (directly, or through the
+    ``fused_on_start`` of operator fusion), or None."""
+    try:
+        from ray.data._internal.execution.operators.map_operator import MapOperator
+    except ImportError:  # pragma: no cover - another Ray version
+        return None
+    frame: Any = sys._getframe(1)  # noqa: SLF001
+    for _ in range(8):
+        if frame is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, MapOperator):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def _is_write_transform(transform: Any, sink: object) -> bool:
+    """Whether ``transform`` is the one ``plan_write_op.generate_write_fn`` made for ``sink`` (its closure holds it)."""
+    fn = getattr(transform, "_fn", None)
+    cells = getattr(fn, "__closure__", None) or ()
+    return any(_cell(c) is sink for c in cells)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _stream_batches(transform: Any) -> None:
+    """Make ``transform`` hand each output batch on as its own block (``disable_block_shaping``), unless the job asked
+    for a row count per block or turned shaping off itself."""
+    from ray.data._internal.output_buffer import OutputBlockSizeOption
+
+    option = getattr(transform, "_output_block_size_option", None)
+    if option is not None and (option.disable_block_shaping or option.target_num_rows_per_block is not None):
+        return
+    transform._output_block_size_option = OutputBlockSizeOption.of(disable_block_shaping=True)  # noqa: SLF001
