@@ -45,6 +45,7 @@ PROP_WORLD_SIZE = "lakestream.world-size"
 PROP_RETAIN_SNAPSHOTS = "lakestream.snapshots.retain-last"
 PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
 PROP_MAX_MERGE_ENTRIES = "lakestream.manifest.max-merge-entries"
+PROP_MANIFEST_CACHE_BYTES = "lakestream.manifest.cache-bytes"
 PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
 PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
 PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
@@ -86,6 +87,11 @@ class StreamConfig:
             expired in the same commit, so commit cost does not grow with history; their data stays in the table).
         merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
         max_merge_entries: No merge rewrites more entries than this (bounds the worst commit).
+        manifest_cache_bytes: The byte bound (an estimate of the Python objects) of the process-wide cache of manifest
+            lists and manifest entries that this stream's producers and readers use
+            (:class:`~lakestream_iceberg.format.manifests.ManifestCache`): a process's memory does not grow with the
+            steps the table holds. Streams with the same value share one cache per process. What a merge or a lookup
+            needs and the cache no longer holds is read from storage again; 0 keeps nothing.
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
         commit_max_attempts: Attempt budget of one ``commit()`` call.
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
@@ -112,6 +118,7 @@ class StreamConfig:
     retain_snapshots: int = 8
     merge_fanout: int = 16
     max_merge_entries: int = 4096
+    manifest_cache_bytes: int = 64 << 20
     commit_timeout_ms: int = 300_000
     commit_max_attempts: int = 1_000
     gc_grace_ms: int = 3_600_000
@@ -191,6 +198,7 @@ class StreamConfig:
             PROP_RETAIN_SNAPSHOTS: str(self.retain_snapshots),
             PROP_MERGE_FANOUT: str(self.merge_fanout),
             PROP_MAX_MERGE_ENTRIES: str(self.max_merge_entries),
+            PROP_MANIFEST_CACHE_BYTES: str(self.manifest_cache_bytes),
             PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
             PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
             PROP_GC_GRACE_MS: str(self.gc_grace_ms),
@@ -213,6 +221,7 @@ _INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table prop
     "retain_snapshots": (PROP_RETAIN_SNAPSHOTS, 2),
     "merge_fanout": (PROP_MERGE_FANOUT, 2),
     "max_merge_entries": (PROP_MAX_MERGE_ENTRIES, 1),
+    "manifest_cache_bytes": (PROP_MANIFEST_CACHE_BYTES, 0),
     "commit_timeout_ms": (PROP_COMMIT_TIMEOUT_MS, 1),
     "commit_max_attempts": (PROP_COMMIT_MAX_ATTEMPTS, 1),
     "gc_grace_ms": (PROP_GC_GRACE_MS, 0),
