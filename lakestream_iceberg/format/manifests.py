@@ -193,9 +193,13 @@ class ManifestCache:
                 self._entry_count += len(value)
             while len(store) > 1 and (len(store) > self._max or (entries and self._entry_count > self._max_entries)):
                 self._drop(store, next(iter(store)))
-            while len(self._sizes) > 1 and self._bytes > self._max_bytes:
-                oldest_entries, oldest = next(iter(self._sizes))
-                self._drop(self._entries if oldest_entries else self._lists, oldest)
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used files until the bytes fit (``_lock`` held; the newest always stays)."""
+        while len(self._sizes) > 1 and self._bytes > self._max_bytes:
+            oldest_entries, oldest = next(iter(self._sizes))
+            self._drop(self._entries if oldest_entries else self._lists, oldest)
 
     @property
     def entry_count(self) -> int:
@@ -238,6 +242,9 @@ class ManifestCache:
                 extra = _STEP_MAP_BYTES * len(entries)
                 self._sizes[(True, path)] += extra
                 self._bytes += extra
+                self._sizes.move_to_end((True, path))
+                self._entries.move_to_end(path)
+                self._evict()
         return by_step
 
     def forget_entries(self, paths: Iterable[str]) -> None:
