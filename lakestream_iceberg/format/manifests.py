@@ -134,15 +134,17 @@ class ManifestCache:
 
     Bounded in bytes (``max_bytes``: an estimate of the Python objects held, lists and entries together, see
     :func:`entry_bytes`), so a process's memory does not grow with the steps a table holds; also in files
-    (``max_files`` lists, ``max_files`` manifests) and in entries (``max_entries`` manifest entries, all manifests
+    (``max_lists`` lists: a process plans and reads on one head per branch; ``max_files`` manifests) and in entries (``max_entries`` manifest entries, all manifests
     together). The least recently used go first, the newest always stays; a manifest or list above a quarter of
     ``max_bytes`` or a manifest holding more than a quarter of ``max_entries`` is not kept at all (it would push out
     every live one). Whatever is not held is read from storage again when asked for: a merge reads the manifests it
     merges, a lookup the manifest it needs. ``max_bytes`` comes from ``lakestream.manifest.cache-bytes`` (see
     :func:`shared_cache`)."""
 
-    def __init__(self, *, max_bytes: int = DEFAULT_CACHE_BYTES, max_files: int = 512, max_entries: int = 262_144) -> None:
+    def __init__(self, *, max_bytes: int = DEFAULT_CACHE_BYTES, max_files: int = 512, max_lists: int = 64,
+                 max_entries: int = 262_144) -> None:
         self._max = max_files
+        self._max_lists = max_lists
         self._max_entries = max_entries
         self._max_bytes = max_bytes
         self._entry_count = 0
@@ -191,7 +193,8 @@ class ManifestCache:
             self._bytes += size
             if entries:
                 self._entry_count += len(value)
-            while len(store) > 1 and (len(store) > self._max or (entries and self._entry_count > self._max_entries)):
+            limit = self._max if entries else self._max_lists
+            while len(store) > 1 and (len(store) > limit or (entries and self._entry_count > self._max_entries)):
                 self._drop(store, next(iter(store)))
             self._evict()
 
