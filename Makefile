@@ -51,6 +51,7 @@ bench: $(STAMP) postgres-bin
 	$(BIN)/python benchmarks/commit_writes.py
 	$(BIN)/python benchmarks/host_copy.py
 	$(BIN)/python benchmarks/vs_ray.py
+	$(BIN)/python benchmarks/memory.py
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache
