@@ -40,7 +40,7 @@ import pyarrow as pa
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import Table, write_json  # noqa: E402
+from _common import Table, percentile, write_json  # noqa: E402
 
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.binary())])
 CONFIGS = ("single", "group", "packed")
@@ -79,20 +79,25 @@ def _producer(conn: Any, root: str, name: str, producer_id: str, commits: int, w
         conn.send(("ready", None))
         conn.recv()
         out: list[tuple[int, int]] = []
+        latencies: list[float] = []
         next_gc = gc_every
         began = time.monotonic()
         for i in range(1, commits + 1):
             base = (hash(producer_id) % 1000) * 10**12 + i * 10**6
             shards = [pa.table({"id": pa.array(range(base + r * rows, base + (r + 1) * rows), pa.int64()),
                                 "payload": data}, schema=SCHEMA) for r in range(world)]
+            at = time.perf_counter()
             step = producer.commit(shards).step
+            latencies.append(time.perf_counter() - at)
             if gc_every and step >= next_gc:
                 stream.checkpoint(f"c{step}", step=step)
                 stream.collect_garbage(dry_run=False, keep_last=1)
                 next_gc = (step // gc_every + 1) * gc_every
             if i in marks:
                 out.append((step, rss_kib()))
-        conn.send(("ok", {"samples": out, "seconds": time.monotonic() - began}))
+        tenth = max(1, len(latencies) // 10)  # commit p50 per tenth of this producer's commits: a bounded cache
+        p50s = [percentile(latencies[i * tenth:(i + 1) * tenth], 50) for i in range(10)]  # must not slow them
+        conn.send(("ok", {"samples": out, "seconds": time.monotonic() - began, "commit_p50_s_by_tenth": p50s}))
     except Exception:  # noqa: BLE001
         conn.send(("error", traceback.format_exc()))
 
@@ -228,6 +233,8 @@ def main() -> None:
     table = Table(f"RSS as the live steps grow ({args.steps:,} steps per run; MiB at each tenth of the run)",
                   ["config", "mode", "process", *[f"{i}0%" for i in range(1, 11)], "KiB/1k steps",
                    "growth after 10% MiB", "MiB/100k steps", f"< {TARGET_MIB_PER_100K:.0f} MiB/100k"])
+    p50_table = Table("producer 0's commit p50 (ms) in each tenth of its commits", ["config", "mode",
+                      *[f"{i}0%" for i in range(1, 11)], "last / first tenth"])
     try:
         for config in configs:
             for mode in modes:
@@ -238,6 +245,8 @@ def main() -> None:
                     a = run["processes"][label]["analysis"]
                     table.add(config, mode, label, *a["rss_mib_at_tenths"], a["slope_kib_per_1000_steps"],
                               a["growth_after_warmup_mib"], a["mib_per_100k_steps"], "yes" if a["target_met"] else "NO")
+                p50s = run["processes"]["producer 0"]["commit_p50_s_by_tenth"]
+                p50_table.add(config, mode, *[p * 1000 for p in p50s], p50s[-1] / p50s[0])
                 runs.append(run)
                 print(f"{config}/{mode}: {args.steps:,} steps in {run['seconds']:.0f} s", flush=True)
     finally:
@@ -247,10 +256,13 @@ def main() -> None:
                f"packed layout, W={args.packed_world}; follower: reads rank 0 of every step as it is published")
     table.note(f"nogc: every step stays live; gc: checkpoint + collect_garbage(keep_last=1) every {args.gc_every:,} "
                "steps in producer 0; slope: least squares after the first tenth (warm-up); MiB/100k: the slope x 100")
+    p50_table.note("the follower and the other producers run on the same cores: compare tenths, not runs")
     print(table)
+    print(p50_table)
     payload = {"benchmark": "memory", "smoke": args.smoke,
                "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
-               "runs": runs, "tables": [table.to_json()], "printed": str(table), "seconds": time.monotonic() - started}
+               "runs": runs, "tables": [table.to_json(), p50_table.to_json()],
+               "printed": f"{table}\n\n{p50_table}", "seconds": time.monotonic() - started}
     if args.out is not None:
         path = write_json(args.out.name, payload, directory=args.out.parent)
     else:
