@@ -134,8 +134,8 @@ class ManifestCache:
 
     Bounded in bytes (``max_bytes``: an estimate of the Python objects held, lists and entries together, see
     :func:`entry_bytes`), so a process's memory does not grow with the steps a table holds; also in files
-    (``max_lists`` lists: a process plans and reads on one head per branch; ``max_files`` manifests) and in entries (``max_entries`` manifest entries, all manifests
-    together). The least recently used go first, the newest always stays; a manifest or list above a quarter of
+    (``max_lists`` lists: a process plans and reads on one head per branch; ``max_files`` manifests) and in entries
+    (``max_entries`` manifest entries, all manifests together). The least recently used go first, the newest always stays; a manifest or list above a quarter of
     ``max_bytes`` or a manifest holding more than a quarter of ``max_entries`` is not kept at all (it would push out
     every live one). Whatever is not held is read from storage again when asked for: a merge reads the manifests it
     merges, a lookup the manifest it needs. ``max_bytes`` comes from ``lakestream.manifest.cache-bytes`` (see
