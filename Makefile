@@ -67,6 +67,7 @@ bench: $(STAMP) $(BENCH_PKGS) postgres-bin
 	$(BIN)/python benchmarks/host_copy.py
 	$(BIN)/python benchmarks/vs_ray.py
 	$(BIN)/python benchmarks/vs_streaming.py
+	$(BIN)/python benchmarks/memory.py
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache

@@ -1,5 +1,6 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
-benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py).
+benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py,
+benchmarks/memory.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -200,6 +201,25 @@ def test_vs_colocated_child_exit_guard_lets_the_sigchld_error_surface_only_while
         assert len(guard.outside) == 2
     finally:
         signal.signal(signal.SIGCHLD, previous)
+
+
+@pytest.mark.timeout(300)
+def test_memory_smoke(tmp_path: Path) -> None:
+    data = _run("memory.py", tmp_path / "memory.json", timeout=240)
+    assert data["benchmark"] == "memory" and data["smoke"] is True
+    runs = {(run["config"], run["mode"]) for run in data["runs"]}
+    assert runs == {(c, m) for c in ("single", "group", "packed") for m in ("nogc", "gc")}
+    for run in data["runs"]:
+        producers = [label for label in run["processes"] if label.startswith("producer")]
+        assert len(producers) == run["producers"] == (4 if run["config"] == "group" else 1)
+        for label, body in run["processes"].items():
+            samples = body["samples"]
+            assert samples and all(_positive(kib) for _step, kib in samples), (run["config"], run["mode"], label)
+            assert [s for s, _ in samples] == sorted(s for s, _ in samples)  # steps in order
+            assert math.isfinite(body["analysis"]["slope_kib_per_1000_steps"])
+        # every published step was reached by the follower (read, or skipped once collected in gc mode)
+        assert run["processes"]["follower"]["samples"][-1][0] == run["steps"]
+    assert len(data["tables"][0]["rows"]) == 12 and "printed" in data
 
 
 @pytest.mark.timeout(300)

@@ -8,9 +8,6 @@ and one manifest, both immutable and cached by path: consecutive steps cost one 
 
 from __future__ import annotations
 
-import threading
-from collections import OrderedDict
-
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntry, ManifestFile
 from pyiceberg.table.metadata import TableMetadata
@@ -53,30 +50,20 @@ def _ranked(path: str, step: int, found: list[ManifestEntry]) -> list[ManifestEn
 class StepIndex:
     """Looks up the data files of one step of one branch."""
 
-    def __init__(self, *, io: FileIO, cache: ManifestCache, max_manifests: int = 64) -> None:
+    def __init__(self, *, io: FileIO, cache: ManifestCache) -> None:
         self._io = io
-        self._cache = cache
-        self._max = max_manifests
-        self._by_step: OrderedDict[str, dict[int, list[ManifestEntry]]] = OrderedDict()
+        self._cache = cache  # also holds each manifest's step map, within its byte bound
         self._bounds: dict[str, tuple[int, int] | None] = {}
-        self._lock = threading.Lock()
+        # the step map of the manifest looked up last, also when the cache does not keep it (a manifest too large for
+        # it): consecutive steps of a reader behind the head fall in one manifest, which is then read once, not per step
+        self._last: tuple[str, dict[int, list[ManifestEntry]]] | None = None
 
     def _step_map(self, manifest: ManifestFile) -> dict[int, list[ManifestEntry]]:
-        """step -> entries of one (immutable) manifest, built once: a lookup is a dict access, not an entry scan."""
-        path = manifest.manifest_path
-        with self._lock:
-            if path in self._by_step:
-                self._by_step.move_to_end(path)
-                return self._by_step[path]
-        by_step: dict[int, list[ManifestEntry]] = {}
-        for entry in self._cache.entries(self._io, manifest):
-            step = entry_step(entry.data_file)  # None: no step's file (e.g. another engine's row at step 0)
-            if step is not None:
-                by_step.setdefault(step, []).append(entry)
-        with self._lock:
-            self._by_step[path] = by_step
-            while len(self._by_step) > self._max:
-                self._by_step.popitem(last=False)
+        last = self._last
+        if last is not None and last[0] == manifest.manifest_path:
+            return last[1]
+        by_step = self._cache.step_map(self._io, manifest)
+        self._last = (manifest.manifest_path, by_step)
         return by_step
 
     def _step_bounds(self, manifest: ManifestFile) -> tuple[int, int] | None:

@@ -49,6 +49,7 @@ PROP_MAX_SNAPSHOT_AGE_MS = "history.expire.max-snapshot-age-ms"
 PROP_MIN_SNAPSHOTS_TO_KEEP = "history.expire.min-snapshots-to-keep"
 PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
 PROP_MAX_MERGE_ENTRIES = "lakestream.manifest.max-merge-entries"
+PROP_MANIFEST_CACHE_BYTES = "lakestream.manifest.cache-bytes"
 PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
 PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
 PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
@@ -94,6 +95,11 @@ class StreamConfig:
         retain_max: The most snapshots per branch that ``retain_max_age_ms`` keeps: the bound on metadata.json.
         merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
         max_merge_entries: No merge rewrites more entries than this (bounds the worst commit).
+        manifest_cache_bytes: The byte bound (an estimate of the Python objects) of the process-wide cache of manifest
+            lists and manifest entries that this stream's producers and readers use
+            (:class:`~lakestream_iceberg.format.manifests.ManifestCache`): a process's memory does not grow with the
+            steps the table holds. Streams with the same value share one cache per process. What a merge or a lookup
+            needs and the cache no longer holds is read from storage again; 0 keeps nothing.
         commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
         commit_max_attempts: Attempt budget of one ``commit()`` call.
         gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
@@ -122,6 +128,7 @@ class StreamConfig:
     retain_max: int = 2_000
     merge_fanout: int = 16
     max_merge_entries: int = 4096
+    manifest_cache_bytes: int = 64 << 20
     commit_timeout_ms: int = 300_000
     commit_max_attempts: int = 1_000
     gc_grace_ms: int = 3_600_000
@@ -205,6 +212,7 @@ class StreamConfig:
             **({PROP_MAX_SNAPSHOT_AGE_MS: str(self.retain_max_age_ms)} if self.retain_max_age_ms else {}),
             PROP_MERGE_FANOUT: str(self.merge_fanout),
             PROP_MAX_MERGE_ENTRIES: str(self.max_merge_entries),
+            PROP_MANIFEST_CACHE_BYTES: str(self.manifest_cache_bytes),
             PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
             PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
             PROP_GC_GRACE_MS: str(self.gc_grace_ms),
@@ -233,6 +241,7 @@ _INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table prop
     "retain_max": (PROP_RETAIN_MAX, 2),
     "merge_fanout": (PROP_MERGE_FANOUT, 2),
     "max_merge_entries": (PROP_MAX_MERGE_ENTRIES, 1),
+    "manifest_cache_bytes": (PROP_MANIFEST_CACHE_BYTES, 0),
     "commit_timeout_ms": (PROP_COMMIT_TIMEOUT_MS, 1),
     "commit_max_attempts": (PROP_COMMIT_MAX_ATTEMPTS, 1),
     "gc_grace_ms": (PROP_GC_GRACE_MS, 0),

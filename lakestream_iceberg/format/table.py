@@ -35,7 +35,7 @@ from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.lineage import branch_state
-from lakestream_iceberg.format.manifests import DEFAULT_CACHE, ManifestCache, ManifestPlanner
+from lakestream_iceberg.format.manifests import ManifestCache, ManifestPlanner, shared_cache
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 
 PROP_ARROW_SCHEMA = "lakestream.arrow-schema"
@@ -86,7 +86,8 @@ class StreamTable:
 
     Args:
         table: The pyiceberg table (any catalog); its metadata is refreshed in place.
-        cache: Manifest caches shared by every stream of the process (default: a process-wide one).
+        cache: Manifest caches (default: the process-wide one bounded at the stream's
+            ``lakestream.manifest.cache-bytes``, shared by every stream of the process with the same bound).
 
     Raises:
         NotAStreamError: ``table`` is a plain Iceberg table without the ``lakestream.*`` properties.
@@ -111,7 +112,7 @@ class StreamTable:
                 f"stream {'.'.join(table.name())} has a partition spec ({table.metadata.spec()}) that is not a lakestream "
                 "layout (identity _step, then identity _rank unless packed): it was changed by hand; restore the spec"
             )
-        self.cache = cache or DEFAULT_CACHE
+        self.cache = cache or shared_cache(self.config.manifest_cache_bytes)
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
 
     @property
