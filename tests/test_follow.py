@@ -15,6 +15,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.read.follow import ArrivalClock, HeadWatcher
+from tests.support import SCHEMA, batch, sqlite_catalog
 
 POLL, MAX = 0.002, 0.5
 
@@ -96,3 +97,26 @@ def test_head_watcher_notes_each_new_head_once(tmp_path: Path) -> None:
     producer.commit([pa.table({"x": [4]})])
     thread.join(600)
     assert done and done[0][0] == 5  # type: ignore[index]
+
+
+def test_a_reader_whose_pointed_metadata_file_was_deleted_reads_the_newer_one(tmp_path: Path) -> None:
+    """A reader reads the catalog pointer, then falls more than write.metadata.previous-versions-max commits behind
+    before it reads the file: that file was deleted. The pointer has moved on, so it reads the one named now."""
+    from lakestream_iceberg.connect.pointer import cached_probe, read_pointed
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.gone", schema=SCHEMA, world_size=2,
+                           properties={"write.metadata.previous-versions-max": "1"})
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2), seq=0)
+    probe = cached_probe(stream.refresh().table)
+    assert probe is not None
+    pointed = probe()
+    for seq in range(1, 4):  # the pointed file leaves the metadata log and is deleted
+        producer.commit(batch("p", seq, 2), seq=seq)
+    assert not Path(pointed.removeprefix("file://")).exists()
+    location, metadata = read_pointed(stream.io, pointed, probe)
+    assert location == probe() != pointed
+    assert metadata.current_snapshot().summary["lakestream.step"] == "4"
+    Path(location.removeprefix("file://")).unlink()  # a file missing while the pointer names it is a real loss
+    with pytest.raises(FileNotFoundError):
+        read_pointed(stream.io, location, probe)

@@ -317,12 +317,31 @@ def refresh_if_moved(table: Table, *, io: FileIO | None = None) -> bool:
         return True
     if location == before:
         return False
-    metadata = FromInputFile.table_metadata((io or table.io).new_input(location))
+    location, metadata = read_pointed(io or table.io, location, probe)
     if metadata.table_uuid != held.table_uuid:
         raise _recreated(table, held, metadata)
     table.metadata = metadata
     table.metadata_location = location
     return True
+
+
+def read_pointed(io: FileIO, location: str, probe: Callable[[], str | None], *, tries: int = 16) -> tuple[str, Any]:
+    """The metadata at ``location``, which the catalog pointer named; when that file is gone, the metadata the pointer
+    names now (and its location).
+
+    A reader that falls behind by ``write.metadata.previous-versions-max`` commits between reading the pointer and
+    the file finds the file deleted (``write.metadata.delete-after-commit.enabled``): the pointer has moved on since,
+    so it is read again. A file missing while the pointer still names it is a real loss: ``FileNotFoundError``.
+    """
+    for _ in range(tries):
+        try:
+            return location, FromInputFile.table_metadata(io.new_input(location))
+        except FileNotFoundError:
+            now = probe()
+            if now is None or now == location:
+                raise
+            location = now
+    return location, FromInputFile.table_metadata(io.new_input(location))
 
 
 def _reload(table: Table) -> None:
