@@ -6,7 +6,8 @@ must still be in the table's metadata T seconds (and R x T commits) later. Icebe
 snapshot of a branch younger than that age, at most ``lakestream.snapshots.retain-max`` (default 2,000) per branch:
 metadata.json is bounded by that count.
 
-One producer commits paced at ``--rate`` steps/s for ``--seconds`` on the embedded SQLite catalog + local warehouse,
+``--producers`` producer processes (1 and 4 by default) commit paced at ``--rate`` steps/s together for ``--seconds`` on
+the embedded SQLite catalog + local warehouse (several producers: group commit),
 once with count retention only (``lakestream.snapshots.retain-last`` 8, the default) and once with an age of
 ``--trigger`` + 5 s, one after the other on fresh streams. Reported per scenario: snapshots kept at the end, the size
 of the current metadata.json, and commit latency p50/p99 over the last quarter of the run (steady state).
@@ -20,10 +21,12 @@ Writes ``benchmarks/results/stream_retention.json``.
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog.sql import SqlCatalog
@@ -42,11 +45,14 @@ def _batch(seq: int) -> list[pa.Table]:
             for rank in range(WORLD)]
 
 
-def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: float) -> dict[str, float]:
-    catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
-    stream = Stream.create(catalog, f"bench.{name}", schema=SCHEMA, world_size=WORLD, properties=props)
-    producer = stream.producer("p")
+def _produce(uri: str, warehouse: str, name: str, producer_id: str, rate: float, seconds: float,
+             barrier: Any, out: Any) -> None:
+    """A producer process: commits paced at ``rate`` for ``seconds`` after every producer is ready."""
+    catalog = SqlCatalog("bench", uri=uri, warehouse=warehouse)
+    stream = Stream.open(catalog, f"bench.{name}")
+    producer = stream.producer(producer_id)
     latencies: list[tuple[float, float]] = []
+    barrier.wait()
     start = time.monotonic()
     seq = 0
     while (now := time.monotonic()) - start < seconds:
@@ -57,11 +63,34 @@ def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: f
         producer.commit(_batch(seq), seq=seq)
         latencies.append((began - start, time.monotonic() - began))
         seq += 1
+    out.put((producer_id, seq, latencies))
+
+
+def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: float, producers: int) -> dict[str, float]:
+    uri, warehouse = f"sqlite:///{root}/catalog.db", f"file://{root}/warehouse"
+    stream = Stream.create(SqlCatalog("bench", uri=uri, warehouse=warehouse), f"bench.{name}", schema=SCHEMA,
+                           world_size=WORLD, properties=props)
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(producers), ctx.Queue()
+    procs = [ctx.Process(target=_produce, args=(uri, warehouse, name, f"p{i}", rate / producers, seconds, barrier, out))
+             for i in range(producers)]
+    for proc in procs:
+        proc.start()
+    results = [out.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+        if proc.exitcode != 0:
+            raise SystemExit(f"a producer process failed (exit code {proc.exitcode})")
+    steps = sum(r[1] for r in results)
+    steady = [lat for r in results for at, lat in r[2] if at >= seconds * 0.75]
     metadata = stream.refresh().table.metadata
-    steady = [lat for at, lat in latencies if at >= seconds * 0.75]
+    head = stream.head_step()
+    if head != steps:
+        raise SystemExit(f"{steps} commits published {head} steps: not exactly once")
     return {
-        "steps": seq,
-        "steps_per_s": seq / seconds,
+        "producers": producers,
+        "steps": steps,
+        "steps_per_s": steps / seconds,
         "snapshots_kept": len(metadata.snapshots),
         "metadata_json_kib": len(stream.io.new_input(stream.table.metadata_location)) / 1024,
         "commit_p50_ms": percentile(steady, 50) * 1000,
@@ -74,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=float, default=100.0, help="steps per second (default 100)")
     parser.add_argument("--trigger", type=float, default=10.0, help="the streaming reader's trigger, seconds (default 10)")
     parser.add_argument("--seconds", type=float, default=40.0, help="length of each scenario (default 40)")
+    parser.add_argument("--producers", default="1,4", help="producer processes per scenario, comma-separated (default 1,4)")
     parser.add_argument("--quick", action="store_true", help="R = 50, T = 2 s, 8 s per scenario")
     parser.add_argument("--smoke", action="store_true", help="R = 50, T = 1 s, 3 s per scenario (tests)")
     parser.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results/")
@@ -81,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rate, args.trigger, args.seconds = 50.0, 2.0, 8.0
     if args.smoke:
-        args.rate, args.trigger, args.seconds = 50.0, 1.0, 3.0
+        args.rate, args.trigger, args.seconds, args.producers = 50.0, 1.0, 3.0, "1,2"
+    counts = [int(n) for n in args.producers.split(",")]
     age_ms = int((args.trigger + 5) * 1000)
     scenarios = {
         "count": {},
@@ -89,17 +120,20 @@ def main(argv: list[str] | None = None) -> int:
     }
     table = Table(f"retention for streaming readers: R = {args.rate:g} steps/s, T = {args.trigger:g} s "
                   f"(age kept: {age_ms / 1000:g} s)",
-                  ["retention", "steps/s", "snapshots kept", "metadata.json KiB", "commit p50 ms", "commit p99 ms"])
+                  ["retention", "producers", "steps/s", "snapshots kept", "metadata.json KiB", "commit p50 ms",
+                   "commit p99 ms"])
     results = {}
     with tempfile.TemporaryDirectory(prefix="lakestream-stream-retention-") as tmp:
-        for name, props in scenarios.items():
-            found = run(Path(tmp), name, props, rate=args.rate, seconds=args.seconds)
-            results[name] = found
-            table.add(name, found["steps_per_s"], found["snapshots_kept"], found["metadata_json_kib"],
-                      found["commit_p50_ms"], found["commit_p99_ms"])
+        for producers in counts:
+            for name, props in scenarios.items():
+                found = run(Path(tmp), f"{name}_{producers}", props, rate=args.rate, seconds=args.seconds,
+                            producers=producers)
+                results[f"{name}/{producers}"] = found
+                table.add(name, producers, found["steps_per_s"], found["snapshots_kept"], found["metadata_json_kib"],
+                          found["commit_p50_ms"], found["commit_p99_ms"])
     needed = args.rate * args.trigger
-    table.note(f"a reader with trigger T needs the last R x T = {needed:,.0f} snapshots; age retention kept "
-               f"{results['age']['snapshots_kept']:,} (bound: lakestream.snapshots.retain-max, default 2,000)")
+    table.note(f"a reader with trigger T needs the last R x T = {needed:,.0f} snapshots; age retention is bounded by "
+               "lakestream.snapshots.retain-max (default 2,000); every scenario published each commit exactly once")
     print(table)
     payload = {"benchmark": "stream_retention", "smoke": args.smoke, "rate": args.rate, "trigger_s": args.trigger,
                "seconds": args.seconds, "max_age_ms": age_ms, "results": results, "table": table}

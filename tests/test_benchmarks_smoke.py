@@ -255,12 +255,13 @@ def test_commit_writes_smoke(tmp_path: Path) -> None:
 def test_stream_retention_smoke(tmp_path: Path) -> None:
     data = _run("stream_retention.py", tmp_path / "stream_retention.json", timeout=240)
     assert data["benchmark"] == "stream_retention" and data["smoke"] is True
-    count, age = data["results"]["count"], data["results"]["age"]
-    assert count["snapshots_kept"] <= 9  # retain-last 8, + the one the next commit expires
-    # age retention keeps every snapshot younger than the age: here the whole run (3 s < 6 s), within the bound
-    assert age["snapshots_kept"] >= age["steps"] and age["snapshots_kept"] <= 2_001
-    assert age["metadata_json_kib"] > count["metadata_json_kib"]
-    assert all(_positive(r["commit_p50_ms"]) for r in (count, age))
+    for producers in (1, 2):
+        count, age = data["results"][f"count/{producers}"], data["results"][f"age/{producers}"]
+        assert count["snapshots_kept"] <= 9  # retain-last 8, + the one the next commit expires
+        # age retention keeps every snapshot younger than the age: here the whole run (3 s < 6 s), within the bound
+        assert age["snapshots_kept"] >= age["steps"] and age["snapshots_kept"] <= 2_001
+        assert age["metadata_json_kib"] > count["metadata_json_kib"]
+        assert all(_positive(r["commit_p50_ms"]) and r["producers"] == producers for r in (count, age))
 
 
 def test_vs_kafka_pools_its_rounds() -> None:
