@@ -11,6 +11,7 @@ at the other 2 (``execution_options.resource_limits``). The work itself is small
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -270,26 +271,35 @@ def _stop_leftover_workers(raylets: set[str]) -> None:
     assert not left, f"Ray worker processes {left} survived SIGKILL"
 
 
-@pytest.fixture(scope="module")
-def ray_cluster() -> Iterator[None]:
+@contextlib.contextmanager
+def worker_environment() -> Iterator[None]:
+    """Ray workers import this checkout (and tests.*, for the functions below) whatever the venv's editable install
+    points to, and print every log line; the variables are restored afterwards."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_DEDUP_LOGS")}
-    # workers import this checkout (and tests.*, for the functions below) whatever the venv's editable install points to
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
     os.environ["RAY_DEDUP_LOGS"] = "0"
-    # address="local": a new local instance, whatever cluster another process on this machine started (ray.init()
-    # without it joins the one named in /tmp/ray/ray_current_cluster, and then refuses num_cpus)
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
-    raylets = {str(p.process.pid) for p in ray._private.worker.global_worker.node.all_processes.get("raylet", [])}
     try:
         yield
     finally:
-        ray.shutdown()
-        _stop_leftover_workers(raylets)
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    with worker_environment():
+        # address="local": a new local instance, whatever cluster another process on this machine started (ray.init()
+        # without it joins the one named in /tmp/ray/ray_current_cluster, and then refuses num_cpus)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
+        raylets = {str(p.process.pid) for p in ray._private.worker.global_worker.node.all_processes.get("raylet", [])}
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            _stop_leftover_workers(raylets)
 
 
 def _data_context(cpus: float | None = None) -> Any:

@@ -27,7 +27,15 @@ pytest.importorskip("ray.data")
 from lakestream_iceberg import Stream  # noqa: E402
 from lakestream_iceberg.integrations.ray import LakestreamDatasink  # noqa: E402
 from tests.support import sqlite_catalog  # noqa: E402
-from tests.test_ray import BOUND_S, SCHEMA, _data_context, _rows, _step_ids, _stop_leftover_workers  # noqa: E402
+from tests.test_ray import (  # noqa: E402
+    BOUND_S,
+    SCHEMA,
+    _data_context,
+    _rows,
+    _step_ids,
+    _stop_leftover_workers,
+    worker_environment,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS, ROWS, PER_STEP = 6, 16, 4  # 6 write tasks of 4 steps each: 24 steps
@@ -38,33 +46,26 @@ STEPS = BLOCKS * ROWS // PER_STEP
 def three_nodes() -> Iterator[Any]:
     from ray.cluster_utils import Cluster
 
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_DEDUP_LOGS")}
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
-    os.environ["RAY_DEDUP_LOGS"] = "0"
     # a removed node is noticed within about a second (Ray's default health check: 3 s x 5 failures)
     fast_failure = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"trainer": 2},
-                                                            "include_dashboard": False, "_system_config": fast_failure})
-    # Cluster writes its address to /tmp/ray/ray_current_cluster, where any ray.init() on this machine (another
-    # test run's, a benchmark's) would find it and join this cluster: this test connects by address, so remove it
-    ray._common.utils.reset_ray_address()
-    workers = [cluster.add_node(num_cpus=2, resources={"data": 2}) for _ in range(2)]
-    raylets: set[str] = set()
-    try:
-        cluster.wait_for_nodes(timeout=BOUND_S)
-        ray.init(address=cluster.address, configure_logging=False, log_to_driver=True)
-        for node in [cluster.head_node, *workers]:
-            raylets |= {str(p.process.pid) for p in node.all_processes.get("raylet", [])}
-        yield cluster, workers
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        _stop_leftover_workers(raylets)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    with worker_environment():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "resources": {"trainer": 2},
+                                                                "include_dashboard": False, "_system_config": fast_failure})
+        # Cluster writes its address to /tmp/ray/ray_current_cluster, where any ray.init() on this machine (another
+        # test run's, a benchmark's) would find it and join this cluster: this test connects by address, so remove it
+        ray._common.utils.reset_ray_address()
+        workers = [cluster.add_node(num_cpus=2, resources={"data": 2}) for _ in range(2)]
+        raylets: set[str] = set()
+        try:
+            cluster.wait_for_nodes(timeout=BOUND_S)
+            ray.init(address=cluster.address, configure_logging=False, log_to_driver=True)
+            for node in [cluster.head_node, *workers]:
+                raylets |= {str(p.process.pid) for p in node.all_processes.get("raylet", [])}
+            yield cluster, workers
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+            _stop_leftover_workers(raylets)
 
 
 def _node_task(batch: pa.Table, marks: str, victim_id: int, gate_from: int, per_step: int) -> Iterator[pa.Table]:
