@@ -138,6 +138,18 @@ def _follower(conn: Any, root: str, name: str, steps: int, samples: int) -> None
         conn.send(("error", traceback.format_exc()))
 
 
+def _receive(conn: Any, expected: str, failure: str) -> Any:
+    """The body of a child's next message, which must have the status ``expected`` (a child that exited without a
+    word is a failure too)."""
+    try:
+        status, body = conn.recv()
+    except EOFError:
+        status, body = "error", "the process exited without a word"
+    if status != expected:
+        raise RuntimeError(f"{failure}:\n{body}")
+    return body
+
+
 def one_run(root: Path, config: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     from lakestream_iceberg import Stream
 
@@ -170,22 +182,11 @@ def one_run(root: Path, config: str, mode: str, args: argparse.Namespace) -> dic
     began = time.monotonic()
     try:
         for (label, _t, _a), conn in zip(roles, conns):
-            try:
-                status, body = conn.recv()
-            except EOFError:
-                status, body = "error", "the process exited without a word"
-            if status != "ready":
-                raise RuntimeError(f"{config}/{mode} {label} failed before the start:\n{body}")
+            _receive(conn, "ready", f"{config}/{mode} {label} failed before the start")
         for conn in conns:
             conn.send("go")
         for (label, _t, _a), conn in zip(roles, conns):
-            try:
-                status, body = conn.recv()
-            except EOFError:
-                status, body = "error", "the process exited without a result"
-            if status != "ok":
-                raise RuntimeError(f"{config}/{mode} {label} failed:\n{body}")
-            results[label] = body
+            results[label] = _receive(conn, "ok", f"{config}/{mode} {label} failed")
     finally:
         for proc in procs:
             proc.join(timeout=60)
