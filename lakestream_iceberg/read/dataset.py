@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import numpy as np
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
+from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -138,6 +140,8 @@ class _DatasetCore:
         poll_s: float = 0.02,
         max_poll_s: float | None = None,
         ship_credentials: bool = False,
+        group: str | None = None,
+        report_s: float = DEFAULT_REPORT_S,
     ) -> None:
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
         follow = check_bool(follow, what="follow")
@@ -168,6 +172,9 @@ class _DatasetCore:
         self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
         self._pending: dict[str, int] | None = None
         self.last_step: int | None = None  # the last step this instance delivered
+        self._positions = None if group is None else RankPositions(  # read/consumer.py
+            group=group, report_s=report_s, rank=self.rank, world_size=self.world_size, branch=branch,
+            stream=self._identity["stream"])
 
     @classmethod
     def from_checkpoint(cls, stream: StreamTable, name: str, **kwargs: Any) -> Any:
@@ -310,6 +317,20 @@ class _DatasetCore:
         self._stop.set()
         for closer in list(self._closers):
             closer()
+        if self._positions is not None:
+            self._positions.close()
+
+    def track(self, loader: Any) -> Iterator[Any]:
+        """``loader``'s items (a DataLoader over this dataset), this rank's position recorded in the training process
+        as the loop receives each one: the way to record positions with DataLoader workers (read/consumer.py).
+
+        Example:
+            >>> for item in ds.track(DataLoader(ds, batch_size=None, num_workers=2)):   # doctest: +SKIP
+            ...     train(item)
+        """
+        if self._positions is None:
+            raise ConfigError("track() records a consumer position: make the dataset with group='<run name>'")
+        return self._positions.track(loader, self._stream_here(), first_step=(self._pending or self._position)["next_step"])
 
     # -- iteration ---------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -327,17 +348,28 @@ class _DatasetCore:
         self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
         io = stream.io
+        report = None if self._positions is None else self._positions.iteration(stream, in_worker=in_worker)
         steps = pump_steps(
             HeadWatcher(stream, branch=self.branch, io=io),
             lambda snapshot, step: self._load(stream, io, snapshot, step, handoff=handoff),
             first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
-        with closing(steps):
-            for step, item in steps:
-                self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers}
-                self.last_step = step
-                yield item
+        finished = False
+        try:
+            with closing(steps):
+                began = time.monotonic()  # the loop waits for data from its next() to the yield
+                for step, item in steps:
+                    self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers}
+                    self.last_step = step
+                    if report is not None:
+                        report.delivered(step, wait_s=time.monotonic() - began)
+                    yield item
+                    began = time.monotonic()
+            finished = not self._stop.is_set()
+        finally:
+            if report is not None:
+                report.close(closed=finished)
 
     def _prefetch(self, in_worker: bool) -> int:
         """Read-ahead threads: ``prefetch``, else 2 in the training process and none in a DataLoader worker, where
@@ -353,7 +385,10 @@ class _DatasetCore:
             raise missing_step_error(step, StreamState.of(snapshot), self.branch, stream.name)
         with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema) as data:
             segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
-            table = data.read_ranges([(seg.source, seg.start, seg.stop) for seg in segments], self.columns)
+            ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
+            table = data.read_ranges(ranges, self.columns)
+            if self._positions is not None:
+                self._positions.read(files, ranges, counts=data.counts, packed=stream.config.packed)
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))
@@ -407,6 +442,10 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
             DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
+        group: Record this rank's position under this consumer group (a training run's name) for ``lakestream lag``:
+            one upsert every ``report_s`` seconds (default 5), never a table commit; with DataLoader workers iterate
+            ``dataset.track(loader)`` (:mod:`lakestream_iceberg.read.consumer`). None (default): nothing is recorded.
+        report_s: Seconds between position reports.
         ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
             clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
             that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``

@@ -26,6 +26,7 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.connect.diagnose import config_errors, transient
+from lakestream_iceberg.connect.metrics import observe_commit
 from lakestream_iceberg.errors import (
     CommitError,
     CommitOutcomeUnknownError,
@@ -154,7 +155,9 @@ class Producer:
                 batch stays staged, so another producer may publish it meanwhile).
         """
         with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
-            return self._commit(shards, seq=seq, allow_gap=allow_gap)
+            result = self._commit(shards, seq=seq, allow_gap=allow_gap)
+        observe_commit(result, stream=self._stream.name, branch=self.branch, staging=self._staging)  # connect/metrics.py
+        return result
 
     def _commit(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> CommitResult:
         started, began_at = time.monotonic(), time.time()
