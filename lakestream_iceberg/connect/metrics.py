@@ -68,8 +68,7 @@ def use_registry(registry: Any) -> None:
 class _StagedCollector:
     """``lakestream_staged_intents``: asks each staging area it knows for its pending intents when scraped."""
 
-    def __init__(self, client: Any) -> None:
-        self._client = client
+    def __init__(self) -> None:
         self._areas: dict[tuple[str, str], Callable[[], Any]] = {}
 
     def add(self, stream: str, branch: str, staging: Any) -> None:
@@ -81,7 +80,9 @@ class _StagedCollector:
         return []  # registered without describe-time collection: a scrape asks the staging areas, registering does not
 
     def collect(self) -> Any:
-        family = self._client.core.GaugeMetricFamily(
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
             "lakestream_staged_intents", "Batches staged for group commit and not published yet",
             labels=["stream", "branch"])
         for (stream, branch), ref in list(self._areas.items()):
@@ -112,7 +113,7 @@ class _Families:
                          [*producer, "outcome"], **r)
         self.group = h("lakestream_commit_group_size", "Batches published by the swap that published a batch", producer,
                        buckets=_COUNT_BUCKETS, **r)
-        self.staged = _StagedCollector(client)
+        self.staged = _StagedCollector()
         registry.register(self.staged)
         self.last_step = g("lakestream_consumer_last_step", "Last step a consumer rank delivered", consumer, **r)
         self.behind = g("lakestream_consumer_steps_behind_head", "Head step minus the last step delivered", consumer, **r)
