@@ -13,6 +13,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from lakestream_iceberg import Stream
@@ -20,7 +22,10 @@ from lakestream_iceberg.connect.positions import POSITION_TABLE, PositionStore
 from lakestream_iceberg.errors import ConfigError, CorruptStateError
 from lakestream_iceberg.read.consumer import Position
 from lakestream_iceberg.read.lag import consumer_lags
+from tests.backends import make_backend, postgres_service, seaweedfs_service
 from tests.support import SCHEMA, batch, sqlite_catalog
+
+__all__ = ["postgres_service", "seaweedfs_service"]  # fixtures used by name
 
 torch = pytest.importorskip("torch")
 
@@ -147,13 +152,16 @@ def test_positions_outside_a_sql_catalog_are_objects_under_the_table_location(tm
     assert [i["step"] for i in ds] == [1, 2, 3]
     store = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)
     assert store.kind == "object store"
-    objects = list((tmp_path / "warehouse").rglob("r000000.json"))
-    assert len(objects) == 1 and "consumers" in objects[0].parts
+    objects = list((tmp_path / "warehouse").rglob("r000000.parquet"))
+    assert len(objects) == 1 and objects[0].parts[-4:-2] == ("data", "_consumers")
     row = lags(stream, "run/a b")[0]
     assert (row.status, row.last_step, row.lag_steps) == ("closed", 3, 0)
-    objects[0].write_text('{"v": 1, "rank": true}')  # read back as input: a damaged document is shown, not trusted
-    bad = lags(stream, "run/a b")[0]
+    pq.write_table(pa.table({"position": ['{"v": 1, "rank": true}']}), objects[0])  # read back as input: a damaged
+    bad = lags(stream, "run/a b")[0]  # document is shown, not trusted
     assert bad.status == "invalid" and "rank" in bad.error and bad.lag_steps is None
+    objects[0].write_bytes(b"not parquet")
+    bad = lags(stream, "run/a b")[0]
+    assert bad.status == "invalid" and "not a position file" in bad.error
 
 
 @pytest.mark.parametrize("body, problem", [
@@ -231,3 +239,25 @@ def test_lag_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "group run" in human and "closed" in human
     assert main(["lag", "ns.lag", "--group", "other", "--home", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["positions"] == []
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("kind, kept", [("postgres-seaweedfs", "catalog database"), ("rest-seaweedfs", "object store")])
+def test_positions_on_the_real_services(kind: str, kept: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """PostgreSQL keeps the rows (an upsert, ages by its own clock); a REST catalog keeps objects on S3 (SeaweedFS)."""
+    backend = make_backend(kind, request, tmp_path)
+    try:
+        stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+        publish(stream, 2)
+        for _ in range(2):  # the second run upserts the same two rows
+            for rank in range(WORLD):
+                assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run",
+                                                             report_s=FAST)] == [1, 2]
+        store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+        assert store.kind == kept and [(r.group, r.rank) for r in store.rows()] == [("run", 0), ("run", 1)]
+        assert all(0 <= r.age_s < 600 for r in store.rows(group="run"))
+        publish(stream, 1)
+        rows = lags(stream)
+        assert [(rows[r].status, rows[r].last_step, rows[r].lag_steps) for r in range(WORLD)] == [("closed", 2, 1)] * 2
+    finally:
+        backend.close()

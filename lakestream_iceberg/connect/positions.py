@@ -17,8 +17,11 @@ A report is one ``INSERT ... ON CONFLICT DO UPDATE`` (SQLite 3.24+, PostgreSQL),
 single-row upserts a second, whatever the step rate, and the table holds one row per rank ever seen.
 
 Any other catalog (REST, Glue, Hive, an in-memory SQLite database) keeps one object per rank under the table's location,
-``<location>/consumers/<group, URL-quoted>/r<rank:06d>.json``, overwritten in place; its age is the store's
-modification time. Lifecycle GC treats those objects like any file no snapshot references: one not rewritten for
+``<location>/data/_consumers/<group, URL-quoted>/r<rank:06d>.parquet``, overwritten in place: a one-row Parquet file
+whose ``position`` column holds the document; its age is the store's modification time. It lies under ``data/`` and is
+Parquet (as staged intents and producer-state files are, beside the producer folders, whose ids never start with
+``_``) because stores that serve Iceberg tables, such as S3 table buckets, accept only Parquet and Avro files under a
+table's ``data/`` (SeaweedFS's table buckets refuse a ``.json`` object there). Lifecycle GC treats those objects like any file no snapshot references: one not rewritten for
 longer than the GC grace period (the position of a rank that stopped long ago) is deleted by the next sweep.
 """
 
@@ -28,9 +31,13 @@ import os
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from lakestream_iceberg.connect.pointer import sqlite_connections
 from lakestream_iceberg.connect.storage import list_files
@@ -38,7 +45,7 @@ from lakestream_iceberg.connect.storage import list_files
 __all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
 
 POSITION_TABLE = "lakestream_consumer_positions"
-POSITIONS_DIR = "consumers"
+POSITIONS_DIR = "_consumers"  # under the table's data/ folder
 _SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"  # unix seconds, millisecond resolution
 _SQLITE_DDL = (
     f"CREATE TABLE IF NOT EXISTS {POSITION_TABLE} (location TEXT NOT NULL, grp TEXT NOT NULL, rank INTEGER NOT NULL, "
@@ -49,6 +56,8 @@ _SQLITE_UPSERT = (
     f"INSERT INTO {POSITION_TABLE} (location, grp, rank, body, updated_at) VALUES (?, ?, ?, ?, {_SQLITE_NOW}) "
     "ON CONFLICT (location, grp, rank) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at"
 )
+_SUFFIX = ".parquet"
+_SCHEMA = pa.schema([("position", pa.string())])
 _made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
 _lock = threading.Lock()
 
@@ -90,7 +99,7 @@ class PositionStore:
         """Write the position of (``group``, ``rank``), replacing the one stored."""
         if self._engine is None:
             with self._io.new_output(self._object_path(group, rank)).create(overwrite=True) as out:
-                out.write(body.encode())
+                out.write(_to_parquet(body))
             return
         self._ensure()
         if self._sqlite is not None:
@@ -138,25 +147,39 @@ class PositionStore:
 
     # -- the object fallback ---------------------------------------------------------------------------------------------
     def _object_path(self, group: str, rank: int) -> str:
-        return f"{self.location}/{POSITIONS_DIR}/{quote(group, safe='')}/r{rank:06d}.json"
+        return f"{self.location}/data/{POSITIONS_DIR}/{quote(group, safe='')}/r{rank:06d}.parquet"
 
     def _object_rows(self, group: str | None) -> list[PositionRow]:
-        root = f"{self.location}/{POSITIONS_DIR}" + ("" if group is None else f"/{quote(group, safe='')}")
-        out = []
+        found: list[tuple[str, str, int, float]] = []
+        root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{quote(group, safe='')}")
         now = time.time()
         for path, _size, mtime in list_files(self._io, root):
             parts = path.rsplit("/", 2)
             name = parts[-1]
-            if len(parts) < 3 or not (name.startswith("r") and name.endswith(".json") and name[1:-5].isdigit()):
+            if len(parts) < 3 or not (name.startswith("r") and name.endswith(_SUFFIX) and name[1:-len(_SUFFIX)].isdigit()):
                 continue  # not a position object (a temporary file of the store, someone else's file)
-            try:
-                with self._io.new_input(path).open() as f:
-                    body = f.read().decode("utf-8", errors="replace")
-            except FileNotFoundError:
-                continue  # removed between the listing and the read
-            out.append(PositionRow(group=unquote(parts[-2]), rank=int(name[1:-5]), body=body,
-                                   age_s=max(0.0, now - mtime)))
+            found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime))
+        with ThreadPoolExecutor(min(16, max(1, len(found)))) as pool:  # a thousand ranks: a thousand small GETs
+            bodies = list(pool.map(self._read_object, [path for path, *_ in found]))
+        out = [PositionRow(group=g, rank=r, body=body, age_s=max(0.0, now - mtime))
+               for (_, g, r, mtime), body in zip(found, bodies, strict=True) if body is not None]
         return sorted(out, key=lambda r: (r.group, r.rank))
+
+    def _read_object(self, path: str) -> str | None:
+        """A position object's document; None when it was removed since the listing, and for a file that is not a
+        position object's Parquet, text that does not parse as a document (it is reported, not trusted)."""
+        try:
+            with self._io.new_input(path).open() as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            table = pq.read_table(pa.BufferReader(data))
+            if table.schema != _SCHEMA or table.num_rows != 1:
+                raise ValueError(f"schema {table.schema}, {table.num_rows} rows")
+            return str(table.column(0)[0].as_py())
+        except (pa.ArrowException, ValueError, OSError) as exc:
+            return f"<not a position file: {exc}>"
 
     # -- internals -----------------------------------------------------------------------------------------------------
     def _ensure(self) -> None:
@@ -240,3 +263,9 @@ def _sqlite_now() -> Any:
     from sqlalchemy import literal_column
 
     return literal_column(_SQLITE_NOW)
+
+
+def _to_parquet(body: str) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"position": [body]}, schema=_SCHEMA), sink, compression="none")
+    return sink.getvalue().to_pybytes()

@@ -103,7 +103,8 @@ class Position:
         try:
             doc = json.loads(body)
         except ValueError as exc:
-            raise CorruptStateError(f"the position of group {group!r} rank {rank} is not JSON ({exc})") from None
+            raise CorruptStateError(f"the position of group {group!r} rank {rank} is not JSON ({exc}): "
+                                    f"{body[:200]!r}") from None
         if not isinstance(doc, dict) or doc.get("v") != VERSION:
             raise CorruptStateError(f"the position of group {group!r} rank {rank} is not a version-{VERSION} position "
                                     "document")
