@@ -15,7 +15,8 @@ more when the iteration ends or the dataset is closed: never a commit to the tab
   ``prefetch_factor * num_workers`` steps and do not know what the loop took. Iterate ``dataset.track(loader)`` instead
   of ``loader``: the training process then records each item as the loop receives it, and the time it waited for it.
   Without ``track`` nothing is recorded (each worker logs once how to turn it on). Bytes fetched are counted where the
-  reads happen: with workers, in the workers' processes (their Prometheus counters; the position shows none).
+  reads happen: with workers, by the workers' ``lakestream_consumer_read_bytes_total`` (export it with
+  ``prometheus_client``'s multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR``); the position shows none.
 
 **The document** (one JSON object, version 1): ``stream`` (table UUID), ``branch``, ``world_size``, ``rank``,
 ``last_step`` (None before the first step), ``steps`` (delivered since ``started_at``), ``started_at`` (unix seconds,
@@ -218,11 +219,15 @@ class PositionReporter:
             doc = replace(self._doc, last_step=self._last, steps=self._steps,
                           elapsed_s=round(time.monotonic() - self._began, 3), wait_s=round(self._wait, 3),
                           read_bytes=self._bytes if self._reads else None, closed=closed)
-        try:
-            if self._metrics is not None and self._head is not None and doc.last_step is not None:
+        if self._metrics is not None and self._head is not None and doc.last_step is not None:
+            try:
                 head = self._head()
-                if head is not None:
-                    self._metrics.behind(head - doc.last_step)
+            except Exception as exc:  # noqa: BLE001 - the gauge keeps its last value; the position is still recorded
+                log.debug("reading the head for the steps-behind metric failed: %s", exc)
+                head = None
+            if head is not None:
+                self._metrics.behind(head - doc.last_step)
+        try:
             self._store.upsert(group=doc.group, rank=doc.rank, body=doc.to_json())
             self._failures = 0
         except Exception as exc:  # noqa: BLE001 - see the class docstring
@@ -283,9 +288,10 @@ class RankPositions:
         self.rank, self.world_size, self.branch, self.stream = rank, world_size, branch, stream
         self.tracked = False  # iterated through track(): the training process records, the iterators do not
         self._reporter: PositionReporter | None = None
+        self._metrics: tuple[int, Any] | None = None  # (pid, ConsumerMetrics) where this process has no reporter
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_reporter": None}
+        return {**self.__dict__, "_reporter": None, "_metrics": None}
 
     def _start(self, stream: StreamTable, *, workers: int, source: str, head: Callable[[], int | None],
                reads: bool) -> PositionReporter:
@@ -327,11 +333,18 @@ class RankPositions:
         return track(loader, reporter=reporter, first_step=first_step)
 
     def read(self, files: Sequence[Any], ranges: Sequence[tuple[int, int, int]], *, counts: Sequence[int],
-             packed: bool) -> None:
-        """A step's read fetched these row ranges (counted by this process's reporter, if it has one)."""
+             packed: bool, name: str) -> None:
+        """A step's read of ``name`` fetched these row ranges: counted by this process's reporter, or where it has none
+        (a DataLoader worker) by its read-bytes metric alone."""
+        nbytes = fetched_bytes(files, ranges, counts=counts, packed=packed, whole_file_bytes=WHOLE_FILE_BYTES)
         reporter = self._reporter
         if reporter is not None and reporter.pid == os.getpid():
-            reporter.read(fetched_bytes(files, ranges, counts=counts, packed=packed, whole_file_bytes=WHOLE_FILE_BYTES))
+            reporter.read(nbytes)
+            return
+        if self._metrics is None or self._metrics[0] != os.getpid():
+            self._metrics = (os.getpid(), consumer_metrics(stream=name, group=self.group, rank=self.rank))
+        if self._metrics[1] is not None:
+            self._metrics[1].read(nbytes)
 
     def close(self, *, closed: bool = True) -> None:
         """Stop this process's reporter, recording the position once more."""

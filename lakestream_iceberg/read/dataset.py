@@ -388,7 +388,7 @@ class _DatasetCore:
             ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
             table = data.read_ranges(ranges, self.columns)
             if self._positions is not None:
-                self._positions.read(files, ranges, counts=data.counts, packed=stream.config.packed)
+                self._positions.read(files, ranges, counts=data.counts, packed=stream.config.packed, name=stream.name)
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))

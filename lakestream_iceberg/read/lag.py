@@ -19,6 +19,7 @@ Each recorded position (:mod:`lakestream_iceberg.read.consumer`) becomes one :cl
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["CONSUMERS_SCHEMA", "DEFAULT_STALE_AFTER", "ConsumerLag", "consumer_lags", "consumers_table"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_STALE_AFTER = 3.0
 _TS = pa.timestamp("ms", tz="UTC")
@@ -177,6 +180,11 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
 
 
 def consumers_table(stream: StreamTable, *, stale_after: float = DEFAULT_STALE_AFTER) -> pa.Table:
-    """Every group's positions as an Arrow table (the history's ``consumers`` view)."""
-    return pa.Table.from_pylist([asdict(c) for c in consumer_lags(stream, stale_after=stale_after)],
-                                schema=CONSUMERS_SCHEMA)
+    """Every group's positions as an Arrow table (the history's ``consumers`` view); empty, with a warning, when the
+    positions cannot be listed (the other views do not depend on them)."""
+    try:
+        rows = consumer_lags(stream, stale_after=stale_after)
+    except Exception as exc:  # noqa: BLE001 - informative only, like the staged-batch count of ``lakestream status``
+        log.warning("the consumers view of %s is empty: listing its consumer positions failed (%s)", stream.name, exc)
+        rows = []
+    return pa.Table.from_pylist([asdict(c) for c in rows], schema=CONSUMERS_SCHEMA)
