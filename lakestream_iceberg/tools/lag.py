@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = ["COLUMNS", "lag_report", "show_lag"]
 
-COLUMNS = ["group", "rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "data_wait", "read_MB", "age_s",
-           "world_size", "host", "pid"]
+COLUMNS = ["rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "data_wait", "read_MB", "age_s", "host",
+           "pid"]
 
 
 def lag_report(stream: StreamTable, *, group: str | None, stale_after: float) -> dict[str, Any]:
@@ -60,4 +60,4 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
                      "read_MB": None if p["read_bytes"] is None else round(p["read_bytes"] / 1e6, 2),
                      "lag_s": None if p["lag_s"] is None else round(p["lag_s"], 2),
                      "age_s": None if p["age_s"] is None else round(p["age_s"], 1)})
-    out.table(rows, columns=COLUMNS)
+    out.table(rows, columns=COLUMNS if len(report["groups"]) == 1 else ["group", *COLUMNS])
