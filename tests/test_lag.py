@@ -162,6 +162,11 @@ def test_positions_outside_a_sql_catalog_are_objects_under_the_table_location(tm
     objects[0].write_bytes(b"not parquet")
     bad = lags(stream, "run/a b")[0]
     assert bad.status == "invalid" and "not a position file" in bad.error
+    from datetime import timedelta
+
+    assert stream.collect_garbage(dry_run=True).files_deleted.get("consumer-position") is None  # rewritten recently
+    report = stream.collect_garbage(dry_run=True, grace=timedelta(0), allow_short_grace=True)
+    assert report.files_deleted.get("consumer-position") == 1  # silent for longer than the grace period: swept
 
 
 @pytest.mark.parametrize("body, problem", [
