@@ -153,7 +153,8 @@ class StreamConfig:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
         values = {name: prop.get(properties) for name, prop in CONFIG_FIELDS.items()}
         # Iceberg's history.expire.min-snapshots-to-keep raises the count kept (never lowers lakestream's own)
-        values["retain_snapshots"] = max(values["retain_snapshots"], props.MIN_SNAPSHOTS_TO_KEEP.get(properties))
+        values["retain_snapshots"] = max(props.RETAIN_LAST.get(properties) or 0,
+                                         props.MIN_SNAPSHOTS_TO_KEEP.get(properties) or 0)
         return cls(**values)
 
     @property

@@ -288,8 +288,8 @@ STAGINGS = (STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE)
 LIVE, REOPEN, FIXED = Change.LIVE, Change.REOPEN, Change.FIXED
 
 # -- the stream's shape: fixed when it is created ---------------------------------------------------------------------
-FORMAT_VERSION = TextProperty(
-    key="lakestream.format-version", created="1", change=FIXED, values="1",
+FORMAT_VERSION = ChoiceProperty(
+    key="lakestream.format-version", created="1", change=FIXED, choices=("1",), noun="a format version this release reads",
     doc="The version of lakestream's table layout; Stream.create writes it and a table without it is no stream.")
 WORLD_SIZE = IntProperty(
     key="lakestream.world-size", field="world_size", minimum=1, unit="ranks", change=FIXED,
