@@ -135,12 +135,14 @@ class Stream(StreamTable):
             schema: The pyarrow schema of one sample (the payload); ``_step`` and ``_rank`` are reserved.
             world_size: Ranks per global batch.
             location: Table location; defaults to the catalog's warehouse.
-            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``. The layout,
-                ``lakestream.layout`` (``per-rank``: one data file per rank and step; ``packed``: one per step), is fixed
-                here; by default a stream of world size 8 or more is packed (README, "Per-step cost").
+            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}`` (every property a
+                stream reads: docs/configuration.md). The layout, ``lakestream.layout`` (``per-rank``: one data file per
+                rank and step; ``packed``: one per step), is fixed here; by default a stream of world size 8 or more is
+                packed (README, "Per-step cost").
 
         Raises:
-            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part).
+            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
+                stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size.
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name.
