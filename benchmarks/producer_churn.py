@@ -42,20 +42,17 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(BENCH_DIR.parent))
 
-from _common import RESULTS_DIR, Table, file_creation_ms, machine, percentile, settle_file_creation, write_json  # noqa: E402
+from _common import RESULTS_DIR, Children, Parent, Run, Table, bench_parser, file_creation_ms, flush_writes, interleaved, machine, percentile, settle_and_say, shrink  # noqa: E402
 
 WORLD_SIZE = 8
 NS = "bench"
@@ -285,9 +282,8 @@ def run_lone(root: Path, churned: Any, args: argparse.Namespace) -> dict[str, An
     SQLite commits measured 10-20x slower in that state on this machine)."""
     fresh_stream = create_stream(open_catalog(catalog_props(root / "lone-fresh")), "fresh")
     runs: dict[str, list[dict[str, Any]]] = {"after": [], "fresh": []}
-    order = ["after", "fresh", "fresh", "after"] * ((args.lone_rounds + 1) // 2)
-    for i, which in enumerate(order[: 2 * args.lone_rounds]):
-        os.sync()
+    for i, (_round, which) in enumerate(interleaved(args.lone_rounds, ("after", "fresh"))):
+        flush_writes()
         stream, pid = (churned, "lone-after-churn") if which == "after" else (fresh_stream, "lone-fresh")
         runs[which].append(lone_run(stream, f"{pid}-{i}", args))
     after, fresh = _merge_lone(runs["after"]), _merge_lone(runs["fresh"])
@@ -311,7 +307,7 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
 
     ``profile_dir``: cProfile the commits (after the start barrier) and dump ``<label>-<worker>.prof`` there."""
     profiler = None
-    try:
+    with Parent(conn) as parent:
         import logging
 
         import pyarrow  # noqa: F401 - import everything before the start barrier
@@ -320,8 +316,7 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
 
         logging.getLogger("pyiceberg").setLevel(logging.ERROR)
         stream = Stream.open(open_catalog(props), table)
-        conn.send(("ready", None))
-        start_at = conn.recv()
+        start_at = parent.ready()
         while time.time() < start_at:
             time.sleep(min(0.02, max(0.0, start_at - time.time())))
         records: list[dict[str, Any]] = []
@@ -360,9 +355,7 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
         if profiler is not None and profile_dir:
             profiler.disable()
             profiler.dump_stats(str(Path(profile_dir) / f"{table.split('.')[-1]}-{worker:02d}.prof"))
-        conn.send(("ok", (records, cpu)))
-    except Exception:  # noqa: BLE001
-        conn.send(("error", traceback.format_exc()))
+        parent.ok((records, cpu))
 
 
 def process_context(method: str) -> Any:
@@ -376,38 +369,20 @@ def process_context(method: str) -> Any:
 
 def pool_run(props: dict[str, str], table: str, processes: int, batches: int, rotate: int, retries: int,
              label: str, start_method: str, profile_dir: str | None = None) -> dict[str, Any]:
-    ctx = process_context(start_method)
-    conns, procs = [], []
+    children = Children(process_context(start_method))
     t_spawn = time.monotonic()
     for w in range(processes):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_pool_worker, args=(child, props, table, w, batches, rotate, retries, profile_dir),
-                           daemon=True)
-        proc.start()
-        conns.append(parent)
-        procs.append(proc)
+        children.start(f"{label} worker {w}", _pool_worker, props, table, w, batches, rotate, retries, profile_dir)
     try:
-        for conn in conns:  # every process has imported everything and opened the stream before the start
-            status, body = conn.recv()
-            if status != "ready":
-                raise RuntimeError(f"{label} worker failed before the start:\n{body}")
+        children.wait_ready()  # every process has imported everything and opened the stream before the start
         ready_s = time.monotonic() - t_spawn
         start_at = time.time() + 0.5
-        for conn in conns:
-            conn.send(start_at)
-        records: list[dict[str, Any]] = []
-        cpu_s = 0.0
-        for conn in conns:
-            status, body = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"{label} worker failed:\n{body}")
-            records += body[0]
-            cpu_s += body[1]
+        children.send_all(start_at)
+        results = children.collect()
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+        children.close()
+    records: list[dict[str, Any]] = [r for body in results for r in body[0]]
+    cpu_s = sum(body[1] for body in results)
     ok = [r for r in records if r["ok"]]
     failed = [r for r in records if not r["ok"]]
     end = max((r["end"] for r in records), default=start_at)
@@ -511,9 +486,8 @@ def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     alone_runs: list[dict[str, Any]] = []
     pool_runs: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
-    order = ["alone", "pool", "pool", "alone"] * ((args.pool_rounds + 1) // 2)
-    for i, which in enumerate(order[: 2 * args.pool_rounds]):
-        os.sync()
+    for i, (_round, which) in enumerate(interleaved(args.pool_rounds, ("alone", "pool"))):
+        flush_writes()
         create_ms = file_creation_ms(root / "probe")  # what creating a file cost just before this round
         if which == "alone":
             alone_runs.append(dict(_alone_round(root, args, i), create_ms_before=create_ms))
@@ -632,8 +606,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> tuple[list[Tabl
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
+    parser = bench_parser(__doc__, out=RESULTS_DIR / "producer_churn.json", whole_doc=True,
+                          smoke_help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (2,000 ids, 8 x 12 pool batches), a few minutes")
     parser.add_argument("--scenarios", default="A,B,C", help="comma-separated subset of A,B,C (B runs A's churn first)")
     parser.add_argument("--ids", type=int, default=20_000, help="A: distinct producer ids, one batch each")
@@ -660,23 +634,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="lakestream.commit.group.staging of every stream (auto: intents as rows of the SQLite catalog)")
     parser.add_argument("--pool-rounds", type=int, default=2,
                         help="C: rounds of the pool and of the lone producer, alternating, each on a fresh stream")
-    parser.add_argument("--out", default=str(RESULTS_DIR / "producer_churn.json"))
     parser.add_argument("--workdir", default=None, help="where tables live (default: a temp dir, removed at the end)")
     parser.add_argument("--settle-max-s", type=float, default=None,
                         help="at most this long, before the first run, wait for file creation to be calm after deletions "
                              "made before the benchmark (default 420; --smoke 0: measure only; see benchmarks/_common.py)")
     args = parser.parse_args(argv)
-    defaults = parser.parse_args([])
-    small = {}
+    small: dict[str, Any] = {}
     if args.quick:
         small = {"ids": 2_000, "pool": 8, "pool_batches": 12, "alone_batches": 30, "lone_commits": 100, "lone_seconds": 3.0,
                  "pool_rounds": 1}
     if args.smoke:
         small = {"ids": 30, "window": 10, "points": "10,30", "pool": 2, "pool_batches": 4, "rotate": 2, "alone_batches": 4,
                  "lone_commits": 10, "lone_seconds": 1.0, "progress_s": 5.0, "pool_rounds": 1}
-    for key, value in small.items():
-        if getattr(args, key) == getattr(defaults, key):
-            setattr(args, key, value)
+    shrink(parser, args, small)
     args.scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(args.scenarios) - {"A", "B", "C"}
     if unknown:
@@ -699,62 +669,42 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     global STAGING
     STAGING = args.staging
-    started = time.monotonic()
-    load_at_start = os.getloadavg()
+    run = Run("producer_churn", smoke=args.smoke)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="producer-churn-"))
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    phases: dict[str, float] = {}
     print(f"producer_churn: scenarios {','.join(args.scenarios)}, ids {args.ids:,}"
           f"{f' (at most {args.max_seconds:g} s)' if args.max_seconds is not None else ''}, pool {args.pool} x "
           f"{args.pool_batches} (new id every {args.rotate}), staging {args.staging}{' [smoke]' if args.smoke else ''}",
           flush=True)
     try:
-        results["file_system_at_start"] = settle = settle_file_creation(root / "probe", max_wait_s=args.settle_max_s)
-        print(f"file system {'calm' if settle['settled'] else 'NOT calm'}: creating a file {settle['create_ms']:.3f} ms "
-              f"of CPU (first probe {settle['create_ms_first']:.3f} ms, waited {settle['waited_s']:.0f} s)", flush=True)
+        results["file_system_at_start"] = settle_and_say(root / "probe", max_wait_s=args.settle_max_s)
         churned = None
         if "A" in args.scenarios or "B" in args.scenarios:
-            mark = time.monotonic()
-            churned, results["A"] = run_churn(root, args)
-            phases["A"] = time.monotonic() - mark
+            with run.phase("A"):
+                churned, results["A"] = run_churn(root, args)
             if results["A"].get("profile"):
                 print("\n".join(results["A"]["profile"].splitlines()[:80]), flush=True)
         if "B" in args.scenarios:
-            mark = time.monotonic()
-            results["B"] = run_lone(root, churned, args)
-            phases["B"] = time.monotonic() - mark
+            with run.phase("B"):
+                results["B"] = run_lone(root, churned, args)
         if "C" in args.scenarios:
-            mark = time.monotonic()
-            results["C"] = run_pool(root, args)
-            phases["C"] = time.monotonic() - mark
+            with run.phase("C"):
+                results["C"] = run_pool(root, args)
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
     tables, targets = report(results, args)
-    print()
-    for t in tables:
-        print(t)
-        print()
-    out = Path(args.out)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}
-    path = write_json(out.name, {
-        "benchmark": "producer_churn",
-        "smoke": args.smoke,
-        "wall_s": time.monotonic() - started,
-        "phase_s": phases,
-        "loadavg_at_start": load_at_start,
+    run.finish(tables, {
+        "phase_s": run.phases,
         "config": {**config, "world_size": WORLD_SIZE, "rows_per_shard": 1,
                    "catalog": "sqlite (embedded) + local warehouse in a temp dir"},
         "versions": {"pyiceberg": pyiceberg.__version__, "pyarrow": pyarrow.__version__},
         "machine": machine(),
         "scenarios": results,
         "targets": targets,
-        "tables": [t.to_json() for t in tables],
-        "printed": "\n\n".join(str(t) for t in tables),
-    }, directory=out.parent)
-    print(f"wrote {path} in {time.monotonic() - started:.0f} s "
-          f"({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
+    }, out=args.out)
     return 0
 
 
