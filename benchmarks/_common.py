@@ -22,6 +22,7 @@ may use it. A script holds its scenario; what every script needs comes from here
 - rounds (``harness.rounds``): ``alternating``, ``rotating``, ``interleaved``;
 - services (``harness.services``): ``start_postgres`` and ``postgres()`` (the project's PostgreSQL, else
   ``OwnPostgres`` in a temp dir);
+- catalogs (``harness.catalogs``): ``sqlite_catalog`` and ``sqlite_props`` (SQLite and a local warehouse in a folder);
 - command line (``harness.cli``): ``bench_parser`` (``--smoke``, ``--out``), ``fill_defaults``, ``shrink``,
   ``int_list``.
 
@@ -39,6 +40,7 @@ for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().pare
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from harness.catalogs import sqlite_catalog, sqlite_props  # noqa: E402
 from harness.cli import bench_parser, fill_defaults, int_list, shrink  # noqa: E402
 from harness.files import (  # noqa: E402
     RunFolders,
@@ -131,6 +133,8 @@ __all__ = [
     "settle_file_creation",
     "shrink",
     "sleep_until",
+    "sqlite_catalog",
+    "sqlite_props",
     "start_postgres",
     "summarize",
     "timed",

@@ -50,7 +50,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from _common import RESULTS_DIR, Children, Parent, Table, jain_index, percentile, print_tables, start_postgres, timed, write_json  # noqa: E402
+from _common import RESULTS_DIR, Children, Parent, Table, jain_index, percentile, print_tables, sqlite_props, start_postgres, timed, write_json  # noqa: E402
 
 WORLD_SIZE = 8
 ROWS_PER_SHARD = 4
@@ -58,11 +58,6 @@ NS = "bench"
 
 
 # ================================================================================================ catalogs
-
-
-def sqlite_catalog_props(root: Path) -> dict[str, str]:
-    root.mkdir(parents=True, exist_ok=True)
-    return {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
 
 
 def load_sql_catalog(props: dict[str, str]) -> Any:
@@ -149,7 +144,7 @@ def run_lakestream_growth(root: Path, steps: int, window: int, profile_last: int
     import io
     import pstats
 
-    catalog = load_sql_catalog(sqlite_catalog_props(root / "ls"))
+    catalog = load_sql_catalog(sqlite_props(root / "ls"))
     stream = create_stream(catalog, "growth")
     producer = stream.producer("grow-0", seed=1)
     latencies: list[float] = []
@@ -283,7 +278,7 @@ class PlainFiller:
 
 
 def run_plain_growth(root: Path, steps: int, mode: str, points: list[int], samples: int, window: int) -> dict[str, Any]:
-    catalog = load_sql_catalog(sqlite_catalog_props(root / "plain"))
+    catalog = load_sql_catalog(sqlite_props(root / "plain"))
     table = create_plain_table(catalog, "plain_growth")
     t0 = time.monotonic()
     latencies: dict[int, float] = {}  # step -> latency of the real append that created it
@@ -524,7 +519,7 @@ def run_contention(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 for rep, p in [(r, p) for r in range(args.repeat) for p in args.producers]:  # repetitions interleaved
                     name = f"{catalog_name}_{policy}_{p}" + (f"_r{rep}" if rep else "")
                     if catalog_name == "sqlite":
-                        props = sqlite_catalog_props(root / "contention" / name)
+                        props = sqlite_props(root / "contention" / name)
                     else:
                         uri = pg.create_database(f"b_{policy.replace('-', '_')}_{p}_r{rep}")
                         wh = root / "contention" / name

@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Run, Table, alternating, bench_parser, cpu_s, fill_defaults, machine, percentile  # noqa: E402
+from _common import Run, Table, alternating, bench_parser, cpu_s, fill_defaults, machine, percentile, sqlite_catalog  # noqa: E402
 
 DISTANCES = (0, 4, 8, 16, 64, 2048)
 COPY_BYTES = 64 << 10
@@ -107,14 +107,11 @@ def measure_parquet(repeats: int) -> dict[str, float]:
 
 def measure_commits(commits: int) -> dict[str, float]:
     """One producer, 1 MiB global batches, W=8, packed: CPU ms per commit and MiB/s after 10 warm-up commits."""
-    from pyiceberg.catalog.sql import SqlCatalog
-
     from lakestream_iceberg import Stream
 
     root = Path(tempfile.mkdtemp(prefix="lakestream-host-copy-"))
     try:
-        (root / "warehouse").mkdir()
-        catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+        catalog = sqlite_catalog(root)
         batch = shards()
         Stream.create(catalog, "bench.copy", schema=batch[0].schema, world_size=WORLD,
                       properties={"write.parquet.compression-codec": "uncompressed", "lakestream.layout": "packed"})

@@ -38,18 +38,12 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Children, Parent, Run, Table, bench_parser, percentile, rss_kib  # noqa: E402
+from _common import Children, Parent, Run, Table, bench_parser, percentile, rss_kib, sqlite_catalog  # noqa: E402
 
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.binary())])
 CONFIGS = ("single", "group", "packed")
 MODES = ("nogc", "gc")
 TARGET_MIB_PER_100K = 20.0
-
-
-def _catalog(root: str) -> Any:
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
 
 
 def _marks(total: int, samples: int) -> set[int]:
@@ -62,7 +56,7 @@ def _producer(conn: Any, root: str, name: str, producer_id: str, commits: int, w
     with Parent(conn) as parent:
         from lakestream_iceberg import Stream
 
-        stream = Stream.open(_catalog(root), name)
+        stream = Stream.open(sqlite_catalog(root), name)
         producer = stream.producer(producer_id)
         data = pa.array([b"x" * payload] * rows, pa.binary())
         marks = _marks(commits, samples)
@@ -94,7 +88,7 @@ def _follower(conn: Any, root: str, name: str, steps: int, samples: int) -> None
         from lakestream_iceberg import Stream
         from lakestream_iceberg.errors import StepCollectedError
 
-        stream = Stream.open(_catalog(root), name)
+        stream = Stream.open(sqlite_catalog(root), name)
         marks = sorted(_marks(steps, samples))
         parent.ready()
         out: list[tuple[int, int]] = []
@@ -133,7 +127,7 @@ def one_run(root: Path, config: str, mode: str, args: argparse.Namespace) -> dic
         props["lakestream.manifest.cache-bytes"] = str(args.cache_bytes)
     root.mkdir(parents=True)
     name = "ns.soak"
-    Stream.create(_catalog(str(root)), name, schema=SCHEMA, world_size=world, properties=props)
+    Stream.create(sqlite_catalog(root), name, schema=SCHEMA, world_size=world, properties=props)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["pyarrow", "pyiceberg.catalog.sql", "lakestream_iceberg"])
     per_producer = [args.steps // producers + (1 if i < args.steps % producers else 0) for i in range(producers)]

@@ -52,7 +52,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from _common import RESULTS_DIR, Children, Parent, Run, Table, bench_parser, file_creation_ms, flush_writes, interleaved, machine, percentile, settle_and_say, shrink  # noqa: E402
+from _common import RESULTS_DIR, Children, Parent, Run, Table, bench_parser, file_creation_ms, flush_writes, interleaved, machine, percentile, settle_and_say, shrink, sqlite_props  # noqa: E402
 
 WORLD_SIZE = 8
 NS = "bench"
@@ -66,11 +66,6 @@ TARGET_C_RATIO = 1.0  # pool commits/s / one producer alone
 
 
 # ================================================================================================ shared
-
-
-def catalog_props(root: Path) -> dict[str, str]:
-    (root / "warehouse").mkdir(parents=True, exist_ok=True)
-    return {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
 
 
 def open_catalog(props: dict[str, str]) -> Any:
@@ -156,7 +151,7 @@ def run_churn(root: Path, args: argparse.Namespace) -> tuple[Any, dict[str, Any]
     import io
     import pstats
 
-    catalog = open_catalog(catalog_props(root / "churn"))
+    catalog = open_catalog(sqlite_props(root / "churn"))
     stream = create_stream(catalog, "churn")
     points = sorted({p for p in args.points if p <= args.ids} | {args.ids})
     wall: list[float] = []  # Producer.commit() wall time
@@ -280,7 +275,7 @@ def run_lone(root: Path, churned: Any, args: argparse.Namespace) -> dict[str, An
     """Alternating rounds (after churn, fresh, fresh, after churn, ...), each after ``os.sync()``: the churn leaves
     minutes of dirty pages behind, and whichever run came first would pay for their writeback (file creation and
     SQLite commits measured 10-20x slower in that state on this machine)."""
-    fresh_stream = create_stream(open_catalog(catalog_props(root / "lone-fresh")), "fresh")
+    fresh_stream = create_stream(open_catalog(sqlite_props(root / "lone-fresh")), "fresh")
     runs: dict[str, list[dict[str, Any]]] = {"after": [], "fresh": []}
     for i, (_round, which) in enumerate(interleaved(args.lone_rounds, ("after", "fresh"))):
         flush_writes()
@@ -402,7 +397,7 @@ def pool_run(props: dict[str, str], table: str, processes: int, batches: int, ro
 
 def _pool_round(root: Path, args: argparse.Namespace, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One rotating-pool run on a fresh stream, and the read-back check of that stream."""
-    props = catalog_props(root / f"pool-{i}")
+    props = sqlite_props(root / f"pool-{i}")
     stream = create_stream(open_catalog(props), "pool")
     pool = pool_run(props, f"{NS}.pool", args.pool, args.pool_batches, args.rotate, args.retries, "pool",
                     args.start_method, args.profile_dir)
@@ -432,7 +427,7 @@ def _pool_round(root: Path, args: argparse.Namespace, i: int) -> tuple[dict[str,
 
 
 def _alone_round(root: Path, args: argparse.Namespace, i: int) -> dict[str, Any]:
-    props = catalog_props(root / f"pool-alone-{i}")
+    props = sqlite_props(root / f"pool-alone-{i}")
     create_stream(open_catalog(props), "alone")
     alone = pool_run(props, f"{NS}.alone", 1, args.alone_batches, 0, args.retries, "alone", args.start_method,
                      args.profile_dir)

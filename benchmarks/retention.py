@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pyarrow as pa  # noqa: E402
 from _common import RESULTS_DIR as RESULTS  # noqa: E402
-from _common import median, write_json  # noqa: E402
+from _common import median, sqlite_catalog, write_json  # noqa: E402
 from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 
 from lakestream_iceberg import Stream  # noqa: E402
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="lakestream-retention-") as tmp:
-        catalog = SqlCatalog("bench", uri=f"sqlite:///{tmp}/catalog.db", warehouse=f"file://{tmp}/warehouse")
+        catalog = sqlite_catalog(tmp)
         runs = [Run(catalog, "gc", gc=True), Run(catalog, "nogc", gc=False)]
         started = time.monotonic()
         for step in range(1, steps + 1):

@@ -34,19 +34,13 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Run, RunFolders, Table, alternating, bench_parser, flush_writes, percentile  # noqa: E402
-from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
+from _common import Run, RunFolders, Table, alternating, bench_parser, flush_writes, percentile, sqlite_catalog  # noqa: E402
 
 import lakestream_iceberg.connect.swap as swap_module  # noqa: E402
 from lakestream_iceberg import Stream  # noqa: E402
 
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.binary())])
 MODES = ("held", "commit_table")
-
-
-def catalog(root: Path) -> SqlCatalog:
-    root.mkdir(parents=True, exist_ok=True)
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
 
 
 def shards(world: int, step: int, rows: int, payload: int) -> list[pa.Table]:
@@ -72,7 +66,7 @@ class Mode:
 def commit_loop(root: Path, name: str, *, world: int, commits: int, rows: int, payload: int,
                 profile: cProfile.Profile | None = None, layout: str | None = None) -> tuple[list[float], Stream]:
     properties = None if layout is None else {"lakestream.layout": layout}
-    stream = Stream.create(catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world, properties=properties)
+    stream = Stream.create(sqlite_catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world, properties=properties)
     producer = stream.producer("p")
     producer.commit(shards(world, 0, rows, payload))  # warm-up: caches, first metadata
     latencies = []

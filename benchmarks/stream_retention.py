@@ -27,10 +27,9 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-from pyiceberg.catalog.sql import SqlCatalog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Run, StartLine, Table, bench_parser, int_list, percentile, run_together, sleep_until  # noqa: E402
+from _common import Run, StartLine, Table, batches, bench_parser, int_list, percentile, run_together, sqlite_catalog  # noqa: E402
 
 from lakestream_iceberg import Stream  # noqa: E402
 
@@ -43,32 +42,25 @@ def _batch(seq: int) -> list[pa.Table]:
             for rank in range(WORLD)]
 
 
-def _produce(uri: str, warehouse: str, name: str, producer_id: str, rate: float, seconds: float,
-             line: StartLine) -> None:
+def _produce(root: str, name: str, producer_id: str, rate: float, seconds: float, line: StartLine) -> None:
     """A producer process: commits paced at ``rate`` for ``seconds`` after every producer is ready."""
-    catalog = SqlCatalog("bench", uri=uri, warehouse=warehouse)
-    stream = Stream.open(catalog, f"bench.{name}")
+    stream = Stream.open(sqlite_catalog(root), f"bench.{name}")
     producer = stream.producer(producer_id)
     latencies: list[tuple[float, float]] = []
     line.wait()
     start = time.monotonic()
-    seq = 0
-    while time.monotonic() - start < seconds:
-        sleep_until(start + seq / rate)
+    for seq in batches(mode="paced", start=start, duration=seconds, interval=1 / rate):
         began = time.monotonic()
         producer.commit(_batch(seq), seq=seq)
         latencies.append((began - start, time.monotonic() - began))
-        seq += 1
-    line.report((producer_id, seq, latencies))
+    line.report((producer_id, len(latencies), latencies))
 
 
 def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: float, producers: int) -> dict[str, float]:
-    uri, warehouse = f"sqlite:///{root}/catalog.db", f"file://{root}/warehouse"
-    stream = Stream.create(SqlCatalog("bench", uri=uri, warehouse=warehouse), f"bench.{name}", schema=SCHEMA,
-                           world_size=WORLD, properties=props)
-    ctx = mp.get_context("spawn")
-    results, _ = run_together(ctx, _produce, [(uri, warehouse, name, f"p{i}", rate / producers, seconds)
-                                              for i in range(producers)], timeout_s=seconds + 300)
+    stream = Stream.create(sqlite_catalog(root), f"bench.{name}", schema=SCHEMA, world_size=WORLD, properties=props)
+    results, _ = run_together(mp.get_context("spawn"), _produce,
+                              [(str(root), name, f"p{i}", rate / producers, seconds) for i in range(producers)],
+                              timeout_s=seconds + 300)
     steps = sum(r[1] for r in results)
     steady = [lat for r in results for at, lat in r[2] if at >= seconds * 0.75]
     metadata = stream.refresh().table.metadata

@@ -32,7 +32,6 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import re
-import resource
 import shutil
 import signal
 import sys
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import RESULTS_DIR, Run, Table, bench_parser, collect_reports, fill_defaults, int_list, kill_all, machine, percentile  # noqa: E402
+from _common import RESULTS_DIR, Run, Table, bench_parser, collect_reports, cpu_s, fill_defaults, int_list, kill_all, machine, percentile, sqlite_catalog  # noqa: E402
 
 # Producer processes come from a forkserver, never from a fork of the benchmark: a fork copies the locks other threads
 # hold at that instant (a producer restarted from the failure run's timer thread hung forever on an RLock the training
@@ -190,12 +189,6 @@ def lake_collate(shard: Any) -> dict[str, Any]:
             "step": shard.step}
 
 
-def sqlite_catalog(root: str) -> Any:
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
-
-
 def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, raw: RawData, out: Any,
                   hold: tuple[int, Any] | None = None) -> None:
     """Producer ``prep-idx``: its seq ``s`` is global batch ``s * producers + idx``; resumes from the table's next_seq.
@@ -294,7 +287,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
     error = None
     error_at = None
     t_start = time.monotonic()
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = cpu_s()
     t_first = None
     try:
         try:
@@ -323,7 +316,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
     except Exception as exc:  # noqa: BLE001 - a data-feed failure ends training (data path or SIGCHLD handler)
         error = f"{type(exc).__name__}: {(str(exc).splitlines() or [repr(exc)])[0][:300]}"  # EOFError() has no message
         error_at = time.monotonic()
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = cpu_s() - cpu0
     done = len(step_end)
     steady = data_s[warmup:]
     wall = (step_end[-1] - step_end[warmup - 1]) if done > warmup else math.nan
@@ -338,7 +331,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
         "data_ms_p99": 1000 * percentile(steady, 99),
         "data_ms_max": 1000 * max(steady) if steady else math.nan,
         "stall_fraction": sum(steady) / wall if done > warmup else math.nan,
-        "trainer_cpu_ms_per_step": 1000 * ((cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)) / max(1, done),
+        "trainer_cpu_ms_per_step": 1000 * cpu / max(1, done),
         "unique_samples": len(set(seen)),
         "loadavg_1m_after": os.getloadavg()[0],
         "samples": len(seen),

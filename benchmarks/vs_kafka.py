@@ -45,6 +45,7 @@ from _common import (  # noqa: E402
     RESULTS_DIR,
     Run,
     RunFolders,
+    StartLine,
     Table,
     alternating,
     batches,
@@ -61,6 +62,7 @@ from _common import (  # noqa: E402
     percentile,
     settle_and_say,
     sleep_until,
+    sqlite_catalog,
 )
 from _kafka import Tansu, admin_config, create_topic, tansu_version  # noqa: E402
 
@@ -158,7 +160,7 @@ def _produce(producer: Any, topic: str, value: bytes, key: bytes, partition: int
             producer.poll(0.01)
 
 
-def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+def kafka_producer_main(spec: dict[str, Any], idx: int, line: StartLine) -> None:
     from confluent_kafka import Producer
 
     shards = make_shards(spec["batch_bytes"], spec["world_size"], seed=idx)
@@ -171,8 +173,7 @@ def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out
         producer.init_transactions(30)
     records: list[tuple[Any, float, float]] = []
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
+    line.wait()
     for seq in producer_batches(spec, idx):
         t0 = time.monotonic()
         key = f"p{idx}/{seq}".encode()
@@ -187,10 +188,10 @@ def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out
             if left:
                 raise RuntimeError(f"{left} messages not delivered")
         records.append((f"p{idx}/{seq}", t0, time.monotonic()))
-    out.put({"idx": idx, "records": records, "bytes_per_batch": nbytes, "cpu_s": cpu_s() - cpu0})
+    line.report({"idx": idx, "records": records, "bytes_per_batch": nbytes, "cpu_s": cpu_s() - cpu0})
 
 
-def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
+def kafka_consumer_main(spec: dict[str, Any], line: StartLine, stop: Any) -> None:
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
     world = spec["world_size"]
@@ -200,8 +201,7 @@ def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, sto
     groups: dict[str, dict[int, pa.Table]] = {}
     seen: dict[str, float] = {}
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
+    line.wait()
     expected = spec["expected"]
     try:
         while len(seen) < expected and not stop.is_set():
@@ -220,19 +220,13 @@ def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, sto
                     del groups[key]
     finally:
         consumer.close()
-    out.put({"consumer": True, "seen": seen, "partial": {k: len(v) for k, v in groups.items()}, "cpu_s": cpu_s() - cpu0})
+    line.report({"consumer": True, "seen": seen, "partial": {k: len(v) for k, v in groups.items()}, "cpu_s": cpu_s() - cpu0})
 
 
 # ---------------------------------------------------------------------------------------------------- lakestream side
 
 
-def sqlite_catalog(root: str) -> Any:
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
-
-
-def lake_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+def lake_producer_main(spec: dict[str, Any], idx: int, line: StartLine) -> None:
     from lakestream_iceberg import Stream
 
     shards = make_shards(spec["batch_bytes"], spec["world_size"], seed=idx)
@@ -242,21 +236,20 @@ def lake_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out:
     records: list[tuple[Any, float, float]] = []
     attempts = 0
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
+    line.wait()
     for _seq in producer_batches(spec, idx):
         t0 = time.monotonic()
         result = producer.commit(shards)
         records.append((result.step, t0, time.monotonic()))
         attempts += result.attempts
-    out.put({"idx": idx, "records": records, "bytes_per_batch": nbytes, "attempts": attempts, "cpu_s": cpu_s() - cpu0})
+    line.report({"idx": idx, "records": records, "bytes_per_batch": nbytes, "attempts": attempts, "cpu_s": cpu_s() - cpu0})
 
 
 def _table_rows(shard: Any) -> Any:
     return shard.table
 
 
-def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
+def lake_consumer_main(spec: dict[str, Any], line: StartLine, stop: Any) -> None:
     from lakestream_iceberg import Stream
     from lakestream_iceberg.read import follow
     from lakestream_iceberg.read.dataset import LakestreamDataset
@@ -274,8 +267,7 @@ def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop
                                 poll_s=0.005, max_poll_s=0.05, prefetch=1, collate=_table_rows)
     seen: dict[int, float] = {}
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
+    line.wait()
     t_go, polls[0] = time.monotonic(), 0
     try:
         for table in dataset:
@@ -286,7 +278,7 @@ def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop
     finally:
         dataset.close()
     active_s = max(seen.values(), default=t_go) - t_go
-    out.put({"consumer": True, "seen": seen, "partial": {}, "cpu_s": cpu_s() - cpu0,
+    line.report({"consumer": True, "seen": seen, "partial": {}, "cpu_s": cpu_s() - cpu0,
              "catalog_polls": polls[0], "catalog_polls_per_s": polls[0] / active_s if active_s > 0 else math.nan})
 
 
@@ -308,23 +300,18 @@ def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any |
     point): otherwise the kernel writes back one system's files while the next one runs, and charges it for them."""
     flush_writes()
     n = spec["producers"] + (1 if consumer_main else 0)
-    ready = CTX.Semaphore(0)
-    go = CTX.Event()
-    stop = CTX.Event()
-    out = CTX.Queue()
+    line, stop = StartLine(CTX), CTX.Event()
     spec = dict(spec, _go_time=CTX.Value("d", 0.0))
-    procs = [CTX.Process(target=guarded, args=(producer_main, out, spec, i, ready, go, out), daemon=True)
+    procs = [CTX.Process(target=guarded, args=(producer_main, line.out, spec, i, line), daemon=True)
              for i in range(spec["producers"])]
     if consumer_main:
-        procs.append(CTX.Process(target=guarded, args=(consumer_main, out, spec, ready, go, out, stop), daemon=True))
+        procs.append(CTX.Process(target=guarded, args=(consumer_main, line.out, spec, line, stop), daemon=True))
     try:
         for proc in procs:
             proc.start()
-        for _ in range(n):
-            if not ready.acquire(timeout=120):
-                raise TimeoutError("benchmark processes did not get ready within 120 s")
+        line.wait_ready(n)
         spec["_go_time"].value = time.monotonic() + 0.05
-        go.set()
+        line.go.set()
         reports: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout_s
         producers_done = 0
@@ -333,7 +320,7 @@ def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any |
             if remaining <= 0:
                 raise TimeoutError(f"run {spec['run']} did not finish within {timeout_s:.0f}s")
             try:
-                report = out.get(timeout=min(remaining, 1.0))
+                report = line.out.get(timeout=min(remaining, 1.0))
             except Exception:  # noqa: BLE001 - queue.Empty
                 drained = time.monotonic() > spec.get("_drain_until", math.inf)
                 if consumer_main and producers_done == spec["producers"] and drained:

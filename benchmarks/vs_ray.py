@@ -51,7 +51,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from _common import RESULTS_DIR, Run, Table, bench_parser, machine, shrink  # noqa: E402
+from _common import RESULTS_DIR, Run, Table, bench_parser, machine, shrink, sqlite_props  # noqa: E402
 
 
 def payload_schema() -> Any:
@@ -274,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("ray").setLevel(logging.WARNING)  # one INFO line per job and commit phase otherwise
     run = Run("vs_ray", smoke=args.smoke)
     root = Path(tempfile.mkdtemp(prefix="vs-ray-"))
-    (root / "warehouse").mkdir()
-    props = {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
+    props = sqlite_props(root)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     repo = str(BENCH_DIR.parent)  # Ray workers import this checkout's lakestream_iceberg and this script's functions
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)

@@ -141,6 +141,8 @@ def test_paced_batches_are_due_at_their_time_and_saturated_ones_stop_at_the_end(
         seen.append((seq, time.monotonic() - start))
     assert [s for s, _ in seen] == [0, 1, 2]
     assert all(at >= 0.02 * (seq + 0.5) for seq, at in seen)
+    timed_run = list(batches(mode="paced", start=time.monotonic(), duration=0.05, interval=0.02))
+    assert timed_run[0] == 0 and len(timed_run) <= 4  # none due after the end (the last one checked before it)
     late = list(batches(mode="saturate", start=time.monotonic() - 10, duration=1.0))
     assert late == [0]  # at least one batch, however late the producer woke up
     with pytest.raises(ValueError, match="saturate"):

@@ -10,6 +10,7 @@
 - ``timing``: sleeping until a moment, a saturated or paced producer's batches;
 - ``services``: a PostgreSQL, the project's or one of its own in a temp dir;
 - ``rounds``: rounds in alternating or rotating order, so that a slow phase of the machine hits every variant;
+- ``catalogs``: a SQLite catalog with a local warehouse, in one folder;
 - ``cli``: the options every script has (``--smoke``, ``--out``) and smoke-sized defaults.
 
 Scripts import these names from ``_common`` (``benchmarks/`` is on ``sys.path`` when a script runs), which re-exports

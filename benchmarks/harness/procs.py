@@ -157,11 +157,15 @@ class StartLine:
     def report(self, result: Any) -> None:
         self.out.put(result)
 
-    def release(self, n: int, *, timeout_s: float = 120.0) -> None:
-        """Wait until ``n`` children are ready, then start them all."""
+    def wait_ready(self, n: int, *, timeout_s: float = 120.0) -> None:
+        """Wait until ``n`` children are ready (each within ``timeout_s``)."""
         for _ in range(n):
             if not self.ready.acquire(timeout=timeout_s):
                 raise TimeoutError(f"benchmark processes did not get ready within {timeout_s:.0f} s")
+
+    def release(self, n: int, *, timeout_s: float = 120.0) -> None:
+        """Wait until ``n`` children are ready, then start them all."""
+        self.wait_ready(n, timeout_s=timeout_s)
         self.go.set()
 
     def collect(self, n: int, *, timeout_s: float) -> list[Any]:

@@ -32,8 +32,8 @@ def batches(*, mode: str, start: float, duration: float = 0.0, count: int = 0, i
     """The sequence numbers of one producer's batches, each yielded when it is due.
 
     ``saturate``: back to back until ``start + duration`` (at least one batch, however late the producer woke up);
-    ``paced``: ``count`` batches, batch ``seq`` due at ``start + interval * (seq + offset)`` (an offset in 0..1
-    spreads several producers over an interval)."""
+    ``paced``: batch ``seq`` due at ``start + interval * (seq + offset)`` (an offset in 0..1 spreads several producers
+    over an interval), ``count`` batches, or (``count`` 0) as long as ``start + duration`` has not passed."""
     if mode not in ("saturate", "paced"):
         raise ValueError(f"mode must be 'saturate' or 'paced', got {mode!r}")
     seq = 0
@@ -42,7 +42,7 @@ def batches(*, mode: str, start: float, duration: float = 0.0, count: int = 0, i
             if seq and time.monotonic() >= start + duration:
                 return
         else:
-            if seq >= count:
+            if (seq >= count) if count else (time.monotonic() >= start + duration):
                 return
             sleep_until(start + interval * (seq + offset))
         yield seq
