@@ -5,7 +5,7 @@ may use it. A script holds its scenario; what every script needs comes from here
 
     from _common import Run, Table, percentile, write_json   # benchmarks/ is on sys.path when run as a script
 
-- statistics (``harness.stats``): ``percentile``, ``median``, ``ratio``, ``jain_index``, ``summarize``, ``fmt_ms``;
+- statistics (``harness.stats``): ``percentile``, ``median``, ``ratio_of``, ``jain_index``, ``summarize``, ``fmt_ms``;
 - tables (``harness.tables``): ``Table``, ``print_tables``, ``printed``;
 - results (``harness.results``): ``machine``, ``environment``, ``loadavg``, ``write_json``, ``results_path``
   (``--out``, else ``benchmarks/results/<name>.json`` or ``<name>-<date>.json``), and ``Run``: start time, load,
@@ -20,14 +20,14 @@ may use it. A script holds its scenario; what every script needs comes from here
 - timing (``harness.timing``): ``sleep_until``, ``timed`` (wall and CPU seconds of a call), ``batches`` (a saturated
   or paced producer's batches, each when due);
 - rounds (``harness.rounds``): ``alternating``, ``rotating``, ``interleaved``;
-- services (``harness.services``): ``start_postgres`` and ``postgres()`` (the project's PostgreSQL, else
-  ``OwnPostgres`` in a temp dir);
+- services (``harness.services``): ``start_postgres`` (the project's PostgreSQL, else ``OwnPostgres`` in a temp dir);
 - catalogs (``harness.catalogs``): ``sqlite_catalog`` and ``sqlite_props`` (SQLite and a local warehouse in a folder);
 - command line (``harness.cli``): ``bench_parser`` (``--smoke``, ``--out``), ``fill_defaults``, ``shrink``,
   ``int_list``.
 
-Importing it also puts the repository root on ``sys.path`` (after ``benchmarks/``), so that a script measures the
-``lakestream_iceberg`` of the checkout it is in and can import the project's ``catalog.services``.
+Importing it also puts the repository root at the front of ``sys.path``, so that a script measures the
+``lakestream_iceberg`` of the checkout it is in (not an installed one) and can import the project's
+``catalog.services``.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ from harness.results import (  # noqa: E402
     write_json,
 )
 from harness.rounds import alternating, interleaved, rotating  # noqa: E402
-from harness.services import OwnPostgres, postgres, start_postgres  # noqa: E402
-from harness.stats import fmt_ms, jain_index, median, percentile, ratio, summarize  # noqa: E402
+from harness.services import OwnPostgres, start_postgres  # noqa: E402
+from harness.stats import fmt_ms, jain_index, median, percentile, ratio_of, summarize  # noqa: E402
 from harness.tables import Table, print_tables, printed  # noqa: E402
 from harness.timing import batches, sleep_until, timed  # noqa: E402
 
@@ -122,9 +122,8 @@ __all__ = [
     "pid_cpu_s",
     "pid_rss_kib",
     "print_tables",
-    "postgres",
     "printed",
-    "ratio",
+    "ratio_of",
     "results_path",
     "rotating",
     "rss_kib",

@@ -50,7 +50,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from _common import RESULTS_DIR, Children, Parent, Table, jain_index, percentile, print_tables, sqlite_props, start_postgres, timed, write_json  # noqa: E402
+from _common import RESULTS_DIR, Children, Parent, Table, jain_index, percentile, print_tables, ratio_of, sqlite_props, start_postgres, timed, write_json  # noqa: E402
 
 WORLD_SIZE = 8
 ROWS_PER_SHARD = 4
@@ -497,7 +497,7 @@ def summarize_point(results: list[dict[str, Any]], duration: float, policy: str,
         "attempts_per_commit": statistics.fmean(attempts_known) if attempts_known else math.nan,
         "attempts": len(critical), "won_attempts": won_attempts,
         "carried_frac": sum(1 for r in ok if r[3] == 0) / len(ok) if ok and policy != "pyiceberg" else math.nan,
-        "batches_per_swap": len(ok) / won_attempts if won_attempts else math.nan,
+        "batches_per_swap": ratio_of(len(ok), won_attempts),
         "wasted_frac": 1 - won_attempts / len(critical) if critical else math.nan,
         "critical_p50_s": percentile(critical, 50), "critical_samples": critical[:5000],
         "pacing_mean_s": statistics.fmean(pace) if pace else math.nan,
@@ -623,9 +623,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
             for p in pts:
                 base = single.get((p["policy"], p.get("rep", 0)))
                 t.add(p["policy"], p["producers"], p.get("rep", 0), p["commits_per_s"],
-                      p["commits_per_s"] / base if base else math.nan,
+                      ratio_of(p["commits_per_s"], base),
                       p["failed"], p["p50_s"] * 1000, p["p99_s"] * 1000,
-                      p["p99_s"] / p["p50_s"] if p["p50_s"] else math.nan, p["jain"], p["attempts_per_commit"],
+                      ratio_of(p["p99_s"], p["p50_s"]), p["jain"], p["attempts_per_commit"],
                       p["wasted_frac"], p.get("carried_frac", math.nan), p.get("batches_per_swap", math.nan))
             t.note("commits: published batches (one snapshot each); failed: commit calls that raised (pyiceberg: "
                    "CommitFailedException after 4 retries; lakestream: budget exhausted); swaps/commit: "
@@ -809,8 +809,7 @@ def main(argv: list[str] | None = None) -> int:
             c100 = plain_point_stats(pcpu, 100, half)["p50_s"]
             cend = plain_point_stats(pcpu, points[-1], half)["p50_s"]
             ratios.update({"plain_p50_100": p100, "plain_p50_end": pend, "plain_end_step": points[-1],
-                           "plain_ratio": pend / p100 if p100 else math.nan,
-                           "plain_cpu_ratio": cend / c100 if c100 else math.nan})
+                           "plain_ratio": ratio_of(pend, p100), "plain_cpu_ratio": ratio_of(cend, c100)})
             results["growth"] = {"lakestream": ls, "plain": plain, "plain_points": points,
                                  "ratios": ratios}
             if ls.get("profile_last_commits"):

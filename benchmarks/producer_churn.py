@@ -52,7 +52,23 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from _common import RESULTS_DIR, Children, Parent, Run, Table, bench_parser, file_creation_ms, flush_writes, interleaved, machine, percentile, settle_and_say, shrink, sqlite_props  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    Children,
+    Parent,
+    Run,
+    Table,
+    bench_parser,
+    file_creation_ms,
+    flush_writes,
+    interleaved,
+    machine,
+    percentile,
+    ratio_of,
+    settle_and_say,
+    shrink,
+    sqlite_props,
+)
 
 WORLD_SIZE = 8
 NS = "bench"
@@ -288,7 +304,7 @@ def run_lone(root: Path, churned: Any, args: argparse.Namespace) -> dict[str, An
     print(f"[B] lone producer on a fresh stream: {fresh['commits']} commits in {fresh['elapsed_s']:.1f} s = "
           f"{fresh['commits_per_s']:.1f} commits/s (rounds {', '.join(f'{x:.0f}' for x in fresh['round_commits_per_s'])})",
           flush=True)
-    ratio = after["commits_per_s"] / fresh["commits_per_s"] if fresh["commits_per_s"] else math.nan
+    ratio = ratio_of(after["commits_per_s"], fresh["commits_per_s"])
     return {"after_churn": after, "fresh": fresh, "ratio": ratio,
             "metadata_bytes_after_churn": metadata_bytes(churned), "producers_in_head": len(churned.state().producers)}
 
@@ -491,10 +507,9 @@ def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             pool_runs.append(dict(pool, create_ms_before=create_ms))
             checks.append(check)
     alone, pool = _merge_pool_runs(alone_runs), _merge_pool_runs(pool_runs)
-    rounds = [p["commits_per_s"] / a["commits_per_s"] if a["commits_per_s"] else math.nan
+    rounds = [ratio_of(p["commits_per_s"], a["commits_per_s"])
               for p, a in zip(pool_runs, alone_runs, strict=True)]
-    return {"alone": alone, "pool": pool, "ratio": pool["commits_per_s"] / alone["commits_per_s"]
-            if alone["commits_per_s"] else math.nan, "round_ratios": rounds, "check": _merge_checks(checks),
+    return {"alone": alone, "pool": pool, "ratio": ratio_of(pool["commits_per_s"], alone["commits_per_s"]), "round_ratios": rounds, "check": _merge_checks(checks),
             "create_ms_before": {"alone": [r["create_ms_before"] for r in alone_runs],
                                  "pool": [r["create_ms_before"] for r in pool_runs]}}
 

@@ -60,6 +60,7 @@ from _common import (  # noqa: E402
     kill_all,
     machine,
     percentile,
+    ratio_of,
     settle_and_say,
     sleep_until,
     sqlite_catalog,
@@ -512,8 +513,8 @@ class Bench:
                             l_res, disk = self.lake_run(**kw)
                             l_rounds.append(dict(summarize_ingestion(l_res), create_ms_before=create_ms))
                 k, lk = pool_rounds(k_rounds), pool_rounds(l_rounds)
-                ratio = lk["mib_s"] / k["mib_s"] if k["mib_s"] else math.nan
-                per_round = [lr["mib_s"] / kr["mib_s"] if kr["mib_s"] else math.nan for kr, lr in zip(k_rounds, l_rounds)]
+                ratio = ratio_of(lk["mib_s"], k["mib_s"])
+                per_round = [ratio_of(lr["mib_s"], kr["mib_s"]) for kr, lr in zip(k_rounds, l_rounds)]
                 table.add(size, p, k["mib_s"], lk["mib_s"], ratio, k["publish_p50_ms"], lk["publish_p50_ms"],
                           lk["attempts_per_commit"], k["cpu_s_per_gib"], lk["cpu_s_per_gib"])
                 rows.append({"batch_mib": size, "producers": p, "kafka": k, "lakestream": lk, "ratio_mib_s": ratio,

@@ -34,7 +34,7 @@ from _common import (  # noqa: E402
     fill_defaults,
     interleaved,
     median,
-    ratio,
+    ratio_of,
     results_path,
     rotating,
     run_together,
@@ -151,7 +151,7 @@ def test_paced_batches_are_due_at_their_time_and_saturated_ones_stop_at_the_end(
 
 def test_statistics_return_nan_where_undefined() -> None:
     assert math.isnan(median([])) and median([3, 1, 2]) == 2
-    assert ratio(3, 2) == 1.5 and math.isnan(ratio(1, 0)) and math.isnan(ratio(None, 1))
+    assert ratio_of(3, 2) == 1.5 and math.isnan(ratio_of(1, 0)) and math.isnan(ratio_of(None, 1))
 
 
 def test_run_finish_prints_the_tables_and_writes_the_shared_keys(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,7 @@
 
 The project's services (SeaweedFS, PostgreSQL, moto) are context managers already: a benchmark starts one for its run
 with ``with services.SeaweedFS(root / "seaweedfs") as weed:`` and it is stopped on every path. ``start_postgres``
-falls back to ``OwnPostgres`` where ``catalog.services.Postgres`` is unusable; ``postgres()`` is the same as a block.
+falls back to ``OwnPostgres`` where ``catalog.services.Postgres`` is unusable.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from .procs import free_port
 
-__all__ = ["OwnPostgres", "postgres", "start_postgres"]
+__all__ = ["OwnPostgres", "start_postgres"]
 
 
 class OwnPostgres:
@@ -90,12 +89,3 @@ def start_postgres() -> tuple[Any, str]:
         own.start()
         return own, "own initdb/pg_ctl"
 
-
-@contextlib.contextmanager
-def postgres() -> Iterator[tuple[Any, str]]:
-    """``start_postgres()`` for a block: (server, how), closed however the block ends."""
-    server, how = start_postgres()
-    try:
-        yield server, how
-    finally:
-        server.close()

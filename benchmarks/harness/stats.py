@@ -6,7 +6,7 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 
-__all__ = ["fmt_ms", "jain_index", "median", "percentile", "ratio", "summarize"]
+__all__ = ["fmt_ms", "jain_index", "median", "percentile", "ratio_of", "summarize"]
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -42,12 +42,12 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(data) if data else math.nan
 
 
-def ratio(numerator: float | None, denominator: float | None) -> float:
+def ratio_of(numerator: float | None, denominator: float | None) -> float:
     """``numerator / denominator``, NaN when either is missing or the denominator is 0 or NaN.
 
-    >>> ratio(3, 2)
+    >>> ratio_of(3, 2)
     1.5
-    >>> ratio(1, 0)
+    >>> ratio_of(1, 0)
     nan
     """
     if numerator is None or denominator is None or not denominator or math.isnan(denominator):
