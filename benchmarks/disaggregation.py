@@ -8,8 +8,10 @@ other hosts. Both feeds run the same preprocessing, ``vs_colocated.py``'s (a JPE
 resized to 3x128x128, a text WordPiece-tokenized), imported from it.
 
 * colocated: ``DataLoader(num_workers=--workers, default k)`` in the trainer's process tree, all on the k cores;
-* lakestream: ``cores - k`` producer processes (pinned to the other cores) preprocess and commit each batch as one
-  step while the trainer trains; the trainer reads it with ``LakestreamDataset(follow=True)`` on its k cores.
+* lakestream: ``--producers-per-core`` (default 2) producer processes per other core, pinned to those cores,
+  preprocess and commit each batch as one step while the trainer trains (two per core: while one waits for its commit,
+  the catalog's fsync or a group commit, the other preprocesses); the trainer reads the steps with
+  ``LakestreamDataset(follow=True)`` on its k cores.
 
 The training step: with ``torch.cuda.is_available()``, a real step of an MLP on the GPU (the batch's images as
 floats, 3x128x128 -> 2048 -> 2048 -> 10, SGD), repeated to last the step time asked for; the batch is pinned
@@ -229,7 +231,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
     ap.add_argument("--k", type=int, default=None, help="trainer cores (default 1 up to 8 cores, else cores // 8)")
     ap.add_argument("--workers", type=int, default=None, help="colocated DataLoader workers (default k)")
-    ap.add_argument("--producers-per-core", type=int, default=1)
+    ap.add_argument("--producers-per-core", type=int, default=2,
+                    help="lakestream producer processes per producer core (default 2: while one waits for its commit, "
+                         "e.g. the catalog's fsync, the other preprocesses; a DataLoader worker never waits on I/O)")
     ap.add_argument("--ratios", default=None, help="preprocessing of a batch on one core / step time (default 0.5,1,2,4)")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 40)")
     ap.add_argument("--batch", type=int, default=None, help="samples per step (default 32)")
