@@ -168,23 +168,23 @@ class Bench:
         finally:
             os.sched_setaffinity(0, self.all_cores)
 
-    def colocated(self, step_s: float) -> dict[str, Any]:
+    def colocated(self, step_s: float, steps: int) -> dict[str, Any]:
         import torch
 
         workers = self.args.workers
         os.sched_setaffinity(0, self.trainer_cores)  # the trainer and the workers it forks
         try:
             loader = torch.utils.data.DataLoader(
-                colo.MapDataset(self.raw, self.args.steps * self.args.batch), batch_size=self.args.batch,
+                colo.MapDataset(self.raw, steps * self.args.batch), batch_size=self.args.batch,
                 num_workers=workers, prefetch_factor=2 if workers else None,
                 multiprocessing_context="fork" if workers else None, pin_memory=self.step.gpu)
-            result = train(loader, steps=self.args.steps, warmup=self.args.warmup, step=self.step, step_s=step_s)
+            result = train(loader, steps=steps, warmup=self.args.warmup, step=self.step, step_s=step_s)
             del loader
         finally:
             os.sched_setaffinity(0, self.all_cores)
         return {**result, "feed": "colocated", "workers": workers}
 
-    def lakestream(self, step_s: float, label: str) -> dict[str, Any]:
+    def lakestream(self, step_s: float, steps: int, label: str) -> dict[str, Any]:
         from lakestream_iceberg import Stream
         from lakestream_iceberg.read.dataset import LakestreamDataset
 
@@ -194,7 +194,7 @@ class Bench:
         Stream.create(catalog, NAME, schema=colo.SCHEMA, world_size=1)
         catalog.engine.dispose()
         producers = len(self.producer_cores) * self.args.producers_per_core
-        quota = math.ceil(self.args.steps / producers)
+        quota = math.ceil(steps / producers)
         out = CTX.Queue()
         procs = [CTX.Process(target=pinned_producer, daemon=True,
                              args=(self.producer_cores, str(root), i, producers, quota, self.args.batch, self.raw, out))
@@ -207,7 +207,7 @@ class Bench:
                                         follow=True, timeout=300.0, prefetch=2, poll_s=0.005, max_poll_s=0.05,
                                         collate=colo.lake_collate, transform=pin if self.step.gpu else None)
             try:
-                result = train(dataset, steps=self.args.steps, warmup=self.args.warmup, step=self.step, step_s=step_s)
+                result = train(dataset, steps=steps, warmup=self.args.warmup, step=self.step, step_s=step_s)
             finally:
                 dataset.close()
             reports = [out.get(timeout=120) for _ in procs]
@@ -234,8 +234,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--producers-per-core", type=int, default=2,
                     help="lakestream producer processes per producer core (default 2: while one waits for its commit, "
                          "e.g. the catalog's fsync, the other preprocesses; a DataLoader worker never waits on I/O)")
-    ap.add_argument("--ratios", default=None, help="preprocessing of a batch on one core / step time (default 0.5,1,2,4)")
-    ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 40)")
+    ap.add_argument("--ratios", default=None,
+                    help="preprocessing of a batch on one core / step time (default 0.5,1,2,4, and 2 x (cores - k) where "
+                         "that is more: the ratio at which preprocessing bounds the lakestream feed too)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="training steps per run (default: 3 s at the faster feed's bound, at least 40, at most 2000)")
     ap.add_argument("--batch", type=int, default=None, help="samples per step (default 32)")
     ap.add_argument("--cpu", action="store_true", help="a sleep for the step even when a GPU is available")
     ap.add_argument("--out", default=str(RESULTS_DIR / "disaggregation.json"))
@@ -245,8 +248,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not 1 <= args.k < cores:
         ap.error(f"--k must leave at least one of the {cores} cores to the producers")
     args.workers = args.workers if args.workers is not None else args.k
-    args.ratios = [float(r) for r in (args.ratios or ("0.5,2" if args.smoke else "0.5,1,2,4")).split(",")]
-    args.steps = args.steps or (10 if args.smoke else 40)
+    if args.ratios is None:
+        args.ratios = [0.5, 2.0] if args.smoke else [0.5, 1.0, 2.0, 4.0]
+        if not args.smoke and 2 * (cores - args.k) > 4:
+            args.ratios.append(float(2 * (cores - args.k)))
+    else:
+        args.ratios = [float(r) for r in args.ratios.split(",")]
+    if args.smoke:
+        args.steps = args.steps or 10
     args.batch = args.batch or (8 if args.smoke else 32)
     args.warmup = 2 if args.smoke else 5
     args.raw_images, args.raw_texts = (8, 8) if args.smoke else (64, 64)
@@ -277,11 +286,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{' [smoke]' if args.smoke else ''}", flush=True)
         for ratio in args.ratios:
             step_s = step.actual_s(prep_s / ratio)
-            colocated = bench.colocated(step_s)
-            lake = bench.lakestream(step_s, f"r{ratio:g}")
             colo_bound = min(1 / step_s, args.k / prep_s)
             lake_bound = min(1 / step_s, (args.cores - args.k) / prep_s)
-            row = {"ratio": ratio, "step_ms": step_s * 1000, "colocated": colocated, "lakestream": lake,
+            steps = args.steps or max(40, min(2000, math.ceil(3 * lake_bound)))
+            colocated = bench.colocated(step_s, steps)
+            lake = bench.lakestream(step_s, steps, f"r{ratio:g}")
+            row = {"ratio": ratio, "step_ms": step_s * 1000, "steps": steps, "colocated": colocated, "lakestream": lake,
                    "colocated_bound": colo_bound, "lakestream_bound": lake_bound,
                    "speedup": lake["steps_per_s"] / colocated["steps_per_s"], "speedup_bound": lake_bound / colo_bound}
             rows.append(row)
@@ -293,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.close()
     table = Table(f"trainer steps/s with k={args.k} of {args.cores} cores for the trainer (+ colocated workers), "
                   f"lakestream producers on the other {args.cores - args.k}; GPU: {gpu_name}; batch {args.batch}, "
-                  f"{args.steps} steps, first {args.warmup} excluded",
+                  f"first {args.warmup} steps of each run excluded",
                   ["prep/step", "step ms", "colocated steps/s", "of its bound", "lakestream steps/s", "of its bound",
                    "lake/colocated", "bound of ratio", "ratio / bound", "lake data ms p99", "colocated stall",
                    "lake stall"])
@@ -316,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
         "wall_s": time.monotonic() - started,
         "loadavg_at_start": load_at_start,
-        "config": {k: getattr(args, k) for k in ("cores", "k", "workers", "producers_per_core", "ratios", "steps", "batch",
+        "config": {k: getattr(args, k) for k in ("cores", "k", "workers", "producers_per_core", "ratios", "batch",
                                                  "warmup", "raw_images", "raw_texts")},
         "trainer_cores": bench.trainer_cores,
         "producer_cores": bench.producer_cores,
