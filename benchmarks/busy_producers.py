@@ -52,6 +52,7 @@ SAMPLE_BYTES = 64 * 1024
 SCHEMA = pa.schema([("sample", pa.binary())])
 NAME = "bench.busy"
 CTX = mp.get_context("fork")
+MIN_SAMPLES = 5  # fewer carried batches than this: no carried CPU figure
 RAW_POOL = 4  # raw batches each producer keeps (made before the clock starts), used in turn
 
 
@@ -290,6 +291,8 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     commit = sum(rec[3] for rec in recs)
     latency = [rec[1] - rec[0] for rec in recs]
     carried = [rec[3] for rec in recs if rec[4]]
+    if len(carried) < MIN_SAMPLES:  # a batch or two carried while the producers were mostly alone says nothing
+        carried = []
     own = [rec[3] for rec in recs if not rec[4]]
     return {
         "batches": batches, "elapsed_s": elapsed, "batches_per_s": batches / elapsed if elapsed > 0 else math.nan,
@@ -297,6 +300,7 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "commit_cpu_ms": 1000 * commit / batches if batches else math.nan,
         "commit_share": commit / (prep + commit) if prep + commit else math.nan,
         "cpu_s": sum(r["cpu_s"] for r in reports),
+        "cores_used": sum(r["cpu_s"] for r in reports) / elapsed if elapsed > 0 else math.nan,
         "carried_frac": len(carried) / batches if batches else math.nan,
         "carried_cpu_ms_p50": 1000 * percentile(carried, 50), "carried_cpu_ms_mean": 1000 * statistics.fmean(carried) if carried else math.nan,
         "own_cpu_ms_p50": 1000 * percentile(own, 50), "own_cpu_ms_mean": 1000 * statistics.fmean(own) if own else math.nan,
@@ -351,7 +355,9 @@ class Bench:
             reports = run_processes(dict(spec, bootstrap=broker.bootstrap, topic=topic), producers,
                                     timeout_s=self.args.duration + 120)
             broker_cpu = broker.cpu_s() - cpu0
-        return {**summarize(reports), "broker_cpu_s": broker_cpu}
+        result = summarize(reports)
+        result["cores_used"] += broker_cpu / result["elapsed_s"]
+        return {**result, "broker_cpu_s": broker_cpu}
 
     def lake(self, producers: int) -> dict[str, Any]:
         from lakestream_iceberg import Stream
@@ -434,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(f"busy producers: {args.batch_mib} MiB batches prepared with {cal['cpu_ms']:.0f} ms of CPU each, "
                   f"C={args.cores} cores, {args.duration:g} s x {args.rounds} rounds per point",
                   ["N", "kafka b/s", "lake b/s", "ideal b/s", "lake/ideal", "kafka/ideal", "lake/kafka",
-                   "lake commit CPU %", "kafka commit CPU %", "carried %", "carried CPU ms", "own CPU ms",
+                   "cores used lake", "cores used kafka", "lake commit CPU %", "kafka commit CPU %", "carried %", "carried CPU ms", "own CPU ms",
                    "lone CPU ms", "p50 ms", "p99 ms", "p99/p50", "failed", "exactly once"])
     lone_ms = lone["own_cpu_ms_p50"] if lone else math.nan
     for row in rows:
@@ -444,13 +450,15 @@ def main(argv: list[str] | None = None) -> int:
         row.update(ideal=ideal, lake_vs_ideal=lb / ideal, kafka_vs_ideal=kb / ideal, lake_vs_kafka=lb / kb,
                    carried_vs_lone=(lake["carried_cpu_ms_p50"] / lone_ms) if lake else math.nan)
         table.add(row["producers"], kb, lb, ideal, lb / ideal, kb / ideal, lb / kb,
+                  lake["cores_used"] if lake else math.nan, kafka["cores_used"] if kafka else math.nan,
                   100 * lake["commit_share"] if lake else math.nan, 100 * kafka["commit_share"] if kafka else math.nan,
                   100 * lake["carried_frac"] if lake else math.nan, lake["carried_cpu_ms_p50"] if lake else math.nan,
                   lake["own_cpu_ms_p50"] if lake else math.nan, lone_ms, lake["latency_ms_p50"] if lake else math.nan,
                   lake["latency_ms_p99"] if lake else math.nan,
                   lake["latency_ms_p99"] / lake["latency_ms_p50"] if lake else math.nan,
                   lake["failed"] if lake else "-", ("yes" if lake["exactly_once"] else "NO") if lake else "-")
-    table.note("ideal = C / preprocessing CPU of one batch alone; b/s = batches published per second (all producers).")
+    table.note("ideal = C / preprocessing CPU of one batch alone; b/s = batches published per second (all producers); "
+               "cores used = the producers' CPU seconds (Kafka: and the broker's) per second of the run.")
     table.note("commit CPU % = process CPU inside the publish call over prep + publish CPU (Kafka: client side only; "
                "the broker's CPU is in the JSON). CPU ms columns are lakestream medians per batch: carried = published "
                "by another producer's group commit, own = its own compare-and-swap, lone = one producer alone.")
