@@ -71,7 +71,7 @@ def summary_of(stream: Stream, step: int) -> StreamState:
 def carried_by(stream: Stream, holder, carrier, holder_batch: list, carrier_batch: list, *, carrier_step: int):
     """``holder.commit(holder_batch)`` in a thread, held until ``carrier`` (committing alone) publishes it with its own
     batch; returns the holder's result."""
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
 
     results: list = []
     thread = threading.Thread(target=lambda: results.append(holder.commit(holder_batch)))
@@ -99,7 +99,7 @@ def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path:
     for producer in ("c", "d", "e"):  # three staged batches: the next commit publishes a group of four
         stage(stream, producer, 0)
         time.sleep(0.002)  # staged in this order, each seen as staged before the next
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
 
     time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
     before_entries, before_lists = DEFAULT_CACHE.entries_cached(), set(DEFAULT_CACHE._lists)  # noqa: SLF001
@@ -145,7 +145,7 @@ def test_a_process_forgets_the_intents_that_are_gone(tmp_path: Path) -> None:
     assert b.commit(batch("b", 2, WORLD)).step == 5  # and nothing of theirs is published
     # intents this process publishes itself: gone with their footer checks once it removes them
     published_here = [stage(stream, producer, 0) for producer in ("e", "f")]
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
 
     time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
     assert b.commit(batch("b", 3, WORLD)).step == 8  # a group: e's and f's batches, then b's
