@@ -493,7 +493,8 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
     when what was ahead is published (shown by a light read of the head) or gone, and returns as carried when its own
     intent is gone. Without a pointer probe (REST) the rule is off."""
     from lakestream_iceberg.format.summary import ProducerState, StreamState
-    from lakestream_iceberg.write.commit import CommitLoop, Peek
+    from lakestream_iceberg.write.commit import CommitLoop
+    from lakestream_iceberg.write.plan import Peek
 
     clock = Clock()
     p = policy(clock=clock)

@@ -36,10 +36,10 @@ from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
-from lakestream_iceberg.write.commit import Carry, Done, Peek, Plan
 from lakestream_iceberg.write.dac import CommitPolicy
 from lakestream_iceberg.write.head import ProducerHead
 from lakestream_iceberg.write.intent import Intent
+from lakestream_iceberg.write.plan import Carry, Done, Peek, Plan
 from lakestream_iceberg.write.staging import StagingArea, publishable_age_s
 from lakestream_iceberg.write.writer import StagedBatch
 

@@ -20,8 +20,9 @@ from lakestream_iceberg.errors import CommitOutcomeUnknownError, CommitTimeoutEr
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.layout import check_batch
 from lakestream_iceberg.format.table import after_gc
-from lakestream_iceberg.write.commit import CommitLoop, Outcome
+from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.head import ProducerHead
+from lakestream_iceberg.write.plan import Outcome
 from lakestream_iceberg.write.planner import BatchPlanner, Published, stage_batch
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, check_producer_id
