@@ -759,3 +759,28 @@ def test_staging_lists_the_batches_staged_before_one_in_the_order_every_producer
     staging.remove([first.path])
     assert staging.ahead("main", first.path, max_age_s=max_age_s) is None
     assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("y", 4)]
+
+
+def test_a_result_says_how_many_batches_the_commit_that_published_it_published(tmp_path: Path, monkeypatch) -> None:
+    """CommitResult.group: 1 for a lone commit; the group's size for the committer of a group, for a batch another
+    producer's commit carried, and for a duplicate of a seq a group published."""
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
+
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    assert a.commit(batch("a", 2, WORLD)).group == 1  # a thinks itself alone (no staged batch to carry)
+    for producer in ("c", "d"):  # two staged batches: b's next commit publishes a group of three
+        stage(stream, producer, 0)
+        time.sleep(0.002)
+    time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
+    grouped = b.commit(batch("b", 2, WORLD))
+    assert (grouped.step, grouped.group, grouped.carried) == (8, 3, False)
+    assert summary_of(stream, 8).group == 3
+    again = stream.producer("b").commit(batch("b", 2, WORLD), seq=2)
+    assert (again.duplicate, again.step, again.group) == (True, 8, 3)
+    monkeypatch.setattr(a, "_contended", lambda: True)  # a stages and holds; b commits alone and carries it
+    monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
+    monkeypatch.setattr(CommitPolicy, "leads_queue", False)  # nor a batch that leads the queue: it is the only one
+    carried = carried_by(stream, a, b, batch("a", 3, WORLD), batch("b", 3, WORLD), carrier_step=10)
+    assert (carried.step, carried.carried, carried.group) == (9, True, 2) and summary_of(stream, 9).group == 2
