@@ -2,8 +2,12 @@
 
 A producer is identified by a stable id (``"prep-0"``) and numbers its batches 0, 1, 2, ... (its *seq*). The table is
 the only state: ``next_seq`` is read from the head snapshot's producer table, so a producer killed at any point and
-restarted with the same id continues with no gap and no duplicate. See :mod:`lakestream_iceberg.write.commit` for the loop
-and :mod:`lakestream_iceberg.write.dac` for its pacing.
+restarted with the same id continues with no gap and no duplicate.
+
+One call: check the batch, open its seq on the head (:class:`~lakestream_iceberg.write.head.ProducerHead`; a published
+seq is a duplicate, nothing is written), write the data files, stage them when others are committing (group commit),
+then hand one :class:`~lakestream_iceberg.write.planner.BatchPlanner` to the producer's
+:class:`~lakestream_iceberg.write.commit.CommitLoop`, paced by :mod:`lakestream_iceberg.write.dac`.
 """
 
 from __future__ import annotations
