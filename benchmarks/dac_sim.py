@@ -591,7 +591,7 @@ def _simulate_loop(
 
     policies = [strat.make(clock, random.Random(rng.getrandbits(64))) for _ in range(producers)]
     res = SimResult(strat.name, producers, duration_s, 0, 0, 0, 0, per_producer=[0] * producers)
-    group_on = strat.group and strat.group_max >= 2  # Producer._stage returns None otherwise
+    group_on = strat.group and strat.group_max >= 2  # stage_batch (write/planner.py) returns None otherwise
     others_max = max(0, strat.group_max - 1) if strat.group else 0
     cache_len = 2 * strat.group_max  # a cached listing keeps its oldest intents only (enough for one plan)
 

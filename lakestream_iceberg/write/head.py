@@ -37,7 +37,7 @@ class ProducerHead:
 
     def refresh(self) -> TableMetadata:
         """The head, read fully (see :meth:`CommitLoop.refresh`), within the stream's commit timeout."""
-        return self.loop.refresh(deadline=time.monotonic() + self.stream.config.commit_timeout_ms / 1000)
+        return self.loop.refresh(deadline=time.monotonic() + self.stream.config.commit_timeout_s)
 
     def check_branch(self, metadata: TableMetadata) -> None:
         """Refuse (:class:`CommitError`) a branch deleted or re-tagged since: a producer never commits to a tag."""

@@ -40,7 +40,7 @@ from lakestream_iceberg.write.dac import CommitPolicy
 from lakestream_iceberg.write.head import ProducerHead
 from lakestream_iceberg.write.intent import Intent
 from lakestream_iceberg.write.plan import Carry, Done, Peek, Plan
-from lakestream_iceberg.write.staging import StagingArea, publishable_age_s
+from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import StagedBatch
 
 log = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class BatchPlanner:
         self._seq = seq
         self._allow_gap = allow_gap
         self._began_at = began_at
-        self._max_age_s = publishable_age_s(head.stream.config)
+        self._max_age_s = head.stream.config.staged_max_age_s  # half the GC grace period
         self.intent: Intent | None = None
         self.staged_at = 0.0
         self._own = _Batch(staged, allow_gap, time.time(), None)
@@ -202,8 +202,8 @@ class BatchPlanner:
         self._own = _Batch(self._staged, self._allow_gap, intent.staged_at, intent.path)
 
     def _check_age(self, batch: StagedBatch) -> None:
-        """Refuse (:class:`CommitTimeoutError`) the batch once its files are older than :func:`publishable_age_s`:
-        the same bound as other producers' staged batches."""
+        """Refuse (:class:`CommitTimeoutError`) the batch once its files are older than half the GC grace period
+        (``StreamConfig.staged_max_age_s``): the same bound as other producers' staged batches."""
         age = time.time() - batch.written_at if batch.written_at is not None else 0.0
         if age > self._max_age_s:
             raise CommitTimeoutError(

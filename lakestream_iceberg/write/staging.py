@@ -71,7 +71,6 @@ from pyiceberg.types import IcebergType, ListType, MapType, StructType
 
 from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.errors import CorruptStateError
-from lakestream_iceberg.format.layout import StreamConfig
 from lakestream_iceberg.format.packed import PackedFooter
 from lakestream_iceberg.write.intent import INTENT_NAME, STAGING_DIR, Intent, intent_name
 from lakestream_iceberg.write.intent_store import CatalogIntents, Entry, FileIntents, UnusableIntent
@@ -79,17 +78,7 @@ from lakestream_iceberg.write.writer import StagedBatch, StagedFile, data_file_p
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Intent", "StagingArea", "publishable_age_s"]
-
-
-def publishable_age_s(config: StreamConfig) -> float:
-    """How old a batch's data files may be and still be published: half the GC grace period
-    (``lakestream.gc.grace-period-ms``). GC deletes unreferenced files older than the grace period, and a commit may
-    take up to the commit timeout (at most half the grace period, see ``StreamConfig``), so a batch within this bound
-    is never published with files GC may already be deleting. The same bound holds for a producer's own batch and for
-    the staged batches of others."""
-    return config.gc_grace_ms / 2000
-
+__all__ = ["Intent", "StagingArea"]
 
 class StagingArea:
     """The intents of one table, under ``<location>/data/_staging/``."""
