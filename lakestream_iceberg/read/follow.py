@@ -198,6 +198,11 @@ class HeadWatcher:
         """Commit notifications received so far (always 0 on catalogs that send none)."""
         return self._listener.received if self._listener is not None else 0
 
+    @property
+    def listening(self) -> bool:
+        """Whether commit notifications wake this watcher (a live LISTEN connection on a PostgreSQL catalog)."""
+        return self._listener is not None and self._listener.alive
+
     def pause(self, seconds: float, stop: threading.Event | None = None) -> bool | None:
         """Sleep up to ``seconds``, less when a commit notification arrives (True) or ``stop`` is set (None)."""
         if self._listen and self._listener is None:
