@@ -206,6 +206,8 @@ class HeadRelay:
             return encode_error(exc)
 
     def _state(self) -> dict[str, Any]:
+        if self._fatal is not None:
+            self._poll_once()  # rare: answer with the table's state now (re-created since it was dropped, ...)
         with self._cond:
             if self._fatal is not None:
                 return encode_error(self._fatal)
@@ -229,6 +231,8 @@ class HeadRelay:
         step = request.get("step")
         if type(step) is not int:
             return {"error": "ReadError", "message": "malformed relay files request"}
+        if self._fatal is not None:
+            self._poll_once()
         with self._cond:
             if self._fatal is not None:
                 return encode_error(self._fatal)
