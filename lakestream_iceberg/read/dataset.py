@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
@@ -170,6 +171,8 @@ class _DatasetCore:
         self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
         self._pending: dict[str, int] | None = None
         self.last_step: int | None = None  # the last step this instance delivered
+        if relay and follow:  # its readers follow through the host's relay: no idle catalog connection kept for them
+            release_idle_connections(stream.table.catalog)
 
     @classmethod
     def from_checkpoint(cls, stream: StreamTable, name: str, **kwargs: Any) -> Any:
