@@ -203,3 +203,14 @@ def test_a_forked_child_does_not_keep_its_parents_relay_elected(tmp_path: Path, 
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert make_catalog(tmp_path)  # the parent goes on
+
+
+def test_a_holder_opened_on_an_old_view_answers_for_the_current_head(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=2)
+    old = Stream.open(make_catalog(tmp_path), "ns.s")  # a worker's view, read when it started
+    commit(stream, 3)
+    commit(stream, 4)
+    holder = watch(old)
+    assert isinstance(holder, RelayWatcher) and holder.holding
+    assert [f.file_path for f in holder.files(None, 4)] == [f.file_path for f in stream.locate(4)]
+    holder.close()

@@ -80,6 +80,7 @@ class HeadRelay:
         self._clients: set[socket.socket] = set()
         self._users = 0
         self.served = 0
+        self._poll_once()  # the head of now, not of when the caller's view was read (a worker's: maybe long ago)
         try:
             os.unlink(paths.socket)  # a dead holder's socket
         except FileNotFoundError:
@@ -231,8 +232,8 @@ class HeadRelay:
         step = request.get("step")
         if type(step) is not int:
             return {"error": "ReadError", "message": "malformed relay files request"}
-        if self._fatal is not None:
-            self._poll_once()
+        if self._fatal is not None or step > self._head[0]:
+            self._poll_once()  # the client heard of a newer head (from this relay's predecessor, or a poll ago)
         with self._cond:
             if self._fatal is not None:
                 return encode_error(self._fatal)
