@@ -11,8 +11,9 @@ process per host, stream and branch (the *holder*) does all of that once, and th
   catalog pointer every ``poll_s`` (on PostgreSQL it also listens for commit notifications and then polls only every
   ``max_poll_s`` as a safety net), and reads the new ``metadata.json`` once per head.
 * **Answers**: ``wait`` (block until the head reaches a step, at most ``WAIT_SLICE_S``), ``files`` (a step's data
-  files, looked up once on the head's manifests and kept for the next clients in a small LRU), ``check`` (poll now:
-  after a GC deleted a file a client was reading). Errors are sent back as their class (:func:`.relay_wire.decode_error`):
+  files, looked up once and kept for the next clients in a small LRU; looked up on the head that first listed the
+  step, not on every newer head, so that clients asking for one step at different heads cost one manifest read, not
+  one per head), ``check`` (poll now, and plan on the head of now: a client found a file gone after a GC). Errors are sent back as their class (:func:`.relay_wire.decode_error`):
   a collected step, a dropped or re-created table raise the same errors through the relay as without it.
 
 Memory is bounded: the table view and its manifest cache (bounded as every stream's), ``PLANS_KEPT`` answers, and one
@@ -73,9 +74,11 @@ class HeadRelay:
         self._watcher = HeadWatcher(self.stream, branch=branch)
         self._cond = threading.Condition()
         self._poll_lock = threading.Lock()
+        self._plan_lock = threading.Lock()
         self._stop = threading.Event()
         self._head: tuple[int, Any] = self._watcher.head()
         self._fatal: LakestreamError | None = None
+        self._plan_base: tuple[int, Any] | None = None  # the head steps are planned on (see _files)
         self._plans: OrderedDict[tuple[int | None, int], dict[str, Any]] = OrderedDict()
         self._clients: set[socket.socket] = set()
         self._users = 0
@@ -113,6 +116,7 @@ class HeadRelay:
         """Stop serving: the socket goes, then the lock (clients then elect a new holder)."""
         if self._stop.is_set():
             return
+        log.debug("stopping the head relay of %s (branch %s) at %s", self.stream.name, self.branch, self.paths.socket)
         self._stop.set()
         with _HELD_LOCK:
             if _HELD.get(self.paths.key) is self:
@@ -150,6 +154,11 @@ class HeadRelay:
             self._head = head
             if moved or fatal is not None:
                 self._cond.notify_all()
+
+    def _replan(self) -> None:
+        self._poll_once()
+        with self._cond:
+            self._plan_base = None
 
     def _poll_loop(self) -> None:
         while not self._stop.is_set():
@@ -197,8 +206,8 @@ class HeadRelay:
                 return self._wait(request)
             if op == "files":
                 return self._files(request)
-            if op == "check":
-                self._poll_once()
+            if op == "check":  # a client found a file gone (GC): plans are made on the head of now from here on
+                self._replan()
                 return self._state()
             if op == "hello":
                 return {"uuid": str(self.stream.table.metadata.table_uuid), "branch": self.branch, "pid": self.pid}
@@ -237,8 +246,16 @@ class HeadRelay:
         with self._cond:
             if self._fatal is not None:
                 return encode_error(self._fatal)
-            snapshot = self._head[1]
+            base = self._plan_base
+            if base is None or base[0] < step:  # plan on the newest head only for a step the older one lacks
+                base = self._plan_base = self._head
+            snapshot = base[1]
             key = (None if snapshot is None else snapshot.snapshot_id, step)
+        with self._plan_lock:  # one lookup per step: the clients a head move woke all ask at once
+            return self._plan(key, step, snapshot)
+
+    def _plan(self, key: tuple[int | None, int], step: int, snapshot: Any) -> dict[str, Any]:
+        with self._cond:
             kept = self._plans.get(key)
             if kept is not None:
                 self._plans.move_to_end(key)
@@ -250,7 +267,7 @@ class HeadRelay:
             snapshot = self._head[1]
             return index.files(snapshot, step)
 
-        files = after_gc(lambda: index.files(snapshot, step), refresh=self._poll_once, again=on_head)
+        files = after_gc(lambda: index.files(snapshot, step), refresh=self._replan, again=on_head)
         if not files:
             raise missing_step_error(step, StreamState.of(snapshot), self.branch, self.stream.name)
         answer = {"step": step, "snapshot": snapshot.snapshot_id, "uuid": str(self.stream.table.metadata.table_uuid),
