@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/fanout.py                       # R=8,32 K=2, relay on and off; writes
                                                                 # benchmarks/results/fanout.json
     .venv/bin/python benchmarks/fanout.py --ranks 32 --hosts 4  # 4 simulated hosts of 8 ranks
+    .venv/bin/python benchmarks/fanout.py --smoke --out /tmp/fanout.json    # seconds
 
 Real services: PostgreSQL (catalog, commit notifications) and SeaweedFS S3 (warehouse), started with
 ``catalog/services.py``. Every rank is a process with a real ``torch.utils.data.DataLoader`` of K forked workers
@@ -46,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.modules.setdefault("fanout", sys.modules[__name__])  # py-io-impl "fanout.CountingArrowFileIO" is this module
 
 import pyarrow as pa  # noqa: E402
-from _common import REPO_ROOT, Table, percentile, write_json  # noqa: E402
+from _common import Table, percentile, write_json  # noqa: E402
 from pyiceberg.io import InputFile  # noqa: E402
 from pyiceberg.io.pyarrow import PyArrowFileIO  # noqa: E402
 from read_path import CountingInputFile  # noqa: E402
@@ -250,6 +251,7 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between the producer's commits")
     parser.add_argument("--modes", default="relay,direct")
     parser.add_argument("--name", default="fanout", help="results file: benchmarks/results/<name>.json")
+    parser.add_argument("--out", default=None, help="write the JSON here instead")
     parser.add_argument("--smoke", action="store_true", help="R=2, K=1, 6 steps, for tests")
     args = parser.parse_args()
     if args.smoke:
@@ -290,9 +292,11 @@ def main() -> None:
                "per rank: <= 1 catalog query, <= 1.1 metadata requests, <= 2 KiB metadata; <= 2 connections per host")
     table.note(f"{os.cpu_count()} cores, shared with other work while measured: latencies are noisy")
     print(table)
-    if not args.smoke:
-        path = write_json(args.name, {"table": table, "runs": results, "args": vars(args)})
-        print(f"wrote {path.relative_to(REPO_ROOT)}")
+    if args.out or not args.smoke:
+        kwargs = {"directory": Path(args.out).parent} if args.out else {}
+        path = write_json(Path(args.out).name if args.out else args.name, {"table": table, "runs": results,
+                                                                            "args": vars(args)}, **kwargs)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -214,3 +214,19 @@ def test_a_holder_opened_on_an_old_view_answers_for_the_current_head(tmp_path: P
     assert isinstance(holder, RelayWatcher) and holder.holding
     assert [f.file_path for f in holder.files(None, 4)] == [f.file_path for f in stream.locate(4)]
     holder.close()
+
+
+def test_a_follow_reader_whose_planned_step_was_collected_gets_the_direct_error(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=10)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=10, prefetch=2, timeout=60,
+                           collate=lambda it: it.step)
+    iterator = iter(ds)
+    got = [next(iterator)]  # steps 2 and 3 are planned through the relay, on the head of that moment
+    stream.checkpoint("early", step=1)
+    stream.checkpoint("late", step=6)
+    Stream.open(stream.table.catalog, "ns.s").collect_garbage(dry_run=False, keep_last=1)  # collects steps 1..5
+    with pytest.raises(StepCollectedError, match="step 4 "):
+        got.extend(iterator)
+    assert got[:1] == [1] and set(got) <= {1, 2, 3}
+    ds.load_state_dict({"next_step": 6})
+    assert list(ds) == [6, 7, 8, 9, 10]

@@ -220,6 +220,8 @@ class _DatasetCore:
                     "positions belong to the old table. Make the dataset again on the new stream"
                 )
             self._stream, self._pid = stream, os.getpid()
+            if self.relay and self.follow:  # the relay answers this process: no idle catalog connection kept for it
+                release_idle_connections(stream.table.catalog)
         return self._stream
 
     def _resolve_end(self, stream: StreamTable) -> int:

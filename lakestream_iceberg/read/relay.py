@@ -23,7 +23,6 @@ thread per connection, at most ``MAX_CLIENTS``. A holder serves while its own pr
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
@@ -187,7 +186,7 @@ class HeadRelay:
     def _serve(self, conn: socket.socket) -> None:
         try:
             while not self._stop.is_set():
-                if not readable(conn, 0.5):
+                if not readable(conn, 5.0):  # stop() shuts the connection down, which wakes this at once
                     continue
                 request = recv_frame(conn, timeout=IO_S)
                 send_frame(conn, self._answer(request), timeout=IO_S)
@@ -299,6 +298,10 @@ def hold(stream: StreamTable, *, branch: str, paths: RelayPaths, poll_s: float, 
     relay = held(paths)
     if relay is not None:
         return relay
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        raise OSError("no flock on this platform") from None
     fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

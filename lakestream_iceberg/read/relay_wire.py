@@ -56,6 +56,8 @@ class RelayPaths:
 
 def relay_dir() -> Path | None:
     """The first usable per-user runtime directory (see the module docstring), or None when there is none."""
+    if not hasattr(os, "getuid") or not hasattr(socket, "AF_UNIX"):
+        return None  # not a POSIX system: readers read directly
     uid = os.getuid()
     chosen = os.environ.get("LAKESTREAM_RELAY_DIR")
     if chosen:
