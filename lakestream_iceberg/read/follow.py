@@ -31,7 +31,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
@@ -51,7 +51,7 @@ from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArrivalClock", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
+__all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
 
@@ -300,12 +300,26 @@ class HeadWatcher:
                 delay = min(delay * 2, max_poll_s)
 
 
+class HeadSource(Protocol):
+    """What :func:`pump_steps` asks of a head watcher: :class:`HeadWatcher` (the catalog, from this process) or
+    :class:`~lakestream_iceberg.read.relay_client.RelayWatcher` (the host's head relay)."""
+
+    def check(self) -> bool: ...
+
+    def head(self) -> tuple[int, Any]: ...
+
+    def wait(self, step: int, *, timeout: float | None, stop: threading.Event, poll_s: float = 0.02,
+             max_poll_s: float = 0.5) -> tuple[int, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
 T = TypeVar("T")
 
 
 def pump_steps(
-    watcher: HeadWatcher,
-    load: Callable[[Snapshot | None, int], T],
+    watcher: HeadSource,
+    load: Callable[[Any, int], T],
     *,
     first: int,
     stride: int,

@@ -160,7 +160,7 @@ def decode_error(reply: dict[str, Any]) -> Exception:
 
 def encode_files(files: Sequence[DataFile]) -> list[list[Any]]:
     """A step's data files as what a reader needs: path, rows, bytes, partition."""
-    return [[f.file_path, int(f.record_count), int(f.file_size_in_bytes), [int(v) for v in f.partition]] for f in files]
+    return [[f.file_path, int(f.record_count), int(f.file_size_in_bytes), [int(f.partition[i]) for i in range(len(f.partition))]] for f in files]
 
 
 def decode_files(raw: object) -> list[DataFile]:
