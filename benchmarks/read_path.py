@@ -17,7 +17,9 @@ What is measured (SQLite catalog and local warehouse in a temporary directory):
   divided by the steps delivered: once for a consumer catching up over a fixed head, once for a follow-mode consumer
   that sees every commit (the realistic tailing case).
 * **Visibility latency**: a producer *process* commits steps at random 20-120 ms intervals and logs when each
-  ``commit()`` returned; a follow-mode consumer (default polling) logs when it has the step's item. p50/p99 of the gap.
+  ``commit()`` returned; a follow-mode consumer (default settings: through the head relay, which polls every ``poll_s``)
+  logs when it has the step's item. p50/p99 of the gap over every step, the first ones included (the consumer starts
+  before the producer); each step's figure is in the JSON (``latencies_ms``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, Table, percentile, write_json  # noqa: E402
+from _common import REPO_ROOT, Table, alternating, percentile, timed, write_json  # noqa: E402
 from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 from pyiceberg.io import FileIO, InputFile, InputStream, OutputFile  # noqa: E402
 
@@ -160,13 +162,6 @@ def publish(stream: Stream, steps: int, rows: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- measurements
-def timed(fn: Any) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, all threads) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def untimed_setup(prepare: Any) -> Any:
     """A variant whose ``prepare()`` (not timed) returns the function to time."""
     def run() -> tuple[float, float]:
@@ -211,8 +206,7 @@ def throughput(catalog: SqlCatalog, name: str, steps: int, repeats: int) -> dict
     walls: dict[str, list[float]] = {k: [] for k in variants}
     cpus: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(repeats):
-        order = list(variants) if i % 2 == 0 else list(reversed(variants))
-        for label in order:
+        for label in alternating(list(variants), i):
             wall, cpu = variants[label]()
             walls[label].append(wall)
             cpus[label].append(cpu)
@@ -282,7 +276,7 @@ def visibility(catalog: SqlCatalog, tmp: Path, steps: int, rows: int) -> dict[st
     counter = io.counter
     meta = {k: counter[k] for k in ("metadata.json", "manifest-list", "manifest")}
     return {
-        "steps": steps, "p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
+        "steps": steps, "latencies_ms": [round(x * 1000, 2) for x in lat], "p50_ms": percentile(lat, 50) * 1000, "p99_ms": percentile(lat, 99) * 1000,
         "max_ms": max(lat) * 1000, "metadata_bytes": meta, "metadata_bytes_per_step": sum(meta.values()) / steps,
         "metadata_reads_per_step": {k: counter[f"{k}:files"] / steps for k in meta},
         "read_amplification": counter["data"] / sum(f.file_size_in_bytes for s in committed for f in [consumer.locate(s)[0]]),

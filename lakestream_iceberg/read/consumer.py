@@ -307,8 +307,9 @@ class RankPositions:
             reads=reads)
         return self._reporter
 
-    def iteration(self, stream: StreamTable, *, in_worker: bool) -> PositionReporter | None:
-        """The reporter of a dataset iteration in this process: only where the training loop receives the items."""
+    def iteration(self, stream: StreamTable, *, in_worker: bool, head: Callable[[], int | None]) -> PositionReporter | None:
+        """The reporter of a dataset iteration in this process: only where the training loop receives the items.
+        ``head``: the iteration's head step as its watcher last saw it (for the steps-behind-head metric)."""
         if self.tracked:
             return None
         if in_worker:
@@ -317,10 +318,6 @@ class RankPositions:
                 log.info("group %r: with DataLoader workers, positions are recorded in the training process; iterate "
                          "dataset.track(loader)", self.group)
             return None
-
-        def head() -> int:
-            return stream.branch_state(branch=self.branch, metadata=stream.table.metadata).step  # no I/O
-
         return self._start(stream, workers=0, source="iterator", head=head, reads=True)
 
     def track(self, loader: Any, stream: StreamTable, *, first_step: int) -> Iterator[Any]:
