@@ -55,8 +55,8 @@ def test_producer_commits_are_measured(stream: Stream, registry: object) -> None
     assert value("lakestream_commit_attempts_count") == 3  # a duplicate known before writing made no attempt
     assert value("lakestream_commit_attempts_sum") == sum(r.attempts for r in results) >= 3
     assert value("lakestream_staged_intents") == 0  # asked of the staging area when scraped
-    # a group size is observed only where CommitResult reports one (a ``group`` field)
-    assert value("lakestream_commit_group_size_count") == (3 if hasattr(results[0], "group") else None)
+    assert value("lakestream_commit_group_size_count") == 3  # a lone producer's swaps publish groups of 1
+    assert value("lakestream_commit_group_size_sum") == sum(r.group for r in results) == 3
 
 
 def test_a_group_size_is_recorded_where_the_commit_result_has_one(stream: Stream, registry: object) -> None:
@@ -66,8 +66,8 @@ def test_a_group_size_is_recorded_where_the_commit_result_has_one(stream: Stream
     metrics.observe_commit(types.SimpleNamespace(**{**dataclasses.asdict(result), "group": True}), stream=stream.name,
                            branch="main")  # not a size: ignored
     labels = {"stream": stream.name, "branch": "main"}
-    assert registry.get_sample_value("lakestream_commit_group_size_count", labels) == 1
-    assert registry.get_sample_value("lakestream_commit_group_size_sum", labels) == 3
+    assert registry.get_sample_value("lakestream_commit_group_size_count", labels) == 2  # the real commit's 1, then 3
+    assert registry.get_sample_value("lakestream_commit_group_size_sum", labels) == 1 + 3
     assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "carried"}) == 1
 
 

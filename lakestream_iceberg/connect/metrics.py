@@ -10,8 +10,8 @@ application's choice (``prometheus_client.start_http_server(9100)``, or a push g
 ``lakestream_commit_attempts``               histogram compare-and-swap attempts per commit (``stream``, ``branch``)
 ``lakestream_commits_total``                 counter   commits by ``outcome``: ``published`` (own swap), ``carried`` (by
                                                        another producer's group commit), ``duplicate``
-``lakestream_commit_group_size``             histogram batches the swap that published a batch published (where the
-                                                       commit result reports it)
+``lakestream_commit_group_size``             histogram batches the swap that published a batch published
+                                                       (``CommitResult.group``)
 ``lakestream_staged_intents``                gauge     batches staged for group commit and not published yet, per
                                                        (``stream``, ``branch``), counted when scraped
 ``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``stream``, ``group``, ``rank``)
@@ -144,11 +144,11 @@ def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None
         families.latency.labels(stream, branch).observe(float(result.latency_s))
         outcome = "duplicate" if result.duplicate else "carried" if result.carried else "published"
         families.commits.labels(stream, branch, outcome).inc()
-        if not result.duplicate:
+        if not result.duplicate:  # a duplicate published nothing: no attempt, no group of its own
             families.attempts.labels(stream, branch).observe(int(result.attempts))
-        group = getattr(result, "group", None)  # a group size, where the commit result reports one
-        if isinstance(group, int) and not isinstance(group, bool) and group >= 1:
-            families.group.labels(stream, branch).observe(group)
+            group = getattr(result, "group", None)  # CommitResult.group; read defensively (results of older releases)
+            if isinstance(group, int) and not isinstance(group, bool) and group >= 1:
+                families.group.labels(stream, branch).observe(group)
         if staging is not None:
             families.staged.add(stream, branch, staging)
     except Exception as exc:  # noqa: BLE001 - see the docstring
