@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from lakestream_iceberg.connect.fork import no_fork_inside
 from lakestream_iceberg.connect.metrics import consumer_metrics
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, CorruptStateError
@@ -219,7 +220,7 @@ class PositionReporter:
             doc = replace(self._doc, last_step=self._last, steps=self._steps,
                           elapsed_s=round(time.monotonic() - self._began, 3), wait_s=round(self._wait, 3),
                           read_bytes=self._bytes if self._reads else None, closed=closed)
-        with _io_lock:  # no fork of this process (a DataLoader starting its workers) while the report is in a library
+        with no_fork_inside():  # a DataLoader forking its workers waits for a report in a database library
             self._record(doc)
 
     def _record(self, doc: Position) -> None:
@@ -356,31 +357,3 @@ class RankPositions:
 
 _hinted: set[str] = set()
 
-# A reporter's thread runs SQLite, SQLAlchemy or a FileIO; a process forked while it is inside one (DataLoader forks its
-# workers from the training process) inherits that library's locks held, and its first SQLite call in the child hangs
-# (libsqlite3's allocator mutex). A fork waits for a report in progress (at most FORK_WAIT_S) and no report starts
-# during the fork.
-FORK_WAIT_S = 10.0
-_io_lock = threading.Lock()
-_held_at_fork = False
-
-
-def _before_fork() -> None:
-    global _held_at_fork
-    _held_at_fork = _io_lock.acquire(timeout=FORK_WAIT_S)
-    if not _held_at_fork:
-        log.warning("forking while a position report has been in progress for %.0f s", FORK_WAIT_S)
-
-
-def _after_fork_in_parent() -> None:
-    if _held_at_fork:
-        _io_lock.release()
-
-
-def _after_fork_in_child() -> None:
-    global _io_lock
-    _io_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork_in_child)
