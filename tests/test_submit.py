@@ -170,12 +170,19 @@ def test_threads_submitting_and_committing_on_one_producer_publish_each_batch_on
             with lock:
                 results.append(result)
 
+    seen: list[int] = []
+
+    def read() -> None:  # the table's next seq, read while the committer thread commits
+        seen.extend(producer.next_seq for _ in range(5))
+
     threads = [threading.Thread(target=work, args=(kind,)) for kind in ("commit", "submit", "submit", "commit")]
+    threads.append(threading.Thread(target=read))
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(DEADLINE_S)
     assert producer.close() == 0
+    assert len(seen) == 5 and seen == sorted(seen) and 0 <= seen[0] and seen[-1] <= 20
     assert sorted(r.seq for r in results) == list(range(20)) and not any(r.duplicate for r in results)
     assert sorted((r.seq, r.step) for r in results) == [(seq, seq + 1) for seq in range(20)]
     assert stream.head_step() == 20

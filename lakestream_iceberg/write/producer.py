@@ -8,6 +8,10 @@ One call: check the batch, open its seq on the head (:class:`~lakestream_iceberg
 seq is a duplicate, nothing is written), write the data files, stage them when others are committing (group commit),
 then hand one :class:`~lakestream_iceberg.write.planner.BatchPlanner` to the producer's
 :class:`~lakestream_iceberg.write.commit.CommitLoop`, paced by :mod:`lakestream_iceberg.write.dac`.
+
+``submit`` does the same in the background (:mod:`lakestream_iceberg.write.background`): the batch is checked and given
+its seq in the caller's thread, and the producer's committer thread writes and commits it while the caller prepares the
+next one. Both paths produce their :class:`CommitResult` in one method (``Producer._commit``).
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ class Producer:
         self._peeked_next = 0  # this id's next seq, as the light read that answered its last commit showed it
         self.max_in_flight = check_int(max_in_flight, what="max_in_flight", minimum=1,
                                        hint="the batches a producer may have queued or committing in the background")
-        self._lock = threading.Lock()  # held by a commit made in the caller's thread, and while the queue starts
+        self._lock = threading.RLock()  # held by every commit (caller's or committer thread) and every read of the head
         self._queue: CommitQueue[_Checked, CommitResult] | None = None  # started by the first submit
         self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
 
@@ -130,8 +134,10 @@ class Producer:
 
     @property
     def next_seq(self) -> int:
-        """The next sequence number this producer id has not published, read from the table."""
-        return self._head.next_seq(self._head.state(self._head.refresh()))
+        """The next sequence number this producer id has not published, read from the table (batches submitted and
+        not yet published are not counted)."""
+        with self._lock:  # the committer thread reads and adopts the same table view
+            return self._head.next_seq(self._head.state(self._head.refresh()))
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
@@ -269,7 +275,7 @@ class Producer:
                                               "from the table's state, and each seq is published once")
 
     def _publish_submitted(self, job: Submitted[_Checked]) -> CommitResult:
-        with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
+        with self._lock, config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
             return self._commit(job.payload, seq=job.seq, started=job.submitted_at, began_at=job.began_at)
 
     def _check(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> _Checked:
