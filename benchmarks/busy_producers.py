@@ -10,6 +10,9 @@ a group commit's leader competes for a core with the preprocessing of everyone e
   cut into ``--world-size`` shards of 64 KiB samples;
 * lakestream: ``Producer.commit(shards)`` on the embedded SQLite catalog and a local warehouse, group commit as the
   defaults give (Parquet uncompressed, as Kafka's ``compression.type=none``: the payload does not compress);
+* lakestream in the background (``--commit background``, or ``both``, the default: side by side in alternating rounds):
+  ``Producer.submit(shards)`` (two batches in flight), so that the producer prepares its next batch while the committer
+  thread writes and commits the last one, as Kafka's client sends while its caller works; flushed at the end of the run;
 * Kafka: one transaction per batch, one message per shard (partition = rank), idempotent + transactional producer
   against Tansu with in-memory storage (``_kafka.py``), as ``vs_kafka.py`` does;
 * N = C, 2C and 4C producer processes (C = ``os.cpu_count()``; ``--producers`` overrides), ``--duration`` seconds each,
