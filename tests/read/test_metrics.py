@@ -21,7 +21,7 @@ from tests.support import SCHEMA, batch, sqlite_catalog
 prometheus_client = pytest.importorskip("prometheus_client")
 
 WORLD = 2
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -83,7 +83,7 @@ def test_a_rank_records_its_position_in_the_catalog_database_without_a_commit(st
 def test_a_killed_rank_shows_as_stale(stream: Stream, tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
         from lakestream_iceberg import Stream
         from lakestream_iceberg.read.dataset import LakestreamDataset
         from tests.support import sqlite_catalog
