@@ -361,7 +361,8 @@ class _DatasetCore:
             stream, in_worker=in_worker, head=lambda: watcher.head()[0])  # the head as last seen: no I/O
         steps = pump_steps(
             watcher,
-            lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff),
+            lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff,
+                                              in_worker=in_worker),
             first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
@@ -382,15 +383,17 @@ class _DatasetCore:
                 report.close(closed=finished)
 
     def _prefetch(self, in_worker: bool) -> int:
-        """Read-ahead threads: ``prefetch``, else 2 in the training process and none in a DataLoader worker, where
-        DataLoader reads ahead itself (``prefetch_factor``) and the workers decode in parallel: threads there would only
-        add to the page faults and the switching of processes that share the cores."""
+        """Read-ahead threads: ``prefetch``, else 2 in the training process and 1 in a DataLoader worker, where the
+        workers decode in parallel: one thread lets a worker fetch and decode its next step while DataLoader hands
+        the last one over (with none, a worker's core idles while it waits on storage or the handover)."""
         if self.prefetch is not None:
             return int(self.prefetch)
-        return 0 if in_worker else 2
+        return 1 if in_worker else 2
 
-    def _load(self, stream: StreamTable, io: Any, files: Any, step: int, *, handoff: bool = False) -> Any:
-        with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema) as data:
+    def _load(self, stream: StreamTable, io: Any, files: Any, step: int, *, handoff: bool = False,
+              in_worker: bool = False) -> Any:
+        with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema,
+                       decode_threads=not in_worker) as data:  # workers decode in parallel already: no Arrow pool there
             segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
             ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
             table = data.read_ranges(ranges, self.columns)
@@ -447,7 +450,8 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
         prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
-            DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
+            DataLoader workers, 1 in each worker (which decodes without Arrow's thread pool: the workers are the
+            parallelism).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
         group: Record this rank's position under this consumer group (a training run's name) for ``lakestream lag``:
             one upsert every ``report_s`` seconds (default 5), never a table commit; with DataLoader workers iterate
