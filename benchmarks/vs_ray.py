@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         shrink(parser, args, {"blocks": 8, "rows_per_block": 16, "rows_per_step": 8, "tokens": 16, "work_ms": 5.0,
-                              "step_ms": 2.0})
+                              "step_ms": 2.0, "nodes": 2})  # a head and one worker raylet: the multi-node code runs
     if min(args.blocks, args.rows_per_block, args.rows_per_step, args.tokens, args.repeat, args.cpus, args.node_cpus) < 1:
         parser.error("--blocks, --rows-per-block, --rows-per-step, --tokens, --repeat, --cpus and --node-cpus must be >= 1")
     if args.nodes == 1 or args.nodes < 0:
