@@ -16,7 +16,7 @@ may use it. A script holds its scenario; what every script needs comes from here
 - processes (``harness.procs``): ``Children`` and ``Parent`` (a pipe per child: ready, go, ok or the child's
   traceback); ``run_together`` (children started together, one report each on a queue), with its parts
   ``StartLine``, ``collect_reports``, ``guarded`` and ``kill_all``; ``cpu_s``, ``pid_cpu_s``, ``live_children_cpu_s``,
-  ``rss_kib``, ``pid_rss_kib``, ``free_port``;
+  ``rss_kib``, ``pid_rss_kib``, ``free_port``; ``preloaded_context`` (forkserver children that skip the imports);
 - timing (``harness.timing``): ``sleep_until``, ``timed`` (wall and CPU seconds of a call), ``batches`` (a saturated
   or paced producer's batches, each when due);
 - rounds (``harness.rounds``): ``alternating``, ``rotating``, ``interleaved``;
@@ -62,6 +62,7 @@ from harness.procs import (  # noqa: E402
     live_children_cpu_s,
     pid_cpu_s,
     pid_rss_kib,
+    preloaded_context,
     rss_kib,
     run_together,
 )
@@ -121,6 +122,7 @@ __all__ = [
     "percentile",
     "pid_cpu_s",
     "pid_rss_kib",
+    "preloaded_context",
     "print_tables",
     "printed",
     "ratio_of",

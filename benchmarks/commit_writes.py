@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import multiprocessing as mp
 import shutil
 import sys
 import tempfile
@@ -39,7 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import Run, StartLine, Table, bench_parser, int_list, percentile, rotating, run_together  # noqa: E402
+from _common import (  # noqa: E402
+    Run,
+    StartLine,
+    Table,
+    bench_parser,
+    int_list,
+    percentile,
+    preloaded_context,
+    rotating,
+    run_together,
+)
 
 from catalog import services  # noqa: E402
 
@@ -109,7 +118,7 @@ def run(props: dict[str, str], table: str, mode: str, producers: int, args: argp
 
     stream = Stream.create(load_catalog("bench", **props), table, schema=SCHEMA, world_size=args.world_size,
                            properties={"write.parquet.compression-codec": "uncompressed"})
-    ctx = mp.get_context("spawn")
+    ctx = preloaded_context("catalog.services")
     results, wall = run_together(ctx, producer_main, [(props, table, mode, i, args.duration, args.world_size)
                                                       for i in range(producers)],
                                  timeout_s=args.duration + 300, ready_timeout_s=300)
@@ -131,7 +140,7 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=8)
     args = parser.parse_args()
     if args.smoke:
-        args.producers, args.duration, args.rounds = "1,2", 1.0, 1
+        args.producers, args.duration, args.rounds = "1,2", 0.25, 1  # a few commits per run: the code ran
     counts = int_list(args.producers)
     root = Path(tempfile.mkdtemp(prefix="commit_writes-"))
     runs: list[dict[str, Any]] = []

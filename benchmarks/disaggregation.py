@@ -249,7 +249,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--k must leave at least one of the {cores} cores to the producers")
     args.workers = args.workers if args.workers is not None else args.k
     if args.ratios is None:
-        args.ratios = [0.5, 2.0] if args.smoke else [0.5, 1.0, 2.0, 4.0]
+        args.ratios = [2.0] if args.smoke else [0.5, 1.0, 2.0, 4.0]  # smoke: one ratio runs every part
         if not args.smoke and 2 * (cores - args.k) > 4:
             args.ratios.append(float(2 * (cores - args.k)))
     else:

@@ -191,7 +191,7 @@ def main() -> None:
         if not value or any(v not in allowed for v in value):
             parser.error(f"{value} must be a comma-separated subset of {', '.join(allowed)}")
     if args.smoke:
-        args.steps, args.gc_every, args.packed_world, args.samples = 200, 50, 16, 10
+        args.steps, args.gc_every, args.packed_world, args.samples = 80, 20, 16, 10
     run = Run("memory", smoke=args.smoke)
     root = Path(tempfile.mkdtemp(prefix="lakestream-memory-"))
     runs: list[dict[str, Any]] = []

@@ -20,7 +20,6 @@ Writes ``benchmarks/results/stream_retention.json``.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import sys
 import tempfile
 import time
@@ -29,7 +28,18 @@ from pathlib import Path
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Run, StartLine, Table, batches, bench_parser, int_list, percentile, run_together, sqlite_catalog  # noqa: E402
+from _common import (  # noqa: E402
+    Run,
+    StartLine,
+    Table,
+    batches,
+    bench_parser,
+    int_list,
+    percentile,
+    preloaded_context,
+    run_together,
+    sqlite_catalog,
+)
 
 from lakestream_iceberg import Stream  # noqa: E402
 
@@ -58,7 +68,7 @@ def _produce(root: str, name: str, producer_id: str, rate: float, seconds: float
 
 def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: float, producers: int) -> dict[str, float]:
     stream = Stream.create(sqlite_catalog(root), f"bench.{name}", schema=SCHEMA, world_size=WORLD, properties=props)
-    results, _ = run_together(mp.get_context("spawn"), _produce,
+    results, _ = run_together(preloaded_context(), _produce,
                               [(str(root), name, f"p{i}", rate / producers, seconds) for i in range(producers)],
                               timeout_s=seconds + 300)
     steps = sum(r[1] for r in results)
@@ -79,7 +89,7 @@ def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = bench_parser(__doc__, whole_doc=True, smoke_help="R = 50, T = 1 s, 3 s per scenario (tests)")
+    parser = bench_parser(__doc__, whole_doc=True, smoke_help="R = 50, T = 1 s, 2 s per scenario (tests)")
     parser.add_argument("--rate", type=float, default=100.0, help="steps per second (default 100)")
     parser.add_argument("--trigger", type=float, default=10.0, help="the streaming reader's trigger, seconds (default 10)")
     parser.add_argument("--seconds", type=float, default=40.0, help="length of each scenario (default 40)")
@@ -89,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rate, args.trigger, args.seconds = 50.0, 2.0, 8.0
     if args.smoke:
-        args.rate, args.trigger, args.seconds, args.producers = 50.0, 1.0, 3.0, "1,2"
+        args.rate, args.trigger, args.seconds, args.producers = 50.0, 1.0, 2.0, "1,2"
     bench = Run("stream_retention", smoke=args.smoke)
     counts = int_list(args.producers)
     age_ms = int((args.trigger + 5) * 1000)

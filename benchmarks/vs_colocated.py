@@ -529,7 +529,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--producers", type=int, default=2, help="lakestream producer processes (default 2)")
     args = ap.parse_args(argv)
     smoke = args.smoke
-    fill_defaults(args, steps=(150, 12), batch=(64, 8), compute_ms=(50.0, 20.0), workers=("1,2", "1,2"))
+    fill_defaults(args, steps=(150, 12), batch=(64, 8), compute_ms=(50.0, 20.0), workers=("1,2", "2"))  # smoke: one colocated run
     args.workers = int_list(args.workers)
     args.warmup = 2 if smoke else 5
     args.fail_steps = 16 if smoke else 120

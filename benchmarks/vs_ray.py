@@ -212,7 +212,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.smoke:
         shrink(parser, args, {"blocks": 8, "rows_per_block": 16, "rows_per_step": 8, "tokens": 16, "work_ms": 5.0,
-                              "step_ms": 2.0})
+                              "step_ms": 2.0, "nodes": 2})  # a head and one worker raylet: the multi-node code runs
     if min(args.blocks, args.rows_per_block, args.rows_per_step, args.tokens, args.repeat, args.cpus, args.node_cpus) < 1:
         parser.error("--blocks, --rows-per-block, --rows-per-step, --tokens, --repeat, --cpus and --node-cpus must be >= 1")
     if args.nodes == 1 or args.nodes < 0:
@@ -264,24 +264,10 @@ def summarize(runs: list[dict[str, Any]], args: argparse.Namespace, steps: int, 
     return table, ratios
 
 
-def main(argv: list[str] | None = None) -> int:
-    import logging
-
+def run_on_two_clusters(root: Path, args: argparse.Namespace, props: dict[str, str], runs: list[dict[str, Any]]) -> None:
+    """A single-node Ray instance, then (``--nodes``) a new multi-node cluster of ``--node-cpus`` per node."""
     import ray
 
-    args = parse_args(argv)
-    logging.getLogger("pyiceberg").setLevel(logging.ERROR)
-    logging.getLogger("ray").setLevel(logging.WARNING)  # one INFO line per job and commit phase otherwise
-    run = Run("vs_ray", smoke=args.smoke)
-    root = Path(tempfile.mkdtemp(prefix="vs-ray-"))
-    props = sqlite_props(root)
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    repo = str(BENCH_DIR.parent)  # Ray workers import this checkout's lakestream_iceberg and this script's functions
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
-    print(f"vs_ray: {args.blocks} blocks x {args.rows_per_block} rows of {args.tokens} tokens, steps of {args.rows_per_step} rows, "
-          f"{args.work_ms:g} ms/block, {args.step_ms:g} ms/step, {args.cpus} logical CPUs, repeat {args.repeat}"
-          f"{' [smoke]' if args.smoke else ''}", flush=True)
-    runs: list[dict[str, Any]] = []
     # address="local": a new instance, even while another process on this machine runs a Ray cluster
     ray.init(address="local", num_cpus=args.cpus, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
@@ -303,6 +289,51 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             ray.shutdown()
             nodes.shutdown()
+
+
+def run_on_one_cluster(root: Path, args: argparse.Namespace, props: dict[str, str], runs: list[dict[str, Any]]) -> None:
+    """``--smoke``: one Ray start for both parts (a start costs more than the smoke's jobs): the cluster's head alone
+    (``--cpus``) is the single node, then ``--nodes - 1`` worker raylets join it for the multi-node part."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": args.cpus, "include_dashboard": False})
+    ray._common.utils.reset_ray_address()  # so that no other ray.init() on this machine joins this cluster
+    try:
+        ray.init(address=nodes.address, configure_logging=False, log_to_driver=False)
+        run_all(root, args, props, runs, cluster="1 node")
+        print(f"  on {args.nodes} nodes (the head and {args.nodes - 1} of {args.node_cpus} logical CPUs):", flush=True)
+        for _ in range(args.nodes - 1):
+            nodes.add_node(num_cpus=args.node_cpus)
+        nodes.wait_for_nodes(timeout=300)
+        run_all(root, args, props, runs, cluster=f"{args.nodes} nodes")
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import logging
+
+    import ray
+
+    args = parse_args(argv)
+    logging.getLogger("pyiceberg").setLevel(logging.ERROR)
+    logging.getLogger("ray").setLevel(logging.WARNING)  # one INFO line per job and commit phase otherwise
+    run = Run("vs_ray", smoke=args.smoke)
+    root = Path(tempfile.mkdtemp(prefix="vs-ray-"))
+    props = sqlite_props(root)
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    repo = str(BENCH_DIR.parent)  # Ray workers import this checkout's lakestream_iceberg and this script's functions
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
+    print(f"vs_ray: {args.blocks} blocks x {args.rows_per_block} rows of {args.tokens} tokens, steps of {args.rows_per_step} rows, "
+          f"{args.work_ms:g} ms/block, {args.step_ms:g} ms/step, {args.cpus} logical CPUs, repeat {args.repeat}"
+          f"{' [smoke]' if args.smoke else ''}", flush=True)
+    runs: list[dict[str, Any]] = []
+    if args.smoke and args.nodes:
+        run_on_one_cluster(root, args, props, runs)
+    else:
+        run_on_two_clusters(root, args, props, runs)
     shutil.rmtree(root, ignore_errors=True)
 
     steps = args.blocks * args.rows_per_block // args.rows_per_step
