@@ -214,7 +214,7 @@ def _usable_cores() -> int:
 
 def advise_workers(num_workers: int, cores: int | None = None) -> bool:
     """Log once per process (the training process, on the first item from its workers) when ``num_workers``
-    DataLoader workers leave no core free (README "Training with torch": when workers pay). Returns whether it logged."""
+    DataLoader workers leave no core free (docs/guide/training.md, "DataLoader workers"). Returns whether it logged."""
     if num_workers in _advised:
         return False
     cores = _usable_cores() if cores is None else cores

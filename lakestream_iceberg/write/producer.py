@@ -86,7 +86,8 @@ class CommitResult:
 
 
 class Producer:
-    """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`.
+    """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`;
+    the constructor's arguments (the stream, the branch, its commit loop, writer and staging area) are internal.
 
     Example:
         >>> producer = stream.producer("prep-0")                          # doctest: +SKIP
