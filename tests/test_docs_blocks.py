@@ -121,3 +121,24 @@ def test_docs_site_builds_strictly(tmp_path: Path) -> None:
     assert (tmp_path / "site" / "api" / "index.html").exists()
     print(f"\nmkdocs build --strict: {time.monotonic() - started:.1f} s")
     shutil.rmtree(tmp_path / "site", ignore_errors=True)
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's (and mkdocs') anchors of a page's headings."""
+    found = set()
+    for line in page.read_text().splitlines():
+        heading = re.match(r"^#+\s+(.*)", line)
+        if heading:
+            found.add(re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("source", ["README.md", "benchmarks/README.md"])
+def test_links_outside_the_site_resolve(source: str) -> None:
+    """mkdocs checks the links of docs/; these two pages live outside it."""
+    page = ROOT / source
+    for link in re.finditer(r"\]\(([^)#\s:]+)(#[^)]+)?\)", page.read_text()):
+        target = (page.parent / link.group(1)).resolve()
+        assert target.exists(), f"{source}: the link to {link.group(1)} points at nothing"
+        if link.group(2):
+            assert link.group(2)[1:] in _anchors(target), f"{source}: no heading {link.group(2)} in {link.group(1)}"
