@@ -32,7 +32,7 @@ demo: $(STAMP)
 
 # The documentation site (README.md's guide, the API reference from docstrings) into site/ (gitignored).
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 docs-serve: $(STAMP)
 	$(BIN)/mkdocs serve
