@@ -2,8 +2,10 @@
 
 A page's blocks run in order, in one namespace, in a fresh temporary directory (they create their own embedded SQLite
 catalog there), like a reader pasting them one after another. A block that cannot run alone (several hosts, a Ray
-cluster, a configured remote catalog) is preceded by ``<!-- skip-block: REASON -->`` and a visible note (a ``>`` quote)
-on the page; a marker without a reason, without a note, or without a block after it fails.
+cluster) is preceded by ``<!-- skip-block: REASON -->`` and a visible note (a ``>`` quote) on the page; a marker
+without a reason, without a note, or without a block after it fails. A block preceded by
+``<!-- services-block: KIND -->`` (a backend of tests/backends.py, e.g. ``postgres-seaweedfs``) runs alone against those
+real servers, with the catalog configured as ``prod`` through ``PYICEBERG_CATALOG__PROD__*`` variables.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from catalog.services import catalog_env
+from tests.backends import BACKENDS, make_backend, moto_service, postgres_service, seaweedfs_service  # noqa: F401
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
-MARKER = re.compile(r"^<!--\s*skip-block:(.*?)-->\s*$")
+MARKER = re.compile(r"^<!--\s*(skip|services)-block:(.*?)-->\s*$")
 
 
 @dataclass(frozen=True)
@@ -29,7 +34,8 @@ class Block:
     page: Path
     line: int  # 1-based line of the opening fence
     source: str
-    skip: str | None  # the marker's reason, or None
+    skip: str | None  # the skip marker's reason, or None
+    services: str | None = None  # the services marker's backend kind, or None
 
 
 def parse(page: Path) -> list[Block]:
@@ -43,7 +49,7 @@ def parse(page: Path) -> list[Block]:
         marker = MARKER.match(lines[i])
         if marker:
             assert pending is None, f"{page.name}:{i + 1}: a skip-block marker before another marker"
-            pending = (i + 1, marker.group(1).strip())
+            pending = (i + 1, marker.group(1), marker.group(2).strip())
             i += 1
             continue
         fence = FENCE.match(lines[i])
@@ -53,7 +59,9 @@ def parse(page: Path) -> list[Block]:
             while i < len(lines) and lines[i].rstrip() != "```":
                 i += 1
             if fence.group(1) == "python":
-                blocks.append(Block(page, start + 1, "\n".join(lines[start + 1:i]) + "\n", pending[1] if pending else None))
+                kind, reason = (pending[1], pending[2]) if pending else (None, None)
+                blocks.append(Block(page, start + 1, "\n".join(lines[start + 1:i]) + "\n",
+                                    reason if kind == "skip" else None, reason if kind == "services" else None))
             else:
                 assert pending is None, f"{page.name}:{pending[0]}: the skip-block marker is followed by a {fence.group(1) or 'plain'} block"
             pending = None
@@ -70,7 +78,8 @@ def rel(page: Path) -> str:
 
 
 ALL = {rel(page): parse(page) for page in PAGES}
-RUNNABLE = [name for name, blocks in ALL.items() if any(b.skip is None for b in blocks)]
+RUNNABLE = [name for name, blocks in ALL.items() if any(b.skip is None and b.services is None for b in blocks)]
+SERVICE_BLOCKS = [b for blocks in ALL.values() for b in blocks if b.services is not None]
 
 
 def test_markers_have_reasons_and_visible_notes() -> None:
@@ -81,8 +90,10 @@ def test_markers_have_reasons_and_visible_notes() -> None:
         before = block.page.read_text().splitlines()[: block.line - 1]
         marker_at = max(i for i, line in enumerate(before) if MARKER.match(line))
         assert any(line.startswith(">") for line in before[marker_at:]), f"{where}: no visible note (> ...) for the reader"
-    ran = sum(1 for blocks in ALL.values() for b in blocks if b.skip is None)
-    print(f"\ndocs python blocks: {ran} run, {len(skipped)} skipped: "
+    ran = sum(1 for blocks in ALL.values() for b in blocks if b.skip is None and b.services is None)
+    for block in SERVICE_BLOCKS:
+        assert block.services in BACKENDS, f"{rel(block.page)}:{block.line}: no backend {block.services!r} ({BACKENDS})"
+    print(f"\ndocs python blocks: {ran} run alone, {len(SERVICE_BLOCKS)} against services, {len(skipped)} skipped: "
           + "; ".join(f"{rel(b.page)}:{b.line} ({b.skip})" for b in skipped))
     assert ran >= 20, f"only {ran} runnable python blocks found in README.md and docs/"
 
@@ -93,7 +104,7 @@ def test_page_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
     namespace: dict[str, object] = {"__name__": "__docs__"}
     try:
         for block in ALL[page]:
-            if block.skip is not None:
+            if block.skip is not None or block.services is not None:
                 continue
             code = compile(block.source, f"{page}:{block.line}", "exec")
             try:
@@ -104,6 +115,21 @@ def test_page_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPa
         for value in namespace.values():
             if type(value).__name__ == "Stream" and hasattr(value, "close"):
                 value.close()
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("block", SERVICE_BLOCKS, ids=lambda b: f"{rel(b.page)}:{b.line}")
+def test_service_blocks_run(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A fresh process per block, as on another host: pyiceberg reads its environment once, when imported."""
+    backend = make_backend(block.services, request, tmp_path)
+    try:
+        env = {**backend.worker_env(), **catalog_env("prod", backend.properties), "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, "-c", block.source], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        backend.close()
+    assert done.returncode == 0, (f"the python block at {rel(block.page)}:{block.line} failed on {block.services}:\n"
+                                  f"{done.stdout}\n{done.stderr}")
 
 
 def test_readme_is_short() -> None:
