@@ -148,10 +148,7 @@ class Stream(StreamTable):
             location: Table location; defaults to the catalog's warehouse.
             properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``. The layout,
                 ``lakestream.layout`` (``per-rank``: one data file per rank and step; ``packed``: one per step), is fixed
-                here; by default a stream of world size 8 or more is packed (docs/concepts.md, "Layouts").
-
-        Returns:
-            The stream, created or opened.
+                here; by default a stream of world size 8 or more is packed (README, "Per-step cost").
 
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part).
