@@ -118,48 +118,7 @@ def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, 
 
 
 class _DatasetCore:
-    """A stream as a torch ``IterableDataset``: this rank's shard of each step, in step order.
-
-    Args:
-        stream: The stream to read (any catalog; reopened by name in DataLoader worker processes).
-        rank: This consumer's rank; defaults to torch.distributed's when initialised, else the ``RANK`` environment
-            variable, else 0.
-        world_size: This consumer's world size; defaults likewise (``WORLD_SIZE``, else 1). May differ from the
-            producers' (elastic).
-        start_step: First step to deliver.
-        end_step: Last step to deliver (inclusive). With ``follow=False`` iteration ends at ``min(end_step, head)``,
-            the head being read when iteration starts (without workers) or when the dataset was built (the end every
-            DataLoader worker uses, so they agree).
-        follow: Wait for steps not yet published (forever unless ``end_step``).
-        branch: The branch to read.
-        timeout: Seconds a follow-mode iteration waits for its next step before raising ``ReadTimeoutError``
-            (None: forever).
-        columns: Payload columns to deliver (default: all).
-        transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
-        collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
-        prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
-            DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
-        poll_s: Follow-mode polling interval while steps arrive (seconds).
-        max_poll_s: Follow-mode polling backoff bound when idle (seconds; defaults to max(0.5, poll_s)).
-        ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
-            clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
-            that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``
-            environment for the same catalog name. **Warning:** anything that sees the pickle then sees the secrets.
-
-    Raises:
-        ConfigError: An argument of the wrong type or range, ``columns`` naming a column the stream does not have,
-            or ``branch`` not a branch of the stream.
-        RankError: ``rank`` outside ``0..world_size-1``.
-        MissingExtraError: torch is not installed (``pip install 'lakestream-iceberg[torch]'``).
-
-    Example:
-        >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: docs/guide/training.md  # doctest: +SKIP
-        >>> for item in loader:                                                        # doctest: +SKIP
-        ...     train(item["tokens"], item["tokens_lengths"])
-        >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP
-        {'next_step': 43, 'worker_id': 0, 'num_workers': 1}
-    """
+    """Everything of ``LakestreamDataset`` but the torch base class (see the module docstring)."""
 
     def __init__(
         self,
@@ -428,7 +387,39 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_DOC = _DatasetCore.__doc__
+_DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each step, in step order.
+
+    Args:
+        stream: The stream to read (any catalog; reopened by name in DataLoader worker processes).
+        rank, world_size: This consumer's rank and world size; default to torch.distributed's when initialised, else
+            the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. May differ from the producers' (elastic).
+        start_step: First step to deliver.
+        end_step: Last step to deliver (inclusive). With ``follow=False`` iteration ends at ``min(end_step, head)``,
+            the head being read when iteration starts (without workers) or when the dataset was built (the end every
+            DataLoader worker uses, so they agree).
+        follow: Wait for steps not yet published (forever unless ``end_step``).
+        branch: The branch to read.
+        timeout: Seconds a follow-mode iteration waits for its next step before raising ``ReadTimeoutError``
+            (None: forever).
+        columns: Payload columns to deliver (default: all).
+        transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
+        collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
+        prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
+            DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
+        poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
+        ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
+            clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
+            that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``
+            environment for the same catalog name. **Warning:** anything that sees the pickle then sees the secrets.
+
+    Example:
+        >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: README "Training with torch"  # doctest: +SKIP
+        >>> for item in loader:                                                        # doctest: +SKIP
+        ...     train(item["tokens"], item["tokens_lengths"])
+        >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP
+        {'next_step': 43, 'worker_id': 0, 'num_workers': 1}
+    """
 
 if TYPE_CHECKING:
     from torch.utils.data import IterableDataset
