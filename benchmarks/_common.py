@@ -310,7 +310,7 @@ def machine() -> dict[str, Any]:
     libc, libc_version = platform.libc_ver()
     # glibc and its tunables are recorded because they move the figures on some CPUs: glibc 2.36 (Debian 12) copies
     # with `rep movsb` on AMD EPYC, which is about 10x slower when destination - source is a few bytes past a multiple
-    # of 4 KiB, as in pyarrow's Parquet page assembly (glibc bug 30994; docs/benchmarks.md, performance notes)
+    # of 4 KiB, as in pyarrow's Parquet page assembly (glibc bug 30994; benchmarks/README.md, fifteenth session)
     try:  # lakestream's own check of that pathology (write/host.py), when the package is importable
         from lakestream_iceberg.write.host import check_copy
 
