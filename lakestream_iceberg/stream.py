@@ -51,6 +51,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifests import ManifestCache
+from lakestream_iceberg.format.properties import check_properties
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
@@ -146,12 +147,14 @@ class Stream(StreamTable):
             schema: The pyarrow schema of one sample (the payload); ``_step`` and ``_rank`` are reserved.
             world_size: Ranks per global batch.
             location: Table location; defaults to the catalog's warehouse.
-            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}``. The layout,
-                ``lakestream.layout`` (``per-rank``: one data file per rank and step; ``packed``: one per step), is fixed
-                here; by default a stream of world size 8 or more is packed (README, "Per-step cost").
+            properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}`` (every property a
+                stream reads: docs/configuration.md). The layout, ``lakestream.layout`` (``per-rank``: one data file per
+                rank and step; ``packed``: one per step), is fixed here; by default a stream of world size 8 or more is
+                packed (README, "Per-step cost").
 
         Raises:
-            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part).
+            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
+                stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size.
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name.
@@ -183,7 +186,8 @@ class Stream(StreamTable):
                                       f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
                 props.update(properties)
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
-            config = StreamConfig.from_properties(props)  # validate the caller's overrides before creating anything
+            check_properties(props)  # validate the caller's overrides before creating anything
+            config = StreamConfig.from_properties(props)
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
             prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
@@ -269,7 +273,7 @@ class Stream(StreamTable):
         check_bool(purge, what="purge")
         stream = cls.open(catalog, identifier)  # a plain Iceberg table is refused before anything is dropped
         root = stream.staging.root
-        retry_s = stream.config.io_retry_timeout_ms / 1000
+        retry_s = stream.config.io_retry_timeout_s
         stream.close()
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"dropping stream {identifier}", catalog=catalog.name):
@@ -293,13 +297,13 @@ class Stream(StreamTable):
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
             file_schema=self._file_schema(), properties=self.table.metadata.properties,
-            retry_s=self.config.io_retry_timeout_ms / 1000, packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
+            retry_s=self.config.io_retry_timeout_s, packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
         )
 
     @cached_property
     def staging(self) -> StagingArea:
         """Where producers stage written batches for group commit (see :mod:`lakestream_iceberg.write.staging`)."""
-        retry_s = self.config.io_retry_timeout_ms / 1000
+        retry_s = self.config.io_retry_timeout_s
         store = CatalogIntents(table=self._intent_table, retry_s=retry_s) if self._intent_table is not None else None
         return StagingArea(io=self.io, location=self.table.metadata.location, world_size=self.world_size,
                            retry_s=retry_s, table_uuid=str(self.table.metadata.table_uuid),
@@ -344,7 +348,7 @@ class Stream(StreamTable):
             table=table,
             policy=policy,
             branch=branch,
-            timeout_s=self.config.commit_timeout_ms / 1000,
+            timeout_s=self.config.commit_timeout_s,
             max_attempts=self.config.commit_max_attempts,
         )
         loop.mark_stale()
@@ -353,7 +357,7 @@ class Stream(StreamTable):
     # -- checkpoints and lifecycle -----------------------------------------------------------------------------------
     def _control_loop(self, branch: str) -> CommitLoop:
         loop = CommitLoop(table=self.table, policy=CommitPolicy(clock=time.monotonic), branch=branch,
-                          timeout_s=self.config.commit_timeout_ms / 1000, max_attempts=self.config.commit_max_attempts)
+                          timeout_s=self.config.commit_timeout_s, max_attempts=self.config.commit_max_attempts)
         loop.mark_stale()
         return loop
 
@@ -472,7 +476,7 @@ class Stream(StreamTable):
 
     def _expire_intents(self, older_than_s: float, delete: bool) -> list[str]:
         return call_with_retry(lambda: self.staging.expire(older_than_s=older_than_s, delete=delete),
-                               what="expiring staged intents", timeout_s=self.config.io_retry_timeout_ms / 1000)
+                               what="expiring staged intents", timeout_s=self.config.io_retry_timeout_s)
 
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
         """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).
@@ -549,7 +553,7 @@ class Stream(StreamTable):
 
         what = f"reading step {step} rank {rank} of {self.name}"
         with config_errors(self.io.properties, action=what):  # storage outages retry; a wrong secret fails at once
-            return call_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_ms / 1000)
+            return call_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_s)
 
     def wait_for(self, step: int, *, timeout: float, branch: str = MAIN, poll_s: float = 0.05) -> int:
         """Block until ``step`` is published on ``branch``; return the head step then.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,6 +103,28 @@ def test_status_json_and_human(env: dict[str, str], home: Path, capsys: pytest.C
     assert status["metadata_bytes"] > 0 and status["snapshots_retained"] >= 1
     code, out, _ = main_inprocess(home, capsys, "status", STREAM)
     assert code == 0 and "head step" in out and "prep-1" in out
+
+
+def test_status_lists_every_declared_table_property(env: dict[str, str], home: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """``lakestream status`` lists the properties of format/properties.py, in order, with the table's value, or the
+    declared default where the table does not set it."""
+    from lakestream_iceberg.format.properties import PROPERTIES
+
+    code, out, _ = main_inprocess(home, capsys, "status", STREAM, "--json")
+    rows = {p["property"]: p for p in json.loads(out)["properties"]}
+    assert code == 0 and list(rows) == [p.key for p in PROPERTIES]
+    assert rows["lakestream.world-size"] | {"default": None} == {
+        "property": "lakestream.world-size", "value": str(WORLD), "set": True, "unit": "ranks", "default": None,
+        "live": "no, fixed when the stream is created", "live_short": "no"}
+    codec = rows["write.parquet.compression-codec"]
+    assert not codec["set"] and codec["value"] == "zstd" and codec["default"] == "zstd (Iceberg's)"
+    assert rows["lakestream.snapshots.retain-last"]["live"] == "yes, from the next commit"
+    assert rows["lakestream.arrow-schema"]["set"] and "chars)" in rows["lakestream.arrow-schema"]["value"]
+    human = run(env, "status", STREAM).stdout  # COLUMNS=160: each property on one line with its value
+    for key, found in rows.items():
+        shown = found["value"] if found["set"] else f"({found['value']})"
+        assert re.search(rf"{re.escape(key)}\s.*{re.escape(shown)}", human), (key, shown)
 
 
 def test_sql_json_as_written_in_the_issue(env: dict[str, str], home: Path, tmp_path: Path) -> None:

@@ -166,10 +166,10 @@ def test_padded_memory_outlives_the_table_and_later_steps() -> None:
     rows = [list(range(i, i + 20 + 3 * i)) for i in range(30)]
     item = collate(pa.table({"t": pa.array(rows, pa.list_(pa.int64()))}), pad_value=-5)
     expected = reference(rows, -5, np.dtype(np.int64))
-    for k in range(20):
+    for k in range(20):  # each table and tensor is freed by reference counting as soon as it is dropped
         other = collate(pa.table({"t": pa.array([[k] * (25 + k), [k]] * 15, pa.list_(pa.int64()))}), pad_value=9)
         del other
-        gc.collect()
+    gc.collect()
     assert np.array_equal(item["t"].numpy(), expected)
     view = item["t"][:, :5]  # a view: holds the storage, hence the pool buffer
     del item

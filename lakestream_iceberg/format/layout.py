@@ -23,7 +23,6 @@ partition metadata if an identity transform exists for the field") fill partitio
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import pyarrow as pa
 from pyiceberg.partitioning import PartitionField, PartitionSpec
@@ -31,43 +30,37 @@ from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
 
 from lakestream_iceberg.errors import ConfigError, RankError, SchemaMismatchError, ShardCountError
+from lakestream_iceberg.format import properties as props
 from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.properties import CONFIG_FIELDS, LAYOUT_PACKED, LAYOUT_PER_RANK
 
 STEP_COLUMN = "_step"
 RANK_COLUMN = "_rank"
 RESERVED_COLUMNS = frozenset({STEP_COLUMN, RANK_COLUMN})
 
-FORMAT_VERSION = "1"
+# Table properties: declared once in format/properties.py (key, type, default, unit, bounds, when a change applies).
+# The PROP_* names are their keys, for the modules and scripts that name a property in a message or a test.
+PROP_VERSION = props.FORMAT_VERSION.key
+PROP_WORLD_SIZE = props.WORLD_SIZE.key
+PROP_RETAIN_SNAPSHOTS = props.RETAIN_LAST.key
+PROP_RETAIN_MAX = props.RETAIN_MAX.key
+PROP_MAX_SNAPSHOT_AGE_MS = props.MAX_SNAPSHOT_AGE.key
+PROP_MIN_SNAPSHOTS_TO_KEEP = props.MIN_SNAPSHOTS_TO_KEEP.key
+PROP_MERGE_FANOUT = props.MERGE_FANOUT.key
+PROP_MAX_MERGE_ENTRIES = props.MAX_MERGE_ENTRIES.key
+PROP_MANIFEST_CACHE_BYTES = props.MANIFEST_CACHE_BYTES.key
+PROP_COMMIT_TIMEOUT_MS = props.COMMIT_TIMEOUT.key
+PROP_COMMIT_MAX_ATTEMPTS = props.COMMIT_MAX_ATTEMPTS.key
+PROP_GC_GRACE_MS = props.GC_GRACE.key
+PROP_IO_RETRY_TIMEOUT_MS = props.IO_RETRY_TIMEOUT.key
+PROP_GROUP_COMMIT = props.GROUP_COMMIT.key
+PROP_GROUP_MAX_BATCHES = props.GROUP_MAX_BATCHES.key
+PROP_GROUP_STAGING = props.GROUP_STAGING.key
+PROP_LAYOUT = props.LAYOUT.key
+PROP_PACKED_ROW_GROUP_BYTES = props.PACKED_ROW_GROUP_BYTES.key
 
-# Table properties. Dashed keys under ``lakestream.``, like Iceberg's own ``commit.retry.num-retries``.
-PROP_VERSION = "lakestream.format-version"
-PROP_WORLD_SIZE = "lakestream.world-size"
-PROP_RETAIN_SNAPSHOTS = "lakestream.snapshots.retain-last"
-PROP_RETAIN_MAX = "lakestream.snapshots.retain-max"
-# Iceberg's own snapshot-retention properties, honoured by the expiry every commit does in passing (when set)
-PROP_MAX_SNAPSHOT_AGE_MS = "history.expire.max-snapshot-age-ms"
-PROP_MIN_SNAPSHOTS_TO_KEEP = "history.expire.min-snapshots-to-keep"
-PROP_MERGE_FANOUT = "lakestream.manifest.merge-fanout"
-PROP_MAX_MERGE_ENTRIES = "lakestream.manifest.max-merge-entries"
-PROP_MANIFEST_CACHE_BYTES = "lakestream.manifest.cache-bytes"
-PROP_COMMIT_TIMEOUT_MS = "lakestream.commit.timeout-ms"
-PROP_COMMIT_MAX_ATTEMPTS = "lakestream.commit.max-attempts"
-PROP_GC_GRACE_MS = "lakestream.gc.grace-period-ms"
-PROP_IO_RETRY_TIMEOUT_MS = "lakestream.io.retry-timeout-ms"
-PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"
-PROP_GROUP_MAX_BATCHES = "lakestream.commit.group.max-batches"
-PROP_GROUP_STAGING = "lakestream.commit.group.staging"
-PROP_LAYOUT = "lakestream.layout"
-PROP_PACKED_ROW_GROUP_BYTES = "lakestream.layout.packed.row-group-bytes"
+FORMAT_VERSION = props.FORMAT_VERSION.created
 
-LAYOUT_PER_RANK = "per-rank"
-LAYOUT_PACKED = "packed"
-LAYOUTS = (LAYOUT_PER_RANK, LAYOUT_PACKED)
-
-# Where group commit's staged intents are kept (write/intent_store.py): "catalog" (rows of a SQL catalog's database),
-# "storage" (files under the table's data/_staging/), "auto" (the catalog where it has an intent table, else storage)
-STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE = "auto", "catalog", "storage"
-STAGINGS = (STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE)
 # Stream.create picks the packed layout from this world size on, unless lakestream.layout is given. Measured
 # (benchmarks/vs_kafka.py, W=8, one run per layout): packed ingests 1 MiB batches 2.1x (1 producer) to 2.2x (8)
 # faster and 16 MiB batches from 8 producers 2.9x faster than per-rank, whose W files and manifest entries per step
@@ -75,80 +68,54 @@ STAGINGS = (STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE)
 PACKED_FROM_WORLD_SIZE = 8
 
 # The GC grace rule: lakestream.gc.grace-period-ms >= GRACE_PER_COMMIT_TIMEOUT x lakestream.commit.timeout-ms. A staged
-# batch is publishable while younger than half the grace period (write/staging.py), and the commit that publishes it
-# may take up to the commit timeout: its files are then at most grace/2 + timeout <= grace old, so GC (which deletes
-# unreferenced files only once older than the grace period) cannot delete them under a commit in flight.
+# batch is publishable while younger than half the grace period (write/staging.py, StreamConfig.staged_max_age_s), and
+# the commit that publishes it may take up to the commit timeout: its files are then at most grace/2 + timeout <= grace
+# old, so GC (which deletes unreferenced files only once older than the grace period) cannot delete them under a
+# commit in flight.
 GRACE_PER_COMMIT_TIMEOUT = 2
 
 
-@dataclass(frozen=True, kw_only=True)
 class StreamConfig:
-    """Stream-wide settings, read from the table's ``lakestream.*`` properties.
+    """Stream-wide settings, read from the table's properties: one attribute per declaration of
+    :mod:`lakestream_iceberg.format.properties` that has a ``field`` (its doc says what it means), parsed and checked
+    by that declaration. Durations are held in milliseconds as stored; read them in seconds (``commit_timeout_s``,
+    ``gc_grace_s``, ``io_retry_timeout_s``, ``retain_max_age_s``, ``staged_max_age_s``).
 
-    Attributes:
-        world_size: Number of ranks (shards) in every global batch.
-        retain_snapshots: Snapshots of each branch kept in table metadata by normal commits (older untagged ones are
-            expired in the same commit, so commit cost does not grow with history; their data stays in the table).
-        retain_max_age_ms: Snapshots of a branch younger than this are kept too (Iceberg's
-            ``history.expire.max-snapshot-age-ms``; unset: 0, off), so a streaming reader of another engine whose
-            trigger interval is shorter finds the snapshot it stopped at; at most ``retain_max`` per branch.
-        retain_max: The most snapshots per branch that ``retain_max_age_ms`` keeps: the bound on metadata.json.
-        merge_fanout: How many manifests of one level are merged into one of the next level (bounds the manifest list).
-        max_merge_entries: No merge rewrites more entries than this (bounds the worst commit).
-        manifest_cache_bytes: The byte bound (an estimate of the Python objects) of the process-wide cache of manifest
-            lists and manifest entries that this stream's producers and readers use
-            (:class:`~lakestream_iceberg.format.manifests.ManifestCache`): a process's memory does not grow with the
-            steps the table holds. Streams with the same value share one cache per process. What a merge or a lookup
-            needs and the cache no longer holds is read from storage again; 0 keeps nothing.
-        commit_timeout_ms: Wall-clock budget of one ``commit()`` call, retries included.
-        commit_max_attempts: Attempt budget of one ``commit()`` call.
-        gc_grace_ms: Unreferenced files younger than this are never deleted (a producer may still be committing them).
-            Must be at least ``GRACE_PER_COMMIT_TIMEOUT`` (2) x ``commit_timeout_ms`` (the GC grace rule, see
-            ``GRACE_PER_COMMIT_TIMEOUT``); a stream whose properties break it is refused (:class:`ConfigError`).
-        io_retry_timeout_ms: How long data-file writes and reads retry a transient storage failure (S3 restarting,
-            connection refused, 5xx) before the error propagates.
-        group_commit: Group commit (see :mod:`lakestream_iceberg.write.staging`): a producer that is not alone stages its
-            batch, and one compare-and-swap publishes every staged batch, each as its own snapshot.
-        group_max_batches: The most batches one group commit publishes (bounds one commit's critical section).
-        group_staging: Where staged intents are kept: ``catalog`` (rows of the SQL catalog's database; SQLite or
-            PostgreSQL ``SqlCatalog`` only) or ``storage`` (files under ``data/_staging/``). ``auto`` (the default of
-            ``Stream.create``) is resolved when the stream is created: ``catalog`` where the catalog can keep them,
-            ``storage`` elsewhere, and the result is stored, so every producer uses the same. A stream without the
-            property (created by an earlier release) stages files.
-        layout: ``per-rank`` (one data file per rank and step) or ``packed`` (one data file per step); see the module
-            docstring. Fixed when the stream is created (a table created before layouts existed is ``per-rank``).
-        packed_row_group_bytes: Packed layout: consecutive ranks share a row group while it holds at most this many
-            bytes (of Arrow data), so a rank reads less than this beyond its own rows; a rank larger than this is a row
-            group alone.
+    ``StreamConfig(world_size=4, layout="packed")`` takes the attributes by keyword (others: a new stream's defaults);
+    :meth:`from_properties` reads a table's. Two rules span properties: ``retain_snapshots`` is raised to Iceberg's
+    ``history.expire.min-snapshots-to-keep``, and the GC grace rule (``GRACE_PER_COMMIT_TIMEOUT``) is enforced: a stream
+    whose properties break it is refused (:class:`ConfigError`).
     """
 
     world_size: int
-    retain_snapshots: int = 8
-    retain_max_age_ms: int = 0
-    retain_max: int = 2_000
-    merge_fanout: int = 16
-    max_merge_entries: int = 4096
-    manifest_cache_bytes: int = 64 << 20
-    commit_timeout_ms: int = 300_000
-    commit_max_attempts: int = 1_000
-    gc_grace_ms: int = 3_600_000
-    io_retry_timeout_ms: int = 120_000
-    group_commit: bool = True
-    group_max_batches: int = 32
-    group_staging: str = STAGING_AUTO
-    layout: str = LAYOUT_PER_RANK
-    packed_row_group_bytes: int = 256 << 10
+    retain_snapshots: int
+    retain_max_age_ms: int
+    retain_max: int
+    merge_fanout: int
+    max_merge_entries: int
+    manifest_cache_bytes: int
+    commit_timeout_ms: int
+    commit_max_attempts: int
+    gc_grace_ms: int
+    io_retry_timeout_ms: int
+    group_commit: bool
+    group_max_batches: int
+    group_staging: str
+    layout: str
+    packed_row_group_bytes: int
 
-    def __post_init__(self) -> None:
-        for name, (key, minimum) in _INT_FIELDS.items():
-            object.__setattr__(self, name, check_int(getattr(self, name), what=f"{key} ({name})", minimum=minimum))
-        if not isinstance(self.group_commit, bool):
-            raise ConfigError(f"{PROP_GROUP_COMMIT} (group_commit) must be a bool, got {self.group_commit!r}")
-        if self.layout not in LAYOUTS:
-            raise ConfigError(f"{PROP_LAYOUT} (layout) must be one of {', '.join(map(repr, LAYOUTS))}, got {self.layout!r}")
-        if self.group_staging not in STAGINGS:
-            raise ConfigError(f"{PROP_GROUP_STAGING} (group_staging) must be one of {', '.join(map(repr, STAGINGS))}, "
-                              f"got {self.group_staging!r}")
+    def __init__(self, **values: object) -> None:
+        unknown = sorted(values.keys() - CONFIG_FIELDS.keys())
+        if unknown:
+            raise ConfigError(f"StreamConfig has no setting {', '.join(unknown)}; it has {', '.join(CONFIG_FIELDS)}")
+        for name, prop in CONFIG_FIELDS.items():
+            if name in values:
+                value = prop.check(values[name], what=f"{prop.key} ({name})")
+            elif prop.initial is None:
+                raise ConfigError(f"{prop.key} ({name}) is required")
+            else:
+                value = prop.initial
+            object.__setattr__(self, name, value)
         need = GRACE_PER_COMMIT_TIMEOUT * self.commit_timeout_ms
         if self.gc_grace_ms < need:
             raise ConfigError(
@@ -159,96 +126,78 @@ class StreamConfig:
                 "table: with pyiceberg, table.transaction().set_properties({...}).commit_transaction())"
             )
 
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"StreamConfig is immutable: {name} cannot be set (change the table property instead)")
+
+    def as_dict(self) -> dict[str, int | bool | str]:
+        return {name: getattr(self, name) for name in CONFIG_FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StreamConfig) and self.as_dict() == other.as_dict()
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.as_dict().items()))
+
+    def __repr__(self) -> str:
+        return f"StreamConfig({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
+
     @classmethod
     def from_properties(cls, properties: Mapping[str, str]) -> StreamConfig:
-        defaults = cls(world_size=1)
+        """The settings of a table with these properties; an absent property takes its declared default.
 
-        def as_int(key: str, default: int, minimum: int) -> int:
-            raw = properties.get(key)
-            if raw is None:
-                return default
-            try:
-                value = int(raw)
-            except (TypeError, ValueError):
-                raise ConfigError(f"table property {key}={raw!r} is not an integer; set it with an integer value") from None
-            if value < minimum:
-                raise ConfigError(f"table property {key}={value} must be >= {minimum}")
-            return value
-
-        def as_bool(key: str, default: bool) -> bool:
-            raw = properties.get(key)
-            if raw is None:
-                return default
-            if raw.strip().lower() not in ("true", "false"):
-                raise ConfigError(f"table property {key}={raw!r} is not a boolean; set it to 'true' or 'false'")
-            return raw.strip().lower() == "true"
-
+        Raises:
+            ConfigError: A property holds a value lakestream cannot use (names it and the fix), or the stream's world
+                size is missing.
+        """
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
-        ints = {name: as_int(key, getattr(defaults, name), minimum) for name, (key, minimum) in _INT_FIELDS.items()}
+        values = {name: prop.get(properties) for name, prop in CONFIG_FIELDS.items()}
         # Iceberg's history.expire.min-snapshots-to-keep raises the count kept (never lowers lakestream's own)
-        ints["retain_snapshots"] = max(ints["retain_snapshots"], as_int(PROP_MIN_SNAPSHOTS_TO_KEEP, 0, 1))
-        layout = properties.get(PROP_LAYOUT, LAYOUT_PER_RANK)
-        if layout not in LAYOUTS:
-            raise ConfigError(f"table property {PROP_LAYOUT}={layout!r} is not a layout; use one of {', '.join(LAYOUTS)}")
-        # absent: a stream created by a release that staged files only; its producers may still run that release
-        staging = properties.get(PROP_GROUP_STAGING, STAGING_STORAGE)
-        if staging not in STAGINGS:
-            raise ConfigError(f"table property {PROP_GROUP_STAGING}={staging!r} is not a staging place; use one of "
-                              f"{', '.join(STAGINGS)}")
-        return cls(**ints, group_commit=as_bool(PROP_GROUP_COMMIT, defaults.group_commit), layout=layout,
-                   group_staging=staging)
+        values["retain_snapshots"] = max(props.RETAIN_LAST.get(properties) or 0,
+                                         props.MIN_SNAPSHOTS_TO_KEEP.get(properties) or 0)
+        return cls(**values)
 
     @property
     def packed(self) -> bool:
         return self.layout == LAYOUT_PACKED
 
+    @property
+    def commit_timeout_s(self) -> float:
+        return props.COMMIT_TIMEOUT.seconds(self.commit_timeout_ms)
+
+    @property
+    def gc_grace_s(self) -> float:
+        return props.GC_GRACE.seconds(self.gc_grace_ms)
+
+    @property
+    def io_retry_timeout_s(self) -> float:
+        return props.IO_RETRY_TIMEOUT.seconds(self.io_retry_timeout_ms)
+
+    @property
+    def retain_max_age_s(self) -> float:
+        return props.MAX_SNAPSHOT_AGE.seconds(self.retain_max_age_ms)
+
+    @property
+    def staged_max_age_s(self) -> float:
+        """How old a staged batch may be and still be published: the grace period less the longest commit the GC
+        grace rule allows (half of it), so GC never deletes the files of a batch a commit may still publish."""
+        return self.gc_grace_s * (1 - 1 / GRACE_PER_COMMIT_TIMEOUT)
+
     def to_properties(self) -> dict[str, str]:
-        return {
-            PROP_VERSION: FORMAT_VERSION,
-            PROP_WORLD_SIZE: str(self.world_size),
-            PROP_RETAIN_SNAPSHOTS: str(self.retain_snapshots),
-            PROP_RETAIN_MAX: str(self.retain_max),
-            **({PROP_MAX_SNAPSHOT_AGE_MS: str(self.retain_max_age_ms)} if self.retain_max_age_ms else {}),
-            PROP_MERGE_FANOUT: str(self.merge_fanout),
-            PROP_MAX_MERGE_ENTRIES: str(self.max_merge_entries),
-            PROP_MANIFEST_CACHE_BYTES: str(self.manifest_cache_bytes),
-            PROP_COMMIT_TIMEOUT_MS: str(self.commit_timeout_ms),
-            PROP_COMMIT_MAX_ATTEMPTS: str(self.commit_max_attempts),
-            PROP_GC_GRACE_MS: str(self.gc_grace_ms),
-            PROP_IO_RETRY_TIMEOUT_MS: str(self.io_retry_timeout_ms),
-            PROP_GROUP_COMMIT: str(self.group_commit).lower(),
-            PROP_GROUP_MAX_BATCHES: str(self.group_max_batches),
-            PROP_GROUP_STAGING: self.group_staging,
-            PROP_LAYOUT: self.layout,
-            PROP_PACKED_ROW_GROUP_BYTES: str(self.packed_row_group_bytes),
-            # Exactly one retry owner for lakestream's commits: its commit loop, which never commits through pyiceberg's
-            # retrying Transaction.commit_transaction. Iceberg's commit.retry.* stay at their defaults, so another
-            # engine's maintenance commit (Spark's expire_snapshots) retries when it loses to a producer's.
-            # Spark's expire_snapshots keeps this many snapshots by default: with 2, its usual run after a
-            # rewrite_manifests keeps the lakestream snapshot below Spark's (docs/interop.md).
-            PROP_MIN_SNAPSHOTS_TO_KEEP: "2",
-            # Old metadata.json files are dropped by the commit loop once this many newer versions exist.
-            "write.metadata.previous-versions-max": "16",
-            "write.metadata.delete-after-commit.enabled": "true",
-        }
+        """The table properties of a new stream with these settings: lakestream's own, the Iceberg ones lakestream
+        sets (``created``), and those of a field that differ from their default.
 
-
-_INT_FIELDS: dict[str, tuple[str, int]] = {  # StreamConfig field -> (table property, minimum)
-    "world_size": (PROP_WORLD_SIZE, 1),
-    "retain_snapshots": (PROP_RETAIN_SNAPSHOTS, 2),
-    "retain_max_age_ms": (PROP_MAX_SNAPSHOT_AGE_MS, 0),
-    "retain_max": (PROP_RETAIN_MAX, 2),
-    "merge_fanout": (PROP_MERGE_FANOUT, 2),
-    "max_merge_entries": (PROP_MAX_MERGE_ENTRIES, 1),
-    "manifest_cache_bytes": (PROP_MANIFEST_CACHE_BYTES, 0),
-    "commit_timeout_ms": (PROP_COMMIT_TIMEOUT_MS, 1),
-    "commit_max_attempts": (PROP_COMMIT_MAX_ATTEMPTS, 1),
-    "gc_grace_ms": (PROP_GC_GRACE_MS, 0),
-    "io_retry_timeout_ms": (PROP_IO_RETRY_TIMEOUT_MS, 0),
-    "group_max_batches": (PROP_GROUP_MAX_BATCHES, 1),
-    "packed_row_group_bytes": (PROP_PACKED_ROW_GROUP_BYTES, 1),
-}
+        Exactly one retry owner for lakestream's commits: its commit loop, which never commits through pyiceberg's
+        retrying ``Transaction.commit_transaction``; Iceberg's ``commit.retry.*`` stay at their defaults, so another
+        engine's maintenance commit (Spark's ``expire_snapshots``) retries when it loses to a producer's.
+        """
+        out: dict[str, str] = {}
+        for prop in props.PROPERTIES:
+            value = getattr(self, prop.field) if prop.field else prop.created
+            if value is None or not prop.own and prop.created is None and value == prop.default:
+                continue
+            out[prop.key] = prop.format(value)  # type: ignore[arg-type]
+        return out
 
 
 def table_arrow_schema(payload: pa.Schema) -> pa.Schema:

@@ -46,6 +46,7 @@ from pyiceberg.types import LongType
 from lakestream_iceberg.format.avro_readers import read_manifest_entries, read_manifest_list
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from lakestream_iceberg.format.file_settings import avro_codec
+from lakestream_iceberg.format.properties import MANIFEST_CACHE_BYTES
 from lakestream_iceberg.format.uploads import Uploads
 
 _LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
@@ -92,7 +93,7 @@ def step_bounds(manifest: ManifestFile) -> tuple[int, int] | None:
     return from_bytes(LongType(), summary.lower_bound), from_bytes(LongType(), summary.upper_bound)
 
 
-DEFAULT_CACHE_BYTES = 64 << 20  # lakestream.manifest.cache-bytes (format/layout.py StreamConfig.manifest_cache_bytes)
+DEFAULT_CACHE_BYTES: int = MANIFEST_CACHE_BYTES.default or 0  # lakestream.manifest.cache-bytes (format/properties.py)
 _STATS = ("column_sizes", "value_counts", "null_value_counts", "nan_value_counts", "lower_bounds", "upper_bounds")
 
 

@@ -36,9 +36,10 @@ from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import ManifestCache, ManifestPlanner, shared_cache
+from lakestream_iceberg.format.properties import ARROW_SCHEMA
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 
-PROP_ARROW_SCHEMA = "lakestream.arrow-schema"
+PROP_ARROW_SCHEMA = ARROW_SCHEMA.key
 MAIN = "main"
 
 __all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "decode_schema", "encode_schema"]

@@ -316,10 +316,10 @@ def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short:
         ConfigError: ``grace`` is not a non-negative ``timedelta``, or is too short without ``allow_short``.
     """
     if grace is None:
-        return config.gc_grace_ms / 1000  # the property itself obeys the rule (StreamConfig)
+        return config.gc_grace_s  # the property itself obeys the rule (StreamConfig)
     if not isinstance(grace, timedelta) or grace.total_seconds() < 0:
         raise ConfigError(f"grace must be a non-negative datetime.timedelta (or None), got {grace!r}")
-    need_s = GRACE_PER_COMMIT_TIMEOUT * config.commit_timeout_ms / 1000
+    need_s = GRACE_PER_COMMIT_TIMEOUT * config.commit_timeout_s
     if grace.total_seconds() < need_s and not allow_short:
         raise ConfigError(
             f"grace={grace} is shorter than {GRACE_PER_COMMIT_TIMEOUT} x {PROP_COMMIT_TIMEOUT_MS} ({need_s:g}s): with "
@@ -340,7 +340,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     ``expire_intents(older_than_s, delete)``: catalog staging's intent rows older than the grace period (their rows are
     no files the sweep finds), or None where intents are files.
     """
-    metadata = loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_ms / 1000)
+    metadata = loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_s)
     known = known_files(stream, metadata)
     if dry_run:
         plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,

@@ -19,7 +19,7 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
@@ -120,7 +120,23 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "metadata_bytes": metadata_bytes,
         "storage": {"data_files": total("total-data-files"), "records": total("total-records"),
                     "bytes": total("total-files-size")},
+        "properties": property_rows(metadata.properties),
     }
+
+
+def property_rows(properties: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Every table property a stream reads (format/properties.py), with the value the table holds: ``set`` is false
+    where the property is absent and ``value`` is then its default."""
+    from lakestream_iceberg.format.properties import PROPERTIES
+
+    rows = []
+    for prop in PROPERTIES:
+        raw = properties.get(prop.key)
+        shown = raw if raw is None or len(raw) <= 64 else f"{raw[:24]}... ({len(raw):,} chars)"
+        rows.append({"property": prop.key, "value": shown if raw is not None else prop.absent_words(),
+                     "set": raw is not None, "unit": prop.unit, "default": prop.default_words(),
+                     "live": prop.change.value, "live_short": prop.change.short})
+    return rows
 
 
 def cmd_status(args: argparse.Namespace, out: Output) -> int:
@@ -147,6 +163,9 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
     out.table(status["producers"], title="producers", columns=["producer", "last_seq", "last_step", "lag"])
     out.table([plain(c) for c in status["checkpoints"]], title="checkpoints",
               columns=["name", "branch", "step", "snapshot_id", "created_at"])
+    out.table([{**p, "value": p["value"] if p["set"] else f"({p['value']})", "live change": p["live_short"]}
+               for p in status["properties"]], title="table properties (absent: the default, in parentheses)",
+              columns=["property", "value", "unit", "live change"])
     return 0
 
 

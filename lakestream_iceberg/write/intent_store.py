@@ -25,7 +25,8 @@ from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError
-from lakestream_iceberg.format.layout import PROP_GROUP_STAGING, STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE
+from lakestream_iceberg.format.layout import PROP_GROUP_STAGING
+from lakestream_iceberg.format.properties import STAGING_AUTO, STAGING_CATALOG, STAGING_STORAGE
 from lakestream_iceberg.write.intent import PARQUET_MAGIC, Intent
 
 log = logging.getLogger(__name__)
