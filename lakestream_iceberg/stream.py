@@ -150,7 +150,10 @@ class Stream(StreamTable):
             properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}`` (every property a
                 stream reads: docs/configuration.md). The layout, ``lakestream.layout`` (``per-rank``: one data file per
                 rank and step; ``packed``: one per step), is fixed here; by default a stream of world size 8 or more is
-                packed (README, "Per-step cost").
+                packed (docs/concepts.md, "Layouts").
+
+        Returns:
+            The stream, created or opened.
 
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
