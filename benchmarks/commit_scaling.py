@@ -37,24 +37,20 @@ import argparse
 import contextlib
 import math
 import multiprocessing as mp
-import os
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(BENCH_DIR.parent))
 
-from _common import RESULTS_DIR, Table, jain_index, percentile, write_json  # noqa: E402
+from _common import RESULTS_DIR, Children, Parent, Table, jain_index, percentile, print_tables, ratio_of, sqlite_props, start_postgres, timed, write_json  # noqa: E402
 
 WORLD_SIZE = 8
 ROWS_PER_SHARD = 4
@@ -64,92 +60,11 @@ NS = "bench"
 # ================================================================================================ catalogs
 
 
-def sqlite_catalog_props(root: Path) -> dict[str, str]:
-    root.mkdir(parents=True, exist_ok=True)
-    return {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
-
-
 def load_sql_catalog(props: dict[str, str]) -> Any:
     from pyiceberg.catalog.sql import SqlCatalog
 
     rest = {k: v for k, v in props.items() if k != "type"}
     return SqlCatalog("bench", **rest)
-
-
-class _OwnPostgres:
-    """Fallback when ``catalog.services`` is unusable: PostgreSQL in a temp dir as user postgres, 127.0.0.1 only."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="bench-pg-"))
-        self.port = _free_port()
-        self.pid: int | None = None
-        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin"))
-        if not bins:
-            raise RuntimeError("PostgreSQL is not installed (apt-get install -y postgresql)")
-        self.bin = bins[-1]
-
-    def _as_pg(self, cmd: list[str]) -> subprocess.CompletedProcess[str]:
-        if os.geteuid() == 0:
-            cmd = ["runuser", "-u", "postgres", "--", *cmd]
-        return subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=120)
-
-    def start(self) -> None:
-        if os.geteuid() == 0:
-            shutil.chown(self.dir, "postgres", "postgres")
-        data = self.dir / "data"
-        self._as_pg([str(self.bin / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
-        self._as_pg([str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.dir / "server.log"), "-w", "-o",
-                     f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start"])
-        self.pid = int((data / "postmaster.pid").read_text().split()[0])
-
-    def sqlalchemy_uri(self, database: str = "postgres") -> str:
-        return f"postgresql+psycopg2://postgres@127.0.0.1:{self.port}/{database}"
-
-    def create_database(self, name: str) -> str:
-        import psycopg2
-
-        conn = psycopg2.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres")
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            cur.execute(f'CREATE DATABASE "{name}"')
-        conn.close()
-        return self.sqlalchemy_uri(name)
-
-    def close(self) -> None:
-        if self.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, 2)  # SIGINT: fast shutdown, by PID
-            for _ in range(200):
-                try:
-                    os.kill(self.pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
-            self.pid = None
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_postgres() -> tuple[Any, str]:
-    """A running PostgreSQL: catalog.services.Postgres if it works, else our own. Returns (server, how)."""
-    try:
-        from catalog.services import Postgres
-
-        pg = Postgres()
-        pg.start()
-        return pg, "catalog.services.Postgres"
-    except Exception as exc:  # noqa: BLE001 - any failure: fall back
-        print(f"[postgres] catalog.services.Postgres unusable ({type(exc).__name__}: {exc}); starting our own", flush=True)
-        pg = _OwnPostgres()
-        pg.start()
-        return pg, "own initdb/pg_ctl"
 
 
 # ================================================================================================ tables
@@ -229,7 +144,7 @@ def run_lakestream_growth(root: Path, steps: int, window: int, profile_last: int
     import io
     import pstats
 
-    catalog = load_sql_catalog(sqlite_catalog_props(root / "ls"))
+    catalog = load_sql_catalog(sqlite_props(root / "ls"))
     stream = create_stream(catalog, "growth")
     producer = stream.producer("grow-0", seed=1)
     latencies: list[float] = []
@@ -363,7 +278,7 @@ class PlainFiller:
 
 
 def run_plain_growth(root: Path, steps: int, mode: str, points: list[int], samples: int, window: int) -> dict[str, Any]:
-    catalog = load_sql_catalog(sqlite_catalog_props(root / "plain"))
+    catalog = load_sql_catalog(sqlite_props(root / "plain"))
     table = create_plain_table(catalog, "plain_growth")
     t0 = time.monotonic()
     latencies: dict[int, float] = {}  # step -> latency of the real append that created it
@@ -371,10 +286,7 @@ def run_plain_growth(root: Path, steps: int, mode: str, points: list[int], sampl
     step = 1
     if mode == "loop":
         for step in range(1, steps + 1):
-            s, c0 = time.perf_counter(), time.process_time()
-            table.append(plain_frame(step))
-            latencies[step] = time.perf_counter() - s
-            cpu[step] = time.process_time() - c0
+            latencies[step], cpu[step] = timed(lambda step=step: table.append(plain_frame(step)))
             if step % window == 0:
                 w = [latencies[k] for k in range(step - window + 1, step + 1)]
                 print(f"[growth] plain append {step:>5}/{steps}: p50 {percentile(w, 50) * 1000:7.1f} ms "
@@ -389,10 +301,7 @@ def run_plain_growth(root: Path, steps: int, mode: str, points: list[int], sampl
                 step = filler.fill(first_real - 1, first_step=step)
                 fill_s += time.monotonic() - f0
             for _ in range(samples):
-                s, c0 = time.perf_counter(), time.process_time()
-                table.append(plain_frame(step))
-                latencies[step] = time.perf_counter() - s
-                cpu[step] = time.process_time() - c0
+                latencies[step], cpu[step] = timed(lambda step=step: table.append(plain_frame(step)))
                 step += 1
             lat = [latencies[k] for k in range(first_real, step)]
             print(f"[growth] plain append at {point:>5} snapshots: p50 {percentile(lat, 50) * 1000:7.1f} ms  "
@@ -521,55 +430,34 @@ def _worker(conn: Any) -> None:
     import lakestream_iceberg  # noqa: F401
 
     logging.getLogger("pyiceberg").setLevel(logging.ERROR)  # one warning per pyiceberg retry otherwise
-    conn.send(("ready", None))
-    import pyiceberg.catalog.sql  # noqa: F401
-
-    while True:
+    parent = Parent(conn)
+    task = parent.ready()  # the first task
+    while task is not None:
+        with parent:  # a failed task is reported to the parent, and the worker waits for the next one
+            parent.ok(_run_task(task))
         task = conn.recv()
-        if task is None:
-            return
-        try:
-            conn.send(("ok", _run_task(task)))
-        except Exception:  # noqa: BLE001
-            conn.send(("error", traceback.format_exc()))
 
 
 class Pool:
     """``size`` spawned worker processes, reused for every contention point."""
 
     def __init__(self, size: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.conns = []
-        self.procs = []
-        for _ in range(size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker, args=(child,), daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        for conn in self.conns:  # every worker has imported everything before the first point is timed
-            status, _ = conn.recv()
-            assert status == "ready", status
+        self.workers = Children(mp.get_context("spawn"))
+        for i in range(size):
+            self.workers.start(f"contention worker {i}", _worker)
+        self.workers.wait_ready()  # every worker has imported everything before the first point is timed
 
     def run(self, tasks: list[Task]) -> list[dict[str, Any]]:
-        for conn, task in zip(self.conns, tasks, strict=False):
+        conns = self.workers.conns
+        for conn, task in zip(conns, tasks, strict=False):
             conn.send(task)
-        out = []
-        for conn in self.conns[: len(tasks)]:
-            status, body = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"contention worker failed:\n{body}")
-            out.append(body)
-        return out
+        return [Children.receive(conn, "ok", "contention worker failed") for conn in conns[: len(tasks)]]
 
     def close(self) -> None:
-        for conn in self.conns:
+        for conn in self.workers.conns:
             with contextlib.suppress(Exception):
                 conn.send(None)
-        for proc in self.procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.terminate()
+        self.workers.close(join_s=10)
 
 
 def contention_point(pool: Pool, catalog_props: dict[str, str], policy: str, producers: int, duration: float,
@@ -609,7 +497,7 @@ def summarize_point(results: list[dict[str, Any]], duration: float, policy: str,
         "attempts_per_commit": statistics.fmean(attempts_known) if attempts_known else math.nan,
         "attempts": len(critical), "won_attempts": won_attempts,
         "carried_frac": sum(1 for r in ok if r[3] == 0) / len(ok) if ok and policy != "pyiceberg" else math.nan,
-        "batches_per_swap": len(ok) / won_attempts if won_attempts else math.nan,
+        "batches_per_swap": ratio_of(len(ok), won_attempts),
         "wasted_frac": 1 - won_attempts / len(critical) if critical else math.nan,
         "critical_p50_s": percentile(critical, 50), "critical_samples": critical[:5000],
         "pacing_mean_s": statistics.fmean(pace) if pace else math.nan,
@@ -631,7 +519,7 @@ def run_contention(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 for rep, p in [(r, p) for r in range(args.repeat) for p in args.producers]:  # repetitions interleaved
                     name = f"{catalog_name}_{policy}_{p}" + (f"_r{rep}" if rep else "")
                     if catalog_name == "sqlite":
-                        props = sqlite_catalog_props(root / "contention" / name)
+                        props = sqlite_props(root / "contention" / name)
                     else:
                         uri = pg.create_database(f"b_{policy.replace('-', '_')}_{p}_r{rep}")
                         wh = root / "contention" / name
@@ -735,9 +623,9 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
             for p in pts:
                 base = single.get((p["policy"], p.get("rep", 0)))
                 t.add(p["policy"], p["producers"], p.get("rep", 0), p["commits_per_s"],
-                      p["commits_per_s"] / base if base else math.nan,
+                      ratio_of(p["commits_per_s"], base),
                       p["failed"], p["p50_s"] * 1000, p["p99_s"] * 1000,
-                      p["p99_s"] / p["p50_s"] if p["p50_s"] else math.nan, p["jain"], p["attempts_per_commit"],
+                      ratio_of(p["p99_s"], p["p50_s"]), p["jain"], p["attempts_per_commit"],
                       p["wasted_frac"], p.get("carried_frac", math.nan), p.get("batches_per_swap", math.nan))
             t.note("commits: published batches (one snapshot each); failed: commit calls that raised (pyiceberg: "
                    "CommitFailedException after 4 retries; lakestream: budget exhausted); swaps/commit: "
@@ -921,8 +809,7 @@ def main(argv: list[str] | None = None) -> int:
             c100 = plain_point_stats(pcpu, 100, half)["p50_s"]
             cend = plain_point_stats(pcpu, points[-1], half)["p50_s"]
             ratios.update({"plain_p50_100": p100, "plain_p50_end": pend, "plain_end_step": points[-1],
-                           "plain_ratio": pend / p100 if p100 else math.nan,
-                           "plain_cpu_ratio": cend / c100 if c100 else math.nan})
+                           "plain_ratio": ratio_of(pend, p100), "plain_cpu_ratio": ratio_of(cend, c100)})
             results["growth"] = {"lakestream": ls, "plain": plain, "plain_points": points,
                                  "ratios": ratios}
             if ls.get("profile_last_commits"):
@@ -937,10 +824,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
     results["elapsed_s"] = time.monotonic() - t0
     tables = report(results, args)
-    print()
-    for t in tables:
-        print(t)
-        print()
+    print_tables(tables)
     out = Path(args.out)
     path = write_json(out.name, {**results, "tables": tables}, directory=out.parent)
     png = plot(results, args, out.with_suffix(".png"))

@@ -36,11 +36,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import Table, percentile, write_json  # noqa: E402
+from _common import Run, StartLine, Table, bench_parser, int_list, percentile, rotating, run_together  # noqa: E402
 
 from catalog import services  # noqa: E402
 
@@ -57,7 +56,7 @@ def make_shards(world: int, seed: int) -> list[pa.Table]:
 
 
 def producer_main(props: dict[str, str], table: str, mode: str, idx: int, duration: float, world: int,
-                  ready: Any, go: Any, out: Any) -> None:
+                  line: StartLine) -> None:
     from pyiceberg.catalog import load_catalog
 
     from lakestream_iceberg import Stream
@@ -93,15 +92,14 @@ def producer_main(props: dict[str, str], table: str, mode: str, idx: int, durati
     producer_module.Producer._plan_group = timed  # type: ignore[method-assign]
     shards = make_shards(world, idx)
     producer = Stream.open(load_catalog("bench", **props), table).producer(f"p{idx}")
-    ready.release()
-    go.wait()
+    line.wait()
     latencies: list[float] = []
     end = time.monotonic() + duration
     while not latencies or time.monotonic() < end:
         began = time.perf_counter()
         producer.commit(shards)
         latencies.append(time.perf_counter() - began)
-    out.put({"idx": idx, "latencies": latencies, "plans": plans, "seconds": duration})
+    line.report({"idx": idx, "latencies": latencies, "plans": plans, "seconds": duration})
 
 
 def run(props: dict[str, str], table: str, mode: str, producers: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -112,19 +110,9 @@ def run(props: dict[str, str], table: str, mode: str, producers: int, args: argp
     stream = Stream.create(load_catalog("bench", **props), table, schema=SCHEMA, world_size=args.world_size,
                            properties={"write.parquet.compression-codec": "uncompressed"})
     ctx = mp.get_context("spawn")
-    ready, go, out = ctx.Semaphore(0), ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=producer_main, args=(props, table, mode, i, args.duration, args.world_size, ready, go,
-                                                     out)) for i in range(producers)]
-    for proc in procs:
-        proc.start()
-    for _ in procs:
-        ready.acquire()
-    began = time.perf_counter()
-    go.set()
-    results = [out.get(timeout=args.duration + 300) for _ in procs]
-    wall = time.perf_counter() - began
-    for proc in procs:
-        proc.join()
+    results, wall = run_together(ctx, producer_main, [(props, table, mode, i, args.duration, args.world_size)
+                                                      for i in range(producers)],
+                                 timeout_s=args.duration + 300, ready_timeout_s=300)
     batches = sum(len(r["latencies"]) for r in results)
     state = stream.state(refresh=True)
     seqs = {f"p{r['idx']}": len(r["latencies"]) for r in results}
@@ -136,37 +124,33 @@ def run(props: dict[str, str], table: str, mode: str, producers: int, args: argp
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="seconds, for tests")
+    parser = bench_parser(__doc__.split("\n\n")[0], smoke_help="seconds, for tests")
     parser.add_argument("--producers", default="1,4")
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=8)
-    parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.smoke:
         args.producers, args.duration, args.rounds = "1,2", 1.0, 1
-    counts = [int(p) for p in args.producers.split(",")]
+    counts = int_list(args.producers)
     root = Path(tempfile.mkdtemp(prefix="commit_writes-"))
-    weed = services.SeaweedFS(root / "seaweedfs")
-    weed.start()
-    started = time.perf_counter()
+    runs: list[dict[str, Any]] = []
     try:
-        props = {"type": "sql", "uri": f"sqlite:///{root}/catalog.db", "warehouse": f"s3://{weed.bucket}/bench",
-                 **weed.s3_properties()}
-        from pyiceberg.catalog import load_catalog
+        with services.SeaweedFS(root / "seaweedfs") as weed:
+            bench = Run("commit_writes", smoke=args.smoke)
+            props = {"type": "sql", "uri": f"sqlite:///{root}/catalog.db", "warehouse": f"s3://{weed.bucket}/bench",
+                     **weed.s3_properties()}
+            from pyiceberg.catalog import load_catalog
 
-        load_catalog("bench", **props).create_namespace_if_not_exists("bench")
-        runs: list[dict[str, Any]] = []
-        for producers in counts:
-            for rnd in range(args.rounds):
-                for mode in MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]:
-                    result = run(props, f"bench.p{producers}_{rnd}_{mode}", mode, producers, args)
-                    runs.append(result)
-                    print(f"  P={producers} round {rnd} {mode:10s}: {result['batches'] / result['seconds']:6.1f} "
-                          f"batches/s, plan p50 {percentile(result['plans'], 50) * 1000:.1f} ms", flush=True)
+            load_catalog("bench", **props).create_namespace_if_not_exists("bench")
+            for producers in counts:
+                for rnd in range(args.rounds):
+                    for mode in rotating(MODES, rnd):
+                        result = run(props, f"bench.p{producers}_{rnd}_{mode}", mode, producers, args)
+                        runs.append(result)
+                        print(f"  P={producers} round {rnd} {mode:10s}: {result['batches'] / result['seconds']:6.1f} "
+                              f"batches/s, plan p50 {percentile(result['plans'], 50) * 1000:.1f} ms", flush=True)
     finally:
-        weed.stop()
         shutil.rmtree(root, ignore_errors=True)
     table = Table("commit writes on S3 (SeaweedFS), 1 MiB batches, W=8; overlapped, waited and sequential metadata "
                   "writes (rounds pooled)",
@@ -195,13 +179,10 @@ def main() -> None:
     table.note(f"{args.rounds} rounds per row, modes in rotating order, {args.duration:.0f} s per run, each on a "
                "fresh table; plan = Producer._plan_group (manifests, lists, summaries; in 'waited' and 'sequential' "
                "also the writes of its files), the swap not included")
-    print(table)
-    kwargs = {"directory": Path(args.out).parent} if args.out else {}
-    path = write_json(Path(args.out).name if args.out else "commit_writes", {
-        "benchmark": "commit_writes", "smoke": args.smoke, "rows": rows, "table": table.as_dicts(),
+    bench.finish([table], {
+        "rows": rows, "table": table.as_dicts(),
         "runs": [{k: v for k, v in r.items() if k not in ("latencies", "plans")} for r in runs],
-        "seconds": time.perf_counter() - started}, **kwargs)
-    print(f"wrote {path} in {time.perf_counter() - started:.0f} s")
+        "seconds": bench.elapsed_s}, out=args.out, spaced=False)
 
 
 if __name__ == "__main__":

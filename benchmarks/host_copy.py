@@ -29,7 +29,6 @@ import ctypes
 import json
 import os
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -39,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import Table, machine, percentile, write_json  # noqa: E402
+from _common import Run, Table, alternating, bench_parser, cpu_s, fill_defaults, machine, percentile, sqlite_catalog  # noqa: E402
 
 DISTANCES = (0, 4, 8, 16, 64, 2048)
 COPY_BYTES = 64 << 10
@@ -49,11 +47,6 @@ SAMPLE_BYTES = 64 << 10
 WORLD = 8
 BATCH_BYTES = 1 << 20
 TUNABLE = "glibc.cpu.x86_rep_movsb_threshold"
-
-
-def cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
 
 
 # ---------------------------------------------------------------------------------------------------- child: measure
@@ -114,14 +107,11 @@ def measure_parquet(repeats: int) -> dict[str, float]:
 
 def measure_commits(commits: int) -> dict[str, float]:
     """One producer, 1 MiB global batches, W=8, packed: CPU ms per commit and MiB/s after 10 warm-up commits."""
-    from pyiceberg.catalog.sql import SqlCatalog
-
     from lakestream_iceberg import Stream
 
     root = Path(tempfile.mkdtemp(prefix="lakestream-host-copy-"))
     try:
-        (root / "warehouse").mkdir()
-        catalog = SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+        catalog = sqlite_catalog(root)
         batch = shards()
         Stream.create(catalog, "bench.copy", schema=batch[0].schema, world_size=WORLD,
                       properties={"write.parquet.compression-codec": "uncompressed", "lakestream.layout": "packed"})
@@ -165,20 +155,15 @@ def run_child(args: argparse.Namespace, tuned: bool) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
+    ap = bench_parser(__doc__)
     ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per variant (default 3; --smoke 1)")
     ap.add_argument("--commits", type=int, default=None, help="commits measured per round (default 200; --smoke 5)")
     ap.add_argument("--copy-repeats", type=int, default=None, help="memmoves per distance (default 4000)")
     ap.add_argument("--write-repeats", type=int, default=None, help="Parquet writes per shape (default 300)")
     ap.add_argument("--threshold", type=int, default=16 << 20, help=f"{TUNABLE} of the tuned variant (bytes)")
-    ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    args.rounds = args.rounds or (1 if args.smoke else 3)
-    args.commits = args.commits or (5 if args.smoke else 200)
-    args.copy_repeats = args.copy_repeats or (50 if args.smoke else 4000)
-    args.write_repeats = args.write_repeats or (5 if args.smoke else 300)
+    fill_defaults(args, rounds=(3, 1), commits=(200, 5), copy_repeats=(4000, 50), write_repeats=(300, 5))
     for name in ("rounds", "commits", "copy_repeats", "write_repeats", "threshold"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -189,11 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child(args)
-    started = time.monotonic()
+    run = Run("host_copy", smoke=args.smoke)
     rounds: dict[str, list[dict[str, Any]]] = {"default": [], "tuned": []}
     for i in range(args.rounds):  # alternating order, so that a slow phase of the machine hits both variants
-        order = ("default", "tuned") if i % 2 == 0 else ("tuned", "default")
-        for name in order:
+        for name in alternating(("default", "tuned"), i):
             rounds[name].append(run_child(args, tuned=name == "tuned"))
 
     def pooled(name: str, *path: str) -> float:
@@ -223,16 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     table.note(f"distance 4 runs at {slow:.2f}x of distance 0 with the default glibc "
                f"({platform.libc_ver()[0]} {platform.libc_ver()[1]}, {machine()['cpu_model']}): "
                f"below about 0.3x this host has the pathology")
-    print(table)
-    out = Path(args.out) if args.out else None
-    path = write_json(out.name if out else "host_copy.json", {
-        "benchmark": "host_copy", "smoke": args.smoke, "wall_s": time.monotonic() - started, "machine": machine(),
+    run.finish([table], {
+        "machine": machine(),
         "config": {"rounds": args.rounds, "commits": args.commits, "copy_repeats": args.copy_repeats,
                    "write_repeats": args.write_repeats, "tunable": f"{TUNABLE}={args.threshold}"},
         "rounds": rounds, "summary": summary, "distance4_vs_0_default": slow,
-        "tables": [table.to_json()], "printed": str(table),
-    }, directory=out.parent if out else None)
-    print(f"wrote {path} in {time.monotonic() - started:.0f} s")
+    }, out=args.out, spaced=False)
     return 0
 
 

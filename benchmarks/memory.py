@@ -31,35 +31,19 @@ import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import Table, percentile, write_json  # noqa: E402
+from _common import Children, Parent, Run, Table, bench_parser, percentile, rss_kib, sqlite_catalog  # noqa: E402
 
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.binary())])
 CONFIGS = ("single", "group", "packed")
 MODES = ("nogc", "gc")
 TARGET_MIB_PER_100K = 20.0
-
-
-def rss_kib() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
-def _catalog(root: str) -> Any:
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
 
 
 def _marks(total: int, samples: int) -> set[int]:
@@ -69,15 +53,14 @@ def _marks(total: int, samples: int) -> set[int]:
 
 def _producer(conn: Any, root: str, name: str, producer_id: str, commits: int, world: int, rows: int, payload: int,
               samples: int, gc_every: int) -> None:
-    try:
+    with Parent(conn) as parent:
         from lakestream_iceberg import Stream
 
-        stream = Stream.open(_catalog(root), name)
+        stream = Stream.open(sqlite_catalog(root), name)
         producer = stream.producer(producer_id)
         data = pa.array([b"x" * payload] * rows, pa.binary())
         marks = _marks(commits, samples)
-        conn.send(("ready", None))
-        conn.recv()
+        parent.ready()
         out: list[tuple[int, int]] = []
         latencies: list[float] = []
         next_gc = gc_every
@@ -97,20 +80,17 @@ def _producer(conn: Any, root: str, name: str, producer_id: str, commits: int, w
                 out.append((step, rss_kib()))
         tenth = max(1, len(latencies) // 10)  # commit p50 per tenth of this producer's commits: a bounded cache
         p50s = [percentile(latencies[i * tenth:(i + 1) * tenth], 50) for i in range(10)]  # must not slow them
-        conn.send(("ok", {"samples": out, "seconds": time.monotonic() - began, "commit_p50_s_by_tenth": p50s}))
-    except Exception:  # noqa: BLE001
-        conn.send(("error", traceback.format_exc()))
+        parent.ok({"samples": out, "seconds": time.monotonic() - began, "commit_p50_s_by_tenth": p50s})
 
 
 def _follower(conn: Any, root: str, name: str, steps: int, samples: int) -> None:
-    try:
+    with Parent(conn) as parent:
         from lakestream_iceberg import Stream
         from lakestream_iceberg.errors import StepCollectedError
 
-        stream = Stream.open(_catalog(root), name)
+        stream = Stream.open(sqlite_catalog(root), name)
         marks = sorted(_marks(steps, samples))
-        conn.send(("ready", None))
-        conn.recv()
+        parent.ready()
         out: list[tuple[int, int]] = []
         skipped = 0
         step = 1
@@ -133,21 +113,7 @@ def _follower(conn: Any, root: str, name: str, steps: int, samples: int) -> None
                 marks.pop(0)
                 out.append((step, rss_kib()))
             step += 1
-        conn.send(("ok", {"samples": out, "skipped": skipped, "metadata_vanished": vanished, "seconds": time.monotonic() - began}))
-    except Exception:  # noqa: BLE001
-        conn.send(("error", traceback.format_exc()))
-
-
-def _receive(conn: Any, expected: str, failure: str) -> Any:
-    """The body of a child's next message, which must have the status ``expected`` (a child that exited without a
-    word is a failure too)."""
-    try:
-        status, body = conn.recv()
-    except EOFError:
-        status, body = "error", "the process exited without a word"
-    if status != expected:
-        raise RuntimeError(f"{failure}:\n{body}")
-    return body
+        parent.ok({"samples": out, "skipped": skipped, "metadata_vanished": vanished, "seconds": time.monotonic() - began})
 
 
 def one_run(root: Path, config: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -161,7 +127,7 @@ def one_run(root: Path, config: str, mode: str, args: argparse.Namespace) -> dic
         props["lakestream.manifest.cache-bytes"] = str(args.cache_bytes)
     root.mkdir(parents=True)
     name = "ns.soak"
-    Stream.create(_catalog(str(root)), name, schema=SCHEMA, world_size=world, properties=props)
+    Stream.create(sqlite_catalog(root), name, schema=SCHEMA, world_size=world, properties=props)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["pyarrow", "pyiceberg.catalog.sql", "lakestream_iceberg"])
     per_producer = [args.steps // producers + (1 if i < args.steps % producers else 0) for i in range(producers)]
@@ -170,28 +136,16 @@ def one_run(root: Path, config: str, mode: str, args: argparse.Namespace) -> dic
                                       args.samples, args.gc_every if mode == "gc" and i == 0 else 0))
         for i in range(producers)]
     roles.append(("follower", _follower, (str(root), name, args.steps, args.samples)))
-    conns, procs = [], []
-    for _label, target, targs in roles:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=target, args=(child, *targs), daemon=True)
-        proc.start()
-        child.close()  # a child that dies without a word is then an EOFError here, not a wait forever
-        conns.append(parent)
-        procs.append(proc)
-    results: dict[str, Any] = {}
+    children = Children(ctx)
+    for label, target, targs in roles:
+        children.start(label, target, *targs)
     began = time.monotonic()
     try:
-        for (label, _t, _a), conn in zip(roles, conns):
-            _receive(conn, "ready", f"{config}/{mode} {label} failed before the start")
-        for conn in conns:
-            conn.send("go")
-        for (label, _t, _a), conn in zip(roles, conns):
-            results[label] = _receive(conn, "ok", f"{config}/{mode} {label} failed")
+        children.wait_ready(f"{config}/{mode} ")
+        children.send_all("go")
+        results = dict(zip(children.labels, children.collect(f"{config}/{mode} ")))
     finally:
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.terminate()
+        children.close(join_s=60)
     return {"config": config, "mode": mode, "world_size": world, "producers": producers, "steps": args.steps,
             "seconds": time.monotonic() - began, "processes": results}
 
@@ -218,8 +172,7 @@ def analyse(samples: list[tuple[int, int]], steps: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--smoke", action="store_true", help="seconds, for tests")
+    parser = bench_parser(__doc__, smoke_help="seconds, for tests")
     parser.add_argument("--steps", type=int, default=100_000, help="steps (snapshots) per run, all producers together")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
@@ -231,7 +184,6 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=50, help="RSS samples per process")
     parser.add_argument("--cache-bytes", type=int, default=None, help="lakestream.manifest.cache-bytes (default: "
                         "the stream's default)")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     configs = [c for c in args.configs.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
@@ -240,7 +192,7 @@ def main() -> None:
             parser.error(f"{value} must be a comma-separated subset of {', '.join(allowed)}")
     if args.smoke:
         args.steps, args.gc_every, args.packed_world, args.samples = 200, 50, 16, 10
-    started = time.monotonic()
+    run = Run("memory", smoke=args.smoke)
     root = Path(tempfile.mkdtemp(prefix="lakestream-memory-"))
     runs: list[dict[str, Any]] = []
     table = Table(f"RSS as the live steps grow ({args.steps:,} steps per run; MiB at each tenth of the run)",
@@ -251,19 +203,19 @@ def main() -> None:
     try:
         for config in configs:
             for mode in modes:
-                run = one_run(root / f"{config}-{mode}", config, mode, args)
-                for body in run["processes"].values():
+                one = one_run(root / f"{config}-{mode}", config, mode, args)
+                for body in one["processes"].values():
                     body["analysis"] = analyse(body["samples"], args.steps)
                 for label in ("producer 0", "follower"):
-                    a = run["processes"][label]["analysis"]
+                    a = one["processes"][label]["analysis"]
                     table.add(config, mode, label, *a["rss_mib_at_tenths"], a["slope_kib_per_1000_steps"],
                               a["growth_after_warmup_mib"], a["mib_per_100k_steps"], "yes" if a["target_met"] else "NO")
-                p50s = run["processes"]["producer 0"]["commit_p50_s_by_tenth"]
+                p50s = one["processes"]["producer 0"]["commit_p50_s_by_tenth"]
                 p50_table.add(config, mode, *[p * 1000 for p in p50s], p50s[-1] / p50s[0])
-                runs.append(run)
-                print(f"{config}/{mode}: {args.steps:,} steps in {run['seconds']:.0f} s", flush=True)
+                runs.append(one)
+                print(f"{config}/{mode}: {args.steps:,} steps in {one['seconds']:.0f} s", flush=True)
                 print("\n".join(str(table).splitlines()[-2:]), flush=True)  # its two rows, as soon as they exist
-                write(args, started, runs, table, p50_table, partial=True)
+                write(run, args, runs, [table, p50_table], partial=True)
                 shutil.rmtree(root / f"{config}-{mode}", ignore_errors=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -273,22 +225,18 @@ def main() -> None:
     table.note(f"nogc: every step stays live; gc: checkpoint + collect_garbage(keep_last=1) every {args.gc_every:,} "
                "steps in producer 0; slope: least squares after the first tenth (warm-up); MiB/100k: the slope x 100")
     p50_table.note("the follower and the other producers run on the same cores: compare tenths, not runs")
-    print(table)
-    print(p50_table)
-    path = write(args, started, runs, table, p50_table, partial=False)
-    print(f"wrote {path} in {time.monotonic() - started:.0f} s")
+    run.finish([table, p50_table], payload(run, args, runs, partial=False), out=args.out, dated=True, spaced=False)
 
 
-def write(args: argparse.Namespace, started: float, runs: list[dict[str, Any]], table: Table, p50_table: Table, *,
-          partial: bool) -> Path:
+def payload(run: Run, args: argparse.Namespace, runs: list[dict[str, Any]], *, partial: bool) -> dict[str, Any]:
+    return {"partial": partial, "config": {k: v for k, v in vars(args).items() if k != "out"}, "runs": runs,
+            "seconds": run.elapsed_s}
+
+
+def write(run: Run, args: argparse.Namespace, runs: list[dict[str, Any]], tables: list[Table], *, partial: bool) -> Path:
     """The JSON of the runs so far (after each run: a long soak that stops early keeps what it measured)."""
-    payload = {"benchmark": "memory", "smoke": args.smoke, "partial": partial,
-               "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "out"},
-               "runs": runs, "tables": [table.to_json(), p50_table.to_json()],
-               "printed": f"{table}\n\n{p50_table}", "seconds": time.monotonic() - started}
-    if args.out is not None:
-        return write_json(args.out.name, payload, directory=args.out.parent)
-    return write_json(f"memory-{time.strftime('%Y-%m-%d')}", payload)
+    return run.write({**payload(run, args, runs, partial=partial), "tables": [t.to_json() for t in tables],
+                      "printed": "\n\n".join(str(t) for t in tables)}, out=args.out, dated=True)
 
 
 if __name__ == "__main__":

@@ -42,20 +42,33 @@ from __future__ import annotations
 import argparse
 import math
 import multiprocessing as mp
-import os
 import shutil
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(BENCH_DIR.parent))
 
-from _common import RESULTS_DIR, Table, file_creation_ms, machine, percentile, settle_file_creation, write_json  # noqa: E402
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    Children,
+    Parent,
+    Run,
+    Table,
+    bench_parser,
+    file_creation_ms,
+    flush_writes,
+    interleaved,
+    machine,
+    percentile,
+    ratio_of,
+    settle_and_say,
+    shrink,
+    sqlite_props,
+)
 
 WORLD_SIZE = 8
 NS = "bench"
@@ -69,11 +82,6 @@ TARGET_C_RATIO = 1.0  # pool commits/s / one producer alone
 
 
 # ================================================================================================ shared
-
-
-def catalog_props(root: Path) -> dict[str, str]:
-    (root / "warehouse").mkdir(parents=True, exist_ok=True)
-    return {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
 
 
 def open_catalog(props: dict[str, str]) -> Any:
@@ -159,7 +167,7 @@ def run_churn(root: Path, args: argparse.Namespace) -> tuple[Any, dict[str, Any]
     import io
     import pstats
 
-    catalog = open_catalog(catalog_props(root / "churn"))
+    catalog = open_catalog(sqlite_props(root / "churn"))
     stream = create_stream(catalog, "churn")
     points = sorted({p for p in args.points if p <= args.ids} | {args.ids})
     wall: list[float] = []  # Producer.commit() wall time
@@ -283,11 +291,10 @@ def run_lone(root: Path, churned: Any, args: argparse.Namespace) -> dict[str, An
     """Alternating rounds (after churn, fresh, fresh, after churn, ...), each after ``os.sync()``: the churn leaves
     minutes of dirty pages behind, and whichever run came first would pay for their writeback (file creation and
     SQLite commits measured 10-20x slower in that state on this machine)."""
-    fresh_stream = create_stream(open_catalog(catalog_props(root / "lone-fresh")), "fresh")
+    fresh_stream = create_stream(open_catalog(sqlite_props(root / "lone-fresh")), "fresh")
     runs: dict[str, list[dict[str, Any]]] = {"after": [], "fresh": []}
-    order = ["after", "fresh", "fresh", "after"] * ((args.lone_rounds + 1) // 2)
-    for i, which in enumerate(order[: 2 * args.lone_rounds]):
-        os.sync()
+    for i, (_round, which) in enumerate(interleaved(args.lone_rounds, ("after", "fresh"))):
+        flush_writes()
         stream, pid = (churned, "lone-after-churn") if which == "after" else (fresh_stream, "lone-fresh")
         runs[which].append(lone_run(stream, f"{pid}-{i}", args))
     after, fresh = _merge_lone(runs["after"]), _merge_lone(runs["fresh"])
@@ -297,7 +304,7 @@ def run_lone(root: Path, churned: Any, args: argparse.Namespace) -> dict[str, An
     print(f"[B] lone producer on a fresh stream: {fresh['commits']} commits in {fresh['elapsed_s']:.1f} s = "
           f"{fresh['commits_per_s']:.1f} commits/s (rounds {', '.join(f'{x:.0f}' for x in fresh['round_commits_per_s'])})",
           flush=True)
-    ratio = after["commits_per_s"] / fresh["commits_per_s"] if fresh["commits_per_s"] else math.nan
+    ratio = ratio_of(after["commits_per_s"], fresh["commits_per_s"])
     return {"after_churn": after, "fresh": fresh, "ratio": ratio,
             "metadata_bytes_after_churn": metadata_bytes(churned), "producers_in_head": len(churned.state().producers)}
 
@@ -311,7 +318,7 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
 
     ``profile_dir``: cProfile the commits (after the start barrier) and dump ``<label>-<worker>.prof`` there."""
     profiler = None
-    try:
+    with Parent(conn) as parent:
         import logging
 
         import pyarrow  # noqa: F401 - import everything before the start barrier
@@ -320,8 +327,7 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
 
         logging.getLogger("pyiceberg").setLevel(logging.ERROR)
         stream = Stream.open(open_catalog(props), table)
-        conn.send(("ready", None))
-        start_at = conn.recv()
+        start_at = parent.ready()
         while time.time() < start_at:
             time.sleep(min(0.02, max(0.0, start_at - time.time())))
         records: list[dict[str, Any]] = []
@@ -360,9 +366,7 @@ def _pool_worker(conn: Any, props: dict[str, str], table: str, worker: int, batc
         if profiler is not None and profile_dir:
             profiler.disable()
             profiler.dump_stats(str(Path(profile_dir) / f"{table.split('.')[-1]}-{worker:02d}.prof"))
-        conn.send(("ok", (records, cpu)))
-    except Exception:  # noqa: BLE001
-        conn.send(("error", traceback.format_exc()))
+        parent.ok((records, cpu))
 
 
 def process_context(method: str) -> Any:
@@ -376,38 +380,20 @@ def process_context(method: str) -> Any:
 
 def pool_run(props: dict[str, str], table: str, processes: int, batches: int, rotate: int, retries: int,
              label: str, start_method: str, profile_dir: str | None = None) -> dict[str, Any]:
-    ctx = process_context(start_method)
-    conns, procs = [], []
+    children = Children(process_context(start_method))
     t_spawn = time.monotonic()
     for w in range(processes):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_pool_worker, args=(child, props, table, w, batches, rotate, retries, profile_dir),
-                           daemon=True)
-        proc.start()
-        conns.append(parent)
-        procs.append(proc)
+        children.start(f"{label} worker {w}", _pool_worker, props, table, w, batches, rotate, retries, profile_dir)
     try:
-        for conn in conns:  # every process has imported everything and opened the stream before the start
-            status, body = conn.recv()
-            if status != "ready":
-                raise RuntimeError(f"{label} worker failed before the start:\n{body}")
+        children.wait_ready()  # every process has imported everything and opened the stream before the start
         ready_s = time.monotonic() - t_spawn
         start_at = time.time() + 0.5
-        for conn in conns:
-            conn.send(start_at)
-        records: list[dict[str, Any]] = []
-        cpu_s = 0.0
-        for conn in conns:
-            status, body = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"{label} worker failed:\n{body}")
-            records += body[0]
-            cpu_s += body[1]
+        children.send_all(start_at)
+        results = children.collect()
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+        children.close()
+    records: list[dict[str, Any]] = [r for body in results for r in body[0]]
+    cpu_s = sum(body[1] for body in results)
     ok = [r for r in records if r["ok"]]
     failed = [r for r in records if not r["ok"]]
     end = max((r["end"] for r in records), default=start_at)
@@ -427,7 +413,7 @@ def pool_run(props: dict[str, str], table: str, processes: int, batches: int, ro
 
 def _pool_round(root: Path, args: argparse.Namespace, i: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """One rotating-pool run on a fresh stream, and the read-back check of that stream."""
-    props = catalog_props(root / f"pool-{i}")
+    props = sqlite_props(root / f"pool-{i}")
     stream = create_stream(open_catalog(props), "pool")
     pool = pool_run(props, f"{NS}.pool", args.pool, args.pool_batches, args.rotate, args.retries, "pool",
                     args.start_method, args.profile_dir)
@@ -457,7 +443,7 @@ def _pool_round(root: Path, args: argparse.Namespace, i: int) -> tuple[dict[str,
 
 
 def _alone_round(root: Path, args: argparse.Namespace, i: int) -> dict[str, Any]:
-    props = catalog_props(root / f"pool-alone-{i}")
+    props = sqlite_props(root / f"pool-alone-{i}")
     create_stream(open_catalog(props), "alone")
     alone = pool_run(props, f"{NS}.alone", 1, args.alone_batches, 0, args.retries, "alone", args.start_method,
                      args.profile_dir)
@@ -511,9 +497,8 @@ def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
     alone_runs: list[dict[str, Any]] = []
     pool_runs: list[dict[str, Any]] = []
     checks: list[dict[str, Any]] = []
-    order = ["alone", "pool", "pool", "alone"] * ((args.pool_rounds + 1) // 2)
-    for i, which in enumerate(order[: 2 * args.pool_rounds]):
-        os.sync()
+    for i, (_round, which) in enumerate(interleaved(args.pool_rounds, ("alone", "pool"))):
+        flush_writes()
         create_ms = file_creation_ms(root / "probe")  # what creating a file cost just before this round
         if which == "alone":
             alone_runs.append(dict(_alone_round(root, args, i), create_ms_before=create_ms))
@@ -522,10 +507,9 @@ def run_pool(root: Path, args: argparse.Namespace) -> dict[str, Any]:
             pool_runs.append(dict(pool, create_ms_before=create_ms))
             checks.append(check)
     alone, pool = _merge_pool_runs(alone_runs), _merge_pool_runs(pool_runs)
-    rounds = [p["commits_per_s"] / a["commits_per_s"] if a["commits_per_s"] else math.nan
+    rounds = [ratio_of(p["commits_per_s"], a["commits_per_s"])
               for p, a in zip(pool_runs, alone_runs, strict=True)]
-    return {"alone": alone, "pool": pool, "ratio": pool["commits_per_s"] / alone["commits_per_s"]
-            if alone["commits_per_s"] else math.nan, "round_ratios": rounds, "check": _merge_checks(checks),
+    return {"alone": alone, "pool": pool, "ratio": ratio_of(pool["commits_per_s"], alone["commits_per_s"]), "round_ratios": rounds, "check": _merge_checks(checks),
             "create_ms_before": {"alone": [r["create_ms_before"] for r in alone_runs],
                                  "pool": [r["create_ms_before"] for r in pool_runs]}}
 
@@ -632,8 +616,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> tuple[list[Tabl
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
+    parser = bench_parser(__doc__, out=RESULTS_DIR / "producer_churn.json", whole_doc=True,
+                          smoke_help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
     parser.add_argument("--quick", action="store_true", help="smaller sizes (2,000 ids, 8 x 12 pool batches), a few minutes")
     parser.add_argument("--scenarios", default="A,B,C", help="comma-separated subset of A,B,C (B runs A's churn first)")
     parser.add_argument("--ids", type=int, default=20_000, help="A: distinct producer ids, one batch each")
@@ -660,23 +644,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="lakestream.commit.group.staging of every stream (auto: intents as rows of the SQLite catalog)")
     parser.add_argument("--pool-rounds", type=int, default=2,
                         help="C: rounds of the pool and of the lone producer, alternating, each on a fresh stream")
-    parser.add_argument("--out", default=str(RESULTS_DIR / "producer_churn.json"))
     parser.add_argument("--workdir", default=None, help="where tables live (default: a temp dir, removed at the end)")
     parser.add_argument("--settle-max-s", type=float, default=None,
                         help="at most this long, before the first run, wait for file creation to be calm after deletions "
                              "made before the benchmark (default 420; --smoke 0: measure only; see benchmarks/_common.py)")
     args = parser.parse_args(argv)
-    defaults = parser.parse_args([])
-    small = {}
+    small: dict[str, Any] = {}
     if args.quick:
         small = {"ids": 2_000, "pool": 8, "pool_batches": 12, "alone_batches": 30, "lone_commits": 100, "lone_seconds": 3.0,
                  "pool_rounds": 1}
     if args.smoke:
         small = {"ids": 30, "window": 10, "points": "10,30", "pool": 2, "pool_batches": 4, "rotate": 2, "alone_batches": 4,
                  "lone_commits": 10, "lone_seconds": 1.0, "progress_s": 5.0, "pool_rounds": 1}
-    for key, value in small.items():
-        if getattr(args, key) == getattr(defaults, key):
-            setattr(args, key, value)
+    shrink(parser, args, small)
     args.scenarios = [s.strip().upper() for s in args.scenarios.split(",") if s.strip()]
     unknown = set(args.scenarios) - {"A", "B", "C"}
     if unknown:
@@ -699,62 +679,42 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     global STAGING
     STAGING = args.staging
-    started = time.monotonic()
-    load_at_start = os.getloadavg()
+    run = Run("producer_churn", smoke=args.smoke)
     root = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="producer-churn-"))
     root.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    phases: dict[str, float] = {}
     print(f"producer_churn: scenarios {','.join(args.scenarios)}, ids {args.ids:,}"
           f"{f' (at most {args.max_seconds:g} s)' if args.max_seconds is not None else ''}, pool {args.pool} x "
           f"{args.pool_batches} (new id every {args.rotate}), staging {args.staging}{' [smoke]' if args.smoke else ''}",
           flush=True)
     try:
-        results["file_system_at_start"] = settle = settle_file_creation(root / "probe", max_wait_s=args.settle_max_s)
-        print(f"file system {'calm' if settle['settled'] else 'NOT calm'}: creating a file {settle['create_ms']:.3f} ms "
-              f"of CPU (first probe {settle['create_ms_first']:.3f} ms, waited {settle['waited_s']:.0f} s)", flush=True)
+        results["file_system_at_start"] = settle_and_say(root / "probe", max_wait_s=args.settle_max_s)
         churned = None
         if "A" in args.scenarios or "B" in args.scenarios:
-            mark = time.monotonic()
-            churned, results["A"] = run_churn(root, args)
-            phases["A"] = time.monotonic() - mark
+            with run.phase("A"):
+                churned, results["A"] = run_churn(root, args)
             if results["A"].get("profile"):
                 print("\n".join(results["A"]["profile"].splitlines()[:80]), flush=True)
         if "B" in args.scenarios:
-            mark = time.monotonic()
-            results["B"] = run_lone(root, churned, args)
-            phases["B"] = time.monotonic() - mark
+            with run.phase("B"):
+                results["B"] = run_lone(root, churned, args)
         if "C" in args.scenarios:
-            mark = time.monotonic()
-            results["C"] = run_pool(root, args)
-            phases["C"] = time.monotonic() - mark
+            with run.phase("C"):
+                results["C"] = run_pool(root, args)
     finally:
         if not args.workdir:
             shutil.rmtree(root, ignore_errors=True)
     tables, targets = report(results, args)
-    print()
-    for t in tables:
-        print(t)
-        print()
-    out = Path(args.out)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "workdir")}
-    path = write_json(out.name, {
-        "benchmark": "producer_churn",
-        "smoke": args.smoke,
-        "wall_s": time.monotonic() - started,
-        "phase_s": phases,
-        "loadavg_at_start": load_at_start,
+    run.finish(tables, {
+        "phase_s": run.phases,
         "config": {**config, "world_size": WORLD_SIZE, "rows_per_shard": 1,
                    "catalog": "sqlite (embedded) + local warehouse in a temp dir"},
         "versions": {"pyiceberg": pyiceberg.__version__, "pyarrow": pyarrow.__version__},
         "machine": machine(),
         "scenarios": results,
         "targets": targets,
-        "tables": [t.to_json() for t in tables],
-        "printed": "\n\n".join(str(t) for t in tables),
-    }, directory=out.parent)
-    print(f"wrote {path} in {time.monotonic() - started:.0f} s "
-          f"({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
+    }, out=args.out)
     return 0
 
 

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, Table, percentile, write_json  # noqa: E402
+from _common import REPO_ROOT, Table, alternating, percentile, timed, write_json  # noqa: E402
 from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 from pyiceberg.io import FileIO, InputFile, InputStream, OutputFile  # noqa: E402
 
@@ -160,13 +160,6 @@ def publish(stream: Stream, steps: int, rows: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- measurements
-def timed(fn: Any) -> tuple[float, float]:
-    """(wall seconds, CPU seconds of this process, all threads) of one call."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    fn()
-    return time.perf_counter() - wall, time.process_time() - cpu
-
-
 def untimed_setup(prepare: Any) -> Any:
     """A variant whose ``prepare()`` (not timed) returns the function to time."""
     def run() -> tuple[float, float]:
@@ -211,8 +204,7 @@ def throughput(catalog: SqlCatalog, name: str, steps: int, repeats: int) -> dict
     walls: dict[str, list[float]] = {k: [] for k in variants}
     cpus: dict[str, list[float]] = {k: [] for k in variants}
     for i in range(repeats):
-        order = list(variants) if i % 2 == 0 else list(reversed(variants))
-        for label in order:
+        for label in alternating(list(variants), i):
             wall, cpu = variants[label]()
             walls[label].append(wall)
             cpus[label].append(cpu)

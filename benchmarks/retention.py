@@ -20,8 +20,6 @@ Writes ``benchmarks/results/retention.json`` and ``benchmarks/results/retention.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import platform
 import random
@@ -33,15 +31,16 @@ from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
 
-import pyarrow as pa
-from pyiceberg.catalog.sql import SqlCatalog
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import StepCollectedError
+import pyarrow as pa  # noqa: E402
+from _common import RESULTS_DIR as RESULTS  # noqa: E402
+from _common import median, sqlite_catalog, write_json  # noqa: E402
+from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
-# The host copy check's advice (lakestream_iceberg/write/host.py) is for producer hosts, not for this table's output.
-logging.getLogger("lakestream_iceberg.write.host").setLevel(logging.ERROR)
+from lakestream_iceberg import Stream  # noqa: E402
+from lakestream_iceberg.errors import StepCollectedError  # noqa: E402
+
 WORLD_SIZE = 4
 ROWS_PER_RANK = 4
 TOKENS = 16
@@ -94,7 +93,7 @@ def walk(location: str) -> dict[str, dict[str, int]]:
 
 
 def p50(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+    return median(values) if values else None
 
 
 class Run:
@@ -268,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="lakestream-retention-") as tmp:
-        catalog = SqlCatalog("bench", uri=f"sqlite:///{tmp}/catalog.db", warehouse=f"file://{tmp}/warehouse")
+        catalog = sqlite_catalog(tmp)
         runs = [Run(catalog, "gc", gc=True), Run(catalog, "nogc", gc=False)]
         started = time.monotonic()
         for step in range(1, steps + 1):
@@ -314,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         "runs": {run.name: {"gc": run.gc, "samples": run.samples, "gc_reports": run.gc_reports} for run in runs},
         "bounded": bounds, "verify": check,
     }
-    (args.out / "retention.json").write_text(json.dumps(result, indent=1))
+    path = write_json("retention", result, directory=args.out)
     plot(runs, args.out / "retention.png")
-    print(f"wrote {args.out / 'retention.json'} and {args.out / 'retention.png'}")
+    print(f"wrote {path} and {args.out / 'retention.png'}")
     return 0 if check["ok"] else 1
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import os
 import pstats
 import shutil
 import sys
@@ -34,21 +33,14 @@ from typing import Any
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from _common import RunFolders, Table, percentile, write_json  # noqa: E402
-from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
+from _common import Run, RunFolders, Table, alternating, bench_parser, flush_writes, percentile, sqlite_catalog  # noqa: E402
 
 import lakestream_iceberg.connect.swap as swap_module  # noqa: E402
 from lakestream_iceberg import Stream  # noqa: E402
 
 SCHEMA = pa.schema([("id", pa.int64()), ("payload", pa.binary())])
 MODES = ("held", "commit_table")
-
-
-def catalog(root: Path) -> SqlCatalog:
-    root.mkdir(parents=True, exist_ok=True)
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
 
 
 def shards(world: int, step: int, rows: int, payload: int) -> list[pa.Table]:
@@ -74,7 +66,7 @@ class Mode:
 def commit_loop(root: Path, name: str, *, world: int, commits: int, rows: int, payload: int,
                 profile: cProfile.Profile | None = None, layout: str | None = None) -> tuple[list[float], Stream]:
     properties = None if layout is None else {"lakestream.layout": layout}
-    stream = Stream.create(catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world, properties=properties)
+    stream = Stream.create(sqlite_catalog(root), f"ns.{name}", schema=SCHEMA, world_size=world, properties=properties)
     producer = stream.producer("p")
     producer.commit(shards(world, 0, rows, payload))  # warm-up: caches, first metadata
     latencies = []
@@ -93,7 +85,7 @@ def commit_loop(root: Path, name: str, *, world: int, commits: int, rows: int, p
 def commit_path(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, Any]]:
     runs: dict[str, list[float]] = {m: [] for m in MODES}
     for rnd in range(args.rounds):
-        for mode in MODES if rnd % 2 == 0 else MODES[::-1]:  # alternate the order: drift hits both alike
+        for mode in alternating(MODES, rnd):  # alternate the order: drift hits both alike
             with Mode(mode):
                 lat, _ = commit_loop(root / f"cp-{mode}-{rnd}", "s", world=2, commits=args.commits, rows=4,
                                      payload=args.payload)
@@ -189,11 +181,10 @@ def _sweep_rounds(root: Path, args: argparse.Namespace, runs: RunFolders, lats: 
                   reads: dict[tuple[str, int], list[float]], files: dict[tuple[str, int], int]) -> None:
     for rnd in range(args.sweep_rounds):
         for world in args.worlds:
-            for layout in args.layouts if rnd % 2 == 0 else args.layouts[::-1]:
+            for layout in alternating(args.layouts, rnd):
                 commits = max(3, min(args.sweep_commits, args.sweep_budget // world))
                 where = root / f"{layout}-w{world}-r{rnd}"
-                if hasattr(os, "sync"):
-                    os.sync()
+                flush_writes()
                 lat, stream = commit_loop(where, "s", world=world, commits=commits, rows=1, payload=64, layout=layout)
                 stream.refresh()
                 files[(layout, world)] = len(stream.index.files(stream.table.current_snapshot(), commits))
@@ -227,8 +218,7 @@ def _sweep_table(args: argparse.Namespace, rows: dict[tuple[str, int], dict[str,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--smoke", action="store_true", help="seconds, for tests")
+    parser = bench_parser(__doc__, smoke_help="seconds, for tests")
     parser.add_argument("--commits", type=int, default=150, help="commits per round of the commit-path comparison")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--payload", type=int, default=256, help="bytes per row in the commit-path runs")
@@ -239,14 +229,13 @@ def main() -> None:
     parser.add_argument("--profile-world", type=int, default=1024, help="W of the per-layout profile")
     parser.add_argument("--profile-commits", type=int, default=8)
     parser.add_argument("--sweep-budget", type=int, default=20_000, help="at most this many rank files per W")
-    parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.sweep_rounds < 1:
         parser.error("--sweep-rounds must be >= 1")
     if args.smoke:
         args.commits, args.rounds, args.worlds, args.sweep_commits, args.sweep_rounds = 6, 2, [1, 8], 3, 1
         args.profile_world, args.profile_commits = 8, 3
-    started = time.monotonic()
+    run = Run("step_cost", smoke=args.smoke)
     root = Path(tempfile.mkdtemp(prefix="lakestream-step-cost-"))
     try:
         commit_table, commit_json = commit_path(root, args)
@@ -259,17 +248,10 @@ def main() -> None:
         print(sweep_table, flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    payload = {"benchmark": "step_cost", "smoke": args.smoke,
-               "config": {k: v for k, v in vars(args).items() if k != "out"},
-               "commit_path": commit_json, "profile": prof_json, "profile_world": world_json, "world_sweep": sweep_json,
-               "world_sweep_folders_deleted_early": sweep_deleted_early,
-               "tables": [t.to_json() for t in (commit_table, prof_table, world_table, sweep_table)],
-               "seconds": time.monotonic() - started}
-    if args.out is not None:
-        path = write_json(args.out.name, payload, directory=args.out.parent)
-    else:
-        path = write_json("step_cost", payload)
-    print(f"wrote {path} in {payload['seconds']:.0f} s")
+    run.finish([commit_table, prof_table, world_table, sweep_table], {
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "commit_path": commit_json, "profile": prof_json, "profile_world": world_json, "world_sweep": sweep_json,
+        "world_sweep_folders_deleted_early": sweep_deleted_early, "seconds": run.elapsed_s}, out=args.out, show=False)
 
 
 if __name__ == "__main__":

@@ -20,19 +20,16 @@ Writes ``benchmarks/results/stream_retention.json``.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing as mp
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
-from pyiceberg.catalog.sql import SqlCatalog
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import Table, percentile, write_json  # noqa: E402
+from _common import Run, StartLine, Table, batches, bench_parser, int_list, percentile, run_together, sqlite_catalog  # noqa: E402
 
 from lakestream_iceberg import Stream  # noqa: E402
 
@@ -45,42 +42,25 @@ def _batch(seq: int) -> list[pa.Table]:
             for rank in range(WORLD)]
 
 
-def _produce(uri: str, warehouse: str, name: str, producer_id: str, rate: float, seconds: float,
-             barrier: Any, out: Any) -> None:
+def _produce(root: str, name: str, producer_id: str, rate: float, seconds: float, line: StartLine) -> None:
     """A producer process: commits paced at ``rate`` for ``seconds`` after every producer is ready."""
-    catalog = SqlCatalog("bench", uri=uri, warehouse=warehouse)
-    stream = Stream.open(catalog, f"bench.{name}")
+    stream = Stream.open(sqlite_catalog(root), f"bench.{name}")
     producer = stream.producer(producer_id)
     latencies: list[tuple[float, float]] = []
-    barrier.wait()
+    line.wait()
     start = time.monotonic()
-    seq = 0
-    while (now := time.monotonic()) - start < seconds:
-        due = start + seq / rate
-        if due > now:
-            time.sleep(due - now)
+    for seq in batches(mode="paced", start=start, duration=seconds, interval=1 / rate):
         began = time.monotonic()
         producer.commit(_batch(seq), seq=seq)
         latencies.append((began - start, time.monotonic() - began))
-        seq += 1
-    out.put((producer_id, seq, latencies))
+    line.report((producer_id, len(latencies), latencies))
 
 
 def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: float, producers: int) -> dict[str, float]:
-    uri, warehouse = f"sqlite:///{root}/catalog.db", f"file://{root}/warehouse"
-    stream = Stream.create(SqlCatalog("bench", uri=uri, warehouse=warehouse), f"bench.{name}", schema=SCHEMA,
-                           world_size=WORLD, properties=props)
-    ctx = mp.get_context("spawn")
-    barrier, out = ctx.Barrier(producers), ctx.Queue()
-    procs = [ctx.Process(target=_produce, args=(uri, warehouse, name, f"p{i}", rate / producers, seconds, barrier, out))
-             for i in range(producers)]
-    for proc in procs:
-        proc.start()
-    results = [out.get() for _ in procs]
-    for proc in procs:
-        proc.join()
-        if proc.exitcode != 0:
-            raise SystemExit(f"a producer process failed (exit code {proc.exitcode})")
+    stream = Stream.create(sqlite_catalog(root), f"bench.{name}", schema=SCHEMA, world_size=WORLD, properties=props)
+    results, _ = run_together(mp.get_context("spawn"), _produce,
+                              [(str(root), name, f"p{i}", rate / producers, seconds) for i in range(producers)],
+                              timeout_s=seconds + 300)
     steps = sum(r[1] for r in results)
     steady = [lat for r in results for at, lat in r[2] if at >= seconds * 0.75]
     metadata = stream.refresh().table.metadata
@@ -99,20 +79,19 @@ def run(root: Path, name: str, props: dict[str, str], *, rate: float, seconds: f
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = bench_parser(__doc__, whole_doc=True, smoke_help="R = 50, T = 1 s, 3 s per scenario (tests)")
     parser.add_argument("--rate", type=float, default=100.0, help="steps per second (default 100)")
     parser.add_argument("--trigger", type=float, default=10.0, help="the streaming reader's trigger, seconds (default 10)")
     parser.add_argument("--seconds", type=float, default=40.0, help="length of each scenario (default 40)")
     parser.add_argument("--producers", default="1,4", help="producer processes per scenario, comma-separated (default 1,4)")
     parser.add_argument("--quick", action="store_true", help="R = 50, T = 2 s, 8 s per scenario")
-    parser.add_argument("--smoke", action="store_true", help="R = 50, T = 1 s, 3 s per scenario (tests)")
-    parser.add_argument("--out", type=Path, help="write the JSON here instead of benchmarks/results/")
     args = parser.parse_args(argv)
     if args.quick:
         args.rate, args.trigger, args.seconds = 50.0, 2.0, 8.0
     if args.smoke:
         args.rate, args.trigger, args.seconds, args.producers = 50.0, 1.0, 3.0, "1,2"
-    counts = [int(n) for n in args.producers.split(",")]
+    bench = Run("stream_retention", smoke=args.smoke)
+    counts = int_list(args.producers)
     age_ms = int((args.trigger + 5) * 1000)
     scenarios = {
         "count": {},
@@ -134,12 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     needed = args.rate * args.trigger
     table.note(f"a reader with trigger T needs the last R x T = {needed:,.0f} snapshots; age retention is bounded by "
                "lakestream.snapshots.retain-max (default 2,000); every scenario published each commit exactly once")
-    print(table)
-    payload = {"benchmark": "stream_retention", "smoke": args.smoke, "rate": args.rate, "trigger_s": args.trigger,
-               "seconds": args.seconds, "max_age_ms": age_ms, "results": results, "table": table}
-    path = write_json(args.out.name, payload, directory=args.out.parent) if args.out else \
-        write_json("stream_retention", payload)
-    print(f"wrote {path}")
+    bench.finish([table], {"rate": args.rate, "trigger_s": args.trigger, "seconds": args.seconds, "max_age_ms": age_ms,
+                         "results": results, "table": table}, out=args.out, spaced=False)
     return 0
 
 

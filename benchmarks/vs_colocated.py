@@ -32,7 +32,6 @@ import multiprocessing as mp
 import multiprocessing.forkserver
 import os
 import re
-import resource
 import shutil
 import signal
 import sys
@@ -47,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import RESULTS_DIR, Table, machine, percentile, write_json  # noqa: E402
+from _common import RESULTS_DIR, Run, Table, bench_parser, collect_reports, cpu_s, fill_defaults, int_list, kill_all, machine, percentile, sqlite_catalog  # noqa: E402
 
 # Producer processes come from a forkserver, never from a fork of the benchmark: a fork copies the locks other threads
 # hold at that instant (a producer restarted from the failure run's timer thread hung forever on an RLock the training
@@ -190,12 +189,6 @@ def lake_collate(shard: Any) -> dict[str, Any]:
             "step": shard.step}
 
 
-def sqlite_catalog(root: str) -> Any:
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
-
-
 def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, raw: RawData, out: Any,
                   hold: tuple[int, Any] | None = None) -> None:
     """Producer ``prep-idx``: its seq ``s`` is global batch ``s * producers + idx``; resumes from the table's next_seq.
@@ -294,7 +287,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
     error = None
     error_at = None
     t_start = time.monotonic()
-    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = cpu_s()
     t_first = None
     try:
         try:
@@ -323,7 +316,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
     except Exception as exc:  # noqa: BLE001 - a data-feed failure ends training (data path or SIGCHLD handler)
         error = f"{type(exc).__name__}: {(str(exc).splitlines() or [repr(exc)])[0][:300]}"  # EOFError() has no message
         error_at = time.monotonic()
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = cpu_s() - cpu0
     done = len(step_end)
     steady = data_s[warmup:]
     wall = (step_end[-1] - step_end[warmup - 1]) if done > warmup else math.nan
@@ -338,7 +331,7 @@ def train(batches: Any, *, steps: int, warmup: int, compute_s: float, compute_ki
         "data_ms_p99": 1000 * percentile(steady, 99),
         "data_ms_max": 1000 * max(steady) if steady else math.nan,
         "stall_fraction": sum(steady) / wall if done > warmup else math.nan,
-        "trainer_cpu_ms_per_step": 1000 * ((cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)) / max(1, done),
+        "trainer_cpu_ms_per_step": 1000 * cpu / max(1, done),
         "unique_samples": len(set(seen)),
         "loadavg_1m_after": os.getloadavg()[0],
         "samples": len(seen),
@@ -437,13 +430,7 @@ class Bench:
                                  max_poll_s=0.05, collate=lake_collate)
 
     def collect(self, out: Any, n: int, timeout: float) -> list[dict[str, Any]]:
-        reports = []
-        deadline = time.monotonic() + timeout
-        while len(reports) < n:
-            reports.append(out.get(timeout=max(0.1, deadline - time.monotonic())))
-            if "error" in reports[-1]:
-                raise RuntimeError(f"producer failed:\n{reports[-1]['error']}")
-        return reports
+        return collect_reports(out, n, timeout_s=timeout, what="producer")
 
     def lake_prefilled(self) -> dict[str, Any]:
         root = self.new_stream("prefilled")
@@ -454,7 +441,7 @@ class Bench:
         try:
             reports = self.collect(out, len(procs), timeout=600)
         finally:
-            _stop(procs)
+            kill_all(procs)
         prefill_s = time.monotonic() - t
         result = train(self.dataset(root, follow=False), steps=self.args.steps, **self.train_kw())
         result.update(feed=f"lakestream, prefilled by {self.args.producers} producer processes", prefill_s=prefill_s,
@@ -501,7 +488,7 @@ class Bench:
         finally:
             if "timer" in events:
                 events["timer"].join(30)
-            _stop(procs)
+            kill_all(procs)
         label = f"lakestream, {self.args.producers} producer processes concurrent with the trainer"
         if fail:
             kill_at, restart_at = events.get("kill_at", math.nan), events.get("restart_at", math.nan)
@@ -529,32 +516,21 @@ class Bench:
         return result
 
 
-def _stop(procs: list[Any]) -> None:
-    for proc in procs:
-        proc.kill()  # a no-op for a process that already exited (its pid may be gone: the forkserver reaps it)
-    for proc in procs:
-        proc.join(5)
-
-
 # ------------------------------------------------------------------------------------------------ main
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
+    ap = bench_parser(__doc__, out=RESULTS_DIR / "vs_colocated.json")
     ap.add_argument("--steps", type=int, default=None, help="training steps per run (default 150)")
     ap.add_argument("--batch", type=int, default=None, help="samples per step (default 64)")
     ap.add_argument("--compute-ms", type=float, default=None, help="compute time per step (default 50)")
     ap.add_argument("--compute", choices=["sleep", "matmul"], default="sleep")
     ap.add_argument("--workers", default=None, help="DataLoader num_workers values (default 1,2)")
     ap.add_argument("--producers", type=int, default=2, help="lakestream producer processes (default 2)")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "vs_colocated.json"))
     args = ap.parse_args(argv)
     smoke = args.smoke
-    args.steps = args.steps or (12 if smoke else 150)
-    args.batch = args.batch or (8 if smoke else 64)
-    args.compute_ms = args.compute_ms if args.compute_ms is not None else (20.0 if smoke else 50.0)
-    args.workers = [int(w) for w in (args.workers or "1,2").split(",")]
+    fill_defaults(args, steps=(150, 12), batch=(64, 8), compute_ms=(50.0, 20.0), workers=("1,2", "1,2"))
+    args.workers = int_list(args.workers)
     args.warmup = 2 if smoke else 5
     args.fail_steps = 16 if smoke else 120
     args.kill_step = 6 if smoke else 30
@@ -568,10 +544,9 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(1)
     args = parse_args(argv)
-    started = time.monotonic()
+    run = Run("vs_colocated", smoke=args.smoke)
     CTX.set_forkserver_preload(FORKSERVER_PRELOAD)
     multiprocessing.forkserver.ensure_running()  # boots (imports) now, not inside the first timed producer start
-    load_at_start = os.getloadavg()
     bench = Bench(args)
     runs: list[dict[str, Any]] = []
     try:
@@ -622,17 +597,8 @@ def main(argv: list[str] | None = None) -> int:
     ftable.note(f"lakestream: steps/s {fail_lake['steps_per_s_before_kill']:.2f} before the kill, "
                 f"{fail_lake['steps_per_s_after_kill']:.2f} after; unique samples {fail_lake['unique_samples']} of "
                 f"{fail_lake['samples']} delivered (no batch lost or repeated).")
-    print()
-    print(table)
-    print()
-    print(ftable)
-    print()
     strip = ("data_s", "step_end")
-    path = write_json(Path(args.out).name, {
-        "benchmark": "vs_colocated",
-        "smoke": args.smoke,
-        "wall_s": time.monotonic() - started,
-        "loadavg_at_start": load_at_start,
+    run.finish([table, ftable], {
         "config": {k: getattr(args, k) for k in ("steps", "batch", "compute_ms", "compute", "workers", "producers", "warmup",
                                                  "fail_steps", "kill_step", "restart_after_s", "raw_images", "raw_texts")},
         "machine": machine(),
@@ -642,10 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "failure": {"colocated": {k: v for k, v in fail_colocated.items() if k not in strip},
                     "lakestream": {k: v for k, v in fail_lake.items() if k not in strip}},
         "sigchld_errors_outside_training_loop": CHILD_EXIT.outside,
-        "tables": [table.to_json(), ftable.to_json()],
-        "printed": f"{table}\n\n{ftable}",
-    }, directory=Path(args.out).parent)
-    print(f"wrote {path} in {time.monotonic() - started:.0f} s")
+    }, out=args.out)
     return 0
 
 

@@ -29,13 +29,11 @@ import math
 import multiprocessing as mp
 import os
 import random
-import resource
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -45,13 +43,27 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from _common import (  # noqa: E402
     RESULTS_DIR,
+    Run,
     RunFolders,
+    StartLine,
     Table,
+    alternating,
+    batches,
+    bench_parser,
+    cpu_s,
+    dir_bytes,
     file_creation_ms,
+    fill_defaults,
+    flush_writes,
+    guarded,
+    int_list,
+    kill_all,
     machine,
     percentile,
-    settle_file_creation,
-    write_json,
+    ratio_of,
+    settle_and_say,
+    sleep_until,
+    sqlite_catalog,
 )
 from _kafka import Tansu, admin_config, create_topic, tansu_version  # noqa: E402
 
@@ -63,13 +75,6 @@ NAME = "bench.batches"
 
 
 # ---------------------------------------------------------------------------------------------------- payloads
-
-
-def cpu_s() -> float:
-    """CPU seconds (user + system, all threads) this process used so far."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
 
 
 def make_shards(batch_bytes: int, world_size: int, seed: int) -> list[pa.Table]:
@@ -156,7 +161,7 @@ def _produce(producer: Any, topic: str, value: bytes, key: bytes, partition: int
             producer.poll(0.01)
 
 
-def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+def kafka_producer_main(spec: dict[str, Any], idx: int, line: StartLine) -> None:
     from confluent_kafka import Producer
 
     shards = make_shards(spec["batch_bytes"], spec["world_size"], seed=idx)
@@ -169,18 +174,8 @@ def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out
         producer.init_transactions(30)
     records: list[tuple[Any, float, float]] = []
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
-    t_go = spec_go_time(spec, go)
-    seq = 0
-    while True:
-        if spec["mode"] == "saturate":
-            if seq and time.monotonic() >= t_go + spec["duration"]:  # at least one batch, however late this woke up
-                break
-        else:
-            if seq >= spec["batches"]:
-                break
-            _sleep_until(t_go + spec["interval"] * (seq + idx / max(1, spec["producers"])))
+    line.wait()
+    for seq in producer_batches(spec, idx):
         t0 = time.monotonic()
         key = f"p{idx}/{seq}".encode()
         if txn:
@@ -194,11 +189,10 @@ def kafka_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out
             if left:
                 raise RuntimeError(f"{left} messages not delivered")
         records.append((f"p{idx}/{seq}", t0, time.monotonic()))
-        seq += 1
-    out.put({"idx": idx, "records": records, "bytes_per_batch": nbytes, "cpu_s": cpu_s() - cpu0})
+    line.report({"idx": idx, "records": records, "bytes_per_batch": nbytes, "cpu_s": cpu_s() - cpu0})
 
 
-def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
+def kafka_consumer_main(spec: dict[str, Any], line: StartLine, stop: Any) -> None:
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
     world = spec["world_size"]
@@ -208,8 +202,7 @@ def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, sto
     groups: dict[str, dict[int, pa.Table]] = {}
     seen: dict[str, float] = {}
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
+    line.wait()
     expected = spec["expected"]
     try:
         while len(seen) < expected and not stop.is_set():
@@ -228,19 +221,13 @@ def kafka_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, sto
                     del groups[key]
     finally:
         consumer.close()
-    out.put({"consumer": True, "seen": seen, "partial": {k: len(v) for k, v in groups.items()}, "cpu_s": cpu_s() - cpu0})
+    line.report({"consumer": True, "seen": seen, "partial": {k: len(v) for k, v in groups.items()}, "cpu_s": cpu_s() - cpu0})
 
 
 # ---------------------------------------------------------------------------------------------------- lakestream side
 
 
-def sqlite_catalog(root: str) -> Any:
-    from pyiceberg.catalog.sql import SqlCatalog
-
-    return SqlCatalog("bench", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
-
-
-def lake_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+def lake_producer_main(spec: dict[str, Any], idx: int, line: StartLine) -> None:
     from lakestream_iceberg import Stream
 
     shards = make_shards(spec["batch_bytes"], spec["world_size"], seed=idx)
@@ -250,31 +237,20 @@ def lake_producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out:
     records: list[tuple[Any, float, float]] = []
     attempts = 0
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
-    t_go = spec_go_time(spec, go)
-    seq = 0
-    while True:
-        if spec["mode"] == "saturate":
-            if seq and time.monotonic() >= t_go + spec["duration"]:  # at least one batch, however late this woke up
-                break
-        else:
-            if seq >= spec["batches"]:
-                break
-            _sleep_until(t_go + spec["interval"] * (seq + idx / max(1, spec["producers"])))
+    line.wait()
+    for _seq in producer_batches(spec, idx):
         t0 = time.monotonic()
         result = producer.commit(shards)
         records.append((result.step, t0, time.monotonic()))
         attempts += result.attempts
-        seq += 1
-    out.put({"idx": idx, "records": records, "bytes_per_batch": nbytes, "attempts": attempts, "cpu_s": cpu_s() - cpu0})
+    line.report({"idx": idx, "records": records, "bytes_per_batch": nbytes, "attempts": attempts, "cpu_s": cpu_s() - cpu0})
 
 
 def _table_rows(shard: Any) -> Any:
     return shard.table
 
 
-def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop: Any) -> None:
+def lake_consumer_main(spec: dict[str, Any], line: StartLine, stop: Any) -> None:
     from lakestream_iceberg import Stream
     from lakestream_iceberg.read import follow
     from lakestream_iceberg.read.dataset import LakestreamDataset
@@ -292,8 +268,7 @@ def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop
                                 poll_s=0.005, max_poll_s=0.05, prefetch=1, collate=_table_rows)
     seen: dict[int, float] = {}
     cpu0 = cpu_s()
-    ready.release()
-    go.wait()
+    line.wait()
     t_go, polls[0] = time.monotonic(), 0
     try:
         for table in dataset:
@@ -304,28 +279,19 @@ def lake_consumer_main(spec: dict[str, Any], ready: Any, go: Any, out: Any, stop
     finally:
         dataset.close()
     active_s = max(seen.values(), default=t_go) - t_go
-    out.put({"consumer": True, "seen": seen, "partial": {}, "cpu_s": cpu_s() - cpu0,
+    line.report({"consumer": True, "seen": seen, "partial": {}, "cpu_s": cpu_s() - cpu0,
              "catalog_polls": polls[0], "catalog_polls_per_s": polls[0] / active_s if active_s > 0 else math.nan})
 
 
 # ---------------------------------------------------------------------------------------------------- orchestration
 
 
-def spec_go_time(spec: dict[str, Any], go: Any) -> float:
-    return float(spec["_go_time"].value)
-
-
-def _sleep_until(t: float) -> None:
-    delay = t - time.monotonic()
-    if delay > 0:
-        time.sleep(delay)
-
-
-def _kill_all(procs: list[Any]) -> None:
-    for proc in procs:
-        proc.kill()  # a no-op for a process that already exited, whichever start method reaped it
-    for proc in procs:
-        proc.join(5)
+def producer_batches(spec: dict[str, Any], idx: int) -> Any:
+    """Producer ``idx``'s batches from the common start: saturated for ``duration`` s, or ``batches`` paced ones (the
+    producers spread over each interval)."""
+    return batches(mode="paced" if spec["mode"] != "saturate" else "saturate", start=float(spec["_go_time"].value),
+                   duration=spec.get("duration", 0.0), count=spec.get("batches", 0), interval=spec.get("interval", 0.0),
+                   offset=idx / max(1, spec["producers"]))
 
 
 def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any | None, timeout_s: float) -> dict[str, Any]:
@@ -333,26 +299,20 @@ def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any |
 
     Everything the previous run wrote is flushed to disk first (``os.sync()``, as the other benchmarks do before each
     point): otherwise the kernel writes back one system's files while the next one runs, and charges it for them."""
-    if hasattr(os, "sync"):
-        os.sync()
+    flush_writes()
     n = spec["producers"] + (1 if consumer_main else 0)
-    ready = CTX.Semaphore(0)
-    go = CTX.Event()
-    stop = CTX.Event()
-    out = CTX.Queue()
+    line, stop = StartLine(CTX), CTX.Event()
     spec = dict(spec, _go_time=CTX.Value("d", 0.0))
-    procs = [CTX.Process(target=_guard, args=(producer_main, out, spec, i, ready, go, out), daemon=True)
+    procs = [CTX.Process(target=guarded, args=(producer_main, line.out, spec, i, line), daemon=True)
              for i in range(spec["producers"])]
     if consumer_main:
-        procs.append(CTX.Process(target=_guard, args=(consumer_main, out, spec, ready, go, out, stop), daemon=True))
+        procs.append(CTX.Process(target=guarded, args=(consumer_main, line.out, spec, line, stop), daemon=True))
     try:
         for proc in procs:
             proc.start()
-        for _ in range(n):
-            if not ready.acquire(timeout=120):
-                raise TimeoutError("benchmark processes did not get ready within 120 s")
+        line.wait_ready(n)
         spec["_go_time"].value = time.monotonic() + 0.05
-        go.set()
+        line.go.set()
         reports: list[dict[str, Any]] = []
         deadline = time.monotonic() + timeout_s
         producers_done = 0
@@ -361,7 +321,7 @@ def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any |
             if remaining <= 0:
                 raise TimeoutError(f"run {spec['run']} did not finish within {timeout_s:.0f}s")
             try:
-                report = out.get(timeout=min(remaining, 1.0))
+                report = line.out.get(timeout=min(remaining, 1.0))
             except Exception:  # noqa: BLE001 - queue.Empty
                 drained = time.monotonic() > spec.get("_drain_until", math.inf)
                 if consumer_main and producers_done == spec["producers"] and drained:
@@ -379,14 +339,7 @@ def run_processes(spec: dict[str, Any], producer_main: Any, consumer_main: Any |
         t_go = spec["_go_time"].value
         return {"reports": reports, "t_go": t_go}
     finally:
-        _kill_all(procs)
-
-
-def _guard(main: Any, out: Any, *args: Any) -> None:
-    try:
-        main(*args)
-    except BaseException:  # noqa: BLE001 - report to the parent, whatever it was
-        out.put({"error": traceback.format_exc()})
+        kill_all(procs)
 
 
 def summarize_ingestion(result: dict[str, Any]) -> dict[str, Any]:
@@ -483,10 +436,7 @@ class Bench:
     def settle_file_system(self) -> None:
         """Once, before the first run: wait until creating a file costs what it costs on a calm file system (the
         test suite or a benchmark run just before may have deleted thousands of files)."""
-        self.settle = settle_file_creation(self.tmp / "probe", max_wait_s=self.args.settle_max_s)
-        state = "calm" if self.settle["settled"] else "NOT calm"
-        print(f"  file system {state}: creating a file {self.settle['create_ms']:.3f} ms of CPU "
-              f"(first probe {self.settle['create_ms_first']:.3f} ms, waited {self.settle['waited_s']:.0f} s)", flush=True)
+        self.settle = settle_and_say(self.tmp / "probe", max_wait_s=self.args.settle_max_s, indent="  ")
 
     def create_ms(self) -> float:
         return file_creation_ms(self.tmp / "probe")
@@ -535,7 +485,7 @@ class Bench:
                         root=str(root), consumer_timeout=self.args.run_timeout, **kw)
             result = run_processes(spec, lake_producer_main, lake_consumer_main if consumer else None,
                                    timeout_s=self.args.run_timeout)
-            disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) / MiB
+            disk = dir_bytes(root) / MiB
         finally:
             self.runs.retire(root)
         return result, disk
@@ -554,7 +504,7 @@ class Bench:
                 kw = dict(mode="saturate", producers=p, batch_bytes=size * MiB, consumer=False, duration=self.args.duration)
                 k_rounds, l_rounds = [], []
                 for rnd in range(self.args.rounds):  # alternating order: whatever drifts hits both systems alike
-                    for system in ("kafka", "lake") if rnd % 2 == 0 else ("lake", "kafka"):
+                    for system in alternating(("kafka", "lake"), rnd):
                         create_ms = self.create_ms()  # what creating a file cost just before this run
                         if system == "kafka":
                             k_res, rss = self.kafka_run(**kw)
@@ -563,8 +513,8 @@ class Bench:
                             l_res, disk = self.lake_run(**kw)
                             l_rounds.append(dict(summarize_ingestion(l_res), create_ms_before=create_ms))
                 k, lk = pool_rounds(k_rounds), pool_rounds(l_rounds)
-                ratio = lk["mib_s"] / k["mib_s"] if k["mib_s"] else math.nan
-                per_round = [lr["mib_s"] / kr["mib_s"] if kr["mib_s"] else math.nan for kr, lr in zip(k_rounds, l_rounds)]
+                ratio = ratio_of(lk["mib_s"], k["mib_s"])
+                per_round = [ratio_of(lr["mib_s"], kr["mib_s"]) for kr, lr in zip(k_rounds, l_rounds)]
                 table.add(size, p, k["mib_s"], lk["mib_s"], ratio, k["publish_p50_ms"], lk["publish_p50_ms"],
                           lk["attempts_per_commit"], k["cpu_s_per_gib"], lk["cpu_s_per_gib"])
                 rows.append({"batch_mib": size, "producers": p, "kafka": k, "lakestream": lk, "ratio_mib_s": ratio,
@@ -705,7 +655,7 @@ class Bench:
                 parent.recv()
                 proc.kill()  # it waits to be killed (sleeps), so it is alive
             finally:
-                _kill_all([proc])
+                kill_all([proc])
 
         # (a) a transactional producer dies with an open transaction holding half the shards of batch victim/1, while a
         #     healthy transactional producer keeps publishing complete batches on the same partitions.
@@ -724,7 +674,7 @@ class Bench:
             out["txn_right_after_kill"] = observe_kafka(bs, "death", world, "read_committed", shard_bytes, idle)
             out["txn_right_after_kill_read_uncommitted"] = observe_kafka(bs, "death", world, "read_uncommitted",
                                                                          shard_bytes, idle)
-            _sleep_until(t_kill + timeout_ms / 1000 + 2 * idle)
+            sleep_until(t_kill + timeout_ms / 1000 + 2 * idle)
             out["txn_after_timeout"] = observe_kafka(bs, "death", world, "read_committed", shard_bytes, idle)
             out["txn_after_timeout"]["seconds_after_kill"] = time.monotonic() - t_kill
             # The operator restarts the producer with the same transactional.id: init_transactions fences the dead
@@ -780,7 +730,7 @@ class Bench:
                 time.sleep(delay)
                 proc.kill()  # the looper never exits on its own
             finally:
-                _kill_all([proc])
+                kill_all([proc])
 
         try:
             start_and_kill(half_victim)
@@ -927,8 +877,7 @@ def broker_capabilities(death: dict[str, Any], limits: dict[str, Any]) -> dict[s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
+    ap = bench_parser(__doc__, out=RESULTS_DIR / "vs_kafka.json")
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--layout", choices=("auto", "per-rank", "packed"), default="auto",
                     help="lakestream.layout of the stream (auto: the default for the world size)")
@@ -944,7 +893,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--producers", default=None, help="producer process counts (default 1,4,8)")
     ap.add_argument("--latency-producers", type=int, default=2)
     ap.add_argument("--txn-timeout-ms", type=int, default=5000)
-    ap.add_argument("--out", default=str(RESULTS_DIR / "vs_kafka.json"))
     ap.add_argument("--keep-tmp", action="store_true")
     ap.add_argument("--settle-max-s", type=float, default=None,
                     help="at most this long, before the first run, wait for file creation to be calm after deletions "
@@ -956,12 +904,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     args.only = set(args.only.split(","))
     smoke = args.smoke
-    args.duration = args.duration or (0.5 if smoke else 4.0)
-    args.rounds = args.rounds or (1 if smoke else 2)
+    fill_defaults(args, duration=(4.0, 0.5), rounds=(2, 1), sizes=("1,16,64", "1"), producers=("1,4,8", "1,2"),
+                  settle_max_s=(420.0, 0.0))
     if args.rounds < 1:
         ap.error("--rounds must be >= 1")
-    args.sizes = [int(s) for s in (args.sizes or ("1" if smoke else "1,16,64")).split(",")]
-    args.producers = [int(s) for s in (args.producers or ("1,2" if smoke else "1,4,8")).split(",")]
+    args.sizes, args.producers = int_list(args.sizes), int_list(args.producers)
     # (interval between a producer's batches, batches per producer) for the paced latency runs. 1 MiB: 150 batches per
     # producer, so that its p99 is taken over about 300 batches (the 3rd slowest); with 40 (until 2026-12-03) it was
     # the 2nd slowest of 78, a single stall of the machine decided it
@@ -969,8 +916,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.death_mib = 1
     args.random_kills = 1 if smoke else 3
     args.run_timeout = 120.0
-    if args.settle_max_s is None:
-        args.settle_max_s = 0.0 if smoke else 420.0
     args.observe_idle_s = 0.5 if smoke else 1.0
     if smoke:
         args.txn_timeout_ms = min(args.txn_timeout_ms, 1000)
@@ -982,50 +927,32 @@ def main(argv: list[str] | None = None) -> int:
     import pyiceberg
 
     args = parse_args(argv)
-    started = time.monotonic()
-    load_at_start = os.getloadavg()
+    run = Run("vs_kafka", smoke=args.smoke)
     bench = Bench(args)
-    phases: dict[str, float] = {}
     try:
         bench.settle_file_system()
         print(f"vs_kafka: tansu {tansu_version()}, confluent-kafka {confluent_kafka.version()[0]} "
               f"(librdkafka {confluent_kafka.libversion()[0]}), W={args.world_size}, sizes {args.sizes} MiB, "
               f"P {args.producers}{' [smoke]' if args.smoke else ''}", flush=True)
-        mark = time.monotonic()
-
-        def lap(name: str) -> None:
-            nonlocal mark
-            phases[name] = time.monotonic() - mark
-            mark = time.monotonic()
-
-        ingest_table, ingest_rows = bench.ingestion() if "ingestion" in args.only else (Table("ingestion (skipped)", ["-"]), [])
-        lap("ingestion")
-        latency_table, latency_rows = bench.latency() if "latency" in args.only else (Table("latency (skipped)", ["-"]), [])
-        lap("latency")
-        limit_table, limits = bench.message_limits()
-        lap("message_limits")
+        with run.phase("ingestion"):
+            ingest_table, ingest_rows = bench.ingestion() if "ingestion" in args.only else (Table("ingestion (skipped)", ["-"]), [])
+        with run.phase("latency"):
+            latency_table, latency_rows = bench.latency() if "latency" in args.only else (Table("latency (skipped)", ["-"]), [])
+        with run.phase("message_limits"):
+            limit_table, limits = bench.message_limits()
+        kafka_death: dict[str, Any] = {}
+        lake_death: dict[str, Any] = {}
+        dtable = Table("producer death (skipped)", ["-"])
         if "death" in args.only:
-            kafka_death = bench.kafka_death()
-            lap("kafka_death")
-            lake_death = bench.lake_death()
-            lap("lake_death")
+            with run.phase("kafka_death"):
+                kafka_death = bench.kafka_death()
+            with run.phase("lake_death"):
+                lake_death = bench.lake_death()
             dtable = death_table(kafka_death, lake_death, args.world_size)
-        else:
-            kafka_death, lake_death, dtable = {}, {}, Table("producer death (skipped)", ["-"])
     finally:
         bench.close()
-    tables = [ingest_table, latency_table, limit_table, dtable]
-    print()
-    for table in tables:
-        print(table)
-        print()
-    capabilities = broker_capabilities(kafka_death, limits)
-    path = write_json(Path(args.out).name, {
-        "benchmark": "vs_kafka",
-        "smoke": args.smoke,
-        "wall_s": time.monotonic() - started,
-        "phase_s": phases,
-        "loadavg_at_start": load_at_start,
+    run.finish([ingest_table, latency_table, limit_table, dtable], {
+        "phase_s": run.phases,
         "file_system_at_start": bench.settle,
         "config": {"lake_codec": args.lake_codec, "staging": args.staging, "world_size": args.world_size, "sizes_mib": args.sizes, "producers": args.producers,
                    "duration_s": args.duration, "rounds": args.rounds, "latency_producers": args.latency_producers,
@@ -1036,15 +963,12 @@ def main(argv: list[str] | None = None) -> int:
                      "librdkafka": confluent_kafka.libversion()[0], "pyiceberg": pyiceberg.__version__,
                      "pyarrow": pa.__version__},
         "machine": machine(),
-        "broker_capabilities": capabilities,
+        "broker_capabilities": broker_capabilities(kafka_death, limits),
         "ingestion": ingest_rows,
         "latency": latency_rows,
         "message_size_limit": limits,
         "producer_death": {"kafka": kafka_death, "lakestream": lake_death},
-        "tables": [t.to_json() for t in tables],
-        "printed": "\n\n".join(str(t) for t in tables),
-    }, directory=Path(args.out).parent)
-    print(f"wrote {path} in {time.monotonic() - started:.0f} s ({', '.join(f'{k} {v:.0f} s' for k, v in phases.items())})")
+    }, out=args.out)
     return 0
 
 

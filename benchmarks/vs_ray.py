@@ -3,7 +3,7 @@
 The same preprocessing job (``ray.data.range`` cut into ``--blocks`` blocks of ``--rows-per-block`` rows, a
 ``map_batches`` that turns each block into token rows with ``--work-ms`` of CPU work per block) and the same trainer
 (one process, steps of ``--rows-per-step`` rows, ``--step-ms`` of simulated accelerator time per step: a sleep, so the
-trainer takes no CPU from the job) run three ways, one after another in one Ray session:
+trainer takes no CPU from the job) run three ways, one after another on one Ray instance (one ``ray.init()``):
 
 * **(a) parquet**: ``Dataset.write_parquet(dir)``; the trainer starts when the job has finished and reads the files
   (pyarrow) in steps of ``--rows-per-step`` rows;
@@ -50,9 +50,8 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
-sys.path.insert(0, str(BENCH_DIR.parent))
 
-from _common import RESULTS_DIR, Table, machine, write_json  # noqa: E402
+from _common import RESULTS_DIR, Run, Table, bench_parser, machine, shrink, sqlite_props  # noqa: E402
 
 
 def payload_schema() -> Any:
@@ -198,8 +197,8 @@ def result(name: str, job_s: float, trainer: Trainer, **extra: Any) -> dict[str,
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
+    parser = bench_parser(__doc__, out=RESULTS_DIR / "vs_ray.json", whole_doc=True,
+                          smoke_help="tiny sizes, seconds: what tests/test_benchmarks_smoke.py runs")
     parser.add_argument("--blocks", type=int, default=300, help="blocks (and write tasks) of the preprocessing job")
     parser.add_argument("--rows-per-block", type=int, default=128)
     parser.add_argument("--rows-per-step", type=int, default=128, help="rows per trainer step (divides rows-per-block)")
@@ -210,14 +209,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeat", type=int, default=1, help="interleaved repetitions; ratios are medians")
     parser.add_argument("--nodes", type=int, default=3, help="raylets of the multi-node run (head included); 0: skip it")
     parser.add_argument("--node-cpus", type=int, default=1, help="logical CPUs of each node of the multi-node run")
-    parser.add_argument("--out", default=str(RESULTS_DIR / "vs_ray.json"))
     args = parser.parse_args(argv)
     if args.smoke:
-        defaults = parser.parse_args([])
-        for key, value in {"blocks": 8, "rows_per_block": 16, "rows_per_step": 8, "tokens": 16, "work_ms": 5.0,
-                                  "step_ms": 2.0}.items():
-            if getattr(args, key) == getattr(defaults, key):
-                setattr(args, key, value)
+        shrink(parser, args, {"blocks": 8, "rows_per_block": 16, "rows_per_step": 8, "tokens": 16, "work_ms": 5.0,
+                              "step_ms": 2.0})
     if min(args.blocks, args.rows_per_block, args.rows_per_step, args.tokens, args.repeat, args.cpus, args.node_cpus) < 1:
         parser.error("--blocks, --rows-per-block, --rows-per-step, --tokens, --repeat, --cpus and --node-cpus must be >= 1")
     if args.nodes == 1 or args.nodes < 0:
@@ -277,11 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.getLogger("pyiceberg").setLevel(logging.ERROR)
     logging.getLogger("ray").setLevel(logging.WARNING)  # one INFO line per job and commit phase otherwise
-    started = time.monotonic()
-    load_at_start = os.getloadavg()
+    run = Run("vs_ray", smoke=args.smoke)
     root = Path(tempfile.mkdtemp(prefix="vs-ray-"))
-    (root / "warehouse").mkdir()
-    props = {"type": "sql", "uri": f"sqlite:///{root / 'catalog.db'}", "warehouse": f"file://{root / 'warehouse'}"}
+    props = sqlite_props(root)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     repo = str(BENCH_DIR.parent)  # Ray workers import this checkout's lakestream_iceberg and this script's functions
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, str(BENCH_DIR), os.environ.get("PYTHONPATH")) if p)
@@ -321,25 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in runs if r["steps"] != steps or (r["variant"] == "lakestream" and (r["head_step"] != steps or r["duplicates"]))]
     if bad:
         tables[-1].note(f"UNEXPECTED step counts: {bad}")
-    printed = "\n\n".join(str(t) for t in tables)
-    print()
-    print(printed)
-    out = Path(args.out)
-    path = write_json(out.name, {
-        "benchmark": "vs_ray",
-        "smoke": args.smoke,
-        "wall_s": time.monotonic() - started,
-        "loadavg_at_start": load_at_start,
+    run.finish(tables, {
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "versions": {"ray": ray.__version__},
         "machine": machine(),
         "runs": runs,
         "ratios": ratios["1 node"],  # the single-node run's
         "ratios_by_cluster": ratios,
-        "tables": tables,
-        "printed": printed,
-    }, directory=out.parent)
-    print(f"\nwrote {path}")
+    }, out=args.out)
     return 1 if bad else 0
 
 

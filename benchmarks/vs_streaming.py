@@ -37,11 +37,8 @@ Without it the MDS rows are skipped with the reason, the others run.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import logging
-import os
-import resource
 import shutil
 import statistics
 import sys
@@ -56,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
-from _common import BENCH_DIR, RESULTS_DIR, Table, machine, write_json  # noqa: E402
+from _common import BENCH_DIR, RESULTS_DIR, Run, Table, alternating, bench_parser, cpu_s, dir_bytes, fill_defaults, int_list, live_children_cpu_s, machine  # noqa: E402
 
 BENCH_PACKAGES = BENCH_DIR / ".bench-packages"
 SCHEMA = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32())), ("blob", pa.binary())])
@@ -178,20 +175,10 @@ class InMemory:
 
 
 # ------------------------------------------------------------------------------------------------ measuring
-def cpu_s() -> float:
+def trainer_cpu_s() -> float:
     """CPU seconds of this process, its reaped children and its live children (persistent DataLoader workers: their
     time is in RUSAGE_CHILDREN only once they exit, so it is read from /proc while they live)."""
-    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    total = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    tick, parent = os.sysconf("SC_CLK_TCK"), os.getpid()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # exited meanwhile
-        if int(fields[1]) == parent:  # fields after "(comm)": state, ppid, ..., utime (12th), stime (13th)
-            total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+    return cpu_s(children=True) + live_children_cpu_s()
 
 
 class Cell:
@@ -203,7 +190,7 @@ class Cell:
         self.make_loader, self.loader = make_loader, None
 
     def measure(self, expected: int) -> dict[str, float]:
-        cpu0, wall0 = cpu_s(), time.perf_counter()
+        cpu0, wall0 = trainer_cpu_s(), time.perf_counter()
         if self.loader is None:
             self.loader = self.make_loader()
         first = None
@@ -214,7 +201,7 @@ class Cell:
                 first = time.perf_counter() - wall0
         wall = time.perf_counter() - wall0
         del item
-        cpu = cpu_s() - cpu0
+        cpu = trainer_cpu_s() - cpu0
         assert samples == expected, (samples, expected)
         return {"samples_per_s": samples / wall, "cpu_us_per_sample": cpu / samples * 1e6,
                 "first_batch_ms": (first or 0) * 1e3, "wall_s": wall}
@@ -226,24 +213,18 @@ class Cell:
         self.loader = None
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, out=RESULTS_DIR / "vs_streaming.json")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--workers", default="0,2")
     ap.add_argument("--codecs", default=",".join(CODECS))
-    ap.add_argument("--smoke", action="store_true", help="tiny settings: runs in seconds, for the test suite")
-    ap.add_argument("--out", default=str(RESULTS_DIR / "vs_streaming.json"))
     args = ap.parse_args()
-    args.steps = args.steps or (12 if args.smoke else 200)
+    run = Run("vs_streaming", smoke=args.smoke)
+    fill_defaults(args, steps=(200, 12), rounds=(3, 1))
     args.batch = 32 if args.smoke else args.batch
-    args.rounds = args.rounds or (1 if args.smoke else 3)
-    workers = [int(w) for w in args.workers.split(",")]
+    workers = int_list(args.workers)
     codecs = args.codecs.split(",")
 
     import torch
@@ -301,8 +282,7 @@ def main() -> None:
             started[key] = cell.measure(expected)
         results: dict[str, list[dict[str, float]]] = {key: [] for key in cells}
         for i in range(args.rounds):
-            order = list(cells) if i % 2 == 0 else list(reversed(cells))
-            for key in order:
+            for key in alternating(list(cells), i):
                 results[key].append(cells[key].measure(expected))
     finally:
         for cell in cells.values():
@@ -344,15 +324,11 @@ def main() -> None:
         table.note(f"MDS rows skipped: {mds_missing}")
     table.note(f"{args.rounds} rounds in alternating order after a warm-up pass; setup (writing both stores) {setup_s:.1f} s; "
                f"CPU = trainer process + its DataLoader workers")
-    print(table)
-    print(ratios)
-    path = write_json(Path(args.out).name, {
-        "benchmark": "vs_streaming", "smoke": args.smoke, "machine": machine(),
+    run.finish([table, ratios], {
+        "machine": machine(),
         "config": {"steps": args.steps, "batch": args.batch, "rounds": args.rounds, "workers": workers, "codecs": codecs},
         "mds_skipped": mds_missing, "disk_bytes": disk, "runs": results, "first_pass": started,
-        "tables": [table, ratios], "printed": f"{table}\n{ratios}",
-    }, directory=Path(args.out).parent)
-    print(f"wrote {path}")
+    }, out=args.out, spaced=False, sep="\n")
 
 
 if __name__ == "__main__":

