@@ -17,7 +17,7 @@ runs ``--rounds`` rounds of the three modes, in rotating order, each on a fresh 
 * ``sequential``: the same code with ``concurrent_writes`` a no-op, so every file is written inline, one after
   another (what the code did before that, and still does on a local file system).
 
-Per mode: batches/s (rounds pooled), commit p50, and the planning p50 (``Producer._plan_group``: in ``overlapped``
+Per mode: batches/s (rounds pooled), commit p50, and the planning p50 (``BatchPlanner._plan_group``: in ``overlapped``
 the wait for the files is in the swap, not in the plan), with ratios to ``sequential`` and to ``waited``.
 Every run also checks that the published steps are dense and each producer's seqs were published exactly once.
 """
@@ -61,7 +61,7 @@ def producer_main(props: dict[str, str], table: str, mode: str, idx: int, durati
 
     from lakestream_iceberg import Stream
     from lakestream_iceberg.format.manifests import ManifestPlanner
-    from lakestream_iceberg.write import producer as producer_module
+    from lakestream_iceberg.write import planner as planner_module
 
     if mode == "sequential":
         @contextlib.contextmanager
@@ -80,7 +80,7 @@ def producer_main(props: dict[str, str], table: str, mode: str, idx: int, durati
 
         ManifestPlanner.concurrent_writes = waited  # type: ignore[method-assign]
     plans: list[float] = []
-    plan_group = producer_module.Producer._plan_group
+    plan_group = planner_module.BatchPlanner._plan_group
 
     def timed(self: Any, *args: Any, **kwargs: Any) -> Any:
         began = time.perf_counter()
@@ -89,7 +89,7 @@ def producer_main(props: dict[str, str], table: str, mode: str, idx: int, durati
         finally:
             plans.append(time.perf_counter() - began)
 
-    producer_module.Producer._plan_group = timed  # type: ignore[method-assign]
+    planner_module.BatchPlanner._plan_group = timed  # type: ignore[method-assign]
     shards = make_shards(world, idx)
     producer = Stream.open(load_catalog("bench", **props), table).producer(f"p{idx}")
     line.wait()
@@ -177,7 +177,7 @@ def main() -> None:
                       p["rate"] / w["rate"], p["commit_p50"] / w["commit_p50"], "yes" if p["exactly_once"] else "NO")
             rows.append({"producers": producers, "mode": mode, **pooled[mode]})
     table.note(f"{args.rounds} rounds per row, modes in rotating order, {args.duration:.0f} s per run, each on a "
-               "fresh table; plan = Producer._plan_group (manifests, lists, summaries; in 'waited' and 'sequential' "
+               "fresh table; plan = BatchPlanner._plan_group (manifests, lists, summaries; in 'waited' and 'sequential' "
                "also the writes of its files), the swap not included")
     bench.finish([table], {
         "rows": rows, "table": table.as_dicts(),

@@ -33,7 +33,7 @@ Group commit (``dac``; ``lakestream.commit.group.enabled``, the default):
   on the head it plans on), ``group_max`` (32) in all, each as its own step in staging order: one swap with a critical
   section ``c(k) = c1 * (1 + beta * (k - 1))``, ``c1`` drawn as for one batch (``beta`` 0.55: measured, a 16-batch
   group commit took ~80 ms where a single one took ~8-9 ms). Listing staged intents is free (a producer committing
-  alone uses a listing up to 0.1 s old, like ``Producer._eligible``);
+  alone uses a listing up to 0.1 s old, like ``BatchPlanner._eligible``);
 * a group's snapshots report its committer's typical critical section (``lakestream.group-commit-ms``: the
   committer's ``critical_section_s`` when it planned, groups of more than one batch only); every producer reading
   the head hands it to the policy (``observe_head(..., group_commit_s=...)``), which holds at least that long a slot;
@@ -591,7 +591,7 @@ def _simulate_loop(
 
     policies = [strat.make(clock, random.Random(rng.getrandbits(64))) for _ in range(producers)]
     res = SimResult(strat.name, producers, duration_s, 0, 0, 0, 0, per_producer=[0] * producers)
-    group_on = strat.group and strat.group_max >= 2  # Producer._stage returns None otherwise
+    group_on = strat.group and strat.group_max >= 2  # stage_batch (write/planner.py) returns None otherwise
     others_max = max(0, strat.group_max - 1) if strat.group else 0
     cache_len = 2 * strat.group_max  # a cached listing keeps its oldest intents only (enough for one plan)
 
@@ -659,7 +659,7 @@ def _simulate_loop(
         return out
 
     def eligible(b: _Batch, v: int) -> bool:
-        """Producer._eligible: the batch's seq is its owner's next one on the head ``v`` (not yet published there)."""
+        """BatchPlanner._eligible: the batch's seq is its owner's next one on the head ``v`` (not yet published there)."""
         return (b.prev_step is None or b.prev_step <= v) and (b.step is None or b.step > v)
 
     def publish(b: _Batch, step: int) -> None:
@@ -734,14 +734,14 @@ def _simulate_loop(
                     outcome = "carried"
                     break
                 others: list[_Batch] = []
-                if others_max:  # Producer._eligible: a producer committing alone lists the folder every 0.1 s
+                if others_max:  # BatchPlanner._eligible: a producer committing alone lists the folder every 0.1 s
                     for b in listing(i, 0.0 if carry_at is not None else 0.1):
                         if b.owner != i and eligible(b, base):
                             others.append(b)
                             if len(others) >= others_max:
                                 break
                 batches = sorted([own, *others], key=lambda b: b.staged_at)
-                # Producer._plan_group: a group's snapshots report the committer's typical critical section (in ms,
+                # BatchPlanner._plan_group: a group's snapshots report the committer's typical critical section (in ms,
                 # one decimal, as StreamState.properties writes it)
                 reported = float(f"{policy.critical_section_s * 1000:.1f}") if len(batches) > 1 else None
                 yield ("work", model.critical(rng, len(batches)))

@@ -103,7 +103,7 @@ GROUPS = (  # (label, substrings of "file:function" in the profile: the first gr
     ("the swap (catalog commit)", ("connect/swap.py:swap", "catalog/sql.py:commit_table")),
     ("checking the batch (schema, nulls)", ("format/layout.py:check_batch",)),
     ("writing the data files", ("write/writer.py:write",)),
-    ("planning: manifests, lists, summary", ("write/producer.py:_plan_group",)),
+    ("planning: manifests, lists, summary", ("write/planner.py:_plan_group",)),
     ("reading the head", ("write/commit.py:refresh",)),
 )
 

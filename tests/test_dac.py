@@ -11,6 +11,8 @@ import heapq
 import math
 import random
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -24,6 +26,24 @@ class Clock:
 
     def __call__(self) -> float:
         return self.t
+
+
+@dataclass
+class Held:
+    """A staged batch as the commit loop's hold sees it (the ``Carry`` protocol), from plain functions."""
+
+    staged_at: float
+    gone: Callable[[], bool]
+    ahead: Callable[[], list[tuple[str, int]] | None] = lambda: None
+
+    def published(self, metadata: object) -> bool:
+        return False
+
+    def queued(self) -> int:
+        return 0
+
+    def answer(self, peek: object, attempt: int) -> None:
+        return None
 
 
 def policy(seed: int = 0, clock: Clock | None = None, **config: float) -> CommitPolicy:
@@ -409,7 +429,7 @@ def test_a_holder_polls_sparsely_until_the_typical_carry_and_then_every_poll_int
 def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
     """CommitLoop._hold sleeps what poll_delay says for the time since the batch was staged, and stops at the first
     check that finds the batch carried."""
-    from lakestream_iceberg.write.commit import Carry, CommitLoop
+    from lakestream_iceberg.write.commit import CommitLoop
 
     clock = Clock()
     p = policy(clock=clock)
@@ -426,7 +446,7 @@ def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
                       sleep=sleep)
     checks = []
     staged_at = clock.t
-    carry = Carry(staged_at=staged_at, gone=lambda: checks.append(clock.t) or len(checks) >= 6)
+    carry = Held(staged_at=staged_at, gone=lambda: checks.append(clock.t) or len(checks) >= 6)
     assert loop._hold(10.0, carry)  # noqa: SLF001
     expected, t = [], staged_at
     for _ in range(6):
@@ -438,7 +458,7 @@ def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
 def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits() -> None:
     """A head that does not move for idle_after_s while a batch is held means the producers ahead stopped: the hold
     ends (False: commit now) instead of lasting its slots; a head that keeps moving never ends it early."""
-    from lakestream_iceberg.write.commit import Carry, CommitLoop
+    from lakestream_iceberg.write.commit import CommitLoop
 
     clock = Clock()
     p = policy(clock=clock)
@@ -454,7 +474,7 @@ def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits(
         loop._probe = lambda: probe  # type: ignore[method-assign]  # noqa: SLF001
         return loop
 
-    never = Carry(staged_at=clock.t, gone=lambda: False)
+    never = Held(staged_at=clock.t, gone=lambda: False)
     start = clock.t
     assert not loop_with(lambda: "m-1.json")._hold(600.0, never)  # noqa: SLF001
     assert p.idle_after_s <= clock.t - start <= p.idle_after_s + 2 * p.poll_interval() + p.idle_after_s / 4
@@ -473,7 +493,8 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
     when what was ahead is published (shown by a light read of the head) or gone, and returns as carried when its own
     intent is gone. Without a pointer probe (REST) the rule is off."""
     from lakestream_iceberg.format.summary import ProducerState, StreamState
-    from lakestream_iceberg.write.commit import Carry, CommitLoop, Peek
+    from lakestream_iceberg.write.commit import CommitLoop
+    from lakestream_iceberg.write.plan import Peek
 
     clock = Clock()
     p = policy(clock=clock)
@@ -493,12 +514,12 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
         return loop
 
     probe = lambda: head["location"]  # noqa: E731
-    first = Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])
+    first = Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])
     start = clock.t
     assert loop_with(probe)._hold(600.0, first) is False and clock.t == start  # noqa: SLF001 - nothing ahead: at once
 
     ahead = [("x", 3)]
-    behind = Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
+    behind = Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
     moves = []
 
     def moving_sleep(seconds: float) -> None:
@@ -518,23 +539,23 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
     head["published"] = {}
     ahead[:] = [("y", 0)]
     flips = iter(range(10**6))
-    stuck = Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
+    stuck = Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
     start = clock.t
     assert loop_with(lambda: f"m-{next(flips)}.json")._hold(2.0, stuck) is False  # noqa: SLF001
     assert clock.t - start == pytest.approx(2.0)
     # its own intent gone at a move: carried
-    gone = Carry(staged_at=clock.t, gone=lambda: True, ahead=lambda: None)
+    gone = Held(staged_at=clock.t, gone=lambda: True, ahead=lambda: None)
     assert loop_with(probe)._hold(2.0, gone) is True  # noqa: SLF001
     # the pointer cannot be read right now (the database unreachable): it polls its intent meanwhile
     def failing() -> str:
         raise OSError("catalog unreachable")
 
     polled: list = []
-    unreadable = Carry(staged_at=clock.t, gone=lambda: polled.append(clock.t) or len(polled) >= 3, ahead=lambda: [("y", 0)])
+    unreadable = Held(staged_at=clock.t, gone=lambda: polled.append(clock.t) or len(polled) >= 3, ahead=lambda: [("y", 0)])
     assert loop_with(failing)._hold(2.0, unreadable) is True and len(polled) == 3  # noqa: SLF001
     # no pointer probe: the rule is off (it holds its slots, polling the intent)
     start = clock.t
-    assert loop_with(None)._hold(2.0, Carry(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])) is False  # noqa: SLF001
+    assert loop_with(None)._hold(2.0, Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])) is False  # noqa: SLF001
     assert clock.t - start == pytest.approx(2.0)
 
 

@@ -71,7 +71,7 @@ def summary_of(stream: Stream, step: int) -> StreamState:
 def carried_by(stream: Stream, holder, carrier, holder_batch: list, carrier_batch: list, *, carrier_step: int):
     """``holder.commit(holder_batch)`` in a thread, held until ``carrier`` (committing alone) publishes it with its own
     batch; returns the holder's result."""
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
 
     results: list = []
     thread = threading.Thread(target=lambda: results.append(holder.commit(holder_batch)))
@@ -99,7 +99,7 @@ def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path:
     for producer in ("c", "d", "e"):  # three staged batches: the next commit publishes a group of four
         stage(stream, producer, 0)
         time.sleep(0.002)  # staged in this order, each seen as staged before the next
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
 
     time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
     before_entries, before_lists = DEFAULT_CACHE.entries_cached(), set(DEFAULT_CACHE._lists)  # noqa: SLF001
@@ -145,7 +145,7 @@ def test_a_process_forgets_the_intents_that_are_gone(tmp_path: Path) -> None:
     assert b.commit(batch("b", 2, WORLD)).step == 5  # and nothing of theirs is published
     # intents this process publishes itself: gone with their footer checks once it removes them
     published_here = [stage(stream, producer, 0) for producer in ("e", "f")]
-    from lakestream_iceberg.write.producer import STAGING_SCAN_S
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
 
     time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
     assert b.commit(batch("b", 3, WORLD)).step == 8  # a group: e's and f's batches, then b's
@@ -759,3 +759,28 @@ def test_staging_lists_the_batches_staged_before_one_in_the_order_every_producer
     staging.remove([first.path])
     assert staging.ahead("main", first.path, max_age_s=max_age_s) is None
     assert staging.ahead("main", third.path, max_age_s=max_age_s) == [("y", 4)]
+
+
+def test_a_result_says_how_many_batches_the_commit_that_published_it_published(tmp_path: Path, monkeypatch) -> None:
+    """CommitResult.group: 1 for a lone commit; the group's size for the committer of a group, for a batch another
+    producer's commit carried, and for a duplicate of a seq a group published."""
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
+
+    stream = make(tmp_path)
+    a, b = both_active(stream)
+    assert a.commit(batch("a", 2, WORLD)).group == 1  # a thinks itself alone (no staged batch to carry)
+    for producer in ("c", "d"):  # two staged batches: b's next commit publishes a group of three
+        stage(stream, producer, 0)
+        time.sleep(0.002)
+    time.sleep(STAGING_SCAN_S)  # a producer that believes it is alone lists the staging folder at most this often
+    grouped = b.commit(batch("b", 2, WORLD))
+    assert (grouped.step, grouped.group, grouped.carried) == (8, 3, False)
+    assert summary_of(stream, 8).group == 3
+    again = stream.producer("b").commit(batch("b", 2, WORLD), seq=2)
+    assert (again.duplicate, again.step, again.group) == (True, 8, 3)
+    monkeypatch.setattr(a, "_contended", lambda: True)  # a stages and holds; b commits alone and carries it
+    monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)  # not a head that stays put while the test sets up
+    monkeypatch.setattr(CommitPolicy, "leads_queue", False)  # nor a batch that leads the queue: it is the only one
+    carried = carried_by(stream, a, b, batch("a", 3, WORLD), batch("b", 3, WORLD), carrier_step=10)
+    assert (carried.step, carried.carried, carried.group) == (9, True, 2) and summary_of(stream, 9).group == 2

@@ -38,7 +38,7 @@ from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
-from lakestream_iceberg.write.commit import Done, Plan
+from lakestream_iceberg.write.plan import Done, Plan
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable

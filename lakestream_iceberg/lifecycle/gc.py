@@ -75,8 +75,9 @@ from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
-from lakestream_iceberg.write.commit import CommitLoop, Done, Plan
+from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.intent import STAGING_DIR
+from lakestream_iceberg.write.plan import Done, Plan
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable

@@ -36,7 +36,7 @@ from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
 from lakestream_iceberg.format.lineage import Lineage, branch_state, lineage
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_REPAIR, StreamState
-from lakestream_iceberg.write.commit import Done, Plan
+from lakestream_iceberg.write.plan import Done, Plan
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable

@@ -1,11 +1,15 @@
 """The commit loop: optimistic concurrency against the catalog's compare-and-swap, paced and retried by DAC.
 
 This module owns every retry of a lakestream commit (pyiceberg's own are turned off on stream tables). One call of
-:meth:`CommitLoop.run` takes a *planner*, a function from the table's current metadata to either a commit plan
-(updates + requirements) or a final answer (e.g. "already published"). Each attempt re-plans on freshly loaded
-metadata, so data files are never rewritten, only the small manifests and the snapshot.
+:meth:`CommitLoop.run` drives one :class:`Planner`, an object with named steps: :meth:`Planner.plan` turns the table's
+current metadata into either a commit plan (updates + requirements) or a final answer (e.g. "already published"). Each
+attempt re-plans on freshly loaded metadata, so data files are never rewritten, only the small manifests and the
+snapshot. A producer's commit is a :class:`~lakestream_iceberg.write.planner.BatchPlanner`; control commits
+(checkpoints, GC, repair) pass a plain function, run as a :class:`FunctionPlanner`.
 
-Outcomes of one attempt:
+``run`` is a loop of named steps: [:meth:`CommitLoop._take_turn` ->] :meth:`CommitLoop._plan` -> :meth:`CommitLoop._send`
+(-> ``_won`` / ``_lost`` / ``_unknown``) -> :meth:`CommitLoop._check_budget` -> :meth:`CommitLoop._pause`. Outcomes of one
+attempt:
 * the swap is won: done;
 * the swap is lost (``CommitFailedException``, or a concurrent change that made an update invalid): re-plan on the
   refreshed table after the DAC retry delay;
@@ -15,18 +19,21 @@ Outcomes of one attempt:
   point at the parent it was built on, so at most one of two racing copies can land;
 * a :class:`LakestreamError` (a planner's refusal, or :class:`CorruptStateError` for a head whose summary holds a value
   lakestream never writes) propagates at once, from the planner and from every read of the head: the table was read,
-  so it is not a catalog outage, and retrying until the timeout would only hide it.
+  so it is not a catalog outage, and retrying until the timeout would only hide it;
+* a file of the head planned on was deleted by GC (``FileNotFoundError``): the head is read again and the planner runs
+  once more on it (:func:`~lakestream_iceberg.format.table.after_gc`, as every reader does).
 
-Group commit (``carry``): the caller's batch is staged (:mod:`lakestream_iceberg.write.staging`), and any producer's commit
-may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether the staged batch
-is gone (another commit carried it), or, where the catalog pointer is cheap to read, whether the head moved: then the
-batch was carried, or leads the queue of staged batches and is committed at once (see :meth:`CommitLoop._hold`); then
-it reads the head and the planner either finds the batch published (done, with no attempt of its own) or plans a
-commit of every staged batch. Once the staged batch is gone the head is first
-read *lightly* (:meth:`CommitLoop.peek`: the new ``metadata.json`` as plain JSON, only the summaries asked for parsed):
-when it shows the batch published (``Carry.answer``) the call returns from that, and the producer's next commit plans
-on a full read of the head, which it makes anyway right before planning. Parsing the whole metadata into pyiceberg's
-``TableMetadata`` costs several times more, and in a group commit most batches are carried.
+Group commit (:meth:`Planner.carry`): the caller's batch is staged (:mod:`lakestream_iceberg.write.staging`), and any
+producer's commit may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether
+the staged batch is gone (:meth:`Carry.gone`: another commit carried it), or, where the catalog pointer is cheap to
+read, whether the head moved: then the batch was carried, or leads the queue of staged batches (:meth:`Carry.ahead`)
+and is committed at once (see :meth:`CommitLoop._hold`); then it reads the head and the planner either finds the batch
+published (done, with no attempt of its own) or plans a commit of every staged batch. Once the staged batch is gone
+the head is first read *lightly* (:meth:`CommitLoop.peek`: the new ``metadata.json`` as plain JSON, only the summaries
+asked for parsed): when it shows the batch published (:meth:`Carry.answer`) the call returns from that, and the
+producer's next commit plans on a full read of the head, which it makes anyway right before planning. Parsing the
+whole metadata into pyiceberg's ``TableMetadata`` costs several times more, and in a group commit most batches are
+carried. A planner that committed alone and loses a swap may stage its batch then (:meth:`Planner.escalate`).
 """
 
 from __future__ import annotations
@@ -35,14 +42,13 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Generic, TypeVar
 
 from pyiceberg.exceptions import CommitFailedException
-from pyiceberg.table import Table
+from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.snapshots import Snapshot
-from pyiceberg.table.update import TableRequirement, TableUpdate
 
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.pointer import PointerWatch, cached_probe, read_moved, refresh_if_moved
@@ -56,28 +62,13 @@ from lakestream_iceberg.errors import (
 )
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.summary import KEY_STEP, StreamState
+from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.dac import CommitPolicy
+from lakestream_iceberg.write.plan import Carry, Done, FunctionPlanner, Outcome, Peek, Plan, Planner
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass
-class Plan(Generic[T]):
-    """One attempt's commit: what to send, and what the caller gets back if it lands."""
-
-    updates: tuple[TableUpdate, ...]
-    requirements: tuple[TableRequirement, ...]
-    result: T
-    written: list[str]
-    # Cache upkeep once the swap is decided: settle(True, head) after it landed, settle(False, head) after it was lost
-    # (``head``: the branch's head snapshot then). Never for an unknown outcome; a failure in it never fails a commit.
-    settle: Callable[[bool, Snapshot | None], None] | None = None
-    # Files of ``updates`` may still be in flight (object storage, see ManifestPlanner.concurrent_writes): returns once
-    # all are written, raises the first failure. The swap calls it after writing metadata.json, before the catalog's
-    # update; a failure then publishes nothing and is handled as a failed planning attempt.
-    ready: Callable[[], None] | None = None
 
 
 def _deletes_old_metadata(metadata: TableMetadata) -> bool:
@@ -100,59 +91,71 @@ PROP_DELETE_AFTER_COMMIT = "write.metadata.delete-after-commit.enabled"
 _WARNED_VALUES: set[str] = set()
 
 
-@dataclass
-class Done(Generic[T]):
-    """The planner found nothing to commit (e.g. the batch is already published)."""
-
-    result: T
-
-
-Planner = Callable[[TableMetadata, int], "Plan[T] | Done[T]"]
-
-
-@dataclass
-class Outcome(Generic[T]):
-    result: T
-    attempts: int  # loop iterations (attempts, and the reconciling read that ended the loop)
-    landed: bool
-    metadata: TableMetadata
-    abandoned_files: list[str]
-    sent: int = 0  # compare-and-swap requests sent
-    carried_after: float | None = None  # group commit: seconds staged until another producer's commit carried it
-    peeked: bool = False  # answered from a light read of the head: ``metadata`` is older than the head (see peek)
-
-
-@dataclass(frozen=True)
-class Peek:
-    """The branch head as a light read found it: its state, and ``states(snapshot_id)``, the state any snapshot of
-    that metadata records (None for a snapshot it does not hold)."""
-
-    state: StreamState
-    states: Callable[[object], StreamState | None]
-
-
-@dataclass(frozen=True)
-class Carry:
-    """Group commit: the caller's batch is staged since ``staged_at`` (loop clock); ``gone()`` is true once its intent
-    has disappeared, i.e. a commit published it; ``published(metadata)`` whether a head already shows it."""
-
-    staged_at: float
-    gone: Callable[[], bool]
-    published: Callable[[TableMetadata], bool] = lambda _metadata: False  # the batch is published in this metadata
-    queued: Callable[[], int] | None = None  # staged batches older than this one (a listing; see hold_delay)
-    # once the batch is gone: the final answer from a light read of the head, or None to read it fully and plan
-    answer: Callable[[Peek, int], object | None] | None = None
-    # (producer, seq) of the staged batches older than this one that a commit could still publish (one listing), None
-    # when this one is no longer listed or the listing failed: the batch leads the queue once all of them are published
-    ahead: Callable[[], list[tuple[str, int]] | None] | None = None
-
-
 class _WritesFailed(Exception):
     """A file of the plan could not be written (its cause): raised before the catalog's update, nothing published."""
 
 
+class _PlanFiles:
+    """A plan's files that may still be in flight (``Plan.ready``): waited for once, by the swap (:meth:`wait`) or,
+    when the swap failed before it waited, by :meth:`drain` with failures dropped (nothing names these files)."""
+
+    def __init__(self, plan: Plan[T]) -> None:
+        self._ready = plan.ready
+        self.pending = plan.ready is not None
+
+    def wait(self) -> None:
+        self.pending = False
+        try:
+            self._ready()  # type: ignore[misc]
+        except Exception as exc:
+            raise _WritesFailed() from exc
+
+    def drain(self) -> None:
+        if self.pending:
+            self.pending = False
+            try:
+                self._ready()  # type: ignore[misc]
+            except Exception:  # noqa: BLE001 - the attempt failed already; nothing names these files
+                pass
+
+
+class _Next(Enum):
+    """What follows an attempt that did not land."""
+
+    REPLAN = "replan"  # at once: nothing was sent (a file of the plan could not be written)
+    RETRY = "retry"  # within the budget, after a hold (staged) or the retry delay: the swap was lost or its outcome unknown
+
+
+@dataclass
+class _Call(Generic[T]):
+    """The state of one :meth:`CommitLoop.run` across its attempts."""
+
+    planner: Planner[T]
+    carry: Carry[T] | None  # the batch as staged for group commit (set by escalate() after a lost swap)
+    start: float
+    deadline: float
+    metadata: TableMetadata  # the head the next attempt plans on
+    stale: bool  # read the head again before planning
+    attempt: int = 0  # loop iterations (attempts, and the reconciling read that ended the loop)
+    sent: int = 0  # compare-and-swap requests sent
+    abandoned: list[str] = field(default_factory=list)  # files written by attempts that did not land
+    carried_after: float | None = None
+    io_delay: float = 0.05  # the next back-off after a storage failure that published nothing
+    invalid: int = 0  # consecutive attempts refused as invalid (ValueError)
+    escalated: bool = False
+
+    def plan(self) -> Plan[T] | Done[T]:
+        return self.planner.plan(self.metadata, self.attempt)
+
+
 class CommitLoop:
-    """Runs planners against one table until they land, their answer is final, or the budget is spent."""
+    """Runs planners against one table until they land, their answer is final, or the budget is spent.
+
+    The loop holds ``table``, its owner's view of the table (a producer's own copy, or the stream's for control
+    commits). Two methods change it in place: :meth:`refresh` (reload from the catalog) and :meth:`adopt` (take the
+    metadata a commit returned); nothing else does. :attr:`fresh` says whether the view was read (or committed) since
+    it was last marked stale.
+    """
 
     def __init__(
         self,
@@ -291,7 +294,7 @@ class CommitLoop:
                                  group=state.group,
                                  group_commit_s=state.group_commit_ms / 1000 if state.group_commit_ms else None)
 
-    def _hold(self, seconds: float, carry: Carry) -> bool:
+    def _hold(self, seconds: float, carry: Carry[T]) -> bool:
         """Wait up to ``seconds`` for the staged batch to be carried; True when it was. False (commit now) as soon as:
 
         * the batch leads the queue of staged batches (``carry.ahead``): every batch staged before it is published.
@@ -306,7 +309,7 @@ class CommitLoop:
         end = start + seconds
         idle_s = self.policy.idle_after_s
         probe = self._probe()
-        lead = carry.ahead is not None and self.policy.leads_queue and probe is not None
+        lead = self.policy.leads_queue and probe is not None
         watch = PointerWatch(probe, start, every_s=0.0 if lead else idle_s / 4) if lead or seconds > idle_s else None
         self._carried_peek = None
         polls = not lead  # whether every poll checks the intent (with ``lead``: on every move of the head)
@@ -324,11 +327,10 @@ class CommitLoop:
                 return False
         return False
 
-    def _place(self, carry: Carry) -> bool | None:
+    def _place(self, carry: Carry[T]) -> bool | None:
         """The held batch's place once the head moved: True when it was carried (the light read that shows it is kept
         for :meth:`_answer`), False when it leads the queue (every batch staged before it is published), None to keep
         holding. Sets ``_blind`` when the head could not be read lightly (then every poll checks the intent)."""
-        assert carry.ahead is not None
         self._blind = False
         if carry.gone():  # published, and its committer removed the intent
             return True
@@ -341,7 +343,7 @@ class CommitLoop:
         if peek is None:
             self._blind = True
             return None
-        if carry.answer is not None and carry.answer(peek, 0) is not None:  # published by the commit that moved it
+        if carry.answer(peek, 0) is not None:  # published by the commit that moved it
             self._carried_peek = peek
             return True
         producers = peek.state.producers
@@ -367,156 +369,205 @@ class CommitLoop:
         return branch_state(metadata, metadata.snapshot_by_name(self._branch), stream=".".join(self.table.name()),
                             branch=self._branch)
 
+    @property
+    def metadata(self) -> TableMetadata:
+        """The view's current metadata (as last refreshed or adopted; not read again)."""
+        return self.table.metadata
+
+    @property
+    def fresh(self) -> bool:
+        """Whether the view was refreshed or committed since :meth:`mark_stale` (or a failed attempt) made it stale."""
+        return self._fresh
+
     def mark_stale(self) -> None:
+        """The next call reads the head again before it plans."""
         self._fresh = False
         self.peeked = False
 
-    def run(self, planner: Planner[T], *, pace: bool = True, carry: Carry | None = None,
-            escalate: Callable[[], Carry | None] | None = None) -> Outcome[T]:
+    def run(self, planner: Planner[T] | Callable[[TableMetadata, int], Plan[T] | Done[T]], *,
+            pace: bool = True) -> Outcome[T]:
         """Plan and commit until the plan lands or the planner says it is done.
 
-        ``carry``: the caller's batch is staged for group commit (hold before each attempt). ``escalate``: called once
-        when an attempt made without ``carry`` loses the swap; it may stage the batch and return its ``Carry``, so a
-        producer that thought itself alone joins group commit at once.
+        Each attempt: hold while the planner's batch is staged (group commit: it may be carried meanwhile), plan on
+        the head (:meth:`_plan`), send the plan (:meth:`_send`), then, when it did not land, re-plan at once, after
+        a hold, or after the policy's retry delay, within the budget (:meth:`_check_budget`).
+
+        Args:
+            planner: A :class:`Planner`, or a plain function of ``(metadata, attempt)`` for a commit that is never
+                staged (:class:`FunctionPlanner`).
+            pace: Sleep the policy's pacing delay before a commit that is not staged.
         """
+        call = self._begin(planner if not callable(planner) else FunctionPlanner(planner), pace=pace)
+        while True:
+            call.attempt += 1
+            if call.carry is not None and (carried := self._take_turn(call)) is not None:
+                return carried
+            began, base_step = self._clock(), self._base_step(call.metadata)
+            plan = self._plan(call)
+            if plan is None:  # storage failed while planning: backed off, the head read again
+                continue
+            if isinstance(plan, Done):
+                return self._found(call, plan)
+            sent = self._send(call, plan, began=began, base_step=base_step)
+            if isinstance(sent, Outcome):
+                return sent
+            if sent is _Next.REPLAN:  # a file of the plan could not be written: nothing was swapped
+                continue
+            self._check_budget(call)
+            if call.carry is None:
+                self._pause(call)
+
+    def _begin(self, planner: Planner[T], *, pace: bool) -> _Call[T]:
+        """The call's state before its first attempt; paced and on a fresh head when not staged."""
         start = self._clock()
         deadline = start + self._timeout_s
+        carry = planner.carry()
         if pace and carry is None:
             delay = self.policy.pacing_delay()
             if delay > 0:
                 self._sleep(delay)
         reuse = self._fresh and self.policy.contenders < 1.5  # alone: our own last commit is still the head
+        # group commit: the head is read after holding, right before planning
         metadata = self.table.metadata if reuse or carry is not None else self.refresh(deadline=deadline)
-        stale = carry is not None  # group commit: the head is read after holding, right before planning
-        abandoned: list[str] = []
-        attempt = 0
-        sent = 0
-        carried_after: float | None = None
-        io_delay = 0.05
-        invalid = 0
-        while True:
-            attempt += 1
-            if carry is not None:
-                waited = self._clock() - carry.staged_at if attempt == 1 else 0.0
-                # after a lost swap the head just read may already show the batch published (the winner carried it)
-                if attempt > 1 and carry.published(metadata):
-                    hold = 0.0
-                else:
-                    queued = carry.queued() if carry.queued is not None and self.policy.wants_queue else None
-                    led = carry.ahead is not None and self.policy.leads_queue and self._probe() is not None
-                    hold = self.policy.hold_delay(waited=waited, queued=queued, led=led)
-                if hold > 0:
-                    if self._hold(min(hold, max(0.0, deadline - self._clock())), carry):
-                        carried_after = self._clock() - carry.staged_at
-                        answer = self._answer(carry, attempt)
-                        if answer is not None:
-                            return Outcome(answer, attempt, False, self.table.metadata, abandoned, sent, carried_after,
-                                           peeked=True)
-                    stale = True
-                if stale:
-                    metadata = self.refresh(deadline=deadline)
-                    stale = False
-            began = self._clock()
-            base_step = self._base_step(metadata)
-            try:
-                plan = planner(metadata, attempt)
-            except FileNotFoundError:
-                # A file of the state we planned on is gone (GC collected it after a newer commit): re-plan on the head.
-                self._fresh = False
-                metadata = self.refresh(deadline=deadline)
-                if attempt >= self._max_attempts or self._clock() >= deadline:
-                    raise
-                continue
-            except Exception as exc:
-                # Storage unreachable while writing this attempt's manifests: nothing was committed; back off, re-plan.
-                io_delay = self._back_off(exc, io_delay, deadline=deadline, what=f"planning commit attempt {attempt}")
-                metadata = self.refresh(deadline=deadline)
-                continue
-            if isinstance(plan, Done):
-                if carry is not None and carried_after is None:  # found published by a commit it did not send
-                    carried_after = self._clock() - carry.staged_at
-                return Outcome(plan.result, attempt, False, metadata, abandoned, sent,
-                               carried_after if carry is not None else None)
-            readied = plan.ready is None
+        return _Call(planner=planner, carry=carry, start=start, deadline=deadline, metadata=metadata,
+                     stale=carry is not None)
 
-            def ready(plan: Plan[T] = plan) -> None:
-                nonlocal readied
-                readied = True
-                try:
-                    plan.ready()  # type: ignore[misc]
-                except Exception as exc:
-                    raise _WritesFailed() from exc
+    def _take_turn(self, call: _Call[T]) -> Outcome[T] | None:
+        """Group commit, before an attempt: hold as long as the policy says; the Outcome when the batch was carried
+        meanwhile and a light read of the head answers the call, else None with the head read (when the hold makes
+        it stale) for the attempt."""
+        carry = call.carry
+        assert carry is not None
+        # after a lost swap the head just read may already show the batch published (the winner carried it)
+        if call.attempt > 1 and carry.published(call.metadata):
+            hold = 0.0
+        else:
+            waited = self._clock() - carry.staged_at if call.attempt == 1 else 0.0
+            queued = carry.queued() if self.policy.wants_queue else None
+            led = self.policy.leads_queue and self._probe() is not None
+            hold = self.policy.hold_delay(waited=waited, queued=queued, led=led)
+        if hold > 0:
+            if self._hold(min(hold, max(0.0, call.deadline - self._clock())), carry):
+                call.carried_after = self._clock() - carry.staged_at
+                answer = self._answer(carry, call.attempt)
+                if answer is not None:
+                    return Outcome(answer, call.attempt, False, self.table.metadata, call.abandoned, call.sent,
+                                   call.carried_after, peeked=True)
+            call.stale = True
+        if call.stale:
+            call.metadata = self.refresh(deadline=call.deadline)
+            call.stale = False
+        return None
 
-            unwritten: BaseException | None = None
-            try:
-                sent += 1
-                # SQL: from the held metadata; the plan's files are waited for before the catalog's update
-                response = swap(self.table, plan.requirements, plan.updates, ready=None if readied else ready)
-            except _WritesFailed as failed:
-                unwritten = failed.__cause__  # handled below, where it is raised as itself (not as this one's context)
-            except (CommitFailedException, ValueError) as exc:
-                # Lost the compare-and-swap (or a concurrent change invalidated an update): re-plan on the new head.
-                invalid = invalid + 1 if isinstance(exc, ValueError) else 0
-                if invalid >= 5:  # not a race: the same update keeps being refused
-                    self._settle(plan, landed=False, metadata=metadata)
-                    raise CommitError(
-                        f"the catalog keeps refusing this commit to {self.table.name()} as invalid ({exc}); nothing was "
-                        "published. This is a bug or an incompatible table change: please report it"
-                    ) from exc
-                abandoned.extend(plan.written)
-                self._fresh = False
-                metadata = self.refresh(deadline=deadline)
-                self._settle(plan, landed=False, metadata=metadata)
-                foreign = max(0, self._head_state(metadata).step - base_step)
-                self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign, foreign=foreign)
-                log.debug("commit attempt %d on %s lost (%s)", attempt, self.table.name(), exc)
-                if carry is None and escalate is not None:  # not alone after all: join group commit
-                    carry, escalate = escalate(), None
-            except (LakestreamError, AttributeError, TypeError, NameError, KeyError, AssertionError):
-                raise  # our own errors and programming errors are not catalog outcomes to reconcile
-            except Exception as exc:
-                # Outcome unknown: read the table back and let the planner reconcile.
-                log.warning(
-                    "commit attempt %d on %s failed with %s; reconciling from the table",
-                    attempt,
-                    self.table.name(),
-                    type(exc).__name__,
-                )
-                self._fresh = False
-                metadata = self.refresh(deadline=deadline)
-                self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
-            else:
-                self._adopt(response.metadata, response.metadata_location, previous=metadata)
-                self._settle(plan, landed=True, metadata=response.metadata)
-                new_step = self._head_state(response.metadata).step
-                self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
-                self._observe(response.metadata)
-                return Outcome(plan.result, attempt, True, response.metadata, abandoned, sent)
-            finally:
-                if not readied:  # the swap failed before it waited for the plan's files: nothing may still be writing
-                    self._drain(plan)
-            if isinstance(unwritten, Exception):
-                # A file this attempt sent could not be written: nothing was swapped. As a planning failure: back off
-                # and re-plan when transient (the files it did write are abandoned, as a lost swap's).
-                sent -= 1  # the catalog was not asked
-                abandoned.extend(plan.written)
-                io_delay = self._back_off(unwritten, io_delay, deadline=deadline,
-                                          what=f"writing the files of commit attempt {attempt}")
-                metadata = self.refresh(deadline=deadline)
-                continue
-            if attempt >= self._max_attempts or self._clock() >= deadline:
-                raise CommitTimeoutError(
-                    f"gave up committing to {self.table.name()} after {attempt} attempts and "
-                    f"{self._clock() - start:.1f}s of contention; nothing was published. Retry the same call (same seq) "
-                    "or raise lakestream.commit.timeout-ms / lakestream.commit.max-attempts"
-                )
-            if carry is not None:
-                continue  # hold again (its length comes from the position in the new head's group)
-            delay = self.policy.retry_delay(attempt)
-            if delay > 0:
-                self._sleep(delay)
-                # plan the retry on the head as it is now: a commit that landed during the sleep would doom it
-                metadata = self.refresh(deadline=deadline)
+    def _plan(self, call: _Call[T]) -> Plan[T] | Done[T] | None:
+        """The planner's answer on the call's head; None after a transient storage failure (backed off, the head
+        read again: re-plan). When GC deleted a file of the head planned on, it plans once more on the current head
+        (:func:`after_gc`)."""
+        try:
+            return after_gc(call.plan, refresh=lambda: self._reread(call))
+        except Exception as exc:
+            # Storage unreachable while writing this attempt's manifests: nothing was committed; back off, re-plan.
+            call.io_delay = self._back_off(exc, call.io_delay, deadline=call.deadline,
+                                           what=f"planning commit attempt {call.attempt}")
+            call.metadata = self.refresh(deadline=call.deadline)
+            return None
+
+    def _reread(self, call: _Call[T]) -> None:
+        self._fresh = False
+        call.metadata = self.refresh(deadline=call.deadline)
+
+    def _found(self, call: _Call[T], done: Done[T]) -> Outcome[T]:
+        """The planner found nothing to commit (e.g. the batch published by a commit this call did not send)."""
+        if call.carry is not None and call.carried_after is None:
+            call.carried_after = self._clock() - call.carry.staged_at
+        return Outcome(done.result, call.attempt, False, call.metadata, call.abandoned, call.sent,
+                       call.carried_after if call.carry is not None else None)
+
+    def _send(self, call: _Call[T], plan: Plan[T], *, began: float, base_step: int) -> Outcome[T] | _Next:
+        """One compare-and-swap of ``plan``: the Outcome when it landed, else what to do next (the head is read
+        again either way)."""
+        files = _PlanFiles(plan)
+        call.sent += 1
+        try:
+            # SQL: from the held metadata; the plan's files are waited for before the catalog's update
+            response = swap(self.table, plan.requirements, plan.updates, ready=files.wait if files.pending else None)
+        except _WritesFailed as failed:
+            unwritten = failed.__cause__  # handled below, where it is raised as itself (not as this one's context)
+        except (CommitFailedException, ValueError) as exc:
+            self._lost(call, plan, exc, began=began, base_step=base_step)
+            return _Next.RETRY
+        except (LakestreamError, AttributeError, TypeError, NameError, KeyError, AssertionError):
+            raise  # our own errors and programming errors are not catalog outcomes to reconcile
+        except Exception as exc:
+            self._unknown(call, exc, began=began, base_step=base_step)
+            return _Next.RETRY
+        else:
+            return self._won(call, plan, response, began=began)
+        finally:
+            files.drain()  # the swap failed before it waited for the plan's files: nothing may still be writing
+        # A file this attempt sent could not be written: nothing was swapped. As a planning failure: back off and
+        # re-plan when transient (the files it did write are abandoned, as a lost swap's).
+        call.sent -= 1  # the catalog was not asked
+        call.abandoned.extend(plan.written)
+        assert isinstance(unwritten, Exception)
+        call.io_delay = self._back_off(unwritten, call.io_delay, deadline=call.deadline,
+                                       what=f"writing the files of commit attempt {call.attempt}")
+        call.metadata = self.refresh(deadline=call.deadline)
+        return _Next.REPLAN
+
+    def _won(self, call: _Call[T], plan: Plan[T], response: CommitTableResponse, *, began: float) -> Outcome[T]:
+        self.adopt(response.metadata, response.metadata_location, previous=call.metadata)
+        self._settle(plan, landed=True, metadata=response.metadata)
+        new_step = self._head_state(response.metadata).step
+        self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
+        self._observe(response.metadata)
+        return Outcome(plan.result, call.attempt, True, response.metadata, call.abandoned, call.sent)
+
+    def _lost(self, call: _Call[T], plan: Plan[T], exc: Exception, *, began: float, base_step: int) -> None:
+        """Lost the compare-and-swap (or a concurrent change invalidated an update): the new head is read for the
+        re-plan; a caller that committed alone may join group commit now (:meth:`Planner.escalate`)."""
+        call.invalid = call.invalid + 1 if isinstance(exc, ValueError) else 0
+        if call.invalid >= 5:  # not a race: the same update keeps being refused
+            self._settle(plan, landed=False, metadata=call.metadata)
+            raise CommitError(
+                f"the catalog keeps refusing this commit to {self.table.name()} as invalid ({exc}); nothing was "
+                "published. This is a bug or an incompatible table change: please report it"
+            ) from exc
+        call.abandoned.extend(plan.written)
+        self._fresh = False
+        call.metadata = self.refresh(deadline=call.deadline)
+        self._settle(plan, landed=False, metadata=call.metadata)
+        foreign = max(0, self._head_state(call.metadata).step - base_step)
+        self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign,
+                                   foreign=foreign)
+        log.debug("commit attempt %d on %s lost (%s)", call.attempt, self.table.name(), exc)
+        if call.carry is None and not call.escalated:  # not alone after all: join group commit
+            call.escalated = True
+            call.carry = call.planner.escalate()
+
+    def _unknown(self, call: _Call[T], exc: Exception, *, began: float, base_step: int) -> None:
+        """Outcome unknown: the table is read back and the planner reconciles from it on the next attempt."""
+        log.warning("commit attempt %d on %s failed with %s; reconciling from the table", call.attempt,
+                    self.table.name(), type(exc).__name__)
+        self._fresh = False
+        call.metadata = self.refresh(deadline=call.deadline)
+        self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
+
+    def _check_budget(self, call: _Call[T]) -> None:
+        if call.attempt >= self._max_attempts or self._clock() >= call.deadline:
+            raise CommitTimeoutError(
+                f"gave up committing to {self.table.name()} after {call.attempt} attempts and "
+                f"{self._clock() - call.start:.1f}s of contention; nothing was published. Retry the same call (same "
+                "seq) or raise lakestream.commit.timeout-ms / lakestream.commit.max-attempts"
+            )
+
+    def _pause(self, call: _Call[T]) -> None:
+        """Before a retry that is not staged (a staged one holds again instead): the policy's retry delay, then the
+        head as it is now: a commit that landed during the sleep would doom a plan on the older one."""
+        delay = self.policy.retry_delay(call.attempt)
+        if delay > 0:
+            self._sleep(delay)
+            call.metadata = self.refresh(deadline=call.deadline)
 
     def _back_off(self, exc: Exception, delay: float, *, deadline: float, what: str) -> float:
         """After a storage failure that published nothing: raise ``exc`` unless it is transient and ``delay`` fits
@@ -528,19 +579,10 @@ class CommitLoop:
         self._fresh = False
         return min(delay * 2, 2.0)
 
-    @staticmethod
-    def _drain(plan: Plan[T]) -> None:
-        """Wait for a plan's files that are still in flight, failures dropped (its swap was not sent)."""
-        if plan.ready is not None:
-            try:
-                plan.ready()
-            except Exception:  # noqa: BLE001 - the attempt failed already; nothing names these files
-                pass
-
-    def _answer(self, carry: Carry, attempt: int) -> T | None:
+    def _answer(self, carry: Carry[T], attempt: int) -> T | None:
         """The carried batch's final answer from a light read of the head (see :meth:`peek`), or None."""
         peek, self._carried_peek = self._carried_peek, None
-        if carry.answer is None or (peek is None and (peek := self.peek()) is None):
+        if peek is None and (peek := self.peek()) is None:
             return None
         answer = carry.answer(peek, attempt)
         if answer is None:
@@ -548,7 +590,7 @@ class CommitLoop:
         self._observe_state(peek.state)
         self._fresh = False  # table.metadata is older than the head now
         self.peeked = True
-        return answer  # type: ignore[return-value]
+        return answer
 
     def _settle(self, plan: Plan[T], *, landed: bool, metadata: TableMetadata) -> None:
         if plan.settle is None:
@@ -558,10 +600,11 @@ class CommitLoop:
         except Exception:  # noqa: BLE001 - cache upkeep (it may read a manifest list): never a commit's outcome
             log.debug("cache upkeep after a commit attempt on %s failed", self.table.name(), exc_info=True)
 
-    def _adopt(self, metadata: TableMetadata, location: str, *, previous: TableMetadata) -> None:
-        """Take the committed metadata as the table's current state (no reload) and drop the metadata files that aged
-        out of its log, when ``write.metadata.delete-after-commit.enabled`` says so (as Iceberg's writers do: off
-        unless set; lakestream sets it when it creates a stream, and a user may turn it off)."""
+    def adopt(self, metadata: TableMetadata, location: str, *, previous: TableMetadata) -> None:
+        """Take the metadata a commit of this loop returned as the table view's current state (no reload): one of the
+        two places that change :attr:`table` (with :meth:`refresh`). Then drop the metadata files that aged out of
+        its log, when ``write.metadata.delete-after-commit.enabled`` says so (as Iceberg's writers do: off unless set;
+        lakestream sets it when it creates a stream, and a user may turn it off)."""
         self.table.metadata = metadata
         self.table.metadata_location = location
         self._fresh = True

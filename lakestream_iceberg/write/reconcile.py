@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, TypedDict
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
 
-from lakestream_iceberg.errors import ProducerConflictError, SequenceError
+from lakestream_iceberg.errors import CorruptStateError, ProducerConflictError, SequenceError
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.summary import OP_APPEND, StreamState
 from lakestream_iceberg.write.writer import StagedBatch
@@ -27,10 +27,12 @@ __all__ = ["Found", "check_publisher", "find_published"]
 
 
 class Found(TypedDict):
-    """Where a (producer, seq) was published: its step (None once collected) and snapshot (None once expired)."""
+    """Where a (producer, seq) was published: its step (None once collected), snapshot (None once expired), and how
+    many batches that snapshot's commit published (1 once the snapshot expired: no longer known)."""
 
     step: int | None
     snapshot_id: int | None
+    group: int
 
 
 def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamState, *, producer_id: str, branch: str,
@@ -48,12 +50,12 @@ def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamSt
     if known is None or known.seq < seq:
         return None
     if known.seq == seq:
-        return {"step": known.step, "snapshot_id": known.snapshot_id}
+        return {"step": known.step, "snapshot_id": known.snapshot_id, "group": _group(metadata, known.snapshot_id)}
     head = metadata.snapshot_by_name(branch)
     for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(metadata.snapshots)):
         st = StreamState.of(metadata.snapshot_by_id(snapshot_id))
         if st.op == OP_APPEND and st.producer == producer_id and st.seq == seq:
-            return {"step": st.step, "snapshot_id": snapshot_id}
+            return {"step": st.step, "snapshot_id": snapshot_id, "group": st.group}
     step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-")
     if step is None and (state.collected_below <= 1 or _lower_seq_live(stream, metadata, branch, producer_id, seq)):
         raise SequenceError(
@@ -61,7 +63,19 @@ def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamSt
             f"producer's published seq is {known.seq}, so seq {seq} was skipped (a commit with allow_gap=True). "
             f"Commit seq {known.seq + 1} next"
         )
-    return {"step": step, "snapshot_id": None}
+    return {"step": step, "snapshot_id": None, "group": 1}
+
+
+def _group(metadata: TableMetadata, snapshot_id: int | None) -> int:
+    """How many batches the commit that wrote ``snapshot_id`` published (1 when the snapshot is no longer known, or its
+    summary cannot tell: that is the summary's reader's error to raise, not a duplicate's)."""
+    snapshot = metadata.snapshot_by_id(snapshot_id) if snapshot_id is not None else None
+    if snapshot is None:
+        return 1
+    try:
+        return StreamState.of(snapshot).group
+    except CorruptStateError:
+        return 1
 
 
 def _lower_seq_live(stream: StreamTable, metadata: TableMetadata, branch: str, producer_id: str, seq: int) -> bool:

@@ -16,7 +16,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 
 from lakestream_iceberg import CommitResult, Producer, Stream
 from lakestream_iceberg.format.summary import StreamState
-from lakestream_iceberg.write.producer import STAGING_SCAN_S
+from lakestream_iceberg.write.planner import STAGING_SCAN_S
 from tests.support import SCHEMA
 
 IDENTIFIER = "ns.stream"

@@ -1,0 +1,90 @@
+"""What one producer id reads from the head of its branch: the stream's state, its next seq, where a seq was published.
+
+A :class:`~lakestream_iceberg.write.producer.Producer` asks before it writes anything (a re-commit of a published seq
+is a duplicate, a seq that would leave a gap is refused), and the planner of each of its commits
+(:class:`~lakestream_iceberg.write.planner.BatchPlanner`) asks again on every head it plans on. Both read through the
+producer's :class:`~lakestream_iceberg.write.commit.CommitLoop`, which holds the producer's view of the table.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from pyiceberg.table.metadata import TableMetadata
+
+from lakestream_iceberg.errors import CommitError, ForeignSnapshotError, SequenceError
+from lakestream_iceberg.format.checks import check_branch
+from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.write.commit import CommitLoop
+from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
+from lakestream_iceberg.write.writer import StagedBatch
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["ProducerHead"]
+
+
+class ProducerHead:
+    """One producer id on one branch, as the branch's head shows it (read through ``loop``'s view of the table)."""
+
+    def __init__(self, stream: StreamTable, *, producer_id: str, branch: str, loop: CommitLoop) -> None:
+        self.stream = stream
+        self.producer_id = producer_id
+        self.branch = branch
+        self.loop = loop
+
+    def refresh(self) -> TableMetadata:
+        """The head, read fully (see :meth:`CommitLoop.refresh`), within the stream's commit timeout."""
+        return self.loop.refresh(deadline=time.monotonic() + self.stream.config.commit_timeout_s)
+
+    def check_branch(self, metadata: TableMetadata) -> None:
+        """Refuse (:class:`CommitError`) a branch deleted or re-tagged since: a producer never commits to a tag."""
+        check_branch(metadata, self.branch, stream=self.stream.name, error=CommitError,
+                     doing=f"producer {self.producer_id!r} cannot commit to")
+
+    def state(self, metadata: TableMetadata) -> StreamState:
+        """The branch's state in ``metadata``; a head another engine changed marks the view stale (the next call reads
+        the head again: it may have been repaired meanwhile) and raises :class:`ForeignSnapshotError`."""
+        self.check_branch(metadata)
+        try:
+            return self.stream.branch_state(branch=self.branch, metadata=metadata)
+        except ForeignSnapshotError:
+            self.loop.mark_stale()
+            raise
+
+    def next_seq(self, state: StreamState) -> int:
+        return state.next_seq(self.stream.io, self.producer_id)
+
+    def check_seq(self, seq: int, state: StreamState, allow_gap: bool) -> None:
+        """Refuse (:class:`SequenceError`) a seq that would skip past this id's next one, unless ``allow_gap``."""
+        expected = self.next_seq(state)
+        if seq > expected and not allow_gap:
+            raise SequenceError(
+                f"producer {self.producer_id!r} on branch {self.branch!r} would skip from seq {expected} to {seq}; "
+                f"commit seq {expected} first, or pass allow_gap=True to skip on purpose"
+            )
+
+    def published(self, metadata: TableMetadata, seq: int) -> Found | None:
+        """Where this id's ``seq`` was published on the branch (see :func:`find_published`), or None."""
+        return find_published(self.stream, metadata, self.state(metadata), producer_id=self.producer_id,
+                              branch=self.branch, seq=seq)
+
+    def check_publisher(self, metadata: TableMetadata, found: Found, staged: StagedBatch, *, since: float) -> bool:
+        """Whether the snapshot that published ``found`` holds ``staged`` (see :func:`check_publisher`)."""
+        return check_publisher(self.stream.io, metadata, found, staged, producer_id=self.producer_id,
+                               branch=self.branch, since=since)
+
+    def opens(self, seq: int | None) -> int | None:
+        """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or
+        ``seq`` is None; else (a duplicate, a gap, a head the light read cannot tell) None: read the head fully."""
+        self.check_branch(self.loop.metadata)  # a branch that is no branch is refused before anything is written
+        peek = self.loop.peek()
+        if peek is None:
+            return None
+        try:
+            expected = self.next_seq(peek.state)
+        except Exception:  # noqa: BLE001 - e.g. a producer-state file unreadable now: the full read retries or reports
+            return None
+        return expected if seq in (None, expected) else None
