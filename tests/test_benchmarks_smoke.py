@@ -1,6 +1,6 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
 benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py,
-benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py).
+benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py, benchmarks/fanout.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -412,3 +412,17 @@ def test_disaggregation_smoke(tmp_path: Path) -> None:
             assert run["steps"] == row["steps"] and _positive(run["steps_per_s"]), (feed, run)
             assert run["unique_samples"] == run["samples"] == row["steps"] * config["batch"], (feed, run)
         assert _positive(row["speedup"]) and _positive(row["speedup_bound"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # a hang guard: ~30 s on 2 idle cores (PostgreSQL and SeaweedFS starts, 2 x 3 processes)
+def test_fanout_smoke(tmp_path: Path) -> None:
+    result = _run("fanout.py", tmp_path / "fanout.json", timeout=540)
+    runs = {("relay" if r["relay"] else "direct"): r for r in result["runs"]}
+    assert set(runs) == {"relay", "direct"}
+    for run in runs.values():
+        assert run["in_order"] is True  # every step once, in order, at every rank
+        assert _positive(run["latency_p50_ms"]) and run["connections_max"] >= 1
+    # the relay's host polls for every reader: fewer catalog queries and metadata reads per step and rank than direct
+    relay, direct = runs["relay"]["steady_per_step_rank"], runs["direct"]["steady_per_step_rank"]
+    assert relay["queries"] < direct["queries"] and relay["meta_requests"] < direct["meta_requests"]

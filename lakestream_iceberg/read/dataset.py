@@ -47,12 +47,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
-from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
+from lakestream_iceberg.read.relay_client import follower
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 
 if TYPE_CHECKING:
@@ -138,10 +139,12 @@ class _DatasetCore:
         poll_s: float = 0.02,
         max_poll_s: float | None = None,
         ship_credentials: bool = False,
+        relay: bool | None = None,
     ) -> None:
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
         follow = check_bool(follow, what="follow")
         ship_credentials = check_bool(ship_credentials, what="ship_credentials")  # "false" must not ship secrets
+        relay = follow if relay is None else check_bool(relay, what="relay")
         timeout = check_seconds(timeout, what="timeout", allow_none=True)
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)
         max_poll_s = max(0.5, poll_s) if max_poll_s is None else check_seconds(max_poll_s, what="max_poll_s",
@@ -157,7 +160,7 @@ class _DatasetCore:
         self.start_step, self.end_step, self.follow, self.branch = start_step, end_step, follow, branch
         self.timeout, self.columns, self.transform, self.prefetch = timeout, columns, transform, prefetch
         self.collate = collate or TensorCollate()
-        self.poll_s, self.max_poll_s = poll_s, max_poll_s
+        self.poll_s, self.max_poll_s, self.relay = poll_s, max_poll_s, relay
         self._ref = StreamRef.of(stream, include_secrets=ship_credentials)  # forked workers get them anyway
         self._stream: StreamTable | None = stream
         self._pid = os.getpid()
@@ -168,6 +171,8 @@ class _DatasetCore:
         self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
         self._pending: dict[str, int] | None = None
         self.last_step: int | None = None  # the last step this instance delivered
+        if relay and follow:  # its readers follow through the host's relay: no idle catalog connection kept for them
+            release_idle_connections(stream.table.catalog)
 
     @classmethod
     def from_checkpoint(cls, stream: StreamTable, name: str, **kwargs: Any) -> Any:
@@ -215,6 +220,8 @@ class _DatasetCore:
                     "positions belong to the old table. Make the dataset again on the new stream"
                 )
             self._stream, self._pid = stream, os.getpid()
+            if self.relay and self.follow:  # the relay answers this process: no idle catalog connection kept for it
+                release_idle_connections(stream.table.catalog)
         return self._stream
 
     def _resolve_end(self, stream: StreamTable) -> int:
@@ -327,9 +334,11 @@ class _DatasetCore:
         self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
         io = stream.io
+        watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
+                                     poll_s=self.poll_s, max_poll_s=self.max_poll_s)
         steps = pump_steps(
-            HeadWatcher(stream, branch=self.branch, io=io),
-            lambda snapshot, step: self._load(stream, io, snapshot, step, handoff=handoff),
+            watcher,
+            lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff),
             first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
@@ -347,10 +356,7 @@ class _DatasetCore:
             return int(self.prefetch)
         return 0 if in_worker else 2
 
-    def _load(self, stream: StreamTable, io: Any, snapshot: Any, step: int, *, handoff: bool = False) -> Any:
-        files = stream.index.files(snapshot, step)
-        if not files:
-            raise missing_step_error(step, StreamState.of(snapshot), self.branch, stream.name)
+    def _load(self, stream: StreamTable, io: Any, files: Any, step: int, *, handoff: bool = False) -> Any:
         with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema) as data:
             segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
             table = data.read_ranges([(seg.source, seg.start, seg.stop) for seg in segments], self.columns)
@@ -407,6 +413,11 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
             DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
+            With the relay, its holder polls every ``poll_s`` (every ``max_poll_s`` where commit notifications wake it).
+        relay: Follow through the host's head relay (:mod:`lakestream_iceberg.read.relay`): one process per host
+            polls the catalog and reads the table's metadata for every rank and DataLoader worker of that host, the
+            others ask it over a unix socket. Default: on in follow mode; ``False`` polls the catalog from every reader.
+            Where no private runtime directory is usable, readers read directly.
         ship_credentials: Put the catalog's credentials (``s3.secret-access-key``, ...) into the dataset's pickle, in
             clear text. Off by default: forked DataLoader workers inherit them, and spawned workers (or any process
             that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``

@@ -31,7 +31,7 @@ from collections.abc import Callable, Generator
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
@@ -51,7 +51,7 @@ from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArrivalClock", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
+__all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
 
@@ -198,6 +198,11 @@ class HeadWatcher:
         """Commit notifications received so far (always 0 on catalogs that send none)."""
         return self._listener.received if self._listener is not None else 0
 
+    @property
+    def listening(self) -> bool:
+        """Whether commit notifications wake this watcher (a live LISTEN connection on a PostgreSQL catalog)."""
+        return self._listener is not None and self._listener.alive
+
     def pause(self, seconds: float, stop: threading.Event | None = None) -> bool | None:
         """Sleep up to ``seconds``, less when a commit notification arrives (True) or ``stop`` is set (None)."""
         if self._listen and self._listener is None:
@@ -295,12 +300,26 @@ class HeadWatcher:
                 delay = min(delay * 2, max_poll_s)
 
 
+class HeadSource(Protocol):
+    """What :func:`pump_steps` asks of a head watcher: :class:`HeadWatcher` (the catalog, from this process) or
+    :class:`~lakestream_iceberg.read.relay_client.RelayWatcher` (the host's head relay)."""
+
+    def check(self) -> bool: ...
+
+    def head(self) -> tuple[int, Any]: ...
+
+    def wait(self, step: int, *, timeout: float | None, stop: threading.Event, poll_s: float = 0.02,
+             max_poll_s: float = 0.5) -> tuple[int, Any] | None: ...
+
+    def close(self) -> None: ...
+
+
 T = TypeVar("T")
 
 
 def pump_steps(
-    watcher: HeadWatcher,
-    load: Callable[[Snapshot | None, int], T],
+    watcher: HeadSource,
+    load: Callable[[Any, int], T],
     *,
     first: int,
     stride: int,

@@ -1,0 +1,303 @@
+"""Fan-out: R trainer ranks, each with K DataLoader workers, following one producer, with and without the head relay.
+
+    .venv/bin/python benchmarks/fanout.py                       # R=8,32 K=2, relay on and off; writes
+                                                                # benchmarks/results/fanout.json
+    .venv/bin/python benchmarks/fanout.py --ranks 32 --hosts 4  # 4 simulated hosts of 8 ranks
+    .venv/bin/python benchmarks/fanout.py --smoke --out /tmp/fanout.json    # seconds
+
+Real services: PostgreSQL (catalog, commit notifications) and SeaweedFS S3 (warehouse), started with
+``catalog/services.py``. Every rank is a process with a real ``torch.utils.data.DataLoader`` of K forked workers
+reading a ``LakestreamDataset(follow=True)``; one producer process commits a step every ``--interval`` seconds
+(world size 8; each consumer rank reads its partition of each global batch). Simulated hosts are groups of ranks with
+their own relay directory (``LAKESTREAM_RELAY_DIR``) and their own PostgreSQL ``application_name``.
+
+What is counted, by the benchmark itself (nothing in the library counts for it):
+
+* **catalog queries**: a SQLAlchemy ``before_cursor_execute`` listener on every engine of every process;
+* **catalog connections**: ``pg_stat_activity`` rows of the readers' ``application_name``, sampled every 50 ms
+  (LISTEN connections included); the maximum over the run, and per host;
+* **storage requests and bytes**: the catalog's FileIO is ``fanout.CountingArrowFileIO`` (``py-io-impl``), pyiceberg's
+  PyArrow FileIO counting each file opened and each byte read, metadata (``metadata.json``, manifest lists,
+  manifests) apart from data;
+* **visibility latency**: the producer logs when each ``commit()`` returned, each rank when the step's item reached
+  it; every (step, rank), the first steps included.
+
+Per step and per rank is steady state: each reading process's counts between its first and last item, summed over
+processes, divided by the (step, rank) items those processes delivered in between (the relay holder's polling and
+metadata reads are in its process's counts). ``total`` columns divide whole-run counts (start-up included) by steps x R.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.modules.setdefault("fanout", sys.modules[__name__])  # py-io-impl "fanout.CountingArrowFileIO" is this module
+
+import pyarrow as pa  # noqa: E402
+from _common import Table, percentile, write_json  # noqa: E402
+from pyiceberg.io import InputFile  # noqa: E402
+from pyiceberg.io.pyarrow import PyArrowFileIO  # noqa: E402
+from read_path import CountingInputFile  # noqa: E402
+
+COUNTS: Counter = Counter()  # this process's counts
+PRODUCERS = 8
+NAME = "bench.fanout"
+
+
+class CountingArrowFileIO(PyArrowFileIO):
+    """pyiceberg's PyArrow FileIO, counting files opened and bytes read (installed by this benchmark only)."""
+
+    def new_input(self, location: str) -> InputFile:
+        return CountingInputFile(super().new_input(location), COUNTS)
+
+
+def count_queries() -> None:
+    from sqlalchemy import event
+    from sqlalchemy.engine import Engine
+
+    def on_execute(*_args: Any, **_kwargs: Any) -> None:
+        COUNTS["catalog:queries"] += 1
+
+    event.listen(Engine, "before_cursor_execute", on_execute)
+
+
+def snapshot() -> dict[str, int]:
+    meta = ("metadata.json", "manifest-list", "manifest")
+    return {"queries": COUNTS["catalog:queries"], "meta_requests": sum(COUNTS[f"{k}:files"] for k in meta),
+            "meta_bytes": sum(COUNTS[k] for k in meta), "data_requests": COUNTS["data:files"], "data_bytes": COUNTS["data"]}
+
+
+class Recorder:
+    """The dataset's ``transform``, run where the item is read (a worker): this process's counts at its first and
+    last item, written to ``<out>/<pid>.json``."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.first: dict[str, int] | None = None
+        self.items = 0
+
+    def __call__(self, item: Any) -> Any:
+        now = snapshot()
+        self.first = self.first or now
+        self.items += 1
+        Path(self.out, f"{os.getpid()}.json").write_text(json.dumps({"first": self.first, "last": now, "items": self.items}))
+        return item
+
+
+def catalog_props(pg_uri: str, weed: Any, app: str) -> dict[str, str]:
+    return {"uri": f"{pg_uri}?application_name={app}", "warehouse": f"s3://{weed.bucket}/fanout",
+            "py-io-impl": "fanout.CountingArrowFileIO", **weed.s3_properties()}
+
+
+def open_stream(props: dict[str, str]) -> Any:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg import Stream
+
+    return Stream.open(SqlCatalog("bench", **props), NAME)
+
+
+def shards(step: int) -> list[pa.Table]:
+    return [pa.table({"x": pa.array([step * 1000 + r * 100 + i for i in range(16)], pa.int64()),
+                      "blob": pa.array([bytes([step % 251]) * 256] * 16, pa.binary())}) for r in range(PRODUCERS)]
+
+
+def producer(props: dict[str, str], steps: int, interval: float, go: Any, log: str) -> None:
+    stream = open_stream(props)
+    writer = stream.producer("fanout")
+    go.wait()
+    with open(log, "w") as f:
+        for step in range(1, steps + 1):
+            time.sleep(interval)
+            result = writer.commit(shards(step))
+            f.write(json.dumps({"step": result.step, "t": time.time()}) + "\n")
+            f.flush()
+
+
+def rank(r: int, world: int, workers: int, relay: bool, props: dict[str, str], relay_dir: str, steps: int,
+         out: str, ready: Any) -> None:
+    from torch.utils.data import DataLoader
+
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+
+    os.environ["LAKESTREAM_RELAY_DIR"] = relay_dir
+    ds = LakestreamDataset(open_stream(props), rank=r, world_size=world, follow=True, end_step=steps, timeout=300,
+                           relay=relay, transform=Recorder(out), collate=lambda shard: shard.step)
+    loader = iter(DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork"))
+    ready.release()
+    seen = []
+    for step in loader:
+        seen.append((step, time.time()))
+    Path(out, f"rank{r}.json").write_text(json.dumps({"seen": seen, "own": snapshot()}))
+
+
+def sample_connections(dsn: str, stop: threading.Event, found: Counter, series: list[dict[str, int]]) -> None:
+    import psycopg2
+
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        while not stop.wait(0.05):
+            cur.execute("SELECT application_name, count(*) FROM pg_stat_activity WHERE application_name LIKE 'reader-%' "
+                        "GROUP BY 1")
+            now = dict(cur.fetchall())
+            series.append(now)
+            for app, n in now.items():
+                found[app] = max(found[app], n)
+            found["all"] = max(found["all"], sum(now.values()))
+    conn.close()
+
+
+def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int, relay: bool, steps: int,
+        interval: float) -> dict[str, Any]:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg import Stream
+
+    db = f"fanout_{world}_{hosts}_{int(relay)}_{int(time.time() * 1000) % 10**8}"
+    pg.create_database(db)
+    pg_uri = pg.sqlalchemy_uri(db)
+    setup = SqlCatalog("bench", **catalog_props(pg_uri, weed, "setup"))
+    setup.create_namespace_if_not_exists("bench")
+    Stream.create(setup, NAME, schema=shards(1)[0].schema, world_size=PRODUCERS)
+    setup.engine.dispose()
+    out = root / f"out-{db}"
+    out.mkdir()
+    ctx = mp.get_context("fork")
+    go, ready = ctx.Event(), ctx.Semaphore(0)
+    log = str(out / "commits.jsonl")
+    per_host = -(-world // hosts)
+    procs = []
+    for r in range(world):
+        host = r // per_host
+        relay_dir = root / f"{db[-8:]}h{host}"  # short: a unix socket path holds ~100 bytes
+        relay_dir.mkdir(mode=0o700, exist_ok=True)
+        procs.append(ctx.Process(target=rank, args=(r, world, workers, relay, catalog_props(pg_uri, weed, f"reader-h{host}"),
+                                                    str(relay_dir), steps, str(out), ready)))
+    prod = ctx.Process(target=producer, args=(catalog_props(pg_uri, weed, "producer"), steps, interval, go, log))
+    found: Counter = Counter()
+    series: list[dict[str, int]] = []
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample_connections, args=(pg_uri.replace("postgresql+psycopg2", "postgresql"), stop,
+                                                                found, series))
+    started = time.monotonic()
+    sampler.start()
+    prod.start()
+    for p in procs:
+        p.start()
+    for _ in procs:
+        assert ready.acquire(timeout=600), "a rank did not start"
+    go.set()
+    try:
+        for p in procs + [prod]:
+            p.join(timeout=900)
+            assert p.exitcode == 0, f"process exited with {p.exitcode}"
+    finally:
+        stop.set()
+        sampler.join()
+        for p in procs + [prod]:
+            p.kill()
+    wall = time.monotonic() - started
+    committed = {r["step"]: r["t"] for r in map(json.loads, Path(log).read_text().splitlines())}
+    lat, in_order = [], True
+    for r in range(world):
+        seen = json.loads((out / f"rank{r}.json").read_text())["seen"]
+        in_order &= [s for s, _ in seen] == list(range(1, steps + 1))
+        lat += [max(0.0, t - committed[s]) for s, t in seen]
+    steady: Counter = Counter()
+    total: Counter = Counter()
+    items = 0
+    for path in out.glob("*.json"):
+        doc = json.loads(path.read_text())
+        if "first" in doc:
+            steady.update({k: doc["last"][k] - doc["first"][k] for k in doc["last"]})
+            total.update(doc["last"])
+            items += doc["items"] - 1
+        else:
+            total.update(doc["own"])
+    steady_per = {k: steady[k] / max(1, items) for k in ("queries", "meta_requests", "meta_bytes", "data_requests",
+                                                          "data_bytes")}
+    total_per = {k: total[k] / (steps * world) for k in steady_per}
+    shutil.rmtree(out, ignore_errors=True)
+    pg.drop_database(db)
+    return {"ranks": world, "workers": workers, "hosts": hosts, "relay": relay, "steps": steps, "in_order": in_order,
+            "steady_per_step_rank": steady_per, "total_per_step_rank": total_per,
+            "connections_max": found["all"], "connections_per_host_max": max((v for k, v in found.items() if k != "all"),
+                                                                              default=0),
+            "connections_steady_median": percentile([sum(s.values()) for s in series[len(series) // 3:]], 50),
+            "latency_p50_ms": percentile(lat, 50) * 1000, "latency_p99_ms": percentile(lat, 99) * 1000,
+            "latency_max_ms": max(lat) * 1000, "wall_s": wall}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ranks", default="8,32", help="comma-separated R values")
+    parser.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank (K)")
+    parser.add_argument("--hosts", default="1", help="comma-separated numbers of simulated hosts")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--interval", type=float, default=0.2, help="seconds between the producer's commits")
+    parser.add_argument("--modes", default="relay,direct")
+    parser.add_argument("--name", default="fanout", help="results file: benchmarks/results/<name>.json")
+    parser.add_argument("--out", default=None, help="write the JSON here instead")
+    parser.add_argument("--smoke", action="store_true", help="R=2, K=1, 6 steps, for tests")
+    args = parser.parse_args()
+    if args.smoke:
+        args.ranks, args.workers, args.steps, args.interval = "2", 1, 6, 0.1
+    from catalog.services import Postgres, SeaweedFS
+
+    count_queries()
+    root = Path(tempfile.mkdtemp(prefix="lakestream-fanout-"))
+    pg = Postgres(settings={"max_connections": "2000"})
+    weed = SeaweedFS(root / "seaweedfs")
+    results = []
+    try:
+        pg.start()
+        weed.start()
+        for world in [int(x) for x in args.ranks.split(",")]:
+            for hosts in [int(x) for x in args.hosts.split(",")]:
+                for mode in args.modes.split(","):
+                    result = run(pg, weed, root, world=world, workers=args.workers, hosts=hosts, relay=mode == "relay",
+                                 steps=args.steps, interval=args.interval)
+                    results.append(result)
+                    print(f"  R={world} K={args.workers} H={hosts} {mode}: {result['wall_s']:.0f}s", flush=True)
+    finally:
+        weed.stop()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    table = Table(f"fan-out: R ranks x K={args.workers} DataLoader workers following one producer (PostgreSQL + "
+                  "SeaweedFS S3); per step per rank, steady state (total = start-up included)",
+                  ["R", "hosts", "mode", "catalog queries", "(total)", "metadata requests", "(total)", "metadata bytes",
+                   "(total)", "catalog conns max", "per host max", "steady median", "visible p50 ms", "p99 ms",
+                   "max ms", "in order"])
+    for r in results:
+        s, t = r["steady_per_step_rank"], r["total_per_step_rank"]
+        table.add(r["ranks"], r["hosts"], "relay" if r["relay"] else "direct", s["queries"], t["queries"],
+                  s["meta_requests"], t["meta_requests"], s["meta_bytes"], t["meta_bytes"], r["connections_max"],
+                  r["connections_per_host_max"], r["connections_steady_median"], r["latency_p50_ms"],
+                  r["latency_p99_ms"], r["latency_max_ms"], "yes" if r["in_order"] else "NO")
+    table.note(f"{args.steps} steps, one commit every {args.interval}s, producer world size {PRODUCERS}; targets per step "
+               "per rank: <= 1 catalog query, <= 1.1 metadata requests, <= 2 KiB metadata; <= 2 connections per host")
+    table.note(f"{os.cpu_count()} cores, shared with other work while measured: latencies are noisy")
+    print(table)
+    if args.out or not args.smoke:
+        kwargs = {"directory": Path(args.out).parent} if args.out else {}
+        path = write_json(Path(args.out).name if args.out else args.name, {"table": table, "runs": results,
+                                                                            "args": vars(args)}, **kwargs)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

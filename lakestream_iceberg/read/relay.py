@@ -1,0 +1,348 @@
+"""The head relay: one process per host follows a stream's head for every reader of that host.
+
+Without it each trainer rank and each DataLoader worker polls the catalog, holds its own catalog connections and reads
+``metadata.json``, the manifest list and a manifest for every step: costs that grow with ranks x workers. With it one
+process per host, stream and branch (the *holder*) does all of that once, and the others ask it over a unix socket:
+
+* **Election**: whoever takes the ``flock`` on the relay's lock file (:mod:`.relay_wire` says where) serves; the kernel
+  releases it when the holder exits, however it exits, and the next reader that finds the socket dead takes over.
+  A forked child closes its copy of the lock (so that its parent's death frees it) and never serves its parent's relay.
+* **Following**: the holder keeps its own view of the table at the head (:class:`~.follow.HeadWatcher`): it polls the
+  catalog pointer every ``poll_s`` (on PostgreSQL it also listens for commit notifications and then polls only every
+  ``max_poll_s`` as a safety net), and reads the new ``metadata.json`` once per head.
+* **Answers**: ``wait`` (block until the head reaches a step, at most ``WAIT_SLICE_S``), ``files`` (a step's data
+  files, looked up once and kept for the next clients in a small LRU; looked up on the head that first listed the
+  step, not on every newer head, so that clients asking for one step at different heads cost one manifest read, not
+  one per head), ``check`` (poll now, and plan on the head of now: a client found a file gone after a GC). Errors are sent back as their class (:func:`.relay_wire.decode_error`):
+  a collected step, a dropped or re-created table raise the same errors through the relay as without it.
+
+Memory is bounded: the table view and its manifest cache (bounded as every stream's), ``PLANS_KEPT`` answers, and one
+thread per connection, at most ``MAX_CLIENTS``. A holder serves while its own process has a reader following (see
+:func:`hold`); when the last one closes it stops, and its clients elect a new holder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+from pyiceberg.table import Table
+
+from lakestream_iceberg.errors import LakestreamError
+from lakestream_iceberg.format.summary import StreamState, missing_step_error
+from lakestream_iceberg.format.table import StreamTable, after_gc
+from lakestream_iceberg.read.follow import HeadWatcher
+from lakestream_iceberg.read.relay_wire import (
+    RelayPaths,
+    encode_error,
+    encode_files,
+    readable,
+    recv_frame,
+    send_frame,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HeadRelay", "hold", "held"]
+
+WAIT_SLICE_S = 2.0  # the longest a ``wait`` blocks on the holder: a client asks again (and notices its own stop)
+IO_S = 10.0  # a frame that does not arrive or leave within this is a dead peer
+PLANS_KEPT = 256
+MAX_CLIENTS = 4096
+
+
+class HeadRelay:
+    """Serves one stream branch's head and step files to the readers of this host (see the module docstring).
+
+    Made by :func:`hold` in the process that won the election; ``retain``/``release`` count this process's own
+    readers, and the last release stops it.
+    """
+
+    def __init__(self, stream: StreamTable, *, branch: str, paths: RelayPaths, lock_fd: int, poll_s: float,
+                 max_poll_s: float) -> None:
+        source = stream.table  # a view of its own: the serving threads never move the caller's table
+        table = Table(source.name(), source.metadata, source.metadata_location, source.io, source.catalog)
+        self.stream = StreamTable(table, cache=stream.cache)
+        self.branch, self.paths, self.pid = branch, paths, os.getpid()
+        self._lock_fd, self._poll_s, self._max_poll_s = lock_fd, poll_s, max_poll_s
+        self._watcher = HeadWatcher(self.stream, branch=branch)
+        self._cond = threading.Condition()
+        self._poll_lock = threading.Lock()
+        self._plan_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._head: tuple[int, Any] = self._watcher.head()
+        self._fatal: LakestreamError | None = None
+        self._plan_base: tuple[int, Any] | None = None  # the head steps are planned on (see _files)
+        self._plans: OrderedDict[tuple[int | None, int], dict[str, Any]] = OrderedDict()
+        self._clients: set[socket.socket] = set()
+        self._users = 0
+        self.served = 0
+        self._poll_once()  # the head of now, not of when the caller's view was read (a worker's: maybe long ago)
+        try:
+            os.unlink(paths.socket)  # a dead holder's socket
+        except FileNotFoundError:
+            pass
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(str(paths.socket))
+        self._listener.listen(512)
+        self._threads = [threading.Thread(target=self._poll_loop, name="lakestream-relay-poll", daemon=True),
+                         threading.Thread(target=self._accept_loop, name="lakestream-relay-accept", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    # -- lifetime ------------------------------------------------------------------------------------------------------
+    def retain(self) -> None:
+        with self._cond:
+            self._users += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._users -= 1
+            last = self._users <= 0
+        if last:
+            self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return not self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop serving: the socket goes, then the lock (clients then elect a new holder)."""
+        if self._stop.is_set():
+            return
+        log.debug("stopping the head relay of %s (branch %s) at %s", self.stream.name, self.branch, self.paths.socket)
+        self._stop.set()
+        with _HELD_LOCK:
+            if _HELD.get(self.paths.key) is self:
+                del _HELD[self.paths.key]
+        try:
+            os.unlink(self.paths.socket)
+        except OSError:
+            pass
+        self._listener.close()
+        with self._cond:
+            clients = list(self._clients)
+            self._cond.notify_all()
+        for conn in clients:
+            _shutdown(conn)
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=IO_S)
+        self._watcher.close()
+        os.close(self._lock_fd)  # releases the flock
+
+    # -- following -----------------------------------------------------------------------------------------------------
+    def _poll_once(self) -> None:
+        with self._poll_lock:
+            try:
+                self._watcher.check()
+                fatal = None
+            except LakestreamError as exc:  # dropped, re-created, malformed: every client gets it
+                fatal = exc
+            except Exception as exc:  # noqa: BLE001 - the catalog is unreachable for now: clients wait, or time out
+                log.warning("relay polling %s failed (%s); retrying", self.stream.name, type(exc).__name__)
+                return
+            head = self._watcher.head() if fatal is None else self._head
+        with self._cond:
+            self._fatal, moved = fatal, head[0] != self._head[0]
+            self._head = head
+            if moved or fatal is not None:
+                self._cond.notify_all()
+
+    def _replan(self) -> None:
+        self._poll_once()
+        with self._cond:
+            self._plan_base = None
+
+    def _poll_loop(self) -> None:
+        while not self._stop.is_set():
+            self._poll_once()
+            listening = self._watcher.listening  # PostgreSQL: a commit wakes us, polls are a safety net
+            woke = self._watcher.pause(self._max_poll_s if listening else self._poll_s, self._stop)
+            if woke is None:
+                return
+
+    # -- serving -------------------------------------------------------------------------------------------------------
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if not readable(self._listener, 0.2):
+                    continue
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by stop()
+            with self._cond:
+                if len(self._clients) >= MAX_CLIENTS:
+                    conn.close()
+                    continue
+                self._clients.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="lakestream-relay-client", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                if not readable(conn, 5.0):  # stop() shuts the connection down, which wakes this at once
+                    continue
+                request = recv_frame(conn, timeout=IO_S)
+                send_frame(conn, self._answer(request), timeout=IO_S)
+                self.served += 1
+        except (OSError, ValueError):
+            pass  # the client went away (or broke the protocol): its connection alone ends
+        finally:
+            with self._cond:
+                self._clients.discard(conn)
+            conn.close()
+
+    def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        try:
+            if op == "wait":
+                return self._wait(request)
+            if op == "files":
+                return self._files(request)
+            if op == "check":  # a client found a file gone (GC): plans are made on the head of now from here on
+                self._replan()
+                return self._state()
+            if op == "hello":
+                return {"uuid": str(self.stream.table.metadata.table_uuid), "branch": self.branch, "pid": self.pid}
+            return {"error": "ReadError", "message": f"unknown relay request {str(op)[:40]!r}"}
+        except Exception as exc:  # noqa: BLE001 - sent back as the same class, raised there
+            return encode_error(exc)
+
+    def _state(self) -> dict[str, Any]:
+        if self._fatal is not None:
+            self._poll_once()  # rare: answer with the table's state now (re-created since it was dropped, ...)
+        with self._cond:
+            if self._fatal is not None:
+                return encode_error(self._fatal)
+            step, snapshot = self._head
+        return {"head": step, "snapshot": None if snapshot is None else snapshot.snapshot_id}
+
+    def _wait(self, request: dict[str, Any]) -> dict[str, Any]:
+        step, wait_s = request.get("step"), request.get("timeout")
+        if type(step) is not int or not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool):
+            return {"error": "ReadError", "message": "malformed relay wait request"}
+        end = time.monotonic() + max(0.0, min(float(wait_s), WAIT_SLICE_S))
+        with self._cond:
+            while self._head[0] < step and self._fatal is None and not self._stop.is_set():
+                left = end - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+        return self._state()
+
+    def _files(self, request: dict[str, Any]) -> dict[str, Any]:
+        step = request.get("step")
+        if type(step) is not int:
+            return {"error": "ReadError", "message": "malformed relay files request"}
+        if self._fatal is not None or step > self._head[0]:
+            self._poll_once()  # the client heard of a newer head (from this relay's predecessor, or a poll ago)
+        with self._cond:
+            if self._fatal is not None:
+                return encode_error(self._fatal)
+            base = self._plan_base
+            if base is None or base[0] < step:  # plan on the newest head only for a step the older one lacks
+                base = self._plan_base = self._head
+            snapshot = base[1]
+            key = (None if snapshot is None else snapshot.snapshot_id, step)
+        with self._plan_lock:  # one lookup per step: the clients a head move woke all ask at once
+            return self._plan(key, step, snapshot)
+
+    def _plan(self, key: tuple[int | None, int], step: int, snapshot: Any) -> dict[str, Any]:
+        with self._cond:
+            kept = self._plans.get(key)
+            if kept is not None:
+                self._plans.move_to_end(key)
+                return kept
+        index = self.stream.index
+
+        def on_head() -> list[Any]:
+            nonlocal snapshot
+            snapshot = self._head[1]
+            return index.files(snapshot, step)
+
+        files = after_gc(lambda: index.files(snapshot, step), refresh=self._replan, again=on_head)
+        if not files:
+            raise missing_step_error(step, StreamState.of(snapshot), self.branch, self.stream.name)
+        answer = {"step": step, "snapshot": snapshot.snapshot_id, "uuid": str(self.stream.table.metadata.table_uuid),
+                  "files": encode_files(files)}
+        with self._cond:
+            self._plans[key] = answer
+            while len(self._plans) > PLANS_KEPT:
+                self._plans.popitem(last=False)
+        return answer
+
+
+_HELD: dict[str, HeadRelay] = {}  # this process's relays, by key
+_HELD_LOCK = threading.Lock()
+
+
+def held(paths: RelayPaths) -> HeadRelay | None:
+    """The relay this process serves at ``paths``, if any."""
+    with _HELD_LOCK:
+        relay = _HELD.get(paths.key)
+    return relay if relay is not None and relay.alive and relay.pid == os.getpid() else None
+
+
+def hold(stream: StreamTable, *, branch: str, paths: RelayPaths, poll_s: float, max_poll_s: float) -> HeadRelay | None:
+    """Serve the relay at ``paths`` when no process does (this process wins the ``flock``); None when another holds it.
+
+    Raises:
+        OSError: The lock file or socket cannot be made (the caller reads directly).
+    """
+    relay = held(paths)
+    if relay is not None:
+        return relay
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        raise OSError("no flock on this platform") from None
+    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        relay = HeadRelay(stream, branch=branch, paths=paths, lock_fd=fd, poll_s=poll_s, max_poll_s=max_poll_s)
+    except BaseException:
+        os.close(fd)
+        raise
+    with _HELD_LOCK:
+        _HELD[paths.key] = relay
+    log.debug("serving the head relay of %s (branch %s) at %s", stream.name, branch, paths.socket)
+    return relay
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's relays are not this process's; close their lock and socket copies (a child
+    holding the lock's open file would keep the parent's relay elected after the parent died)."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+    inherited = list(_HELD.values())
+    _HELD.clear()
+    for relay in inherited:
+        for close in (lambda r=relay: os.close(r._lock_fd), relay._listener.close):
+            try:
+                close()
+            except OSError:
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_after_fork)

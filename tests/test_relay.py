@@ -1,0 +1,232 @@
+"""The head relay: one process per host follows the head for every reader; election, takeover, errors, fallback."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import ReadError, StepCollectedError, StreamError, StreamNotFoundError
+from lakestream_iceberg.read import relay_client
+from lakestream_iceberg.read.dataset import LakestreamDataset
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
+from lakestream_iceberg.read.relay_client import RelayWatcher, follower
+from tests.test_dataset import check_items, make_catalog, make_stream, shard
+
+ROOT = Path(__file__).resolve().parent.parent
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    sys.path.insert(0, {root!r})
+    from tests.test_dataset import make_catalog
+    from lakestream_iceberg import Stream
+    from lakestream_iceberg.read.follow import StreamRef
+    from lakestream_iceberg.read.relay_client import follower
+    stream = Stream.open(make_catalog(Path({tmp!r})), "ns.s")
+    watcher, _ = follower(stream, ref=StreamRef.of(stream), branch="main", relay=True, poll_s=0.02, max_poll_s=0.5)
+    print("holding" if watcher.holding else "client", flush=True)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture(autouse=True)
+def relay_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path_factory.mktemp("relay")
+    directory.chmod(0o700)
+    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(directory))
+    return directory
+
+
+def watch(stream: Stream) -> RelayWatcher | HeadWatcher:
+    watcher, _ = follower(stream, ref=StreamRef.of(stream), branch="main", relay=True, poll_s=0.02, max_poll_s=0.5)
+    return watcher
+
+
+def start_holder(tmp_path: Path) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=str(ROOT), tmp=str(tmp_path))],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "holding"  # EOF (a crash) reads "" and fails here, no hang
+    return proc
+
+
+def commit(stream: Stream, step: int, world: int = 2) -> None:
+    assert stream.producer("prep-0").commit([shard(step, r) for r in range(world)]).step == step
+
+
+def test_a_client_takes_over_when_the_holder_is_killed(tmp_path: Path, relay_dir: Path) -> None:
+    stream = make_stream(tmp_path, steps=2)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()
+        assert client.head()[0] == 2
+        assert [f.file_path for f in client.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+        commit(stream, 3)
+        stop = threading.Event()
+        assert client.wait(3, timeout=60, stop=stop)[0] == 3
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        commit(stream, 4)
+        assert client.wait(4, timeout=60, stop=stop)[0] == 4  # reconnected, and elected itself
+        assert client.holding
+        assert [f.file_path for f in client.files(None, 4)] == [f.file_path for f in stream.locate(4)]
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert not list(relay_dir.glob("*.sock"))  # the last reader stopped serving: socket gone, lock free
+    (lock,) = relay_dir.glob("*.lock")
+    with open(lock, "rb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_a_stopped_holder_raises_a_clear_error_instead_of_hanging(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher)
+        client.check()
+        monkeypatch.setattr(relay_client, "IO_S", 0.5)
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(ReadError, match="did not answer"):
+            client.wait(5, timeout=None, stop=threading.Event())
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+
+
+def test_errors_arrive_as_the_same_classes_as_direct_reads(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=8)
+    client = watch(stream)
+    assert isinstance(client, RelayWatcher) and client.holding
+    stream.checkpoint("early", step=1)
+    stream.checkpoint("late", step=6)
+    Stream.open(stream.table.catalog, "ns.s").collect_garbage(dry_run=False, keep_last=1)  # collects steps 1..5
+    client.check()
+    with pytest.raises(StepCollectedError, match="step 3 "):
+        client.files(None, 3)
+    assert len(client.files(None, 7)) == 2
+    direct = HeadWatcher(Stream.open(stream.table.catalog, "ns.s"), branch="main")
+    stream.table.catalog.drop_table("ns.s")
+    with pytest.raises(StreamNotFoundError):
+        direct.check()
+    with pytest.raises(StreamNotFoundError):
+        client.wait(99, timeout=60, stop=threading.Event())
+    Stream.create(stream.table.catalog, "ns.s", schema=stream.payload_arrow_schema, world_size=2)
+    with pytest.raises(StreamError) as direct_error:
+        direct.check()
+    with pytest.raises(StreamError) as relayed:
+        client.wait(99, timeout=60, stop=threading.Event())
+    assert type(relayed.value) is type(direct_error.value) and "dropped and created again" in str(relayed.value)
+    client.close()
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_follow_through_the_relay(tmp_path: Path, relay_dir: Path, context: str) -> None:
+    from torch.utils.data import DataLoader
+
+    stream = make_stream(tmp_path, steps=1)
+    done = threading.Event()
+
+    def produce() -> None:
+        for step in range(2, 9):
+            commit(stream, step)
+        done.set()
+
+    ds = LakestreamDataset(stream, rank=1, world_size=2, follow=True, end_step=8, timeout=60)
+    assert ds.relay  # the default in follow mode
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    thread = threading.Thread(target=produce)
+    items, sockets = [], []
+    for item in loader:
+        if not items:
+            sockets = list(relay_dir.glob("*.sock"))  # served while the workers follow
+            thread.start()
+        items.append(item)
+    thread.join()
+    assert done.is_set()
+    check_items(items, world=2, rank=1, steps=list(range(1, 9)))
+    assert len(sockets) == 1
+
+
+def test_disabled_or_unusable_relay_reads_directly(tmp_path: Path, relay_dir: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    stream = make_stream(tmp_path, steps=3)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=3, timeout=60, relay=False)
+    check_items(list(ds), world=2, rank=0, steps=[1, 2, 3])
+    assert not list(relay_dir.iterdir())
+    with pytest.raises(Exception, match="relay"):
+        LakestreamDataset(stream, rank=0, world_size=2, follow=True, relay="no")
+    relay_dir.chmod(0o755)  # others may enter: not private, not used
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.relay_client"):
+        ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=3, timeout=60)
+        check_items(list(ds), world=2, rank=0, steps=[1, 2, 3])
+    assert "polls the catalog itself" in caplog.text
+    assert not list(relay_dir.iterdir())
+
+
+def test_a_forked_child_does_not_keep_its_parents_relay_elected(tmp_path: Path, relay_dir: Path) -> None:
+    stream = make_stream(tmp_path, steps=1)
+    client = watch(stream)
+    assert isinstance(client, RelayWatcher) and client.holding
+    (lock,) = relay_dir.glob("*.lock")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of the lock is closed, so the parent's release frees the lock
+        os.close(write)
+        os.read(read, 1)  # until the parent released
+        try:
+            with open(lock, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os._exit(0)
+        except BlockingIOError:
+            os._exit(3)
+    os.close(read)
+    client.close()
+    os.write(write, b"x")
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert make_catalog(tmp_path)  # the parent goes on
+
+
+def test_a_holder_opened_on_an_old_view_answers_for_the_current_head(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=2)
+    old = Stream.open(make_catalog(tmp_path), "ns.s")  # a worker's view, read when it started
+    commit(stream, 3)
+    commit(stream, 4)
+    holder = watch(old)
+    assert isinstance(holder, RelayWatcher) and holder.holding
+    assert [f.file_path for f in holder.files(None, 4)] == [f.file_path for f in stream.locate(4)]
+    holder.close()
+
+
+def test_a_follow_reader_whose_planned_step_was_collected_gets_the_direct_error(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=10)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=10, prefetch=2, timeout=60,
+                           collate=lambda it: it.step)
+    iterator = iter(ds)
+    got = [next(iterator)]  # steps 2 and 3 are planned through the relay, on the head of that moment
+    stream.checkpoint("early", step=1)
+    stream.checkpoint("late", step=6)
+    Stream.open(stream.table.catalog, "ns.s").collect_garbage(dry_run=False, keep_last=1)  # collects steps 1..5
+    with pytest.raises(StepCollectedError, match="step 4 "):
+        got.extend(iterator)
+    assert got[:1] == [1] and set(got) <= {1, 2, 3}
+    ds.load_state_dict({"next_step": 6})
+    assert list(ds) == [6, 7, 8, 9, 10]
