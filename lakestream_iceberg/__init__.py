@@ -10,6 +10,7 @@ from lakestream_iceberg.errors import __all__ as _errors
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint
 from lakestream_iceberg.lifecycle.gc import GCReport
 from lakestream_iceberg.lifecycle.repair import RepairReport
+from lakestream_iceberg.read.handoff import recommended_workers  # needs no torch
 from lakestream_iceberg.read.tensors import Blobs, TensorCollate  # needs no torch
 from lakestream_iceberg.stream import Stream
 from lakestream_iceberg.write.producer import CommitResult, Producer
@@ -17,6 +18,7 @@ from lakestream_iceberg.write.producer import CommitResult, Producer
 # LakestreamDataset subclasses torch's IterableDataset, so torch loads on first access (module __getattr__), and it
 # stays out of __all__: `from lakestream_iceberg import *` must work without the torch extra.
 __all__ = ["Blobs", "Checkpoint", "CommitResult", "GCReport", "Producer", "RepairReport", "Stream", "TensorCollate", "load_catalog",
+           "recommended_workers",
            *_errors]
 
 

@@ -17,7 +17,8 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     ├── CommitError                 a commit could not be published
     │   ├── CommitTimeoutError      the retry budget ran out; the batch was NOT published (safe to retry)
     │   ├── CommitOutcomeUnknownError  the catalog failed and the table could not be read back to reconcile
-    │   └── ProducerConflictError   the producer's (id, seq) was published with a batch it did not write
+    │   ├── ProducerConflictError   the producer's (id, seq) was published with a batch it did not write
+    │   └── ProducerFailedError     a background commit of this producer failed; open a new producer to go on
     ├── ReadError
     │   ├── StepNotPublishedError   the step does not exist yet (wait_for() it)
     │   ├── StepCollectedError      lifecycle GC removed it; resume from a retained checkpoint
@@ -48,6 +49,7 @@ __all__ = [
     "MissingExtraError",
     "NotAStreamError",
     "ProducerConflictError",
+    "ProducerFailedError",
     "RankError",
     "ReadError",
     "ReadTimeoutError",
@@ -131,6 +133,12 @@ class CommitOutcomeUnknownError(CommitError):
 class ProducerConflictError(CommitError):
     """While this call was committing, its (producer id, seq) was published with a batch this call did not write:
     another live process uses the same producer id, or something wrote a staged intent under it."""
+
+
+class ProducerFailedError(CommitError):
+    """A batch submitted in the background was not published because an earlier one of the same producer failed
+    (its future holds that error); the producer takes no more batches. A new producer with the same id resumes from
+    the table's state: every published seq stays published once, and the next seq is the first unpublished one."""
 
 
 class ReadError(LakestreamError):

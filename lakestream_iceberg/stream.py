@@ -318,23 +318,29 @@ class Stream(StreamTable):
         return file_schema(self.table.schema(), self.config.layout, self.payload_arrow_schema, stream=self.name)
 
     # -- writing --------------------------------------------------------------------------------------------------------
-    def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None) -> Producer:
+    def producer(self, producer_id: str, *, branch: str = MAIN, seed: int | None = None,
+                 max_in_flight: int = 2) -> Producer:
         """A producer publishing into ``branch``; each producer keeps its own view of the table.
 
         Its commit pacing (DAC) starts from what the previous producer made by this ``Stream`` on ``branch`` learned
         (:meth:`CommitPolicy.inherit`): a worker that takes a fresh producer id every few batches keeps its timings
         and its turn in group commit.
 
+        ``max_in_flight`` bounds the batches :meth:`Producer.submit` keeps queued or committing in the background (a
+        submit beyond it waits for a slot).
+
         Args:
             producer_id: A stable id: a restarted producer with the same id continues at its next seq, exactly once.
             branch: ``main`` or a branch made by :meth:`fork`.
             seed: Seed of the pacing policy's jitter (tests and simulations).
+            max_in_flight: Batches :meth:`Producer.submit` may keep queued or committing in the background.
 
         Returns:
             The :class:`~lakestream_iceberg.write.producer.Producer`.
 
         Raises:
-            ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is.
+            ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is; or
+                ``max_in_flight`` is not an integer >= 1.
         """
         # Its own view of the table, starting from ours: the first commit refreshes it (on SQL catalogs one read of the
         # catalog pointer, no metadata reload when nothing moved), so making a producer costs no catalog round trip.
@@ -355,7 +361,8 @@ class Stream(StreamTable):
             max_attempts=self.config.commit_max_attempts,
         )
         loop.mark_stale()
-        return Producer(self, producer_id, branch=branch, loop=loop, writer=self.writer, staging=self.staging)
+        return Producer(self, producer_id, branch=branch, loop=loop, writer=self.writer, staging=self.staging,
+                        max_in_flight=max_in_flight)
 
     # -- checkpoints and lifecycle -----------------------------------------------------------------------------------
     def _control_loop(self, branch: str) -> CommitLoop:

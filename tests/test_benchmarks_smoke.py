@@ -389,6 +389,12 @@ def test_busy_producers_smoke(tmp_path: Path) -> None:
             assert _positive(system["batches_per_s"]) and 0 < system["commit_share"] < 1, system
             assert 0 < system["latency_ms_p50"] <= system["latency_ms_p99"]
         assert _positive(row["lake_vs_kafka"]) and _positive(row["lake_vs_ideal"])
+        background = row["lake_bg"]  # Producer.submit, run beside Producer.commit by default
+        assert background["failed"] == 0 and background["exactly_once"] is True, background
+        assert background["batches"] == sum(background["per_producer"]) and min(background["per_producer"]) >= 1
+        assert 0 < background["commit_share"] < 1 and 0 < background["latency_ms_p50"] <= background["latency_ms_p99"]
+        assert _positive(row["lake_bg_vs_kafka"]) and _positive(row["lake_bg_vs_ideal"]) and _positive(row["lake_bg_vs_sync"])
+    assert data["config"]["commit"] == "both" and data["printed_commit_modes"]
 
 
 @pytest.mark.timeout(240)  # a hang guard: ~15 s on 2 idle cores

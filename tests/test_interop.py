@@ -1,6 +1,6 @@
 """A stream is a plain Iceberg table in fact: incremental reads see every step, and what other engines commit to it
 never makes lakestream republish, skip or mis-read a step (the engine-independent half of the compatibility contract;
-the Spark half is in tests/test_interop_spark.py)."""
+the Spark half is in tests/interop/)."""
 
 from __future__ import annotations
 

@@ -16,13 +16,14 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["ProcessPool", "fork_safe"]
+__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "no_fork_inside"]
 
 log = logging.getLogger(__name__)
 
@@ -120,3 +121,61 @@ def _reset_pools_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_pools_after_fork)
+
+
+# -- background calls into a database library, and fork ------------------------------------------------------------
+# A thread that runs SQLite (or SQLAlchemy, libpq) while another thread forks leaves that library's locks held in the
+# child, which has only the forking thread: the child's first SQLite call then hangs on libsqlite3's allocator mutex.
+# Threads that query in the background (a head watcher's pointer probe, a relay's poll, a consumer's position report)
+# wrap each call in ``no_fork_inside()``; a fork (a DataLoader starting its workers) waits for the calls in flight,
+# at most FORK_WAIT_S, and none starts until the fork is done. The forking thread's own calls are not waited for.
+FORK_WAIT_S = 10.0
+_gate = threading.Condition()
+_inside: dict[int, int] = {}  # thread ident -> calls in flight (nested calls count once each)
+_gate_held = False
+
+
+@contextmanager
+def no_fork_inside() -> Iterator[None]:
+    """Run the block with no ``os.fork`` of this process in the middle of it (see the note above)."""
+    me = threading.get_ident()
+    with _gate:
+        _inside[me] = _inside.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _gate:
+            left = _inside.get(me, 1) - 1
+            if left:
+                _inside[me] = left
+            else:
+                _inside.pop(me, None)
+            _gate.notify_all()
+
+
+def _others_inside() -> bool:
+    me = threading.get_ident()
+    return any(ident != me for ident in _inside)
+
+
+def _gate_before_fork() -> None:
+    global _gate_held
+    _gate_held = _gate.acquire(timeout=FORK_WAIT_S)
+    if _gate_held and not _gate.wait_for(lambda: not _others_inside(), timeout=FORK_WAIT_S):
+        log.warning("forking while a database call of another thread has been in progress for %.0f s", FORK_WAIT_S)
+
+
+def _gate_after_fork_in_parent() -> None:
+    if _gate_held:
+        _gate.release()
+
+
+def _gate_after_fork_in_child() -> None:
+    global _gate, _gate_held
+    _gate, _gate_held = threading.Condition(), False
+    _inside.clear()  # the parent's other threads do not exist here
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_gate_before_fork, after_in_parent=_gate_after_fork_in_parent,
+                        after_in_child=_gate_after_fork_in_child)

@@ -30,6 +30,7 @@ from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
+from lakestream_iceberg.connect.fork import no_fork_inside
 from lakestream_iceberg.errors import StreamError, StreamNotFoundError
 
 __all__ = ["PointerWatch", "cached_probe", "pointer_probe", "read_moved", "refresh_if_moved", "release_idle_connections"]
@@ -60,7 +61,7 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
         return lambda: reader(_SQLITE_PROBE, params)
 
     def probe() -> str | None:
-        with engine.connect() as conn:
+        with no_fork_inside(), engine.connect() as conn:
             return conn.execute(stmt).scalar_one_or_none()
 
     return probe
@@ -112,7 +113,8 @@ class _SqliteReaders:
         self.lock = threading.Lock()
 
     def read(self, sql: str, params: tuple[str, ...]) -> str | None:
-        row = self.connection().execute(sql, params).fetchone()
+        with no_fork_inside():  # probes run in background threads too (watchers, relays)
+            row = self.connection().execute(sql, params).fetchone()
         return row[0] if row is not None else None
 
     def connection(self) -> sqlite3.Connection:

@@ -64,6 +64,7 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
+from lakestream_iceberg.connect.positions import POSITIONS_DIR
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
@@ -251,6 +252,8 @@ def _kind(path: str) -> str:
         return "intent"
     if f"/data/{PRODUCERS_DIR}/" in path:
         return "producer-state"
+    if f"/data/{POSITIONS_DIR}/" in path:
+        return "consumer-position"  # a rank's position object (connect/positions.py), not rewritten within the grace
     if "/data/" in path and name.endswith(".parquet"):
         return "data"
     if name.endswith(".metadata.json"):

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import numpy as np
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
+from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -139,6 +141,8 @@ class _DatasetCore:
         poll_s: float = 0.02,
         max_poll_s: float | None = None,
         ship_credentials: bool = False,
+        group: str | None = None,
+        report_s: float = DEFAULT_REPORT_S,
         relay: bool | None = None,
     ) -> None:
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
@@ -173,6 +177,9 @@ class _DatasetCore:
         self.last_step: int | None = None  # the last step this instance delivered
         if relay and follow:  # its readers follow through the host's relay: no idle catalog connection kept for them
             release_idle_connections(stream.table.catalog)
+        self._positions = None if group is None else RankPositions(  # read/consumer.py
+            group=group, report_s=report_s, rank=self.rank, world_size=self.world_size, branch=branch,
+            stream=self._identity["stream"])
 
     @classmethod
     def from_checkpoint(cls, stream: StreamTable, name: str, **kwargs: Any) -> Any:
@@ -317,6 +324,20 @@ class _DatasetCore:
         self._stop.set()
         for closer in list(self._closers):
             closer()
+        if self._positions is not None:
+            self._positions.close()
+
+    def track(self, loader: Any) -> Iterator[Any]:
+        """``loader``'s items (a DataLoader over this dataset), this rank's position recorded in the training process
+        as the loop receives each one: the way to record positions with DataLoader workers (read/consumer.py).
+
+        Example:
+            >>> for item in ds.track(DataLoader(ds, batch_size=None, num_workers=2)):   # doctest: +SKIP
+            ...     train(item)
+        """
+        if self._positions is None:
+            raise ConfigError("track() records a consumer position: make the dataset with group='<run name>'")
+        return self._positions.track(loader, self._stream_here(), first_step=(self._pending or self._position)["next_step"])
 
     # -- iteration ---------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -336,30 +357,48 @@ class _DatasetCore:
         io = stream.io
         watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
                                      poll_s=self.poll_s, max_poll_s=self.max_poll_s)
+        report = None if self._positions is None else self._positions.iteration(
+            stream, in_worker=in_worker, head=lambda: watcher.head()[0])  # the head as last seen: no I/O
         steps = pump_steps(
             watcher,
-            lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff),
+            lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff,
+                                              in_worker=in_worker),
             first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
-        with closing(steps):
-            for step, item in steps:
-                self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers}
-                self.last_step = step
-                yield item
+        finished = False
+        try:
+            with closing(steps):
+                began = time.monotonic()  # the loop waits for data from its next() to the yield
+                for step, item in steps:
+                    self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers}
+                    self.last_step = step
+                    if report is not None:
+                        report.delivered(step, wait_s=time.monotonic() - began)
+                    yield item
+                    began = time.monotonic()
+            finished = not self._stop.is_set()
+        finally:
+            if report is not None:
+                report.close(closed=finished)
 
     def _prefetch(self, in_worker: bool) -> int:
-        """Read-ahead threads: ``prefetch``, else 2 in the training process and none in a DataLoader worker, where
-        DataLoader reads ahead itself (``prefetch_factor``) and the workers decode in parallel: threads there would only
-        add to the page faults and the switching of processes that share the cores."""
+        """Read-ahead threads: ``prefetch``, else 2 in the training process and 1 in a DataLoader worker, where the
+        workers decode in parallel: one thread lets a worker fetch and decode its next step while DataLoader hands
+        the last one over (with none, a worker's core idles while it waits on storage or the handover)."""
         if self.prefetch is not None:
             return int(self.prefetch)
-        return 0 if in_worker else 2
+        return 1 if in_worker else 2
 
-    def _load(self, stream: StreamTable, io: Any, files: Any, step: int, *, handoff: bool = False) -> Any:
-        with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema) as data:
+    def _load(self, stream: StreamTable, io: Any, files: Any, step: int, *, handoff: bool = False,
+              in_worker: bool = False) -> Any:
+        with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema,
+                       decode_threads=not in_worker) as data:  # workers decode in parallel already: no Arrow pool there
             segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
-            table = data.read_ranges([(seg.source, seg.start, seg.stop) for seg in segments], self.columns)
+            ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
+            table = data.read_ranges(ranges, self.columns)
+            if self._positions is not None:
+                self._positions.read(files, ranges, counts=data.counts, packed=stream.config.packed, name=stream.name)
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))
@@ -411,8 +450,13 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
         prefetch: Steps read ahead in background threads (0: read in the iterating thread). Default: 2 without
-            DataLoader workers, 0 in each worker (DataLoader's ``prefetch_factor`` reads ahead there).
+            DataLoader workers, 1 in each worker (which decodes without Arrow's thread pool: the workers are the
+            parallelism).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
+        group: Record this rank's position under this consumer group (a training run's name) for ``lakestream lag``:
+            one upsert every ``report_s`` seconds (default 5), never a table commit; with DataLoader workers iterate
+            ``dataset.track(loader)`` (:mod:`lakestream_iceberg.read.consumer`). None (default): nothing is recorded.
+        report_s: Seconds between position reports.
             With the relay, its holder polls every ``poll_s`` (every ``max_poll_s`` where commit notifications wake it).
         relay: Follow through the host's head relay (:mod:`lakestream_iceberg.read.relay`): one process per host
             polls the catalog and reads the table's metadata for every rank and DataLoader worker of that host, the

@@ -18,6 +18,9 @@ checkpoint tags) into Arrow tables and registers them as views of an in-memory D
                 pinned_steps, pinned_files, pinned_bytes, exclusive_steps, exclusive_bytes`` (see :func:`checkpoint_rows`)
 ``snapshots``   every retained snapshot of the branch: ``snapshot_id, parent_id, committed_at, op, operation, step,
                 producer, seq, attempts, committer, group_size, summary`` (JSON of the whole Iceberg summary)
+``consumers``   every consumer group's recorded positions (all branches): ``group, rank, status, world_size, branch,
+                last_step, head_step, lag_steps, lag_s, data_wait_fraction, wait_s, elapsed_s, steps, read_bytes, age_s,
+                started_at, report_s, host, pid, workers, source, error`` (see :mod:`lakestream_iceberg.read.lag`)
 ``samples``     the data itself for ``samples_steps`` (default: the head step), payload columns plus ``_step``, ``_rank``
 =============== ==========================================================================================================
 
@@ -79,6 +82,7 @@ from lakestream_iceberg.read.history_schemas import (
     PRODUCERS_SCHEMA,
     SNAPSHOTS_SCHEMA,
 )
+from lakestream_iceberg.read.lag import consumers_table
 from lakestream_iceberg.read.reader import StepFiles, read_file
 
 if TYPE_CHECKING:
@@ -91,7 +95,7 @@ if TYPE_CHECKING:
 __all__ = ["VIEWS", "checkpoint_rows", "collect", "history", "import_duckdb", "parse_data_path", "register_samples", "step_rows",
            "utc_from_ms"]
 
-VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "samples")
+VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "consumers", "samples")
 _DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-(?:r(?P<rank>\d+)|packed)\.parquet$")
 def parse_data_path(path: str) -> tuple[str, int, int | None] | None:
     """``(producer, seq, rank)`` from a data file path ``.../data/<producer>/<seq>-<token>-r<rank>.parquet`` (rank None:
@@ -352,7 +356,8 @@ def history(
         progress: Show a progress bar (on a terminal) while reading samples.
 
     Returns:
-        A ``duckdb.DuckDBPyConnection``; views: ``batches, files, producers, checkpoints, snapshots, samples``.
+        A ``duckdb.DuckDBPyConnection``; views: ``batches, files, producers, checkpoints, snapshots, consumers,
+        samples``.
 
     Raises:
         MissingExtraError: DuckDB is not installed (``pip install 'lakestream-iceberg[duckdb]'``).
@@ -416,4 +421,5 @@ def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) 
         "producers": pa.Table.from_pylist(producer_rows(state, batches, stream.io), schema=PRODUCERS_SCHEMA),
         "checkpoints": pa.Table.from_pylist(checkpoint_rows(stream, {branch: entries}), schema=CHECKPOINTS_SCHEMA),
         "snapshots": pa.Table.from_pylist(snapshots, schema=SNAPSHOTS_SCHEMA),
+        "consumers": consumers_table(stream),
     }

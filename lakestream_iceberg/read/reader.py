@@ -17,8 +17,10 @@ from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import PackedFooter, corrupt_packed
 
 
-def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[str] | None = None) -> pa.Table:
-    """Fetch one data file in a single read and decode it to ``schema`` (the stream's payload schema).
+def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[str] | None = None, *,
+              threads: bool = True) -> pa.Table:
+    """Fetch one data file in a single read and decode it to ``schema`` (the stream's payload schema); ``threads=False``
+    decodes in the calling thread only, never on Arrow's thread pool (see :data:`DECODE_THREADS_BYTES`).
 
     Decodes with ``ParquetFile.read`` (no dataset/filesystem layer: ~15% less CPU per file than ``read_table``) and
     hands Arrow a buffer Arrow owns: Arrow's decode threads may drop their last reference to the file buffer after
@@ -32,7 +34,7 @@ def read_file(io: FileIO, data_file: DataFile, schema: pa.Schema, columns: list[
     buffer = fetch(io, data_file.file_path)
     target = schema if columns is None else pa.schema([schema.field(c) for c in columns])
     try:  # the bytes are in memory: any error from here on is the file's, not the storage's
-        table = pq.ParquetFile(pa.BufferReader(buffer)).read(columns=columns, use_threads=buffer.size > DECODE_THREADS_BYTES)
+        table = pq.ParquetFile(pa.BufferReader(buffer)).read(columns=columns, use_threads=threads and buffer.size > DECODE_THREADS_BYTES)
         if table.num_rows != data_file.record_count:
             raise ValueError(f"it holds {table.num_rows} rows, its manifest entry says {data_file.record_count}")
         return target.empty_table() if table.num_rows == 0 else table.cast(target)
@@ -63,6 +65,8 @@ def _arrow_owned(data: bytes) -> pa.Buffer:
 
 # Arrow decodes the columns of a read on its thread pool only when there is this much to decode: handing a small read
 # to the pool costs more than decoding it in the calling thread (a 10 KiB row group: 0.26 ms with threads, 0.14 without).
+# Where the processes already decode in parallel (DataLoader workers: ``decode_threads=False``) the pool is never used:
+# it adds threads to cores the workers keep busy, and costs CPU (a 1.7 MB zstd step: 1.3 ms of CPU with it, 1.1 without).
 DECODE_THREADS_BYTES = 1024 * 1024
 
 # A packed file this small is read whole, in one request: Parquet readers fetch the last 64 KiB speculatively for the
@@ -77,8 +81,8 @@ class StepFiles:
     file per rank, each with its rank's partition value, or nothing is read. Packed layout: one file;
     making a ``StepFiles`` opens it and reads its footer (the rank table, :mod:`lakestream_iceberg.format.packed`), and a
     read fetches only the row groups holding the rows asked for (range reads, coalesced), checking their ``_rank``
-    values. A packed file of at most ``WHOLE_FILE_BYTES`` is fetched whole in one read instead. Not thread-safe: one
-    reader per ``StepFiles``.
+    values. A packed file of at most ``WHOLE_FILE_BYTES`` is fetched whole in one read instead. ``decode_threads=False``:
+    decode in the calling thread only (``read_file``). Not thread-safe: one reader per ``StepFiles``.
     Close it (or use it as a context manager) to release the packed file.
 
     Raises:
@@ -86,8 +90,10 @@ class StepFiles:
             lakestream), or a step lists other than one packed file.
     """
 
-    def __init__(self, io: FileIO, files: Sequence[DataFile], *, world_size: int, packed: bool, schema: pa.Schema) -> None:
+    def __init__(self, io: FileIO, files: Sequence[DataFile], *, world_size: int, packed: bool, schema: pa.Schema,
+                 decode_threads: bool = True) -> None:
         self._io = io
+        self._threads = decode_threads
         self._files = list(files)
         self._schema = schema
         self._packed_file: pq.ParquetFile | None = None
@@ -158,7 +164,7 @@ class StepFiles:
         if self.footer is None:
             tables = []
             for rank, start, stop in ranges:
-                table = read_file(self._io, self._files[rank], self._schema, columns)
+                table = read_file(self._io, self._files[rank], self._schema, columns, threads=self._threads)
                 tables.append(table if (start, stop) == (0, table.num_rows) else table.slice(start, stop - start))
             return _concat(tables, target)
         tables, run = [], None  # run: consecutive file rows [first, last) and the ranks they hold
@@ -184,7 +190,8 @@ class StepFiles:
         metadata = self._packed_file.metadata
         size = sum(metadata.row_group(g).total_byte_size for g in groups)  # uncompressed: what decoding costs
         try:
-            table = self._packed_file.read_row_groups(groups, columns=wanted, use_threads=size > DECODE_THREADS_BYTES)
+            table = self._packed_file.read_row_groups(groups, columns=wanted,
+                                                     use_threads=self._threads and size > DECODE_THREADS_BYTES)
         except (MemoryError, pa.ArrowNotImplementedError):
             raise
         except (pa.ArrowInvalid, ValueError) as exc:

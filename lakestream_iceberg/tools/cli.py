@@ -10,6 +10,7 @@ Example:
     $ lakestream status demo.run_20261129_210727_ab12
     $ lakestream sql demo.run_20261129_210727_ab12 "SELECT producer, count(*) FROM batches GROUP BY 1" --json
     $ lakestream tail demo.run_20261129_210727_ab12 --max-steps 10
+    $ lakestream lag demo.run_20261129_210727_ab12 --group run-42 --json
     $ lakestream host --strict          # a preflight check of the producer host's memcpy (glibc bug 30994)
 """
 
@@ -208,7 +209,7 @@ def cmd_sql(args: argparse.Namespace, out: Output) -> int:
             relation.show(max_width=max(shutil.get_terminal_size((120, 24)).columns, 80), max_rows=MAX_HUMAN_ROWS)
     except duckdb.Error as exc:
         raise UserError("SQL error: " + " ".join(str(exc).split()) + " (views: batches, files, producers, checkpoints, "
-                        "snapshots, samples)") from None
+                        "snapshots, consumers, samples)") from None
     if out.json:
         out.emit_json(rows)
     elif relation is None:
@@ -333,6 +334,13 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
+def cmd_lag(args: argparse.Namespace, out: Output) -> int:
+    from lakestream_iceberg.tools.lag import lag_report, show_lag
+
+    show_lag(lag_report(_stream(args), group=args.group, stale_after=args.stale_after), out, group=args.group)
+    return 0
+
+
 # -- parser -------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
@@ -368,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     with_stream(add("status", cmd_status, "head step, producers, consumer lag, checkpoints, metadata and storage size"))
 
     p = with_stream(add("sql", cmd_sql, "run DuckDB SQL over the stream's history views"))
-    p.add_argument("query", metavar="SQL", help="views: batches, files, producers, checkpoints, snapshots, samples")
+    p.add_argument("query", metavar="SQL",
+                   help="views: batches, files, producers, checkpoints, snapshots, consumers, samples")
     p.add_argument("--steps", metavar="FIRST:LAST", help="step range loaded into the samples view (default: head step)")
 
     p = with_stream(add("checkpoint", cmd_checkpoint, "pin a step as a named checkpoint"))
@@ -391,6 +400,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS", help="stop after this long")
     p.add_argument("--poll", type=_seconds(0.001), default=0.05, metavar="SECONDS",
                    help="first poll interval (default 0.05)")
+
+    p = add("lag", cmd_lag, "each trainer rank's recorded position, lag and data wait, and the ranks that stopped reporting")
+    p.add_argument("stream", metavar="STREAM", help="NAMESPACE.NAME")
+    p.add_argument("--group", metavar="RUN", help="consumer group (the dataset's group=); default: every group")
+    p.add_argument("--stale-after", type=_seconds(0.001), default=3.0, metavar="N",
+                   help="a rank silent for N report intervals is stale (default 3)")
 
     p = add("host", cmd_host, "check whether this host's memcpy slows Parquet writing (glibc bug 30994 on AMD) and what to set")
     p.add_argument("--strict", action="store_true", help="exit 1 when the host has the slow copy (for preflight checks)")

@@ -1,7 +1,7 @@
 """``docs/configuration.md``, written from the declarations of :mod:`lakestream_iceberg.format.properties`.
 
 Run ``python -m lakestream_iceberg.tools.config_doc > docs/configuration.md`` after changing a declaration;
-``tests/test_configuration_doc.py`` fails while the page and the declarations disagree.
+``tests/format/test_configuration_doc.py`` fails while the page and the declarations disagree.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ the staged batch is gone (:meth:`Carry.gone`: another commit carried it), or, wh
 read, whether the head moved: then the batch was carried, or leads the queue of staged batches (:meth:`Carry.ahead`)
 and is committed at once (see :meth:`CommitLoop._hold`); then it reads the head and the planner either finds the batch
 published (done, with no attempt of its own) or plans a commit of every staged batch. Once the staged batch is gone
-the head is first read *lightly* (:meth:`CommitLoop.peek`: the new ``metadata.json`` as plain JSON, only the summaries
+the head is first read *lightly* (:meth:`CommitLoop.peek`, :mod:`lakestream_iceberg.write.peek`: the new ``metadata.json`` as plain JSON, only the summaries
 asked for parsed): when it shows the batch published (:meth:`Carry.answer`) the call returns from that, and the
 producer's next commit plans on a full read of the head, which it makes anyway right before planning. Parsing the
 whole metadata into pyiceberg's ``TableMetadata`` costs several times more, and in a group commit most batches are
@@ -51,7 +51,7 @@ from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import transient
-from lakestream_iceberg.connect.pointer import PointerWatch, cached_probe, read_moved, refresh_if_moved
+from lakestream_iceberg.connect.pointer import PointerWatch, cached_probe, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
 from lakestream_iceberg.errors import (
     CommitError,
@@ -60,10 +60,10 @@ from lakestream_iceberg.errors import (
     ForeignSnapshotError,
     LakestreamError,
 )
-from lakestream_iceberg.format.lineage import branch_state
-from lakestream_iceberg.format.summary import KEY_STEP, StreamState
+from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.dac import CommitPolicy
+from lakestream_iceberg.write.peek import HeadPeek, head_state
 from lakestream_iceberg.write.plan import Carry, Done, FunctionPlanner, Outcome, Peek, Plan, Planner
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class CommitLoop:
         self.peeked = False
         self._carried_peek: Peek | None = None  # the light read of the head a hold found its batch published in
         self._blind = False  # a hold's light read of the head failed: it polls its intent instead
-        self._last_peek: tuple[str, Peek] | None = None  # (metadata location, its light read)
+        self._peek = HeadPeek(table=table, branch=branch)
 
     def refresh(self, *, deadline: float) -> TableMetadata:
         """Reload the table, retrying a failing catalog with bounded, jittered backoff until ``deadline``."""
@@ -213,64 +213,8 @@ class CommitLoop:
                 delay = min(delay * 2, 2.0)
 
     def peek(self) -> Peek | None:
-        """The branch head read lightly: the catalog pointer, and the ``metadata.json`` it names as plain JSON with
-        only the summaries asked for parsed (:meth:`StreamState.parse` checks them as it does for a full read).
-
-        None when that is not possible or the head is not what a full read would accept (a catalog without a pointer
-        probe, an unreachable catalog or file, the branch missing or not a branch, a snapshot the metadata does not
-        list): the caller then reads the head fully, which retries, reconciles or raises as usual.
-        Raises :class:`CorruptStateError` for a lakestream summary value lakestream never writes, as a full read does.
-        """
-        try:
-            last = self._last_peek
-            if last is not None and (probe := cached_probe(self.table)) is not None and probe() == last[0]:
-                return last[1]  # the pointer has not moved since the last light read (a metadata file never changes)
-            found = read_moved(self.table)
-        except Exception:  # noqa: BLE001 - unreachable or unreadable: the full read retries and reports it
-            return None
-        if found is None:
-            return None
-        location, document = found
-        if document is None:  # the pointer did not move: the loaded metadata is the head
-            metadata = self.table.metadata
-
-            def loaded(snapshot_id: object) -> StreamState | None:
-                if not isinstance(snapshot_id, int) or isinstance(snapshot_id, bool):
-                    return None
-                snapshot = metadata.snapshot_by_id(snapshot_id)
-                return StreamState.of(snapshot) if snapshot is not None else None
-
-            return Peek(self._head_state(metadata), loaded)
-        refs, snapshots = document.get("refs"), document.get("snapshots")
-        ref = refs.get(self._branch) if isinstance(refs, dict) else None
-        if not isinstance(ref, dict) or ref.get("type") != "branch" or not isinstance(snapshots, list):
-            return None
-        ids = [s.get("snapshot-id") if isinstance(s, dict) else None for s in snapshots]
-        if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
-            return None  # not what lakestream or pyiceberg writes (an id that is no integer, or one id twice)
-        by_id: dict[object, dict] = dict(zip(ids, snapshots, strict=True))
-
-        def states(snapshot_id: object) -> StreamState | None:
-            if not isinstance(snapshot_id, int) or isinstance(snapshot_id, bool):
-                return None
-            snapshot = by_id.get(snapshot_id)
-            if snapshot is None:
-                return None
-            summary = snapshot.get("summary")
-            if not isinstance(summary, dict) or not all(isinstance(v, str) for v in summary.values()):
-                return None
-            parent = snapshot.get("parent-snapshot-id")
-            return StreamState.parse(summary, snapshot_id=snapshot_id, parent_id=parent if type(parent) is int else None)
-
-        head_summary = by_id.get(ref.get("snapshot-id"), {}).get("summary")
-        if not isinstance(head_summary, dict) or KEY_STEP not in head_summary:
-            return None  # another engine's snapshot: the full read finds the state under it (or refuses it)
-        head = states(ref.get("snapshot-id"))
-        if head is None:
-            return None
-        peek = Peek(head, states)
-        self._last_peek = (location, peek)
-        return peek
+        """The branch head read lightly (see :meth:`HeadPeek.read`); None when the caller must read it fully."""
+        return self._peek.read()
 
     def _observe(self, metadata: TableMetadata) -> None:
         try:
@@ -366,8 +310,7 @@ class CommitLoop:
 
     def _head_state(self, metadata: TableMetadata) -> StreamState:
         """The branch's state (through foreign snapshots that change no data; see format/lineage.py)."""
-        return branch_state(metadata, metadata.snapshot_by_name(self._branch), stream=".".join(self.table.name()),
-                            branch=self._branch)
+        return head_state(self.table, metadata, self._branch)
 
     @property
     def metadata(self) -> TableMetadata:

@@ -8,22 +8,37 @@ One call: check the batch, open its seq on the head (:class:`~lakestream_iceberg
 seq is a duplicate, nothing is written), write the data files, stage them when others are committing (group commit),
 then hand one :class:`~lakestream_iceberg.write.planner.BatchPlanner` to the producer's
 :class:`~lakestream_iceberg.write.commit.CommitLoop`, paced by :mod:`lakestream_iceberg.write.dac`.
+
+``submit`` does the same in the background (:mod:`lakestream_iceberg.write.background`): the batch is checked and given
+its seq in the caller's thread, and the producer's committer thread writes and commits it while the caller prepares the
+next one. Both paths produce their :class:`CommitResult` in one method (``Producer._commit``).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from types import TracebackType
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
 from lakestream_iceberg.connect.diagnose import config_errors
-from lakestream_iceberg.errors import CommitOutcomeUnknownError, CommitTimeoutError, SequenceError
+from lakestream_iceberg.connect.metrics import observe_commit
+from lakestream_iceberg.errors import (
+    CommitOutcomeUnknownError,
+    CommitTimeoutError,
+    ConfigError,
+    ProducerFailedError,
+    SequenceError,
+)
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.layout import check_batch
 from lakestream_iceberg.format.table import after_gc
+from lakestream_iceberg.write.background import CommitQueue, Submitted
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.head import ProducerHead
 from lakestream_iceberg.write.plan import Outcome
@@ -39,7 +54,7 @@ __all__ = ["CommitResult", "Producer"]
 
 @dataclass(frozen=True, kw_only=True)
 class CommitResult:
-    """What one ``Producer.commit`` did.
+    """What one ``Producer.commit`` (or one batch of ``Producer.submit``) did.
 
     Attributes:
         step: The global step the batch was published as (``None`` only for a duplicate whose step was collected).
@@ -49,7 +64,7 @@ class CommitResult:
         duplicate: True when (producer, seq) was already published; nothing new was published.
         rows: Samples in the batch, all ranks.
         bytes: Bytes of data files written for the batch.
-        latency_s: Wall time of the call.
+        latency_s: Wall time of the call (``submit``: from the submit to the batch's publication, queueing included).
         carried: True when the batch was published by another producer's group commit (see
             :mod:`lakestream_iceberg.write.staging`) rather than by this call's own compare-and-swap.
         group: How many batches the commit that published it published (its snapshot's group; 1 for a lone commit,
@@ -69,6 +84,24 @@ class CommitResult:
     group: int = 1
 
 
+def _check_timeout(timeout_s: object) -> float | None:
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
+        raise ConfigError(f"timeout_s must be a number of seconds >= 0 or None (wait as long as it takes), got {timeout_s!r}")
+    return float(timeout_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Checked:
+    """A batch that passed :func:`check_batch`: its shards, concatenated when the check did it, and its gap rule."""
+
+    shards: list[pa.Table]
+    whole: pa.Table | None
+    seq: int | None  # as the caller passed it, checked
+    allow_gap: bool
+
+
 class Producer:
     """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`;
     the constructor's arguments (the stream, the branch, its commit loop, writer and staging area) are internal.
@@ -81,7 +114,7 @@ class Producer:
     """
 
     def __init__(self, stream: StreamTable, producer_id: str, *, branch: str, loop: CommitLoop, writer: BatchWriter,
-                 staging: StagingArea) -> None:
+                 staging: StagingArea, max_in_flight: int = 2) -> None:
         self._stream = stream
         self._writer = writer
         self._staging = staging
@@ -90,6 +123,11 @@ class Producer:
         self._loop = loop
         self._head = ProducerHead(stream, producer_id=self.producer_id, branch=branch, loop=loop)
         self._peeked_next = 0  # this id's next seq, as the light read that answered its last commit showed it
+        self.max_in_flight = check_int(max_in_flight, what="max_in_flight", minimum=1,
+                                       hint="the batches a producer may have queued or committing in the background")
+        self._lock = threading.RLock()  # held by every commit (caller's or committer thread) and every read of the head
+        self._queue: CommitQueue[_Checked, CommitResult] | None = None  # started by the first submit
+        self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
 
     @property
     def policy(self) -> object:
@@ -98,8 +136,10 @@ class Producer:
 
     @property
     def next_seq(self) -> int:
-        """The next sequence number this producer id has not published, read from the table."""
-        return self._head.next_seq(self._head.state(self._head.refresh()))
+        """The next sequence number this producer id has not published, read from the table (batches submitted and
+        not yet published are not counted)."""
+        with self._lock:  # the committer thread reads and adopts the same table view
+            return self._head.next_seq(self._head.state(self._head.refresh()))
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
@@ -125,22 +165,146 @@ class Producer:
                 seq, which is reconciled either way.
             CommitOutcomeUnknownError: The catalog stayed unreachable; retry with the same seq to reconcile (a staged
                 batch stays staged, so another producer may publish it meanwhile).
-        """
-        with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
-            return self._commit(shards, seq=seq, allow_gap=allow_gap)
+            ProducerFailedError: Only once :meth:`submit` was used: then this call queues the batch behind the
+                submitted ones and waits for it, and a failure stops the producer as it does for a submitted batch.
 
-    def _commit(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> CommitResult:
-        started, began_at = time.monotonic(), time.time()
+        Thread-safety: ``commit`` and ``submit`` may be called from several threads; a commit made while no batch was
+        ever submitted runs in the calling thread (holding the producer's lock), later ones go through the queue, so
+        batches never interleave and seqs stay in call order.
+        """
+        if self._queue is None:
+            with self._lock:
+                if self._queue is None:
+                    started, began_at = time.monotonic(), time.time()
+                    checked = self._check(shards, seq=seq, allow_gap=allow_gap)
+                    with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
+                        return self._commit(checked, seq=checked.seq, started=started, began_at=began_at)
+        # submit() was used: the batch queues behind the submitted ones, in order, and this call waits for it
+        return self.submit(shards, seq=seq, allow_gap=allow_gap).result()
+
+    def submit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False,
+               timeout_s: float | None = None) -> Future[CommitResult]:
+        """Publish one global batch in the background: check it, give it its seq, queue it, and return at once.
+
+        The producer's committer thread writes the batch's data files and commits it exactly as :meth:`commit` does,
+        while the caller prepares its next batch (the commit's wait on the catalog and the file system no longer idles
+        the caller's core). Batches publish in submit order, as consecutive seqs of this producer. At most
+        ``max_in_flight`` batches (``Stream.producer(..., max_in_flight=2)``) are queued or committing: a submit
+        beyond that waits for a slot. The shards must not change after the call (pyarrow tables do not; numpy arrays
+        they wrap must be left alone until the future is done).
+
+        When a commit fails, its future holds the exception, every batch queued behind it fails with
+        :class:`~lakestream_iceberg.errors.ProducerFailedError` without being written or published, and the producer
+        takes no more batches: open a new producer with the same id, which resumes from the table's state (a published
+        seq is never published twice; the next seq is the first unpublished one). A process killed with batches in
+        flight loses exactly the ones not yet published, in the same way. Call :meth:`flush` or :meth:`close` (or use
+        the producer as a context manager) before the process exits: the committer is a daemon thread, and what is
+        still queued when the interpreter exits is not published.
+
+        Example:
+            >>> with stream.producer("prep-0") as producer:                   # doctest: +SKIP
+            ...     futures = [producer.submit(prepare(raw)) for raw in source]
+            >>> futures[-1].result().step                                      # doctest: +SKIP
+            12
+
+        Args:
+            shards: One pyarrow Table per rank, as for :meth:`commit`.
+            seq: The batch's seq; defaults to the one after the last submitted (the table's next seq at the first).
+            allow_gap: Permit ``seq`` beyond the next one (skipped seqs are never published).
+            timeout_s: How long to wait for a free slot (None: as long as it takes).
+
+        Returns:
+            A :class:`concurrent.futures.Future` of the batch's :class:`CommitResult` (it cannot be cancelled).
+
+        Raises:
+            ShardCountError, SchemaMismatchError, SequenceError: The batch is malformed; nothing was queued.
+            CommitTimeoutError: No slot freed within ``timeout_s``; nothing was queued and no seq was taken.
+            ProducerFailedError: An earlier batch of this producer failed (or it is closed); nothing was queued.
+        """
+        submitted_at, began_at = time.monotonic(), time.time()
+        timeout_s = _check_timeout(timeout_s)
+        checked = self._check(shards, seq=seq, allow_gap=allow_gap)
+        if self._queue is None:
+            self._start_queue()
+        assert self._queue is not None
+
+        def take_seq() -> Submitted[_Checked]:  # under the queue's lock: seqs in queue order
+            taken = self._next_submit if checked.seq is None else checked.seq
+            if taken > self._next_submit and not allow_gap:
+                raise SequenceError(
+                    f"seq {taken} would leave a gap: producer {self.producer_id!r} submitted up to seq "
+                    f"{self._next_submit - 1}; pass seq=None to take the next one, or allow_gap=True")
+            self._next_submit = max(self._next_submit, taken + 1)
+            return Submitted(seq=taken, payload=checked, submitted_at=submitted_at, began_at=began_at)
+
+        return self._queue.put(take_seq, timeout_s=timeout_s)
+
+    def flush(self, *, timeout_s: float | None = None) -> int:
+        """Wait until every submitted batch is published; how many are still in flight (0: all of them are).
+
+        Raises:
+            ProducerFailedError: A submitted batch failed (its future holds the error); see :meth:`submit`.
+        """
+        timeout_s = _check_timeout(timeout_s)
+        return 0 if self._queue is None else self._queue.flush(timeout_s=timeout_s)
+
+    def close(self, *, timeout_s: float | None = None) -> int:
+        """:meth:`flush`, then stop the committer thread; the batches still in flight (0: all published).
+
+        A closed producer takes no more submits. Raises like :meth:`flush`.
+        """
+        timeout_s = _check_timeout(timeout_s)
+        return 0 if self._queue is None else self._queue.close(timeout_s=timeout_s)
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc is None:
+            self.close()
+        elif self._queue is not None:  # already failing: stop without hiding that error behind a flush's
+            try:
+                self._queue.close(timeout_s=None)
+            except ProducerFailedError:
+                pass
+
+    def _start_queue(self) -> None:
+        with self._lock:  # after a commit made in this thread or another: the table's next seq includes it
+            if self._queue is None:
+                self._next_submit = self.next_seq
+                self._queue = CommitQueue(publish=self._publish_submitted, max_in_flight=self.max_in_flight,
+                                          name=f"lakestream-commit-{self.producer_id}",
+                                          fix=f"open a new producer with the same id ({self.producer_id!r}): it resumes "
+                                              "from the table's state, and each seq is published once")
+
+    def _publish_submitted(self, job: Submitted[_Checked]) -> CommitResult:
+        with self._lock, config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
+            return self._commit(job.payload, seq=job.seq, started=job.submitted_at, began_at=job.began_at)
+
+    def _check(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> _Checked:
+        """The batch checked against the stream before anything is written: raises a BatchError when malformed."""
         stream = self._stream
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
             seq = check_int(seq, what="seq", error=SequenceError, minimum=0,
                             hint="a producer's sequence numbers start at 0; pass seq=None to take the next one")
-        checked, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
+        shards, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
+        return _Checked(shards=shards, whole=whole, seq=seq, allow_gap=allow_gap)
+
+    def _commit(self, checked: _Checked, *, seq: int | None, started: float, began_at: float) -> CommitResult:
+        """Publish a checked batch (both :meth:`commit` and the committer thread of :meth:`submit` come here), and
+        record it in the commit metrics (:mod:`lakestream_iceberg.connect.metrics`; nothing without the extra)."""
+        result = self._publish_checked(checked, seq=seq, started=started, began_at=began_at)
+        observe_commit(result, stream=self._stream.name, branch=self.branch, staging=self._staging)
+        return result
+
+    def _publish_checked(self, checked: _Checked, *, seq: int | None, started: float, began_at: float) -> CommitResult:
+        allow_gap = checked.allow_gap
         opened = self._open(seq, allow_gap)
         if isinstance(opened, CommitResult):
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
-        staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked, whole=whole)
+        staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked.shards, whole=checked.whole)
         intent = stage_batch(self._staging, self._head, staged, allow_gap) if self._stages() else None
         planner = BatchPlanner(head=self._head, staging=self._staging, policy=self._loop.policy, staged=staged, seq=seq,
                                allow_gap=allow_gap, began_at=began_at, intent=intent)

@@ -36,7 +36,7 @@ file), so a task that runs again publishes only the steps its earlier attempts d
 * Observed (``ray.data.range(400)`` with a ``map_batches`` that ``os._exit``-ed its worker on its second batch, on the
   first attempt only): task 3 received block ``[119..143]``, its worker died; the retry ran on a new worker process
   with ``task_idx == 3`` and received ``[119..143]`` then ``[144..156]``, the same blocks in the same order.
-  ``tests/test_ray.py::test_killed_write_task_publishes_no_duplicate_and_no_gap`` SIGKILLs a write task's worker after
+  ``tests/integrations/test_ray.py::test_killed_write_task_publishes_no_duplicate_and_no_gap`` SIGKILLs a write task's worker after
   its first steps were published and checks the outcome from the table.
 * ``on_write_start`` runs on the driver when the first input bundle is ready, before the operator's transformer
   (holding this sink) is serialized (``MapOperator._map_transformer_ref`` is created lazily, after ``on_start``), and

@@ -14,7 +14,7 @@ pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 pytest.importorskip("duckdb")
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "lineage.ipynb"
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "lineage.ipynb"
 KERNEL = "lakestream-test-python"
 
 

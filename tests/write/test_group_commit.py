@@ -497,7 +497,7 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
     def rewrite(content: str) -> None:
         """Rewrite the head's metadata file in place (a committed one never changes: light reads are kept per file)."""
         metadata_path.write_text(content)
-        loop._last_peek = None  # noqa: SLF001
+        loop._peek.forget()  # noqa: SLF001
 
     rewrite(json.dumps(document))
     loop.mark_stale()

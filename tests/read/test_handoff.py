@@ -20,6 +20,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from torch.utils.data import DataLoader
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.read import handoff
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from lakestream_iceberg.read.handoff import Handoff, advise_workers
@@ -132,3 +133,30 @@ def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: p
         assert advise_workers(4, cores=2) is True
     messages = [r.getMessage() for r in caplog.records]
     assert len(messages) == 2 and "num_workers=2) on 2 usable CPU cores" in messages[0] and "num_workers=0" in messages[0]
+
+
+def record_thread(item: dict) -> dict:
+    """A transform (module level: spawned workers pickle it) that notes the thread building the item."""
+    import threading
+
+    return {**item, "thread": threading.current_thread().name}
+
+
+@pytest.mark.parametrize(("prefetch", "expected"), [(None, "lakestream-read"), (0, "MainThread")])
+def test_a_worker_reads_ahead_in_one_thread_by_default(tmp_path: Path, prefetch: int | None, expected: str) -> None:
+    stream = make_stream(tmp_path, steps=6)
+    alone = list(LakestreamDataset(stream, rank=0, world_size=1))
+    ds = LakestreamDataset(stream, rank=0, world_size=1, transform=record_thread, prefetch=prefetch)
+    items = list(DataLoader(ds, batch_size=None, num_workers=2))
+    assert payload(items) == payload(alone) and [it["step"] for it in items] == list(range(1, 7))
+    assert {it["thread"].split("_")[0] for it in items} == {expected}
+
+
+def test_recommended_workers_leaves_the_decoding_to_read_ahead_threads_on_few_cores() -> None:
+    import lakestream_iceberg
+
+    assert [handoff.recommended_workers(cores=c) for c in (1, 2, 3, 4, 5, 8, 16, 64)] == [0, 0, 0, 0, 3, 6, 8, 8]
+    assert lakestream_iceberg.recommended_workers() == handoff.recommended_workers(cores=handoff._usable_cores())
+    for bad in (0, -1, True, 2.0, "4"):
+        with pytest.raises(ConfigError, match="cores must be a positive int"):
+            handoff.recommended_workers(cores=bad)  # type: ignore[arg-type]

@@ -12,7 +12,7 @@ from pathlib import Path
 from lakestream_iceberg.format.properties import PROPERTIES
 from lakestream_iceberg.tools.config_doc import render, row
 
-PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 REGENERATE = "regenerate it: python -m lakestream_iceberg.tools.config_doc > docs/configuration.md"
 
 

@@ -27,7 +27,7 @@ pytest.importorskip("ray.data")
 from lakestream_iceberg import Stream  # noqa: E402
 from lakestream_iceberg.integrations.ray import LakestreamDatasink  # noqa: E402
 from tests.support import sqlite_catalog  # noqa: E402
-from tests.test_ray import (  # noqa: E402
+from tests.integrations.test_ray import (  # noqa: E402
     BOUND_S,
     SCHEMA,
     _data_context,
@@ -37,7 +37,7 @@ from tests.test_ray import (  # noqa: E402
     worker_environment,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, ROWS, PER_STEP = 6, 16, 4  # 6 write tasks of 4 steps each: 24 steps
 STEPS = BLOCKS * ROWS // PER_STEP
 

@@ -20,15 +20,15 @@ from lakestream_iceberg.read import relay_client
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.relay_client import RelayWatcher, follower
-from tests.test_dataset import check_items, make_catalog, make_stream, shard
+from tests.read.test_dataset import check_items, make_catalog, make_stream, shard
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 HOLDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     sys.path.insert(0, {root!r})
-    from tests.test_dataset import make_catalog
+    from tests.read.test_dataset import make_catalog
     from lakestream_iceberg import Stream
     from lakestream_iceberg.read.follow import StreamRef
     from lakestream_iceberg.read.relay_client import follower

@@ -34,7 +34,7 @@ from tests.support import SCHEMA
 
 __all__ = ["postgres_service"]  # fixture used by name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WAYS = ("yaml", "env", "kwargs")
 # every setting pyiceberg 0.12's SqlCatalog reads, each set to a value other than its default where one exists
 SETTINGS = {"pool_pre_ping": "true", "echo": "true", "schema_version": "v1", "init_catalog_tables": "true"}

@@ -186,7 +186,7 @@ def test_gc_runs_while_producers_commit_and_consumers_read(tmp_path) -> None:
     import threading
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
     procs = [subprocess.Popen([sys.executable, "-m", "tests.workers", str(tmp_path), "ns.stream", f"w{i}", "40"],
                               cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(2)]

@@ -34,7 +34,7 @@ from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchErr
 from lakestream_iceberg.integrations.ray import LakestreamDatasink, producer_id  # noqa: E402
 from tests.support import sqlite_catalog  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA = pa.schema([("id", pa.int64()), ("x", pa.float32())])
 BOUND_S = 240  # safety net only: every wait below ends on observed progress
 

@@ -23,7 +23,7 @@ from tests.backends import published
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 from tests.workers import SMALL_CONSTANTS_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORLD = 2
 # Small compaction constants (the library reads them as module globals of format.producers at call time): the same
 # code paths (compaction, merges, lookups in files, returning producers, GC) with ~15x fewer commits than the defaults

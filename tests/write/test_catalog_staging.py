@@ -3,7 +3,7 @@
 On a SQLite or PostgreSQL ``SqlCatalog`` (``auto``, the default) a staged batch is one row of
 ``lakestream_staged_intents`` instead of a file under ``data/_staging/``: no PUT, LIST, GET or DELETE per batch. The
 checks a committer makes, the queue order and exactly-once are the same code as for files (``tests/test_hardening.py``
-section 4 and ``tests/test_group_commit.py`` run with both); these tests cover what is particular to rows.
+section 4 and ``tests/write/test_group_commit.py`` run with both); these tests cover what is particular to rows.
 """
 
 from __future__ import annotations

@@ -1,0 +1,186 @@
+"""Prometheus metrics of producers and trainer ranks, through ``prometheus-client`` (the optional extra ``metrics``).
+
+Without ``prometheus-client`` installed nothing is recorded or exported and nothing else changes: every function here
+returns at once. With it, lakestream registers its metrics in ``prometheus_client``'s default registry (or the one
+given to :func:`use_registry`) the first time a producer commits or a trainer rank reports; exporting them is the
+application's choice (``prometheus_client.start_http_server(9100)``, or a push gateway). Names and labels:
+
+=========================================== ========= ===================================================================
+``lakestream_commit_latency_seconds``        histogram wall time of ``Producer.commit`` (``stream``, ``branch``)
+``lakestream_commit_attempts``               histogram compare-and-swap attempts per commit (``stream``, ``branch``)
+``lakestream_commits_total``                 counter   commits by ``outcome``: ``published`` (own swap), ``carried`` (by
+                                                       another producer's group commit), ``duplicate``
+``lakestream_commit_group_size``             histogram batches the swap that published a batch published
+                                                       (``CommitResult.group``)
+``lakestream_staged_intents``                gauge     batches staged for group commit and not published yet, per
+                                                       (``stream``, ``branch``), counted when scraped
+``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``stream``, ``group``, ``rank``)
+``lakestream_consumer_steps_behind_head``    gauge     head step minus that step, at the last report
+``lakestream_consumer_steps_total``          counter   steps delivered
+``lakestream_consumer_data_wait_seconds_total`` counter time the training loop waited for data
+``lakestream_consumer_read_bytes_total``     counter   bytes of data files fetched
+=========================================== ========= ===================================================================
+
+Labels stay bounded in a long-lived process: producer ids are not a label (an elastic pool makes new ones), and a
+consumer's labels are those of the ranks the process runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "use_registry"]
+
+log = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+_COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
+_lock = threading.Lock()
+_chosen: Any = None  # the registry use_registry() chose (None: prometheus_client's default)
+_families: dict[int, _Families] = {}  # by id(registry); the registry is held by its _Families
+
+
+def _client() -> Any:
+    try:
+        import prometheus_client
+    except ImportError:
+        return None
+    return prometheus_client
+
+
+def available() -> bool:
+    """Whether ``prometheus-client`` is installed (``pip install 'lakestream-iceberg[metrics]'``)."""
+    return _client() is not None
+
+
+def use_registry(registry: Any) -> None:
+    """Record lakestream's metrics into ``registry`` (a ``prometheus_client.CollectorRegistry``) from now on; None
+    goes back to ``prometheus_client.REGISTRY``. Without the extra this does nothing."""
+    global _chosen
+    with _lock:
+        _chosen = registry
+
+
+class _StagedCollector:
+    """``lakestream_staged_intents``: asks each staging area it knows for its pending intents when scraped."""
+
+    def __init__(self) -> None:
+        self._areas: dict[tuple[str, str], Callable[[], Any]] = {}
+
+    def add(self, stream: str, branch: str, staging: Any) -> None:
+        key = (stream, branch)
+        if key not in self._areas or self._areas[key]() is None:
+            self._areas[key] = weakref.ref(staging)
+
+    def describe(self) -> list[Any]:
+        return []  # registered without describe-time collection: a scrape asks the staging areas, registering does not
+
+    def collect(self) -> Any:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            "lakestream_staged_intents", "Batches staged for group commit and not published yet",
+            labels=["stream", "branch"])
+        for (stream, branch), ref in list(self._areas.items()):
+            staging = ref()
+            if staging is None:
+                self._areas.pop((stream, branch), None)
+                continue
+            try:
+                family.add_metric([stream, branch], len(staging.pending(branch, max_age_s=float("inf"))))
+            except Exception as exc:  # noqa: BLE001 - a scrape never fails for one unreachable store
+                log.debug("counting staged intents of %s failed: %s", stream, exc)
+        yield family
+
+
+class _Families:
+    """lakestream's metric families in one registry."""
+
+    def __init__(self, client: Any, registry: Any) -> None:
+        self.registry = registry
+        h, c, g = client.Histogram, client.Counter, client.Gauge
+        r = {"registry": registry}
+        producer, consumer = ["stream", "branch"], ["stream", "group", "rank"]
+        self.latency = h("lakestream_commit_latency_seconds", "Wall time of Producer.commit", producer,
+                         buckets=_LATENCY_BUCKETS, **r)
+        self.attempts = h("lakestream_commit_attempts", "Compare-and-swap attempts per commit", producer,
+                          buckets=_COUNT_BUCKETS, **r)
+        self.commits = c("lakestream_commits", "Commits by outcome (published, carried, duplicate)",
+                         [*producer, "outcome"], **r)
+        self.group = h("lakestream_commit_group_size", "Batches published by the swap that published a batch", producer,
+                       buckets=_COUNT_BUCKETS, **r)
+        self.staged = _StagedCollector()
+        registry.register(self.staged)
+        self.last_step = g("lakestream_consumer_last_step", "Last step a consumer rank delivered", consumer, **r)
+        self.behind = g("lakestream_consumer_steps_behind_head", "Head step minus the last step delivered", consumer, **r)
+        self.steps = c("lakestream_consumer_steps", "Steps delivered to the training loop", consumer, **r)
+        self.wait = c("lakestream_consumer_data_wait_seconds", "Time the training loop waited for data", consumer, **r)
+        self.read = c("lakestream_consumer_read_bytes", "Bytes of data files fetched", consumer, **r)
+
+
+def _families_now() -> _Families | None:
+    client = _client()
+    if client is None:
+        return None
+    with _lock:
+        registry = _chosen if _chosen is not None else client.REGISTRY
+        found = _families.get(id(registry))
+        if found is None or found.registry is not registry:
+            found = _families[id(registry)] = _Families(client, registry)
+        return found
+
+
+def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None) -> None:
+    """Record one ``Producer.commit`` result (a ``CommitResult``: ``attempts``, ``latency_s``, ``carried``,
+    ``duplicate``, and ``group`` where the result has it). Never raises: metrics must not fail a commit."""
+    try:
+        families = _families_now()
+        if families is None:
+            return
+        families.latency.labels(stream, branch).observe(float(result.latency_s))
+        outcome = "duplicate" if result.duplicate else "carried" if result.carried else "published"
+        families.commits.labels(stream, branch, outcome).inc()
+        if not result.duplicate:  # a duplicate published nothing: no attempt, no group of its own
+            families.attempts.labels(stream, branch).observe(int(result.attempts))
+            group = getattr(result, "group", None)  # CommitResult.group; read defensively (results of older releases)
+            if isinstance(group, int) and not isinstance(group, bool) and group >= 1:
+                families.group.labels(stream, branch).observe(group)
+        if staging is not None:
+            families.staged.add(stream, branch, staging)
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.debug("recording commit metrics failed: %s", exc)
+
+
+class ConsumerMetrics:
+    """One consumer rank's metric children (see the module docstring); made by :func:`consumer_metrics`."""
+
+    def __init__(self, families: _Families, *, stream: str, group: str, rank: int) -> None:
+        labels = (stream, group, str(rank))
+        self._last = families.last_step.labels(*labels)
+        self._behind = families.behind.labels(*labels)
+        self._steps = families.steps.labels(*labels)
+        self._wait = families.wait.labels(*labels)
+        self._read = families.read.labels(*labels)
+
+    def delivered(self, *, step: int, wait_s: float) -> None:
+        self._last.set(step)
+        self._steps.inc()
+        if wait_s > 0:
+            self._wait.inc(wait_s)
+
+    def read(self, nbytes: int) -> None:
+        if nbytes > 0:
+            self._read.inc(nbytes)
+
+    def behind(self, steps: int) -> None:
+        self._behind.set(max(0, steps))
+
+
+def consumer_metrics(*, stream: str, group: str, rank: int) -> ConsumerMetrics | None:
+    """The metrics of one consumer rank, or None without the extra."""
+    families = _families_now()
+    return None if families is None else ConsumerMetrics(families, stream=stream, group=group, rank=rank)

@@ -1,0 +1,271 @@
+"""Where consumer positions are kept: one row per (stream, consumer group, rank), upserted, never a table commit.
+
+A trainer rank that reads a stream records how far it got (see :mod:`lakestream_iceberg.read.consumer`) as one small
+JSON document. On a SQL catalog (a SQLite database file or PostgreSQL ``SqlCatalog``) the documents are rows of one
+table in the catalog's own database, next to pyiceberg's ``iceberg_tables`` and lakestream's staged intents
+(:mod:`lakestream_iceberg.connect.intents`)::
+
+    lakestream_consumer_positions
+        location    the stream's table location (which stream)
+        grp         the consumer group (a training run's name)
+        rank        the consumer rank; (location, grp, rank) is the primary key
+        body        the position's JSON document (read back as input: validated by read/consumer.py)
+        updated_at  the database's clock when the row was last written, unix seconds
+
+A report is one ``INSERT ... ON CONFLICT DO UPDATE`` (SQLite 3.24+, PostgreSQL), a listing of a group one indexed
+``SELECT`` that also returns each row's age by the database's clock. A thousand ranks reporting every 5 s are 200
+single-row upserts a second, whatever the step rate, and the table holds one row per rank ever seen.
+
+Any other catalog (REST, Glue, Hive, an in-memory SQLite database) keeps one object per rank under the table's location,
+``<location>/data/_consumers/<group, URL-quoted>/r<rank:06d>.parquet``, overwritten in place: a one-row Parquet file
+whose ``position`` column holds the document; its age is the store's modification time. It lies under ``data/`` and is
+Parquet (as staged intents and producer-state files are, beside the producer folders, whose ids never start with
+``_``) because stores that serve Iceberg tables, such as S3 table buckets, accept only Parquet and Avro files under a
+table's ``data/`` (SeaweedFS's table buckets refuse a ``.json`` object there). Lifecycle GC treats those objects like any file no snapshot references: one not rewritten for
+longer than the GC grace period (the position of a rank that stopped long ago) is deleted by the next sweep.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from lakestream_iceberg.connect.pointer import sqlite_connections
+from lakestream_iceberg.connect.storage import list_files
+
+__all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
+
+POSITION_TABLE = "lakestream_consumer_positions"
+POSITIONS_DIR = "_consumers"  # under the table's data/ folder
+_SQLITE_NOW = "((julianday('now') - 2440587.5) * 86400.0)"  # unix seconds, millisecond resolution
+_SQLITE_DDL = (
+    f"CREATE TABLE IF NOT EXISTS {POSITION_TABLE} (location TEXT NOT NULL, grp TEXT NOT NULL, rank INTEGER NOT NULL, "
+    "body TEXT NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (location, grp, rank))"
+)
+_SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+_SQLITE_UPSERT = (
+    f"INSERT INTO {POSITION_TABLE} (location, grp, rank, body, updated_at) VALUES (?, ?, ?, ?, {_SQLITE_NOW}) "
+    "ON CONFLICT (location, grp, rank) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at"
+)
+_SUFFIX = ".parquet"
+_SCHEMA = pa.schema([("position", pa.string())])
+_made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class PositionRow:
+    """One stored position as listed: its key, its JSON document as stored (unchecked), and its age in seconds by the
+    store's clock (the database's, or the object store's modification time against this host's clock)."""
+
+    group: str
+    rank: int
+    body: str
+    age_s: float
+
+
+class PositionStore:
+    """The consumer positions of one stream: a table of the SQL catalog's database, else objects under its location.
+
+    Args:
+        catalog: The stream's pyiceberg catalog.
+        io: The stream's FileIO (used for the object fallback).
+        location: The stream's table location (the key of its rows).
+    """
+
+    def __init__(self, *, catalog: Any, io: Any, location: str) -> None:
+        self.location = location.rstrip("/")
+        self._io = io
+        self._engine = _sql_engine(catalog)
+        self._sqlite = sqlite_connections(self._engine) if self._engine is not None \
+            and self._engine.dialect.name == "sqlite" else None
+
+    @property
+    def kind(self) -> str:
+        """``"catalog database"`` or ``"object store"``: where the positions are kept."""
+        return "object store" if self._engine is None else "catalog database"
+
+    # -- statements ----------------------------------------------------------------------------------------------------
+    def upsert(self, *, group: str, rank: int, body: str) -> None:
+        """Write the position of (``group``, ``rank``), replacing the one stored."""
+        if self._engine is None:
+            with self._io.new_output(self._object_path(group, rank)).create(overwrite=True) as out:
+                out.write(_to_parquet(body))
+            return
+        self._ensure()
+        if self._sqlite is not None:
+            self._sqlite.connection().execute(_SQLITE_UPSERT, (self.location, group, rank, body))
+            return
+        if self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
+            with self._engine.begin() as conn:
+                conn.exec_driver_sql(_SQLITE_UPSERT, (self.location, group, rank, body))
+            return
+        from sqlalchemy.dialects.postgresql import insert
+
+        t = _pg_table()
+        stmt = insert(t).values(location=self.location, grp=group, rank=rank, body=body, updated_at=_pg_now())
+        stmt = stmt.on_conflict_do_update(index_elements=[t.c.location, t.c.grp, t.c.rank],
+                                          set_={"body": stmt.excluded.body, "updated_at": stmt.excluded.updated_at})
+        with self._engine.begin() as conn:
+            conn.execute(stmt)
+
+    def rows(self, *, group: str | None = None) -> list[PositionRow]:
+        """The stored positions of ``group`` (every group when None), ordered by group and rank. A store that has
+        none (no table yet, no objects) returns an empty list and creates nothing."""
+        if self._engine is None:
+            return self._object_rows(group)
+        if self._sqlite is not None:
+            conn = self._sqlite.connection()
+            if conn.execute(_SQLITE_HAS, (POSITION_TABLE,)).fetchone() is None:
+                return []
+            where, args = ("location = ?", [self.location]) if group is None else \
+                ("location = ? AND grp = ?", [self.location, group])
+            found = conn.execute(f"SELECT grp, rank, body, {_SQLITE_NOW} - updated_at FROM {POSITION_TABLE} "
+                                 f"WHERE {where} ORDER BY grp, rank", args).fetchall()
+        else:
+            from sqlalchemy import inspect, select
+
+            if not inspect(self._engine).has_table(POSITION_TABLE):
+                return []
+            t = _pg_table()
+            now = _pg_now() if self._engine.dialect.name != "sqlite" else _sqlite_now()
+            stmt = select(t.c.grp, t.c.rank, t.c.body, now - t.c.updated_at).where(t.c.location == self.location)
+            if group is not None:
+                stmt = stmt.where(t.c.grp == group)
+            with self._engine.connect() as conn:
+                found = conn.execute(stmt.order_by(t.c.grp, t.c.rank)).all()
+        return [PositionRow(group=str(g), rank=int(r), body=str(b), age_s=max(0.0, float(a))) for g, r, b, a in found]
+
+    # -- the object fallback ---------------------------------------------------------------------------------------------
+    def _object_path(self, group: str, rank: int) -> str:
+        return f"{self.location}/data/{POSITIONS_DIR}/{quote(group, safe='')}/r{rank:06d}.parquet"
+
+    def _object_rows(self, group: str | None) -> list[PositionRow]:
+        found: list[tuple[str, str, int, float]] = []
+        root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{quote(group, safe='')}")
+        now = time.time()
+        for path, _size, mtime in list_files(self._io, root):
+            parts = path.rsplit("/", 2)
+            name = parts[-1]
+            if len(parts) < 3 or not (name.startswith("r") and name.endswith(_SUFFIX) and name[1:-len(_SUFFIX)].isdigit()):
+                continue  # not a position object (a temporary file of the store, someone else's file)
+            found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime))
+        with ThreadPoolExecutor(min(16, max(1, len(found)))) as pool:  # a thousand ranks: a thousand small GETs
+            bodies = list(pool.map(self._read_object, [path for path, *_ in found]))
+        out = [PositionRow(group=g, rank=r, body=body, age_s=max(0.0, now - mtime))
+               for (_, g, r, mtime), body in zip(found, bodies, strict=True) if body is not None]
+        return sorted(out, key=lambda r: (r.group, r.rank))
+
+    def _read_object(self, path: str) -> str | None:
+        """A position object's document; None when it was removed since the listing, and for a file that is not a
+        position object's Parquet, text that does not parse as a document (it is reported, not trusted)."""
+        try:
+            with self._io.new_input(path).open() as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            table = pq.read_table(pa.BufferReader(data))
+            if table.schema != _SCHEMA or table.num_rows != 1:
+                raise ValueError(f"schema {table.schema}, {table.num_rows} rows")
+            return str(table.column(0)[0].as_py())
+        except (pa.ArrowException, ValueError, OSError) as exc:
+            return f"<not a position file: {exc}>"
+
+    # -- internals -----------------------------------------------------------------------------------------------------
+    def _ensure(self) -> None:
+        """Create the table on first use in this process (``IF NOT EXISTS``: ranks racing to create it all succeed)."""
+        assert self._engine is not None
+        with _lock:
+            if self._engine in _made:
+                return
+        if self._sqlite is not None:
+            conn = self._sqlite.connection()
+            if conn.execute(_SQLITE_HAS, (POSITION_TABLE,)).fetchone() is None:
+                conn.execute(_SQLITE_DDL)
+        elif self._engine.dialect.name == "sqlite":
+            with self._engine.begin() as conn:
+                if conn.exec_driver_sql(_SQLITE_HAS, (POSITION_TABLE,)).first() is None:
+                    conn.exec_driver_sql(_SQLITE_DDL)
+        else:
+            from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+            try:
+                _pg_table().metadata.create_all(self._engine, checkfirst=True)
+            except (IntegrityError, ProgrammingError):  # another process created it between the check and the CREATE
+                from sqlalchemy import inspect
+
+                if not inspect(self._engine).has_table(POSITION_TABLE):
+                    raise
+        with _lock:
+            _made.add(self._engine)
+
+
+def _sql_engine(catalog: Any) -> Any:
+    """The engine of a plain pyiceberg ``SqlCatalog`` on a SQLite database file or PostgreSQL; None otherwise."""
+    try:
+        from pyiceberg.catalog.sql import SqlCatalog
+    except ImportError:  # pragma: no cover - the sql extra is a core dependency
+        return None
+    if type(catalog) is not SqlCatalog:
+        return None
+    engine = catalog.engine
+    if engine.dialect.name == "postgresql":
+        return engine
+    database = engine.url.database or ""
+    if engine.dialect.name == "sqlite" and database not in ("", ":memory:") and "mode=memory" not in database \
+            and not database.startswith("file::memory:"):
+        return engine
+    return None
+
+
+def _reset_lock_after_fork() -> None:
+    global _lock
+    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)
+
+_PG_TABLE: Any = None
+
+
+def _pg_table() -> Any:
+    global _PG_TABLE
+    if _PG_TABLE is None:
+        from sqlalchemy import Column, Float, Integer, MetaData, Table, Text
+
+        _PG_TABLE = Table(
+            POSITION_TABLE, MetaData(),
+            Column("location", Text, primary_key=True), Column("grp", Text, primary_key=True),
+            Column("rank", Integer, primary_key=True, autoincrement=False),
+            Column("body", Text, nullable=False), Column("updated_at", Float, nullable=False),
+        )
+    return _PG_TABLE
+
+
+def _pg_now() -> Any:
+    from sqlalchemy import func
+
+    return func.extract("epoch", func.clock_timestamp())
+
+
+def _sqlite_now() -> Any:
+    from sqlalchemy import literal_column
+
+    return literal_column(_SQLITE_NOW)
+
+
+def _to_parquet(body: str) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"position": [body]}, schema=_SCHEMA), sink, compression="none")
+    return sink.getvalue().to_pybytes()

@@ -1,0 +1,359 @@
+"""A trainer rank's position in a stream, as Kafka consumer groups keep offsets: recorded cheaply, read back checked.
+
+A :class:`~lakestream_iceberg.read.dataset.LakestreamDataset` made with ``group="run-42"`` records, for its (group,
+rank), the last step it delivered, how long the training loop waited for data, and how many bytes it fetched. The record
+is one upsert into the catalog's database (or one small object per rank elsewhere, see
+:mod:`lakestream_iceberg.connect.positions`), made by a background thread every ``report_s`` seconds (default 5) and once
+more when the iteration ends or the dataset is closed: never a commit to the table, and never I/O in the training loop.
+``lakestream lag`` (:mod:`lakestream_iceberg.read.lag`) reads the records back.
+
+**Which process records.** The position is what the training loop received, so it is recorded where the loop runs:
+
+* without DataLoader workers (``num_workers=0``, the default), the dataset's own iterator runs in the training process
+  and records each step as it hands it over; the data wait is the time the loop spent inside ``next()``;
+* with DataLoader workers, the iterators run in the worker processes, which read ahead of the loop by up to
+  ``prefetch_factor * num_workers`` steps and do not know what the loop took. Iterate ``dataset.track(loader)`` instead
+  of ``loader``: the training process then records each item as the loop receives it, and the time it waited for it.
+  Without ``track`` nothing is recorded (each worker logs once how to turn it on). Bytes fetched are counted where the
+  reads happen: with workers, by the workers' ``lakestream_consumer_read_bytes_total`` (export it with
+  ``prometheus_client``'s multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR``); the position shows none.
+
+**The document** (one JSON object, version 1): ``stream`` (table UUID), ``branch``, ``world_size``, ``rank``,
+``last_step`` (None before the first step), ``steps`` (delivered since ``started_at``), ``started_at`` (unix seconds,
+the reporter's clock), ``elapsed_s`` and ``wait_s`` (since then: their ratio is the data-wait fraction), ``read_bytes``
+(None when another process reads), ``report_s``, ``closed``, ``host``, ``pid``, ``workers``, ``source`` (``iterator``
+or ``loader``). A restarted rank (a resumed checkpoint, another world size) overwrites its row with a fresh
+``started_at``: its position continues from the step it resumed at.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from lakestream_iceberg.connect.fork import no_fork_inside
+from lakestream_iceberg.connect.metrics import consumer_metrics
+from lakestream_iceberg.connect.positions import PositionStore
+from lakestream_iceberg.errors import ConfigError, CorruptStateError
+from lakestream_iceberg.format.checks import check_seconds
+from lakestream_iceberg.read.follow import HeadWatcher
+from lakestream_iceberg.read.reader import WHOLE_FILE_BYTES
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["DEFAULT_REPORT_S", "Position", "PositionReporter", "RankPositions", "check_group", "fetched_bytes", "track"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_REPORT_S = 5.0
+VERSION = 1
+MAX_GROUP_CHARS = 200
+_SOURCES = ("iterator", "loader")
+
+
+def check_group(group: object) -> str:
+    """``group`` when it is a usable consumer group name (a non-empty string of printable characters, at most 200)."""
+    if not isinstance(group, str) or not group.strip() or len(group) > MAX_GROUP_CHARS or not group.isprintable():
+        raise ConfigError(f"group must be a non-empty printable string of at most {MAX_GROUP_CHARS} characters (a "
+                          f"training run's name), got {group!r}")
+    return group
+
+
+@dataclass(frozen=True)
+class Position:
+    """One rank's recorded position (the document described in the module docstring), checked."""
+
+    group: str
+    rank: int
+    stream: str
+    branch: str
+    world_size: int
+    last_step: int | None
+    steps: int
+    started_at: float
+    elapsed_s: float
+    wait_s: float
+    read_bytes: int | None
+    report_s: float
+    closed: bool
+    host: str
+    pid: int
+    workers: int
+    source: str
+
+    def to_json(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items() if k != "group"}
+        return json.dumps({"v": VERSION, **fields}, separators=(",", ":"))
+
+    @classmethod
+    def parse(cls, body: str, *, group: str, rank: int) -> Position:
+        """The position stored under (``group``, ``rank``).
+
+        Raises:
+            CorruptStateError: Not a position document of this key (malformed JSON, a field missing or of the wrong
+                type, another rank's document, a version this release does not read).
+        """
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            raise CorruptStateError(f"the position of group {group!r} rank {rank} is not JSON ({exc}): "
+                                    f"{body[:200]!r}") from None
+        if not isinstance(doc, dict) or doc.get("v") != VERSION:
+            raise CorruptStateError(f"the position of group {group!r} rank {rank} is not a version-{VERSION} position "
+                                    "document")
+
+        def field(name: str, kinds: tuple[type, ...], *, optional: bool = False) -> Any:
+            value = doc.get(name)
+            if value is None and optional:
+                return None
+            if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+                raise CorruptStateError(f"the position of group {group!r} rank {rank} has a malformed {name!r}: "
+                                        f"{value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise CorruptStateError(f"the position of group {group!r} rank {rank} has a non-finite {name!r}")
+            return value
+
+        number = (int, float)
+        position = cls(
+            group=group, rank=field("rank", (int,)), stream=field("stream", (str,)), branch=field("branch", (str,)),
+            world_size=field("world_size", (int,)), last_step=field("last_step", (int,), optional=True),
+            steps=field("steps", (int,)), started_at=float(field("started_at", number)),
+            elapsed_s=float(field("elapsed_s", number)), wait_s=float(field("wait_s", number)),
+            read_bytes=field("read_bytes", (int,), optional=True), report_s=float(field("report_s", number)),
+            closed=field("closed", (bool,)), host=field("host", (str,)), pid=field("pid", (int,)),
+            workers=field("workers", (int,)), source=field("source", (str,)),
+        )
+        problems = [
+            (position.rank != rank, f"rank {position.rank} (stored under rank {rank})"),
+            (not 0 <= rank < position.world_size, f"world_size {position.world_size} (rank {rank})"),
+            (position.last_step is not None and position.last_step < 0, f"last_step {position.last_step}"),
+            (min(position.steps, position.pid, position.workers) < 0, "a negative count"),
+            (min(position.elapsed_s, position.wait_s) < 0, "a negative duration"),
+            (position.read_bytes is not None and position.read_bytes < 0, f"read_bytes {position.read_bytes}"),
+            (position.report_s <= 0, f"report_s {position.report_s}"),
+            (position.source not in _SOURCES, f"source {position.source!r}"),
+        ]
+        bad = [what for wrong, what in problems if wrong]
+        if bad:
+            raise CorruptStateError(f"the position of group {group!r} rank {rank} has {', '.join(bad)}")
+        return position
+
+
+class PositionReporter:
+    """Records one rank's position: counters updated by the training loop, one upsert per ``report_s`` by a daemon
+    thread, a last one at :meth:`close`. A failed upsert is logged and retried at the next report: positions are
+    informative, and never stop training.
+
+    Args:
+        store: Where to record.
+        group, rank, world_size, branch, stream: The key and the stream (``stream``: its table UUID).
+        name: The stream's name (the metrics' ``stream`` label).
+        report_s: Seconds between reports.
+        workers, source: How the dataset is read (see the module docstring).
+        head: Returns the head step of the branch as this process last saw it (for the steps-behind-head metric), or
+            None.
+        reads: Whether this process fetches the data (else ``read_bytes`` is None).
+    """
+
+    def __init__(self, *, store: PositionStore, group: str, rank: int, world_size: int, branch: str, stream: str,
+                 name: str, report_s: float, workers: int, source: str, head: Callable[[], int | None] | None = None,
+                 reads: bool = True) -> None:
+        self._store, self._head = store, head
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failures = 0
+        self.pid = os.getpid()
+        self._began = time.monotonic()
+        self._reads = reads
+        self._doc = Position(group=group, rank=rank, stream=stream, branch=branch, world_size=world_size,
+                             last_step=None, steps=0, started_at=time.time(), elapsed_s=0.0, wait_s=0.0,
+                             read_bytes=0 if reads else None, report_s=report_s, closed=False,
+                             host=socket.gethostname(), pid=self.pid, workers=workers, source=source)
+        self._wait = 0.0
+        self._bytes = 0
+        self._steps = 0
+        self._last: int | None = None
+        self._metrics = consumer_metrics(stream=name, group=group, rank=rank)
+        self._thread = threading.Thread(target=self._run, name="lakestream-positions", daemon=True)
+        self._thread.start()
+
+    def delivered(self, step: int, *, wait_s: float) -> None:
+        """The training loop received ``step`` after waiting ``wait_s`` seconds for it."""
+        with self._lock:
+            self._last, self._steps, self._wait = step, self._steps + 1, self._wait + max(0.0, wait_s)
+        if self._metrics is not None:
+            self._metrics.delivered(step=step, wait_s=wait_s)
+
+    def read(self, nbytes: int) -> None:
+        """``nbytes`` of data files were fetched (from any thread)."""
+        with self._lock:
+            self._bytes += nbytes
+        if self._metrics is not None:
+            self._metrics.read(nbytes)
+
+    def close(self, *, closed: bool = True) -> None:
+        """Stop reporting and record the position once more (``closed``: the rank finished or was closed cleanly, so
+        ``lakestream lag`` shows it as closed rather than stale)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(1.0, 2 * self._doc.report_s))
+        self._report(closed=closed)
+
+    def _run(self) -> None:
+        self._report(closed=False)  # the rank shows up at once, before its first step
+        while not self._stop.wait(self._doc.report_s):
+            self._report(closed=False)
+
+    def _report(self, *, closed: bool) -> None:
+        with self._lock:
+            doc = replace(self._doc, last_step=self._last, steps=self._steps,
+                          elapsed_s=round(time.monotonic() - self._began, 3), wait_s=round(self._wait, 3),
+                          read_bytes=self._bytes if self._reads else None, closed=closed)
+        with no_fork_inside():  # a DataLoader forking its workers waits for a report in a database library
+            self._record(doc)
+
+    def _record(self, doc: Position) -> None:
+        if self._metrics is not None and self._head is not None and doc.last_step is not None:
+            try:
+                head = self._head()
+            except Exception as exc:  # noqa: BLE001 - the gauge keeps its last value; the position is still recorded
+                log.debug("reading the head for the steps-behind metric failed: %s", exc)
+                head = None
+            if head is not None:
+                self._metrics.behind(head - doc.last_step)
+        try:
+            self._store.upsert(group=doc.group, rank=doc.rank, body=doc.to_json())
+            self._failures = 0
+        except Exception as exc:  # noqa: BLE001 - see the class docstring
+            self._failures += 1
+            if self._failures in (1, 10) or self._failures % 100 == 0:
+                log.warning("recording the position of group %r rank %d failed %d time(s) in a row: %s",
+                            doc.group, doc.rank, self._failures, exc)
+
+
+def fetched_bytes(files: Sequence[Any], sources: Iterable[tuple[int, int, int]], *, counts: Sequence[int],
+                  packed: bool, whole_file_bytes: int) -> int:
+    """Bytes of data files a step's read fetched: the whole file of each producer rank read (per-rank layout); for
+    the packed layout the file when it is read whole, else its share of the rows read (an estimate: row groups are
+    fetched whole). ``sources``: ``(producer rank, start, stop)`` row ranges read."""
+    if not packed:
+        return sum(int(files[s].file_size_in_bytes) for s in {s for s, start, stop in sources if stop > start})
+    size = int(files[0].file_size_in_bytes)
+    total = sum(counts)
+    if size <= whole_file_bytes or total == 0:
+        return size
+    return size * sum(stop - start for _, start, stop in sources) // total
+
+
+def track(loader: Iterable[Any], *, reporter: PositionReporter, first_step: int) -> Iterator[Any]:
+    """``loader``'s items, recording each as delivered (see the module docstring): its step is ``item["step"]`` when
+    the item is a dict with an integer step (the default collate's), else counted from ``first_step``."""
+    step = first_step - 1
+    iterator = iter(loader)
+    try:
+        while True:
+            began = time.monotonic()
+            try:
+                item = next(iterator)
+            except StopIteration:
+                reporter.close(closed=True)
+                return
+            found = item.get("step") if isinstance(item, dict) else None
+            step = found if isinstance(found, int) and not isinstance(found, bool) else step + 1
+            reporter.delivered(step, wait_s=time.monotonic() - began)
+            yield item
+    finally:
+        reporter.close(closed=False)
+
+
+class RankPositions:
+    """The position recording of one dataset rank (picklable: a reporter stays in the process that started it).
+
+    Args:
+        group: The consumer group (checked by :func:`check_group`).
+        report_s: Seconds between reports.
+        rank, world_size, branch: The dataset's.
+        stream: The stream's table UUID.
+    """
+
+    def __init__(self, *, group: object, report_s: object, rank: int, world_size: int, branch: str, stream: str) -> None:
+        self.group = check_group(group)
+        self.report_s = float(check_seconds(report_s, what="report_s", minimum=0.05) or 0.0)  # never None here
+        self.rank, self.world_size, self.branch, self.stream = rank, world_size, branch, stream
+        self.tracked = False  # iterated through track(): the training process records, the iterators do not
+        self._reporter: PositionReporter | None = None
+        self._metrics: tuple[int, Any] | None = None  # (pid, ConsumerMetrics) where this process has no reporter
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_reporter": None, "_metrics": None}
+
+    def _start(self, stream: StreamTable, *, workers: int, source: str, head: Callable[[], int | None],
+               reads: bool) -> PositionReporter:
+        self.close(closed=False)
+        store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+        self._reporter = PositionReporter(
+            store=store, group=self.group, rank=self.rank, world_size=self.world_size, branch=self.branch,
+            stream=self.stream, name=stream.name, report_s=self.report_s, workers=workers, source=source, head=head,
+            reads=reads)
+        return self._reporter
+
+    def iteration(self, stream: StreamTable, *, in_worker: bool, head: Callable[[], int | None]) -> PositionReporter | None:
+        """The reporter of a dataset iteration in this process: only where the training loop receives the items.
+        ``head``: the iteration's head step as its watcher last saw it (for the steps-behind-head metric)."""
+        if self.tracked:
+            return None
+        if in_worker:
+            if self.group not in _hinted:
+                _hinted.add(self.group)
+                log.info("group %r: with DataLoader workers, positions are recorded in the training process; iterate "
+                         "dataset.track(loader)", self.group)
+            return None
+        return self._start(stream, workers=0, source="iterator", head=head, reads=True)
+
+    def track(self, loader: Any, stream: StreamTable, *, first_step: int) -> Iterator[Any]:
+        """``loader``'s items, recorded in this (the training) process; see :func:`track`."""
+        self.tracked = True  # before the loader's workers copy the dataset: they leave the recording to this process
+        workers = int(getattr(loader, "num_workers", 0) or 0)
+        watcher = HeadWatcher(stream, branch=self.branch, listen=False)
+
+        def head() -> int:  # one pointer query per report: this process does not follow the head otherwise
+            watcher.check()
+            return watcher.head()[0]
+
+        reporter = self._start(stream, workers=workers, source="loader", head=head, reads=workers == 0)
+        return track(loader, reporter=reporter, first_step=first_step)
+
+    def read(self, files: Sequence[Any], ranges: Sequence[tuple[int, int, int]], *, counts: Sequence[int],
+             packed: bool, name: str) -> None:
+        """A step's read of ``name`` fetched these row ranges: counted by this process's reporter, or where it has none
+        (a DataLoader worker) by its read-bytes metric alone."""
+        nbytes = fetched_bytes(files, ranges, counts=counts, packed=packed, whole_file_bytes=WHOLE_FILE_BYTES)
+        reporter = self._reporter
+        if reporter is not None and reporter.pid == os.getpid():
+            reporter.read(nbytes)
+            return
+        if self._metrics is None or self._metrics[0] != os.getpid():
+            self._metrics = (os.getpid(), consumer_metrics(stream=name, group=self.group, rank=self.rank))
+        if self._metrics[1] is not None:
+            self._metrics[1].read(nbytes)
+
+    def close(self, *, closed: bool = True) -> None:
+        """Stop this process's reporter, recording the position once more."""
+        reporter, self._reporter = self._reporter, None
+        if reporter is not None and reporter.pid == os.getpid():
+            reporter.close(closed=closed)
+
+
+_hinted: set[str] = set()
+

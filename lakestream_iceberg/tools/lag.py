@@ -1,0 +1,63 @@
+"""``lakestream lag STREAM --group RUN``: each trainer rank's position and lag, like ``kafka-consumer-groups --describe``.
+
+The rows come from :func:`lakestream_iceberg.read.lag.consumer_lags` (their meaning is documented there); this module
+prints them: a summary per group and a table per rank for people, one JSON document with ``--json``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from lakestream_iceberg.tools.output import Output
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["COLUMNS", "lag_report", "show_lag"]
+
+COLUMNS = ["rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "data_wait", "read_MB", "age_s", "host",
+           "pid"]
+
+
+def lag_report(stream: StreamTable, *, group: str | None, stale_after: float) -> dict[str, Any]:
+    """What ``lakestream lag`` reports (also its ``--json`` document): the stream, the groups with their rank counts by
+    status and their largest lag, and one row per rank."""
+    from lakestream_iceberg.read.lag import consumer_lags
+
+    stream.refresh()
+    rows = consumer_lags(stream, group=group, stale_after=stale_after)
+    groups = []
+    for name in sorted({r.group for r in rows}):
+        mine = [r for r in rows if r.group == name]
+        counts = Counter(r.status for r in mine)
+        lags = [r.lag_steps for r in mine if r.lag_steps is not None]  # gone ranks have none
+        groups.append({"group": name, "ranks": dict(sorted(counts.items())),
+                       "world_size": max((r.world_size for r in mine if r.status != "gone" and r.world_size), default=None),
+                       "max_lag_steps": max(lags, default=None)})
+    return {"stream": stream.name, "stale_after_reports": stale_after, "groups": groups,
+            "positions": [asdict(r) for r in rows]}
+
+
+def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
+    """Print ``report`` (from :func:`lag_report`)."""
+    if out.json:
+        out.emit_json(report)
+        return
+    if not report["positions"]:
+        out.console.print(f"no recorded positions on {report['stream']}" + (f" for group {group!r}" if group else "")
+                          + " (a LakestreamDataset records them when made with group=...)")
+        return
+    for g in report["groups"]:
+        counts = ", ".join(f"{n} {status}" for status, n in g["ranks"].items())
+        out.console.print(f"group {g['group']} on {report['stream']}: world size {g['world_size']}, ranks: {counts}, "
+                          f"max lag {g['max_lag_steps'] if g['max_lag_steps'] is not None else '-'} steps")
+    rows = []
+    for p in report["positions"]:
+        wait = p["data_wait_fraction"]
+        rows.append({**p, "data_wait": None if wait is None else f"{100 * wait:.1f}%",
+                     "read_MB": None if p["read_bytes"] is None else round(p["read_bytes"] / 1e6, 2),
+                     "lag_s": None if p["lag_s"] is None else round(p["lag_s"], 2),
+                     "age_s": None if p["age_s"] is None else round(p["age_s"], 1)})
+    out.table(rows, columns=COLUMNS if len(report["groups"]) == 1 else ["group", *COLUMNS])

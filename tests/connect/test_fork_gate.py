@@ -1,0 +1,95 @@
+"""``no_fork_inside``: a fork waits for the database calls other threads have in flight, and a child starts clean."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import pytest
+
+from lakestream_iceberg.connect import fork
+from lakestream_iceberg.connect.fork import no_fork_inside
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+
+
+def _fork_and_reap(body: int = 0) -> int:
+    """Fork; the child runs one gated call (it must not hang on the parent's state) and exits; returns its status."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        with no_fork_inside():
+            pass
+        os._exit(body)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_fork_waits_for_another_threads_call_in_flight() -> None:
+    order: list[str] = []
+    entered, forking = threading.Event(), threading.Event()
+
+    def call() -> None:
+        with no_fork_inside():
+            entered.set()
+            forking.wait()
+            time.sleep(0.2)  # an ungated fork would finish meanwhile; a gated one cannot finish before "left"
+            order.append("left")
+
+    def forker() -> None:
+        forking.set()
+        assert _fork_and_reap(7) == 7
+        order.append("forked")
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert entered.wait(60)
+    other = threading.Thread(target=forker)
+    other.start()
+    caller.join(60)
+    other.join(60)
+    assert order == ["left", "forked"]
+    assert not fork._inside
+
+
+def test_the_forking_threads_own_call_is_not_waited_for(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(fork, "FORK_WAIT_S", 0.5)
+    with caplog.at_level(logging.WARNING, logger=fork.__name__), no_fork_inside(), no_fork_inside():
+        assert _fork_and_reap() == 0
+    assert not [r for r in caplog.records if "forking while" in r.getMessage()]
+    done = threading.Event()
+
+    def other() -> None:
+        with no_fork_inside():
+            done.set()
+
+    with no_fork_inside():  # the gate is usable again, by this thread and others
+        thread = threading.Thread(target=other)
+        thread.start()
+        assert done.wait(60)
+    thread.join(60)
+    assert not fork._inside  # every call left
+
+
+def test_a_call_stuck_longer_than_the_bound_delays_the_fork_once_and_warns(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(fork, "FORK_WAIT_S", 0.2)
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck() -> None:
+        with no_fork_inside():
+            entered.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=stuck)
+    thread.start()
+    assert entered.wait(60)
+    try:
+        with caplog.at_level(logging.WARNING, logger=fork.__name__):
+            assert _fork_and_reap(3) == 3  # the child is not blocked by the parent's stuck thread
+        assert any("forking while" in r.getMessage() for r in caplog.records)
+    finally:
+        release.set()
+        thread.join(60)

@@ -1,0 +1,268 @@
+"""Consumer positions and ``lakestream lag``: recorded by trainer ranks without a table commit, read back checked; a
+killed rank shows as stale, a resumed rank continues, a changed world size leaves the removed ranks gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.positions import POSITION_TABLE, PositionStore
+from lakestream_iceberg.errors import ConfigError, CorruptStateError
+from lakestream_iceberg.read.consumer import Position
+from lakestream_iceberg.read.lag import consumer_lags
+from tests.backends import make_backend, postgres_service, seaweedfs_service
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+__all__ = ["postgres_service", "seaweedfs_service"]  # fixtures used by name
+
+torch = pytest.importorskip("torch")
+
+from lakestream_iceberg.read.dataset import LakestreamDataset  # noqa: E402
+
+WORLD = 2
+FAST = 0.05  # report_s in tests: the reporter's heartbeat
+
+
+def publish(stream: Stream, steps: int, producer: str = "prep-0") -> None:
+    p = stream.producer(producer)
+    start = p.next_seq
+    for seq in range(start, start + steps):
+        p.commit(batch(producer, seq, stream.world_size), seq=seq)
+
+
+def lags(stream: Stream, group: str = "run") -> dict[int, object]:
+    stream.refresh()
+    return {c.rank: c for c in consumer_lags(stream, group=group)}
+
+
+def until(predicate, what: str, deadline_s: float = 60.0):
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def stream(tmp_path: Path) -> Stream:
+    s = Stream.create(sqlite_catalog(str(tmp_path)), "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(s, 4)
+    return s
+
+
+def test_a_rank_records_its_position_in_the_catalog_database_without_a_commit(stream: Stream, tmp_path: Path) -> None:
+    snapshots = len(stream.refresh().table.metadata.snapshots)
+    ds = LakestreamDataset(stream, rank=1, world_size=WORLD, group="run", report_s=FAST)
+    assert [item["step"] for item in ds] == [1, 2, 3, 4]
+    assert len(stream.refresh().table.metadata.snapshots) == snapshots  # never a commit to the table
+    with sqlite3.connect(tmp_path / "catalog.db") as db:
+        assert db.execute(f"SELECT grp, rank FROM {POSITION_TABLE}").fetchall() == [("run", 1)]
+    row = lags(stream)[1]
+    assert (row.status, row.last_step, row.head_step, row.lag_steps, row.lag_s) == ("closed", 4, 4, 0, 0.0)
+    assert row.steps == 4 and row.read_bytes > 0 and row.source == "iterator" and row.world_size == WORLD
+    assert 0.0 <= row.data_wait_fraction <= 1.0
+    publish(stream, 3)  # the rank is behind now: 3 steps, as old as the oldest step it has not read
+    row = lags(stream)[1]
+    assert (row.lag_steps, row.head_step) == (3, 7) and row.lag_s >= 0.0
+
+
+def test_a_killed_rank_shows_as_stale(stream: Stream, tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+        from lakestream_iceberg import Stream
+        from lakestream_iceberg.read.dataset import LakestreamDataset
+        from tests.support import sqlite_catalog
+        stream = Stream.open(sqlite_catalog({str(tmp_path)!r}), "ns.lag")
+        ds = LakestreamDataset(stream, rank=0, world_size={WORLD}, follow=True, timeout=120, group="run", report_s={FAST})
+        for item in ds:
+            print(item["step"], flush=True)
+    """)
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        until(lambda: (r := lags(stream).get(0)) is not None and r.last_step == 4 and r.status == "active",
+              "the follower's position at the head")
+        alive = lags(stream)[0]
+        assert alive.lag_steps == 0 and alive.pid == child.pid
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        publish(stream, 2)
+        stale = until(lambda: (r := lags(stream)[0]).status == "stale" and r, "the killed rank to show as stale")
+        assert (stale.last_step, stale.lag_steps) == (4, 2)  # still lagging: it is a rank of the group's world size
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait(timeout=30)
+        child.stdout.close()
+
+
+def test_a_resumed_rank_continues_from_its_checkpointed_position(stream: Stream) -> None:
+    first = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)
+    it = iter(first)
+    assert [next(it)["step"] for _ in range(2)] == [1, 2]
+    state = first.state_dict()
+    it.close()  # the process stops here (no clean end of its steps)
+    before = lags(stream)[0]
+    assert before.last_step == 2 and before.status != "closed"
+    publish(stream, 2)
+    resumed = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)
+    resumed.load_state_dict(state)
+    assert [item["step"] for item in resumed] == [3, 4, 5, 6]
+    after = lags(stream)[0]
+    assert (after.last_step, after.lag_steps, after.status, after.steps) == (6, 0, "closed", 4)
+    assert after.started_at > before.started_at  # a new incarnation of the same (group, rank) row
+
+
+def test_a_changed_world_size_shows_the_removed_ranks_as_gone(stream: Stream) -> None:
+    for rank in range(4):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=4, group="run", report_s=FAST)]
+    assert {r: c.status for r, c in lags(stream).items()} == {0: "closed", 1: "closed", 2: "closed", 3: "closed"}
+    publish(stream, 2)
+    shrunk = [LakestreamDataset(stream, rank=rank, world_size=2, group="run", report_s=FAST, start_step=5)
+              for rank in range(2)]
+    for ds in shrunk:
+        assert [i["step"] for i in ds] == [5, 6]
+    rows = lags(stream)
+    assert {r: c.status for r, c in rows.items()} == {0: "closed", 1: "closed", 2: "gone", 3: "gone"}
+    assert [rows[r].lag_steps for r in range(4)] == [0, 0, None, None]  # a removed rank is not lagging forever
+    assert rows[2].last_step == 4 and rows[2].world_size == 4
+
+
+def test_positions_outside_a_sql_catalog_are_objects_under_the_table_location(tmp_path: Path) -> None:
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    catalog = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 3)
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run/a b", report_s=FAST)
+    assert [i["step"] for i in ds] == [1, 2, 3]
+    store = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)
+    assert store.kind == "object store"
+    objects = list((tmp_path / "warehouse").rglob("r000000.parquet"))
+    assert len(objects) == 1 and objects[0].parts[-4:-2] == ("data", "_consumers")
+    row = lags(stream, "run/a b")[0]
+    assert (row.status, row.last_step, row.lag_steps) == ("closed", 3, 0)
+    pq.write_table(pa.table({"position": ['{"v": 1, "rank": true}']}), objects[0])  # read back as input: a damaged
+    bad = lags(stream, "run/a b")[0]  # document is shown, not trusted
+    assert bad.status == "invalid" and "rank" in bad.error and bad.lag_steps is None
+    objects[0].write_bytes(b"not parquet")
+    bad = lags(stream, "run/a b")[0]
+    assert bad.status == "invalid" and "not a position file" in bad.error
+    from datetime import timedelta
+
+    assert stream.collect_garbage(dry_run=True).files_deleted.get("consumer-position") is None  # rewritten recently
+    report = stream.collect_garbage(dry_run=True, grace=timedelta(0), allow_short_grace=True)
+    assert report.files_deleted.get("consumer-position") == 1  # silent for longer than the grace period: swept
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("not json", "not JSON"),
+    ('{"v": 2}', "version-1"),
+    ("[1]", "version-1"),
+])
+def test_a_malformed_position_is_refused(body: str, problem: str) -> None:
+    with pytest.raises(CorruptStateError, match=problem):
+        Position.parse(body, group="g", rank=0)
+
+
+def test_position_fields_are_checked() -> None:
+    good = Position(group="g", rank=1, stream="u", branch="main", world_size=2, last_step=3, steps=3, started_at=1.0,
+                    elapsed_s=2.0, wait_s=1.0, read_bytes=10, report_s=5.0, closed=False, host="h", pid=1, workers=0,
+                    source="iterator")
+    assert Position.parse(good.to_json(), group="g", rank=1) == good
+    doc = json.loads(good.to_json())
+    for field, value in [("rank", True), ("last_step", -1), ("world_size", 1), ("wait_s", float("nan")),
+                         ("closed", "false"), ("source", "x"), ("report_s", 0)]:
+        with pytest.raises(CorruptStateError):
+            Position.parse(json.dumps({**doc, field: value}).replace("NaN", "1e999"), group="g", rank=1)
+    with pytest.raises(CorruptStateError, match="stored under rank 0"):
+        Position.parse(good.to_json(), group="g", rank=0)
+
+
+@pytest.mark.parametrize("group", ["", "  ", True, 3, "x" * 201, "tab\there"])
+def test_a_bad_group_is_a_config_error(stream: Stream, group: object) -> None:
+    with pytest.raises(ConfigError, match="group"):
+        LakestreamDataset(stream, rank=0, world_size=WORLD, group=group)
+
+
+def test_report_s_is_checked(stream: Stream) -> None:
+    for bad in (True, 0, float("nan"), "5"):
+        with pytest.raises(ConfigError, match="report_s"):
+            LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=bad)
+
+
+def test_with_dataloader_workers_the_training_process_records_what_the_loop_received(stream: Stream) -> None:
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert [item["step"] for item in ds.track(loader)] == [1, 2, 3, 4]
+    row = lags(stream)[0]
+    assert (row.status, row.last_step, row.steps, row.workers, row.source, row.pid) == ("closed", 4, 4, 2, "loader",
+                                                                                       os.getpid())
+    assert row.read_bytes is None  # the workers read: their bytes are counted in their processes
+    with pytest.raises(ConfigError, match="group"):
+        LakestreamDataset(stream, rank=0, world_size=WORLD).track(loader)
+
+
+def test_the_history_has_a_consumers_view(stream: Stream) -> None:
+    pytest.importorskip("duckdb")
+    assert [i["step"] for i in LakestreamDataset(stream, rank=1, world_size=WORLD, group="run", report_s=FAST)]
+    con = stream.history()
+    assert con.sql('SELECT "group", rank, status, last_step, lag_steps FROM consumers').fetchall() == [
+        ("run", 1, "closed", 4, 0)]
+
+
+def test_lag_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lakestream_iceberg.tools.cli import main
+    from lakestream_iceberg.tools.config import embedded_catalog
+
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 4)
+    for rank in range(WORLD):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run", report_s=FAST)]
+    publish(stream, 1)
+    assert main(["lag", "ns.lag", "--group", "run", "--home", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["groups"] == [{"group": "run", "ranks": {"closed": 2}, "world_size": WORLD, "max_lag_steps": 1}]
+    assert [(p["rank"], p["status"], p["last_step"], p["lag_steps"], p["head_step"]) for p in report["positions"]] == [
+        (0, "closed", 4, 1, 5), (1, "closed", 4, 1, 5)]
+    assert main(["lag", "ns.lag", "--home", str(tmp_path)]) == 0  # every group, as a table for people
+    human = capsys.readouterr().out
+    assert "group run" in human and "closed" in human
+    assert main(["lag", "ns.lag", "--group", "other", "--home", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["positions"] == []
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("kind, kept", [("postgres-seaweedfs", "catalog database"), ("rest-seaweedfs", "object store")])
+def test_positions_on_the_real_services(kind: str, kept: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """PostgreSQL keeps the rows (an upsert, ages by its own clock); a REST catalog keeps objects on S3 (SeaweedFS)."""
+    backend = make_backend(kind, request, tmp_path)
+    try:
+        stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+        publish(stream, 2)
+        for _ in range(2):  # the second run upserts the same two rows
+            for rank in range(WORLD):
+                assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run",
+                                                             report_s=FAST)] == [1, 2]
+        store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+        assert store.kind == kept and [(r.group, r.rank) for r in store.rows()] == [("run", 0), ("run", 1)]
+        assert all(0 <= r.age_s < 600 for r in store.rows(group="run"))
+        publish(stream, 1)
+        rows = lags(stream)
+        assert [(rows[r].status, rows[r].last_step, rows[r].lag_steps) for r in range(WORLD)] == [("closed", 2, 1)] * 2
+    finally:
+        backend.close()

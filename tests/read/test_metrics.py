@@ -1,0 +1,134 @@
+"""Prometheus metrics of producers and trainer ranks, read from a real ``prometheus_client`` registry; and without the
+``metrics`` extra, nothing is exported and nothing breaks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect import metrics
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+prometheus_client = pytest.importorskip("prometheus_client")
+
+WORLD = 2
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def registry() -> Iterator[object]:
+    registry = prometheus_client.CollectorRegistry()
+    metrics.use_registry(registry)
+    yield registry
+    metrics.use_registry(None)
+
+
+@pytest.fixture
+def stream(tmp_path: Path) -> Stream:
+    return Stream.create(sqlite_catalog(str(tmp_path)), "ns.metrics", schema=SCHEMA, world_size=WORLD)
+
+
+def test_producer_commits_are_measured(stream: Stream, registry: object) -> None:
+    producer = stream.producer("prep-0")
+    results = [producer.commit(batch("prep-0", seq, WORLD), seq=seq) for seq in range(3)]
+    again = producer.commit(batch("prep-0", 1, WORLD), seq=1)
+    assert again.duplicate
+    labels = {"stream": stream.name, "branch": "main"}
+
+    def value(name: str, **extra: str) -> float | None:
+        return registry.get_sample_value(name, {**labels, **extra})
+
+    assert value("lakestream_commits_total", outcome="published") == 3
+    assert value("lakestream_commits_total", outcome="duplicate") == 1
+    assert value("lakestream_commits_total", outcome="carried") is None
+    assert value("lakestream_commit_latency_seconds_count") == 4
+    assert value("lakestream_commit_latency_seconds_sum") == pytest.approx(sum(r.latency_s for r in [*results, again]))
+    assert value("lakestream_commit_attempts_count") == 3  # a duplicate known before writing made no attempt
+    assert value("lakestream_commit_attempts_sum") == sum(r.attempts for r in results) >= 3
+    assert value("lakestream_staged_intents") == 0  # asked of the staging area when scraped
+    assert value("lakestream_commit_group_size_count") == 3  # a lone producer's swaps publish groups of 1
+    assert value("lakestream_commit_group_size_sum") == sum(r.group for r in results) == 3
+
+
+def test_a_group_size_is_recorded_where_the_commit_result_has_one(stream: Stream, registry: object) -> None:
+    result = stream.producer("prep-0").commit(batch("prep-0", 0, WORLD), seq=0)
+    carried = types.SimpleNamespace(**{**dataclasses.asdict(result), "carried": True, "group": 3})
+    metrics.observe_commit(carried, stream=stream.name, branch="main")
+    metrics.observe_commit(types.SimpleNamespace(**{**dataclasses.asdict(result), "group": True}), stream=stream.name,
+                           branch="main")  # not a size: ignored
+    labels = {"stream": stream.name, "branch": "main"}
+    assert registry.get_sample_value("lakestream_commit_group_size_count", labels) == 2  # the real commit's 1, then 3
+    assert registry.get_sample_value("lakestream_commit_group_size_sum", labels) == 1 + 3
+    assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "carried"}) == 1
+
+
+def test_a_trainer_rank_is_measured(stream: Stream, registry: object) -> None:
+    pytest.importorskip("torch")
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+    from lakestream_iceberg.read.lag import consumer_lags
+
+    producer = stream.producer("prep-0")
+    for seq in range(4):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    ds = LakestreamDataset(stream, rank=1, world_size=WORLD, group="run", report_s=0.05)
+    assert [item["step"] for item in ds] == [1, 2, 3, 4]
+    labels = {"stream": stream.name, "group": "run", "rank": "1"}
+    value = registry.get_sample_value
+    assert value("lakestream_consumer_steps_total", labels) == 4
+    assert value("lakestream_consumer_last_step", labels) == 4
+    assert value("lakestream_consumer_steps_behind_head", labels) == 0
+    assert value("lakestream_consumer_data_wait_seconds_total", labels) >= 0
+    position = consumer_lags(stream.refresh(), group="run")[0]
+    assert value("lakestream_consumer_read_bytes_total", labels) == position.read_bytes > 0
+
+
+def test_without_prometheus_client_nothing_is_exported_and_nothing_breaks(tmp_path: Path) -> None:
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+
+        class Blocker:
+            def find_spec(self, name, path=None, target=None):
+                if name == "prometheus_client" or name.startswith("prometheus_client."):
+                    raise ImportError("prometheus_client is not installed here")
+                return None
+
+        sys.meta_path.insert(0, Blocker())
+        from lakestream_iceberg import Stream
+        from lakestream_iceberg.connect import metrics
+        from lakestream_iceberg.connect.positions import PositionStore
+        from lakestream_iceberg.read.consumer import PositionReporter
+        from lakestream_iceberg.read.lag import consumer_lags
+        from tests.support import SCHEMA, batch, sqlite_catalog
+
+        stream = Stream.create(sqlite_catalog({str(tmp_path)!r}), "ns.bare", schema=SCHEMA, world_size=2)
+        producer = stream.producer("prep-0")
+        for seq in range(2):
+            producer.commit(batch("prep-0", seq, 2), seq=seq)
+        store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+        reporter = PositionReporter(store=store, group="run", rank=0, world_size=2, branch="main", name=stream.name,
+                                    stream=str(stream.table.metadata.table_uuid), report_s=0.05, workers=0,
+                                    source="iterator", head=lambda: 2)
+        steps = [1, 2]
+        for step in steps:  # what a dataset's iterator does for each step it hands over (torch not needed here)
+            reporter.read(100)
+            reporter.delivered(step, wait_s=0.01)
+        reporter.close()
+        metrics.use_registry(None)
+        assert metrics.consumer_metrics(stream=stream.name, group="run", rank=0) is None
+        print(metrics.available(), steps, [c.status for c in consumer_lags(stream.refresh(), group="run")],
+              "prometheus_client" in sys.modules)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[0] == "False [1, 2] ['closed'] False"  # a producer and a rank, no client loaded

@@ -1,0 +1,188 @@
+"""Background commits: ``Producer.submit`` -> Future, ``flush``, ``close``; order, backpressure, failure, threads."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+
+from lakestream_iceberg import (
+    CommitTimeoutError,
+    ConfigError,
+    ProducerConflictError,
+    ProducerFailedError,
+    SchemaMismatchError,
+    SequenceError,
+    ShardCountError,
+    Stream,
+)
+from tests.support import SCHEMA, batch, digest
+
+WORLD = 2
+DEADLINE_S = 120
+
+
+class GatedCatalog(SqlCatalog):
+    """A real SQLite catalog whose commits from a producer's committer thread wait at a gate the test opens."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.waiting = threading.Event()  # a committer thread is at the gate
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        if threading.current_thread().name.startswith("lakestream-commit-") and not self.gate.is_set():
+            self.waiting.set()
+            assert self.gate.wait(DEADLINE_S), "the test never opened the gate"
+        return super().commit_table(table, requirements, updates)
+
+
+def gated(root: Path) -> GatedCatalog:
+    return GatedCatalog("gated", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+
+
+@pytest.fixture
+def stream(tmp_path: Path) -> Stream:
+    return Stream.create(gated(tmp_path), "ns.stream", schema=SCHEMA, world_size=WORLD)
+
+
+def by_step(stream: Stream) -> dict[int, tuple[str, int]]:
+    rows = stream.table.catalog.load_table(stream.name).scan(selected_fields=("producer", "seq", "_step")).to_arrow()
+    return {r["_step"]: (r["producer"], r["seq"]) for r in rows.to_pylist()}
+
+
+def test_submitted_batches_publish_in_submit_order_with_consecutive_seqs(stream: Stream) -> None:
+    with stream.producer("p") as producer:
+        futures = [producer.submit(batch("p", seq, WORLD)) for seq in range(8)]
+    results = [f.result(timeout=0) for f in futures]  # close() flushed: every future is done
+    assert [r.seq for r in results] == list(range(8))
+    assert [r.step for r in results] == list(range(1, 9))
+    assert not any(r.duplicate for r in results) and all(r.latency_s > 0 for r in results)
+    assert stream.head_step() == 8
+    for step, result in enumerate(results, start=1):
+        for rank in range(WORLD):
+            assert digest(stream.read(step, rank=rank)) == digest(batch("p", result.seq, WORLD)[rank])
+
+
+def test_submit_continues_the_tables_seqs_and_commit_queues_behind_submitted_batches(stream: Stream) -> None:
+    first = stream.producer("p")
+    first.commit(batch("p", 0, WORLD))
+    producer = stream.producer("p")
+    futures = [producer.submit(batch("p", seq, WORLD)) for seq in (1, 2)]
+    committed = producer.commit(batch("p", 3, WORLD))  # after submits: in the queue, behind them
+    assert committed.seq == 3 and committed.step == 4
+    assert [f.result(timeout=0).step for f in futures] == [2, 3]
+    again = producer.submit(batch("p", 3, WORLD), seq=3).result(timeout=DEADLINE_S)
+    assert again.duplicate and again.step == 4
+    assert producer.flush() == 0 and producer.close() == 0
+    with pytest.raises(ProducerFailedError, match="closed"):
+        producer.submit(batch("p", 4, WORLD))
+    assert by_step(stream) == {step: ("p", step - 1) for step in range(1, 5)}
+
+
+def test_bad_input_raises_in_the_callers_thread_and_nothing_is_queued(stream: Stream) -> None:
+    producer = stream.producer("p")
+    with pytest.raises(ShardCountError):
+        producer.submit([batch("p", 0, WORLD)[0]])
+    with pytest.raises(SchemaMismatchError):
+        producer.submit([pa.table({"x": [1]})] * WORLD)
+    with pytest.raises(SequenceError):
+        producer.submit(batch("p", 0, WORLD), seq=-1)
+    with pytest.raises(SequenceError):
+        producer.submit(batch("p", 0, WORLD), seq=True)
+    with pytest.raises(SequenceError, match="gap"):
+        producer.submit(batch("p", 5, WORLD), seq=5)
+    for bad in (-1.0, True, "1"):
+        with pytest.raises(ConfigError, match="timeout_s"):
+            producer.submit(batch("p", 0, WORLD), timeout_s=bad)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ConfigError, match="max_in_flight"):
+            stream.producer("q", max_in_flight=bad)
+    assert producer.flush() == 0 and stream.head_step() == 0
+    assert producer.submit(batch("p", 0, WORLD)).result(timeout=DEADLINE_S).seq == 0  # nothing above took a seq
+
+
+def test_a_full_queue_blocks_submit_and_times_out_without_taking_a_seq(stream: Stream, tmp_path: Path) -> None:
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    producer = stream.producer("p", max_in_flight=2)
+    catalog.gate.clear()
+    futures = [producer.submit(batch("p", seq, WORLD)) for seq in range(2)]
+    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 is committing, seq 1 queued: the queue is full
+    with pytest.raises(CommitTimeoutError, match="nothing was queued"):
+        producer.submit(batch("p", 2, WORLD), timeout_s=0.05)
+    assert producer.flush(timeout_s=0) == 2
+    blocked: list[Any] = []
+    submitter = threading.Thread(target=lambda: blocked.append(producer.submit(batch("p", 2, WORLD))))
+    submitter.start()
+    catalog.gate.set()
+    submitter.join(DEADLINE_S)
+    assert not submitter.is_alive()
+    futures += blocked
+    assert producer.flush(timeout_s=DEADLINE_S) == 0
+    assert [f.result(timeout=0).seq for f in futures] == [0, 1, 2]
+    assert by_step(stream) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}
+
+
+def test_a_failed_commit_fails_the_batches_behind_it_unpublished_and_a_new_producer_resumes(stream: Stream) -> None:
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    producer = stream.producer("p")
+    catalog.gate.clear()
+    futures = [producer.submit(batch("p", seq, WORLD)) for seq in range(2)]
+    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 planned and at the catalog's door
+    other = stream.producer("p")  # a second live writer of the same id publishes a different batch as seq 0
+    other.commit(batch("p", 100, WORLD), seq=0)
+    catalog.gate.set()
+    with pytest.raises(Exception) as first:
+        futures[0].result(timeout=DEADLINE_S)
+    assert isinstance(first.value, ProducerConflictError), first.value
+    with pytest.raises(ProducerFailedError, match="seq 1 was not published") as behind:
+        futures[1].result(timeout=DEADLINE_S)
+    assert "batch seq 0 failed first" in str(behind.value) and behind.value.__cause__ is first.value
+    with pytest.raises(ProducerFailedError, match="open a new producer"):
+        producer.submit(batch("p", 2, WORLD))
+    with pytest.raises(ProducerFailedError, match="seq 0 failed first"):
+        producer.flush()
+    with pytest.raises(ProducerFailedError):
+        producer.commit(batch("p", 2, WORLD))
+    assert by_step(stream) == {1: ("p", 100)}  # seq 1 was never published
+    fresh = stream.producer("p")
+    assert fresh.next_seq == 1
+    assert fresh.submit(batch("p", 1, WORLD)).result(timeout=DEADLINE_S).step == 2
+    fresh.close()
+
+
+def test_threads_submitting_and_committing_on_one_producer_publish_each_batch_once(stream: Stream) -> None:
+    producer = stream.producer("p", max_in_flight=3)
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def work(kind: str) -> None:
+        for _ in range(5):
+            shards = batch("p", 0, WORLD)
+            result = producer.commit(shards) if kind == "commit" else producer.submit(shards).result(DEADLINE_S)
+            with lock:
+                results.append(result)
+
+    seen: list[int] = []
+
+    def read() -> None:  # the table's next seq, read while the committer thread commits
+        seen.extend(producer.next_seq for _ in range(5))
+
+    threads = [threading.Thread(target=work, args=(kind,)) for kind in ("commit", "submit", "submit", "commit")]
+    threads.append(threading.Thread(target=read))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(DEADLINE_S)
+    assert producer.close() == 0
+    assert len(seen) == 5 and seen == sorted(seen) and 0 <= seen[0] and seen[-1] <= 20
+    assert sorted(r.seq for r in results) == list(range(20)) and not any(r.duplicate for r in results)
+    assert sorted((r.seq, r.step) for r in results) == [(seq, seq + 1) for seq in range(20)]
+    assert stream.head_step() == 20
