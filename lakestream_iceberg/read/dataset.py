@@ -467,9 +467,15 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
             that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``
             environment for the same catalog name. **Warning:** anything that sees the pickle then sees the secrets.
 
+    Raises:
+        ConfigError: An argument of the wrong type or range, ``columns`` naming a column the stream does not have,
+            or ``branch`` not a branch of the stream.
+        RankError: ``rank`` outside ``0..world_size-1``.
+        MissingExtraError: torch is not installed (``pip install 'lakestream-iceberg[torch]'``).
+
     Example:
         >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: README "Training with torch"  # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: docs/guide/training.md  # doctest: +SKIP
         >>> for item in loader:                                                        # doctest: +SKIP
         ...     train(item["tokens"], item["tokens_lengths"])
         >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP

@@ -223,6 +223,12 @@ def recommended_workers(*, cores: int | None = None) -> int:
     cores stay for the training loop and the receiving of items. A Python ``transform`` runs under the GIL in the
     training process's threads: there, workers pay from 2 free cores on, and measuring your loop decides.
 
+    Args:
+        cores: The usable cores to plan for (default: this process's CPU affinity).
+
+    Returns:
+        The ``num_workers`` to use.
+
     Raises:
         ConfigError: ``cores`` is not a positive int.
     """
