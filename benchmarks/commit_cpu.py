@@ -1,0 +1,163 @@
+"""CPU of one lone commit, by phase: where a producer's CPU goes when it commits a batch.
+
+    .venv/bin/python benchmarks/commit_cpu.py                   # ~30 s on 2 cores
+    .venv/bin/python benchmarks/commit_cpu.py --smoke --out /tmp/commit_cpu.json
+
+One producer commits ``--commits`` batches of ``--batch-bytes`` (1 MiB) cut into ``--world-size`` (8) shards of 64 KiB
+samples back to back, on the embedded SQLite catalog with a local warehouse, after ``--warmup`` commits. Per commit:
+the process's CPU (user and system, from ``getrusage``) and the calling thread's CPU in each phase of
+``Producer.commit`` (``time.thread_time`` around ``BatchWriter.write``, ``BatchPlanner.plan``, the catalog swap,
+``CommitLoop.refresh`` and ``CommitLoop.adopt``; ``other`` is the rest: checks, head, bookkeeping), and commits/s.
+A local warehouse on a disk and one on tmpfs (``/dev/shm``, when there is one) run in alternating rounds: the
+system time of writing the data file into the page cache depends on the file system and the machine's load, the
+rest does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import Run, Table, bench_parser, sqlite_catalog  # noqa: E402
+
+import lakestream_iceberg.write.commit as commit_module  # noqa: E402
+from lakestream_iceberg import Stream  # noqa: E402
+from lakestream_iceberg.write.planner import BatchPlanner  # noqa: E402
+from lakestream_iceberg.write.writer import BatchWriter  # noqa: E402
+
+SCHEMA = pa.schema([("x", pa.binary())])
+SAMPLE_BYTES = 64 * 1024
+PHASES = ("write", "plan", "swap", "refresh", "adopt")
+
+
+class PhaseClock:
+    """Thread CPU seconds spent in each wrapped callable, summed while :meth:`counting`."""
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._on = False
+
+    def wrap(self, owner: Any, name: str, phase: str) -> Callable[[], None]:
+        """Wrap ``owner.name``; returns the undo."""
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if not self._on:
+                return original(*args, **kwargs)
+            start = time.thread_time()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.thread_time() - start
+
+        setattr(owner, name, timed)
+        return lambda: setattr(owner, name, original)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        self._on = True
+        try:
+            yield
+        finally:
+            self._on = False
+
+
+def batches(batch_bytes: int, world_size: int, count: int) -> list[list[pa.Table]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        data = rng.integers(0, 256, batch_bytes, dtype=np.uint8).tobytes()
+        per = batch_bytes // world_size
+        out.append([pa.table({"x": pa.array([data[base + i: base + i + SAMPLE_BYTES]
+                                              for i in range(0, per - SAMPLE_BYTES + 1, SAMPLE_BYTES)], pa.binary())})
+                    for base in range(0, per * world_size, per)])
+    return out
+
+
+def one_round(root: Path, *, pool: list[list[pa.Table]], commits: int, warmup: int, world_size: int,
+              clock: PhaseClock) -> dict[str, float]:
+    catalog = sqlite_catalog(root)
+    Stream.create(catalog, "bench.commit_cpu", schema=SCHEMA, world_size=world_size,
+                  properties={"write.parquet.compression-codec": "uncompressed"})
+    stream = Stream.open(catalog, "bench.commit_cpu")
+    producer = stream.producer("p0")
+    try:
+        for i in range(warmup):
+            producer.commit(pool[i % len(pool)])
+        with clock.counting():
+            before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            thread = time.thread_time()
+            for i in range(commits):
+                producer.commit(pool[i % len(pool)])
+            thread = time.thread_time() - thread
+            wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
+    finally:
+        producer.close()
+        catalog.engine.dispose()
+    per = 1000.0 / commits
+    row = {"user_ms": (after.ru_utime - before.ru_utime) * per, "sys_ms": (after.ru_stime - before.ru_stime) * per,
+           **{f"{phase}_ms": clock.seconds[phase] * per for phase in PHASES}}
+    row["cpu_ms"] = row["user_ms"] + row["sys_ms"]
+    row["other_ms"] = thread * per - sum(row[f"{phase}_ms"] for phase in PHASES)
+    row["commits_per_s"] = commits / wall
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--commits", type=int, default=150)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-bytes", type=int, default=1 << 20)
+    parser.add_argument("--world-size", type=int, default=8)
+    parser.add_argument("--disk-dir", default=None, help="parent of the disk warehouse (default: the temp dir)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.commits, args.warmup, args.rounds = 5, 2, 1
+    run = Run("commit_cpu", smoke=args.smoke)
+    places = {"disk": args.disk_dir or tempfile.gettempdir()}
+    if Path("/dev/shm").is_dir():
+        places["tmpfs"] = "/dev/shm"
+    pool = batches(args.batch_bytes, args.world_size, 4)
+    clock = PhaseClock()
+    undo = [clock.wrap(BatchWriter, "write", "write"), clock.wrap(BatchPlanner, "plan", "plan"),
+            clock.wrap(commit_module, "swap", "swap"), clock.wrap(commit_module.CommitLoop, "refresh", "refresh"),
+            clock.wrap(commit_module.CommitLoop, "adopt", "adopt")]
+    rows: dict[str, list[dict[str, float]]] = {place: [] for place in places}
+    try:
+        with run.phase("rounds"):
+            for _ in range(args.rounds):
+                for place, parent in places.items():  # alternating: both see the same stretch of machine load
+                    with tempfile.TemporaryDirectory(dir=parent, prefix="commit_cpu-") as root:
+                        rows[place].append(one_round(Path(root), pool=pool, commits=args.commits, warmup=args.warmup,
+                                                     world_size=args.world_size, clock=clock))
+    finally:
+        for step in undo:
+            step()
+    keys = ["cpu_ms", "user_ms", "sys_ms", *(f"{phase}_ms" for phase in PHASES), "other_ms", "commits_per_s"]
+    table = Table(f"CPU ms per lone commit ({args.batch_bytes // 1024} KiB, {args.world_size} shards, medians of "
+                  f"{args.rounds} rounds of {args.commits})", ["warehouse", *[k.removesuffix("_ms") for k in keys]])
+    medians = {place: {k: statistics.median(r[k] for r in found) for k in keys} for place, found in rows.items()}
+    for place, m in medians.items():
+        table.add(place, *[round(m[k], 2) for k in keys])
+    table.note("phases are the committing thread's CPU; cpu = user + sys of the whole process; loadavg at start: "
+               + " ".join(f"{x:.2f}" for x in run.loadavg_at_start))
+    run.finish([table], {"config": vars(args), "medians": medians, "rounds": rows}, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
