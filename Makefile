@@ -7,14 +7,14 @@ PYTEST_ARGS ?=
 
 BENCH_PKGS := benchmarks/.bench-packages/.installed-stamp
 
-.PHONY: postgres-bin spark-bin install demo test test-fast services-up services-down bench bench-packages lint clean
+.PHONY: postgres-bin spark-bin install demo docs docs-serve test test-fast services-up services-down bench bench-packages lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch: the CPU wheel on disk; a loose pin would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q -c constraints.txt 'torch==2.13.0'
-	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,metrics,dev,ray,interop]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[torch,duckdb,s3,postgres,notebook,metrics,dev,ray,interop,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -30,7 +30,15 @@ spark-bin:
 demo: $(STAMP)
 	$(BIN)/lakestream demo
 
-# Every test, against the real services (the session fixtures start and stop them; services-down clears leftovers).
+# The documentation site (README.md's guide, the API reference from docstrings) into site/ (gitignored).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+docs-serve: $(STAMP)
+	$(BIN)/mkdocs serve
+
+# Every test, against the real services (the test fixtures start and stop them; services-down clears leftovers).
+# tests/test_docs_blocks.py runs every python block of README.md and docs/ and builds this site with --strict.
 test: $(STAMP) postgres-bin spark-bin
 	$(BIN)/lint-imports --no-cache
 	@set +e; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
@@ -77,5 +85,6 @@ lint: $(STAMP)
 	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
 	$(BIN)/mypy lakestream_iceberg
 
+# benchmarks/history/ is tracked (dated results); only the scripts' scratch output goes.
 clean:
-	rm -rf .lakestream benchmarks/results
+	rm -rf .lakestream benchmarks/results site

@@ -19,7 +19,7 @@ removed from its environment (``default``) and one with ``glibc.cpu.x86_rep_movs
   (CPU ms per commit, MiB/s).
 
 On a host without the pathology (Intel, or a newer glibc) both columns agree; the tunable is ignored where glibc does
-not know it. Figures in README.md ("Running across hosts") and benchmarks/README.md.
+not know it. Figures in docs/benchmarks.md ("Performance notes").
 """
 
 from __future__ import annotations

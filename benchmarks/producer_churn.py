@@ -72,7 +72,7 @@ from _common import (  # noqa: E402
 
 WORLD_SIZE = 8
 NS = "bench"
-PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"  # a table property of the public contract (README)
+PROP_GROUP_COMMIT = "lakestream.commit.group.enabled"  # a table property of the public contract (docs/configuration.md)
 
 TARGET_A_RATIO = 1.25  # p50 of the last ids / p50 of the first ids
 TARGET_A_METADATA_KIB = 64.0

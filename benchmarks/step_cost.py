@@ -164,7 +164,7 @@ def world_sweep(root: Path, args: argparse.Namespace) -> tuple[Table, dict[str, 
     # a fresh stream after everything is on disk (the writeback of a large point, per-rank W=1024 writes ~60,000 files,
     # must not land on the next one); p50s pool the rounds. Points' folders are kept until the sweep ends
     # (_common.RunFolders): deleting 60,000 files made creating a file 10-20x dearer for minutes on this project's
-    # machine (benchmarks/README.md), and the point after it paid: packed W=1,024 measured 12.7-21.3 ms per commit
+    # machine (docs/benchmarks.md, "Performance notes"), and the point after it paid: packed W=1,024 measured 12.7-21.3 ms per commit
     # right after per-rank W=1,024's folder was deleted, 9.2-11.6 ms alone.
     runs = RunFolders()
     try:

@@ -1,6 +1,6 @@
 """lakestream vs a Kafka-protocol broker (Tansu), same machine, same payloads.
 
-What is measured (see benchmarks/README.md for the meaning of every number):
+What is measured (see docs/benchmarks.md for the meaning of every number):
 
 1. ingestion MiB/s: P producer processes (P = 1, 4, 8) publish global batches of 1, 16 and 64 MiB (world size W shards)
    as fast as they can for ``--duration`` seconds. Kafka: one transaction per global batch, one message per rank shard

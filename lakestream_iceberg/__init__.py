@@ -1,7 +1,7 @@
 """lakestream_iceberg: a brokerless training-data plane on Apache Iceberg.
 
 Producers publish each global training step as one Iceberg snapshot (a Transactional Global Batch); trainer ranks read
-their own shard of each step, in step order. See README.md for the model.
+their own shard of each step, in step order. See docs/concepts.md for the model.
 """
 
 from lakestream_iceberg.connect.diagnose import load_catalog

@@ -77,6 +77,18 @@ def _reopen(ref: StreamRef) -> Stream:
 class Stream(StreamTable):
     """One stream of global training batches.
 
+    Make one with :meth:`create` or :meth:`open` rather than the constructor.
+
+    Args:
+        table: The stream's pyiceberg ``Table`` (as ``catalog.load_table`` returns it).
+        cache: The manifest cache this stream uses; default: the process-wide cache bounded by the table's
+            ``lakestream.manifest.cache-bytes``.
+
+    Raises:
+        NotAStreamError: The table carries no ``lakestream.*`` properties.
+        ConfigError: A ``lakestream.*`` property is invalid, or ``lakestream.commit.group.staging=catalog`` on a
+            catalog that cannot keep staged intents.
+
     Example:
         >>> from pyiceberg.catalog import load_catalog                                  # doctest: +SKIP
         >>> catalog = load_catalog("default")                                           # doctest: +SKIP
@@ -138,7 +150,10 @@ class Stream(StreamTable):
             properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}`` (every property a
                 stream reads: docs/configuration.md). The layout, ``lakestream.layout`` (``per-rank``: one data file per
                 rank and step; ``packed``: one per step), is fixed here; by default a stream of world size 8 or more is
-                packed (README, "Per-step cost").
+                packed (docs/concepts.md, "Layouts").
+
+        Returns:
+            The stream, created or opened.
 
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
@@ -210,6 +225,13 @@ class Stream(StreamTable):
     @classmethod
     def open(cls, catalog: Catalog, identifier: str) -> Stream:
         """Open an existing stream.
+
+        Args:
+            catalog: Any pyiceberg catalog.
+            identifier: ``"namespace.name"``.
+
+        Returns:
+            The stream.
 
         Raises:
             StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
@@ -307,6 +329,15 @@ class Stream(StreamTable):
         ``max_in_flight`` bounds the batches :meth:`Producer.submit` keeps queued or committing in the background (a
         submit beyond it waits for a slot).
 
+        Args:
+            producer_id: A stable id: a restarted producer with the same id continues at its next seq, exactly once.
+            branch: ``main`` or a branch made by :meth:`fork`.
+            seed: Seed of the pacing policy's jitter (tests and simulations).
+            max_in_flight: Batches :meth:`Producer.submit` may keep queued or committing in the background.
+
+        Returns:
+            The :class:`~lakestream_iceberg.write.producer.Producer`.
+
         Raises:
             ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is; or
                 ``max_in_flight`` is not an integer >= 1.
@@ -343,6 +374,14 @@ class Stream(StreamTable):
     def checkpoint(self, name: str, *, step: int, branch: str = MAIN) -> Checkpoint:
         """Record a checkpoint watermark at ``step`` as an Iceberg tag (see :mod:`lakestream_iceberg.lifecycle.checkpoint`).
 
+        Args:
+            name: The checkpoint's (tag's) name.
+            step: A published step of ``branch``.
+            branch: The branch whose step it pins.
+
+        Returns:
+            The :class:`~lakestream_iceberg.format.checkpoints.Checkpoint`.
+
         Raises:
             CheckpointError: Invalid or duplicate name, unpublished or already collected step.
         """
@@ -350,11 +389,30 @@ class Stream(StreamTable):
             lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch), pace=False).result
 
     def release(self, name: str) -> None:
-        """Remove a checkpoint's tag; lifecycle GC may then collect what only it needed."""
+        """Remove a checkpoint's tag; lifecycle GC may then collect what only it needed.
+
+        Args:
+            name: The checkpoint's name.
+
+        Raises:
+            CheckpointError: No checkpoint has that name.
+        """
         self._control_loop(MAIN).run(lambda md, _: plan_release(md, name=name), pace=False)
 
     def fork(self, checkpoint: Checkpoint | str, *, branch: str) -> Checkpoint:
-        """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1."""
+        """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1.
+
+        Args:
+            checkpoint: The checkpoint, or its name.
+            branch: The new branch's name.
+
+        Returns:
+            The checkpoint the branch starts at.
+
+        Raises:
+            CheckpointError: No checkpoint has that name (GC may have released it), or ``branch`` is invalid or
+                already used by a tag or branch.
+        """
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
         return self._control_loop(MAIN).run(lambda md, _: plan_fork(md, name=name, branch=branch), pace=False).result
 
@@ -405,10 +463,13 @@ class Stream(StreamTable):
             keep_last: Retain the newest K checkpoints (others are released).
             keep_within: Retain checkpoints younger than this.
             grace: Minimum age of never-referenced files before deletion (default ``lakestream.gc.grace-period-ms``).
-                It must be at least twice ``lakestream.commit.timeout-ms`` (the GC grace rule, README): a younger
+                It must be at least twice ``lakestream.commit.timeout-ms`` (the GC grace rule, docs/guide/retention.md): a younger
                 file may belong to a commit in flight.
             allow_short_grace: Permit a shorter ``grace``: only on a quiescent table (no producer running), e.g.
                 ``grace=timedelta(0)`` in tests and benchmarks.
+
+        Returns:
+            A :class:`~lakestream_iceberg.lifecycle.gc.GCReport` of what was (or, in a dry run, would be) collected.
 
         Raises:
             LifecycleError: Invalid ``keep_last`` / ``keep_within``, or ``dry_run`` / ``allow_short_grace`` not a bool.
@@ -430,6 +491,17 @@ class Stream(StreamTable):
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
         """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).
 
+        Args:
+            branch: The branch whose steps the views show.
+            samples_steps: ``(first, last)``: the steps the ``samples`` view reads (default: all retained steps).
+
+        Returns:
+            A DuckDB connection with the views ``batches``, ``files``, ``producers``, ``checkpoints``, ``snapshots``
+            and ``samples``.
+
+        Raises:
+            MissingExtraError: DuckDB is not installed (``pip install 'lakestream-iceberg[duckdb]'``).
+
         Example:
             >>> stream.history().sql("SELECT producer, count(*) FROM batches GROUP BY 1").fetchall()  # doctest: +SKIP
         """
@@ -440,13 +512,35 @@ class Stream(StreamTable):
     # -- reading --------------------------------------------------------------------------------------------------------
     def step_files(self, step: int, *, branch: str = MAIN) -> StepFiles:
         """The data files of a published ``step`` and where each rank's rows are in them (packed layout: reads the
-        step file's footer); close it when done. Raises like :meth:`read`."""
+        step file's footer); close it when done.
+
+        Args:
+            step: A published step.
+            branch: The branch to look the step up on.
+
+        Returns:
+            A ``StepFiles`` (a context manager) whose ``counts`` are the rows per rank.
+
+        Raises:
+            StepNotPublishedError: The step is not committed yet.
+            StepCollectedError: Lifecycle GC removed the step.
+            CorruptStateError: The step's files do not fit the stream (ranks, footer).
+        """
         return StepFiles(self.io, self.locate(step, branch=branch), world_size=self.world_size,
                          packed=self.config.packed, schema=self.payload_arrow_schema)
 
     def read(self, step: int, *, rank: int, branch: str = MAIN, columns: list[str] | None = None) -> pa.Table:
         """The rows committed for ``rank`` at ``step``, reading only that rank's data file (packed layout: the row
         groups of the step's file that hold its rows).
+
+        Args:
+            step: A published step (steps start at 1).
+            rank: The trainer rank, ``0..world_size-1``.
+            branch: The branch to read.
+            columns: Payload columns to read (default: all).
+
+        Returns:
+            The rank's rows, with the payload schema (no ``_step`` / ``_rank``).
 
         Raises:
             StepError: ``step`` is not an integer >= 1 (steps start at 1).
@@ -477,6 +571,15 @@ class Stream(StreamTable):
         Polls the catalog with bounded exponential backoff (``poll_s`` doubling up to 1 s); on SQL catalogs a poll reads
         only the table pointer and reloads the metadata when it moved; on PostgreSQL catalogs a commit notification
         wakes it at once (see :mod:`lakestream_iceberg.connect.notify`).
+
+        Args:
+            step: The step to wait for.
+            timeout: Seconds to wait at most.
+            branch: The branch to watch.
+            poll_s: The first polling interval, in seconds.
+
+        Returns:
+            The head step once ``step`` is published (at least ``step``).
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.

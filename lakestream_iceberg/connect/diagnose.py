@@ -249,6 +249,17 @@ def load_catalog(name: str, **properties: str) -> Any:
     ``x-amz-content-sha256`` header, see :mod:`lakestream_iceberg.connect.rest_sigv4`, and request timeouts, see
     :mod:`lakestream_iceberg.connect.rest_timeout`); both are idempotent and off where pyiceberg does not need them.
 
+    Args:
+        name: The catalog's name in ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``.
+        **properties: Catalog properties that override the configured ones (``type``, ``uri``, ``warehouse``, ...).
+
+    Returns:
+        The pyiceberg ``Catalog``.
+
+    Raises:
+        ConfigError: The catalog is not configured, a setting is wrong or unknown, or connecting or authenticating
+            failed (the message names the setting and its variable, never a secret's value).
+
     Example:
         >>> from lakestream_iceberg import load_catalog
         >>> catalog = load_catalog("prod")  # .pyiceberg.yaml / PYICEBERG_CATALOG__PROD__* as usual  # doctest: +SKIP

@@ -64,7 +64,7 @@ FORMAT_VERSION = props.FORMAT_VERSION.created
 # Stream.create picks the packed layout from this world size on, unless lakestream.layout is given. Measured
 # (benchmarks/vs_kafka.py, W=8, one run per layout): packed ingests 1 MiB batches 2.1x (1 producer) to 2.2x (8)
 # faster and 16 MiB batches from 8 producers 2.9x faster than per-rank, whose W files and manifest entries per step
-# dominate the commit; below 8 ranks the difference is small and per-rank reads are exact (README, "Per-step cost").
+# dominate the commit; below 8 ranks the difference is small and per-rank reads are exact (docs/concepts.md, "Layouts").
 PACKED_FROM_WORLD_SIZE = 8
 
 # The GC grace rule: lakestream.gc.grace-period-ms >= GRACE_PER_COMMIT_TIMEOUT x lakestream.commit.timeout-ms. A staged
@@ -121,7 +121,7 @@ class StreamConfig:
             raise ConfigError(
                 f"table property {PROP_GC_GRACE_MS}={self.gc_grace_ms} is shorter than {GRACE_PER_COMMIT_TIMEOUT} x "
                 f"{PROP_COMMIT_TIMEOUT_MS}={self.commit_timeout_ms}: GC could delete the files of a batch that a commit "
-                f"may still publish (the GC grace rule, see README). Set {PROP_GC_GRACE_MS} to at least {need} or "
+                f"may still publish (the GC grace rule, see docs/guide/retention.md). Set {PROP_GC_GRACE_MS} to at least {need} or "
                 f"{PROP_COMMIT_TIMEOUT_MS} to at most {self.gc_grace_ms // GRACE_PER_COMMIT_TIMEOUT} (an existing "
                 "table: with pyiceberg, table.transaction().set_properties({...}).commit_transaction())"
             )

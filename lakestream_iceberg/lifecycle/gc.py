@@ -1,6 +1,6 @@
 """Lifecycle garbage collection: delete consumed steps, expire snapshots, remove unreferenced files.
 
-Retention model (see README "Checkpoints, forks and retention"):
+Retention model (see docs/guide/retention.md):
 
 * a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
   given every checkpoint is retained. GC releases (un-tags) the others;
@@ -90,7 +90,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(kw_only=True)
 class GCReport:
-    """What a garbage collection did (or, for a dry run, would do)."""
+    """What a garbage collection did (or, for a dry run, would do).
+
+    Attributes:
+        dry_run: Only planned: nothing was committed or deleted.
+        collected_below: Per branch, the step below which every step was (or would be) collected.
+        released_checkpoints: The checkpoints released because they were not retained.
+        snapshots_expired: Snapshots expired.
+        files_deleted: Files deleted (or to delete), by kind (``data``, ``manifest``, ``metadata``, ``intent``, ...).
+        bytes_deleted: Bytes deleted (or to delete), by the same kinds.
+        files_in_grace: Unreferenced files kept because they are younger than the grace period.
+    """
 
     dry_run: bool
     collected_below: dict[str, int] = field(default_factory=dict)
@@ -102,10 +112,12 @@ class GCReport:
 
     @property
     def total_files(self) -> int:
+        """Files deleted (or to delete), all kinds."""
         return sum(self.files_deleted.values())
 
     @property
     def total_bytes(self) -> int:
+        """Bytes deleted (or to delete), all kinds."""
         return sum(self.bytes_deleted.values())
 
 
@@ -300,7 +312,7 @@ def check_policy(keep_last: int | None, keep_within: timedelta | None) -> int | 
 def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short: bool) -> float:
     """The grace period GC uses: ``grace``, or ``lakestream.gc.grace-period-ms`` when None.
 
-    The GC grace rule (README): a grace shorter than ``GRACE_PER_COMMIT_TIMEOUT`` x ``lakestream.commit.timeout-ms`` can
+    The GC grace rule (docs/guide/retention.md): a grace shorter than ``GRACE_PER_COMMIT_TIMEOUT`` x ``lakestream.commit.timeout-ms`` can
     delete the files of a batch that a commit in flight still publishes, so it is refused unless ``allow_short``: the
     explicit opt-in for quiescent tables (no producer running: tests, benchmarks, maintenance windows).
 

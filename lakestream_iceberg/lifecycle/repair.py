@@ -70,6 +70,7 @@ class RepairReport:
 
     @property
     def repaired(self) -> bool:
+        """Whether this call changed the branch (rolled it back or re-based it; never for a dry run)."""
         return (self.rolled_back_to is not None or self.rebased_on is not None) and not self.dry_run
 
 

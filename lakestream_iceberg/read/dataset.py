@@ -8,7 +8,7 @@ Each item is this consumer rank's shard of one step, built by ``collate`` (defau
 
 Use ``DataLoader(dataset, batch_size=None)``: an item already is a batch, and the dataset reads and decodes ahead in
 background threads. Add ``num_workers=k`` only with a free core per worker and decoding or ``transform`` dominating
-(README "Training with torch"); an item then leaves its worker in one shared-memory segment
+(docs/guide/training.md); an item then leaves its worker in one shared-memory segment
 (:mod:`lakestream_iceberg.read.handoff`), and the training process logs once when ``k`` leaves no core free. Worker ``w`` of ``k`` takes
 the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
 steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
@@ -467,9 +467,15 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
             that unpickles the dataset) resolve them from their own ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``
             environment for the same catalog name. **Warning:** anything that sees the pickle then sees the secrets.
 
+    Raises:
+        ConfigError: An argument of the wrong type or range, ``columns`` naming a column the stream does not have,
+            or ``branch`` not a branch of the stream.
+        RankError: ``rank`` outside ``0..world_size-1``.
+        MissingExtraError: torch is not installed (``pip install 'lakestream-iceberg[torch]'``).
+
     Example:
         >>> ds = LakestreamDataset(stream, follow=True, timeout=600)                   # doctest: +SKIP
-        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: README "Training with torch"  # doctest: +SKIP
+        >>> loader = torch.utils.data.DataLoader(ds, batch_size=None)   # workers: docs/guide/training.md  # doctest: +SKIP
         >>> for item in loader:                                                        # doctest: +SKIP
         ...     train(item["tokens"], item["tokens_lengths"])
         >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP

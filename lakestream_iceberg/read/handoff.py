@@ -223,6 +223,12 @@ def recommended_workers(*, cores: int | None = None) -> int:
     cores stay for the training loop and the receiving of items. A Python ``transform`` runs under the GIL in the
     training process's threads: there, workers pay from 2 free cores on, and measuring your loop decides.
 
+    Args:
+        cores: The usable cores to plan for (default: this process's CPU affinity).
+
+    Returns:
+        The ``num_workers`` to use.
+
     Raises:
         ConfigError: ``cores`` is not a positive int.
     """
@@ -235,7 +241,7 @@ def recommended_workers(*, cores: int | None = None) -> int:
 
 def advise_workers(num_workers: int, cores: int | None = None) -> bool:
     """Log once per process (the training process, on the first item from its workers) when ``num_workers``
-    DataLoader workers leave no core free (README "Training with torch": when workers pay). Returns whether it logged."""
+    DataLoader workers leave no core free (docs/guide/training.md, "DataLoader workers"). Returns whether it logged."""
     if num_workers in _advised:
         return False
     cores = _usable_cores() if cores is None else cores

@@ -120,6 +120,10 @@ class Blobs:
     whatever the number of rows: a DataLoader worker hands it to the training process as one buffer, where a list
     holds one tensor (and one shared-memory handle) per sample. ``tolist()`` gives the list.
 
+    Args:
+        values: Every row's bytes, concatenated (uint8, 1-D).
+        offsets: ``len(rows) + 1`` int64 offsets into ``values``; row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
+
     Example:
         >>> item = next(iter(LakestreamDataset(stream)))                  # doctest: +SKIP
         >>> [bytes(b.numpy()) for b in item["image"]]                    # doctest: +SKIP
@@ -158,15 +162,31 @@ class Blobs:
         return (values[lo:hi] for lo, hi in zip(bounds, bounds[1:]))
 
     def tolist(self) -> list[Any]:
-        """The rows as a list of uint8 tensors (views of ``values``), what ``binary="list"`` gives."""
+        """The rows as a list of uint8 tensors (views of ``values``), what ``binary="list"`` gives.
+
+        Returns:
+            One uint8 tensor per row.
+        """
         return list(self)
 
     def pin_memory(self) -> Blobs:
-        """Both tensors in pinned memory (``DataLoader(pin_memory=True)`` calls this)."""
+        """Both tensors in pinned memory (``DataLoader(pin_memory=True)`` calls this).
+
+        Returns:
+            A new ``Blobs`` of pinned tensors.
+        """
         return Blobs(values=self.values.pin_memory(), offsets=self.offsets.pin_memory())
 
     def to(self, *args: Any, **kwargs: Any) -> Blobs:
-        """``Tensor.to`` on both tensors (e.g. ``blobs.to("cuda", non_blocking=True)``)."""
+        """``Tensor.to`` on both tensors (e.g. ``blobs.to("cuda", non_blocking=True)``).
+
+        Args:
+            *args: ``Tensor.to``'s positional arguments (a device, a dtype).
+            **kwargs: ``Tensor.to``'s keyword arguments (``non_blocking=True``, ...).
+
+        Returns:
+            A new ``Blobs`` of the moved tensors.
+        """
         return Blobs(values=self.values.to(*args, **kwargs), offsets=self.offsets.to(*args, **kwargs))
 
     def __repr__(self) -> str:
@@ -189,6 +209,14 @@ class TensorCollate:
 
     A null list or blob counts as empty; a null number raises :class:`ReadError` (fill it upstream or pass your own
     ``collate``).
+
+    Args:
+        lists: ``"padded"`` or ``"packed"``: how list columns become tensors.
+        binary: ``"blobs"``, ``"list"``, ``"padded"`` or ``"packed"``: how binary columns become tensors.
+        pad_value: The value padded list columns are filled with.
+
+    Raises:
+        ConfigError: ``lists`` or ``binary`` is not one of its values.
 
     Example:
         >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP

@@ -9,7 +9,7 @@ queue order, ages); a store only keeps intents under their paths (``<location>/d
   (:mod:`lakestream_iceberg.connect.intents`), on SQL catalogs: no PUT, LIST, GET or DELETE per batch.
 
 The table property ``lakestream.commit.group.staging`` chooses (``Stream.create`` resolves ``auto``: the catalog where
-it can, storage elsewhere); see README "Many producers: group commit".
+it can, storage elsewhere); see docs/concepts.md, "Group commit".
 """
 
 from __future__ import annotations

@@ -103,7 +103,8 @@ class _Checked:
 
 
 class Producer:
-    """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`.
+    """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`;
+    the constructor's arguments (the stream, the branch, its commit loop, writer and staging area) are internal.
 
     Example:
         >>> producer = stream.producer("prep-0")                          # doctest: +SKIP
@@ -241,6 +242,12 @@ class Producer:
     def flush(self, *, timeout_s: float | None = None) -> int:
         """Wait until every submitted batch is published; how many are still in flight (0: all of them are).
 
+        Args:
+            timeout_s: How long to wait at most (None: until every batch is published).
+
+        Returns:
+            The batches still in flight when it returned (0: all published).
+
         Raises:
             ProducerFailedError: A submitted batch failed (its future holds the error); see :meth:`submit`.
         """
@@ -250,7 +257,16 @@ class Producer:
     def close(self, *, timeout_s: float | None = None) -> int:
         """:meth:`flush`, then stop the committer thread; the batches still in flight (0: all published).
 
-        A closed producer takes no more submits. Raises like :meth:`flush`.
+        A closed producer takes no more submits.
+
+        Args:
+            timeout_s: How long to wait for the flush at most (None: until every batch is published).
+
+        Returns:
+            The batches still in flight when it returned (0: all published).
+
+        Raises:
+            ProducerFailedError: A submitted batch failed (its future holds the error); see :meth:`submit`.
         """
         timeout_s = _check_timeout(timeout_s)
         return 0 if self._queue is None else self._queue.close(timeout_s=timeout_s)

@@ -35,7 +35,7 @@ Rules that keep exactly-once intact:
   late is not published with files GC may already be deleting.
 
 What a committer checks before it publishes another producer's staged batch (an intent is input read from storage,
-not a trusted message; see README "Threat model"):
+not a trusted message; see docs/security.md):
 
 * the intent names this table (its UUID: a table dropped and re-created at the same location has another one) and
   this branch, and its file name is exactly ``<producer>@<seq>-<token>.parquet`` for the producer, seq and token its

@@ -63,7 +63,7 @@ file), so a task that runs again publishes only the steps its earlier attempts d
 
 So the steps a task forms depend only on its input blocks, and exactly once holds across task retries and worker
 deaths (a worker killed mid-commit leaves an outcome-unknown commit or a staged intent: the retry's commit of the same
-seq is reconciled from the table, see README "Group commit").
+seq is reconciled from the table, see docs/concepts.md, "Group commit").
 
 **A zombie attempt.** A worker whose node is lost can outlive its raylet for a moment and keep publishing while Ray
 starts the retry elsewhere. When both attempts commit the same seq at the same moment, the loser's commit finds that

@@ -23,7 +23,7 @@ def shape_write(sink: object, *, run_name: str) -> tuple[bool | None, tuple[str,
       re-run under the same run name may give a task index other rows (``verify_replays`` then fails it): a warning.
     """
     op = _calling_operator()
-    if op is None:  # called by hand, or another Ray version: nothing to shape (the README says what to set)
+    if op is None:  # called by hand, or another Ray version: nothing to shape (docs/guide/producers.md says what to set)
         return None, ()
     transforms = op._map_transformer.get_transform_fns()  # noqa: SLF001 - see the module docstring
     write_at = next((i for i, t in enumerate(transforms) if _is_write_transform(t, sink)), None)

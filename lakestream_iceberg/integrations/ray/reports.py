@@ -11,7 +11,15 @@ MAX_RUN_NAME = 100  # leaves room for "-<task_idx>" within a producer id's 128 c
 
 
 def producer_id(run_name: str, task_idx: int) -> str:
-    """The producer id of write task ``task_idx`` of run ``run_name``: ``f"{run_name}-{task_idx}"``."""
+    """The producer id of write task ``task_idx`` of run ``run_name``: ``f"{run_name}-{task_idx}"``.
+
+    Args:
+        run_name: The sink's ``run_name``.
+        task_idx: Ray Data's ``TaskContext.task_idx``.
+
+    Returns:
+        The producer id.
+    """
     return f"{run_name}-{task_idx}"
 
 
@@ -48,6 +56,9 @@ class SinkReport:
     """What a whole ``write_datasink`` did (``LakestreamDatasink.report`` after the job).
 
     Attributes:
+        run_name: The sink's ``run_name``.
+        stream: The stream's identifier.
+        tasks: Every write task's report, by task index.
         fused: Whether Ray fused the write with the transform that feeds it (then each batch that transform returns
             reaches the sink as its own block, and steps stream as they are formed); None when the sink could not see
             Ray's plan.
@@ -62,14 +73,17 @@ class SinkReport:
 
     @property
     def published(self) -> int:
+        """Steps the job published (its tasks' ``published``, summed)."""
         return sum(t.published for t in self.tasks)
 
     @property
     def duplicates(self) -> int:
+        """Steps the job found published already and skipped (replays)."""
         return sum(t.duplicates for t in self.tasks)
 
     @property
     def rows(self) -> int:
+        """Rows of every step the job formed."""
         return sum(t.rows for t in self.tasks)
 
     @property

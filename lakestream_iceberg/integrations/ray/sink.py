@@ -300,6 +300,11 @@ class LakestreamDatasink(Datasink[TaskReport]):
         return self._ref
 
     def get_name(self) -> str:
+        """The sink's name in Ray's progress output and metrics.
+
+        Returns:
+            ``"Lakestream"``.
+        """
         return "Lakestream"
 
     # -- driver ---------------------------------------------------------------------------------------------------------
@@ -310,7 +315,15 @@ class LakestreamDatasink(Datasink[TaskReport]):
         ``schema`` (what Ray passes) is not used: it is the schema of the operator's *input* blocks, which in a fused
         read -> map_batches -> write operator is the read's (with Ray's internal columns), not what the sink receives.
         With ``create=True`` and no ``schema=``, the first write task creates the stream from the first block it
-        writes."""
+        writes.
+
+        Args:
+            schema: What Ray passes (unused, see above).
+
+        Raises:
+            ConfigError: The stream does not exist and ``create`` is false, its world size differs from
+                ``world_size``, the branch is not a branch, or ``rank_column`` is not an integer column.
+        """
         self._shape_plan()
         catalog = self._ref.catalog()
         if self.create and self.schema is not None:
@@ -351,6 +364,11 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 raise ConfigError(f"rank_column {self.rank_column!r} is a {kind} column of {stream.name}; it must be integer")
 
     def on_write_complete(self, write_result: WriteResult[TaskReport]) -> None:
+        """On the driver, after every task finished: set :attr:`report` from the tasks' reports.
+
+        Args:
+            write_result: Ray's result of the write, whose ``write_returns`` are the tasks' ``TaskReport`` s.
+        """
         reports = [r for r in write_result.write_returns if isinstance(r, TaskReport)]
         self.report = SinkReport(run_name=self.run_name, stream=self._ref.identifier,
                                  tasks=tuple(sorted(reports, key=lambda r: r.task_idx)), fused=self._fused,
@@ -358,7 +376,22 @@ class LakestreamDatasink(Datasink[TaskReport]):
 
     # -- tasks ----------------------------------------------------------------------------------------------------------
     def write(self, blocks: Iterable[Block], ctx: TaskContext) -> TaskReport:
-        """One write task: form steps from its blocks and commit each with the next seq of producer ``run-task_idx``."""
+        """One write task: form steps from its blocks and commit each with the next seq of producer ``run-task_idx``.
+
+        Args:
+            blocks: The task's input blocks, in order.
+            ctx: Ray Data's task context (its ``task_idx`` names the producer).
+
+        Returns:
+            The task's :class:`~lakestream_iceberg.integrations.ray.TaskReport`.
+
+        Raises:
+            SchemaMismatchError: A block does not have the stream's columns and types.
+            BatchError: A replayed step differs from the published one (``verify_replays``), or a rank column is out
+                of range.
+            ProducerConflictError: Another job publishes under the same run name.
+            CommitTimeoutError: A step could not be published in time (Ray then fails the task).
+        """
         task_idx = check_int(ctx.task_idx, what="TaskContext.task_idx", minimum=0)
         producer_name = producer_id(self.run_name, task_idx)
         where = f"Ray Data write task {task_idx} (producer {producer_name!r}) of stream {self._ref.identifier}"

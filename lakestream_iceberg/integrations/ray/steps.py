@@ -15,11 +15,20 @@ from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchErr
 __all__ = ["StepFn", "StepRule"]
 
 StepFn = Callable[[pa.Table], Iterable[Sequence[pa.Table]]]
+"""A ``step_fn``: takes one block, returns (or yields) its steps, each a sequence of ``world_size`` pyarrow Tables."""
 
 
 @dataclass(frozen=True)
 class StepRule:
-    """The rule a :class:`~lakestream_iceberg.integrations.ray.LakestreamDatasink` was given (see its arguments)."""
+    """The rule a :class:`~lakestream_iceberg.integrations.ray.LakestreamDatasink` was given (see its arguments).
+
+    Attributes:
+        rows_per_step: Rows per step, or None with ``step_fn``.
+        step_fn: The user's :data:`StepFn`, or None with ``rows_per_step``.
+        rank_column: The integer column naming each row's rank, or None for round-robin.
+        drop_last: Drop a task's last rows when fewer than ``rows_per_step`` remain.
+        cast: Cast blocks to the stream's schema (safe casts only).
+    """
 
     rows_per_step: int | None
     step_fn: StepFn | None
@@ -29,7 +38,22 @@ class StepRule:
 
     def steps(self, tables: Iterable[pa.Table], *, payload: pa.Schema, world_size: int,
               where: str) -> Iterator[list[pa.Table]]:
-        """The global batches (one pyarrow Table per rank each) that a task's blocks, in order, form."""
+        """The global batches (one pyarrow Table per rank each) that a task's blocks, in order, form.
+
+        Args:
+            tables: The task's blocks, in order.
+            payload: The stream's payload schema.
+            world_size: Ranks per step.
+            where: Names the task in error messages.
+
+        Returns:
+            An iterator of steps, each a list of ``world_size`` tables.
+
+        Raises:
+            SchemaMismatchError: A block does not fit the stream's schema.
+            BatchError: A rank column value outside ``0..world_size-1``.
+            ConfigError: ``step_fn`` returned something other than steps of ``world_size`` tables.
+        """
         if self.step_fn is not None:
             for block in tables:
                 table = self.conform(block, payload, where)
@@ -58,7 +82,20 @@ class StepRule:
             yield self.deal(rows, world_size, payload, where)
 
     def conform(self, table: pa.Table, payload: pa.Schema, where: str) -> pa.Table:
-        """The block with the stream's columns in the stream's order (plus the rank column), or a clear error."""
+        """The block with the stream's columns in the stream's order (plus the rank column), or a clear error.
+
+        Args:
+            table: One block.
+            payload: The stream's payload schema.
+            where: Names the task in error messages.
+
+        Returns:
+            The conformed block.
+
+        Raises:
+            SchemaMismatchError: A column is missing or has another type (and cannot be cast with ``cast=True``), or
+                the rank column is not an integer column.
+        """
         extra = [self.rank_column] if self.rank_column is not None and self.rank_column not in payload.names else []
         want = payload.names + extra
         if sorted(table.column_names) != sorted(want):
@@ -97,6 +134,20 @@ class StepRule:
         return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
     def deal(self, rows: pa.Table, world_size: int, payload: pa.Schema, where: str) -> list[pa.Table]:
+        """One step's rows dealt to the ranks: round-robin (row ``j`` to rank ``j % world_size``) or by the rank column.
+
+        Args:
+            rows: The step's rows, conformed.
+            world_size: Ranks per step.
+            payload: The stream's payload schema (the rank column is dropped unless it is a stream column).
+            where: Names the task in error messages.
+
+        Returns:
+            ``world_size`` tables, one per rank.
+
+        Raises:
+            BatchError: A rank column value outside ``0..world_size-1``.
+        """
         if self.rank_column is None:
             if world_size == 1:
                 return [rows]

@@ -19,6 +19,19 @@ def ray_train_dataset(stream: StreamTable, *, checkpoint: str | None = None, fol
     (``LakestreamDataset.from_checkpoint``); other keyword arguments are ``LakestreamDataset``'s (``end_step=``,
     ``timeout=``, ``collate=``, ...).
 
+    Args:
+        stream: The stream (a pickled ``Stream`` reopens by catalog name in the worker).
+        checkpoint: Resume right after this checkpoint tag.
+        follow: Wait for steps not published yet.
+        **kwargs: ``LakestreamDataset``'s other keyword arguments.
+
+    Returns:
+        A ``LakestreamDataset`` for this worker's rank.
+
+    Raises:
+        ConfigError: Called outside a Ray Train training function.
+        CheckpointError: No retained checkpoint has the name ``checkpoint``.
+
     Example:
         >>> def train_loop(config):                                                    # doctest: +SKIP
         ...     for item in ray_train_dataset(config["stream"], end_step=config["steps"]):

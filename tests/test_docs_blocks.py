@@ -1,0 +1,172 @@
+"""Every ```python block of README.md and docs/ runs, and the docs site builds strictly.
+
+A page's blocks run in order, in one namespace, in a fresh temporary directory (they create their own embedded SQLite
+catalog there), like a reader pasting them one after another. A block that cannot run alone (several hosts, a Ray
+cluster) is preceded by ``<!-- skip-block: REASON -->`` and a visible note (a ``>`` quote) on the page; a marker
+without a reason, without a note, or without a block after it fails. A block preceded by
+``<!-- services-block: KIND -->`` (a backend of tests/backends.py, e.g. ``postgres-seaweedfs``) runs alone against those
+real servers, with the catalog configured as ``prod`` through ``PYICEBERG_CATALOG__PROD__*`` variables.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from catalog.services import catalog_env
+from tests.backends import BACKENDS, make_backend, moto_service, postgres_service, seaweedfs_service  # noqa: F401
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\s*$")
+MARKER = re.compile(r"^<!--\s*(skip|services)-block:(.*?)-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    source: str
+    skip: str | None  # the skip marker's reason, or None
+    services: str | None = None  # the services marker's backend kind, or None
+
+
+def parse(page: Path) -> list[Block]:
+    """The page's python blocks, each with the skip reason of the marker right before it (only blank or quoted lines
+    may stand between the two)."""
+    lines = page.read_text().splitlines()
+    blocks: list[Block] = []
+    pending: tuple[int, str] | None = None
+    i = 0
+    while i < len(lines):
+        marker = MARKER.match(lines[i])
+        if marker:
+            assert pending is None, f"{page.name}:{i + 1}: a skip-block marker before another marker"
+            pending = (i + 1, marker.group(1), marker.group(2).strip())
+            i += 1
+            continue
+        fence = FENCE.match(lines[i])
+        if fence:
+            start = i
+            i += 1
+            while i < len(lines) and lines[i].rstrip() != "```":
+                i += 1
+            if fence.group(1) == "python":
+                kind, reason = (pending[1], pending[2]) if pending else (None, None)
+                blocks.append(Block(page, start + 1, "\n".join(lines[start + 1:i]) + "\n",
+                                    reason if kind == "skip" else None, reason if kind == "services" else None))
+            else:
+                assert pending is None, f"{page.name}:{pending[0]}: the skip-block marker is followed by a {fence.group(1) or 'plain'} block"
+            pending = None
+        elif pending is not None and lines[i].strip() and not lines[i].startswith(">"):
+            raise AssertionError(f"{page.name}:{pending[0]}: a skip-block marker must be followed by its note (> ...) "
+                                 f"and a python block, found {lines[i]!r}")
+        i += 1
+    assert pending is None, f"{page.name}:{pending[0]}: a skip-block marker with no python block after it"
+    return blocks
+
+
+def rel(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+ALL = {rel(page): parse(page) for page in PAGES}
+RUNNABLE = [name for name, blocks in ALL.items() if any(b.skip is None and b.services is None for b in blocks)]
+SERVICE_BLOCKS = [b for blocks in ALL.values() for b in blocks if b.services is not None]
+
+
+def test_markers_have_reasons_and_visible_notes() -> None:
+    skipped = [b for blocks in ALL.values() for b in blocks if b.skip is not None]
+    for block in skipped:
+        where = f"{rel(block.page)}:{block.line}"
+        assert len(block.skip) >= 10, f"{where}: a skip-block marker needs a reason, got {block.skip!r}"
+        before = block.page.read_text().splitlines()[: block.line - 1]
+        marker_at = max(i for i, line in enumerate(before) if MARKER.match(line))
+        assert any(line.startswith(">") for line in before[marker_at:]), f"{where}: no visible note (> ...) for the reader"
+    ran = sum(1 for blocks in ALL.values() for b in blocks if b.skip is None and b.services is None)
+    for block in SERVICE_BLOCKS:
+        assert block.services in BACKENDS, f"{rel(block.page)}:{block.line}: no backend {block.services!r} ({BACKENDS})"
+    print(f"\ndocs python blocks: {ran} run alone, {len(SERVICE_BLOCKS)} against services, {len(skipped)} skipped: "
+          + "; ".join(f"{rel(b.page)}:{b.line} ({b.skip})" for b in skipped))
+    assert ran >= 20, f"only {ran} runnable python blocks found in README.md and docs/"
+
+
+@pytest.mark.parametrize("page", RUNNABLE)
+def test_page_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    try:
+        for block in ALL[page]:
+            if block.skip is not None or block.services is not None:
+                continue
+            code = compile(block.source, f"{page}:{block.line}", "exec")
+            try:
+                exec(code, namespace)
+            except Exception as exc:
+                raise AssertionError(f"the python block at {page}:{block.line} failed: {exc!r}") from exc
+    finally:
+        for value in namespace.values():
+            if type(value).__name__ == "Stream" and hasattr(value, "close"):
+                value.close()
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("block", SERVICE_BLOCKS, ids=lambda b: f"{rel(b.page)}:{b.line}")
+def test_service_blocks_run(block: Block, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """A fresh process per block, as on another host: pyiceberg reads its environment once, when imported."""
+    backend = make_backend(block.services, request, tmp_path)
+    try:
+        env = {**backend.worker_env(), **catalog_env("prod", backend.properties), "PYTHONPATH": str(ROOT)}
+        done = subprocess.run([sys.executable, "-c", block.source], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+    finally:
+        backend.close()
+    assert done.returncode == 0, (f"the python block at {rel(block.page)}:{block.line} failed on {block.services}:\n"
+                                  f"{done.stdout}\n{done.stderr}")
+
+
+def test_readme_is_short() -> None:
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines <= 260, f"README.md has {lines} lines; the user guide belongs in docs/"
+
+
+def test_docs_site_builds_strictly(tmp_path: Path) -> None:
+    import importlib.util
+
+    assert importlib.util.find_spec("mkdocstrings") is not None, "the docs extra is missing: pip install -e '.[docs]'"
+    command = [sys.executable, "-m", "mkdocs"]
+    started = time.monotonic()
+    done = subprocess.run([*command, "build", "--strict", "--quiet", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stdout}\n{done.stderr}"
+    assert (tmp_path / "site" / "api" / "index.html").exists()
+    print(f"\nmkdocs build --strict: {time.monotonic() - started:.1f} s")
+    shutil.rmtree(tmp_path / "site", ignore_errors=True)
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's (and mkdocs') anchors of a page's headings."""
+    found = set()
+    for line in page.read_text().splitlines():
+        heading = re.match(r"^#+\s+(.*)", line)
+        if heading:
+            found.add(re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-"))
+    return found
+
+
+@pytest.mark.parametrize("source", ["README.md", "benchmarks/README.md"])
+def test_links_outside_the_site_resolve(source: str) -> None:
+    """mkdocs checks the links of docs/; these two pages live outside it."""
+    page = ROOT / source
+    for link in re.finditer(r"\]\(([^)#\s:]+)(#[^)]+)?\)", page.read_text()):
+        target = (page.parent / link.group(1)).resolve()
+        assert target.exists(), f"{source}: the link to {link.group(1)} points at nothing"
+        if link.group(2):
+            assert link.group(2)[1:] in _anchors(target), f"{source}: no heading {link.group(2)} in {link.group(1)}"
