@@ -432,3 +432,14 @@ def test_fanout_smoke(tmp_path: Path) -> None:
     # the relay's host polls for every reader: fewer catalog queries and metadata reads per step and rank than direct
     relay, direct = runs["relay"]["steady_per_step_rank"], runs["direct"]["steady_per_step_rank"]
     assert relay["queries"] < direct["queries"] and relay["meta_requests"] < direct["meta_requests"]
+
+
+@pytest.mark.timeout(240)  # a hang guard: ~3 s on 2 idle cores
+def test_commit_cpu_smoke(tmp_path: Path) -> None:
+    data = _run("commit_cpu.py", tmp_path / "commit_cpu.json", timeout=230)
+    assert data["benchmark"] == "commit_cpu" and data["smoke"] is True
+    for warehouse in ("disk", "tmpfs"):  # both warehouses ran and every phase of a commit was measured
+        medians = data["medians"][warehouse]
+        assert _positive(medians["cpu_ms"]) and _positive(medians["commits_per_s"])
+        assert all(_positive(medians[f"{phase}_ms"]) for phase in ("write", "plan", "swap"))
+    assert data["tables"] and "CPU ms per lone commit" in data["printed"]
