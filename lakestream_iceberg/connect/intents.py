@@ -28,14 +28,12 @@ Other dialects have no intent table (storage staging).
 
 from __future__ import annotations
 
-import os
 import sqlite3
-import threading
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 from lakestream_iceberg.connect.pointer import sqlite_connections
+from lakestream_iceberg.connect.sql_tables import CatalogTable
 from lakestream_iceberg.errors import ProducerConflictError
 
 __all__ = ["INTENT_TABLE", "IntentRow", "IntentTable"]
@@ -46,20 +44,8 @@ _SQLITE_DDL = (
     f"CREATE TABLE IF NOT EXISTS {INTENT_TABLE} (id INTEGER PRIMARY KEY AUTOINCREMENT, folder TEXT NOT NULL, "
     "name TEXT NOT NULL, body TEXT NOT NULL, staged_at REAL NOT NULL, UNIQUE (folder, name))"
 )
-_SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 _SQLITE_REMOVE_UNDER = f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?"  # (prefix length, prefix)
-_made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
-_lock = threading.Lock()
 _DELETE_CHUNK = 500  # (folder, name) pairs per PostgreSQL DELETE
-
-
-def _reset_lock_after_fork() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 
 @dataclass(frozen=True)
@@ -225,7 +211,7 @@ class IntentTable:
         prefix = root.rstrip("/") + "/"
         if self._sqlite is not None:
             conn = self._sqlite_conn()
-            if conn.execute(_SQLITE_HAS, (INTENT_TABLE,)).fetchone() is None:
+            if not _TABLE.in_sqlite(conn):
                 return 0
             return conn.execute(_SQLITE_REMOVE_UNDER, (len(prefix), prefix)).rowcount  # autocommit: one statement
         from sqlalchemy import delete, func, inspect
@@ -270,29 +256,7 @@ class IntentTable:
         docstring)."""
         if self._sqlite is None and self._rows is None:
             self._rows = _pg_table()
-        with _lock:
-            if self._engine in _made:
-                return
-        if self._sqlite is not None:
-            conn = self._sqlite_conn()
-            if conn.execute(_SQLITE_HAS, (INTENT_TABLE,)).fetchone() is None:  # a reader never writes
-                conn.execute(_SQLITE_DDL)
-        elif self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
-            with self._engine.begin() as conn:
-                if conn.exec_driver_sql(_SQLITE_HAS, (INTENT_TABLE,)).first() is None:
-                    conn.exec_driver_sql(_SQLITE_DDL)
-        else:
-            from sqlalchemy.exc import IntegrityError, ProgrammingError
-
-            try:
-                self._rows.metadata.create_all(self._engine, checkfirst=True)
-            except (IntegrityError, ProgrammingError):  # another process created it between the check and the CREATE
-                from sqlalchemy import inspect
-
-                if not inspect(self._engine).has_table(INTENT_TABLE):
-                    raise
-        with _lock:
-            _made.add(self._engine)
+        _TABLE.ensure(self._engine, sqlite=self._sqlite_conn if self._sqlite is not None else None)
 
 
 def _refused(exc: BaseException) -> bool:
@@ -329,3 +293,6 @@ def _pg_now() -> Any:
     from sqlalchemy import func
 
     return func.extract("epoch", func.clock_timestamp())
+
+
+_TABLE = CatalogTable(INTENT_TABLE, sqlite_ddl=_SQLITE_DDL, pg_table=_pg_table)

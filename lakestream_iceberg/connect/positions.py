@@ -27,10 +27,7 @@ longer than the GC grace period (the position of a rank that stopped long ago) i
 
 from __future__ import annotations
 
-import os
-import threading
 import time
-import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lakestream_iceberg.connect.pointer import sqlite_connections
+from lakestream_iceberg.connect.sql_tables import CatalogTable
 from lakestream_iceberg.connect.storage import list_files
 
 __all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
@@ -51,15 +49,12 @@ _SQLITE_DDL = (
     f"CREATE TABLE IF NOT EXISTS {POSITION_TABLE} (location TEXT NOT NULL, grp TEXT NOT NULL, rank INTEGER NOT NULL, "
     "body TEXT NOT NULL, updated_at REAL NOT NULL, PRIMARY KEY (location, grp, rank))"
 )
-_SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 _SQLITE_UPSERT = (
     f"INSERT INTO {POSITION_TABLE} (location, grp, rank, body, updated_at) VALUES (?, ?, ?, ?, {_SQLITE_NOW}) "
     "ON CONFLICT (location, grp, rank) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at"
 )
 _SUFFIX = ".parquet"
 _SCHEMA = pa.schema([("position", pa.string())])
-_made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table (checked once per process)
-_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -125,7 +120,7 @@ class PositionStore:
             return self._object_rows(group)
         if self._sqlite is not None:
             conn = self._sqlite.connection()
-            if conn.execute(_SQLITE_HAS, (POSITION_TABLE,)).fetchone() is None:
+            if not _TABLE.in_sqlite(conn):
                 return []
             where, args = ("location = ?", [self.location]) if group is None else \
                 ("location = ? AND grp = ?", [self.location, group])
@@ -185,29 +180,7 @@ class PositionStore:
     def _ensure(self) -> None:
         """Create the table on first use in this process (``IF NOT EXISTS``: ranks racing to create it all succeed)."""
         assert self._engine is not None
-        with _lock:
-            if self._engine in _made:
-                return
-        if self._sqlite is not None:
-            conn = self._sqlite.connection()
-            if conn.execute(_SQLITE_HAS, (POSITION_TABLE,)).fetchone() is None:
-                conn.execute(_SQLITE_DDL)
-        elif self._engine.dialect.name == "sqlite":
-            with self._engine.begin() as conn:
-                if conn.exec_driver_sql(_SQLITE_HAS, (POSITION_TABLE,)).first() is None:
-                    conn.exec_driver_sql(_SQLITE_DDL)
-        else:
-            from sqlalchemy.exc import IntegrityError, ProgrammingError
-
-            try:
-                _pg_table().metadata.create_all(self._engine, checkfirst=True)
-            except (IntegrityError, ProgrammingError):  # another process created it between the check and the CREATE
-                from sqlalchemy import inspect
-
-                if not inspect(self._engine).has_table(POSITION_TABLE):
-                    raise
-        with _lock:
-            _made.add(self._engine)
+        _TABLE.ensure(self._engine, sqlite=self._sqlite.connection if self._sqlite is not None else None)
 
 
 def _sql_engine(catalog: Any) -> Any:
@@ -226,15 +199,6 @@ def _sql_engine(catalog: Any) -> Any:
             and not database.startswith("file::memory:"):
         return engine
     return None
-
-
-def _reset_lock_after_fork() -> None:
-    global _lock
-    _lock = threading.Lock()  # another thread of the parent may have held it at the fork
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_after_fork)
 
 _PG_TABLE: Any = None
 
@@ -269,3 +233,6 @@ def _to_parquet(body: str) -> bytes:
     sink = pa.BufferOutputStream()
     pq.write_table(pa.table({"position": [body]}, schema=_SCHEMA), sink, compression="none")
     return sink.getvalue().to_pybytes()
+
+
+_TABLE = CatalogTable(POSITION_TABLE, sqlite_ddl=_SQLITE_DDL, pg_table=_pg_table)

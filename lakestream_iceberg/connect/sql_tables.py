@@ -1,0 +1,70 @@
+"""lakestream's own tables in a SQL catalog's database (staged intents, consumer positions): each created on first use,
+once per process and database, by whichever process gets there first (``IF NOT EXISTS`` on SQLite; on PostgreSQL a
+racing ``CREATE`` that lost is recognised and ignored)."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["CatalogTable"]
+
+_SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
+_tables: weakref.WeakSet[CatalogTable] = weakref.WeakSet()
+
+
+class CatalogTable:
+    """One of lakestream's tables: its name, its SQLite DDL and, for PostgreSQL, a function giving its SQLAlchemy
+    ``Table``; :meth:`ensure` creates it in an engine's database the first time this process uses that engine."""
+
+    def __init__(self, name: str, *, sqlite_ddl: str, pg_table: Callable[[], Any]) -> None:
+        self.name = name
+        self._sqlite_ddl = sqlite_ddl
+        self._pg_table = pg_table
+        self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table
+        self._lock = threading.Lock()
+        _tables.add(self)
+
+    def in_sqlite(self, conn: sqlite3.Connection) -> bool:
+        """Whether the SQLite database of ``conn`` has the table (a reader that finds none has nothing to read)."""
+        return conn.execute(_SQLITE_HAS, (self.name,)).fetchone() is not None
+
+    def ensure(self, engine: Any, *, sqlite: Callable[[], sqlite3.Connection] | None = None) -> None:
+        """Create the table in ``engine``'s database unless this process already saw it there; ``sqlite`` gives this
+        thread's plain ``sqlite3`` connection where the caller keeps one (else the engine's own connections)."""
+        with self._lock:
+            if engine in self._made:
+                return
+        if sqlite is not None:
+            conn = sqlite()
+            if not self.in_sqlite(conn):  # a reader never writes
+                conn.execute(self._sqlite_ddl)
+        elif engine.dialect.name == "sqlite":
+            with engine.begin() as conn:
+                if conn.exec_driver_sql(_SQLITE_HAS, (self.name,)).first() is None:
+                    conn.exec_driver_sql(self._sqlite_ddl)
+        else:
+            from sqlalchemy.exc import IntegrityError, ProgrammingError
+
+            try:
+                self._pg_table().metadata.create_all(engine, checkfirst=True)
+            except (IntegrityError, ProgrammingError):  # another process created it between the check and the CREATE
+                from sqlalchemy import inspect
+
+                if not inspect(engine).has_table(self.name):
+                    raise
+        with self._lock:
+            self._made.add(engine)
+
+
+def _reset_locks_after_fork() -> None:
+    for table in list(_tables):
+        table._lock = threading.Lock()  # another thread of the parent may have held it at the fork
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_locks_after_fork)
