@@ -29,6 +29,21 @@ def _isolated_pyiceberg_config(tmp_path_factory: pytest.TempPathFactory) -> Iter
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _relays_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Head relays of the tests (and of the processes they start) meet in a temporary directory, not in the user's
+    runtime directory, where their lock files would stay after the run."""
+    directory = tmp_path_factory.mktemp("relays")
+    directory.chmod(0o700)
+    saved = os.environ.get("LAKESTREAM_RELAY_DIR")
+    os.environ["LAKESTREAM_RELAY_DIR"] = str(directory)
+    yield
+    if saved is None:
+        os.environ.pop("LAKESTREAM_RELAY_DIR", None)
+    else:
+        os.environ["LAKESTREAM_RELAY_DIR"] = saved
+
+
 @pytest.fixture
 def catalog(tmp_path: Path):
     return sqlite_catalog(str(tmp_path))
