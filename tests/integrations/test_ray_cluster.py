@@ -26,7 +26,6 @@ pytest.importorskip("ray.data")
 
 from lakestream_iceberg import Stream  # noqa: E402
 from lakestream_iceberg.integrations.ray import LakestreamDatasink  # noqa: E402
-from tests.support import sqlite_catalog  # noqa: E402
 from tests.integrations.test_ray import (  # noqa: E402
     BOUND_S,
     SCHEMA,
@@ -36,6 +35,7 @@ from tests.integrations.test_ray import (  # noqa: E402
     _stop_leftover_workers,
     worker_environment,
 )
+from tests.support import sqlite_catalog  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, ROWS, PER_STEP = 6, 16, 4  # 6 write tasks of 4 steps each: 24 steps
