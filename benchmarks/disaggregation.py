@@ -13,6 +13,12 @@ resized to 3x128x128, a text WordPiece-tokenized), imported from it.
   the catalog's fsync or a group commit, the other preprocesses); the trainer reads the steps with
   ``LakestreamDataset(follow=True)`` on its k cores.
 
+Where lakestream's data lives: its catalog and warehouse stand in for a catalog service and object storage on other
+machines, so by default (``--warehouse memory``) they are on tmpfs, and writing a step costs the producers a copy into
+memory, not this machine's file system (on some virtual machines a new MiB on disk costs several ms of kernel CPU:
+``commit_cpu.py``). The stream is Parquet uncompressed by default (``--codec``): the steps are decoded pixels and token
+ids, and decompressing them would cost the trainer's scarce cores; ``--codec zstd`` (Iceberg's default) shows that.
+
 The training step: with ``torch.cuda.is_available()``, a real step of an MLP on the GPU (the batch's images as
 floats, 3x128x128 -> 2048 -> 2048 -> 10, SGD), repeated to last the step time asked for; the batch is pinned
 (DataLoader ``pin_memory=True``; lakestream: pinned by the dataset's ``transform`` in its prefetch thread) and
@@ -145,7 +151,10 @@ class Bench:
     def __init__(self, args: argparse.Namespace, step: Step) -> None:
         self.args = args
         self.step = step
-        self.tmp = Path(tempfile.mkdtemp(prefix="disaggregation-"))
+        # the warehouse and catalog stand in for object storage and a catalog service on other machines: in memory
+        # (tmpfs) by default, so that writing them costs the producers what a copy into memory costs, not this
+        # machine's file system (see --warehouse)
+        self.tmp = Path(tempfile.mkdtemp(prefix="disaggregation-", dir=args.warehouse_dir))
         self.raw = colo.RawData(args.raw_images, args.raw_texts)
         self.all_cores = sorted(os.sched_getaffinity(0))
         self.trainer_cores = self.all_cores[: args.k]
@@ -191,7 +200,8 @@ class Bench:
         root = self.tmp / label
         (root / "warehouse").mkdir(parents=True)
         catalog = colo.sqlite_catalog(str(root))
-        Stream.create(catalog, NAME, schema=colo.SCHEMA, world_size=1)
+        Stream.create(catalog, NAME, schema=colo.SCHEMA, world_size=1,
+                      properties={"write.parquet.compression-codec": self.args.codec})
         catalog.engine.dispose()
         producers = len(self.producer_cores) * self.args.producers_per_core
         quota = math.ceil(steps / producers)
@@ -241,9 +251,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="training steps per run (default: 3 s at the faster feed's bound, at least 40, at most 2000)")
     ap.add_argument("--batch", type=int, default=None, help="samples per step (default 32)")
     ap.add_argument("--cpu", action="store_true", help="a sleep for the step even when a GPU is available")
+    ap.add_argument("--warehouse", choices=["memory", "disk"], default="memory",
+                    help="where lakestream's catalog and warehouse live, standing in for services on other machines: "
+                         "tmpfs (/dev/shm, default) or the temporary directory's file system")
+    ap.add_argument("--codec", default="uncompressed",
+                    help="the stream's Parquet codec (write.parquet.compression-codec). Default uncompressed: the "
+                         "batches are decoded pixels and token ids, and every codec costs the trainer's scarce cores "
+                         "its decompression (the colocated feed hands its tensors over as they are); zstd, Iceberg's "
+                         "default, shows that cost")
     ap.add_argument("--out", default=str(RESULTS_DIR / "disaggregation.json"))
     args = ap.parse_args(argv)
     args.cores = cores
+    args.warehouse_dir = None
+    if args.warehouse == "memory":
+        if not Path("/dev/shm").is_dir():
+            ap.error("--warehouse memory needs /dev/shm (tmpfs); use --warehouse disk")
+        args.warehouse_dir = "/dev/shm"
     args.k = args.k or (1 if cores <= 8 else cores // 8)
     if not 1 <= args.k < cores:
         ap.error(f"--k must leave at least one of the {cores} cores to the producers")
@@ -327,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
         "wall_s": time.monotonic() - started,
         "loadavg_at_start": load_at_start,
         "config": {k: getattr(args, k) for k in ("cores", "k", "workers", "producers_per_core", "ratios", "batch",
-                                                 "warmup", "raw_images", "raw_texts")},
+                                                 "warmup", "raw_images", "raw_texts", "warehouse",
+                                                 "codec")},
         "trainer_cores": bench.trainer_cores,
         "producer_cores": bench.producer_cores,
         "gpu": gpu_name,

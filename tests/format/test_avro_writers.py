@@ -211,3 +211,26 @@ def test_cached_headers_partition_types_and_list_records_write_what_pyiceberg_wr
             lists.append(Path(lpath).read_bytes())
         assert lists[0] == lists[1]
     assert len(avro_writers._specs) >= 2  # one per spec object
+
+
+def test_fast_encoder_writes_pyicebergs_bytes_over_the_int64_range() -> None:
+    import io
+    import random
+
+    from pyiceberg.avro.encoder import BinaryEncoder
+
+    from lakestream_iceberg.format.avro_writers import FastEncoder
+
+    rng = random.Random(7)
+    edges = [0, 1, -1, 63, 64, -64, -65, 127, 128, 8191, 8192, -8192, -8193, 2**31 - 1, -(2**31), 2**63 - 1, -(2**63)]
+    values = edges + [rng.randint(-(2**63), 2**63 - 1) >> rng.randint(0, 62) for _ in range(20_000)]
+    theirs, ours = io.BytesIO(), io.BytesIO()
+    slow, fast = BinaryEncoder(theirs), FastEncoder(ours)
+    for value in values:
+        slow.write_int(value)
+        fast.write_int(value)
+    for flag in (True, False, 0, 1, 2):
+        slow.write_boolean(flag)  # type: ignore[arg-type]
+        fast.write_boolean(flag)  # type: ignore[arg-type]
+    assert ours.getvalue() == theirs.getvalue()
+    assert len(ours.getvalue()) > len(values)  # the values were not all one-byte varints
