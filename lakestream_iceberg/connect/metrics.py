@@ -33,7 +33,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "use_registry"]
+__all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "prepare", "use_registry"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,15 @@ def _families_now() -> _Families | None:
         if found is None or found.registry is not registry:
             found = _families[id(registry)] = _Families(client, registry)
         return found
+
+
+def prepare() -> None:
+    """Import the client and register lakestream's metric families now (a producer calls it when it is made), so that
+    the first commit does not pay for it (importing ``prometheus_client`` takes tens of ms). Never raises."""
+    try:
+        _families_now()
+    except Exception:  # noqa: BLE001 - metrics must not fail a producer
+        log.debug("metrics not prepared", exc_info=True)
 
 
 def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None) -> None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from lakestream_iceberg.connect.diagnose import config_errors
-from lakestream_iceberg.connect.metrics import observe_commit
+from lakestream_iceberg.connect.metrics import observe_commit, prepare
 from lakestream_iceberg.errors import (
     CommitOutcomeUnknownError,
     CommitTimeoutError,
@@ -128,6 +128,7 @@ class Producer:
         self._lock = threading.RLock()  # held by every commit (caller's or committer thread) and every read of the head
         self._queue: CommitQueue[_Checked, CommitResult] | None = None  # started by the first submit
         self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
+        prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
     def policy(self) -> object:
