@@ -27,6 +27,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     │   └── ReadTimeoutError        wait_for() ran out of time
     ├── CheckpointError             checkpoint / release / fork mistakes
     ├── LifecycleError              garbage collection refused to run
+    │   └── ConsumerGroupActiveError  a consumer group to delete has a rank still reporting; stop it or pass force
     ├── ConfigError                 a setting is missing or wrong (names the setting, never its secret value)
     └── MissingExtraError           an optional dependency is not installed (names the extra)
 """
@@ -42,6 +43,7 @@ __all__ = [
     "CommitOutcomeUnknownError",
     "CommitTimeoutError",
     "ConfigError",
+    "ConsumerGroupActiveError",
     "CorruptStateError",
     "ForeignSnapshotError",
     "LakestreamError",
@@ -171,6 +173,12 @@ class CheckpointError(LakestreamError):
 
 class LifecycleError(LakestreamError):
     """Garbage collection refused to run."""
+
+
+class ConsumerGroupActiveError(LifecycleError):
+    """Deleting a consumer group's positions was refused: a rank of the group reported within the last few report
+    intervals, so the group is still reading (its next report would write its row again). Stop the group's ranks first,
+    or pass ``force=True`` (``lakestream lag --delete --force``)."""
 
 
 class ConfigError(LakestreamError):

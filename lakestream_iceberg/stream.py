@@ -27,6 +27,7 @@ from pyiceberg.table import Table
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
+from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import (
     ConfigError,
@@ -251,10 +252,11 @@ class Stream(StreamTable):
 
     @classmethod
     def drop(cls, catalog: Catalog, identifier: str, *, purge: bool = False) -> int:
-        """Drop a stream: its catalog entry, and the batches still staged for group commit as rows of the catalog's
-        database (catalog staging), which nothing would remove once the table is gone (GC of the stream expires them
-        while it exists). Stop the stream's producers first: a producer still holding a staged batch would wait on an
-        intent removed under it (its commit then fails, the table being gone).
+        """Drop a stream: its catalog entry, and what it keeps as rows of a SQL catalog's database, which nothing would
+        remove once the table is gone (GC of the stream expires them while it exists): the batches still staged for
+        group commit (catalog staging) and the consumer positions of its readers (``lakestream lag``). Stop the
+        stream's producers first: a producer still holding a staged batch would wait on an intent removed under it (its
+        commit then fails, the table being gone).
 
         Args:
             catalog: The stream's catalog.
@@ -263,20 +265,22 @@ class Stream(StreamTable):
                 such as storage-staged intents and abandoned uploads, stay, as with any Iceberg table).
 
         Returns:
-            How many staged intents were removed from the catalog's database (0 on catalogs without an intent table).
+            How many staged intents were removed from the catalog's database (0 on catalogs without an intent table);
+            the consumer positions removed are logged.
 
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"``, or ``purge`` is not a bool.
             NotAStreamError: The table is a plain Iceberg table, not a stream (nothing is dropped).
             StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
-            Exception: The catalog's database unreachable after the table was dropped, unchanged; the intents left
-                are unusable rows (their table is gone) and a later drop of a stream at the same location, or its GC,
-                removes them.
+            Exception: The catalog's database unreachable after the table was dropped, unchanged; the intents and
+                positions left are unusable rows (their table is gone) and a later drop of a stream at the same
+                location, or its GC, removes them.
         """
         check_bool(purge, what="purge")
         stream = cls.open(catalog, identifier)  # a plain Iceberg table is refused before anything is dropped
         root = stream.staging.root
         retry_s = stream.config.io_retry_timeout_s
+        positions = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)
         stream.close()
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"dropping stream {identifier}", catalog=catalog.name):
@@ -284,6 +288,11 @@ class Stream(StreamTable):
                 catalog.purge_table(identifier)
             else:
                 catalog.drop_table(identifier)
+        if positions.kind == "catalog database":  # objects under the location stay, as the table's other files do
+            dropped = call_with_retry(positions.delete, what=f"removing the consumer positions of {identifier}",
+                                      timeout_s=retry_s)
+            if dropped:
+                log.info("dropped stream %s and %d consumer positions", identifier, dropped)
         intents = IntentTable.of(catalog)  # whatever the staging property said: rows of an earlier setting too
         if intents is None:
             return 0
@@ -487,6 +496,32 @@ class Stream(StreamTable):
     def _expire_intents(self, older_than_s: float, delete: bool) -> list[str]:
         return call_with_retry(lambda: self.staging.expire(older_than_s=older_than_s, delete=delete),
                                what="expiring staged intents", timeout_s=self.config.io_retry_timeout_s)
+
+    def delete_consumer_group(self, group: str, *, force: bool = False) -> int:
+        """Delete every recorded position of consumer ``group`` on this stream, as ``kafka-consumer-groups --delete``
+        does (``lakestream lag STREAM --group RUN --delete``); see :func:`lakestream_iceberg.read.lag.delete_group`.
+        Groups silent for ``lakestream.consumers.retention-ms`` (default 7 days) expire without it.
+
+        Args:
+            group: The consumer group (a dataset's ``group=``, a training run's name).
+            force: Delete even while a rank of the group is still reporting (it writes its position again at its next
+                report).
+
+        Returns:
+            How many positions were deleted (0: the group has none).
+
+        Raises:
+            ConsumerGroupActiveError: A rank of the group reported within the last 3 report intervals and ``force`` is
+                false; nothing was deleted.
+            ConfigError: ``group`` is not a group name, or ``force`` is not a bool.
+
+        Example:
+            >>> stream.delete_consumer_group("run-41")  # doctest: +SKIP
+            8
+        """
+        from lakestream_iceberg.read.lag import delete_group
+
+        return delete_group(self, group=group, force=force)
 
     def history(self, *, branch: str = MAIN, samples_steps: tuple[int, int] | None = None) -> Any:
         """DuckDB views of this stream's batch history (see :mod:`lakestream_iceberg.read.history`).

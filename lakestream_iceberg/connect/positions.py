@@ -21,8 +21,31 @@ Any other catalog (REST, Glue, Hive, an in-memory SQLite database) keeps one obj
 whose ``position`` column holds the document; its age is the store's modification time. It lies under ``data/`` and is
 Parquet (as staged intents and producer-state files are, beside the producer folders, whose ids never start with
 ``_``) because stores that serve Iceberg tables, such as S3 table buckets, accept only Parquet and Avro files under a
-table's ``data/`` (SeaweedFS's table buckets refuse a ``.json`` object there). Lifecycle GC treats those objects like any file no snapshot references: one not rewritten for
-longer than the GC grace period (the position of a rank that stopped long ago) is deleted by the next sweep.
+table's ``data/`` (SeaweedFS's table buckets refuse a ``.json`` object there).
+
+**Retention** (table property ``lakestream.consumers.retention-ms``, default 7 days, as Kafka's
+``offsets.retention.minutes``): the positions of a group whose newest report is older than the retention period are
+deleted, all of the group's ranks together (:meth:`PositionStore.expire`); a group where any rank reported within the
+period keeps every row, its stale and gone ranks included (as Kafka expires only the offsets of a group with no active
+member). Ages are the store's clock: the database's for rows, the modification times for objects. Two callers, neither
+on the training loop's path:
+
+* the position reporter of rank 0 (:class:`~lakestream_iceberg.read.consumer.PositionReporter`), from its background
+  thread after its first report and then at most once an hour per process and stream: one statement per training run
+  and hour (not one per rank: a thousand ranks restarting would otherwise run a thousand), bounded by the stream's rows
+  (the primary key's ``location`` prefix). Rows stop accumulating wherever runs keep starting, even where nobody runs GC;
+* lifecycle GC (:mod:`lakestream_iceberg.lifecycle.gc`), once per collection, for the streams nobody reads any more.
+  Its sweep leaves position objects to this expiry (a stale rank of a live group stays listed, as a row does).
+
+Expiry on a schedule of its own would need a process to own it, which lakestream has nowhere; expiry in the upsert
+would cost a statement per report. ``Stream.drop`` removes the dropped stream's rows (:meth:`PositionStore.delete`),
+which no later report or GC would reach; ``Stream.delete_consumer_group`` (``lakestream lag --delete``) removes one
+group's positions on demand, from either store.
+
+A report racing the expiry of its own group (a run resumed exactly when its group expires, after a silence of the whole
+period) keeps its row: the ``DELETE`` also requires each row it removes to be old, which PostgreSQL re-checks on a row
+updated meanwhile (SQLite runs the statement alone). An object rewritten between the listing and the deletion may go;
+either way the group's ranks write their positions again at their next report.
 """
 
 from __future__ import annotations
@@ -52,6 +75,11 @@ _SQLITE_DDL = (
 _SQLITE_UPSERT = (
     f"INSERT INTO {POSITION_TABLE} (location, grp, rank, body, updated_at) VALUES (?, ?, ?, ?, {_SQLITE_NOW}) "
     "ON CONFLICT (location, grp, rank) DO UPDATE SET body = excluded.body, updated_at = excluded.updated_at"
+)
+# The rows of this stream whose group has no row younger than the cutoff (args: location, age, location, age).
+_SQLITE_EXPIRED = (
+    f"location = ? AND updated_at < {_SQLITE_NOW} - ? AND grp NOT IN "
+    f"(SELECT grp FROM {POSITION_TABLE} WHERE location = ? AND updated_at >= {_SQLITE_NOW} - ?)"
 )
 _SUFFIX = ".parquet"
 _SCHEMA = pa.schema([("position", pa.string())])
@@ -140,25 +168,105 @@ class PositionStore:
                 found = conn.execute(stmt.order_by(t.c.grp, t.c.rank)).all()
         return [PositionRow(group=str(g), rank=int(r), body=str(b), age_s=max(0.0, float(a))) for g, r, b, a in found]
 
+    def expire(self, *, older_than_s: float, delete: bool = True) -> tuple[int, int]:
+        """Delete the positions of every group whose newest report is older than ``older_than_s`` seconds by the
+        store's clock, all of a group's ranks together (see the module docstring); ``delete=False`` only counts them.
+        Returns how many positions and bytes (0 for rows) went. A store that has none creates nothing."""
+        if self._engine is None:
+            old: dict[str, list[tuple[str, int]]] = {}
+            newest: dict[str, float] = {}
+            for path, group, _rank, mtime, size in self._object_list(None):
+                old.setdefault(group, []).append((path, size))
+                newest[group] = max(newest.get(group, mtime), mtime)
+            cutoff = time.time() - older_than_s
+            doomed = [o for group, objects in old.items() if newest[group] < cutoff for o in objects]
+            return self._delete_objects(doomed, delete=delete), sum(size for _, size in doomed)
+        if self._sqlite is not None:
+            conn = self._sqlite.connection()
+            if not _TABLE.in_sqlite(conn):
+                return 0, 0
+            args = (self.location, older_than_s, self.location, older_than_s)
+            if not delete:
+                return int(conn.execute(f"SELECT count(*) FROM {POSITION_TABLE} WHERE {_SQLITE_EXPIRED}",
+                                        args).fetchone()[0]), 0
+            return conn.execute(f"DELETE FROM {POSITION_TABLE} WHERE {_SQLITE_EXPIRED}", args).rowcount, 0
+        from sqlalchemy import and_
+
+        t = _pg_table()
+        cutoff = (_pg_now() if self._engine.dialect.name != "sqlite" else _sqlite_now()) - older_than_s
+        recent = _sa_select(t.c.grp).where(t.c.location == self.location, t.c.updated_at >= cutoff)
+        return self._sa_delete(and_(t.c.location == self.location, t.c.updated_at < cutoff, t.c.grp.not_in(recent)),
+                               delete=delete), 0
+
+    def delete(self, *, group: str | None = None) -> int:
+        """Delete the positions of ``group`` (every group of this stream when None), whatever their age; returns how
+        many went."""
+        if self._engine is None:
+            return self._delete_objects([(path, size) for path, _, _, _, size in self._object_list(group)], delete=True)
+        where, args = ("location = ?", (self.location,)) if group is None else \
+            ("location = ? AND grp = ?", (self.location, group))
+        if self._sqlite is not None:
+            conn = self._sqlite.connection()
+            if not _TABLE.in_sqlite(conn):
+                return 0
+            return conn.execute(f"DELETE FROM {POSITION_TABLE} WHERE {where}", args).rowcount  # autocommit
+        t = _pg_table()
+        cond = t.c.location == self.location
+        return self._sa_delete(cond if group is None else cond & (t.c.grp == group), delete=True)
+
+    def _sa_delete(self, cond: Any, *, delete: bool) -> int:
+        """``DELETE ... WHERE cond`` (or its count) through SQLAlchemy: PostgreSQL, or SQLite with URI options."""
+        from sqlalchemy import delete as sa_delete
+        from sqlalchemy import func, inspect
+
+        assert self._engine is not None
+        if not inspect(self._engine).has_table(POSITION_TABLE):
+            return 0
+        t = _pg_table()
+        with self._engine.begin() as conn:
+            if not delete:
+                return int(conn.execute(_sa_select(func.count()).select_from(t).where(cond)).scalar_one())
+            return int(conn.execute(sa_delete(t).where(cond)).rowcount)
+
     # -- the object fallback ---------------------------------------------------------------------------------------------
     def _object_path(self, group: str, rank: int) -> str:
         return f"{self.location}/data/{POSITIONS_DIR}/{quote(group, safe='')}/r{rank:06d}.parquet"
 
-    def _object_rows(self, group: str | None) -> list[PositionRow]:
-        found: list[tuple[str, str, int, float]] = []
+    def _object_list(self, group: str | None) -> list[tuple[str, str, int, float, int]]:
+        """``(path, group, rank, mtime, size)`` of every position object of ``group`` (every group when None)."""
+        found: list[tuple[str, str, int, float, int]] = []
         root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{quote(group, safe='')}")
-        now = time.time()
-        for path, _size, mtime in list_files(self._io, root):
+        for path, size, mtime in list_files(self._io, root):
             parts = path.rsplit("/", 2)
             name = parts[-1]
             if len(parts) < 3 or not (name.startswith("r") and name.endswith(_SUFFIX) and name[1:-len(_SUFFIX)].isdigit()):
                 continue  # not a position object (a temporary file of the store, someone else's file)
-            found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime))
+            found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime, size))
+        return found
+
+    def _object_rows(self, group: str | None) -> list[PositionRow]:
+        found = self._object_list(group)
+        now = time.time()
         with ThreadPoolExecutor(min(16, max(1, len(found)))) as pool:  # a thousand ranks: a thousand small GETs
             bodies = list(pool.map(self._read_object, [path for path, *_ in found]))
         out = [PositionRow(group=g, rank=r, body=body, age_s=max(0.0, now - mtime))
-               for (_, g, r, mtime), body in zip(found, bodies, strict=True) if body is not None]
+               for (_, g, r, mtime, _), body in zip(found, bodies, strict=True) if body is not None]
         return sorted(out, key=lambda r: (r.group, r.rank))
+
+    def _delete_objects(self, objects: list[tuple[str, int]], *, delete: bool) -> int:
+        """Delete these position objects (one already gone is not counted); ``delete=False``: count them."""
+        if not delete:
+            return len(objects)
+
+        def one(path: str) -> bool:
+            try:
+                self._io.delete(path)
+            except FileNotFoundError:
+                return False
+            return True
+
+        with ThreadPoolExecutor(min(16, max(1, len(objects)))) as pool:
+            return sum(pool.map(one, [path for path, _ in objects]))
 
     def _read_object(self, path: str) -> str | None:
         """A position object's document; None when it was removed since the listing, and for a file that is not a
@@ -215,6 +323,12 @@ def _pg_table() -> Any:
             Column("body", Text, nullable=False), Column("updated_at", Float, nullable=False),
         )
     return _PG_TABLE
+
+
+def _sa_select(*columns: Any) -> Any:
+    from sqlalchemy import select
+
+    return select(*columns)
 
 
 def _pg_now() -> Any:

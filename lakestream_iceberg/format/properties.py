@@ -31,7 +31,8 @@ from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.checks import check_int
 
 __all__ = [
-    "ARROW_SCHEMA", "AVRO_CODEC", "COMMIT_MAX_ATTEMPTS", "COMMIT_TIMEOUT", "CONFIG_FIELDS", "DELETE_AFTER_COMMIT",
+    "ARROW_SCHEMA", "AVRO_CODEC", "COMMIT_MAX_ATTEMPTS", "COMMIT_TIMEOUT", "CONFIG_FIELDS", "CONSUMERS_RETENTION",
+    "DELETE_AFTER_COMMIT",
     "FORMAT_VERSION", "GC_GRACE", "GROUP_COMMIT", "GROUP_MAX_BATCHES", "GROUP_STAGING", "HOW", "IO_RETRY_TIMEOUT",
     "LAYOUT", "LAYOUTS", "LAYOUT_PACKED", "LAYOUT_PER_RANK", "MANIFEST_CACHE_BYTES", "MAX_MERGE_ENTRIES",
     "MAX_SNAPSHOT_AGE", "MERGE_FANOUT", "MIN_SNAPSHOTS_TO_KEEP", "PACKED_ROW_GROUP_BYTES", "PARQUET_CODEC",
@@ -358,6 +359,9 @@ GROUP_STAGING = ChoiceProperty(
 GC_GRACE = DurationProperty(
     key="lakestream.gc.grace-period-ms", field="gc_grace_ms", default=3_600_000, minimum=0, change=REOPEN,
     doc="GC never deletes an unreferenced file younger than this; at least 2 x lakestream.commit.timeout-ms.")
+CONSUMERS_RETENTION = DurationProperty(
+    key="lakestream.consumers.retention-ms", default=604_800_000, minimum=60_000, change=REOPEN,
+    doc="A consumer group's recorded positions are deleted once none of its ranks has reported for this long.")
 IO_RETRY_TIMEOUT = DurationProperty(
     key="lakestream.io.retry-timeout-ms", field="io_retry_timeout_ms", default=120_000, minimum=0, change=REOPEN,
     doc="How long data-file writes and reads retry a transient storage failure before the error propagates.")
@@ -396,7 +400,7 @@ PROPERTIES: tuple[Property[int] | Property[bool] | Property[str], ...] = (
     RETAIN_LAST, RETAIN_MAX, MAX_SNAPSHOT_AGE, MIN_SNAPSHOTS_TO_KEEP,
     MERGE_FANOUT, MAX_MERGE_ENTRIES, MANIFEST_CACHE_BYTES,
     COMMIT_TIMEOUT, COMMIT_MAX_ATTEMPTS, GROUP_COMMIT, GROUP_MAX_BATCHES, GROUP_STAGING,
-    GC_GRACE, IO_RETRY_TIMEOUT,
+    GC_GRACE, CONSUMERS_RETENTION, IO_RETRY_TIMEOUT,
     PREVIOUS_VERSIONS_MAX, DELETE_AFTER_COMMIT,
     PARQUET_CODEC, PARQUET_LEVEL, PARQUET_PAGE_SIZE, PARQUET_DICT_SIZE, PARQUET_PAGE_ROWS, AVRO_CODEC,
 )  # fmt: skip

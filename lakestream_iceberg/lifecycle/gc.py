@@ -15,6 +15,9 @@ Retention model (see docs/guide/retention.md):
   steps' data files, manifests, manifest lists and metadata files. Files that no metadata ever referenced (a crashed
   producer's staged shards, a lost compare-and-swap's manifests) are deleted only once older than the grace period
   (``lakestream.gc.grace-period-ms``, default 1 h), because their commit may still be in flight.
+* consumer positions (:mod:`lakestream_iceberg.connect.positions`) are no files of a commit: the sweep leaves the
+  position objects alone, and GC expires the positions of the groups silent for longer than
+  ``lakestream.consumers.retention-ms`` instead, rows or objects, a whole group at a time (kind ``consumer-position``).
 
 ``dry_run=True`` (the default) computes the same plan (both commits) and deletes nothing.
 
@@ -64,7 +67,7 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
-from lakestream_iceberg.connect.positions import POSITIONS_DIR
+from lakestream_iceberg.connect.positions import POSITIONS_DIR, PositionStore
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
@@ -74,6 +77,7 @@ from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMM
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifests import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
+from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
@@ -252,8 +256,6 @@ def _kind(path: str) -> str:
         return "intent"
     if f"/data/{PRODUCERS_DIR}/" in path:
         return "producer-state"
-    if f"/data/{POSITIONS_DIR}/" in path:
-        return "consumer-position"  # a rank's position object (connect/positions.py), not rewritten within the grace
     if "/data/" in path and name.endswith(".parquet"):
         return "data"
     if name.endswith(".metadata.json"):
@@ -275,8 +277,8 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
     sizes: dict[str, int] = defaultdict(int)
     for path, size, mtime in list_files(stream.io, location):
         key = norm(path)
-        if key in keep or not key.startswith(root):
-            continue
+        if key in keep or not key.startswith(root) or f"/data/{POSITIONS_DIR}/" in path:
+            continue  # position objects expire a group at a time (_expire_positions), not a file at a time
         if key not in known and mtime > cutoff:
             report.files_in_grace += 1
             continue
@@ -354,6 +356,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
               delete=False)
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
+        _expire_positions(stream, plan.result, metadata, delete=False)
         return plan.result
     # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
     # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
@@ -366,7 +369,23 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     known |= {norm(p) for p in outcome.abandoned_files}
     sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True)
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
+    _expire_positions(stream, report, expiry.metadata, delete=True)
     return report
+
+
+def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, delete: bool) -> None:
+    """The consumer positions of groups silent for longer than ``lakestream.consumers.retention-ms`` (rows: 0 bytes)."""
+    retention_s = CONSUMERS_RETENTION.seconds(CONSUMERS_RETENTION.get(metadata.properties) or 0)
+    try:
+        store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=metadata.location)
+        count, size = store.expire(older_than_s=retention_s, delete=delete)
+    except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
+        log.warning("GC of %s could not expire the consumer positions of old groups (%s); the next GC retries",
+                    stream.name, exc)
+        return
+    if count:
+        report.files_deleted["consumer-position"] = report.files_deleted.get("consumer-position", 0) + count
+        report.bytes_deleted["consumer-position"] = report.bytes_deleted.get("consumer-position", 0) + size
 
 
 def _expire_intents(stream: StreamTable, report: GCReport, expire: Callable[[float, bool], list[str]] | None, *,

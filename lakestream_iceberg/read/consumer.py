@@ -5,7 +5,9 @@ rank), the last step it delivered, how long the training loop waited for data, a
 is one upsert into the catalog's database (or one small object per rank elsewhere, see
 :mod:`lakestream_iceberg.connect.positions`), made by a background thread every ``report_s`` seconds (default 5) and once
 more when the iteration ends or the dataset is closed: never a commit to the table, and never I/O in the training loop.
-``lakestream lag`` (:mod:`lakestream_iceberg.read.lag`) reads the records back.
+``lakestream lag`` (:mod:`lakestream_iceberg.read.lag`) reads the records back. Rank 0's reporter also expires the
+positions of groups silent for longer than ``lakestream.consumers.retention-ms``, at most once an hour per process and
+stream (see :mod:`lakestream_iceberg.connect.positions`).
 
 **Which process records.** The position is what the training loop received, so it is recorded where the loop runs:
 
@@ -44,13 +46,15 @@ from lakestream_iceberg.connect.metrics import consumer_metrics
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, CorruptStateError
 from lakestream_iceberg.format.checks import check_seconds
+from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
 from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.reader import WHOLE_FILE_BYTES
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["DEFAULT_REPORT_S", "Position", "PositionReporter", "RankPositions", "check_group", "fetched_bytes", "track"]
+__all__ = ["DEFAULT_REPORT_S", "EXPIRY_INTERVAL_S", "Position", "PositionReporter", "RankPositions", "check_group",
+           "fetched_bytes", "track"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,9 @@ DEFAULT_REPORT_S = 5.0
 VERSION = 1
 MAX_GROUP_CHARS = 200
 _SOURCES = ("iterator", "loader")
+EXPIRY_INTERVAL_S = 3600.0  # rank 0's reporter expires old groups at most this often per process and stream
+_expired_at: dict[str, float] = {}  # stream location -> time.monotonic() of this process's last expiry there (two
+# reporters of one process racing past the check both expire: harmless, and no lock is held across a fork)
 
 
 def check_group(group: object) -> str:
@@ -162,12 +169,16 @@ class PositionReporter:
         head: Returns the head step of the branch as this process last saw it (for the steps-behind-head metric), or
             None.
         reads: Whether this process fetches the data (else ``read_bytes`` is None).
+        retention_s: Rank 0 expires the positions of groups silent for longer than this (see
+            :meth:`~lakestream_iceberg.connect.positions.PositionStore.expire`), at most once per ``EXPIRY_INTERVAL_S``
+            per process and stream; None: never.
     """
 
     def __init__(self, *, store: PositionStore, group: str, rank: int, world_size: int, branch: str, stream: str,
                  name: str, report_s: float, workers: int, source: str, head: Callable[[], int | None] | None = None,
-                 reads: bool = True) -> None:
+                 reads: bool = True, retention_s: float | None = None) -> None:
         self._store, self._head = store, head
+        self._retention_s = retention_s if rank == 0 else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._failures = 0
@@ -212,8 +223,32 @@ class PositionReporter:
 
     def _run(self) -> None:
         self._report(closed=False)  # the rank shows up at once, before its first step
+        self._expire()
         while not self._stop.wait(self._doc.report_s):
             self._report(closed=False)
+            self._expire()
+
+    def _expire(self) -> None:
+        """Rank 0: delete the positions of groups silent for longer than the retention, unless this process did so on
+        this stream within ``EXPIRY_INTERVAL_S`` (a dictionary lookup otherwise). Failures are logged: the next
+        interval, or GC, retries."""
+        if self._retention_s is None:
+            return
+        now = time.monotonic()
+        last = _expired_at.get(self._store.location)
+        if last is not None and now - last < EXPIRY_INTERVAL_S:
+            return
+        _expired_at[self._store.location] = now
+        try:
+            with no_fork_inside():
+                removed, _ = self._store.expire(older_than_s=self._retention_s)
+        except Exception as exc:  # noqa: BLE001 - positions are informative; see the class docstring
+            log.warning("expiring the consumer positions of old groups on %s failed (the next hour retries): %s",
+                        self._store.location, exc)
+            return
+        if removed:
+            log.info("expired %d consumer positions of groups silent for more than %gs on %s", removed,
+                     self._retention_s, self._store.location)
 
     def _report(self, *, closed: bool) -> None:
         with self._lock:
@@ -305,7 +340,7 @@ class RankPositions:
         self._reporter = PositionReporter(
             store=store, group=self.group, rank=self.rank, world_size=self.world_size, branch=self.branch,
             stream=self.stream, name=stream.name, report_s=self.report_s, workers=workers, source=source, head=head,
-            reads=reads)
+            reads=reads, retention_s=_retention_s(stream.table.metadata.properties))
         return self._reporter
 
     def iteration(self, stream: StreamTable, *, in_worker: bool, head: Callable[[], int | None]) -> PositionReporter | None:
@@ -353,6 +388,11 @@ class RankPositions:
         reporter, self._reporter = self._reporter, None
         if reporter is not None and reporter.pid == os.getpid():
             reporter.close(closed=closed)
+
+
+def _retention_s(properties: Any) -> float:
+    """``lakestream.consumers.retention-ms`` of a table with these properties, in seconds."""
+    return CONSUMERS_RETENTION.seconds(CONSUMERS_RETENTION.get(properties) or 0)
 
 
 _hinted: set[str] = set()

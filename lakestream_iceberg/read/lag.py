@@ -14,6 +14,10 @@ Each recorded position (:mod:`lakestream_iceberg.read.consumer`) becomes one :cl
   after a resize), or to a table since dropped and made again at the same location; ``invalid`` when the stored
   document does not parse (``error`` says why). Only ``active`` and ``stale`` rows are lagging: a gone rank shows its
   last position without a lag.
+
+:func:`delete_group` deletes a group's positions on demand (``kafka-consumer-groups --delete``), refusing while a rank
+of the group is ``active``; groups silent for ``lakestream.consumers.retention-ms`` expire by themselves (see
+:mod:`lakestream_iceberg.connect.positions`).
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from lakestream_iceberg.connect.positions import PositionStore
-from lakestream_iceberg.errors import ConfigError, CorruptStateError, LakestreamError
+from lakestream_iceberg.errors import ConfigError, ConsumerGroupActiveError, CorruptStateError, LakestreamError
 from lakestream_iceberg.format.summary import KEY_STEP
-from lakestream_iceberg.read.consumer import Position
+from lakestream_iceberg.read.consumer import Position, check_group
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["CONSUMERS_SCHEMA", "DEFAULT_STALE_AFTER", "ConsumerLag", "consumer_lags", "consumers_table"]
+__all__ = ["CONSUMERS_SCHEMA", "DEFAULT_STALE_AFTER", "ConsumerLag", "consumer_lags", "consumers_table", "delete_group"]
 
 log = logging.getLogger(__name__)
 
@@ -130,9 +134,8 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
     Raises:
         ConfigError: ``stale_after`` is not a positive number.
     """
-    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not stale_after > 0:
-        raise ConfigError(f"stale_after must be a positive number of report intervals, got {stale_after!r}")
-    store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+    _check_stale_after(stale_after)
+    store = _store(stream)
     now = time.time() if now is None else now
     uuid = str(stream.table.metadata.table_uuid)
     parsed: list[tuple[Any, Position | None, str | None]] = []
@@ -177,6 +180,50 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
             source=position.source, error=None if position.stream == uuid else
             f"recorded for table UUID {position.stream}, a table since dropped at this location"))
     return out
+
+
+def delete_group(stream: StreamTable, *, group: str, force: bool = False,
+                 stale_after: float = DEFAULT_STALE_AFTER) -> int:
+    """Delete every recorded position of ``group`` on ``stream`` (rows of the catalog's database, or objects under the
+    table location), as ``kafka-consumer-groups --delete`` does; returns how many were deleted (0: none recorded).
+
+    A rank that is still reporting would write its row again at its next report, so the deletion is refused while a
+    rank of the group is ``active`` (reported within ``stale_after`` times its report interval, not closed) unless
+    ``force``. Stale, closed, gone and invalid ranks do not hold the group.
+
+    Example:
+        >>> delete_group(stream, group="run-41")   # doctest: +SKIP
+        8
+
+    Raises:
+        ConsumerGroupActiveError: A rank of the group is active and ``force`` is false (nothing deleted).
+        ConfigError: ``group`` is not a group name, ``force`` not a bool, or ``stale_after`` not positive.
+    """
+    check_group(group)
+    if not isinstance(force, bool):
+        raise ConfigError(f"force must be True or False, not {force!r}")
+    _check_stale_after(stale_after)
+    if not force:
+        active = [c.rank for c in consumer_lags(stream, group=group, stale_after=stale_after) if c.status == "active"]
+        if active:
+            shown = ", ".join(map(str, active[:8])) + (f" and {len(active) - 8} more" if len(active) > 8 else "")
+            raise ConsumerGroupActiveError(
+                f"consumer group {group!r} of {stream.name} is still reading: rank(s) {shown} reported within the last "
+                f"{stale_after:g} report intervals, and would write their positions again. Stop the group's ranks "
+                "first (lakestream lag shows them stale or closed then), or delete anyway with force=True "
+                "(lakestream lag --delete --force)")
+    removed = _store(stream).delete(group=group)
+    log.info("deleted %d consumer positions of group %r on %s", removed, group, stream.name)
+    return removed
+
+
+def _store(stream: StreamTable) -> PositionStore:
+    return PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+
+
+def _check_stale_after(stale_after: object) -> None:
+    if isinstance(stale_after, bool) or not isinstance(stale_after, (int, float)) or not stale_after > 0:
+        raise ConfigError(f"stale_after must be a positive number of report intervals, got {stale_after!r}")
 
 
 def consumers_table(stream: StreamTable, *, stale_after: float = DEFAULT_STALE_AFTER) -> pa.Table:

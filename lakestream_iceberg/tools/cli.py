@@ -11,6 +11,7 @@ Example:
     $ lakestream sql demo.run_20261129_210727_ab12 "SELECT producer, count(*) FROM batches GROUP BY 1" --json
     $ lakestream tail demo.run_20261129_210727_ab12 --max-steps 10
     $ lakestream lag demo.run_20261129_210727_ab12 --group run-42 --json
+    $ lakestream lag demo.run_20261129_210727_ab12 --group run-41 --delete   # its recorded positions
     $ lakestream host --strict          # a preflight check of the producer host's memcpy (glibc bug 30994)
 """
 
@@ -335,8 +336,16 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_lag(args: argparse.Namespace, out: Output) -> int:
-    from lakestream_iceberg.tools.lag import lag_report, show_lag
+    from lakestream_iceberg.tools.lag import delete_positions, lag_report, show_lag
 
+    if args.force and not args.delete:
+        raise UserError("--force only applies to --delete: lakestream lag STREAM --group RUN --delete --force")
+    if args.delete:
+        if args.group is None:
+            raise UserError("--delete needs the group whose positions to delete: lakestream lag STREAM --group RUN "
+                            "--delete")
+        delete_positions(_stream(args), out, group=args.group, force=args.force, stale_after=args.stale_after)
+        return 0
     show_lag(lag_report(_stream(args), group=args.group, stale_after=args.stale_after), out, group=args.group)
     return 0
 
@@ -406,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", metavar="RUN", help="consumer group (the dataset's group=); default: every group")
     p.add_argument("--stale-after", type=_seconds(0.001), default=3.0, metavar="N",
                    help="a rank silent for N report intervals is stale (default 3)")
+    p.add_argument("--delete", action="store_true",
+                   help="delete the group's recorded positions (refused while a rank of it is active)")
+    p.add_argument("--force", action="store_true", help="with --delete: delete even while a rank is active")
 
     p = add("host", cmd_host, "check whether this host's memcpy slows Parquet writing (glibc bug 30994 on AMD) and what to set")
     p.add_argument("--strict", action="store_true", help="exit 1 when the host has the slow copy (for preflight checks)")

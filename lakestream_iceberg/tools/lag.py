@@ -2,6 +2,7 @@
 
 The rows come from :func:`lakestream_iceberg.read.lag.consumer_lags` (their meaning is documented there); this module
 prints them: a summary per group and a table per rank for people, one JSON document with ``--json``.
+``--delete`` deletes a group's positions instead (:func:`lakestream_iceberg.read.lag.delete_group`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from lakestream_iceberg.tools.output import Output
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["COLUMNS", "lag_report", "show_lag"]
+__all__ = ["COLUMNS", "delete_positions", "lag_report", "show_lag"]
 
 COLUMNS = ["rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "data_wait", "read_MB", "age_s", "host",
            "pid"]
@@ -38,6 +39,18 @@ def lag_report(stream: StreamTable, *, group: str | None, stale_after: float) ->
                        "max_lag_steps": max(lags, default=None)})
     return {"stream": stream.name, "stale_after_reports": stale_after, "groups": groups,
             "positions": [asdict(r) for r in rows]}
+
+
+def delete_positions(stream: StreamTable, out: Output, *, group: str, force: bool, stale_after: float) -> None:
+    """``lakestream lag STREAM --group RUN --delete [--force]``: delete the group's positions and say how many."""
+    from lakestream_iceberg.read.lag import delete_group
+
+    removed = delete_group(stream, group=group, force=force, stale_after=stale_after)
+    if out.json:
+        out.emit_json({"stream": stream.name, "group": group, "deleted": removed})
+    else:
+        out.console.print(f"deleted {removed} recorded position(s) of group {group!r} on {stream.name}"
+                          if removed else f"no recorded positions of group {group!r} on {stream.name}: nothing deleted")
 
 
 def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
