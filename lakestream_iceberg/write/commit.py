@@ -323,7 +323,8 @@ class CommitLoop:
         return self._fresh
 
     def mark_stale(self) -> None:
-        """The next call reads the head again before it plans."""
+        """The next call reads the head again before it plans (also after a :class:`ForeignSnapshotError`: a view
+        showing the foreign change is never planned on again, so a repair made meanwhile is seen)."""
         self._fresh = False
         self.peeked = False
 
@@ -341,6 +342,17 @@ class CommitLoop:
             pace: Sleep the policy's pacing delay before a commit that is not staged.
         """
         call = self._begin(planner if not callable(planner) else FunctionPlanner(planner), pace=pace)
+        try:
+            return self._attempts(call)
+        except ForeignSnapshotError:
+            # Refused on a head another engine changed (by the planner, or by the pacing read after a lost swap): the
+            # view that shows it must not be reused, since the branch may be repaired (here or by another process)
+            # before the next call, which then reads the head again and plans on the repaired one.
+            self.mark_stale()
+            raise
+
+    def _attempts(self, call: _Call[T]) -> Outcome[T]:
+        """The attempts of one :meth:`run` until one lands or the planner's answer is final."""
         while True:
             call.attempt += 1
             if call.carry is not None and (carried := self._take_turn(call)) is not None:

@@ -197,7 +197,9 @@ class Producer:
         When a commit fails, its future holds the exception, every batch queued behind it fails with
         :class:`~lakestream_iceberg.errors.ProducerFailedError` without being written or published, and the producer
         takes no more batches: open a new producer with the same id, which resumes from the table's state (a published
-        seq is never published twice; the next seq is the first unpublished one). A process killed with batches in
+        seq is never published twice; the next seq is the first unpublished one). A refusal stops it in the same way,
+        e.g. :class:`~lakestream_iceberg.errors.ForeignSnapshotError`: after ``Stream.repair()``, open a new producer
+        (one that only ever used :meth:`commit` goes on by itself, with the refused seq). A process killed with batches in
         flight loses exactly the ones not yet published, in the same way. Call :meth:`flush` or :meth:`close` (or use
         the producer as a context manager) before the process exits: the committer is a daemon thread, and what is
         still queued when the interpreter exits is not published.

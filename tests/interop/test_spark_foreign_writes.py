@@ -110,7 +110,10 @@ def test_a_foreign_data_change_is_refused_until_repair_rolls_it_back(lake: Lake,
     assert stream.repair().foreign == ()  # nothing left to repair
     again = writers.producers["a"].commit(shards("a", 0), seq=0)  # the refused producer, retrying after the repair
     assert (again.duplicate, again.step) == (True, 1)
-    assert_intact(lake, writers, head=5)  # Spark reads what was published again; step 6 next
+    assert_intact(lake, writers, head=5)  # Spark reads what was published again, and step 6 is the next commit
+    assert writers.published[6] == ("a", 2)  # the seq refused above, by the same producer object: published once
+    again = writers.producers["a"].commit(shards("a", 2), seq=2)
+    assert (again.duplicate, again.step) == (True, 6)
 
 
 def test_a_new_optional_column_added_by_spark_leaves_the_stream_working(lake: Lake) -> None:
