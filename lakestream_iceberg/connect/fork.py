@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "no_fork_inside"]
+__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "no_fork_inside", "resets_at_fork"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,13 @@ def fork_safe(catalog: Any) -> None:
         if not _registered:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _registered = True
+
+
+def resets_at_fork(catalog: Any) -> bool:
+    """Whether a forked child of this process starts with none of ``catalog``'s connections (:func:`fork_safe` was
+    called on it, in this process or in the parent it was forked from)."""
+    engine = getattr(catalog, "engine", None)
+    return engine is not None and _registered and engine in _engines
 
 
 def _after_fork_in_child() -> None:

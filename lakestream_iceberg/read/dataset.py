@@ -49,11 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
 from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, forked_view, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower
@@ -168,6 +169,7 @@ class _DatasetCore:
         self.collate = collate or TensorCollate()
         self.poll_s, self.max_poll_s, self.relay = poll_s, max_poll_s, relay
         self._ref = StreamRef.of(stream, include_secrets=ship_credentials)  # forked workers get them anyway
+        fork_safe(stream.table.catalog)  # forked workers start with none of its connections (they use it in place)
         self._stream: StreamTable | None = stream
         self._pid = os.getpid()
         self._schema = stream.payload_arrow_schema
@@ -219,9 +221,12 @@ class _DatasetCore:
         self._init_runtime()
 
     def _stream_here(self) -> StreamTable:
-        """The stream, reopened from the catalog in a forked or spawned process (engines do not survive a fork)."""
+        """The stream in this process: in a forked one a view of the parent's (SQL catalogs: no catalog round trip,
+        and no connection until one is needed, see :func:`~lakestream_iceberg.read.follow.forked_view`), else reopened
+        from the catalog (spawned processes; forked ones on other catalogs, whose HTTP sessions are the parent's)."""
         if self._stream is None or self._pid != os.getpid():
-            stream = self._ref.open()
+            view = None if self._stream is None else forked_view(self._stream)
+            stream = view or self._ref.open()
             if str(stream.table.metadata.table_uuid) != self._identity["stream"]:
                 raise StreamError(
                     f"table {stream.name} was dropped and created again since this dataset was made (table UUID "

@@ -35,12 +35,13 @@ from typing import Any, Protocol, TypeVar
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
+from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.config import Config, merge_config
 
 from lakestream_iceberg.connect.catalog_settings import resolve
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
-from lakestream_iceberg.connect.fork import fork_safe
+from lakestream_iceberg.connect.fork import fork_safe, resets_at_fork
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
@@ -51,7 +52,8 @@ from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
+__all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "forked_view",
+           "pump_steps"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
 
@@ -124,6 +126,23 @@ class StreamRef:
         fork_safe(catalog)  # a reader's forked workers open their own catalog connections (connect/fork.py)
         with config_errors(catalog.properties, action=f"opening stream {self.identifier}", catalog=catalog.name):
             return StreamTable(catalog.load_table(self.identifier))
+
+
+def forked_view(stream: StreamTable) -> StreamTable | None:
+    """A forked process's own view of ``stream``, which its parent opened, made without asking the catalog: the
+    parent's table metadata (as new as when the parent last read it: a follower's first poll brings it to the head),
+    a FileIO of its own (the parent's holds its storage clients' connections), and the parent's catalog when that is a
+    SQL catalog whose engine starts over in a forked child (:func:`~lakestream_iceberg.connect.fork.fork_safe`): it
+    opens a connection of its own on first use only, so a DataLoader worker that follows through another process's
+    head relay never opens one. None for other catalogs (an HTTP session of the parent's): reopen with
+    :meth:`StreamRef.open`.
+    """
+    table = stream.table
+    catalog = table.catalog
+    if not resets_at_fork(catalog):
+        return None
+    io = catalog._load_file_io(table.metadata.properties, table.metadata_location)  # what load_table gives a table
+    return StreamTable(Table(table.name(), table.metadata, table.metadata_location, io, catalog))
 
 
 class ArrivalClock:
