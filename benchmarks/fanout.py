@@ -297,6 +297,7 @@ def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int,
             "latency_p50_ms": percentile(lat, 50) * 1000, "latency_p99_ms": percentile(lat, 99) * 1000,
             "latency_max_ms": max(lat) * 1000, "first_step_ms": by_step[1] * 1000,
             "after_pause_ms": [by_step[s] * 1000 for s in sorted(resumed)], "pause_every": pause_every, "pause_s": pause_s,
+            "slowest_steps_ms": sorted(((round(v * 1000, 1), s) for s, v in by_step.items()), reverse=True)[:5],
             "waited_for_readers_s": waited, "wall_s": wall}
 
 
