@@ -41,7 +41,7 @@ from pyiceberg.utils.config import Config, merge_config
 
 from lakestream_iceberg.connect.catalog_settings import resolve
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
-from lakestream_iceberg.connect.fork import fork_safe, resets_at_fork
+from lakestream_iceberg.connect.fork import fork_safe, owns_connections
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
@@ -132,14 +132,14 @@ def forked_view(stream: StreamTable) -> StreamTable | None:
     """A forked process's own view of ``stream``, which its parent opened, made without asking the catalog: the
     parent's table metadata (as new as when the parent last read it: a follower's first poll brings it to the head),
     a FileIO of its own (the parent's holds its storage clients' connections), and the parent's catalog when that is a
-    SQL catalog whose engine starts over in a forked child (:func:`~lakestream_iceberg.connect.fork.fork_safe`): it
-    opens a connection of its own on first use only, so a DataLoader worker that follows through another process's
-    head relay never opens one. None for other catalogs (an HTTP session of the parent's): reopen with
+    SQL catalog whose engine the fork started over (:func:`~lakestream_iceberg.connect.fork.fork_safe`): it opens a
+    connection of its own on first use only, so a DataLoader worker that follows through another process's head relay
+    never opens one. None otherwise (other catalogs hold an HTTP session of the parent's): reopen with
     :meth:`StreamRef.open`.
     """
     table = stream.table
     catalog = table.catalog
-    if not resets_at_fork(catalog):
+    if not owns_connections(catalog):
         return None
     io = catalog._load_file_io(table.metadata.properties, table.metadata_location)  # what load_table gives a table
     return StreamTable(Table(table.name(), table.metadata, table.metadata_location, io, catalog))
