@@ -145,7 +145,8 @@ def rank(r: int, world: int, workers: int, relay: bool, props: dict[str, str], r
     os.environ["LAKESTREAM_RELAY_DIR"] = relay_dir
     ds = LakestreamDataset(open_stream(props), rank=r, world_size=world, follow=True, end_step=steps, timeout=300,
                            relay=relay, transform=Recorder(out), collate=lambda shard: shard.step)
-    loader = iter(DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork"))
+    loader = iter(DataLoader(ds, batch_size=None, num_workers=workers,
+                              multiprocessing_context="fork" if workers else None))
     ready.release()
     seen = []
     for step in loader:
