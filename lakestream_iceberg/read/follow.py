@@ -45,7 +45,7 @@ from lakestream_iceberg.connect.fork import fork_safe, owns_connections
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
-from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError
+from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.reader import read_file
@@ -366,6 +366,8 @@ def pump_steps(
     def poll() -> None:  # a follow-mode pump rides out a catalog hiccup (the next wait retries until its timeout)
         try:
             watcher.check()
+        except StreamError:
+            raise  # the table is gone or another one (dropped, created again): its head is no step of this stream
         except Exception:
             if not follow:
                 raise

@@ -216,6 +216,20 @@ def test_forked_workers_open_a_catalog_connection_only_to_serve_the_relay(tmp_pa
     assert sorted(opened.values())[1] <= 2  # the holder: its polls and its LISTEN
 
 
+@pytest.mark.parametrize("relay", [True, False])
+def test_forked_workers_of_a_table_dropped_and_created_again_raise(tmp_path: Path, relay: bool) -> None:
+    """A forked worker starts from its parent's view of the table (no reload): its first poll, through the relay or
+    not, finds the table another one, and no step of the old table is delivered."""
+    from torch.utils.data import DataLoader
+
+    stream = make_stream(tmp_path, steps=3)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=3, timeout=60, relay=relay)
+    stream.table.catalog.drop_table("ns.s")
+    Stream.create(stream.table.catalog, "ns.s", schema=SCHEMA, world_size=2)
+    with pytest.raises(StreamError, match="dropped and created again"):
+        list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+
+
 def test_disabled_or_unusable_relay_reads_directly(tmp_path: Path, relay_dir: Path,
                                                    caplog: pytest.LogCaptureFixture) -> None:
     stream = make_stream(tmp_path, steps=3)
