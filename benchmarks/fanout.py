@@ -20,7 +20,14 @@ What is counted, by the benchmark itself (nothing in the library counts for it):
   PyArrow FileIO counting each file opened and each byte read, metadata (``metadata.json``, manifest lists,
   manifests) apart from data;
 * **visibility latency**: the producer logs when each ``commit()`` returned, each rank when the step's item reached
-  it; every (step, rank), the first steps included.
+  it; every (step, rank), the first steps included, and apart: the first step, and the first step after each pause
+  of the producer (``--pause-every N --pause-s S``: the producer stops for S seconds after every N-th commit).
+
+The producer's first commit waits until every reader *follows*, as observed from outside: each host's relay socket has
+accepted a connection from every reading process of that host (``/proc/net/unix``) and its holder's ``LISTEN`` is in
+``pg_stat_activity`` (without the relay: every reading process's ``LISTEN``). A step committed before a reader exists
+is a backlog the reader starts on, not a visibility latency; before this wait the first commit went out after a fixed
+``--interval`` and, with many ranks on two cores, could overtake DataLoader workers still starting up.
 
 Per step and per rank is steady state: each reading process's counts between its first and last item, summed over
 processes, divided by the (step, rank) items those processes delivered in between (the relay holder's polling and
@@ -115,13 +122,15 @@ def shards(step: int) -> list[pa.Table]:
                       "blob": pa.array([bytes([step % 251]) * 256] * 16, pa.binary())}) for r in range(PRODUCERS)]
 
 
-def producer(props: dict[str, str], steps: int, interval: float, go: Any, log: str) -> None:
+def producer(props: dict[str, str], steps: int, interval: float, go: Any, log: str, pause_every: int,
+             pause_s: float) -> None:
     stream = open_stream(props)
     writer = stream.producer("fanout")
     go.wait()
     with open(log, "w") as f:
         for step in range(1, steps + 1):
-            time.sleep(interval)
+            paused = pause_every > 0 and step > 1 and (step - 1) % pause_every == 0
+            time.sleep(pause_s if paused else interval)
             result = writer.commit(shards(step))
             f.write(json.dumps({"step": result.step, "t": time.time()}) + "\n")
             f.flush()
@@ -136,7 +145,8 @@ def rank(r: int, world: int, workers: int, relay: bool, props: dict[str, str], r
     os.environ["LAKESTREAM_RELAY_DIR"] = relay_dir
     ds = LakestreamDataset(open_stream(props), rank=r, world_size=world, follow=True, end_step=steps, timeout=300,
                            relay=relay, transform=Recorder(out), collate=lambda shard: shard.step)
-    loader = iter(DataLoader(ds, batch_size=None, num_workers=workers, multiprocessing_context="fork"))
+    loader = iter(DataLoader(ds, batch_size=None, num_workers=workers,
+                              multiprocessing_context="fork" if workers else None))
     ready.release()
     seen = []
     for step in loader:
@@ -161,8 +171,47 @@ def sample_connections(dsn: str, stop: threading.Event, found: Counter, series: 
     conn.close()
 
 
+def relay_clients(directory: Path) -> int:
+    """Connections the relay sockets in ``directory`` accepted and still hold (Linux: ``/proc/net/unix`` lists an
+    accepted socket under its listener's path, connected: state 03); -1 where that cannot be read."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return -1
+    prefix = str(directory) + "/"
+    return sum(1 for line in lines if len(parts := line.split()) >= 8 and parts[5] == "03"
+               and parts[7].startswith(prefix) and parts[7].endswith(".sock"))
+
+
+def wait_following(dsn: str, relay_dirs: list[tuple[Path, int]], listens: int, procs: list[Any],
+                   timeout: float = 300.0) -> float:
+    """Wait until every reader follows (see the module docstring): ``listens`` readers' ``LISTEN`` connections, and
+    each relay directory's socket connected to its number of reading processes. Seconds waited."""
+    import psycopg2
+
+    started = time.monotonic()
+    conn = psycopg2.connect(dsn)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            while True:
+                cur.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name LIKE 'reader-%' "
+                            "AND query LIKE 'LISTEN %'")
+                found = cur.fetchone()[0]
+                clients = [(relay_clients(d), n) for d, n in relay_dirs]
+                if found >= listens and all(c < 0 or c >= n for c, n in clients):
+                    return time.monotonic() - started
+                dead = [p.exitcode for p in procs if p.exitcode is not None]
+                assert not dead, f"a rank exited with {dead} before following"
+                assert time.monotonic() - started < timeout, (f"readers not following after {timeout}s: {found} of "
+                                                              f"{listens} LISTEN, relay clients {clients}")
+                time.sleep(0.01)
+    finally:
+        conn.close()
+
+
 def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int, relay: bool, steps: int,
-        interval: float) -> dict[str, Any]:
+        interval: float, pause_every: int = 0, pause_s: float = 0.0) -> dict[str, Any]:
     from pyiceberg.catalog.sql import SqlCatalog
 
     from lakestream_iceberg import Stream
@@ -181,18 +230,21 @@ def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int,
     log = str(out / "commits.jsonl")
     per_host = -(-world // hosts)
     procs = []
+    readers: Counter = Counter()  # reading processes per relay directory
     for r in range(world):
         host = r // per_host
         relay_dir = root / f"{db[-8:]}h{host}"  # short: a unix socket path holds ~100 bytes
         relay_dir.mkdir(mode=0o700, exist_ok=True)
+        readers[relay_dir] += max(1, workers)
         procs.append(ctx.Process(target=rank, args=(r, world, workers, relay, catalog_props(pg_uri, weed, f"reader-h{host}"),
                                                     str(relay_dir), steps, str(out), ready)))
-    prod = ctx.Process(target=producer, args=(catalog_props(pg_uri, weed, "producer"), steps, interval, go, log))
+    prod = ctx.Process(target=producer, args=(catalog_props(pg_uri, weed, "producer"), steps, interval, go, log,
+                                              pause_every, pause_s))
     found: Counter = Counter()
     series: list[dict[str, int]] = []
     stop = threading.Event()
-    sampler = threading.Thread(target=sample_connections, args=(pg_uri.replace("postgresql+psycopg2", "postgresql"), stop,
-                                                                found, series))
+    dsn = pg_uri.replace("postgresql+psycopg2", "postgresql")
+    sampler = threading.Thread(target=sample_connections, args=(dsn, stop, found, series))
     started = time.monotonic()
     sampler.start()
     prod.start()
@@ -200,6 +252,8 @@ def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int,
         p.start()
     for _ in procs:
         assert ready.acquire(timeout=600), "a rank did not start"
+    waited = wait_following(dsn, list(readers.items()) if relay else [], len(readers) if relay else world * max(1, workers),
+                            procs)
     go.set()
     try:
         for p in procs + [prod]:
@@ -212,11 +266,14 @@ def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int,
             p.kill()
     wall = time.monotonic() - started
     committed = {r["step"]: r["t"] for r in map(json.loads, Path(log).read_text().splitlines())}
-    lat, in_order = [], True
+    lat, in_order, by_step = [], True, {}
     for r in range(world):
         seen = json.loads((out / f"rank{r}.json").read_text())["seen"]
         in_order &= [s for s, _ in seen] == list(range(1, steps + 1))
         lat += [max(0.0, t - committed[s]) for s, t in seen]
+        for s, t in seen:
+            by_step[s] = max(by_step.get(s, 0.0), t - committed[s])
+    resumed = [s for s in by_step if pause_every > 0 and s > 1 and (s - 1) % pause_every == 0]
     steady: Counter = Counter()
     total: Counter = Counter()
     items = 0
@@ -239,7 +296,10 @@ def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int,
                                                                               default=0),
             "connections_steady_median": percentile([sum(s.values()) for s in series[len(series) // 3:]], 50),
             "latency_p50_ms": percentile(lat, 50) * 1000, "latency_p99_ms": percentile(lat, 99) * 1000,
-            "latency_max_ms": max(lat) * 1000, "wall_s": wall}
+            "latency_max_ms": max(lat) * 1000, "first_step_ms": by_step[1] * 1000,
+            "after_pause_ms": [by_step[s] * 1000 for s in sorted(resumed)], "pause_every": pause_every, "pause_s": pause_s,
+            "slowest_steps_ms": sorted(((round(v * 1000, 1), s) for s, v in by_step.items()), reverse=True)[:5],
+            "waited_for_readers_s": waited, "wall_s": wall}
 
 
 def main() -> None:
@@ -250,6 +310,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between the producer's commits")
     parser.add_argument("--modes", default="relay,direct")
+    parser.add_argument("--pause-every", type=int, default=0, help="the producer pauses after every N-th commit")
+    parser.add_argument("--pause-s", type=float, default=5.0, help="for this many seconds")
     parser.add_argument("--name", default="fanout", help="results file: benchmarks/results/<name>.json")
     parser.add_argument("--out", default=None, help="write the JSON here instead")
     parser.add_argument("--smoke", action="store_true", help="R=2, K=1, 6 steps, for tests")
@@ -270,7 +332,8 @@ def main() -> None:
             for hosts in [int(x) for x in args.hosts.split(",")]:
                 for mode in args.modes.split(","):
                     result = run(pg, weed, root, world=world, workers=args.workers, hosts=hosts, relay=mode == "relay",
-                                 steps=args.steps, interval=args.interval)
+                                 steps=args.steps, interval=args.interval, pause_every=args.pause_every,
+                                 pause_s=args.pause_s)
                     results.append(result)
                     print(f"  R={world} K={args.workers} H={hosts} {mode}: {result['wall_s']:.0f}s", flush=True)
     finally:
@@ -281,13 +344,14 @@ def main() -> None:
                   "SeaweedFS S3); per step per rank, steady state (total = start-up included)",
                   ["R", "hosts", "mode", "catalog queries", "(total)", "metadata requests", "(total)", "metadata bytes",
                    "(total)", "catalog conns max", "per host max", "steady median", "visible p50 ms", "p99 ms",
-                   "max ms", "in order"])
+                   "max ms", "first step ms", "after pauses max ms", "in order"])
     for r in results:
         s, t = r["steady_per_step_rank"], r["total_per_step_rank"]
         table.add(r["ranks"], r["hosts"], "relay" if r["relay"] else "direct", s["queries"], t["queries"],
                   s["meta_requests"], t["meta_requests"], s["meta_bytes"], t["meta_bytes"], r["connections_max"],
                   r["connections_per_host_max"], r["connections_steady_median"], r["latency_p50_ms"],
-                  r["latency_p99_ms"], r["latency_max_ms"], "yes" if r["in_order"] else "NO")
+                  r["latency_p99_ms"], r["latency_max_ms"], r["first_step_ms"], max(r["after_pause_ms"], default="-"),
+                  "yes" if r["in_order"] else "NO")
     table.note(f"{args.steps} steps, one commit every {args.interval}s, producer world size {PRODUCERS}; targets per step "
                "per rank: <= 1 catalog query, <= 1.1 metadata requests, <= 2 KiB metadata; <= 2 connections per host")
     table.note(f"{os.cpu_count()} cores, shared with other work while measured: latencies are noisy")

@@ -23,11 +23,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "no_fork_inside"]
+__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "no_fork_inside", "owns_connections"]
 
 log = logging.getLogger(__name__)
 
-_engines: weakref.WeakSet[Any] = weakref.WeakSet()
+_engines: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # engine -> pid whose connections it pools
 _lock = threading.Lock()
 _registered = False
 
@@ -39,21 +39,32 @@ def fork_safe(catalog: Any) -> None:
     if engine is None or not hasattr(engine, "dispose"):
         return
     with _lock:
-        _engines.add(engine)
+        _engines.setdefault(engine, os.getpid())
         if not _registered:
             os.register_at_fork(after_in_child=_after_fork_in_child)
             _registered = True
+
+
+def owns_connections(catalog: Any) -> bool:
+    """Whether ``catalog``'s connection pool holds this process's connections only: :func:`fork_safe` was called on
+    it here, or in a parent process and the fork dropped the parent's connections here (False for a fork that
+    bypassed ``os.register_at_fork``, and for catalogs without a SQL engine)."""
+    engine = getattr(catalog, "engine", None)
+    return engine is not None and _engines.get(engine) == os.getpid()
 
 
 def _after_fork_in_child() -> None:
     # The child runs one thread: a fresh lock (another thread of the parent may have held it at the fork).
     global _lock
     _lock = threading.Lock()
+    pid = os.getpid()
     for engine in list(_engines):
         try:
             engine.dispose(close=False)
         except Exception:  # noqa: BLE001 - the next checkout opens a connection either way
             log.debug("could not drop inherited connections of %s after fork", engine, exc_info=True)
+        else:
+            _engines[engine] = pid
 
 
 class ProcessPool:

@@ -38,6 +38,7 @@ can be loaded under any number of workers.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -48,11 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
 from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, pump_steps
+from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, forked_view, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower
@@ -64,6 +66,7 @@ if TYPE_CHECKING:
 __all__ = ["Blobs", "LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
 
 ID_SHIFT = 32
+_frozen_in: int | None = None  # the process whose inherited objects _freeze_inherited froze
 
 
 # -- which rows each consumer rank gets ------------------------------------------------------------------------------
@@ -166,6 +169,7 @@ class _DatasetCore:
         self.collate = collate or TensorCollate()
         self.poll_s, self.max_poll_s, self.relay = poll_s, max_poll_s, relay
         self._ref = StreamRef.of(stream, include_secrets=ship_credentials)  # forked workers get them anyway
+        fork_safe(stream.table.catalog)  # forked workers start with none of its connections (they use it in place)
         self._stream: StreamTable | None = stream
         self._pid = os.getpid()
         self._schema = stream.payload_arrow_schema
@@ -217,9 +221,12 @@ class _DatasetCore:
         self._init_runtime()
 
     def _stream_here(self) -> StreamTable:
-        """The stream, reopened from the catalog in a forked or spawned process (engines do not survive a fork)."""
+        """The stream in this process: in a forked one a view of the parent's (SQL catalogs: no catalog round trip,
+        and no connection until one is needed, see :func:`~lakestream_iceberg.read.follow.forked_view`), else reopened
+        from the catalog (spawned processes; forked ones on other catalogs, whose HTTP sessions are the parent's)."""
         if self._stream is None or self._pid != os.getpid():
-            stream = self._ref.open()
+            view = None if self._stream is None else forked_view(self._stream)
+            stream = view or self._ref.open()
             if str(stream.table.metadata.table_uuid) != self._identity["stream"]:
                 raise StreamError(
                     f"table {stream.name} was dropped and created again since this dataset was made (table UUID "
@@ -344,6 +351,8 @@ class _DatasetCore:
         torch = require_torch()
         info = torch.utils.data.get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if info is not None:
+            _freeze_inherited()
         stream = self._stream_here()
         if info is None and not self.follow:
             self._end = self._resolve_end(stream)  # workers keep the end fixed in the main process: they agree
@@ -405,6 +414,26 @@ class _DatasetCore:
         item = item if self.transform is None else self.transform(item)
         # in a DataLoader worker, a dict item crosses to the training process as one shared-memory buffer (handoff.py)
         return Handoff(item, num_workers=self._position["num_workers"]) if handoff and type(item) is dict else item
+
+
+def _freeze_inherited() -> None:
+    """In a DataLoader worker, once: move every object it started with out of the garbage collector's sight
+    (``gc.freeze()``).
+
+    A worker starts with the training process's whole heap (forked: torch, the model, every module; spawned: its own
+    imports), a few hundred thousand objects or millions. Left in the collector's sight, the first full collection in
+    the worker walks all of them, and in a forked one also writes into every page it walks, copying the pages it shared
+    with its parent: 0.2-0.3 s with torch and pyiceberg imported (more with a model), during which the worker's
+    threads stand still: its reads, and the head relay when the worker serves it (every reader of the host then waits).
+    Measured on PostgreSQL with commit notifications (benchmarks/fanout.py, 1 rank, 1 worker): that one collection,
+    around the 64th step, was the slowest step of every run (210-300 ms, the others under 50 ms). Frozen, a collection
+    walks only what the worker made itself. Nothing is kept that was not already there: a forked worker's frozen
+    objects are its parent's, in pages it shares with the parent; only cyclic garbage among them is no longer freed.
+    """
+    global _frozen_in
+    if _frozen_in != os.getpid():
+        _frozen_in = os.getpid()
+        gc.freeze()
 
 
 _lock = threading.Lock()

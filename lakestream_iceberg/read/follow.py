@@ -35,23 +35,25 @@ from typing import Any, Protocol, TypeVar
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.io import FileIO
+from pyiceberg.table import Table
 from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.config import Config, merge_config
 
 from lakestream_iceberg.connect.catalog_settings import resolve
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
-from lakestream_iceberg.connect.fork import fork_safe
+from lakestream_iceberg.connect.fork import fork_safe, owns_connections
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
-from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError
+from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "pump_steps"]
+__all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "StreamRef", "consumer_lag", "fetch_table", "forked_view",
+           "pump_steps"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
 
@@ -124,6 +126,23 @@ class StreamRef:
         fork_safe(catalog)  # a reader's forked workers open their own catalog connections (connect/fork.py)
         with config_errors(catalog.properties, action=f"opening stream {self.identifier}", catalog=catalog.name):
             return StreamTable(catalog.load_table(self.identifier))
+
+
+def forked_view(stream: StreamTable) -> StreamTable | None:
+    """A forked process's own view of ``stream``, which its parent opened, made without asking the catalog: the
+    parent's table metadata (as new as when the parent last read it: a follower's first poll brings it to the head),
+    a FileIO of its own (the parent's holds its storage clients' connections), and the parent's catalog when that is a
+    SQL catalog whose engine the fork started over (:func:`~lakestream_iceberg.connect.fork.fork_safe`): it opens a
+    connection of its own on first use only, so a DataLoader worker that follows through another process's head relay
+    never opens one. None otherwise (other catalogs hold an HTTP session of the parent's): reopen with
+    :meth:`StreamRef.open`.
+    """
+    table = stream.table
+    catalog = table.catalog
+    if not owns_connections(catalog):
+        return None
+    io = catalog._load_file_io(table.metadata.properties, table.metadata_location)  # what load_table gives a table
+    return StreamTable(Table(table.name(), table.metadata, table.metadata_location, io, catalog))
 
 
 class ArrivalClock:
@@ -347,6 +366,8 @@ def pump_steps(
     def poll() -> None:  # a follow-mode pump rides out a catalog hiccup (the next wait retries until its timeout)
         try:
             watcher.check()
+        except StreamError:
+            raise  # the table is gone or another one (dropped, created again): its head is no step of this stream
         except Exception:
             if not follow:
                 raise

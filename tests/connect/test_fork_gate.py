@@ -93,3 +93,22 @@ def test_a_call_stuck_longer_than_the_bound_delays_the_fork_once_and_warns(monke
     finally:
         release.set()
         thread.join(60)
+
+
+def test_a_forked_child_owns_the_pools_of_the_catalogs_made_fork_safe(tmp_path) -> None:
+    """What a forked DataLoader worker relies on to use its parent's catalog in place (read/follow.py forked_view):
+    the fork emptied the pool of a catalog made fork-safe; a catalog never made so still pools the parent's."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    safe = SqlCatalog("safe", uri=f"sqlite:///{tmp_path}/safe.db", warehouse=f"file://{tmp_path}")
+    other = SqlCatalog("other", uri=f"sqlite:///{tmp_path}/other.db", warehouse=f"file://{tmp_path}")
+    fork.fork_safe(safe)
+    assert fork.owns_connections(safe) and not fork.owns_connections(other)
+    assert safe.engine.pool.checkedin() == 1  # the parent's connection, opened when the catalog was made
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        ok = fork.owns_connections(safe) and safe.engine.pool.checkedin() == 0 and not fork.owns_connections(other)
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert fork.owns_connections(safe)  # still the parent's own

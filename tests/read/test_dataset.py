@@ -5,6 +5,7 @@ Every test builds its own stream in ``tmp_path``; no mocks. The whole file runs 
 
 from __future__ import annotations
 
+import gc
 import inspect
 import os
 import pickle
@@ -143,6 +144,25 @@ def test_order_and_exactly_once_across_ranks_and_fork_workers(tmp_path: Path, nu
         kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
         items = list(DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs))
         check_items(items, world=2, rank=rank, steps=list(range(1, 8)))
+
+
+def test_fork_workers_take_their_inherited_objects_out_of_the_collectors_sight(tmp_path: Path) -> None:
+    """A worker's first full collection would walk the whole heap it inherited (a stall of every thread of the worker,
+    the head relay's too when it serves it): the worker freezes what it started with; the training process is left
+    alone."""
+    stream = make_stream(tmp_path, steps=3)
+    tracked, frozen = len(gc.get_objects()), gc.get_freeze_count()
+    assert tracked > 50_000  # torch, pyiceberg, pyarrow: what a worker inherits
+
+    def census(item: dict) -> dict:
+        return {**item, "frozen": torch.tensor(gc.get_freeze_count()), "tracked": torch.tensor(len(gc.get_objects()))}
+
+    ds = LakestreamDataset(stream, rank=0, world_size=2, transform=census)
+    items = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert [it["step"] for it in items] == [1, 2, 3]
+    for it in items:
+        assert int(it["frozen"]) > tracked // 2 and int(it["tracked"]) < tracked // 4
+    assert gc.get_freeze_count() == frozen  # nothing frozen here
 
 
 def test_spawn_workers_reopen_the_stream(tmp_path: Path) -> None:

@@ -20,7 +20,10 @@ from lakestream_iceberg.read import relay_client
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
 from lakestream_iceberg.read.relay_client import RelayWatcher, follower
-from tests.read.test_dataset import check_items, make_catalog, make_stream, shard
+from tests.backends import fresh_name, postgres_service
+from tests.read.test_dataset import SCHEMA, check_items, make_catalog, make_stream, shard
+
+__all__ = ["postgres_service"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,6 +165,69 @@ def test_dataloader_workers_follow_through_the_relay(tmp_path: Path, relay_dir: 
     assert done.is_set()
     check_items(items, world=2, rank=1, steps=list(range(1, 9)))
     assert len(sockets) == 1
+
+
+CONNECTS: dict[int, int] = {}  # catalog connections opened, by process
+
+
+@pytest.mark.services
+def test_forked_workers_open_a_catalog_connection_only_to_serve_the_relay(tmp_path: Path, relay_dir: Path,
+                                                                         postgres_service: object) -> None:
+    """A host's catalog connections are its relay holder's (polls, LISTEN): a forked worker that follows through
+    the relay opens none, not even at start-up (it uses its parent's view of the table, not a reload)."""
+    import torch
+    from pyiceberg.catalog.sql import SqlCatalog
+    from sqlalchemy import event
+    from sqlalchemy.pool import Pool
+    from torch.utils.data import DataLoader
+
+    database = fresh_name("db")
+    postgres_service.create_database(database)  # type: ignore[attr-defined]
+    catalog = SqlCatalog("pg", uri=postgres_service.sqlalchemy_uri(database),  # type: ignore[attr-defined]
+                         warehouse=f"file://{tmp_path}/warehouse")
+    catalog.create_namespace("ns")
+    stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    commit(stream, 1)
+
+    def connected(*_args: object) -> None:
+        CONNECTS[os.getpid()] = CONNECTS.get(os.getpid(), 0) + 1
+
+    def census(item: dict) -> dict:
+        return {**item, "pid": torch.tensor(os.getpid()), "connects": torch.tensor(CONNECTS.get(os.getpid(), 0))}
+
+    ds = LakestreamDataset(Stream.open(catalog, "ns.s"), rank=0, world_size=2, follow=True, end_step=6, timeout=60,
+                           transform=census)
+    producer = threading.Thread(target=lambda: [commit(stream, step) for step in range(2, 7)])
+    items: list[dict] = []
+    event.listen(Pool, "connect", connected)
+    try:
+        for item in DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"):
+            if not items:
+                producer.start()
+            items.append(item)
+    finally:
+        event.remove(Pool, "connect", connected)
+        producer.join()
+    check_items(items, world=2, rank=0, steps=list(range(1, 7)))
+    opened: dict[int, int] = {}  # by worker, up to step 4 (the first worker to finish stops serving, the other takes over)
+    for item in items[:4]:
+        opened[int(item["pid"])] = max(opened.get(int(item["pid"]), 0), int(item["connects"]))
+    assert len(opened) == 2 and sorted(opened.values())[0] == 0  # the client: none
+    assert sorted(opened.values())[1] <= 2  # the holder: its polls and its LISTEN
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_forked_workers_of_a_table_dropped_and_created_again_raise(tmp_path: Path, relay: bool) -> None:
+    """A forked worker starts from its parent's view of the table (no reload): its first poll, through the relay or
+    not, finds the table another one, and no step of the old table is delivered."""
+    from torch.utils.data import DataLoader
+
+    stream = make_stream(tmp_path, steps=3)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=3, timeout=60, relay=relay)
+    stream.table.catalog.drop_table("ns.s")
+    Stream.create(stream.table.catalog, "ns.s", schema=SCHEMA, world_size=2)
+    with pytest.raises(StreamError, match="dropped and created again"):
+        list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
 
 
 def test_disabled_or_unusable_relay_reads_directly(tmp_path: Path, relay_dir: Path,
