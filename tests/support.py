@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import random
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 from pyiceberg.catalog.sql import SqlCatalog
@@ -49,3 +52,29 @@ def digest(table: pa.Table) -> str:
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()
+
+
+def until(predicate: Callable[[], object], what: str, deadline_s: float = 60.0) -> object:
+    """Wait for ``predicate()`` to return something truthy (observed progress, polled every 20 ms) and return it; fail
+    the test with ``what`` after ``deadline_s``."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def foreign_delete(stream: Any) -> None:
+    """Another engine deletes rows of step 3 (pyiceberg's ``Table.delete``: an overwrite snapshot)."""
+    stream.refresh().table.delete("_step == 3")
+
+
+def foreign_append(stream: Any) -> None:
+    """Another engine appends rows into step 3 with plain pyiceberg."""
+    table = stream.refresh().table
+    rows = batch("x", 0, 1)[0]
+    rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
+    rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
+    table.append(rows.select([f.name for f in table.schema().as_arrow()]).cast(table.schema().as_arrow()))

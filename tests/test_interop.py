@@ -19,7 +19,7 @@ from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSn
 from lakestream_iceberg import ForeignSnapshotError, Stream
 from lakestream_iceberg.errors import ConfigError, LifecycleError
 from lakestream_iceberg.format.summary import StreamState
-from tests.support import SCHEMA, batch, digest, sqlite_catalog
+from tests.support import SCHEMA, batch, digest, foreign_append, foreign_delete, sqlite_catalog
 
 WORLD = 2
 
@@ -178,19 +178,6 @@ def test_a_follower_reads_through_a_metadata_only_foreign_snapshot(tmp_path: Pat
     finally:
         watcher.close()
     assert stream.wait_for(9, timeout=60) == 9
-
-
-def foreign_append(stream: Stream) -> None:
-    """A pyiceberg append of rows into step 3 (another engine writing to the stream's table)."""
-    table = stream.refresh().table
-    rows = batch("x", 0, 1)[0]
-    rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
-    rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
-    table.append(rows.select([f.name for f in table.schema().as_arrow()]).cast(table.schema().as_arrow()))
-
-
-def foreign_delete(stream: Stream) -> None:
-    stream.refresh().table.delete("_step == 3")
 
 
 @pytest.mark.parametrize("write", [foreign_append, foreign_delete], ids=["append", "delete"])

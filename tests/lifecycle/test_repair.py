@@ -9,7 +9,6 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import ForeignSnapshotError, LakestreamDataset, Stream
@@ -23,7 +22,7 @@ from tests.backends import (
     published,
     seaweedfs_service,
 )
-from tests.support import SCHEMA, batch
+from tests.support import SCHEMA, batch, foreign_append, foreign_delete
 
 __all__ = ["backend", "moto_service", "postgres_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -38,20 +37,6 @@ def create(backend: Backend) -> Stream:
 def another(backend: Backend) -> Stream:
     """The stream as another process opens it: its own catalog object and connections."""
     return Stream.open(backend.catalog(), backend.identifier())
-
-
-def foreign_delete(stream: Stream) -> None:
-    """Another engine deletes rows of step 3 (pyiceberg's ``Table.delete``: an overwrite snapshot)."""
-    stream.refresh().table.delete("_step == 3")
-
-
-def foreign_append(stream: Stream) -> None:
-    """Another engine appends rows into step 3 with plain pyiceberg."""
-    table = stream.refresh().table
-    rows = batch("x", 0, 1)[0]
-    rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
-    rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
-    table.append(rows.select([f.name for f in table.schema().as_arrow()]).cast(table.schema().as_arrow()))
 
 
 def repair_in_a_process(backend: Backend) -> None:

@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +22,7 @@ from lakestream_iceberg.errors import ConfigError, CorruptStateError
 from lakestream_iceberg.read.consumer import Position
 from lakestream_iceberg.read.lag import consumer_lags
 from tests.backends import make_backend, postgres_service, seaweedfs_service
-from tests.support import SCHEMA, batch, sqlite_catalog
+from tests.support import SCHEMA, batch, sqlite_catalog, until
 
 __all__ = ["postgres_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -45,16 +44,6 @@ def publish(stream: Stream, steps: int, producer: str = "prep-0") -> None:
 def lags(stream: Stream, group: str = "run") -> dict[int, object]:
     stream.refresh()
     return {c.rank: c for c in consumer_lags(stream, group=group)}
-
-
-def until(predicate, what: str, deadline_s: float = 60.0):
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
 from lakestream_iceberg.read import consumer
 from lakestream_iceberg.read.consumer import Position
 from tests.backends import fresh_name, postgres_service
-from tests.support import SCHEMA, batch, sqlite_catalog
+from tests.support import SCHEMA, batch, sqlite_catalog, until
 
 __all__ = ["postgres_service"]  # fixture used by name
 
@@ -120,16 +120,6 @@ def record(stream: Stream, group: str, ranks: range = range(WORLD), *, closed: b
 
 def kept(stream: Stream) -> list[tuple[str, int]]:
     return [(r.group, r.rank) for r in store_of(stream).rows()]
-
-
-def until(predicate: Callable[[], object], what: str, deadline_s: float = 60.0) -> object:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        found = predicate()
-        if found:
-            return found
-        time.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def test_gc_expires_a_silent_group_whole_and_keeps_a_group_with_one_recent_rank(place: Place) -> None:
