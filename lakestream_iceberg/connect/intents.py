@@ -221,7 +221,7 @@ class IntentTable:
         if self._engine.dialect.name == "sqlite":  # a database URI with options: SQLAlchemy's own connections
             with self._engine.begin() as conn:
                 return conn.exec_driver_sql(_SQLITE_REMOVE_UNDER, (len(prefix), prefix)).rowcount
-        t = _pg_table()
+        t = _TABLE.pg
         with self._engine.begin() as conn:
             return conn.execute(delete(t).where(func.substr(t.c.folder, 1, len(prefix)) == prefix)).rowcount
 
@@ -255,7 +255,7 @@ class IntentTable:
         succeed). SQLite connections of this module sync the write-ahead log only at checkpoints (see the module
         docstring)."""
         if self._sqlite is None and self._rows is None:
-            self._rows = _pg_table()
+            self._rows = _TABLE.pg
         _TABLE.ensure(self._engine, sqlite=self._sqlite_conn if self._sqlite is not None else None)
 
 
@@ -271,22 +271,17 @@ def _split(path: str) -> tuple[str, str]:
     return folder, name
 
 
-_PG_TABLE: Any = None
+def _build_pg_table() -> Any:
+    """The table as a SQLAlchemy ``Table`` (see ``CatalogTable.pg``)."""
+    from sqlalchemy import BigInteger, Column, Float, MetaData, Table, Text, UniqueConstraint
 
-
-def _pg_table() -> Any:
-    global _PG_TABLE
-    if _PG_TABLE is None:
-        from sqlalchemy import BigInteger, Column, Float, MetaData, Table, Text, UniqueConstraint
-
-        _PG_TABLE = Table(
-            INTENT_TABLE, MetaData(),
-            Column("id", BigInteger, primary_key=True, autoincrement=True),
-            Column("folder", Text, nullable=False), Column("name", Text, nullable=False),
-            Column("body", Text, nullable=False), Column("staged_at", Float, nullable=False),
-            UniqueConstraint("folder", "name"),
-        )
-    return _PG_TABLE
+    return Table(
+        INTENT_TABLE, MetaData(),
+        Column("id", BigInteger, primary_key=True, autoincrement=True),
+        Column("folder", Text, nullable=False), Column("name", Text, nullable=False),
+        Column("body", Text, nullable=False), Column("staged_at", Float, nullable=False),
+        UniqueConstraint("folder", "name"),
+    )
 
 
 def _pg_now() -> Any:
@@ -295,4 +290,4 @@ def _pg_now() -> Any:
     return func.extract("epoch", func.clock_timestamp())
 
 
-_TABLE = CatalogTable(INTENT_TABLE, sqlite_ddl=_SQLITE_DDL, pg_table=_pg_table)
+_TABLE = CatalogTable(INTENT_TABLE, sqlite_ddl=_SQLITE_DDL, pg_table=_build_pg_table)

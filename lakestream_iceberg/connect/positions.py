@@ -134,7 +134,7 @@ class PositionStore:
             return
         from sqlalchemy.dialects.postgresql import insert
 
-        t = _pg_table()
+        t = _TABLE.pg
         stmt = insert(t).values(location=self.location, grp=group, rank=rank, body=body, updated_at=_pg_now())
         stmt = stmt.on_conflict_do_update(index_elements=[t.c.location, t.c.grp, t.c.rank],
                                           set_={"body": stmt.excluded.body, "updated_at": stmt.excluded.updated_at})
@@ -159,7 +159,7 @@ class PositionStore:
 
             if not inspect(self._engine).has_table(POSITION_TABLE):
                 return []
-            t = _pg_table()
+            t = _TABLE.pg
             now = _pg_now() if self._engine.dialect.name != "sqlite" else _sqlite_now()
             stmt = select(t.c.grp, t.c.rank, t.c.body, now - t.c.updated_at).where(t.c.location == self.location)
             if group is not None:
@@ -192,7 +192,7 @@ class PositionStore:
             return conn.execute(f"DELETE FROM {POSITION_TABLE} WHERE {_SQLITE_EXPIRED}", args).rowcount, 0
         from sqlalchemy import and_
 
-        t = _pg_table()
+        t = _TABLE.pg
         cutoff = (_pg_now() if self._engine.dialect.name != "sqlite" else _sqlite_now()) - older_than_s
         recent = _sa_select(t.c.grp).where(t.c.location == self.location, t.c.updated_at >= cutoff)
         return self._sa_delete(and_(t.c.location == self.location, t.c.updated_at < cutoff, t.c.grp.not_in(recent)),
@@ -210,7 +210,7 @@ class PositionStore:
             if not _TABLE.in_sqlite(conn):
                 return 0
             return conn.execute(f"DELETE FROM {POSITION_TABLE} WHERE {where}", args).rowcount  # autocommit
-        t = _pg_table()
+        t = _TABLE.pg
         cond = t.c.location == self.location
         return self._sa_delete(cond if group is None else cond & (t.c.grp == group), delete=True)
 
@@ -222,7 +222,7 @@ class PositionStore:
         assert self._engine is not None
         if not inspect(self._engine).has_table(POSITION_TABLE):
             return 0
-        t = _pg_table()
+        t = _TABLE.pg
         with self._engine.begin() as conn:
             if not delete:
                 return int(conn.execute(_sa_select(func.count()).select_from(t).where(cond)).scalar_one())
@@ -308,21 +308,17 @@ def _sql_engine(catalog: Any) -> Any:
         return engine
     return None
 
-_PG_TABLE: Any = None
 
+def _build_pg_table() -> Any:
+    """The table as a SQLAlchemy ``Table`` (see ``CatalogTable.pg``)."""
+    from sqlalchemy import Column, Float, Integer, MetaData, Table, Text
 
-def _pg_table() -> Any:
-    global _PG_TABLE
-    if _PG_TABLE is None:
-        from sqlalchemy import Column, Float, Integer, MetaData, Table, Text
-
-        _PG_TABLE = Table(
-            POSITION_TABLE, MetaData(),
-            Column("location", Text, primary_key=True), Column("grp", Text, primary_key=True),
-            Column("rank", Integer, primary_key=True, autoincrement=False),
-            Column("body", Text, nullable=False), Column("updated_at", Float, nullable=False),
-        )
-    return _PG_TABLE
+    return Table(
+        POSITION_TABLE, MetaData(),
+        Column("location", Text, primary_key=True), Column("grp", Text, primary_key=True),
+        Column("rank", Integer, primary_key=True, autoincrement=False),
+        Column("body", Text, nullable=False), Column("updated_at", Float, nullable=False),
+    )
 
 
 def _sa_select(*columns: Any) -> Any:
@@ -349,4 +345,4 @@ def _to_parquet(body: str) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-_TABLE = CatalogTable(POSITION_TABLE, sqlite_ddl=_SQLITE_DDL, pg_table=_pg_table)
+_TABLE = CatalogTable(POSITION_TABLE, sqlite_ddl=_SQLITE_DDL, pg_table=_build_pg_table)

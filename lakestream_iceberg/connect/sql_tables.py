@@ -18,16 +18,25 @@ _tables: weakref.WeakSet[CatalogTable] = weakref.WeakSet()
 
 
 class CatalogTable:
-    """One of lakestream's tables: its name, its SQLite DDL and, for PostgreSQL, a function giving its SQLAlchemy
-    ``Table``; :meth:`ensure` creates it in an engine's database the first time this process uses that engine."""
+    """One of lakestream's tables: its name, its SQLite DDL and, for PostgreSQL, a function building its SQLAlchemy
+    ``Table`` (:attr:`pg`, built on first use: SQLAlchemy is imported only where it is needed); :meth:`ensure` creates
+    it in an engine's database the first time this process uses that engine."""
 
     def __init__(self, name: str, *, sqlite_ddl: str, pg_table: Callable[[], Any]) -> None:
         self.name = name
         self._sqlite_ddl = sqlite_ddl
-        self._pg_table = pg_table
+        self._build_pg = pg_table
+        self._pg: Any = None
         self._made: weakref.WeakSet[Any] = weakref.WeakSet()  # engines whose database has the table
         self._lock = threading.Lock()
         _tables.add(self)
+
+    @property
+    def pg(self) -> Any:
+        """The table as a SQLAlchemy ``Table`` (for PostgreSQL statements), built once per process."""
+        if self._pg is None:
+            self._pg = self._build_pg()
+        return self._pg
 
     def in_sqlite(self, conn: sqlite3.Connection) -> bool:
         """Whether the SQLite database of ``conn`` has the table (a reader that finds none has nothing to read)."""
@@ -51,7 +60,7 @@ class CatalogTable:
             from sqlalchemy.exc import IntegrityError, ProgrammingError
 
             try:
-                self._pg_table().metadata.create_all(engine, checkfirst=True)
+                self.pg.metadata.create_all(engine, checkfirst=True)
             except (IntegrityError, ProgrammingError):  # another process created it between the check and the CREATE
                 from sqlalchemy import inspect
 
