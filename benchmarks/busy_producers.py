@@ -239,6 +239,17 @@ class BackgroundLakeSide(LakeSide):
             pass
 
 
+def _start(spec: dict[str, Any], idx: int, ready: Any, go: Any) -> tuple[list[np.ndarray], float, float]:
+    """A producer's raw batches, warmed; then ready, and the start and end of the run once the parent says go."""
+    raws = raw_batches(spec["batch_bytes"], seed=idx)
+    for i in range(3):
+        prepare(raws[i], 3, i)
+    ready.release()
+    go.wait()
+    t_go = spec["_go_time"].value
+    return raws, t_go, t_go + spec["duration"]
+
+
 def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any) -> None:
     """Prepare and publish batches until ``duration`` has passed; one record per batch."""
     if spec["system"] == "lake_bg":
@@ -246,13 +257,7 @@ def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any)
         return
     try:
         side = (KafkaSide if spec["system"] == "kafka" else LakeSide)(spec, idx)
-        raws = raw_batches(spec["batch_bytes"], seed=idx)
-        for i in range(3):
-            prepare(raws[i], 3, i)
-        ready.release()
-        go.wait()
-        t_go = spec["_go_time"].value
-        end = t_go + spec["duration"]
+        raws, t_go, end = _start(spec, idx, ready, go)
         records: list[tuple[float, ...]] = []
         failed: list[str] = []
         seq = 0
@@ -283,13 +288,7 @@ def background_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: An
     batch is the committer thread's CPU for it plus the submit call's (prep CPU: this thread's, around ``prepare``)."""
     try:
         side = BackgroundLakeSide(spec, idx)
-        raws = raw_batches(spec["batch_bytes"], seed=idx)
-        for i in range(3):
-            prepare(raws[i], 3, i)
-        ready.release()
-        go.wait()
-        t_go = spec["_go_time"].value
-        end = t_go + spec["duration"]
+        raws, t_go, end = _start(spec, idx, ready, go)
         started: dict[int, tuple[float, float, float]] = {}  # seq -> (submit time, prep CPU, submit CPU)
         seq = 0
         cpu0 = time.process_time()
