@@ -76,8 +76,8 @@ class CountingStream(InputStream):
         self._counter[self._kind] += len(data)
         return data
 
-    def read_buffer(self) -> pa.Buffer:  # what pyarrow's own streams offer (the dataset uses it when present)
-        data = self._inner.read_buffer()
+    def read_buffer(self, nbytes: int | None = None) -> pa.Buffer:  # pyarrow's own streams' (the reader uses it)
+        data = self._inner.read_buffer(nbytes)
         self._counter[self._kind] += data.size
         return data
 

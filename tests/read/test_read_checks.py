@@ -11,7 +11,6 @@ from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from pyiceberg.manifest import ManifestEntry
 from pyiceberg.typedef import Record
@@ -111,20 +110,37 @@ def test_entries_another_engine_added_at_step_0_do_not_stop_commits_or_gc(tmp_pa
 def test_a_damaged_or_replaced_data_file_raises_corrupt_state(tmp_path: Path) -> None:
     stream = stream_with_steps(tmp_path)
     files = stream.locate(2)
+    size = files[0].file_size_in_bytes
     local(files[0].file_path).write_bytes(b"not parquet at all")
+    with pytest.raises(CorruptStateError, match=f"holds 18 bytes, its manifest entry says {size}: it was damaged"):
+        stream.read(2, rank=0)
+    local(files[0].file_path).write_bytes(b"x" * (size + 100))
+    with pytest.raises(CorruptStateError, match=f"holds more than {size} bytes, its manifest entry says {size}"):
+        stream.read(2, rank=0)
+    local(files[0].file_path).write_bytes(b"x" * size)  # the size the manifest says, but not Parquet
     with pytest.raises(CorruptStateError, match="cannot be read as the stream's data"):
         stream.read(2, rank=0)
-    # a valid Parquet file of the right schema, but with other rows than the manifest entry declares
-    pq.write_table(shard("a", 1, 1, rows=2).append_column("_step", pa.array([2, 2], pa.int64())), local(files[1].file_path))
-    with pytest.raises(CorruptStateError, match="holds 2 rows, its manifest entry says 5"):
-        stream.read(2, rank=1)
+    # a valid Parquet file of the right schema and size, but with other rows than the manifest entry declares
+    wrong_count = with_entries(stream, _edit(2, 1, _record_count(7)))
+    with pytest.raises(CorruptStateError, match="holds 5 rows, its manifest entry says 7"):
+        wrong_count.read(2, rank=1)
     assert stream.read(2, rank=2).column("rank").to_pylist() == [2] * 6  # the undamaged rank still reads
+
+
+def _record_count(value: int) -> Callable[[ManifestEntry], ManifestEntry]:
+    def edit(entry: ManifestEntry) -> ManifestEntry:
+        entry.data_file[4] = value  # DataFile's record_count slot
+        return entry
+    return edit
 
 
 def test_a_damaged_packed_file_raises_corrupt_state(tmp_path: Path) -> None:
     stream = stream_with_steps(tmp_path, **{"lakestream.layout": "packed"})
     [packed] = stream.locate(2)
     local(packed.file_path).write_bytes(b"garbage" * 10)
+    with pytest.raises(CorruptStateError, match=f"holds 70 bytes, its manifest entry says {packed.file_size_in_bytes}"):
+        stream.read(2, rank=0)
+    local(packed.file_path).write_bytes(b"g" * packed.file_size_in_bytes)
     with pytest.raises(CorruptStateError, match="not a Parquet file"):
         stream.read(2, rank=0)
 
