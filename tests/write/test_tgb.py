@@ -354,6 +354,34 @@ def test_large_binary_values_are_written_without_a_dictionary_and_small_ones_kee
         assert chunks["label"].has_dictionary_page and chunks["id"].has_dictionary_page
     assert stream.read(1, rank=1).equals(shards[1])
 
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
+def test_number_lists_and_large_values_of_a_nested_schema_are_written_without_a_dictionary(catalog, layout: str) -> None:
+    """Token ids (and any list of numbers) gain nothing from a dictionary and cost a hash per value; a nested schema
+    (its leaf columns are named by path: ``tokens.list.element``) gets the same rules as a flat one."""
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("id", pa.int64()), ("tokens", pa.list_(pa.int32())), ("image", pa.binary()),
+                        ("tags", pa.list_(pa.string())), ("meta", pa.struct([("label", pa.string())]))])
+    stream = Stream.create(catalog, "ns.nested", schema=schema, world_size=2, properties={"lakestream.layout": layout})
+    shards = [pa.table({"id": [r * 10 + i for i in range(6)],
+                        "tokens": [[i, 7, 7, r] * 8 for i in range(6)],
+                        "image": [bytes([r, i]) * 1024 for i in range(6)],  # 2 KiB each: no dictionary
+                        "tags": [["a", "b"], [], None, ["a"], ["b", "b"], ["a"]],
+                        "meta": [{"label": "cat"}, {"label": "dog"}, None, {"label": "cat"}, {"label": None},
+                                 {"label": "cat"}]}, schema=schema) for r in range(2)]
+    stream.producer("p").commit(shards)
+    for path in (p for p in data_files_on_disk(stream) if p.endswith(".parquet")):
+        metadata = pq.read_metadata(path)
+        chunks = {metadata.schema.column(i).path: metadata.row_group(0).column(i) for i in range(metadata.num_columns)}
+        assert set(chunks) >= {"id", "tokens.list.element", "image", "tags.list.element", "meta.label"}
+        assert not chunks["tokens.list.element"].has_dictionary_page
+        assert not chunks["image"].has_dictionary_page
+        for kept in ("id", "tags.list.element", "meta.label"):
+            assert chunks[kept].has_dictionary_page, kept
+    for rank in range(2):
+        assert stream.read(1, rank=rank).equals(shards[rank])
+
+
 def test_plain_iceberg_scan_sees_every_sample_with_step_and_rank(stream: Stream) -> None:
     producer = stream.producer("p")
     expected = 0
