@@ -1,6 +1,7 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
 benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py,
-benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py, benchmarks/fanout.py).
+benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py, benchmarks/fanout.py,
+benchmarks/file_encoding.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -443,3 +444,17 @@ def test_commit_cpu_smoke(tmp_path: Path) -> None:
         assert _positive(medians["cpu_ms"]) and _positive(medians["commits_per_s"])
         assert all(_positive(medians[f"{phase}_ms"]) for phase in ("write", "plan", "swap"))
     assert data["tables"] and "CPU ms per lone commit" in data["printed"]
+
+
+@pytest.mark.timeout(120)  # a hang guard: ~3 s on 2 idle cores
+def test_file_encoding_smoke(tmp_path: Path) -> None:
+    data = _run("file_encoding.py", tmp_path / "file_encoding.json", timeout=110)
+    assert data["benchmark"] == "file_encoding" and data["smoke"] is True
+    cells = {f"{w}|{c}|{v}" for w in ("tokens+blob", "tokens") for c in ("uncompressed", "zstd")
+             for v in ("lakestream", "all dictionary")}
+    assert set(data["runs"]) == cells
+    for cell in cells:
+        (result,) = data["runs"][cell]
+        assert all(_positive(result[k]) for k in ("write_cpu_ms_per_step", "mb_on_disk", "read_cpu_us_per_sample",
+                                                  "read_samples_per_s")), (cell, result)
+    assert len(data["tables"]) == 2
