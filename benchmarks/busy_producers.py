@@ -19,6 +19,11 @@ a group commit's leader competes for a core with the preprocessing of everyone e
   thread writes and commits the last one, as Kafka's client sends while its caller works; flushed at the end of the run;
 * Kafka: one transaction per batch, one message per shard (partition = rank), idempotent + transactional producer
   against Tansu with in-memory storage (``_kafka.py``), as ``vs_kafka.py`` does;
+* every producer process, of either system, calls ``gc.freeze()`` once set up (imports made, stream or client open,
+  batches warmed), as docs/guide/producers.md advises: processes running the same code reach a full collection of
+  Python's garbage collector at about the same time, and each one then stops for 0.3-0.4 s on 2 busy cores (every
+  producer at once, measured: commit p99/p50 13.8 in such a run, 2.7-2.8 in runs without one). ``--no-gc-freeze``
+  leaves the collector as it is; the full collections of each run and their longest pause are reported either way;
 * N = C, 2C and 4C producer processes (C = ``os.cpu_count()``; ``--producers`` overrides), ``--duration`` seconds each,
   ``--rounds`` rounds in alternating order.
 
@@ -35,6 +40,7 @@ Run: ``.venv/bin/python benchmarks/busy_producers.py`` (about 3 minutes on 2 cor
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -239,11 +245,29 @@ class BackgroundLakeSide(LakeSide):
             pass
 
 
+class FullCollections:
+    """The pauses of this process's full (generation 2) garbage collections, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._start = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif info["generation"] == 2:
+            self.pauses.append(time.perf_counter() - self._start)
+
+
 def _start(spec: dict[str, Any], idx: int, ready: Any, go: Any) -> tuple[list[np.ndarray], float, float]:
-    """A producer's raw batches, warmed; then ready, and the start and end of the run once the parent says go."""
+    """A producer's raw batches, warmed; the collector's objects frozen (unless ``--no-gc-freeze``); then ready, and the
+    start and end of the run once the parent says go."""
     raws = raw_batches(spec["batch_bytes"], seed=idx)
     for i in range(3):
         prepare(raws[i], 3, i)
+    if spec["gc_freeze"]:
+        gc.freeze()
     ready.release()
     go.wait()
     t_go = spec["_go_time"].value
@@ -256,8 +280,10 @@ def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any)
         background_main(spec, idx, ready, go, out)
         return
     try:
+        collections = FullCollections()
         side = (KafkaSide if spec["system"] == "kafka" else LakeSide)(spec, idx)
         raws, t_go, end = _start(spec, idx, ready, go)
+        collections.pauses.clear()  # the run's, not the set-up's
         records: list[tuple[float, ...]] = []
         failed: list[str] = []
         seq = 0
@@ -278,7 +304,8 @@ def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any)
             # (commit start, commit end, prep CPU, commit CPU, carried, attempts)
             records.append((w1 - t_go, w2 - t_go, c1 - c0, c2 - c1, float(info["carried"]), float(info["attempts"])))
             seq += 1
-        out.put({"idx": idx, "records": records, "failed": failed, "cpu_s": time.process_time() - cpu0})
+        out.put({"idx": idx, "records": records, "failed": failed, "cpu_s": time.process_time() - cpu0,
+                 "gc_pauses": collections.pauses})
     except BaseException:  # noqa: BLE001 - report to the parent, whatever it was
         out.put({"idx": idx, "error": traceback.format_exc()})
 
@@ -287,8 +314,10 @@ def background_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: An
     """``producer_main`` with ``Producer.submit``: a record per published batch, from its future; the commit CPU of a
     batch is the committer thread's CPU for it plus the submit call's (prep CPU: this thread's, around ``prepare``)."""
     try:
+        collections = FullCollections()
         side = BackgroundLakeSide(spec, idx)
         raws, t_go, end = _start(spec, idx, ready, go)
+        collections.pauses.clear()
         started: dict[int, tuple[float, float, float]] = {}  # seq -> (submit time, prep CPU, submit CPU)
         seq = 0
         cpu0 = time.process_time()
@@ -305,7 +334,7 @@ def background_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: An
         records = [(started[int(s)][0], e - t_go, started[int(s)][1], c + started[int(s)][2], carried, attempts)
                    for s, e, c, carried, attempts in sorted(side.done) if int(s) in started]
         out.put({"idx": idx, "records": records, "seqs": [int(d[0]) for d in sorted(side.done)], "failed": side.failed,
-                 "cpu_s": time.process_time() - cpu0})
+                 "cpu_s": time.process_time() - cpu0, "gc_pauses": collections.pauses})
     except BaseException:  # noqa: BLE001 - report to the parent, whatever it was
         out.put({"idx": idx, "error": traceback.format_exc()})
 
@@ -394,6 +423,8 @@ def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
         "latency_ms_p50": 1000 * percentile(latency, 50), "latency_ms_p99": 1000 * percentile(latency, 99),
         "attempts_per_batch": sum(rec[5] for rec in recs) / batches if batches else math.nan,
         "failed": sum(len(r["failed"]) for r in reports), "errors": [e for r in reports for e in r["failed"]][:10],
+        "gc_full_collections": sum(len(r.get("gc_pauses", [])) for r in reports),
+        "gc_pause_ms_max": 1000 * max((p for r in reports for p in r.get("gc_pauses", [])), default=0.0),
         "per_producer": [len(r["records"]) for r in reports],
     }
 
@@ -411,6 +442,8 @@ def pool(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     out["batches_per_s"] = out["batches"] / out["elapsed_s"]
     out["failed"] = sum(r["failed"] for r in rounds)
     out["errors"] = [e for r in rounds for e in r["errors"]][:10]
+    out["gc_full_collections"] = sum(r["gc_full_collections"] for r in rounds)
+    out["gc_pause_ms_max"] = max(r["gc_pause_ms_max"] for r in rounds)
     if "exactly_once" in rounds[0]:
         out["exactly_once"] = all(r["exactly_once"]["ok"] for r in rounds)
     return out
@@ -434,7 +467,7 @@ class Bench:
     def spec(self, system: str) -> dict[str, Any]:
         self.run_no += 1
         return {"system": system, "run": f"r{self.run_no}-{system}", "duration": self.args.duration,
-                "rounds": self.args.prep_rounds, "batch_bytes": self.args.batch_mib * MiB,
+                "rounds": self.args.prep_rounds, "batch_bytes": self.args.batch_mib * MiB, "gc_freeze": self.args.gc_freeze,
                 "world_size": self.args.world_size}
 
     def kafka(self, producers: int) -> dict[str, Any]:
@@ -485,6 +518,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warehouse", choices=["memory", "disk"], default="memory",
                     help="lakestream's catalog and warehouse: on tmpfs (/dev/shm) as Tansu keeps its messages in "
                          "memory (default), or in the temporary directory's file system")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="leave every producer process's garbage collector as it is (default: gc.freeze() once set up)")
     ap.add_argument("--commit", choices=["sync", "background", "both"], default="both",
                     help="lakestream's commit: Producer.commit (sync), Producer.submit (background), or both side by "
                          "side in alternating rounds (default)")
@@ -600,6 +635,11 @@ def main(argv: list[str] | None = None) -> int:
     table.note(f"lakestream's catalog and warehouse: {args.warehouse} ("
                + ("tmpfs, as Tansu's in-memory storage" if args.warehouse == "memory" else "the temporary directory")
                + f"); load average at start {load_at_start[0]:.1f} (this machine may be shared: figures are noisy).")
+    table.note(("every producer process froze its set-up's objects (gc.freeze)" if args.gc_freeze else
+                "producer processes' garbage collectors as they are (--no-gc-freeze)") + "; full collections in the "
+               "runs (longest pause): " + "; ".join(
+                   f"N={row['producers']} " + ", ".join(f"{s} {row[s]['gc_full_collections']} ({row[s]['gc_pause_ms_max']:.0f} ms)"
+                                                       for s in args.systems if s in row) for row in rows) + ".")
     if "lake_bg" in args.systems:
         table.note("lake = Producer.commit (sync); Producer.submit (background) in the table below.")
     modes = commit_modes_table(args, rows, ideal, cal, load_at_start)
