@@ -60,8 +60,10 @@ def check_producer_id(producer_id: str) -> str:
 #   away (measured: 0.4 ms per MiB of 64 KiB values, 20% of encoding a 16 MiB batch), and a value that does repeat
 #   within a page is still found by the codec;
 # * the numbers of a list column (token ids, embeddings, pixel rows): a dictionary only maps numbers to smaller
-#   numbers, at the cost of hashing every value. 256 rows of 256-768 int32 token ids (ids below 50,000): with zstd the
-#   dictionary makes the file 3% larger and the encoding 2.7x slower (3.1 against 1.15 ms), and decoding 80 us slower.
+#   numbers, at the cost of hashing every value. 256 rows of 256-768 int32 token ids (ids below 50,000) and a 2-8 KiB
+#   blob, in pyarrow alone: with zstd the dictionary makes the file 3% larger, the encoding 2.9x slower (3.4 against
+#   1.15 ms) and the decoding 40 us slower (110 us uncompressed). benchmarks/file_encoding.py measures whole commits
+#   and reads.
 DICTIONARY_MAX_AVG_BYTES = 1024
 # A packed file's ranks are copied into one chunk per column when their chunks average less than this (see _row_groups).
 COMBINE_BELOW_CHUNK_BYTES = 64 * 1024
