@@ -6,6 +6,7 @@ process per host, stream and branch (the *holder*) does all of that once, and th
 
 * **Election**: whoever takes the ``flock`` on the relay's lock file (:mod:`.relay_wire` says where) serves; the kernel
   releases it when the holder exits, however it exits, and the next reader that finds the socket dead takes over.
+  A holder that stops removes its socket and lock file, so relays of finished runs leave no files behind.
   A forked child closes its copy of the lock (so that its parent's death frees it) and never serves its parent's relay.
 * **Following**: the holder keeps its own view of the table at the head (:class:`~.follow.HeadWatcher`): it polls the
   catalog pointer every ``poll_s`` (on PostgreSQL it also listens for commit notifications and then polls only every
@@ -29,6 +30,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 from pyiceberg.table import Table
@@ -135,6 +137,7 @@ class HeadRelay:
             self._cond.notify_all()
         for conn in clients:
             _shutdown(conn)
+        _unlink(self.paths.lock)  # while still locked: a stopped relay leaves nothing behind (see _lock)
         os.close(self._lock_fd)  # releases the flock
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -303,28 +306,67 @@ def hold(stream: StreamTable, *, branch: str, paths: RelayPaths, poll_s: float, 
     relay = held(paths)
     if relay is not None:
         return relay
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        raise OSError("no flock on this platform") from None
-    fd = os.open(paths.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+    fd = _lock(paths.lock)
+    if fd is None:
         return None
-    except BaseException:
-        os.close(fd)
-        raise
     try:
         relay = HeadRelay(stream, branch=branch, paths=paths, lock_fd=fd, poll_s=poll_s, max_poll_s=max_poll_s)
     except BaseException:
+        _unlink(paths.lock)
         os.close(fd)
         raise
     with _HELD_LOCK:
         _HELD[paths.key] = relay
     log.debug("serving the head relay of %s (branch %s) at %s", stream.name, branch, paths.socket)
     return relay
+
+
+LOCK_TRIES = 100
+
+
+def _lock(path: Path) -> int | None:
+    """A descriptor holding the ``flock`` on the file ``path`` names now, or None while another process holds it.
+
+    A holder unlinks its lock file when it stops, still holding the lock, so that relays of finished runs leave no
+    files behind (a killed holder leaves its file, which the next holder takes over). A process that opened the file
+    just before that unlink and locked it just after holds a file nobody else can find: it checks that ``path`` still
+    names the file it locked, and else tries again with a new one. Two processes therefore never both hold the lock
+    that ``path`` names.
+
+    Raises:
+        OSError: No ``flock`` here (not a POSIX system), the file cannot be made, or it was replaced ``LOCK_TRIES``
+            times in a row (the caller reads directly).
+    """
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        raise OSError("no flock on this platform") from None
+    for _ in range(LOCK_TRIES):
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked = os.fstat(fd)
+            try:
+                named = os.stat(path)
+            except FileNotFoundError:
+                named = None
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if named is not None and (named.st_dev, named.st_ino) == (locked.st_dev, locked.st_ino):
+            return fd
+        os.close(fd)  # a stopped holder unlinked this file after we opened it: lock the one there now
+    raise OSError(f"the relay lock file {path} was replaced {LOCK_TRIES} times while this process tried to lock it")
+
+
+def _unlink(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _shutdown(conn: socket.socket) -> None:

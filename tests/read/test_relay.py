@@ -16,6 +16,7 @@ import pytest
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ReadError, StepCollectedError, StreamError, StreamNotFoundError
+from lakestream_iceberg.read import relay as relay_module
 from lakestream_iceberg.read import relay_client
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
@@ -89,10 +90,7 @@ def test_a_client_takes_over_when_the_holder_is_killed(tmp_path: Path, relay_dir
     finally:
         holder.kill()
         holder.wait(timeout=60)
-    assert not list(relay_dir.glob("*.sock"))  # the last reader stopped serving: socket gone, lock free
-    (lock,) = relay_dir.glob("*.lock")
-    with open(lock, "rb") as f:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert not list(relay_dir.iterdir())  # the last reader stopped serving: its socket and lock file are gone
 
 
 def test_a_stopped_holder_raises_a_clear_error_instead_of_hanging(tmp_path: Path,
@@ -251,17 +249,18 @@ def test_a_forked_child_does_not_keep_its_parents_relay_elected(tmp_path: Path, 
     client = watch(stream)
     assert isinstance(client, RelayWatcher) and client.holding
     (lock,) = relay_dir.glob("*.lock")
+    locked = open(lock, "rb")  # noqa: SIM115  the file the parent locked, which it removes when it releases
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: its copy of the lock is closed, so the parent's release frees the lock
         os.close(write)
         os.read(read, 1)  # until the parent released
         try:
-            with open(lock, "rb") as f:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os._exit(0)
+            fcntl.flock(locked, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os._exit(0 if not lock.exists() else 4)
         except BlockingIOError:
             os._exit(3)
+    locked.close()
     os.close(read)
     client.close()
     os.write(write, b"x")
@@ -296,3 +295,53 @@ def test_a_follow_reader_whose_planned_step_was_collected_gets_the_direct_error(
     assert got[:1] == [1] and set(got) <= {1, 2, 3}
     ds.load_state_dict({"next_step": 6})
     assert list(ds) == [6, 7, 8, 9, 10]
+
+
+def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holders unlink their lock file when they stop: whoever opened that file just before must not count as holding
+    the lock (relay._lock checks that the path still names the file it locked). Threads lock through open files of
+    their own, which exclude each other as processes do."""
+    path = tmp_path / "k.lock"
+    holders: list[int] = []
+    taken, overlaps = [0], [0]
+    guard = threading.Lock()
+
+    def run() -> None:
+        for _ in range(300):
+            fd = relay_module._lock(path)
+            if fd is None:
+                continue
+            with guard:
+                overlaps[0] += bool(holders)
+                holders.append(fd)
+                taken[0] += 1
+            os.sched_yield()
+            with guard:
+                holders.remove(fd)
+            relay_module._unlink(path)  # as HeadRelay.stop: unlink while locked, then release
+            os.close(fd)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert taken[0] > 0 and overlaps[0] == 0 and not path.exists()
+
+    # the race itself, made certain: the file is unlinked (its holder stopping) between this open and this lock
+    real_stat, unlinked = os.stat, []
+
+    def stat_after_unlink(target: object, *args: object, **kwargs: object) -> os.stat_result:
+        if target == path and not unlinked:
+            unlinked.append(target)
+            os.unlink(path)
+        return real_stat(target, *args, **kwargs)  # type: ignore[arg-type]
+
+    path.touch()
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "stat", stat_after_unlink)
+        fd = relay_module._lock(path)
+    assert fd is not None and unlinked
+    assert os.fstat(fd).st_ino == os.stat(path).st_ino  # it holds the file the path names now, made after the unlink
+    os.close(fd)
