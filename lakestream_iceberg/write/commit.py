@@ -27,7 +27,7 @@ Group commit (:meth:`Planner.carry`): the caller's batch is staged (:mod:`lakest
 producer's commit may publish it. Before each attempt the loop *holds* for as long as the policy says, polling whether
 the staged batch is gone (:meth:`Carry.gone`: another commit carried it), or, where the catalog pointer is cheap to
 read, whether the head moved: then the batch was carried, or leads the queue of staged batches (:meth:`Carry.ahead`)
-and is committed at once (see :meth:`CommitLoop._hold`); then it reads the head and the planner either finds the batch
+and is committed at once (:mod:`lakestream_iceberg.write.hold`); then it reads the head and the planner either finds the batch
 published (done, with no attempt of its own) or plans a commit of every staged batch. Once the staged batch is gone
 the head is first read *lightly* (:meth:`CommitLoop.peek`, :mod:`lakestream_iceberg.write.peek`: the new ``metadata.json`` as plain JSON, only the summaries
 asked for parsed): when it shows the batch published (:meth:`Carry.answer`) the call returns from that, and the
@@ -51,7 +51,7 @@ from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import transient
-from lakestream_iceberg.connect.pointer import PointerWatch, cached_probe, refresh_if_moved
+from lakestream_iceberg.connect.pointer import cached_probe, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
 from lakestream_iceberg.errors import (
     CommitError,
@@ -63,6 +63,7 @@ from lakestream_iceberg.errors import (
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.dac import CommitPolicy
+from lakestream_iceberg.write.hold import Hold
 from lakestream_iceberg.write.peek import HeadPeek, head_state
 from lakestream_iceberg.write.plan import Carry, Done, FunctionPlanner, Outcome, Peek, Plan, Planner
 
@@ -170,7 +171,7 @@ class CommitLoop:
         rng: random.Random | None = None,
     ) -> None:
         self.table = table
-        self.policy = policy
+        self._policy = policy
         self._branch = branch
         self._timeout_s = timeout_s
         self._max_attempts = max_attempts
@@ -181,9 +182,8 @@ class CommitLoop:
         self._refreshes = 0
         # True from an answer found by peek() until the next full read: table.metadata is older than the head
         self.peeked = False
-        self._carried_peek: Peek | None = None  # the light read of the head a hold found its batch published in
-        self._blind = False  # a hold's light read of the head failed: it polls its intent instead
         self._peek = HeadPeek(table=table, branch=branch)
+        self._hold = Hold(policy=policy, branch=branch, probe=self._probe, peek=self.peek, clock=clock, sleep=sleep)
 
     def refresh(self, *, deadline: float) -> TableMetadata:
         """Reload the table, retrying a failing catalog with bounded, jittered backoff until ``deadline``."""
@@ -212,6 +212,16 @@ class CommitLoop:
                 self._sleep(delay * self._rng.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
 
+    @property
+    def policy(self) -> CommitPolicy:
+        """The pacing, retry and hold policy (replaceable: the hold follows)."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: CommitPolicy) -> None:
+        self._policy = policy
+        self._hold.policy = policy
+
     def peek(self) -> Peek | None:
         """The branch head read lightly (see :meth:`HeadPeek.read`); None when the caller must read it fully."""
         return self._peek.read()
@@ -237,63 +247,6 @@ class CommitLoop:
         self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values() if p.recurring or p.step > recent],
                                  group=state.group,
                                  group_commit_s=state.group_commit_ms / 1000 if state.group_commit_ms else None)
-
-    def _hold(self, seconds: float, carry: Carry[T]) -> bool:
-        """Wait up to ``seconds`` for the staged batch to be carried; True when it was. False (commit now) as soon as:
-
-        * the batch leads the queue of staged batches (``carry.ahead``): every batch staged before it is published.
-          Checked when the hold starts and whenever the head moves, read from the catalog pointer where that is
-          cheap (SQL catalogs): the commit ahead of it landed, so the catalog is free and nobody else is due. A
-          commit then starts as soon as the previous one landed, with whatever was staged meanwhile, and while it
-          runs the producers it did not carry write their next batches;
-        * the head has not moved for ``policy.idle_after_s``: nobody is committing (the producers ahead stopped).
-
-        Without a pointer probe (REST catalogs) it holds for ``seconds``, polling whether its intent is gone."""
-        start = self._clock()
-        end = start + seconds
-        idle_s = self.policy.idle_after_s
-        probe = self._probe()
-        lead = self.policy.leads_queue and probe is not None
-        watch = PointerWatch(probe, start, every_s=0.0 if lead else idle_s / 4) if lead or seconds > idle_s else None
-        self._carried_peek = None
-        polls = not lead  # whether every poll checks the intent (with ``lead``: on every move of the head)
-        while (now := self._clock()) < end:
-            if lead and watch is not None and watch.moved(now):
-                place = self._place(carry)
-                if place is not None:
-                    return place
-                polls = polls or self._blind
-            self._sleep(min(self.policy.poll_delay(waited=now - carry.staged_at), end - now))
-            if (polls or (watch is not None and not watch.readable)) and carry.gone():  # no pointer now: the intent
-                return True
-            if watch is not None and seconds > idle_s and watch.idle_for(self._clock()) >= idle_s:
-                log.debug("head of branch %s idle for %.3fs while holding: committing now", self._branch, idle_s)
-                return False
-        return False
-
-    def _place(self, carry: Carry[T]) -> bool | None:
-        """The held batch's place once the head moved: True when it was carried (the light read that shows it is kept
-        for :meth:`_answer`), False when it leads the queue (every batch staged before it is published), None to keep
-        holding. Sets ``_blind`` when the head could not be read lightly (then every poll checks the intent)."""
-        self._blind = False
-        if carry.gone():  # published, and its committer removed the intent
-            return True
-        ahead = carry.ahead()
-        if ahead is None:  # no longer listed (published and removed since), or the listing failed
-            return True if carry.gone() else None
-        if not ahead:
-            return False
-        peek = self.peek()
-        if peek is None:
-            self._blind = True
-            return None
-        if carry.answer(peek, 0) is not None:  # published by the commit that moved it
-            self._carried_peek = peek
-            return True
-        producers = peek.state.producers
-        if all((known := producers.get(producer)) is not None and known.seq >= seq for producer, seq in ahead):
-            return False  # what is listed before it is published (its committer removes the intents right after)
-        return None
 
     def _probe(self) -> Callable[[], str | None] | None:
         """The table's catalog pointer probe (None: the catalog has none, or it cannot be made now)."""
@@ -393,16 +346,9 @@ class CommitLoop:
         it stale) for the attempt."""
         carry = call.carry
         assert carry is not None
-        # after a lost swap the head just read may already show the batch published (the winner carried it)
-        if call.attempt > 1 and carry.published(call.metadata):
-            hold = 0.0
-        else:
-            waited = self._clock() - carry.staged_at if call.attempt == 1 else 0.0
-            queued = carry.queued() if self.policy.wants_queue else None
-            led = self.policy.leads_queue and self._probe() is not None
-            hold = self.policy.hold_delay(waited=waited, queued=queued, led=led)
+        hold = self._hold.delay(carry, attempt=call.attempt, head=call.metadata)
         if hold > 0:
-            if self._hold(min(hold, max(0.0, call.deadline - self._clock())), carry):
+            if self._hold.wait(min(hold, max(0.0, call.deadline - self._clock())), carry):
                 call.carried_after = self._clock() - carry.staged_at
                 answer = self._answer(carry, call.attempt)
                 if answer is not None:
@@ -536,7 +482,7 @@ class CommitLoop:
 
     def _answer(self, carry: Carry[T], attempt: int) -> T | None:
         """The carried batch's final answer from a light read of the head (see :meth:`peek`), or None."""
-        peek, self._carried_peek = self._carried_peek, None
+        peek = self._hold.take_peek()
         if peek is None and (peek := self.peek()) is None:
             return None
         answer = carry.answer(peek, attempt)

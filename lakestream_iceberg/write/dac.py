@@ -385,7 +385,7 @@ class CommitPolicy:
         everything else staged) oneself; 0 commits now. Alone it never holds.
 
         ``led``: the holder commits as soon as its batch leads the queue of staged batches (see
-        ``CommitLoop._hold``), so the hold computed here is only the bound for when that never happens (the producer
+        ``Hold.wait``), so the hold computed here is only the bound for when that never happens (the producer
         whose batch is ahead died): the producer in position 0 holds one slot too instead of committing at once,
         which would fire into a commit still in flight, and every position one slot more.
 

@@ -427,9 +427,9 @@ def test_a_holder_polls_sparsely_until_the_typical_carry_and_then_every_poll_int
 
 
 def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
-    """CommitLoop._hold sleeps what poll_delay says for the time since the batch was staged, and stops at the first
-    check that finds the batch carried."""
-    from lakestream_iceberg.write.commit import CommitLoop
+    """The hold sleeps what poll_delay says for the time since the batch was staged, and stops at the first check
+    that finds the batch carried."""
+    from lakestream_iceberg.write.hold import Hold
 
     clock = Clock()
     p = policy(clock=clock)
@@ -442,12 +442,11 @@ def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
         sleeps.append(seconds)
         clock.t += seconds
 
-    loop = CommitLoop(table=None, policy=p, branch="main", timeout_s=60, max_attempts=10, clock=clock,  # type: ignore[arg-type]
-                      sleep=sleep)
+    hold = Hold(policy=p, branch="main", probe=lambda: None, peek=lambda: None, clock=clock, sleep=sleep)
     checks = []
     staged_at = clock.t
     carry = Held(staged_at=staged_at, gone=lambda: checks.append(clock.t) or len(checks) >= 6)
-    assert loop._hold(10.0, carry)  # noqa: SLF001
+    assert hold.wait(10.0, carry)
     expected, t = [], staged_at
     for _ in range(6):
         expected.append(p.poll_delay(waited=t - staged_at))
@@ -458,7 +457,7 @@ def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
 def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits() -> None:
     """A head that does not move for idle_after_s while a batch is held means the producers ahead stopped: the hold
     ends (False: commit now) instead of lasting its slots; a head that keeps moving never ends it early."""
-    from lakestream_iceberg.write.commit import CommitLoop
+    from lakestream_iceberg.write.hold import Hold
 
     clock = Clock()
     p = policy(clock=clock)
@@ -468,22 +467,20 @@ def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits(
     def sleep(seconds: float) -> None:
         clock.t += seconds
 
-    def loop_with(probe: object) -> CommitLoop:
-        loop = CommitLoop(table=None, policy=p, branch="main", timeout_s=60, max_attempts=10, clock=clock,  # type: ignore[arg-type]
-                          sleep=sleep)
-        loop._probe = lambda: probe  # type: ignore[method-assign]  # noqa: SLF001
-        return loop
+    def loop_with(probe: object) -> Hold:
+        return Hold(policy=p, branch="main", probe=lambda: probe, peek=lambda: None, clock=clock,  # type: ignore[arg-type,return-value]
+                    sleep=sleep)
 
     never = Held(staged_at=clock.t, gone=lambda: False)
     start = clock.t
-    assert not loop_with(lambda: "m-1.json")._hold(600.0, never)  # noqa: SLF001
+    assert not loop_with(lambda: "m-1.json").wait(600.0, never)
     assert p.idle_after_s <= clock.t - start <= p.idle_after_s + 2 * p.poll_interval() + p.idle_after_s / 4
     moves = iter(range(10**6))
     start = clock.t
-    assert not loop_with(lambda: f"m-{next(moves)}.json")._hold(2.0, never)  # noqa: SLF001
+    assert not loop_with(lambda: f"m-{next(moves)}.json").wait(2.0, never)
     assert clock.t - start == pytest.approx(2.0)  # held the whole time: the head kept moving
     start = clock.t
-    assert not loop_with(None)._hold(2.0, never)  # noqa: SLF001 - no pointer probe (e.g. REST): holds as before
+    assert not loop_with(None).wait(2.0, never)  # no pointer probe (e.g. REST): holds as before
     assert clock.t - start == pytest.approx(2.0)
 
 
@@ -493,7 +490,7 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
     when what was ahead is published (shown by a light read of the head) or gone, and returns as carried when its own
     intent is gone. Without a pointer probe (REST) the rule is off."""
     from lakestream_iceberg.format.summary import ProducerState, StreamState
-    from lakestream_iceberg.write.commit import CommitLoop
+    from lakestream_iceberg.write.hold import Hold
     from lakestream_iceberg.write.plan import Peek
 
     clock = Clock()
@@ -505,18 +502,17 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
 
     head = {"location": "m-1.json", "published": {}}
 
-    def loop_with(probe: object) -> CommitLoop:
-        loop = CommitLoop(table=None, policy=p, branch="main", timeout_s=60, max_attempts=10, clock=clock,  # type: ignore[arg-type]
-                          sleep=sleep)
-        loop._probe = lambda: probe  # type: ignore[method-assign]  # noqa: SLF001
-        loop.peek = lambda: Peek(StreamState(op="append", step=10, producers={  # type: ignore[method-assign]
+    def peek() -> Peek:
+        return Peek(StreamState(op="append", step=10, producers={
             name: ProducerState(seq, 10, 1) for name, seq in head["published"].items()}), lambda _id: None)
-        return loop
+
+    def loop_with(probe: object, sleep: Callable[[float], None] = sleep) -> Hold:
+        return Hold(policy=p, branch="main", probe=lambda: probe, peek=peek, clock=clock, sleep=sleep)  # type: ignore[arg-type,return-value]
 
     probe = lambda: head["location"]  # noqa: E731
     first = Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])
     start = clock.t
-    assert loop_with(probe)._hold(600.0, first) is False and clock.t == start  # noqa: SLF001 - nothing ahead: at once
+    assert loop_with(probe).wait(600.0, first) is False and clock.t == start  # nothing ahead: at once
 
     ahead = [("x", 3)]
     behind = Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
@@ -529,9 +525,7 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
             head["location"], head["published"] = "m-2.json", {"x": 3}
 
     start = clock.t
-    loop = loop_with(probe)
-    loop._sleep = moving_sleep  # noqa: SLF001
-    assert loop._hold(600.0, behind) is False  # noqa: SLF001
+    assert loop_with(probe, moving_sleep).wait(600.0, behind) is False
     # right after the move (the idle rule would end it idle_after_s after the move, its slots after 600 s)
     assert moves and moves[0] <= clock.t <= moves[0] + p.poll_interval() + 1e-9 < moves[0] + p.idle_after_s
 
@@ -541,21 +535,21 @@ def test_a_holder_commits_once_its_batch_leads_the_queue_of_staged_batches() -> 
     flips = iter(range(10**6))
     stuck = Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: list(ahead))
     start = clock.t
-    assert loop_with(lambda: f"m-{next(flips)}.json")._hold(2.0, stuck) is False  # noqa: SLF001
+    assert loop_with(lambda: f"m-{next(flips)}.json").wait(2.0, stuck) is False
     assert clock.t - start == pytest.approx(2.0)
     # its own intent gone at a move: carried
     gone = Held(staged_at=clock.t, gone=lambda: True, ahead=lambda: None)
-    assert loop_with(probe)._hold(2.0, gone) is True  # noqa: SLF001
+    assert loop_with(probe).wait(2.0, gone) is True
     # the pointer cannot be read right now (the database unreachable): it polls its intent meanwhile
     def failing() -> str:
         raise OSError("catalog unreachable")
 
     polled: list = []
     unreadable = Held(staged_at=clock.t, gone=lambda: polled.append(clock.t) or len(polled) >= 3, ahead=lambda: [("y", 0)])
-    assert loop_with(failing)._hold(2.0, unreadable) is True and len(polled) == 3  # noqa: SLF001
+    assert loop_with(failing).wait(2.0, unreadable) is True and len(polled) == 3
     # no pointer probe: the rule is off (it holds its slots, polling the intent)
     start = clock.t
-    assert loop_with(None)._hold(2.0, Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])) is False  # noqa: SLF001
+    assert loop_with(None).wait(2.0, Held(staged_at=clock.t, gone=lambda: False, ahead=lambda: [])) is False
     assert clock.t - start == pytest.approx(2.0)
 
 

@@ -674,13 +674,14 @@ def _holding(a, monkeypatch: pytest.MonkeyPatch) -> list:
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001
     monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)
     verdicts: list = []
-    place = a._loop._place  # noqa: SLF001
+    hold = a._loop._hold  # noqa: SLF001
+    place = hold._place  # noqa: SLF001
 
     def recorded(carry):  # type: ignore[no-untyped-def]
         verdicts.append(place(carry))
         return verdicts[-1]
 
-    monkeypatch.setattr(a._loop, "_place", recorded)  # noqa: SLF001
+    monkeypatch.setattr(hold, "_place", recorded)
     assert isinstance(a._loop, CommitLoop)  # noqa: SLF001
     return verdicts
 
