@@ -133,7 +133,7 @@ class Stream(StreamTable):
     def create(
         cls,
         catalog: Catalog,
-        identifier: str,
+        identifier: str | tuple[str, ...],
         *,
         schema: pa.Schema,
         world_size: int,
@@ -144,7 +144,7 @@ class Stream(StreamTable):
 
         Args:
             catalog: Any pyiceberg catalog.
-            identifier: ``"namespace.name"``; the namespace is created when missing.
+            identifier: ``"namespace.name"`` (or pyiceberg's ``("namespace", "name")``); the namespace is created when missing.
             schema: The pyarrow schema of one sample (the payload); ``_step`` and ``_rank`` are reserved.
             world_size: Ranks per global batch.
             location: Table location; defaults to the catalog's warehouse.
@@ -169,8 +169,8 @@ class Stream(StreamTable):
                                properties=properties)
 
     @classmethod
-    def _create(cls, catalog: Catalog, identifier: str, *, schema: pa.Schema, world_size: int, location: str | None,
-                properties: dict[str, str] | None) -> Stream:
+    def _create(cls, catalog: Catalog, identifier: str | tuple[str, ...], *, schema: pa.Schema, world_size: int,
+                location: str | None, properties: dict[str, str] | None) -> Stream:
         world_size = check_int(world_size, what="world_size", minimum=1)
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
@@ -195,7 +195,7 @@ class Stream(StreamTable):
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
             prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
-            props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=identifier)
+            props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=str(identifier))
             namespace = Catalog.namespace_from(identifier)
             if namespace:
                 try:
@@ -224,12 +224,12 @@ class Stream(StreamTable):
         return existing
 
     @classmethod
-    def open(cls, catalog: Catalog, identifier: str) -> Stream:
+    def open(cls, catalog: Catalog, identifier: str | tuple[str, ...]) -> Stream:
         """Open an existing stream.
 
         Args:
             catalog: Any pyiceberg catalog.
-            identifier: ``"namespace.name"``.
+            identifier: ``"namespace.name"`` (or pyiceberg's ``("namespace", "name")``).
 
         Returns:
             The stream.
@@ -251,7 +251,7 @@ class Stream(StreamTable):
             return cls(table)
 
     @classmethod
-    def drop(cls, catalog: Catalog, identifier: str, *, purge: bool = False) -> int:
+    def drop(cls, catalog: Catalog, identifier: str | tuple[str, ...], *, purge: bool = False) -> int:
         """Drop a stream: its catalog entry, and what it keeps as rows of a SQL catalog's database, which nothing would
         remove once the table is gone (GC of the stream expires them while it exists): the batches still staged for
         group commit (catalog staging) and the consumer positions of its readers (``lakestream lag``). Stop the
@@ -260,7 +260,7 @@ class Stream(StreamTable):
 
         Args:
             catalog: The stream's catalog.
-            identifier: ``"namespace.name"``.
+            identifier: ``"namespace.name"`` (or pyiceberg's ``("namespace", "name")``).
             purge: Also delete the files the table references (pyiceberg's ``purge_table``; files no snapshot names,
                 such as storage-staged intents and abandoned uploads, stay, as with any Iceberg table).
 

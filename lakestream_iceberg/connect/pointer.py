@@ -232,7 +232,10 @@ def cached_probe(table: Table) -> Callable[[], str | None] | None:
     key = id(table)
     cached = _PROBES.get(key)
     if cached is None or cached[0]() is not table:  # pyiceberg tables are not hashable: keyed by id, checked by ref
-        cached = (weakref.ref(table, lambda _ref, key=key: _PROBES.pop(key, None)), pointer_probe(table))
+        def forget(_ref: weakref.ref[Table], key: int = key) -> None:
+            _PROBES.pop(key, None)
+
+        cached = (weakref.ref(table, forget), pointer_probe(table))
         _PROBES[key] = cached
     return cached[1]
 

@@ -40,7 +40,8 @@ def install_rest_timeout() -> None:
                 kwargs["timeout"] = timeout
             return request(method, url, *args, **kwargs)
 
-        session.request = request_with_timeout
+        # an instance attribute shadowing Session.request, with a signature that passes everything through
+        session.request = request_with_timeout  # type: ignore[method-assign,assignment]
         return session
 
     setattr(_create_session, _MARK, True)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from pyiceberg.catalog import Catalog, MetastoreCatalog
 from pyiceberg.io import OutputFile
@@ -130,11 +130,13 @@ def _swap_statement() -> Update:
     metadata_location = <the held location>``: pyiceberg's own conditional update, built once (bound parameters), so
     SQLAlchemy compiles it once per dialect instead of once per commit."""
     from pyiceberg.catalog.sql import IcebergTables
-    from sqlalchemy import bindparam, update
+    from sqlalchemy import Table, bindparam, update
 
-    columns = IcebergTables.__table__.c
+    # declared a FromClause by SQLAlchemy's DeclarativeBase stubs; a declarative class's __table__ is a Table
+    table = cast(Table, IcebergTables.__table__)
+    columns = table.c
     return (
-        update(IcebergTables.__table__)
+        update(table)
         .where(
             columns.catalog_name == bindparam("p_catalog"),
             columns.table_namespace == bindparam("p_namespace"),

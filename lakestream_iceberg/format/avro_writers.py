@@ -30,7 +30,7 @@ from pyiceberg.avro.encoder import BinaryEncoder
 from pyiceberg.avro.file import _SCHEMA_KEY, MAGIC, META_SCHEMA, SYNC_SIZE, AvroFileHeader, AvroOutputFile
 from pyiceberg.avro.resolver import construct_writer, resolve_writer
 from pyiceberg.avro.writer import Writer
-from pyiceberg.io import OutputFile
+from pyiceberg.io import InputFile, OutputFile, OutputStream
 from pyiceberg.manifest import (
     DEFAULT_READ_VERSION,
     MANIFEST_LIST_FILE_SCHEMAS,
@@ -77,7 +77,7 @@ class FastEncoder(BinaryEncoder):
             out.append((datum & 0x7F) | 0x80)
             datum >>= 7
         out.append(datum)
-        self._output_stream.write(out)
+        self._output_stream.write(bytes(out))
 
     def write_boolean(self, boolean: bool) -> None:
         self._output_stream.write(_BOOLS[bool(boolean)])
@@ -130,17 +130,27 @@ def _prepare(key: tuple[Any, ...], file_schema: Schema, record_schema: Schema, s
     return hit
 
 
-class _Written:
+class _Written(OutputFile):
     """A file this process just wrote, whose length it knows: pyiceberg's manifest writer asks ``len()`` of the file it
     wrote for the manifest's ``manifest_length``, which costs a stat (a HEAD request on object storage, inside a
-    commit's critical section) per manifest."""
+    commit's critical section) per manifest. Everything else is the written file's."""
 
     def __init__(self, output_file: OutputFile, length: int) -> None:
+        super().__init__(output_file.location)
         self._file = output_file
         self._length = length
 
     def __len__(self) -> int:
         return self._length
+
+    def exists(self) -> bool:
+        return self._file.exists()
+
+    def to_input_file(self) -> InputFile:
+        return self._file.to_input_file()
+
+    def create(self, overwrite: bool = False) -> OutputStream:
+        return self._file.create(overwrite=overwrite)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)
@@ -282,7 +292,11 @@ def _encoded_data_file(writer: Writer, data_file: Any) -> bytes:
     buffer = io.BytesIO()
     writer.write(FastEncoder(output_stream=buffer), data_file)
     encoded = buffer.getvalue()
-    ref = weakref.ref(data_file, lambda _ref, key=key: _dead_files.append(key))
+
+    def forget(_ref: weakref.ref[Any], key: int = key) -> None:
+        _dead_files.append(key)
+
+    ref = weakref.ref(data_file, forget)
     with _lock:
         _encoded_files[key] = (ref, writer, encoded)
         while len(_encoded_files) > _MAX_ENCODED:
@@ -345,12 +359,14 @@ class _ManifestWriter(ManifestWriterV2):
 
 def _partition_summaries(partition_type: StructType, partitions: list[Record]) -> list[PartitionFieldSummary]:
     """pyiceberg's ``construct_partition_summaries``, given the partition type."""
-    types = [field.field_type for field in partition_type.fields]
+    types: list[PrimitiveType] = []
+    for field in partition_type.fields:  # always primitive: partition transforms produce primitive types
+        if not isinstance(field.field_type, PrimitiveType):
+            raise ValueError(f"Expected a primitive type for the partition field, got {field.field_type}")
+        types.append(field.field_type)
     field_stats = [PartitionFieldStats(field_type) for field_type in types]
     for partition_keys in partitions:
-        for i, field_type in enumerate(types):
-            if not isinstance(field_type, PrimitiveType):
-                raise ValueError(f"Expected a primitive type for the partition field, got {field_type}")
+        for i in range(len(types)):
             field_stats[i].update(partition_keys[i])
     return [field.to_summary() for field in field_stats]
 

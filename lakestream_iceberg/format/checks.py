@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from typing import Literal, SupportsIndex, cast, overload
 
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
@@ -43,7 +44,8 @@ def check_int(value: object, *, what: str, error: type[LakestreamError] = Config
     if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):  # numpy and torch bools too
         raise error(f"{what} must be an integer, got the bool {value!r}{suffix}")
     try:
-        number = operator.index(value)  # int, numpy integers; not float, str, None, numpy bool
+        # any object: one without __index__ raises TypeError, handled below (cheaper than isinstance on the protocol)
+        number = operator.index(cast(SupportsIndex, value))  # int, numpy integers; not float, str, None, numpy bool
     except TypeError:
         raise error(f"{what} must be an integer, got {value!r} ({type(value).__name__}){suffix}") from None
     if minimum is not None and number < minimum or maximum is not None and number > maximum:
@@ -59,6 +61,12 @@ def check_bool(value: object, *, what: str, error: type[LakestreamError] = Confi
     return value
 
 
+@overload
+def check_seconds(value: object, *, what: str, minimum: float = 0.0, allow_none: Literal[False] = False,
+                  error: type[LakestreamError] = ConfigError) -> float: ...
+@overload
+def check_seconds(value: object, *, what: str, minimum: float = 0.0, allow_none: bool,
+                  error: type[LakestreamError] = ConfigError) -> float | None: ...
 def check_seconds(value: object, *, what: str, minimum: float = 0.0, allow_none: bool = False,
                   error: type[LakestreamError] = ConfigError) -> float | None:
     """``value`` as a finite number of seconds >= ``minimum`` (``None`` when ``allow_none``), never a bool or NaN."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from typing import TypedDict
 
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
@@ -87,7 +88,15 @@ def young(metadata: TableMetadata, snapshot_id: int, *, max_age_ms: int, retain_
     return {sid for sid in ancestors(metadata, snapshot_id, retain_max, by_id=by_id) if by_id[sid].timestamp_ms >= cutoff}
 
 
-def retention(metadata: TableMetadata) -> dict[str, int]:
+class Retention(TypedDict):
+    """The retention arguments of :func:`protected`, :func:`young` and :func:`expirable` (:func:`retention`)."""
+
+    retain_last: int
+    max_age_ms: int
+    retain_max: int
+
+
+def retention(metadata: TableMetadata) -> Retention:
     """The retention arguments of :func:`protected` and :func:`expirable`, from the properties of the metadata a
     commit is planned on: a retention changed on a live stream (``ALTER TABLE ... SET TBLPROPERTIES``, pyiceberg's
     ``set_properties``) applies from the next commit of every producer, with no reopening.
@@ -99,15 +108,15 @@ def retention(metadata: TableMetadata) -> dict[str, int]:
     found = _RETENTIONS.get(key)
     if found is None:
         config = StreamConfig.from_properties(metadata.properties)
-        found = {"retain_last": config.retain_snapshots, "max_age_ms": config.retain_max_age_ms,
-                 "retain_max": config.retain_max}
+        found = Retention(retain_last=config.retain_snapshots, max_age_ms=config.retain_max_age_ms,
+                          retain_max=config.retain_max)
         if len(_RETENTIONS) >= 64:
             _RETENTIONS.clear()
         _RETENTIONS[key] = found
-    return dict(found)
+    return found.copy()
 
 
-_RETENTIONS: dict[tuple[tuple[str, str], ...], dict[str, int]] = {}
+_RETENTIONS: dict[tuple[tuple[str, str], ...], Retention] = {}
 
 
 def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256,

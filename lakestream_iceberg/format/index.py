@@ -8,10 +8,13 @@ and one manifest, both immutable and cached by path: consecutive steps cost one 
 
 from __future__ import annotations
 
+from typing import Any
+
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile, ManifestEntry, ManifestFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.typedef import Record
 
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.manifests import ManifestCache, entry_step, step_bounds
@@ -29,6 +32,11 @@ def rank_of(entry: ManifestEntry) -> int:
 
 
 
+def _values(record: Record) -> list[Any]:
+    """A partition tuple's values (``list(record)``: a ``Record`` has no ``__iter__``, only ``__getitem__``)."""
+    return [record[i] for i in range(len(record))]
+
+
 def _ranked(path: str, step: int, found: list[ManifestEntry]) -> list[ManifestEntry]:
     """A step's entries ordered by rank, after checking their partitions: ``(_step,)`` alone (packed), or
     ``(_step, _rank)`` with ranks ``0..n-1``, each once. A rank missing in the middle or listed twice would hand one
@@ -36,12 +44,13 @@ def _ranked(path: str, step: int, found: list[ManifestEntry]) -> list[ManifestEn
     if len(found) == 1 and len(found[0].data_file.partition) == 1:
         return found
     ranks = [e.data_file.partition[1] if len(e.data_file.partition) == 2 else None for e in found]
-    if all(type(r) is int for r in ranks):
-        order = sorted(range(len(found)), key=ranks.__getitem__)
-        if [ranks[i] for i in order] == list(range(len(found))):
+    ints: list[int] = [r for r in ranks if type(r) is int]
+    if len(ints) == len(ranks):  # every rank an int
+        order = sorted(range(len(found)), key=ints.__getitem__)
+        if [ints[i] for i in order] == list(range(len(found))):
             return [found[i] for i in order]
     raise CorruptStateError(
-        f"step {step} of {path} lists data files with partitions {[list(e.data_file.partition) for e in found][:8]}, "
+        f"step {step} of {path} lists data files with partitions {[_values(e.data_file.partition) for e in found][:8]}, "
         "not one file per rank 0..n-1 (per-rank layout) or one file (packed): the table was changed by something other "
         "than lakestream; roll the stream back to a checkpoint before that step"
     )

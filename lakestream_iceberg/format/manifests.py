@@ -26,6 +26,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 from urllib.parse import urlsplit
 
 from pyiceberg.conversions import from_bytes
@@ -90,7 +91,8 @@ def step_bounds(manifest: ManifestFile) -> tuple[int, int] | None:
         return None
     if len(summary.lower_bound) != 8 or len(summary.upper_bound) != 8:  # a long is 8 bytes (Iceberg single-value)
         return None
-    return from_bytes(LongType(), summary.lower_bound), from_bytes(LongType(), summary.upper_bound)
+    # pyiceberg's from_bytes is typed as returning its first constrained type (str); for a LongType it returns an int
+    return cast(int, from_bytes(LongType(), summary.lower_bound)), cast(int, from_bytes(LongType(), summary.upper_bound))
 
 
 DEFAULT_CACHE_BYTES: int = MANIFEST_CACHE_BYTES.default or 0  # lakestream.manifest.cache-bytes (format/properties.py)

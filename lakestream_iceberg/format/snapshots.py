@@ -29,9 +29,17 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotSummaryCollector, Summary, update_snapshot_summaries
 from pyiceberg.table.update import AddSnapshotUpdate, SetSnapshotRefUpdate, TableUpdate
 
-__all__ = ["SnapshotBuilder"]
+__all__ = ["SnapshotBuilder", "set_ref"]
 
 log = logging.getLogger(__name__)
+
+
+def set_ref(ref_name: str, ref_type: SnapshotRefType, snapshot_id: int) -> SetSnapshotRefUpdate:
+    """The update pointing ``ref_name`` (created as a ``ref_type`` if missing) at ``snapshot_id``, with no retention
+    of its own: ``max-ref-age-ms``, ``max-snapshot-age-ms`` and ``min-snapshots-to-keep`` are left out of the update
+    (None, pyiceberg's defaults), so the table's retention applies."""
+    return SetSnapshotRefUpdate(ref_name=ref_name, type=ref_type, snapshot_id=snapshot_id, max_ref_age_ms=None,
+                                max_snapshot_age_ms=None, min_snapshots_to_keep=None)
 
 
 class SnapshotBuilder:
@@ -104,9 +112,6 @@ class SnapshotBuilder:
         """Add ``snapshot`` to the commit and point ``branch`` (moving it from the snapshot's parent) or ``tag`` at it."""
         self.updates.append(AddSnapshotUpdate(snapshot=snapshot))
         if branch is not None:
-            self.updates.append(SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH,
-                                                     snapshot_id=snapshot.snapshot_id,
-                                                     parent_snapshot_id=snapshot.parent_snapshot_id))
+            self.updates.append(set_ref(branch, SnapshotRefType.BRANCH, snapshot.snapshot_id))
         if tag is not None:
-            self.updates.append(SetSnapshotRefUpdate(ref_name=tag, type=SnapshotRefType.TAG,
-                                                     snapshot_id=snapshot.snapshot_id))
+            self.updates.append(set_ref(tag, SnapshotRefType.TAG, snapshot.snapshot_id))

@@ -28,7 +28,6 @@ from pyiceberg.table.update import (
     AssertRefSnapshotId,
     AssertTableUUID,
     RemoveSnapshotRefUpdate,
-    SetSnapshotRefUpdate,
 )
 
 from lakestream_iceberg.errors import CheckpointError
@@ -36,7 +35,7 @@ from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint,
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.lineage import branch_state
-from lakestream_iceberg.format.snapshots import SnapshotBuilder
+from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_APPEND, OP_CHECKPOINT, StreamState
 from lakestream_iceberg.write.plan import Done, Plan
 
@@ -125,7 +124,7 @@ def plan_fork(metadata: TableMetadata, *, name: str, branch: str) -> Plan[Checkp
     if not isinstance(branch, str) or not _NAME.match(branch) or branch in metadata.refs:
         raise CheckpointError(f"cannot create branch {branch!r}: the name is invalid or already used by a tag or branch")
     return Plan(
-        (SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH, snapshot_id=found.snapshot_id),),
+        (set_ref(branch, SnapshotRefType.BRANCH, found.snapshot_id),),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=None),
          AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
         found,

@@ -64,6 +64,7 @@ from pyiceberg.table.update import (
     AssertTableUUID,
     RemoveSnapshotRefUpdate,
     RemoveSnapshotsUpdate,
+    TableRequirement,
     TableUpdate,
 )
 
@@ -129,7 +130,7 @@ def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_withi
     if keep_last is None and keep_within is None:
         return list(checkpoints)
     newest = sorted(checkpoints, key=lambda c: (c.created_at, c.step), reverse=True)
-    keep = set()
+    keep: set[str] = set()
     if keep_last is not None:
         keep.update(c.name for c in newest[:keep_last])
     if keep_within is not None:
@@ -148,7 +149,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     released = [c for c in checkpoints if c not in keep]
     report = GCReport(dry_run=not write, released_checkpoints=[c.name for c in released])
     updates: list[TableUpdate] = [RemoveSnapshotRefUpdate(ref_name=c.name) for c in released]
-    requirements = [AssertTableUUID(uuid=metadata.table_uuid)]
+    requirements: list[TableRequirement] = [AssertTableUUID(uuid=metadata.table_uuid)]
     requirements += [AssertRefSnapshotId(ref=c.name, snapshot_id=c.snapshot_id) for c in released]
     collected: dict[str, tuple[Snapshot, int]] = {}
     planner = stream.manifest_planner(metadata)
@@ -208,7 +209,7 @@ def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Don
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep]
     if not expired:
         return Done(0)
-    requirements = [AssertTableUUID(uuid=metadata.table_uuid)]
+    requirements: list[TableRequirement] = [AssertTableUUID(uuid=metadata.table_uuid)]
     requirements += [AssertRefSnapshotId(ref=n, snapshot_id=r.snapshot_id) for n, r in sorted(metadata.refs.items())]
     return Plan((RemoveSnapshotsUpdate(snapshot_ids=expired),), tuple(requirements), len(expired), [])
 

@@ -30,11 +30,11 @@ from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
-from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID, SetSnapshotRefUpdate
+from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
 
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
 from lakestream_iceberg.format.lineage import Lineage, branch_state, lineage
-from lakestream_iceberg.format.snapshots import SnapshotBuilder
+from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
 from lakestream_iceberg.format.summary import OP_REPAIR, StreamState
 from lakestream_iceberg.write.plan import Done, Plan
 
@@ -92,6 +92,7 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     head = metadata.snapshot_by_id(ref.snapshot_id)
     found = lineage(metadata, head)
     if found.changed is None and found.broken:
+        assert head is not None  # lineage() reports a broken lineage only below a head it walked (None: Lineage(None))
         return _plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run)
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
@@ -109,7 +110,7 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     if dry_run:
         return Done(report)
     return Plan(
-        (SetSnapshotRefUpdate(ref_name=branch, type=SnapshotRefType.BRANCH, snapshot_id=found.base.snapshot_id),),
+        (set_ref(branch, SnapshotRefType.BRANCH, found.base.snapshot_id),),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id)),
         report,
         [],

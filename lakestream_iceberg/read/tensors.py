@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["Blobs", "StepShard", "TensorCollate", "require_torch"]
 
@@ -102,8 +105,9 @@ def _copy_rows(out: np.ndarray, values: np.ndarray, offsets: np.ndarray) -> None
     those is a chance to hand it to a waiting thread (another prefetch thread, the training loop) mid-step.
     """
     item = values.dtype.itemsize
-    source = memoryview(np.ascontiguousarray(values).view(np.uint8))
-    target = memoryview(out.reshape(-1).view(np.uint8))  # fresh from _pool_array: C-contiguous, a view
+    # numpy's stubs give ndarray its __buffer__ on Python 3.12+ only (mypy checks 3.11): an ndarray is a Buffer
+    source = memoryview(cast("Buffer", np.ascontiguousarray(values).view(np.uint8)))
+    target = memoryview(cast("Buffer", out.reshape(-1).view(np.uint8)))  # fresh from _pool_array: C-contiguous, a view
     bounds = (offsets * item).tolist()
     row = out.shape[1] * item
     start = 0

@@ -250,7 +250,7 @@ class CommitPolicy:
             in_table = mine is not None and mine > step - horizon
             n = float(max(1, recent + (0 if in_table else 1)))
         self._active = n
-        if in_table:
+        if in_table and mine is not None:  # in_table implies mine is not None (the loop runs once: min_horizon_steps >= 1)
             first = bisect.bisect_right(steps, step - horizon)
             self._older = bisect.bisect_left(steps, mine, lo=first) - first  # active producers with an older last commit
             if mine > step - group:  # in the head's group: its place there

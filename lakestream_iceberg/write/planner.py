@@ -30,7 +30,7 @@ from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID, RemoveS
 
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.errors import CommitTimeoutError
-from lakestream_iceberg.format.expiry import expirable, retention
+from lakestream_iceberg.format.expiry import Retention, expirable, retention
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS
 from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.producers import compact
@@ -262,8 +262,9 @@ class BatchPlanner:
                     step, snapshot_id = state.step + 1 + i, snapshot.snapshot_id
         # counted on the parent: the group's snapshots join what is kept
         kept = retention(metadata)
-        expired = expirable(metadata, **{**kept, "retain_last": max(1, kept["retain_last"] - size),
-                                         "retain_max": max(1, kept["retain_max"] - size)})
+        shrunk: Retention = {**kept, "retain_last": max(1, kept["retain_last"] - size),
+                             "retain_max": max(1, kept["retain_max"] - size)}
+        expired = expirable(metadata, **shrunk)
         updates: list[TableUpdate] = group.builder.updates
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
