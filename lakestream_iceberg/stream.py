@@ -195,7 +195,7 @@ class Stream(StreamTable):
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
             prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
-            props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=str(identifier))
+            props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=identifier if isinstance(identifier, str) else ".".join(identifier))
             namespace = Catalog.namespace_from(identifier)
             if namespace:
                 try:

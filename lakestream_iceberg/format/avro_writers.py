@@ -77,7 +77,7 @@ class FastEncoder(BinaryEncoder):
             out.append((datum & 0x7F) | 0x80)
             datum >>= 7
         out.append(datum)
-        self._output_stream.write(bytes(out))
+        self._output_stream.write(out)  # type: ignore[arg-type]  # every stream takes a bytearray: no copy to bytes
 
     def write_boolean(self, boolean: bool) -> None:
         self._output_stream.write(_BOOLS[bool(boolean)])
