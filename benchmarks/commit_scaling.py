@@ -16,7 +16,8 @@ One command runs all three phases, prints their tables, writes ``benchmarks/resu
    manifest, pyiceberg's summary, 20 snapshots per catalog commit) and real ``table.append`` calls are timed at
    ``--plain-points``. ``--plain-mode loop`` times every step of a real append loop instead.
 2. **contention**: P producer processes (``multiprocessing`` spawn, started once and reused) commit back to back for
-   ``--duration`` seconds on SQLite and on PostgreSQL (``catalog.services.Postgres``). Policies: ``dac`` (lakestream,
+   ``--duration`` seconds on SQLite and on PostgreSQL (``catalog.services.Postgres``); each freezes its set-up
+   (``gc.freeze()``, as docs/guide/producers.md advises) before the window. Policies: ``dac`` (lakestream,
    ``Stream.producer`` as shipped: DAC with group commit), ``dac-single`` (the same loop and policy with
    ``lakestream.commit.group.enabled=false``: one batch per compare-and-swap, round-robin pacing), ``fixed``
    (lakestream's loop, one batch per swap, no pacing, constant retry delay) and ``pyiceberg`` (plain ``table.append``
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import multiprocessing as mp
 import random
@@ -396,6 +398,7 @@ def _run_task(task: Task) -> dict[str, Any]:
         def commit_once() -> int:
             return producer.commit(payload).attempts
 
+    gc.freeze()  # set up: what it holds stays out of full collections, as docs/guide/producers.md advises
     ready_late = time.time() - task.start_at
     while time.time() < task.start_at:
         time.sleep(min(0.05, max(0.0, task.start_at - time.time())))

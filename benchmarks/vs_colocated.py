@@ -26,6 +26,7 @@ Run: ``.venv/bin/python benchmarks/vs_colocated.py`` (about 2-3 minutes on 2 cor
 from __future__ import annotations
 
 import argparse
+import gc
 import io
 import math
 import multiprocessing as mp
@@ -203,6 +204,7 @@ def producer_main(root: str, idx: int, producers: int, quota: int, batch: int, r
         stream = Stream.open(sqlite_catalog(root), NAME)
         producer = stream.producer(f"prep-{idx}")
         seq = producer.next_seq
+        gc.freeze()  # set up: what it holds stays out of full collections (docs/guide/producers.md)
         first_seq = seq
         started = time.monotonic()
         prep_s = 0.0
