@@ -8,6 +8,8 @@ this set-up is paid many times per second. It depends only on the schema text in
 it is cached here under exactly that key (the text, compared in full, not a hash). Everything else is pyiceberg's own
 code: the same header reader, decoder, value readers, block format, codecs and sequence-number inheritance, so the
 records read are exactly those pyiceberg's ``ManifestFile.fetch_manifest_entry`` and ``read_manifest_list`` return.
+Where a manifest's ``data_file`` records are kept for the writer (:func:`read_manifest_entries`), ``AvroFile``'s loop
+over blocks is repeated here, to see where each record lies in its block.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from enum import Enum
+from typing import cast
 
-from pyiceberg.avro.decoder import new_decoder
-from pyiceberg.avro.file import _SCHEMA_KEY, META_SCHEMA, AvroFile, AvroFileHeader
-from pyiceberg.avro.reader import Reader
+from pyiceberg.avro.decoder import BinaryDecoder, new_decoder
+from pyiceberg.avro.file import _SCHEMA_KEY, META_SCHEMA, SYNC_SIZE, AvroFile, AvroFileHeader
+from pyiceberg.avro.reader import Reader, StructReader
 from pyiceberg.avro.resolver import construct_reader, resolve_reader
+from pyiceberg.avro.writer import Writer
 from pyiceberg.io import FileIO, InputFile
 from pyiceberg.manifest import (
     DEFAULT_READ_VERSION,
@@ -38,6 +42,8 @@ from pyiceberg.manifest import (
 )
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import StructProtocol
+
+from lakestream_iceberg.format.avro_writers import data_file_writer, keep_encoded
 
 __all__ = ["read_manifest_entries", "read_manifest_list"]
 
@@ -92,12 +98,106 @@ def _open(input_file: InputFile, kind: _Kind) -> AvroFile:
 
 
 def read_manifest_entries(io: FileIO, manifest: ManifestFile) -> list[ManifestEntry]:
-    """The live (not DELETED) entries of ``manifest``, as ``manifest.fetch_manifest_entry(io, discard_deleted=True)``."""
-    return [
-        _inherit_from_manifest(entry, manifest)
-        for entry in _open(io.new_input(manifest.manifest_path), _ENTRIES)
-        if entry.status != ManifestEntryStatus.DELETED
-    ]
+    """The live (not DELETED) entries of ``manifest``, as ``manifest.fetch_manifest_entry(io, discard_deleted=True)``.
+
+    When this process writes manifests whose header holds the same schema (lakestream's and pyiceberg's writers do, for
+    one partition type), each entry's ``data_file`` record is also handed, as read, to the writer
+    (:func:`~lakestream_iceberg.format.avro_writers.keep_encoded`): a merge copying these entries into a larger manifest
+    then writes those bytes instead of encoding the file's statistics again. Another writer's schema (Java's, another
+    partition type) reads as it is.
+    """
+    avro = _open(io.new_input(manifest.manifest_path), _ENTRIES)
+    writer = data_file_writer(avro.header.meta[_SCHEMA_KEY])
+    if writer is None:
+        return [_inherit_from_manifest(entry, manifest) for entry in avro if entry.status != ManifestEntryStatus.DELETED]
+    return [_inherit_from_manifest(entry, manifest) for entry in _read_keeping(avro, writer)
+            if entry.status != ManifestEntryStatus.DELETED]
+
+
+def _read_keeping(avro: AvroFile, writer: Writer) -> list[ManifestEntry]:
+    """Every entry of ``avro`` (positioned after its header), block by block as ``AvroFile`` reads them, each entry's
+    ``data_file`` record bytes kept for ``writer``."""
+    reader = _spanning(avro.reader)
+    codec = avro.header.compression_codec()
+    decoder, sync = avro.decoder, avro.header.sync
+    entries: list[ManifestEntry] = []
+    spans: list[tuple[int, int]] = []
+    _SPANS.out = spans
+    try:
+        first = True
+        while True:
+            try:  # AvroFile._read_block: the end of the file ends the entries
+                if not first and (marker := decoder.read(SYNC_SIZE)) != sync:
+                    raise ValueError(f"Expected sync bytes {sync!r}, but got {marker!r}")
+                first = False
+                count = decoder.read_int()
+                content = decoder.read_bytes()
+            except EOFError:
+                break
+            if codec:
+                content = codec.decompress(content)
+            block = new_decoder(content)
+            for _ in range(count):
+                entry = cast(ManifestEntry, reader.read(block))
+                start, end = spans.pop()
+                if entry.data_file is not None:
+                    keep_encoded(writer, entry.data_file, content[start:end])
+                entries.append(entry)
+    finally:
+        _SPANS.out = None
+    return entries
+
+
+class _Spans(threading.local):
+    out: list[tuple[int, int]] | None = None
+
+
+_SPANS = _Spans()
+
+
+class _Span(Reader):
+    """Reads a value with ``inner`` and records where its bytes lie in the block (see :func:`_read_keeping`)."""
+
+    __slots__ = ("inner",)
+
+    def __init__(self, inner: Reader) -> None:
+        self.inner = inner
+
+    def read(self, decoder: BinaryDecoder) -> object:
+        start = decoder.tell()
+        value = self.inner.read(decoder)
+        spans = _SPANS.out
+        if spans is not None:
+            spans.append((start, decoder.tell()))
+        return value
+
+    def skip(self, decoder: BinaryDecoder) -> None:
+        self.inner.skip(decoder)
+
+
+_spanning_readers: dict[int, tuple[Reader, StructReader]] = {}  # id(entry reader) -> (it, its spanning twin)
+
+
+def _spanning(reader: Reader) -> StructReader:
+    """The entry reader ``reader`` with its ``data_file`` field read through :class:`_Span` (made once per reader)."""
+    with _LOCK:
+        hit = _spanning_readers.get(id(reader))
+        if hit is not None and hit[0] is reader:
+            return hit[1]
+    if not isinstance(reader, StructReader):
+        raise ValueError(f"a manifest entry is read by a struct reader, not {reader!r}")
+    fields = tuple((pos, _Span(field) if pos == _DATA_FILE_POS else field) for pos, field in reader.field_readers)
+    if sum(pos == _DATA_FILE_POS for pos, _ in fields) != 1:
+        raise ValueError("a manifest entry reader without exactly one data_file field")
+    spanning = StructReader(fields, reader.create_struct, reader.struct)
+    with _LOCK:
+        if len(_spanning_readers) >= _MAX_SCHEMAS:
+            _spanning_readers.clear()
+        _spanning_readers[id(reader)] = (reader, spanning)
+    return spanning
+
+
+_DATA_FILE_POS = 4  # ManifestEntry: status, snapshot_id, sequence_number, file_sequence_number, data_file
 
 
 def read_manifest_list(io: FileIO, path: str) -> list[ManifestFile]:

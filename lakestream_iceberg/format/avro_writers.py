@@ -6,7 +6,9 @@ and a group commit writes two such files per batch inside its critical section. 
 depends only on the format version and the partition type, so it is cached here under exactly that key. pyiceberg's
 manifest writer also writes (and compresses) one Avro block per entry; here all of a file's records go into one block
 when it is closed. And a manifest list repeats its parent's records: each manifest's record is encoded once per
-process and reused, so a commit's list costs its new manifests, not the list's length. Everything else is
+process and reused, so a commit's list costs its new manifests, not the list's length. A manifest's ``data_file``
+records are encoded once per DataFile object, or taken as they were read from a manifest of the same schema
+(:func:`keep_encoded`): a merge copies them unchanged. Everything else is
 pyiceberg's own code: the same encoder, value writers, header layout, block format and codec, so a file holds exactly
 the records (and header) pyiceberg would write.
 
@@ -22,6 +24,7 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from pydantic_core import to_json
@@ -54,7 +57,7 @@ from pyiceberg.utils.schema_conversion import AvroSchemaConversion
 
 from lakestream_iceberg.format.uploads import Uploads
 
-__all__ = ["FastEncoder", "manifest_list_writer", "manifest_writer"]
+__all__ = ["FastEncoder", "data_file_writer", "keep_encoded", "manifest_list_writer", "manifest_writer"]
 
 _ONE_BYTE_INTS = tuple(bytes([(i << 1) ^ (i >> 63)]) for i in range(0, 64)) + tuple(
     bytes([(i << 1) ^ (i >> 63)]) for i in range(-64, 0))  # zig-zag varints of one byte: 0..63 at [i], -64..-1 at [i]
@@ -85,6 +88,7 @@ class FastEncoder(BinaryEncoder):
 
 _lock = threading.Lock()
 _prepared: dict[tuple[Any, ...], tuple[Schema, Writer, str]] = {}  # key -> (file schema, value writer, Avro JSON)
+_data_file_writers: dict[str, Writer] = {}  # a prepared manifest's Avro JSON -> its writer of data_file records
 _META_WRITER = construct_writer(META_SCHEMA)
 _MAX_ENCODED = 65536  # DataFile records (only live objects stay: see _encoded_data_file)
 _MAX_LIST_RECORDS = 4096  # manifest-list records: a head lists a few dozen manifests, the rest were merged away
@@ -126,8 +130,30 @@ def _prepare(key: tuple[Any, ...], file_schema: Schema, record_schema: Schema, s
         avro_json = json.dumps(AvroSchemaConversion().iceberg_to_avro(file_schema, schema_name=schema_name))
         hit = (file_schema, writer, avro_json)
         with _lock:
-            _prepared[key] = hit
+            hit = _prepared.setdefault(key, hit)  # a racing thread's, if it was first: one writer object per key
+            if key[0] == "manifest":
+                _data_file_writers[hit[2]] = dict(hit[1].field_writers)[_DATA_FILE_POS]  # type: ignore[attr-defined]
     return hit
+
+
+def data_file_writer(avro_schema: str) -> Writer | None:
+    """The writer this process encodes manifests' ``data_file`` records with, for manifests whose header holds
+    exactly ``avro_schema`` (None when it writes no manifest of that schema). A manifest with that header holds
+    ``data_file`` records this writer's manifests may hold as they are (:func:`keep_encoded`)."""
+    with _lock:
+        return _data_file_writers.get(avro_schema)
+
+
+def keep_encoded(writer: Writer, data_file: Any, encoded: bytes) -> None:
+    """Record ``encoded`` as ``data_file``'s record for ``writer`` (:func:`data_file_writer`): a manifest read back
+    hands over its records as they are, so a merge that copies its entries into a larger manifest writes them without
+    encoding them again (the encoding of a data file's statistics is most of a merge's time)."""
+    key = id(data_file)
+    with _lock:
+        _forget_dead()
+        _encoded_files[key] = (weakref.ref(data_file, _forgetter(key)), writer, encoded)
+        while len(_encoded_files) > _MAX_ENCODED:
+            _encoded_files.popitem(last=False)
 
 
 class _Written(OutputFile):
@@ -292,16 +318,19 @@ def _encoded_data_file(writer: Writer, data_file: Any) -> bytes:
     buffer = io.BytesIO()
     writer.write(FastEncoder(output_stream=buffer), data_file)
     encoded = buffer.getvalue()
-
-    def forget(_ref: weakref.ref[Any], key: int = key) -> None:
-        _dead_files.append(key)
-
-    ref = weakref.ref(data_file, forget)
+    ref = weakref.ref(data_file, _forgetter(key))
     with _lock:
         _encoded_files[key] = (ref, writer, encoded)
         while len(_encoded_files) > _MAX_ENCODED:
             _encoded_files.popitem(last=False)
     return encoded
+
+
+def _forgetter(key: int) -> Callable[[weakref.ref[Any]], None]:
+    def forget(_ref: weakref.ref[Any]) -> None:
+        _dead_files.append(key)
+
+    return forget
 
 
 class _ManifestWriter(ManifestWriterV2):

@@ -234,3 +234,105 @@ def test_fast_encoder_writes_pyicebergs_bytes_over_the_int64_range() -> None:
         fast.write_boolean(flag)  # type: ignore[arg-type]
     assert ours.getvalue() == theirs.getvalue()
     assert len(ours.getvalue()) > len(values)  # the values were not all one-byte varints
+
+
+def test_entries_read_back_hand_their_data_file_bytes_to_the_merge_that_copies_them(tmp_path: Path,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A merge in another process reads manifests it did not write: the DataFile objects are new, so they used to be
+    encoded again (statistics and all). Read back from a manifest whose header holds this process's writer schema,
+    each data_file record is kept as read; the merged manifest then holds the same bytes as encoding them anew, with
+    no data_file encoded, and pyiceberg reads every field back. Another schema (another partition type) reads as
+    pyiceberg reads it, with nothing kept."""
+    from pyiceberg.avro.writer import StructWriter
+    from pyiceberg.manifest import DataFile, write_manifest
+    from pyiceberg.partitioning import PartitionField, PartitionSpec
+    from pyiceberg.transforms import IdentityTransform
+    from pyiceberg.typedef import Record
+
+    from lakestream_iceberg.format import avro_writers
+    from lakestream_iceberg.format.avro_readers import read_manifest_entries
+
+    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = [f for seq in range(2) for f in stream.writer.write(producer="p", seq=seq, shards=batch("p", seq, 3))
+             .data_files(step=seq + 1, spec_id=metadata.default_spec_id)]
+    io = PyArrowFileIO()
+
+    def write(name: str, entries: list[ManifestEntry], *, ours: bool = True,
+              spec: PartitionSpec | None = None) -> tuple[str, Any]:
+        path = f"{tmp_path}/{name}.avro"
+        make = manifest_writer if ours else write_manifest
+        with make(format_version=2, spec=spec or metadata.spec(), schema=metadata.schema(),  # type: ignore[operator]
+                  output_file=io.new_output(path), snapshot_id=5, avro_compression="deflate") as writer:
+            for entry in entries:
+                writer.add_entry(entry)
+        manifest = writer.to_manifest_file()
+        manifest.sequence_number = manifest.min_sequence_number = 3
+        return path, manifest
+
+    statuses = [ManifestEntryStatus.ADDED, ManifestEntryStatus.EXISTING, ManifestEntryStatus.DELETED] * 2
+    originals = [ManifestEntry.from_args(status=s, snapshot_id=5, sequence_number=3, file_sequence_number=3,
+                                         data_file=f) for s, f in zip(statuses, files, strict=True)]
+    write("prepare", originals[:1])  # this process now writes manifests of the stream's partition type
+    _, source = write("by-pyiceberg", originals, ours=False)  # same header schema, written by pyiceberg
+    avro_writers._encoded_files.clear()  # noqa: SLF001 - as in a process that never saw these DataFile objects
+    read = read_manifest_entries(io, source)
+    assert [e.data_file.file_path for e in read] == [f.file_path for s, f in zip(statuses, files) if s.value != 2]
+    header = avro_writers._prepared[("manifest", 2, str(metadata.spec().partition_type(metadata.schema())))][2]  # noqa: SLF001
+    writer = avro_writers.data_file_writer(header)
+    assert writer is not None
+    for entry in read:  # kept as read: exactly what encoding the decoded DataFile gives
+        kept = avro_writers._encoded_files[id(entry.data_file)][2]  # noqa: SLF001
+        buffer = io_bytes()
+        writer.write(avro_writers.FastEncoder(buffer), entry.data_file)
+        assert kept == buffer.getvalue()
+
+    encoded: list[object] = []
+    struct_write = StructWriter.write
+
+    def counting(self: StructWriter, encoder: object, value: object) -> None:
+        if isinstance(value, DataFile):
+            encoded.append(value)
+        struct_write(self, encoder, value)
+
+    monkeypatch.setattr(StructWriter, "write", counting)
+    existing = [ManifestEntry.from_args(status=ManifestEntryStatus.EXISTING, snapshot_id=e.snapshot_id,
+                                        sequence_number=e.sequence_number, file_sequence_number=e.file_sequence_number,
+                                        data_file=e.data_file) for e in read]
+    merged_path, merged = write("merged", existing)
+    assert not encoded  # every data_file record copied as read
+    monkeypatch.setattr(StructWriter, "write", struct_write)
+    avro_writers._encoded_files.clear()  # noqa: SLF001
+    fresh_path, _ = write("merged-fresh", existing)
+    assert Path(merged_path).read_bytes() == Path(fresh_path).read_bytes()
+    back = merged.fetch_manifest_entry(io, discard_deleted=False)
+    assert [_fields(e) for e in back] == [(ManifestEntryStatus.EXISTING, *_fields(e)[1:]) for e in read]
+
+    # another partition type: no writer of this process wrote its schema; read as pyiceberg reads it, nothing kept
+    other = PartitionSpec(PartitionField(source_id=metadata.schema().find_field("seq").field_id, field_id=1999,
+                                         transform=IdentityTransform(), name="seq_only"), spec_id=7)
+    foreign = [ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=5, sequence_number=3,
+                                       file_sequence_number=3, data_file=DataFile.from_args(
+                                           content=f.content, file_path=f.file_path, file_format=f.file_format,
+                                           partition=Record(1), record_count=f.record_count,
+                                           file_size_in_bytes=f.file_size_in_bytes)) for f in files[:2]]
+    _, foreign_manifest = write("other-spec", foreign, ours=False, spec=other)
+    avro_writers._encoded_files.clear()  # noqa: SLF001
+    read_other = read_manifest_entries(io, foreign_manifest)
+    assert [_fields(e) for e in read_other] == [_fields(e) for e in foreign_manifest.fetch_manifest_entry(io)]
+    assert not avro_writers._encoded_files  # noqa: SLF001
+
+
+def io_bytes() -> Any:
+    import io as stdio
+
+    return stdio.BytesIO()
+
+
+def _fields(entry: ManifestEntry) -> tuple:
+    f = entry.data_file
+    return (entry.status, entry.snapshot_id, entry.sequence_number, entry.file_sequence_number, f.file_path,
+            f.file_format, tuple(f.partition), f.record_count, f.file_size_in_bytes, dict(f.column_sizes or {}),
+            dict(f.value_counts or {}), dict(f.null_value_counts or {}), dict(f.lower_bounds or {}),
+            dict(f.upper_bounds or {}), f.split_offsets)
