@@ -76,6 +76,7 @@ bench: $(STAMP) $(BENCH_PKGS) postgres-bin
 	$(BIN)/python benchmarks/vs_ray.py
 	$(BIN)/python benchmarks/vs_streaming.py
 	$(BIN)/python benchmarks/file_encoding.py
+	$(BIN)/python benchmarks/merge_cpu.py
 	$(BIN)/python benchmarks/memory.py
 	$(BIN)/python benchmarks/commit_cpu.py
 	$(BIN)/python benchmarks/busy_producers.py

@@ -1,7 +1,7 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
 benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py,
 benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py, benchmarks/fanout.py,
-benchmarks/file_encoding.py).
+benchmarks/file_encoding.py, benchmarks/merge_cpu.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -457,4 +457,16 @@ def test_file_encoding_smoke(tmp_path: Path) -> None:
         (result,) = data["runs"][cell]
         assert all(_positive(result[k]) for k in ("write_cpu_ms_per_step", "mb_on_disk", "read_cpu_us_per_sample",
                                                   "read_samples_per_s")), (cell, result)
+    assert len(data["tables"]) == 2
+
+
+@pytest.mark.timeout(120)  # a hang guard: ~2 s on 2 idle cores
+def test_merge_cpu_smoke(tmp_path: Path) -> None:
+    data = _run("merge_cpu.py", tmp_path / "merge_cpu.json", timeout=110)
+    assert data["benchmark"] == "merge_cpu" and data["smoke"] is True
+    cells = {f"{layout}|{variant}" for layout in ("packed", "per-rank") for variant in ("kept as read", "encoded again")}
+    assert set(data["runs"]) == cells  # both variants merged, and pyiceberg read the same entries back from both
+    for cell in cells:
+        assert all(_positive(r[k]) for r in data["runs"][cell] for k in ("read_ms", "write_ms", "merge_ms")), cell
+    assert data["config"]["entries"]["per-rank"] == 8 * data["config"]["entries"]["packed"]
     assert len(data["tables"]) == 2
