@@ -55,18 +55,23 @@ def test_manifest_and_list_bytes_equal_pyicebergs(tmp_path: Path, monkeypatch: p
     assert [e.data_file.partition[0] for e in back] == [9, 9, 9]
 
 
+def _two_steps_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Stream, Any, list[Any], PyArrowFileIO]:
+    """A stream of world size 3 and the data files of two steps (sync markers fixed: files compare byte for byte)."""
+    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = [f for seq in range(2) for f in stream.writer.write(producer="p", seq=seq, shards=batch("p", seq, 3))
+             .data_files(step=seq + 1, spec_id=metadata.default_spec_id)]
+    return stream, metadata, files, PyArrowFileIO()
+
+
 def test_a_data_file_encoded_once_is_reused_byte_for_byte_by_later_manifests(tmp_path: Path,
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A merge copies entries (same DataFile objects, EXISTING): their cached data_file bytes must be exactly what
     encoding them again gives, and pyiceberg must read the entries back unchanged."""
     from lakestream_iceberg.format import avro_writers
 
-    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
-    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
-    metadata = stream.table.metadata
-    files = [f for seq in range(2) for f in stream.writer.write(producer="p", seq=seq, shards=batch("p", seq, 3))
-             .data_files(step=seq + 1, spec_id=metadata.default_spec_id)]
-    io = PyArrowFileIO()
+    stream, metadata, files, io = _two_steps_files(tmp_path, monkeypatch)
 
     def write(name: str, status: ManifestEntryStatus) -> tuple[bytes, list[ManifestEntry]]:
         path = f"{tmp_path}/{name}.avro"
@@ -252,12 +257,7 @@ def test_entries_read_back_hand_their_data_file_bytes_to_the_merge_that_copies_t
     from lakestream_iceberg.format import avro_writers
     from lakestream_iceberg.format.avro_readers import read_manifest_entries
 
-    monkeypatch.setattr(os, "urandom", lambda n: b"\x07" * n)
-    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
-    metadata = stream.table.metadata
-    files = [f for seq in range(2) for f in stream.writer.write(producer="p", seq=seq, shards=batch("p", seq, 3))
-             .data_files(step=seq + 1, spec_id=metadata.default_spec_id)]
-    io = PyArrowFileIO()
+    stream, metadata, files, io = _two_steps_files(tmp_path, monkeypatch)
 
     def write(name: str, entries: list[ManifestEntry], *, ours: bool = True,
               spec: PartitionSpec | None = None) -> tuple[str, Any]:
