@@ -41,6 +41,8 @@ docs-serve: $(STAMP)
 # tests/test_docs_blocks.py runs every python block of README.md and docs/ and builds this site with --strict.
 test: $(STAMP) postgres-bin spark-bin
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
+	$(BIN)/mypy lakestream_iceberg
 	@set +e; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	$(BIN)/python -m catalog.services down >/dev/null 2>&1; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
