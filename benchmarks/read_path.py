@@ -47,7 +47,7 @@ from pyiceberg.catalog.sql import SqlCatalog  # noqa: E402
 from pyiceberg.io import FileIO, InputFile, InputStream, OutputFile  # noqa: E402
 
 from lakestream_iceberg import Stream  # noqa: E402
-from lakestream_iceberg.format.manifests import ManifestCache  # noqa: E402
+from lakestream_iceberg.format.manifest_cache import ManifestCache  # noqa: E402
 from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate  # noqa: E402
 
 SCHEMA = pa.schema([

@@ -51,7 +51,7 @@ from lakestream_iceberg.format.layout import (
     partition_spec,
     table_arrow_schema,
 )
-from lakestream_iceberg.format.manifests import ManifestCache
+from lakestream_iceberg.format.manifest_cache import ManifestCache
 from lakestream_iceberg.format.properties import check_properties
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release

@@ -14,7 +14,7 @@ from pyiceberg.manifest import DataFile, ManifestEntry, ManifestEntryStatus
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.format import avro_writers
-from lakestream_iceberg.format.manifests import ManifestCache, entries_bytes, shared_cache
+from lakestream_iceberg.format.manifest_cache import ManifestCache, entries_bytes, shared_cache
 
 SCHEMA = pa.schema([("id", pa.int64())])
 CACHE_BYTES = 150_000  # about fifty entries of this schema: below what 100 steps at W=2 list

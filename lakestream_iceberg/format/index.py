@@ -17,7 +17,8 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.typedef import Record
 
 from lakestream_iceberg.errors import CorruptStateError
-from lakestream_iceberg.format.manifests import ManifestCache, entry_step, step_bounds
+from lakestream_iceberg.format.manifest_cache import ManifestCache
+from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 
 
 def is_packed(data_file: DataFile) -> bool:

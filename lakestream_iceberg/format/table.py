@@ -35,7 +35,8 @@ from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.lineage import branch_state
-from lakestream_iceberg.format.manifests import ManifestCache, ManifestPlanner, shared_cache
+from lakestream_iceberg.format.manifest_cache import ManifestCache, shared_cache
+from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.properties import ARROW_SCHEMA
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 

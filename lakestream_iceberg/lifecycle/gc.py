@@ -76,7 +76,7 @@ from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
 from lakestream_iceberg.format.lineage import branch_state
-from lakestream_iceberg.format.manifests import entry_step, step_bounds
+from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
 from lakestream_iceberg.format.snapshots import SnapshotBuilder

@@ -63,7 +63,7 @@ from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.index import is_packed, rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
-from lakestream_iceberg.format.manifests import stream_entry
+from lakestream_iceberg.format.manifest_facts import stream_entry
 from lakestream_iceberg.format.summary import (
     KEY_ATTEMPTS,
     KEY_COMMITTER,

@@ -233,7 +233,7 @@ def test_gc_runs_while_producers_commit_and_consumers_read(tmp_path) -> None:
 
 
 def test_a_reader_whose_view_predates_gc_still_reads_retained_steps(catalog, stream: Stream) -> None:
-    from lakestream_iceberg.format.manifests import ManifestCache
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
 
     publish(stream, "p", 12)
     stream.checkpoint("a", step=6)

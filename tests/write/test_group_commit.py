@@ -92,7 +92,7 @@ def test_a_group_commit_caches_only_the_manifests_a_later_commit_reads(tmp_path:
     """The manifests and lists of the snapshots inside a group are named by those snapshots only (the group's head lists
     one manifest for the whole group), so no later commit merges them: the process-wide manifest cache keeps what the
     head lists. It cached them all, and a few per group pushed the live manifests a merge reads out of its 512."""
-    from lakestream_iceberg.format.manifests import DEFAULT_CACHE
+    from lakestream_iceberg.format.manifest_cache import DEFAULT_CACHE
 
     stream = make(tmp_path)
     a, b = both_active(stream)
@@ -369,7 +369,7 @@ def test_a_commit_still_lands_when_the_staged_intents_cannot_be_listed(tmp_path:
 def test_the_manifest_list_stays_bounded_after_group_commits_end(tmp_path: Path) -> None:
     """A group's manifest holds the whole group, so one level mixes manifest sizes: a level too large to merge whole
     merges its longest run that fits, and the list stays bounded once contention ends (one producer alone)."""
-    from lakestream_iceberg.format.manifests import manifest_level
+    from lakestream_iceberg.format.manifest_facts import manifest_level
 
     cap = 64
     stream = make(tmp_path, **{"lakestream.manifest.merge-fanout": "4", "lakestream.manifest.max-merge-entries": str(cap)})

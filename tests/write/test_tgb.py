@@ -414,7 +414,7 @@ def test_commit_cost_state_stays_bounded(catalog) -> None:
 
 
 def test_merges_drop_the_manifests_they_replace_from_the_cache_and_keep_the_live_ones(catalog) -> None:
-    from lakestream_iceberg.format.manifests import ManifestCache
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
 
     cache = ManifestCache(max_files=512)
     created = Stream.create(catalog, "ns.cached", schema=SCHEMA, world_size=2,
@@ -433,7 +433,7 @@ def test_merges_drop_the_manifests_they_replace_from_the_cache_and_keep_the_live
 def test_a_manifest_too_large_to_merge_again_is_not_cached_by_its_writer(catalog) -> None:
     """A manifest holding more than ``max-merge-entries`` files (a step of a wide per-rank stream, a large group) is
     never merged again, so no commit reads it back: its writer does not keep its entries; the others it keeps."""
-    from lakestream_iceberg.format.manifests import ManifestCache
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
 
     world = 20
     cache = ManifestCache(max_files=512)
@@ -454,7 +454,7 @@ def test_a_lost_swap_keeps_the_manifests_it_would_have_merged_cached(catalog, mo
     """A merge whose swap is lost must not drop the parent's manifests from the cache: the re-plan merges the same
     manifests again and would read each of them back from storage inside its critical section."""
     import lakestream_iceberg.write.commit as commit_module
-    from lakestream_iceberg.format.manifests import ManifestCache
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
 
     class CountingCache(ManifestCache):
         def __init__(self) -> None:
@@ -502,7 +502,7 @@ def test_a_lost_swap_whose_winner_merged_the_same_manifests_forgets_them(catalog
     """Another process (its own cache) merged the same level-0 manifests first: the loser's re-plan will never read
     them again, so its cache does not keep them."""
     import lakestream_iceberg.write.commit as commit_module
-    from lakestream_iceberg.format.manifests import ManifestCache
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
 
     mine, theirs = ManifestCache(max_files=512), ManifestCache(max_files=512)
     created = Stream.create(catalog, "ns.lostmerge2", schema=SCHEMA, world_size=2,
@@ -590,7 +590,7 @@ def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
     larger than a quarter of that bound is not kept (it would push out every live one)."""
     from pyiceberg.manifest import DataFile, ManifestEntry, ManifestEntryStatus
 
-    from lakestream_iceberg.format.manifests import ManifestCache
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
 
     def entries(n: int) -> list[ManifestEntry]:
         return [ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=1, sequence_number=1,

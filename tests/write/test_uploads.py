@@ -17,7 +17,8 @@ from sqlalchemy import event
 from lakestream_iceberg import Stream
 from lakestream_iceberg.connect import swap as swap_module
 from lakestream_iceberg.format import uploads as uploads_module
-from lakestream_iceberg.format.manifests import ManifestCache, ManifestPlanner
+from lakestream_iceberg.format.manifest_cache import ManifestCache
+from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.uploads import Uploads
 from tests.backends import Backend, make_backend, moto_service  # noqa: F401 - the fixture, used by name
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
