@@ -454,6 +454,50 @@ def test_the_commit_loop_holds_with_the_policys_poll_delays() -> None:
     assert sleeps == pytest.approx(expected) and sleeps[0] == pytest.approx(0.02) and len(checks) == 6
 
 
+def test_the_hold_delay_is_the_policys_except_after_a_lost_swap_whose_head_shows_the_batch_published() -> None:
+    """Hold.delay: a retry whose freshly read head already shows the batch published (the winner carried it) does not
+    hold; otherwise the policy decides, from the time since the batch was staged (first attempt only), its place in
+    the queue of staged batches (asked only when the policy wants it) and whether the head can be watched."""
+    from lakestream_iceberg.write.hold import Hold
+
+    clock = Clock()
+    p = grouped(93)  # its batch opened the head's group: no hold of its own
+    asked: list[str] = []
+
+    class Carried(Held):
+        def published(self, metadata: object) -> bool:
+            asked.append("published")
+            return metadata == "head showing it"
+
+        def queued(self) -> int:
+            asked.append("queued")
+            return 0
+
+    carry = Carried(staged_at=clock.t, gone=lambda: False)
+    holds: list[dict[str, object]] = []
+    p.hold_delay = lambda **kw: holds.append(kw) or 0.25  # type: ignore[method-assign]
+
+    def hold(probe: object) -> Hold:
+        return Hold(policy=p, branch="main", probe=lambda: probe, peek=lambda: None, clock=clock,  # type: ignore[arg-type,return-value]
+                    sleep=lambda s: None)
+
+    clock.t = 0.4
+    assert hold(None).delay(carry, attempt=2, head="head showing it") == 0.0 and not holds  # carried: no hold
+    assert hold(None).delay(carry, attempt=2, head="older head") == 0.25
+    assert holds[-1] == {"waited": 0.0, "queued": None, "led": False}  # a retry: the time waited counts no more
+    assert hold(lambda: "m-1.json").delay(carry, attempt=1, head="older head") == 0.25
+    assert holds[-1]["waited"] == pytest.approx(0.4) and holds[-1]["led"] is p.leads_queue
+    assert asked == ["published", "published"]  # the first attempt never asks; the queue only when wanted
+    assert not p.wants_queue
+    q = policy(clock=clock)
+    q.record_attempt(started=0.0, ended=0.100, won=False, head_step=1, foreign=1)  # a cold-start loser: wants its place
+    assert q.wants_queue
+    q.hold_delay = lambda **kw: holds.append(kw) or 0.5  # type: ignore[method-assign]
+    assert Hold(policy=q, branch="main", probe=lambda: None, peek=lambda: None, clock=clock,
+                sleep=lambda s: None).delay(carry, attempt=1, head="older head") == 0.5
+    assert holds[-1]["queued"] == 0 and asked[-1] == "queued"
+
+
 def test_a_holder_stops_holding_once_the_head_stays_put_for_three_group_commits() -> None:
     """A head that does not move for idle_after_s while a batch is held means the producers ahead stopped: the hold
     ends (False: commit now) instead of lasting its slots; a head that keeps moving never ends it early."""
