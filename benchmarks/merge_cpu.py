@@ -9,7 +9,7 @@ them back (new ``DataFile`` objects: nothing of them is cached in its process) a
 Variants, alternating round by round, on the same source manifest:
 
 * ``kept as read`` (lakestream): each entry's ``data_file`` record is kept as read and copied into the merged manifest
-  (``format/avro_readers.py``, ``keep_encoded``);
+  (``format/data_file_records.py``);
 * ``encoded again``: the same reader and writer with nothing kept: every data file's record, statistics and all, is
   encoded again (what every merge of other producers' manifests did before).
 
@@ -96,12 +96,12 @@ def merge_once(root: Path, stream: Any, source: Any, variant: str, n: int) -> tu
     from pyiceberg.io.pyarrow import PyArrowFileIO
     from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus
 
-    from lakestream_iceberg.format import avro_readers, avro_writers
+    from lakestream_iceberg.format import avro_readers, data_file_records
 
-    avro_writers._encoded_files.clear()  # noqa: SLF001 - nothing of the source's DataFile objects is known here
-    kept = avro_readers.data_file_writer
+    data_file_records._records.clear()  # noqa: SLF001 - nothing of the source's DataFile objects is known here
+    kept = data_file_records.writer_for
     if variant == "encoded again":
-        avro_readers.data_file_writer = lambda _schema: None  # type: ignore[assignment]
+        data_file_records.writer_for = lambda _schema: None  # type: ignore[assignment]
     try:
         cpu0 = time.process_time()
         entries = avro_readers.read_manifest_entries(PyArrowFileIO(), source)
@@ -113,7 +113,7 @@ def merge_once(root: Path, stream: Any, source: Any, variant: str, n: int) -> tu
                                                      data_file=e.data_file) for e in entries])
         cpu2 = time.process_time()
     finally:
-        avro_readers.data_file_writer = kept  # type: ignore[assignment]
+        data_file_records.writer_for = kept  # type: ignore[assignment]
     read_back = [fields(e) for e in merged.fetch_manifest_entry(PyArrowFileIO(), discard_deleted=False)]  # pyiceberg's
     os.unlink(path)
     return {"read_ms": 1e3 * (cpu1 - cpu0), "write_ms": 1e3 * (cpu2 - cpu1), "merge_ms": 1e3 * (cpu2 - cpu0)}, read_back

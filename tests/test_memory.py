@@ -1,7 +1,7 @@
 """A process's memory does not depend on how many steps a stream holds (issue #44).
 
 The cheap regression check counts objects, not bytes or time: the manifest metadata a producer and a follower hold
-(pyiceberg ``DataFile`` and ``ManifestEntry`` objects, the encoded records ``format/avro_writers.py`` keeps per live
+(pyiceberg ``DataFile`` and ``ManifestEntry`` objects, the encoded records ``format/data_file_records.py`` keeps per live
 ``DataFile``) after 1,000 steps against after 100. ``benchmarks/memory.py`` measures RSS over 100,000 steps.
 """
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 from pyiceberg.manifest import DataFile, ManifestEntry, ManifestEntryStatus
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.format import avro_writers
+from lakestream_iceberg.format import data_file_records
 from lakestream_iceberg.format.manifest_cache import ManifestCache, entries_bytes, shared_cache
 
 SCHEMA = pa.schema([("id", pa.int64())])
@@ -27,7 +27,7 @@ def _held() -> dict[str, int]:
         name = type(obj).__name__
         if name in counts and isinstance(obj, (DataFile, ManifestEntry)):
             counts[name] += 1
-    counts["encoded"] = len(avro_writers._encoded_files)  # noqa: SLF001
+    counts["encoded"] = data_file_records.held()
     return counts
 
 

@@ -43,7 +43,7 @@ from pyiceberg.manifest import (
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import StructProtocol
 
-from lakestream_iceberg.format.avro_writers import data_file_writer, keep_encoded
+from lakestream_iceberg.format import data_file_records as records
 
 __all__ = ["read_manifest_entries", "read_manifest_list"]
 
@@ -102,12 +102,12 @@ def read_manifest_entries(io: FileIO, manifest: ManifestFile) -> list[ManifestEn
 
     When this process writes manifests whose header holds the same schema (lakestream's and pyiceberg's writers do, for
     one partition type), each entry's ``data_file`` record is also handed, as read, to the writer
-    (:func:`~lakestream_iceberg.format.avro_writers.keep_encoded`): a merge copying these entries into a larger manifest
+    (:mod:`lakestream_iceberg.format.data_file_records`): a merge copying these entries into a larger manifest
     then writes those bytes instead of encoding the file's statistics again. Another writer's schema (Java's, another
     partition type) reads as it is.
     """
     avro = _open(io.new_input(manifest.manifest_path), _ENTRIES)
-    writer = data_file_writer(avro.header.meta[_SCHEMA_KEY])
+    writer = records.writer_for(avro.header.meta[_SCHEMA_KEY])
     if writer is None:
         return [_inherit_from_manifest(entry, manifest) for entry in avro if entry.status != ManifestEntryStatus.DELETED]
     return [_inherit_from_manifest(entry, manifest) for entry in _read_keeping(avro, writer)
@@ -141,7 +141,7 @@ def _read_keeping(avro: AvroFile, writer: Writer) -> list[ManifestEntry]:
                 entry = cast(ManifestEntry, reader.read(block))
                 start, end = spans.pop()
                 if entry.data_file is not None:
-                    keep_encoded(writer, entry.data_file, content[start:end])
+                    records.keep(writer, entry.data_file, content[start:end])
                 entries.append(entry)
     finally:
         _SPANS.out = None
@@ -186,8 +186,8 @@ def _spanning(reader: Reader) -> StructReader:
             return hit[1]
     if not isinstance(reader, StructReader):
         raise ValueError(f"a manifest entry is read by a struct reader, not {reader!r}")
-    fields = tuple((pos, _Span(field) if pos == _DATA_FILE_POS else field) for pos, field in reader.field_readers)
-    if sum(pos == _DATA_FILE_POS for pos, _ in fields) != 1:
+    fields = tuple((pos, _Span(field) if pos == records.DATA_FILE_POS else field) for pos, field in reader.field_readers)
+    if sum(pos == records.DATA_FILE_POS for pos, _ in fields) != 1:
         raise ValueError("a manifest entry reader without exactly one data_file field")
     spanning = StructReader(fields, reader.create_struct, reader.struct)
     with _LOCK:
@@ -196,8 +196,6 @@ def _spanning(reader: Reader) -> StructReader:
         _spanning_readers[id(reader)] = (reader, spanning)
     return spanning
 
-
-_DATA_FILE_POS = 4  # ManifestEntry: status, snapshot_id, sequence_number, file_sequence_number, data_file
 
 
 def read_manifest_list(io: FileIO, path: str) -> list[ManifestFile]:

@@ -8,7 +8,7 @@ manifest writer also writes (and compresses) one Avro block per entry; here all 
 when it is closed. And a manifest list repeats its parent's records: each manifest's record is encoded once per
 process and reused, so a commit's list costs its new manifests, not the list's length. A manifest's ``data_file``
 records are encoded once per DataFile object, or taken as they were read from a manifest of the same schema
-(:func:`keep_encoded`): a merge copies them unchanged. Everything else is
+(:mod:`lakestream_iceberg.format.data_file_records`): a merge copies them unchanged. Everything else is
 pyiceberg's own code: the same encoder, value writers, header layout, block format and codec, so a file holds exactly
 the records (and header) pyiceberg would write.
 
@@ -22,9 +22,7 @@ import io
 import json
 import os
 import threading
-import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from pydantic_core import to_json
@@ -55,9 +53,10 @@ from pyiceberg.typedef import Record
 from pyiceberg.types import PrimitiveType, StructType
 from pyiceberg.utils.schema_conversion import AvroSchemaConversion
 
+from lakestream_iceberg.format import data_file_records as records
 from lakestream_iceberg.format.uploads import Uploads
 
-__all__ = ["FastEncoder", "data_file_writer", "keep_encoded", "manifest_list_writer", "manifest_writer"]
+__all__ = ["FastEncoder", "manifest_list_writer", "manifest_writer"]
 
 _ONE_BYTE_INTS = tuple(bytes([(i << 1) ^ (i >> 63)]) for i in range(0, 64)) + tuple(
     bytes([(i << 1) ^ (i >> 63)]) for i in range(-64, 0))  # zig-zag varints of one byte: 0..63 at [i], -64..-1 at [i]
@@ -88,9 +87,7 @@ class FastEncoder(BinaryEncoder):
 
 _lock = threading.Lock()
 _prepared: dict[tuple[Any, ...], tuple[Schema, Writer, str]] = {}  # key -> (file schema, value writer, Avro JSON)
-_data_file_writers: dict[str, Writer] = {}  # a prepared manifest's Avro JSON -> its writer of data_file records
 _META_WRITER = construct_writer(META_SCHEMA)
-_MAX_ENCODED = 65536  # DataFile records (only live objects stay: see _encoded_data_file)
 _MAX_LIST_RECORDS = 4096  # manifest-list records: a head lists a few dozen manifests, the rest were merged away
 _encoded_lists: OrderedDict[tuple[str, int | None, int | None], bytes] = OrderedDict()  # manifest list records
 # A manifest's header (schema and spec JSON, codec) is the same for every manifest of a table: encoded once, then only
@@ -131,29 +128,9 @@ def _prepare(key: tuple[Any, ...], file_schema: Schema, record_schema: Schema, s
         hit = (file_schema, writer, avro_json)
         with _lock:
             hit = _prepared.setdefault(key, hit)  # a racing thread's, if it was first: one writer object per key
-            if key[0] == "manifest":
-                _data_file_writers[hit[2]] = dict(hit[1].field_writers)[_DATA_FILE_POS]  # type: ignore[attr-defined]
+        if key[0] == "manifest":
+            records.register_writer(hit[2], dict(hit[1].field_writers)[records.DATA_FILE_POS])  # type: ignore[attr-defined]
     return hit
-
-
-def data_file_writer(avro_schema: str) -> Writer | None:
-    """The writer this process encodes manifests' ``data_file`` records with, for manifests whose header holds
-    exactly ``avro_schema`` (None when it writes no manifest of that schema). A manifest with that header holds
-    ``data_file`` records this writer's manifests may hold as they are (:func:`keep_encoded`)."""
-    with _lock:
-        return _data_file_writers.get(avro_schema)
-
-
-def keep_encoded(writer: Writer, data_file: Any, encoded: bytes) -> None:
-    """Record ``encoded`` as ``data_file``'s record for ``writer`` (:func:`data_file_writer`): a manifest read back
-    hands over its records as they are, so a merge that copies its entries into a larger manifest writes them without
-    encoding them again (the encoding of a data file's statistics is most of a merge's time)."""
-    key = id(data_file)
-    with _lock:
-        _forget_dead()
-        _encoded_files[key] = (weakref.ref(data_file, _forgetter(key)), writer, encoded)
-        while len(_encoded_files) > _MAX_ENCODED:
-            _encoded_files.popitem(last=False)
 
 
 class _Written(OutputFile):
@@ -268,69 +245,32 @@ class _PreparedAvroOutputFile(AvroOutputFile[Any]):
 
 
 class _ManifestAvroOutputFile(_PreparedAvroOutputFile):
-    """Manifest entries whose ``data_file`` record is encoded once per DataFile object and process.
-
-    A data file's record (path, partition, sizes, column statistics: most of an entry's bytes and of its encoding time)
-    is written again, unchanged, each time a merge copies its entry into a larger manifest (``EXISTING``, the same
-    DataFile object); only the entry's status and sequence numbers change. The cache refers to the DataFile weakly:
-    only an object something else still holds (the manifest cache's entries, a plan in progress) can be looked up
-    again, so an entry goes with its object and the cache never keeps a file's metadata alive (it used to keep the
-    last 65,536, some 200 MiB in a producer after as many commits).
-    """
+    """Manifest entries whose ``data_file`` record is encoded once per DataFile object and process, or copied as it was
+    read (:mod:`lakestream_iceberg.format.data_file_records`): a merge rewrites only each entry's status and sequence
+    numbers."""
 
     def encode(self, obj: Any) -> bytes:
         buffer = io.BytesIO()
         encoder = FastEncoder(output_stream=buffer)
         for pos, field_writer in self.writer.field_writers:  # type: ignore[attr-defined]
             value = obj[pos] if pos is not None else None
-            if pos == _DATA_FILE_POS and value is not None:
+            if pos == records.DATA_FILE_POS and value is not None:
                 encoder.write(_encoded_data_file(field_writer, value))
             else:
                 field_writer.write(encoder, value)
         return buffer.getvalue()
 
 
-_DATA_FILE_POS = 4  # ManifestEntry: status, snapshot_id, sequence_number, file_sequence_number, data_file
-# id(DataFile) -> (a weak reference to it, writer, bytes); ids of objects that died since, to drop on the next lookup
-_encoded_files: OrderedDict[int, tuple[weakref.ref[Any], Writer, bytes]] = OrderedDict()
-_dead_files: list[int] = []
-
-
-def _forget_dead() -> None:
-    """Drop the encodings of DataFile objects that died (called with ``_lock`` held). A weak reference's callback only
-    records the id: it may run inside any allocation, even one under ``_lock``; an id reused by a live object since
-    keeps its (new) entry."""
-    while _dead_files:
-        key = _dead_files.pop()
-        hit = _encoded_files.get(key)
-        if hit is not None and hit[0]() is None:
-            del _encoded_files[key]
-
-
 def _encoded_data_file(writer: Writer, data_file: Any) -> bytes:
-    key = id(data_file)
-    with _lock:
-        _forget_dead()
-        hit = _encoded_files.get(key)
-        if hit is not None and hit[0]() is data_file and hit[1] is writer:
-            _encoded_files.move_to_end(key)
-            return hit[2]
-    buffer = io.BytesIO()
-    writer.write(FastEncoder(output_stream=buffer), data_file)
-    encoded = buffer.getvalue()
-    ref = weakref.ref(data_file, _forgetter(key))
-    with _lock:
-        _encoded_files[key] = (ref, writer, encoded)
-        while len(_encoded_files) > _MAX_ENCODED:
-            _encoded_files.popitem(last=False)
+    """``data_file``'s record for ``writer``: kept from an earlier encoding or from the manifest it was read from
+    (:mod:`lakestream_iceberg.format.data_file_records`), else encoded now and kept."""
+    encoded = records.find(writer, data_file)
+    if encoded is None:
+        buffer = io.BytesIO()
+        writer.write(FastEncoder(output_stream=buffer), data_file)
+        encoded = buffer.getvalue()
+        records.keep(writer, data_file, encoded)
     return encoded
-
-
-def _forgetter(key: int) -> Callable[[weakref.ref[Any]], None]:
-    def forget(_ref: weakref.ref[Any]) -> None:
-        _dead_files.append(key)
-
-    return forget
 
 
 class _ManifestWriter(ManifestWriterV2):

@@ -12,6 +12,7 @@ from pyiceberg.io.pyarrow import PyArrowFileIO
 from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus, write_manifest, write_manifest_list
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.format import data_file_records
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from tests.support import SCHEMA, batch, sqlite_catalog
 
@@ -69,7 +70,6 @@ def test_a_data_file_encoded_once_is_reused_byte_for_byte_by_later_manifests(tmp
                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A merge copies entries (same DataFile objects, EXISTING): their cached data_file bytes must be exactly what
     encoding them again gives, and pyiceberg must read the entries back unchanged."""
-    from lakestream_iceberg.format import avro_writers
 
     stream, metadata, files, io = _two_steps_files(tmp_path, monkeypatch)
 
@@ -85,9 +85,9 @@ def test_a_data_file_encoded_once_is_reused_byte_for_byte_by_later_manifests(tmp
         return Path(path).read_bytes(), manifest.fetch_manifest_entry(io, discard_deleted=False)
 
     first, _ = write("added", ManifestEntryStatus.ADDED)  # encodes and caches every data file
-    assert all(id(f) in avro_writers._encoded_files for f in files)
+    assert all(id(f) in data_file_records._records for f in files)
     cached, cached_back = write("merged-cached", ManifestEntryStatus.EXISTING)
-    avro_writers._encoded_files.clear()
+    data_file_records._records.clear()
     fresh, _ = write("merged-fresh", ManifestEntryStatus.EXISTING)
     assert cached == fresh and cached != first  # the same bytes as encoding anew; only the status differs from first
     assert [e.data_file for e in cached_back] == files
@@ -100,7 +100,6 @@ def test_the_encoding_cache_does_not_keep_a_data_file_alive(tmp_path: Path) -> N
     import gc
     import weakref
 
-    from lakestream_iceberg.format import avro_writers
 
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
     metadata = stream.table.metadata
@@ -118,13 +117,13 @@ def test_the_encoding_cache_does_not_keep_a_data_file_alive(tmp_path: Path) -> N
     dropped = stream.writer.write(producer="p", seq=1, shards=batch("p", 1, 3)).data_files(step=2, spec_id=0)
     write(kept + dropped, "m1")
     ids, refs = [id(f) for f in dropped], [weakref.ref(f) for f in dropped]
-    assert all(i in avro_writers._encoded_files for i in ids)
+    assert all(i in data_file_records._records for i in ids)
     del dropped
     gc.collect()
     assert all(r() is None for r in refs)  # the cache held none of them
     write(kept, "m2")  # the next lookup drops the dead objects' encodings; the live ones stay and are reused
-    assert all(avro_writers._encoded_files.get(i, (lambda: None,))[0]() is None for i in ids)
-    assert all(avro_writers._encoded_files[id(f)][0]() is f for f in kept)
+    assert all(data_file_records._records.get(i, (lambda: None,))[0]() is None for i in ids)
+    assert all(data_file_records._records[id(f)][0]() is f for f in kept)
 
 
 def test_a_manifest_is_written_in_one_piece_and_its_length_needs_no_stat(tmp_path: Path) -> None:
@@ -276,14 +275,14 @@ def test_entries_read_back_hand_their_data_file_bytes_to_the_merge_that_copies_t
                                          data_file=f) for s, f in zip(statuses, files, strict=True)]
     write("prepare", originals[:1])  # this process now writes manifests of the stream's partition type
     _, source = write("by-pyiceberg", originals, ours=False)  # same header schema, written by pyiceberg
-    avro_writers._encoded_files.clear()  # noqa: SLF001 - as in a process that never saw these DataFile objects
+    data_file_records._records.clear()  # noqa: SLF001 - as in a process that never saw these DataFile objects
     read = read_manifest_entries(io, source)
     assert [e.data_file.file_path for e in read] == [f.file_path for s, f in zip(statuses, files) if s.value != 2]
     header = avro_writers._prepared[("manifest", 2, str(metadata.spec().partition_type(metadata.schema())))][2]  # noqa: SLF001
-    writer = avro_writers.data_file_writer(header)
+    writer = data_file_records.writer_for(header)
     assert writer is not None
     for entry in read:  # kept as read: exactly what encoding the decoded DataFile gives
-        kept = avro_writers._encoded_files[id(entry.data_file)][2]  # noqa: SLF001
+        kept = data_file_records._records[id(entry.data_file)][2]  # noqa: SLF001
         buffer = io_bytes()
         writer.write(avro_writers.FastEncoder(buffer), entry.data_file)
         assert kept == buffer.getvalue()
@@ -303,7 +302,7 @@ def test_entries_read_back_hand_their_data_file_bytes_to_the_merge_that_copies_t
     merged_path, merged = write("merged", existing)
     assert not encoded  # every data_file record copied as read
     monkeypatch.setattr(StructWriter, "write", struct_write)
-    avro_writers._encoded_files.clear()  # noqa: SLF001
+    data_file_records._records.clear()  # noqa: SLF001
     fresh_path, _ = write("merged-fresh", existing)
     assert Path(merged_path).read_bytes() == Path(fresh_path).read_bytes()
     back = merged.fetch_manifest_entry(io, discard_deleted=False)
@@ -318,10 +317,10 @@ def test_entries_read_back_hand_their_data_file_bytes_to_the_merge_that_copies_t
                                            partition=Record(1), record_count=f.record_count,
                                            file_size_in_bytes=f.file_size_in_bytes)) for f in files[:2]]
     _, foreign_manifest = write("other-spec", foreign, ours=False, spec=other)
-    avro_writers._encoded_files.clear()  # noqa: SLF001
+    data_file_records._records.clear()  # noqa: SLF001
     read_other = read_manifest_entries(io, foreign_manifest)
     assert [_fields(e) for e in read_other] == [_fields(e) for e in foreign_manifest.fetch_manifest_entry(io)]
-    assert not avro_writers._encoded_files  # noqa: SLF001
+    assert not data_file_records._records  # noqa: SLF001
 
 
 def io_bytes() -> Any:
