@@ -124,7 +124,7 @@ class Handoff(dict):  # type: ignore[type-arg]
         layout, size = [], 0
         for tensor in tensors:
             nbytes = tensor.numel() * tensor.element_size()
-            layout.append((size, nbytes, tensor.dtype, tuple(tensor.shape)))
+            layout.append((size, nbytes, _numpy_dtype(torch, tensor.dtype), tuple(tensor.shape)))
             size += -(-nbytes // _ALIGN) * _ALIGN
         pool = _pool_here()
         index, segment = pool.take(size)
@@ -137,6 +137,23 @@ class Handoff(dict):  # type: ignore[type-arg]
         fd = None if segment.sent else DupFd(segment.fd)
         segment.sent = True
         return _rebuild, ((pool.pid, index), fd, segment.size, layout, plan, self.num_workers)
+
+
+_numpy_dtypes: dict[Any, Any] = {}  # torch dtype -> the numpy dtype of its .numpy(), or the torch dtype where numpy has none
+
+
+def _numpy_dtype(torch: Any, dtype: Any) -> Any:
+    """The numpy dtype the training process rebuilds a tensor of ``dtype`` through (numpy's views are cheaper to make
+    than torch's), or ``dtype`` itself where numpy has no equivalent (``bfloat16``): that one is rebuilt as a torch
+    view."""
+    known = _numpy_dtypes.get(dtype)
+    if known is None:
+        try:
+            known = torch.empty(0, dtype=dtype).numpy().dtype
+        except (TypeError, RuntimeError):
+            known = dtype
+        _numpy_dtypes[dtype] = known
+    return known
 
 
 def _shippable(torch: Any, value: Any) -> bool:
@@ -191,9 +208,13 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
     segment = _mapping(key, fd, size)
     payload = np.frombuffer(segment, dtype=np.uint8, count=size - _HEADER, offset=_HEADER)
     weakref.finalize(payload, _release, segment)
-    base = torch.from_numpy(payload)
-    del payload  # the views' storage holds it now: it dies, and the segment is released, with the last view
-    tensors = [base[start : start + nbytes].view(dtype).view(shape) for start, nbytes, dtype, shape in layout]
+    # numpy views of the payload, each wrapped by torch (3x cheaper than slicing a torch tensor of it); a dtype numpy
+    # lacks comes as torch's own and is viewed through torch. Every tensor holds its view, every view the payload: the
+    # payload dies, and the segment is released, with the last tensor.
+    tensors = [torch.from_numpy(payload[start : start + nbytes].view(dtype).reshape(shape)) if isinstance(dtype, np.dtype)
+               else torch.from_numpy(payload[start : start + nbytes]).view(dtype).view(shape)
+               for start, nbytes, dtype, shape in layout]
+    del payload
     item: dict[str, Any] = {}
     for name, kind, value in plan:
         if kind == "tensor":

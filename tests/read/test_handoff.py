@@ -13,6 +13,7 @@ import pickle
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 import torch
@@ -64,9 +65,13 @@ def test_an_item_arrives_equal_as_a_plain_dict_of_views_of_one_buffer() -> None:
     assert type(got) is dict and list(got) == list(item)
     for key, value in item.items():
         assert same(value, got[key]), key
-    storages = {t.untyped_storage().data_ptr() for t in got.values() if isinstance(t, torch.Tensor) and t.numel()}
-    storages |= {got["blob"].values.untyped_storage().data_ptr(), got["blob"].offsets.untyped_storage().data_ptr()}
-    assert len(storages) == 1  # one buffer, whatever the number of tensors
+    tensors = [t for t in got.values() if isinstance(t, torch.Tensor) and t.numel()]
+    tensors += [got["blob"].values, got["blob"].offsets]
+    mapped = [np.frombuffer(m, dtype=np.uint8) for m in handoff._mapped.values()]
+    holding = [[i for i, m in enumerate(mapped) if m.ctypes.data <= t.data_ptr()
+                and t.data_ptr() + t.numel() * t.element_size() <= m.ctypes.data + m.size] for t in tensors]
+    del mapped
+    assert len({tuple(h) for h in holding}) == 1 and len(holding[0]) == 1  # one segment, whatever the number of tensors
     got["tokens"][0, 0] = -1  # writable, as a tensor from DataLoader always was
     assert [bytes(b.numpy()) for b in got["blob"]] == [bytes(b.numpy()) for b in item["blob"]]
 
