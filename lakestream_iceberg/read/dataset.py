@@ -59,6 +59,7 @@ from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
+from lakestream_iceberg.read.worker_exit import stop_on_shutdown
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
@@ -375,6 +376,8 @@ class _DatasetCore:
             first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
+        # in a worker, a follow-mode wait ends when DataLoader shuts its workers down (read/worker_exit.py)
+        watch = stop_on_shutdown(self._stop) if in_worker and self.follow else None
         finished = False
         try:
             with closing(steps):
@@ -388,6 +391,8 @@ class _DatasetCore:
                     began = time.monotonic()
             finished = not self._stop.is_set()
         finally:
+            if watch is not None:
+                watch.close()
             if report is not None:
                 report.close(closed=finished)
 

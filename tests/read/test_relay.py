@@ -215,17 +215,73 @@ def test_forked_workers_open_a_catalog_connection_only_to_serve_the_relay(tmp_pa
 
 
 @pytest.mark.parametrize("relay", [True, False])
-def test_forked_workers_of_a_table_dropped_and_created_again_raise(tmp_path: Path, relay: bool) -> None:
+def test_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early(
+        tmp_path: Path, relay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that breaks out while its workers wait for unpublished steps: DataLoader's shutdown reaches the waits
+    (read/worker_exit.py), and every worker exits by itself instead of being terminated after its join timeout."""
+    import multiprocessing.process
+
+    import torch.utils.data._utils as torch_utils
+    from torch.utils.data import DataLoader
+
+    # DataLoader joins each worker this long, then terminates the ones still alive (they exit 0 either way): long
+    # enough for any machine, so a termination means the worker never noticed the shutdown.
+    monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 60.0)
+    terminated: list[int | None] = []
+    terminate = multiprocessing.process.BaseProcess.terminate
+
+    def recorded(process: multiprocessing.process.BaseProcess) -> None:
+        terminated.append(process.pid)
+        terminate(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", recorded)
+    stream = make_stream(tmp_path, steps=2)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, relay=relay)  # follows forever
+    loader = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert [next(loader)["step"], next(loader)["step"]] == [1, 2]  # then both workers wait for steps 3 and 4
+    workers = list(loader._workers)  # torch's worker processes, only observed
+    loader._shutdown_workers()  # what the iterator's __del__ does when a loop stops early
+    assert terminated == [] and [w.exitcode for w in workers] == [0, 0]
+
+
+def test_a_worker_watch_stops_the_iteration_on_shutdown_or_orphaning_and_never_after_it_closed() -> None:
+    import multiprocessing
+
+    from lakestream_iceberg.read.worker_exit import ShutdownWatch, stop_on_shutdown
+
+    context = multiprocessing.get_context("fork")
+    orphaned, shut_down, closed = threading.Event(), threading.Event(), threading.Event()
+    never = context.Event()  # the training process died without shutting the worker down: never set
+    ShutdownWatch(never, orphaned, parent=os.getppid() + 1_000_000)._thread.join()  # not our parent: orphaned
+    done = context.Event()
+    watch = ShutdownWatch(done, shut_down)
+    done.set()  # DataLoader shuts its workers down
+    watch._thread.join()
+    quiet = ShutdownWatch(context.Event(), closed)
+    quiet.close()  # the iteration returned: the thread is gone, and it set nothing
+    assert orphaned.is_set() and shut_down.is_set() and not closed.is_set() and not quiet._thread.is_alive()
+    assert stop_on_shutdown(threading.Event()) is None  # not in a DataLoader worker: nothing watched
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_forked_workers_of_a_table_dropped_and_created_again_raise(tmp_path: Path, relay: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A forked worker starts from its parent's view of the table (no reload): its first poll, through the relay or
     not, finds the table another one, and no step of the old table is delivered."""
+    import torch.utils.data._utils as torch_utils
     from torch.utils.data import DataLoader
 
     stream = make_stream(tmp_path, steps=3)
     ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=3, timeout=60, relay=relay)
     stream.table.catalog.drop_table("ns.s")
     Stream.create(stream.table.catalog, "ns.s", schema=SCHEMA, world_size=2)
+    # After a worker's exception DataLoader's shutdown joins each worker for this long before terminating it (torch's
+    # behaviour with any dataset): shut this loader down here, in 0.2 s per worker rather than 5 s in a later test.
+    monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
+    loader = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
     with pytest.raises(StreamError, match="dropped and created again"):
-        list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+        list(loader)
+    loader._shutdown_workers()
 
 
 def test_disabled_or_unusable_relay_reads_directly(tmp_path: Path, relay_dir: Path,

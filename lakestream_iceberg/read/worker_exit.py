@@ -1,0 +1,84 @@
+"""How an iteration in a DataLoader worker notices that its DataLoader shuts the workers down, or that its training
+process is gone.
+
+DataLoader stops a worker by setting an event the worker checks between items and then sending it ``None``; it waits
+5 s for each worker (``torch.utils.data._utils.MP_STATUS_CHECK_INTERVAL``) and then terminates it. A follow-mode
+iteration waits inside the item for a step not yet published, so the worker never reached that check: every loop that
+broke out early, or failed, stood still 5 s per worker while DataLoader shut down (10 s with 2 workers), wherever the
+garbage collector happened to collect the iterator. And a worker whose training process died without shutting it down
+followed the stream until its ``timeout``, forever without one.
+
+:func:`stop_on_shutdown` watches, while one iteration runs in a worker, DataLoader's event (torch's ``_worker_loop``
+argument ``done_event``, found on the call stack) and the training process, and sets the iteration's ``stop`` when
+either says so. The iteration's wait then ends within its slice (at most 0.5 s, see
+:mod:`lakestream_iceberg.read.follow`) and the worker exits by itself. Where the event cannot be found (a torch that
+renamed it), nothing changes.
+
+The watching thread only *reads* the event, every ``POLL_S``, and stops before the iteration returns: a process that
+waits on a ``multiprocessing.Event`` counts as one of its sleepers, and one that exits while counted (a worker ends
+when its iteration does) would make DataLoader's ``set()`` wait for it forever.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import Any
+
+__all__ = ["ShutdownWatch", "stop_on_shutdown"]
+
+POLL_S = 0.1  # how often the watching thread reads DataLoader's event and checks the training process
+
+
+class ShutdownWatch:
+    """Sets ``stop`` once ``done`` is set or the process ``parent`` is no longer this process's parent; :meth:`close`
+    ends the watching (the iteration it watched returns)."""
+
+    def __init__(self, done: Any, stop: threading.Event, *, parent: int | None = None) -> None:
+        self._done = done
+        self._stop = stop
+        self._parent = os.getppid() if parent is None else parent
+        self._ended = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lakestream-worker-exit", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._ended.wait(POLL_S):
+            try:
+                shutting_down = bool(self._done.is_set()) or os.getppid() != self._parent
+            except Exception:  # noqa: BLE001 - the event broke with the training process: stop just the same
+                shutting_down = True
+            if shutting_down:
+                self._stop.set()
+                return
+
+    def close(self) -> None:
+        """Stop watching, and return once the watching thread has (it never touches the event afterwards)."""
+        self._ended.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+
+def stop_on_shutdown(stop: threading.Event) -> ShutdownWatch | None:
+    """In a DataLoader worker, a :class:`ShutdownWatch` that sets ``stop`` once the DataLoader shuts its workers down
+    or the training process is gone; None elsewhere. Call from the iteration's code (which torch's worker loop runs),
+    and :meth:`ShutdownWatch.close` it before the iteration returns."""
+    done = _done_event()
+    return None if done is None else ShutdownWatch(done, stop)
+
+
+def _done_event() -> Any | None:
+    """torch's ``done_event`` of the worker loop this call runs under, or None (not in a DataLoader worker)."""
+    worker = sys.modules.get("torch.utils.data._utils.worker")
+    loop = getattr(worker, "_worker_loop", None)
+    code = getattr(loop, "__code__", None)
+    if code is None:
+        return None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            event = frame.f_locals.get("done_event")
+            return event if callable(getattr(event, "is_set", None)) else None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
