@@ -246,7 +246,7 @@ def test_commit_writes_smoke(tmp_path: Path) -> None:
     data = _run("commit_writes.py", tmp_path / "commit_writes.json", timeout=240)
     assert data["benchmark"] == "commit_writes" and data["smoke"] is True
     rows = data["rows"]
-    assert {(r["producers"], r["mode"]) for r in rows} == {(p, m) for p in (1, 2) for m in ("overlapped", "waited", "sequential")}
+    assert {(r["producers"], r["mode"]) for r in rows} == {(2, m) for m in ("overlapped", "waited", "sequential")}
     assert all(r["batches"] > 0 and _positive(r["rate"]) and _positive(r["plan_p50"]) for r in rows)
     assert all(r["exactly_once"] for r in rows)  # dense steps, every producer's seqs published once, in every mode
     assert all(run["head_step"] == run["batches"] for run in data["runs"])
