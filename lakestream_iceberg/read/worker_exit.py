@@ -9,7 +9,7 @@ garbage collector happened to collect the iterator. And a worker whose training 
 followed the stream until its ``timeout``, forever without one.
 
 :func:`stop_on_shutdown` watches, while one iteration runs in a worker, DataLoader's event (torch's ``_worker_loop``
-argument ``done_event``, found on the call stack) and the training process, and sets the iteration's ``stop`` when
+argument ``done_event``, taken from the worker process's arguments) and the training process, and sets the iteration's ``stop`` when
 either says so. The iteration's wait then ends within its slice (at most 0.5 s, see
 :mod:`lakestream_iceberg.read.follow`) and the worker exits by itself. Where the event cannot be found (a torch that
 renamed it), nothing changes.
@@ -21,6 +21,8 @@ when its iteration does) would make DataLoader's ``set()`` wait for it forever.
 
 from __future__ import annotations
 
+import inspect
+import multiprocessing
 import os
 import sys
 import threading
@@ -69,16 +71,17 @@ def stop_on_shutdown(stop: threading.Event) -> ShutdownWatch | None:
 
 
 def _done_event() -> Any | None:
-    """torch's ``done_event`` of the worker loop this call runs under, or None (not in a DataLoader worker)."""
+    """torch's ``done_event`` of the DataLoader worker this process is, or None (not a DataLoader worker).
+
+    Read from the worker process's own target and arguments (``multiprocessing.current_process()``), with fork, spawn
+    and forkserver alike. Not from the worker loop's frame: on Python before 3.13 reading a frame's ``f_locals`` keeps a
+    copy of its locals on the frame, which would keep the previous epoch's iteration alive into the next one."""
     worker = sys.modules.get("torch.utils.data._utils.worker")
-    loop = getattr(worker, "_worker_loop", None)
-    code = getattr(loop, "__code__", None)
-    if code is None:
+    process: Any = multiprocessing.current_process()
+    if worker is None or getattr(process, "_target", None) is not getattr(worker, "_worker_loop", None):
         return None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            event = frame.f_locals.get("done_event")
-            return event if callable(getattr(event, "is_set", None)) else None
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
+    try:
+        event = inspect.signature(worker._worker_loop).bind(*process._args, **process._kwargs).arguments.get("done_event")
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return event if callable(getattr(event, "is_set", None)) else None

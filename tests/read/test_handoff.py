@@ -46,6 +46,8 @@ def sample_item(seed: int) -> dict:
         "scalar": torch.tensor(seed * 1.5),
         "empty": torch.empty(0, 4, dtype=torch.float64),
         "strided": torch.arange(20, dtype=torch.int16).reshape(4, 5).t(),  # not contiguous
+        "conjugate": torch.complex(torch.rand(3, generator=g), torch.rand(3, generator=g)).conj(),  # lazy views:
+        "negative": torch.complex(torch.rand(2, generator=g), torch.rand(2, generator=g)).conj().imag,  # values kept
         "blob": Blobs(values=values, offsets=torch.tensor([0, 3, 3, 20, 37])),
         "texts": ["a", "b"],
     }
