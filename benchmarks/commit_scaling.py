@@ -21,7 +21,9 @@ One command runs all three phases, prints their tables, writes ``benchmarks/resu
    ``Stream.producer`` as shipped: DAC with group commit), ``dac-single`` (the same loop and policy with
    ``lakestream.commit.group.enabled=false``: one batch per compare-and-swap, round-robin pacing), ``fixed``
    (lakestream's loop, one batch per swap, no pacing, constant retry delay) and ``pyiceberg`` (plain ``table.append``
-   with pyiceberg's default ``commit.retry.num-retries`` = 4). Per point: aggregate commits/s (published batches),
+   with pyiceberg's default ``commit.retry.num-retries`` = 4), and ``apart``: every producer alone on a stream of its
+   own (on SQLite with a database file of its own), nothing shared, the ceiling the machine's cores set for P
+   processes that commit (a shared stream can at best come near it). Per point: aggregate commits/s (published batches),
    failed commits, p50/p99 of the commit call, Jain's index over per-producer commits in the window, swaps per
    commit, batches carried by another producer's group commit, batches per winning swap. ``--repeat N`` measures
    every point N times, interleaved, and judges the targets on the median of each repetition's ratio to its own P=1
@@ -324,7 +326,7 @@ def plain_point_stats(latencies: dict[int, float], point: int, half: int) -> dic
 
 @dataclass
 class Task:
-    policy: str  # dac | fixed | pyiceberg
+    policy: str  # dac | dac-single | fixed | pyiceberg | apart
     catalog: dict[str, str]
     table: str
     producer: str
@@ -465,16 +467,33 @@ class Pool:
 
 def contention_point(pool: Pool, catalog_props: dict[str, str], policy: str, producers: int, duration: float,
                      warmup: float, fixed_delay_s: float, name: str, seed: int) -> dict[str, Any]:
+    start_at = time.time() + 2.0 + 0.25 * producers  # every worker is set up (and idle) before this
+    if policy == "apart":  # the machine's ceiling: every producer alone on its own stream, nothing shared
+        tasks = []
+        for i in range(producers):
+            props = apart_props(catalog_props, i)
+            create_stream(load_sql_catalog(props), f"{name}_p{i}")
+            tasks.append(Task(policy, props, f"{name}_p{i}", f"w-{i}", start_at, warmup, duration, fixed_delay_s,
+                              seed * 1000 + i))
+        return summarize_point(pool.run(tasks), duration, policy, producers)
     catalog = load_sql_catalog(catalog_props)
     if policy == "pyiceberg":
         create_plain_table(catalog, name)
     else:  # "dac" is lakestream as shipped (group commit on); the baselines commit one batch per swap
         create_stream(catalog, name, group_commit=policy == "dac")
-    start_at = time.time() + 2.0 + 0.25 * producers  # every worker is set up (and idle) before this
     tasks = [Task(policy, catalog_props, name, f"w-{i}", start_at, warmup, duration, fixed_delay_s, seed * 1000 + i)
              for i in range(producers)]
     results = pool.run(tasks)
     return summarize_point(results, duration, policy, producers)
+
+
+def apart_props(catalog_props: dict[str, str], i: int) -> dict[str, str]:
+    """Producer ``i``'s own catalog for the ``apart`` policy: on SQLite a database file and warehouse of its own (one
+    SQLite file serialises every writer), on PostgreSQL the same server (its tables' rows are locked apart)."""
+    if not catalog_props["uri"].startswith("sqlite"):
+        return catalog_props
+    root = Path(catalog_props["uri"].removeprefix("sqlite:///")).parent / f"apart-{i}"
+    return sqlite_props(root)
 
 
 def summarize_point(results: list[dict[str, Any]], duration: float, policy: str, producers: int) -> dict[str, Any]:
@@ -634,7 +653,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
                    "CommitFailedException after 4 retries; lakestream: budget exhausted); swaps/commit: "
                    "compare-and-swaps sent per published batch; wasted: lost swaps / swaps; carried: batches published "
                    "by another producer's group commit (no swap of their own); batches/swap: batches per winning swap "
-                   "(lakestream policies only)")
+                   "(lakestream policies only); apart: every producer commits to a stream of its own (on SQLite in a "
+                   "database file of its own), nothing shared: the machine's ceiling for P processes committing")
             tables.append(t)
         targets = Table("2b. targets at the largest P (with repetitions: the ratio is the median of each repetition's "
                         "ratio to its own P=1 run; failed summed; p99/p50 the worst; Jain the lowest)",
@@ -758,8 +778,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="cProfile N extra growth commits after the measured ones (0: off)")
     parser.add_argument("--producers", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--catalogs", nargs="+", default=["sqlite", "postgres"], choices=["sqlite", "postgres"])
-    parser.add_argument("--policies", nargs="+", default=["dac", "dac-single", "fixed", "pyiceberg"],
-                        choices=["dac", "dac-single", "fixed", "pyiceberg"])
+    parser.add_argument("--policies", nargs="+", default=["dac", "dac-single", "fixed", "pyiceberg", "apart"],
+                        choices=["dac", "dac-single", "fixed", "pyiceberg", "apart"])
     parser.add_argument("--duration", type=float, default=8.0, help="seconds measured per contention point")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of committing before each measured window")
     parser.add_argument("--repeat", type=int, default=1,
