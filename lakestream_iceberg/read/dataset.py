@@ -39,6 +39,8 @@ can be loaded under any number of workers.
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import multiprocessing.context
 import os
 import threading
 import time
@@ -67,6 +69,7 @@ if TYPE_CHECKING:
 __all__ = ["Blobs", "LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
 
 ID_SHIFT = 32
+_TAKEN_SLOTS = 1024  # DataLoader worker ids that record applying a loaded state (a worker beyond applies it always)
 _frozen_in: int | None = None  # the process whose inherited objects _freeze_inherited froze
 
 
@@ -179,6 +182,8 @@ class _DatasetCore:
         self._position = {"next_step": start_step, "worker_id": 0, "num_workers": 1}
         self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
         self._pending: dict[str, int] | None = None
+        self._taken: Any = None  # with _pending: the DataLoader worker ids that applied it, shared (see _first)
+        self._loaded_in = self._pid  # the process that loaded _pending
         self.last_step: int | None = None  # the last step this instance delivered
         if relay and follow:  # its readers follow through the host's relay: no idle catalog connection kept for them
             release_idle_connections(stream.table.catalog)
@@ -214,6 +219,8 @@ class _DatasetCore:
         state = self.__dict__.copy()
         for key in ("_stream", "_stop", "_closers"):
             state.pop(key)
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_taken"] = None  # shared memory goes only to the processes this one starts (DataLoader's workers)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -249,7 +256,7 @@ class _DatasetCore:
     def state_dict(self) -> dict[str, Any]:
         """The next step to deliver, and the stream (its table UUID) and branch it is a step of, as a plain dict (see
         the module docstring)."""
-        return {**(self._pending or self._position), **self._identity}
+        return {**(self._loaded() or self._position), **self._identity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance).
@@ -281,6 +288,7 @@ class _DatasetCore:
             raise ConfigError(f"state_dict worker_id {pending['worker_id']} is not a worker of num_workers "
                               f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
         self._pending = pending
+        self._taken, self._loaded_in = multiprocessing.RawArray("B", _TAKEN_SLOTS), os.getpid()
 
     def _forked_after(self, source: object, next_step: int, num_workers: int) -> bool:
         """Whether every step a worker with this position delivered on branch ``source`` is the same step on this
@@ -305,9 +313,26 @@ class _DatasetCore:
         mine = [f.file_path for f in stream.index.files(here, step)]
         return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
 
-    def _first(self, worker_id: int, num_workers: int) -> int:
-        """This worker's first step, consuming a loaded state."""
-        state, self._pending = self._pending, None
+    def _loaded(self) -> dict[str, int] | None:
+        """The loaded state not yet applied, in this process or by DataLoader workers it started (a worker's own copy
+        stays until it applies it)."""
+        if self._taken is not None and self._loaded_in == os.getpid() and any(self._taken):
+            self._pending = self._taken = None
+        return self._pending
+
+    def _first(self, worker_id: int, num_workers: int, *, in_worker: bool = False) -> int:
+        """This worker's first step, consuming a loaded state.
+
+        A state loaded in the training process is applied once, as without workers: by the first DataLoader worker of
+        each id (forked or spawned, each with its copy of it). The training process still holds it, and every later
+        DataLoader iterator's workers copy it again (non-persistent workers: each epoch), so they skip it where a worker
+        of their id already applied it, and start at ``start_step``."""
+        state, taken = self._pending, self._taken
+        self._pending = self._taken = None
+        if state is not None and in_worker and taken is not None and worker_id < len(taken):
+            if taken[worker_id]:
+                state = None  # an earlier DataLoader's worker applied it
+            taken[worker_id] = 1
         if state is None:
             return self.start_step + worker_id
         if state["num_workers"] == 1:
@@ -345,7 +370,7 @@ class _DatasetCore:
         """
         if self._positions is None:
             raise ConfigError("track() records a consumer position: make the dataset with group='<run name>'")
-        return self._positions.track(loader, self._stream_here(), first_step=(self._pending or self._position)["next_step"])
+        return self._positions.track(loader, self._stream_here(), first_step=(self._loaded() or self._position)["next_step"])
 
     # -- iteration ---------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -361,7 +386,7 @@ class _DatasetCore:
 
     def _iterate(self, stream: StreamTable, worker_id: int, num_workers: int, *, in_worker: bool = False) -> Iterator[Any]:
         handoff = in_worker and supported()
-        first = self._first(worker_id, num_workers)
+        first = self._first(worker_id, num_workers, in_worker=in_worker)
         self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
         io = stream.io

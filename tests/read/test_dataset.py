@@ -219,6 +219,24 @@ def test_resume_from_state_dict_is_identical(tmp_path: Path) -> None:
     assert _payload(head) + _payload(loader) == full
 
 
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_state_loaded_before_workers_resumes_one_epoch_only(tmp_path: Path, context: str) -> None:
+    """Every epoch's new workers copy the dataset from the training process: the state loaded there resumes the first
+    epoch only, as without workers (and with persistent ones); later epochs start at start_step."""
+    stream = make_stream(tmp_path, steps=6)
+    state = {"next_step": 4}
+    alone = LakestreamDataset(stream, rank=0, world_size=2)
+    alone.load_state_dict(state)
+    expected = [[it["step"] for it in alone] for _ in range(2)]
+    assert expected == [[4, 5, 6], [1, 2, 3, 4, 5, 6]]
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    ds.load_state_dict(state)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context)
+    assert [it["step"] for it in loader] == expected[0]
+    assert [it["step"] for it in loader] == expected[1]
+    assert ds.state_dict()["next_step"] == 1  # applied by the workers: nothing pending here any more
+
+
 def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> None:
     """torchdata's StatefulDataLoader protocol: state_dict() in each worker after each item, load_state_dict() in each
     worker before iter(). Saved here by running the workers' iterations round-robin in-process, loaded in real workers."""
