@@ -33,7 +33,8 @@ rows. A Parquet shard is one row group, so a consumer holding part of a file sti
 "branch": b}``: the next step this instance (or this DataLoader worker) will deliver, and of which stream (its table
 UUID) and branch; loading it into a dataset of another stream or branch is refused. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
 in each worker after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``)
-can be loaded under any number of workers.
+can be loaded under any number of workers. A loaded state resumes the next iteration only, with workers too (a
+plain DataLoader's workers of later epochs start at ``start_step``).
 """
 
 from __future__ import annotations
