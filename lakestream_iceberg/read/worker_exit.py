@@ -22,6 +22,7 @@ when its iteration does) would make DataLoader's ``set()`` wait for it forever.
 from __future__ import annotations
 
 import inspect
+import logging
 import multiprocessing
 import os
 import sys
@@ -29,6 +30,8 @@ import threading
 from typing import Any
 
 __all__ = ["ShutdownWatch", "stop_on_shutdown"]
+
+log = logging.getLogger("lakestream_iceberg.read.dataset")
 
 POLL_S = 0.1  # how often the watching thread reads DataLoader's event and checks the training process
 
@@ -65,13 +68,28 @@ class ShutdownWatch:
 def stop_on_shutdown(stop: threading.Event) -> ShutdownWatch | None:
     """In a DataLoader worker, a :class:`ShutdownWatch` that sets ``stop`` once the DataLoader shuts its workers down
     or the training process is gone; None elsewhere. Call from the iteration's code (which torch's worker loop runs),
-    and :meth:`ShutdownWatch.close` it before the iteration returns."""
-    done = _done_event()
-    return None if done is None else ShutdownWatch(done, stop)
+    and :meth:`ShutdownWatch.close` it before the iteration returns.
+
+    With ``persistent_workers=True`` the first worker logs a warning once: DataLoader restarts persistent workers for
+    the next ``iter(loader)`` only between items (no shutdown, no event), so after a ``break`` a follow-mode worker's
+    wait for a step not yet published holds the next iteration until that step is published or ``timeout`` passes."""
+    arguments = _worker_arguments()
+    done = arguments.get("done_event")
+    if arguments.get("persistent_workers") is True and arguments.get("worker_id") == 0 and not _warned:
+        _warned.append(True)
+        log.warning("LakestreamDataset(follow=True) under DataLoader(persistent_workers=True): after a loop breaks out "
+                    "early, DataLoader restarts its persistent workers only once each has delivered the step it waits "
+                    "for, so the next iter(loader) waits until that step is published (or the dataset's timeout). "
+                    "Leave persistent_workers off in follow mode: one long iteration gains nothing from it")
+    return ShutdownWatch(done, stop) if callable(getattr(done, "is_set", None)) else None
 
 
-def _done_event() -> Any | None:
-    """torch's ``done_event`` of the DataLoader worker this process is, or None (not a DataLoader worker).
+_warned: list[bool] = []  # whether this process warned of persistent workers in follow mode
+
+
+def _worker_arguments() -> dict[str, Any]:
+    """The arguments of torch's ``_worker_loop`` that this process runs (``done_event``, ``persistent_workers``,
+    ``worker_id``, ...), or ``{}`` (not a DataLoader worker, or a torch whose worker loop changed).
 
     Read from the worker process's own target and arguments (``multiprocessing.current_process()``), with fork, spawn
     and forkserver alike. Not from the worker loop's frame: on Python before 3.13 reading a frame's ``f_locals`` keeps a
@@ -79,9 +97,8 @@ def _done_event() -> Any | None:
     worker = sys.modules.get("torch.utils.data._utils.worker")
     process: Any = multiprocessing.current_process()
     if worker is None or getattr(process, "_target", None) is not getattr(worker, "_worker_loop", None):
-        return None
+        return {}
     try:
-        event = inspect.signature(worker._worker_loop).bind(*process._args, **process._kwargs).arguments.get("done_event")
+        return dict(inspect.signature(worker._worker_loop).bind(*process._args, **process._kwargs).arguments)
     except (TypeError, ValueError, AttributeError):
-        return None
-    return event if callable(getattr(event, "is_set", None)) else None
+        return {}

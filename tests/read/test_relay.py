@@ -244,6 +244,30 @@ def test_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early
     assert terminated == [] and [w.exitcode for w in workers] == [0, 0]
 
 
+@pytest.mark.parametrize("persistent", [True, False])
+def test_follow_mode_under_persistent_workers_warns_once(tmp_path: Path, persistent: bool) -> None:
+    """DataLoader restarts persistent workers between items only, so after a break a follow-mode worker holds the next
+    iter(loader) until its step is published: the first worker says so once; without persistent workers nothing."""
+    from torch.utils.data import DataLoader
+
+    logfile = tmp_path / "workers.log"
+    handler = logging.FileHandler(logfile)  # forked workers inherit it: what they log lands in the file
+    logger = logging.getLogger("lakestream_iceberg.read.dataset")
+    logger.addHandler(handler)
+    try:
+        stream = make_stream(tmp_path, steps=2)
+        ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, relay=False)
+        loader = iter(DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=persistent,
+                                 multiprocessing_context="fork"))
+        assert [next(loader)["step"], next(loader)["step"]] == [1, 2]  # both workers have started their iterations
+        loader._shutdown_workers()
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    warned = [line for line in logfile.read_text().splitlines() if "persistent_workers=True" in line]
+    assert len(warned) == (1 if persistent else 0), warned
+
+
 def test_a_worker_watch_stops_the_iteration_on_shutdown_or_orphaning_and_never_after_it_closed() -> None:
     import multiprocessing
 
