@@ -62,6 +62,9 @@ DEFAULT_REPORT_S = 5.0
 VERSION = 1
 MAX_GROUP_CHARS = 200
 _SOURCES = ("iterator", "loader")
+_INT64 = 2**63  # the listing's integer columns (read/lag.py CONSUMERS_SCHEMA): int64, rank, world size, workers int32
+_INT32 = 2**31 - 1
+_MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last time a datetime holds
 EXPIRY_INTERVAL_S = 3600.0  # rank 0's reporter expires old groups at most this often per process and stream
 _expired_at: dict[str, float] = {}  # stream location -> time.monotonic() of this process's last expiry there (two
 # reporters of one process racing past the check both expire: harmless, and no lock is held across a fork)
@@ -114,7 +117,12 @@ class Position:
         except ValueError as exc:
             raise CorruptStateError(f"the position of group {group!r} rank {rank} is not JSON ({exc}): "
                                     f"{body[:200]!r}") from None
-        if not isinstance(doc, dict) or doc.get("v") != VERSION:
+        version = doc.get("v") if isinstance(doc, dict) else None
+        if type(version) is int and version > VERSION:
+            raise CorruptStateError(f"the position of group {group!r} rank {rank} is a version-{version} position "
+                                    f"document, written by a newer lakestream release (this one reads version "
+                                    f"{VERSION}): upgrade lakestream where the lag is read")
+        if type(version) is not int or version != VERSION:  # not True, 1.0: those are not this version's documents
             raise CorruptStateError(f"the position of group {group!r} rank {rank} is not a version-{VERSION} position "
                                     "document")
 
@@ -127,6 +135,9 @@ class Position:
                                         f"{value!r}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise CorruptStateError(f"the position of group {group!r} rank {rank} has a non-finite {name!r}")
+            if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+                raise CorruptStateError(f"the position of group {group!r} rank {rank} has an out-of-range {name!r}: "
+                                        f"{value}")
             return value
 
         number = (int, float)
@@ -141,7 +152,9 @@ class Position:
         )
         problems = [
             (position.rank != rank, f"rank {position.rank} (stored under rank {rank})"),
-            (not 0 <= rank < position.world_size, f"world_size {position.world_size} (rank {rank})"),
+            (not 0 <= rank < position.world_size <= _INT32, f"world_size {position.world_size} (rank {rank})"),
+            (position.workers > _INT32, f"workers {position.workers}"),
+            (not 0 <= position.started_at <= _MAX_TIME, f"started_at {position.started_at}"),
             (position.last_step is not None and position.last_step < 0, f"last_step {position.last_step}"),
             (min(position.steps, position.pid, position.workers) < 0, "a negative count"),
             (min(position.elapsed_s, position.wait_s) < 0, "a negative duration"),

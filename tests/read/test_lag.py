@@ -159,8 +159,10 @@ def test_positions_outside_a_sql_catalog_are_objects_under_the_table_location(tm
 
 @pytest.mark.parametrize("body, problem", [
     ("not json", "not JSON"),
-    ('{"v": 2}', "version-1"),
+    ('{"v": 2}', "newer lakestream release"),
     ("[1]", "version-1"),
+    ('{"v": true}', "version-1"),  # True == 1 in Python: not a version-1 document for that
+    ('{"v": 1.0}', "version-1"),
 ])
 def test_a_malformed_position_is_refused(body: str, problem: str) -> None:
     with pytest.raises(CorruptStateError, match=problem):
@@ -179,6 +181,29 @@ def test_position_fields_are_checked() -> None:
             Position.parse(json.dumps({**doc, field: value}).replace("NaN", "1e999"), group="g", rank=1)
     with pytest.raises(CorruptStateError, match="stored under rank 0"):
         Position.parse(good.to_json(), group="g", rank=0)
+
+
+@pytest.mark.parametrize("field, value", [("started_at", 1e300), ("started_at", -1e12), ("world_size", 2**70),
+                                          ("world_size", 2**31), ("last_step", 2**63), ("pid", 2**70),
+                                          ("workers", 2**31), ("elapsed_s", 10**400), ("read_bytes", 2**64)],
+                         ids=lambda v: str(v)[:24])
+def test_a_position_out_of_range_is_invalid_not_a_crash_or_a_misreading(stream: Stream, field: str,
+                                                                          value: object) -> None:
+    """A stored document whose numbers no listing can hold (a datetime, an int64/int32 column) is shown as invalid:
+    neither ``lakestream lag`` nor the consumers view fails, and no other rank of the group is misread because of it."""
+    for rank in range(WORLD):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run", report_s=FAST)]
+    store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+    body = json.loads(store.rows(group="run")[0].body)
+    store.upsert(group="run", rank=0, body=json.dumps({**body, field: value}))
+    with pytest.raises(CorruptStateError, match=field):
+        Position.parse(json.dumps({**body, field: value}), group="run", rank=0)
+    rows = lags(stream)
+    assert (rows[0].status, rows[1].status, rows[1].lag_steps) == ("invalid", "closed", 0)  # rank 1 is not "gone"
+    from lakestream_iceberg.read.lag import consumers_table
+
+    view = consumers_table(stream)
+    assert view.column("status").to_pylist() == ["invalid", "closed"]
 
 
 @pytest.mark.parametrize("group", ["", "  ", True, 3, "x" * 201, "tab\there"])
