@@ -230,17 +230,19 @@ class PositionStore:
 
     # -- the object fallback ---------------------------------------------------------------------------------------------
     def _object_path(self, group: str, rank: int) -> str:
-        return f"{self.location}/data/{POSITIONS_DIR}/{quote(group, safe='')}/r{rank:06d}.parquet"
+        return f"{self.location}/data/{POSITIONS_DIR}/{_segment(group)}/r{rank:06d}.parquet"
 
     def _object_list(self, group: str | None) -> list[tuple[str, str, int, float, int]]:
         """``(path, group, rank, mtime, size)`` of every position object of ``group`` (every group when None)."""
         found: list[tuple[str, str, int, float, int]] = []
-        root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{quote(group, safe='')}")
+        root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{_segment(group)}")
         for path, size, mtime in list_files(self._io, root):
             parts = path.rsplit("/", 2)
             name = parts[-1]
             if len(parts) < 3 or not (name.startswith("r") and name.endswith(_SUFFIX) and name[1:-len(_SUFFIX)].isdigit()):
                 continue  # not a position object (a temporary file of the store, someone else's file)
+            if group is not None and unquote(parts[-2]) != group:
+                continue  # another group's (a store listing a prefix rather than a folder)
             found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime, size))
         return found
 
@@ -289,6 +291,13 @@ class PositionStore:
         """Create the table on first use in this process (``IF NOT EXISTS``: ranks racing to create it all succeed)."""
         assert self._engine is not None
         _TABLE.ensure(self._engine, sqlite=self._sqlite.connection if self._sqlite is not None else None)
+
+
+def _segment(group: str) -> str:
+    """``group`` as one path segment of the object store: URL-quoted, and ``.`` / ``..`` (which a filesystem or a store
+    resolves as the folder itself or its parent) with their dots quoted too."""
+    quoted = quote(group, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
 
 
 def _sql_engine(catalog: Any) -> Any:

@@ -157,6 +157,30 @@ def test_positions_outside_a_sql_catalog_are_objects_under_the_table_location(tm
     assert report.files_deleted.get("consumer-position") is None  # no commit's file: it expires with its group
 
 
+def test_path_like_group_names_stay_in_their_own_folder_of_the_object_store(tmp_path: Path) -> None:
+    """Groups named ``.`` and ``..`` are folders of their own under ``_consumers``: not the folder itself or ``data/``
+    (where the listing read them as another group's, and deleting them deleted every group's positions)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg.read.lag import delete_group
+
+    catalog = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 2)
+    for rank, group in enumerate(["run", ".", ".."]):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=3, group=group,
+                                                     report_s=FAST)] == [1, 2]
+    stream.refresh()
+    assert [(c.group, c.rank, c.status) for c in consumer_lags(stream)] == [
+        (".", 1, "closed"), ("..", 2, "closed"), ("run", 0, "closed")]
+    assert [(c.group, c.rank) for c in consumer_lags(stream, group="..")] == [("..", 2)]
+    assert delete_group(stream, group="..") == 1
+    assert delete_group(stream, group=".") == 1
+    assert [(c.group, c.rank) for c in consumer_lags(stream)] == [("run", 0)]
+    data = tmp_path / "warehouse" / "ns" / "lag" / "data"
+    assert not list(data.glob("r*.parquet")) and not list((data / "_consumers").glob("r*.parquet"))
+
+
 @pytest.mark.parametrize("body, problem", [
     ("not json", "not JSON"),
     ('{"v": 2}', "newer lakestream release"),
