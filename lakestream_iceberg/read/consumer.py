@@ -21,9 +21,10 @@ stream (see :mod:`lakestream_iceberg.connect.positions`).
   ``prometheus_client``'s multiprocess mode, ``PROMETHEUS_MULTIPROC_DIR``); the position shows none.
 
 **The document** (one JSON object, version 1): ``stream`` (table UUID), ``branch``, ``world_size``, ``rank``,
-``last_step`` (None before the first step), ``steps`` (delivered since ``started_at``), ``started_at`` (unix seconds,
-the reporter's clock), ``elapsed_s`` and ``wait_s`` (since then: their ratio is the data-wait fraction), ``read_bytes``
-(None when another process reads), ``report_s``, ``closed``, ``host``, ``pid``, ``workers``, ``source`` (``iterator``
+``last_step`` (before the first step: the step before the one the rank starts at, None when it starts at step 1),
+``steps`` (delivered since ``started_at``), ``started_at`` (unix seconds, the reporter's clock), ``elapsed_s`` and
+``wait_s`` (since then: their ratio is the data-wait fraction), ``read_bytes`` (None when another process reads),
+``report_s``, ``closed``, ``host``, ``pid``, ``workers``, ``source`` (``iterator``
 or ``loader``). A restarted rank (a resumed checkpoint, another world size) overwrites its row with a fresh
 ``started_at``: its position continues from the step it resumed at.
 """
@@ -182,6 +183,9 @@ class PositionReporter:
         head: Returns the head step of the branch as this process last saw it (for the steps-behind-head metric), or
             None.
         reads: Whether this process fetches the data (else ``read_bytes`` is None).
+        first_step: The step the rank starts at: until it delivers one, its position is the step before (a resumed
+            rank's earlier incarnations delivered up to there; a rank started past step 1 does not lag behind the
+            steps before its start).
         retention_s: Rank 0 expires the positions of groups silent for longer than this (see
             :meth:`~lakestream_iceberg.connect.positions.PositionStore.expire`), at most once per ``EXPIRY_INTERVAL_S``
             per process and stream; None: never.
@@ -189,7 +193,7 @@ class PositionReporter:
 
     def __init__(self, *, store: PositionStore, group: str, rank: int, world_size: int, branch: str, stream: str,
                  name: str, report_s: float, workers: int, source: str, head: Callable[[], int | None] | None = None,
-                 reads: bool = True, retention_s: float | None = None) -> None:
+                 reads: bool = True, retention_s: float | None = None, first_step: int = 1) -> None:
         self._store, self._head = store, head
         self._retention_s = retention_s if rank == 0 else None
         self._lock = threading.Lock()
@@ -205,7 +209,7 @@ class PositionReporter:
         self._wait = 0.0
         self._bytes = 0
         self._steps = 0
-        self._last: int | None = None
+        self._last: int | None = first_step - 1 if first_step > 1 else None
         self._metrics = consumer_metrics(stream=name, group=group, rank=rank)
         self._thread = threading.Thread(target=self._run, name="lakestream-positions", daemon=True)
         self._thread.start()
@@ -347,18 +351,20 @@ class RankPositions:
         return {**self.__dict__, "_reporter": None, "_metrics": None}
 
     def _start(self, stream: StreamTable, *, workers: int, source: str, head: Callable[[], int | None],
-               reads: bool) -> PositionReporter:
+               reads: bool, first_step: int) -> PositionReporter:
         self.close(closed=False)
         store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
         self._reporter = PositionReporter(
             store=store, group=self.group, rank=self.rank, world_size=self.world_size, branch=self.branch,
             stream=self.stream, name=stream.name, report_s=self.report_s, workers=workers, source=source, head=head,
-            reads=reads, retention_s=_retention_s(stream.table.metadata.properties))
+            reads=reads, retention_s=_retention_s(stream.table.metadata.properties), first_step=first_step)
         return self._reporter
 
-    def iteration(self, stream: StreamTable, *, in_worker: bool, head: Callable[[], int | None]) -> PositionReporter | None:
+    def iteration(self, stream: StreamTable, *, in_worker: bool, head: Callable[[], int | None],
+                  first_step: int = 1) -> PositionReporter | None:
         """The reporter of a dataset iteration in this process: only where the training loop receives the items.
-        ``head``: the iteration's head step as its watcher last saw it (for the steps-behind-head metric)."""
+        ``head``: the iteration's head step as its watcher last saw it (for the steps-behind-head metric);
+        ``first_step``: the iteration's first step."""
         if self.tracked:
             return None
         if in_worker:
@@ -367,7 +373,7 @@ class RankPositions:
                 log.info("group %r: with DataLoader workers, positions are recorded in the training process; iterate "
                          "dataset.track(loader)", self.group)
             return None
-        return self._start(stream, workers=0, source="iterator", head=head, reads=True)
+        return self._start(stream, workers=0, source="iterator", head=head, reads=True, first_step=first_step)
 
     def track(self, loader: Any, stream: StreamTable, *, first_step: int) -> Iterator[Any]:
         """``loader``'s items, recorded in this (the training) process; see :func:`track`."""
@@ -379,7 +385,8 @@ class RankPositions:
             watcher.check()
             return watcher.head()[0]
 
-        reporter = self._start(stream, workers=workers, source="loader", head=head, reads=workers == 0)
+        reporter = self._start(stream, workers=workers, source="loader", head=head, reads=workers == 0,
+                               first_step=first_step)
         return track(loader, reporter=reporter, first_step=first_step)
 
     def read(self, files: Sequence[Any], ranges: Sequence[tuple[int, int, int]], *, counts: Sequence[int],

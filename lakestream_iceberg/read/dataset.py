@@ -347,10 +347,12 @@ class _DatasetCore:
 
     # -- lag, shutdown ---------------------------------------------------------------------------------------------------
     def lag(self) -> int:
-        """Head step minus the last step this instance delivered (``start_step - 1`` before the first item)."""
+        """Head step minus the last step this instance delivered (before the first item: the step before the one it
+        starts at, ``start_step`` or a loaded state's)."""
         watcher = HeadWatcher(self._stream_here(), branch=self.branch)
         watcher.check()
-        delivered = self.start_step - 1 if self.last_step is None else self.last_step
+        state = self._loaded() or (self._position if self.last_step is None else None)
+        delivered = self.last_step if state is None else state["next_step"] - state["num_workers"]
         return max(0, watcher.head()[0] - delivered)
 
     def close(self) -> None:
@@ -394,7 +396,7 @@ class _DatasetCore:
         watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
                                      poll_s=self.poll_s, max_poll_s=self.max_poll_s)
         report = None if self._positions is None else self._positions.iteration(
-            stream, in_worker=in_worker, head=lambda: watcher.head()[0])  # the head as last seen: no I/O
+            stream, in_worker=in_worker, head=lambda: watcher.head()[0], first_step=first)  # head as last seen: no I/O
         steps = pump_steps(
             watcher,
             lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff,

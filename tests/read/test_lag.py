@@ -116,6 +116,36 @@ def test_a_resumed_rank_continues_from_its_checkpointed_position(stream: Stream)
     assert after.started_at > before.started_at  # a new incarnation of the same (group, rank) row
 
 
+def test_a_resumed_rank_at_the_head_does_not_lag_before_its_first_step(stream: Stream) -> None:
+    """A rank resumed after step 4 (its earlier incarnation delivered 1..4) and waiting at the head for step 5 is
+    caught up: its position is step 4, not "nothing delivered" (a lag of the whole stream)."""
+    import threading
+
+    before = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)
+    assert [item["step"] for item in before] == [1, 2, 3, 4]
+    state = before.state_dict()
+    resumed = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST, follow=True, timeout=120)
+    resumed.load_state_dict(state)
+    assert resumed.lag() == 0
+    it = iter(resumed)
+    got: list[int] = []
+    waiting = threading.Thread(target=lambda: got.append(next(it)["step"]), daemon=True)
+    waiting.start()
+    try:
+        row = until(lambda: (r := lags(stream)[0]).status == "active" and r, "the resumed rank's first report")
+        assert (row.last_step, row.head_step, row.lag_steps, row.lag_s, row.steps) == (4, 4, 0, 0.0, 0)
+        assert resumed.lag() == 0
+        publish(stream, 1)
+        waiting.join(timeout=120)
+        assert got == [5]
+    finally:
+        resumed.close()
+        waiting.join(timeout=120)
+        it.close()
+    from_step = LakestreamDataset(stream, rank=1, world_size=WORLD, group="run", report_s=FAST, start_step=5)
+    assert from_step.lag() == 1 and [item["step"] for item in from_step] == [5] and from_step.lag() == 0
+
+
 def test_a_changed_world_size_shows_the_removed_ranks_as_gone(stream: Stream) -> None:
     for rank in range(4):
         assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=4, group="run", report_s=FAST)]
