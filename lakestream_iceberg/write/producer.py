@@ -35,7 +35,7 @@ from lakestream_iceberg.errors import (
     ProducerFailedError,
     SequenceError,
 )
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.checks import check_bool, check_int
 from lakestream_iceberg.format.layout import check_batch
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.background import CommitQueue, Submitted
@@ -89,7 +89,8 @@ def _check_timeout(timeout_s: object) -> float | None:
         return None
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0:
         raise ConfigError(f"timeout_s must be a number of seconds >= 0 or None (wait as long as it takes), got {timeout_s!r}")
-    return float(timeout_s)
+    # longer than threading can wait (inf, 1e12): as long as it takes (a lock's wait raises OverflowError on it)
+    return None if timeout_s >= threading.TIMEOUT_MAX else float(timeout_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,6 +304,7 @@ class Producer:
     def _check(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> _Checked:
         """The batch checked against the stream before anything is written: raises a BatchError when malformed."""
         stream = self._stream
+        allow_gap = check_bool(allow_gap, what="allow_gap", error=SequenceError)  # "False" is truthy: no gap by mistake
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
             seq = check_int(seq, what="seq", error=SequenceError, minimum=0,
                             hint="a producer's sequence numbers start at 0; pass seq=None to take the next one")

@@ -20,7 +20,7 @@ from lakestream_iceberg import (
     ShardCountError,
     Stream,
 )
-from tests.support import SCHEMA, batch, digest
+from tests.support import SCHEMA, batch, digest, until
 
 WORLD = 2
 DEADLINE_S = 120
@@ -186,3 +186,42 @@ def test_threads_submitting_and_committing_on_one_producer_publish_each_batch_on
     assert sorted(r.seq for r in results) == list(range(20)) and not any(r.duplicate for r in results)
     assert sorted((r.seq, r.step) for r in results) == [(seq, seq + 1) for seq in range(20)]
     assert stream.head_step() == 20
+
+
+def test_allow_gap_must_be_a_bool_and_a_truthy_string_publishes_no_gap(stream: Stream) -> None:
+    producer = stream.producer("p")
+    for bad in ("False", "no", 1, None):
+        with pytest.raises(SequenceError, match="allow_gap must be True or False"):
+            producer.commit(batch("p", 5, WORLD), seq=5, allow_gap=bad)  # type: ignore[arg-type]
+        with pytest.raises(SequenceError, match="allow_gap must be True or False"):
+            producer.submit(batch("p", 5, WORLD), seq=5, allow_gap=bad)  # type: ignore[arg-type]
+    assert producer.flush() == 0 and stream.head_step() == 0
+    assert producer.submit(batch("p", 0, WORLD)).result(timeout=DEADLINE_S).seq == 0  # nothing above took a seq
+    producer.close()
+
+
+def test_a_timeout_longer_than_a_thread_can_wait_waits_as_long_as_it_takes(stream: Stream) -> None:
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    producer = stream.producer("p", max_in_flight=1)
+    catalog.gate.clear()
+    first = producer.submit(batch("p", 0, WORLD))
+    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 is committing: the queue is full
+    got: list[Any] = []
+
+    def submit() -> None:
+        try:
+            got.append(producer.submit(batch("p", 1, WORLD), timeout_s=float("inf")))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            got.append(exc)
+
+    submitter = threading.Thread(target=submit)
+    submitter.start()
+    queue = producer._queue
+    assert queue is not None
+    until(lambda: queue._cond._waiters or not submitter.is_alive(), "the submit to wait for a slot or end")
+    catalog.gate.set()
+    submitter.join(DEADLINE_S)
+    assert not submitter.is_alive() and len(got) == 1 and not isinstance(got[0], BaseException), got
+    assert producer.flush(timeout_s=float("inf")) == 0 and producer.close(timeout_s=1e12) == 0
+    assert [first.result(timeout=0).seq, got[0].result(timeout=0).seq] == [0, 1]
