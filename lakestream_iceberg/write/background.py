@@ -130,10 +130,9 @@ class CommitQueue(Generic[T, R]):
         try:
             left = self.flush(timeout_s=timeout_s)
         finally:
-            with self._cond:
-                if not self._in_flight:
-                    self._closed = True
-                    self._cond.notify_all()
+            with self._cond:  # closed even with batches left in flight: the committer publishes them, then stops
+                self._closed = True
+                self._cond.notify_all()
         if not left:
             self._thread.join(timeout_s)
         return left

@@ -129,6 +129,7 @@ class Producer:
         self._lock = threading.RLock()  # held by every commit (caller's or committer thread) and every read of the head
         self._queue: CommitQueue[_Checked, CommitResult] | None = None  # started by the first submit
         self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
+        self._closed = False  # close() was called: no more commits or submits
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -177,6 +178,7 @@ class Producer:
         if self._queue is None:
             with self._lock:
                 if self._queue is None:
+                    self._refuse_closed()
                     started, began_at = time.monotonic(), time.time()
                     checked = self._check(shards, seq=seq, allow_gap=allow_gap)
                     with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
@@ -273,6 +275,7 @@ class Producer:
             ProducerFailedError: A submitted batch failed (its future holds the error); see :meth:`submit`.
         """
         timeout_s = _check_timeout(timeout_s)
+        self._closed = True  # a producer that never submitted takes no more commits either
         return 0 if self._queue is None else self._queue.close(timeout_s=timeout_s)
 
     def __enter__(self) -> Producer:
@@ -288,9 +291,15 @@ class Producer:
             except ProducerFailedError:
                 pass
 
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise ProducerFailedError(f"the producer is closed; open a new producer with the same id "
+                                      f"({self.producer_id!r}): it resumes from the table's state")
+
     def _start_queue(self) -> None:
         with self._lock:  # after a commit made in this thread or another: the table's next seq includes it
             if self._queue is None:
+                self._refuse_closed()
                 self._next_submit = self.next_seq
                 self._queue = CommitQueue(publish=self._publish_submitted, max_in_flight=self.max_in_flight,
                                           name=f"lakestream-commit-{self.producer_id}",

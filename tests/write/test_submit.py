@@ -225,3 +225,31 @@ def test_a_timeout_longer_than_a_thread_can_wait_waits_as_long_as_it_takes(strea
     assert not submitter.is_alive() and len(got) == 1 and not isinstance(got[0], BaseException), got
     assert producer.flush(timeout_s=float("inf")) == 0 and producer.close(timeout_s=1e12) == 0
     assert [first.result(timeout=0).seq, got[0].result(timeout=0).seq] == [0, 1]
+
+
+def test_close_that_returns_with_batches_in_flight_takes_no_more_batches(stream: Stream) -> None:
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    producer = stream.producer("p")
+    catalog.gate.clear()
+    future = producer.submit(batch("p", 0, WORLD))
+    assert catalog.waiting.wait(DEADLINE_S)
+    assert producer.close(timeout_s=0) == 1
+    with pytest.raises(ProducerFailedError, match="closed"):
+        producer.submit(batch("p", 1, WORLD))
+    with pytest.raises(ProducerFailedError, match="closed"):
+        producer.commit(batch("p", 1, WORLD))
+    catalog.gate.set()
+    assert producer.close() == 0  # the batch in flight at the first close is still published
+    assert future.result(timeout=0).step == 1
+    assert by_step(stream) == {1: ("p", 0)}
+
+
+def test_a_closed_producer_that_never_submitted_takes_no_more_batches(stream: Stream) -> None:
+    with stream.producer("p") as producer:
+        producer.commit(batch("p", 0, WORLD))
+    with pytest.raises(ProducerFailedError, match="closed"):
+        producer.commit(batch("p", 1, WORLD))
+    with pytest.raises(ProducerFailedError, match="closed"):
+        producer.submit(batch("p", 1, WORLD))
+    assert by_step(stream) == {1: ("p", 0)}
