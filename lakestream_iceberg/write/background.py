@@ -161,9 +161,9 @@ class CommitQueue(Generic[T, R]):
             self._cond.notify_all()
 
     def _fail(self, slot: _Slot[T, R], exc: BaseException) -> None:
-        slot.future.set_exception(exc)
-        with self._cond:
+        with self._cond:  # failed before its future is: a submit made once the caller sees the error is refused
             self._failure = _Failure(seq=slot.job.seq, error=exc)
+            slot.future.set_exception(exc)
             behind = list(self._queue)[1:]
             for other in behind:  # under the lock, so that a flush that returns finds every future done
                 other.future.set_exception(self._failed_error(

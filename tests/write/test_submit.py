@@ -253,3 +253,29 @@ def test_a_closed_producer_that_never_submitted_takes_no_more_batches(stream: St
     with pytest.raises(ProducerFailedError, match="closed"):
         producer.submit(batch("p", 1, WORLD))
     assert by_step(stream) == {1: ("p", 0)}
+
+
+def test_a_submit_made_once_a_failed_future_is_done_raises_and_queues_nothing(stream: Stream) -> None:
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    producer = stream.producer("p")
+    catalog.gate.clear()
+    failing = producer.submit(batch("p", 0, WORLD))
+    assert catalog.waiting.wait(DEADLINE_S)
+    stream.producer("p").commit(batch("p", 100, WORLD), seq=0)  # seq 0 published with another batch: a conflict
+    after: list[Any] = []
+
+    def submit_after(_: Any) -> None:  # runs as soon as the future is done (in the committer thread)
+        try:
+            after.append(producer.submit(batch("p", 1, WORLD)))
+        except ProducerFailedError as exc:
+            after.append(exc)
+
+    failing.add_done_callback(submit_after)
+    catalog.gate.set()
+    with pytest.raises(ProducerConflictError):
+        failing.result(timeout=DEADLINE_S)
+    with pytest.raises(ProducerFailedError):
+        producer.flush(timeout_s=DEADLINE_S)
+    assert len(after) == 1 and isinstance(after[0], ProducerFailedError), after
+    assert by_step(stream) == {1: ("p", 100)}
