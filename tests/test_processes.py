@@ -233,3 +233,45 @@ def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_con
     assert proc.exitcode == 0
     assert stream.producer("parent").commit(batch("parent", 1, 8)).step == 3  # the parent's connections still work
     assert published(stream) == {1: ("parent", 0), 2: ("child", 0), 3: ("parent", 1)}
+
+
+def test_a_worker_forked_after_the_parent_submitted_commits_with_a_committer_of_its_own(tmp_path: Path) -> None:
+    """A ``fork``ed child inherits a producer whose committer thread ran in the parent: a batch it submitted (or
+    committed, which queues behind submitted ones) used to wait forever for a thread that does not exist in it. Now it
+    starts a committer of its own, from the table's next seq."""
+    import multiprocessing
+
+    (tmp_path / "warehouse").mkdir()
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.fork", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    assert producer.submit(batch("p", 0, 2)).result(timeout=60).step == 1
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child() -> None:
+        try:
+            submitted = producer.submit(batch("p", 1, 2)).result(timeout=60)
+            committed = producer.commit(batch("p", 2, 2))
+            results.put(("ok", submitted.seq, committed.seq, producer.close()))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put(("error", repr(exc), None, None))
+
+    proc = context.Process(target=child)
+    proc.start()
+    try:
+        for _ in range(300):  # a hang guard only (the commits take milliseconds); a child that died fails at once
+            try:
+                report = results.get(timeout=1)
+                break
+            except queue.Empty:
+                if not proc.is_alive() and results.empty():
+                    pytest.fail(f"the forked worker died (exit code {proc.exitcode}) before it reported")
+        else:
+            pytest.fail("the forked worker's submit did not return")
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    assert report == ("ok", 1, 2, 0) and proc.exitcode == 0
+    assert producer.close() == 0 and stream.producer("p").next_seq == 3  # the child's batches, each once
+    assert published(stream) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}

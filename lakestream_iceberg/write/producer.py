@@ -16,6 +16,7 @@ next one. Both paths produce their :class:`CommitResult` in one method (``Produc
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -130,6 +131,7 @@ class Producer:
         self._queue: CommitQueue[_Checked, CommitResult] | None = None  # started by the first submit
         self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
         self._closed = False  # close() was called: no more commits or submits
+        self._pid = os.getpid()  # the process whose committer thread and lock these are (see _own)
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -141,6 +143,7 @@ class Producer:
     def next_seq(self) -> int:
         """The next sequence number this producer id has not published, read from the table (batches submitted and
         not yet published are not counted)."""
+        self._own()
         with self._lock:  # the committer thread reads and adopts the same table view
             return self._head.next_seq(self._head.state(self._head.refresh()))
 
@@ -175,6 +178,7 @@ class Producer:
         ever submitted runs in the calling thread (holding the producer's lock), later ones go through the queue, so
         batches never interleave and seqs stay in call order.
         """
+        self._own()
         if self._queue is None:
             with self._lock:
                 if self._queue is None:
@@ -228,6 +232,7 @@ class Producer:
             ProducerFailedError: An earlier batch of this producer failed (or it is closed); nothing was queued.
         """
         submitted_at, began_at = time.monotonic(), time.time()
+        self._own()
         timeout_s = _check_timeout(timeout_s)
         checked = self._check(shards, seq=seq, allow_gap=allow_gap)
         if self._queue is None:
@@ -257,6 +262,7 @@ class Producer:
         Raises:
             ProducerFailedError: A submitted batch failed (its future holds the error); see :meth:`submit`.
         """
+        self._own()
         timeout_s = _check_timeout(timeout_s)
         return 0 if self._queue is None else self._queue.flush(timeout_s=timeout_s)
 
@@ -274,6 +280,7 @@ class Producer:
         Raises:
             ProducerFailedError: A submitted batch failed (its future holds the error); see :meth:`submit`.
         """
+        self._own()
         timeout_s = _check_timeout(timeout_s)
         self._closed = True  # a producer that never submitted takes no more commits either
         return 0 if self._queue is None else self._queue.close(timeout_s=timeout_s)
@@ -283,6 +290,7 @@ class Producer:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self._own()
         if exc is None:
             self.close()
         elif self._queue is not None:  # already failing: stop without hiding that error behind a flush's
@@ -290,6 +298,14 @@ class Producer:
                 self._queue.close(timeout_s=None)
             except ProducerFailedError:
                 pass
+
+    def _own(self) -> None:
+        """In a process forked from the one that made this producer: the parent's committer thread does not exist here
+        (a batch queued on its queue would wait forever) and the parent's lock may have been held at the fork, so the
+        child starts with a lock and, at its first submit, a committer of its own. Batches in flight at the fork are
+        the parent's to publish; the child's next submit takes the table's next seq."""
+        if self._pid != (pid := os.getpid()):
+            self._pid, self._lock, self._queue = pid, threading.RLock(), None
 
     def _refuse_closed(self) -> None:
         if self._closed:
