@@ -351,8 +351,12 @@ class _DatasetCore:
         starts at, ``start_step`` or a loaded state's)."""
         watcher = HeadWatcher(self._stream_here(), branch=self.branch)
         watcher.check()
-        state = self._loaded() or (self._position if self.last_step is None else None)
-        delivered = self.last_step if state is None else state["next_step"] - state["num_workers"]
+        state = self._loaded()
+        if state is None and self.last_step is not None:
+            delivered = self.last_step
+        else:  # a loaded state, or nothing delivered yet: the step before the next one
+            state = state or self._position
+            delivered = state["next_step"] - state["num_workers"]
         return max(0, watcher.head()[0] - delivered)
 
     def close(self) -> None:
