@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from lakestream_iceberg.errors import CommitTimeoutError, ProducerFailedError
+from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, ProducerFailedError
 
 __all__ = ["CommitQueue", "Submitted"]
 
@@ -94,6 +94,7 @@ class CommitQueue(Generic[T, R]):
                 self._raise_if_stopped()
                 if self._in_flight < self._max:
                     break
+                self.refuse_own_thread("a submit that waits for a free slot")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise CommitTimeoutError(
@@ -114,6 +115,7 @@ class CommitQueue(Generic[T, R]):
         Raises:
             ProducerFailedError: A batch failed: the first failure, and what to do.
         """
+        self.refuse_own_thread("flush()")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             while self._in_flight and self._failure is None:
@@ -127,6 +129,7 @@ class CommitQueue(Generic[T, R]):
 
     def close(self, *, timeout_s: float | None) -> int:
         """:meth:`flush`, then stop the committer thread once nothing is in flight; the batches left in flight."""
+        self.refuse_own_thread("close()")
         try:
             left = self.flush(timeout_s=timeout_s)
         finally:
@@ -171,6 +174,14 @@ class CommitQueue(Generic[T, R]):
             self._queue.clear()
             self._in_flight = 0
             self._cond.notify_all()
+
+    def refuse_own_thread(self, what: str) -> None:
+        """Raises ConfigError on the committer thread. A done-callback of a submitted batch's future runs on the committer thread: waiting there for the queue would
+        wait for that thread itself, forever."""
+        if threading.current_thread() is self._thread:
+            raise ConfigError(f"{what} in a done-callback of a submitted batch's future would wait forever: the callback "
+                              "runs on the producer's committer thread, which publishes the batches it would wait for; "
+                              "flush, close or submit from the thread that submits")
 
     def _raise_if_stopped(self) -> None:
         if self._failure is not None:

@@ -188,6 +188,7 @@ class Producer:
                     with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
                         return self._commit(checked, seq=checked.seq, started=started, began_at=began_at)
         # submit() was used: the batch queues behind the submitted ones, in order, and this call waits for it
+        self._queue.refuse_own_thread("commit() after a submit")  # a done-callback would wait for its own thread
         return self.submit(shards, seq=seq, allow_gap=allow_gap).result()
 
     def submit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False,
@@ -230,6 +231,9 @@ class Producer:
             ShardCountError, SchemaMismatchError, SequenceError: The batch is malformed; nothing was queued.
             CommitTimeoutError: No slot freed within ``timeout_s``; nothing was queued and no seq was taken.
             ProducerFailedError: An earlier batch of this producer failed (or it is closed); nothing was queued.
+            ConfigError: Called from a done-callback of a submitted batch's future (the committer thread) while no slot
+                is free: it would wait for that thread itself. :meth:`flush`, :meth:`close` and :meth:`commit` (after a
+                submit) refuse such a callback in the same way.
         """
         submitted_at, began_at = time.monotonic(), time.time()
         self._own()
@@ -282,8 +286,11 @@ class Producer:
         """
         self._own()
         timeout_s = _check_timeout(timeout_s)
+        queue = self._queue
+        if queue is not None:
+            queue.refuse_own_thread("close()")  # before anything closes: a done-callback cannot wait for itself
         self._closed = True  # a producer that never submitted takes no more commits either
-        return 0 if self._queue is None else self._queue.close(timeout_s=timeout_s)
+        return 0 if queue is None else queue.close(timeout_s=timeout_s)
 
     def __enter__(self) -> Producer:
         return self

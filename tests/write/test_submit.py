@@ -279,3 +279,35 @@ def test_a_submit_made_once_a_failed_future_is_done_raises_and_queues_nothing(st
         producer.flush(timeout_s=DEADLINE_S)
     assert len(after) == 1 and isinstance(after[0], ProducerFailedError), after
     assert by_step(stream) == {1: ("p", 100)}
+
+
+def test_a_done_callback_that_would_wait_for_the_committer_thread_is_refused(stream: Stream) -> None:
+    """A future's done-callback runs on the committer thread: a flush, close, commit or blocked submit there would wait
+    for that thread itself. Each raises ConfigError in the callback, and the producer goes on."""
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    producer = stream.producer("p", max_in_flight=1)
+    catalog.gate.clear()
+    first = producer.submit(batch("p", 0, WORLD))
+    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 is committing: the callback is added before it is done
+    refused: list[str | None] = []
+    ran = threading.Event()
+
+    def wait_in_callback(_: Any) -> None:  # on the committer thread, while seq 0 still takes the only slot
+        for call in (producer.flush, producer.close, lambda: producer.commit(batch("p", 1, WORLD)),
+                     lambda: producer.submit(batch("p", 1, WORLD))):
+            try:
+                call()
+                refused.append(None)
+            except ConfigError as exc:
+                refused.append(str(exc))
+        ran.set()
+
+    first.add_done_callback(wait_in_callback)
+    catalog.gate.set()
+    assert ran.wait(DEADLINE_S), "the callback never returned"
+    assert all(message is not None and "committer thread" in message for message in refused), refused
+    assert first.result(timeout=0).seq == 0
+    assert producer.submit(batch("p", 1, WORLD)).result(timeout=DEADLINE_S).seq == 1
+    assert producer.close(timeout_s=DEADLINE_S) == 0
+    assert by_step(stream) == {1: ("p", 0), 2: ("p", 1)}
