@@ -26,6 +26,7 @@ _READABLE_FORMATS = (2, 3)  # a format-2 intent (an older release's) is aged by 
 STAGING_DIR = "_staging"  # under the table's data/ folder
 PARQUET_MAGIC = b"PAR1"
 _FOOTER_KEY = b"lakestream.intent"  # the intent's JSON, also in the footer's key-value metadata
+_MAX_STAGED_AT = 1e15  # unix seconds: in ms, 18 digits, what lakestream.staged-at-ms holds (StreamState.parse)
 _TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
 INTENT_NAME = re.compile(r"^(?P<producer>[A-Za-z0-9][A-Za-z0-9._-]{0,127})@(?P<seq>[0-9]{12,19})-(?P<token>[A-Za-z0-9]{1,32})\.parquet$")
 
@@ -101,6 +102,8 @@ class Intent:
             raise ValueError(f"token {token!r} is not 1-32 letters or digits")
         if type(staged_at) not in (int, float) or not isinstance(body["allow_gap"], bool):
             raise ValueError("staged_at must be a number and allow_gap a boolean")
+        if not 0 <= staged_at < _MAX_STAGED_AT:  # NaN too: a carried batch's summary records it in ms (19 digits)
+            raise ValueError(f"staged_at {staged_at!r} is not a unix time in seconds")
         files_age_s = body.get("files_age_s", 0.0)  # absent: an intent of an earlier release, aged by the store alone
         if type(files_age_s) not in (int, float) or not 0 <= files_age_s < float("inf"):
             raise ValueError(f"files_age_s {files_age_s!r} is not a non-negative number of seconds")

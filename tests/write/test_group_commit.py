@@ -568,6 +568,28 @@ def test_a_fresh_intent_of_a_batch_whose_files_are_old_is_never_published(tmp_pa
     assert Path(late.path.removeprefix("file://")).exists()  # left to GC, never published
 
 
+@pytest.mark.parametrize("staged_at", [float("nan"), float("inf"), 1e17])
+def test_an_intent_declaring_an_impossible_staging_time_is_never_carried_and_commits_go_on(tmp_path: Path,
+                                                                                             staged_at: float) -> None:
+    """A carried batch's summary records its staging time in ms (``lakestream.staged-at-ms``): an intent declaring NaN
+    or infinity crashed every commit that carried it, and one far in the future committed a summary no producer could
+    read back (the stream stopped until a rollback)."""
+    stream = make(tmp_path, **STORAGE)
+    a, b = both_active(stream)
+    written = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    path = f"{stream.staging.folder('main')}/c@{0:012d}-{written.token}.parquet"
+    bad = Intent(path=path, branch="main", batch=written, allow_gap=False, staged_at=staged_at,
+                 table_uuid=str(stream.table.metadata.table_uuid))
+    Path(path.removeprefix("file://")).write_bytes(bad.to_bytes())
+    stage(stream, "d", 0)
+    b.commit(batch("b", 2, WORLD))
+    a.commit(batch("a", 2, WORLD))
+    b.commit(batch("b", 3, WORLD))
+    owners = [v[0] for v in published(stream).values()]
+    assert "c" not in owners and owners.count("d") == 1
+    assert stream.refresh().head_step() == 8  # the head's summary reads back
+
+
 @pytest.mark.parametrize("age", [-1, True, "3", float("nan"), 1e400])
 def test_an_intent_declaring_a_malformed_files_age_is_unreadable(age: object) -> None:
     body = {"format": 3, "table_uuid": "u", "branch": "main", "producer": "p", "seq": 0, "token": "t",
