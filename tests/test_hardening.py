@@ -357,6 +357,25 @@ def test_2_malformed_summary_gc_raises_a_clear_error(catalog: SqlCatalog) -> Non
     assert_names_bad_summary(info.value, bad)
 
 
+def test_2_a_foreign_append_naming_only_a_step_does_not_restart_every_producers_seq(catalog: SqlCatalog) -> None:
+    """A pyiceberg append that sets only ``lakestream.step`` has no producer table: read as an empty one, every producer
+    started over at seq 0 and republished its published batches as new steps."""
+    stream = make(catalog)
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, WORLD))
+    table = catalog.load_table("ns.stream")
+    rows = shard("p", 3, 0, rows=2)
+    rows = rows.append_column("_step", pa.array([4, 4], pa.int64())).append_column("_rank", pa.array([0, 0], pa.int32()))
+    table.append(rows, snapshot_properties={"lakestream.step": "4"})
+    bad = table.metadata.snapshot_by_name("main").snapshot_id
+    again = Stream.open(catalog, "ns.stream").producer("p")
+    with pytest.raises(Exception) as info:
+        again.commit(batch("p", 0, WORLD), seq=0)
+    assert_names_bad_summary(info.value, bad, key="lakestream.producers")
+    assert catalog.load_table("ns.stream").metadata.snapshot_by_name("main").snapshot_id == bad  # nothing published
+
+
 @pytest.mark.parametrize(("key", "value"), [("lakestream.step", "True"), ("lakestream.source-snapshot-id", "12x"),
                                             ("lakestream.source-snapshot-id", "\u00b2")])
 def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(catalog: SqlCatalog, key: str,

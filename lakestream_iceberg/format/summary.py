@@ -208,7 +208,9 @@ class _Fields:
         return value
 
     def producers(self) -> dict[str, ProducerState]:
-        raw = self._summary.get(KEY_PRODUCERS, "{}")
+        if KEY_PRODUCERS not in self._summary:  # lakestream writes it with every step: without it, every seq restarts
+            raise self.error(KEY_PRODUCERS, None, f"missing beside {KEY_STEP}; lakestream writes both")
+        raw = self._summary[KEY_PRODUCERS]
         cached = _PARSED_PRODUCERS.get(raw) if isinstance(raw, str) else None
         if cached is not None:  # the same table, already validated: every refresh of every producer reads it again
             return dict(cached)
