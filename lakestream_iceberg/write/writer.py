@@ -130,6 +130,9 @@ def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: 
     return f"{location.rstrip('/')}/data/{producer}/{seq:012d}-{token}-{suffix}.parquet"
 
 
+_LONG = 2**63  # Iceberg's manifests hold counts, sizes and offsets as 64-bit longs
+
+
 @dataclass(frozen=True)
 class StagedFile:
     """One rank's written shard (``rank`` None: the packed file of every rank), waiting for the step it will be
@@ -176,23 +179,55 @@ class StagedFile:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StagedFile:
-        def ints(d: dict[str, Any]) -> dict[int, int]:
-            return {int(k): int(v) for k, v in d.items()}
+        """The staged file an intent declares (read back from storage: input). Raises ValueError for a value
+        :meth:`to_json` never writes: a count, size or offset that is not an exact integer in ``[0, 2**63)`` (a bool,
+        a float, a digit string: Iceberg's manifests hold 64-bit longs), a field id that is not a positive 32-bit
+        integer, or a bound that is not hex."""
 
-        def blobs(d: dict[str, str]) -> dict[int, bytes]:
-            return {int(k): bytes.fromhex(v) for k, v in d.items()}
+        def count(value: Any, what: str) -> int:
+            if type(value) is not int or not 0 <= value < _LONG:
+                raise ValueError(f"{what} {value!r} is not an integer in [0, 2**63)")
+            return value
 
+        def field_id(key: Any) -> int:
+            if not isinstance(key, str) or not key.isdecimal() or not 0 < int(key) < 2**31:
+                raise ValueError(f"field id {key!r} is not a positive 32-bit integer")
+            return int(key)
+
+        def mapping(name: str) -> dict[Any, Any]:
+            value = raw[name]
+            if not isinstance(value, dict):
+                raise ValueError(f"{name} {value!r} is not an object")
+            return value
+
+        def ints(name: str) -> dict[int, int]:
+            return {field_id(k): count(v, name) for k, v in mapping(name).items()}
+
+        def blobs(name: str) -> dict[int, bytes]:
+            out = {}
+            for k, v in mapping(name).items():
+                if not isinstance(v, str):
+                    raise ValueError(f"{name} {v!r} is not hex")
+                out[field_id(k)] = bytes.fromhex(v)
+            return out
+
+        offsets = raw.get("split_offsets")
+        if offsets is not None and not isinstance(offsets, list):
+            raise ValueError(f"split_offsets {offsets!r} is neither a list nor null")
         stats = {
-            "record_count": int(raw["records"]), "column_sizes": ints(raw["column_sizes"]),
-            "value_counts": ints(raw["value_counts"]), "null_value_counts": ints(raw["null_value_counts"]),
-            "nan_value_counts": ints(raw["nan_value_counts"]), "lower_bounds": blobs(raw["lower_bounds"]),
-            "upper_bounds": blobs(raw["upper_bounds"]),
-            "split_offsets": [int(x) for x in raw["split_offsets"]] if raw.get("split_offsets") is not None else None,
+            "record_count": count(raw["records"], "records"), "column_sizes": ints("column_sizes"),
+            "value_counts": ints("value_counts"), "null_value_counts": ints("null_value_counts"),
+            "nan_value_counts": ints("nan_value_counts"), "lower_bounds": blobs("lower_bounds"),
+            "upper_bounds": blobs("upper_bounds"),
+            "split_offsets": None if offsets is None else [count(x, "split_offsets") for x in offsets],
         }
         rank = raw["rank"]
-        if rank is not None and type(rank) is not int:
-            raise ValueError(f"rank {rank!r} is neither an integer nor null")
-        return cls(rank=rank, path=str(raw["path"]), size_bytes=int(raw["size"]), stats=stats)
+        if rank is not None and (type(rank) is not int or not 0 <= rank < 2**31):
+            raise ValueError(f"rank {rank!r} is neither a rank nor null")
+        path = raw["path"]
+        if not isinstance(path, str):
+            raise ValueError(f"path {path!r} is not a string")
+        return cls(rank=rank, path=path, size_bytes=count(raw["size"], "size"), stats=stats)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -11,6 +12,8 @@ from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import CommitFailedException
@@ -590,6 +593,39 @@ def test_an_intent_declaring_an_impossible_staging_time_is_never_carried_and_com
     assert stream.refresh().head_step() == 8  # the head's summary reads back
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("column_sizes", 2**70), ("value_counts", -1), ("null_value_counts", True), ("nan_value_counts", 1.5),
+    ("records", "12"), ("size", 2**63), ("split_offsets", [4, 2**64]), ("column_sizes", {"0": 5}),
+    ("lower_bounds", {"1": 7}), ("rank", True), ("path", 7),
+])
+def test_an_intent_declaring_statistics_no_manifest_holds_is_never_carried(tmp_path: Path, field: str,
+                                                                           value: object) -> None:
+    """An intent's file statistics go into the manifests as Iceberg 64-bit longs (field ids 32-bit): a count beyond
+    them, a negative one, a bool, a float or a digit string is not what lakestream writes. Such an intent is
+    unreadable: never carried, and the commits go on."""
+    stream = make(tmp_path, **STORAGE)
+    a, b = both_active(stream)
+    written = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    path = f"{stream.staging.folder('main')}/c@{0:012d}-{written.token}.parquet"
+    good = Intent(path=path, branch="main", batch=written, allow_gap=False, staged_at=time.time(),
+                  table_uuid=str(stream.table.metadata.table_uuid))
+    body = json.loads(good.to_json())
+    body["files"][0][field] = value
+    text = json.dumps(body)
+    with pytest.raises(ValueError):
+        Intent.from_json(path, text)
+    sink = io.BytesIO()  # an intent file as lakestream writes one, with that document: what another writer could leave
+    with pq.ParquetWriter(sink, pa.schema([("intent", pa.string())]), compression="none") as writer:
+        writer.write_table(pa.table({"intent": [text]}))
+        writer.add_key_value_metadata({"lakestream.intent": text})
+    Path(path.removeprefix("file://")).write_bytes(sink.getvalue())
+    stage(stream, "d", 0)
+    b.commit(batch("b", 2, WORLD))
+    a.commit(batch("a", 2, WORLD))
+    owners = [v[0] for v in published(stream).values()]
+    assert "c" not in owners and owners.count("d") == 1
+
+
 @pytest.mark.parametrize("age", [-1, True, "3", float("nan"), 1e400])
 def test_an_intent_declaring_a_malformed_files_age_is_unreadable(age: object) -> None:
     body = {"format": 3, "table_uuid": "u", "branch": "main", "producer": "p", "seq": 0, "token": "t",
@@ -601,11 +637,6 @@ def test_an_intent_declaring_a_malformed_files_age_is_unreadable(age: object) ->
 def test_an_intent_carries_its_json_in_the_footer_and_one_without_it_is_still_published(tmp_path: Path) -> None:
     """Committers read an intent from its footer's key-value metadata (11 us, not 160 us to decode the row); an intent
     an earlier release wrote (the row only, format 2) is still read and published."""
-    import io
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     stream = make(tmp_path, **STORAGE)
     _, b = both_active(stream)
     staged = stage(stream, "c", 0)
