@@ -158,10 +158,12 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
         if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
             continue
         requirements.append(AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id))
+        on_branch = [c.step for c in keep if c.branch == branch]
+        if not on_branch:
+            continue  # loses nothing: its state is not read, so another engine's branch (its writes) never stops GC
         head = metadata.snapshot_by_id(ref.snapshot_id)
         state = branch_state(metadata, head, stream=stream.name, branch=branch)
-        on_branch = [c.step for c in keep if c.branch == branch]
-        cutoff = min(on_branch) if on_branch else 1
+        cutoff = min(on_branch)
         if cutoff <= state.collected_below or head is None:
             continue
         report.collected_below[branch] = cutoff

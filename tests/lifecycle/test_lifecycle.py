@@ -250,3 +250,30 @@ def test_a_reader_whose_view_predates_gc_still_reads_retained_steps(catalog, str
     stale = Stream(reader.table, cache=ManifestCache())
     with pytest.raises(StepCollectedError):
         stale.read(7, rank=0)
+
+
+def test_gc_is_not_stopped_by_another_engines_branch_with_its_own_writes(stream: Stream) -> None:
+    """A branch another engine made (an audit branch) and appended to holds no checkpoint: GC collects main and keeps
+    every file of that branch, instead of refusing with ForeignSnapshotError for a branch it would not touch."""
+    import pyarrow as pa
+
+    publish(stream, "p", 6)
+    table = stream.refresh().table
+    table.manage_snapshots().create_branch(table.metadata.current_snapshot_id, "audit").commit()
+    rows = batch("x", 0, 1)[0]
+    rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
+    rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
+    arrow = table.schema().as_arrow()
+    stream.refresh().table.append(rows.select([f.name for f in arrow]).cast(arrow), branch="audit")
+    audit = stream.refresh().table.scan(snapshot_id=stream.table.metadata.refs["audit"].snapshot_id).to_arrow()
+    publish(stream, "p", 2)
+    stream.checkpoint("c5", step=5)
+    plan = stream.collect_garbage(grace=timedelta(0), allow_short_grace=True)
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert plan.collected_below == report.collected_below == {"main": 5}
+    assert stream.state().collected_below == 5
+    with pytest.raises(StepCollectedError):
+        stream.read(4, rank=0)
+    table = stream.refresh().table
+    assert table.scan(snapshot_id=table.metadata.refs["audit"].snapshot_id).to_arrow().sort_by("_step").equals(
+        audit.sort_by("_step"))
