@@ -46,13 +46,13 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # fullmatch: "$" would let a trailing "\n" in
 
 __all__ = ["Checkpoint"]
 
 
 def check_name(name: str, metadata: TableMetadata) -> None:
-    if not isinstance(name, str) or not _NAME.match(name) or name == "main":
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name == "main":
         raise CheckpointError(
             f"checkpoint name {name!r} is invalid: use 1-128 letters, digits, '.', '_' or '-' starting with a letter or "
             "digit (and not 'main'); it becomes an Iceberg tag"
@@ -121,7 +121,7 @@ def plan_fork(metadata: TableMetadata, *, name: str, branch: str) -> Plan[Checkp
     found = checkpoint_of(metadata, name)
     if found is None:
         raise CheckpointError(f"no checkpoint named {name!r} to fork from; list them with stream.checkpoints()")
-    if not isinstance(branch, str) or not _NAME.match(branch) or branch in metadata.refs:
+    if not isinstance(branch, str) or not _NAME.fullmatch(branch) or branch in metadata.refs:
         raise CheckpointError(f"cannot create branch {branch!r}: the name is invalid or already used by a tag or branch")
     return Plan(
         (set_ref(branch, SnapshotRefType.BRANCH, found.snapshot_id),),

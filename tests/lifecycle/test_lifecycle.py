@@ -35,9 +35,13 @@ def test_checkpoint_is_a_tag_listing_its_step(stream: Stream) -> None:
     # the anchor pins step 3 only, and any Iceberg reader can time-travel to the tag
     pinned = stream.table.scan(snapshot_id=ckpt.snapshot_id).to_arrow()
     assert set(pinned.column("_step").to_pylist()) == {3}
-    for bad, words in [("ckpt-3", "already exists"), ("main", "invalid"), ("bad name", "invalid")]:
+    for bad, words in [("ckpt-3", "already exists"), ("main", "invalid"), ("bad name", "invalid"), ("c2\n", "invalid"),
+                       ("c" * 129, "invalid"), ("a/b", "invalid"), ("", "invalid"), ("\u00e9", "invalid")]:
         with pytest.raises(CheckpointError, match=words):
             stream.checkpoint(bad, step=2)
+    with pytest.raises(CheckpointError, match="invalid"):
+        stream.fork("ckpt-3", branch="exp\n")
+    assert set(stream.table.metadata.refs) == {"main", "ckpt-3"}
     with pytest.raises(CheckpointError, match="published steps are 1..5"):
         stream.checkpoint("future", step=6)
     stream.release("ckpt-3")
