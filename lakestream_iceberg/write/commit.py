@@ -419,7 +419,9 @@ class CommitLoop:
     def _won(self, call: _Call[T], plan: Plan[T], response: CommitTableResponse, *, began: float) -> Outcome[T]:
         self.adopt(response.metadata, response.metadata_location, previous=call.metadata)
         self._settle(plan, landed=True, metadata=response.metadata)
-        new_step = self._head_state(response.metadata).step
+        # landed: a branch another engine changed (a fork or release on a control loop of main) must not make it
+        # look failed
+        new_step = self._base_step(response.metadata)
         self.policy.record_attempt(started=began, ended=self._clock(), won=True, head_step=new_step, foreign=0)
         self._observe(response.metadata)
         return Outcome(plan.result, call.attempt, True, response.metadata, call.abandoned, call.sent)

@@ -281,3 +281,19 @@ def test_gc_is_not_stopped_by_another_engines_branch_with_its_own_writes(stream:
     table = stream.refresh().table
     assert table.scan(snapshot_id=table.metadata.refs["audit"].snapshot_id).to_arrow().sort_by("_step").equals(
         audit.sort_by("_step"))
+
+
+def test_release_and_fork_land_and_return_while_main_holds_another_engines_change(stream: Stream) -> None:
+    """Release and fork touch refs only: a data change another engine made on main (to be repaired) neither stops
+    them nor makes a landed one raise ForeignSnapshotError (a retry would then find the tag gone, the branch taken)."""
+    from tests.support import foreign_delete
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c4", step=4)
+    foreign_delete(stream)
+    stream = stream.refresh()
+    stream.release("c2")
+    assert stream.fork("c4", branch="clean").step == 4
+    assert sorted(stream.refresh().table.metadata.refs) == ["c4", "clean", "main"]
+    assert stream.producer("q", branch="clean").commit(batch("q", 0, stream.world_size), seq=0).step == 5
