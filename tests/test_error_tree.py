@@ -62,6 +62,7 @@ CASES: list[tuple[str, Callable[[dict[str, Any]], object]]] = [
     ("producer: empty id", lambda w: w["stream"].producer("")),
     ("producer: id not a string", lambda w: w["stream"].producer(7)),
     ("producer: id with a slash", lambda w: w["stream"].producer("a/b")),
+    ("producer: id with a trailing newline", lambda w: w["stream"].producer("p\n")),
     ("producer: a tag as branch", lambda w: w["stream"].producer("p", branch="ck")),
     ("producer: branch not a string", lambda w: w["stream"].producer("p", branch=5)),
     ("commit: too few shards", lambda w: w["producer"].commit([batch("p", 3, WORLD)[0]], seq=3)),

@@ -715,3 +715,17 @@ def test_8_null_in_a_required_nested_field_is_rejected_before_anything_is_writte
         stream.producer("p").commit([good, bad])
     assert files_under_data(stream) == set(), "a rejected batch left data files behind"
     assert stream.head_step() == 0
+
+
+@pytest.mark.parametrize("key", ["lakestream.step", "lakestream.collected-below"])
+def test_2_a_summary_number_with_a_trailing_newline_is_not_what_lakestream_writes(key: str) -> None:
+    """``$`` matches before a final newline: "4\\n" passed the check of a summary integer and int() read it as 4. A
+    value lakestream never writes is refused loudly, never read as another."""
+    from lakestream_iceberg.errors import CorruptStateError
+    from lakestream_iceberg.format.summary import StreamState
+
+    summary = {"lakestream.step": "4", "lakestream.producers": "{}", "lakestream.collected-below": "1"}
+    assert StreamState.parse(summary).step == 4
+    summary[key] += "\n"
+    with pytest.raises(CorruptStateError, match=key):
+        StreamState.parse(summary, snapshot_id=7)

@@ -69,7 +69,7 @@ def _snapshot_id(name: str, raw: object) -> int | None:
     """The source snapshot id a checkpoint's summary records (None: not recorded)."""
     if raw is None or raw == "":
         return None
-    if isinstance(raw, str) and _SNAPSHOT_ID.match(raw):
+    if isinstance(raw, str) and _SNAPSHOT_ID.fullmatch(raw):
         return int(raw)
     raise CorruptStateError(
         f"checkpoint tag {name!r} has a malformed {KEY_SOURCE_SNAPSHOT}={str(raw)[:64]!r} in its summary (lakestream "

@@ -191,7 +191,7 @@ class _Fields:
 
     def integer(self, key: str, default: str = "", *, minimum: int = 0) -> int:
         raw = self._summary.get(key, default)
-        if not isinstance(raw, str) or not _INTEGER.match(raw) or int(raw) < minimum:
+        if not isinstance(raw, str) or not _INTEGER.fullmatch(raw) or int(raw) < minimum:
             raise self.error(key, raw, f"expected an integer >= {minimum}")
         return int(raw)
 
@@ -234,7 +234,7 @@ class _Fields:
 
     def token(self) -> str | None:
         raw = self._summary.get(KEY_TOKEN)
-        if raw is not None and (not isinstance(raw, str) or not _TOKEN.match(raw)):
+        if raw is not None and (not isinstance(raw, str) or not _TOKEN.fullmatch(raw)):
             raise self.error(KEY_TOKEN, raw, "expected 1-32 letters or digits")
         return raw
 

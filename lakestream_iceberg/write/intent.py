@@ -98,7 +98,7 @@ class Intent:
         seq, token, staged_at = body["seq"], body["token"], body["staged_at"]
         if type(seq) is not int or seq < 0:
             raise ValueError(f"seq {seq!r} is not a non-negative integer")
-        if not isinstance(token, str) or not _TOKEN.match(token):
+        if not isinstance(token, str) or not _TOKEN.fullmatch(token):
             raise ValueError(f"token {token!r} is not 1-32 letters or digits")
         if type(staged_at) not in (int, float) or not isinstance(body["allow_gap"], bool):
             raise ValueError("staged_at must be a number and allow_gap a boolean")

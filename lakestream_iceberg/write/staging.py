@@ -162,7 +162,7 @@ class StagingArea:
             if mtime and now - mtime > max_age_s:
                 continue
             name = path[len(folder) + 1:] if path.startswith(folder + "/") else ""
-            if not INTENT_NAME.match(name):  # a sub-folder, or not a name stage() gives: never ours to publish
+            if not INTENT_NAME.fullmatch(name):  # a sub-folder, or not a name stage() gives: never ours to publish
                 self._reject(path, f"its name is not <producer>@<seq:012d>-<token>.parquet directly under {folder}")
                 continue
             intent = self._read(entry)
@@ -215,7 +215,7 @@ class StagingArea:
             p, mtime = e.path, e.modified
             if e.order >= mine or (mtime and now - mtime > max_age_s):
                 continue
-            match = INTENT_NAME.match(p[len(folder) + 1:]) if p.startswith(folder + "/") else None
+            match = INTENT_NAME.fullmatch(p[len(folder) + 1:]) if p.startswith(folder + "/") else None
             if match is not None:
                 out.append((match["producer"], int(match["seq"])))
         return out

@@ -44,7 +44,7 @@ _PRODUCER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def check_producer_id(producer_id: str) -> str:
-    if not isinstance(producer_id, str) or not _PRODUCER_ID.match(producer_id):
+    if not isinstance(producer_id, str) or not _PRODUCER_ID.fullmatch(producer_id):
         raise ConfigError(
             f"producer id {producer_id!r} is invalid: use 1-128 characters of letters, digits, '.', '_' or '-', "
             "starting with a letter or digit (it becomes part of data file paths)"
