@@ -159,9 +159,10 @@ def snapshot_rows(stream: StreamTable, *, branch: str) -> list[dict[str, Any]]:
     """The branch head and its retained ancestors, oldest first."""
     metadata = stream.table.metadata
     head = stream.head(branch=branch)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # snapshot_by_id scans the list: quadratic in retention
     rows = []
-    for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(metadata.snapshots)):
-        snapshot = metadata.snapshot_by_id(snapshot_id)
+    for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(by_id), by_id=by_id):
+        snapshot = by_id.get(snapshot_id)
         summary = _summary(snapshot)
         operation = snapshot.summary.operation if snapshot and snapshot.summary else None
         rows.append({

@@ -159,3 +159,24 @@ def test_missing_duckdb_names_the_extra(built, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "duckdb", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'lakestream-iceberg\[duckdb\]'"):
         history(built[0])
+
+
+def test_history_of_many_retained_snapshots_is_not_quadratic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """snapshot_rows looked each retained snapshot up with ``metadata.snapshot_by_id``, a scan of every snapshot: with
+    retain-last in the thousands ``lakestream sql`` and each round of ``lakestream tail`` cost O(snapshots^2)."""
+    from pyiceberg.table.metadata import TableMetadataCommonFields
+
+    steps = 40
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.many", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.snapshots.retain-last": str(10 * steps)})
+    producer = stream.producer("p")
+    for seq in range(steps):
+        producer.commit(batch("p", seq, 1), seq=seq)
+    scans = []
+    original = TableMetadataCommonFields.snapshot_by_id
+    monkeypatch.setattr(TableMetadataCommonFields, "snapshot_by_id",
+                        lambda self, snapshot_id: scans.append(snapshot_id) or original(self, snapshot_id))
+    rows = history(stream, samples=False).execute("SELECT count(*), count(committed_at) FROM batches").fetchone()
+    assert rows == (steps, steps)
+    assert len(step_rows(stream, [steps], branch="main")) == 1
+    assert len(scans) < steps // 4, f"{len(scans)} scans of the snapshot list for {steps} retained snapshots"
