@@ -104,7 +104,10 @@ def load(spec: CatalogSpec) -> Catalog:
         env = "PYICEBERG_CATALOG__" + spec.name.upper().replace("-", "_") + "__URI"
         from pyiceberg.utils.config import Config
 
-        configured = Config().get_catalog_config(spec.name) or {}  # its secrets, and a uri's password, are redacted
+        try:  # its secrets, and a uri's password, are redacted
+            configured = Config().get_catalog_config(spec.name) or {}
+        except Exception:  # noqa: BLE001 - a malformed configuration (catalog: not a mapping) is what exc says
+            configured = {}
         detail = redact(" ".join(str(exc).split()), configured) or type(exc).__name__
         error = ConfigError(
             f"could not load catalog {spec.name!r}: {detail} (configure it in .pyiceberg.yaml under catalog: "

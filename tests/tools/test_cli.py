@@ -291,3 +291,12 @@ def test_an_unreachable_catalog_is_named_by_its_uri_and_never_shows_a_password(e
     message said 'cannot connect to the REST catalog the REST catalog' instead of naming it."""
     proc = run({**env, "PYICEBERG_CATALOG__PROD__URI": uri}, "--catalog", "prod", "status", STREAM, ok=False)
     assert proc.returncode == 1 and shown in proc.stderr and "sekret" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("yaml", ["catalog: oops\n", "catalog:\n  prod: oops\n"])
+def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, str], tmp_path: Path, yaml: str) -> None:
+    """pyiceberg's ValueError for a catalog entry that is not a mapping was raised again while the error message was
+    being made (reading the configuration to redact it): a traceback."""
+    (tmp_path / ".pyiceberg.yaml").write_text(yaml)
+    proc = run({**env, "PYICEBERG_HOME": str(tmp_path)}, "--catalog", "prod", "status", STREAM, ok=False)
+    assert_one_line_error(proc, "could not load catalog 'prod'", "needs to be an object")
