@@ -466,6 +466,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # e.g. `lakestream tail ... | head`
         return 0
+    except OSError as exc:  # the storage's: a file missing, an endpoint unreachable, credentials refused
+        sys.stdout.flush()
+        print(f"lakestream: error: {' '.join(_storage_error(exc, args.catalog).split())}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _storage_error(exc: OSError, catalog: str | None) -> str:
+    """What the storage raised, as one line naming the setting to fix where it is a connection or credential failure;
+    never a secret of the catalog's configuration."""
+    from lakestream_iceberg.connect.diagnose import _configured, explain, redact
+
+    settings = (_configured(catalog) or {}) if catalog else {}
+    explained = explain(exc, settings, catalog=catalog)
+    return str(explained) if explained is not None else redact(f"{type(exc).__name__}: {exc}", settings)
 
 
 if __name__ == "__main__":

@@ -300,3 +300,19 @@ def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, st
     (tmp_path / ".pyiceberg.yaml").write_text(yaml)
     proc = run({**env, "PYICEBERG_HOME": str(tmp_path)}, "--catalog", "prod", "status", STREAM, ok=False)
     assert_one_line_error(proc, "could not load catalog 'prod'", "needs to be an object")
+
+
+def test_a_file_the_storage_lost_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A storage failure (here: files deleted behind the catalog's back; an unreachable endpoint raises the same
+    OSError) was a pyarrow traceback."""
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.lost", schema=SCHEMA, world_size=1)
+    stream.producer("p").commit([batch("p", 0, 1)[0]], seq=0)
+    Stream.create(embedded_catalog(tmp_path), "ns.gone", schema=SCHEMA, world_size=1)
+    shutil.rmtree(tmp_path / "warehouse" / "ns" / "lost" / "data")
+    shutil.rmtree(tmp_path / "warehouse" / "ns" / "gone" / "metadata")
+    for args, needle in [(("sql", "ns.lost", "SELECT count(*) FROM samples"), "/data/p/"),
+                         (("status", "ns.gone"), ".metadata.json")]:
+        code, err = in_process(tmp_path, capsys, *args)
+        lines = err.strip().splitlines()
+        assert code == 1 and len(lines) == 1 and lines[0].startswith("lakestream: error: FileNotFoundError"), err
+        assert needle in lines[0]
