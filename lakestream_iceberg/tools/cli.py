@@ -475,9 +475,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _storage_error(exc: OSError, catalog: str | None) -> str:
     """What the storage raised, as one line naming the setting to fix where it is a connection or credential failure;
     never a secret of the catalog's configuration."""
-    from lakestream_iceberg.connect.diagnose import _configured, explain, redact
+    from lakestream_iceberg.connect.diagnose import explain, redact
 
-    settings = (_configured(catalog) or {}) if catalog else {}
+    settings: dict[str, Any] = {}
+    try:  # the catalog's configuration, for its endpoint and to redact its secrets
+        from pyiceberg.utils.config import Config
+
+        settings = dict(Config().get_catalog_config(catalog) or {}) if catalog else {}
+    except Exception:  # noqa: BLE001 - a malformed configuration: the environment's secrets are still redacted
+        pass
     explained = explain(exc, settings, catalog=catalog)
     return str(explained) if explained is not None else redact(f"{type(exc).__name__}: {exc}", settings)
 
