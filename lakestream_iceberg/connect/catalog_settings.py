@@ -33,7 +33,8 @@ from typing import Any
 
 from lakestream_iceberg.errors import ConfigError
 
-__all__ = ["catalog_types", "engine_options", "engine_options_passed", "env_name", "resolve", "sql_catalog_keys"]
+__all__ = ["catalog_types", "check_env_reaches", "engine_options", "engine_options_passed", "env_name", "resolve",
+           "sql_catalog_keys"]
 
 # what pyiceberg 0.12's SqlCatalog reads and passes on, and SQLAlchemy 2.0's create_engine keywords: used only where
 # the sources or signatures cannot be read (a zipped install, Python 3.10 without typing.get_overloads)
@@ -54,6 +55,26 @@ def env_name(catalog: str | None, key: str) -> str:
     :func:`resolve` maps back)."""
     name = (catalog or "<NAME>").upper().replace("-", "_")
     return f"PYICEBERG_CATALOG__{name}__" + key.replace(".", "__").replace("-", "_").upper()
+
+
+def check_env_reaches(name: str, environ: Mapping[str, str]) -> None:
+    """Refuse ``PYICEBERG_CATALOG__<NAME>__*`` variables that cannot reach the catalog ``name``: pyiceberg reads every
+    ``_`` of a variable as ``-``, so ``PYICEBERG_CATALOG__MY_CAT__URI`` configures ``my-cat``, never ``my_cat``.
+
+    Raises:
+        ConfigError: ``name`` holds an ``_`` and such variables are set (they would be dropped without a word).
+    """
+    if "_" not in name:
+        return
+    prefix = f"PYICEBERG_CATALOG__{name.upper()}__"
+    lost = sorted(key for key in environ if key.upper().startswith(prefix))
+    if lost:
+        dashed = name.replace("_", "-")
+        raise ConfigError(
+            f"catalog {name!r}: pyiceberg reads {', '.join(lost)} as settings of catalog {dashed!r} (it turns each _ "
+            f"of a variable name into -), so they never reach {name!r}; name the catalog {dashed!r} (in .pyiceberg.yaml "
+            f"too), or put these settings in .pyiceberg.yaml under catalog: {name}:"
+        )
 
 
 @functools.cache

@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from lakestream_iceberg.connect.catalog_settings import env_name, resolve
+from lakestream_iceberg.connect.catalog_settings import check_env_reaches, env_name, resolve
 from lakestream_iceberg.connect.secrets import redact, secret_values
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
@@ -273,6 +274,7 @@ def load_catalog(name: str, **properties: str) -> Any:
         install_rest_sigv4_fix()
         install_rest_timeout()
 
+    check_env_reaches(name, os.environ)  # PYICEBERG_CATALOG__MY_CAT__* configures my-cat, not my_cat
     given, dashed = resolve(name, _configured(name) or {}, properties)
     # the messages quote the settings pyiceberg used (config file and environment too), e.g. the uri it could not reach
     with config_errors(_merged(name, given) or given, action=f"loading catalog {name!r}", catalog=name):

@@ -145,6 +145,23 @@ def test_an_unknown_type_names_the_types_that_exist(way: str, tmp_path: Path) ->
     assert set(catalog_types()) >= {"rest", "sql", "glue", "hive", "in-memory"}
 
 
+def test_a_variable_that_cannot_reach_a_catalog_named_with_an_underscore_is_refused(tmp_path: Path) -> None:
+    """pyiceberg reads PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING as a setting of catalog my-cat: a catalog my_cat of
+    the file loaded without it, and nothing said so (lakestream's own hints name that very variable)."""
+    uri = f"sqlite:///{tmp_path}/catalog.db"
+    (tmp_path / ".pyiceberg.yaml").write_text(f'catalog:\n  my_cat:\n    type: sql\n    uri: "{uri}"\n')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(tmp_path))
+        mp.setenv("PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING", "true")
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+        with pytest.raises(ConfigError, match=r"PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING as settings of catalog 'my-cat'"):
+            load_catalog("my_cat")
+        assert load_catalog("my-cat", type="sql", uri=uri).engine.pool._pre_ping is True  # the one it configures
+        mp.delenv("PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING")
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+        assert load_catalog("my_cat").engine.pool._pre_ping is False  # the file alone is fine
+
+
 def test_a_stream_reopened_from_its_address_reads_the_variables_the_same_way(tmp_path: Path) -> None:
     """``StreamRef`` of a catalog built as a class (py-catalog-impl) merges the worker's configuration itself."""
     name = f"ref-{uuid.uuid4().hex[:8]}"
