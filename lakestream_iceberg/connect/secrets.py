@@ -27,7 +27,8 @@ SECRET_KEY_PARTS = ("secret", "password", "token", "credential", "authorization"
                     "private-key", "sas-")
 SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PGPASSWORD")
 REDACTED = "****"
-_URI_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@/\s]+)@")
+# a password runs to the "@" (SQLAlchemy's rule: "/", "?", "#" may be in it, unescaped)
+_URI_PASSWORD = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<password>[^@\s]+)@")
 
 
 def is_secret_key(key: str) -> bool:

@@ -284,13 +284,15 @@ def test_a_stream_name_with_an_empty_part_is_a_one_line_error(home: Path, capsys
 
 
 @pytest.mark.parametrize(("uri", "shown"), [("http://127.0.0.1:1", "REST catalog http://127.0.0.1:1"),
-                                            ("postgresql+psycopg2://lake:sekret@127.0.0.1:1/cat", "127.0.0.1:1")])
+                                            ("postgresql+psycopg2://lake:sekret@127.0.0.1:1/cat", "127.0.0.1:1"),
+                                            ("postgresql+psycopg2://lake:sek/ret@127.0.0.1:1/cat", "lake:****@127.0.0.1:1")])
 def test_an_unreachable_catalog_is_named_by_its_uri_and_never_shows_a_password(env: dict[str, str], uri: str,
                                                                                shown: str) -> None:
     """The uri comes from pyiceberg's config (here PYICEBERG_CATALOG__PROD__URI), not from the command line: the
     message said 'cannot connect to the REST catalog the REST catalog' instead of naming it."""
     proc = run({**env, "PYICEBERG_CATALOG__PROD__URI": uri}, "--catalog", "prod", "status", STREAM, ok=False)
-    assert proc.returncode == 1 and shown in proc.stderr and "sekret" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and shown in proc.stderr, proc.stderr
+    assert "sekret" not in proc.stderr and "sek/ret" not in proc.stderr, proc.stderr  # SQLAlchemy allows "/" in it
 
 
 @pytest.mark.parametrize("yaml", ["catalog: oops\n", "catalog:\n  prod: oops\n"])
