@@ -201,8 +201,10 @@ def cmd_sql(args: argparse.Namespace, out: Output) -> int:
                 raise
             register_samples(con, stream, branch=args.branch, samples_steps=steps, progress=not out.json)
             relation = con.sql(args.query)
-        columns = list(relation.columns) if relation is not None else []
-        rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()] if relation is not None else []
+        rows = []
+        if out.json and relation is not None:  # a table shows MAX_HUMAN_ROWS: fetching every row cost gigabytes
+            columns = list(relation.columns)
+            rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
         if not out.json and relation is not None:
             import shutil
 
