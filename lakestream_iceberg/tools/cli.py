@@ -233,7 +233,7 @@ def cmd_checkpoint(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_checkpoints(args: argparse.Namespace, out: Output) -> int:
     stream = _stream(args)
-    listing = stream.checkpoints()
+    listing = [c for c in stream.checkpoints() if args.branch is None or c.branch == args.branch]
     if out.json:
         out.emit_json(listing)
     else:
@@ -374,9 +374,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    def with_stream(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def with_stream(p: argparse.ArgumentParser, *, branch: bool = True, default: str | None = "main",
+                    branch_help: str = "branch (default main)") -> argparse.ArgumentParser:
         p.add_argument("stream", metavar="STREAM", help="NAMESPACE.NAME")
-        p.add_argument("--branch", default="main", help="branch (default main)")
+        if branch:
+            p.add_argument("--branch", default=default, help=branch_help)
         return p
 
     p = add("demo", cmd_demo, "run producer and trainer-rank processes on a fresh stream and check exactly-once delivery")
@@ -395,11 +397,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("name", metavar="NAME")
     p.add_argument("--step", type=int, help="step to pin (default: the head step)")
 
-    with_stream(add("checkpoints", cmd_checkpoints, "list checkpoints"))
+    with_stream(add("checkpoints", cmd_checkpoints, "list checkpoints"), default=None,
+                branch_help="only this branch's (default: every branch's)")
 
-    p = with_stream(add("gc", cmd_gc, "collect steps and files no retained checkpoint needs"))
+    # GC is table-wide: every branch's steps below its oldest retained checkpoint (a --branch would be ignored)
+    p = with_stream(add("gc", cmd_gc, "collect, on every branch, the steps and files no retained checkpoint needs"),
+                    branch=False)
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
-    p.add_argument("--keep-last", type=int, metavar="K", help="keep the newest K steps")
+    p.add_argument("--keep-last", type=int, metavar="K",
+                   help="retain the newest K checkpoints and release the others (steps below the oldest retained one "
+                        "are collected)")
 
     p = with_stream(add("repair", cmd_repair, "roll a branch back to its last lakestream snapshot after another engine "
                                               "changed its data"))

@@ -332,3 +332,29 @@ def test_a_file_the_storage_lost_is_a_one_line_error(tmp_path: Path, capsys: pyt
         lines = err.strip().splitlines()
         assert code == 1 and len(lines) == 1 and lines[0].startswith("lakestream: error: FileNotFoundError"), err
         assert needle in lines[0]
+
+
+def test_gc_has_no_branch_to_ignore_and_checkpoints_lists_the_branch_asked(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """GC is table-wide: ``gc --branch feat`` accepted the branch, ignored it and collected main's steps too; and
+    ``checkpoints --branch feat`` listed main's. ``--keep-last`` said "keep the newest K steps": it keeps K
+    checkpoints and releases the others."""
+    from lakestream_iceberg.tools.cli import main
+
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.br", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, 1), seq=seq)
+    stream.checkpoint("c2", step=2)
+    stream.fork("c2", branch="feat")
+    stream.checkpoint("f2", step=2, branch="feat")
+    code, err = in_process(tmp_path, capsys, "gc", "ns.br", "--branch", "feat", "--dry-run")
+    assert code == 2 and "--branch" in err
+    code, out, _ = main_inprocess(tmp_path, capsys, "checkpoints", "ns.br", "--branch", "feat", "--json")
+    assert code == 0 and [(c["name"], c["branch"]) for c in json.loads(out)] == [("f2", "feat")]
+    code, out, _ = main_inprocess(tmp_path, capsys, "checkpoints", "ns.br", "--json")
+    assert code == 0 and sorted(c["name"] for c in json.loads(out)) == ["c2", "f2"]
+    with pytest.raises(SystemExit):
+        main(["gc", "--help"])
+    gc_help = " ".join(capsys.readouterr().out.split())
+    assert "--keep-last K retain the newest K checkpoints and release the others" in gc_help
