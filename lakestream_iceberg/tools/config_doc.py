@@ -85,7 +85,10 @@ pyiceberg reads `PYICEBERG_CATALOG__PROD__POOL_PRE_PING` as `pool-pre-ping`, whi
 `pool_pre_ping`; lakestream maps the dashed spelling of every underscore key the SQL catalog reads back to its name,
 so a setting means the same in the file, the environment and the arguments. A setting that would have no effect
 (a SQLAlchemy engine option such as `pool_size`, which pyiceberg's SQL catalog does not pass on) and a `type` that
-names no catalog type are a `ConfigError` (`lakestream_iceberg/connect/catalog_settings.py`).
+names no catalog type are a `ConfigError` (`lakestream_iceberg/connect/catalog_settings.py`). pyiceberg reads every
+`_` of a variable's catalog name as `-` too: `PYICEBERG_CATALOG__MY_CAT__URI` configures catalog `my-cat`, never
+`my_cat`, so `load_catalog("my_cat")` refuses such variables with a `ConfigError` rather than ignore them; name the
+catalog `my-cat`.
 
 Catalog properties lakestream reads: `lakestream.sqlite.wal` (SQLite catalogs: `true`, the default, puts the
 database in write-ahead-log mode; `false` leaves it as it is), and for REST catalogs
