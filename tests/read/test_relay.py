@@ -195,17 +195,15 @@ def test_forked_workers_open_a_catalog_connection_only_to_serve_the_relay(tmp_pa
 
     ds = LakestreamDataset(Stream.open(catalog, "ns.s"), rank=0, world_size=2, follow=True, end_step=6, timeout=60,
                            transform=census)
-    producer = threading.Thread(target=lambda: [commit(stream, step) for step in range(2, 7)])
     items: list[dict] = []
     event.listen(Pool, "connect", connected)
     try:
         for item in DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"):
-            if not items:
-                producer.start()
             items.append(item)
+            if int(item["step"]) < 6:  # in lockstep: step k + 1 exists only once step k arrived, so both workers
+                commit(stream, int(item["step"]) + 1)  # follow (none has finished) until step 4 arrived, however slow
     finally:
         event.remove(Pool, "connect", connected)
-        producer.join()
     check_items(items, world=2, rank=0, steps=list(range(1, 7)))
     opened: dict[int, int] = {}  # by worker, up to step 4 (the first worker to finish stops serving, the other takes over)
     for item in items[:4]:
