@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
@@ -215,20 +216,7 @@ def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_con
 
     proc = context.Process(target=child)
     proc.start()
-    try:
-        for _ in range(300):  # a hang guard only (the commit takes milliseconds); a child that died fails at once
-            try:
-                status, fresh, step = results.get(timeout=1)
-                break
-            except queue.Empty:
-                if not proc.is_alive() and results.empty():
-                    pytest.fail(f"the forked worker died (exit code {proc.exitcode}) before it reported")
-        else:
-            pytest.fail("the forked worker's commit did not return")
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+    status, fresh, step = _child_report(proc, results, "commit")
     assert (status, fresh, step) == ("ok", True, 2)
     assert proc.exitcode == 0
     assert stream.producer("parent").commit(batch("parent", 1, 8)).step == 3  # the parent's connections still work
@@ -258,20 +246,24 @@ def test_a_worker_forked_after_the_parent_submitted_commits_with_a_committer_of_
 
     proc = context.Process(target=child)
     proc.start()
+    report = _child_report(proc, results, "submit")
+    assert report == ("ok", 1, 2, 0) and proc.exitcode == 0
+    assert producer.close() == 0 and stream.producer("p").next_seq == 3  # the child's batches, each once
+    assert published(stream) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}
+
+
+def _child_report(proc: Any, results: Any, what: str) -> Any:
+    """What the forked worker ``proc`` put on ``results``; fails when it died first or never reported (a hang guard
+    only: its work takes milliseconds). The worker is joined (killed if it stays)."""
     try:
-        for _ in range(300):  # a hang guard only (the commits take milliseconds); a child that died fails at once
+        for _ in range(300):
             try:
-                report = results.get(timeout=1)
-                break
+                return results.get(timeout=1)
             except queue.Empty:
                 if not proc.is_alive() and results.empty():
                     pytest.fail(f"the forked worker died (exit code {proc.exitcode}) before it reported")
-        else:
-            pytest.fail("the forked worker's submit did not return")
+        pytest.fail(f"the forked worker's {what} did not return")
     finally:
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
-    assert report == ("ok", 1, 2, 0) and proc.exitcode == 0
-    assert producer.close() == 0 and stream.producer("p").next_seq == 3  # the child's batches, each once
-    assert published(stream) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}
