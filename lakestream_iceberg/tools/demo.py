@@ -35,6 +35,8 @@ from lakestream_iceberg.write import host
 
 __all__ = ["SCHEMA", "DemoResult", "make_shard", "run_demo", "shard_digest"]
 
+MAX_PROCESSES = 256  # producer plus rank processes one demo starts at most
+
 SCHEMA = pa.schema([
     pa.field("sample_id", pa.string(), nullable=False),  # "<producer>/<seq>/<rank>/<i>": unique, names its origin
     pa.field("source", pa.string()),                     # where the sample came from (provenance), e.g. a document URI
@@ -236,10 +238,14 @@ def run_demo(
     from lakestream_iceberg.stream import Stream
 
     spec = spec or CatalogSpec()
-    if min(producers, ranks, steps_per_producer) < 1:
-        from lakestream_iceberg.errors import ConfigError
+    from lakestream_iceberg.errors import ConfigError
 
+    if min(producers, ranks, steps_per_producer) < 1:
         raise ConfigError("--producers, --ranks and --steps-per-producer must each be at least 1")
+    if producers + ranks > MAX_PROCESSES:  # each is a process with pyarrow and pyiceberg loaded (~150 MB)
+        raise ConfigError(f"the demo runs one process per producer and per rank: --producers {producers} + --ranks "
+                          f"{ranks} is more than {MAX_PROCESSES}; run a larger job with your own processes "
+                          "(docs/guide/producers.md)")
     name = stream_name or f"demo.run_{datetime.now():%Y%m%d_%H%M%S}_{secrets.token_hex(2)}"
     stream = Stream.create(load(spec), name, schema=SCHEMA, world_size=ranks)
     result = DemoResult(stream=name, where=spec.describe(), producers=producers, ranks=ranks,

@@ -55,6 +55,16 @@ def test_demo_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert isinstance(summary["host_copy_slow"], bool)
 
 
+def test_demo_refuses_more_processes_than_it_starts_before_making_a_stream(tmp_path: Path,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from lakestream_iceberg.tools.cli import main
+
+    code = main(["--home", str(tmp_path), "demo", "--producers", "200", "--ranks", "100"])
+    err = capsys.readouterr().err
+    assert code != 0 and "more than 256" in err and len(err.strip().splitlines()) == 1, err
+    assert not any(tmp_path.rglob("*.metadata.json"))  # nothing was created
+
+
 def test_samples_are_deterministic_and_vary_in_size() -> None:
     a, b = make_shard("prep-0", 3, 1), make_shard("prep-0", 3, 1)
     assert shard_digest(a) == shard_digest(b) and shard_digest(a) != shard_digest(make_shard("prep-0", 3, 0))
