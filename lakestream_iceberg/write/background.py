@@ -118,7 +118,7 @@ class CommitQueue(Generic[T, R]):
         self.refuse_own_thread("flush()")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
-            while self._in_flight and self._failure is None:
+            while self._in_flight:  # after a failure too, until _fail has every future done (it zeroes _in_flight)
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return self._in_flight
@@ -166,7 +166,8 @@ class CommitQueue(Generic[T, R]):
     def _fail(self, slot: _Slot[T, R], exc: BaseException) -> None:
         with self._cond:  # failed before its future is: a submit made once the caller sees the error is refused
             self._failure = _Failure(seq=slot.job.seq, error=exc)
-            slot.future.set_exception(exc)
+        slot.future.set_exception(exc)  # its done-callbacks run here: not under the queue's lock
+        with self._cond:
             behind = list(self._queue)[1:]
             for other in behind:  # under the lock, so that a flush that returns finds every future done
                 other.future.set_exception(self._failed_error(
@@ -176,8 +177,8 @@ class CommitQueue(Generic[T, R]):
             self._cond.notify_all()
 
     def refuse_own_thread(self, what: str) -> None:
-        """Raises ConfigError on the committer thread. A done-callback of a submitted batch's future runs on the committer thread: waiting there for the queue would
-        wait for that thread itself, forever."""
+        """Raise ConfigError when called on the committer thread: a done-callback of a submitted batch's future runs
+        there, and waiting there for the queue would wait for that thread itself, forever."""
         if threading.current_thread() is self._thread:
             raise ConfigError(f"{what} in a done-callback of a submitted batch's future would wait forever: the callback "
                               "runs on the producer's committer thread, which publishes the batches it would wait for; "
