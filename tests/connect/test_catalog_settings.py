@@ -115,13 +115,23 @@ def test_engine_options_pyiceberg_would_ignore_are_refused_every_way(way: str, k
         load(way, "sized", props, tmp_path / way)
 
 
+@contextmanager
+def file_and_variables(home: Path, name: str, entry: str, **env: str) -> Iterator[pytest.MonkeyPatch]:
+    """Both ways of :func:`configured` at once: ``home/.pyiceberg.yaml`` with catalog ``name`` (``entry``: its lines, indented under it) and the variables
+    ``env``, as pyiceberg reads them (its environment configuration made again)."""
+    (home / ".pyiceberg.yaml").write_text(f"catalog:\n  {name}:\n    {entry}\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(home))
+        for key, value in env.items():
+            mp.setenv(key, value)
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+        yield mp
+
+
 def test_the_environment_overrides_the_file_and_arguments_override_both(tmp_path: Path) -> None:
     uri = f"sqlite:///{tmp_path}/catalog.db"
-    (tmp_path / ".pyiceberg.yaml").write_text(f'catalog:\n  mixed:\n    type: sql\n    uri: "{uri}"\n    pool_pre_ping: "false"\n')
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYICEBERG_HOME", str(tmp_path))
-        mp.setenv("PYICEBERG_CATALOG__MIXED__POOL_PRE_PING", "true")
-        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+    with file_and_variables(tmp_path, "mixed", f'type: sql\n    uri: "{uri}"\n    pool_pre_ping: "false"',
+                    PYICEBERG_CATALOG__MIXED__POOL_PRE_PING="true"):
         from_env = load_catalog("mixed")
         from_call = load_catalog("mixed", pool_pre_ping="false")
         dashed_call = load_catalog("mixed", **{"pool-pre-ping": "false"})
@@ -149,11 +159,8 @@ def test_a_variable_that_cannot_reach_a_catalog_named_with_an_underscore_is_refu
     """pyiceberg reads PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING as a setting of catalog my-cat: a catalog my_cat of
     the file loaded without it, and nothing said so (lakestream's own hints name that very variable)."""
     uri = f"sqlite:///{tmp_path}/catalog.db"
-    (tmp_path / ".pyiceberg.yaml").write_text(f'catalog:\n  my_cat:\n    type: sql\n    uri: "{uri}"\n')
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PYICEBERG_HOME", str(tmp_path))
-        mp.setenv("PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING", "true")
-        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())
+    with file_and_variables(tmp_path, "my_cat", f'type: sql\n    uri: "{uri}"',
+                    PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING="true") as mp:
         with pytest.raises(ConfigError, match=r"PYICEBERG_CATALOG__MY_CAT__POOL_PRE_PING as settings of catalog 'my-cat'"):
             load_catalog("my_cat")
         assert load_catalog("my-cat", type="sql", uri=uri).engine.pool._pre_ping is True  # the one it configures

@@ -46,6 +46,16 @@ def gated(root: Path) -> GatedCatalog:
     return GatedCatalog("gated", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
 
 
+def held_at_the_gate(stream: Stream, producer: Any, batches: int = 1) -> tuple[GatedCatalog, list[Any]]:
+    """Submit seqs ``0..batches-1`` with the catalog's gate closed; return once seq 0's commit waits at it."""
+    catalog = stream.table.catalog
+    assert isinstance(catalog, GatedCatalog)
+    catalog.gate.clear()
+    futures = [producer.submit(batch("p", seq, WORLD)) for seq in range(batches)]
+    assert catalog.waiting.wait(DEADLINE_S)
+    return catalog, futures
+
+
 @pytest.fixture
 def stream(tmp_path: Path) -> Stream:
     return Stream.create(gated(tmp_path), "ns.stream", schema=SCHEMA, world_size=WORLD)
@@ -108,12 +118,8 @@ def test_bad_input_raises_in_the_callers_thread_and_nothing_is_queued(stream: St
 
 
 def test_a_full_queue_blocks_submit_and_times_out_without_taking_a_seq(stream: Stream, tmp_path: Path) -> None:
-    catalog = stream.table.catalog
-    assert isinstance(catalog, GatedCatalog)
     producer = stream.producer("p", max_in_flight=2)
-    catalog.gate.clear()
-    futures = [producer.submit(batch("p", seq, WORLD)) for seq in range(2)]
-    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 is committing, seq 1 queued: the queue is full
+    catalog, futures = held_at_the_gate(stream, producer, 2)  # seq 0 is committing, seq 1 queued: the queue is full
     with pytest.raises(CommitTimeoutError, match="nothing was queued"):
         producer.submit(batch("p", 2, WORLD), timeout_s=0.05)
     assert producer.flush(timeout_s=0) == 2
@@ -130,12 +136,8 @@ def test_a_full_queue_blocks_submit_and_times_out_without_taking_a_seq(stream: S
 
 
 def test_a_failed_commit_fails_the_batches_behind_it_unpublished_and_a_new_producer_resumes(stream: Stream) -> None:
-    catalog = stream.table.catalog
-    assert isinstance(catalog, GatedCatalog)
     producer = stream.producer("p")
-    catalog.gate.clear()
-    futures = [producer.submit(batch("p", seq, WORLD)) for seq in range(2)]
-    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 planned and at the catalog's door
+    catalog, futures = held_at_the_gate(stream, producer, 2)  # seq 0 planned and at the catalog's door
     other = stream.producer("p")  # a second live writer of the same id publishes a different batch as seq 0
     other.commit(batch("p", 100, WORLD), seq=0)
     catalog.gate.set()
@@ -201,12 +203,8 @@ def test_allow_gap_must_be_a_bool_and_a_truthy_string_publishes_no_gap(stream: S
 
 
 def test_a_timeout_longer_than_a_thread_can_wait_waits_as_long_as_it_takes(stream: Stream) -> None:
-    catalog = stream.table.catalog
-    assert isinstance(catalog, GatedCatalog)
     producer = stream.producer("p", max_in_flight=1)
-    catalog.gate.clear()
-    first = producer.submit(batch("p", 0, WORLD))
-    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 is committing: the queue is full
+    catalog, (first,) = held_at_the_gate(stream, producer)  # seq 0 is committing: the queue is full
     got: list[Any] = []
 
     def submit() -> None:
@@ -228,12 +226,8 @@ def test_a_timeout_longer_than_a_thread_can_wait_waits_as_long_as_it_takes(strea
 
 
 def test_close_that_returns_with_batches_in_flight_takes_no_more_batches(stream: Stream) -> None:
-    catalog = stream.table.catalog
-    assert isinstance(catalog, GatedCatalog)
     producer = stream.producer("p")
-    catalog.gate.clear()
-    future = producer.submit(batch("p", 0, WORLD))
-    assert catalog.waiting.wait(DEADLINE_S)
+    catalog, (future,) = held_at_the_gate(stream, producer)
     assert producer.close(timeout_s=0) == 1
     with pytest.raises(ProducerFailedError, match="closed"):
         producer.submit(batch("p", 1, WORLD))
@@ -256,12 +250,8 @@ def test_a_closed_producer_that_never_submitted_takes_no_more_batches(stream: St
 
 
 def test_a_submit_made_once_a_failed_future_is_done_raises_and_queues_nothing(stream: Stream) -> None:
-    catalog = stream.table.catalog
-    assert isinstance(catalog, GatedCatalog)
     producer = stream.producer("p")
-    catalog.gate.clear()
-    failing = producer.submit(batch("p", 0, WORLD))
-    assert catalog.waiting.wait(DEADLINE_S)
+    catalog, (failing,) = held_at_the_gate(stream, producer)
     stream.producer("p").commit(batch("p", 100, WORLD), seq=0)  # seq 0 published with another batch: a conflict
     after: list[Any] = []
 
@@ -284,12 +274,8 @@ def test_a_submit_made_once_a_failed_future_is_done_raises_and_queues_nothing(st
 def test_a_done_callback_that_would_wait_for_the_committer_thread_is_refused(stream: Stream) -> None:
     """A future's done-callback runs on the committer thread: a flush, close, commit or blocked submit there would wait
     for that thread itself. Each raises ConfigError in the callback, and the producer goes on."""
-    catalog = stream.table.catalog
-    assert isinstance(catalog, GatedCatalog)
     producer = stream.producer("p", max_in_flight=1)
-    catalog.gate.clear()
-    first = producer.submit(batch("p", 0, WORLD))
-    assert catalog.waiting.wait(DEADLINE_S)  # seq 0 is committing: the callback is added before it is done
+    catalog, (first,) = held_at_the_gate(stream, producer)  # seq 0 is committing: the callback is added before it is done
     refused: list[str | None] = []
     ran = threading.Event()
 
