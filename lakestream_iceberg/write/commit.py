@@ -440,7 +440,7 @@ class CommitLoop:
         self._fresh = False
         call.metadata = self.refresh(deadline=call.deadline)
         self._settle(plan, landed=False, metadata=call.metadata)
-        foreign = max(0, self._head_state(call.metadata).step - base_step)
+        foreign = max(0, self._base_step(call.metadata) - base_step)  # a fork or release on main that needs repair retries
         self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step + foreign,
                                    foreign=foreign)
         log.debug("commit attempt %d on %s lost (%s)", call.attempt, self.table.name(), exc)

@@ -297,3 +297,36 @@ def test_release_and_fork_land_and_return_while_main_holds_another_engines_chang
     assert stream.fork("c4", branch="clean").step == 4
     assert sorted(stream.refresh().table.metadata.refs) == ["c4", "clean", "main"]
     assert stream.producer("q", branch="clean").commit(batch("q", 0, stream.world_size), seq=0).step == 5
+
+
+
+def test_release_and_fork_that_lose_a_race_while_main_holds_another_engines_change_retry_and_land(
+        stream: Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A release or fork whose swap is lost to another writer plans again on the new head; a data change another engine
+    made on main (to be repaired) must not turn that lost race into ForeignSnapshotError."""
+    from lakestream_iceberg.write import commit as commit_module
+    from tests.support import foreign_delete
+
+    publish(stream, "p", 6)
+    for name, step in (("c2", 2), ("c4", 4), ("c5", 5), ("c6", 6)):
+        stream.checkpoint(name, step=step)
+    foreign_delete(stream)
+    stream = stream.refresh()
+    other = Stream.open(stream.table.catalog, stream.table.name())  # another process's handle on the same stream
+    real_swap, rival, swaps = commit_module.swap, [""], []
+
+    def swap_after_a_rival_commit(table, requirements, updates, **kw):  # type: ignore[no-untyped-def]
+        if rival[0]:  # the call's first swap: the rival's release lands first, so this one is lost
+            name, rival[0] = rival[0], ""
+            other.refresh().release(name)
+        swaps.append(kw)
+        return real_swap(table, requirements, updates, **kw)
+
+    monkeypatch.setattr(commit_module, "swap", swap_after_a_rival_commit)
+    rival[0] = "c5"
+    stream.release("c2")
+    assert len(swaps) == 3  # the rival's, this call's lost one, this call's landed one
+    rival[0] = "c6"
+    assert stream.fork("c4", branch="clean").step == 4
+    assert len(swaps) == 6
+    assert sorted(stream.refresh().table.metadata.refs) == ["c4", "clean", "main"]
