@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -71,7 +72,10 @@ class CommitQueue(Generic[T, R]):
         self._in_flight = 0  # queued + the one committing
         self._failure: _Failure | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # the thread holds the queue only while it has work: a queue (and producer) dropped unclosed is collected once
+        # idle, and the thread ends, as ThreadPoolExecutor's workers do
+        self._thread = threading.Thread(target=_committer, args=(weakref.ref(self, _wake(self._cond)), self._cond),
+                                        name=name, daemon=True)
         self._thread.start()
 
     @property
@@ -140,22 +144,23 @@ class CommitQueue(Generic[T, R]):
             self._thread.join(timeout_s)
         return left
 
-    # -- the committer thread -----------------------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                slot = self._queue[0]
-            try:
-                result = self._publish(slot.job)
-            except BaseException as exc:  # noqa: BLE001 - the future carries it to the caller
-                self._fail(slot, exc)
-                continue
-            slot.future.set_result(result)  # before the slot frees: a flush that returns finds every future done
-            self._done(slot)
+    # -- the committer thread (_committer) ----------------------------------------------------------------------------
+    def _next(self) -> _Slot[T, R] | None:
+        """The batch to publish next, or None when closed and idle (the thread ends); called under the lock with work
+        or ``_closed`` there."""
+        return self._queue[0] if self._queue else None
+
+    def _has_work(self) -> bool:
+        return bool(self._queue) or self._closed
+
+    def _publish_one(self, slot: _Slot[T, R]) -> None:
+        try:
+            result = self._publish(slot.job)
+        except BaseException as exc:  # noqa: BLE001 - the future carries it to the caller
+            self._fail(slot, exc)
+            return
+        slot.future.set_result(result)  # before the slot frees: a flush that returns finds every future done
+        self._done(slot)
 
     def _done(self, slot: _Slot[T, R]) -> None:
         with self._cond:
@@ -199,3 +204,32 @@ class CommitQueue(Generic[T, R]):
         )
         error.__cause__ = failure.error
         return error
+
+
+def _wake(cond: threading.Condition) -> Callable[[object], None]:
+    """The weakref callback that wakes an idle committer once its queue is collected, so that it ends."""
+    def wake(_: object) -> None:
+        with cond:
+            cond.notify_all()
+    return wake
+
+
+def _committer(ref: weakref.ref[CommitQueue[T, R]], cond: threading.Condition) -> None:
+    """The committer thread: publishes queued batches in order; ends when the queue is closed and idle, or collected.
+
+    It holds the queue while batches are queued (a producer dropped unclosed still publishes what it submitted, and
+    their futures complete), and only a weak reference while idle."""
+    queue = ref()
+    while queue is not None:
+        with cond:
+            while not queue._has_work():  # noqa: SLF001 - the queue's own thread
+                del queue
+                cond.wait()
+                queue = ref()
+                if queue is None:
+                    return  # dropped unclosed with nothing queued: nothing is left to publish
+            slot = queue._next()  # noqa: SLF001
+            if slot is None:
+                return  # closed and idle
+        queue._publish_one(slot)  # noqa: SLF001
+        del slot  # a published batch's data is not kept while idle

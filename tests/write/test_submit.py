@@ -297,3 +297,22 @@ def test_a_done_callback_that_would_wait_for_the_committer_thread_is_refused(str
     assert producer.submit(batch("p", 1, WORLD)).result(timeout=DEADLINE_S).seq == 1
     assert producer.close(timeout_s=DEADLINE_S) == 0
     assert by_step(stream) == {1: ("p", 0), 2: ("p", 1)}
+
+
+def test_a_producer_dropped_unclosed_publishes_what_it_submitted_and_its_committer_thread_ends(stream: Stream) -> None:
+    """As ThreadPoolExecutor's workers: the committer holds its queue only while batches are queued, so a producer
+    dropped without close() still publishes its submitted batches (their futures complete), then is collected and its
+    thread ends instead of idling (with the producer's memory) for the life of the process."""
+    import gc
+
+    producer = stream.producer("p", max_in_flight=3)
+    catalog, futures = held_at_the_gate(stream, producer, batches=3)
+    committer = producer._queue._thread  # type: ignore[union-attr]  # noqa: SLF001
+    del producer
+    gc.collect()
+    assert committer.is_alive()  # batches are queued: the thread keeps the queue
+    catalog.gate.set()
+    assert [f.result(timeout=DEADLINE_S).step for f in futures] == [1, 2, 3]
+    until(lambda: gc.collect() >= 0 and not committer.is_alive(), "the idle committer thread to end once its producer is "
+          "collected", deadline_s=DEADLINE_S)
+    assert by_step(stream) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}
