@@ -40,8 +40,6 @@ plain DataLoader's workers of later epochs start at ``start_step``).
 from __future__ import annotations
 
 import gc
-import multiprocessing
-import multiprocessing.context
 import os
 import threading
 import time
@@ -61,6 +59,7 @@ from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, forked_view, 
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower
+from lakestream_iceberg.read.resume import LoadedState, delivered_on_both
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 from lakestream_iceberg.read.worker_exit import stop_on_shutdown
 
@@ -70,7 +69,6 @@ if TYPE_CHECKING:
 __all__ = ["Blobs", "LakestreamDataset", "Segment", "StepShard", "TensorCollate", "partition", "require_torch"]
 
 ID_SHIFT = 32
-_TAKEN_SLOTS = 1024  # DataLoader worker ids that record applying a loaded state (a worker beyond applies it always)
 _frozen_in: int | None = None  # the process whose inherited objects _freeze_inherited froze
 
 
@@ -182,9 +180,7 @@ class _DatasetCore:
         self._end = end_step if follow else self._resolve_end(stream)
         self._position = {"next_step": start_step, "worker_id": 0, "num_workers": 1}
         self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
-        self._pending: dict[str, int] | None = None
-        self._taken: Any = None  # with _pending: the DataLoader worker ids that applied it, shared (see _first)
-        self._loaded_in = self._pid  # the process that loaded _pending
+        self._loaded = LoadedState(self._identity)  # a loaded state_dict until an iteration applies it (read/resume.py)
         self.last_step: int | None = None  # the last step this instance delivered
         if relay and follow:  # its readers follow through the host's relay: no idle catalog connection kept for them
             release_idle_connections(stream.table.catalog)
@@ -220,8 +216,6 @@ class _DatasetCore:
         state = self.__dict__.copy()
         for key in ("_stream", "_stop", "_closers"):
             state.pop(key)
-        if multiprocessing.context.get_spawning_popen() is None:
-            state["_taken"] = None  # shared memory goes only to the processes this one starts (DataLoader's workers)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -257,7 +251,7 @@ class _DatasetCore:
     def state_dict(self) -> dict[str, Any]:
         """The next step to deliver, and the stream (its table UUID) and branch it is a step of, as a plain dict (see
         the module docstring)."""
-        return {**(self._loaded() or self._position), **self._identity}
+        return {**(self._loaded.pending() or self._position), **self._identity}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance).
@@ -266,84 +260,8 @@ class _DatasetCore:
             ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
                 ``branch``, from an earlier release, is taken as this dataset's).
         """
-        try:
-            raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
-                   "num_workers": state.get("num_workers", 1)}
-            identity = {key: state.get(key, mine) for key, mine in self._identity.items()}
-        except (KeyError, TypeError, AttributeError):
-            raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
-        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
-                   for key, value in raw.items()}
-        if identity != self._identity and not (identity["stream"] == self._identity["stream"]
-                                               and self._forked_after(identity["branch"], pending["next_step"],
-                                                                      pending["num_workers"])):
-            raise ConfigError(
-                f"the state_dict is of stream {identity['stream']!r} branch {identity['branch']!r}, this dataset reads "
-                f"stream {self._identity['stream']!r} (table UUID) branch {self._identity['branch']!r}: its next_step "
-                "would skip or repeat steps here. Load the state into a dataset of the stream and branch that saved it "
-                "(a state of the branch a fork was made from loads on the fork while everything it delivered is shared: "
-                "up to the fork's checkpoint step; "
-                "LakestreamDataset.from_checkpoint starts a fork at its checkpoint)"
-            )
-        if pending["worker_id"] >= pending["num_workers"]:
-            raise ConfigError(f"state_dict worker_id {pending['worker_id']} is not a worker of num_workers "
-                              f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
-        self._pending = pending
-        self._taken, self._loaded_in = multiprocessing.RawArray("B", _TAKEN_SLOTS), os.getpid()
-
-    def _forked_after(self, source: object, next_step: int, num_workers: int) -> bool:
-        """Whether every step a worker with this position delivered on branch ``source`` is the same step on this
-        dataset's branch: the branch was forked from ``source`` at or after the worker's last delivered step, so resuming
-        here neither skips nor repeats one. A worker delivered up to ``next_step - num_workers`` (its stride); a step
-        lists the same data files on both branches exactly when both lineages share it (after a fork each branch writes
-        its own files), which holds however many snapshots either branch has expired since."""
-        if not isinstance(source, str):
-            return False
-        last = next_step - num_workers
-        if last < 1:
-            return True  # nothing delivered yet
-        stream = self._stream_here()
-        metadata = stream.refresh().table.metadata
-        if source not in metadata.refs:
-            return False
-        here, there = metadata.snapshot_by_name(self.branch), metadata.snapshot_by_name(source)
-        # A fork starts at its checkpoint's anchor, which lists only the checkpoint step: steps below it are not on
-        # the fork (StreamState.collected_below). Below that lowest step, compare the lowest step itself: when it is
-        # shared, so is everything the worker delivered.
-        step = max(last, stream.branch_state(branch=self.branch, metadata=metadata).collected_below)
-        mine = [f.file_path for f in stream.index.files(here, step)]
-        return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
-
-    def _loaded(self) -> dict[str, int] | None:
-        """The loaded state not yet applied, in this process or by DataLoader workers it started (a worker's own copy
-        stays until it applies it)."""
-        if self._taken is not None and self._loaded_in == os.getpid() and any(self._taken):
-            self._pending = self._taken = None
-        return self._pending
-
-    def _first(self, worker_id: int, num_workers: int, *, in_worker: bool = False) -> int:
-        """This worker's first step, consuming a loaded state.
-
-        A state loaded in the training process is applied once, as without workers: by the first DataLoader worker of
-        each id (forked or spawned, each with its copy of it). The training process still holds it, and every later
-        DataLoader iterator's workers copy it again (non-persistent workers: each epoch), so they skip it where a worker
-        of their id already applied it, and start at ``start_step``."""
-        state, taken = self._pending, self._taken
-        self._pending = self._taken = None
-        if state is not None and in_worker and taken is not None and worker_id < len(taken):
-            if taken[worker_id]:
-                state = None  # an earlier DataLoader's worker applied it
-            taken[worker_id] = 1
-        if state is None:
-            return self.start_step + worker_id
-        if state["num_workers"] == 1:
-            return state["next_step"] + worker_id
-        if (state["worker_id"], state["num_workers"]) != (worker_id, num_workers):
-            raise ConfigError(
-                f"the loaded state was saved by DataLoader worker {state['worker_id']} of {state['num_workers']}; resume "
-                f"with num_workers={state['num_workers']} (this is worker {worker_id} of {num_workers})"
-            )
-        return state["next_step"]
+        self._loaded.load(state, forked_after=lambda source, next_step, num_workers: delivered_on_both(
+            self._stream_here(), branch=self.branch, source=source, next_step=next_step, num_workers=num_workers))
 
     # -- lag, shutdown ---------------------------------------------------------------------------------------------------
     def lag(self) -> int:
@@ -351,7 +269,7 @@ class _DatasetCore:
         starts at, ``start_step`` or a loaded state's)."""
         watcher = HeadWatcher(self._stream_here(), branch=self.branch)
         watcher.check()
-        state = self._loaded()
+        state = self._loaded.pending()
         if state is None and self.last_step is not None:
             delivered = self.last_step
         else:  # a loaded state, or nothing delivered yet: the step before the next one
@@ -377,7 +295,7 @@ class _DatasetCore:
         """
         if self._positions is None:
             raise ConfigError("track() records a consumer position: make the dataset with group='<run name>'")
-        return self._positions.track(loader, self._stream_here(), first_step=(self._loaded() or self._position)["next_step"])
+        return self._positions.track(loader, self._stream_here(), first_step=(self._loaded.pending() or self._position)["next_step"])
 
     # -- iteration ---------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:
@@ -393,7 +311,7 @@ class _DatasetCore:
 
     def _iterate(self, stream: StreamTable, worker_id: int, num_workers: int, *, in_worker: bool = False) -> Iterator[Any]:
         handoff = in_worker and supported()
-        first = self._first(worker_id, num_workers, in_worker=in_worker)
+        first = self._loaded.first(worker_id, num_workers, start_step=self.start_step, in_worker=in_worker)
         self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
         io = stream.io

@@ -1,0 +1,143 @@
+"""Resuming a ``LakestreamDataset`` from a ``state_dict``: checking a loaded state, and applying it once.
+
+A state is ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid, "branch": b}`` (see
+:mod:`lakestream_iceberg.read.dataset`). :meth:`LoadedState.load` checks one against the dataset's stream and branch
+(a state of the branch a fork was made from loads on the fork while everything it delivered is shared,
+:func:`delivered_on_both`); :meth:`LoadedState.first` applies it to the first iteration that starts.
+
+With DataLoader workers a state loaded in the training process is copied into every worker each time DataLoader
+starts them (non-persistent workers: every epoch), so it must be applied by the first worker of each id only: the
+workers of one id record that in one shared byte each (shared memory the training process makes when loading, and
+that only the processes it starts inherit).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.context
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from lakestream_iceberg.errors import ConfigError
+from lakestream_iceberg.format.checks import check_int
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["LoadedState", "delivered_on_both"]
+
+_TAKEN_SLOTS = 1024  # DataLoader worker ids that record applying a loaded state (a worker beyond applies it always)
+
+
+class LoadedState:
+    """A loaded ``state_dict`` not yet applied, and which DataLoader worker ids applied it (shared with the workers).
+
+    Args:
+        identity: The dataset's ``{"stream": table UUID, "branch": name}``.
+    """
+
+    def __init__(self, identity: dict[str, str]) -> None:
+        self._identity = identity
+        self._pending: dict[str, int] | None = None
+        self._taken: Any = None  # with _pending: the worker ids that applied it, one shared byte each
+        self._loaded_in = os.getpid()  # the process that loaded _pending
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if multiprocessing.context.get_spawning_popen() is None:
+            state["_taken"] = None  # shared memory goes only to the processes this one starts (DataLoader's workers)
+        return state
+
+    def load(self, state: dict[str, Any], *, forked_after: Callable[[object, int, int], bool]) -> None:
+        """Check ``state`` and hold it for the next iteration.
+
+        ``forked_after(branch, next_step, num_workers)``: whether a state of ``branch`` may load on this dataset's
+        branch (:func:`delivered_on_both`); asked only for a state of another branch of the same stream.
+
+        Raises:
+            ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
+                ``branch``, from an earlier release, is taken as this dataset's).
+        """
+        try:
+            raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
+                   "num_workers": state.get("num_workers", 1)}
+            identity = {key: state.get(key, mine) for key, mine in self._identity.items()}
+        except (KeyError, TypeError, AttributeError):
+            raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
+        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
+                   for key, value in raw.items()}
+        if identity != self._identity and not (identity["stream"] == self._identity["stream"]
+                                               and forked_after(identity["branch"], pending["next_step"],
+                                                                pending["num_workers"])):
+            raise ConfigError(
+                f"the state_dict is of stream {identity['stream']!r} branch {identity['branch']!r}, this dataset reads "
+                f"stream {self._identity['stream']!r} (table UUID) branch {self._identity['branch']!r}: its next_step "
+                "would skip or repeat steps here. Load the state into a dataset of the stream and branch that saved it "
+                "(a state of the branch a fork was made from loads on the fork while everything it delivered is shared: "
+                "up to the fork's checkpoint step; "
+                "LakestreamDataset.from_checkpoint starts a fork at its checkpoint)"
+            )
+        if pending["worker_id"] >= pending["num_workers"]:
+            raise ConfigError(f"state_dict worker_id {pending['worker_id']} is not a worker of num_workers "
+                              f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
+        self._pending = pending
+        self._taken, self._loaded_in = multiprocessing.RawArray("B", _TAKEN_SLOTS), os.getpid()
+
+    def pending(self) -> dict[str, int] | None:
+        """The loaded state not yet applied, in this process or by DataLoader workers it started (a worker's own copy
+        stays until it applies it)."""
+        if self._taken is not None and self._loaded_in == os.getpid() and any(self._taken):
+            self._pending = self._taken = None
+        return self._pending
+
+    def first(self, worker_id: int, num_workers: int, *, start_step: int, in_worker: bool = False) -> int:
+        """This worker's first step, consuming the loaded state.
+
+        A state loaded in the training process is applied once, as without workers: by the first DataLoader worker of
+        each id (forked or spawned, each with its copy of it). The training process still holds it, and every later
+        DataLoader iterator's workers copy it again (non-persistent workers: each epoch), so they skip it where a worker
+        of their id already applied it, and start at ``start_step``.
+
+        Raises:
+            ConfigError: The state was saved by a worker of another number of workers.
+        """
+        state, taken = self._pending, self._taken
+        self._pending = self._taken = None
+        if state is not None and in_worker and taken is not None and worker_id < len(taken):
+            if taken[worker_id]:
+                state = None  # an earlier DataLoader's worker applied it
+            taken[worker_id] = 1
+        if state is None:
+            return start_step + worker_id
+        if state["num_workers"] == 1:
+            return state["next_step"] + worker_id
+        if (state["worker_id"], state["num_workers"]) != (worker_id, num_workers):
+            raise ConfigError(
+                f"the loaded state was saved by DataLoader worker {state['worker_id']} of {state['num_workers']}; resume "
+                f"with num_workers={state['num_workers']} (this is worker {worker_id} of {num_workers})"
+            )
+        return state["next_step"]
+
+
+def delivered_on_both(stream: StreamTable, *, branch: str, source: object, next_step: int, num_workers: int) -> bool:
+    """Whether every step a worker with this position delivered on branch ``source`` is the same step on ``branch``:
+    the branch was forked from ``source`` at or after the worker's last delivered step, so resuming there neither skips
+    nor repeats one. A worker delivered up to ``next_step - num_workers`` (its stride); a step lists the same data files
+    on both branches exactly when both lineages share it (after a fork each branch writes its own files), which holds
+    however many snapshots either branch has expired since."""
+    if not isinstance(source, str):
+        return False
+    last = next_step - num_workers
+    if last < 1:
+        return True  # nothing delivered yet
+    metadata = stream.refresh().table.metadata
+    if source not in metadata.refs:
+        return False
+    here, there = metadata.snapshot_by_name(branch), metadata.snapshot_by_name(source)
+    # A fork starts at its checkpoint's anchor, which lists only the checkpoint step: steps below it are not on the
+    # fork (StreamState.collected_below). Below that lowest step, compare the lowest step itself: when it is shared,
+    # so is everything the worker delivered.
+    step = max(last, stream.branch_state(branch=branch, metadata=metadata).collected_below)
+    mine = [f.file_path for f in stream.index.files(here, step)]
+    return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
