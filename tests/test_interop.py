@@ -474,3 +474,34 @@ def test_a_rollback_by_another_engine_unpublishes_the_later_steps_as_a_fork_woul
     republished = b.commit(batch("b", 2, WORLD), seq=2)  # step 6 left the branch: b's seq 2 is published again
     assert (republished.duplicate, republished.step) == (False, 6)
     assert {step: rows_of(again, step) for step in range(1, 7)} == {step: before[step] for step in range(1, 7)}
+
+
+def upgrade_to_v3(tmp_path: Path, stream: Stream) -> None:
+    """What Spark's ``ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')`` commits (pyiceberg cannot upgrade past
+    2): the same metadata as format version 3, with the row lineage counter v3 adds, swapped in the SQLite catalog."""
+    import json
+    import sqlite3
+
+    old = stream.refresh().table.metadata_location
+    metadata = json.loads(Path(old.removeprefix("file://")).read_text())
+    metadata.update({"format-version": 3, "next-row-id": 0})
+    new = old.replace(".metadata.json", "-v3.metadata.json")
+    Path(new.removeprefix("file://")).write_text(json.dumps(metadata))
+    with sqlite3.connect(tmp_path / "catalog.db") as db:
+        db.execute("UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ?", (new, old))
+
+
+def test_a_table_another_engine_upgraded_past_format_version_2_is_read_and_refuses_commits_with_a_config_error(
+        tmp_path: Path) -> None:
+    stream, before = published(make(tmp_path))
+    stream.checkpoint("c4", step=4)
+    upgrade_to_v3(tmp_path, stream)
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    assert again.table.metadata.format_version == 3
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before  # reads go on
+    for commit in (lambda: again.producer("a").commit(batch("a", 4, WORLD), seq=4),
+                   lambda: again.checkpoint("c6", step=6),
+                   lambda: again.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)):
+        with pytest.raises(ConfigError, match="format version 3.*cannot commit"):
+            commit()
+    assert again.head_step() == 8
