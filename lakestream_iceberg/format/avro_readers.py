@@ -43,6 +43,7 @@ from pyiceberg.manifest import (
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import StructProtocol
 
+from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format import data_file_records as records
 
 __all__ = ["read_manifest_entries", "read_manifest_list"]
@@ -72,11 +73,23 @@ _LIST = _Kind("list", MANIFEST_LIST_FILE_SCHEMAS[DEFAULT_READ_VERSION], {-1: Man
               {517: ManifestContent})
 
 
-def _open(input_file: InputFile, kind: _Kind) -> AvroFile:
-    """An ``AvroFile`` positioned after its header, as ``AvroFile.__enter__`` leaves it, with a cached reader tree."""
+def _open(input_file: InputFile, kind: _Kind, *, length: int | None = None) -> AvroFile:
+    """An ``AvroFile`` positioned after its header, as ``AvroFile.__enter__`` leaves it, with a cached reader tree.
+
+    ``length``: the file's length as recorded where it is named (a manifest's in its manifest list). A file shorter
+    than that was cut short (a write interrupted, damaged storage): Avro's block loop would read it as fewer entries,
+    none at all when the cut falls after the header, so it is refused instead."""
     avro: AvroFile = AvroFile(input_file, kind.read_schema, kind.read_types, kind.read_enums)
     with input_file.open() as f:
-        avro.decoder = new_decoder(f.read())
+        data = f.read()
+    if length is not None and len(data) < length:
+        raise CorruptStateError(
+            f"manifest {input_file.location} holds {len(data)} bytes but its manifest list records {length}: the file "
+            "was cut short (an interrupted write or damaged storage), and reading it would drop the data files it "
+            "lists from the table. Restore the file from a backup, or roll the branch back to a snapshot that does "
+            "not list it"
+        )
+    avro.decoder = new_decoder(data)
     avro.header = _HEADER_READER.read(avro.decoder)
     text = avro.header.meta.get(_SCHEMA_KEY)
     if text is None:
@@ -106,7 +119,7 @@ def read_manifest_entries(io: FileIO, manifest: ManifestFile) -> list[ManifestEn
     then writes those bytes instead of encoding the file's statistics again. Another writer's schema (Java's, another
     partition type) reads as it is.
     """
-    avro = _open(io.new_input(manifest.manifest_path), _ENTRIES)
+    avro = _open(io.new_input(manifest.manifest_path), _ENTRIES, length=manifest.manifest_length)
     writer = records.writer_for(avro.header.meta[_SCHEMA_KEY])
     if writer is None:
         return [_inherit_from_manifest(entry, manifest) for entry in avro if entry.status != ManifestEntryStatus.DELETED]

@@ -78,3 +78,37 @@ def test_a_file_without_a_schema_in_its_header_is_refused(tmp_path: Path) -> Non
     path.write_bytes(b"Obj\x01\x00\x00" + b"\x00" * 16)  # an Avro header with an empty meta map
     with pytest.raises(ValueError, match="No schema found"):
         read_manifest_entries(PyArrowFileIO(), ManifestFile.from_args(manifest_path=str(path)))
+
+
+def test_a_manifest_cut_short_is_refused_not_read_as_fewer_entries(tmp_path: Path) -> None:
+    """A manifest shorter than its manifest list records: cut after the header, Avro's block loop reads no entries at
+    all (the steps it lists would look collected, and the next merge would drop them from the table); cut at a block
+    boundary of pyiceberg's one-block-per-entry manifests, it reads fewer."""
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = stream.writer.write(producer="p", seq=0, shards=batch("p", 0, 3)).data_files(
+        step=4, spec_id=metadata.default_spec_id)
+    io = PyArrowFileIO()
+    planner = stream.manifest_planner(metadata)
+    lakestreams = planner.added(snapshot_id=11, sequence_number=3, data_files=files)  # one block
+    theirs = f"{tmp_path}/theirs.avro"
+    with write_manifest(format_version=2, spec=metadata.spec(), schema=metadata.schema(),
+                        output_file=io.new_output(theirs), snapshot_id=11, avro_compression="null") as writer:
+        for f in files:  # one block per entry
+            writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=11,
+                                                     sequence_number=3, file_sequence_number=3, data_file=f))
+    pyicebergs = writer.to_manifest_file()
+    for manifest in (lakestreams, pyicebergs):
+        path = Path(manifest.manifest_path.removeprefix("file:"))
+        whole = path.read_bytes()
+        sync = whole[-16:]
+        header_end = whole.index(sync) + 16
+        last_block = whole.rindex(sync, 0, len(whole) - 16) + 16
+        for cut in (header_end, last_block):
+            path.write_bytes(whole[:cut])
+            with pytest.raises(CorruptStateError, match=f"holds {cut} bytes but its manifest list records {len(whole)}"):
+                read_manifest_entries(io, manifest)
+        path.write_bytes(whole)
+        assert len(read_manifest_entries(io, manifest)) == 3
