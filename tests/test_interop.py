@@ -505,3 +505,38 @@ def test_a_table_another_engine_upgraded_past_format_version_2_is_read_and_refus
         with pytest.raises(ConfigError, match="format version 3.*cannot commit"):
             commit()
     assert again.head_step() == 8
+
+
+@pytest.mark.timeout(60)
+def test_foreign_snapshots_whose_parent_links_loop_are_refused_not_walked_forever(tmp_path: Path) -> None:
+    """Two snapshots another engine wrote with each other's id as parent: the walk down to the nearest lakestream
+    snapshot never ended (a hang, its list of foreign snapshots growing); it is a CorruptStateError naming them."""
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream, _ = published(make(tmp_path))
+    table = stream.refresh().table
+    metadata = table.metadata
+    head = metadata.current_snapshot()
+    assert head is not None
+    first, second = metadata.new_snapshot_id(), metadata.new_snapshot_id()
+    updates = []
+    for n, (snapshot_id, parent_id) in enumerate(((first, second), (second, first))):
+        path = f"{metadata.location}/metadata/snap-{snapshot_id}-1-{uuid.uuid4()}.avro"
+        with write_manifest_list(format_version=2, output_file=table.io.new_output(path), snapshot_id=snapshot_id,
+                                 parent_snapshot_id=parent_id, sequence_number=metadata.next_sequence_number() + n,
+                                 avro_compression="deflate") as writer:
+            writer.add_manifests(head.manifests(table.io))
+        totals = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("total-")}
+        updates.append(AddSnapshotUpdate(snapshot=Snapshot(
+            snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=metadata.next_sequence_number() + n,
+            manifest_list=path, schema_id=metadata.current_schema_id, summary=Summary(Operation.REPLACE, **totals))))
+    with table.transaction() as tx:
+        tx._apply((*updates, SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=second)),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    with pytest.raises(CorruptStateError, match=f"lineage loops.*{second}, {first} lead back to snapshot {second}"):
+        again.head_step()
+    with pytest.raises(CorruptStateError, match="lineage loops"):
+        again.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    again.table.manage_snapshots().set_current_snapshot(head.snapshot_id).commit()  # the fix it names
+    assert again.head_step() == 8
