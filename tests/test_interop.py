@@ -474,3 +474,69 @@ def test_a_rollback_by_another_engine_unpublishes_the_later_steps_as_a_fork_woul
     republished = b.commit(batch("b", 2, WORLD), seq=2)  # step 6 left the branch: b's seq 2 is published again
     assert (republished.duplicate, republished.step) == (False, 6)
     assert {step: rows_of(again, step) for step in range(1, 7)} == {step: before[step] for step in range(1, 7)}
+
+
+def upgrade_to_v3(tmp_path: Path, stream: Stream) -> None:
+    """What Spark's ``ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')`` commits (pyiceberg cannot upgrade past
+    2): the same metadata as format version 3, with the row lineage counter v3 adds, swapped in the SQLite catalog."""
+    import json
+    import sqlite3
+
+    old = stream.refresh().table.metadata_location
+    metadata = json.loads(Path(old.removeprefix("file://")).read_text())
+    metadata.update({"format-version": 3, "next-row-id": 0})
+    new = old.replace(".metadata.json", "-v3.metadata.json")
+    Path(new.removeprefix("file://")).write_text(json.dumps(metadata))
+    with sqlite3.connect(tmp_path / "catalog.db") as db:
+        db.execute("UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ?", (new, old))
+
+
+def test_a_table_another_engine_upgraded_past_format_version_2_is_read_and_refuses_commits_with_a_config_error(
+        tmp_path: Path) -> None:
+    stream, before = published(make(tmp_path))
+    stream.checkpoint("c4", step=4)
+    upgrade_to_v3(tmp_path, stream)
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    assert again.table.metadata.format_version == 3
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before  # reads go on
+    for commit in (lambda: again.producer("a").commit(batch("a", 4, WORLD), seq=4),
+                   lambda: again.checkpoint("c6", step=6),
+                   lambda: again.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)):
+        with pytest.raises(ConfigError, match="format version 3.*cannot commit"):
+            commit()
+    assert again.head_step() == 8
+
+
+@pytest.mark.timeout(60)
+def test_foreign_snapshots_whose_parent_links_loop_are_refused_not_walked_forever(tmp_path: Path) -> None:
+    """Two snapshots another engine wrote with each other's id as parent: the walk down to the nearest lakestream
+    snapshot never ended (a hang, its list of foreign snapshots growing); it is a CorruptStateError naming them."""
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream, _ = published(make(tmp_path))
+    table = stream.refresh().table
+    metadata = table.metadata
+    head = metadata.current_snapshot()
+    assert head is not None
+    first, second = metadata.new_snapshot_id(), metadata.new_snapshot_id()
+    updates = []
+    for n, (snapshot_id, parent_id) in enumerate(((first, second), (second, first))):
+        path = f"{metadata.location}/metadata/snap-{snapshot_id}-1-{uuid.uuid4()}.avro"
+        with write_manifest_list(format_version=2, output_file=table.io.new_output(path), snapshot_id=snapshot_id,
+                                 parent_snapshot_id=parent_id, sequence_number=metadata.next_sequence_number() + n,
+                                 avro_compression="deflate") as writer:
+            writer.add_manifests(head.manifests(table.io))
+        totals = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("total-")}
+        updates.append(AddSnapshotUpdate(snapshot=Snapshot(
+            snapshot_id=snapshot_id, parent_snapshot_id=parent_id, sequence_number=metadata.next_sequence_number() + n,
+            manifest_list=path, schema_id=metadata.current_schema_id, summary=Summary(Operation.REPLACE, **totals))))
+    with table.transaction() as tx:
+        tx._apply((*updates, SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=second)),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    with pytest.raises(CorruptStateError, match=f"lineage loops.*{second}, {first} lead back to snapshot {second}"):
+        again.head_step()
+    with pytest.raises(CorruptStateError, match="lineage loops"):
+        again.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    again.table.manage_snapshots().set_current_snapshot(head.snapshot_id).commit()  # the fix it names
+    assert again.head_step() == 8

@@ -14,9 +14,11 @@ over blocks is repeated here, to see where each record lies in its block.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import zlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from enum import Enum
 from typing import cast
 
@@ -43,6 +45,7 @@ from pyiceberg.manifest import (
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import StructProtocol
 
+from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format import data_file_records as records
 
 __all__ = ["read_manifest_entries", "read_manifest_list"]
@@ -72,11 +75,23 @@ _LIST = _Kind("list", MANIFEST_LIST_FILE_SCHEMAS[DEFAULT_READ_VERSION], {-1: Man
               {517: ManifestContent})
 
 
-def _open(input_file: InputFile, kind: _Kind) -> AvroFile:
-    """An ``AvroFile`` positioned after its header, as ``AvroFile.__enter__`` leaves it, with a cached reader tree."""
+def _open(input_file: InputFile, kind: _Kind, *, length: int | None = None) -> AvroFile:
+    """An ``AvroFile`` positioned after its header, as ``AvroFile.__enter__`` leaves it, with a cached reader tree.
+
+    ``length``: the file's length as recorded where it is named (a manifest's in its manifest list). A file shorter
+    than that was cut short (a write interrupted, damaged storage): Avro's block loop would read it as fewer entries,
+    none at all when the cut falls after the header, so it is refused instead."""
     avro: AvroFile = AvroFile(input_file, kind.read_schema, kind.read_types, kind.read_enums)
     with input_file.open() as f:
-        avro.decoder = new_decoder(f.read())
+        data = f.read()
+    if length is not None and len(data) < length:
+        raise CorruptStateError(
+            f"manifest {input_file.location} holds {len(data)} bytes but its manifest list records {length}: the file "
+            "was cut short (an interrupted write or damaged storage), and reading it would drop the data files it "
+            "lists from the table. Restore the file from a backup, or roll the branch back to a snapshot that does "
+            "not list it"
+        )
+    avro.decoder = new_decoder(data)
     avro.header = _HEADER_READER.read(avro.decoder)
     text = avro.header.meta.get(_SCHEMA_KEY)
     if text is None:
@@ -106,12 +121,14 @@ def read_manifest_entries(io: FileIO, manifest: ManifestFile) -> list[ManifestEn
     then writes those bytes instead of encoding the file's statistics again. Another writer's schema (Java's, another
     partition type) reads as it is.
     """
-    avro = _open(io.new_input(manifest.manifest_path), _ENTRIES)
-    writer = records.writer_for(avro.header.meta[_SCHEMA_KEY])
-    if writer is None:
-        return [_inherit_from_manifest(entry, manifest) for entry in avro if entry.status != ManifestEntryStatus.DELETED]
-    return [_inherit_from_manifest(entry, manifest) for entry in _read_keeping(avro, writer)
-            if entry.status != ManifestEntryStatus.DELETED]
+    with _decoding(manifest.manifest_path, "manifest"):
+        avro = _open(io.new_input(manifest.manifest_path), _ENTRIES, length=manifest.manifest_length)
+        writer = records.writer_for(avro.header.meta[_SCHEMA_KEY])
+        if writer is None:
+            return [_inherit_from_manifest(entry, manifest) for entry in avro
+                    if entry.status != ManifestEntryStatus.DELETED]
+        return [_inherit_from_manifest(entry, manifest) for entry in _read_keeping(avro, writer)
+                if entry.status != ManifestEntryStatus.DELETED]
 
 
 def _read_keeping(avro: AvroFile, writer: Writer) -> list[ManifestEntry]:
@@ -200,4 +217,31 @@ def _spanning(reader: Reader) -> StructReader:
 
 def read_manifest_list(io: FileIO, path: str) -> list[ManifestFile]:
     """The manifests a manifest list names, as ``Snapshot.manifests(io)`` reads them."""
-    return list(_open(io.new_input(path), _LIST))
+    with _decoding(path, "manifest list"):
+        return list(_open(io.new_input(path), _LIST))
+
+
+# What pyiceberg's header reader, decoder, value readers and codecs raise on bytes that are no Avro file of the kind
+# read (a damaged file): a short read, a bad sync marker or varint, an undecodable string or block
+_DECODE_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, EOFError, SystemError, OverflowError, IndexError, KeyError, MemoryError, zlib.error)
+with contextlib.suppress(ImportError):  # pyiceberg's zstd codec (an optional extra)
+    import zstandard
+
+    _DECODE_ERRORS += (zstandard.ZstdError,)
+
+
+@contextlib.contextmanager
+def _decoding(location: str, what: str) -> Iterator[None]:
+    """Within: a failure to decode ``location`` is a :class:`CorruptStateError` naming it (a missing file, or any
+    other storage error, is raised as it is)."""
+    try:
+        yield
+    except CorruptStateError:
+        raise
+    except _DECODE_ERRORS as exc:
+        raise CorruptStateError(
+            f"{what} {location} cannot be read as an Iceberg {what} ({type(exc).__name__}: {str(exc)[:200]}): it was "
+            "damaged in storage or written by a faulty tool. Restore it from a backup, or roll the branch back to a "
+            "snapshot that does not list it"
+        ) from exc

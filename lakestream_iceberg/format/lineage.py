@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
-from lakestream_iceberg.errors import ForeignSnapshotError
+from lakestream_iceberg.errors import CorruptStateError, ForeignSnapshotError
 from lakestream_iceberg.format.summary import KEY_STEP, StreamState
 
 __all__ = ["Lineage", "branch_state", "changes_data", "is_lakestream", "lineage"]
@@ -82,13 +82,28 @@ class Lineage:
 
 
 def lineage(metadata: TableMetadata, head: Snapshot | None) -> Lineage:
-    """``head``'s lineage down to the nearest snapshot lakestream wrote (``head`` itself in the usual case)."""
+    """``head``'s lineage down to the nearest snapshot lakestream wrote (``head`` itself in the usual case).
+
+    Raises:
+        CorruptStateError: The parent links of foreign snapshots lead back to one already walked (a loop).
+    """
     if head is None or is_lakestream(head):
         return Lineage(head)
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
     foreign: list[Snapshot] = []
+    seen: set[int] = set()
     current: Snapshot | None = head
     while current is not None and not is_lakestream(current):
+        if current.snapshot_id in seen:  # a parent link back into the walked lineage: it would be walked forever
+            raise CorruptStateError(
+                f"snapshot {foreign[0].snapshot_id}'s lineage loops: the parent links of snapshots "
+                f"{', '.join(str(s.snapshot_id) for s in foreign)} lead back to snapshot {current.snapshot_id}. Another "
+                "engine wrote these snapshots with wrong parent ids, or the metadata was edited; point the branch at "
+                "the last snapshot lakestream wrote (main: pyiceberg's "
+                "table.manage_snapshots().set_current_snapshot(ID).commit(); another branch: Spark's ALTER TABLE ... "
+                "REPLACE BRANCH)"
+            )
+        seen.add(current.snapshot_id)
         foreign.append(current)
         parent = current.parent_snapshot_id
         current = by_id.get(parent) if parent is not None else None

@@ -38,6 +38,7 @@ from pyiceberg.schema import Schema
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.avro_writers import manifest_list_writer, manifest_writer
 from lakestream_iceberg.format.file_settings import avro_codec
 from lakestream_iceberg.format.manifest_facts import entry_step, manifest_level, step_bounds
@@ -47,6 +48,9 @@ if TYPE_CHECKING:
     from lakestream_iceberg.format.manifest_cache import ManifestCache
 
 _LOCAL_SCHEMES = ("", "file")  # table locations on a local file system (pyiceberg's PyArrowFileIO writes them inline)
+# The table format versions whose manifests, manifest lists and snapshots pyiceberg (and so lakestream) writes. Another
+# engine may upgrade a stream's table past them (Spark: ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')).
+_WRITABLE_FORMAT_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -79,6 +83,13 @@ class ManifestPlanner:
 
     def __init__(self, *, io: FileIO, metadata: TableMetadata, cache: ManifestCache, fanout: int,
                  max_merge_entries: int = 4096) -> None:
+        if metadata.format_version not in _WRITABLE_FORMAT_VERSIONS:
+            raise ConfigError(
+                f"the table at {metadata.location} has Iceberg format version {metadata.format_version} (another engine "
+                "upgraded it, e.g. ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')); pyiceberg writes the "
+                "manifests and snapshots of format versions 1 and 2 only, so lakestream cannot commit to it (steps are "
+                "still read). A format version cannot be downgraded: write the stream into a new one (Stream.create)"
+            )
         self._io = io
         self._metadata = metadata
         self._cache = cache

@@ -10,6 +10,7 @@ from pyiceberg.manifest import ManifestEntry, ManifestEntryStatus, write_manifes
 from pyiceberg.partitioning import PartitionSpec
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format import avro_readers
 from lakestream_iceberg.format.avro_readers import read_manifest_entries, read_manifest_list
 from tests.support import SCHEMA, batch, sqlite_catalog
@@ -76,5 +77,64 @@ def test_a_file_without_a_schema_in_its_header_is_refused(tmp_path: Path) -> Non
 
     path = tmp_path / "not-avro.avro"
     path.write_bytes(b"Obj\x01\x00\x00" + b"\x00" * 16)  # an Avro header with an empty meta map
-    with pytest.raises(ValueError, match="No schema found"):
+    with pytest.raises(CorruptStateError, match="No schema found"):
         read_manifest_entries(PyArrowFileIO(), ManifestFile.from_args(manifest_path=str(path)))
+
+
+def test_a_manifest_cut_short_is_refused_not_read_as_fewer_entries(tmp_path: Path) -> None:
+    """A manifest shorter than its manifest list records: cut after the header, Avro's block loop reads no entries at
+    all (the steps it lists would look collected, and the next merge would drop them from the table); cut at a block
+    boundary of pyiceberg's one-block-per-entry manifests, it reads fewer."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=3)
+    metadata = stream.table.metadata
+    files = stream.writer.write(producer="p", seq=0, shards=batch("p", 0, 3)).data_files(
+        step=4, spec_id=metadata.default_spec_id)
+    io = PyArrowFileIO()
+    planner = stream.manifest_planner(metadata)
+    lakestreams = planner.added(snapshot_id=11, sequence_number=3, data_files=files)  # one block
+    theirs = f"{tmp_path}/theirs.avro"
+    with write_manifest(format_version=2, spec=metadata.spec(), schema=metadata.schema(),
+                        output_file=io.new_output(theirs), snapshot_id=11, avro_compression="null") as writer:
+        for f in files:  # one block per entry
+            writer.add_entry(ManifestEntry.from_args(status=ManifestEntryStatus.ADDED, snapshot_id=11,
+                                                     sequence_number=3, file_sequence_number=3, data_file=f))
+    pyicebergs = writer.to_manifest_file()
+    for manifest in (lakestreams, pyicebergs):
+        path = Path(manifest.manifest_path.removeprefix("file:"))
+        whole = path.read_bytes()
+        sync = whole[-16:]
+        header_end = whole.index(sync) + 16
+        last_block = whole.rindex(sync, 0, len(whole) - 16) + 16
+        for cut in (header_end, last_block):
+            path.write_bytes(whole[:cut])
+            with pytest.raises(CorruptStateError, match=f"holds {cut} bytes but its manifest list records {len(whole)}"):
+                read_manifest_entries(io, manifest)
+        path.write_bytes(whole)
+        assert len(read_manifest_entries(io, manifest)) == 3
+
+
+@pytest.mark.parametrize("codec", ["gzip", "uncompressed"])
+def test_a_damaged_manifest_or_manifest_list_is_a_corrupt_state_error_naming_it(tmp_path: Path, codec: str) -> None:
+    """Bytes that do not decode (a wrong sync marker, a block of garbage) raised whatever pyiceberg's decoder or codec
+    raised (ValueError, EOFError, SystemError, zlib.error, ...) out of every read and commit."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=2,
+                           properties={"write.avro.compression-codec": codec})
+    producer = stream.producer("p")
+    for seq in range(2):
+        producer.commit(batch("p", seq, 2), seq=seq)
+    io = stream.io
+    listed = stream.refresh().head().manifest_list
+    (manifest, *_) = read_manifest_list(io, listed)
+    for path, read in ((manifest.manifest_path, lambda: read_manifest_entries(io, manifest)),
+                       (listed, lambda: read_manifest_list(io, listed))):
+        file = Path(path.removeprefix("file:"))
+        whole = file.read_bytes()
+        header_end = whole.index(whole[-16:]) + 16
+        damaged = (whole[:-1] + bytes([whole[-1] ^ 1]),  # the block's sync marker
+                   whole[:header_end] + b"\x02\x7f" + b"\xff" * (len(whole) - header_end - 2))  # a block of garbage
+        for data in damaged:
+            file.write_bytes(data)
+            with pytest.raises(CorruptStateError, match=f"{path} cannot be read as an Iceberg manifest"):
+                read()
+        file.write_bytes(whole)
+        read()
