@@ -278,6 +278,15 @@ def test_2_a_head_at_the_last_64_bit_seq_refuses_the_next_one_before_publishing(
     assert stream.head_step() == 4
 
 
+@pytest.mark.parametrize("step", [2**63 - 1, 10**19 - 1])
+def test_2_a_head_step_at_the_64_bit_limit_is_refused_with_a_clear_error(catalog: SqlCatalog, step: int) -> None:
+    # the next step cannot be written as an Iceberg long: it used to fail inside the manifest writer (struct.error)
+    stream, _, bad = malformed_head(catalog, {"lakestream.step": str(step), "lakestream.seq": "3"})
+    with pytest.raises(CorruptStateError, match=f"head step {step}"):
+        Stream.open(catalog, "ns.stream").producer("p").commit(batch("p", 3, WORLD))
+    assert stream.refresh().table.metadata.snapshot_by_name("main").snapshot_id == bad
+
+
 def test_2_checkpoint_step_true_is_rejected(small: tuple[Stream, Any]) -> None:
     stream, _ = small
     with pytest.raises(CheckpointError):
