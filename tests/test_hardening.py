@@ -257,6 +257,36 @@ def test_2_seq_true_is_rejected_and_writes_nothing(small: tuple[Stream, Any]) ->
     assert files_under_data(stream) == before, "a rejected batch must write no data file"
 
 
+@pytest.mark.parametrize("seq", [2**63, 10**25])
+def test_2_a_seq_past_64_bits_is_rejected_and_the_stream_stays_readable(small: tuple[Stream, Any], seq: int) -> None:
+    # it used to be published: its summary then held a seq no reader accepts, and every read of the stream failed
+    stream, producer = small
+    before = files_under_data(stream)
+    with pytest.raises(SequenceError, match="seq must be in 0..9223372036854775807"):
+        producer.commit(batch("p", 1, WORLD), seq=seq, allow_gap=True)
+    assert stream.head_step() == 1 and files_under_data(stream) == before
+    assert (producer.next_seq, producer.commit(batch("p", 1, WORLD)).step) == (1, 2)
+
+
+def test_2_a_head_at_the_last_64_bit_seq_refuses_the_next_one_before_publishing(catalog: SqlCatalog) -> None:
+    # the head's producer table says p published seq 2**63 - 1: its next seq cannot be recorded, and is refused
+    producers = json.dumps({"p": [2**63 - 1, 4, 1, 1]})
+    stream, producer, _ = malformed_head(catalog, {"lakestream.producers": producers, "lakestream.seq": "3"})
+    fresh = Stream.open(catalog, "ns.stream").producer("p")
+    with pytest.raises(SequenceError, match="seqs go up to 9223372036854775807"):
+        fresh.commit(batch("p", 4, WORLD))
+    assert stream.head_step() == 4
+
+
+@pytest.mark.parametrize("step", [2**63 - 1, 10**19 - 1])
+def test_2_a_head_step_at_the_64_bit_limit_is_refused_with_a_clear_error(catalog: SqlCatalog, step: int) -> None:
+    # the next step cannot be written as an Iceberg long: it used to fail inside the manifest writer (struct.error)
+    stream, _, bad = malformed_head(catalog, {"lakestream.step": str(step), "lakestream.seq": "3"})
+    with pytest.raises(CorruptStateError, match=f"head step {step}"):
+        Stream.open(catalog, "ns.stream").producer("p").commit(batch("p", 3, WORLD))
+    assert stream.refresh().table.metadata.snapshot_by_name("main").snapshot_id == bad
+
+
 def test_2_checkpoint_step_true_is_rejected(small: tuple[Stream, Any]) -> None:
     stream, _ = small
     with pytest.raises(CheckpointError):

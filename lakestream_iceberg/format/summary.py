@@ -52,6 +52,7 @@ KEY_TOKEN = "lakestream.token"  # the published batch's token (in its data file 
 KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
 
 _INTEGER = re.compile(r"^-?[0-9]{1,19}$")
+MAX_SEQ = 2**63 - 1  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
 _TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
 
 

@@ -15,7 +15,7 @@ from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.errors import CommitError, ForeignSnapshotError, SequenceError
 from lakestream_iceberg.format.checks import check_branch
-from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.format.summary import MAX_SEQ, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
 from lakestream_iceberg.write.writer import StagedBatch
@@ -60,6 +60,11 @@ class ProducerHead:
     def check_seq(self, seq: int, state: StreamState, allow_gap: bool) -> None:
         """Refuse (:class:`SequenceError`) a seq that would skip past this id's next one, unless ``allow_gap``."""
         expected = self.next_seq(state)
+        if seq > MAX_SEQ:  # the head's seq of this id is the largest a summary records: a snapshot could not say more
+            raise SequenceError(
+                f"producer {self.producer_id!r} on branch {self.branch!r} cannot publish seq {seq}: seqs go up to "
+                f"{MAX_SEQ} (a 64-bit Iceberg long). Use another producer id"
+            )
         if seq > expected and not allow_gap:
             raise SequenceError(
                 f"producer {self.producer_id!r} on branch {self.branch!r} would skip from seq {expected} to {seq}; "

@@ -29,13 +29,13 @@ from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID, RemoveSnapshotsUpdate, TableUpdate
 
 from lakestream_iceberg.connect.diagnose import transient
-from lakestream_iceberg.errors import CommitTimeoutError
+from lakestream_iceberg.errors import CommitTimeoutError, CorruptStateError
 from lakestream_iceberg.format.expiry import Retention, expirable, retention
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS
 from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
-from lakestream_iceberg.format.summary import KEY_ATTEMPTS, OP_APPEND, ProducerState, StreamState
+from lakestream_iceberg.format.summary import KEY_ATTEMPTS, MAX_SEQ, OP_APPEND, ProducerState, StreamState
 from lakestream_iceberg.write.dac import CommitPolicy
 from lakestream_iceberg.write.head import ProducerHead
 from lakestream_iceberg.write.intent import Intent
@@ -249,6 +249,13 @@ class BatchPlanner:
         others, stale = self._eligible(state)
         batches = sorted([self._own, *others], key=lambda b: b.staged_at)
         size = len(batches)
+        if state.step > MAX_SEQ - size:  # a step is an Iceberg long (the _step partition value): it could not be written
+            raise CorruptStateError(
+                f"branch {self._head.branch!r} of stream {self._head.stream.name} has head step {state.step}: the next "
+                f"step would not fit a 64-bit Iceberg long, and lakestream never counts that far. The head's summary "
+                "was written by another tool or corrupted: point the branch back to the last good snapshot (e.g. "
+                "pyiceberg's table.manage_snapshots().rollback_to_snapshot(ID).commit()); nothing was published"
+            )
         parent = metadata.snapshot_by_name(self._head.branch)
         base_id = parent.snapshot_id if parent is not None else None
         group = _GroupCommit(self._head, metadata, state, parent, size=size, attempt=attempt,

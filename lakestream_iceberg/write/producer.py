@@ -38,6 +38,7 @@ from lakestream_iceberg.errors import (
 )
 from lakestream_iceberg.format.checks import check_bool, check_int
 from lakestream_iceberg.format.layout import check_batch
+from lakestream_iceberg.format.summary import MAX_SEQ
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.background import CommitQueue, Submitted
 from lakestream_iceberg.write.commit import CommitLoop
@@ -338,7 +339,7 @@ class Producer:
         stream = self._stream
         allow_gap = check_bool(allow_gap, what="allow_gap", error=SequenceError)  # "False" is truthy: no gap by mistake
         if seq is not None:  # before anything is written: True is not seq 1, and numpy integers become ints
-            seq = check_int(seq, what="seq", error=SequenceError, minimum=0,
+            seq = check_int(seq, what="seq", error=SequenceError, minimum=0, maximum=MAX_SEQ,
                             hint="a producer's sequence numbers start at 0; pass seq=None to take the next one")
         shards, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
         return _Checked(shards=shards, whole=whole, seq=seq, allow_gap=allow_gap)

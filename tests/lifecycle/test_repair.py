@@ -148,3 +148,54 @@ def test_a_submitting_producer_stopped_by_the_refusal_says_to_open_a_new_one_whi
         == [5, 6]
     assert resumed.close() == 0
     assert published(another(backend)) == {step: ("a", step - 1) for step in range(1, 7)}
+
+
+def test_a_loop_in_the_parents_of_foreign_snapshots_is_refused_not_walked_forever(tmp_path) -> None:  # noqa: ANN001
+    """Two foreign snapshots that name each other as parent (metadata no Iceberg writer makes): reading the state under
+    them used to walk the loop forever, hanging every read, commit and repair of the branch."""
+    import threading
+
+    from pyiceberg.table.refs import SnapshotRefType
+    from pyiceberg.table.snapshots import Operation, Snapshot, Summary
+    from pyiceberg.table.update import AddSnapshotUpdate, SetSnapshotRefUpdate
+
+    from tests.support import sqlite_catalog
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.loop", schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, WORLD))
+    table = stream.refresh().table
+    metadata, head = table.metadata, table.metadata.current_snapshot()
+    x = metadata.new_snapshot_id()
+    y, number = x + 1, metadata.next_sequence_number()
+    totals = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("total-")}
+
+    def foreign(snapshot_id: int, parent: int, sequence_number: int) -> Snapshot:
+        return Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=parent, sequence_number=sequence_number,
+                        manifest_list=head.manifest_list, schema_id=metadata.current_schema_id,
+                        summary=Summary(Operation.REPLACE, **totals))
+
+    with table.transaction() as tx:
+        tx._apply((AddSnapshotUpdate(snapshot=foreign(y, x, number)), AddSnapshotUpdate(snapshot=foreign(x, y, number + 1)),
+                   SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=x)), ())
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.loop")
+    outcomes: dict[str, BaseException | None] = {}
+
+    def attempt(name: str, call: Callable[[], object]) -> None:
+        try:
+            call()
+            outcomes[name] = None
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            outcomes[name] = exc
+
+    calls = {"head_step": again.head_step, "commit": lambda: again.producer("p").commit(batch("p", 1, WORLD)),
+             "repair": again.repair}
+    threads = [threading.Thread(target=attempt, args=item, daemon=True) for item in calls.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)  # a hang guard only: each call reads one metadata file
+    assert not any(thread.is_alive() for thread in threads), f"still walking the loop: {set(calls) - set(outcomes)}"
+    for name, exc in outcomes.items():
+        assert isinstance(exc, ForeignSnapshotError) and "loops" in str(exc), (name, exc)
+    assert stream.refresh().table.metadata.snapshot_by_name("main").snapshot_id == x  # nothing was committed
