@@ -538,5 +538,7 @@ def test_foreign_snapshots_whose_parent_links_loop_are_refused_not_walked_foreve
         again.head_step()
     with pytest.raises(CorruptStateError, match="lineage loops"):
         again.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    with pytest.raises(CorruptStateError, match="lineage loops"):  # repair cannot tell what to roll back to either
+        again.repair()
     again.table.manage_snapshots().set_current_snapshot(head.snapshot_id).commit()  # the fix it names
     assert again.head_step() == 8

@@ -93,7 +93,6 @@ def lineage(metadata: TableMetadata, head: Snapshot | None) -> Lineage:
     foreign: list[Snapshot] = []
     seen: set[int] = set()
     current: Snapshot | None = head
-    seen: set[int] = set()
     while current is not None and not is_lakestream(current):
         if current.snapshot_id in seen:  # a parent link back into the walked lineage: it would be walked forever
             raise CorruptStateError(
@@ -106,17 +105,7 @@ def lineage(metadata: TableMetadata, head: Snapshot | None) -> Lineage:
             )
         seen.add(current.snapshot_id)
         foreign.append(current)
-        seen.add(current.snapshot_id)
         parent = current.parent_snapshot_id
-        if parent in seen:  # metadata no Iceberg writer makes: walking on would never end
-            raise ForeignSnapshotError(
-                f"snapshot {current.snapshot_id} names snapshot {parent} as its parent, which descends from it: the "
-                f"lineage of foreign snapshots below snapshot {head.snapshot_id} loops, so the stream's state cannot be "
-                "found under it. Point the branch back to a snapshot lakestream wrote, e.g. with pyiceberg: "
-                "table.manage_snapshots().rollback_to_snapshot(ID).commit() for main, .create_branch(ID, BRANCH).commit() "
-                "for another branch; then check the engine that wrote these snapshots",
-                snapshot_id=current.snapshot_id,
-            )
         current = by_id.get(parent) if parent is not None else None
         if parent is not None and current is None:
             return Lineage(None, tuple(foreign), broken=True)
