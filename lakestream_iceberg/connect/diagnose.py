@@ -82,7 +82,8 @@ def _kind(exc: BaseException) -> str | None:
 
 def _is_rest_error(e: BaseException) -> bool:
     return type(e).__name__ in {"ForbiddenError", "UnauthorizedError", "ServerError", "ServiceUnavailableError",
-                                "AuthorizationExpiredError", "OAuthError", "RESTError", "BadRequestError"}  # fmt: skip
+                                "AuthorizationExpiredError", "OAuthError", "RESTError", "BadRequestError",
+                                "TooManyRequestsError"}  # fmt: skip
 
 
 _S3_AUTH = re.compile(r"ACCESS_DENIED|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
@@ -94,7 +95,7 @@ _S3_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode: (?:6|7|28|35|52|55|5
                              r"EndpointConnectionError|ConnectTimeoutError|ReadTimeoutError|Connect timeout|"
                              r"Connection (?:refused|reset)|timed out|Timeout was reached")  # fmt: skip
 _S3_TIMEOUT = re.compile(r"curlCode: 28|Timeout was reached|timed out|ConnectTimeoutError|ReadTimeoutError")
-_S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status 5\d\d|"
+_S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status (?:5\d\d|429)\b|"
                         r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout")  # fmt: skip
 _S3_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist")
 _SQL_AUTH = re.compile(r"password authentication failed|no password supplied|authentication failed|"
@@ -105,6 +106,19 @@ _SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not t
                               r"connection to server .* failed|SSL connection has been closed|unable to open database file",
                               re.I)  # fmt: skip
 _SQL_DATABASE = re.compile(r"database \"[^\"]*\" does not exist", re.I)
+
+
+_REST_RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})  # request timeout, throttled, a gateway or server restarting
+
+
+def _http_statuses(exc: BaseException) -> set[int]:
+    """The HTTP status codes of the responses in ``exc``'s chain (a ``requests.HTTPError`` carries its response)."""
+    found = set()
+    for e in _chain(exc):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(status, int) and not isinstance(status, bool):
+            found.add(status)
+    return found
 
 
 def transient(exc: BaseException) -> bool:
@@ -126,7 +140,8 @@ def transient(exc: BaseException) -> bool:
     if kind == "rest":
         names = {type(e).__name__ for e in _chain(exc)}
         return bool(names & {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "ServerError",
-                             "ServiceUnavailableError", "ChunkedEncodingError", "ProtocolError"})  # fmt: skip
+                             "ServiceUnavailableError", "ChunkedEncodingError", "ProtocolError",
+                             "TooManyRequestsError"}) or bool(_http_statuses(exc) & _REST_RETRY_STATUSES)  # fmt: skip
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 

@@ -1,0 +1,72 @@
+"""Which failures count as transient (connect/diagnose.py), on the errors real clients raise against a real HTTP
+server that answers with the status under test: pyiceberg's REST client and pyarrow's S3 filesystem."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from pyarrow import fs
+from pyiceberg.catalog.rest import RestCatalog
+
+from lakestream_iceberg.connect.diagnose import transient
+
+
+class _Answer(http.server.BaseHTTPRequestHandler):
+    """Answers every request with the server's status and no body."""
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        if length:
+            self.rfile.read(length)
+        self.send_response(self.server.status)  # type: ignore[attr-defined]
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_GET = do_POST = do_HEAD = do_PUT = _answer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextmanager
+def answering(status: int) -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
+    server.status = status  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_port
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+def _raised(fn: object) -> BaseException:
+    try:
+        fn()  # type: ignore[operator]
+    except Exception as exc:  # noqa: BLE001 - what the client raised is the subject
+        return exc
+    raise AssertionError("the request succeeded")
+
+
+@pytest.mark.parametrize(("status", "expected"), [(429, True), (408, True), (503, True), (500, True), (502, True),
+                                                  (400, False), (401, False), (403, False), (404, False)])
+def test_a_rest_catalog_status_is_transient_when_a_retry_can_succeed(status: int, expected: bool) -> None:
+    with answering(status) as port:
+        exc = _raised(lambda: RestCatalog("throttled", uri=f"http://127.0.0.1:{port}"))
+    assert transient(exc) is expected, (status, type(exc).__name__, exc)
+
+
+@pytest.mark.parametrize(("status", "expected"), [(429, True), (503, True), (500, True), (403, False)])
+def test_an_s3_status_is_transient_when_a_retry_can_succeed(status: int, expected: bool) -> None:
+    with answering(status) as port:
+        s3 = fs.S3FileSystem(endpoint_override=f"http://127.0.0.1:{port}", access_key="a", secret_key="b",
+                             region="us-east-1", retry_strategy=fs.AwsStandardS3RetryStrategy(max_attempts=1))
+        exc = _raised(lambda: s3.get_file_info("bucket/key"))
+    assert "AWS Error" in str(exc)
+    assert transient(exc) is expected, (status, exc)
