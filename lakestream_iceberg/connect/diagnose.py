@@ -106,6 +106,9 @@ _SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not t
                               r"connection to server .* failed|SSL connection has been closed|unable to open database file",
                               re.I)  # fmt: skip
 _SQL_DATABASE = re.compile(r"database \"[^\"]*\" does not exist", re.I)
+# SQLite reports these as OperationalError too, as it does a locked database: a retry cannot change them
+_SQL_PERMANENT = re.compile(r"readonly database|no such (?:table|column|function)|has no column named|syntax error",
+                            re.I)  # fmt: skip
 
 
 _REST_RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})  # request timeout, throttled, a gateway or server restarting
@@ -133,7 +136,7 @@ def transient(exc: BaseException) -> bool:
             return False
         return bool(_S3_UNREACHABLE.search(text) or _S3_SERVER.search(text))
     if kind == "sql":
-        if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text):
+        if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text) or _SQL_PERMANENT.search(text):
             return False
         names = {type(e).__name__ for e in _chain(exc)}
         return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError"}) or bool(_SQL_UNREACHABLE.search(text))

@@ -4,13 +4,17 @@ server that answers with the status under test: pyiceberg's REST client and pyar
 from __future__ import annotations
 
 import http.server
+import sqlite3
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import pytest
 from pyarrow import fs
 from pyiceberg.catalog.rest import RestCatalog
+from sqlalchemy import create_engine, text
 
 from lakestream_iceberg.connect.diagnose import transient
 
@@ -70,3 +74,30 @@ def test_an_s3_status_is_transient_when_a_retry_can_succeed(status: int, expecte
         exc = _raised(lambda: s3.get_file_info("bucket/key"))
     assert "AWS Error" in str(exc)
     assert transient(exc) is expected, (status, exc)
+
+
+def test_a_sqlite_error_a_retry_cannot_change_is_permanent_a_locked_database_transient(tmp_path: Path) -> None:
+    """SQLite raises OperationalError for a locked database and for a read-only one, a missing table or bad SQL alike."""
+    path = tmp_path / "catalog.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (x INTEGER)")
+    writable = create_engine(f"sqlite:///{path}", connect_args={"timeout": 0.05})
+    read_only = create_engine(f"sqlite:///file:{path}?mode=ro&uri=true")
+
+    def insert(engine: Any, table: str = "t") -> None:
+        with engine.begin() as conn:
+            conn.execute(text(f"INSERT INTO {table} VALUES (1)"))
+
+    permanent = [_raised(lambda: insert(read_only)), _raised(lambda: insert(writable, "missing")),
+                 _raised(lambda: writable.connect().execute(text("SELEC 1")))]
+    assert [type(exc).__name__ for exc in permanent] == ["OperationalError"] * 3
+    assert [transient(exc) for exc in permanent] == [False] * 3, permanent
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN IMMEDIATE")  # another writer holds the database
+        locked = _raised(lambda: insert(writable))
+    finally:
+        holder.close()
+    assert "database is locked" in str(locked) and transient(locked)
+    writable.dispose()
+    read_only.dispose()
