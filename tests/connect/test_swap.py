@@ -11,7 +11,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 from pyiceberg.table.update import AssertRefSnapshotId, SetPropertiesUpdate, update_table_metadata
 
-from lakestream_iceberg import Stream
+from lakestream_iceberg import CommitError, CommitTimeoutError, Stream
 from lakestream_iceberg.connect.swap import _updated, swap, swaps_from_held
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
@@ -143,3 +143,21 @@ def test_the_metadata_file_is_byte_for_byte_what_pyiceberg_writes(tmp_path: Path
     # and what a swapped commit wrote is what pyiceberg reads back
     producer.commit(batch("p", 1, WORLD))
     assert catalog.load_table("ns.stream").metadata == producer._loop.table.metadata  # noqa: SLF001
+
+
+def test_a_catalog_that_refuses_the_update_for_good_fails_the_commit_at_once_naming_why(tmp_path: Path) -> None:
+    """A read-only catalog database refuses the swap's UPDATE: nothing landed and no retry changes it, so the commit
+    fails with that reason after one attempt (the loop used to re-read and retry it 1000 times, then report
+    contention)."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    before = fresh_view(stream).metadata_location
+    read_only = SqlCatalog("test", uri=f"sqlite:///file:{tmp_path}/catalog.db?mode=ro&uri=true",
+                           warehouse=f"file://{tmp_path}/warehouse")
+    producer = Stream.open(read_only, "ns.stream").producer("q")
+    with pytest.raises(CommitError) as caught:
+        producer.commit(batch("q", 0, WORLD))
+    assert not isinstance(caught.value, CommitTimeoutError)
+    assert "readonly database" in str(caught.value) and "nothing was published" in str(caught.value)
+    assert fresh_view(stream).metadata_location == before
+    assert stream.producer("q").commit(batch("q", 0, WORLD)).seq == 0  # the same batch, through a writable catalog
