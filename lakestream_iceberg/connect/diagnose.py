@@ -139,7 +139,9 @@ def transient(exc: BaseException) -> bool:
         if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text) or _SQL_PERMANENT.search(text):
             return False
         names = {type(e).__name__ for e in _chain(exc)}
-        return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError"}) or bool(_SQL_UNREACHABLE.search(text))
+        # TimeoutError: SQLAlchemy's pool had no free connection in time (the process's other threads held them all)
+        return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError", "TimeoutError"}) \
+            or bool(_SQL_UNREACHABLE.search(text))
     if kind == "rest":
         names = {type(e).__name__ for e in _chain(exc)}
         return bool(names & {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "ServerError",

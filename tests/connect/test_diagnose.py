@@ -101,3 +101,17 @@ def test_a_sqlite_error_a_retry_cannot_change_is_permanent_a_locked_database_tra
     assert "database is locked" in str(locked) and transient(locked)
     writable.dispose()
     read_only.dispose()
+
+
+def test_no_free_pooled_connection_in_time_is_transient(tmp_path: Path) -> None:
+    """SQLAlchemy's pool raises its TimeoutError when every connection stays checked out past pool_timeout (the
+    process's other threads hold them): a connection is free again once they finish."""
+    engine = create_engine(f"sqlite:///{tmp_path}/catalog.db", pool_size=1, max_overflow=0, pool_timeout=0.05)
+    held = engine.connect()
+    try:
+        exhausted = _raised(engine.connect)
+    finally:
+        held.close()
+        engine.dispose()
+    assert type(exhausted).__name__ == "TimeoutError" and "QueuePool limit" in str(exhausted)
+    assert transient(exhausted)
