@@ -1,9 +1,9 @@
 """Which catalog properties are credentials, and the one way lakestream keeps them out of messages, reprs and pickles.
 
 * :func:`is_secret_key` -- a property holds a secret when its key contains ``secret``, ``password``, ``token``,
-  ``credential``, ``authorization``, ``api-key``, ``account-key``, ``private-key`` or ``sas-``, or ends in ``.key``
-  (``s3.secret-access-key``, ``client.session-token``, ``token``, ``credential``, ``header.Authorization``,
-  ``adls.account-key``, ``s3.sse.key``, ...). An access key *id* (``s3.access-key-id``, ``client.access-key-id``) is
+  ``credential``, ``authorization``, ``api-key``, ``account-key``, ``private-key``, ``sas-`` or ``connection-string``,
+  or ends in ``.key`` (``s3.secret-access-key``, ``client.session-token``, ``token``, ``credential``,
+  ``header.Authorization``, ``adls.account-key``, ``adls.connection-string``, ``s3.sse.key``, ...). An access key *id* (``s3.access-key-id``, ``client.access-key-id``) is
   not a secret, by AWS's convention: it names the key, as a user name does;
 * :func:`has_uri_password` -- a value such as ``postgresql://user:password@host/db`` (or ``...?password=...``) carries
   a secret too;
@@ -25,7 +25,7 @@ __all__ = ["REDACTED", "has_uri_password", "is_secret_key", "redact", "redact_ur
 
 # A property whose key contains one of these (or ends in ".key") holds a secret. Its value is never quoted or pickled.
 SECRET_KEY_PARTS = ("secret", "password", "token", "credential", "authorization", "api-key", "apikey", "account-key",
-                    "private-key", "sas-")
+                    "accountkey", "private-key", "sas-", "connection-string")
 SECRET_ENV_VARS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "PGPASSWORD")
 REDACTED = "****"
 # a password runs to the "@" (SQLAlchemy's rule: "/", "?", "#" may be in it, unescaped)

@@ -29,3 +29,14 @@ def test_other_query_parameters_stay_readable() -> None:
     uri = "postgresql+psycopg2://trainer@db:5432/catalog?sslmode=require&connect_timeout=5"
     assert not has_uri_password(uri)
     assert redact(uri) == uri and redacted({"uri": uri}) == {"uri": uri}
+
+
+def test_an_azure_connection_string_is_a_secret_whole_and_its_account_key_in_any_text() -> None:
+    """pyiceberg's ``adls.connection-string`` carries the storage account key (``...;AccountKey=...;...``)."""
+    key = "S3cr3tAccountKeyValue=="
+    value = f"DefaultEndpointsProtocol=https;AccountName=acct;AccountKey={key};EndpointSuffix=core.windows.net"
+    props = {"adls.connection-string": value, "adls.account-name": "acct"}
+    shareable, secret = split_secrets(props)
+    assert secret == {"adls.connection-string": value} and shareable == {"adls.account-name": "acct"}
+    assert key not in str(redacted(props)) and key not in redact(f"cannot reach {value}", props)
+    assert key not in redact(f"Server failed to authenticate: AccountName=acct;AccountKey={key}")  # no properties
