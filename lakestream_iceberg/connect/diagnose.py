@@ -98,6 +98,8 @@ _S3_TIMEOUT = re.compile(r"curlCode: 28|Timeout was reached|timed out|ConnectTim
 _S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status (?:5\d\d|429)\b|"
                         r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout")  # fmt: skip
 _S3_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist")
+# the endpoint's TLS certificate is refused (untrusted, expired, for another name): every retry meets the same one
+_S3_TLS = re.compile(r"curlCode: (?:51|58|60|77|83|90)\b|SSL peer certificate|certificate verify failed")
 _SQL_AUTH = re.compile(r"password authentication failed|no password supplied|authentication failed|"
                        r"role \"[^\"]*\" does not exist|pg_hba\.conf", re.I)  # fmt: skip
 _SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not translate host name|timeout expired|"
@@ -132,7 +134,7 @@ def transient(exc: BaseException) -> bool:
     text = _text(exc)
     kind = _kind(exc)
     if kind == "s3" or (isinstance(exc, OSError) and "AWS Error" in text):
-        if _S3_AUTH.search(text) or _S3_BUCKET.search(text):
+        if _S3_AUTH.search(text) or _S3_BUCKET.search(text) or _S3_TLS.search(text):
             return False
         return bool(_S3_UNREACHABLE.search(text) or _S3_SERVER.search(text))
     if kind == "sql":

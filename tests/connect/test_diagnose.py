@@ -115,3 +115,52 @@ def test_no_free_pooled_connection_in_time_is_transient(tmp_path: Path) -> None:
         engine.dispose()
     assert type(exhausted).__name__ == "TimeoutError" and "QueuePool limit" in str(exhausted)
     assert transient(exhausted)
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for ``localhost`` signed by itself (no client trusts it), and its key."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1)).sign(key, hashes.SHA256()))
+    cert_path, key_path = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_an_s3_endpoint_whose_tls_certificate_is_refused_is_permanent(tmp_path: Path) -> None:
+    """pyarrow reports a refused certificate as a NETWORK_CONNECTION error (curlCode 60), as it does a refused
+    connection; the same certificate meets every retry."""
+    import ssl
+
+    pytest.importorskip("cryptography")  # installed with moto (the tests' S3 server); only to make the certificate
+    cert, key = _self_signed(tmp_path)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Answer)
+    server.status = 200  # type: ignore[attr-defined]
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        s3 = fs.S3FileSystem(endpoint_override=f"https://127.0.0.1:{server.server_port}", access_key="a",
+                             secret_key="b", region="us-east-1",
+                             retry_strategy=fs.AwsStandardS3RetryStrategy(max_attempts=1))
+        exc = _raised(lambda: s3.get_file_info("bucket/key"))
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+    assert "NETWORK_CONNECTION" in str(exc) and "curlCode: 60" in str(exc), exc
+    assert not transient(exc)
