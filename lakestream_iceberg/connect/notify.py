@@ -98,8 +98,7 @@ class HeadListener:
             try:
                 if self._drain(conn):
                     return True
-                ready, _, _ = select.select([conn], [], [], max(0.0, timeout))
-                return bool(ready) and self._drain(conn)
+                return _readable(conn, max(0.0, timeout)) and self._drain(conn)
             except Exception as exc:  # noqa: BLE001 - the connection broke: stop listening, polling carries on
                 log.warning("commit notifications for channel %s stopped (%s); polling instead", self._name,
                             type(exc).__name__)
@@ -119,6 +118,17 @@ class HeadListener:
             with self._lock:
                 self._conn = None
         self._finalizer()
+
+
+def _readable(conn: Any, timeout: float) -> bool:
+    """Whether ``conn`` has something to read within ``timeout`` seconds: ``poll()``, which takes any descriptor
+    (``select()`` refuses those from 1024 up, which a process with many open files or sockets hands out)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
+    ready, _, _ = select.select([conn], [], [], timeout)  # pragma: no cover - Windows: no poll()
+    return bool(ready)
 
 
 _INHERITED: list[Any] = []  # a forked child's copies of its parent's listening connections: kept, never closed
