@@ -82,7 +82,8 @@ def _kind(exc: BaseException) -> str | None:
 
 def _is_rest_error(e: BaseException) -> bool:
     return type(e).__name__ in {"ForbiddenError", "UnauthorizedError", "ServerError", "ServiceUnavailableError",
-                                "AuthorizationExpiredError", "OAuthError", "RESTError", "BadRequestError"}  # fmt: skip
+                                "AuthorizationExpiredError", "OAuthError", "RESTError", "BadRequestError",
+                                "TooManyRequestsError"}  # fmt: skip
 
 
 _S3_AUTH = re.compile(r"ACCESS_DENIED|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
@@ -94,9 +95,11 @@ _S3_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode: (?:6|7|28|35|52|55|5
                              r"EndpointConnectionError|ConnectTimeoutError|ReadTimeoutError|Connect timeout|"
                              r"Connection (?:refused|reset)|timed out|Timeout was reached")  # fmt: skip
 _S3_TIMEOUT = re.compile(r"curlCode: 28|Timeout was reached|timed out|ConnectTimeoutError|ReadTimeoutError")
-_S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status 5\d\d|"
+_S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status (?:5\d\d|429)\b|"
                         r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout")  # fmt: skip
 _S3_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist")
+# the endpoint's TLS certificate is refused (untrusted, expired, for another name): every retry meets the same one
+_S3_TLS = re.compile(r"curlCode: (?:51|58|60|77|83|90)\b|SSL peer certificate|certificate verify failed")
 _SQL_AUTH = re.compile(r"password authentication failed|no password supplied|authentication failed|"
                        r"role \"[^\"]*\" does not exist|pg_hba\.conf", re.I)  # fmt: skip
 _SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not translate host name|timeout expired|"
@@ -105,6 +108,22 @@ _SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not t
                               r"connection to server .* failed|SSL connection has been closed|unable to open database file",
                               re.I)  # fmt: skip
 _SQL_DATABASE = re.compile(r"database \"[^\"]*\" does not exist", re.I)
+# SQLite reports these as OperationalError too, as it does a locked database: a retry cannot change them
+_SQL_PERMANENT = re.compile(r"readonly database|no such (?:table|column|function)|has no column named|syntax error",
+                            re.I)  # fmt: skip
+
+
+_REST_RETRY_STATUSES = frozenset({408, 429, 502, 503, 504})  # request timeout, throttled, a gateway or server restarting
+
+
+def _http_statuses(exc: BaseException) -> set[int]:
+    """The HTTP status codes of the responses in ``exc``'s chain (a ``requests.HTTPError`` carries its response)."""
+    found = set()
+    for e in _chain(exc):
+        status = getattr(getattr(e, "response", None), "status_code", None)
+        if isinstance(status, int) and not isinstance(status, bool):
+            found.add(status)
+    return found
 
 
 def transient(exc: BaseException) -> bool:
@@ -115,18 +134,21 @@ def transient(exc: BaseException) -> bool:
     text = _text(exc)
     kind = _kind(exc)
     if kind == "s3" or (isinstance(exc, OSError) and "AWS Error" in text):
-        if _S3_AUTH.search(text) or _S3_BUCKET.search(text):
+        if _S3_AUTH.search(text) or _S3_BUCKET.search(text) or _S3_TLS.search(text):
             return False
         return bool(_S3_UNREACHABLE.search(text) or _S3_SERVER.search(text))
     if kind == "sql":
-        if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text):
+        if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text) or _SQL_PERMANENT.search(text):
             return False
         names = {type(e).__name__ for e in _chain(exc)}
-        return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError"}) or bool(_SQL_UNREACHABLE.search(text))
+        # TimeoutError: SQLAlchemy's pool had no free connection in time (the process's other threads held them all)
+        return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError", "TimeoutError"}) \
+            or bool(_SQL_UNREACHABLE.search(text))
     if kind == "rest":
         names = {type(e).__name__ for e in _chain(exc)}
         return bool(names & {"ConnectionError", "ConnectTimeout", "ReadTimeout", "Timeout", "ServerError",
-                             "ServiceUnavailableError", "ChunkedEncodingError", "ProtocolError"})  # fmt: skip
+                             "ServiceUnavailableError", "ChunkedEncodingError", "ProtocolError",
+                             "TooManyRequestsError"}) or bool(_http_statuses(exc) & _REST_RETRY_STATUSES)  # fmt: skip
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 

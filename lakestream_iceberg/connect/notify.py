@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import select
 import threading
 import weakref
@@ -50,14 +51,17 @@ class HeadListener:
 
     One dedicated connection per listener (taken out of the catalog engine's pool, closed by :meth:`close` or when the
     listener is garbage-collected). A broken connection turns the listener off; the follower's polling carries on.
+    A forked child's copy of a listener is off: it never reads nor closes the parent's connection (closing it there
+    would end the parent's session, and reading it would take the parent's notifications).
     """
 
     def __init__(self, connection: Any, name: str) -> None:
         self._conn = connection
         self._name = name
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         self.received = 0
-        self._finalizer = weakref.finalize(self, _close_quietly, connection)
+        self._finalizer = weakref.finalize(self, _close_quietly, connection, self._pid)
 
     @classmethod
     def open(cls, table: Table) -> HeadListener | None:
@@ -81,10 +85,12 @@ class HeadListener:
 
     @property
     def alive(self) -> bool:
-        return self._conn is not None
+        return self._conn is not None and self._pid == os.getpid()
 
     def wait(self, timeout: float) -> bool:
         """Block up to ``timeout`` seconds for a commit notification; True when one (or more) arrived."""
+        if self._pid != os.getpid():  # a forked child's copy: off (see the class docstring); its lock may be held
+            return False
         with self._lock:
             conn = self._conn
             if conn is None:
@@ -92,8 +98,7 @@ class HeadListener:
             try:
                 if self._drain(conn):
                     return True
-                ready, _, _ = select.select([conn], [], [], max(0.0, timeout))
-                return bool(ready) and self._drain(conn)
+                return _readable(conn, max(0.0, timeout)) and self._drain(conn)
             except Exception as exc:  # noqa: BLE001 - the connection broke: stop listening, polling carries on
                 log.warning("commit notifications for channel %s stopped (%s); polling instead", self._name,
                             type(exc).__name__)
@@ -109,12 +114,30 @@ class HeadListener:
         return got > 0
 
     def close(self) -> None:
-        with self._lock:
-            self._conn = None
+        if self._pid == os.getpid():  # a forked child's copy may hold a lock a parent's thread held at the fork
+            with self._lock:
+                self._conn = None
         self._finalizer()
 
 
-def _close_quietly(connection: Any) -> None:
+def _readable(conn: Any, timeout: float) -> bool:
+    """Whether ``conn`` has something to read within ``timeout`` seconds: ``poll()``, which takes any descriptor
+    (``select()`` refuses those from 1024 up, which a process with many open files or sockets hands out)."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
+    ready, _, _ = select.select([conn], [], [], timeout)  # pragma: no cover - Windows: no poll()
+    return bool(ready)
+
+
+_INHERITED: list[Any] = []  # a forked child's copies of its parent's listening connections: kept, never closed
+
+
+def _close_quietly(connection: Any, pid: int | None = None) -> None:
+    if pid is not None and pid != os.getpid():
+        _INHERITED.append(connection)  # closing or freeing it here would send the server the parent's goodbye
+        return
     try:
         connection.close()
     except Exception:  # noqa: BLE001 - already closed or broken

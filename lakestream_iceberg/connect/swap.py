@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 from pyiceberg.catalog import Catalog, MetastoreCatalog
 from pyiceberg.io import OutputFile
@@ -31,8 +31,11 @@ from pyiceberg.table.locations import load_location_provider
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.update import TableRequirement, TableUpdate, update_table_metadata
 
+from lakestream_iceberg.connect.diagnose import explain, transient
 from lakestream_iceberg.connect.notify import channel, notifies
 from lakestream_iceberg.connect.pointer import pointer_probe
+from lakestream_iceberg.connect.secrets import redact
+from lakestream_iceberg.errors import CommitError
 
 if TYPE_CHECKING:
     from sqlalchemy.sql.dml import Update
@@ -99,12 +102,36 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     # per-call evaluation of the WHERE clause against loaded objects: we load none). Leaving the block commits it;
     # an exception rolls it back.
     with catalog.engine.begin() as conn:  # type: ignore[attr-defined]
-        if conn.execute(_swap_statement(), params).rowcount < 1:
+        try:
+            swapped = conn.execute(_swap_statement(), params).rowcount >= 1
+            if swapped and notifies(catalog):  # delivered when (and only if) this transaction commits: connect/notify.py
+                conn.execute(text("SELECT pg_notify(:channel, :location)"),
+                             {"channel": channel(catalog.name, identifier), "location": location})
+        except Exception as exc:  # a statement failed: the transaction is rolled back, nothing landed
+            _raise_if_permanent(exc, table, "updating the catalog's table pointer", catalog.properties)
+            raise
+        if not swapped:
             raise CommitFailedException(f"Table has been updated by another process: {'.'.join(identifier)}")
-        if notifies(catalog):  # delivered when (and only if) this transaction commits: see connect/notify.py
-            conn.execute(text("SELECT pg_notify(:channel, :location)"),
-                         {"channel": channel(catalog.name, identifier), "location": location})
     return CommitTableResponse(metadata=metadata, metadata_location=location)
+
+
+def _raise_if_permanent(exc: Exception, table: Table, what: str, properties: Mapping[str, Any]) -> None:
+    """Raise a lakestream error for a statement of the swap's transaction that failed in a way no retry can change (a
+    read-only database, a role without the privilege): nothing landed, and the commit loop would otherwise read the
+    head back and try again until its budget ran out. Transient failures return (the caller re-raises them)."""
+    if transient(exc):
+        return
+    error = explain(exc, properties, action=f"committing to {'.'.join(table.name())}: {what}")
+    if error is not None:
+        raise error from None  # explain() keeps the original (its text unredacted) as error.original, unchained
+    detail = redact(" ".join(f"{type(exc).__name__}: {exc}".split()), properties)[:400]
+    refused = CommitError(
+        f"committing to {'.'.join(table.name())}: {what} failed ({detail}); nothing was published and retrying cannot "
+        "change this. Check that this process may write the catalog database (a read-only database file or role, "
+        "missing privileges), then commit the same batch again (same seq)"
+    )
+    refused.original = exc  # type: ignore[attr-defined]  # as explain() keeps it: not chained (its text is unredacted)
+    raise refused from None
 
 
 def _write_metadata(metadata: TableMetadata, output_file: OutputFile) -> None:

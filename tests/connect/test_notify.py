@@ -106,3 +106,67 @@ def test_channel_names_are_short_identifiers_distinct_per_table() -> None:
     assert a.startswith("lakestream_") and len(a) <= 63 and a.isidentifier()
     assert a != channel("prod", ("ns", "other")) and a != channel("dev", ("ns", "stream"))
     assert len(channel("prod", ("ns", "x" * 500))) == len(a)
+
+
+@pytest.mark.services
+def test_a_forked_childs_copy_of_a_listener_leaves_the_parents_connection_alone(pg_catalog: SqlCatalog) -> None:
+    """A process forked while it listens (a DataLoader starting its workers) gets a copy of the listener; closing or
+    dropping that copy in the child must not end the parent's connection (freeing a psycopg2 connection sends the
+    server a goodbye on the socket both processes share), and the copy must not read the parent's notifications."""
+    import gc
+    import os
+
+    stream = Stream.create(pg_catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    listener = HeadListener.open(Stream.open(pg_catalog, "ns.stream").table)
+    assert listener is not None
+    pid = os.fork()
+    if pid == 0:  # the child: exits without running the parent's cleanups
+        code = 1
+        try:
+            copy = listener
+            code = 2 if copy.alive or copy.wait(0.0) else 0
+            copy.close()
+            del copy
+            gc.collect()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    assert listener.wait(600.0), "the parent's listener stopped: the child ended its connection"
+    assert listener.alive
+    listener.close()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's copy was alive"
+
+
+@pytest.mark.services
+def test_a_listener_on_a_descriptor_past_1024_keeps_listening(postgres_service: services.Postgres,
+                                                              tmp_path: Path) -> None:
+    """A trainer with many open files or sockets gets descriptors from 1024 up, which select() refuses: the listener
+    waits on them all the same (poll), instead of turning itself off at its first idle wait."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        if hard != resource.RLIM_INFINITY and hard < 1200:
+            pytest.skip(f"at most {hard} open files here")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1200, hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1030)]
+    try:
+        database = fresh_name("db")
+        postgres_service.create_database(database)
+        catalog = SqlCatalog("pg", uri=postgres_service.sqlalchemy_uri(database),
+                             warehouse=f"file://{tmp_path}/warehouse")
+        stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+        listener = HeadListener.open(Stream.open(catalog, "ns.stream").table)
+        assert listener is not None
+        assert listener._conn.fileno() >= 1024  # noqa: SLF001 - the case under test
+        assert not listener.wait(0.01) and listener.alive  # nothing committed yet: an idle wait, still listening
+        stream.producer("p").commit(batch("p", 0, WORLD))
+        assert listener.wait(600.0) and listener.received >= 1
+        listener.close()
+        catalog.engine.dispose()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -10,10 +10,15 @@ from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import Table
 from pyiceberg.table.update import AssertRefSnapshotId, SetPropertiesUpdate, update_table_metadata
+from sqlalchemy import text
 
-from lakestream_iceberg import Stream
+from catalog import services
+from lakestream_iceberg import CommitError, CommitTimeoutError, Stream
 from lakestream_iceberg.connect.swap import _updated, swap, swaps_from_held
+from tests.backends import fresh_name, postgres_service
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
+
+__all__ = ["postgres_service"]
 
 WORLD = 2
 
@@ -143,3 +148,48 @@ def test_the_metadata_file_is_byte_for_byte_what_pyiceberg_writes(tmp_path: Path
     # and what a swapped commit wrote is what pyiceberg reads back
     producer.commit(batch("p", 1, WORLD))
     assert catalog.load_table("ns.stream").metadata == producer._loop.table.metadata  # noqa: SLF001
+
+
+def test_a_catalog_that_refuses_the_update_for_good_fails_the_commit_at_once_naming_why(tmp_path: Path) -> None:
+    """A read-only catalog database refuses the swap's UPDATE: nothing landed and no retry changes it, so the commit
+    fails with that reason after one attempt (the loop used to re-read and retry it 1000 times, then report
+    contention)."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    before = fresh_view(stream).metadata_location
+    read_only = SqlCatalog("test", uri=f"sqlite:///file:{tmp_path}/catalog.db?mode=ro&uri=true",
+                           warehouse=f"file://{tmp_path}/warehouse")
+    producer = Stream.open(read_only, "ns.stream").producer("q")
+    with pytest.raises(CommitError) as caught:
+        producer.commit(batch("q", 0, WORLD))
+    assert not isinstance(caught.value, CommitTimeoutError)
+    assert "readonly database" in str(caught.value) and "nothing was published" in str(caught.value)
+    assert fresh_view(stream).metadata_location == before
+    assert stream.producer("q").commit(batch("q", 0, WORLD)).seq == 0  # the same batch, through a writable catalog
+
+
+@pytest.mark.services
+def test_a_postgresql_role_without_update_on_the_catalog_fails_the_commit_at_once_naming_why(
+        postgres_service: services.Postgres, tmp_path: Path) -> None:
+    """PostgreSQL refuses the swap's UPDATE to a role that may only read the catalog (InsufficientPrivilege): nothing
+    landed and no retry changes it, so the commit fails with that reason instead of retrying until its budget."""
+    database = fresh_name("db")
+    postgres_service.create_database(database)
+    owner = SqlCatalog("pg", uri=postgres_service.sqlalchemy_uri(database), warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(owner, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    role = fresh_name("reader")
+    with owner.engine.begin() as conn:
+        conn.execute(text(f'CREATE ROLE "{role}" LOGIN'))
+        conn.execute(text(f'GRANT SELECT ON ALL TABLES IN SCHEMA public TO "{role}"'))
+    uri = postgres_service.sqlalchemy_uri(database).replace("://postgres@", f"://{role}@", 1)
+    assert role in uri
+    reader = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse", init_catalog_tables="false")
+    try:
+        with pytest.raises(CommitError) as caught:
+            Stream.open(reader, "ns.stream").producer("p").commit(batch("p", 0, WORLD))
+        assert not isinstance(caught.value, CommitTimeoutError)
+        assert "permission denied" in str(caught.value) and "nothing was published" in str(caught.value)
+        assert stream.head_step() == 0
+    finally:
+        reader.engine.dispose()
+        owner.engine.dispose()
