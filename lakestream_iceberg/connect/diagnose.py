@@ -108,6 +108,10 @@ _SQL_UNREACHABLE = re.compile(r"Connection refused|could not connect|could not t
                               r"connection to server .* failed|SSL connection has been closed|unable to open database file",
                               re.I)  # fmt: skip
 _SQL_DATABASE = re.compile(r"database \"[^\"]*\" does not exist", re.I)
+# PostgreSQL's "cannot execute UPDATE in a read-only transaction" (SQLSTATE 25006): during a failover a pooled
+# connection can reach the old primary, now a standby, until it is replaced; a role without the privilege is refused
+# with "permission denied" instead
+_SQL_FAILOVER = re.compile(r"read-only transaction", re.I)
 # SQLite reports these as OperationalError too, as it does a locked database: a retry cannot change them
 _SQL_PERMANENT = re.compile(r"readonly database|no such (?:table|column|function)|has no column named|syntax error",
                             re.I)  # fmt: skip
@@ -140,6 +144,8 @@ def transient(exc: BaseException) -> bool:
     if kind == "sql":
         if _SQL_AUTH.search(text) or _SQL_DATABASE.search(text) or _SQL_PERMANENT.search(text):
             return False
+        if _SQL_FAILOVER.search(text):
+            return True
         names = {type(e).__name__ for e in _chain(exc)}
         # TimeoutError: SQLAlchemy's pool had no free connection in time (the process's other threads held them all)
         return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError", "TimeoutError"}) \

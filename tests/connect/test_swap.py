@@ -193,3 +193,35 @@ def test_a_postgresql_role_without_update_on_the_catalog_fails_the_commit_at_onc
     finally:
         reader.engine.dispose()
         owner.engine.dispose()
+
+
+@pytest.mark.services
+def test_a_postgresql_server_refusing_writes_as_a_standby_does_is_transient_and_a_missing_privilege_is_not(
+        postgres_service: services.Postgres) -> None:
+    """During a failover a pooled connection can reach the old primary, now a standby, which refuses every write with
+    'cannot execute UPDATE in a read-only transaction' until the connection is replaced: a commit retries that (as a
+    transient failure), where a role without the privilege ('permission denied') fails at once."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.exc import DBAPIError
+
+    from lakestream_iceberg.connect.diagnose import transient
+
+    database = fresh_name("db")
+    postgres_service.create_database(database)
+    engine = create_engine(postgres_service.sqlalchemy_uri(database))
+    role = fresh_name("reader")
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("CREATE TABLE pointer (location text)"))
+            conn.execute(text(f'CREATE ROLE "{role}" LOGIN'))
+            conn.execute(text(f'GRANT SELECT ON pointer TO "{role}"'))
+        with pytest.raises(DBAPIError) as standby, engine.begin() as conn:
+            conn.execute(text("SET TRANSACTION READ ONLY"))  # what a standby imposes on every transaction
+            conn.execute(text("UPDATE pointer SET location = 'x'"))
+        assert "read-only transaction" in str(standby.value) and transient(standby.value)
+        with pytest.raises(DBAPIError) as denied, engine.begin() as conn:
+            conn.execute(text(f'SET ROLE "{role}"'))
+            conn.execute(text("UPDATE pointer SET location = 'x'"))
+        assert "permission denied" in str(denied.value) and not transient(denied.value)
+    finally:
+        engine.dispose()
