@@ -423,3 +423,20 @@ def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_
     assert fd is not None and unlinked
     assert os.fstat(fd).st_ino == os.stat(path).st_ino  # it holds the file the path names now, made after the unlink
     os.close(fd)
+
+
+def test_a_holder_serves_connections_on_descriptors_above_1024(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder with many clients (two connections per reader) or many open files gets descriptors >= 1024, which
+    ``select`` refuses: its accept thread died and every reader of the host waited for a relay that never answered."""
+    stream = make_stream(tmp_path, steps=2)
+    monkeypatch.setattr(relay_client, "IO_S", 2.0)  # without poll(): fail in seconds, not after the full IO_S
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        watcher = watch(stream)
+        assert isinstance(watcher, RelayWatcher) and watcher.holding
+        watcher.check()
+        assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+        watcher.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
