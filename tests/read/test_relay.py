@@ -440,3 +440,28 @@ def test_a_holder_serves_connections_on_descriptors_above_1024(tmp_path: Path, m
     finally:
         for fd in filler:
             os.close(fd)
+
+
+def test_a_holder_at_its_client_limit_refuses_its_own_reader_with_an_error(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay at MAX_CLIENTS closes new connections; a reader of the holder's own process then spun forever
+    (elect: "I hold it", connect: refused, elect, ...) instead of giving up after CONNECT_S."""
+    stream = make_stream(tmp_path, steps=2)
+    monkeypatch.setattr(relay_module, "MAX_CLIENTS", 1)
+    monkeypatch.setattr(relay_client, "CONNECT_S", 0.5)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding  # its wait connection is the one client
+    raised: list[BaseException] = []
+
+    def files() -> None:
+        try:
+            watcher.files(None, 2)  # opens the files connection: refused
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    thread = threading.Thread(target=files, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the reader spun instead of raising"
+    assert len(raised) == 1 and isinstance(raised[0], ReadError) and "clients it takes" in str(raised[0])
+    watcher.close()
