@@ -186,6 +186,10 @@ class RelayWatcher:
                 hello = recv_frame(sock, timeout=IO_S)
             except (FileNotFoundError, ConnectionError):
                 sock.close()  # nobody serves it (or its holder just exited): elect
+            except TimeoutError:  # a holder that accepts (the kernel queues the connection) but never answers
+                sock.close()
+                raise ReadError(f"the head relay of {self._stream.name} at {self._paths.socket} did not answer within "
+                                f"{IO_S:.0f}s (is its holder stopped?); pass relay=False to read without it") from None
             except BaseException:
                 sock.close()
                 raise

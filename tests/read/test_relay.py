@@ -465,3 +465,23 @@ def test_a_holder_at_its_client_limit_refuses_its_own_reader_with_an_error(tmp_p
     assert not thread.is_alive(), "the reader spun instead of raising"
     assert len(raised) == 1 and isinstance(raised[0], ReadError) and "clients it takes" in str(raised[0])
     watcher.close()
+
+
+def test_a_stopped_holder_gives_a_new_connection_a_clear_error_too(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection opened to a holder that accepts (the kernel queues it) but never answers ``hello``: the reader got
+    a bare TimeoutError from its first ``files`` (or from reconnecting) instead of the relay's ReadError."""
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher)
+        client.check()
+        monkeypatch.setattr(relay_client, "IO_S", 0.5)
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(ReadError, match="did not answer"):
+            client.files(None, 1)  # its files connection is opened now
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
