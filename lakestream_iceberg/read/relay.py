@@ -177,13 +177,23 @@ class HeadRelay:
 
     # -- serving -------------------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        failing = False
         while not self._stop.is_set():
             try:
                 if not readable(self._listener, 0.2):
                     continue
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # closed by stop()
+                # out of descriptors (EMFILE: many clients, a low ``ulimit -n``) or memory: the connection waits in
+                # the backlog; accept again once some are free instead of leaving the relay elected and deaf
+                if not failing:
+                    log.warning("the head relay of %s cannot accept a connection (%s); retrying", self.stream.name, exc)
+                failing = True
+                self._stop.wait(0.1)
+                continue
+            failing = False
             with self._cond:
                 if len(self._clients) >= MAX_CLIENTS:
                     conn.close()

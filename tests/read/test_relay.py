@@ -485,3 +485,48 @@ def test_a_stopped_holder_gives_a_new_connection_a_clear_error_too(tmp_path: Pat
     finally:
         holder.kill()
         holder.wait(timeout=60)
+
+
+def test_a_holder_out_of_descriptors_accepts_again_once_some_are_free(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """accept() failing with EMFILE (many clients under a low ``ulimit -n``) ended the holder's accept thread for good:
+    the relay stayed elected and answered nobody again."""
+    import resource
+    import socket
+
+    stream = make_stream(tmp_path, steps=2)
+    monkeypatch.setattr(relay_client, "IO_S", 2.0)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    watcher.check()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tried = threading.Event()
+    handler = logging.Handler()
+    handler.emit = lambda record: tried.set() if "cannot accept" in record.getMessage() else None  # type: ignore[method-assign]
+
+    def fill() -> None:  # every free descriptor, also any that another thread frees meanwhile
+        try:
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+
+    relay_module.log.addHandler(handler)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+        fill()
+        peer.connect(str(watcher._paths.socket))  # needs no new descriptor: accepting it does
+        for _ in range(400):  # the accept thread tries within 0.2 s: it warns (or, before, its thread ended)
+            fill()
+            if tried.wait(0.05) or not any(t.name == "lakestream-relay-accept" for t in threading.enumerate()):
+                break
+    finally:
+        relay_module.log.removeHandler(handler)
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    peer.close()
+    assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+    watcher.close()
