@@ -114,7 +114,7 @@ def recv_frame(sock: socket.socket, *, timeout: float) -> dict[str, Any]:
         raise ConnectionError(f"relay frame of {size} bytes exceeds {MAX_FRAME}")
     try:
         message = json.loads(_read(sock, size, deadline))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise ConnectionError(f"relay frame is not JSON ({exc})") from None
     if not isinstance(message, dict):
         raise ConnectionError("relay frame is not a JSON object")

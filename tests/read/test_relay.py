@@ -530,3 +530,19 @@ def test_a_holder_out_of_descriptors_accepts_again_once_some_are_free(tmp_path: 
     peer.close()
     assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
     watcher.close()
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"op": "files", "step": ' + b"9" * 5_000 + b"}", b"\xff\xfe", b"[1]"])
+def test_a_frame_that_is_not_a_json_object_ends_the_connection_only(body: bytes) -> None:
+    """A peer's frame of arrays nested 100,000 deep raised RecursionError out of recv_frame: a traceback from the
+    holder's client thread, or out of a reader (a broken peer's bytes are a broken connection, nothing else)."""
+    import socket
+    import struct
+
+    from lakestream_iceberg.read.relay_wire import recv_frame
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(struct.pack(">I", len(body)) + body)
+        with pytest.raises(ConnectionError, match="relay frame is not"):
+            recv_frame(ours, timeout=10)
