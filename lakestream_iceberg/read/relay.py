@@ -388,13 +388,17 @@ def _shutdown(conn: socket.socket) -> None:
 
 def _forget_after_fork() -> None:
     """In a forked child: the parent's relays are not this process's; close their lock and socket copies (a child
-    holding the lock's open file would keep the parent's relay elected after the parent died)."""
+    holding the lock's open file would keep the parent's relay elected after the parent died, and one holding its
+    clients' connections would keep them open: they would wait out ``IO_S`` and fail instead of electing anew).
+    Closed, never shut down: shutting a connection down here would end the parent's."""
     global _HELD_LOCK
     _HELD_LOCK = threading.Lock()
     inherited = list(_HELD.values())
     _HELD.clear()
     for relay in inherited:
-        for close in (lambda r=relay: os.close(r._lock_fd), relay._listener.close):
+        closers = [lambda r=relay: os.close(r._lock_fd), relay._listener.close]
+        closers += [conn.close for conn in list(relay._clients)]
+        for close in closers:
             try:
                 close()
             except OSError:

@@ -546,3 +546,43 @@ def test_a_frame_that_is_not_a_json_object_ends_the_connection_only(body: bytes)
         theirs.sendall(struct.pack(">I", len(body)) + body)
         with pytest.raises(ConnectionError, match="relay frame is not"):
             recv_frame(ours, timeout=10)
+
+
+FORKING_HOLDER = HOLDER.replace("time.sleep(600)\n", """sys.stdin.readline()
+import os
+if os.fork() == 0:  # a child that outlives the holder (a worker, a helper process), till the test lets it go
+    sys.stdin.read()
+    os._exit(0)
+print("forked", flush=True)
+time.sleep(600)
+""")
+assert FORKING_HOLDER != HOLDER
+
+
+def test_a_holders_forked_child_does_not_keep_its_clients_connections_open(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked by the holder kept copies of the holder's client connections: when the holder died its clients
+    saw no end of connection, waited out IO_S and raised ReadError instead of electing a new holder."""
+    stream = make_stream(tmp_path, steps=1)
+    monkeypatch.setattr(relay_client, "IO_S", 5.0)
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER.format(root=str(ROOT), tmp=str(tmp_path))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()  # its connection is accepted: the child is forked with a copy of it
+        holder.stdin.write("fork\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "forked"
+        holder.kill()
+        holder.wait(timeout=60)
+        commit(stream, 2)
+        assert client.wait(2, timeout=60, stop=threading.Event())[0] == 2  # reconnected, and elected itself
+        assert client.holding
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+        holder.stdin.close()  # the child's stdin ends: it exits
