@@ -5,7 +5,8 @@ Each recorded position (:mod:`lakestream_iceberg.read.consumer`) becomes one :cl
 
 * ``lag_steps``: the head step of the position's branch minus the last step the rank delivered;
 * ``lag_s``: how long ago the oldest step it has not delivered was committed (0 when caught up; where that step's
-  snapshot was expired, the oldest retained step after it stands in, so the figure is a lower bound);
+  snapshot was expired, the oldest retained step after it stands in, so the figure is a lower bound; None when no
+  snapshot that published a step after it is retained, as right after a GC);
 * ``data_wait_fraction``: the share of the rank's time since it started (or resumed) that the training loop waited for
   data;
 * ``status``: ``active``; ``stale`` when the rank has not reported for ``stale_after`` times its report interval (a
@@ -33,7 +34,7 @@ import pyarrow as pa
 
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, ConsumerGroupActiveError, CorruptStateError, LakestreamError
-from lakestream_iceberg.format.summary import KEY_STEP
+from lakestream_iceberg.format.summary import KEY_OP, KEY_STEP, OP_APPEND
 from lakestream_iceberg.read.consumer import Position, check_group
 
 if TYPE_CHECKING:
@@ -102,8 +103,8 @@ class _Branch:
         found: dict[int, float] = {}
         while current is not None:
             summary = current.summary.additional_properties if current.summary is not None else {}
-            try:
-                step = int(summary[KEY_STEP])
+            try:  # only a snapshot that published steps dates them: a collect, checkpoint or repair snapshot carries
+                step = int(summary[KEY_STEP]) if summary.get(KEY_OP, OP_APPEND) == OP_APPEND else None  # the head's
             except (KeyError, TypeError, ValueError):
                 step = None
             if step is not None and step not in found:

@@ -177,13 +177,23 @@ class HeadRelay:
 
     # -- serving -------------------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
+        failing = False
         while not self._stop.is_set():
             try:
                 if not readable(self._listener, 0.2):
                     continue
                 conn, _ = self._listener.accept()
-            except OSError:
-                return  # closed by stop()
+            except OSError as exc:
+                if self._stop.is_set():
+                    return  # closed by stop()
+                # out of descriptors (EMFILE: many clients, a low ``ulimit -n``) or memory: the connection waits in
+                # the backlog; accept again once some are free instead of leaving the relay elected and deaf
+                if not failing:
+                    log.warning("the head relay of %s cannot accept a connection (%s); retrying", self.stream.name, exc)
+                failing = True
+                self._stop.wait(0.1)
+                continue
+            failing = False
             with self._cond:
                 if len(self._clients) >= MAX_CLIENTS:
                     conn.close()
@@ -378,13 +388,17 @@ def _shutdown(conn: socket.socket) -> None:
 
 def _forget_after_fork() -> None:
     """In a forked child: the parent's relays are not this process's; close their lock and socket copies (a child
-    holding the lock's open file would keep the parent's relay elected after the parent died)."""
+    holding the lock's open file would keep the parent's relay elected after the parent died, and one holding its
+    clients' connections would keep them open: they would wait out ``IO_S`` and fail instead of electing anew).
+    Closed, never shut down: shutting a connection down here would end the parent's."""
     global _HELD_LOCK
     _HELD_LOCK = threading.Lock()
     inherited = list(_HELD.values())
     _HELD.clear()
     for relay in inherited:
-        for close in (lambda r=relay: os.close(r._lock_fd), relay._listener.close):
+        closers = [lambda r=relay: os.close(r._lock_fd), relay._listener.close]
+        closers += [conn.close for conn in list(relay._clients)]
+        for close in closers:
             try:
                 close()
             except OSError:

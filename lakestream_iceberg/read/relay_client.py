@@ -186,6 +186,10 @@ class RelayWatcher:
                 hello = recv_frame(sock, timeout=IO_S)
             except (FileNotFoundError, ConnectionError):
                 sock.close()  # nobody serves it (or its holder just exited): elect
+            except TimeoutError:  # a holder that accepts (the kernel queues the connection) but never answers
+                sock.close()
+                raise ReadError(f"the head relay of {self._stream.name} at {self._paths.socket} did not answer within "
+                                f"{IO_S:.0f}s (is its holder stopped?); pass relay=False to read without it") from None
             except BaseException:
                 sock.close()
                 raise
@@ -198,12 +202,13 @@ class RelayWatcher:
                 return
             relay = hold(self._stream, branch=self._branch, paths=self._paths, poll_s=self._poll_s,
                          max_poll_s=self._max_poll_s)
-            if relay is not None:
-                self._adopt(relay)
+            if relay is not None and relay is not self._holding:  # a relay this reader already serves from refused
+                self._adopt(relay)                                  # it (at MAX_CLIENTS): wait, up to the deadline
                 continue
             if time.monotonic() > deadline:
                 raise ReadError(f"no process served the head relay of {self._stream.name} at {self._paths.socket} "
-                                f"within {CONNECT_S:.0f}s; pass relay=False to read without it")
+                                f"within {CONNECT_S:.0f}s (or its holder has all the clients it takes); pass "
+                                "relay=False to read without it")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 

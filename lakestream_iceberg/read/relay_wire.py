@@ -114,7 +114,7 @@ def recv_frame(sock: socket.socket, *, timeout: float) -> dict[str, Any]:
         raise ConnectionError(f"relay frame of {size} bytes exceeds {MAX_FRAME}")
     try:
         message = json.loads(_read(sock, size, deadline))
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep
         raise ConnectionError(f"relay frame is not JSON ({exc})") from None
     if not isinstance(message, dict):
         raise ConnectionError("relay frame is not a JSON object")
@@ -122,7 +122,14 @@ def recv_frame(sock: socket.socket, *, timeout: float) -> dict[str, Any]:
 
 
 def readable(sock: socket.socket, timeout: float) -> bool:
-    """Whether ``sock`` has something to read (or was closed) within ``timeout`` seconds."""
+    """Whether ``sock`` has something to read (or was closed) within ``timeout`` seconds.
+
+    ``poll`` where there is one: ``select`` refuses descriptors numbered 1024 and above, which a holder serving
+    hundreds of readers (two connections each) or a process with many open files reaches."""
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(max(0.0, timeout) * 1000))
     ready, _, _ = select.select([sock], [], [], max(0.0, timeout))
     return bool(ready)
 

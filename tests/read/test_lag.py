@@ -333,3 +333,25 @@ def test_positions_on_the_real_services(kind: str, kept: str, request: pytest.Fi
         assert [(rows[r].status, rows[r].last_step, rows[r].lag_steps) for r in range(WORLD)] == [("closed", 2, 1)] * 2
     finally:
         backend.close()
+
+
+def test_lag_seconds_are_not_dated_by_a_gc_commit(stream: Stream) -> None:
+    """GC expires the snapshots that published the steps and commits a ``collect`` snapshot carrying the head step:
+    its commit time stood in for the steps' and a rank far behind showed a lag of about 0 s after every GC."""
+    import time
+
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST, end_step=2)
+    assert [item["step"] for item in ds] == [1, 2]
+    published = stream.refresh().table.metadata.snapshot_by_name("main").timestamp_ms / 1000  # step 4's commit
+    until(lambda: time.time() > published + 0.05, "the clock to pass step 4's commit")
+    stream.checkpoint("c", step=3)
+    stream.collect_garbage(dry_run=False, keep_last=1)  # collects steps 1 and 2
+    stream.refresh()
+    assert all(s.summary.additional_properties.get("lakestream.op") != "append" for s in stream.table.metadata.snapshots)
+    now = time.time() + 3600
+    row = {c.rank: c for c in consumer_lags(stream, group="run", now=now)}[0]
+    assert (row.last_step, row.head_step, row.lag_steps) == (2, 4, 2)
+    assert row.lag_s is None or row.lag_s >= now - published  # step 3 was committed before step 4: at least this
+    publish(stream, 1)  # a step published after the GC dates the lag again (a lower bound, as documented)
+    row = {c.rank: c for c in consumer_lags(stream.refresh(), group="run", now=now)}[0]
+    assert row.lag_steps == 3 and row.lag_s is not None and 0 < row.lag_s <= now - published

@@ -423,3 +423,166 @@ def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_
     assert fd is not None and unlinked
     assert os.fstat(fd).st_ino == os.stat(path).st_ino  # it holds the file the path names now, made after the unlink
     os.close(fd)
+
+
+def test_a_holder_serves_connections_on_descriptors_above_1024(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder with many clients (two connections per reader) or many open files gets descriptors >= 1024, which
+    ``select`` refuses: its accept thread died and every reader of the host waited for a relay that never answered."""
+    stream = make_stream(tmp_path, steps=2)
+    monkeypatch.setattr(relay_client, "IO_S", 2.0)  # without poll(): fail in seconds, not after the full IO_S
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        watcher = watch(stream)
+        assert isinstance(watcher, RelayWatcher) and watcher.holding
+        watcher.check()
+        assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+        watcher.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+
+
+def test_a_holder_at_its_client_limit_refuses_its_own_reader_with_an_error(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay at MAX_CLIENTS closes new connections; a reader of the holder's own process then spun forever
+    (elect: "I hold it", connect: refused, elect, ...) instead of giving up after CONNECT_S."""
+    stream = make_stream(tmp_path, steps=2)
+    monkeypatch.setattr(relay_module, "MAX_CLIENTS", 1)
+    monkeypatch.setattr(relay_client, "CONNECT_S", 0.5)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding  # its wait connection is the one client
+    raised: list[BaseException] = []
+
+    def files() -> None:
+        try:
+            watcher.files(None, 2)  # opens the files connection: refused
+        except BaseException as exc:  # noqa: BLE001
+            raised.append(exc)
+
+    thread = threading.Thread(target=files, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the reader spun instead of raising"
+    assert len(raised) == 1 and isinstance(raised[0], ReadError) and "clients it takes" in str(raised[0])
+    watcher.close()
+
+
+def test_a_stopped_holder_gives_a_new_connection_a_clear_error_too(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection opened to a holder that accepts (the kernel queues it) but never answers ``hello``: the reader got
+    a bare TimeoutError from its first ``files`` (or from reconnecting) instead of the relay's ReadError."""
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher)
+        client.check()
+        monkeypatch.setattr(relay_client, "IO_S", 0.5)
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(ReadError, match="did not answer"):
+            client.files(None, 1)  # its files connection is opened now
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+
+
+def test_a_holder_out_of_descriptors_accepts_again_once_some_are_free(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """accept() failing with EMFILE (many clients under a low ``ulimit -n``) ended the holder's accept thread for good:
+    the relay stayed elected and answered nobody again."""
+    import resource
+    import socket
+
+    stream = make_stream(tmp_path, steps=2)
+    monkeypatch.setattr(relay_client, "IO_S", 2.0)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    watcher.check()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tried = threading.Event()
+    handler = logging.Handler()
+    handler.emit = lambda record: tried.set() if "cannot accept" in record.getMessage() else None  # type: ignore[method-assign]
+
+    def fill() -> None:  # every free descriptor, also any that another thread frees meanwhile
+        try:
+            while True:
+                filler.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+
+    relay_module.log.addHandler(handler)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 32, hard))
+        fill()
+        peer.connect(str(watcher._paths.socket))  # needs no new descriptor: accepting it does
+        for _ in range(400):  # the accept thread tries within 0.2 s: it warns (or, before, its thread ended)
+            fill()
+            if tried.wait(0.05) or not any(t.name == "lakestream-relay-accept" for t in threading.enumerate()):
+                break
+    finally:
+        relay_module.log.removeHandler(handler)
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    peer.close()
+    assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+    watcher.close()
+
+
+@pytest.mark.parametrize("body", [b"[" * 100_000, b'{"op": "files", "step": ' + b"9" * 5_000 + b"}", b"\xff\xfe", b"[1]"])
+def test_a_frame_that_is_not_a_json_object_ends_the_connection_only(body: bytes) -> None:
+    """A peer's frame of arrays nested 100,000 deep raised RecursionError out of recv_frame: a traceback from the
+    holder's client thread, or out of a reader (a broken peer's bytes are a broken connection, nothing else)."""
+    import socket
+    import struct
+
+    from lakestream_iceberg.read.relay_wire import recv_frame
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(struct.pack(">I", len(body)) + body)
+        with pytest.raises(ConnectionError, match="relay frame is not"):
+            recv_frame(ours, timeout=10)
+
+
+FORKING_HOLDER = HOLDER.replace("time.sleep(600)\n", """sys.stdin.readline()
+import os
+if os.fork() == 0:  # a child that outlives the holder (a worker, a helper process), till the test lets it go
+    sys.stdin.read()
+    os._exit(0)
+print("forked", flush=True)
+time.sleep(600)
+""")
+assert FORKING_HOLDER != HOLDER
+
+
+def test_a_holders_forked_child_does_not_keep_its_clients_connections_open(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A child forked by the holder kept copies of the holder's client connections: when the holder died its clients
+    saw no end of connection, waited out IO_S and raised ReadError instead of electing a new holder."""
+    stream = make_stream(tmp_path, steps=1)
+    monkeypatch.setattr(relay_client, "IO_S", 5.0)
+    holder = subprocess.Popen([sys.executable, "-c", FORKING_HOLDER.format(root=str(ROOT), tmp=str(tmp_path))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()  # its connection is accepted: the child is forked with a copy of it
+        holder.stdin.write("fork\n")
+        holder.stdin.flush()
+        assert holder.stdout.readline().strip() == "forked"
+        holder.kill()
+        holder.wait(timeout=60)
+        commit(stream, 2)
+        assert client.wait(2, timeout=60, stop=threading.Event())[0] == 2  # reconnected, and elected itself
+        assert client.holding
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+        holder.stdin.close()  # the child's stdin ends: it exits
