@@ -30,6 +30,8 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -396,7 +398,7 @@ def _forget_after_fork() -> None:
     inherited = list(_HELD.values())
     _HELD.clear()
     for relay in inherited:
-        closers = [lambda r=relay: os.close(r._lock_fd), relay._listener.close]
+        closers: list[Callable[[], None]] = [partial(os.close, relay._lock_fd), relay._listener.close]
         closers += [conn.close for conn in list(relay._clients)]
         for close in closers:
             try:
