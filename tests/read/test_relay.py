@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -93,7 +94,14 @@ def test_a_client_takes_over_when_the_holder_is_killed(tmp_path: Path, relay_dir
     assert not list(relay_dir.iterdir())  # the last reader stopped serving: its socket and lock file are gone
 
 
-def test_a_stopped_holder_raises_a_clear_error_instead_of_hanging(tmp_path: Path,
+@pytest.mark.parametrize("call", [
+    pytest.param(lambda client: client.wait(5, timeout=None, stop=threading.Event()), id="waiting"),
+    # a connection opened to a holder that accepts (the kernel queues it) but never answers ``hello``: a bare
+    # TimeoutError came out of the first ``files`` (or of reconnecting) instead of the relay's ReadError
+    pytest.param(lambda client: client.files(None, 1), id="its files connection opened now"),
+])
+def test_a_stopped_holder_raises_a_clear_error_instead_of_hanging(call: Callable[[RelayWatcher], object],
+                                                                   tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     stream = make_stream(tmp_path, steps=1)
     holder = start_holder(tmp_path)
@@ -104,7 +112,7 @@ def test_a_stopped_holder_raises_a_clear_error_instead_of_hanging(tmp_path: Path
         monkeypatch.setattr(relay_client, "IO_S", 0.5)
         holder.send_signal(signal.SIGSTOP)
         with pytest.raises(ReadError, match="did not answer"):
-            client.wait(5, timeout=None, stop=threading.Event())
+            call(client)
         client.close()
     finally:
         holder.kill()
@@ -465,26 +473,6 @@ def test_a_holder_at_its_client_limit_refuses_its_own_reader_with_an_error(tmp_p
     assert not thread.is_alive(), "the reader spun instead of raising"
     assert len(raised) == 1 and isinstance(raised[0], ReadError) and "clients it takes" in str(raised[0])
     watcher.close()
-
-
-def test_a_stopped_holder_gives_a_new_connection_a_clear_error_too(tmp_path: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connection opened to a holder that accepts (the kernel queues it) but never answers ``hello``: the reader got
-    a bare TimeoutError from its first ``files`` (or from reconnecting) instead of the relay's ReadError."""
-    stream = make_stream(tmp_path, steps=1)
-    holder = start_holder(tmp_path)
-    try:
-        client = watch(stream)
-        assert isinstance(client, RelayWatcher)
-        client.check()
-        monkeypatch.setattr(relay_client, "IO_S", 0.5)
-        holder.send_signal(signal.SIGSTOP)
-        with pytest.raises(ReadError, match="did not answer"):
-            client.files(None, 1)  # its files connection is opened now
-        client.close()
-    finally:
-        holder.kill()
-        holder.wait(timeout=60)
 
 
 def test_a_holder_out_of_descriptors_accepts_again_once_some_are_free(tmp_path: Path,
