@@ -682,3 +682,33 @@ def test_nulls_in_a_required_column_fail_the_task(tmp_path: Path) -> None:
     with pytest.raises(BatchError, match="step seq 1: shard for rank 0: column 'x' is required but has nulls"):
         sink.write(iter([merged]), _task_context(0))
     assert Stream.open(catalog, "ns.req").head_step() == 1  # the first step (no nulls) only
+
+
+def test_create_refuses_a_schema_iceberg_cannot_hold_with_the_column_and_the_fix(tmp_path: Path) -> None:
+    """``create=True`` from a first block (or ``schema=``) Iceberg cannot hold: a column all nulls in that block
+    (``pa.null()``, what Ray makes of ``None`` values), a Ray tensor column (a numpy batch of 2-D arrays), a
+    ``timestamp[ns]``: a SchemaMismatchError naming the column and the fix, and no stream. pyiceberg's bare ValueError
+    or UnsupportedPyArrowTypeException failed the job instead."""
+    import numpy as np
+    from ray.data.extensions import ArrowTensorArray
+
+    catalog = sqlite_catalog(str(tmp_path))
+    ids = pa.array([0, 1], pa.int64())
+    firsts = {
+        "nulls": pa.table({"id": ids, "c": pa.array([None, None], pa.null())}),
+        "tensor": pa.table({"id": ids, "c": ArrowTensorArray.from_numpy(np.ones((2, 3), np.float32))}),
+        "nanos": pa.table({"id": ids, "c": pa.array([1, 2], pa.timestamp("ns"))}),
+    }
+    for name, first in firsts.items():
+        sink = LakestreamDatasink(catalog=catalog, stream=f"ns.{name}", run_name="r", rows_per_step=2, create=True,
+                                  world_size=1)
+        sink.on_write_start(None)
+        with pytest.raises(SchemaMismatchError, match=r"task 0 .*cannot make the stream from the first block it writes "
+                                                      r"\(id: int64, c: .*Pass schema="):
+            sink.write(iter([first]), _task_context(0))
+        given = LakestreamDatasink(catalog=catalog, stream=f"ns.{name}", run_name="r", rows_per_step=2, create=True,
+                                   world_size=1, schema=first.schema)
+        with pytest.raises(SchemaMismatchError, match=r"cannot make the stream from schema= \(id: int64, c: "):
+            given.on_write_start(None)
+        with pytest.raises(NoSuchTableError):
+            Stream.open(catalog, f"ns.{name}")
