@@ -218,6 +218,9 @@ def test_rank_column_step_fn_and_schema_errors(tmp_path: Path) -> None:
     assert _step_ids(stream, 1) == [[2], [0, 1, 3]]
     with pytest.raises(BatchError, match=r"outside 0\.\.1"):
         by_rank.write(iter([_rows(0, 4).append_column("rank", pa.array([0, 2, 0, 0], pa.int8()))]), _task_context(1))
+    huge = _rows(0, 2).append_column("rank", pa.array([0, 2**63], pa.uint64()))  # pyarrow's ArrowInvalid before
+    with pytest.raises(BatchError, match=r"rank_column 'rank' holds values beyond int64 \(max 9223372036854775808\)"):
+        by_rank.write(iter([huge]), _task_context(1))
 
     def halves(table: pa.Table) -> Iterator[list[pa.Table]]:
         yield [table.slice(0, 1), table.slice(1)]

@@ -95,6 +95,7 @@ class StepRule:
         Raises:
             SchemaMismatchError: A column is missing or has another type (and cannot be cast with ``cast=True``), or
                 the rank column is not an integer column.
+            BatchError: A rank column value beyond int64 (no rank of any world size).
         """
         extra = [self.rank_column] if self.rank_column is not None and self.rank_column not in payload.names else []
         want = payload.names + extra
@@ -129,7 +130,11 @@ class StepRule:
             ranks = columns[-1]
             if not pa.types.is_integer(ranks.type):
                 raise SchemaMismatchError(f"{where}: rank_column {self.rank_column!r} is {ranks.type}; it must be integer")
-            columns[-1] = ranks.cast(pa.int64())
+            try:
+                columns[-1] = ranks.cast(pa.int64())
+            except pa.ArrowInvalid:  # a uint64 rank beyond int64: no rank of any world size
+                raise BatchError(f"{where}: rank_column {self.rank_column!r} holds values beyond int64 (max "
+                                 f"{pc.max(ranks).as_py()}); fix the ranks in the preprocessing") from None
             fields.append(pa.field(extra[0], pa.int64()))
         return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
