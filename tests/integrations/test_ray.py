@@ -418,6 +418,47 @@ def test_steps_stream_within_a_task_and_a_batch_missing_a_column_fails_the_job(r
     assert stream.read(6, rank=0).column("x").null_count == 0
 
 
+def _one_step_per_block(block: pa.Table) -> Iterator[list[pa.Table]]:
+    yield [block]
+
+
+def _row_after_step(row: dict[str, Any], catalog_root: str, first_id: int, per_step: int, head: int) -> dict[str, Any]:
+    """A row-wise UDF: the second row of step k+1 waits until the table shows step k (``head`` steps before the job):
+    the task's steps are published while it runs."""
+    j = row["id"] - first_id
+    if j > per_step and j % per_step == 1:
+        stream = Stream.open(sqlite_catalog(catalog_root), "ns.rows")
+        deadline = time.monotonic() + BOUND_S
+        while (stream.refresh().head_step() or 0) < head + j // per_step:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {j // per_step} was not published while its task ran")
+            time.sleep(0.02)
+    return row
+
+
+@pytest.mark.slow
+def test_a_row_wise_map_feeds_the_sink_blocks_of_a_step_not_single_rows(ray_cluster: None, tmp_path: Path) -> None:
+    """Block shaping turned off for a row-wise transform (``Dataset.map``) made every row its own block: a ``step_fn``
+    was called once per row (12 one-row steps instead of one), and each row went through the sink's per-block work
+    (4-8x slower). Its rows reach the sink in blocks of ``rows_per_step`` rows, each step still published while the
+    task runs, or as Ray shapes them with ``step_fn``."""
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.rows", schema=SCHEMA, world_size=1)
+    _data_context()
+    per_block = LakestreamDatasink(catalog=catalog, stream="ns.rows", run_name="blocks", step_fn=_one_step_per_block,
+                                   cast=True)
+    ray.data.from_arrow([_rows(0, 12)]).map(lambda row: row).write_datasink(per_block)
+    assert per_block.report is not None and per_block.report.fused is True and per_block.report.steps == [1]
+    per_step = 4
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.rows", run_name="rows", rows_per_step=per_step, cast=True)
+    ray.data.from_arrow([_rows(100, 3 * per_step)]).map(
+        _row_after_step, fn_kwargs={"catalog_root": str(tmp_path), "first_id": 100, "per_step": per_step, "head": 1}
+    ).write_datasink(sink)
+    assert sink.report is not None and sink.report.steps == [2, 3, 4]
+    stream.refresh()
+    assert [_step_ids(stream, s)[0] for s in (2, 3, 4)] == [list(range(100 + k, 104 + k)) for k in (0, 4, 8)]
+
+
 @pytest.mark.slow
 def test_an_unfused_write_without_preserve_order_is_warned_about(ray_cluster: None, tmp_path: Path) -> None:
     """A write that is not fused with the map before it receives blocks in completion order unless preserve_order is

@@ -372,7 +372,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
     def _shape_plan(self) -> None:
         """What :func:`~lakestream_iceberg.integrations.ray.plan.shape_write` sees and does (batches as blocks when the
         write is fused; a warning when it is neither fused nor ordered)."""
-        self._fused, notes = shape_write(self, run_name=self.run_name)
+        self._fused, notes = shape_write(self, run_name=self.run_name, rows_per_step=self.rows_per_step)
         self._plan_notes = list(notes)
         for note in notes:
             log.warning("%s", note)
