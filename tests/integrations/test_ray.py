@@ -669,6 +669,33 @@ def test_step_rule_deals_rows_across_blocks_round_robin_and_keeps_or_drops_the_r
             assert [s.column("x").to_pylist() for s in steps[2]] == [[8, 10], [9]]
 
 
+def test_a_context_that_ignores_failed_tasks_is_warned_about(tmp_path: Path) -> None:
+    """With ``DataContext.max_errored_blocks`` other than 0 Ray ignores failed write tasks: a job whose write task
+    failed after publishing part of its steps succeeded, the rest of that task's rows unpublished and nothing in the
+    sink's report (observed: 20 rows of 24, report tasks [0, 2]). The sink warns at start, and the report keeps it."""
+    from ray.data import DataContext
+
+    catalog = sqlite_catalog(str(tmp_path))
+    saved = DataContext.get_current()
+    try:
+        for allowed, says in ((0, None), (2, "ignores up to 2 failed task"), (-1, "ignores every failed task")):
+            _data_context().max_errored_blocks = allowed
+            sink = LakestreamDatasink(catalog=catalog, stream="ns.errored", run_name="e", rows_per_step=2, create=True,
+                                      world_size=1, schema=SCHEMA)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sink.on_write_start(None)
+            found = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+            if says is None:
+                assert not found
+                continue
+            assert len(found) == 1 and says in found[0] and "re-run the job with the same run_name" in found[0]
+            sink.on_write_complete(type("WriteResult", (), {"write_returns": []})())
+            assert sink.report is not None and sink.report.warnings == tuple(found)
+    finally:
+        DataContext._set_current(saved)
+
+
 def test_dealing_by_rank_column_costs_no_pass_per_rank() -> None:
     """Rows dealt by ``rank_column`` were filtered once per rank (O(rows x world size): 4,096 ranks, 1M rows, 1.1 s a
     step); one stable sort and a slice per rank give each rank the same rows in the same order. Compared side by side

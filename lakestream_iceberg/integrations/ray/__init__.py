@@ -62,6 +62,9 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   task index other rows (``verify_replays`` then fails it: safe, but surprising). The sink warns at start
   (``RuntimeWarning``, logged, and in ``SinkReport.warnings``) naming the fix. Reading straight from the input (no
   operator before the write) keeps the input order and is not warned about.
+* **Failed tasks ignored: a warning.** With ``DataContext.max_errored_blocks`` other than 0, Ray ignores failed
+  tasks, write tasks included: the job succeeds while a failed write task's rows from its failure on are not
+  published. The sink warns at start in the same way; a re-run with the same run name publishes what is missing.
 
 So the steps a task forms depend only on its input blocks, and exactly once holds across task retries and worker
 deaths (a worker killed mid-commit leaves an outcome-unknown commit or a staged intent: the retry's commit of the same
