@@ -53,13 +53,18 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   block shaping off for the transform that feeds the write (``OutputBlockSizeOption(disable_block_shaping=True)``,
   unless the job set a row count per block): a generator UDF's chunks reach the sink as they are yielded, and each
   step is published as soon as its rows exist (``SinkReport.fused`` says whether this applied). The blocks stay in the
-  task's process (fused), so nothing more goes through the object store.
+  task's process (fused), so nothing more goes through the object store. A row-wise transform (``Dataset.map``,
+  ``flat_map``, ``filter`` with a function) outputs single rows, not batches: its output is cut into blocks of
+  ``rows_per_step`` rows instead (left to Ray's shaping with ``step_fn``), not into one block per row.
 * **Not fused, not ordered: a warning.** When the write is not fused with the operator before it
   (``map_batches(concurrency=...)``, ``write_datasink(concurrency=...)``, other remote args, a repartition) and
   ``preserve_order`` is off, write tasks get blocks in completion order, so a re-run with the same run name may give a
   task index other rows (``verify_replays`` then fails it: safe, but surprising). The sink warns at start
   (``RuntimeWarning``, logged, and in ``SinkReport.warnings``) naming the fix. Reading straight from the input (no
   operator before the write) keeps the input order and is not warned about.
+* **Failed tasks ignored: a warning.** With ``DataContext.max_errored_blocks`` other than 0, Ray ignores failed
+  tasks, write tasks included: the job succeeds while a failed write task's rows from its failure on are not
+  published. The sink warns at start in the same way; a re-run with the same run name publishes what is missing.
 
 So the steps a task forms depend only on its input blocks, and exactly once holds across task retries and worker
 deaths (a worker killed mid-commit leaves an outcome-unknown commit or a staged intent: the retry's commit of the same

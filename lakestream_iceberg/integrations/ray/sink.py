@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
@@ -27,11 +28,13 @@ from lakestream_iceberg.errors import (
     ConfigError,
     ProducerConflictError,
     ReadError,
+    SchemaMismatchError,
     StreamError,
     StreamExistsError,
 )
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
+from lakestream_iceberg.format.layout import table_arrow_schema
 from lakestream_iceberg.integrations.ray.plan import shape_write
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
@@ -165,6 +168,27 @@ def _same_values(a: object, b: object) -> bool:
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
+
+
+def _icebergable(schema: pa.Schema, where: str, source: str) -> None:
+    """Refuse, before anything is created, a schema that Iceberg cannot hold, with the column and the fix (pyiceberg's
+    conversion, the one ``Stream.create`` makes, raises a bare ValueError or TypeError): a column that is all nulls in
+    the block it was taken from (``pa.null()``), Ray's tensor columns (numpy arrays of more than one dimension per
+    batch), ``timestamp[ns]`` unless pyiceberg is told to downcast it."""
+    try:
+        Catalog._convert_schema_if_needed(table_arrow_schema(schema))  # noqa: SLF001 - what Stream.create converts
+    except (UnsupportedPyArrowTypeException, TypeError, ValueError) as exc:
+        raise SchemaMismatchError(
+            f"{where}: create=True cannot make the stream from {source} ({_columns(schema)}), which Iceberg cannot "
+            f"hold: {str(exc).rstrip('.')}. "
+            "Pass schema=pyarrow.schema([...]) with types Iceberg holds to LakestreamDatasink, and make the "
+            "preprocessing return them, or pass cast=True where a block's type casts to one (a Ray tensor column to "
+            "pyarrow.list_(pyarrow.float32(), n))"
+        ) from None
+
+
+def _columns(schema: pa.Schema) -> str:
+    return ", ".join(f"{f.name}: {f.type}" for f in schema)
 
 
 class LakestreamDatasink(Datasink[TaskReport]):
@@ -327,6 +351,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         self._shape_plan()
         catalog = self._ref.catalog()
         if self.create and self.schema is not None:
+            _icebergable(self.schema, f"LakestreamDatasink for stream {self._ref.identifier}", "schema=")
             stream = Stream.create(catalog, self._ref.identifier, schema=self.schema, world_size=self.world_size or 1,
                                    properties=self.properties or None)
         else:
@@ -347,7 +372,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
     def _shape_plan(self) -> None:
         """What :func:`~lakestream_iceberg.integrations.ray.plan.shape_write` sees and does (batches as blocks when the
         write is fused; a warning when it is neither fused nor ordered)."""
-        self._fused, notes = shape_write(self, run_name=self.run_name)
+        self._fused, notes = shape_write(self, run_name=self.run_name, rows_per_step=self.rows_per_step)
         self._plan_notes = list(notes)
         for note in notes:
             log.warning("%s", note)
@@ -442,8 +467,10 @@ class LakestreamDatasink(Datasink[TaskReport]):
         if not first.num_columns:
             raise ConfigError(f"{where}: create=True cannot take the stream's schema from a block without columns; "
                               "pass schema=pyarrow.schema([...]) to LakestreamDatasink")
+        payload = self._payload_of(first.schema)
+        _icebergable(payload, where, "the first block it writes")
         try:
-            Stream.create(self._ref.catalog(), self._ref.identifier, schema=self._payload_of(first.schema),
+            Stream.create(self._ref.catalog(), self._ref.identifier, schema=payload,
                           world_size=self.world_size or 1, properties=self.properties or None)
         except StreamExistsError:
             pass  # another task created it from its first block (other nullability, or another schema: conform says)

@@ -95,6 +95,7 @@ class StepRule:
         Raises:
             SchemaMismatchError: A column is missing or has another type (and cannot be cast with ``cast=True``), or
                 the rank column is not an integer column.
+            BatchError: A rank column value beyond int64 (no rank of any world size).
         """
         extra = [self.rank_column] if self.rank_column is not None and self.rank_column not in payload.names else []
         want = payload.names + extra
@@ -129,7 +130,11 @@ class StepRule:
             ranks = columns[-1]
             if not pa.types.is_integer(ranks.type):
                 raise SchemaMismatchError(f"{where}: rank_column {self.rank_column!r} is {ranks.type}; it must be integer")
-            columns[-1] = ranks.cast(pa.int64())
+            try:
+                columns[-1] = ranks.cast(pa.int64())
+            except pa.ArrowInvalid:  # a uint64 rank beyond int64: no rank of any world size
+                raise BatchError(f"{where}: rank_column {self.rank_column!r} holds values beyond int64 (max "
+                                 f"{pc.max(ranks).as_py()}); fix the ranks in the preprocessing") from None
             fields.append(pa.field(extra[0], pa.int64()))
         return pa.Table.from_arrays(columns, schema=pa.schema(fields))
 
@@ -159,5 +164,11 @@ class StepRule:
                 f"{where}: rank_column {self.rank_column!r} holds {'nulls' if ranks.null_count else 'values'} outside "
                 f"0..{world_size - 1} (min {low.as_py()}, max {high.as_py()}); fix the ranks in the preprocessing"
             )
-        keep = payload.names
-        return [rows.filter(pc.equal(ranks, r)).select(keep) for r in range(world_size)]
+        keep = rows.select(payload.names)
+        if world_size == 1:
+            return [keep]
+        # One stable sort by rank, then a slice per rank: each rank's rows in their order, as a filter per rank gave
+        # them, for O(n log n + world_size) instead of O(n x world_size) (4,096 ranks, 1M rows: 1.1 s a step).
+        grouped = keep.take(pc.sort_indices(ranks))
+        ends = np.cumsum(np.bincount(ranks.to_numpy(), minlength=world_size)).tolist()
+        return [grouped.slice(start, end - start) for start, end in zip([0, *ends[:-1]], ends, strict=True)]
