@@ -182,7 +182,8 @@ class Blobs:
         return Blobs(values=self.values.pin_memory(), offsets=self.offsets.pin_memory())
 
     def to(self, *args: Any, **kwargs: Any) -> Blobs:
-        """``Tensor.to`` on both tensors (e.g. ``blobs.to("cuda", non_blocking=True)``).
+        """``Tensor.to`` on ``values``; ``offsets`` move to the same device and stay int64 (e.g.
+        ``blobs.to("cuda", non_blocking=True)``; ``blobs.to(torch.float32)`` converts the bytes only).
 
         Args:
             *args: ``Tensor.to``'s positional arguments (a device, a dtype).
@@ -191,7 +192,10 @@ class Blobs:
         Returns:
             A new ``Blobs`` of the moved tensors.
         """
-        return Blobs(values=self.values.to(*args, **kwargs), offsets=self.offsets.to(*args, **kwargs))
+        values = self.values.to(*args, **kwargs)  # a dtype applies to the bytes: offsets cast to it would misplace rows
+        offsets = self.offsets.to(values.device, non_blocking=bool(kwargs.get("non_blocking", False)),
+                                  copy=bool(kwargs.get("copy", False)))
+        return Blobs(values=values, offsets=offsets)
 
     def __repr__(self) -> str:
         return f"Blobs({len(self)} rows, {self.values.numel()} bytes)"

@@ -117,6 +117,9 @@ def test_blobs_behave_as_the_list_of_rows(lengths, nulls, cut) -> None:
     assert [bytes(t.numpy()) for t in rows[1:]] == expected[1:]
     assert rows.lengths.tolist() == [len(b) for b in expected] and rows.offsets.tolist()[0] == 0
     assert all(t.dtype == torch.uint8 for t in rows)
+    as_floats = rows.to(torch.float32)  # the bytes converted; offsets stay int64 indices (cast, they misplaced rows)
+    assert as_floats.offsets.dtype == torch.int64 and as_floats.offsets.tolist() == rows.offsets.tolist()
+    assert [t.tolist() for t in as_floats] == [[float(x) for x in b] for b in expected]
     with pytest.raises(IndexError):
         rows[len(expected)]
 
