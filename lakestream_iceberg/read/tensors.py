@@ -215,8 +215,8 @@ class TensorCollate:
       ``blobs.tolist()`` gives the same); ``"padded"`` (with zeros) and ``"packed"`` as for lists;
     * strings and anything else -> Python lists.
 
-    A null list or blob counts as empty; a null number raises :class:`ReadError` (fill it upstream or pass your own
-    ``collate``).
+    A null list or blob counts as empty; a null number (in a column, a list or a fixed-size list) or a null
+    fixed-size list raises :class:`ReadError` (fill it upstream or pass your own ``collate``).
 
     Args:
         lists: ``"padded"`` or ``"packed"``: how list columns become tensors.
@@ -252,8 +252,13 @@ class TensorCollate:
                 raise ReadError(f"column {name!r} has {array.null_count} nulls, which a tensor cannot hold; fill them "
                                 "before committing or pass collate= to handle them")
             return {name: torch.from_numpy(_view(array))}
-        if pa.types.is_fixed_size_list(kind) and _numeric(kind.value_type) and not array.null_count:
-            values = _view(array.values, array.offset * kind.list_size, (array.offset + len(array)) * kind.list_size)
+        if pa.types.is_fixed_size_list(kind) and _numeric(kind.value_type):
+            start, stop = array.offset * kind.list_size, (array.offset + len(array)) * kind.list_size
+            nulls = array.null_count or (array.values.null_count and array.values.slice(start, stop - start).null_count)
+            if nulls:  # a null row or element: no tensor holds it (its raw slot read as a number, often 0)
+                raise ReadError(f"column {name!r} holds null rows or elements of its fixed-size lists, which a tensor "
+                                "cannot hold; fill them before committing or pass collate= to handle them")
+            values = _view(array.values, start, stop)
             return {name: torch.from_numpy(values.reshape(len(array), kind.list_size))}
         is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _numeric(kind.value_type)
         is_blob = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)

@@ -149,6 +149,21 @@ def test_empty_shard() -> None:
     assert collate(table, binary="list")["b"] == []
 
 
+@pytest.mark.parametrize("column", [
+    pa.array([1.5, None], pa.float32()),
+    pa.array([[2], [1, None]], pa.list_(pa.int32())),
+    pa.array([[1, 2], None], pa.list_(pa.int64(), 2)),  # a null fixed-size list came out as a Python list
+    pa.array([[3, 4], [1, None]], pa.list_(pa.float32(), 2)),  # a null element came out as its raw slot: 0.0
+    pa.array([[1, 2], [3, 4], [5, None]], pa.list_(pa.int16(), 2)).slice(1),
+], ids=["number", "list element", "fixed-size row", "fixed-size element", "fixed-size sliced"])
+def test_a_null_no_tensor_can_hold_is_a_read_error(column: pa.Array) -> None:
+    from lakestream_iceberg.errors import ReadError
+
+    with pytest.raises(ReadError, match="'c' holds|'c' has"):
+        collate(pa.table({"c": column}))
+    assert collate(pa.table({"c": column.slice(0, 1)}))["c"].shape[0] == 1  # the rows before the null convert
+
+
 @pytest.mark.parametrize("long_rows", [False, True])
 def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -> None:
     from lakestream_iceberg.errors import ConfigError
