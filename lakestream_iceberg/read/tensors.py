@@ -224,7 +224,7 @@ class TensorCollate:
         pad_value: The value padded list columns are filled with.
 
     Raises:
-        ConfigError: ``lists`` or ``binary`` is not one of its values.
+        ConfigError: ``lists`` or ``binary`` is not one of its values, or ``pad_value`` not an int or float.
 
     Example:
         >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP
@@ -235,6 +235,8 @@ class TensorCollate:
             raise ConfigError(f"lists={lists!r}: use 'padded' or 'packed'")
         if binary not in ("blobs", "list", "padded", "packed"):
             raise ConfigError(f"binary={binary!r}: use 'blobs', 'list', 'padded' or 'packed'")
+        if isinstance(pad_value, (bool, np.bool_)) or not isinstance(pad_value, (int, float, np.integer, np.floating)):
+            raise ConfigError(f"pad_value={pad_value!r}: use an int or a float")
         self.lists, self.binary, self.pad_value = lists, binary, pad_value
 
     def __call__(self, shard: StepShard) -> dict[str, Any]:
@@ -287,6 +289,8 @@ class TensorCollate:
             return {name: torch.from_numpy(values), f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
         pad = self.pad_value if is_list else 0
         try:
+            if values.dtype.kind in "iu" and not np.isfinite(pad):  # cast, NaN and infinity pad with INT_MIN
+                raise OverflowError
             padded = _pad(values, offsets - lo, pad)
         except OverflowError:
             raise ConfigError(f"pad_value={pad!r} does not fit column {name!r} ({kind}); choose another pad_value") from None

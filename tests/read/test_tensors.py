@@ -172,6 +172,12 @@ def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -
     table = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.uint8()))})
     with pytest.raises(ConfigError, match="pad_value"):
         collate(table, pad_value=-1)
+    for bad in (float("nan"), float("inf")):  # cast to an integer column, they padded with INT_MIN (a warning only)
+        with pytest.raises(ConfigError, match="pad_value"):
+            collate(table, pad_value=bad)
+    for bad in (True, None, "0"):  # pads that are no number: at construction, not at the first padded step
+        with pytest.raises(ConfigError, match="pad_value"):
+            TensorCollate(pad_value=bad)  # type: ignore[arg-type]
     floats = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.int32()))})
     assert collate(floats, pad_value=2.7)["t"][1, 1:].tolist() == [2] * (n - 1)  # cast like np.full: truncated
 
