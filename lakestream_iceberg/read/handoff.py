@@ -159,8 +159,10 @@ def _numpy_dtype(torch: Any, dtype: Any) -> Any:
 
 
 def _shippable(torch: Any, value: Any) -> bool:
+    # a nested tensor has strided layout but no single shape: torch's own pickling ships it (raising here, in the
+    # queue's feeder thread, would drop the item and leave the training loop waiting for it forever)
     return (type(value) is torch.Tensor and value.device.type == "cpu" and value.layout == torch.strided
-            and not value.requires_grad and not value.is_quantized)
+            and not value.requires_grad and not value.is_quantized and not value.is_nested)
 
 
 # -- in the training process ---------------------------------------------------------------------------------------

@@ -182,7 +182,8 @@ class Blobs:
         return Blobs(values=self.values.pin_memory(), offsets=self.offsets.pin_memory())
 
     def to(self, *args: Any, **kwargs: Any) -> Blobs:
-        """``Tensor.to`` on both tensors (e.g. ``blobs.to("cuda", non_blocking=True)``).
+        """``Tensor.to`` on ``values``; ``offsets`` move to the same device and stay int64 (e.g.
+        ``blobs.to("cuda", non_blocking=True)``; ``blobs.to(torch.float32)`` converts the bytes only).
 
         Args:
             *args: ``Tensor.to``'s positional arguments (a device, a dtype).
@@ -191,7 +192,10 @@ class Blobs:
         Returns:
             A new ``Blobs`` of the moved tensors.
         """
-        return Blobs(values=self.values.to(*args, **kwargs), offsets=self.offsets.to(*args, **kwargs))
+        values = self.values.to(*args, **kwargs)  # a dtype applies to the bytes: offsets cast to it would misplace rows
+        offsets = self.offsets.to(values.device, non_blocking=bool(kwargs.get("non_blocking", False)),
+                                  copy=bool(kwargs.get("copy", False)))
+        return Blobs(values=values, offsets=offsets)
 
     def __repr__(self) -> str:
         return f"Blobs({len(self)} rows, {self.values.numel()} bytes)"
@@ -211,8 +215,8 @@ class TensorCollate:
       ``blobs.tolist()`` gives the same); ``"padded"`` (with zeros) and ``"packed"`` as for lists;
     * strings and anything else -> Python lists.
 
-    A null list or blob counts as empty; a null number raises :class:`ReadError` (fill it upstream or pass your own
-    ``collate``).
+    A null list or blob counts as empty; a null number (in a column, a list or a fixed-size list) or a null
+    fixed-size list raises :class:`ReadError` (fill it upstream or pass your own ``collate``).
 
     Args:
         lists: ``"padded"`` or ``"packed"``: how list columns become tensors.
@@ -220,7 +224,7 @@ class TensorCollate:
         pad_value: The value padded list columns are filled with.
 
     Raises:
-        ConfigError: ``lists`` or ``binary`` is not one of its values.
+        ConfigError: ``lists`` or ``binary`` is not one of its values, or ``pad_value`` not an int or float.
 
     Example:
         >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP
@@ -231,6 +235,8 @@ class TensorCollate:
             raise ConfigError(f"lists={lists!r}: use 'padded' or 'packed'")
         if binary not in ("blobs", "list", "padded", "packed"):
             raise ConfigError(f"binary={binary!r}: use 'blobs', 'list', 'padded' or 'packed'")
+        if isinstance(pad_value, (bool, np.bool_)) or not isinstance(pad_value, (int, float, np.integer, np.floating)):
+            raise ConfigError(f"pad_value={pad_value!r}: use an int or a float")
         self.lists, self.binary, self.pad_value = lists, binary, pad_value
 
     def __call__(self, shard: StepShard) -> dict[str, Any]:
@@ -248,8 +254,13 @@ class TensorCollate:
                 raise ReadError(f"column {name!r} has {array.null_count} nulls, which a tensor cannot hold; fill them "
                                 "before committing or pass collate= to handle them")
             return {name: torch.from_numpy(_view(array))}
-        if pa.types.is_fixed_size_list(kind) and _numeric(kind.value_type) and not array.null_count:
-            values = _view(array.values, array.offset * kind.list_size, (array.offset + len(array)) * kind.list_size)
+        if pa.types.is_fixed_size_list(kind) and _numeric(kind.value_type):
+            start, stop = array.offset * kind.list_size, (array.offset + len(array)) * kind.list_size
+            nulls = array.null_count or (array.values.null_count and array.values.slice(start, stop - start).null_count)
+            if nulls:  # a null row or element: no tensor holds it (its raw slot read as a number, often 0)
+                raise ReadError(f"column {name!r} holds null rows or elements of its fixed-size lists, which a tensor "
+                                "cannot hold; fill them before committing or pass collate= to handle them")
+            values = _view(array.values, start, stop)
             return {name: torch.from_numpy(values.reshape(len(array), kind.list_size))}
         is_list = (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and _numeric(kind.value_type)
         is_blob = pa.types.is_binary(kind) or pa.types.is_large_binary(kind)
@@ -278,6 +289,8 @@ class TensorCollate:
             return {name: torch.from_numpy(values), f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
         pad = self.pad_value if is_list else 0
         try:
+            if values.dtype.kind in "iu" and not np.isfinite(pad):  # cast, NaN and infinity pad with INT_MIN
+                raise OverflowError
             padded = _pad(values, offsets - lo, pad)
         except OverflowError:
             raise ConfigError(f"pad_value={pad!r} does not fit column {name!r} ({kind}); choose another pad_value") from None

@@ -98,6 +98,11 @@ def test_items_without_tensors_and_other_types_pass_unchanged() -> None:
     assert ship({"step": 1, "rows": [1, 2]}) == {"step": 1, "rows": [1, 2]}
     got = ship({"step": 2, "ids": torch.arange(3), "grad": torch.ones(2, requires_grad=True)})
     assert got["grad"].requires_grad and torch.equal(got["ids"], torch.arange(3))
+    # a nested tensor (strided, no single shape) goes through torch's own pickling: raising in DataLoader's queue
+    # feeder thread dropped the item, and the training loop waited for it forever
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
+    got = ship({"step": 3, "ids": torch.arange(3), "nested": nested})
+    assert got["nested"].is_nested and [t.tolist() for t in got["nested"].unbind()] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
 
 
 # ---------------------------------------------------------------------------------------------- real workers

@@ -117,6 +117,9 @@ def test_blobs_behave_as_the_list_of_rows(lengths, nulls, cut) -> None:
     assert [bytes(t.numpy()) for t in rows[1:]] == expected[1:]
     assert rows.lengths.tolist() == [len(b) for b in expected] and rows.offsets.tolist()[0] == 0
     assert all(t.dtype == torch.uint8 for t in rows)
+    as_floats = rows.to(torch.float32)  # the bytes converted; offsets stay int64 indices (cast, they misplaced rows)
+    assert as_floats.offsets.dtype == torch.int64 and as_floats.offsets.tolist() == rows.offsets.tolist()
+    assert [t.tolist() for t in as_floats] == [[float(x) for x in b] for b in expected]
     with pytest.raises(IndexError):
         rows[len(expected)]
 
@@ -146,6 +149,21 @@ def test_empty_shard() -> None:
     assert collate(table, binary="list")["b"] == []
 
 
+@pytest.mark.parametrize("column", [
+    pa.array([1.5, None], pa.float32()),
+    pa.array([[2], [1, None]], pa.list_(pa.int32())),
+    pa.array([[1, 2], None], pa.list_(pa.int64(), 2)),  # a null fixed-size list came out as a Python list
+    pa.array([[3, 4], [1, None]], pa.list_(pa.float32(), 2)),  # a null element came out as its raw slot: 0.0
+    pa.array([[1, 2], [3, 4], [5, None]], pa.list_(pa.int16(), 2)).slice(1),
+], ids=["number", "list element", "fixed-size row", "fixed-size element", "fixed-size sliced"])
+def test_a_null_no_tensor_can_hold_is_a_read_error(column: pa.Array) -> None:
+    from lakestream_iceberg.errors import ReadError
+
+    with pytest.raises(ReadError, match="'c' holds|'c' has"):
+        collate(pa.table({"c": column}))
+    assert collate(pa.table({"c": column.slice(0, 1)}))["c"].shape[0] == 1  # the rows before the null convert
+
+
 @pytest.mark.parametrize("long_rows", [False, True])
 def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -> None:
     from lakestream_iceberg.errors import ConfigError
@@ -154,6 +172,12 @@ def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -
     table = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.uint8()))})
     with pytest.raises(ConfigError, match="pad_value"):
         collate(table, pad_value=-1)
+    for bad in (float("nan"), float("inf")):  # cast to an integer column, they padded with INT_MIN (a warning only)
+        with pytest.raises(ConfigError, match="pad_value"):
+            collate(table, pad_value=bad)
+    for bad in (True, None, "0"):  # pads that are no number: at construction, not at the first padded step
+        with pytest.raises(ConfigError, match="pad_value"):
+            TensorCollate(pad_value=bad)  # type: ignore[arg-type]
     floats = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.int32()))})
     assert collate(floats, pad_value=2.7)["t"][1, 1:].tolist() == [2] * (n - 1)  # cast like np.full: truncated
 
