@@ -127,7 +127,11 @@ class Handoff(dict):  # type: ignore[type-arg]
             layout.append((size, nbytes, _numpy_dtype(torch, tensor.dtype), tuple(tensor.shape)))
             size += -(-nbytes // _ALIGN) * _ALIGN
         pool = _pool_here()
-        index, segment = pool.take(size)
+        try:
+            index, segment = pool.take(size)
+        except OSError as exc:  # no segment now (descriptors or shared memory exhausted): raising here, in DataLoader's
+            _fell_back(exc)     # queue feeder thread, would drop the item and the training loop would wait forever
+            return dict, ({key: _resolved(torch, value) for key, value in self.items()},)  # torch's own sharing
         target = np.frombuffer(segment.map, dtype=np.uint8)
         for tensor, (start, nbytes, _, _) in zip(tensors, layout, strict=True):
             if nbytes:  # numpy's copy: one memcpy, never torch's intra-op threads
@@ -139,6 +143,27 @@ class Handoff(dict):  # type: ignore[type-arg]
         fd = None if segment.sent else DupFd(segment.fd)
         segment.sent = True
         return _rebuild, ((pool.pid, index), fd, segment.size, layout, plan, self.num_workers)
+
+
+def _resolved(torch: Any, value: Any) -> Any:
+    """``value`` with lazy conjugate and negative views resolved: torch's own pickling of a shared tensor drops them
+    (the values arrive conjugated back or negated)."""
+    if isinstance(value, Blobs):
+        return Blobs(values=_resolved(torch, value.values), offsets=_resolved(torch, value.offsets))
+    if isinstance(value, torch.Tensor) and (value.is_conj() or value.is_neg()):
+        return value.resolve_conj().resolve_neg()
+    return value
+
+
+_fallbacks: list[str] = []  # why items went through torch's own sharing (logged the first time in each process)
+
+
+def _fell_back(exc: OSError) -> None:
+    if not _fallbacks:
+        log.warning("a DataLoader worker could not make a shared-memory segment for an item (%s: %s); items go through "
+                    "torch's own sharing until it can (raise the open-file limit, ulimit -n, or free /dev/shm)",
+                    type(exc).__name__, exc)
+    _fallbacks.append(type(exc).__name__)
 
 
 _numpy_dtypes: dict[Any, Any] = {}  # torch dtype -> the numpy dtype of its .numpy(), or the torch dtype where numpy has none

@@ -105,6 +105,28 @@ def test_items_without_tensors_and_other_types_pass_unchanged() -> None:
     assert got["nested"].is_nested and [t.tolist() for t in got["nested"].unbind()] == [[1.0, 1.0], [0.0, 1.0, 2.0]]
 
 
+
+def test_an_item_goes_through_torchs_own_sharing_when_no_segment_can_be_made(monkeypatch: pytest.MonkeyPatch,
+                                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """memfd_create failing (descriptors or shared memory exhausted) raised in DataLoader's queue feeder thread, which
+    drops the item: the training loop waited for it forever. The item is pickled as a plain dict instead, once logged."""
+    import errno
+
+    def exhausted(*_: object) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(handoff, "_pool", None)  # a fresh pool: every segment must be made
+    monkeypatch.setattr(handoff, "_fallbacks", [])
+    monkeypatch.setattr(handoff.os, "memfd_create", exhausted)
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.dataset"):
+        for seed in (1, 2):
+            item = sample_item(seed)
+            got = ship(item)
+            assert type(got) is dict and all(same(item[k], got[k]) for k in item)
+    assert handoff._fallbacks == ["OSError", "OSError"]  # noqa: SLF001
+    assert len([r for r in caplog.records if "torch's own sharing" in r.getMessage()]) == 1
+
+
 # ---------------------------------------------------------------------------------------------- real workers
 SCHEMA = pa.schema([pa.field("tokens", pa.list_(pa.int32())), pa.field("blob", pa.binary()), pa.field("label", pa.int64())])
 
