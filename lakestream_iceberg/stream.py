@@ -38,7 +38,7 @@ from lakestream_iceberg.errors import (
     StreamNotFoundError,
 )
 from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
-from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
+from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
     LAYOUT_PER_RANK,
@@ -194,6 +194,7 @@ class Stream(StreamTable):
             config = StreamConfig.from_properties(props)
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
+            statistics_plan(iceberg_schema, props)  # and the column statistics' metrics modes
             prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
             props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=identifier if isinstance(identifier, str) else ".".join(identifier))
             namespace = Catalog.namespace_from(identifier)

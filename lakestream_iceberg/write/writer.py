@@ -23,7 +23,6 @@ import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.io.pyarrow import (
     DataFileStatistics,
-    compute_statistics_plan,
     data_file_statistics_from_parquet_metadata,
     parquet_path_to_id_mapping,
     schema_to_pyarrow,
@@ -35,7 +34,7 @@ from pyiceberg.typedef import Record
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
-from lakestream_iceberg.format.file_settings import parquet_options
+from lakestream_iceberg.format.file_settings import parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
 from lakestream_iceberg.write.host import warn_if_slow_copy
@@ -263,7 +262,7 @@ class BatchWriter:
         self._location = location.rstrip("/")
         self._schema = file_schema
         self._arrow_schema = schema_to_pyarrow(file_schema, include_field_ids=True)
-        self._stats_plan = compute_statistics_plan(file_schema, properties)
+        self._stats_plan = statistics_plan(file_schema, properties)
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
         self._options = parquet_options(properties, strict=False)
         self._leaves, self._number_lists = _leaf_columns(self._arrow_schema, self._options)

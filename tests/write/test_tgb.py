@@ -261,6 +261,8 @@ REFUSED = [
     ({"write.parquet.page-size-bytes": str(2**70)}, "page-size-bytes='1180591620717411303424'"),
     ({"write.parquet.dict-size-bytes": "0"}, "write.parquet.dict-size-bytes=0 must be >= 1"),
     ({"write.avro.compression-codec": "lzma"}, "write.avro.compression-codec='lzma'"),
+    ({"write.metadata.metrics.default": "bogus"}, "write.metadata.metrics.default='bogus'"),
+    ({"write.metadata.metrics.column.image": "truncate(0)"}, "write.metadata.metrics.column.image='truncate\\(0\\)'"),
 ]
 if not _snappy_manifests_available():  # pyiceberg's snappy codec needs python-snappy (pyiceberg[snappy])
     REFUSED.append(({"write.avro.compression-codec": "snappy"}, "pyiceberg\\[snappy\\]"))
