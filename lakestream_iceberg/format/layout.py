@@ -247,8 +247,9 @@ def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *
     """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed.
 
     With ``payload`` (the stream's payload schema, ``lakestream.arrow-schema``), the payload columns are those of the
-    stream, whatever other columns the table's schema gained since (schema evolution by another engine): producers
-    keep writing the stream's columns, and Iceberg readers return nulls for an added optional column.
+    stream, in its order, whatever other columns the table's schema gained or however it ordered them since (schema
+    evolution by another engine): producers keep writing the stream's columns, and Iceberg readers return nulls for an
+    added optional column.
 
     Raises:
         SchemaMismatchError: The table's schema no longer holds a payload column (dropped or renamed), changed its
@@ -261,7 +262,14 @@ def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *
         names = {f.name for f in schema.fields if f.name not in RESERVED_COLUMNS}
     if layout == LAYOUT_PACKED:
         names.add(RANK_COLUMN)
-    return schema.select(*[f.name for f in schema.fields if f.name in names])
+    selected = schema.select(*[f.name for f in schema.fields if f.name in names])
+    if payload is None:
+        return selected
+    # In the payload's order, whatever order the table's schema has now (another engine may move a column: a legal
+    # change, Iceberg readers match columns by field id): producers write and readers read the stream's columns in it.
+    by_name = {f.name: f for f in selected.fields}
+    order = [*payload.names, RANK_COLUMN] if layout == LAYOUT_PACKED else list(payload.names)
+    return Schema(*[by_name[name] for name in order], schema_id=selected.schema_id)
 
 
 def _check_evolution(schema: Schema, payload: pa.Schema, stream: str) -> None:
