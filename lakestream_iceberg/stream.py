@@ -21,6 +21,7 @@ from pyiceberg.exceptions import (
     NoSuchTableError,
     TableAlreadyExistsError,
 )
+from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
@@ -33,6 +34,7 @@ from lakestream_iceberg.errors import (
     ConfigError,
     LifecycleError,
     ReadTimeoutError,
+    SchemaMismatchError,
     StepError,
     StreamExistsError,
     StreamNotFoundError,
@@ -161,7 +163,7 @@ class Stream(StreamTable):
                 stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size.
             NotAStreamError: A plain Iceberg table of that name exists.
-            SchemaMismatchError: The schema uses a reserved column name.
+            SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"creating stream {identifier}", catalog=catalog.name):
@@ -180,7 +182,13 @@ class Stream(StreamTable):
         except NoSuchTableError:
             existing = None
         if existing is None:
-            iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
+            try:
+                iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
+            except (UnsupportedPyArrowTypeException, ValueError) as exc:  # e.g. timestamp[ns], pa.null(), duration
+                raise SchemaMismatchError(
+                    f"the payload schema has a type Iceberg (format version 2) cannot hold: {exc}. Cast that column to "
+                    "one it can (timestamps in us, int64 for durations, a concrete type for null) before creating the stream"
+                ) from exc
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()
             if properties is not None:

@@ -217,10 +217,17 @@ def test_create_is_idempotent_but_refuses_another_schema_or_world_size(catalog, 
         Stream.create(catalog, "ns.stream", schema=SCHEMA.remove(5), world_size=4)
 
 
-def test_reserved_column_names_are_refused(catalog) -> None:
-    with pytest.raises(SchemaMismatchError, match="reserved"):
-        Stream.create(catalog, "ns.bad", schema=pa.schema([("_step", pa.int64())]), world_size=1)
-
+@pytest.mark.parametrize(("kind", "words"), [
+    (pa.int64(), "reserved"),  # the column is named _step
+    (pa.timestamp("ns"), r"Iceberg \(format version 2\) cannot hold: .*timestamp\[ns\]"),
+    (pa.duration("us"), r"cannot hold: .*duration\[us\]"),
+    (pa.null(), "cannot hold: Null type"),
+])
+def test_reserved_column_names_and_types_iceberg_lacks_are_refused(catalog, kind: pa.DataType, words: str) -> None:
+    name = "_step" if words == "reserved" else "x"
+    with pytest.raises(SchemaMismatchError, match=words):
+        Stream.create(catalog, "ns.bad", schema=pa.schema([(name, kind)]), world_size=1)
+    assert not catalog.table_exists("ns.bad")
 
 
 @pytest.mark.parametrize("layout", ["per-rank", "packed"])
