@@ -211,9 +211,29 @@ def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
         )
     if len(set(payload.names)) != len(payload.names):
         raise SchemaMismatchError("payload schema has duplicate column names; give every column a unique name")
-    plain = pa.schema([pa.field(f.name, f.type, nullable=f.nullable) for f in payload])
+    plain = pa.schema([pa.field(f.name, _widened(f.type), nullable=f.nullable) for f in payload])
     # Optional, not required: pyiceberg fills partition-projected values only into optional fields (0.12).
     return plain.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
+
+
+def _widened(kind: pa.DataType) -> pa.DataType:
+    """``kind`` with every uint32 made int64: pyiceberg types uint32 as Iceberg's 32-bit signed int, which cannot hold
+    its upper half (every batch holding such a value was refused), and long holds them all. The stream's payload
+    schema keeps uint32: producers cast to long when writing, readers cast back."""
+    if pa.types.is_uint32(kind):
+        return pa.int64()
+    if pa.types.is_struct(kind):
+        return pa.struct([kind.field(i).with_type(_widened(kind.field(i).type)) for i in range(kind.num_fields)])
+    if pa.types.is_map(kind):
+        return pa.map_(kind.key_field.with_type(_widened(kind.key_type)),
+                       kind.item_field.with_type(_widened(kind.item_type)), keys_sorted=kind.keys_sorted)
+    if pa.types.is_fixed_size_list(kind):
+        return pa.list_(kind.value_field.with_type(_widened(kind.value_type)), kind.list_size)
+    if pa.types.is_large_list(kind):
+        return pa.large_list(kind.value_field.with_type(_widened(kind.value_type)))
+    if pa.types.is_list(kind):
+        return pa.list_(kind.value_field.with_type(_widened(kind.value_type)))
+    return kind
 
 
 def partition_spec(schema: Schema, layout: str = LAYOUT_PER_RANK) -> PartitionSpec:

@@ -231,6 +231,22 @@ def test_reserved_column_names_and_types_iceberg_lacks_are_refused(catalog, kind
 
 
 @pytest.mark.parametrize("layout", ["per-rank", "packed"])
+def test_uint32_columns_hold_their_whole_range(catalog, layout: str) -> None:
+    """pyiceberg types uint32 as Iceberg's signed 32-bit int; the table types it long, so every uint32 is written."""
+    kinds = {"x": pa.uint32(), "l": pa.list_(pa.uint32()), "s": pa.struct([("u", pa.uint32())]), "b": pa.uint16()}
+    schema = pa.schema(list(kinds.items()))
+    stream = Stream.create(catalog, "ns.u32", schema=schema, world_size=1, properties={"lakestream.layout": layout})
+    top = 2**32 - 1
+    rows = pa.table({"x": pa.array([top, None], pa.uint32()), "l": pa.array([[top, 0], None], kinds["l"]),
+                     "s": pa.array([{"u": top}, None], kinds["s"]), "b": pa.array([2**16 - 1, 0], pa.uint16())},
+                    schema=schema)
+    stream.producer("p").commit([rows])
+    assert stream.read(1, rank=0).equals(rows)  # the stream's own types back
+    assert stream.refresh().table.scan().to_arrow().column("x").to_pylist() == [top, None]  # as Iceberg reads it
+
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
 @pytest.mark.parametrize(("settings", "codec"), [
     ({"write.parquet.compression-codec": "uncompressed"}, "UNCOMPRESSED"),  # Iceberg's name, not pyarrow's "none"
     ({"write.parquet.compression-codec": "gzip", "write.parquet.compression-level": "9"}, "GZIP"),
