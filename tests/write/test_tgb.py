@@ -609,6 +609,37 @@ def test_a_wide_batch_is_checked_as_a_whole_and_a_bad_rank_is_still_named() -> N
     assert len(out) == world and all(isinstance(t, pa.Table) for t in out) and out[4].equals(good[4])
 
 
+_INNER = pa.struct([pa.field("a", pa.int64(), nullable=False), pa.field("t", pa.timestamp("us"), nullable=False),
+                    pa.field("q", pa.struct([pa.field("z", pa.string(), nullable=False)]), nullable=False)])
+_HIDDEN = pa.schema([pa.field("meta", _INNER), pa.field("items", pa.list_(_INNER)), pa.field("m", pa.map_(pa.string(), _INNER))])
+
+
+def _hidden_null_rows(how: str) -> pa.Table:
+    one = {"a": 1, "t": 0, "q": {"z": "x"}}
+    good = pa.table({"meta": pa.array([one], _INNER), "items": pa.array([[one, None]], _HIDDEN.field("items").type),
+                     "m": pa.array([[("k", one)]], _HIDDEN.field("m").type)}, schema=_HIDDEN)
+    if how == "masked":  # a null struct whose required child holds a null in its slot, built by hand
+        meta = pa.StructArray.from_arrays([pa.array([None, 2], pa.int64()), pa.array([0, 0], pa.timestamp("us")),
+                                           pa.array([{"z": "y"}] * 2, _INNER.field("q").type)],
+                                          fields=list(_INNER), mask=pa.array([True, False]))
+        return good.take([0, 0]).set_column(0, _HIDDEN.field("meta"), meta).slice(1)
+    nulls = pa.array({"take": [0, None, 0], "all-null": [None, None], "sliced": [None, 0, None, 0]}[how], pa.int32())
+    taken = good.take(nulls)  # take's null slots hold nulls in every child, required ones too
+    return taken.slice(1, 2) if how == "sliced" else taken
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
+@pytest.mark.parametrize("how", ["take", "all-null", "sliced", "masked"])
+def test_nulls_of_required_nested_fields_under_null_parents_are_written(catalog, layout: str, how: str) -> None:
+    """Arrow allows a non-nullable nested field to hold nulls under a null parent (check_batch accepts them); pyarrow's
+    cast and Parquet writer refuse them, so the writer fills those slots (no reader sees them) instead of failing."""
+    rows = _hidden_null_rows(how)
+    stream = Stream.create(catalog, "ns.hidden", schema=_HIDDEN, world_size=2, properties={"lakestream.layout": layout})
+    stream.producer("p").commit([rows, _hidden_null_rows("take")])
+    assert stream.read(1, rank=0).to_pylist() == rows.to_pylist()
+    assert stream.read(1, rank=1).to_pylist() == _hidden_null_rows("take").to_pylist()
+
+
 def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
     """A manifest holds up to thousands of entries (each with its file's statistics): 512 manifests could hold two
     million. The cache also bounds the entries held, all manifests together, least recently used first; one manifest
