@@ -186,8 +186,9 @@ class Stream(StreamTable):
                 iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
             except (UnsupportedPyArrowTypeException, ValueError) as exc:  # e.g. timestamp[ns], pa.null(), duration
                 raise SchemaMismatchError(
-                    f"the payload schema has a type Iceberg (format version 2) cannot hold: {exc}. Cast that column to "
-                    "one it can (timestamps in us, int64 for durations, a concrete type for null) before creating the stream"
+                    f"the payload schema is not one Iceberg (format version 2) can hold: {exc}. Cast that column to a "
+                    "type it can (timestamps in us, int64 for durations, a concrete type for null) or rename the field "
+                    "(struct fields a and a, a column 'a.b' beside a struct a's field b) before creating the stream"
                 ) from exc
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()

@@ -219,9 +219,10 @@ def test_create_is_idempotent_but_refuses_another_schema_or_world_size(catalog, 
 
 @pytest.mark.parametrize(("kind", "words"), [
     (pa.int64(), "reserved"),  # the column is named _step
-    (pa.timestamp("ns"), r"Iceberg \(format version 2\) cannot hold: .*timestamp\[ns\]"),
-    (pa.duration("us"), r"cannot hold: .*duration\[us\]"),
-    (pa.null(), "cannot hold: Null type"),
+    (pa.timestamp("ns"), r"not one Iceberg \(format version 2\) can hold: .*timestamp\[ns\]"),
+    (pa.duration("us"), r"can hold: .*duration\[us\]"),
+    (pa.null(), "can hold: Null type"),
+    (pa.struct([("a", pa.int32()), ("a", pa.string())]), "can hold: .*multiple fields for name x.a"),
 ])
 def test_reserved_column_names_and_types_iceberg_lacks_are_refused(catalog, kind: pa.DataType, words: str) -> None:
     name = "_step" if words == "reserved" else "x"
