@@ -21,6 +21,7 @@ from pyiceberg.exceptions import (
     NoSuchTableError,
     TableAlreadyExistsError,
 )
+from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
@@ -33,12 +34,13 @@ from lakestream_iceberg.errors import (
     ConfigError,
     LifecycleError,
     ReadTimeoutError,
+    SchemaMismatchError,
     StepError,
     StreamExistsError,
     StreamNotFoundError,
 )
 from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
-from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
+from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
     LAYOUT_PER_RANK,
@@ -161,7 +163,7 @@ class Stream(StreamTable):
                 stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size.
             NotAStreamError: A plain Iceberg table of that name exists.
-            SchemaMismatchError: The schema uses a reserved column name.
+            SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"creating stream {identifier}", catalog=catalog.name):
@@ -180,7 +182,14 @@ class Stream(StreamTable):
         except NoSuchTableError:
             existing = None
         if existing is None:
-            iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
+            try:
+                iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
+            except (UnsupportedPyArrowTypeException, ValueError) as exc:  # e.g. timestamp[ns], pa.null(), duration
+                raise SchemaMismatchError(
+                    f"the payload schema is not one Iceberg (format version 2) can hold: {exc}. Cast that column to a "
+                    "type it can (timestamps in us, int64 for durations, a concrete type for null) or rename the field "
+                    "(struct fields a and a, a column 'a.b' beside a struct a's field b) before creating the stream"
+                ) from exc
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()
             if properties is not None:
@@ -194,6 +203,7 @@ class Stream(StreamTable):
             config = StreamConfig.from_properties(props)
             parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
             avro_codec(props)
+            statistics_plan(iceberg_schema, props)  # and the column statistics' metrics modes
             prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
             props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=identifier if isinstance(identifier, str) else ".".join(identifier))
             namespace = Catalog.namespace_from(identifier)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from pyiceberg.schema import Schema
 
 from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.properties import (
@@ -24,7 +25,7 @@ from lakestream_iceberg.format.properties import (
     PARQUET_PAGE_SIZE,
 )
 
-__all__ = ["avro_codec", "parquet_options"]
+__all__ = ["avro_codec", "parquet_options", "statistics_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +110,30 @@ def avro_codec(properties: Mapping[str, str]) -> str:
             raise ConfigError(f"table property {AVRO_CODEC.key}={raw!r} cannot be used here: {exc}. Install what it names, "
                               f"or use another codec ({HOW})") from exc
     return codec
+
+
+_METRICS_DEFAULT = "write.metadata.metrics.default"
+_METRICS_COLUMN = "write.metadata.metrics.column."
+
+
+def statistics_plan(schema: Schema, properties: Mapping[str, str]) -> dict[int, Any]:
+    """The column statistics a data file of ``schema`` records in its manifest entry (pyiceberg's plan, from the
+    table's ``write.metadata.metrics.default`` and ``write.metadata.metrics.column.<name>``, as pyiceberg's own writer
+    reads them). A metrics mode pyiceberg does not know (not none, counts, full or truncate(N) with N >= 1) is a
+    :class:`ConfigError` naming the property, not pyiceberg's raw ValueError from every producer."""
+    from pyiceberg.io.pyarrow import compute_statistics_plan, match_metrics_mode
+
+    try:
+        return compute_statistics_plan(schema, dict(properties))
+    except ValueError as exc:
+        bad = []
+        for key, value in properties.items():
+            if key == _METRICS_DEFAULT or key.startswith(_METRICS_COLUMN):
+                try:
+                    match_metrics_mode(value)
+                except ValueError:
+                    bad.append(f"{key}={value!r}")
+        raise ConfigError(
+            f"table propert{'ies' if len(bad) > 1 else 'y'} {', '.join(bad) or _METRICS_DEFAULT} "
+            f"cannot be used: {exc}. A metrics mode is none, counts, full or truncate(N) with N >= 1; {HOW}"
+        ) from exc

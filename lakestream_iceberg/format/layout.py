@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyiceberg.partitioning import PartitionField, PartitionSpec
 from pyiceberg.schema import Schema
 from pyiceberg.transforms import IdentityTransform
@@ -211,9 +213,29 @@ def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
         )
     if len(set(payload.names)) != len(payload.names):
         raise SchemaMismatchError("payload schema has duplicate column names; give every column a unique name")
-    plain = pa.schema([pa.field(f.name, f.type, nullable=f.nullable) for f in payload])
+    plain = pa.schema([pa.field(f.name, _widened(f.type), nullable=f.nullable) for f in payload])
     # Optional, not required: pyiceberg fills partition-projected values only into optional fields (0.12).
     return plain.append(pa.field(STEP_COLUMN, pa.int64())).append(pa.field(RANK_COLUMN, pa.int32()))
+
+
+def _widened(kind: pa.DataType) -> pa.DataType:
+    """``kind`` with every uint32 made int64: pyiceberg types uint32 as Iceberg's 32-bit signed int, which cannot hold
+    its upper half (every batch holding such a value was refused), and long holds them all. The stream's payload
+    schema keeps uint32: producers cast to long when writing, readers cast back."""
+    if pa.types.is_uint32(kind):
+        return pa.int64()
+    if pa.types.is_struct(kind):
+        return pa.struct([kind.field(i).with_type(_widened(kind.field(i).type)) for i in range(kind.num_fields)])
+    if pa.types.is_map(kind):
+        return pa.map_(kind.key_field.with_type(_widened(kind.key_type)),
+                       kind.item_field.with_type(_widened(kind.item_type)), keys_sorted=kind.keys_sorted)
+    if pa.types.is_fixed_size_list(kind):
+        return pa.list_(kind.value_field.with_type(_widened(kind.value_type)), kind.list_size)
+    if pa.types.is_large_list(kind):
+        return pa.large_list(kind.value_field.with_type(_widened(kind.value_type)))
+    if pa.types.is_list(kind):
+        return pa.list_(kind.value_field.with_type(_widened(kind.value_type)))
+    return kind
 
 
 def partition_spec(schema: Schema, layout: str = LAYOUT_PER_RANK) -> PartitionSpec:
@@ -247,8 +269,9 @@ def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *
     """The Iceberg schema of a layout's data files: the payload, and ``_rank`` as the last column when packed.
 
     With ``payload`` (the stream's payload schema, ``lakestream.arrow-schema``), the payload columns are those of the
-    stream, whatever other columns the table's schema gained since (schema evolution by another engine): producers
-    keep writing the stream's columns, and Iceberg readers return nulls for an added optional column.
+    stream, in its order, whatever other columns the table's schema gained or however it ordered them since (schema
+    evolution by another engine): producers keep writing the stream's columns, and Iceberg readers return nulls for an
+    added optional column.
 
     Raises:
         SchemaMismatchError: The table's schema no longer holds a payload column (dropped or renamed), changed its
@@ -261,7 +284,14 @@ def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *
         names = {f.name for f in schema.fields if f.name not in RESERVED_COLUMNS}
     if layout == LAYOUT_PACKED:
         names.add(RANK_COLUMN)
-    return schema.select(*[f.name for f in schema.fields if f.name in names])
+    selected = schema.select(*[f.name for f in schema.fields if f.name in names])
+    if payload is None:
+        return selected
+    # In the payload's order, whatever order the table's schema has now (another engine may move a column: a legal
+    # change, Iceberg readers match columns by field id): producers write and readers read the stream's columns in it.
+    by_name = {f.name: f for f in selected.fields}
+    order = [*payload.names, RANK_COLUMN] if layout == LAYOUT_PACKED else list(payload.names)
+    return Schema(*[by_name[name] for name in order], schema_id=selected.schema_id)
 
 
 def _check_evolution(schema: Schema, payload: pa.Schema, stream: str) -> None:
@@ -309,7 +339,7 @@ def check_batch(shards: object, *, world_size: int, expected: pa.Schema) -> tupl
             f"got {len(shards)} shards but the stream's world size is {world_size}; pass exactly one pyarrow Table per "
             f"rank (an empty table for a rank with no samples)"
         )
-    nested = [_has_required(want.type) for want in expected]  # once per batch, not per rank
+    nested = [has_required(want.type) for want in expected]  # once per batch, not per rank
     fields = list(expected)
     to_scan = [i for i, want in enumerate(fields) if not want.nullable or nested[i]]  # columns whose values need a look
     if (whole := _all_valid(shards, expected, fields, to_scan, nested)) is not None:
@@ -385,9 +415,9 @@ def _children(data_type: pa.DataType) -> list[pa.Field]:
     return []
 
 
-def _has_required(data_type: pa.DataType) -> bool:
+def has_required(data_type: pa.DataType) -> bool:
     """Whether a type has a non-nullable field anywhere below it."""
-    return any(not f.nullable or _has_required(f.type) for f in _children(data_type))
+    return any(not f.nullable or has_required(f.type) for f in _children(data_type))
 
 
 def _required_null(array: pa.Array, path: str) -> str | None:
@@ -397,7 +427,7 @@ def _required_null(array: pa.Array, path: str) -> str | None:
     their children, so a null under a null (nullable) parent is fine, as Arrow and Parquet define it.
     """
     data_type = array.type
-    if not _has_required(data_type):
+    if not has_required(data_type):
         return None
     valid = array.filter(array.is_valid()) if array.null_count else array
     if pa.types.is_struct(data_type):
@@ -416,6 +446,95 @@ def _required_null(array: pa.Array, path: str) -> str | None:
         if (found := _required_null(child, child_path)) is not None:
             return found
     return None
+
+
+def hidden_nulls_filled(table: pa.Table) -> pa.Table:
+    """``table`` (a shard that passed :func:`check_batch`) with every null a non-nullable nested field holds under a
+    null parent replaced by a value: Arrow allows them (a struct taken with a null index has one under each null
+    slot), but pyarrow's cast and Parquet writer refuse a non-nullable field holding nulls anywhere. No reader ever
+    sees the values put there (their parent is null). Columns without such a field are returned as they are."""
+    for i, field in enumerate(table.schema):
+        if not has_required(field.type):
+            continue
+        column = table.column(i)
+        chunks = [_filled(chunk) for chunk in column.chunks]
+        if any(new is not old for new, old in zip(chunks, column.chunks)):
+            table = table.set_column(i, field, pa.chunked_array(chunks, field.type))  # a struct's type keeps its field names
+    return table
+
+
+def _filled(array: pa.Array) -> pa.Array:
+    """``array`` with its hidden nulls filled (see :func:`hidden_nulls_filled`): a struct or fixed-size list with a
+    non-nullable field below it built again (zero-copy), a list or map only when its values change."""
+    kind = array.type
+    if not has_required(kind):
+        return array
+    mask = array.is_null() if array.null_count else None
+    if pa.types.is_struct(kind):
+        fields = _children(kind)
+        # built again from its children as this slice holds them (field() honours the slice): pyarrow's cast looks
+        # at the whole child, nulls outside the slice too
+        children = [_own(_filled(array.field(i)), f) for i, f in enumerate(fields)]
+        return pa.StructArray.from_arrays(children, fields=fields, mask=mask)
+    if pa.types.is_map(kind):
+        keys, items = array.keys, array.items  # whole children: the offsets index them
+        new_keys, new_items = _own(_filled(keys), kind.key_field), _own(_filled(items), kind.item_field)
+        if new_keys is keys and new_items is items:
+            return array
+        return pa.MapArray.from_arrays(_offsets(array), new_keys, new_items, type=kind, mask=mask)
+    if pa.types.is_fixed_size_list(kind):
+        values = array.values.slice(array.offset * kind.list_size, len(array) * kind.list_size)  # this slice's
+        return pa.FixedSizeListArray.from_arrays(_own(_filled(values), kind.value_field), type=kind, mask=mask)
+    values = array.values  # a list: the whole child, which its offsets index
+    new_values = _own(_filled(values), kind.value_field)
+    if new_values is values:
+        return array
+    lists = pa.LargeListArray if pa.types.is_large_list(kind) else pa.ListArray
+    return lists.from_arrays(_offsets(array), new_values, type=kind, mask=mask)
+
+
+def _offsets(array: pa.Array) -> pa.Array:
+    """A list or map array's offsets, as from_arrays takes them with a mask (not a slice of a longer buffer)."""
+    offsets = array.offsets
+    return pa.array(offsets.to_numpy()) if offsets.offset else offsets
+
+
+def _own(array: pa.Array, field: pa.Field) -> pa.Array:
+    """``array``, the values of ``field``, with no null when the field is non-nullable: each null slot (hidden under a
+    null parent: check_batch refused any other) takes the first valid value, or a zero value when none is valid."""
+    if field.nullable or not array.null_count:
+        return array
+    valid = array.is_valid()
+    first = pc.index(valid, True).as_py()
+    if first < 0:
+        return _zeros(array.type, len(array))
+    return array.take(pc.if_else(valid, pa.array(np.arange(len(array), dtype=np.int64)), first))
+
+
+def _zeros(kind: pa.DataType, n: int) -> pa.Array:
+    """``n`` non-null values of ``kind`` (zeros, empty strings and lists; nested: non-nullable fields filled)."""
+    if isinstance(kind, pa.ExtensionType):
+        return pa.ExtensionArray.from_storage(kind, _zeros(kind.storage_type, n))
+    if pa.types.is_struct(kind):
+        fields = _children(kind)
+        return pa.StructArray.from_arrays([_zeros(f.type, n) for f in fields], fields=fields)
+    if pa.types.is_fixed_size_list(kind):
+        return pa.FixedSizeListArray.from_arrays(_zeros(kind.value_type, n * kind.list_size), type=kind)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_map(kind):
+        return pa.array([[]] * n, kind)
+    if pa.types.is_fixed_size_binary(kind):
+        return pa.array([b"\0" * kind.byte_width] * n, kind)
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        return pa.array([""] * n, kind)
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind) or pa.types.is_binary_view(kind):
+        return pa.array([b""] * n, kind)
+    if pa.types.is_boolean(kind):
+        return pa.array([False] * n, kind)
+    if pa.types.is_float16(kind):
+        return pa.array(np.zeros(n, np.float16))
+    if pa.types.is_temporal(kind):  # dates, times, timestamps, durations: the zero of their integers
+        return pa.array(np.zeros(n, np.int64 if kind.bit_width == 64 else np.int32)).view(kind)
+    return pa.array(np.zeros(n, np.int8)).cast(kind)  # numbers, decimals
 
 
 def check_rank(rank: int, world_size: int) -> int:

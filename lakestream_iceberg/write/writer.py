@@ -23,7 +23,6 @@ import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.io.pyarrow import (
     DataFileStatistics,
-    compute_statistics_plan,
     data_file_statistics_from_parquet_metadata,
     parquet_path_to_id_mapping,
     schema_to_pyarrow,
@@ -35,8 +34,8 @@ from pyiceberg.typedef import Record
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
-from lakestream_iceberg.format.file_settings import parquet_options
-from lakestream_iceberg.format.layout import RANK_COLUMN
+from lakestream_iceberg.format.file_settings import parquet_options, statistics_plan
+from lakestream_iceberg.format.layout import RANK_COLUMN, has_required, hidden_nulls_filled
 from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
 from lakestream_iceberg.write.host import warn_if_slow_copy
 
@@ -263,11 +262,12 @@ class BatchWriter:
         self._location = location.rstrip("/")
         self._schema = file_schema
         self._arrow_schema = schema_to_pyarrow(file_schema, include_field_ids=True)
-        self._stats_plan = compute_statistics_plan(file_schema, properties)
+        self._stats_plan = statistics_plan(file_schema, properties)
         self._id_mapping = parquet_path_to_id_mapping(file_schema)
         self._options = parquet_options(properties, strict=False)
         self._leaves, self._number_lists = _leaf_columns(self._arrow_schema, self._options)
         self._blob_columns = [f.name for f in self._arrow_schema if any(is_(f.type) for is_ in _BLOB_TYPES)]
+        self._nested_required = any(has_required(f.type) for f in self._arrow_schema)  # see hidden_nulls_filled
         self._pool = ProcessPool(max_workers=8, name="lakestream-write")
         # A storage outage (S3 restarting, 5xx, connection refused) is retried for this long (the stream's checked
         # lakestream.io.retry-timeout-ms); the path is unique to this batch and an object appears only when its upload
@@ -355,7 +355,8 @@ class BatchWriter:
             try:
                 whole = pa.concat_tables(filled)
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # shards that differ in nullability or metadata: cast each first
-                whole = pa.concat_tables([shard.cast(payload) for shard in filled])
+                whole = pa.concat_tables([self._filled(shard).cast(payload) for shard in filled])
+        whole = self._filled(whole)
         ranks = np.repeat(np.arange(len(counts), dtype=np.int32), counts)
         chunks = max((column.num_chunks for column in whole.columns), default=1)
         if chunks > 1 and _small_chunks(shards, chunks):
@@ -385,8 +386,11 @@ class BatchWriter:
         return [whole.slice(start, n) for start, n in bounds]
 
     def _write_one(self, path: str, rank: int, shard: pa.Table) -> StagedFile:
-        table = shard.cast(self._arrow_schema) if shard.num_rows else self._arrow_schema.empty_table()
+        table = self._filled(shard).cast(self._arrow_schema) if shard.num_rows else self._arrow_schema.empty_table()
         return self._write_file(path, rank, [table], None)
+
+    def _filled(self, table: pa.Table) -> pa.Table:
+        return hidden_nulls_filled(table) if self._nested_required else table
 
     def _write_file(self, path: str, rank: int | None, groups: list[pa.Table], rank_rows: np.ndarray | None) -> StagedFile:
         """Write ``groups`` as the row groups of one file (a per-rank file: one group, possibly empty)."""

@@ -217,9 +217,33 @@ def test_create_is_idempotent_but_refuses_another_schema_or_world_size(catalog, 
         Stream.create(catalog, "ns.stream", schema=SCHEMA.remove(5), world_size=4)
 
 
-def test_reserved_column_names_are_refused(catalog) -> None:
-    with pytest.raises(SchemaMismatchError, match="reserved"):
-        Stream.create(catalog, "ns.bad", schema=pa.schema([("_step", pa.int64())]), world_size=1)
+@pytest.mark.parametrize(("kind", "words"), [
+    (pa.int64(), "reserved"),  # the column is named _step
+    (pa.timestamp("ns"), r"not one Iceberg \(format version 2\) can hold: .*timestamp\[ns\]"),
+    (pa.duration("us"), r"can hold: .*duration\[us\]"),
+    (pa.null(), "can hold: Null type"),
+    (pa.struct([("a", pa.int32()), ("a", pa.string())]), "can hold: .*multiple fields for name x.a"),
+])
+def test_reserved_column_names_and_types_iceberg_lacks_are_refused(catalog, kind: pa.DataType, words: str) -> None:
+    name = "_step" if words == "reserved" else "x"
+    with pytest.raises(SchemaMismatchError, match=words):
+        Stream.create(catalog, "ns.bad", schema=pa.schema([(name, kind)]), world_size=1)
+    assert not catalog.table_exists("ns.bad")
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
+def test_uint32_columns_hold_their_whole_range(catalog, layout: str) -> None:
+    """pyiceberg types uint32 as Iceberg's signed 32-bit int; the table types it long, so every uint32 is written."""
+    kinds = {"x": pa.uint32(), "l": pa.list_(pa.uint32()), "s": pa.struct([("u", pa.uint32())]), "b": pa.uint16()}
+    schema = pa.schema(list(kinds.items()))
+    stream = Stream.create(catalog, "ns.u32", schema=schema, world_size=1, properties={"lakestream.layout": layout})
+    top = 2**32 - 1
+    rows = pa.table({"x": pa.array([top, None], pa.uint32()), "l": pa.array([[top, 0], None], kinds["l"]),
+                     "s": pa.array([{"u": top}, None], kinds["s"]), "b": pa.array([2**16 - 1, 0], pa.uint16())},
+                    schema=schema)
+    stream.producer("p").commit([rows])
+    assert stream.read(1, rank=0).equals(rows)  # the stream's own types back
+    assert stream.refresh().table.scan().to_arrow().column("x").to_pylist() == [top, None]  # as Iceberg reads it
 
 
 
@@ -261,6 +285,8 @@ REFUSED = [
     ({"write.parquet.page-size-bytes": str(2**70)}, "page-size-bytes='1180591620717411303424'"),
     ({"write.parquet.dict-size-bytes": "0"}, "write.parquet.dict-size-bytes=0 must be >= 1"),
     ({"write.avro.compression-codec": "lzma"}, "write.avro.compression-codec='lzma'"),
+    ({"write.metadata.metrics.default": "bogus"}, "write.metadata.metrics.default='bogus'"),
+    ({"write.metadata.metrics.column.image": "truncate(0)"}, "write.metadata.metrics.column.image='truncate\\(0\\)'"),
 ]
 if not _snappy_manifests_available():  # pyiceberg's snappy codec needs python-snappy (pyiceberg[snappy])
     REFUSED.append(({"write.avro.compression-codec": "snappy"}, "pyiceberg\\[snappy\\]"))
@@ -582,6 +608,37 @@ def test_a_wide_batch_is_checked_as_a_whole_and_a_bad_rank_is_still_named() -> N
     mixed = [*good[:3], relaxed, batch_shard, good[5], tagged, *good[7:]]
     out = check_shards(mixed, world_size=world, expected=schema)
     assert len(out) == world and all(isinstance(t, pa.Table) for t in out) and out[4].equals(good[4])
+
+
+_INNER = pa.struct([pa.field("a", pa.int64(), nullable=False), pa.field("t", pa.timestamp("us"), nullable=False),
+                    pa.field("q", pa.struct([pa.field("z", pa.string(), nullable=False)]), nullable=False)])
+_HIDDEN = pa.schema([pa.field("meta", _INNER), pa.field("items", pa.list_(_INNER)), pa.field("m", pa.map_(pa.string(), _INNER))])
+
+
+def _hidden_null_rows(how: str) -> pa.Table:
+    one = {"a": 1, "t": 0, "q": {"z": "x"}}
+    good = pa.table({"meta": pa.array([one], _INNER), "items": pa.array([[one, None]], _HIDDEN.field("items").type),
+                     "m": pa.array([[("k", one)]], _HIDDEN.field("m").type)}, schema=_HIDDEN)
+    if how == "masked":  # a null struct whose required child holds a null in its slot, built by hand
+        meta = pa.StructArray.from_arrays([pa.array([None, 2], pa.int64()), pa.array([0, 0], pa.timestamp("us")),
+                                           pa.array([{"z": "y"}] * 2, _INNER.field("q").type)],
+                                          fields=list(_INNER), mask=pa.array([True, False]))
+        return good.take([0, 0]).set_column(0, _HIDDEN.field("meta"), meta).slice(1)
+    nulls = pa.array({"take": [0, None, 0], "all-null": [None, None], "sliced": [None, 0, None, 0]}[how], pa.int32())
+    taken = good.take(nulls)  # take's null slots hold nulls in every child, required ones too
+    return taken.slice(1, 2) if how == "sliced" else taken
+
+
+@pytest.mark.parametrize("layout", ["per-rank", "packed"])
+@pytest.mark.parametrize("how", ["take", "all-null", "sliced", "masked"])
+def test_nulls_of_required_nested_fields_under_null_parents_are_written(catalog, layout: str, how: str) -> None:
+    """Arrow allows a non-nullable nested field to hold nulls under a null parent (check_batch accepts them); pyarrow's
+    cast and Parquet writer refuse them, so the writer fills those slots (no reader sees them) instead of failing."""
+    rows = _hidden_null_rows(how)
+    stream = Stream.create(catalog, "ns.hidden", schema=_HIDDEN, world_size=2, properties={"lakestream.layout": layout})
+    stream.producer("p").commit([rows, _hidden_null_rows("take")])
+    assert stream.read(1, rank=0).to_pylist() == rows.to_pylist()
+    assert stream.read(1, rank=1).to_pylist() == _hidden_null_rows("take").to_pylist()
 
 
 def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
