@@ -15,8 +15,12 @@ from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
 
 KEY_SOURCE_BRANCH = "lakestream.source-branch"
+# When the checkpoint was committed, by the committer's clock (ms since the epoch). The anchor's timestamp_ms is no
+# clock reading where an earlier snapshot is dated in the future (another engine wrote microseconds as milliseconds,
+# a skewed clock): Iceberg's snapshot timestamps must not go back, so every later snapshot is dated after it.
+KEY_CREATED_AT = "lakestream.created-at-ms"
 
-__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints"]
+__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints", "utc_from_ms"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +48,15 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
 _SNAPSHOT_ID = re.compile(r"^-?[0-9]{1,19}$")
+_MS = re.compile(r"[0-9]{1,18}")
+
+
+def utc_from_ms(ms: float) -> datetime | None:
+    """A millisecond timestamp as an aware UTC datetime; None when no datetime can hold it (past the year 9999)."""
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return None
 
 
 def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
@@ -59,7 +72,7 @@ def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
         name=name,
         step=StreamState.of(snapshot).step,
         snapshot_id=snapshot.snapshot_id,
-        created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
+        created_at=_created_at(name, summary.get(KEY_CREATED_AT), snapshot.timestamp_ms),
         branch=summary.get(KEY_SOURCE_BRANCH, "main"),
         source_snapshot_id=_snapshot_id(name, source),
     )
@@ -76,6 +89,21 @@ def _snapshot_id(name: str, raw: object) -> int | None:
         "writes a snapshot id): the tag was written by another tool or its summary was corrupted; remove the tag "
         f"(table.manage_snapshots().remove_tag({name!r}).commit()) or point it at a lakestream checkpoint"
     )
+
+
+def _created_at(name: str, raw: str | None, timestamp_ms: int) -> datetime:
+    """When the checkpoint was committed: its recorded ``lakestream.created-at-ms``, else (anchors written before it was
+    recorded) its snapshot's timestamp."""
+    found = utc_from_ms(int(raw)) if raw is not None and _MS.fullmatch(raw) else None
+    if found is None and raw is None:
+        found = utc_from_ms(timestamp_ms)
+    if found is None:
+        raise CorruptStateError(
+            f"checkpoint tag {name!r} has no readable creation time ({KEY_CREATED_AT}={str(raw)[:64]!r}, snapshot "
+            f"timestamp-ms={timestamp_ms}): the tag was written by another tool or its summary was corrupted; remove "
+            f"the tag (table.manage_snapshots().remove_tag({name!r}).commit()) or point it at a lakestream checkpoint"
+        )
+    return found
 
 
 def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
