@@ -19,7 +19,7 @@ from lakestream_iceberg import (
     Stream,
     StreamExistsError,
 )
-from tests.support import SCHEMA, batch, digest, shard
+from tests.support import SCHEMA, batch, digest, shard, sqlite_catalog
 
 
 @pytest.fixture(params=["per-rank", "packed"])
@@ -215,6 +215,26 @@ def test_create_is_idempotent_but_refuses_another_schema_or_world_size(catalog, 
         Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
     with pytest.raises(StreamExistsError):
         Stream.create(catalog, "ns.stream", schema=SCHEMA.remove(5), world_size=4)
+
+
+def test_create_racing_another_process_creating_the_namespace_opens_the_stream(tmp_path) -> None:
+    """Another process creates the namespace between the SQL catalog's existence check and its insert (two trainers
+    starting at once): the insert's IntegrityError escaped create() raw; the namespace is there, so the stream is made."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    other = sqlite_catalog(str(tmp_path))
+
+    class Racing(SqlCatalog):
+        def namespace_exists(self, namespace) -> bool:  # type: ignore[no-untyped-def]
+            found = super().namespace_exists(namespace)
+            if not found and not other.namespace_exists(namespace):
+                other.create_namespace(namespace)  # the other process wins the insert right after this check
+            return found
+
+    racing = Racing("test", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(racing, "ns.stream", schema=SCHEMA, world_size=2)
+    assert Stream.create(other, "ns.stream", schema=SCHEMA, world_size=2).table.metadata.table_uuid == \
+        stream.table.metadata.table_uuid
 
 
 def test_reserved_column_names_are_refused(catalog) -> None:
