@@ -495,14 +495,18 @@ def test_a_state_expired_under_a_metadata_only_snapshot_is_refused_then_rebased_
 
 def test_a_rollback_by_another_engine_unpublishes_the_later_steps_as_a_fork_would(tmp_path: Path) -> None:
     stream, before = published(make(tmp_path))
+    stream.checkpoint("c7", step=7)
     at5 = lineage(stream)[4]
     stream.table.manage_snapshots().rollback_to_snapshot(at5.snapshot_id).commit()  # pyiceberg, Spark's CALL rollback
     again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
     assert again.head_step() == 5
+    # c7 is past the head now: GC collected below it, marking steps 1..6 collected before 6 was published again
+    assert again.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True).collected_below == {}
     a, b = again.producer("a"), again.producer("b")
     assert (a.commit(batch("a", 2, WORLD), seq=2).duplicate, a.next_seq) == (True, 3)  # step 5 is still published
     republished = b.commit(batch("b", 2, WORLD), seq=2)  # step 6 left the branch: b's seq 2 is published again
     assert (republished.duplicate, republished.step) == (False, 6)
+    assert again.checkpoint("c6", step=6).step == 6
     assert {step: rows_of(again, step) for step in range(1, 7)} == {step: before[step] for step in range(1, 7)}
 
 
