@@ -59,11 +59,13 @@ def utc_from_ms(ms: float) -> datetime | None:
         return None
 
 
-def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
+def checkpoint_of(metadata: TableMetadata, name: str, *, by_id: dict[int, Snapshot] | None = None) -> Checkpoint | None:
+    """The checkpoint tagged ``name`` (None: no tag of that name, or not on a lakestream anchor of that name).
+    ``by_id``: the metadata's snapshots by id, when the caller has them (``snapshot_by_id`` scans the list)."""
     ref = metadata.refs.get(name)
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
         return None
-    snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+    snapshot = by_id.get(ref.snapshot_id) if by_id is not None else metadata.snapshot_by_id(ref.snapshot_id)
     summary = _summary(snapshot)
     if snapshot is None or summary.get(KEY_CHECKPOINT) != name:
         return None
@@ -107,5 +109,6 @@ def _created_at(name: str, raw: str | None, timestamp_ms: int) -> datetime:
 
 
 def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
-    found = (checkpoint_of(metadata, name) for name in metadata.refs)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # one scan, not one per tag: thousands of both are usual
+    found = (checkpoint_of(metadata, name, by_id=by_id) for name in metadata.refs)
     return sorted((c for c in found if c is not None), key=lambda c: (c.step, c.created_at))

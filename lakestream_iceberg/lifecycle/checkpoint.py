@@ -79,9 +79,10 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     snapshot_id, sequence_number = builder.next_ids()
     planner = stream.manifest_planner(metadata)
     manifest = planner.existing(snapshot_id=snapshot_id, sequence_number=sequence_number, entries=entries)
-    source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
-                   if StreamState.of(metadata.snapshot_by_id(sid)).step == step
-                   and _summary(metadata.snapshot_by_id(sid)).get("lakestream.op", OP_APPEND) == OP_APPEND), None)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # snapshot_by_id scans the list: quadratic in retention
+    source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(by_id), by_id=by_id)
+                   if StreamState.of(by_id[sid]).step == step
+                   and _summary(by_id[sid]).get("lakestream.op", OP_APPEND) == OP_APPEND), None)
     manifest_list = planner.write_list([manifest], snapshot_id=snapshot_id, parent_id=source, sequence_number=sequence_number)
     rows = sum(e.data_file.record_count for e in entries)
     size = sum(e.data_file.file_size_in_bytes for e in entries)
@@ -90,7 +91,7 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     # its table state is the one step (totals given), listed as EXISTING: it adds and removes nothing
     snapshot = builder.snapshot(
         snapshot_id=snapshot_id, sequence_number=sequence_number,
-        parent=metadata.snapshot_by_id(source) if source is not None else None, manifest_list=manifest_list,
+        parent=by_id[source] if source is not None else None, manifest_list=manifest_list,
         operation=Operation.DELETE,
         totals={"total-records": str(rows), "total-data-files": str(len(entries)), "total-files-size": str(size),
                 "total-delete-files": "0", "total-position-deletes": "0", "total-equality-deletes": "0"},
