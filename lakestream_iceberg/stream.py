@@ -212,6 +212,9 @@ class Stream(StreamTable):
                     catalog.create_namespace(namespace)
                 except NamespaceAlreadyExistsError:
                     pass
+                except Exception:  # another process created it between the catalog's check and its insert: a SQL
+                    if not catalog.namespace_exists(namespace):  # catalog raises the database's integrity error
+                        raise
             try:
                 table = catalog.create_table(
                     identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),

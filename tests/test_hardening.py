@@ -407,7 +407,9 @@ def test_2_a_foreign_append_naming_only_a_step_does_not_restart_every_producers_
 
 
 @pytest.mark.parametrize(("key", "value"), [("lakestream.step", "True"), ("lakestream.source-snapshot-id", "12x"),
-                                            ("lakestream.source-snapshot-id", "\u00b2")])
+                                            ("lakestream.source-snapshot-id", "\u00b2"),
+                                            ("lakestream.created-at-ms", "-1"),
+                                            ("lakestream.created-at-ms", "999999999999999999")])
 def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(catalog: SqlCatalog, key: str,
                                                                             value: str) -> None:
     # what checkpoint("broken", step=True) writes today: a tagged anchor whose summary says lakestream.step=True. Here

@@ -219,6 +219,17 @@ def test_history_refuses_a_samples_range_that_is_not_one(tmp_path: Path, steps: 
     assert stream.history(samples_steps=(1, 2)).sql("SELECT count(DISTINCT _step) FROM samples").fetchall() == [(2,)]
 
 
+@pytest.mark.parametrize("branch", [True, 5, None])
+def test_a_branch_that_is_no_name_is_refused_by_reads(tmp_path: Path, branch: object) -> None:
+    """head_step read a branch True or 5 as one with no step (0) and None as main; read said the step was not
+    published yet, and wait_for waited out its timeout."""
+    stream = make(tmp_path, steps=2)
+    for call in (lambda: stream.head_step(branch=branch), lambda: stream.read(1, rank=0, branch=branch),
+                 lambda: stream.wait_for(1, timeout=5, branch=branch)):
+        with pytest.raises(ConfigError, match="branch must be a branch name"):
+            call()
+
+
 def test_history_of_a_branch_the_stream_does_not_have_is_refused(tmp_path: Path) -> None:
     pytest.importorskip("duckdb")
     stream = make(tmp_path, steps=2)

@@ -107,9 +107,9 @@ def test_a_group_commit_is_an_incremental_append_for_every_batch(tmp_path: Path)
 # --------------------------------------------------------------------------------------------------- foreign snapshots
 
 
-def commit_replace(stream: Stream) -> Snapshot:
+def commit_replace(stream: Stream, timestamp_ms: int | None = None) -> Snapshot:
     """What ``rewrite_manifests`` commits: a ``replace`` snapshot listing the same files (here: the same manifests in a
-    new manifest list), no data changed, no ``lakestream.*`` keys."""
+    new manifest list), no data changed, no ``lakestream.*`` keys; dated ``timestamp_ms`` (default: now)."""
     table = stream.refresh().table
     metadata = table.metadata
     head = metadata.current_snapshot()
@@ -124,6 +124,7 @@ def commit_replace(stream: Stream) -> Snapshot:
     totals = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("total-")}
     snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id, sequence_number=sequence_number,
                         manifest_list=path, schema_id=metadata.current_schema_id,
+                        **({} if timestamp_ms is None else {"timestamp_ms": timestamp_ms}),
                         summary=Summary(Operation.REPLACE, **totals, **{"manifests-created": "0", "manifests-kept": "1",
                                                                       "engine-name": "test"}))
     with table.transaction() as tx:
@@ -163,6 +164,35 @@ def test_a_metadata_only_foreign_snapshot_keeps_exactly_once_and_dense_steps(tmp
     assert {step: rows_of(again, step) for step in range(1, 9)} == before
     assert incremental_steps(again, metadata.snapshot_by_id(new.snapshot_id)) == [9] * sum(
         again.read(9, rank=r).num_rows for r in range(WORLD))
+
+
+@pytest.mark.parametrize("ahead_ms", [int(time.time() * 1000) * 999, 10 * 365 * 86_400_000],
+                         ids=["microseconds-as-milliseconds", "ten-years-ahead"])
+def test_a_foreign_snapshot_dated_in_the_future_keeps_checkpoints_and_history_working(tmp_path: Path, ahead_ms: int) -> None:
+    """Every snapshot after a future-dated one is dated after it (Iceberg timestamps never go back): checkpoints of
+    the later steps raised a raw ValueError (year out of range) or were dated in the future, which GC's keep_within
+    never released; they carry their creation time, and history shows what no datetime holds as NULL."""
+    stream, _ = published(make(tmp_path))
+    foreign = commit_replace(stream, timestamp_ms=int(time.time() * 1000) + ahead_ms)
+    assert stream.producer("a").commit(batch("a", 4, WORLD), seq=4).step == 9
+    before = time.time()
+    made = [stream.checkpoint("c8", step=8), stream.checkpoint("c9", step=9)]
+    after = time.time()
+    assert stream.refresh().table.metadata.snapshot_by_id(made[1].snapshot_id).timestamp_ms > foreign.timestamp_ms
+    listed = stream.checkpoints()
+    assert [c.name for c in listed] == ["c8", "c9"]
+    for checkpoint in (*made, *listed):
+        assert before - 1 <= checkpoint.created_at.timestamp() <= after + 1
+    assert stream.fork("c9", branch="f").step == 9
+    assert stream.producer("a", branch="f").commit(batch("a", 0, WORLD), seq=0).step == 10  # a fork: fresh seqs
+    rows = stream.history().sql("SELECT step, committed_at FROM snapshots ORDER BY step NULLS FIRST").fetchall()
+    assert [step for step, _ in rows] == [None, *range(1, 10)]
+    assert all(at is not None for step, at in rows if step is not None and step <= 8)
+    out_of_range = ahead_ms > 9_999 * 365 * 86_400_000
+    assert all((at is None) == out_of_range for _, at in rows[:1] + rows[-1:])  # the foreign snapshot and step 9
+    report = stream.collect_garbage(dry_run=False, keep_within=timedelta(hours=1), grace=timedelta(0),
+                                    allow_short_grace=True)
+    assert report.released_checkpoints == [] and report.collected_below == {"main": 8}
 
 
 def test_a_follower_reads_through_a_metadata_only_foreign_snapshot(tmp_path: Path) -> None:
@@ -481,14 +511,18 @@ def test_a_state_expired_under_a_metadata_only_snapshot_is_refused_then_rebased_
 
 def test_a_rollback_by_another_engine_unpublishes_the_later_steps_as_a_fork_would(tmp_path: Path) -> None:
     stream, before = published(make(tmp_path))
+    stream.checkpoint("c7", step=7)
     at5 = lineage(stream)[4]
     stream.table.manage_snapshots().rollback_to_snapshot(at5.snapshot_id).commit()  # pyiceberg, Spark's CALL rollback
     again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
     assert again.head_step() == 5
+    # c7 is past the head now: GC collected below it, marking steps 1..6 collected before 6 was published again
+    assert again.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True).collected_below == {}
     a, b = again.producer("a"), again.producer("b")
     assert (a.commit(batch("a", 2, WORLD), seq=2).duplicate, a.next_seq) == (True, 3)  # step 5 is still published
     republished = b.commit(batch("b", 2, WORLD), seq=2)  # step 6 left the branch: b's seq 2 is published again
     assert (republished.duplicate, republished.step) == (False, 6)
+    assert again.checkpoint("c6", step=6).step == 6
     assert {step: rows_of(again, step) for step in range(1, 7)} == {step: before[step] for step in range(1, 7)}
 
 

@@ -15,8 +15,12 @@ from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
 
 KEY_SOURCE_BRANCH = "lakestream.source-branch"
+# When the checkpoint was committed, by the committer's clock (ms since the epoch). The anchor's timestamp_ms is no
+# clock reading where an earlier snapshot is dated in the future (another engine wrote microseconds as milliseconds,
+# a skewed clock): Iceberg's snapshot timestamps must not go back, so every later snapshot is dated after it.
+KEY_CREATED_AT = "lakestream.created-at-ms"
 
-__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints"]
+__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints", "utc_from_ms"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,13 +48,24 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
 _SNAPSHOT_ID = re.compile(r"^-?[0-9]{1,19}$")
+_MS = re.compile(r"[0-9]{1,18}")
 
 
-def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
+def utc_from_ms(ms: float) -> datetime | None:
+    """A millisecond timestamp as an aware UTC datetime; None when no datetime can hold it (past the year 9999)."""
+    try:
+        return datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    except (OverflowError, ValueError, OSError):
+        return None
+
+
+def checkpoint_of(metadata: TableMetadata, name: str, *, by_id: dict[int, Snapshot] | None = None) -> Checkpoint | None:
+    """The checkpoint tagged ``name`` (None: no tag of that name, or not on a lakestream anchor of that name).
+    ``by_id``: the metadata's snapshots by id, when the caller has them (``snapshot_by_id`` scans the list)."""
     ref = metadata.refs.get(name)
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG:
         return None
-    snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+    snapshot = by_id.get(ref.snapshot_id) if by_id is not None else metadata.snapshot_by_id(ref.snapshot_id)
     summary = _summary(snapshot)
     if snapshot is None or summary.get(KEY_CHECKPOINT) != name:
         return None
@@ -59,7 +74,7 @@ def checkpoint_of(metadata: TableMetadata, name: str) -> Checkpoint | None:
         name=name,
         step=StreamState.of(snapshot).step,
         snapshot_id=snapshot.snapshot_id,
-        created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
+        created_at=_created_at(name, summary.get(KEY_CREATED_AT), snapshot.timestamp_ms),
         branch=summary.get(KEY_SOURCE_BRANCH, "main"),
         source_snapshot_id=_snapshot_id(name, source),
     )
@@ -78,6 +93,22 @@ def _snapshot_id(name: str, raw: object) -> int | None:
     )
 
 
+def _created_at(name: str, raw: str | None, timestamp_ms: int) -> datetime:
+    """When the checkpoint was committed: its recorded ``lakestream.created-at-ms``, else (anchors written before it was
+    recorded) its snapshot's timestamp."""
+    found = utc_from_ms(int(raw)) if raw is not None and _MS.fullmatch(raw) else None
+    if found is None and raw is None:
+        found = utc_from_ms(timestamp_ms)
+    if found is None:
+        raise CorruptStateError(
+            f"checkpoint tag {name!r} has no readable creation time ({KEY_CREATED_AT}={str(raw)[:64]!r}, snapshot "
+            f"timestamp-ms={timestamp_ms}): the tag was written by another tool or its summary was corrupted; remove "
+            f"the tag (table.manage_snapshots().remove_tag({name!r}).commit()) or point it at a lakestream checkpoint"
+        )
+    return found
+
+
 def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
-    found = (checkpoint_of(metadata, name) for name in metadata.refs)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # one scan, not one per tag: thousands of both are usual
+    found = (checkpoint_of(metadata, name, by_id=by_id) for name in metadata.refs)
     return sorted((c for c in found if c is not None), key=lambda c: (c.step, c.created_at))

@@ -160,6 +160,9 @@ class StreamTable:
         Raises:
             ForeignSnapshotError: Another engine changed the branch's data; ``Stream.repair()`` brings it back.
         """
+        if not isinstance(branch, str):  # pyiceberg reads None as main and any other non-name as no branch: step 0
+            raise ConfigError(f"branch must be a branch name of {self.name} (a string such as 'main'), got "
+                              f"{type(branch).__name__} {branch!r}")
         metadata = metadata if metadata is not None else self.table.metadata
         return branch_state(metadata, metadata.snapshot_by_name(branch), stream=self.name, branch=branch)
 

@@ -18,6 +18,7 @@ can never race lifecycle GC into tagging a step that GC is collecting.
 from __future__ import annotations
 
 import re
+import time
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,7 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.errors import CheckpointError
-from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH, Checkpoint, checkpoint_of
+from lakestream_iceberg.format.checkpoints import KEY_CREATED_AT, KEY_SOURCE_BRANCH, Checkpoint, checkpoint_of
 from lakestream_iceberg.format.checks import check_branch, check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.lineage import branch_state
@@ -78,26 +79,29 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     snapshot_id, sequence_number = builder.next_ids()
     planner = stream.manifest_planner(metadata)
     manifest = planner.existing(snapshot_id=snapshot_id, sequence_number=sequence_number, entries=entries)
-    source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(metadata.snapshots))
-                   if StreamState.of(metadata.snapshot_by_id(sid)).step == step
-                   and _summary(metadata.snapshot_by_id(sid)).get("lakestream.op", OP_APPEND) == OP_APPEND), None)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # snapshot_by_id scans the list: quadratic in retention
+    source = next((sid for sid in ancestors(metadata, head.snapshot_id, len(by_id), by_id=by_id)
+                   if StreamState.of(by_id[sid]).step == step
+                   and _summary(by_id[sid]).get("lakestream.op", OP_APPEND) == OP_APPEND), None)
     manifest_list = planner.write_list([manifest], snapshot_id=snapshot_id, parent_id=source, sequence_number=sequence_number)
     rows = sum(e.data_file.record_count for e in entries)
     size = sum(e.data_file.file_size_in_bytes for e in entries)
+    created_ms = int(time.time() * 1000)  # the anchor's timestamp_ms follows its parent's, which may be in the future
     anchor_state = StreamState(op=OP_CHECKPOINT, step=step, producers={}, collected_below=step)
     # its table state is the one step (totals given), listed as EXISTING: it adds and removes nothing
     snapshot = builder.snapshot(
         snapshot_id=snapshot_id, sequence_number=sequence_number,
-        parent=metadata.snapshot_by_id(source) if source is not None else None, manifest_list=manifest_list,
+        parent=by_id[source] if source is not None else None, manifest_list=manifest_list,
         operation=Operation.DELETE,
         totals={"total-records": str(rows), "total-data-files": str(len(entries)), "total-files-size": str(size),
                 "total-delete-files": "0", "total-position-deletes": "0", "total-equality-deletes": "0"},
-        properties=anchor_state.properties(**{KEY_CHECKPOINT: name, KEY_SOURCE_BRANCH: branch,
+        properties=anchor_state.properties(**{KEY_CHECKPOINT: name, KEY_SOURCE_BRANCH: branch, KEY_CREATED_AT: str(created_ms),
                                               **({KEY_SOURCE_SNAPSHOT: str(source)} if source is not None else {})}),
     )
     builder.add(snapshot, tag=name)
-    result = Checkpoint(name=name, step=step, snapshot_id=snapshot_id, created_at=datetime.fromtimestamp(snapshot.timestamp_ms / 1000, tz=timezone.utc),
-                        branch=branch, source_snapshot_id=source)
+    result = Checkpoint(name=name, step=step, snapshot_id=snapshot_id,
+                        created_at=datetime.fromtimestamp(created_ms / 1000, tz=timezone.utc), branch=branch,
+                        source_snapshot_id=source)
     return Plan(
         tuple(builder.updates),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=None),

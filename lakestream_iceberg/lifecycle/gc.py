@@ -5,7 +5,8 @@ Retention model (see docs/guide/retention.md):
 * a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
   given every checkpoint is retained. GC releases (un-tags) the others;
 * on each branch, every step older than the oldest retained checkpoint of that branch is garbage (no resume can reach
-  it); a branch without a checkpoint loses nothing;
+  it); a branch without a checkpoint loses nothing, nor does a checkpoint past the branch's head step (another engine
+  moved the branch back under it: GC would mark steps collected that the branch publishes again);
 * GC's first commit releases those tags and adds one ``delete`` snapshot per collected branch whose state no longer
   lists those steps (a metadata-only delete of whole files, recorded as DELETED manifest entries); it expires every
   snapshot that no ref of the head it was planned on needs (the collected branches' older ancestors included: they
@@ -163,6 +164,14 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
             continue  # loses nothing: its state is not read, so another engine's branch (its writes) never stops GC
         head = metadata.snapshot_by_id(ref.snapshot_id)
         state = branch_state(metadata, head, stream=stream.name, branch=branch)
+        ahead = sorted(c.name for c in keep if c.branch == branch and c.step > state.step)
+        if ahead:  # the branch was moved back under them (a rollback, REPLACE BRANCH): not its timeline any more
+            log.warning("GC of %s: checkpoints %s of branch %r are past its head step %d (another engine moved the "
+                        "branch back); they collect nothing until the branch passes their step again", stream.name,
+                        ahead, branch, state.step)
+            on_branch = [step for step in on_branch if step <= state.step]
+            if not on_branch:
+                continue
         cutoff = min(on_branch)
         if cutoff <= state.collected_below or head is None:
             continue

@@ -50,7 +50,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from datetime import datetime, timezone
+from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,6 +59,7 @@ from pyiceberg.io import FileIO
 
 from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
+from lakestream_iceberg.format.checkpoints import utc_from_ms as _utc_from_ms
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.index import is_packed, rank_of
@@ -107,8 +108,10 @@ def parse_data_path(path: str) -> tuple[str, int, int | None] | None:
 
 
 def utc_from_ms(ms: int | float | None) -> datetime | None:
-    """An Iceberg millisecond timestamp as an aware UTC datetime."""
-    return None if ms is None else datetime.fromtimestamp(ms / 1000, tz=timezone.utc)
+    """An Iceberg millisecond timestamp as an aware UTC datetime; None when absent or past what a datetime holds (the
+    year 9999: another engine wrote microseconds, and every later snapshot is dated after it), never an error; the
+    raw value stays in the snapshot's metadata."""
+    return None if ms is None else _utc_from_ms(ms)
 
 
 def _summary(snapshot: Snapshot | None) -> dict[str, str]:

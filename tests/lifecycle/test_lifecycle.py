@@ -50,6 +50,27 @@ def test_checkpoint_is_a_tag_listing_its_step(stream: Stream) -> None:
         stream.release("ckpt-3")
 
 
+def test_checkpoints_among_many_retained_snapshots_and_tags_are_not_quadratic(tmp_path, monkeypatch) -> None:
+    """Listing checkpoints looked each tag's snapshot up with ``metadata.snapshot_by_id`` (a scan of every snapshot),
+    and checkpoint() each ancestor while finding the step's snapshot: O(tags x snapshots) for every GC and
+    checkpoints(), O(snapshots^2) for every checkpoint, with thousands of each retained."""
+    from pyiceberg.table.metadata import TableMetadataCommonFields
+
+    steps = 40
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.many", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.snapshots.retain-last": str(10 * steps)})
+    publish(stream, "p", steps)
+    for step in range(2, steps, 4):
+        stream.checkpoint(f"c{step}", step=step)
+    scans: list[int] = []
+    original = TableMetadataCommonFields.snapshot_by_id
+    monkeypatch.setattr(TableMetadataCommonFields, "snapshot_by_id",
+                        lambda self, snapshot_id: scans.append(snapshot_id) or original(self, snapshot_id))
+    assert len(stream.checkpoints()) == 10
+    assert stream.checkpoint("c1", step=1).source_snapshot_id is not None  # the oldest: every ancestor is walked
+    assert len(scans) < steps // 2, f"{len(scans)} scans of the snapshot list for 10 tags and {steps} retained snapshots"
+
+
 def test_gc_keeps_everything_without_checkpoints_and_collects_before_the_oldest(stream: Stream) -> None:
     publish(stream, "p", 10)
     idle = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)

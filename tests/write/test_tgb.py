@@ -19,7 +19,7 @@ from lakestream_iceberg import (
     Stream,
     StreamExistsError,
 )
-from tests.support import SCHEMA, batch, digest, shard
+from tests.support import SCHEMA, batch, digest, shard, sqlite_catalog
 
 
 @pytest.fixture(params=["per-rank", "packed"])
@@ -244,6 +244,27 @@ def test_uint32_columns_hold_their_whole_range(catalog, layout: str) -> None:
     stream.producer("p").commit([rows])
     assert stream.read(1, rank=0).equals(rows)  # the stream's own types back
     assert stream.refresh().table.scan().to_arrow().column("x").to_pylist() == [top, None]  # as Iceberg reads it
+
+
+def test_create_racing_another_process_creating_the_namespace_opens_the_stream(tmp_path) -> None:
+    """Another process creates the namespace between the SQL catalog's existence check and its insert (two trainers
+    starting at once): the insert's IntegrityError escaped create() raw; the namespace is there, so the stream is made."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    other = sqlite_catalog(str(tmp_path))
+
+    class Racing(SqlCatalog):
+        def namespace_exists(self, namespace) -> bool:  # type: ignore[no-untyped-def]
+            found = super().namespace_exists(namespace)
+            if not found and not other.namespace_exists(namespace):
+                other.create_namespace(namespace)  # the other process wins the insert right after this check
+            return found
+
+    racing = Racing("test", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(racing, "ns.stream", schema=SCHEMA, world_size=2)
+    assert Stream.create(other, "ns.stream", schema=SCHEMA, world_size=2).table.metadata.table_uuid == \
+        stream.table.metadata.table_uuid
+
 
 
 
