@@ -280,6 +280,20 @@ def test_a_file_that_is_not_a_catalog_database_is_a_one_line_error(tmp_path: Pat
     assert code == 1 and err.startswith("lakestream: error: the embedded catalog") and "move it aside" in err
 
 
+@pytest.mark.parametrize("name", ["with space", "\u00fcn\u00ef", "q?x=1", "h#x", "p%41"])
+def test_the_embedded_catalog_keeps_everything_in_its_home_whatever_the_path_holds(tmp_path: Path, name: str,
+                                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The warehouse was the home's file URI, which pyiceberg never decodes: a space or a non-ASCII letter put the data
+    in a sibling folder named with %20; a ? or # in the SQLite URL put the database elsewhere; a %41 opened none."""
+    home = tmp_path / name
+    stream = Stream.create(embedded_catalog(home), "ns.q", schema=SCHEMA, world_size=1)
+    stream.producer("p").commit([batch("p", 0, 1)[0]], seq=0)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert (home / "catalog.db").is_file() and any((home / "warehouse" / "ns" / "q" / "data").rglob("*.parquet"))
+    code, out, _ = main_inprocess(home, capsys, "status", "ns.q", "--json")
+    assert code == 0 and json.loads(out)["head_step"] == 1
+
+
 @pytest.mark.parametrize("option", [["--catalog", ""], ["--catalog", "  "], ["--home", ""]])
 def test_an_empty_catalog_or_home_is_an_error_not_the_embedded_default(home: Path, capsys: pytest.CaptureFixture[str],
                                                                          option: list[str]) -> None:
