@@ -239,6 +239,20 @@ def test_tail_follows_new_steps(env: dict[str, str], home: Path, capsys: pytest.
     assert code == 0 and "prep-0 seq 3" in out
 
 
+@pytest.mark.parametrize("args", [("status", STREAM), ("tail", STREAM, "--from-step", "1", "--max-steps", "2"),
+                                  ("sql", STREAM, "SELECT * FROM batches", "--json")])
+def test_a_reader_of_stdout_that_went_away_is_no_error(env: dict[str, str], args: tuple[str, ...]) -> None:
+    """``lakestream status | head -1``: rich exited 1 without a word when the pipe closed (JSON output exited 0)."""
+    proc = subprocess.Popen([*_command(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line: every write meets a closed pipe
+    try:
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and err == "", err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # ----------------------------------------------------------------------------- arguments checked before anything runs
 def in_process(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """``main()`` in this process (no interpreter start-up): the exit code and stderr."""
