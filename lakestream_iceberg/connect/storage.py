@@ -18,7 +18,10 @@ def list_files(io: FileIO, location: str) -> Iterator[tuple[str, int, float]]:
 
         scheme, netloc, path = PyArrowFileIO.parse_location(location, io.properties)
         filesystem = io.fs_by_scheme(scheme, netloc)
-        prefix = location[: len(location) - len(path)] if location.endswith(path) else f"{scheme}://"
+        # what the location holds before the path (nothing for a plain path): a plain location's trailing / made it
+        # file://, and a # or ? in the path then read as a fragment or query, so GC matched none of its files
+        trimmed, bare = location.rstrip("/"), path.rstrip("/")
+        prefix = trimmed[: len(trimmed) - len(bare)] if trimmed.endswith(bare) else f"{scheme}://"
         try:
             infos = filesystem.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
         except OSError as exc:

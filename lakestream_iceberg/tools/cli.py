@@ -474,11 +474,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("lakestream: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # e.g. `lakestream tail ... | head`
+        _quiet_stdout()
         return 0
     except OSError as exc:  # the storage's: a file missing, an endpoint unreachable, credentials refused
         sys.stdout.flush()
         print(f"lakestream: error: {' '.join(_storage_error(exc, args.catalog).split())}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null once its reader went away, so the interpreter's last flush of what is still buffered
+    does not print an ignored BrokenPipeError."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is no file (a test's capture): nothing is flushed to a closed pipe
+        pass
 
 
 def _storage_error(exc: OSError, catalog: str | None) -> str:

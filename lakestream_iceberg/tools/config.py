@@ -19,6 +19,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import quote
 
 from lakestream_iceberg.errors import ConfigError, StreamError
 
@@ -76,7 +77,10 @@ def embedded_catalog(home: str | os.PathLike[str] | None = None) -> Catalog:
     except OSError as exc:
         raise ConfigError(f"cannot create the lakestream home {root}: {exc.strerror}; pass --home DIR or set {ENV_HOME}") from exc
     try:
-        return SqlCatalog(EMBEDDED_NAME, uri=f"sqlite:///{root}/catalog.db", warehouse=(root / "warehouse").as_uri())
+        # The path percent-encoded in the URL (SQLAlchemy decodes it): a ? or # in the home put the database elsewhere.
+        # The warehouse a plain path: pyiceberg never decodes a file URI, so as_uri() put the data of a home with a
+        # space or a non-ASCII letter into a sibling folder named with %20, and a ? or # cut the path short.
+        return SqlCatalog(EMBEDDED_NAME, uri="sqlite:///" + quote(str(root / "catalog.db")), warehouse=str(root / "warehouse"))
     except Exception as exc:  # sqlalchemy's DatabaseError: not a SQLite file, or one pyiceberg cannot set up
         raise ConfigError(
             f"the embedded catalog {root / 'catalog.db'} cannot be opened ({type(exc).__name__}: "

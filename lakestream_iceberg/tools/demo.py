@@ -20,7 +20,9 @@ import os
 import queue as queue_mod
 import random
 import secrets
+import signal
 import sys
+import threading
 import time
 import traceback
 from array import array
@@ -267,8 +269,17 @@ def run_demo(
     done: set[str] = set()
     started = time.monotonic()
     first_commit = last_event = None
-    for proc in procs.values():
-        proc.start()
+    # Ctrl-C is the parent's to handle: children started with SIGINT ignored (the disposition outlives spawn's exec)
+    # print no KeyboardInterrupt traceback of their own, and the parent stops them at once instead of waiting for them
+    ignore = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignore else None
+    try:
+        for proc in procs.values():
+            proc.start()
+    finally:
+        if ignore:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    finished = False  # the loop ran to its end: the workers are given time to exit on their own
     try:
         while len(done) < len(procs):
             if time.monotonic() - started > timeout_s:
@@ -308,6 +319,7 @@ def run_demo(
                 result.problems.append(f"{who} failed: {msg[2]}")
                 done.add(who)
                 break
+        finished = True
     finally:
         result.elapsed_s = time.monotonic() - started
         if first_commit is not None and last_event is not None:
@@ -315,7 +327,7 @@ def run_demo(
         for bar in bars:
             bar.close()
         for proc in procs.values():
-            proc.join(timeout=0 if result.problems else 30)
+            proc.join(timeout=30 if finished and not result.problems else 0)  # interrupted: stop them now
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=10)

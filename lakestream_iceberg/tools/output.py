@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import errno
 import json
 import math
 import sys
@@ -54,9 +55,7 @@ class Output:
     @property
     def console(self) -> Any:
         if self._console is None:
-            from rich.console import Console
-
-            self._console = Console(highlight=False, soft_wrap=False)
+            self._console = _console()
         return self._console
 
     def emit_json(self, value: Any, *, compact: bool = False) -> None:
@@ -91,6 +90,20 @@ class Output:
         for key, value in pairs:
             table.add_row(key, human(value))
         self.console.print(table)
+
+
+def _console() -> Any:
+    from rich.console import Console
+
+    class PipeConsole(Console):
+        """rich exits 1 without a word when the reader of stdout goes away (``lakestream tail ... | head``); this raises
+        BrokenPipeError for the command line's handler, which exits 0 as for JSON output."""
+
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, "the reader of standard output went away")
+
+    return PipeConsole(highlight=False, soft_wrap=False)
 
 
 def human(value: Any) -> str:

@@ -239,6 +239,20 @@ def test_tail_follows_new_steps(env: dict[str, str], home: Path, capsys: pytest.
     assert code == 0 and "prep-0 seq 3" in out
 
 
+@pytest.mark.parametrize("args", [("status", STREAM), ("tail", STREAM, "--from-step", "1", "--max-steps", "2"),
+                                  ("sql", STREAM, "SELECT * FROM batches", "--json")])
+def test_a_reader_of_stdout_that_went_away_is_no_error(env: dict[str, str], args: tuple[str, ...]) -> None:
+    """``lakestream status | head -1``: rich exited 1 without a word when the pipe closed (JSON output exited 0)."""
+    proc = subprocess.Popen([*_command(), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line: every write meets a closed pipe
+    try:
+        err = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and err == "", err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # ----------------------------------------------------------------------------- arguments checked before anything runs
 def in_process(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str]:
     """``main()`` in this process (no interpreter start-up): the exit code and stderr."""
@@ -278,6 +292,20 @@ def test_a_file_that_is_not_a_catalog_database_is_a_one_line_error(tmp_path: Pat
     (tmp_path / "catalog.db").write_bytes(b"this is not a sqlite database" * 10)
     code, err = in_process(tmp_path, capsys, "status", "ns.x")  # a raw sqlalchemy DatabaseError
     assert code == 1 and err.startswith("lakestream: error: the embedded catalog") and "move it aside" in err
+
+
+@pytest.mark.parametrize("name", ["with space", "\u00fcn\u00ef", "q?x=1", "h#x", "p%41"])
+def test_the_embedded_catalog_keeps_everything_in_its_home_whatever_the_path_holds(tmp_path: Path, name: str,
+                                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The warehouse was the home's file URI, which pyiceberg never decodes: a space or a non-ASCII letter put the data
+    in a sibling folder named with %20; a ? or # in the SQLite URL put the database elsewhere; a %41 opened none."""
+    home = tmp_path / name
+    stream = Stream.create(embedded_catalog(home), "ns.q", schema=SCHEMA, world_size=1)
+    stream.producer("p").commit([batch("p", 0, 1)[0]], seq=0)
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert (home / "catalog.db").is_file() and any((home / "warehouse" / "ns" / "q" / "data").rglob("*.parquet"))
+    code, out, _ = main_inprocess(home, capsys, "status", "ns.q", "--json")
+    assert code == 0 and json.loads(out)["head_step"] == 1
 
 
 @pytest.mark.parametrize("option", [["--catalog", ""], ["--catalog", "  "], ["--home", ""]])

@@ -65,6 +65,58 @@ def test_demo_refuses_more_processes_than_it_starts_before_making_a_stream(tmp_p
     assert not any(tmp_path.rglob("*.metadata.json"))  # nothing was created
 
 
+def _alive_in_session(sid: int) -> list[int]:
+    """The processes of session ``sid`` that still run (zombies left to a non-reaping init are not running)."""
+    alive = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            alive.append(int(stat.parent.name))
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads sessions from /proc")
+@pytest.mark.parametrize("to", ["parent", "group"])
+def test_ctrl_c_stops_the_demo_and_its_processes_at_once_without_a_traceback(tmp_path: Path, to: str) -> None:
+    """SIGINT to the demo alone (kill -INT) left its workers running and the parent joined each for 30 s (two minutes
+    with four workers); Ctrl-C at a terminal (the whole group) made workers still importing print a traceback."""
+    import signal
+
+    from pyiceberg.exceptions import NoSuchNamespaceError
+
+    from lakestream_iceberg import Stream
+    from lakestream_iceberg.tools.config import embedded_catalog
+    from tests.support import until
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYICEBERG_", "LAKESTREAM_"))}
+    env["PYICEBERG_HOME"] = str(tmp_path)
+    home = tmp_path / "home"
+    proc = subprocess.Popen([*_command(), "demo", "--home", str(home), "--producers", "2", "--ranks", "2",
+                             "--steps-per-producer", "100000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        def published() -> bool:
+            try:  # the demo makes the catalog, then its namespace, then the stream
+                names = embedded_catalog(home).list_tables("demo")
+            except NoSuchNamespaceError:
+                return False
+            return bool(names) and Stream.open(embedded_catalog(home), names[0]).head_step() >= 2
+        until(lambda: proc.poll() is not None or published(), "the demo's producers to publish")
+        if to == "parent":
+            proc.send_signal(signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 130 and err.strip() == "lakestream: interrupted", err
+        until(lambda: not _alive_in_session(proc.pid), "the demo's processes to end", deadline_s=10)
+    finally:
+        for pid in _alive_in_session(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_samples_are_deterministic_and_vary_in_size() -> None:
     a, b = make_shard("prep-0", 3, 1), make_shard("prep-0", 3, 1)
     assert shard_digest(a) == shard_digest(b) and shard_digest(a) != shard_digest(make_shard("prep-0", 3, 0))
