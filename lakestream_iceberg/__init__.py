@@ -4,6 +4,11 @@ Producers publish each global training step as one Iceberg snapshot (a Transacti
 their own shard of each step, in step order. See docs/concepts.md for the model.
 """
 
+# ruff: noqa: E402 - the configuration file is checked before the imports below make pyiceberg parse it
+from lakestream_iceberg.connect.config_file import check_config_file
+
+check_config_file()  # before pyiceberg parses .pyiceberg.yaml at import: a file it cannot parse is one clear error
+
 from lakestream_iceberg.connect.diagnose import load_catalog
 from lakestream_iceberg.errors import *  # noqa: F403
 from lakestream_iceberg.errors import __all__ as _errors

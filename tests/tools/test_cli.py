@@ -337,13 +337,27 @@ def test_an_unreachable_catalog_is_named_by_its_uri_and_never_shows_a_password(e
     assert "sekret" not in proc.stderr and "sek/ret" not in proc.stderr, proc.stderr  # SQLAlchemy allows "/" in it
 
 
-@pytest.mark.parametrize("yaml", ["catalog: oops\n", "catalog:\n  prod: oops\n"])
-def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, str], tmp_path: Path, yaml: str) -> None:
+@pytest.mark.parametrize(("yaml", "needles"), [
+    ("catalog: oops\n", ("could not load catalog 'prod'", "needs to be an object")),
+    ("catalog:\n  prod: oops\n", ("could not load catalog 'prod'", "needs to be an object")),
+    # pyiceberg parses the file when it is imported, before the command line runs: strictyaml's traceback
+    ("catalog:\n  prod:\n    uri: sqlite:///x.db\n   warehouse: [x\n", (".pyiceberg.yaml cannot be read", "line 4, column 4")),
+    ('catalog: {prod: {uri: "sqlite:///x.db"}}\n', (".pyiceberg.yaml cannot be read", "flow mapping")),
+    (b"catalog:\n  prod:\n    uri: caf\xe9\n", (".pyiceberg.yaml cannot be read", "utf-8")),
+])
+def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, str], tmp_path: Path, yaml: str | bytes,
+                                                               needles: tuple[str, ...]) -> None:
     """pyiceberg's ValueError for a catalog entry that is not a mapping was raised again while the error message was
     being made (reading the configuration to redact it): a traceback."""
-    (tmp_path / ".pyiceberg.yaml").write_text(yaml)
+    path = tmp_path / ".pyiceberg.yaml"
+    path.write_bytes(yaml if isinstance(yaml, bytes) else yaml.encode())
     proc = run({**env, "PYICEBERG_HOME": str(tmp_path)}, "--catalog", "prod", "status", STREAM, ok=False)
-    assert_one_line_error(proc, "could not load catalog 'prod'", "needs to be an object")
+    assert_one_line_error(proc, *needles)
+    if "cannot be read" in needles[0]:  # a library import gets the same error, from the project's hierarchy
+        imported = subprocess.run([sys.executable, "-c", "import lakestream_iceberg"], capture_output=True, text=True,
+                                  env={**env, "PYICEBERG_HOME": str(tmp_path)}, timeout=120)
+        assert imported.returncode == 1 and imported.stderr.strip().splitlines()[-1].startswith(
+            f"lakestream_iceberg.errors.ConfigError: {path} cannot be read"), imported.stderr
 
 
 def test_a_file_the_storage_lost_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,61 @@
+"""The ``.pyiceberg.yaml`` pyiceberg reads at import, checked before pyiceberg reads it.
+
+pyiceberg parses its configuration file when ``pyiceberg.manifest`` is first imported, and a file it cannot parse (a
+YAML syntax error, flow-style mappings that strictyaml refuses, bytes that are not UTF-8) raises strictyaml's
+exception out of that import: a traceback of dozens of lines from inside the YAML parser, before any of this package's
+code runs. :func:`check_config_file` reads the same file the same way first (pyiceberg's search order:
+``$PYICEBERG_HOME``, the home directory, the working directory; the first file holding any setting wins) and raises a
+:class:`~lakestream_iceberg.errors.ConfigError` naming the file, the line and what to do. The ``lakestream`` command
+line prints that one line and exits with status 1, as for its other errors, instead of a traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from lakestream_iceberg.errors import ConfigError
+
+__all__ = ["check_config_file"]
+
+_FILE = ".pyiceberg.yaml"
+_CLI = (os.sep + "lakestream", os.path.join("lakestream_iceberg", "__main__.py"))  # argv[0] of the command line
+
+
+def check_config_file() -> None:
+    """Raise ConfigError when the ``.pyiceberg.yaml`` pyiceberg would read cannot be parsed (in the ``lakestream``
+    command line: print it and exit 1)."""
+    try:
+        _check()
+    except ConfigError as exc:
+        if sys.argv and sys.argv[0].endswith(_CLI):
+            print(f"lakestream: error: {exc}", file=sys.stderr)  # as the command line's other errors
+            raise SystemExit(1) from None
+        raise
+
+
+def _check() -> None:
+    import strictyaml  # pyiceberg's own parser (a dependency of pyiceberg)
+    from strictyaml.ruamel.error import YAMLError  # strictyaml's refusals and the parser's errors alike
+
+    for directory in (os.environ.get("PYICEBERG_HOME"), os.path.expanduser("~"), os.getcwd()):
+        path = os.path.join(directory, _FILE) if directory else None
+        if path is None or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                if strictyaml.load(f.read()).data:
+                    return  # pyiceberg takes the first file that holds settings
+        except (UnicodeDecodeError, YAMLError) as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc).strip().splitlines()[0]
+            raise ConfigError(
+                f"{path} cannot be read as pyiceberg's configuration ({where}{problem}): pyiceberg reads it whenever it "
+                "is imported. Fix the "
+                "file (block-style YAML, UTF-8: flow-style mappings such as {uri: ...} are refused), or move it away "
+                "and configure the catalog with PYICEBERG_CATALOG__<NAME>__<KEY> environment variables"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): pyiceberg reads it whenever it is "
+                              "imported; fix its permissions or move it away") from None
