@@ -101,8 +101,8 @@ class Hold:
 
     def _place(self, carry: Carry[Any]) -> bool | None:
         """The held batch's place once the head moved: True when it was carried (the light read that shows it is kept
-        for :meth:`take_peek`), False when it leads the queue (every batch staged before it is published), None to keep
-        holding. Sets ``_blind`` when the head could not be read lightly (then every poll checks the intent)."""
+        for :meth:`take_peek`), False when it leads the queue (every batch staged before it is published, or a gap only its
+        owner publishes), None to keep holding. Sets ``_blind`` when the head could not be read lightly (then every poll checks the intent)."""
         self._blind = False
         if carry.gone():  # published, and its committer removed the intent
             return True
@@ -119,6 +119,9 @@ class Hold:
             self._carried_peek = peek
             return True
         producers = peek.state.producers
-        if all((known := producers.get(producer)) is not None and known.seq >= seq for producer, seq in ahead):
-            return False  # what is listed before it is published (its committer removes the intents right after)
+        # Listed before it and still to wait for: only a producer's next seq, which any commit may carry. A seq the
+        # head shows published is a leftover (its committer removes it right after); one past the next is a gap only
+        # its owner's own commit publishes (allow_gap), and a dead owner's stays staged until it is too old to count.
+        if all((known := producers.get(producer)) is not None and seq != known.seq + 1 for producer, seq in ahead):
+            return False
         return None
