@@ -461,5 +461,5 @@ class CommitPolicy:
         if self._older is not None:  # ranked: the producers that waited longer go first, one slot each
             slots = self._older + self._rng.uniform(0.0, 1.0)
         else:  # not in the table yet: exponential backoff bounded by the round-robin period
-            slots = self._rng.uniform(0.0, 1.0) * min(2.0 ** (attempt - 1), self.contenders)
+            slots = self._rng.uniform(0.0, 1.0) * min(2.0 ** min(attempt - 1, 64), self.contenders)  # 2.0**1024 raises
         return min(self._cfg.max_wait_s, slots * self.slot_s)

@@ -192,7 +192,7 @@ def test_a_producer_not_yet_in_the_table_backs_off_exponentially_up_to_the_perio
     p = policy(clock=clock, ewma_alpha=1.0, slot_margin=0.0)
     p.observe_head(500, producers=list(range(437, 501)))  # 64 active producers, this one never committed: n = 65
     p.record_attempt(started=0.0, ended=0.010, won=False, head_step=501, foreign=1)
-    for attempt, slots in [(1, 1), (2, 2), (3, 4), (7, 64), (8, 65), (20, 65)]:
+    for attempt, slots in [(1, 1), (2, 2), (3, 4), (7, 64), (8, 65), (20, 65), (1025, 65), (10**6, 65)]:
         draws = [p.retry_delay(attempt) for _ in range(3000)]
         assert max(draws) <= slots * 0.010 + 1e-12
         assert max(draws) > 0.9 * slots * 0.010
