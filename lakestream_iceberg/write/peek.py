@@ -68,8 +68,9 @@ class HeadPeek:
             return Peek(head_state(self._table, metadata, self._branch), loaded)
         refs, snapshots = document.get("refs"), document.get("snapshots")
         ref = refs.get(self._branch) if isinstance(refs, dict) else None
-        if not isinstance(ref, dict) or ref.get("type") != "branch" or not isinstance(snapshots, list):
-            return None
+        if not isinstance(ref, dict) or ref.get("type") != "branch" or not isinstance(snapshots, list) or \
+                type(ref.get("snapshot-id")) is not int:
+            return None  # not a branch, or one naming no snapshot id (a list made the lookup below raise TypeError)
         ids = [s.get("snapshot-id") if isinstance(s, dict) else None for s in snapshots]
         if not all(type(i) is int for i in ids) or len(set(ids)) != len(ids):
             return None  # not what lakestream or pyiceberg writes (an id that is no integer, or one id twice)

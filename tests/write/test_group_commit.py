@@ -477,7 +477,7 @@ def test_a_carried_batch_is_answered_from_a_light_read_of_the_head_and_the_next_
 def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(tmp_path: Path) -> None:
     """CommitLoop.peek reads the head's summaries and checks them as a full read does: a malformed lakestream value is
     the same CorruptStateError, a snapshot the metadata does not list is None, and a head it cannot answer for (the
-    branch is not a branch, a snapshot id that is no integer or appears twice) is None, so the caller reads the head
+    branch is not a branch or names no snapshot id, a snapshot id that is no integer or appears twice) is None, so the caller reads the head
     fully."""
     from lakestream_iceberg.errors import CorruptStateError
 
@@ -496,6 +496,7 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
     head_id = document["refs"]["main"]["snapshot-id"]
     head = next(s for s in document["snapshots"] if s["snapshot-id"] == head_id)
     head["summary"]["lakestream.step"] = "four"
+    first_id = document["snapshots"][0]["snapshot-id"]
 
     def rewrite(content: str) -> None:
         """Rewrite the head's metadata file in place (a committed one never changes: light reads are kept per file)."""
@@ -519,6 +520,12 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
     document["snapshots"][0]["snapshot-id"] = head_id  # the same id twice: which one a reader takes is ambiguous
     rewrite(json.dumps(document))
     assert loop.peek() is None
+    document["snapshots"][0]["snapshot-id"] = first_id
+    for odd in ([head_id], {"id": head_id}, None):  # a branch naming no snapshot id (unhashable, missing)
+        document["refs"]["main"]["snapshot-id"] = odd
+        rewrite(json.dumps(document))
+        assert loop.peek() is None
+    document["refs"]["main"]["snapshot-id"] = head_id
     rewrite(text)
     assert loop.peek() is not None and loop.peek().state.step == 4
 
