@@ -39,7 +39,7 @@ from lakestream_iceberg.errors import (
     StreamExistsError,
     StreamNotFoundError,
 )
-from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int
+from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int, check_seconds
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
@@ -631,8 +631,11 @@ class Stream(StreamTable):
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
+            ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms).
         """
         step = check_int(step, what="step", error=StepError, minimum=0)
+        timeout = check_seconds(timeout, what="timeout")  # None or NaN waited forever, text raised TypeError
+        poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)  # 0 polled the catalog in a busy loop
         watcher = HeadWatcher(self, branch=branch)
         try:
             deadline = time.monotonic() + timeout

@@ -62,6 +62,15 @@ def test_dataset_flags_and_seconds_are_checked_when_it_is_made(tmp_path: Path, k
         LakestreamDataset(stream, rank=0, world_size=1, follow=kwargs.pop("follow", True), **kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"timeout": None}, {"timeout": "30"}, {"timeout": math.nan}, {"timeout": True},
+                                    {"timeout": -1}, {"timeout": 1, "poll_s": 0}])
+def test_wait_for_seconds_are_checked(tmp_path: Path, kwargs: dict) -> None:
+    """None and text raised TypeError, NaN waited forever, poll_s=0 polled the catalog in a busy loop."""
+    stream = make(tmp_path, steps=1)
+    with pytest.raises(ConfigError, match=list(kwargs)[-1]):
+        stream.wait_for(5, **kwargs)
+
+
 def test_a_dataset_on_a_branch_the_stream_does_not_have_is_refused(tmp_path: Path) -> None:
     stream = make(tmp_path)
     stream.checkpoint("ck", step=2)

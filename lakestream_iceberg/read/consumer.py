@@ -235,13 +235,14 @@ class PositionReporter:
             return
         self._stop.set()
         if self._thread is not threading.current_thread():
-            self._thread.join(timeout=max(1.0, 2 * self._doc.report_s))
+            self._thread.join(timeout=min(max(1.0, 2 * self._doc.report_s), threading.TIMEOUT_MAX))
         self._report(closed=closed)
 
     def _run(self) -> None:
         self._report(closed=False)  # the rank shows up at once, before its first step
         self._expire()
-        while not self._stop.wait(self._doc.report_s):
+        # a report_s past what threading can wait (about 292 years) raised OverflowError here and in close()
+        while not self._stop.wait(min(self._doc.report_s, threading.TIMEOUT_MAX)):
             self._report(closed=False)
             self._expire()
 

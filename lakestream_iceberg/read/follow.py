@@ -259,6 +259,13 @@ class HeadWatcher:
             step = self.head()[0]
             if self._seen is not None and step > self._seen:
                 self.clock.note(self._last_poll, now)
+            elif self._seen is not None and step < self._seen:  # rolled back (another engine, an operator)
+                log.warning(
+                    "the head of %s (branch %r) moved back from step %d to step %d: steps %d-%d a reader of it may "
+                    "have delivered are no longer on the branch, and a follower does not deliver the steps published "
+                    "again under those numbers. Restart the readers from step %d (start_step=) or an earlier "
+                    "checkpoint", self._stream.name, self._branch, self._seen, step, step + 1, self._seen, step + 1)
+                self._seen = step  # a step published again after it counts as an arrival; warned once per move back
             self._seen = step if self._seen is None else max(self._seen, step)
         self._last_poll = now
         return changed

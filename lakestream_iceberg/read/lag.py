@@ -101,7 +101,13 @@ class _Branch:
         by_id = {s.snapshot_id: s for s in metadata.snapshots}
         current = metadata.snapshot_by_name(branch)
         found: dict[int, float] = {}
+        passed: set[int] = set()
         while current is not None:
+            if current.snapshot_id in passed:  # parent links that loop (another engine's): the steps above are dated
+                log.warning("the ancestry of branch %r of %s loops back to snapshot %d; steps below it are not dated "
+                            "(lag_s None)", branch, stream.name, current.snapshot_id)
+                break
+            passed.add(current.snapshot_id)
             summary = current.summary.additional_properties if current.summary is not None else {}
             try:  # only a snapshot that published steps dates them: a collect, checkpoint or repair snapshot carries
                 step = int(summary[KEY_STEP]) if summary.get(KEY_OP, OP_APPEND) == OP_APPEND else None  # the head's

@@ -120,3 +120,27 @@ def test_a_reader_whose_pointed_metadata_file_was_deleted_reads_the_newer_one(tm
     Path(location.removeprefix("file://")).unlink()  # a file missing while the pointer names it is a real loss
     with pytest.raises(FileNotFoundError):
         read_pointed(stream.io, location, probe)
+
+
+def test_a_head_rolled_back_under_a_follower_is_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Another engine rolls main back from step 4 to step 2 while a follower watches: the follower has delivered the
+    old steps 3-4 and will not deliver the steps published again under those numbers. That went without a word."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.back", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(4):
+        producer.commit(batch("p", seq, 2), seq=seq)
+    step_2 = next(s.snapshot_id for s in stream.refresh().table.metadata.snapshots
+                  if s.summary is not None and s.summary.additional_properties.get("lakestream.step") == "2")
+    watcher = HeadWatcher(Stream.open(stream.table.catalog, "ns.back"), branch="main")
+    watcher.check()
+    stream.table.manage_snapshots().rollback_to_snapshot(step_2).commit()
+    with caplog.at_level("WARNING", logger="lakestream_iceberg.read.follow"):
+        assert watcher.check() and watcher.head()[0] == 2
+        assert not watcher.check()  # once per move back
+    assert [r.getMessage() for r in caplog.records if "moved back" in r.getMessage()] == [
+        "the head of ns.back (branch 'main') moved back from step 4 to step 2: steps 3-4 a reader of it may have "
+        "delivered are no longer on the branch, and a follower does not deliver the steps published again under those "
+        "numbers. Restart the readers from step 3 (start_step=) or an earlier checkpoint"]
+    again = Stream.open(stream.table.catalog, "ns.back").producer("q")
+    again.commit(batch("q", 0, 2), seq=0)
+    assert watcher.check() and watcher.head()[0] == 3 and len(watcher.clock._arrivals) == 1  # a step arrived

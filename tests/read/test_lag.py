@@ -270,6 +270,10 @@ def test_report_s_is_checked(stream: Stream) -> None:
     for bad in (True, 0, float("nan"), "5"):
         with pytest.raises(ConfigError, match="report_s"):
             LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=bad)
+    # longer than threading can wait: the reporter thread died of OverflowError, and so did the iteration's end
+    assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=1e10)] == [
+        1, 2, 3, 4]
+    assert (lags(stream)[0].status, lags(stream)[0].last_step) == ("closed", 4)
 
 
 def test_with_dataloader_workers_the_training_process_records_what_the_loop_received(stream: Stream) -> None:
