@@ -16,7 +16,7 @@ two commits, are in :mod:`lakestream_iceberg.lifecycle.gc` ("Forks and GC").
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
 from pyiceberg.table.metadata import TableMetadata
@@ -61,19 +61,24 @@ def _is_anchor(snapshot: Snapshot) -> bool:
 
 
 def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = (), max_age_ms: int = 0,
-              retain_max: int = 0, now_ms: int | None = None) -> set[int]:
+              retain_max: int = 0, now_ms: int | None = None, fewer: Mapping[str, int] | None = None) -> set[int]:
     """What no commit may expire: every ref's snapshot, the ``retain_last`` newest ancestors of each branch head, and,
-    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata)."""
+    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata).
+
+    ``fewer``: per branch, how many fewer ancestors to keep (at least 1): the snapshots a commit adds on top of that
+    branch's head. Every other branch keeps its whole window."""
     keep = set(extra)
-    by_age = max_age_ms > 0 and retain_max > retain_last
     cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
-    for ref in metadata.refs.values():
+    for name, ref in metadata.refs.items():
         keep.add(ref.snapshot_id)
         if ref.snapshot_ref_type == "branch":
-            lineage = ancestors(metadata, ref.snapshot_id, retain_max if by_age else retain_last, by_id=by_id)
-            keep.update(lineage[:retain_last])
-            keep.update(sid for sid in lineage[retain_last:] if by_id[sid].timestamp_ms >= cutoff)
+            less = (fewer or {}).get(name, 0)
+            last, most = (max(1, retain_last - less), max(1, retain_max - less)) if less else (retain_last, retain_max)
+            by_age = max_age_ms > 0 and most > last
+            lineage = ancestors(metadata, ref.snapshot_id, most if by_age else last, by_id=by_id)
+            keep.update(lineage[:last])
+            keep.update(sid for sid in lineage[last:] if by_id[sid].timestamp_ms >= cutoff)
     return keep
 
 
@@ -120,9 +125,11 @@ _RETENTIONS: dict[tuple[tuple[str, str], ...], Retention] = {}
 
 
 def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256,
-              max_age_ms: int = 0, retain_max: int = 0, now_ms: int | None = None) -> list[int]:
-    """Snapshot ids that no ref needs and that fall outside every branch's retention window (oldest first)."""
+              max_age_ms: int = 0, retain_max: int = 0, now_ms: int | None = None,
+              fewer: Mapping[str, int] | None = None) -> list[int]:
+    """Snapshot ids that no ref needs and that fall outside every branch's retention window (oldest first; ``fewer``:
+    see :func:`protected`)."""
     keep = protected(metadata, retain_last=retain_last, extra=extra_keep, max_age_ms=max_age_ms, retain_max=retain_max,
-                     now_ms=now_ms)
+                     now_ms=now_ms, fewer=fewer)
     old = sorted((s for s in metadata.snapshots if s.snapshot_id not in keep), key=lambda s: s.timestamp_ms)
     return [s.snapshot_id for s in old[:limit]]
