@@ -40,7 +40,7 @@ def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int, *,
         if _is_anchor(current):
             break  # a fork's lineage starts at its checkpoint anchor: do not pin the source branch's history
         current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
-    return out
+    return list(out)
 
 
 # Whether a snapshot is a checkpoint anchor, by (snapshot id, manifest list): a snapshot never changes, and a commit
@@ -79,7 +79,23 @@ def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int]
             lineage = ancestors(metadata, ref.snapshot_id, most if by_age else last, by_id=by_id)
             keep.update(lineage[:last])
             keep.update(sid for sid in lineage[last:] if by_id[sid].timestamp_ms >= cutoff)
+            keep.update(_state_lineage(by_id, ref.snapshot_id))
     return keep
+
+
+def _state_lineage(by_id: dict[int, Snapshot], snapshot_id: int) -> list[int]:
+    """A branch head's foreign snapshots (no ``lakestream.step``: e.g. Spark's ``rewrite_manifests``) down to and with
+    the nearest one lakestream wrote, which records the branch's state (just the head, usually). However many foreign
+    snapshots stack up beyond the retention window, expiring that one would leave the branch no state to commit or read
+    on (every commit and read then refuses until a repair); each between must stay too, to keep the parent links."""
+    out: dict[int, None] = {}  # ordered, and a loop of parent links (refused elsewhere) ends the walk
+    current = by_id.get(snapshot_id)
+    while current is not None and current.snapshot_id not in out:
+        out[current.snapshot_id] = None
+        if current.summary is not None and "lakestream.step" in current.summary.additional_properties:
+            break
+        current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
+    return list(out)
 
 
 def young(metadata: TableMetadata, snapshot_id: int, *, max_age_ms: int, retain_max: int,
