@@ -170,7 +170,8 @@ def _row(producer: str, seq: object, step: object, snapshot_id: object = 1) -> p
                      "snapshot_id": pa.array([snapshot_id], pa.int64())})
 
 
-@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "negative step", "null id"])
+@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "negative step", "null id",
+                                    "id twice"])
 def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) -> None:
     """A producer-state file is input read back from storage: whatever is wrong with it, the answer is a
     CorruptStateError naming the file, and nothing is committed on top of it (a negative seq must not become next_seq)."""
@@ -183,6 +184,8 @@ def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) 
         local.write_bytes(b"definitely not parquet")
     elif damage == "truncated":
         local.write_bytes(local.read_bytes()[: len(local.read_bytes()) // 2])
+    elif damage == "id twice":  # a later row with a lower seq read as the id's state: seqs 1..5 published again
+        pq.write_table(pa.concat_tables([_row("id-0", 5, 3), _row("id-0", 0, 1)]), local)
     else:
         seq, step, snapshot_id = {"negative seq": (-5, 3, 1), "negative step": (0, -3, 1), "null id": (0, 3, None)}[damage]
         pq.write_table(_row("id-0", seq, step, snapshot_id), local)
