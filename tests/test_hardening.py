@@ -435,6 +435,21 @@ def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(cat
         assert isinstance(info.value, CorruptStateError) and "'broken'" in str(info.value) and key in str(info.value)
 
 
+@pytest.mark.parametrize("entry", [[2**63, 1, 1], [1, 2**63, 1], [1, 1, 2**64], [1, 1, -(2**63) - 1], [1, 1, 1, -1],
+                                   [1, 1, 1, 2**63]])
+def test_2_a_producer_table_entry_past_64_bits_is_not_what_lakestream_writes(entry: list[int]) -> None:
+    """The producer table's numbers go into the producer-state files as int64: a seq or snapshot id past 64 bits was
+    read as valid and made the commit that compacted its producer fail with a raw OverflowError (every commit after)."""
+    from lakestream_iceberg.errors import CorruptStateError
+    from lakestream_iceberg.format.summary import StreamState
+
+    summary = {"lakestream.step": "4", "lakestream.producers": json.dumps({"p": [2**63 - 1, 3, -(2**63), 3]})}
+    assert StreamState.parse(summary).producers["p"].seq == 2**63 - 1
+    summary["lakestream.producers"] = json.dumps({"p": entry})
+    with pytest.raises(CorruptStateError, match="lakestream.producers"):
+        StreamState.parse(summary, snapshot_id=7)
+
+
 # =================================================================================================== 3. branch names
 
 

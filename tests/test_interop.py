@@ -401,6 +401,28 @@ def test_snapshots_are_kept_by_age_for_streaming_readers_within_a_bound(tmp_path
                                                                  for s in (1, 21)}
 
 
+@pytest.mark.parametrize("foreign", [1, 2], ids=["within-the-window", "filling-the-window"])
+def test_a_commit_on_another_branch_keeps_the_snapshot_holding_this_branchs_state(tmp_path: Path, foreign: int) -> None:
+    """A commit on a fork expired main's lakestream snapshot under rewrite_manifests snapshots (retain-last 2, the
+    setting for Spark's expiry), and main refused every commit and read until a repair: a commit kept retain-last
+    minus its own snapshots on every branch, not only its own; and however many foreign snapshots stack up on a head,
+    the lakestream snapshot under them holds the branch's state, so lakestream's own expiry keeps it and them."""
+    stream, before = published(make(tmp_path, **{"lakestream.snapshots.retain-last": "2"}))
+    stream.checkpoint("c", step=8)
+    stream.fork("c", branch="f")
+    base = stream.refresh().head().snapshot_id
+    foreigns = [commit_replace(stream).snapshot_id for _ in range(foreign)]
+    fork = stream.producer("x", branch="f")
+    for seq in range(2):
+        assert fork.commit(batch("x", seq, WORLD)).step == 9 + seq
+    assert [s.snapshot_id for s in lineage(stream)][-foreign - 1:] == [base, *foreigns]
+    assert stream.head_step() == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    new = stream.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    assert (new.step, stream.refresh().table.metadata.snapshot_by_id(new.snapshot_id).parent_snapshot_id) == \
+        (9, foreigns[-1])
+
+
 def test_an_age_retention_that_ended_lets_the_next_commit_expire(tmp_path: Path) -> None:
     stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2", "history.expire.max-snapshot-age-ms": "1"})
     producer = stream.producer("a")

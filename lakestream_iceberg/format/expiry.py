@@ -16,7 +16,7 @@ two commits, are in :mod:`lakestream_iceberg.lifecycle.gc` ("Forks and GC").
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
 from pyiceberg.table.metadata import TableMetadata
@@ -40,7 +40,7 @@ def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int, *,
         if _is_anchor(current):
             break  # a fork's lineage starts at its checkpoint anchor: do not pin the source branch's history
         current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
-    return out
+    return list(out)
 
 
 # Whether a snapshot is a checkpoint anchor, by (snapshot id, manifest list): a snapshot never changes, and a commit
@@ -61,20 +61,41 @@ def _is_anchor(snapshot: Snapshot) -> bool:
 
 
 def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = (), max_age_ms: int = 0,
-              retain_max: int = 0, now_ms: int | None = None) -> set[int]:
+              retain_max: int = 0, now_ms: int | None = None, fewer: Mapping[str, int] | None = None) -> set[int]:
     """What no commit may expire: every ref's snapshot, the ``retain_last`` newest ancestors of each branch head, and,
-    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata)."""
+    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata).
+
+    ``fewer``: per branch, how many fewer ancestors to keep (at least 1): the snapshots a commit adds on top of that
+    branch's head. Every other branch keeps its whole window."""
     keep = set(extra)
-    by_age = max_age_ms > 0 and retain_max > retain_last
     cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
-    for ref in metadata.refs.values():
+    for name, ref in metadata.refs.items():
         keep.add(ref.snapshot_id)
         if ref.snapshot_ref_type == "branch":
-            lineage = ancestors(metadata, ref.snapshot_id, retain_max if by_age else retain_last, by_id=by_id)
-            keep.update(lineage[:retain_last])
-            keep.update(sid for sid in lineage[retain_last:] if by_id[sid].timestamp_ms >= cutoff)
+            less = (fewer or {}).get(name, 0)
+            last, most = (max(1, retain_last - less), max(1, retain_max - less)) if less else (retain_last, retain_max)
+            by_age = max_age_ms > 0 and most > last
+            lineage = ancestors(metadata, ref.snapshot_id, most if by_age else last, by_id=by_id)
+            keep.update(lineage[:last])
+            keep.update(sid for sid in lineage[last:] if by_id[sid].timestamp_ms >= cutoff)
+            keep.update(_state_lineage(by_id, ref.snapshot_id))
     return keep
+
+
+def _state_lineage(by_id: dict[int, Snapshot], snapshot_id: int) -> list[int]:
+    """A branch head's foreign snapshots (no ``lakestream.step``: e.g. Spark's ``rewrite_manifests``) down to and with
+    the nearest one lakestream wrote, which records the branch's state (just the head, usually). However many foreign
+    snapshots stack up beyond the retention window, expiring that one would leave the branch no state to commit or read
+    on (every commit and read then refuses until a repair); each between must stay too, to keep the parent links."""
+    out: dict[int, None] = {}  # ordered, and a loop of parent links (refused elsewhere) ends the walk
+    current = by_id.get(snapshot_id)
+    while current is not None and current.snapshot_id not in out:
+        out[current.snapshot_id] = None
+        if current.summary is not None and "lakestream.step" in current.summary.additional_properties:
+            break
+        current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
+    return list(out)
 
 
 def young(metadata: TableMetadata, snapshot_id: int, *, max_age_ms: int, retain_max: int,
@@ -120,9 +141,11 @@ _RETENTIONS: dict[tuple[tuple[str, str], ...], Retention] = {}
 
 
 def expirable(metadata: TableMetadata, *, retain_last: int, extra_keep: Iterable[int] = (), limit: int = 256,
-              max_age_ms: int = 0, retain_max: int = 0, now_ms: int | None = None) -> list[int]:
-    """Snapshot ids that no ref needs and that fall outside every branch's retention window (oldest first)."""
+              max_age_ms: int = 0, retain_max: int = 0, now_ms: int | None = None,
+              fewer: Mapping[str, int] | None = None) -> list[int]:
+    """Snapshot ids that no ref needs and that fall outside every branch's retention window (oldest first; ``fewer``:
+    see :func:`protected`)."""
     keep = protected(metadata, retain_last=retain_last, extra=extra_keep, max_age_ms=max_age_ms, retain_max=retain_max,
-                     now_ms=now_ms)
+                     now_ms=now_ms, fewer=fewer)
     old = sorted((s for s in metadata.snapshots if s.snapshot_id not in keep), key=lambda s: s.timestamp_ms)
     return [s.snapshot_id for s in old[:limit]]

@@ -237,6 +237,10 @@ def _parse(path: str, table: pa.Table) -> dict[str, ProducerState]:
             raise CorruptStateError(f"producer-state file {path} holds a malformed row for producer {producer!r} "
                                     f"(seq {seq!r}, step {step!r}, snapshot id {snapshot_id!r}); restore it from a backup "
                                     "or roll the branch back to a snapshot that does not list it")
+        if producer in out:  # lakestream writes each id once: which row wins would decide its next seq
+            raise CorruptStateError(f"producer-state file {path} holds producer {producer!r} twice (seqs "
+                                    f"{out[producer].seq} and {seq}); lakestream writes each id once: restore it from a "
+                                    "backup or roll the branch back to a snapshot that does not list it")
         out[producer] = ProducerState(seq, step, snapshot_id)
     return out
 

@@ -224,9 +224,10 @@ class _Fields:
         out = {}
         for producer, value in table.items():
             if not (isinstance(value, list) and len(value) in (3, 4) and all(type(v) is int for v in value)
-                    and value[0] >= 0 and value[1] >= 0):
-                raise self.error(KEY_PRODUCERS, raw,
-                                 f"producer {producer!r}: expected [seq, step, snapshot id, first step] integers")
+                    and 0 <= value[0] <= MAX_SEQ and 0 <= value[1] <= MAX_SEQ and -MAX_SEQ - 1 <= value[2] <= MAX_SEQ
+                    and (len(value) == 3 or 0 <= value[3] <= MAX_SEQ)):  # Iceberg longs: the state files' int64
+                raise self.error(KEY_PRODUCERS, raw, f"producer {producer!r}: expected [seq, step, snapshot id, first "
+                                 "step] integers in the 64-bit range, none negative but the snapshot id")
             out[producer] = ProducerState(*value)
         if len(_PARSED_PRODUCERS) >= _MAX_PARSED:
             _PARSED_PRODUCERS.clear()

@@ -71,12 +71,12 @@ from pyiceberg.table.update import (
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR, PositionStore
 from lakestream_iceberg.connect.storage import list_files
-from lakestream_iceberg.errors import ConfigError, LifecycleError
+from lakestream_iceberg.errors import ConfigError, CorruptStateError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
-from lakestream_iceberg.format.lineage import branch_state
+from lakestream_iceberg.format.lineage import branch_state, lineage
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
@@ -279,9 +279,27 @@ def _kind(path: str) -> str:
     return "other"
 
 
+def awaiting_rebase(metadata: TableMetadata) -> list[str]:
+    """The branches whose head's lineage was expired below its foreign snapshots before any lakestream snapshot (e.g.
+    Spark's ``rewrite_manifests`` then ``expire_snapshots(retain_last => 1)``): ``repair()`` re-bases them on the state
+    it reads back from the metadata log, whose producer-state files no retained snapshot lists."""
+    out = []
+    for branch, ref in sorted(metadata.refs.items()):
+        if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+            continue
+        try:
+            broken = lineage(metadata, metadata.snapshot_by_id(ref.snapshot_id)).broken
+        except CorruptStateError:  # parent links that loop: nothing is known of its state, keep the files
+            broken = True
+        if broken:
+            out.append(branch)
+    return out
+
+
 def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str], report: GCReport,
-          grace_s: float, delete: bool) -> None:
-    """Delete unreferenced files under the table location; files no metadata ever referenced need to age first."""
+          grace_s: float, delete: bool, keep_producer_state: bool = False) -> None:
+    """Delete unreferenced files under the table location; files no metadata ever referenced need to age first.
+    ``keep_producer_state``: delete no producer-state file (a branch awaits a repair that re-bases on old ones)."""
     location = location.rstrip("/") + "/"
     root = norm(location) + "/"
     cutoff = time.time() - grace_s
@@ -291,6 +309,8 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
         key = norm(path)
         if key in keep or not key.startswith(root) or f"/data/{POSITIONS_DIR}/" in path:
             continue  # position objects expire a group at a time (_expire_positions), not a file at a time
+        if keep_producer_state and f"/data/{PRODUCERS_DIR}/" in path:
+            continue
         if key not in known and mtime > cutoff:
             report.files_in_grace += 1
             continue
@@ -360,13 +380,18 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     """
     metadata = loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_s)
     known = known_files(stream, metadata)
+    rebase = awaiting_rebase(metadata)
+    if rebase:
+        log.warning("GC of %s keeps every producer-state file: branches %s lost the snapshots recording their state "
+                    "to another engine's expiry, and stream.repair() reads it back with the files it lists; run "
+                    "repair, then GC again", stream.name, rebase)
     if dry_run:
         plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
                                                  write=False)
         keep = kept_after_dry_run(stream, metadata, stream.table.metadata_location, plan.result, collected,
                                   snapshots_expired(plan) | deferred)
         sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
-              delete=False)
+              delete=False, keep_producer_state=bool(rebase))
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
         _expire_positions(stream, plan.result, metadata, delete=False)
         return plan.result
@@ -379,7 +404,8 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     report.snapshots_expired += expiry.result
     keep = referenced_files(stream.io, expiry.metadata, stream.table.metadata_location, stream)
     known |= {norm(p) for p in outcome.abandoned_files}
-    sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True)
+    sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True,
+          keep_producer_state=bool(rebase))
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
     _expire_positions(stream, report, expiry.metadata, delete=True)
     return report

@@ -30,7 +30,7 @@ from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID, RemoveS
 
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.errors import CommitTimeoutError, CorruptStateError
-from lakestream_iceberg.format.expiry import Retention, expirable, retention
+from lakestream_iceberg.format.expiry import expirable, retention
 from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS
 from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.producers import compact
@@ -267,11 +267,8 @@ class BatchPlanner:
                 snapshot = group.add(item, step=state.step + 1 + i, carried=item is not self._own and item.intent is not None)
                 if item is self._own:
                     step, snapshot_id = state.step + 1 + i, snapshot.snapshot_id
-        # counted on the parent: the group's snapshots join what is kept
-        kept = retention(metadata)
-        shrunk: Retention = {**kept, "retain_last": max(1, kept["retain_last"] - size),
-                             "retain_max": max(1, kept["retain_max"] - size)}
-        expired = expirable(metadata, **shrunk)
+        # counted on the parent: the group's snapshots join what this branch keeps (other branches keep their window)
+        expired = expirable(metadata, **retention(metadata), fewer={self._head.branch: size})
         updates: list[TableUpdate] = group.builder.updates
         if expired:
             updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))

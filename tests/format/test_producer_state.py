@@ -165,12 +165,34 @@ def test_gc_keeps_the_producer_files_retained_snapshots_list(churned: Stream) ->
     assert producer.commit(batch("id-2", 0, WORLD), seq=0).duplicate
 
 
+def test_gc_keeps_the_producer_files_a_pending_rebase_reads_back(churned: Stream) -> None:
+    """Spark's rewrite_manifests then expire_snapshots(retain_last => 1) expire every snapshot listing the producer
+    files; repair reads the state back from the metadata log, files and all. GC run between them deleted those files,
+    so the repaired stream raised FileNotFoundError for every id not active (and the compacted ids' seqs were lost)."""
+    from tests.test_interop import commit_replace
+
+    foreign = commit_replace(churned)
+    table = churned.refresh().table
+    table.maintenance.expire_snapshots().by_ids(
+        [s.snapshot_id for s in table.metadata.snapshots if s.snapshot_id != foreign.snapshot_id]).commit()
+    plan = churned.collect_garbage(dry_run=True, grace=timedelta(0), allow_short_grace=True)
+    report = churned.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert "producer-state" not in plan.files_deleted and "producer-state" not in report.files_deleted
+    assert report.files_deleted.get("manifest-list", 0) >= 1  # the rest of the sweep goes on
+    assert churned.repair().rebased_on == foreign.snapshot_id
+    producers.DEFAULT_FILES._files.clear()  # noqa: SLF001 - read the files back, as a new process would
+    again = churned.producer("id-2")
+    assert (again.next_seq, again.commit(batch("id-2", 0, WORLD), seq=0).duplicate) == (1, True)
+    assert churned.producer("new").commit(batch("new", 0, WORLD)).step == CHURN + 1
+
+
 def _row(producer: str, seq: object, step: object, snapshot_id: object = 1) -> pa.Table:
     return pa.table({"producer": [producer], "seq": pa.array([seq], pa.int64()), "step": pa.array([step], pa.int64()),
                      "snapshot_id": pa.array([snapshot_id], pa.int64())})
 
 
-@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "negative step", "null id"])
+@pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "negative step", "null id",
+                                    "id twice"])
 def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) -> None:
     """A producer-state file is input read back from storage: whatever is wrong with it, the answer is a
     CorruptStateError naming the file, and nothing is committed on top of it (a negative seq must not become next_seq)."""
@@ -183,6 +205,8 @@ def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) 
         local.write_bytes(b"definitely not parquet")
     elif damage == "truncated":
         local.write_bytes(local.read_bytes()[: len(local.read_bytes()) // 2])
+    elif damage == "id twice":  # a later row with a lower seq read as the id's state: seqs 1..5 published again
+        pq.write_table(pa.concat_tables([_row("id-0", 5, 3), _row("id-0", 0, 1)]), local)
     else:
         seq, step, snapshot_id = {"negative seq": (-5, 3, 1), "negative step": (0, -3, 1), "null id": (0, 3, None)}[damage]
         pq.write_table(_row("id-0", seq, step, snapshot_id), local)
