@@ -535,7 +535,9 @@ def run_contention(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     try:
         for catalog_name in args.catalogs:
             if catalog_name == "postgres" and pg is None:
-                pg, how = start_postgres()
+                # every producer process holds a few connections (its pool, the pointer probe, the commit
+                # notifications' listener), and under `apart` each has a catalog of its own: 100 is too few from P=16
+                pg, how = start_postgres(max_connections=100 + 10 * max(args.producers))
                 out["postgres"] = how
             for policy in args.policies:
                 for rep, p in [(r, p) for r in range(args.repeat) for p in args.producers]:  # repetitions interleaved

@@ -24,7 +24,8 @@ __all__ = ["OwnPostgres", "start_postgres"]
 class OwnPostgres:
     """Fallback when ``catalog.services`` is unusable: PostgreSQL in a temp dir as user postgres, 127.0.0.1 only."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_connections: int = 100) -> None:
+        self.max_connections = max_connections
         self.dir = Path(tempfile.mkdtemp(prefix="bench-pg-"))
         self.port = free_port()
         self.pid: int | None = None
@@ -44,7 +45,8 @@ class OwnPostgres:
         data = self.dir / "data"
         self._as_pg([str(self.bin / "initdb"), "-D", str(data), "-U", "postgres", "-A", "trust", "-E", "UTF8", "--no-sync"])
         self._as_pg([str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.dir / "server.log"), "-w", "-o",
-                     f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off", "start"])
+                     f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 -c fsync=off "
+                     f"-c max_connections={self.max_connections}", "start"])
         self.pid = int((data / "postmaster.pid").read_text().split()[0])
 
     def sqlalchemy_uri(self, database: str = "postgres") -> str:
@@ -74,18 +76,18 @@ class OwnPostgres:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def start_postgres() -> tuple[Any, str]:
-    """A running PostgreSQL: catalog.services.Postgres if it works, else ``OwnPostgres``. Returns (server, how); the
-    caller closes it."""
+def start_postgres(*, max_connections: int = 100) -> tuple[Any, str]:
+    """A running PostgreSQL taking ``max_connections`` clients: catalog.services.Postgres if it works, else
+    ``OwnPostgres``. Returns (server, how); the caller closes it."""
     try:
         from catalog.services import Postgres
 
-        pg = Postgres()
+        pg = Postgres(settings={"max_connections": str(max_connections)})
         pg.start()
         return pg, "catalog.services.Postgres"
     except Exception as exc:  # noqa: BLE001 - any failure: fall back
         print(f"[postgres] catalog.services.Postgres unusable ({type(exc).__name__}: {exc}); starting our own", flush=True)
-        own = OwnPostgres()
+        own = OwnPostgres(max_connections=max_connections)
         own.start()
         return own, "own initdb/pg_ctl"
 
