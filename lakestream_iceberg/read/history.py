@@ -120,13 +120,15 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties)
 
 
-def _int(value: str | None) -> int | None:
-    """A summary value as an int; None when absent or malformed (history shows what is there: the raw value stays
-    in the ``summary`` column, and reading the head still raises ``CorruptStateError``)."""
+def _int(value: str | None, *, bits: int = 64) -> int | None:
+    """A summary value as an int; None when absent or malformed, a value its view's ``bits``-bit column cannot hold
+    included (history shows what is there: the raw value stays in the ``summary`` column, and reading the head still
+    raises ``CorruptStateError``)."""
     try:
-        return None if value is None or isinstance(value, bool) else int(value)
+        number = None if value is None or isinstance(value, bool) else int(value)
     except (TypeError, ValueError):
         return None
+    return number if number is not None and -(2 ** (bits - 1)) <= number < 2 ** (bits - 1) else None
 
 
 # -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------
@@ -173,9 +175,9 @@ def snapshot_rows(stream: StreamTable, *, branch: str) -> list[dict[str, Any]]:
             "committed_at": utc_from_ms(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
             "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
             "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
-            "attempts": _int(summary.get(KEY_ATTEMPTS)),
+            "attempts": _int(summary.get(KEY_ATTEMPTS), bits=32),
             "committer": summary.get(KEY_COMMITTER, summary.get(KEY_PRODUCER)),
-            "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None)),
+            "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None), bits=32),
             "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
         })
     rows.reverse()

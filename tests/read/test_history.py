@@ -180,3 +180,21 @@ def test_history_of_many_retained_snapshots_is_not_quadratic(tmp_path: Path, mon
     assert rows == (steps, steps)
     assert len(step_rows(stream, [steps], branch="main")) == 1
     assert len(scans) < steps // 4, f"{len(scans)} scans of the snapshot list for {steps} retained snapshots"
+
+
+@pytest.mark.parametrize(("key", "value", "column"), [
+    ("lakestream.attempts", "99999999999", "attempts"), ("lakestream.group", "99999999999", "group_size"),
+    ("lakestream.seq", "9999999999999999999", "seq"),
+])
+def test_a_summary_number_its_column_cannot_hold_shows_as_null(tmp_path: Path, key: str, value: str, column: str) -> None:
+    """A retained snapshot whose summary holds a number past its view column's type (int32 attempts and group_size,
+    int64 seq; the head's parser accepts up to 19 digits) made history raise pyarrow's ArrowInvalid; it is NULL."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.huge", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 1), seq=0)
+    table = stream.refresh().table
+    props = {k: v for k, v in table.current_snapshot().summary.additional_properties.items() if k.startswith("lakestream.")}
+    table.append(table.schema().as_arrow().empty_table(), snapshot_properties={**props, key: value})  # another tool
+    producer.commit(batch("p", 1, 1), seq=1)
+    rows = history(stream, samples=False).execute(f"SELECT step, {column} FROM snapshots ORDER BY snapshot_id").fetchall()
+    assert len(rows) == 3 and (1, None) in rows
