@@ -198,3 +198,20 @@ def test_a_summary_number_its_column_cannot_hold_shows_as_null(tmp_path: Path, k
     producer.commit(batch("p", 1, 1), seq=1)
     rows = history(stream, samples=False).execute(f"SELECT step, {column} FROM snapshots ORDER BY snapshot_id").fetchall()
     assert len(rows) == 3 and (1, None) in rows
+
+
+def test_a_forks_first_step_joins_its_retained_snapshot_on_the_source_branch(tmp_path: Path) -> None:
+    """A fork's lineage starts at its checkpoint anchor, so its first step (published on main, that snapshot still
+    retained) showed as expired in the fork's ``batches``: retained false, committed_at and attempts NULL."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.fork", schema=SCHEMA, world_size=WORLD)
+    main = stream.producer("p")
+    results = [main.commit(batch("p", seq, WORLD), seq=seq) for seq in range(4)]
+    stream.checkpoint("c3", step=3)
+    stream.fork("c3", branch="exp")
+    stream.producer("q", branch="exp").commit(batch("q", 0, WORLD), seq=0)
+    rows = _rows(history(stream, branch="exp", samples=False),
+                 "SELECT step, snapshot_id, producer, retained, committed_at IS NOT NULL AS dated, attempts FROM batches "
+                 "ORDER BY step")
+    assert [(r["step"], r["producer"], r["retained"], r["dated"], r["attempts"]) for r in rows] == [
+        (3, "p", True, True, 1), (4, "q", True, True, 1)]
+    assert rows[0]["snapshot_id"] == results[2].snapshot_id
