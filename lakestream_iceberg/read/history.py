@@ -120,13 +120,15 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties)
 
 
-def _int(value: str | None) -> int | None:
-    """A summary value as an int; None when absent or malformed (history shows what is there: the raw value stays
-    in the ``summary`` column, and reading the head still raises ``CorruptStateError``)."""
+def _int(value: str | None, *, bits: int = 64) -> int | None:
+    """A summary value as an int; None when absent or malformed, a value its view's ``bits``-bit column cannot hold
+    included (history shows what is there: the raw value stays in the ``summary`` column, and reading the head still
+    raises ``CorruptStateError``)."""
     try:
-        return None if value is None or isinstance(value, bool) else int(value)
+        number = None if value is None or isinstance(value, bool) else int(value)
     except (TypeError, ValueError):
         return None
+    return number if number is not None and -(2 ** (bits - 1)) <= number < 2 ** (bits - 1) else None
 
 
 # -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------
@@ -163,31 +165,51 @@ def snapshot_rows(stream: StreamTable, *, branch: str) -> list[dict[str, Any]]:
     metadata = stream.table.metadata
     head = stream.head(branch=branch)
     by_id = {s.snapshot_id: s for s in metadata.snapshots}  # snapshot_by_id scans the list: quadratic in retention
-    rows = []
-    for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(by_id), by_id=by_id):
-        snapshot = by_id.get(snapshot_id)
-        summary = _summary(snapshot)
-        operation = snapshot.summary.operation if snapshot and snapshot.summary else None
-        rows.append({
-            "snapshot_id": snapshot_id, "parent_id": snapshot.parent_snapshot_id if snapshot else None,
-            "committed_at": utc_from_ms(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
-            "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
-            "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
-            "attempts": _int(summary.get(KEY_ATTEMPTS)),
-            "committer": summary.get(KEY_COMMITTER, summary.get(KEY_PRODUCER)),
-            "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None)),
-            "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
-        })
+    rows = [_snapshot_row(snapshot_id, by_id.get(snapshot_id))
+            for snapshot_id in ancestors(metadata, head.snapshot_id if head else None, len(by_id), by_id=by_id)]
     rows.reverse()
     return rows
 
 
-def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per step: the step's files (from manifests) joined with its snapshot when it is still retained."""
+def _snapshot_row(snapshot_id: int, snapshot: Snapshot | None) -> dict[str, Any]:
+    summary = _summary(snapshot)
+    operation = snapshot.summary.operation if snapshot and snapshot.summary else None
+    return {
+        "snapshot_id": snapshot_id, "parent_id": snapshot.parent_snapshot_id if snapshot else None,
+        "committed_at": utc_from_ms(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
+        "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
+        "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
+        "attempts": _int(summary.get(KEY_ATTEMPTS), bits=32),
+        "committer": summary.get(KEY_COMMITTER, summary.get(KEY_PRODUCER)),
+        "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None), bits=32),
+        "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
+    }
+
+
+def adder_rows(stream: StreamTable, files: list[dict[str, Any]], snapshots: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the retained snapshots that added live files but are not the branch's own ancestors: a fork's lineage
+    starts at its checkpoint anchor, so the step the fork starts at was published by a snapshot of the source branch
+    (still retained there, so ``batches`` joins it)."""
+    own = {s["snapshot_id"] for s in snapshots}
+    wanted = {f["snapshot_id"] for f in files if f["snapshot_id"] is not None} - own
+    if not wanted:
+        return []
+    return [_snapshot_row(s.snapshot_id, s) for s in stream.table.metadata.snapshots if s.snapshot_id in wanted]
+
+
+def batch_rows(files: list[dict[str, Any]], snapshots: list[dict[str, Any]],
+               adders: Iterable[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """One row per step: the step's files (from manifests) joined with its snapshot when it is still retained
+    (``adders``: retained snapshots outside the branch's lineage that added live files, see :func:`adder_rows`)."""
     by_step: dict[int, list[dict[str, Any]]] = {}
     for row in files:
         by_step.setdefault(row["step"], []).append(row)
     published = {s["step"]: s for s in snapshots if s["op"] == OP_APPEND and s["step"] is not None}
+    for adder in adders:  # joined only by the files it added, never a step the branch's own lineage published
+        step = adder["step"]
+        if adder["op"] == OP_APPEND and step is not None and step not in published and any(
+                f["snapshot_id"] == adder["snapshot_id"] for f in by_step.get(step, [])):
+            published[step] = adder
     out = []
     for step in sorted(set(by_step) | set(published)):
         snap = published.get(step)
@@ -418,7 +440,7 @@ def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) 
     entries = live_entries(stream, branch=branch)
     files = file_rows(entries, world_size=stream.world_size)
     snapshots = snapshot_rows(stream, branch=branch)
-    batches = batch_rows(files, snapshots)
+    batches = batch_rows(files, snapshots, adder_rows(stream, files, snapshots))
     return {
         "batches": pa.Table.from_pylist(batches, schema=BATCHES_SCHEMA),
         "files": pa.Table.from_pylist(files, schema=FILES_SCHEMA),

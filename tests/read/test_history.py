@@ -180,3 +180,38 @@ def test_history_of_many_retained_snapshots_is_not_quadratic(tmp_path: Path, mon
     assert rows == (steps, steps)
     assert len(step_rows(stream, [steps], branch="main")) == 1
     assert len(scans) < steps // 4, f"{len(scans)} scans of the snapshot list for {steps} retained snapshots"
+
+
+@pytest.mark.parametrize(("key", "value", "column"), [
+    ("lakestream.attempts", "99999999999", "attempts"), ("lakestream.group", "99999999999", "group_size"),
+    ("lakestream.seq", "9999999999999999999", "seq"),
+])
+def test_a_summary_number_its_column_cannot_hold_shows_as_null(tmp_path: Path, key: str, value: str, column: str) -> None:
+    """A retained snapshot whose summary holds a number past its view column's type (int32 attempts and group_size,
+    int64 seq; the head's parser accepts up to 19 digits) made history raise pyarrow's ArrowInvalid; it is NULL."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.huge", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 1), seq=0)
+    table = stream.refresh().table
+    props = {k: v for k, v in table.current_snapshot().summary.additional_properties.items() if k.startswith("lakestream.")}
+    table.append(table.schema().as_arrow().empty_table(), snapshot_properties={**props, key: value})  # another tool
+    producer.commit(batch("p", 1, 1), seq=1)
+    rows = history(stream, samples=False).execute(f"SELECT step, {column} FROM snapshots ORDER BY snapshot_id").fetchall()
+    assert len(rows) == 3 and (1, None) in rows
+
+
+def test_a_forks_first_step_joins_its_retained_snapshot_on_the_source_branch(tmp_path: Path) -> None:
+    """A fork's lineage starts at its checkpoint anchor, so its first step (published on main, that snapshot still
+    retained) showed as expired in the fork's ``batches``: retained false, committed_at and attempts NULL."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.fork", schema=SCHEMA, world_size=WORLD)
+    main = stream.producer("p")
+    results = [main.commit(batch("p", seq, WORLD), seq=seq) for seq in range(4)]
+    stream.checkpoint("c3", step=3)
+    stream.fork("c3", branch="exp")
+    stream.producer("q", branch="exp").commit(batch("q", 0, WORLD), seq=0)
+    rows = _rows(history(stream, branch="exp", samples=False),
+                 "SELECT step, snapshot_id, producer, retained, committed_at IS NOT NULL AS dated, attempts FROM batches "
+                 "ORDER BY step")
+    assert [(r["step"], r["producer"], r["retained"], r["dated"], r["attempts"]) for r in rows] == [
+        (3, "p", True, True, 1), (4, "q", True, True, 1)]
+    assert rows[0]["snapshot_id"] == results[2].snapshot_id
