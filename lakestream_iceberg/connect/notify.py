@@ -30,7 +30,7 @@ from pyiceberg.table import Table
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HeadListener", "channel", "notifies"]
+__all__ = ["HeadListener", "channel", "notifies", "readable"]
 
 
 def channel(catalog_name: str, identifier: tuple[str, ...]) -> str:
@@ -98,7 +98,7 @@ class HeadListener:
             try:
                 if self._drain(conn):
                     return True
-                return _readable(conn, max(0.0, timeout)) and self._drain(conn)
+                return readable(conn, timeout) and self._drain(conn)
             except Exception as exc:  # noqa: BLE001 - the connection broke: stop listening, polling carries on
                 log.warning("commit notifications for channel %s stopped (%s); polling instead", self._name,
                             type(exc).__name__)
@@ -120,9 +120,11 @@ class HeadListener:
         self._finalizer()
 
 
-def _readable(conn: Any, timeout: float) -> bool:
-    """Whether ``conn`` has something to read within ``timeout`` seconds: ``poll()``, which takes any descriptor
-    (``select()`` refuses those from 1024 up, which a process with many open files or sockets hands out)."""
+def readable(conn: Any, timeout: float) -> bool:
+    """Whether ``conn`` (a socket, a database connection: anything with ``fileno()``) has something to read, or was
+    closed, within ``timeout`` seconds: ``poll()``, which takes any descriptor (``select()`` refuses those from 1024 up,
+    which a process with many open files or sockets hands out, e.g. a relay holder serving hundreds of readers)."""
+    timeout = max(0.0, timeout)
     if hasattr(select, "poll"):
         poller = select.poll()
         poller.register(conn, select.POLLIN)

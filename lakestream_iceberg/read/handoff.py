@@ -135,8 +135,7 @@ class Handoff(dict):  # type: ignore[type-arg]
         target = np.frombuffer(segment.map, dtype=np.uint8)
         for tensor, (start, nbytes, _, _) in zip(tensors, layout, strict=True):
             if nbytes:  # numpy's copy: one memcpy, never torch's intra-op threads
-                if tensor.is_conj() or tensor.is_neg():  # a lazy view: its values, not its storage's
-                    tensor = tensor.resolve_conj().resolve_neg()
+                tensor = _resolved(torch, tensor)  # a lazy view: its values, not its storage's
                 source = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
                 np.copyto(target[_HEADER + start : _HEADER + start + nbytes], source)
         del target  # an exported buffer would keep the mapping from being closed

@@ -37,6 +37,7 @@ from typing import Any
 
 from pyiceberg.table import Table
 
+from lakestream_iceberg.connect.notify import readable
 from lakestream_iceberg.errors import LakestreamError
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.format.table import StreamTable, after_gc
@@ -45,7 +46,6 @@ from lakestream_iceberg.read.relay_wire import (
     RelayPaths,
     encode_error,
     encode_files,
-    readable,
     recv_frame,
     send_frame,
 )

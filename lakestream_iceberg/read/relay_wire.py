@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import select
 import socket
 import stat
 import struct
@@ -119,19 +118,6 @@ def recv_frame(sock: socket.socket, *, timeout: float) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise ConnectionError("relay frame is not a JSON object")
     return message
-
-
-def readable(sock: socket.socket, timeout: float) -> bool:
-    """Whether ``sock`` has something to read (or was closed) within ``timeout`` seconds.
-
-    ``poll`` where there is one: ``select`` refuses descriptors numbered 1024 and above, which a holder serving
-    hundreds of readers (two connections each) or a process with many open files reaches."""
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(sock, select.POLLIN)
-        return bool(poller.poll(max(0.0, timeout) * 1000))
-    ready, _, _ = select.select([sock], [], [], max(0.0, timeout))
-    return bool(ready)
 
 
 def _read(sock: socket.socket, size: int, deadline: float) -> bytes:
