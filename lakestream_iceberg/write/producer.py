@@ -36,8 +36,8 @@ from lakestream_iceberg.errors import (
     ProducerFailedError,
     SequenceError,
 )
+from lakestream_iceberg.format.batches import check_batch
 from lakestream_iceberg.format.checks import check_bool, check_int
-from lakestream_iceberg.format.layout import check_batch
 from lakestream_iceberg.format.summary import MAX_SEQ
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.background import CommitQueue, Submitted

@@ -34,8 +34,9 @@ from pyiceberg.typedef import Record
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
+from lakestream_iceberg.format.batches import has_required, hidden_nulls_filled
 from lakestream_iceberg.format.file_settings import parquet_options, statistics_plan
-from lakestream_iceberg.format.layout import RANK_COLUMN, has_required, hidden_nulls_filled
+from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import RANK_ROWS_KEY, encode_rank_rows
 from lakestream_iceberg.write.host import warn_if_slow_copy
 

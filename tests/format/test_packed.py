@@ -360,7 +360,7 @@ def test_a_batch_checked_as_a_whole_and_one_checked_rank_by_rank_are_written_ali
     """The packed writer starts from the concatenation the batch check made (shards that concatenate: one schema, other
     metadata allowed), or concatenates the ranks itself (a RecordBatch; a field declared non-nullable, which Arrow
     does not concatenate with the nullable one): the same rows and ranks either way."""
-    from lakestream_iceberg.format.layout import check_batch
+    from lakestream_iceberg.format.batches import check_batch
 
     stream = make(catalog, world_size=4)
     expected = stream.payload_arrow_schema

@@ -603,7 +603,7 @@ def test_state_hands_the_caller_its_own_producer_table(stream: Stream) -> None:
 def test_a_wide_batch_is_checked_as_a_whole_and_a_bad_rank_is_still_named() -> None:
     """check_shards takes a batch of one schema in a few Arrow calls whatever the world size, and falls back to the
     per-rank checks for anything else: the error still names the rank, and what those checks accept stays accepted."""
-    from lakestream_iceberg.format.layout import check_shards
+    from lakestream_iceberg.format.batches import check_shards
 
     inner = pa.struct([pa.field("a", pa.int64(), nullable=False), pa.field("b", pa.string())])
     schema = pa.schema([pa.field("id", pa.int64(), nullable=False), pa.field("meta", inner), pa.field("x", pa.float32())])
