@@ -94,7 +94,11 @@ def test_ctrl_c_stops_the_demo_and_its_processes_at_once_without_a_traceback(tmp
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYICEBERG_", "LAKESTREAM_"))}
     env["PYICEBERG_HOME"] = str(tmp_path)
     home = tmp_path / "home"
-    proc = subprocess.Popen([*_command(), "demo", "--home", str(home), "--producers", "2", "--ranks", "2",
+    # a terminal's Ctrl-C reaches a program whose SIGINT is not ignored; a test run started in the background
+    # (`pytest &`) hands its children SIGINT ignored, which the demo keeps, as any program does: start it with the default
+    default_sigint = [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "os.execvp(sys.argv[1], sys.argv[1:])"]
+    proc = subprocess.Popen([*default_sigint, *_command(), "demo", "--home", str(home), "--producers", "2", "--ranks", "2",
                              "--steps-per-producer", "100000"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:
