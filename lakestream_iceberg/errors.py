@@ -9,6 +9,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     │   ├── StreamNotFoundError     no table has that name (dropped, or never created); also pyiceberg's NoSuchTableError
     │   ├── StreamExistsError
     │   ├── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed
+    │   │   └── MissingFileError    a file the head lists is gone from storage, deleted outside lakestream
     │   └── ForeignSnapshotError    another engine changed the stream's data; Stream.repair() brings it back
     ├── BatchError                  a batch handed to a producer is malformed; nothing was written or published
     │   ├── ShardCountError
@@ -49,6 +50,7 @@ __all__ = [
     "LakestreamError",
     "LifecycleError",
     "MissingExtraError",
+    "MissingFileError",
     "NotAStreamError",
     "ProducerConflictError",
     "ProducerFailedError",
@@ -91,6 +93,13 @@ class StreamExistsError(StreamError):
 class CorruptStateError(StreamError):
     """Lakestream state read back from the table (a snapshot summary value, a producer-state file) is malformed: it was
     not written by lakestream, or was damaged. The message names the snapshot or file and how to roll back."""
+
+
+class MissingFileError(CorruptStateError, FileNotFoundError):
+    """A file that the branch's current head lists (a data file, a manifest, a manifest list, a producer-state file) is
+    gone from storage, and lifecycle GC did not delete it (the head read again still lists it): an orphan-file cleanup
+    that did not exclude the stream's folders, a bucket lifecycle rule or a manual delete removed it. Nothing was
+    published on the way. It is also a ``FileNotFoundError``, which code written against pyiceberg catches."""
 
 
 class ForeignSnapshotError(StreamError):

@@ -739,6 +739,41 @@ def test_7_dataset_continuing_after_gc_never_raises_a_raw_file_not_found(catalog
     assert list(dataset) == [5, 6, 7, 8]
 
 
+def test_7_a_file_deleted_outside_lakestream_is_a_missing_file_error_and_publishes_nothing(catalog: SqlCatalog) -> None:
+    """A data file or a manifest list the head still lists, deleted by something else (an orphan-file cleanup that
+    did not exclude the stream, a bucket rule): readers, history and producers raised pyarrow's raw FileNotFoundError.
+    It is a MissingFileError (a CorruptStateError, still a FileNotFoundError) saying what happened and what to do, and
+    a producer publishes nothing on a head it cannot read."""
+    from lakestream_iceberg import LakestreamDataset, MissingFileError
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
+
+    stream = make(catalog)
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, WORLD), seq=seq)
+    data = next(f for f in stream.table.refresh().scan().plan_files() if int(f.file.partition[0]) == 2)
+    local(data.file.file_path).unlink()
+    fresh = Stream(catalog.load_table("ns.stream"), cache=ManifestCache())  # as another process: nothing cached
+    for what, call in [("read", lambda: fresh.read(2, rank=int(data.file.partition[1]))),
+                       ("dataset", lambda: list(LakestreamDataset(fresh, rank=int(data.file.partition[1]), world_size=WORLD,
+                                                                  follow=False, prefetch=0)))]:
+        with pytest.raises(MissingFileError, match="missing from storage.*Restore it") as info:
+            call()
+        assert data.file.file_path.removeprefix("file://") in str(info.value), (what, str(info.value))
+        assert isinstance(info.value, CorruptStateError) and isinstance(info.value, FileNotFoundError)
+    head = stream.table.refresh().current_snapshot()
+    assert head is not None
+    local(head.manifest_list).unlink()
+    lost = Stream(catalog.load_table("ns.stream"), cache=ManifestCache())
+    for what, call in [("history", lambda: lost.history()),
+                       ("commit", lambda: lost.producer("q").commit(batch("q", 0, WORLD), seq=0))]:
+        with pytest.raises(MissingFileError, match="missing from storage") as info:
+            call()
+        assert head.manifest_list.removeprefix("file://") in str(info.value), (what, str(info.value))
+    after = stream.table.refresh().current_snapshot()
+    assert after is not None and after.snapshot_id == head.snapshot_id  # nothing published on the unreadable head
+
+
 # =================================================================================================== 8. small
 
 

@@ -27,6 +27,7 @@ from lakestream_iceberg.errors import (
     CorruptStateError,
     ForeignSnapshotError,
     LakestreamError,
+    MissingFileError,
     NotAStreamError,
     StepError,
 )
@@ -43,7 +44,7 @@ from lakestream_iceberg.format.summary import StreamState, missing_step_error
 PROP_ARROW_SCHEMA = ARROW_SCHEMA.key
 MAIN = "main"
 
-__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "decode_schema", "encode_schema"]
+__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "decode_schema", "encode_schema", "missing_file_error"]
 
 T = TypeVar("T")
 
@@ -53,14 +54,34 @@ def after_gc(attempt: Callable[[], T], *, refresh: Callable[[], object], again: 
 
     A view of the table that predates a GC commit may list a manifest, a manifest list or a data file that GC has
     deleted since (``FileNotFoundError``). Every reader and writer handles that the same way, here: ``refresh()`` the
-    view, then run ``again()`` (default: ``attempt`` itself) once; a second ``FileNotFoundError`` is real and raised.
-    A retained step is then found; a collected one raises its ``StepCollectedError`` from the fresh view.
+    view, then run ``again()`` (default: ``attempt`` itself) once. A retained step is then found; a collected one raises
+    its ``StepCollectedError`` from the fresh view.
+
+    Raises:
+        MissingFileError: The fresh view still lists a file that storage does not have: it was deleted outside
+            lakestream (not by GC).
     """
     try:
         return attempt()
     except FileNotFoundError:
         refresh()
+    try:
         return (again or attempt)()
+    except MissingFileError:
+        raise
+    except FileNotFoundError as exc:
+        raise missing_file_error(exc) from exc
+
+
+def missing_file_error(exc: FileNotFoundError) -> MissingFileError:
+    """The error for a file the current head lists that storage does not have (``exc``: storage's own)."""
+    return MissingFileError(
+        f"a file that the stream's current head lists is missing from storage ({exc}); lifecycle GC did not delete it "
+        "(the head read again still lists it): an orphan-file cleanup that did not exclude the stream's folders, a "
+        "bucket lifecycle rule or a manual delete did. Restore it from a backup or the bucket's object versions (docs/"
+        "guide/other-engines.md lists what orphan-file tools must exclude); until then the steps and commits that "
+        "need it fail"
+    )
 
 
 def encode_schema(schema: pa.Schema) -> str:

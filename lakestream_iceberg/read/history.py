@@ -76,6 +76,7 @@ from lakestream_iceberg.format.summary import (
     OP_APPEND,
     StreamState,
 )
+from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.read.history_schemas import (
     BATCHES_SCHEMA,
     CHECKPOINTS_SCHEMA,
@@ -400,7 +401,8 @@ def history(
     stream.require_branch(branch, doing="no history of")
     samples_steps = _step_range(samples_steps)
     con = duckdb.connect()
-    tables = collect(stream, branch=branch, refresh=False)
+    # a file GC deleted since the view was read: once more on the fresh head (a file still listed is MissingFileError)
+    tables = after_gc(lambda: collect(stream, branch=branch, refresh=False), refresh=stream.refresh)
     for name, table in tables.items():
         con.register(name, table)
     if samples:
@@ -424,14 +426,18 @@ def register_samples(
     progress: bool = False,
 ) -> None:
     """(Re)register the ``samples`` view of ``con`` with the data of ``samples_steps`` (default: the head step)."""
-    entries = live_entries(stream, branch=branch)
-    live_steps = sorted({int(e.data_file.partition[0]) for e in entries})
-    if samples_steps is None:
-        wanted = live_steps[-1:]
-    else:
-        first, last = _step_range(samples_steps)
-        wanted = [s for s in live_steps if first <= s <= last]
-    con.register("samples", read_samples(stream, entries, steps=wanted, progress=progress))
+    step_range = None if samples_steps is None else _step_range(samples_steps)
+
+    def samples() -> pa.Table:
+        entries = live_entries(stream, branch=branch)
+        live_steps = sorted({int(e.data_file.partition[0]) for e in entries})
+        if step_range is None:
+            wanted = live_steps[-1:]
+        else:
+            wanted = [s for s in live_steps if step_range[0] <= s <= step_range[1]]
+        return read_samples(stream, entries, steps=wanted, progress=progress)
+
+    con.register("samples", after_gc(samples, refresh=stream.refresh))
 
 
 def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) -> dict[str, pa.Table]:

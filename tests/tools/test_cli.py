@@ -368,11 +368,14 @@ def test_a_file_the_storage_lost_is_a_one_line_error(tmp_path: Path, capsys: pyt
     Stream.create(embedded_catalog(tmp_path), "ns.gone", schema=SCHEMA, world_size=1)
     shutil.rmtree(tmp_path / "warehouse" / "ns" / "lost" / "data")
     shutil.rmtree(tmp_path / "warehouse" / "ns" / "gone" / "metadata")
-    for args, needle in [(("sql", "ns.lost", "SELECT count(*) FROM samples"), "/data/p/"),
-                         (("status", "ns.gone"), ".metadata.json")]:
+    for args, start, needle in [
+        (("sql", "ns.lost", "SELECT count(*) FROM samples"), "lakestream: error: a file that the stream's current head "
+         "lists is missing from storage", "/data/p/"),  # MissingFileError: says what to do
+        (("status", "ns.gone"), "lakestream: error: FileNotFoundError", ".metadata.json"),
+    ]:
         code, err = in_process(tmp_path, capsys, *args)
         lines = err.strip().splitlines()
-        assert code == 1 and len(lines) == 1 and lines[0].startswith("lakestream: error: FileNotFoundError"), err
+        assert code == 1 and len(lines) == 1 and lines[0].startswith(start), err
         assert needle in lines[0]
 
 
