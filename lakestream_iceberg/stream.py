@@ -46,7 +46,6 @@ from lakestream_iceberg.format.layout import (
     LAYOUT_PER_RANK,
     PACKED_FROM_WORLD_SIZE,
     PROP_GROUP_STAGING,
-    PROP_LAYOUT,
     StreamConfig,
     check_rank,
     file_schema,
@@ -54,7 +53,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import check_properties
+from lakestream_iceberg.format.properties import check_properties, differing
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
@@ -153,7 +152,8 @@ class Stream(StreamTable):
             properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}`` (every property a
                 stream reads: docs/configuration.md). The layout, ``lakestream.layout`` (``per-rank``: one data file per
                 rank and step; ``packed``: one per step), is fixed here; by default a stream of world size 8 or more is
-                packed (docs/concepts.md, "Layouts").
+                packed (docs/concepts.md, "Layouts"). A stream that exists keeps its properties: those asked that
+                differ are named in a warning (set them with any Iceberg client, docs/configuration.md).
 
         Returns:
             The stream, created or opened.
@@ -161,7 +161,8 @@ class Stream(StreamTable):
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
                 stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
-            StreamExistsError: A stream of that name exists with another schema or world size.
+            StreamExistsError: A stream of that name exists with another schema or world size, or another value of
+                a property fixed at creation (``lakestream.layout``).
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
@@ -177,6 +178,10 @@ class Stream(StreamTable):
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
         arrow = table_arrow_schema(schema)
+        if properties is not None and (not isinstance(properties, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
+            raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
+                              f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
         try:
             existing = cls.open(catalog, identifier)
         except NoSuchTableError:
@@ -193,10 +198,6 @@ class Stream(StreamTable):
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()
             if properties is not None:
-                if not isinstance(properties, dict) or not all(
-                        isinstance(k, str) and isinstance(v, str) for k, v in properties.items()):
-                    raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
-                                      f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
                 props.update(properties)
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             check_properties(props)  # validate the caller's overrides before creating anything
@@ -228,13 +229,30 @@ class Stream(StreamTable):
                 f"stream {identifier} already exists with world_size={existing.world_size} and schema "
                 f"{existing.payload_arrow_schema}; open it with Stream.open() or create a stream under another name"
             )
-        asked = (properties or {}).get(PROP_LAYOUT)
-        if asked is not None and asked != existing.config.layout:
-            raise StreamExistsError(
-                f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
-                "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
-            )
+        if properties:
+            existing._check_asked(properties, identifier)
         return existing
+
+    def _check_asked(self, properties: dict[str, str], identifier: object) -> None:
+        """``Stream.create``'s ``properties`` for a stream that exists: a value it cannot use is refused as for a new
+        stream, one fixed at creation that differs is a ``StreamExistsError``, and the others that differ are named in
+        a warning: create never changes an existing stream's properties."""
+        stored = self.table.metadata.properties
+        check_properties({**stored, **properties})
+        differ = differing(stored, properties)
+        fixed = [(key, was, asked) for key, was, asked, is_fixed in differ if is_fixed]
+        if fixed:
+            key, was, asked = fixed[0]
+            raise StreamExistsError(
+                f"stream {identifier} already exists with {key}={was!r}, not {asked!r}: {key} is fixed when a stream "
+                "is created; open it with Stream.open() or create a stream under another name"
+            )
+        if differ:
+            log.warning(
+                "stream %s already exists; Stream.create opened it and left its table properties as they are, which "
+                "differ from those asked: %s. Set them on the table with any Iceberg client (docs/configuration.md, "
+                "'Setting a property') or pass the stored values", identifier,
+                ", ".join(f"{key}={was!r} (asked {asked!r})" for key, was, asked, _ in differ))
 
     @classmethod
     def open(cls, catalog: Catalog, identifier: str | tuple[str, ...]) -> Stream:

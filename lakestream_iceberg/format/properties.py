@@ -429,6 +429,25 @@ def check_properties(properties: Mapping[str, str]) -> None:
         prop.get(properties)
 
 
+def differing(stored: Mapping[str, str], asked: Mapping[str, str]) -> list[tuple[str, str | None, str, bool]]:
+    """The properties ``asked`` (a ``Stream.create`` call's) that an existing stream's ``stored`` properties do not
+    hold: ``(key, stored value or None, asked value, fixed when created)``. A declared property compares by meaning
+    (absent equals its default, ``"064"`` equals ``"64"``); ``lakestream.commit.group.staging`` is resolved when a stream is
+    created (``auto`` becomes where it went), so it never differs."""
+    out = []
+    for key, value in asked.items():
+        prop = _BY_KEY.get(key)
+        if prop is GROUP_STAGING:
+            continue
+        if prop is None:
+            same = stored.get(key) == value
+        else:
+            same = prop.get(stored) == prop.get({key: value})
+        if not same:
+            out.append((key, stored.get(key), value, prop is not None and prop.change is Change.FIXED))
+    return out
+
+
 def by_key(key: str) -> Property[int] | Property[bool] | Property[str] | None:
     """The declaration of a property key (None: not one lakestream reads)."""
     return _BY_KEY.get(key)

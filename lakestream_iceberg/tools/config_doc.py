@@ -34,7 +34,10 @@ This page is generated from the declarations in `lakestream_iceberg/format/prope
   does not know, is a `ConfigError` naming the property, before anything is created.
 - **An existing stream**: any Iceberg client, e.g. pyiceberg's `table.transaction().set_properties({{...}})` then
   `.commit_transaction()`, or Spark's `ALTER TABLE ... SET TBLPROPERTIES (...)`. A stream whose property holds a
-  value lakestream cannot use is refused with a `ConfigError` naming it.
+  value lakestream cannot use is refused with a `ConfigError` naming it. `Stream.create` on a stream that exists
+  opens it and changes none of its properties: a value it asks for that no stream can use is a `ConfigError`, one of
+  a property fixed at creation that differs is a `StreamExistsError`, and the others that differ are named in a
+  warning.
 - **What a stream uses now**: `lakestream status NAMESPACE.NAME` lists every property below with its value.
 
 "Change on a live stream" says when a new value takes effect for producers and readers that have the stream open:
