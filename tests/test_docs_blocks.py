@@ -152,6 +152,15 @@ def test_architecture_describes_every_module() -> None:
     assert everywhere - listed == set(), f"ARCHITECTURE.md's tree lacks {sorted(everywhere - listed)}"
 
 
+def test_architecture_public_api_table_names_every_export() -> None:
+    import lakestream_iceberg
+
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    table = text.split("## Public API", 1)[1].split("\n\n", 2)[2].split("\n\n", 1)[0]
+    named = set(re.findall(r"`([A-Za-z_]+)`", table))
+    assert set(lakestream_iceberg.__all__) - named == set(), sorted(set(lakestream_iceberg.__all__) - named)
+
+
 def test_docs_site_builds_strictly(tmp_path: Path) -> None:
     import importlib.util
 
