@@ -83,6 +83,7 @@ bench: $(STAMP) $(BENCH_PKGS) postgres-bin
 	$(BIN)/python benchmarks/commit_cpu.py
 	$(BIN)/python benchmarks/busy_producers.py
 	$(BIN)/python benchmarks/disaggregation.py
+	$(BIN)/python benchmarks/fanout.py
 
 lint: $(STAMP)
 	$(BIN)/lint-imports --no-cache

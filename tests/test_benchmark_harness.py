@@ -187,3 +187,13 @@ def test_smoke_defaults_fill_only_what_the_command_line_left_unset() -> None:
     fill_defaults(args, rounds=(3, 1))
     shrink(parser, args, {"steps": 5})
     assert (args.rounds, args.steps) == (3, 5)
+
+
+def test_make_bench_runs_every_benchmark_script() -> None:
+    # README and docs/benchmarks.md say `make bench` runs every benchmark: each script of benchmarks/ is a line of
+    # the bench target, except the helpers, the history printer and dac_sim.py (commit_scaling.py's simulation phase)
+    makefile = (BENCH.parent / "Makefile").read_text()
+    target = makefile.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    run = {line.split("benchmarks/", 1)[1].split()[0] for line in target.splitlines() if "benchmarks/" in line}
+    scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} - {"history.py", "dac_sim.py"}
+    assert scripts - run == set(), f"make bench does not run {sorted(scripts - run)}"

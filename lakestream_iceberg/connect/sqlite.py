@@ -5,9 +5,7 @@ transaction creates a journal file next to the database, syncs it and the databa
 holding the database (another producer's pointer probe, a consumer's follow poll) makes the writer wait. In
 write-ahead-log mode a commit appends to ``<database>-wal`` and syncs that one file, and readers never block the writer
 nor the writer the readers. Each lakestream step is one such transaction, so the journal mode is a large share of a
-small step's cost on a local disk (one producer, 1 MiB steps: 74-128 -> 132-200 commits/s in side-by-side runs;
-``benchmarks/vs_kafka.py``, 1 MiB ingestion with one producer: 0.73-0.83x -> 0.78-1.52x of Tansu's, at least 1.0x in 4
-of 5 runs).
+small step's cost on a local disk.
 
 Durability is unchanged: SQLite keeps ``synchronous=FULL`` (its default), so a transaction the catalog reported
 committed survives a crash. The conditional ``UPDATE`` that is the compare-and-swap is atomic in either mode.

@@ -10,7 +10,7 @@ their records instead of encoding them again.
 
 The store refers to each DataFile weakly: only an object something else still holds (the manifest cache's entries, a
 plan in progress) can be looked up again, so a record goes with its object and the store never keeps a file's
-metadata alive (it used to keep the last 65,536, some 200 MiB in a producer after as many commits).
+metadata alive (a store that kept the last 65,536 records would hold some 200 MiB in a producer after as many commits).
 """
 
 from __future__ import annotations

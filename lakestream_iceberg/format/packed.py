@@ -5,8 +5,8 @@ group while it holds at most ``lakestream.layout.packed.row-group-bytes``; a ran
 larger than that is a row group alone. The footer's key-value metadata carries the rows of each rank under
 ``lakestream.rank-rows`` (comma-separated, one count per rank), so a reader finds a rank's row range from the footer
 alone and fetches only the row groups that hold it (range reads). A footer is input like any data read back from
-storage: :func:`rank_rows` checks it against the file and the stream, and a reader checks the ``_rank`` values of the
-rows it returns.
+storage: :meth:`PackedFooter.of` checks it against the file and the stream, and a reader checks the ``_rank`` values of
+the rows it returns.
 """
 
 from __future__ import annotations
