@@ -58,7 +58,7 @@ import numpy as np
 import pyarrow as pa
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.errors import ConfigError, MissingExtraError, ReadError
+from lakestream_iceberg.errors import ConfigError, LakestreamError, MissingExtraError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
 from lakestream_iceberg.format.checkpoints import utc_from_ms as _utc_from_ms
 from lakestream_iceberg.format.checks import check_int
@@ -247,8 +247,14 @@ def step_rows(stream: StreamTable, steps: Iterable[int], *, branch: str) -> list
     step whose snapshot was already expired.
     """
     wanted = list(steps)
+    try:  # a collected step has no files whatever a reload shows: locate would reload the table to say so, each time
+        collected_below = stream.branch_state(branch=branch).collected_below
+    except LakestreamError:  # e.g. another engine's head: locate reloads the view and says what is wrong
+        collected_below = 1
     files: list[dict[str, Any]] = []
     for step in wanted:
+        if step < collected_below:
+            continue
         try:
             located = stream.locate(step, branch=branch)
         except ReadError:

@@ -243,6 +243,25 @@ def test_checkpoints_view_of_many_tags_is_not_quadratic(tmp_path: Path, monkeypa
     assert reads[0] < 6 * files, f"{reads[0]} reads of a file's step for {len(rows)} checkpoints and {files} files"
 
 
+def test_step_rows_of_collected_steps_cost_no_catalog_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lakestream tail --from-step 1`` on a stream whose old steps GC collected looked each collected step up with
+    ``locate``, which reloads the table from the catalog before it calls a step missing: one round trip per collected
+    step (thousands after a long run, each a metadata.json read). Steps below the head's collected_below have no files
+    whatever a reload shows."""
+    from lakestream_iceberg.format.table import StreamTable
+
+    stream, results, _ = _build(tmp_path)
+    stream.checkpoint("ck6", step=6)
+    stream.collect_garbage(dry_run=False)
+    stream.refresh()
+    reloads: list[int] = []
+    refresh = StreamTable.refresh
+    monkeypatch.setattr(StreamTable, "refresh", lambda self, *a, **k: reloads.append(1) or refresh(self, *a, **k))
+    rows = step_rows(stream, range(1, 11), branch="main")
+    assert [(r["step"], r["producer"]) for r in rows] == [(s, results[s - 1].producer) for s in range(6, 11)]
+    assert reloads == []
+
+
 @pytest.mark.parametrize(("key", "value", "column"), [
     ("lakestream.attempts", "99999999999", "attempts"), ("lakestream.group", "99999999999", "group_size"),
     ("lakestream.seq", "9999999999999999999", "seq"),
