@@ -147,7 +147,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     now = datetime.now(timezone.utc)
     checkpoints = list_checkpoints(metadata)
     keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within, now=now)
-    released = [c for c in checkpoints if c not in keep]
+    kept = {c.name for c in keep}  # tag names are unique; a list's `in` made thousands of tags quadratic
+    released = [c for c in checkpoints if c.name not in kept]
     report = GCReport(dry_run=not write, released_checkpoints=[c.name for c in released])
     updates: list[TableUpdate] = [RemoveSnapshotRefUpdate(ref_name=c.name) for c in released]
     requirements: list[TableRequirement] = [AssertTableUUID(uuid=metadata.table_uuid)]
@@ -235,12 +236,16 @@ def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str
                      skip: frozenset[int] = frozenset()) -> set[str]:
     """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references."""
     out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    seen: set[str] = set()  # retained snapshots share most manifests: each is read once, not once per snapshot
     for snapshot in metadata.snapshots:
         if snapshot.snapshot_id in skip:
             continue
         out.add(snapshot.manifest_list)
         out.update(StreamState.of(snapshot).producer_files)  # producer-state files (format/producers.py)
         for manifest in stream.cache.manifests(io, snapshot):
+            if manifest.manifest_path in seen:
+                continue
+            seen.add(manifest.manifest_path)
             out.add(manifest.manifest_path)
             out.update(e.data_file.file_path for e in stream.cache.entries(io, manifest))
     return {norm(p) for p in out if p}

@@ -71,6 +71,36 @@ def test_checkpoints_among_many_retained_snapshots_and_tags_are_not_quadratic(tm
     assert len(scans) < steps // 2, f"{len(scans)} scans of the snapshot list for 10 tags and {steps} retained snapshots"
 
 
+def test_gc_among_many_tags_reads_each_manifest_once_and_compares_no_pair_of_tags(tmp_path, monkeypatch) -> None:
+    """GC found the released checkpoints with a list's ``in`` (a comparison per pair of tags) and read every retained
+    snapshot's manifests again, though snapshots share most of them: each GC cost O(tags^2) comparisons and
+    O(snapshots x manifests) manifest reads (800 tags: 0.45 s for a dry run, 4x the tags about 10x the time)."""
+    from lakestream_iceberg.format.checkpoints import Checkpoint
+    from lakestream_iceberg.format.manifest_cache import ManifestCache
+
+    steps = 40
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.many", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.snapshots.retain-last": str(10 * steps)})
+    publish(stream, "p", steps)
+    for step in range(1, steps + 1):
+        stream.checkpoint(f"c{step}", step=step)
+    metadata = stream.refresh().table.metadata
+    manifests = {m.manifest_path for s in metadata.snapshots for m in stream.cache.manifests(stream.io, s)}
+    compared: list[object] = []
+    read: list[str] = []
+    eq, entries = Checkpoint.__eq__, ManifestCache.entries
+    monkeypatch.setattr(Checkpoint, "__eq__", lambda a, b: compared.append(b) or eq(a, b))
+    monkeypatch.setattr(ManifestCache, "entries",
+                        lambda self, io, m, *a, **k: read.append(m.manifest_path) or entries(self, io, m, *a, **k))
+    report = stream.collect_garbage(dry_run=True, keep_last=steps // 2)
+    assert len(report.released_checkpoints) == steps // 2
+    assert len(compared) < steps, f"{len(compared)} comparisons of checkpoints for {steps} tags"
+    # referenced files (known_files) and what a real run keeps (kept_after_dry_run): each manifest once per pass
+    assert len(read) <= 2 * len(manifests) + 8, f"{len(read)} manifest reads for {len(manifests)} distinct manifests"
+    assert stream.collect_garbage(keep_last=steps // 2, dry_run=False).released_checkpoints == report.released_checkpoints
+    assert [c.step for c in stream.refresh().checkpoints()] == list(range(steps // 2 + 1, steps + 1))
+
+
 # a warehouse given as a plain path (pyiceberg takes it as it is) whose path holds # or ?: GC deleted none of its files
 @pytest.mark.parametrize("warehouse", ["file://{}/warehouse", "{}/ware#house?x"])
 def test_gc_keeps_everything_without_checkpoints_and_collects_before_the_oldest(tmp_path, warehouse: str) -> None:

@@ -182,6 +182,86 @@ def test_history_of_many_retained_snapshots_is_not_quadratic(tmp_path: Path, mon
     assert len(scans) < steps // 4, f"{len(scans)} scans of the snapshot list for {steps} retained snapshots"
 
 
+def _pins_by_brute_force(stream: Stream) -> list[tuple]:
+    """What each checkpoint pins, file by file (the definition in checkpoint_rows' docstring, and its former code)."""
+    from lakestream_iceberg.format.checkpoints import list_checkpoints
+    from lakestream_iceberg.format.manifest_facts import stream_entry
+    from lakestream_iceberg.read.history import live_entries
+
+    metadata = stream.table.metadata
+    checkpoints = list_checkpoints(metadata)
+    out = []
+    for ckpt in checkpoints:
+        files = [e.data_file for e in live_entries(stream, branch=ckpt.branch)] if ckpt.branch in metadata.refs else []
+        anchor = [f for f in stream.index.all_files(metadata.snapshot_by_id(ckpt.snapshot_id)) if stream_entry(f)]
+        live = {f.file_path for f in files}
+        pinned = [f for f in files if int(f.partition[0]) >= ckpt.step] + [f for f in anchor if f.file_path not in live]
+        same = [c.step for c in checkpoints if c.branch == ckpt.branch]
+        newer = [s for s in same if s > ckpt.step]
+        exclusive = [] if ckpt.step != min(same) or not newer or same.count(min(same)) > 1 else [
+            f for f in pinned if int(f.partition[0]) < min(newer)]
+        out.append((ckpt.name, len({int(f.partition[0]) for f in pinned}), len(pinned),
+                    sum(f.file_size_in_bytes for f in pinned), len({int(f.partition[0]) for f in exclusive}),
+                    sum(f.file_size_in_bytes for f in exclusive)))
+    return out
+
+
+def test_checkpoints_view_of_many_tags_is_not_quadratic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The checkpoints view went over every live file of the branch and every file of the anchor for each checkpoint:
+    O(tags x steps), with a checkpoint every 10 of 1,000 steps 0.1 s for every history, and 100x that at 10x both.
+    Same figures (collected steps still pinned by an anchor, two tags at one step, a fork's own), each file seen a
+    bounded number of times."""
+    from pyiceberg.manifest import DataFile
+
+    from lakestream_iceberg.read.history import checkpoint_rows
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.pins", schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p")
+    for seq in range(40):
+        producer.commit(batch("p", seq, WORLD), seq=seq)
+    stream.checkpoint("old", step=3)
+    stream.collect_garbage(dry_run=False, allow_short_grace=True, grace=__import__("datetime").timedelta(0))
+    for step in range(5, 41, 2):
+        stream.checkpoint(f"c{step}", step=step)
+    stream.checkpoint("twin", step=5)
+    stream.fork("c21", branch="exp")
+    stream.producer("q", branch="exp").commit(batch("q", 0, WORLD), seq=0)
+    stream.refresh()
+    stream.checkpoint("exp-22", step=22, branch="exp")
+    stream.refresh().table.manage_snapshots().remove_branch("exp").commit()  # another tool: its tag stays, all outside
+    stream.refresh()
+    expected = _pins_by_brute_force(stream)
+    reads = [0]
+    partition = DataFile.partition
+    monkeypatch.setattr(DataFile, "partition", property(lambda f: reads.__setitem__(0, reads[0] + 1) or partition.fget(f)))
+    rows = checkpoint_rows(stream)
+    assert [(r["name"], r["pinned_steps"], r["pinned_files"], r["pinned_bytes"], r["exclusive_steps"],
+             r["exclusive_bytes"]) for r in rows] == expected
+    assert {r[0]: r[1:5] for r in expected}["exp-22"][0::3] == (1, 0)  # only its anchor: step 22 of a dropped branch
+    assert {r[0]: r[1:5] for r in expected}["old"][0::3] == (38, 2)  # releasing it frees steps 3 and 4
+    files = 2 * 41 * WORLD  # two branches' live files, at most
+    assert reads[0] < 6 * files, f"{reads[0]} reads of a file's step for {len(rows)} checkpoints and {files} files"
+
+
+def test_step_rows_of_collected_steps_cost_no_catalog_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``lakestream tail --from-step 1`` on a stream whose old steps GC collected looked each collected step up with
+    ``locate``, which reloads the table from the catalog before it calls a step missing: one round trip per collected
+    step (thousands after a long run, each a metadata.json read). Steps below the head's collected_below have no files
+    whatever a reload shows."""
+    from lakestream_iceberg.format.table import StreamTable
+
+    stream, results, _ = _build(tmp_path)
+    stream.checkpoint("ck6", step=6)
+    stream.collect_garbage(dry_run=False)
+    stream.refresh()
+    reloads: list[int] = []
+    refresh = StreamTable.refresh
+    monkeypatch.setattr(StreamTable, "refresh", lambda self, *a, **k: reloads.append(1) or refresh(self, *a, **k))
+    rows = step_rows(stream, range(1, 11), branch="main")
+    assert [(r["step"], r["producer"]) for r in rows] == [(s, results[s - 1].producer) for s in range(6, 11)]
+    assert reloads == []
+
+
 @pytest.mark.parametrize(("key", "value", "column"), [
     ("lakestream.attempts", "99999999999", "attempts"), ("lakestream.group", "99999999999", "group_size"),
     ("lakestream.seq", "9999999999999999999", "seq"),
