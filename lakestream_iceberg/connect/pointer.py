@@ -27,10 +27,10 @@ from urllib.request import pathname2url
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.io import FileIO
-from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.fork import no_fork_inside
+from lakestream_iceberg.connect.metadata_read import read_metadata
 from lakestream_iceberg.errors import StreamError, StreamNotFoundError
 
 __all__ = ["PointerWatch", "cached_probe", "pointer_probe", "read_moved", "refresh_if_moved", "release_idle_connections"]
@@ -355,13 +355,13 @@ def read_pointed(io: FileIO, location: str, probe: Callable[[], str | None], *, 
     """
     for _ in range(tries):
         try:
-            return location, FromInputFile.table_metadata(io.new_input(location))
+            return location, read_metadata(io, location)
         except FileNotFoundError:
             now = probe()
             if now is None or now == location:
                 raise
             location = now
-    return location, FromInputFile.table_metadata(io.new_input(location))
+    return location, read_metadata(io, location)
 
 
 def _reload(table: Table) -> None:
