@@ -283,8 +283,10 @@ class PointerWatch:
         return moved
 
 
-def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
+def read_moved(table: Table, *, location: str | None = None) -> tuple[str, dict[str, Any] | None] | None:
     """The table's current metadata location, with its ``metadata.json`` as plain JSON when it is not ``table``'s own.
+
+    ``location``: the catalog pointer as the caller has just read it with the table's probe (not read again).
 
     Returns ``(location, None)`` when the pointer did not move (``table.metadata`` is current), and None when this
     cannot be answered lightly: a catalog without a pointer probe, a table the catalog no longer has, a compressed
@@ -292,12 +294,13 @@ def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
     name: :func:`refresh_if_moved` refuses it). ``table`` itself is left as it is. The JSON is unchecked:
     the caller validates every field it uses.
     """
-    probe = cached_probe(table)
-    if probe is None:
-        return None
-    location = probe()
     if location is None:
-        return None
+        probe = cached_probe(table)
+        if probe is None:
+            return None
+        location = probe()
+        if location is None:
+            return None
     if location == table.metadata_location:
         return location, None
     if not location.endswith(".metadata.json") or location.endswith(".gz.metadata.json"):
