@@ -27,10 +27,10 @@ from urllib.request import pathname2url
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.io import FileIO
-from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.fork import no_fork_inside
+from lakestream_iceberg.connect.metadata_read import read_metadata
 from lakestream_iceberg.errors import StreamError, StreamNotFoundError
 
 __all__ = ["PointerWatch", "cached_probe", "pointer_probe", "read_moved", "refresh_if_moved", "release_idle_connections"]
@@ -283,8 +283,10 @@ class PointerWatch:
         return moved
 
 
-def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
+def read_moved(table: Table, *, location: str | None = None) -> tuple[str, dict[str, Any] | None] | None:
     """The table's current metadata location, with its ``metadata.json`` as plain JSON when it is not ``table``'s own.
+
+    ``location``: the catalog pointer as the caller has just read it with the table's probe (not read again).
 
     Returns ``(location, None)`` when the pointer did not move (``table.metadata`` is current), and None when this
     cannot be answered lightly: a catalog without a pointer probe, a table the catalog no longer has, a compressed
@@ -292,12 +294,13 @@ def read_moved(table: Table) -> tuple[str, dict[str, Any] | None] | None:
     name: :func:`refresh_if_moved` refuses it). ``table`` itself is left as it is. The JSON is unchecked:
     the caller validates every field it uses.
     """
-    probe = cached_probe(table)
-    if probe is None:
-        return None
-    location = probe()
     if location is None:
-        return None
+        probe = cached_probe(table)
+        if probe is None:
+            return None
+        location = probe()
+        if location is None:
+            return None
     if location == table.metadata_location:
         return location, None
     if not location.endswith(".metadata.json") or location.endswith(".gz.metadata.json"):
@@ -355,13 +358,13 @@ def read_pointed(io: FileIO, location: str, probe: Callable[[], str | None], *, 
     """
     for _ in range(tries):
         try:
-            return location, FromInputFile.table_metadata(io.new_input(location))
+            return location, read_metadata(io, location)
         except FileNotFoundError:
             now = probe()
             if now is None or now == location:
                 raise
             location = now
-    return location, FromInputFile.table_metadata(io.new_input(location))
+    return location, read_metadata(io, location)
 
 
 def _reload(table: Table) -> None:

@@ -48,9 +48,12 @@ class HeadPeek:
         """
         try:
             last = self._last
-            if last is not None and (probe := cached_probe(self._table)) is not None and probe() == last[0]:
-                return last[1]  # the pointer has not moved since the last light read (a metadata file never changes)
-            found = read_moved(self._table)
+            pointer = None
+            if last is not None and (probe := cached_probe(self._table)) is not None:
+                pointer = probe()
+                if pointer == last[0]:
+                    return last[1]  # the pointer has not moved since the last light read (a metadata file never changes)
+            found = read_moved(self._table, location=pointer)  # the pointer as just read (None: read it)
         except Exception:  # noqa: BLE001 - unreachable or unreadable: the full read retries and reports it
             return None
         if found is None:

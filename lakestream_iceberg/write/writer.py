@@ -421,9 +421,12 @@ class BatchWriter:
         default); see ``DICTIONARY_MAX_AVG_BYTES``."""
         plain = set(self._number_lists)
         for name in self._blob_columns:
-            values = sum(t.num_rows - t.column(name).null_count for t in groups)
-            if values and sum(pc.sum(pc.binary_length(t.column(name))).as_py() or 0 for t in groups) \
-                    >= DICTIONARY_MAX_AVG_BYTES * values:
+            # the file's values of the column as one chunked array: one length and one sum however many row groups
+            # (a packed file of 8 ranks has 8; two compute calls per row group cost 60 us of a 1 MiB commit)
+            column = pa.chunked_array([chunk for t in groups for chunk in t.column(name).chunks],
+                                      self._arrow_schema.field(name).type)
+            values = len(column) - column.null_count
+            if values and (pc.sum(pc.binary_length(column)).as_py() or 0) >= DICTIONARY_MAX_AVG_BYTES * values:
                 plain.add(name)
         if not plain:
             return True

@@ -1,0 +1,115 @@
+"""Reading a moved head's metadata.json (connect/metadata_read.py): pyiceberg's metadata, without validating again the
+snapshots, schemas, specs and sort orders the last read of the table already validated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pyiceberg.serializers import FromInputFile
+from pyiceberg.table.metadata import TableMetadata
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect import metadata_read
+from lakestream_iceberg.connect.metadata_read import read_metadata
+from tests.support import SCHEMA, batch, sqlite_catalog
+
+WORLD = 2
+
+
+def pyiceberg_read(io, location: str) -> TableMetadata:
+    return FromInputFile.table_metadata(io.new_input(location))
+
+
+def test_each_head_reads_as_pyiceberg_reads_it_and_shares_what_the_last_read_validated(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    producers = [stream.producer(f"p{i}") for i in range(3)]
+    table = stream.table
+    previous: TableMetadata | None = None
+    shared = 0
+    for i in range(12):  # enough commits for lakestream's expiry to drop snapshots from the head's metadata
+        producers[i % 3].commit(batch(f"p{i % 3}", i // 3, WORLD))
+        if i == 6:
+            stream.table.manage_snapshots().create_branch(snapshot_id=stream.table.current_snapshot().snapshot_id,
+                                                          branch_name="side").commit()
+        table.refresh()
+        location = table.metadata_location
+        ours, theirs = read_metadata(table.io, location), pyiceberg_read(table.io, location)
+        assert ours == theirs
+        assert ours.model_dump_json() == theirs.model_dump_json()
+        if previous is not None:
+            before = {s.snapshot_id: s for s in previous.snapshots}
+            for snapshot in ours.snapshots:
+                if snapshot.snapshot_id in before:
+                    assert snapshot is before[snapshot.snapshot_id]  # validated once, by the previous read
+                    shared += 1
+            assert ours.schemas[0] is previous.schemas[0]
+        previous = ours
+    assert shared > 0
+
+
+def test_an_entry_whose_json_changed_under_a_known_id_is_validated_anew(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p0")
+    producer.commit(batch("p0", 0, WORLD))
+    table = stream.table
+    table.refresh()
+    first = read_metadata(table.io, table.metadata_location)
+    # the same document with one snapshot's summary changed (another file, as a rewrite by another tool would be)
+    document = json.loads(Path(table.metadata_location.removeprefix("file://")).read_text())
+    document["snapshots"][-1]["summary"]["lakestream.token"] = "changed"
+    changed = tmp_path / "00099-changed.metadata.json"
+    changed.write_text(json.dumps(document))
+    read = read_metadata(table.io, f"file://{changed}")
+    assert read == pyiceberg_read(table.io, f"file://{changed}")
+    assert read.snapshots[-1] is not first.snapshots[-1]
+    assert read.snapshots[-1].summary["lakestream.token"] == "changed"
+    assert read.schemas[0] is first.schemas[0]  # unchanged: shared
+
+
+def test_what_pyiceberg_refuses_is_refused_as_pyiceberg_refuses_it(tmp_path: Path) -> None:
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    table = stream.table
+    document = json.loads(Path(table.metadata_location.removeprefix("file://")).read_text())
+    del document["schemas"]
+    bad = tmp_path / "00099-bad.metadata.json"
+    bad.write_text(json.dumps(document))
+    errors = []
+    for read in (read_metadata, pyiceberg_read):
+        try:
+            read(table.io, f"file://{bad}")
+        except Exception as exc:  # noqa: BLE001 - compared below
+            errors.append((type(exc), str(exc)))
+    assert len(errors) == 2 and errors[0] == errors[1]
+    assert not (tmp_path / "absent").exists()
+    try:
+        read_metadata(table.io, f"file://{tmp_path}/absent/00001-x.metadata.json")
+    except FileNotFoundError:
+        pass
+    else:  # pragma: no cover
+        raise AssertionError("a missing file must raise FileNotFoundError, as pyiceberg's read does")
+    assert metadata_read._held  # the good reads were kept
+
+
+def _read_in_child(io, location: str, out) -> None:  # type: ignore[no-untyped-def]
+    out.put(read_metadata(io, location).table_uuid)
+
+
+def test_a_process_forked_while_the_kept_reads_were_locked_reads_metadata(tmp_path: Path) -> None:
+    import multiprocessing
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
+    table = stream.table
+    read_metadata(table.io, table.metadata_location)
+    context = multiprocessing.get_context("fork")
+    out = context.Queue()
+    with metadata_read._lock:  # as another thread of this process may hold it at the fork
+        child = context.Process(target=_read_in_child, args=(table.io, table.metadata_location, out))
+        child.start()
+    try:
+        assert out.get(timeout=60) == table.metadata.table_uuid
+    finally:
+        child.join(10)
+        if child.is_alive():  # pragma: no cover - the deadlock this test is about
+            child.kill()
+            child.join()
