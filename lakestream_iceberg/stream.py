@@ -25,7 +25,7 @@ from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
-from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
+from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, explain, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.positions import PositionStore
@@ -39,7 +39,15 @@ from lakestream_iceberg.errors import (
     StreamExistsError,
     StreamNotFoundError,
 )
-from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int, check_seconds
+from lakestream_iceberg.format.checks import (
+    check_bool,
+    check_catalog,
+    check_identifier,
+    check_int,
+    check_location,
+    check_new_identifier,
+    check_seconds,
+)
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
@@ -54,7 +62,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import check_properties
+from lakestream_iceberg.format.properties import WORLD_SIZE, check_properties
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
@@ -71,6 +79,18 @@ from lakestream_iceberg.write.writer import BatchWriter
 __all__ = ["Stream"]
 
 log = logging.getLogger(__name__)
+
+
+def _check_given_shape(properties: dict[str, str], *, world_size: int, schema: pa.Schema) -> None:
+    """Refuse ``properties`` that say another world size or schema than the arguments: the property won over the
+    argument (a stream of world size 3 made by ``world_size=1``)."""
+    given = properties.get(WORLD_SIZE.key)
+    if given is not None and WORLD_SIZE.parse(given) != world_size:
+        raise ConfigError(f"properties set {WORLD_SIZE.key}={given!r} but world_size={world_size}: pass the world size "
+                          f"as world_size= only (leave {WORLD_SIZE.key} out of properties)")
+    if PROP_ARROW_SCHEMA in properties and properties[PROP_ARROW_SCHEMA] != encode_schema(schema):
+        raise ConfigError(f"properties set {PROP_ARROW_SCHEMA}, which is not the schema= given: pass the schema as "
+                          f"schema= only (leave {PROP_ARROW_SCHEMA} out of properties)")
 
 
 def _reopen(ref: StreamRef) -> Stream:
@@ -159,13 +179,19 @@ class Stream(StreamTable):
             The stream, created or opened.
 
         Raises:
-            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
-                stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
+            ConfigError: ``catalog`` is not a pyiceberg catalog; ``identifier`` is not ``"namespace.name"`` (no empty
+                part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes); ``location`` is
+                not a URI or an absolute path, or no folder can be made there; ``world_size`` is not in 1..2**31-1; a
+                property holds a value the stream cannot use, says another world size or schema than the arguments, or
+                is a ``lakestream.*`` key lakestream does not read (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size.
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
+        check_catalog(catalog)
         identifier = check_identifier(identifier)
+        check_new_identifier(identifier)
+        location = check_location(location)
         with config_errors(catalog.properties, action=f"creating stream {identifier}", catalog=catalog.name):
             return cls._create(catalog, identifier, schema=schema, world_size=world_size, location=location,
                                properties=properties)
@@ -173,7 +199,8 @@ class Stream(StreamTable):
     @classmethod
     def _create(cls, catalog: Catalog, identifier: str | tuple[str, ...], *, schema: pa.Schema, world_size: int,
                 location: str | None, properties: dict[str, str] | None) -> Stream:
-        world_size = check_int(world_size, what="world_size", minimum=1)
+        world_size = check_int(world_size, what="world_size", minimum=1, maximum=WORLD_SIZE.maximum,
+                               hint="ranks are Iceberg ints")
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
         arrow = table_arrow_schema(schema)
@@ -197,6 +224,7 @@ class Stream(StreamTable):
                         isinstance(k, str) and isinstance(v, str) for k, v in properties.items()):
                     raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
                                       f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
+                _check_given_shape(properties, world_size=world_size, schema=schema)
                 props.update(properties)
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             check_properties(props)  # validate the caller's overrides before creating anything
@@ -220,9 +248,16 @@ class Stream(StreamTable):
                     identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),
                     location=location, properties=props,
                 )
-                return cls(table)
             except TableAlreadyExistsError:
                 existing = cls.open(catalog, identifier)
+            except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
+                if location is None or transient(exc) or explain(exc, catalog.properties) is not None:
+                    raise  # the warehouse's, or a storage outage or credentials: config_errors explains those
+                raise ConfigError(f"cannot create stream {identifier} at location {location!r}: "
+                                  f"{' '.join(str(exc).split())[:300]}; give a folder (or a prefix) of a storage the "
+                                  "catalog's FileIO reaches (s3://bucket/path, file:///path)") from exc
+            else:
+                return cls(table)
         if existing.world_size != world_size or not existing.payload_arrow_schema.equals(schema):
             raise StreamExistsError(
                 f"stream {identifier} already exists with world_size={existing.world_size} and schema "
@@ -250,8 +285,10 @@ class Stream(StreamTable):
         Raises:
             StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
             NotAStreamError: The table is a plain Iceberg table.
-            ConfigError: ``identifier`` is not ``"namespace.name"``, or the catalog is unreachable.
+            ConfigError: ``catalog`` is not a pyiceberg catalog, ``identifier`` is not ``"namespace.name"``, or the
+                catalog is unreachable.
         """
+        check_catalog(catalog)
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
             try:

@@ -386,3 +386,66 @@ def test_replays_compare_nan_inside_maps_and_large_float_columns_in_arrow() -> N
 def test_a_stream_may_be_named_by_a_tuple_as_pyiceberg_allows(tmp_path: Path) -> None:
     stream = make(tmp_path, steps=1)
     assert Stream.open(stream.table.catalog, ("ns", "s")).head_step() == 1
+
+
+# ------------------------------------------------------- Stream.create and open, tried as a careless user (rev-api)
+def test_two_names_that_map_to_one_folder_are_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """'ns.a/b' and 'ns/a.b' both had the location <warehouse>/ns/a/b: two streams in one folder, whose GCs delete
+    each other's files."""
+    catalog = sqlite_catalog(str(tmp_path))
+    first = Stream.create(catalog, "ns.a_b", schema=SCHEMA, world_size=1)
+    for name in ("ns.a/b", "ns/a.b", ("ns", "a\\b"), "ns.a\x00b", "ns.tab\tname", "ns." + "x" * 256, "ns." + "é" * 128):
+        with pytest.raises(ConfigError, match="folder of the stream's location"):
+            Stream.create(catalog, name, schema=SCHEMA, world_size=1)  # type: ignore[arg-type]
+    assert catalog.list_namespaces() == [("ns",)] and catalog.list_tables("ns") == [("ns", "a_b")]
+    assert Stream.create(catalog, "ns." + "é" * 127, schema=SCHEMA, world_size=1).head_step() == 0  # 254 bytes
+    assert first.head_step() == 0
+
+
+@pytest.mark.parametrize("catalog", [None, "default", {"uri": "sqlite://"}])
+def test_a_catalog_that_is_no_catalog_is_a_config_error(catalog: object) -> None:
+    for call in (lambda: Stream.open(catalog, "ns.s"),  # type: ignore[arg-type]
+                 lambda: Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1),  # type: ignore[arg-type]
+                 lambda: Stream.drop(catalog, "ns.s")):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="must be a pyiceberg Catalog.*load_catalog"):  # AttributeError before
+            call()
+
+
+@pytest.mark.parametrize("world_size", [2**31, 2**70])
+def test_a_world_size_past_an_iceberg_int_is_refused(tmp_path: Path, world_size: int) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="world_size must be in 1..2147483647"):  # was created, and never usable
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=world_size)
+    with pytest.raises(ConfigError, match="lakestream.world-size"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, properties={"lakestream.world-size": str(world_size)})
+    assert catalog.list_namespaces() == []
+
+
+def test_properties_cannot_override_the_world_size_or_schema_arguments(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="world_size=1"):  # the property won: a stream of world size 3
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, properties={"lakestream.world-size": "3"})
+    other = pa.schema([("x", pa.int64())])
+    from lakestream_iceberg.format.table import encode_schema
+
+    with pytest.raises(ConfigError, match="lakestream.arrow-schema"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1,
+                      properties={"lakestream.arrow-schema": encode_schema(other)})
+    assert catalog.list_namespaces() == []
+    same = {"lakestream.world-size": "2", "lakestream.arrow-schema": encode_schema(SCHEMA)}
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=same).world_size == 2
+
+
+@pytest.mark.parametrize("location", [5, "", "  ", "relative/dir", "afile", "s3x://bucket/x"])
+def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location: object) -> None:
+    """An int raised AttributeError, a file NotADirectoryError, an unknown scheme ValueError, and a relative path was
+    taken: each process resolved it from its own working directory."""
+    (tmp_path / "afile").write_text("x")
+    if location == "afile":
+        location = str(tmp_path / "afile")
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="location"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, location=location)  # type: ignore[arg-type]
+    assert catalog.list_tables("ns") == [] if catalog.list_namespaces() else True
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1,
+                         location=str(tmp_path / "elsewhere")).table.metadata.location == str(tmp_path / "elsewhere")

@@ -293,7 +293,7 @@ FORMAT_VERSION = ChoiceProperty(
     key="lakestream.format-version", created="1", change=FIXED, choices=("1",), noun="a format version this release reads",
     doc="The version of lakestream's table layout; Stream.create writes it and a table without it is no stream.")
 WORLD_SIZE = IntProperty(
-    key="lakestream.world-size", field="world_size", minimum=1, unit="ranks", change=FIXED,
+    key="lakestream.world-size", field="world_size", minimum=1, maximum=2**31 - 1, unit="ranks", change=FIXED,
     default_text="none: Stream.create(world_size=...) sets it", doc="Ranks (shards) in every global batch.")
 ARROW_SCHEMA = TextProperty(
     key="lakestream.arrow-schema", change=FIXED, values="a base64 Arrow IPC schema",
