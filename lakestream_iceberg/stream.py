@@ -630,7 +630,7 @@ class Stream(StreamTable):
         Raises:
             StepError: ``step`` is not an integer >= 1 (steps start at 1).
             RankError: ``rank`` is outside ``0..world_size-1``.
-            ConfigError: ``columns`` names a column the stream does not have.
+            ConfigError: ``columns`` names a column the stream does not have, or the stream has no branch ``branch``.
             StepNotPublishedError: The step is not committed yet.
             StepCollectedError: Lifecycle GC removed the step.
             CorruptStateError: The step's data files do not match its manifest entries (damaged or replaced).
@@ -668,11 +668,13 @@ class Stream(StreamTable):
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
-            ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms).
+            ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms), or the
+                stream has no branch ``branch``.
         """
         step = check_int(step, what="step", error=StepError, minimum=0)
         timeout = check_seconds(timeout, what="timeout")  # None or NaN waited forever, text raised TypeError
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)  # 0 polled the catalog in a busy loop
+        self.require_ref(branch, doing="cannot wait for a step of")  # a misspelt branch waited out the timeout
         watcher = HeadWatcher(self, branch=branch)
         try:
             deadline = time.monotonic() + timeout

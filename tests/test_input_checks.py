@@ -449,3 +449,18 @@ def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location
     assert catalog.list_tables("ns") == [] if catalog.list_namespaces() else True
     assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1,
                          location=str(tmp_path / "elsewhere")).table.metadata.location == str(tmp_path / "elsewhere")
+
+
+def test_a_misspelt_branch_is_refused_by_reads_instead_of_read_as_empty(tmp_path: Path) -> None:
+    """head_step said 0, read said the step was not published yet (use wait_for), and wait_for waited out its
+    timeout: a branch that does not exist is an error, as for datasets and producers."""
+    stream = make(tmp_path, steps=2)
+    stream.checkpoint("ck", step=1)
+    for call in (lambda: stream.head_step(branch="mian"), lambda: stream.read(1, rank=0, branch="mian"),
+                 lambda: stream.step_files(1, branch="mian"), lambda: stream.wait_for(1, timeout=600, branch="mian")):
+        with pytest.raises(ConfigError, match="no branch 'mian'"):
+            call()
+    other = Stream.open(stream.table.catalog, "ns.s")  # a branch forked by another process since this view was read
+    stream.fork("ck", branch="exp")
+    assert other.head_step(branch="exp") == 1 and other.wait_for(1, timeout=5, branch="exp") == 1
+    assert stream.head_step(branch="ck") == 1  # a checkpoint reads as what it pins, as before

@@ -179,9 +179,22 @@ class StreamTable:
             return check_branch(self.table.metadata, branch, stream=self.name, doing=doing, error=error)
 
     def head_step(self, *, branch: str = MAIN) -> int:
-        """The newest published step of ``branch`` (0 when nothing is published)."""
+        """The newest published step of ``branch`` (0 when nothing is published).
+
+        Raises:
+            ConfigError: The stream has no branch or checkpoint of that name (a typo read as a branch with no step).
+        """
         self.refresh()
-        return self.branch_state(branch=branch).step
+        state = self.branch_state(branch=branch)
+        self.require_ref(branch, doing="no head step of")
+        return state.step
+
+    def require_ref(self, branch: object, *, doing: str) -> None:
+        """Refuse a ``branch`` the table has no ref of (``main`` always is one): pyiceberg reads it as a branch with
+        no snapshot, so a misspelt name read as an empty branch, and waiting on it waited out any timeout. A
+        checkpoint's tag is left to the caller (reading at a tag reads what it pins)."""
+        if isinstance(branch, str) and branch != MAIN and branch not in self.table.metadata.refs:
+            self.require_branch(branch, doing=doing)
 
     def checkpoints(self) -> list[Checkpoint]:
         """Every checkpoint of the stream (all branches), oldest step first."""
@@ -206,5 +219,6 @@ class StreamTable:
             state = self.state(branch=branch, refresh=True)
             files = self.index.files(self.head(branch=branch), step)
             if not files:
+                self.require_ref(branch, doing="cannot read")
                 raise missing_step_error(step, state, branch, self.name)
         return files
