@@ -464,3 +464,10 @@ def test_a_misspelt_branch_is_refused_by_reads_instead_of_read_as_empty(tmp_path
     stream.fork("ck", branch="exp")
     assert other.head_step(branch="exp") == 1 and other.wait_for(1, timeout=5, branch="exp") == 1
     assert stream.head_step(branch="ck") == 1  # a checkpoint reads as what it pins, as before
+
+
+@pytest.mark.parametrize("name", ["transform", "collate"])
+def test_a_transform_or_collate_that_is_no_function_is_refused_when_the_dataset_is_made(tmp_path: Path, name: str) -> None:
+    stream = make(tmp_path, steps=1)
+    with pytest.raises(ConfigError, match=f"{name} must be a function"):  # a TypeError at the first item before
+        LakestreamDataset(stream, rank=0, world_size=1, **{name: "identity"})

@@ -166,6 +166,9 @@ class _DatasetCore:
         if prefetch is not None:
             prefetch = check_int(prefetch, what="prefetch", minimum=0, hint="or None")
         columns = check_columns(columns, stream.payload_arrow_schema, stream=stream.name)
+        for name, function in (("transform", transform), ("collate", collate)):
+            if function is not None and not callable(function):  # a TypeError at the first item, in a worker
+                raise ConfigError(f"{name} must be a function (or None), got {type(function).__name__} {function!r}"[:300])
         self.rank, self.world_size = _default_rank_world(rank, world_size)
         self.start_step, self.end_step, self.follow, self.branch = start_step, end_step, follow, branch
         self.timeout, self.columns, self.transform, self.prefetch = timeout, columns, transform, prefetch
