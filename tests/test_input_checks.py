@@ -471,3 +471,21 @@ def test_a_transform_or_collate_that_is_no_function_is_refused_when_the_dataset_
     stream = make(tmp_path, steps=1)
     with pytest.raises(ConfigError, match=f"{name} must be a function"):  # a TypeError at the first item before
         LakestreamDataset(stream, rank=0, world_size=1, **{name: "identity"})
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"properties": {"lakestream.snapshots.retain-last": 64}}, "dict of strings"),
+    ({"properties": {"lakestream.snapshot.retain-last": "64"}}, "not a lakestream property"),
+    ({"stream": "ns.a/b"}, "path separator"),
+    ({"world_size": 2**40}, "world_size must be in"),
+])
+def test_sink_refuses_on_the_driver_what_its_first_write_task_would_create_the_stream_with(
+        tmp_path: Path, kwargs: dict, match: str) -> None:
+    """With create=True and no schema= the first write task creates the stream: a property or a name Stream.create
+    refuses failed every write task, each on its own, after the job started."""
+    pytest.importorskip("ray.data")
+    from lakestream_iceberg.integrations.ray import LakestreamDatasink
+
+    with pytest.raises(ConfigError, match=match):
+        LakestreamDatasink(**{**_sink_args(tmp_path), "create": True, **kwargs})
+
