@@ -62,7 +62,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import WORLD_SIZE, check_properties
+from lakestream_iceberg.format.properties import STAGING_AUTO, WORLD_SIZE, by_key, check_properties
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
@@ -91,6 +91,21 @@ def _check_given_shape(properties: dict[str, str], *, world_size: int, schema: p
     if PROP_ARROW_SCHEMA in properties and properties[PROP_ARROW_SCHEMA] != encode_schema(schema):
         raise ConfigError(f"properties set {PROP_ARROW_SCHEMA}, which is not the schema= given: pass the schema as "
                           f"schema= only (leave {PROP_ARROW_SCHEMA} out of properties)")
+
+
+def _not_applied(given: dict[str, str], current: dict[str, str]) -> list[str]:
+    """``key=current (not given)`` for each property of ``given`` the existing stream does not have (a lakestream or
+    Iceberg property it reads: by value, its default standing for an absent one)."""
+    check_properties(given)
+    differing = []
+    for key, value in given.items():
+        prop = by_key(key)
+        if key == PROP_GROUP_STAGING and value == STAGING_AUTO or key == "format-version":
+            continue  # Stream.create stored what "auto" resolved to; pyiceberg keeps the format version apart
+        same = prop.get({key: value}) == prop.get(current) if prop is not None else current.get(key) == value
+        if not same:
+            differing.append(f"{key}={current.get(key)!r} (not {value!r})")
+    return differing
 
 
 def _reopen(ref: StreamRef) -> Stream:
@@ -162,7 +177,7 @@ class Stream(StreamTable):
         location: str | None = None,
         properties: dict[str, str] | None = None,
     ) -> Stream:
-        """Create a stream (or open it when it already exists with the same schema and world size).
+        """Create a stream (or open it when it already exists with the same schema, world size and the properties given).
 
         Args:
             catalog: Any pyiceberg catalog.
@@ -184,7 +199,8 @@ class Stream(StreamTable):
                 not a URI or an absolute path, or no folder can be made there; ``world_size`` is not in 1..2**31-1; a
                 property holds a value the stream cannot use, says another world size or schema than the arguments, or
                 is a ``lakestream.*`` key lakestream does not read (each names the property).
-            StreamExistsError: A stream of that name exists with another schema or world size.
+            StreamExistsError: A stream of that name exists with another schema or world size, or another value of a
+                property given (``properties`` apply only to a stream created here).
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
@@ -203,6 +219,10 @@ class Stream(StreamTable):
                                hint="ranks are Iceberg ints")
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
+        if properties is not None and (not isinstance(properties, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
+            raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
+                              f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
         arrow = table_arrow_schema(schema)
         try:
             existing = cls.open(catalog, identifier)
@@ -220,10 +240,6 @@ class Stream(StreamTable):
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()
             if properties is not None:
-                if not isinstance(properties, dict) or not all(
-                        isinstance(k, str) and isinstance(v, str) for k, v in properties.items()):
-                    raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
-                                      f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
                 _check_given_shape(properties, world_size=world_size, schema=schema)
                 props.update(properties)
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
@@ -268,6 +284,14 @@ class Stream(StreamTable):
             raise StreamExistsError(
                 f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
                 "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
+            )
+        differing = _not_applied(properties or {}, existing.table.metadata.properties)
+        if differing:  # returning the stream as it is ignored them without a word
+            raise StreamExistsError(
+                f"stream {identifier} already exists with {', '.join(differing)}: Stream.create sets properties only "
+                "when it creates the stream. Change them with pyiceberg (table.transaction().set_properties({...})"
+                ".commit_transaction(); docs/configuration.md says which take effect on a stream in use), or pass the "
+                "stream's values, or create a stream under another name"
             )
         return existing
 

@@ -489,3 +489,25 @@ def test_sink_refuses_on_the_driver_what_its_first_write_task_would_create_the_s
     with pytest.raises(ConfigError, match=match):
         LakestreamDatasink(**{**_sink_args(tmp_path), "create": True, **kwargs})
 
+
+def test_create_of_an_existing_stream_refuses_properties_it_would_not_apply(tmp_path: Path) -> None:
+    """Stream.create of an existing stream returned it as it was: properties={"lakestream.snapshots.retain-last": "64"}
+    was ignored without a word (and a misspelt lakestream key was not even checked)."""
+    from lakestream_iceberg.errors import StreamExistsError
+
+    catalog = sqlite_catalog(str(tmp_path))
+    props = {"lakestream.snapshots.retain-last": "16", "lakestream.commit.group.staging": "auto", "owner": "me",
+             "format-version": "2"}
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=props)
+    again = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=props)  # the same: opened
+    assert again.config.retain_snapshots == 16
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2).world_size == 2
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2,  # the default, given: the same value
+                         properties={"lakestream.commit.max-attempts": str(again.config.commit_max_attempts)})
+    for other, match in (({"lakestream.snapshots.retain-last": "64"}, "retain-last='16' \\(not '64'\\)"),
+                         ({"owner": "you"}, "owner='me'"), ({"lakestream.commit.timeout-ms": "1000"}, "timeout-ms")):
+        with pytest.raises(StreamExistsError, match=match + ".*set_properties"):
+            Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=other)
+    with pytest.raises(ConfigError, match="not a lakestream property"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties={"lakestream.snapshot.retain-last": "64"})
+    assert Stream.open(catalog, "ns.s").table.metadata.properties["lakestream.snapshots.retain-last"] == "16"
