@@ -511,3 +511,20 @@ def test_create_of_an_existing_stream_refuses_properties_it_would_not_apply(tmp_
     with pytest.raises(ConfigError, match="not a lakestream property"):
         Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties={"lakestream.snapshot.retain-last": "64"})
     assert Stream.open(catalog, "ns.s").table.metadata.properties["lakestream.snapshots.retain-last"] == "16"
+
+
+def test_a_poll_interval_past_what_threading_can_wait_pauses_until_stopped(tmp_path: Path) -> None:
+    """poll_s=1e300 passed the seconds check and raised OverflowError in the pause (in the head relay's poll thread,
+    which died with a traceback)."""
+    import threading
+
+    from lakestream_iceberg.read.follow import HeadWatcher
+
+    stream = make(tmp_path, steps=1)
+    watcher = HeadWatcher(stream, branch="main")
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()  # ends the pause; nothing here depends on when
+    try:
+        assert watcher.pause(1e300, stop) is None  # stopped, not an OverflowError
+    finally:
+        watcher.close()
