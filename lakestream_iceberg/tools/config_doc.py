@@ -97,7 +97,8 @@ timeouts pyiceberg 0.12 does not set.
 
 The `lakestream` command line takes `--catalog NAME` (loaded as above) or, without it, uses an embedded SQLite
 catalog at `<home>/catalog.db` with its warehouse at `<home>/warehouse`, where `<home>` is `--home DIR`, else
-`$LAKESTREAM_HOME`, else `./.lakestream`.
+`$LAKESTREAM_HOME`, else `./.lakestream`. `lakestream demo` makes the home; the other commands refuse a home that
+holds no catalog yet (a misspelt `--home`).
 """
 
 
