@@ -493,11 +493,14 @@ class Stream(StreamTable):
             The checkpoint the branch starts at.
 
         Raises:
-            CheckpointError: No checkpoint has that name (GC may have released it), or ``branch`` is invalid or
-                already used by a tag or branch.
+            CheckpointError: No checkpoint has that name (GC may have released it), a :class:`Checkpoint` given is
+                not the one its name marks here (another stream's, or released and made again), or ``branch`` is
+                invalid or already used by a tag or branch.
         """
+        expected = checkpoint if isinstance(checkpoint, Checkpoint) else None
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
-        return self._control_loop(MAIN).run(lambda md, _: plan_fork(md, name=name, branch=branch), pace=False).result
+        return self._control_loop(MAIN).run(
+            lambda md, _: plan_fork(md, name=name, branch=branch, expected=expected), pace=False).result
 
     def repair(self, *, branch: str = MAIN, dry_run: bool = False) -> RepairReport:
         """Roll ``branch`` back to its last lakestream snapshot when another engine changed its data.

@@ -528,3 +528,21 @@ def test_a_poll_interval_past_what_threading_can_wait_pauses_until_stopped(tmp_p
         assert watcher.pause(1e300, stop) is None  # stopped, not an OverflowError
     finally:
         watcher.close()
+
+
+def test_fork_of_a_checkpoint_object_its_name_no_longer_marks_is_refused(tmp_path: Path) -> None:
+    """fork(checkpoint) used only the checkpoint's name: another stream's checkpoint "c" (or one released and made
+    again at another step) forked this stream's "c", at another step, without a word."""
+    from lakestream_iceberg.errors import CheckpointError
+
+    a, b = make(tmp_path / "a", "ns.a", steps=4), make(tmp_path / "b", "ns.b", steps=4)
+    theirs = b.checkpoint("c", step=3)
+    old = a.checkpoint("c", step=1)
+    with pytest.raises(CheckpointError, match="another stream's, or was released"):
+        a.fork(theirs, branch="x")
+    a.release("c")
+    mine = a.checkpoint("c", step=2)
+    with pytest.raises(CheckpointError, match="at step 2"):
+        a.fork(old, branch="x")
+    assert "x" not in a.refresh().table.metadata.refs
+    assert a.fork(mine, branch="x").step == 2 and a.fork("c", branch="y").step == 2
