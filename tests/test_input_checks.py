@@ -546,3 +546,22 @@ def test_fork_of_a_checkpoint_object_its_name_no_longer_marks_is_refused(tmp_pat
         a.fork(old, branch="x")
     assert "x" not in a.refresh().table.metadata.refs
     assert a.fork(mine, branch="x").step == 2 and a.fork("c", branch="y").step == 2
+
+
+@pytest.mark.parametrize("thing", [None, "ns.s", "table"])
+def test_a_stream_that_is_no_stream_is_a_config_error(tmp_path: Path, thing: object) -> None:
+    """Stream(...), LakestreamDataset(...) and from_checkpoint(...) of None, a name or the pyiceberg table raised
+    AttributeError from inside."""
+    stream = make(tmp_path, steps=1)
+    stream.checkpoint("c", step=1)
+    if thing == "table":
+        thing = stream.table
+    else:
+        with pytest.raises(ConfigError, match="pyiceberg Table.*Stream.open"):
+            Stream(thing)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must be a lakestream Stream"):
+        LakestreamDataset(thing, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="must be a lakestream Stream"):
+        LakestreamDataset.from_checkpoint(thing, "c", rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="ManifestCache"):
+        Stream(stream.table, cache="big")  # type: ignore[arg-type]

@@ -93,9 +93,16 @@ class StreamTable:
 
     Raises:
         NotAStreamError: ``table`` is a plain Iceberg table without the ``lakestream.*`` properties.
+        ConfigError: ``table`` is no pyiceberg ``Table``, or ``cache`` no ``ManifestCache``.
     """
 
     def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
+        if not isinstance(table, Table):
+            raise ConfigError(f"a stream is made of a pyiceberg Table, got {type(table).__name__} {table!r}"[:200]
+                              + "; open one with Stream.open(catalog, 'namespace.name')")
+        if cache is not None and not isinstance(cache, ManifestCache):
+            raise ConfigError(f"cache must be a ManifestCache (or None for the process-wide one), got "
+                              f"{type(cache).__name__}")
         props = table.metadata.properties
         if PROP_VERSION not in props or PROP_WORLD_SIZE not in props or PROP_ARROW_SCHEMA not in props:
             raise NotAStreamError(

@@ -107,6 +107,16 @@ def partition(counts: Sequence[int], rank: int, world_size: int) -> list[Segment
 
 
 # -- the dataset ---------------------------------------------------------------------------------------------------
+def check_stream(stream: object) -> StreamTable:
+    """``stream`` when it is a stream (``Stream.open``'s), else a :class:`ConfigError` (an AttributeError before)."""
+    from lakestream_iceberg.format.table import StreamTable
+
+    if not isinstance(stream, StreamTable):
+        raise ConfigError(f"stream must be a lakestream Stream (Stream.open(catalog, 'namespace.name')), got "
+                          f"{type(stream).__name__} {stream!r}"[:300])
+    return stream
+
+
 def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         torch = require_torch()
@@ -151,6 +161,7 @@ class _DatasetCore:
         report_s: float = DEFAULT_REPORT_S,
         relay: bool | None = None,
     ) -> None:
+        check_stream(stream)
         start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
         follow = check_bool(follow, what="follow")
         ship_credentials = check_bool(ship_credentials, what="ship_credentials")  # "false" must not ship secrets
@@ -203,7 +214,7 @@ class _DatasetCore:
         Raises:
             CheckpointError: No retained checkpoint has that name.
         """
-        found = {c.name: c for c in stream.checkpoints()}
+        found = {c.name: c for c in check_stream(stream).checkpoints()}
         if name not in found:
             raise CheckpointError(f"no checkpoint {name!r} on {stream.name}; retained checkpoints: {sorted(found)}")
         checkpoint = found[name]
