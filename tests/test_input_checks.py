@@ -437,9 +437,11 @@ def test_properties_cannot_override_the_world_size_or_schema_arguments(tmp_path:
 
 
 @pytest.mark.parametrize("location", [5, "", "  ", "relative/dir", "afile", "s3x://bucket/x"])
-def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location: object) -> None:
+def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location: object,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """An int raised AttributeError, a file NotADirectoryError, an unknown scheme ValueError, and a relative path was
     taken: each process resolved it from its own working directory."""
+    monkeypatch.chdir(tmp_path)  # where a relative location lands
     (tmp_path / "afile").write_text("x")
     if location == "afile":
         location = str(tmp_path / "afile")
