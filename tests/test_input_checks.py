@@ -567,3 +567,20 @@ def test_a_stream_that_is_no_stream_is_a_config_error(tmp_path: Path, thing: obj
         LakestreamDataset.from_checkpoint(thing, "c", rank=0, world_size=1)
     with pytest.raises(ConfigError, match="ManifestCache"):
         Stream(stream.table, cache="big")  # type: ignore[arg-type]
+
+
+def test_sink_with_properties_an_existing_stream_does_not_have_is_refused_on_the_driver(tmp_path: Path) -> None:
+    """create=True with properties= and no schema= opened an existing stream and ignored the properties without a
+    word (Stream.create refuses them where the sink passes schema=)."""
+    pytest.importorskip("ray.data")
+    from lakestream_iceberg.errors import StreamExistsError
+    from lakestream_iceberg.integrations.ray import LakestreamDatasink
+
+    schema = pa.schema([("id", pa.int64())])
+    Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=schema, world_size=1,
+                  properties={"lakestream.snapshots.retain-last": "16"})
+    same = LakestreamDatasink(**_sink_args(tmp_path), create=True, properties={"lakestream.snapshots.retain-last": "16"})
+    same.on_write_start(schema)
+    other = LakestreamDatasink(**_sink_args(tmp_path), create=True, properties={"lakestream.snapshots.retain-last": "64"})
+    with pytest.raises(StreamExistsError, match="retain-last='16' \\(not '64'\\)"):
+        other.on_write_start(schema)

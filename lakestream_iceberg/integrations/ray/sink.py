@@ -355,6 +355,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         Raises:
             ConfigError: The stream does not exist and ``create`` is false, its world size differs from
                 ``world_size``, the branch is not a branch, or ``rank_column`` is not an integer column.
+            StreamExistsError: ``create`` with ``properties`` the existing stream holds other values of.
         """
         self._shape_plan()
         catalog = self._ref.catalog()
@@ -375,6 +376,9 @@ class LakestreamDatasink(Datasink[TaskReport]):
             if self.world_size is not None and stream.world_size != self.world_size:
                 raise ConfigError(f"stream {stream.name} has world_size {stream.world_size}, the sink was given "
                                   f"world_size={self.world_size}")
+            if self.create and self.properties:  # the properties would not be applied: Stream.create says which
+                Stream.create(catalog, self._ref.identifier, schema=stream.payload_arrow_schema,
+                              world_size=stream.world_size, properties=self.properties)
         self._check_against(stream)
 
     def _shape_plan(self) -> None:
