@@ -25,7 +25,8 @@ from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
-from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, explain, transient
+from lakestream_iceberg.connect.catalog_settings import env_name
+from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, explain, redact, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.positions import PositionStore
@@ -196,9 +197,10 @@ class Stream(StreamTable):
         Raises:
             ConfigError: ``catalog`` is not a pyiceberg catalog; ``identifier`` is not ``"namespace.name"`` (no empty
                 part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes); ``location`` is
-                not a URI or an absolute path, or no folder can be made there; ``world_size`` is not in 1..2**31-1; a
-                property holds a value the stream cannot use, says another world size or schema than the arguments, or
-                is a ``lakestream.*`` key lakestream does not read (each names the property).
+                not a URI or an absolute path, or no folder can be made there (or in the catalog's warehouse);
+                ``world_size`` is not in 1..2**31-1; a property holds a value the stream cannot use, says another world
+                size or schema than the arguments, or is a ``lakestream.*`` key lakestream does not read (each names
+                the property).
             StreamExistsError: A stream of that name exists with another schema or world size, or another value of a
                 property given (``properties`` apply only to a stream created here).
             NotAStreamError: A plain Iceberg table of that name exists.
@@ -267,11 +269,18 @@ class Stream(StreamTable):
             except TableAlreadyExistsError:
                 existing = cls.open(catalog, identifier)
             except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
-                if location is None or transient(exc) or explain(exc, catalog.properties) is not None:
-                    raise  # the warehouse's, or a storage outage or credentials: config_errors explains those
-                raise ConfigError(f"cannot create stream {identifier} at location {location!r}: "
-                                  f"{' '.join(str(exc).split())[:300]}; give a folder (or a prefix) of a storage the "
-                                  "catalog's FileIO reaches (s3://bucket/path, file:///path)") from exc
+                if transient(exc) or explain(exc, catalog.properties) is not None:
+                    raise  # a storage outage or credentials: config_errors explains those
+                where = (f"at location {location!r}" if location is not None else
+                         f"in catalog {catalog.name!r}'s warehouse {catalog.properties.get('warehouse')!r}")
+                fix = ("give a folder (or a prefix) of a storage the catalog's FileIO reaches (s3://bucket/path, "
+                       "file:///path)" if location is not None else
+                       f"set warehouse (in .pyiceberg.yaml or {env_name(catalog.name, 'warehouse')}) to a folder (or a "
+                       "prefix) of a storage the catalog's FileIO reaches, or pass location=")
+                error = ConfigError(f"cannot create stream {identifier} {where}: "
+                                    f"{redact(' '.join(str(exc).split())[:300], catalog.properties)}; {fix}")
+                error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
+                raise error from None
             else:
                 return cls(table)
         if existing.world_size != world_size or not existing.payload_arrow_schema.equals(schema):

@@ -584,3 +584,16 @@ def test_sink_with_properties_an_existing_stream_does_not_have_is_refused_on_the
     other = LakestreamDatasink(**_sink_args(tmp_path), create=True, properties={"lakestream.snapshots.retain-last": "64"})
     with pytest.raises(StreamExistsError, match="retain-last='16' \\(not '64'\\)"):
         other.on_write_start(schema)
+
+
+@pytest.mark.parametrize("warehouse", ["file-path", "bogus://x/y"])
+def test_a_warehouse_that_is_no_folder_is_a_config_error_naming_the_setting(tmp_path: Path, warehouse: str) -> None:
+    """A catalog whose warehouse is a file, or of a scheme no FileIO reads, raised NotADirectoryError or ValueError."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    (tmp_path / "afile").write_text("x")
+    warehouse = str(tmp_path / "afile") if warehouse == "file-path" else warehouse
+    catalog = SqlCatalog("wh", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=warehouse)
+    with pytest.raises(ConfigError, match="warehouse.*PYICEBERG_CATALOG__WH__WAREHOUSE"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
+    assert catalog.list_tables("ns") == []
