@@ -41,6 +41,7 @@ from lakestream_iceberg.errors import (
     StreamNotFoundError,
 )
 from lakestream_iceberg.format.checks import (
+    MAX_STEP,
     check_bool,
     check_catalog,
     check_identifier,
@@ -671,7 +672,7 @@ class Stream(StreamTable):
             StepCollectedError: Lifecycle GC removed the step.
             CorruptStateError: The step's data files do not match its manifest entries (damaged or replaced).
         """
-        step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        step = check_int(step, what="step", error=StepError, minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         rank = check_rank(rank, self.world_size)
         columns = check_columns(columns, self.payload_arrow_schema, stream=self.name)
 
@@ -707,7 +708,7 @@ class Stream(StreamTable):
             ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms), or the
                 stream has no branch ``branch``.
         """
-        step = check_int(step, what="step", error=StepError, minimum=0)
+        step = check_int(step, what="step", error=StepError, minimum=0, maximum=MAX_STEP)  # a larger one: never published
         timeout = check_seconds(timeout, what="timeout")  # None or NaN waited forever, text raised TypeError
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)  # 0 polled the catalog in a busy loop
         self.require_ref(branch, doing="cannot wait for a step of")  # a misspelt branch waited out the timeout

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StreamError
+from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.support import SCHEMA, batch, sqlite_catalog
@@ -597,3 +597,16 @@ def test_a_warehouse_that_is_no_folder_is_a_config_error_naming_the_setting(tmp_
     with pytest.raises(ConfigError, match="warehouse.*PYICEBERG_CATALOG__WH__WAREHOUSE"):
         Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
     assert catalog.list_tables("ns") == []
+
+
+def test_a_step_past_an_iceberg_long_is_refused_instead_of_waited_for(tmp_path: Path) -> None:
+    """read(2**63) said the step was not published yet (wait_for it), wait_for(2**70) waited out its timeout and a
+    follower started at 2**70 waited for a step that can never be published."""
+    stream = make(tmp_path, steps=1)
+    for call in (lambda: stream.read(2**63, rank=0), lambda: stream.step_files(2**70),
+                 lambda: stream.wait_for(2**70, timeout=600)):
+        with pytest.raises(StepError, match="step must be"):
+            call()
+    with pytest.raises(ConfigError, match="start_step must be"):
+        LakestreamDataset(stream, rank=0, world_size=1, start_step=2**63, follow=True, timeout=600)
+    assert stream.wait_for(1, timeout=5) == 1

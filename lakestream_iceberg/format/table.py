@@ -31,7 +31,7 @@ from lakestream_iceberg.errors import (
     StepError,
 )
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
-from lakestream_iceberg.format.checks import check_branch, check_int
+from lakestream_iceberg.format.checks import MAX_STEP, check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.lineage import branch_state
@@ -215,7 +215,7 @@ class StreamTable:
         on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``;
         ``step`` must be an integer >= 1 (``StepError``).
         """
-        step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        step = check_int(step, what="step", error=StepError, minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         try:
             self.branch_state(branch=branch)  # refuses a head whose data another engine changed...
         except ForeignSnapshotError:

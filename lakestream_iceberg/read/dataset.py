@@ -53,7 +53,7 @@ import numpy as np
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
-from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
+from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
 from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, forked_view, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
@@ -162,7 +162,7 @@ class _DatasetCore:
         relay: bool | None = None,
     ) -> None:
         check_stream(stream)
-        start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
+        start_step = check_int(start_step, what="start_step", minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         follow = check_bool(follow, what="follow")
         ship_credentials = check_bool(ship_credentials, what="ship_credentials")  # "false" must not ship secrets
         relay = follow if relay is None else check_bool(relay, what="relay")
