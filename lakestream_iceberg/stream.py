@@ -25,7 +25,8 @@ from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
-from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
+from lakestream_iceberg.connect.catalog_settings import env_name
+from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, explain, redact, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.positions import PositionStore
@@ -39,13 +40,23 @@ from lakestream_iceberg.errors import (
     StreamExistsError,
     StreamNotFoundError,
 )
-from lakestream_iceberg.format.checks import check_bool, check_identifier, check_int, check_seconds
+from lakestream_iceberg.format.checks import (
+    MAX_STEP,
+    check_bool,
+    check_catalog,
+    check_identifier,
+    check_int,
+    check_location,
+    check_new_identifier,
+    check_seconds,
+)
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import (
     LAYOUT_PACKED,
     LAYOUT_PER_RANK,
     PACKED_FROM_WORLD_SIZE,
     PROP_GROUP_STAGING,
+    PROP_LAYOUT,
     StreamConfig,
     check_rank,
     file_schema,
@@ -53,7 +64,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import check_properties, differing
+from lakestream_iceberg.format.properties import STAGING_AUTO, WORLD_SIZE, by_key, check_properties
 from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
@@ -70,6 +81,33 @@ from lakestream_iceberg.write.writer import BatchWriter
 __all__ = ["Stream"]
 
 log = logging.getLogger(__name__)
+
+
+def _check_given_shape(properties: dict[str, str], *, world_size: int, schema: pa.Schema) -> None:
+    """Refuse ``properties`` that say another world size or schema than the arguments: the property won over the
+    argument (a stream of world size 3 made by ``world_size=1``)."""
+    given = properties.get(WORLD_SIZE.key)
+    if given is not None and WORLD_SIZE.parse(given) != world_size:
+        raise ConfigError(f"properties set {WORLD_SIZE.key}={given!r} but world_size={world_size}: pass the world size "
+                          f"as world_size= only (leave {WORLD_SIZE.key} out of properties)")
+    if PROP_ARROW_SCHEMA in properties and properties[PROP_ARROW_SCHEMA] != encode_schema(schema):
+        raise ConfigError(f"properties set {PROP_ARROW_SCHEMA}, which is not the schema= given: pass the schema as "
+                          f"schema= only (leave {PROP_ARROW_SCHEMA} out of properties)")
+
+
+def _not_applied(given: dict[str, str], current: dict[str, str]) -> list[str]:
+    """``key=current (not given)`` for each property of ``given`` the existing stream does not have (a lakestream or
+    Iceberg property it reads: by value, its default standing for an absent one)."""
+    check_properties(given)
+    differing = []
+    for key, value in given.items():
+        prop = by_key(key)
+        if key == PROP_GROUP_STAGING and value == STAGING_AUTO or key == "format-version":
+            continue  # Stream.create stored what "auto" resolved to; pyiceberg keeps the format version apart
+        same = prop.get({key: value}) == prop.get(current) if prop is not None else current.get(key) == value
+        if not same:
+            differing.append(f"{key}={current.get(key)!r} (not {value!r})")
+    return differing
 
 
 def _reopen(ref: StreamRef) -> Stream:
@@ -141,7 +179,7 @@ class Stream(StreamTable):
         location: str | None = None,
         properties: dict[str, str] | None = None,
     ) -> Stream:
-        """Create a stream (or open it when it already exists with the same schema and world size).
+        """Create a stream (or open it when it already exists with the same schema, world size and the properties given).
 
         Args:
             catalog: Any pyiceberg catalog.
@@ -152,21 +190,27 @@ class Stream(StreamTable):
             properties: Extra table properties, e.g. ``{"lakestream.snapshots.retain-last": "64"}`` (every property a
                 stream reads: docs/configuration.md). The layout, ``lakestream.layout`` (``per-rank``: one data file per
                 rank and step; ``packed``: one per step), is fixed here; by default a stream of world size 8 or more is
-                packed (docs/concepts.md, "Layouts"). A stream that exists keeps its properties: those asked that
-                differ are named in a warning (set them with any Iceberg client, docs/configuration.md).
+                packed (docs/concepts.md, "Layouts").
 
         Returns:
             The stream, created or opened.
 
         Raises:
-            ConfigError: ``identifier`` is not ``"namespace.name"`` (no empty part), a property holds a value the
-                stream cannot use, or a ``lakestream.*`` key is not one lakestream reads (each names the property).
-            StreamExistsError: A stream of that name exists with another schema or world size, or another value of
-                a property fixed at creation (``lakestream.layout``).
+            ConfigError: ``catalog`` is not a pyiceberg catalog; ``identifier`` is not ``"namespace.name"`` (no empty
+                part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes); ``location`` is
+                not a URI or an absolute path, or no folder can be made there (or in the catalog's warehouse);
+                ``world_size`` is not in 1..2**31-1; a property holds a value the stream cannot use, says another world
+                size or schema than the arguments, or is a ``lakestream.*`` key lakestream does not read (each names
+                the property).
+            StreamExistsError: A stream of that name exists with another schema or world size, or another value of a
+                property given (``properties`` apply only to a stream created here).
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
+        check_catalog(catalog)
         identifier = check_identifier(identifier)
+        check_new_identifier(identifier)
+        location = check_location(location)
         with config_errors(catalog.properties, action=f"creating stream {identifier}", catalog=catalog.name):
             return cls._create(catalog, identifier, schema=schema, world_size=world_size, location=location,
                                properties=properties)
@@ -174,14 +218,15 @@ class Stream(StreamTable):
     @classmethod
     def _create(cls, catalog: Catalog, identifier: str | tuple[str, ...], *, schema: pa.Schema, world_size: int,
                 location: str | None, properties: dict[str, str] | None) -> Stream:
-        world_size = check_int(world_size, what="world_size", minimum=1)
+        world_size = check_int(world_size, what="world_size", minimum=1, maximum=WORLD_SIZE.maximum,
+                               hint="ranks are Iceberg ints")
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
-        arrow = table_arrow_schema(schema)
         if properties is not None and (not isinstance(properties, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
             raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
                               f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
+        arrow = table_arrow_schema(schema)
         try:
             existing = cls.open(catalog, identifier)
         except NoSuchTableError:
@@ -198,6 +243,7 @@ class Stream(StreamTable):
             layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
             props = StreamConfig(world_size=world_size, layout=layout).to_properties()
             if properties is not None:
+                _check_given_shape(properties, world_size=world_size, schema=schema)
                 props.update(properties)
             props[PROP_ARROW_SCHEMA] = encode_schema(schema)
             check_properties(props)  # validate the caller's overrides before creating anything
@@ -221,38 +267,43 @@ class Stream(StreamTable):
                     identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),
                     location=location, properties=props,
                 )
-                return cls(table)
             except TableAlreadyExistsError:
                 existing = cls.open(catalog, identifier)
+            except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
+                if transient(exc) or explain(exc, catalog.properties) is not None:
+                    raise  # a storage outage or credentials: config_errors explains those
+                where = (f"at location {location!r}" if location is not None else
+                         f"in catalog {catalog.name!r}'s warehouse {catalog.properties.get('warehouse')!r}")
+                fix = ("give a folder (or a prefix) of a storage the catalog's FileIO reaches (s3://bucket/path, "
+                       "file:///path)" if location is not None else
+                       f"set warehouse (in .pyiceberg.yaml or {env_name(catalog.name, 'warehouse')}) to a folder (or a "
+                       "prefix) of a storage the catalog's FileIO reaches, or pass location=")
+                error = ConfigError(f"cannot create stream {identifier} {where}: "
+                                    f"{redact(' '.join(str(exc).split())[:300], catalog.properties)}; {fix}")
+                error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
+                raise error from None
+            else:
+                return cls(table)
         if existing.world_size != world_size or not existing.payload_arrow_schema.equals(schema):
             raise StreamExistsError(
                 f"stream {identifier} already exists with world_size={existing.world_size} and schema "
                 f"{existing.payload_arrow_schema}; open it with Stream.open() or create a stream under another name"
             )
-        if properties:
-            existing._check_asked(properties, identifier)
-        return existing
-
-    def _check_asked(self, properties: dict[str, str], identifier: object) -> None:
-        """``Stream.create``'s ``properties`` for a stream that exists: a value it cannot use is refused as for a new
-        stream, one fixed at creation that differs is a ``StreamExistsError``, and the others that differ are named in
-        a warning: create never changes an existing stream's properties."""
-        stored = self.table.metadata.properties
-        check_properties({**stored, **properties})
-        differ = differing(stored, properties)
-        fixed = [(key, was, asked) for key, was, asked, is_fixed in differ if is_fixed]
-        if fixed:
-            key, was, asked = fixed[0]
+        asked = (properties or {}).get(PROP_LAYOUT)
+        if asked is not None and asked != existing.config.layout:
             raise StreamExistsError(
-                f"stream {identifier} already exists with {key}={was!r}, not {asked!r}: {key} is fixed when a stream "
-                "is created; open it with Stream.open() or create a stream under another name"
+                f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
+                "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
             )
-        if differ:
-            log.warning(
-                "stream %s already exists; Stream.create opened it and left its table properties as they are, which "
-                "differ from those asked: %s. Set them on the table with any Iceberg client (docs/configuration.md, "
-                "'Setting a property') or pass the stored values", identifier,
-                ", ".join(f"{key}={was!r} (asked {asked!r})" for key, was, asked, _ in differ))
+        differing = _not_applied(properties or {}, existing.table.metadata.properties)
+        if differing:  # returning the stream as it is ignored them without a word
+            raise StreamExistsError(
+                f"stream {identifier} already exists with {', '.join(differing)}: Stream.create sets properties only "
+                "when it creates the stream. Change them with pyiceberg (table.transaction().set_properties({...})"
+                ".commit_transaction(); docs/configuration.md says which take effect on a stream in use), or pass the "
+                "stream's values, or create a stream under another name"
+            )
+        return existing
 
     @classmethod
     def open(cls, catalog: Catalog, identifier: str | tuple[str, ...]) -> Stream:
@@ -268,8 +319,10 @@ class Stream(StreamTable):
         Raises:
             StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
             NotAStreamError: The table is a plain Iceberg table.
-            ConfigError: ``identifier`` is not ``"namespace.name"``, or the catalog is unreachable.
+            ConfigError: ``catalog`` is not a pyiceberg catalog, ``identifier`` is not ``"namespace.name"``, or the
+                catalog is unreachable.
         """
+        check_catalog(catalog)
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
             try:
@@ -450,11 +503,14 @@ class Stream(StreamTable):
             The checkpoint the branch starts at.
 
         Raises:
-            CheckpointError: No checkpoint has that name (GC may have released it), or ``branch`` is invalid or
-                already used by a tag or branch.
+            CheckpointError: No checkpoint has that name (GC may have released it), a :class:`Checkpoint` given is
+                not the one its name marks here (another stream's, or released and made again), or ``branch`` is
+                invalid or already used by a tag or branch.
         """
+        expected = checkpoint if isinstance(checkpoint, Checkpoint) else None
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
-        return self._control_loop(MAIN).run(lambda md, _: plan_fork(md, name=name, branch=branch), pace=False).result
+        return self._control_loop(MAIN).run(
+            lambda md, _: plan_fork(md, name=name, branch=branch, expected=expected), pace=False).result
 
     def repair(self, *, branch: str = MAIN, dry_run: bool = False) -> RepairReport:
         """Roll ``branch`` back to its last lakestream snapshot when another engine changed its data.
@@ -611,12 +667,12 @@ class Stream(StreamTable):
         Raises:
             StepError: ``step`` is not an integer >= 1 (steps start at 1).
             RankError: ``rank`` is outside ``0..world_size-1``.
-            ConfigError: ``columns`` names a column the stream does not have.
+            ConfigError: ``columns`` names a column the stream does not have, or the stream has no branch ``branch``.
             StepNotPublishedError: The step is not committed yet.
             StepCollectedError: Lifecycle GC removed the step.
             CorruptStateError: The step's data files do not match its manifest entries (damaged or replaced).
         """
-        step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        step = check_int(step, what="step", error=StepError, minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         rank = check_rank(rank, self.world_size)
         columns = check_columns(columns, self.payload_arrow_schema, stream=self.name)
 
@@ -649,11 +705,13 @@ class Stream(StreamTable):
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
-            ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms).
+            ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms), or the
+                stream has no branch ``branch``.
         """
-        step = check_int(step, what="step", error=StepError, minimum=0)
+        step = check_int(step, what="step", error=StepError, minimum=0, maximum=MAX_STEP)  # a larger one: never published
         timeout = check_seconds(timeout, what="timeout")  # None or NaN waited forever, text raised TypeError
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)  # 0 polled the catalog in a busy loop
+        self.require_ref(branch, doing="cannot wait for a step of")  # a misspelt branch waited out the timeout
         watcher = HeadWatcher(self, branch=branch)
         try:
             deadline = time.monotonic() + timeout

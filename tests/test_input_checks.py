@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StreamError
+from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.support import SCHEMA, batch, sqlite_catalog
@@ -386,3 +386,227 @@ def test_replays_compare_nan_inside_maps_and_large_float_columns_in_arrow() -> N
 def test_a_stream_may_be_named_by_a_tuple_as_pyiceberg_allows(tmp_path: Path) -> None:
     stream = make(tmp_path, steps=1)
     assert Stream.open(stream.table.catalog, ("ns", "s")).head_step() == 1
+
+
+# ------------------------------------------------------- Stream.create and open, tried as a careless user (rev-api)
+def test_two_names_that_map_to_one_folder_are_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """'ns.a/b' and 'ns/a.b' both had the location <warehouse>/ns/a/b: two streams in one folder, whose GCs delete
+    each other's files."""
+    catalog = sqlite_catalog(str(tmp_path))
+    first = Stream.create(catalog, "ns.a_b", schema=SCHEMA, world_size=1)
+    for name in ("ns.a/b", "ns/a.b", ("ns", "a\\b"), "ns.a\x00b", "ns.tab\tname", "ns." + "x" * 256, "ns." + "é" * 128):
+        with pytest.raises(ConfigError, match="folder of the stream's location"):
+            Stream.create(catalog, name, schema=SCHEMA, world_size=1)  # type: ignore[arg-type]
+    assert catalog.list_namespaces() == [("ns",)] and catalog.list_tables("ns") == [("ns", "a_b")]
+    assert Stream.create(catalog, "ns." + "é" * 127, schema=SCHEMA, world_size=1).head_step() == 0  # 254 bytes
+    assert first.head_step() == 0
+
+
+@pytest.mark.parametrize("catalog", [None, "default", {"uri": "sqlite://"}])
+def test_a_catalog_that_is_no_catalog_is_a_config_error(catalog: object) -> None:
+    for call in (lambda: Stream.open(catalog, "ns.s"),  # type: ignore[arg-type]
+                 lambda: Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1),  # type: ignore[arg-type]
+                 lambda: Stream.drop(catalog, "ns.s")):  # type: ignore[arg-type]
+        with pytest.raises(ConfigError, match="must be a pyiceberg Catalog.*load_catalog"):  # AttributeError before
+            call()
+
+
+@pytest.mark.parametrize("world_size", [2**31, 2**70])
+def test_a_world_size_past_an_iceberg_int_is_refused(tmp_path: Path, world_size: int) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="world_size must be in 1..2147483647"):  # was created, and never usable
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=world_size)
+    with pytest.raises(ConfigError, match="lakestream.world-size"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, properties={"lakestream.world-size": str(world_size)})
+    assert catalog.list_namespaces() == []
+
+
+def test_properties_cannot_override_the_world_size_or_schema_arguments(tmp_path: Path) -> None:
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="world_size=1"):  # the property won: a stream of world size 3
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, properties={"lakestream.world-size": "3"})
+    other = pa.schema([("x", pa.int64())])
+    from lakestream_iceberg.format.table import encode_schema
+
+    with pytest.raises(ConfigError, match="lakestream.arrow-schema"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1,
+                      properties={"lakestream.arrow-schema": encode_schema(other)})
+    assert catalog.list_namespaces() == []
+    same = {"lakestream.world-size": "2", "lakestream.arrow-schema": encode_schema(SCHEMA)}
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=same).world_size == 2
+
+
+@pytest.mark.parametrize("location", [5, "", "  ", "relative/dir", "afile", "s3x://bucket/x"])
+def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location: object,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int raised AttributeError, a file NotADirectoryError, an unknown scheme ValueError, and a relative path was
+    taken: each process resolved it from its own working directory."""
+    monkeypatch.chdir(tmp_path)  # where a relative location lands
+    (tmp_path / "afile").write_text("x")
+    if location == "afile":
+        location = str(tmp_path / "afile")
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="location"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, location=location)  # type: ignore[arg-type]
+    assert catalog.list_tables("ns") == [] if catalog.list_namespaces() else True
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1,
+                         location=str(tmp_path / "elsewhere")).table.metadata.location == str(tmp_path / "elsewhere")
+
+
+def test_a_misspelt_branch_is_refused_by_reads_instead_of_read_as_empty(tmp_path: Path) -> None:
+    """head_step said 0, read said the step was not published yet (use wait_for), and wait_for waited out its
+    timeout: a branch that does not exist is an error, as for datasets and producers."""
+    stream = make(tmp_path, steps=2)
+    stream.checkpoint("ck", step=1)
+    for call in (lambda: stream.head_step(branch="mian"), lambda: stream.read(1, rank=0, branch="mian"),
+                 lambda: stream.step_files(1, branch="mian"), lambda: stream.wait_for(1, timeout=600, branch="mian")):
+        with pytest.raises(ConfigError, match="no branch 'mian'"):
+            call()
+    other = Stream.open(stream.table.catalog, "ns.s")  # a branch forked by another process since this view was read
+    stream.fork("ck", branch="exp")
+    assert other.head_step(branch="exp") == 1 and other.wait_for(1, timeout=5, branch="exp") == 1
+    assert stream.head_step(branch="ck") == 1  # a checkpoint reads as what it pins, as before
+
+
+@pytest.mark.parametrize("name", ["transform", "collate"])
+def test_a_transform_or_collate_that_is_no_function_is_refused_when_the_dataset_is_made(tmp_path: Path, name: str) -> None:
+    stream = make(tmp_path, steps=1)
+    with pytest.raises(ConfigError, match=f"{name} must be a function"):  # a TypeError at the first item before
+        LakestreamDataset(stream, rank=0, world_size=1, **{name: "identity"})
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"properties": {"lakestream.snapshots.retain-last": 64}}, "dict of strings"),
+    ({"properties": {"lakestream.snapshot.retain-last": "64"}}, "not a lakestream property"),
+    ({"stream": "ns.a/b"}, "path separator"),
+    ({"world_size": 2**40}, "world_size must be in"),
+])
+def test_sink_refuses_on_the_driver_what_its_first_write_task_would_create_the_stream_with(
+        tmp_path: Path, kwargs: dict, match: str) -> None:
+    """With create=True and no schema= the first write task creates the stream: a property or a name Stream.create
+    refuses failed every write task, each on its own, after the job started."""
+    pytest.importorskip("ray.data")
+    from lakestream_iceberg.integrations.ray import LakestreamDatasink
+
+    with pytest.raises(ConfigError, match=match):
+        LakestreamDatasink(**{**_sink_args(tmp_path), "create": True, **kwargs})
+
+
+def test_create_of_an_existing_stream_refuses_properties_it_would_not_apply(tmp_path: Path) -> None:
+    """Stream.create of an existing stream returned it as it was: properties={"lakestream.snapshots.retain-last": "64"}
+    was ignored without a word (and a misspelt lakestream key was not even checked)."""
+    from lakestream_iceberg.errors import StreamExistsError
+
+    catalog = sqlite_catalog(str(tmp_path))
+    props = {"lakestream.snapshots.retain-last": "16", "lakestream.commit.group.staging": "auto", "owner": "me",
+             "format-version": "2"}
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=props)
+    again = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=props)  # the same: opened
+    assert again.config.retain_snapshots == 16
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2).world_size == 2
+    assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2,  # the default, given: the same value
+                         properties={"lakestream.commit.max-attempts": str(again.config.commit_max_attempts)})
+    for other, match in (({"lakestream.snapshots.retain-last": "64"}, "retain-last='16' \\(not '64'\\)"),
+                         ({"owner": "you"}, "owner='me'"), ({"lakestream.commit.timeout-ms": "1000"}, "timeout-ms")):
+        with pytest.raises(StreamExistsError, match=match + ".*set_properties"):
+            Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties=other)
+    with pytest.raises(ConfigError, match="not a lakestream property"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2, properties={"lakestream.snapshot.retain-last": "64"})
+    assert Stream.open(catalog, "ns.s").table.metadata.properties["lakestream.snapshots.retain-last"] == "16"
+
+
+def test_a_poll_interval_past_what_threading_can_wait_pauses_until_stopped(tmp_path: Path) -> None:
+    """poll_s=1e300 passed the seconds check and raised OverflowError in the pause (in the head relay's poll thread,
+    which died with a traceback)."""
+    import threading
+
+    from lakestream_iceberg.read.follow import HeadWatcher
+
+    stream = make(tmp_path, steps=1)
+    watcher = HeadWatcher(stream, branch="main")
+    stop = threading.Event()
+    threading.Timer(0.05, stop.set).start()  # ends the pause; nothing here depends on when
+    try:
+        assert watcher.pause(1e300, stop) is None  # stopped, not an OverflowError
+    finally:
+        watcher.close()
+
+
+def test_fork_of_a_checkpoint_object_its_name_no_longer_marks_is_refused(tmp_path: Path) -> None:
+    """fork(checkpoint) used only the checkpoint's name: another stream's checkpoint "c" (or one released and made
+    again at another step) forked this stream's "c", at another step, without a word."""
+    from lakestream_iceberg.errors import CheckpointError
+
+    a, b = make(tmp_path / "a", "ns.a", steps=4), make(tmp_path / "b", "ns.b", steps=4)
+    theirs = b.checkpoint("c", step=3)
+    old = a.checkpoint("c", step=1)
+    with pytest.raises(CheckpointError, match="another stream's, or was released"):
+        a.fork(theirs, branch="x")
+    a.release("c")
+    mine = a.checkpoint("c", step=2)
+    with pytest.raises(CheckpointError, match="at step 2"):
+        a.fork(old, branch="x")
+    assert "x" not in a.refresh().table.metadata.refs
+    assert a.fork(mine, branch="x").step == 2 and a.fork("c", branch="y").step == 2
+
+
+@pytest.mark.parametrize("thing", [None, "ns.s", "table"])
+def test_a_stream_that_is_no_stream_is_a_config_error(tmp_path: Path, thing: object) -> None:
+    """Stream(...), LakestreamDataset(...) and from_checkpoint(...) of None, a name or the pyiceberg table raised
+    AttributeError from inside."""
+    stream = make(tmp_path, steps=1)
+    stream.checkpoint("c", step=1)
+    if thing == "table":
+        thing = stream.table
+    else:
+        with pytest.raises(ConfigError, match="pyiceberg Table.*Stream.open"):
+            Stream(thing)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must be a lakestream Stream"):
+        LakestreamDataset(thing, rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="must be a lakestream Stream"):
+        LakestreamDataset.from_checkpoint(thing, "c", rank=0, world_size=1)
+    with pytest.raises(ConfigError, match="ManifestCache"):
+        Stream(stream.table, cache="big")  # type: ignore[arg-type]
+
+
+def test_sink_with_properties_an_existing_stream_does_not_have_is_refused_on_the_driver(tmp_path: Path) -> None:
+    """create=True with properties= and no schema= opened an existing stream and ignored the properties without a
+    word (Stream.create refuses them where the sink passes schema=)."""
+    pytest.importorskip("ray.data")
+    from lakestream_iceberg.errors import StreamExistsError
+    from lakestream_iceberg.integrations.ray import LakestreamDatasink
+
+    schema = pa.schema([("id", pa.int64())])
+    Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=schema, world_size=1,
+                  properties={"lakestream.snapshots.retain-last": "16"})
+    same = LakestreamDatasink(**_sink_args(tmp_path), create=True, properties={"lakestream.snapshots.retain-last": "16"})
+    same.on_write_start(schema)
+    other = LakestreamDatasink(**_sink_args(tmp_path), create=True, properties={"lakestream.snapshots.retain-last": "64"})
+    with pytest.raises(StreamExistsError, match="retain-last='16' \\(not '64'\\)"):
+        other.on_write_start(schema)
+
+
+@pytest.mark.parametrize("warehouse", ["file-path", "bogus://x/y"])
+def test_a_warehouse_that_is_no_folder_is_a_config_error_naming_the_setting(tmp_path: Path, warehouse: str) -> None:
+    """A catalog whose warehouse is a file, or of a scheme no FileIO reads, raised NotADirectoryError or ValueError."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    (tmp_path / "afile").write_text("x")
+    warehouse = str(tmp_path / "afile") if warehouse == "file-path" else warehouse
+    catalog = SqlCatalog("wh", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=warehouse)
+    with pytest.raises(ConfigError, match="warehouse.*PYICEBERG_CATALOG__WH__WAREHOUSE"):
+        Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
+    assert catalog.list_tables("ns") == []
+
+
+def test_a_step_past_an_iceberg_long_is_refused_instead_of_waited_for(tmp_path: Path) -> None:
+    """read(2**63) said the step was not published yet (wait_for it), wait_for(2**70) waited out its timeout and a
+    follower started at 2**70 waited for a step that can never be published."""
+    stream = make(tmp_path, steps=1)
+    for call in (lambda: stream.read(2**63, rank=0), lambda: stream.step_files(2**70),
+                 lambda: stream.wait_for(2**70, timeout=600)):
+        with pytest.raises(StepError, match="step must be"):
+            call()
+    with pytest.raises(ConfigError, match="start_step must be"):
+        LakestreamDataset(stream, rank=0, world_size=1, start_step=2**63, follow=True, timeout=600)
+    assert stream.wait_for(1, timeout=5) == 1

@@ -272,7 +272,8 @@ def load_catalog(name: str, **properties: str) -> Any:
     keyword argument: ``PYICEBERG_CATALOG__PROD__POOL_PRE_PING=true``, which pyiceberg reads as ``pool-pre-ping``,
     sets ``pool_pre_ping`` as ``pool_pre_ping="true"`` does (:mod:`lakestream_iceberg.connect.catalog_settings`).
     A ``type`` that names no catalog type, or a SQLAlchemy engine option pyiceberg's SQL catalog would ignore
-    (``pool_size``, ``pool_recycle``, ...), raises a :class:`ConfigError`.
+    (``pool_size``, ``pool_recycle``, ...), raises a :class:`ConfigError`. The file and the variables are read as they
+    are at the call (pyiceberg alone uses what it read at import, dropping a variable set since).
 
     It also installs the two REST client fixes pyiceberg 0.12 needs for SigV4 object-store catalogs (the
     ``x-amz-content-sha256`` header, see :mod:`lakestream_iceberg.connect.rest_sigv4`, and request timeouts, see
@@ -304,6 +305,9 @@ def load_catalog(name: str, **properties: str) -> Any:
 
     check_env_reaches(name, os.environ)  # PYICEBERG_CATALOG__MY_CAT__* configures my-cat, not my_cat
     given, dashed = resolve(name, _configured(name) or {}, properties)
+    # pyiceberg merges the configuration it read at import: a variable set (or a file changed) since then was dropped
+    # without a word, and the file's catalog used; what changed is passed on, the call's own arguments still winning
+    given = {**_changed_since_import(name), **given}
     # the messages quote the settings pyiceberg used (config file and environment too), e.g. the uri it could not reach
     with config_errors(_merged(name, given) or given, action=f"loading catalog {name!r}", catalog=name):
         catalog = _load(name, **given)
@@ -314,14 +318,29 @@ def load_catalog(name: str, **properties: str) -> Any:
 
 
 def _configured(name: str) -> dict[str, Any] | None:
-    """What pyiceberg's configuration (``.pyiceberg.yaml`` and ``PYICEBERG_*``, read when pyiceberg was imported)
-    holds for the catalog ``name`` (None when its config helpers moved)."""
+    """What pyiceberg's configuration (``.pyiceberg.yaml`` and ``PYICEBERG_*``, as they are now) holds for the catalog
+    ``name`` (None when its config helpers moved)."""
+    from lakestream_iceberg.connect.config_file import check_config_file
+
+    check_config_file()  # a file edited since import into one pyiceberg cannot parse: one ConfigError naming it
+    try:
+        from pyiceberg.utils.config import Config
+
+        return dict(Config().get_catalog_config(name) or {})
+    except Exception:  # noqa: BLE001 - its config helpers moved, or an entry that is no mapping (pyiceberg says so)
+        return None
+
+
+def _changed_since_import(name: str) -> dict[str, Any]:
+    """The settings of catalog ``name`` that differ from what pyiceberg read at import (and would merge in itself)."""
     try:
         from pyiceberg.catalog import _ENV_CONFIG
 
-        return dict(_ENV_CONFIG.get_catalog_config(name) or {})
-    except Exception:  # noqa: BLE001
-        return None
+        at_import = dict(_ENV_CONFIG.get_catalog_config(name) or {})
+    except Exception:  # noqa: BLE001 - its config helpers moved: pass on the whole current configuration
+        at_import = {}
+    now = _configured(name) or {}
+    return {key: value for key, value in now.items() if at_import.get(key) != value}
 
 
 def _merged(name: str, properties: Mapping[str, Any]) -> dict[str, Any] | None:

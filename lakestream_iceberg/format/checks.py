@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import re
 from typing import Literal, SupportsIndex, cast, overload
 
 from pyiceberg.table.metadata import TableMetadata
@@ -23,7 +24,11 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
-__all__ = ["branches", "check_bool", "check_branch", "check_identifier", "check_int", "check_seconds"]
+__all__ = ["MAX_STEP", "branches", "check_bool", "check_branch", "check_catalog", "check_identifier", "check_int", "check_location",
+           "check_new_identifier", "check_seconds"]
+
+
+MAX_STEP = 2**63 - 1  # a step is an Iceberg long: a larger one is never published (reading or waiting for it is a mistake)
 
 
 def check_int(value: object, *, what: str, error: type[LakestreamError] = ConfigError, minimum: int | None = None,
@@ -88,6 +93,53 @@ def check_identifier(identifier: object) -> str | tuple[str, ...]:
         # reopen as another name: a stream travels to workers as its dotted name
         raise ConfigError(f"a stream is named 'namespace.name' (no empty part), got {identifier!r}")
     return identifier if isinstance(identifier, str) else tuple(parts)
+
+
+# A name part becomes a folder of the table's default location (<warehouse>/<namespace>/<name>): a '/' made "ns.a/b"
+# and "ns/a.b" one folder (two streams sharing files, each one's GC deleting the other's), a control character or NUL
+# is refused by storage midway through creating, and so is a folder name past 255 bytes (most file systems' limit)
+_PART_BYTES = 255
+
+
+def check_new_identifier(identifier: str | tuple[str, ...]) -> None:
+    """Refuse a checked identifier (:func:`check_identifier`) whose parts cannot each be one folder name of the new
+    stream's location: a ``/``, a control character, or more than 255 bytes (UTF-8) in a part."""
+    parts = identifier.split(".") if isinstance(identifier, str) else identifier
+    for part in parts:
+        problem = ("holds a path separator ('/' or '\\')" if "/" in part or "\\" in part
+                   else "holds a control character" if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in part)
+                   else f"is longer than {_PART_BYTES} bytes" if len(part.encode("utf-8", "surrogatepass")) > _PART_BYTES
+                   else None)
+        if problem is not None:
+            raise ConfigError(
+                f"cannot create a stream named {identifier!r}: the part {part[:40]!r}{'...' if len(part) > 40 else ''} "
+                f"{problem}; each part of 'namespace.name' becomes a folder of the stream's location, so use at most "
+                f"{_PART_BYTES} bytes without '/', '\\' or control characters (e.g. 'train.run_42')")
+
+
+def check_location(location: object) -> str | None:
+    """``location`` when it is ``None`` (the catalog's warehouse decides) or a URI or absolute path; a relative path
+    is refused: every process would resolve it from its own working directory, and find another table's files or
+    none."""
+    if location is None:
+        return None
+    if not isinstance(location, str) or not location.strip():
+        raise ConfigError(f"location must be a URI (s3://bucket/path, file:///path) or an absolute path, or None for "
+                          f"the catalog's warehouse, got {location!r}")
+    if "://" not in location and not location.startswith("/") and not re.match(r"[A-Za-z]:[\\/]", location):
+        raise ConfigError(f"location {location!r} is a relative path: each process would resolve it from its own "
+                          "working directory; give a URI (s3://bucket/path, file:///path) or an absolute path")
+    return location
+
+
+def check_catalog(catalog: object) -> None:
+    """Refuse what is not a pyiceberg catalog, before an ``AttributeError`` deep inside says so."""
+    from pyiceberg.catalog import Catalog
+
+    if not isinstance(catalog, Catalog):
+        hint = (f"; load it with lakestream_iceberg.load_catalog({catalog!r})" if isinstance(catalog, str)
+                else " (lakestream_iceberg.load_catalog(name) or pyiceberg's load_catalog(name) returns one)")
+        raise ConfigError(f"catalog must be a pyiceberg Catalog, got {type(catalog).__name__} {catalog!r}"[:300] + hint)
 
 
 def branches(metadata: TableMetadata) -> list[str]:

@@ -293,7 +293,7 @@ FORMAT_VERSION = ChoiceProperty(
     key="lakestream.format-version", created="1", change=FIXED, choices=("1",), noun="a format version this release reads",
     doc="The version of lakestream's table layout; Stream.create writes it and a table without it is no stream.")
 WORLD_SIZE = IntProperty(
-    key="lakestream.world-size", field="world_size", minimum=1, unit="ranks", change=FIXED,
+    key="lakestream.world-size", field="world_size", minimum=1, maximum=2**31 - 1, unit="ranks", change=FIXED,
     default_text="none: Stream.create(world_size=...) sets it", doc="Ranks (shards) in every global batch.")
 ARROW_SCHEMA = TextProperty(
     key="lakestream.arrow-schema", change=FIXED, values="a base64 Arrow IPC schema",
@@ -427,25 +427,6 @@ def check_properties(properties: Mapping[str, str]) -> None:
                               + " (docs/configuration.md lists them all)")
     for prop in PROPERTIES:
         prop.get(properties)
-
-
-def differing(stored: Mapping[str, str], asked: Mapping[str, str]) -> list[tuple[str, str | None, str, bool]]:
-    """The properties ``asked`` (a ``Stream.create`` call's) that an existing stream's ``stored`` properties do not
-    hold: ``(key, stored value or None, asked value, fixed when created)``. A declared property compares by meaning
-    (absent equals its default, ``"064"`` equals ``"64"``); ``lakestream.commit.group.staging`` is resolved when a stream is
-    created (``auto`` becomes where it went), so it never differs."""
-    out = []
-    for key, value in asked.items():
-        prop = _BY_KEY.get(key)
-        if prop is GROUP_STAGING:
-            continue
-        if prop is None:
-            same = stored.get(key) == value
-        else:
-            same = prop.get(stored) == prop.get({key: value})
-        if not same:
-            out.append((key, stored.get(key), value, prop is not None and prop.change is Change.FIXED))
-    return out
 
 
 def by_key(key: str) -> Property[int] | Property[bool] | Property[str] | None:

@@ -32,7 +32,7 @@ from lakestream_iceberg.errors import (
     StepError,
 )
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
-from lakestream_iceberg.format.checks import check_branch, check_int
+from lakestream_iceberg.format.checks import MAX_STEP, check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
 from lakestream_iceberg.format.lineage import branch_state
@@ -114,9 +114,16 @@ class StreamTable:
 
     Raises:
         NotAStreamError: ``table`` is a plain Iceberg table without the ``lakestream.*`` properties.
+        ConfigError: ``table`` is no pyiceberg ``Table``, or ``cache`` no ``ManifestCache``.
     """
 
     def __init__(self, table: Table, *, cache: ManifestCache | None = None) -> None:
+        if not isinstance(table, Table):
+            raise ConfigError(f"a stream is made of a pyiceberg Table, got {type(table).__name__} {table!r}"[:200]
+                              + "; open one with Stream.open(catalog, 'namespace.name')")
+        if cache is not None and not isinstance(cache, ManifestCache):
+            raise ConfigError(f"cache must be a ManifestCache (or None for the process-wide one), got "
+                              f"{type(cache).__name__}")
         props = table.metadata.properties
         if PROP_VERSION not in props or PROP_WORLD_SIZE not in props or PROP_ARROW_SCHEMA not in props:
             raise NotAStreamError(
@@ -200,9 +207,22 @@ class StreamTable:
             return check_branch(self.table.metadata, branch, stream=self.name, doing=doing, error=error)
 
     def head_step(self, *, branch: str = MAIN) -> int:
-        """The newest published step of ``branch`` (0 when nothing is published)."""
+        """The newest published step of ``branch`` (0 when nothing is published).
+
+        Raises:
+            ConfigError: The stream has no branch or checkpoint of that name (a typo read as a branch with no step).
+        """
         self.refresh()
-        return self.branch_state(branch=branch).step
+        state = self.branch_state(branch=branch)
+        self.require_ref(branch, doing="no head step of")
+        return state.step
+
+    def require_ref(self, branch: object, *, doing: str) -> None:
+        """Refuse a ``branch`` the table has no ref of (``main`` always is one): pyiceberg reads it as a branch with
+        no snapshot, so a misspelt name read as an empty branch, and waiting on it waited out any timeout. A
+        checkpoint's tag is left to the caller (reading at a tag reads what it pins)."""
+        if isinstance(branch, str) and branch != MAIN and branch not in self.table.metadata.refs:
+            self.require_branch(branch, doing=doing)
 
     def checkpoints(self) -> list[Checkpoint]:
         """Every checkpoint of the stream (all branches), oldest step first."""
@@ -216,7 +236,7 @@ class StreamTable:
         on the current head, so a retained step is always found and a collected one raises ``StepCollectedError``;
         ``step`` must be an integer >= 1 (``StepError``).
         """
-        step = check_int(step, what="step", error=StepError, minimum=1, hint="steps start at 1")
+        step = check_int(step, what="step", error=StepError, minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         try:
             self.branch_state(branch=branch)  # refuses a head whose data another engine changed...
         except ForeignSnapshotError:
@@ -227,5 +247,6 @@ class StreamTable:
             state = self.state(branch=branch, refresh=True)
             files = self.index.files(self.head(branch=branch), step)
             if not files:
+                self.require_ref(branch, doing="cannot read")
                 raise missing_step_error(step, state, branch, self.name)
         return files

@@ -121,10 +121,19 @@ def plan_release(metadata: TableMetadata, *, name: str) -> Plan[None] | Done[Non
                 None, [])
 
 
-def plan_fork(metadata: TableMetadata, *, name: str, branch: str) -> Plan[Checkpoint]:
+def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Checkpoint | None = None) -> Plan[Checkpoint]:
+    """The fork of checkpoint ``name`` as ``branch``; ``expected`` (a :class:`Checkpoint` the caller holds) must be
+    the one the tag still marks: a checkpoint of another stream, or one released and made again under its name, would
+    fork another step without a word."""
     found = checkpoint_of(metadata, name)
     if found is None:
         raise CheckpointError(f"no checkpoint named {name!r} to fork from; list them with stream.checkpoints()")
+    if expected is not None and expected.snapshot_id != found.snapshot_id:
+        raise CheckpointError(
+            f"checkpoint {name!r} of this stream is at step {found.step} (snapshot {found.snapshot_id}), not the "
+            f"checkpoint given (step {expected.step}, snapshot {expected.snapshot_id}): it is another stream's, or was "
+            "released and made again since; pass this stream's checkpoint (stream.checkpoints()) or its name"
+        )
     if not isinstance(branch, str) or not _NAME.fullmatch(branch) or branch in metadata.refs:
         raise CheckpointError(f"cannot create branch {branch!r}: the name is invalid or already used by a tag or branch")
     return Plan(

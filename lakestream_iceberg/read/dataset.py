@@ -53,7 +53,7 @@ import numpy as np
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
-from lakestream_iceberg.format.checks import check_bool, check_int, check_seconds
+from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
 from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
 from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, forked_view, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
@@ -107,6 +107,16 @@ def partition(counts: Sequence[int], rank: int, world_size: int) -> list[Segment
 
 
 # -- the dataset ---------------------------------------------------------------------------------------------------
+def check_stream(stream: object) -> StreamTable:
+    """``stream`` when it is a stream (``Stream.open``'s), else a :class:`ConfigError` (an AttributeError before)."""
+    from lakestream_iceberg.format.table import StreamTable
+
+    if not isinstance(stream, StreamTable):
+        raise ConfigError(f"stream must be a lakestream Stream (Stream.open(catalog, 'namespace.name')), got "
+                          f"{type(stream).__name__} {stream!r}"[:300])
+    return stream
+
+
 def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is None or world_size is None:
         torch = require_torch()
@@ -151,7 +161,8 @@ class _DatasetCore:
         report_s: float = DEFAULT_REPORT_S,
         relay: bool | None = None,
     ) -> None:
-        start_step = check_int(start_step, what="start_step", minimum=1, hint="steps start at 1")
+        check_stream(stream)
+        start_step = check_int(start_step, what="start_step", minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         follow = check_bool(follow, what="follow")
         ship_credentials = check_bool(ship_credentials, what="ship_credentials")  # "false" must not ship secrets
         relay = follow if relay is None else check_bool(relay, what="relay")
@@ -166,6 +177,9 @@ class _DatasetCore:
         if prefetch is not None:
             prefetch = check_int(prefetch, what="prefetch", minimum=0, hint="or None")
         columns = check_columns(columns, stream.payload_arrow_schema, stream=stream.name)
+        for name, function in (("transform", transform), ("collate", collate)):
+            if function is not None and not callable(function):  # a TypeError at the first item, in a worker
+                raise ConfigError(f"{name} must be a function (or None), got {type(function).__name__} {function!r}"[:300])
         self.rank, self.world_size = _default_rank_world(rank, world_size)
         self.start_step, self.end_step, self.follow, self.branch = start_step, end_step, follow, branch
         self.timeout, self.columns, self.transform, self.prefetch = timeout, columns, transform, prefetch
@@ -200,7 +214,7 @@ class _DatasetCore:
         Raises:
             CheckpointError: No retained checkpoint has that name.
         """
-        found = {c.name: c for c in stream.checkpoints()}
+        found = {c.name: c for c in check_stream(stream).checkpoints()}
         if name not in found:
             raise CheckpointError(f"no checkpoint {name!r} on {stream.name}; retained checkpoints: {sorted(found)}")
         checkpoint = found[name]

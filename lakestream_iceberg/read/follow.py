@@ -224,15 +224,17 @@ class HeadWatcher:
 
     def pause(self, seconds: float, stop: threading.Event | None = None) -> bool | None:
         """Sleep up to ``seconds``, less when a commit notification arrives (True) or ``stop`` is set (None)."""
+        # a poll_s past what threading can wait (about 292 years) raised OverflowError, killing the relay's poll thread
+        seconds = min(max(0.0, seconds), threading.TIMEOUT_MAX)
         if self._listen and self._listener is None:
             self._listen = False  # open once
             self._listener = HeadListener.open(self._stream.table)
         listener = self._listener
         if listener is None or not listener.alive:
             if stop is None:
-                time.sleep(max(0.0, seconds))
+                time.sleep(seconds)
                 return False
-            return None if stop.wait(max(0.0, seconds)) else False
+            return None if stop.wait(seconds) else False
         end = time.monotonic() + seconds
         while True:
             if stop is not None and stop.is_set():

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from lakestream_iceberg.errors import ConfigError
+from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.read.tensors import Blobs, require_torch
 
 __all__ = ["Handoff", "advise_workers", "recommended_workers", "supported"]
@@ -281,10 +281,7 @@ def recommended_workers(*, cores: int | None = None) -> int:
     Raises:
         ConfigError: ``cores`` is not a positive int.
     """
-    if cores is None:
-        cores = _usable_cores()
-    elif isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
-        raise ConfigError(f"cores must be a positive int, not {cores!r}")
+    cores = _usable_cores() if cores is None else check_int(cores, what="cores", minimum=1)  # numpy ints too
     return 0 if cores < 5 else min(cores - 2, 8)
 
 

@@ -139,9 +139,12 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
         [(0, 'active', 2), (1, 'stale', 40)]
 
     Raises:
-        ConfigError: ``stale_after`` is not a positive number.
+        ConfigError: ``stale_after`` is not a positive number, or ``group`` is no group name (a dataset's ``group=``
+            refuses it, so no position has it: the listing said there were none).
     """
     _check_stale_after(stale_after)
+    if group is not None:
+        check_group(group)
     store = _store(stream)
     now = time.time() if now is None else now
     uuid = str(stream.table.metadata.table_uuid)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import socket
 import stat
@@ -39,6 +40,7 @@ MAX_FRAME = 64 * 1024 * 1024  # a step of 100,000 per-rank files is ~10 MB of JS
 _HEADER = struct.Struct(">I")
 _BUILTIN_ERRORS: dict[str, type[Exception]] = {"FileNotFoundError": FileNotFoundError, "TimeoutError": TimeoutError,
                                                "PermissionError": PermissionError}
+log = logging.getLogger(__name__)
 _SOCKET_NAME_MAX = 100  # sun_path holds 108 bytes on Linux, 104 on macOS
 
 
@@ -66,20 +68,41 @@ def relay_dir() -> Path | None:
         candidates = [Path(runtime) / "lakestream"] if runtime else []
         candidates += [Path("/dev/shm") / f"lakestream-{uid}", Path(tempfile.gettempdir()) / f"lakestream-{uid}"]
     for directory in candidates:
-        if _usable(directory, uid):
+        problem = _unusable(directory, uid)
+        if problem is None:
             return directory
+        if chosen and chosen not in _warned:  # the variable was set: say why it is not used (once per process)
+            _warned.add(chosen)
+            log.warning("LAKESTREAM_RELAY_DIR=%s is not used: %s; followers read the catalog directly (one poll each) "
+                        "until it names an absolute folder of this user's that only this user may enter (mode 0700)",
+                        chosen, problem)
     return None
 
 
-def _usable(directory: Path, uid: int) -> bool:
+_warned: set[str] = set()
+
+
+def _unusable(directory: Path, uid: int) -> str | None:
+    """Why ``directory`` cannot be the relay directory (None: it can)."""
+    if not directory.is_absolute():
+        return "it is a relative path (each process would resolve it from its own working directory)"
     try:
-        directory.mkdir(mode=0o700, parents=False, exist_ok=True)
+        try:
+            directory.mkdir(mode=0o700, parents=False)
+        except FileExistsError:  # a folder already (checked below), or a file
+            pass
         info = directory.lstat()
-    except OSError:
-        return False
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != uid or info.st_mode & 0o077:
-        return False  # a link, another user's, or open to others: their socket could answer in the relay's name
-    return len(str(directory)) + 38 <= _SOCKET_NAME_MAX and os.access(directory, os.W_OK | os.X_OK)
+    except OSError as exc:
+        return f"it cannot be made ({exc.strerror or exc})"
+    if not stat.S_ISDIR(info.st_mode):
+        return "it is not a folder (a file, or a link)"
+    if info.st_uid != uid or info.st_mode & 0o077:  # their socket could answer in the relay's name
+        return f"it belongs to another user or others may enter it (mode {stat.S_IMODE(info.st_mode):o})"
+    if len(str(directory)) + 38 > _SOCKET_NAME_MAX:
+        return f"its path is too long for a unix socket ({_SOCKET_NAME_MAX - 38} characters at most)"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return "this user may not write in it"
+    return None
 
 
 def relay_paths(*, catalog_name: str, catalog_properties: Sequence[tuple[str, str]], identifier: str,

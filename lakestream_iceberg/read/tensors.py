@@ -8,6 +8,7 @@ Arrow memory: no copy where Arrow's buffers allow it. torch is imported on first
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -128,6 +129,10 @@ class Blobs:
         values: Every row's bytes, concatenated (uint8, 1-D).
         offsets: ``len(rows) + 1`` int64 offsets into ``values``; row ``i`` is ``values[offsets[i]:offsets[i+1]]``.
 
+    Raises:
+        ConfigError: ``values`` or ``offsets`` is not a 1-D torch tensor, ``offsets`` not integers, or (on the CPU)
+            not rising from >= 0 to at most ``len(values)``.
+
     Example:
         >>> item = next(iter(LakestreamDataset(stream)))                  # doctest: +SKIP
         >>> [bytes(b.numpy()) for b in item["image"]]                    # doctest: +SKIP
@@ -137,9 +142,19 @@ class Blobs:
     __slots__ = ("offsets", "values")
 
     def __init__(self, *, values: Any, offsets: Any) -> None:
+        for name, tensor in (("values", values), ("offsets", offsets)):
+            if not callable(getattr(tensor, "dim", None)) or not hasattr(tensor, "dtype"):
+                raise ConfigError(f"Blobs takes torch tensors, got {name} of type {type(tensor).__name__}; convert it "
+                                  "with torch.as_tensor(...)")
         if values.dim() != 1 or offsets.dim() != 1 or len(offsets) < 1:
             raise ConfigError(f"Blobs takes a 1-D values tensor and 1-D offsets of n + 1 entries, got shapes "
                               f"{tuple(values.shape)} and {tuple(offsets.shape)}")
+        if offsets.dtype.is_floating_point or offsets.dtype.is_complex or str(offsets.dtype) == "torch.bool":
+            raise ConfigError(f"Blobs offsets must be integers (int64), got {offsets.dtype}")
+        if offsets.device.type == "cpu":  # rows past the values were cut short, decreasing offsets gave empty rows
+            if int(offsets[0]) < 0 or int(offsets[-1]) > len(values) or bool((offsets[1:] < offsets[:-1]).any()):
+                raise ConfigError(f"Blobs offsets must rise from >= 0 to at most len(values) ({len(values)}), got "
+                                  f"{offsets[:8].tolist()}{' ...' if len(offsets) > 8 else ''}")
         self.values, self.offsets = values, offsets  # uint8 [total]; int64 [n + 1], offsets[0] == 0
 
     @property
@@ -289,7 +304,7 @@ class TensorCollate:
             return {name: torch.from_numpy(values), f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
         pad = self.pad_value if is_list else 0
         try:
-            if values.dtype.kind in "iu" and not np.isfinite(pad):  # cast, NaN and infinity pad with INT_MIN
+            if values.dtype.kind in "iu" and not math.isfinite(pad):  # cast, NaN and infinity pad with INT_MIN
                 raise OverflowError
             padded = _pad(values, offsets - lo, pad)
         except OverflowError:

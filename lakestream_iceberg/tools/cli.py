@@ -51,7 +51,7 @@ def _spec(args: argparse.Namespace) -> CatalogSpec:
 
 def _stream(args: argparse.Namespace) -> Stream:
     spec = _spec(args)
-    stream = open_stream(load(spec), args.stream, spec=spec)
+    stream = open_stream(load(spec, create=False), args.stream, spec=spec)  # a misspelt --home makes no catalog
     branch = getattr(args, "branch", None)
     if branch is not None:  # a misspelled branch must not show an empty stream (head step 0) and exit 0
         stream.require_branch(branch, doing=f"lakestream {args.command}: no")

@@ -67,11 +67,20 @@ class CatalogSpec:
         return f"catalog {self.name!r}" if self.name else f"the embedded catalog in {resolve_home(self.home)}"
 
 
-def embedded_catalog(home: str | os.PathLike[str] | None = None) -> Catalog:
-    """The embedded default: SQLite ``SqlCatalog`` at ``<home>/catalog.db``, warehouse ``<home>/warehouse``."""
+def embedded_catalog(home: str | os.PathLike[str] | None = None, *, create: bool = True) -> Catalog:
+    """The embedded default: SQLite ``SqlCatalog`` at ``<home>/catalog.db``, warehouse ``<home>/warehouse``.
+
+    Args:
+        home: See :func:`resolve_home`.
+        create: Make the home when it has no catalog yet (``lakestream demo``); else that is a :class:`ConfigError`
+            (the commands that look at streams: a misspelt ``--home`` made an empty catalog there).
+    """
     from pyiceberg.catalog.sql import SqlCatalog
 
     root = resolve_home(home)
+    if not create and not (root / "catalog.db").is_file():
+        raise ConfigError(f"no lakestream home at {root} (it holds no catalog.db): pass --home DIR of an existing home "
+                          f"or set {ENV_HOME} (or --catalog NAME for a pyiceberg catalog); `lakestream demo` makes one")
     try:
         (root / "warehouse").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -89,14 +98,19 @@ def embedded_catalog(home: str | os.PathLike[str] | None = None) -> Catalog:
         ) from exc
 
 
-def load(spec: CatalogSpec) -> Catalog:
+def load(spec: CatalogSpec, *, create: bool = True) -> Catalog:
     """Load the catalog ``spec`` names.
 
+    Args:
+        spec: The catalog.
+        create: For the embedded catalog: make its home when missing (else a :class:`ConfigError`).
+
     Raises:
-        ConfigError: The named catalog is not configured or could not be initialised (the message names the setting).
+        ConfigError: The named catalog is not configured or could not be initialised (the message names the setting),
+            or the embedded one has no home and ``create`` is false.
     """
     if not spec.name:
-        return embedded_catalog(spec.home)
+        return embedded_catalog(spec.home, create=create)
     from lakestream_iceberg.connect.diagnose import load_catalog
     from lakestream_iceberg.connect.secrets import redact
 

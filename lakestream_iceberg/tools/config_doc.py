@@ -35,9 +35,9 @@ This page is generated from the declarations in `lakestream_iceberg/format/prope
 - **An existing stream**: any Iceberg client, e.g. pyiceberg's `table.transaction().set_properties({{...}})` then
   `.commit_transaction()`, or Spark's `ALTER TABLE ... SET TBLPROPERTIES (...)`. A stream whose property holds a
   value lakestream cannot use is refused with a `ConfigError` naming it. `Stream.create` on a stream that exists
-  opens it and changes none of its properties: a value it asks for that no stream can use is a `ConfigError`, one of
-  a property fixed at creation that differs is a `StreamExistsError`, and the others that differ are named in a
-  warning.
+  opens it and changes none of its properties: a value it asks for that no stream can use is a `ConfigError`, and
+  one the stream holds another value of is a `StreamExistsError` naming both (pass the stream's values, or change
+  them as above).
 - **What a stream uses now**: `lakestream status NAMESPACE.NAME` lists every property below with its value.
 
 "Change on a live stream" says when a new value takes effect for producers and readers that have the stream open:
@@ -100,7 +100,8 @@ timeouts pyiceberg 0.12 does not set.
 
 The `lakestream` command line takes `--catalog NAME` (loaded as above) or, without it, uses an embedded SQLite
 catalog at `<home>/catalog.db` with its warehouse at `<home>/warehouse`, where `<home>` is `--home DIR`, else
-`$LAKESTREAM_HOME`, else `./.lakestream`.
+`$LAKESTREAM_HOME`, else `./.lakestream`. `lakestream demo` makes the home; the other commands refuse a home that
+holds no catalog yet (a misspelt `--home`).
 """
 
 

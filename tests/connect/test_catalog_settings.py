@@ -213,3 +213,24 @@ def test_postgres_restart_first_query_succeeds_three_ways(postgres_service: serv
             pg.start()
         for catalog in (*catalogs.values(), unpinged):
             catalog.engine.dispose()
+
+
+def test_a_variable_set_after_import_is_not_dropped_for_the_files_catalog(tmp_path: Path) -> None:
+    """pyiceberg merges the configuration it read at import: PYICEBERG_CATALOG__LATE__URI set since then (in a notebook,
+    a launcher, a test) was dropped without a word and the file's database used. The current settings win; arguments
+    still win over them."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".pyiceberg.yaml").write_text(
+        f'catalog:\n  late:\n    type: sql\n    uri: "sqlite:///{tmp_path}/file.db"\n    warehouse: "file://{tmp_path}/wh"\n')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(home))
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())  # what a process started with this file read at import
+        assert str(load_catalog("late").engine.url) == f"sqlite:///{tmp_path}/file.db"
+        mp.setenv("PYICEBERG_CATALOG__LATE__URI", f"sqlite:///{tmp_path}/env.db")  # set after import
+        catalog = load_catalog("late")
+        assert str(catalog.engine.url) == f"sqlite:///{tmp_path}/env.db" and catalog.properties["uri"].endswith("env.db")
+        assert str(load_catalog("late", uri=f"sqlite:///{tmp_path}/arg.db").engine.url).endswith("arg.db")
+        (home / ".pyiceberg.yaml").write_text("catalog:\n  late: {uri: flow}\n")  # edited since import: not parseable
+        with pytest.raises(ConfigError, match=r"\.pyiceberg\.yaml cannot be read"):
+            load_catalog("late")

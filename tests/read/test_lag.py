@@ -359,3 +359,13 @@ def test_lag_seconds_are_not_dated_by_a_gc_commit(stream: Stream) -> None:
     publish(stream, 1)  # a step published after the GC dates the lag again (a lower bound, as documented)
     row = {c.rank: c for c in consumer_lags(stream.refresh(), group="run", now=now)}[0]
     assert row.lag_steps == 3 and row.lag_s is not None and 0 < row.lag_s <= now - published
+
+
+@pytest.mark.parametrize("group", ["", "a\tb", 5, "x" * 201])
+def test_the_lag_of_a_group_no_dataset_can_have_is_refused(tmp_path: Path, group: object) -> None:
+    """`lakestream lag STREAM --group 'a<TAB>b'` said the group had no recorded positions (a dataset refuses the name,
+    so none ever has it) and exited 0; consumer_lags(group=5) returned []."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=1)
+    with pytest.raises(ConfigError, match="group must be"):
+        consumer_lags(stream, group=group)  # type: ignore[arg-type]
+    assert consumer_lags(stream, group="run-1") == []

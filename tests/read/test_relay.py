@@ -574,3 +574,28 @@ def test_a_holders_forked_child_does_not_keep_its_clients_connections_open(tmp_p
         holder.kill()
         holder.wait(timeout=60)
         holder.stdin.close()  # the child's stdin ends: it exits
+
+
+def test_a_relay_dir_variable_that_cannot_be_used_is_said_not_dropped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """LAKESTREAM_RELAY_DIR naming a file, a folder others may enter or a relative path was dropped without a word
+    (followers polled the catalog each), and a relative one was used from each process's working directory."""
+    from lakestream_iceberg.read import relay_wire
+
+    usable = relay_wire.relay_dir()  # the tests' own (conftest.py)
+    assert usable is not None
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    for value, why in ((str(afile), "not a folder"), (str(shared), "others may enter it"), ("relative/dir", "relative")):
+        monkeypatch.setenv("LAKESTREAM_RELAY_DIR", value)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=relay_wire.__name__):
+            assert relay_wire.relay_dir() is None
+        assert any("LAKESTREAM_RELAY_DIR" in r.getMessage() and why in r.getMessage() for r in caplog.records), \
+            caplog.text
+    assert not Path("relative").exists()
+    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(usable))
+    assert relay_wire.relay_dir() == usable

@@ -172,8 +172,8 @@ def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -
     table = pa.table({"t": pa.array([list(range(n)), [1]], pa.list_(pa.uint8()))})
     with pytest.raises(ConfigError, match="pad_value"):
         collate(table, pad_value=-1)
-    for bad in (float("nan"), float("inf")):  # cast to an integer column, they padded with INT_MIN (a warning only)
-        with pytest.raises(ConfigError, match="pad_value"):
+    for bad in (float("nan"), float("inf"), 2**70):  # cast to an integer column, NaN and inf padded with INT_MIN (a
+        with pytest.raises(ConfigError, match="pad_value"):  # warning only); 2**70 raised a raw TypeError
             collate(table, pad_value=bad)
     for bad in (True, None, "0"):  # pads that are no number: at construction, not at the first padded step
         with pytest.raises(ConfigError, match="pad_value"):
@@ -201,3 +201,20 @@ def test_padded_memory_outlives_the_table_and_later_steps() -> None:
     for k in range(5):
         collate(pa.table({"t": pa.array([[k] * (25 + k), [k]] * 15, pa.list_(pa.int64()))}), pad_value=9)
     assert np.array_equal(view.numpy(), expected[:, :5])
+
+
+@pytest.mark.parametrize(("values", "offsets", "match"), [
+    ([1, 2], [0, 2], "torch tensors"),  # AttributeError: 'list' object has no attribute 'dim'
+    (np.zeros(2, np.uint8), np.array([0, 2]), "torch tensors"),
+    (torch.zeros(2, dtype=torch.uint8), torch.tensor([0.0, 2.0]), "integers"),
+    (torch.zeros(2, dtype=torch.uint8), torch.tensor([0, 5]), "at most len"),  # row 0 was cut to 2 bytes
+    (torch.zeros(2, dtype=torch.uint8), torch.tensor([2, 0]), "rise"),  # row 0 was empty
+    (torch.zeros(2, dtype=torch.uint8), torch.tensor([-1, 2]), "rise"),
+])
+def test_blobs_made_by_hand_refuse_what_is_no_rows(values: object, offsets: object, match: str) -> None:
+    from lakestream_iceberg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        Blobs(values=values, offsets=offsets)
+    ok = Blobs(values=torch.arange(3, dtype=torch.uint8), offsets=torch.tensor([0, 1, 1, 3]))
+    assert [row.tolist() for row in ok] == [[0], [], [1, 2]]

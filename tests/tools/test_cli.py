@@ -403,3 +403,17 @@ def test_gc_has_no_branch_to_ignore_and_checkpoints_lists_the_branch_asked(tmp_p
         main(["gc", "--help"])
     gc_help = " ".join(capsys.readouterr().out.split())
     assert "--keep-last K retain the newest K checkpoints and release the others" in gc_help
+
+
+def test_a_misspelt_home_makes_no_catalog_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lakestream status demo.x --home /data/lakestrem` made /data/lakestrem/catalog.db and its warehouse, and said
+    the (new, empty) catalog had no tables; only `lakestream demo` makes a home."""
+    from lakestream_iceberg.tools.cli import main
+
+    missing = tmp_path / "typo" / "home"
+    for args in (["status", STREAM], ["checkpoints", STREAM], ["lag", STREAM], ["gc", STREAM, "--dry-run"]):
+        capsys.readouterr()
+        assert main(["--home", str(missing), *args]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("lakestream: error: no lakestream home at") and "--home" in err, err
+    assert not (tmp_path / "typo").exists()

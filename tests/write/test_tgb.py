@@ -9,7 +9,6 @@ import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import (
-    ConfigError,
     LakestreamError,
     NotAStreamError,
     RankError,
@@ -216,33 +215,6 @@ def test_create_is_idempotent_but_refuses_another_schema_or_world_size(catalog, 
         Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
     with pytest.raises(StreamExistsError):
         Stream.create(catalog, "ns.stream", schema=SCHEMA.remove(5), world_size=4)
-
-
-def test_create_of_an_existing_stream_checks_the_properties_asked_and_names_those_it_leaves(
-        catalog, stream: Stream, caplog: pytest.LogCaptureFixture) -> None:
-    """Stream.create on an existing stream ignored ``properties`` without a word: a retain-last a job asked for was
-    never applied, and a value no stream can use was accepted. Bad values are refused as for a new stream, a fixed
-    property that differs is a StreamExistsError, and the others that differ are named in a warning."""
-    stored = dict(stream.table.refresh().metadata.properties)
-    with caplog.at_level("WARNING", logger="lakestream_iceberg.stream"):
-        same = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4, properties={
-            "lakestream.snapshots.retain-last": "8", "lakestream.commit.group.staging": "auto"})  # the defaults
-    assert same.name == "ns.stream" and not caplog.records, [r.getMessage() for r in caplog.records]
-    with caplog.at_level("WARNING", logger="lakestream_iceberg.stream"):
-        Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4,
-                      properties={"lakestream.snapshots.retain-last": "64", "write.parquet.compression-codec": "snappy"})
-    [record] = caplog.records
-    assert "left its table properties as they are" in record.getMessage()
-    retain = stored.get("lakestream.snapshots.retain-last")
-    assert f"lakestream.snapshots.retain-last={retain!r} (asked '64')" in record.getMessage()
-    assert "write.parquet.compression-codec" in record.getMessage()
-    with pytest.raises(ConfigError, match="retain-last"):
-        Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4, properties={"lakestream.snapshots.retain-last": "x"})
-    with pytest.raises(ConfigError, match="not a lakestream property"):
-        Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4, properties={"lakestream.retain-last": "64"})
-    with pytest.raises(ConfigError, match="dict of strings"):
-        Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4, properties={"lakestream.snapshots.retain-last": 64})
-    assert dict(stream.table.refresh().metadata.properties) == stored  # create changed nothing
 
 
 @pytest.mark.parametrize(("kind", "words"), [

@@ -32,9 +32,10 @@ from lakestream_iceberg.errors import (
     StreamError,
     StreamExistsError,
 )
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.checks import check_identifier, check_int, check_new_identifier
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import table_arrow_schema
+from lakestream_iceberg.format.properties import WORLD_SIZE, check_properties
 from lakestream_iceberg.integrations.ray.plan import shape_write
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
@@ -268,9 +269,16 @@ class LakestreamDatasink(Datasink[TaskReport]):
         if rank_column is not None and not isinstance(rank_column, str):
             raise ConfigError(f"rank_column must be a column name, got {rank_column!r}")
         if world_size is not None:
-            world_size = check_int(world_size, what="world_size", minimum=1)
+            world_size = check_int(world_size, what="world_size", minimum=1, maximum=WORLD_SIZE.maximum)
         if create and world_size is None:
             raise ConfigError("create=True needs world_size= (ranks per step)")
+        if properties is not None and (not isinstance(properties, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
+            raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
+                              f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}"[:300])
+        if create:  # what Stream.create would refuse in every write task (the first one creates the stream): here
+            check_new_identifier(check_identifier(stream))
+            check_properties(dict(properties or {}))
         if schema is not None and not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
         if not isinstance(stream, str) or not stream:
@@ -347,6 +355,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         Raises:
             ConfigError: The stream does not exist and ``create`` is false, its world size differs from
                 ``world_size``, the branch is not a branch, or ``rank_column`` is not an integer column.
+            StreamExistsError: ``create`` with ``properties`` the existing stream holds other values of.
         """
         self._shape_plan()
         catalog = self._ref.catalog()
@@ -367,6 +376,9 @@ class LakestreamDatasink(Datasink[TaskReport]):
             if self.world_size is not None and stream.world_size != self.world_size:
                 raise ConfigError(f"stream {stream.name} has world_size {stream.world_size}, the sink was given "
                                   f"world_size={self.world_size}")
+            if self.create and self.properties:  # the properties would not be applied: Stream.create says which
+                Stream.create(catalog, self._ref.identifier, schema=stream.payload_arrow_schema,
+                              world_size=stream.world_size, properties=self.properties)
         self._check_against(stream)
 
     def _shape_plan(self) -> None:
