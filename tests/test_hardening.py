@@ -371,7 +371,7 @@ def test_2_malformed_summary_commit_raises_a_clear_error(catalog: SqlCatalog) ->
 
 
 def test_2_malformed_summary_is_shown_by_the_snapshots_history_not_a_crash(catalog: SqlCatalog) -> None:
-    from lakestream_iceberg.read.history import snapshot_rows
+    from lakestream_iceberg.read.history_rows import snapshot_rows
 
     stream, _, bad = malformed_head(catalog)
     stream.table.refresh()

@@ -75,7 +75,7 @@ def cmd_demo(args: argparse.Namespace, out: Output) -> int:
 def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
     """What ``lakestream status`` reports (also its ``--json`` document)."""
     from lakestream_iceberg.format.checkpoints import list_checkpoints
-    from lakestream_iceberg.read.history import utc_from_ms
+    from lakestream_iceberg.read.history_rows import utc_from_ms
 
     state = stream.state(branch=branch, refresh=True)
     metadata = stream.table.metadata
@@ -300,7 +300,7 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
 
     from lakestream_iceberg.errors import ReadTimeoutError
     from lakestream_iceberg.read.follow import HeadWatcher
-    from lakestream_iceberg.read.history import step_rows
+    from lakestream_iceberg.read.history_rows import step_rows
 
     stream = _stream(args)
     watcher = HeadWatcher(stream, branch=args.branch)  # polls the catalog pointer; reloads metadata only on change

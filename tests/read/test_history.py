@@ -9,7 +9,8 @@ import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import MissingExtraError, Stream
-from lakestream_iceberg.read.history import VIEWS, history, parse_data_path, step_rows
+from lakestream_iceberg.read.history import VIEWS, history
+from lakestream_iceberg.read.history_rows import parse_data_path, step_rows
 from tests.support import SCHEMA, batch, sqlite_catalog
 
 pytest.importorskip("duckdb")
@@ -186,7 +187,7 @@ def _pins_by_brute_force(stream: Stream) -> list[tuple]:
     """What each checkpoint pins, file by file (the definition in checkpoint_rows' docstring, and its former code)."""
     from lakestream_iceberg.format.checkpoints import list_checkpoints
     from lakestream_iceberg.format.manifest_facts import stream_entry
-    from lakestream_iceberg.read.history import live_entries
+    from lakestream_iceberg.read.history_rows import live_entries
 
     metadata = stream.table.metadata
     checkpoints = list_checkpoints(metadata)
@@ -213,7 +214,7 @@ def test_checkpoints_view_of_many_tags_is_not_quadratic(tmp_path: Path, monkeypa
     bounded number of times."""
     from pyiceberg.manifest import DataFile
 
-    from lakestream_iceberg.read.history import checkpoint_rows
+    from lakestream_iceberg.read.history_rows import checkpoint_rows
 
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.pins", schema=SCHEMA, world_size=WORLD)
     producer = stream.producer("p")
