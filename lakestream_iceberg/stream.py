@@ -69,8 +69,9 @@ from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
 from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
+from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.reader import StepFiles, check_columns
+from lakestream_iceberg.read.stream_ref import StreamRef
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
 from lakestream_iceberg.write.intent_store import CatalogIntents, intent_table, resolve_staging

@@ -13,7 +13,7 @@ background threads. Add ``num_workers=k`` only with a free core per worker and d
 the steps ``start + w, start + w + k, ...``, which is exactly the order in which DataLoader interleaves its workers, so
 steps come out in order, each once, with fork and spawn alike (a spawned worker reopens the stream from the catalog's
 name and non-secret properties, and takes the credentials from its own pyiceberg configuration, see
-:class:`lakestream_iceberg.read.follow.StreamRef`).
+:class:`lakestream_iceberg.read.stream_ref.StreamRef`).
 
 **Torch is optional.** ``LakestreamDataset`` must subclass ``IterableDataset`` (DataLoader checks ``isinstance``), so the
 class is built on first access through the module's ``__getattr__``: importing this module (or lakestream_iceberg)
@@ -55,11 +55,12 @@ from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
 from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, forked_view, pump_steps
+from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower
 from lakestream_iceberg.read.resume import LoadedState, delivered_on_both
+from lakestream_iceberg.read.stream_ref import StreamRef, forked_view
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 from lakestream_iceberg.read.worker_exit import stop_on_shutdown
 

@@ -26,9 +26,10 @@ from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import ReadError, ReadTimeoutError
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.format.table import StreamTable
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
+from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.relay import IO_S, HeadRelay, hold
 from lakestream_iceberg.read.relay_wire import RelayPaths, decode_error, decode_files, recv_frame, relay_paths, send_frame
+from lakestream_iceberg.read.stream_ref import StreamRef
 
 log = logging.getLogger(__name__)
 

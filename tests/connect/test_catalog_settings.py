@@ -28,7 +28,7 @@ from sqlalchemy.exc import OperationalError
 from catalog import services
 from lakestream_iceberg import ConfigError, Stream, load_catalog
 from lakestream_iceberg.connect.catalog_settings import catalog_types, engine_options, engine_options_passed, sql_catalog_keys
-from lakestream_iceberg.read.follow import StreamRef
+from lakestream_iceberg.read.stream_ref import StreamRef
 from tests.backends import postgres_service
 from tests.support import SCHEMA
 

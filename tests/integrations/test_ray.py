@@ -723,7 +723,7 @@ def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path, monkeyp
     open, closing the others (their threads and catalog connections); it kept every one, each with its engine and
     thread pools. A handle a forked worker inherited is forgotten there, never closed from the child."""
     from lakestream_iceberg.integrations.ray import sink
-    from lakestream_iceberg.read.follow import StreamRef
+    from lakestream_iceberg.read.stream_ref import StreamRef
 
     sink._streams.clear()  # noqa: SLF001 - what earlier tests of this process opened
     released: list[object] = []

@@ -35,7 +35,8 @@ from lakestream_iceberg.errors import (
     StepCollectedError,
 )
 from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef, consumer_lag
+from lakestream_iceberg.read.follow import HeadWatcher, consumer_lag
+from lakestream_iceberg.read.stream_ref import StreamRef
 
 SCHEMA = pa.schema([
     pa.field("x", pa.int64(), nullable=False),

@@ -20,8 +20,9 @@ from lakestream_iceberg.errors import ReadError, StepCollectedError, StreamError
 from lakestream_iceberg.read import relay as relay_module
 from lakestream_iceberg.read import relay_client
 from lakestream_iceberg.read.dataset import LakestreamDataset
-from lakestream_iceberg.read.follow import HeadWatcher, StreamRef
+from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.relay_client import RelayWatcher, follower
+from lakestream_iceberg.read.stream_ref import StreamRef
 from tests.backends import fresh_name, postgres_service
 from tests.read.test_dataset import SCHEMA, check_items, make_catalog, make_stream, shard
 
@@ -35,7 +36,7 @@ HOLDER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from tests.read.test_dataset import make_catalog
     from lakestream_iceberg import Stream
-    from lakestream_iceberg.read.follow import StreamRef
+    from lakestream_iceberg.read.stream_ref import StreamRef
     from lakestream_iceberg.read.relay_client import follower
     stream = Stream.open(make_catalog(Path({tmp!r})), "ns.s")
     watcher, _ = follower(stream, ref=StreamRef.of(stream), branch="main", relay=True, poll_s=0.02, max_poll_s=0.5)

@@ -39,7 +39,7 @@ from lakestream_iceberg.format.properties import WORLD_SIZE, check_properties
 from lakestream_iceberg.integrations.ray.plan import shape_write
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
-from lakestream_iceberg.read.follow import PY_CATALOG_IMPL, StreamRef
+from lakestream_iceberg.read.stream_ref import PY_CATALOG_IMPL, StreamRef
 from lakestream_iceberg.stream import Stream
 from lakestream_iceberg.write.writer import check_producer_id
 

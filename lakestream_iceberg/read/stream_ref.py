@@ -1,0 +1,115 @@
+"""Reopening a stream in another process: a DataLoader worker, a Ray task, a relay client.
+
+:class:`StreamRef` is what such a process needs to open the same stream: pyiceberg catalogs hold live database
+engines or HTTP sessions and do not pickle, so the catalog's class, name and non-secret properties are carried instead
+and the catalog is rebuilt with ``load_catalog`` in the worker, which takes the credentials from its own pyiceberg
+configuration (see :class:`StreamRef`). :func:`forked_view` gives a forked process its own view of a stream its parent
+opened without asking the catalog at all, where the catalog allows it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyiceberg.catalog import Catalog
+from pyiceberg.table import Table
+from pyiceberg.utils.config import Config, merge_config
+
+from lakestream_iceberg.connect.catalog_settings import resolve
+from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
+from lakestream_iceberg.connect.fork import fork_safe, owns_connections
+from lakestream_iceberg.connect.secrets import redacted, split_secrets
+from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["PY_CATALOG_IMPL", "StreamRef", "forked_view"]
+
+PY_CATALOG_IMPL = "py-catalog-impl"
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    """A picklable address of a stream: enough to reopen it in another process.
+
+    **Credentials stay out of pickles.** ``catalog_properties`` holds the catalog's non-secret properties only; its
+    credentials (every property :func:`~lakestream_iceberg.connect.secrets.is_secret_key` calls secret, e.g.
+    ``s3.secret-access-key``, and a ``uri`` with a password) are kept in ``secrets``, which this process and its forked
+    children use but a pickle never carries. The process that unpickles resolves them the way pyiceberg does, for the
+    same catalog name: ``.pyiceberg.yaml`` (``$PYICEBERG_HOME``) and ``PYICEBERG_CATALOG__<NAME>__<KEY>`` environment
+    variables, explicit (pickled) properties winning over configured ones.
+
+    ``StreamRef.of(stream, include_secrets=True)`` ships the credentials in the pickle, in clear text: anything that
+    sees the pickle (a task queue, a cluster scheduler's logs, a core dump) sees the secrets. Use it only where the
+    receiving process cannot be configured and the channel is trusted.
+
+    Example:
+        >>> ref = StreamRef.of(stream)          # doctest: +SKIP
+        >>> same = pickle.loads(pickle.dumps(ref)).open()   # doctest: +SKIP
+    """
+
+    catalog_name: str
+    catalog_properties: tuple[tuple[str, str], ...]
+    identifier: str
+    secrets: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    ship_secrets: bool = False
+
+    @classmethod
+    def of(cls, stream: StreamTable, *, include_secrets: bool = False) -> StreamRef:
+        """The address of ``stream``; ``include_secrets=True`` makes its pickles carry the credentials (see above)."""
+        catalog = stream.table.catalog
+        props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
+        if "type" not in props and PY_CATALOG_IMPL not in props:
+            props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
+        public, secret = split_secrets(props)
+        return cls(catalog.name, tuple(sorted(public.items())), stream.name, tuple(sorted(secret.items())),
+                   bool(include_secrets))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle without ``secrets`` unless they are shipped on purpose (``include_secrets=True``)."""
+        return (type(self), (self.catalog_name, self.catalog_properties, self.identifier,
+                             self.secrets if self.ship_secrets else (), self.ship_secrets))
+
+    def __repr__(self) -> str:
+        shown = redacted(dict(self.catalog_properties))
+        held = f", secrets={sorted(k for k, _ in self.secrets)} (values hidden)" if self.secrets else ""
+        return f"StreamRef({self.catalog_name!r}, {self.identifier!r}, properties={shown}{held})"
+
+    def catalog(self) -> Catalog:
+        """The catalog, loaded with these properties plus what pyiceberg's configuration gives this catalog name."""
+        props = {**dict(self.catalog_properties), **dict(self.secrets)}
+        impl = props.pop(PY_CATALOG_IMPL, None)
+        if impl is None:
+            return load_catalog(self.catalog_name, **props)  # pyiceberg merges .pyiceberg.yaml and PYICEBERG_* itself
+        # pyiceberg's load_catalog ignores the configuration when given py-catalog-impl: merge it here, the same way
+        configured: dict[str, Any] = {k: v for k, v in (Config().get_catalog_config(self.catalog_name) or {}).items()
+                                      if isinstance(v, str) and k not in ("type", PY_CATALOG_IMPL)}
+        given, dashed = resolve(self.catalog_name, configured, props)  # POOL_PRE_PING=true means pool_pre_ping here too
+        configured = {k: v for k, v in configured.items() if k not in dashed}
+        module, _, name = impl.rpartition(".")
+        catalog_class = getattr(importlib.import_module(module), name)
+        with config_errors(configured | given, action=f"loading catalog {self.catalog_name!r}", catalog=self.catalog_name):
+            return catalog_class(self.catalog_name, **merge_config(configured, given))
+
+    def open(self) -> StreamTable:
+        catalog = self.catalog()
+        fork_safe(catalog)  # a reader's forked workers open their own catalog connections (connect/fork.py)
+        with config_errors(catalog.properties, action=f"opening stream {self.identifier}", catalog=catalog.name):
+            return StreamTable(catalog.load_table(self.identifier))
+
+
+def forked_view(stream: StreamTable) -> StreamTable | None:
+    """A forked process's own view of ``stream``, which its parent opened, made without asking the catalog: the
+    parent's table metadata (as new as when the parent last read it: a follower's first poll brings it to the head),
+    a FileIO of its own (the parent's holds its storage clients' connections), and the parent's catalog when that is a
+    SQL catalog whose engine the fork started over (:func:`~lakestream_iceberg.connect.fork.fork_safe`): it opens a
+    connection of its own on first use only, so a DataLoader worker that follows through another process's head relay
+    never opens one. None otherwise (other catalogs hold an HTTP session of the parent's): reopen with
+    :meth:`StreamRef.open`.
+    """
+    table = stream.table
+    catalog = table.catalog
+    if not owns_connections(catalog):
+        return None
+    io = catalog._load_file_io(table.metadata.properties, table.metadata_location)  # what load_table gives a table
+    return StreamTable(Table(table.name(), table.metadata, table.metadata_location, io, catalog))
