@@ -380,6 +380,29 @@ def test_an_incompatible_schema_change_is_refused_with_what_changed(tmp_path: Pa
     assert again.head_step() == 8  # nothing published
 
 
+def test_a_partition_spec_evolved_under_running_producers_is_refused_until_restored(tmp_path: Path) -> None:
+    """Another engine adds a partition field while producers run (Spark's ALTER TABLE ... ADD PARTITION FIELD): a
+    running producer, checkpoint and GC are refused with a ConfigError that says how to restore the spec, nothing is
+    published with files that do not fit the new spec, and once the field is removed again they go on."""
+    from pyiceberg.transforms import BucketTransform
+
+    stream, before = published(make(tmp_path))
+    producer = stream.producer("a")
+    with stream.refresh().table.update_spec() as update:
+        update.add_field("i", BucketTransform(4), "i_bucket")
+    for commit in (lambda: producer.commit(batch("a", 4, WORLD), seq=4),
+                   lambda: stream.checkpoint("c6", step=6),
+                   lambda: stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)):
+        with pytest.raises(ConfigError, match="not a lakestream layout.*Restore the spec"):
+            commit()
+    assert stream.head_step() == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    with stream.refresh().table.update_spec() as update:
+        update.remove_field("i_bucket")
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+
+
 def branch_snapshots(stream: Stream) -> int:
     return len(lineage(stream))
 
