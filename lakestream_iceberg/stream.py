@@ -494,7 +494,8 @@ class Stream(StreamTable):
             A :class:`~lakestream_iceberg.lifecycle.gc.GCReport` of what was (or, in a dry run, would be) collected.
 
         Raises:
-            LifecycleError: Invalid ``keep_last`` / ``keep_within``, or ``dry_run`` / ``allow_short_grace`` not a bool.
+            LifecycleError: Invalid ``keep_last`` / ``keep_within``, ``dry_run`` / ``allow_short_grace`` not a bool, or
+                (not in a dry run) the table property ``gc.enabled`` is false.
             ConfigError: ``grace`` breaks the GC grace rule and ``allow_short_grace`` is false.
         """
         for name, flag in (("dry_run", dry_run), ("allow_short_grace", allow_short_grace)):

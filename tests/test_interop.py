@@ -475,6 +475,30 @@ def test_a_missing_or_dropped_stream_is_a_stream_not_found_error(tmp_path: Path)
             call()
 
 
+def test_lifecycle_gc_refuses_a_table_whose_gc_another_engine_disabled(tmp_path: Path) -> None:
+    """Iceberg's gc.enabled=false says the table's files may be shared with other tables (Spark's snapshot and migrate
+    procedures set it, and Spark's expire_snapshots and remove_orphan_files refuse such a table): lakestream gc deleted
+    the collected steps' files all the same. It refuses with what to do, commits and deletes nothing; a dry run still
+    reports, and with gc.enabled=true again it collects."""
+    stream, before = published(make(tmp_path))
+    stream.checkpoint("c6", step=6)
+    with stream.table.transaction() as tx:
+        tx.set_properties({"gc.enabled": "false"})
+    files = {p for p in (tmp_path / "warehouse").rglob("*") if p.is_file()}
+    head = stream.refresh().head().snapshot_id
+    gc = dict(keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    with pytest.raises(LifecycleError, match="gc.enabled=false.*Nothing was committed or deleted"):
+        stream.collect_garbage(dry_run=False, **gc)
+    assert {p for p in (tmp_path / "warehouse").rglob("*") if p.is_file()} == files
+    assert stream.refresh().head().snapshot_id == head
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    assert stream.collect_garbage(dry_run=True, **gc).collected_below == {"main": 6}
+    with stream.table.transaction() as tx:
+        tx.set_properties({"gc.enabled": "true"})
+    report = stream.collect_garbage(dry_run=False, **gc)
+    assert report.collected_below == {"main": 6} and report.files_deleted.get("data", 0) > 0
+
+
 def test_lifecycle_gc_keeps_the_snapshots_age_retention_keeps(tmp_path: Path) -> None:
     """A streaming reader of another engine stopped at a snapshot from before a GC still finds it: GC collects the
     steps below the checkpoint from the head, and expires only what age retention lets go."""
