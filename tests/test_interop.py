@@ -424,6 +424,40 @@ def test_snapshots_are_kept_by_age_for_streaming_readers_within_a_bound(tmp_path
                                                                  for s in (1, 21)}
 
 
+@pytest.mark.parametrize(("ref_retention", "kept"), [
+    ({"min_snapshots_to_keep": 5}, 5),
+    ({"max_snapshot_age_ms": 3_600_000}, 21),
+], ids=["count", "age"])
+def test_a_branchs_own_snapshot_retention_set_by_another_engine_is_kept_and_honoured(
+        tmp_path: Path, ref_retention: dict, kept: int) -> None:
+    """Spark's ALTER TABLE ... CREATE BRANCH ... WITH SNAPSHOT RETENTION (or REPLACE BRANCH main, Java's
+    manageSnapshots().setMinSnapshotsToKeep) puts the retention on the branch ref itself: every lakestream commit
+    replaced the ref without it and expired down to lakestream.snapshots.retain-last, so a streaming reader relying
+    on it lost its snapshots. The ref keeps its retention through commits, GC and repair, and expiry honours it."""
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2"})
+    producer = stream.producer("a")
+    producer.commit(batch("a", 0, WORLD), seq=0)
+    foreign_append(stream)  # (pyiceberg's own commits drop a ref's retention: it is set after this one)
+    table = stream.refresh().table
+    head = table.metadata.snapshot_by_name("main")
+    assert head is not None
+    retention = {"max_ref_age_ms": None, "max_snapshot_age_ms": None, "min_snapshots_to_keep": None, **ref_retention}
+    with table.transaction() as tx:
+        tx._apply((SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=head.snapshot_id,
+                                        **retention),),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    stream.repair()
+    for seq in range(1, 21):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    stream.checkpoint("c1", step=1)
+    stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(hours=1))
+    ref = stream.refresh().table.metadata.refs["main"]
+    assert {k: getattr(ref, k) for k in retention} == retention
+    assert branch_snapshots(stream) == kept
+    assert {step: rows_of(stream, step) for step in (1, 21)} == {s: [digest(t) for t in batch("a", s - 1, WORLD)]
+                                                                 for s in (1, 21)}
+
+
 @pytest.mark.parametrize("foreign", [1, 2], ids=["within-the-window", "filling-the-window"])
 def test_a_commit_on_another_branch_keeps_the_snapshot_holding_this_branchs_state(tmp_path: Path, foreign: int) -> None:
     """A commit on a fork expired main's lakestream snapshot under rewrite_manifests snapshots (retain-last 2, the

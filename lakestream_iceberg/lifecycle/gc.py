@@ -197,8 +197,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     # (history.expire.max-snapshot-age-ms) stay: their files stay with them, until a later GC finds them aged out.
     uncollected = metadata.model_copy(update={"refs": {n: r for n, r in metadata.refs.items() if n not in collected}})
     keep_ids = protected(uncollected, **retention(metadata))
-    for head, _ in collected.values():
-        keep_ids |= young(metadata, head.snapshot_id, **retention(metadata))
+    for branch, (head, _) in collected.items():
+        keep_ids |= young(metadata, head.snapshot_id, ref=metadata.refs.get(branch), **retention(metadata))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
     if expired:
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
