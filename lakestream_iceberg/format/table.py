@@ -79,9 +79,9 @@ def check_layout(metadata: TableMetadata, config: StreamConfig, *, stream: str) 
         if implemented else
         f"stream {stream} has a partition spec ({metadata.spec()}) that is not a lakestream layout (identity _step, "
         "then identity _rank unless packed): another engine or a person evolved it (e.g. ALTER TABLE ... ADD PARTITION "
-        "FIELD, pyiceberg's update_spec), and lakestream's files cannot be written with it. Restore the spec (Spark: "
-        "ALTER TABLE ... DROP PARTITION FIELD for each field added; pyiceberg: table.update_spec().remove_field(NAME)"
-        ".commit())"
+        "FIELD, pyiceberg's update_spec) or renamed its _step/_rank columns, and lakestream's files cannot be written "
+        "with it. Restore the spec (Spark: ALTER TABLE ... DROP PARTITION FIELD for each field added; pyiceberg: "
+        "table.update_spec().remove_field(NAME).commit()) or the column names"
     )
 
 
