@@ -632,6 +632,7 @@ class Stream(StreamTable):
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
+            ReadError: ``branch`` was dropped, or replaced by a tag, while it was watched.
             ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms).
         """
         step = check_int(step, what="step", error=StepError, minimum=0)
