@@ -8,7 +8,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     │   ├── NotAStreamError
     │   ├── StreamNotFoundError     no table has that name (dropped, or never created); also pyiceberg's NoSuchTableError
     │   ├── StreamExistsError
-    │   ├── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed
+    │   ├── CorruptStateError       stored lakestream state (a summary value, a producer-state file) is malformed or missing
     │   │   └── MissingFileError    a file the head lists is gone from storage, deleted outside lakestream
     │   └── ForeignSnapshotError    another engine changed the stream's data; Stream.repair() brings it back
     ├── BatchError                  a batch handed to a producer is malformed; nothing was written or published

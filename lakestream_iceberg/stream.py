@@ -569,7 +569,8 @@ class Stream(StreamTable):
             A :class:`~lakestream_iceberg.lifecycle.gc.GCReport` of what was (or, in a dry run, would be) collected.
 
         Raises:
-            LifecycleError: Invalid ``keep_last`` / ``keep_within``, or ``dry_run`` / ``allow_short_grace`` not a bool.
+            LifecycleError: Invalid ``keep_last`` / ``keep_within``, ``dry_run`` / ``allow_short_grace`` not a bool, or
+                (not in a dry run) the table property ``gc.enabled`` is false.
             ConfigError: ``grace`` breaks the GC grace rule and ``allow_short_grace`` is false.
         """
         for name, flag in (("dry_run", dry_run), ("allow_short_grace", allow_short_grace)):
@@ -706,6 +707,7 @@ class Stream(StreamTable):
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first.
+            ReadError: ``branch`` was dropped, or replaced by a tag, while it was watched.
             ConfigError: ``timeout`` or ``poll_s`` is not a finite number of seconds (``poll_s`` at least 1 ms), or the
                 stream has no branch ``branch``.
         """

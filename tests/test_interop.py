@@ -380,6 +380,29 @@ def test_an_incompatible_schema_change_is_refused_with_what_changed(tmp_path: Pa
     assert again.head_step() == 8  # nothing published
 
 
+def test_a_partition_spec_evolved_under_running_producers_is_refused_until_restored(tmp_path: Path) -> None:
+    """Another engine adds a partition field while producers run (Spark's ALTER TABLE ... ADD PARTITION FIELD): a
+    running producer, checkpoint and GC are refused with a ConfigError that says how to restore the spec, nothing is
+    published with files that do not fit the new spec, and once the field is removed again they go on."""
+    from pyiceberg.transforms import BucketTransform
+
+    stream, before = published(make(tmp_path))
+    producer = stream.producer("a")
+    with stream.refresh().table.update_spec() as update:
+        update.add_field("i", BucketTransform(4), "i_bucket")
+    for commit in (lambda: producer.commit(batch("a", 4, WORLD), seq=4),
+                   lambda: stream.checkpoint("c6", step=6),
+                   lambda: stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)):
+        with pytest.raises(ConfigError, match="not a lakestream layout.*Restore the spec"):
+            commit()
+    assert stream.head_step() == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    with stream.refresh().table.update_spec() as update:
+        update.remove_field("i_bucket")
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+
+
 def branch_snapshots(stream: Stream) -> int:
     return len(lineage(stream))
 
@@ -397,6 +420,40 @@ def test_snapshots_are_kept_by_age_for_streaming_readers_within_a_bound(tmp_path
         producer.commit(batch("a", seq, WORLD), seq=seq)
     assert branch_snapshots(stream) == kept
     assert len(stream.table.metadata.snapshots) <= kept + 1  # + the one a commit expires in passing next time
+    assert {step: rows_of(stream, step) for step in (1, 21)} == {s: [digest(t) for t in batch("a", s - 1, WORLD)]
+                                                                 for s in (1, 21)}
+
+
+@pytest.mark.parametrize(("ref_retention", "kept"), [
+    ({"min_snapshots_to_keep": 5}, 5),
+    ({"max_snapshot_age_ms": 3_600_000}, 21),
+], ids=["count", "age"])
+def test_a_branchs_own_snapshot_retention_set_by_another_engine_is_kept_and_honoured(
+        tmp_path: Path, ref_retention: dict, kept: int) -> None:
+    """Spark's ALTER TABLE ... CREATE BRANCH ... WITH SNAPSHOT RETENTION (or REPLACE BRANCH main, Java's
+    manageSnapshots().setMinSnapshotsToKeep) puts the retention on the branch ref itself: every lakestream commit
+    replaced the ref without it and expired down to lakestream.snapshots.retain-last, so a streaming reader relying
+    on it lost its snapshots. The ref keeps its retention through commits, GC and repair, and expiry honours it."""
+    stream = make(tmp_path, **{"lakestream.snapshots.retain-last": "2"})
+    producer = stream.producer("a")
+    producer.commit(batch("a", 0, WORLD), seq=0)
+    foreign_append(stream)  # (pyiceberg's own commits drop a ref's retention: it is set after this one)
+    table = stream.refresh().table
+    head = table.metadata.snapshot_by_name("main")
+    assert head is not None
+    retention = {"max_ref_age_ms": None, "max_snapshot_age_ms": None, "min_snapshots_to_keep": None, **ref_retention}
+    with table.transaction() as tx:
+        tx._apply((SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=head.snapshot_id,
+                                        **retention),),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    stream.repair()
+    for seq in range(1, 21):
+        producer.commit(batch("a", seq, WORLD), seq=seq)
+    stream.checkpoint("c1", step=1)
+    stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(hours=1))
+    ref = stream.refresh().table.metadata.refs["main"]
+    assert {k: getattr(ref, k) for k in retention} == retention
+    assert branch_snapshots(stream) == kept
     assert {step: rows_of(stream, step) for step in (1, 21)} == {s: [digest(t) for t in batch("a", s - 1, WORLD)]
                                                                  for s in (1, 21)}
 
@@ -450,6 +507,30 @@ def test_a_missing_or_dropped_stream_is_a_stream_not_found_error(tmp_path: Path)
     for call in (stream.head_step, stream.refresh, lambda: stream.history()):
         with pytest.raises(StreamNotFoundError, match="no longer exists"):
             call()
+
+
+def test_lifecycle_gc_refuses_a_table_whose_gc_another_engine_disabled(tmp_path: Path) -> None:
+    """Iceberg's gc.enabled=false says the table's files may be shared with other tables (Spark's snapshot and migrate
+    procedures set it, and Spark's expire_snapshots and remove_orphan_files refuse such a table): lakestream gc deleted
+    the collected steps' files all the same. It refuses with what to do, commits and deletes nothing; a dry run still
+    reports, and with gc.enabled=true again it collects."""
+    stream, before = published(make(tmp_path))
+    stream.checkpoint("c6", step=6)
+    with stream.table.transaction() as tx:
+        tx.set_properties({"gc.enabled": "false"})
+    files = {p for p in (tmp_path / "warehouse").rglob("*") if p.is_file()}
+    head = stream.refresh().head().snapshot_id
+    gc = dict(keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    with pytest.raises(LifecycleError, match="gc.enabled=false.*Nothing was committed or deleted"):
+        stream.collect_garbage(dry_run=False, **gc)
+    assert {p for p in (tmp_path / "warehouse").rglob("*") if p.is_file()} == files
+    assert stream.refresh().head().snapshot_id == head
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    assert stream.collect_garbage(dry_run=True, **gc).collected_below == {"main": 6}
+    with stream.table.transaction() as tx:
+        tx.set_properties({"gc.enabled": "true"})
+    report = stream.collect_garbage(dry_run=False, **gc)
+    assert report.collected_below == {"main": 6} and report.files_deleted.get("data", 0) > 0
 
 
 def test_lifecycle_gc_keeps_the_snapshots_age_retention_keeps(tmp_path: Path) -> None:

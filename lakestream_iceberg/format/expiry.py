@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping
 from typing import TypedDict
 
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import SnapshotRef
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.format.layout import StreamConfig
@@ -63,24 +64,38 @@ def _is_anchor(snapshot: Snapshot) -> bool:
 def protected(metadata: TableMetadata, *, retain_last: int, extra: Iterable[int] = (), max_age_ms: int = 0,
               retain_max: int = 0, now_ms: int | None = None, fewer: Mapping[str, int] | None = None) -> set[int]:
     """What no commit may expire: every ref's snapshot, the ``retain_last`` newest ancestors of each branch head, and,
-    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata).
+    with ``max_age_ms``, every ancestor younger than that, up to ``retain_max`` per branch (the bound on metadata); a
+    branch ref's own retention counts as well (:func:`branch_retention`).
 
     ``fewer``: per branch, how many fewer ancestors to keep (at least 1): the snapshots a commit adds on top of that
     branch's head. Every other branch keeps its whole window."""
     keep = set(extra)
-    cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms
+    now_ms = now_ms if now_ms is not None else int(time.time() * 1000)
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
     for name, ref in metadata.refs.items():
         keep.add(ref.snapshot_id)
         if ref.snapshot_ref_type == "branch":
+            branch_last, branch_age = branch_retention(ref, retain_last=retain_last, max_age_ms=max_age_ms)
+            cutoff = now_ms - branch_age
             less = (fewer or {}).get(name, 0)
-            last, most = (max(1, retain_last - less), max(1, retain_max - less)) if less else (retain_last, retain_max)
-            by_age = max_age_ms > 0 and most > last
+            last, most = (max(1, branch_last - less), max(1, retain_max - less)) if less else (branch_last, retain_max)
+            by_age = branch_age > 0 and most > last
             lineage = ancestors(metadata, ref.snapshot_id, most if by_age else last, by_id=by_id)
             keep.update(lineage[:last])
             keep.update(sid for sid in lineage[last:] if by_id[sid].timestamp_ms >= cutoff)
             keep.update(_state_lineage(by_id, ref.snapshot_id))
     return keep
+
+
+def branch_retention(ref: SnapshotRef | None, *, retain_last: int, max_age_ms: int) -> tuple[int, int]:
+    """A branch's ``(retain_last, max_age_ms)``: the table's, with the branch ref's own retention where another engine
+    set one (Spark's ``ALTER TABLE ... CREATE BRANCH ... WITH SNAPSHOT RETENTION n SNAPSHOTS / d DAYS``): its
+    ``min-snapshots-to-keep`` raises the count kept (never lowers lakestream's), its ``max-snapshot-age-ms`` replaces
+    the table's ``history.expire.max-snapshot-age-ms``, as in Iceberg's own expiry."""
+    if ref is None:
+        return retain_last, max_age_ms
+    last = max(retain_last, ref.min_snapshots_to_keep or 0)
+    return last, ref.max_snapshot_age_ms if ref.max_snapshot_age_ms is not None else max_age_ms
 
 
 def _state_lineage(by_id: dict[int, Snapshot], snapshot_id: int) -> list[int]:
@@ -99,9 +114,12 @@ def _state_lineage(by_id: dict[int, Snapshot], snapshot_id: int) -> list[int]:
 
 
 def young(metadata: TableMetadata, snapshot_id: int, *, max_age_ms: int, retain_max: int,
-          now_ms: int | None = None, **_: int) -> set[int]:
-    """The ancestors of ``snapshot_id`` (itself included) that age retention keeps: younger than ``max_age_ms``, at
-    most ``retain_max`` (none when ``max_age_ms`` is 0). Takes :func:`retention`'s arguments."""
+          now_ms: int | None = None, ref: SnapshotRef | None = None, **_: int) -> set[int]:
+    """The ancestors of ``snapshot_id`` (itself included) that age retention keeps: younger than ``max_age_ms`` (or
+    the branch ``ref``'s own ``max-snapshot-age-ms``), at most ``retain_max`` (none when the age is 0). Takes
+    :func:`retention`'s arguments."""
+    if ref is not None and ref.max_snapshot_age_ms is not None:
+        max_age_ms = ref.max_snapshot_age_ms
     if max_age_ms <= 0:
         return set()
     cutoff = (now_ms if now_ms is not None else int(time.time() * 1000)) - max_age_ms

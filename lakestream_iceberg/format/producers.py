@@ -39,7 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.errors import CorruptStateError
+from lakestream_iceberg.errors import CorruptStateError, MissingFileError
 
 __all__ = [
     "COMPACT_AT",
@@ -50,6 +50,9 @@ __all__ = [
     "active_horizon",
     "compact",
 ]
+
+_FILES_KEY = "lakestream.producer-files"  # format.summary's KEY_PRODUCER_FILES (summary imports this module)
+
 
 PRODUCERS_DIR = "_producers"  # under the table's data/ folder (producer ids start with a letter or digit)
 ACTIVE_MIN_STEPS = 32  # an active producer stays in the summary at least this many steps after its last commit
@@ -131,8 +134,18 @@ class ProducerFiles:
             if found is not None:
                 self._files.move_to_end(path)
                 return found
-        with io.new_input(path).open() as f:
-            raw = f.read()
+        try:
+            with io.new_input(path).open() as f:
+                raw = f.read()
+        except FileNotFoundError as exc:
+            raise MissingFileError(
+                f"producer-state file {path}, listed by the branch head's summary ({_FILES_KEY}), does not exist: a tool "
+                "other than lakestream deleted it, most likely an orphan-file removal that did not exclude "
+                f"data/{PRODUCERS_DIR}/ (see the interoperability guide). It holds the last sequence numbers of the "
+                "stream's idle producers, so no producer can commit and the history cannot list them without it. "
+                "Restore it from a backup (or the bucket's object versioning), or roll the branch back to a snapshot "
+                "that does not list it"
+            ) from exc
         try:  # in memory: an error from here on is the file's, not the storage's
             table = pq.read_table(pa.BufferReader(raw))
         except (pa.ArrowException, OSError, ValueError) as exc:

@@ -33,7 +33,7 @@ from lakestream_iceberg.format.checks import check_int
 __all__ = [
     "ARROW_SCHEMA", "AVRO_CODEC", "COMMIT_MAX_ATTEMPTS", "COMMIT_TIMEOUT", "CONFIG_FIELDS", "CONSUMERS_RETENTION",
     "DELETE_AFTER_COMMIT",
-    "FORMAT_VERSION", "GC_GRACE", "GROUP_COMMIT", "GROUP_MAX_BATCHES", "GROUP_STAGING", "HOW", "IO_RETRY_TIMEOUT",
+    "FORMAT_VERSION", "GC_ENABLED", "GC_GRACE", "GROUP_COMMIT", "GROUP_MAX_BATCHES", "GROUP_STAGING", "HOW", "IO_RETRY_TIMEOUT",
     "LAYOUT", "LAYOUTS", "LAYOUT_PACKED", "LAYOUT_PER_RANK", "MANIFEST_CACHE_BYTES", "MAX_MERGE_ENTRIES",
     "MAX_SNAPSHOT_AGE", "MERGE_FANOUT", "MIN_SNAPSHOTS_TO_KEEP", "PACKED_ROW_GROUP_BYTES", "PARQUET_CODEC",
     "PARQUET_DICT_SIZE", "PARQUET_LEVEL", "PARQUET_PAGE_ROWS", "PARQUET_PAGE_SIZE", "PREVIOUS_VERSIONS_MAX",
@@ -359,6 +359,10 @@ GROUP_STAGING = ChoiceProperty(
 GC_GRACE = DurationProperty(
     key="lakestream.gc.grace-period-ms", field="gc_grace_ms", default=3_600_000, minimum=0, change=REOPEN,
     doc="GC never deletes an unreferenced file younger than this; at least 2 x lakestream.commit.timeout-ms.")
+GC_ENABLED = BoolProperty(
+    key="gc.enabled", default=True, default_by="Iceberg", change=LIVE,
+    doc="false (Iceberg: the files may be shared with other tables): lakestream gc refuses to run, as Spark's "
+        "expire_snapshots and remove_orphan_files do; dry runs still report.")
 CONSUMERS_RETENTION = DurationProperty(
     key="lakestream.consumers.retention-ms", default=604_800_000, minimum=60_000, change=REOPEN,
     doc="A consumer group's recorded positions are deleted once none of its ranks has reported for this long.")
@@ -400,7 +404,7 @@ PROPERTIES: tuple[Property[int] | Property[bool] | Property[str], ...] = (
     RETAIN_LAST, RETAIN_MAX, MAX_SNAPSHOT_AGE, MIN_SNAPSHOTS_TO_KEEP,
     MERGE_FANOUT, MAX_MERGE_ENTRIES, MANIFEST_CACHE_BYTES,
     COMMIT_TIMEOUT, COMMIT_MAX_ATTEMPTS, GROUP_COMMIT, GROUP_MAX_BATCHES, GROUP_STAGING,
-    GC_GRACE, CONSUMERS_RETENTION, IO_RETRY_TIMEOUT,
+    GC_GRACE, GC_ENABLED, CONSUMERS_RETENTION, IO_RETRY_TIMEOUT,
     PREVIOUS_VERSIONS_MAX, DELETE_AFTER_COMMIT,
     PARQUET_CODEC, PARQUET_LEVEL, PARQUET_PAGE_SIZE, PARQUET_DICT_SIZE, PARQUET_PAGE_ROWS, AVRO_CODEC,
 )  # fmt: skip

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 
 from pyiceberg.manifest import DataFile
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.refs import SnapshotRef, SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotSummaryCollector, Summary, update_snapshot_summaries
 from pyiceberg.table.update import AddSnapshotUpdate, SetSnapshotRefUpdate, TableUpdate
 
@@ -34,12 +34,20 @@ __all__ = ["SnapshotBuilder", "set_ref"]
 log = logging.getLogger(__name__)
 
 
-def set_ref(ref_name: str, ref_type: SnapshotRefType, snapshot_id: int) -> SetSnapshotRefUpdate:
-    """The update pointing ``ref_name`` (created as a ``ref_type`` if missing) at ``snapshot_id``, with no retention
-    of its own: ``max-ref-age-ms``, ``max-snapshot-age-ms`` and ``min-snapshots-to-keep`` are left out of the update
-    (None, pyiceberg's defaults), so the table's retention applies."""
-    return SetSnapshotRefUpdate(ref_name=ref_name, type=ref_type, snapshot_id=snapshot_id, max_ref_age_ms=None,
-                                max_snapshot_age_ms=None, min_snapshots_to_keep=None)
+def set_ref(ref_name: str, ref_type: SnapshotRefType, snapshot_id: int, *,
+            current: SnapshotRef | None = None) -> SetSnapshotRefUpdate:
+    """The update pointing ``ref_name`` (created as a ``ref_type`` if missing) at ``snapshot_id``.
+
+    The update replaces the whole ref, so ``current`` (the ref as the metadata planned on has it) passes on its own
+    retention (``max-ref-age-ms``, ``max-snapshot-age-ms``, ``min-snapshots-to-keep``: another engine's ``ALTER TABLE
+    ... CREATE BRANCH ... WITH SNAPSHOT RETENTION``), as Iceberg's writers keep it; a new ref gets none, so the table's
+    retention applies."""
+    if current is None or current.snapshot_ref_type != ref_type:
+        return SetSnapshotRefUpdate(ref_name=ref_name, type=ref_type, snapshot_id=snapshot_id, max_ref_age_ms=None,
+                                    max_snapshot_age_ms=None, min_snapshots_to_keep=None)
+    return SetSnapshotRefUpdate(ref_name=ref_name, type=ref_type, snapshot_id=snapshot_id,
+                                max_ref_age_ms=current.max_ref_age_ms, max_snapshot_age_ms=current.max_snapshot_age_ms,
+                                min_snapshots_to_keep=current.min_snapshots_to_keep)
 
 
 class SnapshotBuilder:
@@ -112,6 +120,7 @@ class SnapshotBuilder:
         """Add ``snapshot`` to the commit and point ``branch`` (moving it from the snapshot's parent) or ``tag`` at it."""
         self.updates.append(AddSnapshotUpdate(snapshot=snapshot))
         if branch is not None:
-            self.updates.append(set_ref(branch, SnapshotRefType.BRANCH, snapshot.snapshot_id))
+            self.updates.append(set_ref(branch, SnapshotRefType.BRANCH, snapshot.snapshot_id,
+                                        current=self._metadata.refs.get(branch)))
         if tag is not None:
             self.updates.append(set_ref(tag, SnapshotRefType.TAG, snapshot.snapshot_id))

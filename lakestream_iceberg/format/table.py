@@ -44,7 +44,8 @@ from lakestream_iceberg.format.summary import StreamState, missing_step_error
 PROP_ARROW_SCHEMA = ARROW_SCHEMA.key
 MAIN = "main"
 
-__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "decode_schema", "encode_schema", "missing_file_error"]
+__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "check_layout", "decode_schema", "encode_schema",
+           "missing_file_error"]
 
 T = TypeVar("T")
 
@@ -81,6 +82,28 @@ def missing_file_error(exc: FileNotFoundError) -> MissingFileError:
         "bucket lifecycle rule or a manual delete did. Restore it from a backup or the bucket's object versions (docs/"
         "guide/other-engines.md lists what orphan-file tools must exclude); until then the steps and commits that "
         "need it fail"
+    )
+
+
+def check_layout(metadata: TableMetadata, config: StreamConfig, *, stream: str) -> None:
+    """Refuse (:class:`ConfigError`) a table whose default partition spec no longer implements the stream's layout.
+
+    Another engine may evolve the spec of a live stream (Spark's ``ALTER TABLE ... ADD PARTITION FIELD``, pyiceberg's
+    ``update_spec``): lakestream's files carry ``(_step, _rank)`` (packed: ``(_step,)``) as their partition, and a commit
+    writes them with the table's default spec, so it is checked when a stream is opened and before every commit."""
+    implemented = layout_of_spec(metadata.spec(), metadata.schema())
+    if implemented == config.layout:
+        return
+    raise ConfigError(
+        f"stream {stream} has {PROP_LAYOUT}={config.layout!r} but its partition spec ({metadata.spec()}) implements "
+        f"{implemented}: the layout is fixed when a stream is created; set {PROP_LAYOUT} back to {implemented!r} and do "
+        "not evolve the partition spec"
+        if implemented else
+        f"stream {stream} has a partition spec ({metadata.spec()}) that is not a lakestream layout (identity _step, "
+        "then identity _rank unless packed): another engine or a person evolved it (e.g. ALTER TABLE ... ADD PARTITION "
+        "FIELD, pyiceberg's update_spec) or renamed its _step/_rank columns, and lakestream's files cannot be written "
+        "with it. Restore the spec (Spark: ALTER TABLE ... DROP PARTITION FIELD for each field added; pyiceberg: "
+        "table.update_spec().remove_field(NAME).commit()) or the column names"
     )
 
 
@@ -132,16 +155,7 @@ class StreamTable:
             )
         self.table = table
         self.config = StreamConfig.from_properties(props)
-        implemented = layout_of_spec(table.metadata.spec(), table.metadata.schema())
-        if implemented != self.config.layout:
-            raise ConfigError(
-                f"stream {'.'.join(table.name())} has {PROP_LAYOUT}={self.config.layout!r} but its partition spec "
-                f"({table.metadata.spec()}) implements {implemented or 'no lakestream layout'}: the layout is fixed when "
-                f"a stream is created; set {PROP_LAYOUT} back to {implemented!r} and do not evolve the partition spec"
-                if implemented else
-                f"stream {'.'.join(table.name())} has a partition spec ({table.metadata.spec()}) that is not a lakestream "
-                "layout (identity _step, then identity _rank unless packed): it was changed by hand; restore the spec"
-            )
+        check_layout(table.metadata, self.config, stream=".".join(table.name()))
         self.cache = cache or shared_cache(self.config.manifest_cache_bytes)
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
 
@@ -162,7 +176,13 @@ class StreamTable:
         return StepIndex(io=self.io, cache=self.cache)
 
     def manifest_planner(self, metadata: TableMetadata) -> ManifestPlanner:
-        """A planner for one new snapshot's manifests, configured from the stream's properties."""
+        """A planner for one new snapshot's manifests, configured from the stream's properties.
+
+        Raises:
+            ConfigError: Another engine evolved the partition spec since the stream was opened (see
+                :func:`check_layout`): the new snapshot's files would be written with a spec they do not fit.
+        """
+        check_layout(metadata, self.config, stream=self.name)
         return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
                                max_merge_entries=self.config.max_merge_entries)
 

@@ -79,7 +79,7 @@ from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMM
 from lakestream_iceberg.format.lineage import branch_state, lineage
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
-from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
+from lakestream_iceberg.format.properties import CONSUMERS_RETENTION, GC_ENABLED
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
@@ -198,8 +198,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     # (history.expire.max-snapshot-age-ms) stay: their files stay with them, until a later GC finds them aged out.
     uncollected = metadata.model_copy(update={"refs": {n: r for n, r in metadata.refs.items() if n not in collected}})
     keep_ids = protected(uncollected, **retention(metadata))
-    for head, _ in collected.values():
-        keep_ids |= young(metadata, head.snapshot_id, **retention(metadata))
+    for branch, (head, _) in collected.items():
+        keep_ids |= young(metadata, head.snapshot_id, ref=metadata.refs.get(branch), **retention(metadata))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep_ids]
     if expired:
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
@@ -384,6 +384,13 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     no files the sweep finds), or None where intents are files.
     """
     metadata = loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_s)
+    if not dry_run and not GC_ENABLED.get(metadata.properties):
+        raise LifecycleError(
+            f"{stream.name} has table property {GC_ENABLED.key}=false: another engine or a person marked its files as "
+            "possibly shared with other tables (Spark's snapshot and migrate procedures set it; Spark's expire_snapshots "
+            "and remove_orphan_files refuse such tables), and lakestream gc deletes files. Nothing was committed or "
+            f"deleted. Set {GC_ENABLED.key}=true once no other table references its files; dry runs still report"
+        )
     known = known_files(stream, metadata)
     rebase = awaiting_rebase(metadata)
     if rebase:

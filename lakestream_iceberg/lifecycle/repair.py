@@ -110,7 +110,7 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     if dry_run:
         return Done(report)
     return Plan(
-        (set_ref(branch, SnapshotRefType.BRANCH, found.base.snapshot_id),),
+        (set_ref(branch, SnapshotRefType.BRANCH, found.base.snapshot_id, current=ref),),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id)),
         report,
         [],

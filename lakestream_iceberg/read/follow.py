@@ -30,11 +30,12 @@ from itertools import pairwise
 from typing import Any, Protocol, TypeVar
 
 from pyiceberg.io import FileIO
+from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
-from lakestream_iceberg.errors import LakestreamError, ReadTimeoutError, StepError, StreamError
+from lakestream_iceberg.errors import LakestreamError, ReadError, ReadTimeoutError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.reader import read_file
@@ -109,6 +110,7 @@ class HeadWatcher:
         self.clock = ArrivalClock()
         self._seen: int | None = None  # the highest head step seen so far
         self._last_poll: float | None = None
+        self._had_branch = False  # the branch was seen: its ref gone since is a drop, not a fork yet to be made
 
     @property
     def notifications(self) -> int:
@@ -155,6 +157,7 @@ class HeadWatcher:
         now = time.monotonic()
         changed = refresh_if_moved(self._stream.table, io=self._io)
         self.reloads += changed
+        self._check_branch()  # every poll: the view may have moved in place (a commit through the same table object)
         if changed or self._seen is None:
             step = self.head()[0]
             if self._seen is not None and step > self._seen:
@@ -169,6 +172,23 @@ class HeadWatcher:
             self._seen = step if self._seen is None else max(self._seen, step)
         self._last_poll = now
         return changed
+
+    def _check_branch(self) -> None:
+        """Refuse (:class:`ReadError`) a followed branch that another engine or a person dropped, or replaced by a tag:
+        no step would ever be published on it, and a tag's snapshot read as its head is no branch's state."""
+        ref = self._stream.table.metadata.refs.get(self._branch)
+        if ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH:
+            self._had_branch = True
+            return
+        if ref is None and not self._had_branch:
+            return  # main of a stream with no step yet, or a fork about to be made
+        what = "is a tag now, not a branch" if ref is not None else "no longer exists"
+        raise ReadError(
+            f"branch {self._branch!r} of {self._stream.name} {what}: another engine or a person "
+            f"{'replaced it' if ref is not None else 'dropped it'} while it was followed (Spark: ALTER TABLE ... DROP "
+            "BRANCH; pyiceberg: manage_snapshots().remove_branch), so no step will be published on it. Follow another "
+            "branch (stream.checkpoints() and the table's refs list them), or fork it again from a checkpoint"
+        )
 
     def head(self) -> tuple[int, Snapshot | None]:
         """The head step and snapshot of the branch in the current table view (no I/O)."""
@@ -193,6 +213,7 @@ class HeadWatcher:
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first (``None`` waits forever).
+            ReadError: The branch was dropped, or replaced by a tag, while it was followed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = poll_s

@@ -192,14 +192,18 @@ def _row(producer: str, seq: object, step: object, snapshot_id: object = 1) -> p
 
 
 @pytest.mark.parametrize("damage", ["foreign columns", "not parquet", "truncated", "negative seq", "negative step", "null id",
-                                    "id twice"])
+                                    "id twice", "deleted"])
 def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) -> None:
     """A producer-state file is input read back from storage: whatever is wrong with it, the answer is a
-    CorruptStateError naming the file, and nothing is committed on top of it (a negative seq must not become next_seq)."""
+    CorruptStateError naming the file, and nothing is committed on top of it (a negative seq must not become next_seq).
+    Deleted: another tool's orphan-file removal that did not exclude data/_producers/ (a raw FileNotFoundError from
+    every producer and the history before)."""
     path = churned.state().producer_files[0]
     local = Path(path.removeprefix("file://"))
     head = churned.head_step()
-    if damage == "foreign columns":
+    if damage == "deleted":
+        local.unlink()
+    elif damage == "foreign columns":
         pq.write_table(pa.table({"x": [1]}), local)
     elif damage == "not parquet":
         local.write_bytes(b"definitely not parquet")
@@ -217,6 +221,10 @@ def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) 
         churned.producer("id-0").next_seq  # noqa: B018
     with pytest.raises(CorruptStateError, match="producer-state file"):
         churned.producer("id-0").commit(batch("id-0", 1, WORLD))
+    with pytest.raises(CorruptStateError, match="producer-state file"):
+        churned.producer("fresh").commit(batch("fresh", 0, WORLD))  # a new id: looked up in every file
+    with pytest.raises(CorruptStateError, match="producer-state file"):
+        churned.history().sql("SELECT count(*) FROM producers").fetchall()
     assert churned.refresh().head_step() == head
 
 

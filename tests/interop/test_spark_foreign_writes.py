@@ -185,3 +185,28 @@ def test_a_payload_column_renamed_by_spark_is_refused_until_it_is_renamed_back(l
     assert "tokens" in str(refused.value)
     lake.sql(f"ALTER TABLE {lake.table()} RENAME COLUMN token_ids TO tokens")
     assert_intact(lake, writers, head=4)
+
+
+def test_a_snapshot_retention_spark_sets_on_main_is_kept_and_honoured(lake: Lake) -> None:
+    """Spark's branch retention lives on the ref: lakestream's commits dropped it and expired down to retain-last."""
+    stream = create(lake, **{"lakestream.snapshots.retain-last": "2"})
+    writers = Writers(stream)
+    writers.rounds(1)
+    lake.sql(f"ALTER TABLE {lake.table()} REPLACE BRANCH main WITH SNAPSHOT RETENTION 6 SNAPSHOTS")
+    writers.rounds(2)
+    (ref,) = lake.sql(f"SELECT min_snapshots_to_keep FROM {lake.table()}.refs WHERE name = 'main'")
+    assert ref.min_snapshots_to_keep == 6
+    (row,) = lake.sql(f"SELECT count(*) AS n FROM {lake.table()}.history WHERE is_current_ancestor")
+    assert row.n >= 6
+    assert_intact(lake, writers, head=12)
+
+
+def test_a_partition_field_spark_adds_is_refused_until_it_is_dropped(lake: Lake) -> None:
+    stream = create(lake)
+    writers = Writers(stream)
+    writers.rounds(1)
+    lake.sql(f"ALTER TABLE {lake.table()} ADD PARTITION FIELD bucket(4, i)")
+    with pytest.raises(lakestream_iceberg.ConfigError, match="not a lakestream layout"):
+        writers.commit("a")
+    lake.sql(f"ALTER TABLE {lake.table()} DROP PARTITION FIELD bucket(4, i)")
+    assert_intact(lake, writers, head=4)

@@ -144,3 +144,34 @@ def test_a_head_rolled_back_under_a_follower_is_warned_about(tmp_path: Path, cap
     again = Stream.open(stream.table.catalog, "ns.back").producer("q")
     again.commit(batch("q", 0, 2), seq=0)
     assert watcher.check() and watcher.head()[0] == 3 and len(watcher.clock._arrivals) == 1  # a step arrived
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_a_followed_branch_another_engine_drops_ends_the_follow_with_a_read_error(tmp_path: Path, relay: bool) -> None:
+    """A fork dropped by another engine (Spark's ALTER TABLE ... DROP BRANCH) under a follow-mode dataset: its head
+    read as step 0 ("moved back") and the follower waited for a step that can never come, up to its timeout (forever
+    with timeout=None). It ends with a ReadError naming the branch; a branch replaced by a tag of its name too."""
+    from lakestream_iceberg import LakestreamDataset, ReadError
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.drop", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(2):
+        producer.commit(batch("p", seq, 2), seq=seq)
+    stream.checkpoint("c1", step=1)
+    stream.fork("c1", branch="f")
+    stream.producer("q", branch="f").commit(batch("q", 0, 2), seq=0)
+    items = iter(LakestreamDataset(stream, rank=0, world_size=2, follow=True, branch="f", timeout=None, relay=relay,
+                                   start_step=2))
+    assert next(items)["step"] == 2  # the fork's step 2: followed from here
+    stream.refresh().table.manage_snapshots().remove_branch("f").commit()
+    with pytest.raises(ReadError, match="branch 'f' of ns.drop no longer exists"):
+        next(items)
+    stream.fork("c1", branch="g")
+    watcher = HeadWatcher(Stream.open(stream.table.catalog, "ns.drop"), branch="g")
+    watcher.check()
+    anchor = stream.refresh().table.metadata.refs["g"].snapshot_id
+    stream.table.manage_snapshots().remove_branch("g").create_tag(anchor, "g").commit()
+    with pytest.raises(ReadError, match="branch 'g' of ns.drop is a tag now"):
+        watcher.check()
+    with pytest.raises(ReadError, match="is a tag now"):
+        stream.wait_for(5, branch="c1", timeout=600)  # a tag is never followed as a branch
