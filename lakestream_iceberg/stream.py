@@ -16,17 +16,14 @@ from typing import Any
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import (
-    NamespaceAlreadyExistsError,
     NoSuchNamespaceError,
     NoSuchTableError,
     TableAlreadyExistsError,
 )
-from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
-from pyiceberg.schema import Schema, assign_fresh_schema_ids
+from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 
-from lakestream_iceberg.connect.catalog_settings import env_name
-from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, explain, redact, transient
+from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.positions import PositionStore
@@ -35,9 +32,7 @@ from lakestream_iceberg.errors import (
     ConfigError,
     LifecycleError,
     ReadTimeoutError,
-    SchemaMismatchError,
     StepError,
-    StreamExistsError,
     StreamNotFoundError,
 )
 from lakestream_iceberg.format.checks import (
@@ -50,22 +45,15 @@ from lakestream_iceberg.format.checks import (
     check_new_identifier,
     check_seconds,
 )
-from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
+from lakestream_iceberg.format.file_settings import avro_codec
 from lakestream_iceberg.format.layout import (
-    LAYOUT_PACKED,
-    LAYOUT_PER_RANK,
-    PACKED_FROM_WORLD_SIZE,
-    PROP_GROUP_STAGING,
-    PROP_LAYOUT,
-    StreamConfig,
     check_rank,
     file_schema,
-    partition_spec,
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import STAGING_AUTO, WORLD_SIZE, by_key, check_properties
-from lakestream_iceberg.format.table import MAIN, PROP_ARROW_SCHEMA, StreamTable, after_gc, encode_schema
+from lakestream_iceberg.format.properties import WORLD_SIZE
+from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
 from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
@@ -73,8 +61,9 @@ from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.stream_ref import StreamRef
 from lakestream_iceberg.write.commit import CommitLoop
+from lakestream_iceberg.write.create import check_existing, check_property_strings, create_table
 from lakestream_iceberg.write.dac import CommitPolicy, PolicyConfig
-from lakestream_iceberg.write.intent_store import CatalogIntents, intent_table, resolve_staging
+from lakestream_iceberg.write.intent_store import CatalogIntents, intent_table
 from lakestream_iceberg.write.producer import Producer
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter
@@ -82,33 +71,6 @@ from lakestream_iceberg.write.writer import BatchWriter
 __all__ = ["Stream"]
 
 log = logging.getLogger(__name__)
-
-
-def _check_given_shape(properties: dict[str, str], *, world_size: int, schema: pa.Schema) -> None:
-    """Refuse ``properties`` that say another world size or schema than the arguments: the property won over the
-    argument (a stream of world size 3 made by ``world_size=1``)."""
-    given = properties.get(WORLD_SIZE.key)
-    if given is not None and WORLD_SIZE.parse(given) != world_size:
-        raise ConfigError(f"properties set {WORLD_SIZE.key}={given!r} but world_size={world_size}: pass the world size "
-                          f"as world_size= only (leave {WORLD_SIZE.key} out of properties)")
-    if PROP_ARROW_SCHEMA in properties and properties[PROP_ARROW_SCHEMA] != encode_schema(schema):
-        raise ConfigError(f"properties set {PROP_ARROW_SCHEMA}, which is not the schema= given: pass the schema as "
-                          f"schema= only (leave {PROP_ARROW_SCHEMA} out of properties)")
-
-
-def _not_applied(given: dict[str, str], current: dict[str, str]) -> list[str]:
-    """``key=current (not given)`` for each property of ``given`` the existing stream does not have (a lakestream or
-    Iceberg property it reads: by value, its default standing for an absent one)."""
-    check_properties(given)
-    differing = []
-    for key, value in given.items():
-        prop = by_key(key)
-        if key == PROP_GROUP_STAGING and value == STAGING_AUTO or key == "format-version":
-            continue  # Stream.create stored what "auto" resolved to; pyiceberg keeps the format version apart
-        same = prop.get({key: value}) == prop.get(current) if prop is not None else current.get(key) == value
-        if not same:
-            differing.append(f"{key}={current.get(key)!r} (not {value!r})")
-    return differing
 
 
 def _reopen(ref: StreamRef) -> Stream:
@@ -223,10 +185,7 @@ class Stream(StreamTable):
                                hint="ranks are Iceberg ints")
         if not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
-        if properties is not None and (not isinstance(properties, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
-            raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
-                              f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
+        check_property_strings(properties)
         arrow = table_arrow_schema(schema)
         try:
             existing = cls.open(catalog, identifier)
@@ -234,76 +193,11 @@ class Stream(StreamTable):
             existing = None
         if existing is None:
             try:
-                iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
-            except (UnsupportedPyArrowTypeException, ValueError) as exc:  # e.g. timestamp[ns], pa.null(), duration
-                raise SchemaMismatchError(
-                    f"the payload schema is not one Iceberg (format version 2) can hold: {exc}. Cast that column to a "
-                    "type it can (timestamps in us, int64 for durations, a concrete type for null) or rename the field "
-                    "(struct fields a and a, a column 'a.b' beside a struct a's field b) before creating the stream"
-                ) from exc
-            layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
-            props = StreamConfig(world_size=world_size, layout=layout).to_properties()
-            if properties is not None:
-                _check_given_shape(properties, world_size=world_size, schema=schema)
-                props.update(properties)
-            props[PROP_ARROW_SCHEMA] = encode_schema(schema)
-            check_properties(props)  # validate the caller's overrides before creating anything
-            config = StreamConfig.from_properties(props)
-            parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
-            avro_codec(props)
-            statistics_plan(iceberg_schema, props)  # and the column statistics' metrics modes
-            prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
-            props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=identifier if isinstance(identifier, str) else ".".join(identifier))
-            namespace = Catalog.namespace_from(identifier)
-            if namespace:
-                try:
-                    catalog.create_namespace(namespace)
-                except NamespaceAlreadyExistsError:
-                    pass
-                except Exception:  # another process created it between the catalog's check and its insert: a SQL
-                    if not catalog.namespace_exists(namespace):  # catalog raises the database's integrity error
-                        raise
-            try:
-                table = catalog.create_table(
-                    identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),
-                    location=location, properties=props,
-                )
-            except TableAlreadyExistsError:
+                return cls(create_table(catalog, identifier, schema=schema, arrow=arrow, world_size=world_size,
+                                        location=location, properties=properties))
+            except TableAlreadyExistsError:  # another process created it meanwhile
                 existing = cls.open(catalog, identifier)
-            except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
-                if transient(exc) or explain(exc, catalog.properties) is not None:
-                    raise  # a storage outage or credentials: config_errors explains those
-                where = (f"at location {location!r}" if location is not None else
-                         f"in catalog {catalog.name!r}'s warehouse {catalog.properties.get('warehouse')!r}")
-                fix = ("give a folder (or a prefix) of a storage the catalog's FileIO reaches (s3://bucket/path, "
-                       "file:///path)" if location is not None else
-                       f"set warehouse (in .pyiceberg.yaml or {env_name(catalog.name, 'warehouse')}) to a folder (or a "
-                       "prefix) of a storage the catalog's FileIO reaches, or pass location=")
-                error = ConfigError(f"cannot create stream {identifier} {where}: "
-                                    f"{redact(' '.join(str(exc).split())[:300], catalog.properties)}; {fix}")
-                error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
-                raise error from None
-            else:
-                return cls(table)
-        if existing.world_size != world_size or not existing.payload_arrow_schema.equals(schema):
-            raise StreamExistsError(
-                f"stream {identifier} already exists with world_size={existing.world_size} and schema "
-                f"{existing.payload_arrow_schema}; open it with Stream.open() or create a stream under another name"
-            )
-        asked = (properties or {}).get(PROP_LAYOUT)
-        if asked is not None and asked != existing.config.layout:
-            raise StreamExistsError(
-                f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
-                "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
-            )
-        differing = _not_applied(properties or {}, existing.table.metadata.properties)
-        if differing:  # returning the stream as it is ignored them without a word
-            raise StreamExistsError(
-                f"stream {identifier} already exists with {', '.join(differing)}: Stream.create sets properties only "
-                "when it creates the stream. Change them with pyiceberg (table.transaction().set_properties({...})"
-                ".commit_transaction(); docs/configuration.md says which take effect on a stream in use), or pass the "
-                "stream's values, or create a stream under another name"
-            )
+        check_existing(existing, identifier, schema=schema, world_size=world_size, properties=properties)
         return existing
 
     @classmethod

@@ -1,0 +1,164 @@
+"""Creating a stream's table, and checking a ``Stream.create`` call against a stream that exists already.
+
+:func:`create_table` makes the Iceberg table of a new stream: the payload schema converted to Iceberg's (refused with
+a :class:`~lakestream_iceberg.errors.SchemaMismatchError` where Iceberg cannot hold it), the layout's partition spec,
+and the table properties (lakestream's defaults, the caller's, the payload's Arrow schema), each checked before
+anything is made; the namespace is created when missing, and group commit's staging resolved where it can live.
+:func:`check_existing` refuses a call that asks an existing stream for another world size, schema, layout or property
+value: ``Stream.create`` opens such a stream as it is and never changes it.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from pyiceberg.catalog import Catalog
+from pyiceberg.exceptions import NamespaceAlreadyExistsError
+from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
+from pyiceberg.schema import assign_fresh_schema_ids
+from pyiceberg.table import Table
+
+from lakestream_iceberg.connect.catalog_settings import env_name
+from lakestream_iceberg.connect.diagnose import explain, redact, transient
+from lakestream_iceberg.connect.sqlite import prefer_wal
+from lakestream_iceberg.errors import ConfigError, SchemaMismatchError, StreamExistsError
+from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
+from lakestream_iceberg.format.layout import (
+    LAYOUT_PACKED,
+    LAYOUT_PER_RANK,
+    PACKED_FROM_WORLD_SIZE,
+    PROP_GROUP_STAGING,
+    PROP_LAYOUT,
+    StreamConfig,
+    partition_spec,
+)
+from lakestream_iceberg.format.properties import STAGING_AUTO, WORLD_SIZE, by_key, check_properties
+from lakestream_iceberg.format.table import PROP_ARROW_SCHEMA, StreamTable, encode_schema
+from lakestream_iceberg.write.intent_store import resolve_staging
+
+__all__ = ["check_existing", "check_property_strings", "create_table"]
+
+
+def check_property_strings(properties: object) -> None:
+    """Refuse ``properties`` that are no dict of strings to strings (None: none given)."""
+    if properties is not None and (not isinstance(properties, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
+        raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
+                          f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}")
+
+
+def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema: pa.Schema, arrow: pa.Schema,
+                 world_size: int, location: str | None, properties: dict[str, str] | None) -> Table:
+    """The new stream's table (``arrow``: ``schema`` as the table holds it, with the layout's columns).
+
+    Raises:
+        TableAlreadyExistsError: Another process created a table of that name meanwhile (pyiceberg's).
+        SchemaMismatchError: Iceberg (format version 2) cannot hold a payload column.
+        ConfigError: A property holds a value the stream cannot use, says another world size or schema than the
+            arguments, or the location (or the catalog's warehouse) is no folder the catalog's FileIO can write.
+    """
+    try:
+        iceberg_schema = assign_fresh_schema_ids(Catalog._convert_schema_if_needed(arrow))  # noqa: SLF001
+    except (UnsupportedPyArrowTypeException, ValueError) as exc:  # e.g. timestamp[ns], pa.null(), duration
+        raise SchemaMismatchError(
+            f"the payload schema is not one Iceberg (format version 2) can hold: {exc}. Cast that column to a "
+            "type it can (timestamps in us, int64 for durations, a concrete type for null) or rename the field "
+            "(struct fields a and a, a column 'a.b' beside a struct a's field b) before creating the stream"
+        ) from exc
+    layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
+    props = StreamConfig(world_size=world_size, layout=layout).to_properties()
+    if properties is not None:
+        _check_given_shape(properties, world_size=world_size, schema=schema)
+        props.update(properties)
+    props[PROP_ARROW_SCHEMA] = encode_schema(schema)
+    check_properties(props)  # validate the caller's overrides before creating anything
+    config = StreamConfig.from_properties(props)
+    parquet_options(props, strict=True)  # and the data and manifest file settings (write.parquet.*, write.avro.*)
+    avro_codec(props)
+    statistics_plan(iceberg_schema, props)  # and the column statistics' metrics modes
+    prefer_wal(catalog)  # before the intent table is made: its connections sync less only in WAL mode
+    name = identifier if isinstance(identifier, str) else ".".join(identifier)
+    props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=name)
+    namespace = Catalog.namespace_from(identifier)
+    if namespace:
+        try:
+            catalog.create_namespace(namespace)
+        except NamespaceAlreadyExistsError:
+            pass
+        except Exception:  # another process created it between the catalog's check and its insert: a SQL
+            if not catalog.namespace_exists(namespace):  # catalog raises the database's integrity error
+                raise
+    try:
+        return catalog.create_table(
+            identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),
+            location=location, properties=props,
+        )
+    except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
+        if transient(exc) or explain(exc, catalog.properties) is not None:
+            raise  # a storage outage or credentials: config_errors explains those
+        where = (f"at location {location!r}" if location is not None else
+                 f"in catalog {catalog.name!r}'s warehouse {catalog.properties.get('warehouse')!r}")
+        fix = ("give a folder (or a prefix) of a storage the catalog's FileIO reaches (s3://bucket/path, "
+               "file:///path)" if location is not None else
+               f"set warehouse (in .pyiceberg.yaml or {env_name(catalog.name, 'warehouse')}) to a folder (or a "
+               "prefix) of a storage the catalog's FileIO reaches, or pass location=")
+        error = ConfigError(f"cannot create stream {name} {where}: "
+                            f"{redact(' '.join(str(exc).split())[:300], catalog.properties)}; {fix}")
+        error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
+        raise error from None
+
+
+def check_existing(existing: StreamTable, identifier: object, *, schema: pa.Schema, world_size: int,
+                   properties: dict[str, str] | None) -> None:
+    """Refuse a ``Stream.create`` of ``existing`` that asks for another world size, schema, layout or property value.
+
+    Raises:
+        StreamExistsError: Naming what differs (the stream is opened as it is, never changed).
+        ConfigError: A property given holds a value no stream can use, or is a ``lakestream.*`` key lakestream does
+            not read.
+    """
+    if existing.world_size != world_size or not existing.payload_arrow_schema.equals(schema):
+        raise StreamExistsError(
+            f"stream {identifier} already exists with world_size={existing.world_size} and schema "
+            f"{existing.payload_arrow_schema}; open it with Stream.open() or create a stream under another name"
+        )
+    asked = (properties or {}).get(PROP_LAYOUT)
+    if asked is not None and asked != existing.config.layout:
+        raise StreamExistsError(
+            f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
+            "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
+        )
+    differing = _not_applied(properties or {}, existing.table.metadata.properties)
+    if differing:  # returning the stream as it is ignored them without a word
+        raise StreamExistsError(
+            f"stream {identifier} already exists with {', '.join(differing)}: Stream.create sets properties only "
+            "when it creates the stream. Change them with pyiceberg (table.transaction().set_properties({...})"
+            ".commit_transaction(); docs/configuration.md says which take effect on a stream in use), or pass the "
+            "stream's values, or create a stream under another name"
+        )
+
+
+def _check_given_shape(properties: dict[str, str], *, world_size: int, schema: pa.Schema) -> None:
+    """Refuse ``properties`` that say another world size or schema than the arguments: the property won over the
+    argument (a stream of world size 3 made by ``world_size=1``)."""
+    given = properties.get(WORLD_SIZE.key)
+    if given is not None and WORLD_SIZE.parse(given) != world_size:
+        raise ConfigError(f"properties set {WORLD_SIZE.key}={given!r} but world_size={world_size}: pass the world size "
+                          f"as world_size= only (leave {WORLD_SIZE.key} out of properties)")
+    if PROP_ARROW_SCHEMA in properties and properties[PROP_ARROW_SCHEMA] != encode_schema(schema):
+        raise ConfigError(f"properties set {PROP_ARROW_SCHEMA}, which is not the schema= given: pass the schema as "
+                          f"schema= only (leave {PROP_ARROW_SCHEMA} out of properties)")
+
+
+def _not_applied(given: dict[str, str], current: dict[str, str]) -> list[str]:
+    """``key=current (not given)`` for each property of ``given`` the existing stream does not have (a lakestream or
+    Iceberg property it reads: by value, its default standing for an absent one)."""
+    check_properties(given)
+    differing = []
+    for key, value in given.items():
+        prop = by_key(key)
+        if key == PROP_GROUP_STAGING and value == STAGING_AUTO or key == "format-version":
+            continue  # Stream.create stored what "auto" resolved to; pyiceberg keeps the format version apart
+        same = prop.get({key: value}) == prop.get(current) if prop is not None else current.get(key) == value
+        if not same:
+            differing.append(f"{key}={current.get(key)!r} (not {value!r})")
+    return differing
