@@ -82,6 +82,7 @@ from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION, GC_ENABLED
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
+from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.intent import STAGING_DIR
 from lakestream_iceberg.write.plan import Done, Plan
@@ -383,7 +384,16 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     ``expire_intents(older_than_s, delete)``: catalog staging's intent rows older than the grace period (their rows are
     no files the sweep finds), or None where intents are files.
     """
-    metadata = loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_s)
+    def head() -> TableMetadata:
+        return loop.refresh(deadline=time.monotonic() + stream.config.commit_timeout_s)
+
+    def read_head() -> tuple[TableMetadata, set[str]]:
+        metadata = head()
+        return metadata, known_files(stream, metadata)
+
+    # Another GC running at the same time may delete files of the head this one read (snapshots it expired): each read
+    # of the head's files is made once more on the head read again, as reads and commits do (format/table.py's after_gc)
+    metadata, known = after_gc(read_head, refresh=lambda: None)
     if not dry_run and not GC_ENABLED.get(metadata.properties):
         raise LifecycleError(
             f"{stream.name} has table property {GC_ENABLED.key}=false: another engine or a person marked its files as "
@@ -391,17 +401,19 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
             "and remove_orphan_files refuse such tables), and lakestream gc deletes files. Nothing was committed or "
             f"deleted. Set {GC_ENABLED.key}=true once no other table references its files; dry runs still report"
         )
-    known = known_files(stream, metadata)
     rebase = awaiting_rebase(metadata)
     if rebase:
         log.warning("GC of %s keeps every producer-state file: branches %s lost the snapshots recording their state "
                     "to another engine's expiry, and stream.repair() reads it back with the files it lists; run "
                     "repair, then GC again", stream.name, rebase)
     if dry_run:
-        plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
-                                                 write=False)
-        keep = kept_after_dry_run(stream, metadata, stream.table.metadata_location, plan.result, collected,
-                                  snapshots_expired(plan) | deferred)
+        def survey(metadata: TableMetadata) -> tuple[Plan[GCReport], set[str]]:
+            plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
+                                                     write=False)
+            return plan, kept_after_dry_run(stream, metadata, stream.table.metadata_location, plan.result, collected,
+                                            snapshots_expired(plan) | deferred)
+
+        plan, keep = after_gc(lambda: survey(metadata), refresh=lambda: None, again=lambda: survey(head()))
         sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
               delete=False, keep_producer_state=bool(rebase))
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
@@ -414,7 +426,9 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     report = outcome.result
     expiry = loop.run(lambda md, _: plan_expire(stream, md), pace=False)
     report.snapshots_expired += expiry.result
-    keep = referenced_files(stream.io, expiry.metadata, stream.table.metadata_location, stream)
+    keep = after_gc(lambda: referenced_files(stream.io, expiry.metadata, stream.table.metadata_location, stream),
+                    refresh=lambda: None,
+                    again=lambda: referenced_files(stream.io, head(), stream.table.metadata_location, stream))
     known |= {norm(p) for p in outcome.abandoned_files}
     sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True,
           keep_producer_state=bool(rebase))

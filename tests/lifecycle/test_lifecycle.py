@@ -8,6 +8,7 @@ from datetime import timedelta
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pyiceberg.table.update import RemoveSnapshotRefUpdate
 
 from lakestream_iceberg import CheckpointError, LifecycleError, StepCollectedError, Stream
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
@@ -387,3 +388,66 @@ def test_release_and_fork_that_lose_a_race_while_main_holds_another_engines_chan
     assert stream.fork("c4", branch="clean").step == 4
     assert len(swaps) == 6
     assert sorted(stream.refresh().table.metadata.refs) == ["c4", "clean", "main"]
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_gc_whose_view_another_gc_collected_meanwhile_finishes(tmp_path, dry_run: bool) -> None:
+    """Two GCs at once (a scheduled one and the CLI, or two jobs' own): the second read the head, then the first
+    expired snapshots of that head and deleted their manifest lists before the second read them. The second raised
+    pyarrow's raw FileNotFoundError; it reads the head again, as reads and commits do, and finishes."""
+    catalog = sqlite_catalog(str(tmp_path))
+    # no manifest cache: the two GCs share this process, where a cached manifest list would hide its deletion
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.manifest.cache-bytes": "0"})
+    publish(stream, "p", 8)
+    stream.checkpoint("a", step=3)
+    stream.checkpoint("b", step=6)
+    other = Stream.open(catalog, "ns.stream")  # the first GC, another process's view
+    first: list[object] = []
+    io = stream.table.io
+    new_input = io.new_input
+
+    def read_after_the_other_gc(location: str):  # noqa: ANN202 - FileIO's own signature
+        if not first and "/snap-" in location:  # this GC reads its first manifest list: the other one runs first
+            first.append(other.collect_garbage(dry_run=False, keep_last=1))
+        return new_input(location)
+
+    io.new_input = read_after_the_other_gc  # type: ignore[method-assign]
+    report = stream.collect_garbage(dry_run=dry_run, keep_last=1)
+    assert first and first[0].collected_below == {"main": 6}, "the other GC did not run first"
+    assert report.collected_below == {} and report.released_checkpoints == []  # nothing left to do
+    assert [c.name for c in stream.checkpoints()] == ["b"]
+    for step in range(6, 9):
+        for rank in range(2):
+            assert digest(stream.read(step, rank=rank)) == digest(batch("p", step - 1, 2)[rank])
+    with pytest.raises(StepCollectedError):
+        stream.read(5, rank=0)
+
+
+def test_a_gc_whose_expired_head_another_gc_swept_before_its_own_sweep_finishes(tmp_path) -> None:
+    """The same race later in a GC: after its last commit it lists what the new head references; a producer's commit
+    (expiring snapshots in passing) and another GC's sweep, in between, deleted manifest lists that head still listed."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.manifest.cache-bytes": "0", "lakestream.snapshots.retain-last": "2"})
+    publish(stream, "p", 8)
+    stream.checkpoint("a", step=3)
+    stream.checkpoint("b", step=6)
+    catalog = sqlite_catalog(str(tmp_path))  # this GC's own catalog: only its commits pass through the hook below
+    gc = Stream.open(catalog, "ns.stream")
+    other: list[object] = []
+    commit_table = catalog.commit_table
+
+    def then_the_others(table, requirements, updates):  # type: ignore[no-untyped-def]  # noqa: ANN202
+        response = commit_table(table, requirements, updates)
+        if not other and not any(isinstance(u, RemoveSnapshotRefUpdate) for u in updates):  # GC's second commit landed
+            publish(stream, "q", 3)  # each commit expires snapshots beyond the newest 2 in passing
+            other.append(stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True))
+        return response
+
+    catalog.commit_table = then_the_others  # type: ignore[method-assign]
+    report = gc.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert other and report.collected_below == {"main": 6} and report.released_checkpoints == ["a"]
+    assert [c.name for c in stream.checkpoints()] == ["b"]
+    for step in range(6, 12):
+        producer, seq = ("p", step - 1) if step <= 8 else ("q", step - 9)
+        assert digest(stream.read(step, rank=1)) == digest(batch(producer, seq, 2)[1])
