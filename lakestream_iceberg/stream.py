@@ -52,7 +52,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import WORLD_SIZE
+from lakestream_iceberg.format.properties import GC_ENABLED, WORLD_SIZE
 from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
@@ -249,6 +249,8 @@ class Stream(StreamTable):
 
         Raises:
             ConfigError: ``identifier`` is not ``"namespace.name"``, or ``purge`` is not a bool.
+            LifecycleError: ``purge=True`` on a table whose ``gc.enabled`` is false (its files may be shared; nothing
+                is dropped).
             NotAStreamError: The table is a plain Iceberg table, not a stream (nothing is dropped).
             StreamNotFoundError: No table has that name (also pyiceberg's ``NoSuchTableError``).
             Exception: The catalog's database unreachable after the table was dropped, unchanged; the intents and
@@ -257,6 +259,14 @@ class Stream(StreamTable):
         """
         check_bool(purge, what="purge")
         stream = cls.open(catalog, identifier)  # a plain Iceberg table is refused before anything is dropped
+        if purge and not GC_ENABLED.get(stream.table.metadata.properties):
+            stream.close()
+            raise LifecycleError(
+                f"stream {stream.name} has table property {GC_ENABLED.key}=false: its files may be shared with other "
+                "tables (Spark's snapshot and migrate procedures set it), so purging them could break those; Iceberg's "
+                "own purge refuses it too. Nothing was dropped. Drop it without purge=True, or set "
+                f"{GC_ENABLED.key}=true once no other table references its files"
+            )
         root = stream.staging.root
         retry_s = stream.config.io_retry_timeout_s
         positions = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)

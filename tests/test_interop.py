@@ -533,6 +533,22 @@ def test_lifecycle_gc_refuses_a_table_whose_gc_another_engine_disabled(tmp_path:
     assert report.collected_below == {"main": 6} and report.files_deleted.get("data", 0) > 0
 
 
+def test_a_purge_of_a_table_whose_gc_another_engine_disabled_is_refused(tmp_path: Path) -> None:
+    """Stream.drop(purge=True) deleted every file of a table marked gc.enabled=false (its files may be shared with
+    other tables), where Iceberg's own purge refuses: it is a LifecycleError and nothing is dropped or deleted."""
+    stream, before = published(make(tmp_path))
+    with stream.table.transaction() as tx:
+        tx.set_properties({"gc.enabled": "false"})
+    files = {p for p in (tmp_path / "warehouse").rglob("*") if p.is_file()}
+    catalog = stream.table.catalog
+    with pytest.raises(LifecycleError, match="gc.enabled=false.*Nothing was dropped"):
+        Stream.drop(catalog, stream.name, purge=True)
+    assert {p for p in (tmp_path / "warehouse").rglob("*") if p.is_file()} == files
+    assert {step: rows_of(Stream.open(catalog, stream.name), step) for step in range(1, 9)} == before
+    Stream.drop(catalog, stream.name)  # without purge: the catalog entry goes, every file stays
+    assert not catalog.table_exists(stream.name) and files <= {p for p in (tmp_path / "warehouse").rglob("*")}
+
+
 def test_lifecycle_gc_keeps_the_snapshots_age_retention_keeps(tmp_path: Path) -> None:
     """A streaming reader of another engine stopped at a snapshot from before a GC still finds it: GC collects the
     steps below the checkpoint from the head, and expires only what age retention lets go."""

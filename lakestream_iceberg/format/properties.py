@@ -362,7 +362,7 @@ GC_GRACE = DurationProperty(
 GC_ENABLED = BoolProperty(
     key="gc.enabled", default=True, default_by="Iceberg", change=LIVE,
     doc="false (Iceberg: the files may be shared with other tables): lakestream gc refuses to run, as Spark's "
-        "expire_snapshots and remove_orphan_files do; dry runs still report.")
+        "expire_snapshots and remove_orphan_files do (dry runs still report), and Stream.drop(purge=True) refuses.")
 CONSUMERS_RETENTION = DurationProperty(
     key="lakestream.consumers.retention-ms", default=604_800_000, minimum=60_000, change=REOPEN,
     doc="A consumer group's recorded positions are deleted once none of its ranks has reported for this long.")
