@@ -160,11 +160,11 @@ class Stream(StreamTable):
 
         Raises:
             ConfigError: ``catalog`` is not a pyiceberg catalog; ``identifier`` is not ``"namespace.name"`` (no empty
-                part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes); ``location`` is
-                not a URI or an absolute path, or no folder can be made there (or in the catalog's warehouse);
-                ``world_size`` is not in 1..2**31-1; a property holds a value the stream cannot use, says another world
-                size or schema than the arguments, or is a ``lakestream.*`` key lakestream does not read (each names
-                the property).
+                part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes; a nested
+                namespace over 255 bytes with its parts joined by ``.``); ``location`` is not a URI or an absolute
+                path, or no folder can be made there (or in the catalog's warehouse); ``world_size`` is not in
+                1..2**31-1; a property holds a value the stream cannot use, says another world size or schema than the
+                arguments, or is a ``lakestream.*`` key lakestream does not read (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size, or another value of a
                 property given (``properties`` apply only to a stream created here).
             NotAStreamError: A plain Iceberg table of that name exists.
