@@ -22,6 +22,7 @@ from pyiceberg.exceptions import (
 )
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
+from pyiceberg.table.refs import SnapshotRefType
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
@@ -609,6 +610,11 @@ class Stream(StreamTable):
         timeout = check_seconds(timeout, what="timeout")  # None or NaN waited forever, text raised TypeError
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)  # 0 polled the catalog in a busy loop
         self.require_ref(branch, doing="cannot wait for a step of")  # a misspelt branch waited out the timeout
+        ref = self.table.metadata.refs.get(branch)
+        if ref is not None and ref.snapshot_ref_type != SnapshotRefType.BRANCH:  # a checkpoint's tag reads as what it
+            head = self.branch_state(branch=branch).step  # pins (it never moves): a step it holds is there already
+            if head >= step:
+                return head
         watcher = HeadWatcher(self, branch=branch)
         try:
             deadline = time.monotonic() + timeout
