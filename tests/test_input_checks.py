@@ -463,6 +463,16 @@ def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location
                          location=str(tmp_path / "elsewhere")).table.metadata.location == str(tmp_path / "elsewhere")
 
 
+def test_a_hadoop_style_file_uri_location_is_taken(tmp_path: Path) -> None:
+    """'file:/abs/path' (one slash: how Spark and Hadoop write a local table's location) is a URI pyiceberg reads,
+    yet the location check refused it as a relative path."""
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, location=f"file:{tmp_path}/hadoop")
+    assert stream.table.metadata.location == f"file:{tmp_path}/hadoop" and (tmp_path / "hadoop" / "metadata").is_dir()
+    with pytest.raises(ConfigError, match="relative path"):
+        Stream.create(catalog, "ns.t", schema=SCHEMA, world_size=1, location="file:relative/dir")
+
+
 def test_a_misspelt_branch_is_refused_by_reads_instead_of_read_as_empty(tmp_path: Path) -> None:
     """head_step said 0, read said the step was not published yet (use wait_for), and wait_for waited out its
     timeout: a branch that does not exist is an error, as for datasets and producers."""

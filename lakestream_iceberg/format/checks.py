@@ -133,7 +133,9 @@ def check_location(location: object) -> str | None:
     if not isinstance(location, str) or not location.strip():
         raise ConfigError(f"location must be a URI (s3://bucket/path, file:///path) or an absolute path, or None for "
                           f"the catalog's warehouse, got {location!r}")
-    if "://" not in location and not location.startswith("/") and not re.match(r"[A-Za-z]:[\\/]", location):
+    # a URI (s3://b/p, and file:/abs/p as Spark and Hadoop write a local location), an absolute path or a drive's
+    if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", location) and not location.startswith("/") and \
+            not re.match(r"[A-Za-z]:\\", location):
         raise ConfigError(f"location {location!r} is a relative path: each process would resolve it from its own "
                           "working directory; give a URI (s3://bucket/path, file:///path) or an absolute path")
     return location
