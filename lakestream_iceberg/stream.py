@@ -22,6 +22,7 @@ from pyiceberg.exceptions import (
 )
 from pyiceberg.schema import Schema
 from pyiceberg.table import Table
+from pyiceberg.table.refs import SnapshotRefType
 
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
@@ -160,11 +161,11 @@ class Stream(StreamTable):
 
         Raises:
             ConfigError: ``catalog`` is not a pyiceberg catalog; ``identifier`` is not ``"namespace.name"`` (no empty
-                part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes); ``location`` is
-                not a URI or an absolute path, or no folder can be made there (or in the catalog's warehouse);
-                ``world_size`` is not in 1..2**31-1; a property holds a value the stream cannot use, says another world
-                size or schema than the arguments, or is a ``lakestream.*`` key lakestream does not read (each names
-                the property).
+                part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes; a nested
+                namespace over 255 bytes with its parts joined by ``.``); ``location`` is not a URI or an absolute
+                path, or no folder can be made there (or in the catalog's warehouse); ``world_size`` is not in
+                1..2**31-1; a property holds a value the stream cannot use, says another world size or schema than the
+                arguments, or is a ``lakestream.*`` key lakestream does not read (each names the property).
             StreamExistsError: A stream of that name exists with another schema or world size, or another value of a
                 property given (``properties`` apply only to a stream created here).
             NotAStreamError: A plain Iceberg table of that name exists.
@@ -619,6 +620,11 @@ class Stream(StreamTable):
         timeout = check_seconds(timeout, what="timeout")  # None or NaN waited forever, text raised TypeError
         poll_s = check_seconds(poll_s, what="poll_s", minimum=1e-3)  # 0 polled the catalog in a busy loop
         self.require_ref(branch, doing="cannot wait for a step of")  # a misspelt branch waited out the timeout
+        ref = self.table.metadata.refs.get(branch)
+        if ref is not None and ref.snapshot_ref_type != SnapshotRefType.BRANCH:  # a checkpoint's tag reads as what it
+            head = self.branch_state(branch=branch).step  # pins (it never moves): a step it holds is there already
+            if head >= step:
+                return head
         watcher = HeadWatcher(self, branch=branch)
         try:
             deadline = time.monotonic() + timeout

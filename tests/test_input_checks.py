@@ -402,6 +402,16 @@ def test_two_names_that_map_to_one_folder_are_refused_before_anything_is_made(tm
     assert first.head_step() == 0
 
 
+def test_a_nested_namespace_too_long_for_one_folder_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """A nested namespace is one folder of the location, its parts joined by '.' (<warehouse>/a.b/name): two parts of
+    200 bytes each passed, and creating failed midway (the namespaces made) blaming the catalog's warehouse."""
+    catalog = sqlite_catalog(str(tmp_path))
+    with pytest.raises(ConfigError, match="namespace .* longer than 255 bytes.*folder of the stream's location"):
+        Stream.create(catalog, ("a" * 200, "b" * 200, "s"), schema=SCHEMA, world_size=1)
+    assert catalog.list_namespaces() == []
+    assert Stream.create(catalog, ("a" * 120, "b" * 120, "s"), schema=SCHEMA, world_size=1).head_step() == 0
+
+
 @pytest.mark.parametrize("catalog", [None, "default", {"uri": "sqlite://"}])
 def test_a_catalog_that_is_no_catalog_is_a_config_error(catalog: object) -> None:
     for call in (lambda: Stream.open(catalog, "ns.s"),  # type: ignore[arg-type]
@@ -451,6 +461,16 @@ def test_a_location_that_is_no_folder_is_a_config_error(tmp_path: Path, location
     assert catalog.list_tables("ns") == [] if catalog.list_namespaces() else True
     assert Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1,
                          location=str(tmp_path / "elsewhere")).table.metadata.location == str(tmp_path / "elsewhere")
+
+
+def test_a_hadoop_style_file_uri_location_is_taken(tmp_path: Path) -> None:
+    """'file:/abs/path' (one slash: how Spark and Hadoop write a local table's location) is a URI pyiceberg reads,
+    yet the location check refused it as a relative path."""
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1, location=f"file:{tmp_path}/hadoop")
+    assert stream.table.metadata.location == f"file:{tmp_path}/hadoop" and (tmp_path / "hadoop" / "metadata").is_dir()
+    with pytest.raises(ConfigError, match="relative path"):
+        Stream.create(catalog, "ns.t", schema=SCHEMA, world_size=1, location="file:relative/dir")
 
 
 def test_a_misspelt_branch_is_refused_by_reads_instead_of_read_as_empty(tmp_path: Path) -> None:

@@ -306,8 +306,9 @@ def load_catalog(name: str, **properties: str) -> Any:
     check_env_reaches(name, os.environ)  # PYICEBERG_CATALOG__MY_CAT__* configures my-cat, not my_cat
     given, dashed = resolve(name, _configured(name) or {}, properties)
     # pyiceberg merges the configuration it read at import: a variable set (or a file changed) since then was dropped
-    # without a word, and the file's catalog used; what changed is passed on, the call's own arguments still winning
-    given = {**_changed_since_import(name), **given}
+    # without a word and the file's catalog used, and one unset since was still used; it gets the configuration as it
+    # is now, the call's own arguments still winning
+    _install_current_config()
     # the messages quote the settings pyiceberg used (config file and environment too), e.g. the uri it could not reach
     with config_errors(_merged(name, given) or given, action=f"loading catalog {name!r}", catalog=name):
         catalog = _load(name, **given)
@@ -331,16 +332,16 @@ def _configured(name: str) -> dict[str, Any] | None:
         return None
 
 
-def _changed_since_import(name: str) -> dict[str, Any]:
-    """The settings of catalog ``name`` that differ from what pyiceberg read at import (and would merge in itself)."""
+def _install_current_config() -> None:
+    """Give pyiceberg the configuration (``.pyiceberg.yaml`` and ``PYICEBERG_*``) as it is now, in place of what it read
+    at import (kept where its config helpers moved or the configuration cannot be read)."""
     try:
-        from pyiceberg.catalog import _ENV_CONFIG
+        import pyiceberg.catalog
+        from pyiceberg.utils.config import Config
 
-        at_import = dict(_ENV_CONFIG.get_catalog_config(name) or {})
-    except Exception:  # noqa: BLE001 - its config helpers moved: pass on the whole current configuration
-        at_import = {}
-    now = _configured(name) or {}
-    return {key: value for key, value in now.items() if at_import.get(key) != value}
+        pyiceberg.catalog._ENV_CONFIG = Config()  # type: ignore[attr-defined]  # noqa: SLF001
+    except Exception:  # noqa: BLE001 - its config helpers moved, or an entry that is no mapping (pyiceberg says so)
+        pass
 
 
 def _merged(name: str, properties: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -103,7 +103,8 @@ _PART_BYTES = 255
 
 def check_new_identifier(identifier: str | tuple[str, ...]) -> None:
     """Refuse a checked identifier (:func:`check_identifier`) whose parts cannot each be one folder name of the new
-    stream's location: a ``/``, a control character, or more than 255 bytes (UTF-8) in a part."""
+    stream's location: a ``/``, a control character, or more than 255 bytes (UTF-8) in a part or in a nested
+    namespace's parts joined by ``.`` (one folder: ``<warehouse>/a.b/name``)."""
     parts = identifier.split(".") if isinstance(identifier, str) else identifier
     for part in parts:
         problem = ("holds a path separator ('/' or '\\')" if "/" in part or "\\" in part
@@ -115,6 +116,12 @@ def check_new_identifier(identifier: str | tuple[str, ...]) -> None:
                 f"cannot create a stream named {identifier!r}: the part {part[:40]!r}{'...' if len(part) > 40 else ''} "
                 f"{problem}; each part of 'namespace.name' becomes a folder of the stream's location, so use at most "
                 f"{_PART_BYTES} bytes without '/', '\\' or control characters (e.g. 'train.run_42')")
+    namespace = ".".join(parts[:-1])  # a nested namespace is one folder, its parts joined by '.' (pyiceberg's)
+    if len(namespace.encode("utf-8", "surrogatepass")) > _PART_BYTES:
+        raise ConfigError(
+            f"cannot create a stream named {identifier!r}: its namespace {namespace[:40]!r}... is longer than "
+            f"{_PART_BYTES} bytes with its parts joined by '.', and it becomes one folder of the stream's location; "
+            "use a shorter namespace (e.g. 'train.run_42')")
 
 
 def check_location(location: object) -> str | None:
@@ -126,7 +133,9 @@ def check_location(location: object) -> str | None:
     if not isinstance(location, str) or not location.strip():
         raise ConfigError(f"location must be a URI (s3://bucket/path, file:///path) or an absolute path, or None for "
                           f"the catalog's warehouse, got {location!r}")
-    if "://" not in location and not location.startswith("/") and not re.match(r"[A-Za-z]:[\\/]", location):
+    # a URI (s3://b/p, and file:/abs/p as Spark and Hadoop write a local location), an absolute path or a drive's
+    if not re.match(r"[A-Za-z][A-Za-z0-9+.-]*:/", location) and not location.startswith("/") and \
+            not re.match(r"[A-Za-z]:\\", location):
         raise ConfigError(f"location {location!r} is a relative path: each process would resolve it from its own "
                           "working directory; give a URI (s3://bucket/path, file:///path) or an absolute path")
     return location

@@ -175,13 +175,20 @@ class HeadWatcher:
 
     def _check_branch(self) -> None:
         """Refuse (:class:`ReadError`) a followed branch that another engine or a person dropped, or replaced by a tag:
-        no step would ever be published on it, and a tag's snapshot read as its head is no branch's state."""
+        no step would ever be published on it, and a tag's snapshot read as its head is no branch's state; and a
+        checkpoint's tag followed as a branch (it never moves)."""
         ref = self._stream.table.metadata.refs.get(self._branch)
         if ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH:
             self._had_branch = True
             return
         if ref is None and not self._had_branch:
             return  # main of a stream with no step yet, or a fork about to be made
+        if not self._had_branch:  # a tag from the start: no engine replaced anything
+            raise ReadError(
+                f"{self._branch!r} of {self._stream.name} is a checkpoint's tag, not a branch: it pins step "
+                f"{self.head()[0]} and never moves, so no later step will be published on it. Wait on or follow a "
+                "branch (the checkpoint's own, or a fork of it: stream.fork(checkpoint, branch=...))"
+            )
         what = "is a tag now, not a branch" if ref is not None else "no longer exists"
         raise ReadError(
             f"branch {self._branch!r} of {self._stream.name} {what}: another engine or a person "

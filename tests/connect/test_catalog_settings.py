@@ -234,3 +234,18 @@ def test_a_variable_set_after_import_is_not_dropped_for_the_files_catalog(tmp_pa
         (home / ".pyiceberg.yaml").write_text("catalog:\n  late: {uri: flow}\n")  # edited since import: not parseable
         with pytest.raises(ConfigError, match=r"\.pyiceberg\.yaml cannot be read"):
             load_catalog("late")
+
+
+def test_a_variable_unset_after_import_is_not_used(tmp_path: Path) -> None:
+    """A PYICEBERG_CATALOG__* variable unset since import (or a key removed from the file) was still merged in by
+    pyiceberg from what it read at import: the catalog is loaded with the settings as they are at the call."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(tmp_path))  # no .pyiceberg.yaml there
+        mp.setenv("PYICEBERG_CATALOG__GONE__URI", f"sqlite:///{tmp_path}/a.db")
+        mp.setenv("PYICEBERG_CATALOG__GONE__WAREHOUSE", f"file://{tmp_path}/old")
+        mp.setattr(pyiceberg.catalog, "_ENV_CONFIG", Config())  # what the process read at import
+        assert load_catalog("gone").properties["warehouse"] == f"file://{tmp_path}/old"
+        mp.delenv("PYICEBERG_CATALOG__GONE__WAREHOUSE")  # unset after import
+        catalog = load_catalog("gone")
+        assert "warehouse" not in catalog.properties, catalog.properties
+        catalog.engine.dispose()

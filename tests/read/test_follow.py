@@ -173,5 +173,22 @@ def test_a_followed_branch_another_engine_drops_ends_the_follow_with_a_read_erro
     stream.table.manage_snapshots().remove_branch("g").create_tag(anchor, "g").commit()
     with pytest.raises(ReadError, match="branch 'g' of ns.drop is a tag now"):
         watcher.check()
-    with pytest.raises(ReadError, match="is a tag now"):
+    with pytest.raises(ReadError, match="is a checkpoint's tag, not a branch"):
         stream.wait_for(5, branch="c1", timeout=600)  # a tag is never followed as a branch
+
+
+def test_waiting_for_a_step_a_checkpoint_tag_already_holds_returns_it(tmp_path: Path) -> None:
+    """A checkpoint's tag reads as what it pins (head_step, read): wait_for of a step it holds returned at once, until
+    the dropped-branch check raised 'is a tag now ... another engine replaced it' for a tag that never was a branch.
+    A step past the tag is still refused, as a tag, not as a replaced branch."""
+    from lakestream_iceberg import ReadError
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.tag", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, 2), seq=seq)
+    stream.checkpoint("c2", step=2)
+    assert stream.head_step(branch="c2") == 2
+    assert stream.wait_for(2, branch="c2", timeout=600) == 2
+    with pytest.raises(ReadError, match="'c2' of ns.tag is a checkpoint's tag, not a branch: it pins step 2"):
+        stream.wait_for(3, branch="c2", timeout=600)
