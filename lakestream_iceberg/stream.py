@@ -53,10 +53,10 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import GC_ENABLED, WORLD_SIZE
+from lakestream_iceberg.format.properties import WORLD_SIZE
 from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
-from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds
+from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds, refuse_shared_files
 from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -198,7 +198,11 @@ class Stream(StreamTable):
                                         location=location, properties=properties))
             except TableAlreadyExistsError:  # another process created it meanwhile
                 existing = cls.open(catalog, identifier)
-        check_existing(existing, identifier, schema=schema, world_size=world_size, properties=properties)
+        try:
+            check_existing(existing, identifier, schema=schema, world_size=world_size, properties=properties)
+        except Exception:
+            existing.close()  # refused: the stream opened to compare holds connections of its own
+            raise
         return existing
 
     @classmethod
@@ -260,14 +264,13 @@ class Stream(StreamTable):
         """
         check_bool(purge, what="purge")
         stream = cls.open(catalog, identifier)  # a plain Iceberg table is refused before anything is dropped
-        if purge and not GC_ENABLED.get(stream.table.metadata.properties):
-            stream.close()
-            raise LifecycleError(
-                f"stream {stream.name} has table property {GC_ENABLED.key}=false: its files may be shared with other "
-                "tables (Spark's snapshot and migrate procedures set it), so purging them could break those; Iceberg's "
-                "own purge refuses it too. Nothing was dropped. Drop it without purge=True, or set "
-                f"{GC_ENABLED.key}=true once no other table references its files"
-            )
+        if purge:
+            try:
+                refuse_shared_files(stream.table.metadata.properties, stream.name, doing="purge=True deletes them",
+                                    left="Nothing was dropped", instead="or drop it without purge=True")
+            except LifecycleError:
+                stream.close()
+                raise
         root = stream.staging.root
         retry_s = stream.config.io_retry_timeout_s
         positions = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)

@@ -50,7 +50,7 @@ import logging
 import posixpath
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
@@ -90,7 +90,7 @@ from lakestream_iceberg.write.plan import Done, Plan
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["GCReport", "check_policy", "collect_garbage", "grace_seconds"]
+__all__ = ["GCReport", "check_policy", "collect_garbage", "grace_seconds", "refuse_shared_files"]
 
 log = logging.getLogger(__name__)
 
@@ -373,6 +373,20 @@ def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short:
     return grace.total_seconds()
 
 
+def refuse_shared_files(properties: Mapping[str, str], name: str, *, doing: str, left: str, instead: str) -> None:
+    """Refuse (:class:`LifecycleError`) to delete the files of a table whose ``gc.enabled`` is false: Iceberg's mark of
+    files possibly shared with other tables (Spark's snapshot and migrate procedures set it; Spark's expire_snapshots,
+    remove_orphan_files and purge refuse such tables)."""
+    if GC_ENABLED.get(properties):
+        return
+    raise LifecycleError(
+        f"{name} has table property {GC_ENABLED.key}=false: another engine or a person marked its files as possibly "
+        "shared with other tables (Spark's snapshot and migrate procedures set it; Spark's expire_snapshots, "
+        f"remove_orphan_files and Iceberg's purge refuse such tables), and {doing}. {left}. Set {GC_ENABLED.key}=true "
+        f"once no other table references its files; {instead}"
+    )
+
+
 def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, keep_last: int | None,
                     keep_within: timedelta | None, grace_s: float,
                     expire_intents: Callable[[float, bool], list[str]] | None = None) -> GCReport:
@@ -394,13 +408,9 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     # Another GC running at the same time may delete files of the head this one read (snapshots it expired): each read
     # of the head's files is made once more on the head read again, as reads and commits do (format/table.py's after_gc)
     metadata, known = after_gc(read_head, refresh=lambda: None)
-    if not dry_run and not GC_ENABLED.get(metadata.properties):
-        raise LifecycleError(
-            f"{stream.name} has table property {GC_ENABLED.key}=false: another engine or a person marked its files as "
-            "possibly shared with other tables (Spark's snapshot and migrate procedures set it; Spark's expire_snapshots "
-            "and remove_orphan_files refuse such tables), and lakestream gc deletes files. Nothing was committed or "
-            f"deleted. Set {GC_ENABLED.key}=true once no other table references its files; dry runs still report"
-        )
+    if not dry_run:
+        refuse_shared_files(metadata.properties, stream.name, doing="lakestream gc deletes files",
+                            left="Nothing was committed or deleted", instead="dry runs still report")
     rebase = awaiting_rebase(metadata)
     if rebase:
         log.warning("GC of %s keeps every producer-state file: branches %s lost the snapshots recording their state "
