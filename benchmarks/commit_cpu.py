@@ -11,6 +11,11 @@ the process's CPU (user and system, from ``getrusage``) and the calling thread's
 A local warehouse on a disk and one on tmpfs (``/dev/shm``, when there is one) run in alternating rounds: the
 system time of writing the data file into the page cache depends on the file system and the machine's load, the
 rest does not.
+
+Each warehouse also runs ``cold`` (unless ``--evict-mib 0``): before every commit the producer sweeps ``--evict-mib``
+(16) MiB of float32 arrays through the CPU as preprocessing does (numpy, outside the measurement), so the commit finds
+its code and data out of the caches, as it does in a producer that prepares every batch (``busy_producers.py``); the
+CPU is then counted around each commit only.
 """
 
 from __future__ import annotations
@@ -87,8 +92,22 @@ def batches(batch_bytes: int, world_size: int, count: int) -> list[list[pa.Table
     return out
 
 
+class Sweep:
+    """What a preprocessing producer does to the caches between two commits: ``mib`` MiB of float32 arrays read and
+    written by numpy (two passes)."""
+
+    def __init__(self, mib: int) -> None:
+        self.a = np.ones(mib * (1 << 20) // 8, np.float32)  # two arrays of mib / 2 each
+        self.b = np.empty_like(self.a)
+
+    def __call__(self) -> None:
+        for _ in range(2):
+            np.multiply(self.a, np.float32(0.5), out=self.b)
+            np.add(self.b, np.float32(0.5), out=self.a)  # stays 1.0: no overflow however many sweeps
+
+
 def one_round(root: Path, *, pool: list[list[pa.Table]], commits: int, warmup: int, world_size: int,
-              clock: PhaseClock) -> dict[str, float]:
+              clock: PhaseClock, sweep: Sweep | None = None) -> dict[str, float]:
     catalog = sqlite_catalog(root)
     Stream.create(catalog, "bench.commit_cpu", schema=SCHEMA, world_size=world_size,
                   properties={"write.parquet.compression-codec": "uncompressed"})
@@ -97,19 +116,23 @@ def one_round(root: Path, *, pool: list[list[pa.Table]], commits: int, warmup: i
     try:
         for i in range(warmup):
             producer.commit(pool[i % len(pool)])
+        user = system = thread = wall = 0.0
         with clock.counting():
-            before, wall = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-            thread = time.thread_time()
             for i in range(commits):
+                if sweep is not None:
+                    sweep()  # not counted: only the commit that follows it is
+                before, w0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.thread_time()
                 producer.commit(pool[i % len(pool)])
-            thread = time.thread_time() - thread
-            wall, after = time.perf_counter() - wall, resource.getrusage(resource.RUSAGE_SELF)
+                thread += time.thread_time() - t0
+                wall += time.perf_counter() - w0
+                after = resource.getrusage(resource.RUSAGE_SELF)
+                user += after.ru_utime - before.ru_utime
+                system += after.ru_stime - before.ru_stime
     finally:
         producer.close()
         catalog.engine.dispose()
     per = 1000.0 / commits
-    row = {"user_ms": (after.ru_utime - before.ru_utime) * per, "sys_ms": (after.ru_stime - before.ru_stime) * per,
-           **{f"{phase}_ms": clock.seconds[phase] * per for phase in PHASES}}
+    row = {"user_ms": user * per, "sys_ms": system * per, **{f"{phase}_ms": clock.seconds[phase] * per for phase in PHASES}}
     row["cpu_ms"] = row["user_ms"] + row["sys_ms"]
     row["other_ms"] = thread * per - sum(row[f"{phase}_ms"] for phase in PHASES)
     row["commits_per_s"] = commits / wall
@@ -124,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-bytes", type=int, default=1 << 20)
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--disk-dir", default=None, help="parent of the disk warehouse (default: the temp dir)")
+    parser.add_argument("--evict-mib", type=int, default=16,
+                        help="MiB swept through the caches before each commit of the 'cold' rows (0: no cold rows)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.commits, args.warmup, args.rounds = 5, 2, 1
@@ -136,14 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     undo = [clock.wrap(BatchWriter, "write", "write"), clock.wrap(BatchPlanner, "plan", "plan"),
             clock.wrap(commit_module, "swap", "swap"), clock.wrap(commit_module.CommitLoop, "refresh", "refresh"),
             clock.wrap(commit_module.CommitLoop, "adopt", "adopt")]
-    rows: dict[str, list[dict[str, float]]] = {place: [] for place in places}
+    sweep = Sweep(args.evict_mib) if args.evict_mib > 0 else None
+    kinds = [(place, parent, None) for place, parent in places.items()]
+    kinds += [(f"{place} cold", parent, sweep) for place, parent in places.items() if sweep is not None]
+    rows: dict[str, list[dict[str, float]]] = {kind: [] for kind, _, _ in kinds}
     try:
         with run.phase("rounds"):
             for _ in range(args.rounds):
-                for place, parent in places.items():  # alternating: both see the same stretch of machine load
+                for kind, parent, evict in kinds:  # alternating: all see the same stretch of machine load
                     with tempfile.TemporaryDirectory(dir=parent, prefix="commit_cpu-") as root:
-                        rows[place].append(one_round(Path(root), pool=pool, commits=args.commits, warmup=args.warmup,
-                                                     world_size=args.world_size, clock=clock))
+                        rows[kind].append(one_round(Path(root), pool=pool, commits=args.commits, warmup=args.warmup,
+                                                    world_size=args.world_size, clock=clock, sweep=evict))
     finally:
         for step in undo:
             step()
@@ -153,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     medians = {place: {k: statistics.median(r[k] for r in found) for k in keys} for place, found in rows.items()}
     for place, m in medians.items():
         table.add(place, *[round(m[k], 2) for k in keys])
+    if sweep is not None:
+        table.note(f"cold = {args.evict_mib} MiB swept through the caches by numpy before each commit, as a producer's "
+                   "preprocessing does (not counted)")
     table.note("phases are the committing thread's CPU; cpu = user + sys of the whole process; loadavg at start: "
                + " ".join(f"{x:.2f}" for x in run.loadavg_at_start))
     run.finish([table], {"config": vars(args), "medians": medians, "rounds": rows}, out=args.out)
