@@ -272,3 +272,51 @@ def test_links_outside_the_site_resolve(source: str) -> None:
         assert target.exists(), f"{source}: the link to {link.group(1)} points at nothing"
         if link.group(2):
             assert link.group(2)[1:] in _anchors(target), f"{source}: no heading {link.group(2)} in {link.group(1)}"
+
+
+def _documented(doc: str, section: str) -> set[str]:
+    """The names a Google-style docstring section (``Args:``, ``Attributes:``) describes (``a, b: ...`` counts both)."""
+    found = re.search(rf"^{section}:\n(.*?)(?=^\S|\Z)", doc + "\n", re.S | re.M)
+    body = [line for line in (found.group(1).splitlines() if found else []) if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in body), default=0)
+    return {name.strip().lstrip("*") for line in body if len(line) - len(line.lstrip()) == indent
+            for name in line.split(":", 1)[0].split(",")}
+
+
+def test_every_public_name_documents_its_parameters_and_fields() -> None:
+    """The API reference (docs/api.md) shows each public name's signature from the code and its parameters (or a
+    result's fields) from the docstring: every one is described there, and nothing the code does not take."""
+    import dataclasses
+    import inspect
+
+    import lakestream_iceberg
+    from lakestream_iceberg.read.dataset import _DOC, _DatasetCore
+
+    problems = []
+
+    def check(name: str, takes: set[str], doc: str, section: str) -> None:
+        described = _documented(inspect.cleandoc(doc), section)
+        if takes != described:
+            problems.append(f"{name}: not described {sorted(takes - described)}, not taken {sorted(described - takes)}")
+
+    def params(function: object) -> set[str]:
+        return {p for p in inspect.signature(function).parameters if p not in ("self", "cls")}  # type: ignore[arg-type]
+
+    for name in lakestream_iceberg.__all__:
+        obj = getattr(lakestream_iceberg, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            continue
+        if dataclasses.is_dataclass(obj):
+            check(name, {f.name for f in dataclasses.fields(obj)}, obj.__doc__ or "", "Attributes")
+        elif inspect.isclass(obj):
+            if "Args:" in (obj.__doc__ or ""):
+                check(name, params(obj), obj.__doc__ or "", "Args")
+        else:
+            check(name, params(obj), obj.__doc__ or "", "Args")
+        own = [k for k in obj.__mro__ if k.__module__.startswith("lakestream_iceberg")] if inspect.isclass(obj) else []
+        for method_name, method in {m: f for k in reversed(own) for m, f in vars(k).items()}.items():
+            if not method_name.startswith("_") and inspect.isfunction(getattr(method, "__func__", method)) \
+                    and "Args:" in (method.__doc__ or ""):
+                check(f"{name}.{method_name}", params(getattr(obj, method_name)), method.__doc__ or "", "Args")
+    check("LakestreamDataset", params(_DatasetCore.__init__), _DOC, "Args")
+    assert not problems, problems
