@@ -6,11 +6,19 @@ cluster) is preceded by ``<!-- skip-block: REASON -->`` and a visible note (a ``
 without a reason, without a note, or without a block after it fails. A block preceded by
 ``<!-- services-block: KIND -->`` (a backend of tests/backends.py, e.g. ``postgres-seaweedfs``) runs alone against those
 real servers, with the catalog configured as ``prod`` through ``PYICEBERG_CATALOG__PROD__*`` variables.
+
+A ```bash block written as a shell transcript (``$ command`` lines, each followed by the output it shows) runs in its
+place among the page's python blocks, as the reader would type it: ``export`` and ``NAME=value`` lines set variables,
+every other command is the ``lakestream`` command line, which must succeed (or fail, where the transcript shows its
+error) and print first the line the transcript shows first. The stream name ``lakestream demo`` printed stands for
+the one the transcript shows, and the page's temporary directory for ``/home/me``.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -73,12 +81,71 @@ def parse(page: Path) -> list[Block]:
     return blocks
 
 
+@dataclass(frozen=True)
+class Transcript:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    commands: tuple[tuple[str, tuple[str, ...]], ...]  # (command, the output lines shown after it)
+
+
+def transcripts(page: Path) -> list[Transcript]:
+    """The page's ```bash blocks that are shell transcripts (their first line is a ``$ `` command)."""
+    lines = page.read_text().splitlines()
+    found: list[Transcript] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].rstrip() == "```bash" and i + 1 < len(lines) and lines[i + 1].startswith("$ "):
+            start, commands = i, []
+            i += 1
+            while lines[i].rstrip() != "```":
+                if lines[i].startswith("$ "):
+                    commands.append((lines[i][2:], []))
+                elif lines[i].strip():
+                    commands[-1][1].append(lines[i])
+                i += 1
+            found.append(Transcript(page, start + 1, tuple((c, tuple(out)) for c, out in commands)))
+        i += 1
+    return found
+
+
+def run_transcript(transcript: Transcript, cwd: Path, env: dict[str, str], names: dict[str, str]) -> None:
+    """Run a transcript's commands in ``cwd`` (see the module docstring); ``env`` and ``names`` carry over."""
+    for command, shown in transcript.commands:
+        where = f"{rel(transcript.page)}:{transcript.line}: {command!r}"
+        for doc_name, name in names.items():
+            command = command.replace(doc_name, name)
+            shown = tuple(line.replace(doc_name, name) for line in shown)
+        words = shlex.split(command, comments=True)
+        assignments = words[1:] if words[0] == "export" else words
+        if all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", word) for word in assignments):
+            for word in assignments:
+                key, value = word.split("=", 1)
+                env[key] = os.path.expandvars(value.replace("$PWD", str(cwd)).replace("$" + key, env.get(key, "")))
+            continue
+        words = [re.sub(r"\$(\w+)", lambda m: env.get(m.group(1), m.group(0)), word) for word in words]
+        assert words[0] == "lakestream", f"{where}: a transcript runs only the lakestream command"
+        done = subprocess.run([sys.executable, "-m", "lakestream_iceberg", *words[1:]], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=300)
+        failed = bool(shown) and shown[0].startswith("lakestream: error:")
+        assert (done.returncode != 0) == failed, f"{where} exited {done.returncode}:\n{done.stdout}\n{done.stderr}"
+        printed = (done.stderr if failed else done.stdout).replace(str(cwd), "/home/me").splitlines()
+        if shown:
+            first = shown[0]
+            demo = [re.match(r"lakestream demo: stream (\S+) ", line) for line in (first, printed[0] if printed else "")]
+            if demo[0] and demo[1]:  # the stream the demo made stands for the one the page shows from here on
+                names[demo[0].group(1)] = demo[1].group(1)
+                first = first.replace(demo[0].group(1), demo[1].group(1))
+            assert printed and printed[0].rstrip() == first.rstrip(), (
+                f"{where} printed first {printed[:1]}, the page shows {first!r}")
+
+
 def rel(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
 ALL = {rel(page): parse(page) for page in PAGES}
 RUNNABLE = [name for name, blocks in ALL.items() if any(b.skip is None and b.services is None for b in blocks)]
+TRANSCRIPTS = {rel(page): transcripts(page) for page in PAGES if transcripts(page)}
 SERVICE_BLOCKS = [b for blocks in ALL.values() for b in blocks if b.services is not None]
 
 
@@ -98,12 +165,23 @@ def test_markers_have_reasons_and_visible_notes() -> None:
     assert ran >= 20, f"only {ran} runnable python blocks found in README.md and docs/"
 
 
+def test_transcripts_are_on_pages_that_run() -> None:
+    assert set(TRANSCRIPTS) <= set(RUNNABLE), f"transcripts on pages whose blocks do not run: {set(TRANSCRIPTS) - set(RUNNABLE)}"
+    assert {"docs/guide/history.md", "docs/guide/monitoring.md"} <= set(TRANSCRIPTS), sorted(TRANSCRIPTS)
+
+
 @pytest.mark.parametrize("page", RUNNABLE)
 def test_page_blocks_run(page: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__docs__"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    names: dict[str, str] = {}
+    items = sorted([*ALL[page], *TRANSCRIPTS.get(page, [])], key=lambda item: item.line)
     try:
-        for block in ALL[page]:
+        for block in items:
+            if isinstance(block, Transcript):
+                run_transcript(block, tmp_path, env, names)
+                continue
             if block.skip is not None or block.services is not None:
                 continue
             code = compile(block.source, f"{page}:{block.line}", "exec")
@@ -194,3 +272,51 @@ def test_links_outside_the_site_resolve(source: str) -> None:
         assert target.exists(), f"{source}: the link to {link.group(1)} points at nothing"
         if link.group(2):
             assert link.group(2)[1:] in _anchors(target), f"{source}: no heading {link.group(2)} in {link.group(1)}"
+
+
+def _documented(doc: str, section: str) -> set[str]:
+    """The names a Google-style docstring section (``Args:``, ``Attributes:``) describes (``a, b: ...`` counts both)."""
+    found = re.search(rf"^{section}:\n(.*?)(?=^\S|\Z)", doc + "\n", re.S | re.M)
+    body = [line for line in (found.group(1).splitlines() if found else []) if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in body), default=0)
+    return {name.strip().lstrip("*") for line in body if len(line) - len(line.lstrip()) == indent
+            for name in line.split(":", 1)[0].split(",")}
+
+
+def test_every_public_name_documents_its_parameters_and_fields() -> None:
+    """The API reference (docs/api.md) shows each public name's signature from the code and its parameters (or a
+    result's fields) from the docstring: every one is described there, and nothing the code does not take."""
+    import dataclasses
+    import inspect
+
+    import lakestream_iceberg
+    from lakestream_iceberg.read.dataset import _DOC, _DatasetCore
+
+    problems = []
+
+    def check(name: str, takes: set[str], doc: str, section: str) -> None:
+        described = _documented(inspect.cleandoc(doc), section)
+        if takes != described:
+            problems.append(f"{name}: not described {sorted(takes - described)}, not taken {sorted(described - takes)}")
+
+    def params(function: object) -> set[str]:
+        return {p for p in inspect.signature(function).parameters if p not in ("self", "cls")}  # type: ignore[arg-type]
+
+    for name in lakestream_iceberg.__all__:
+        obj = getattr(lakestream_iceberg, name)
+        if inspect.isclass(obj) and issubclass(obj, BaseException):
+            continue
+        if dataclasses.is_dataclass(obj):
+            check(name, {f.name for f in dataclasses.fields(obj)}, obj.__doc__ or "", "Attributes")
+        elif inspect.isclass(obj):
+            if "Args:" in (obj.__doc__ or ""):
+                check(name, params(obj), obj.__doc__ or "", "Args")
+        else:
+            check(name, params(obj), obj.__doc__ or "", "Args")
+        own = [k for k in obj.__mro__ if k.__module__.startswith("lakestream_iceberg")] if inspect.isclass(obj) else []
+        for method_name, method in {m: f for k in reversed(own) for m, f in vars(k).items()}.items():
+            if not method_name.startswith("_") and inspect.isfunction(getattr(method, "__func__", method)) \
+                    and "Args:" in (method.__doc__ or ""):
+                check(f"{name}.{method_name}", params(getattr(obj, method_name)), method.__doc__ or "", "Args")
+    check("LakestreamDataset", params(_DatasetCore.__init__), _DOC, "Args")
+    assert not problems, problems

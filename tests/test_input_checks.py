@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepError, StreamError
+from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepCollectedError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.support import SCHEMA, batch, sqlite_catalog
@@ -355,6 +355,12 @@ def test_a_state_saved_on_main_resumes_on_a_fork_of_its_checkpoint_and_not_past_
     resumed = LakestreamDataset(stream, rank=0, world_size=1, branch="retry")
     resumed.load_state_dict(at_checkpoint)  # the README's fork flow: steps continue at 4 on the fork
     assert [item["step"] for item in resumed] == [4]
+    early = LakestreamDataset(stream, rank=0, world_size=1, end_step=1)
+    list(early)
+    below = LakestreamDataset(stream, rank=0, world_size=1, branch="retry")
+    below.load_state_dict(early.state_dict())  # step 1 is shared, but the fork holds no step below 3 (training guide)
+    with pytest.raises(StepCollectedError, match="forked after it"):
+        list(below)
     later = LakestreamDataset(stream, rank=0, world_size=1, end_step=5)
     list(later)
     with pytest.raises(ConfigError, match="fork's checkpoint step"):  # main's step 5 is not the fork's step 5

@@ -452,11 +452,11 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
             DataLoader workers, 1 in each worker (which decodes without Arrow's thread pool: the workers are the
             parallelism).
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
+            With the relay, its holder polls every ``poll_s`` (every ``max_poll_s`` where commit notifications wake it).
         group: Record this rank's position under this consumer group (a training run's name) for ``lakestream lag``:
             one upsert every ``report_s`` seconds (default 5), never a table commit; with DataLoader workers iterate
             ``dataset.track(loader)`` (:mod:`lakestream_iceberg.read.consumer`). None (default): nothing is recorded.
         report_s: Seconds between position reports.
-            With the relay, its holder polls every ``poll_s`` (every ``max_poll_s`` where commit notifications wake it).
         relay: Follow through the host's head relay (:mod:`lakestream_iceberg.read.relay`): one process per host
             polls the catalog and reads the table's metadata for every rank and DataLoader worker of that host, the
             others ask it over a unix socket. Default: on in follow mode; ``False`` polls the catalog from every reader.
@@ -478,7 +478,7 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         >>> for item in loader:                                                        # doctest: +SKIP
         ...     train(item["tokens"], item["tokens_lengths"])
         >>> ds.state_dict()        # with num_workers=0; else use torchdata's StatefulDataLoader   # doctest: +SKIP
-        {'next_step': 43, 'worker_id': 0, 'num_workers': 1}
+        {'next_step': 43, 'worker_id': 0, 'num_workers': 1, 'stream': '<the table UUID>', 'branch': 'main'}
     """
 
 if TYPE_CHECKING:

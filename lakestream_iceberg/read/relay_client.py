@@ -235,9 +235,10 @@ def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, p
         paths = relay_paths(catalog_name=ref.catalog_name, catalog_properties=ref.catalog_properties,
                             identifier=ref.identifier, table_uuid=str(stream.table.metadata.table_uuid), branch=branch)
         if paths is None:
-            log.warning("no private runtime directory for the head relay ($XDG_RUNTIME_DIR, /dev/shm, %s); every "
-                        "reader polls the catalog itself. Set LAKESTREAM_RELAY_DIR to a directory only you can "
-                        "enter", os.environ.get("TMPDIR", "/tmp"))
+            if not os.environ.get("LAKESTREAM_RELAY_DIR"):  # a set one that cannot be used: relay_dir() said why
+                log.warning("no private runtime directory for the head relay ($XDG_RUNTIME_DIR, /dev/shm, %s); every "
+                            "reader polls the catalog itself. Set LAKESTREAM_RELAY_DIR to a directory only you can "
+                            "enter", os.environ.get("TMPDIR", "/tmp"))
         else:
             try:
                 watcher = RelayWatcher(stream, paths=paths, branch=branch, poll_s=poll_s, max_poll_s=max_poll_s)

@@ -62,6 +62,7 @@ class CommitResult:
         step: The global step the batch was published as (``None`` only for a duplicate whose step was collected).
         snapshot_id: The Iceberg snapshot that published it (``None`` likewise).
         seq: The producer sequence number of the batch.
+        producer: The id of the producer that committed it.
         attempts: Compare-and-swap attempts this call made (0 when the duplicate was known before writing).
         duplicate: True when (producer, seq) was already published; nothing new was published.
         rows: Samples in the batch, all ranks.

@@ -324,10 +324,10 @@ def test_disabled_or_unusable_relay_reads_directly(tmp_path: Path, relay_dir: Pa
     with pytest.raises(Exception, match="relay"):
         LakestreamDataset(stream, rank=0, world_size=2, follow=True, relay="no")
     relay_dir.chmod(0o755)  # others may enter: not private, not used
-    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.relay_client"):
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read"):
         ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=3, timeout=60)
         check_items(list(ds), world=2, rank=0, steps=[1, 2, 3])
-    assert "polls the catalog itself" in caplog.text
+    assert "others may enter it" in caplog.text and "read the catalog directly" in caplog.text
     assert not list(relay_dir.iterdir())
 
 
@@ -600,3 +600,23 @@ def test_a_relay_dir_variable_that_cannot_be_used_is_said_not_dropped(tmp_path: 
     assert not Path("relative").exists()
     monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(usable))
     assert relay_wire.relay_dir() == usable
+
+
+def test_an_unusable_relay_dir_variable_is_the_one_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """A follower under a LAKESTREAM_RELAY_DIR that cannot be used logged, after the warning saying why, a second one
+    saying no private directory was found among $XDG_RUNTIME_DIR, /dev/shm and the temporary directory, none of which
+    is tried when the variable is set."""
+    stream = make_stream(tmp_path, world=1, steps=2)
+    value = f"relative/{tmp_path.name}"  # relay_dir() says why a value is not used once per process
+    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", value)
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read"):
+        watcher, _ = follower(stream, ref=StreamRef.of(stream), branch="main", relay=True, poll_s=0.02, max_poll_s=0.5)
+    try:
+        assert isinstance(watcher, HeadWatcher)  # reads directly
+        messages = [r.getMessage() for r in caplog.records]
+        assert any(f"LAKESTREAM_RELAY_DIR={value} is not used" in m for m in messages), messages
+        assert not any("/dev/shm" in m for m in messages), messages
+    finally:
+        watcher.close()
+        stream.close()
