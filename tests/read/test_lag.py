@@ -369,3 +369,38 @@ def test_the_lag_of_a_group_no_dataset_can_have_is_refused(tmp_path: Path, group
     with pytest.raises(ConfigError, match="group must be"):
         consumer_lags(stream, group=group)  # type: ignore[arg-type]
     assert consumer_lags(stream, group="run-1") == []
+
+
+def test_a_stored_position_under_a_rank_no_rank_can_have_is_skipped_loudly(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Position objects named ``r².parquet`` (``'²'.isdigit()``) or ``r99999999999.parquet``, and a row another program
+    wrote with rank ``'abc'`` or ``2**40``: the listing died of ``int('²')``/``int('abc')`` (a raw ValueError from
+    ``lakestream lag``), and the consumers view of the history of ArrowInvalid (an int32 rank column). They are no rank's
+    position: left out of the listing, with a warning (``r²`` is no position object's name, as a store's temporary
+    file is not)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg.read.lag import consumers_table
+
+    catalog = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/warehouse")
+    objects = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=WORLD)
+    (rows := Stream.create(sqlite_catalog(str(tmp_path)), "ns.lag", schema=SCHEMA, world_size=WORLD))
+    for stream in (objects, rows):
+        publish(stream, 2)
+        assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)]
+    position = next((tmp_path / "warehouse").rglob("r000000.parquet"))
+    with sqlite3.connect(tmp_path / "catalog.db") as con:
+        (location, body), = con.execute(f"SELECT location, body FROM {POSITION_TABLE}").fetchall()
+        for rank in ("abc", 2**40):
+            con.execute(f"INSERT INTO {POSITION_TABLE} VALUES (?, 'run', ?, ?, 0)", (location, rank, body))
+    for stream, odd, warned in [(objects, "r\u00b2.parquet", False), (objects, "r99999999999.parquet", True),
+                                (rows, None, True)]:
+        if odd is not None:
+            (position.parent / odd).write_bytes(position.read_bytes())
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lakestream_iceberg.connect.positions"):
+            assert [(c.rank, c.status) for c in consumer_lags(stream.refresh())] == [(0, "closed")]
+        assert ("no rank can have" in caplog.text) is warned  # 'r²' is not a position object's name: not one
+        assert consumers_table(stream).column("rank").to_pylist() == [0]
+        if odd is not None:
+            (position.parent / odd).unlink()
