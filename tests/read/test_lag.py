@@ -404,3 +404,46 @@ def test_a_stored_position_under_a_rank_no_rank_can_have_is_skipped_loudly(tmp_p
         assert consumers_table(stream).column("rank").to_pylist() == [0]
         if odd is not None:
             (position.parent / odd).unlink()
+
+
+@pytest.mark.services
+def test_a_rank_holds_no_idle_database_connection_between_its_position_reports(tmp_path: Path,
+                                                                               postgres_service: object) -> None:
+    """A follow-mode rank that reads through its host's relay keeps no catalog connection (the holder's are the
+    host's); its position reports kept one open, idle between reports, in every rank: thousands of PostgreSQL
+    connections (and backends) for one upsert per rank every few seconds. A report opens its connection and closes it."""
+    import psycopg2
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg.connect.pointer import release_idle_connections
+    from lakestream_iceberg.read.consumer import PositionReporter
+    from tests.backends import fresh_name
+
+    database = fresh_name("db")
+    uri = postgres_service.create_database(database)  # type: ignore[attr-defined]
+    catalog = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+    catalog.create_namespace("ns")
+    stream = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 1)
+    release_idle_connections(catalog)  # as a relay client does
+    probe = psycopg2.connect(uri.replace("postgresql+psycopg2", "postgresql"))
+    probe.autocommit = True
+
+    def query(sql: str) -> list[tuple[object, ...]]:
+        with probe.cursor() as cur:
+            cur.execute(sql, (database,))
+            return cur.fetchall()
+
+    store = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)
+    reporter = PositionReporter(store=store, group="run", rank=0, world_size=WORLD, branch="main",
+                                stream=str(stream.table.metadata.table_uuid), name=stream.name, report_s=3600.0,
+                                workers=0, source="iterator")
+    try:
+        until(lambda: store.rows(group="run"), "the rank's first report")
+        # the reporter now waits report_s; its connection closes once the report's transaction is over (never, before)
+        until(lambda: query("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()")
+              == [(0,)], "the report's connection to close", deadline_s=20)
+    finally:
+        reporter.close()
+        probe.close()
+        catalog.engine.dispose()
