@@ -14,7 +14,8 @@ application's choice (``prometheus_client.start_http_server(9100)``, or a push g
                                                        (``CommitResult.group``)
 ``lakestream_staged_intents``                gauge     batches staged for group commit and not published yet, per
                                                        (``stream``, ``branch``), counted when scraped
-``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``stream``, ``group``, ``rank``)
+``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``stream``, ``group``, ``rank``);
+                                                       before its first, the step before it (0 from step 1)
 ``lakestream_consumer_steps_behind_head``    gauge     head step minus that step, at the last report
 ``lakestream_consumer_steps_total``          counter   steps delivered
 ``lakestream_consumer_data_wait_seconds_total`` counter time the training loop waited for data
@@ -180,6 +181,10 @@ class ConsumerMetrics:
         self._steps.inc()
         if wait_s > 0:
             self._wait.inc(wait_s)
+
+    def starts_after(self, step: int) -> None:
+        """Before its first step a rank stands at the step before its first (0: none)."""
+        self._last.set(step)
 
     def read(self, nbytes: int) -> None:
         if nbytes > 0:

@@ -14,7 +14,11 @@ table in the catalog's own database, next to pyiceberg's ``iceberg_tables`` and 
 
 A report is one ``INSERT ... ON CONFLICT DO UPDATE`` (SQLite 3.24+, PostgreSQL), a listing of a group one indexed
 ``SELECT`` that also returns each row's age by the database's clock. A thousand ranks reporting every 5 s are 200
-single-row upserts a second, whatever the step rate, and the table holds one row per rank ever seen.
+single-row upserts a second, whatever the step rate, and the table holds one row per rank ever seen. On PostgreSQL each
+statement opens a connection and closes it (``NullPool``; about 5 ms a report on a local server, 0.5 ms on a kept
+connection): a connection kept idle between reports would be one per rank, thousands of server connections for a large
+job, where a rank following through its host's relay keeps none otherwise. With thousands of ranks, put a pooler
+(PgBouncer) in front of the database, as for any service with that many clients.
 
 Any other catalog (REST, Glue, Hive, an in-memory SQLite database) keeps one object per rank under the table's location,
 ``<location>/data/_consumers/<group, URL-quoted>/r<rank:06d>.parquet``, overwritten in place: a one-row Parquet file
@@ -50,7 +54,10 @@ either way the group's ranks write their positions again at their next report.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +71,8 @@ from lakestream_iceberg.connect.sql_tables import CatalogTable
 from lakestream_iceberg.connect.storage import list_files
 
 __all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
+
+log = logging.getLogger(__name__)
 
 POSITION_TABLE = "lakestream_consumer_positions"
 POSITIONS_DIR = "_consumers"  # under the table's data/ folder
@@ -82,6 +91,7 @@ _SQLITE_EXPIRED = (
     f"(SELECT grp FROM {POSITION_TABLE} WHERE location = ? AND updated_at >= {_SQLITE_NOW} - ?)"
 )
 _SUFFIX = ".parquet"
+MAX_RANK = 2**31 - 1  # a rank is below a world size, itself an int32 (the listing's rank column is one)
 _SCHEMA = pa.schema([("position", pa.string())])
 
 
@@ -166,7 +176,8 @@ class PositionStore:
                 stmt = stmt.where(t.c.grp == group)
             with self._engine.connect() as conn:
                 found = conn.execute(stmt.order_by(t.c.grp, t.c.rank)).all()
-        return [PositionRow(group=str(g), rank=int(r), body=str(b), age_s=max(0.0, float(a))) for g, r, b, a in found]
+        return _keyed(self.location, [PositionRow(group=str(g), rank=r, body=str(b), age_s=max(0.0, float(a)))
+                                      for g, r, b, a in found])
 
     def expire(self, *, older_than_s: float, delete: bool = True) -> tuple[int, int]:
         """Delete the positions of every group whose newest report is older than ``older_than_s`` seconds by the
@@ -239,8 +250,10 @@ class PositionStore:
         for path, size, mtime in list_files(self._io, root):
             parts = path.rsplit("/", 2)
             name = parts[-1]
-            if len(parts) < 3 or not (name.startswith("r") and name.endswith(_SUFFIX) and name[1:-len(_SUFFIX)].isdigit()):
-                continue  # not a position object (a temporary file of the store, someone else's file)
+            digits = name[1:-len(_SUFFIX)]
+            if len(parts) < 3 or not (name.startswith("r") and name.endswith(_SUFFIX) and digits.isascii()
+                                      and digits.isdigit()):
+                continue  # not a position object (a temporary file of the store, someone else's file: 'r²')
             if group is not None and unquote(parts[-2]) != group:
                 continue  # another group's (a store listing a prefix rather than a folder)
             found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime, size))
@@ -253,7 +266,7 @@ class PositionStore:
             bodies = list(pool.map(self._read_object, [path for path, *_ in found]))
         out = [PositionRow(group=g, rank=r, body=body, age_s=max(0.0, now - mtime))
                for (_, g, r, mtime, _), body in zip(found, bodies, strict=True) if body is not None]
-        return sorted(out, key=lambda r: (r.group, r.rank))
+        return _keyed(self.location, sorted(out, key=lambda r: (r.group, r.rank)))
 
     def _delete_objects(self, objects: list[tuple[str, int]], *, delete: bool) -> int:
         """Delete these position objects (one already gone is not counted); ``delete=False``: count them."""
@@ -293,6 +306,21 @@ class PositionStore:
         _TABLE.ensure(self._engine, sqlite=self._sqlite.connection if self._sqlite is not None else None)
 
 
+def _keyed(location: str, rows: list[PositionRow]) -> list[PositionRow]:
+    """``rows`` less those whose rank no rank can have (not an int from 0 to ``MAX_RANK``: an object named
+    ``r99999999999.parquet``, a row another program wrote), which are logged: they are no rank's position, and a
+    listing (an int32 rank column) cannot hold them."""
+    kept: list[PositionRow] = []
+    odd: list[PositionRow] = []
+    for row in rows:
+        (kept if type(row.rank) is int and 0 <= row.rank <= MAX_RANK else odd).append(row)
+    if odd:
+        log.warning("%d consumer position(s) of %s are stored under a rank no rank can have (group %r rank %r%s) and "
+                    "are not listed: another program wrote them; delete them (lakestream lag STREAM --group %r --delete)",
+                    len(odd), location, odd[0].group, odd[0].rank, ", ..." if len(odd) > 1 else "", odd[0].group)
+    return kept
+
+
 def _segment(group: str) -> str:
     """``group`` as one path segment of the object store: URL-quoted, and ``.`` / ``..`` (which a filesystem or a store
     resolves as the folder itself or its parent) with their dots quoted too."""
@@ -310,12 +338,32 @@ def _sql_engine(catalog: Any) -> Any:
         return None
     engine = catalog.engine
     if engine.dialect.name == "postgresql":
-        return engine
+        return _unpooled(engine)
     database = engine.url.database or ""
     if engine.dialect.name == "sqlite" and database not in ("", ":memory:") and "mode=memory" not in database \
             and not database.startswith("file::memory:"):
         return engine
     return None
+
+
+_UNPOOLED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_UNPOOLED_LOCK = threading.Lock()
+
+
+def _unpooled(engine: Any) -> Any:
+    """An engine on the database of a server catalog's ``engine`` whose connections close when a statement's
+    transaction ends (``NullPool``): a rank reports every few seconds, and one idle connection kept per rank between
+    reports is thousands of server connections (and PostgreSQL backends) for a job of thousands of ranks, where a
+    relay client keeps none otherwise (:func:`~lakestream_iceberg.connect.pointer.release_idle_connections`). One per
+    catalog engine."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.pool import NullPool
+
+    with _UNPOOLED_LOCK:
+        made = _UNPOOLED.get(engine)
+        if made is None:
+            made = _UNPOOLED[engine] = create_engine(engine.url, poolclass=NullPool)
+        return made
 
 
 def _build_pg_table() -> Any:

@@ -211,6 +211,8 @@ class PositionReporter:
         self._steps = 0
         self._last: int | None = first_step - 1 if first_step > 1 else None
         self._metrics = consumer_metrics(stream=name, group=group, rank=rank)
+        if self._metrics is not None:  # the gauge says what the position says (not a previous iteration's step)
+            self._metrics.starts_after(self._last or 0)
         self._thread = threading.Thread(target=self._run, name="lakestream-positions", daemon=True)
         self._thread.start()
 
@@ -277,14 +279,14 @@ class PositionReporter:
             self._record(doc)
 
     def _record(self, doc: Position) -> None:
-        if self._metrics is not None and self._head is not None and doc.last_step is not None:
+        if self._metrics is not None and self._head is not None:  # before the first step too, as lakestream lag
             try:
                 head = self._head()
             except Exception as exc:  # noqa: BLE001 - the gauge keeps its last value; the position is still recorded
                 log.debug("reading the head for the steps-behind metric failed: %s", exc)
                 head = None
             if head is not None:
-                self._metrics.behind(head - doc.last_step)
+                self._metrics.behind(head - (doc.last_step or 0))
         try:
             self._store.upsert(group=doc.group, rank=doc.rank, body=doc.to_json())
             self._failures = 0

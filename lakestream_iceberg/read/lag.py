@@ -13,8 +13,9 @@ Each recorded position (:mod:`lakestream_iceberg.read.consumer`) becomes one :cl
   killed or hung process); ``closed`` when it finished or was closed cleanly; ``gone`` when the position belongs to
   another world size than the group's newest incarnation (a rank index that a shrink removed, or one not yet restarted
   after a resize), or to a table since dropped and made again at the same location; ``invalid`` when the stored
-  document does not parse (``error`` says why). Only ``active`` and ``stale`` rows are lagging: a gone rank shows its
-  last position without a lag.
+  document does not parse (``error`` says why). ``active``, ``stale`` and ``closed`` rows have a lag (a closed
+  rank's grows as the head moves past where it stopped, as Kafka shows the lag of a group with no member); a gone rank
+  shows its last position without a lag.
 
 :func:`delete_group` deletes a group's positions on demand (``kafka-consumer-groups --delete``), refusing while a rank
 of the group is ``active``; groups silent for ``lakestream.consumers.retention-ms`` expire by themselves (see

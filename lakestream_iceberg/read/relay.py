@@ -14,8 +14,10 @@ process per host, stream and branch (the *holder*) does all of that once, and th
 * **Answers**: ``wait`` (block until the head reaches a step, at most ``WAIT_SLICE_S``), ``files`` (a step's data
   files, looked up once and kept for the next clients in a small LRU; looked up on the head that first listed the
   step, not on every newer head, so that clients asking for one step at different heads cost one manifest read, not
-  one per head), ``check`` (poll now, and plan on the head of now: a client found a file gone after a GC). Errors are sent back as their class (:func:`.relay_wire.decode_error`):
-  a collected step, a dropped or re-created table raise the same errors through the relay as without it.
+  one per head; on the client's own head instead when another engine rolled the branch back between the two),
+  ``check`` (poll now, and plan on the head of now: a client found a file gone after a GC). Errors are sent back as
+  their class (:func:`.relay_wire.decode_error`): a collected step, a dropped or re-created table raise the same errors
+  through the relay as without it.
 
 Memory is bounded: the table view and its manifest cache (bounded as every stream's), ``PLANS_KEPT`` answers, and one
 thread per connection, at most ``MAX_CLIENTS``. A holder serves while its own process has a reader following (see
@@ -257,8 +259,8 @@ class HeadRelay:
         return self._state()
 
     def _files(self, request: dict[str, Any]) -> dict[str, Any]:
-        step = request.get("step")
-        if type(step) is not int:
+        step, seen = request.get("step"), request.get("snapshot")  # seen: the client's head snapshot (None: unknown)
+        if type(step) is not int or not (seen is None or type(seen) is int):
             return {"error": "ReadError", "message": "malformed relay files request"}
         if self._fatal is not None or step > self._head[0]:
             self._poll_once()  # the client heard of a newer head (from this relay's predecessor, or a poll ago)
@@ -269,7 +271,8 @@ class HeadRelay:
             if base is None or base[0] < step:  # plan on the newest head only for a step the older one lacks
                 base = self._plan_base = self._head
             snapshot = base[1]
-            key = (None if snapshot is None else snapshot.snapshot_id, step)
+        snapshot = _unrelated(self.stream.table.metadata, seen, snapshot) or snapshot
+        key = (None if snapshot is None else snapshot.snapshot_id, step)
         with self._plan_lock:  # one lookup per step: the clients a head move woke all ask at once
             return self._plan(key, step, snapshot)
 
@@ -296,6 +299,33 @@ class HeadRelay:
             while len(self._plans) > PLANS_KEPT:
                 self._plans.popitem(last=False)
         return answer
+
+
+def _unrelated(metadata: Any, seen: int | None, base: Any) -> Any:
+    """The client's head snapshot (id ``seen``) when it and ``base``, the head steps are planned on, are of two
+    lineages: the branch was rolled back (another engine's ``rollback_to_snapshot``) between them and a step may have
+    been published again since, so the client's step is the one its head lists, as a direct read takes it. None when
+    one descends from the other (a step both list is the same on both), or the client's head is no longer kept."""
+    if seen is None or base is None or seen == base.snapshot_id:
+        return None
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    own = by_id.get(seen)
+    if own is None or _descends(by_id, own, base) or _descends(by_id, base, own):
+        return None
+    return own
+
+
+def _descends(by_id: dict[int, Any], snapshot: Any, ancestor: Any) -> bool:
+    """Whether ``ancestor`` is on ``snapshot``'s parent links (a sequence number below the ancestor's ends the walk:
+    sequence numbers grow along a lineage)."""
+    current = snapshot
+    for _ in range(len(by_id) + 1):  # parent links that loop (another engine's) end it too
+        if current is None or (current.sequence_number or 0) < (ancestor.sequence_number or 0):
+            return False
+        if current.snapshot_id == ancestor.snapshot_id:
+            return True
+        current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
+    return False
 
 
 _HELD: dict[str, HeadRelay] = {}  # this process's relays, by key

@@ -119,13 +119,15 @@ class RelayWatcher:
         return None
 
     def files(self, snapshot: object, step: int) -> list[DataFile]:
-        """The data files of ``step`` on the relay's head (``snapshot``, the id this reader last heard, is not used:
-        the relay's head is as new or newer, and a step's files are the same on every head that lists it).
+        """The data files of ``step`` on the relay's head (``snapshot``: the id of this reader's head, as last heard; the
+        relay's head is as new or newer, and a step's files are the same on every head of one lineage; when another
+        engine rolled the branch back between the two, the relay plans on this reader's head, as a direct read does).
 
         Raises:
             StepCollectedError, StepNotPublishedError, StreamError, ...: what a direct lookup raises, forwarded.
         """
-        reply = self._request(self._files_channel, {"op": "files", "step": step}, wait_s=0.0)
+        seen = snapshot if type(snapshot) is int else None
+        reply = self._request(self._files_channel, {"op": "files", "step": step, "snapshot": seen}, wait_s=0.0)
         if reply.get("step") != step or reply.get("uuid") != self._uuid:
             raise ReadError(f"the head relay answered step {reply.get('step')!r} of table {reply.get('uuid')!r} when "
                             f"asked for step {step} of {self._uuid}")

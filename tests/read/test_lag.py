@@ -369,3 +369,81 @@ def test_the_lag_of_a_group_no_dataset_can_have_is_refused(tmp_path: Path, group
     with pytest.raises(ConfigError, match="group must be"):
         consumer_lags(stream, group=group)  # type: ignore[arg-type]
     assert consumer_lags(stream, group="run-1") == []
+
+
+def test_a_stored_position_under_a_rank_no_rank_can_have_is_skipped_loudly(tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Position objects named ``r².parquet`` (``'²'.isdigit()``) or ``r99999999999.parquet``, and a row another program
+    wrote with rank ``'abc'`` or ``2**40``: the listing died of ``int('²')``/``int('abc')`` (a raw ValueError from
+    ``lakestream lag``), and the consumers view of the history of ArrowInvalid (an int32 rank column). They are no rank's
+    position: left out of the listing, with a warning (``r²`` is no position object's name, as a store's temporary
+    file is not)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg.read.lag import consumers_table
+
+    catalog = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/warehouse")
+    objects = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=WORLD)
+    (rows := Stream.create(sqlite_catalog(str(tmp_path)), "ns.lag", schema=SCHEMA, world_size=WORLD))
+    for stream in (objects, rows):
+        publish(stream, 2)
+        assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)]
+    position = next((tmp_path / "warehouse").rglob("r000000.parquet"))
+    with sqlite3.connect(tmp_path / "catalog.db") as con:
+        (location, body), = con.execute(f"SELECT location, body FROM {POSITION_TABLE}").fetchall()
+        for rank in ("abc", 2**40):
+            con.execute(f"INSERT INTO {POSITION_TABLE} VALUES (?, 'run', ?, ?, 0)", (location, rank, body))
+    for stream, odd, warned in [(objects, "r\u00b2.parquet", False), (objects, "r99999999999.parquet", True),
+                                (rows, None, True)]:
+        if odd is not None:
+            (position.parent / odd).write_bytes(position.read_bytes())
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="lakestream_iceberg.connect.positions"):
+            assert [(c.rank, c.status) for c in consumer_lags(stream.refresh())] == [(0, "closed")]
+        assert ("no rank can have" in caplog.text) is warned  # 'r²' is not a position object's name: not one
+        assert consumers_table(stream).column("rank").to_pylist() == [0]
+        if odd is not None:
+            (position.parent / odd).unlink()
+
+
+@pytest.mark.services
+def test_a_rank_holds_no_idle_database_connection_between_its_position_reports(tmp_path: Path,
+                                                                               postgres_service: object) -> None:
+    """A follow-mode rank that reads through its host's relay keeps no catalog connection (the holder's are the
+    host's); its position reports kept one open, idle between reports, in every rank: thousands of PostgreSQL
+    connections (and backends) for one upsert per rank every few seconds. A report opens its connection and closes it."""
+    import psycopg2
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg.connect.pointer import release_idle_connections
+    from lakestream_iceberg.read.consumer import PositionReporter
+    from tests.backends import fresh_name
+
+    database = fresh_name("db")
+    uri = postgres_service.create_database(database)  # type: ignore[attr-defined]
+    catalog = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+    catalog.create_namespace("ns")
+    stream = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 1)
+    release_idle_connections(catalog)  # as a relay client does
+    probe = psycopg2.connect(uri.replace("postgresql+psycopg2", "postgresql"))
+    probe.autocommit = True
+
+    def query(sql: str) -> list[tuple[object, ...]]:
+        with probe.cursor() as cur:
+            cur.execute(sql, (database,))
+            return cur.fetchall()
+
+    store = PositionStore(catalog=catalog, io=stream.io, location=stream.table.metadata.location)
+    reporter = PositionReporter(store=store, group="run", rank=0, world_size=WORLD, branch="main",
+                                stream=str(stream.table.metadata.table_uuid), name=stream.name, report_s=3600.0,
+                                workers=0, source="iterator")
+    try:
+        until(lambda: store.rows(group="run"), "the rank's first report")
+        # the reporter now waits report_s; its connection closes once the report's transaction is over (never, before)
+        until(lambda: query("SELECT count(*) FROM pg_stat_activity WHERE datname = %s AND pid <> pg_backend_pid()")
+              == [(0,)], "the report's connection to close", deadline_s=20)
+    finally:
+        reporter.close()
+        probe.close()
+        catalog.engine.dispose()

@@ -91,6 +91,50 @@ def test_a_trainer_rank_is_measured(stream: Stream, registry: object) -> None:
     assert value("lakestream_consumer_read_bytes_total", labels) == position.read_bytes > 0
 
 
+def test_a_rank_that_delivered_nothing_yet_is_measured_where_its_position_says_it_is(stream: Stream,
+                                                                                     registry: object) -> None:
+    """Before its first step a rank's position is the step before its first (None from step 1), and lakestream lag
+    shows it that far behind the head; its gauges said last step 0 (a rank resumed at step 3), or the last step of its
+    previous iteration, and 0 steps behind (a rank from step 1 with four steps published), whatever the head."""
+    pytest.importorskip("torch")
+    import threading
+
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+    from lakestream_iceberg.read.lag import consumer_lags
+    from tests.support import until
+
+    producer = stream.producer("prep-0")
+    for seq in range(4):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    gate = threading.Event()
+
+    def held(item: object) -> object:  # the rank's first step is still being read
+        gate.wait(60)
+        return item
+
+    value = registry.get_sample_value
+    try:
+        for rank, start, last, behind in [(0, 3, 2, 2), (0, 1, 0, 4)]:  # then again from step 1 (not at 3 now)
+            ds = LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run", report_s=0.05, start_step=start,
+                                   transform=held, prefetch=1)
+            waiting = threading.Thread(target=lambda ds=ds: next(iter(ds)), daemon=True)
+            waiting.start()
+            position = None if start == 1 else last
+            row = until(lambda key=(rank, position, 0): [c for c in consumer_lags(stream.refresh(), group="run")
+                                                         if (c.rank, c.last_step, c.steps) == key],
+                        "the rank's first report")[0]
+            assert row.lag_steps == behind
+            labels = {"stream": stream.name, "group": "run", "rank": str(rank)}
+            assert (value("lakestream_consumer_last_step", labels),
+                    value("lakestream_consumer_steps_behind_head", labels)) == (last, behind)
+            gate.set()
+            waiting.join(60)
+            ds.close()
+            gate.clear()
+    finally:
+        gate.set()
+
+
 def test_without_prometheus_client_nothing_is_exported_and_nothing_breaks(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys

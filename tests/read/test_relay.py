@@ -25,6 +25,7 @@ from lakestream_iceberg.read.relay_client import RelayWatcher, follower
 from lakestream_iceberg.read.stream_ref import StreamRef
 from tests.backends import fresh_name, postgres_service
 from tests.read.test_dataset import SCHEMA, check_items, make_catalog, make_stream, shard
+from tests.support import until
 
 __all__ = ["postgres_service"]
 
@@ -620,3 +621,33 @@ def test_an_unusable_relay_dir_variable_is_the_one_warning(tmp_path: Path, monke
     finally:
         watcher.close()
         stream.close()
+
+
+def test_a_step_published_again_after_a_rollback_is_read_as_the_readers_head_lists_it(tmp_path: Path) -> None:
+    """Another engine rolls main back from step 4 to step 2 and producers publish steps 3 and 4 again. A reader that
+    started since (its head lists the new step 3) read the new step 3 directly, but the old one through the relay: the
+    relay planned steps on the head of the first client that asked (kept until a step past it is asked), whose files
+    were still there. A reader whose head is still the old one reads the old step 3, as a direct read of its head does."""
+    stream = make_stream(tmp_path, steps=4)
+    first = watch(Stream.open(make_catalog(tmp_path), "ns.s"))
+    assert isinstance(first, RelayWatcher)
+    first.check()
+    old = [f.file_path for f in stream.locate(3)]
+    assert [f.file_path for f in first.files(first.head()[1], 3)] == old  # planned on the head of step 4
+    step_2 = next(s.snapshot_id for s in stream.refresh().table.metadata.snapshots
+                  if s.summary is not None and s.summary.additional_properties.get("lakestream.step") == "2")
+    stream.table.manage_snapshots().rollback_to_snapshot(step_2).commit()
+    again = Stream.open(make_catalog(tmp_path), "ns.s").producer("prep-1")
+    for step in (3, 4):
+        assert again.commit([shard(step + 100, r) for r in range(2)], seq=step - 3).step == step
+    head = stream.refresh().table.metadata.snapshot_by_name("main").snapshot_id
+    new = [f.file_path for f in stream.locate(3)]
+    assert new != old
+    second = watch(Stream.open(make_catalog(tmp_path), "ns.s"))
+    assert isinstance(second, RelayWatcher)
+    stop = threading.Event()
+    until(lambda: second.wait(4, timeout=5, stop=stop)[1] == head, "the relay to see the new head")
+    assert [f.file_path for f in second.files(second.head()[1], 3)] == new
+    assert [f.file_path for f in first.files(first.head()[1], 3)] == old
+    second.close()
+    first.close()
