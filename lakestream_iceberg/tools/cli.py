@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
+from lakestream_iceberg.format.checks import MAX_STEP
 from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
 from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, human, megabytes, plain
 
@@ -306,11 +307,14 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
     watcher = HeadWatcher(stream, branch=args.branch)  # polls the catalog pointer; reloads metadata only on change
     watcher.check()
     next_step = args.from_step if args.from_step is not None else watcher.head()[0] + 1
+    first_kept = stream.branch_state(branch=args.branch).collected_below
+    gone = f" (steps below {first_kept} are gone: collected by GC, or before a fork)" if next_step < first_kept else ""
+    next_step = max(next_step, first_kept)  # a replay shows what is kept, and the line above it says where it starts
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     never = threading.Event()
     shown = 0
     if not out.json:
-        out.console.print(f"following {stream.name} (branch {args.branch}) from step {next_step}; Ctrl-C to stop",
+        out.console.print(f"following {stream.name} (branch {args.branch}) from step {next_step}{gone}; Ctrl-C to stop",
                           style="dim")
     while args.max_steps is None or shown < args.max_steps:
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -413,7 +417,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report what would be rolled back, change nothing")
 
     p = with_stream(add("tail", cmd_tail, "follow new steps live"))
-    p.add_argument("--from-step", type=_at_least(1), metavar="S", help="start at step S (default: the next new step)")
+    p.add_argument("--from-step", type=_at_least(1, maximum=MAX_STEP), metavar="S",
+                   help="start at step S (default: the next new step)")
     p.add_argument("--max-steps", type=_at_least(1), metavar="N", help="stop after N steps")
     p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS", help="stop after this long")
     p.add_argument("--poll", type=_seconds(0.001), default=0.05, metavar="SECONDS",
@@ -433,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
+def _at_least(minimum: int, *, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -441,6 +446,8 @@ def _at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        if maximum is not None and value > maximum:  # a step past an Iceberg long is never published: no waiting for it
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}, the largest step a stream can hold")
         return value
     return parse
 

@@ -1,0 +1,60 @@
+"""``lakestream`` commands given what they cannot use: steps no stream can hold or that GC collected, numbers out of
+range, malformed stream names. Each is a one-line error naming the option (or argparse's usage, exit 2), never a
+wait for a step that cannot come nor output that starts elsewhere than asked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.tools.config import embedded_catalog
+from tests.support import SCHEMA, batch
+
+STREAM = "ns.inputs"
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    """A stream of 4 steps whose steps below 3 GC collected (checkpoint at 3)."""
+    stream = Stream.create(embedded_catalog(tmp_path), STREAM, schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for seq in range(4):
+        producer.commit(batch("p", seq, 1), seq=seq)
+    stream.checkpoint("c3", step=3)
+    assert stream.collect_garbage(dry_run=False).collected_below == {"main": 3}
+    return tmp_path
+
+
+def in_process(home: Path, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """``main()`` in this process: the exit code (argparse's 2 included), stdout and stderr."""
+    from lakestream_iceberg.tools.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["--home", str(home), *args])
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return code, out, err
+
+
+@pytest.mark.parametrize("step", [str(2**63), str(10**21)])
+def test_tail_refuses_a_step_no_stream_can_publish(home: Path, capsys: pytest.CaptureFixture[str], step: str) -> None:
+    """A step is an Iceberg long: ``tail --from-step 2**63`` waited for it forever (reads refuse such a step)."""
+    code, _, err = in_process(home, capsys, "tail", STREAM, "--from-step", step, "--timeout", "5")
+    assert code == 2 and "--from-step" in err and str(2**63 - 1) in err, err
+
+
+def test_tail_from_a_collected_step_says_where_it_starts(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``tail --from-step 1`` printed 'following ... from step 1' and then step 3: the steps GC collected were skipped
+    without a word. The replay starts at the first kept step, and the line above it says so and why."""
+    code, out, _ = in_process(home, capsys, "tail", STREAM, "--from-step", "1", "--max-steps", "2")
+    header, *rows = out.strip().split("\nstep ")  # the header may be wrapped at the console's width
+    assert code == 0 and " ".join(header.split()).startswith(
+        f"following {STREAM} (branch main) from step 3 (steps below 3 are gone: collected by GC"), out
+    assert [row.split()[0] for row in rows] == ["3", "4"], out
+    code, out, _ = in_process(home, capsys, "tail", STREAM, "--from-step", "3", "--max-steps", "1")
+    assert code == 0 and "from step 3; Ctrl-C" in out and "gone" not in out, out
