@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_stream(add("gc", cmd_gc, "collect, on every branch, the steps and files no retained checkpoint needs"),
                     branch=False)
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
-    p.add_argument("--keep-last", type=int, metavar="K",
+    p.add_argument("--keep-last", type=_at_least(1), metavar="K",
                    help="retain the newest K checkpoints and release the others (steps below the oldest retained one "
                         "are collected)")
 
@@ -427,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("lag", cmd_lag, "each trainer rank's recorded position, lag and data wait, and the ranks that stopped reporting")
     p.add_argument("stream", metavar="STREAM", help="NAMESPACE.NAME")
     p.add_argument("--group", metavar="RUN", help="consumer group (the dataset's group=); default: every group")
-    p.add_argument("--stale-after", type=_seconds(0.001), default=3.0, metavar="N",
+    p.add_argument("--stale-after", type=_seconds(0.001, unit="report intervals"), default=3.0, metavar="N",
                    help="a rank silent for N report intervals is stale (default 3)")
     p.add_argument("--delete", action="store_true",
                    help="delete the group's recorded positions (refused while a rank of it is active)")
@@ -452,14 +452,14 @@ def _at_least(minimum: int, *, maximum: int | None = None) -> Callable[[str], in
     return parse
 
 
-def _seconds(minimum: float) -> Callable[[str], float]:
+def _seconds(minimum: float, *, unit: str = "seconds") -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit}") from None
         if not math.isfinite(value) or value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds >= {minimum:g}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of {unit} >= {minimum:g}")
         return value
     return parse
 

@@ -58,3 +58,17 @@ def test_tail_from_a_collected_step_says_where_it_starts(home: Path, capsys: pyt
     assert [row.split()[0] for row in rows] == ["3", "4"], out
     code, out, _ = in_process(home, capsys, "tail", STREAM, "--from-step", "3", "--max-steps", "1")
     assert code == 0 and "from step 3; Ctrl-C" in out and "gone" not in out, out
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_gc_keep_last_below_one_names_the_option(home: Path, capsys: pytest.CaptureFixture[str], value: str) -> None:
+    """``gc --keep-last 0`` said 'keep_last must be >= 1, got 0 (or None)': the Python argument, not the option."""
+    code, _, err = in_process(home, capsys, "gc", STREAM, "--dry-run", "--keep-last", value)
+    assert code == 2 and "--keep-last" in err and "None" not in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+def test_lag_stale_after_is_a_count_of_report_intervals_not_seconds(home: Path, capsys: pytest.CaptureFixture[str],
+                                                                   value: str) -> None:
+    code, _, err = in_process(home, capsys, "lag", STREAM, "--stale-after", value)
+    assert code == 2 and "--stale-after" in err and "report intervals" in err and "seconds" not in err, err
