@@ -139,11 +139,13 @@ def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None =
     """Open a stream, turning pyiceberg's lookup failures into one clear :class:`StreamError`."""
     from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
+    from lakestream_iceberg.format.checks import check_identifier
     from lakestream_iceberg.stream import Stream
 
     where = spec.describe() if spec else "the catalog"
-    if "." not in identifier.strip("."):
+    if identifier.strip() and "." not in identifier:
         raise StreamError(f"stream name {identifier!r} needs a namespace: write it as NAMESPACE.NAME (e.g. demo.{identifier})")
+    check_identifier(identifier)  # an empty part ('.x', 'x.', ''): the ConfigError that says so
     try:
         return Stream.open(catalog, identifier)
     except (NoSuchTableError, NoSuchNamespaceError):

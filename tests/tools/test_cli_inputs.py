@@ -72,3 +72,11 @@ def test_lag_stale_after_is_a_count_of_report_intervals_not_seconds(home: Path, 
                                                                    value: str) -> None:
     code, _, err = in_process(home, capsys, "lag", STREAM, "--stale-after", value)
     assert code == 2 and "--stale-after" in err and "report intervals" in err and "seconds" not in err, err
+
+
+@pytest.mark.parametrize("name", [".x", "x.", ".", ""])
+def test_a_stream_name_with_an_empty_part_says_so(home: Path, capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """'x.' has a namespace, and the hint for '.x' was 'e.g. demo..x'."""
+    code, _, err = in_process(home, capsys, "status", name)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "no empty part" in lines[0] and "demo." not in lines[0], err
