@@ -204,7 +204,7 @@ def cmd_sql(args: argparse.Namespace, out: Output) -> int:
             relation = con.sql(args.query)
         rows = []
         if out.json and relation is not None:  # a table shows MAX_HUMAN_ROWS: fetching every row cost gigabytes
-            columns = list(relation.columns)
+            columns = _unique_names(relation.columns)
             rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
         if not out.json and relation is not None:
             import shutil
@@ -219,6 +219,21 @@ def cmd_sql(args: argparse.Namespace, out: Output) -> int:
     elif relation is None:
         print("OK")
     return 0
+
+
+def _unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` with each repeat renamed as DuckDB's JSON export renames it (``a, a, a_1, a`` -> ``a, a_1, a_1_1,
+    a_2``): one JSON key per column, where a join's two ``step`` columns were one key and one column's values lost."""
+    taken: dict[str, int] = {}
+    unique = []
+    for name in names:
+        chosen = name
+        while chosen in taken:
+            taken[name] += 1
+            chosen = f"{name}_{taken[name]}"
+        taken[chosen] = 0
+        unique.append(chosen)
+    return unique
 
 
 def cmd_checkpoint(args: argparse.Namespace, out: Output) -> int:
