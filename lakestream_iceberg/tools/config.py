@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -150,7 +151,9 @@ def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None =
         return Stream.open(catalog, identifier)
     except (NoSuchTableError, NoSuchNamespaceError):
         known = _known_tables(catalog)
-        hint = f"; tables there: {', '.join(known)}" if known else "; it has no tables yet (try `lakestream demo`)"
+        # the demo makes its stream in the catalog it is given: a plain `lakestream demo` in the embedded default
+        where_args = "" if spec is None else f" --catalog {spec.name}" if spec.name else f" --home {shlex.quote(str(spec.home))}" if spec.home else ""
+        hint = f"; tables there: {', '.join(known)}" if known else f"; it has no tables yet (try `lakestream{where_args} demo`)"
         raise StreamError(f"no stream {identifier!r} in {where}{hint}") from None
 
 

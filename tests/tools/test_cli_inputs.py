@@ -80,3 +80,21 @@ def test_a_stream_name_with_an_empty_part_says_so(home: Path, capsys: pytest.Cap
     code, _, err = in_process(home, capsys, "status", name)
     lines = err.strip().splitlines()
     assert code == 1 and len(lines) == 1 and "no empty part" in lines[0] and "demo." not in lines[0], err
+
+
+def test_an_empty_catalog_suggests_the_demo_in_that_catalog(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """'no tables yet (try `lakestream demo`)': that demo makes its stream in the embedded default, not in the catalog
+    (or home) the command was given, which stays empty."""
+    from lakestream_iceberg.tools.cli import main
+
+    monkeypatch.setenv("PYICEBERG_CATALOG__TEAM__URI", f"sqlite:///{tmp_path}/team.db")
+    monkeypatch.setenv("PYICEBERG_CATALOG__TEAM__WAREHOUSE", str(tmp_path / "warehouse"))
+    home = tmp_path / "a home"
+    embedded_catalog(home)
+    for args, hint in ((["--catalog", "team"], "`lakestream --catalog team demo`"),
+                       (["--home", str(home)], f"`lakestream --home '{home}' demo`")):
+        capsys.readouterr()
+        assert main([*args, "status", "ns.x"]) == 1
+        err = capsys.readouterr().err
+        assert "no tables yet" in err and hint in err, err
