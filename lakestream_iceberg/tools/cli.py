@@ -68,8 +68,7 @@ def cmd_demo(args: argparse.Namespace, out: Output) -> int:
     if out.json:
         out.emit_json(result.as_dict())
     else:
-        hint = f" --catalog {args.catalog}" if args.catalog else (f" --home {args.home}" if args.home else "")
-        print(format_summary(result, hint_args=hint), flush=True)
+        print(format_summary(result, hint_args=spec.cli_args()), flush=True)
     return 0 if result.passed else EXIT_ERROR
 
 

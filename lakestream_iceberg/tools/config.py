@@ -67,6 +67,13 @@ class CatalogSpec:
     def describe(self) -> str:
         return f"catalog {self.name!r}" if self.name else f"the embedded catalog in {resolve_home(self.home)}"
 
+    def cli_args(self) -> str:
+        """The options that select this catalog on a ``lakestream`` command line, shell-quoted, with a leading space
+        (``""`` for the default): for the commands a message suggests, which must reach the same catalog."""
+        if self.name:
+            return f" --catalog {shlex.quote(self.name)}"
+        return f" --home {shlex.quote(str(self.home))}" if self.home else ""
+
 
 def embedded_catalog(home: str | os.PathLike[str] | None = None, *, create: bool = True) -> Catalog:
     """The embedded default: SQLite ``SqlCatalog`` at ``<home>/catalog.db``, warehouse ``<home>/warehouse``.
@@ -152,8 +159,8 @@ def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None =
     except (NoSuchTableError, NoSuchNamespaceError):
         known = _known_tables(catalog)
         # the demo makes its stream in the catalog it is given: a plain `lakestream demo` in the embedded default
-        where_args = "" if spec is None else f" --catalog {spec.name}" if spec.name else f" --home {shlex.quote(str(spec.home))}" if spec.home else ""
-        hint = f"; tables there: {', '.join(known)}" if known else f"; it has no tables yet (try `lakestream{where_args} demo`)"
+        demo = f"lakestream{spec.cli_args() if spec else ''} demo"
+        hint = f"; tables there: {', '.join(known)}" if known else f"; it has no tables yet (try `{demo}`)"
         raise StreamError(f"no stream {identifier!r} in {where}{hint}") from None
 
 
