@@ -336,7 +336,10 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
             break
         try:
             waited = watcher.wait(next_step, timeout=remaining, stop=never, poll_s=args.poll)
-        except ReadTimeoutError:
+        except ReadTimeoutError as exc:
+            if exc.__cause__ is not None:  # the last poll failed too: the catalog is unreachable, not the stream idle
+                raise UserError(f"tail: the catalog could not be polled when --timeout {args.timeout:g} ran out: "
+                                f"{_storage_error(exc.__cause__, args.catalog)}") from None
             break
         head = waited[0] if waited else next_step
         last = head if args.max_steps is None else min(head, next_step + args.max_steps - shown - 1)
@@ -434,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-step", type=_at_least(1, maximum=MAX_STEP), metavar="S",
                    help="start at step S (default: the next new step)")
     p.add_argument("--max-steps", type=_at_least(1), metavar="N", help="stop after N steps")
-    p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS", help="stop after this long")
+    p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS",
+                   help="stop after this long (exit 1 if the catalog could not be polled by then)")
     p.add_argument("--poll", type=_seconds(0.001), default=0.05, metavar="SECONDS",
                    help="first poll interval (default 0.05)")
 
@@ -516,9 +520,9 @@ def _quiet_stdout() -> None:
         pass
 
 
-def _storage_error(exc: OSError, catalog: str | None) -> str:
-    """What the storage raised, as one line naming the setting to fix where it is a connection or credential failure;
-    never a secret of the catalog's configuration."""
+def _storage_error(exc: BaseException, catalog: str | None) -> str:
+    """What the storage (or the catalog) raised, as one line naming the setting to fix where it is a connection or
+    credential failure; never a secret of the catalog's configuration."""
     from lakestream_iceberg.connect.diagnose import explain, redact
 
     settings: dict[str, Any] = {}

@@ -98,3 +98,27 @@ def test_an_empty_catalog_suggests_the_demo_in_that_catalog(tmp_path: Path, caps
         assert main([*args, "status", "ns.x"]) == 1
         err = capsys.readouterr().err
         assert "no tables yet" in err and hint in err, err
+
+
+def test_tail_whose_catalog_fails_until_its_timeout_is_an_error(home: Path) -> None:
+    """``tail --timeout N`` retries a catalog it cannot poll (a restart), and when N ran out while every poll since
+    failed it exited 0 as if the stream had been idle: a scheduled check passed with the catalog down."""
+    import os
+    import sqlite3
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.Popen([sys.executable, "-m", "lakestream_iceberg", "--home", str(home), "tail", STREAM,
+                             "--timeout", "10"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().startswith(f"following {STREAM}")
+        with sqlite3.connect(home / "catalog.db") as db:  # every poll fails from now on: no such table
+            db.execute("ALTER TABLE iceberg_tables RENAME TO moved_away")
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and "Traceback" not in err, err
+    assert lines[-1].startswith("lakestream: error: tail: the catalog could not be polled"), err
