@@ -122,3 +122,10 @@ def test_tail_whose_catalog_fails_until_its_timeout_is_an_error(home: Path) -> N
     lines = err.strip().splitlines()
     assert proc.returncode == 1 and "Traceback" not in err, err
     assert lines[-1].startswith("lakestream: error: tail: the catalog could not be polled"), err
+
+
+def test_checkpoint_of_a_step_gc_collected_names_the_steps_left(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """'cannot checkpoint step 1: it was already collected by lifecycle GC' (said of a step before a fork too) did not
+    name the steps that can be pinned."""
+    code, _, err = in_process(home, capsys, "checkpoint", STREAM, "c1", "--step", "1")
+    assert code == 1 and "the steps below 3 are gone" in err and "from 3 to 4" in err, err
