@@ -164,14 +164,24 @@ def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None =
         raise StreamError(f"no stream {identifier!r} in {where}{hint}") from None
 
 
-def _known_tables(catalog: Catalog, limit: int = 12) -> list[str]:
+def _known_tables(catalog: Catalog, limit: int = 12, max_namespaces: int = 100) -> list[str]:
+    """Up to ``limit`` table names, nested namespaces' included (``list_namespaces()`` gives the top level only),
+    looking into at most ``max_namespaces`` namespaces."""
     names: list[str] = []
+    pending: list[tuple[str, ...]] = [()]
+    seen: set[tuple[str, ...]] = set()
     try:
-        for namespace in catalog.list_namespaces():
-            for ident in catalog.list_tables(namespace):
-                names.append(".".join(ident))
-                if len(names) >= limit:
-                    return [*names, "..."]
+        while pending and len(seen) < max_namespaces:
+            parent = pending.pop(0)
+            for namespace in catalog.list_namespaces(parent):
+                namespace = tuple(namespace)
+                if namespace in seen or len(namespace) <= len(parent):  # a catalog that lists more than the children
+                    continue
+                seen.add(namespace)
+                pending.append(namespace)
+                names += [".".join(ident) for ident in catalog.list_tables(namespace)]
+                if len(names) > limit:
+                    return [*names[:limit], "..."]
     except Exception:  # listing is a courtesy in an error message; never mask the real error
         return names
     return names

@@ -129,3 +129,11 @@ def test_checkpoint_of_a_step_gc_collected_names_the_steps_left(home: Path, caps
     name the steps that can be pinned."""
     code, _, err = in_process(home, capsys, "checkpoint", STREAM, "c1", "--step", "1")
     assert code == 1 and "the steps below 3 are gone" in err and "from 3 to 4" in err, err
+
+
+def test_a_wrong_name_lists_the_streams_of_nested_namespaces(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The streams listed after 'no stream ...' were those of top-level namespaces only: a stream in team.vision was
+    never named."""
+    Stream.create(embedded_catalog(home), "team.vision.steps", schema=SCHEMA, world_size=1)
+    code, _, err = in_process(home, capsys, "status", "team.steps")
+    assert code == 1 and "tables there: " in err and "team.vision.steps" in err and STREAM in err, err
