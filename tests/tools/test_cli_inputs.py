@@ -4,6 +4,7 @@ wait for a step that cannot come nor output that starts elsewhere than asked."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,16 @@ def test_a_wrong_name_lists_the_streams_of_nested_namespaces(home: Path, capsys:
     Stream.create(embedded_catalog(home), "team.vision.steps", schema=SCHEMA, world_size=1)
     code, _, err = in_process(home, capsys, "status", "team.steps")
     assert code == 1 and "tables there: " in err and "team.vision.steps" in err and STREAM in err, err
+
+
+def test_repair_of_a_stream_nothing_was_published_to_has_nothing_to_repair(tmp_path: Path,
+                                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """A new stream's main has no Iceberg ref until its first step: ``status`` showed head step 0, ``repair`` failed
+    with 'no branch main to repair; its branches: []'."""
+    Stream.create(embedded_catalog(tmp_path), "ns.new", schema=SCHEMA, world_size=1)
+    code, out, err = in_process(tmp_path, capsys, "repair", "ns.new", "--json")
+    assert code == 0 and err == "", err
+    assert json.loads(out) == {"branch": "main", "foreign": [], "rolled_back_to": None, "step": 0, "dry_run": False,
+                               "rebased_on": None}
+    code, _, err = in_process(tmp_path, capsys, "repair", "ns.new", "--branch", "feat")
+    assert code == 1 and "no branch 'feat'" in err, err
