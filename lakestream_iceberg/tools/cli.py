@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
-from lakestream_iceberg.format.checks import MAX_STEP
+from lakestream_iceberg.format.checks import MAX_STEP, branches
 from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
 from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, human, megabytes, plain
 
@@ -116,7 +116,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "consumer_lag_basis": f"head step - newest checkpoint step on {branch}" if newest is not None
         else f"unknown (no checkpoint on {branch})",
         "checkpoints": checkpoints,
-        "branches": sorted(n for n, r in metadata.refs.items() if str(getattr(r.snapshot_ref_type, "value", "")) == "branch"),
+        "branches": branches(metadata),  # main too before its first step, as every command counts it
         "snapshots_retained": len(metadata.snapshots),
         "metadata_file": stream.table.metadata_location,
         "metadata_bytes": metadata_bytes,

@@ -151,3 +151,12 @@ def test_repair_of_a_stream_nothing_was_published_to_has_nothing_to_repair(tmp_p
                                "rebased_on": None}
     code, _, err = in_process(tmp_path, capsys, "repair", "ns.new", "--branch", "feat")
     assert code == 1 and "no branch 'feat'" in err, err
+
+
+def test_status_of_a_new_stream_lists_main_among_its_branches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``status`` said 'branch main (branches: -)' before the first step, where every other command (and its errors:
+    'Its branches are: main') counts main as a branch."""
+    Stream.create(embedded_catalog(tmp_path), "ns.new", schema=SCHEMA, world_size=1)
+    code, out, _ = in_process(tmp_path, capsys, "status", "ns.new", "--json")
+    status = json.loads(out)
+    assert code == 0 and (status["branch"], status["branches"], status["head_step"]) == ("main", ["main"], 0)
