@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
 
@@ -86,6 +86,8 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     """
     name = stream.name
     ref = metadata.refs.get(branch)
+    if ref is None and branch == MAIN_BRANCH:  # nothing published yet: main gets its Iceberg ref with the first step
+        return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=0, dry_run=dry_run))
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
         raise LifecycleError(f"stream {name} has no branch {branch!r} to repair; its branches: "
                              f"{sorted(n for n, r in metadata.refs.items() if r.snapshot_ref_type == SnapshotRefType.BRANCH)}")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.errors import LakestreamError
+from lakestream_iceberg.format.checks import MAX_STEP, branches
 from lakestream_iceberg.tools.config import ENV_HOME, CatalogSpec, load, open_stream
 from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output, human, megabytes, plain
 
@@ -67,8 +68,7 @@ def cmd_demo(args: argparse.Namespace, out: Output) -> int:
     if out.json:
         out.emit_json(result.as_dict())
     else:
-        hint = f" --catalog {args.catalog}" if args.catalog else (f" --home {args.home}" if args.home else "")
-        print(format_summary(result, hint_args=hint), flush=True)
+        print(format_summary(result, hint_args=spec.cli_args()), flush=True)
     return 0 if result.passed else EXIT_ERROR
 
 
@@ -116,7 +116,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "consumer_lag_basis": f"head step - newest checkpoint step on {branch}" if newest is not None
         else f"unknown (no checkpoint on {branch})",
         "checkpoints": checkpoints,
-        "branches": sorted(n for n, r in metadata.refs.items() if str(getattr(r.snapshot_ref_type, "value", "")) == "branch"),
+        "branches": branches(metadata),  # main too before its first step, as every command counts it
         "snapshots_retained": len(metadata.snapshots),
         "metadata_file": stream.table.metadata_location,
         "metadata_bytes": metadata_bytes,
@@ -203,7 +203,7 @@ def cmd_sql(args: argparse.Namespace, out: Output) -> int:
             relation = con.sql(args.query)
         rows = []
         if out.json and relation is not None:  # a table shows MAX_HUMAN_ROWS: fetching every row cost gigabytes
-            columns = list(relation.columns)
+            columns = _unique_names(relation.columns)
             rows = [dict(zip(columns, values, strict=True)) for values in relation.fetchall()]
         if not out.json and relation is not None:
             import shutil
@@ -218,6 +218,21 @@ def cmd_sql(args: argparse.Namespace, out: Output) -> int:
     elif relation is None:
         print("OK")
     return 0
+
+
+def _unique_names(names: Sequence[str]) -> list[str]:
+    """``names`` with each repeat renamed as DuckDB's JSON export renames it (``a, a, a_1, a`` -> ``a, a_1, a_1_1,
+    a_2``): one JSON key per column, where a join's two ``step`` columns were one key and one column's values lost."""
+    taken: dict[str, int] = {}
+    unique = []
+    for name in names:
+        chosen = name
+        while chosen in taken:
+            taken[name] += 1
+            chosen = f"{name}_{taken[name]}"
+        taken[chosen] = 0
+        unique.append(chosen)
+    return unique
 
 
 def cmd_checkpoint(args: argparse.Namespace, out: Output) -> int:
@@ -306,11 +321,14 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
     watcher = HeadWatcher(stream, branch=args.branch)  # polls the catalog pointer; reloads metadata only on change
     watcher.check()
     next_step = args.from_step if args.from_step is not None else watcher.head()[0] + 1
+    first_kept = stream.branch_state(branch=args.branch).collected_below
+    gone = f" (steps below {first_kept} are gone: collected by GC, or before a fork)" if next_step < first_kept else ""
+    next_step = max(next_step, first_kept)  # a replay shows what is kept, and the line above it says where it starts
     deadline = None if args.timeout is None else time.monotonic() + args.timeout
     never = threading.Event()
     shown = 0
     if not out.json:
-        out.console.print(f"following {stream.name} (branch {args.branch}) from step {next_step}; Ctrl-C to stop",
+        out.console.print(f"following {stream.name} (branch {args.branch}) from step {next_step}{gone}; Ctrl-C to stop",
                           style="dim")
     while args.max_steps is None or shown < args.max_steps:
         remaining = None if deadline is None else deadline - time.monotonic()
@@ -318,7 +336,10 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
             break
         try:
             waited = watcher.wait(next_step, timeout=remaining, stop=never, poll_s=args.poll)
-        except ReadTimeoutError:
+        except ReadTimeoutError as exc:
+            if exc.__cause__ is not None:  # the last poll failed too: the catalog is unreachable, not the stream idle
+                raise UserError(f"tail: the catalog could not be polled when --timeout {args.timeout:g} ran out: "
+                                f"{_storage_error(exc.__cause__, args.catalog)}") from None
             break
         head = waited[0] if waited else next_step
         last = head if args.max_steps is None else min(head, next_step + args.max_steps - shown - 1)
@@ -404,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_stream(add("gc", cmd_gc, "collect, on every branch, the steps and files no retained checkpoint needs"),
                     branch=False)
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
-    p.add_argument("--keep-last", type=int, metavar="K",
+    p.add_argument("--keep-last", type=_at_least(1), metavar="K",
                    help="retain the newest K checkpoints and release the others (steps below the oldest retained one "
                         "are collected)")
 
@@ -413,16 +434,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="report what would be rolled back, change nothing")
 
     p = with_stream(add("tail", cmd_tail, "follow new steps live"))
-    p.add_argument("--from-step", type=_at_least(1), metavar="S", help="start at step S (default: the next new step)")
+    p.add_argument("--from-step", type=_at_least(1, maximum=MAX_STEP), metavar="S",
+                   help="start at step S (default: the next new step)")
     p.add_argument("--max-steps", type=_at_least(1), metavar="N", help="stop after N steps")
-    p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS", help="stop after this long")
+    p.add_argument("--timeout", type=_seconds(0.0), metavar="SECONDS",
+                   help="stop after this long (exit 1 if the catalog could not be polled by then)")
     p.add_argument("--poll", type=_seconds(0.001), default=0.05, metavar="SECONDS",
                    help="first poll interval (default 0.05)")
 
     p = add("lag", cmd_lag, "each trainer rank's recorded position, lag and data wait, and the ranks that stopped reporting")
     p.add_argument("stream", metavar="STREAM", help="NAMESPACE.NAME")
     p.add_argument("--group", metavar="RUN", help="consumer group (the dataset's group=); default: every group")
-    p.add_argument("--stale-after", type=_seconds(0.001), default=3.0, metavar="N",
+    p.add_argument("--stale-after", type=_seconds(0.001, unit="report intervals"), default=3.0, metavar="N",
                    help="a rank silent for N report intervals is stale (default 3)")
     p.add_argument("--delete", action="store_true",
                    help="delete the group's recorded positions (refused while a rank of it is active)")
@@ -433,7 +456,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _at_least(minimum: int) -> Callable[[str], int]:
+def _at_least(minimum: int, *, maximum: int | None = None) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -441,18 +464,20 @@ def _at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is below {minimum}")
+        if maximum is not None and value > maximum:  # a step past an Iceberg long is never published: no waiting for it
+            raise argparse.ArgumentTypeError(f"{value} is above {maximum}, the largest step a stream can hold")
         return value
     return parse
 
 
-def _seconds(minimum: float) -> Callable[[str], float]:
+def _seconds(minimum: float, *, unit: str = "seconds") -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of {unit}") from None
         if not math.isfinite(value) or value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds >= {minimum:g}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of {unit} >= {minimum:g}")
         return value
     return parse
 
@@ -495,9 +520,9 @@ def _quiet_stdout() -> None:
         pass
 
 
-def _storage_error(exc: OSError, catalog: str | None) -> str:
-    """What the storage raised, as one line naming the setting to fix where it is a connection or credential failure;
-    never a secret of the catalog's configuration."""
+def _storage_error(exc: BaseException, catalog: str | None) -> str:
+    """What the storage (or the catalog) raised, as one line naming the setting to fix where it is a connection or
+    credential failure; never a secret of the catalog's configuration."""
     from lakestream_iceberg.connect.diagnose import explain, redact
 
     settings: dict[str, Any] = {}

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,6 +66,13 @@ class CatalogSpec:
 
     def describe(self) -> str:
         return f"catalog {self.name!r}" if self.name else f"the embedded catalog in {resolve_home(self.home)}"
+
+    def cli_args(self) -> str:
+        """The options that select this catalog on a ``lakestream`` command line, shell-quoted, with a leading space
+        (``""`` for the default): for the commands a message suggests, which must reach the same catalog."""
+        if self.name:
+            return f" --catalog {shlex.quote(self.name)}"
+        return f" --home {shlex.quote(str(self.home))}" if self.home else ""
 
 
 def embedded_catalog(home: str | os.PathLike[str] | None = None, *, create: bool = True) -> Catalog:
@@ -139,27 +147,41 @@ def open_stream(catalog: Catalog, identifier: str, *, spec: CatalogSpec | None =
     """Open a stream, turning pyiceberg's lookup failures into one clear :class:`StreamError`."""
     from pyiceberg.exceptions import NoSuchNamespaceError, NoSuchTableError
 
+    from lakestream_iceberg.format.checks import check_identifier
     from lakestream_iceberg.stream import Stream
 
     where = spec.describe() if spec else "the catalog"
-    if "." not in identifier.strip("."):
+    if identifier.strip() and "." not in identifier:
         raise StreamError(f"stream name {identifier!r} needs a namespace: write it as NAMESPACE.NAME (e.g. demo.{identifier})")
+    check_identifier(identifier)  # an empty part ('.x', 'x.', ''): the ConfigError that says so
     try:
         return Stream.open(catalog, identifier)
     except (NoSuchTableError, NoSuchNamespaceError):
         known = _known_tables(catalog)
-        hint = f"; tables there: {', '.join(known)}" if known else "; it has no tables yet (try `lakestream demo`)"
+        # the demo makes its stream in the catalog it is given: a plain `lakestream demo` in the embedded default
+        demo = f"lakestream{spec.cli_args() if spec else ''} demo"
+        hint = f"; tables there: {', '.join(known)}" if known else f"; it has no tables yet (try `{demo}`)"
         raise StreamError(f"no stream {identifier!r} in {where}{hint}") from None
 
 
-def _known_tables(catalog: Catalog, limit: int = 12) -> list[str]:
+def _known_tables(catalog: Catalog, limit: int = 12, max_namespaces: int = 100) -> list[str]:
+    """Up to ``limit`` table names, nested namespaces' included (``list_namespaces()`` gives the top level only),
+    looking into at most ``max_namespaces`` namespaces."""
     names: list[str] = []
+    pending: list[tuple[str, ...]] = [()]
+    seen: set[tuple[str, ...]] = set()
     try:
-        for namespace in catalog.list_namespaces():
-            for ident in catalog.list_tables(namespace):
-                names.append(".".join(ident))
-                if len(names) >= limit:
-                    return [*names, "..."]
+        while pending and len(seen) < max_namespaces:
+            parent = pending.pop(0)
+            for namespace in catalog.list_namespaces(parent):
+                namespace = tuple(namespace)
+                if namespace in seen or len(namespace) <= len(parent):  # a catalog that lists more than the children
+                    continue
+                seen.add(namespace)
+                pending.append(namespace)
+                names += [".".join(ident) for ident in catalog.list_tables(namespace)]
+                if len(names) > limit:
+                    return [*names[:limit], "..."]
     except Exception:  # listing is a courtesy in an error message; never mask the real error
         return names
     return names

@@ -152,6 +152,17 @@ def test_sql_human_table_and_samples_range(home: Path, capsys: pytest.CaptureFix
     assert [r["_step"] for r in rows] in ([2, 3], [2], [3])  # a step may hold only empty shards
 
 
+def test_sql_json_keeps_every_column_of_a_join(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Two columns of one name (a join's ``step``, ``producer``, ...) were one JSON key: the first one's values were
+    lost without a word. They are named as DuckDB's own JSON export (``COPY ... (FORMAT json)``) names them."""
+    code, out, _ = main_inprocess(home, capsys, "sql", STREAM, "SELECT 1 AS a, 2 AS a, 3 AS a_1, 4 AS a", "--json")
+    assert code == 0 and json.loads(out) == [{"a": 1, "a_1": 2, "a_1_1": 3, "a_2": 4}]  # as COPY ... (FORMAT json)
+    code, out, _ = main_inprocess(home, capsys, "sql", STREAM, "SELECT * FROM batches b JOIN files f ON b.step = f.step "
+                                  "AND f.rank = 0 ORDER BY b.step LIMIT 1", "--json")
+    (row,) = json.loads(out)
+    assert code == 0 and row["step"] == row["step_1"] == 1 and "rank" in row
+
+
 def test_user_mistakes_are_one_line(env: dict[str, str], home: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad_sql, missing, no_catalog = run_many(
         env, ("sql", STREAM, "SELEC nonsense"), ("status", "ns.missing"), ("--catalog", "nowhere", "status", STREAM))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ def _command() -> list[str]:
 def test_demo_small_run_passes_the_exactly_once_check(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYICEBERG_", "LAKESTREAM_"))}
     env["PYICEBERG_HOME"] = str(tmp_path)
-    home = tmp_path / "home"
+    home = tmp_path / "a home"  # the command the summary suggests next must run as printed: quoted
     proc = subprocess.run([*_command(), "demo", "--home", str(home), "--producers", "2", "--ranks", "2",
                            "--steps-per-producer", "3"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -43,6 +44,8 @@ def test_demo_small_run_passes_the_exactly_once_check(tmp_path: Path) -> None:
     from lakestream_iceberg.tools.cli import main
 
     assert main(["--home", str(home), "sql", stream, "SELECT count(*) AS steps FROM batches", "--json"]) == 0
+    suggested = next(line for line in proc.stdout.splitlines() if line.startswith("next: lakestream "))
+    assert main(shlex.split(suggested)[2:]) == 0, suggested  # was `--home /tmp/.../a home status ...`
 
 
 def test_demo_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
