@@ -403,6 +403,27 @@ def test_a_partition_spec_evolved_under_running_producers_is_refused_until_resto
     assert {step: rows_of(stream, step) for step in range(1, 9)} == before
 
 
+def test_a_stream_of_a_newer_format_version_is_refused_not_misread(tmp_path: Path) -> None:
+    """A stream whose lakestream.format-version this release does not read (a newer lakestream_iceberg made or upgraded
+    it) opened, read and took commits as if it were version 1. Opening it, the next commit of a producer opened before
+    the upgrade, and a follower of it are refused with a ConfigError that says to upgrade; nothing is published."""
+    stream, before = published(make(tmp_path))
+    running = stream.producer("a")
+    follower = Stream.open(stream.table.catalog, stream.name)
+    assert follower.wait_for(8, timeout=30) == 8
+    stream.table.catalog.load_table(stream.name).transaction().set_properties(
+        {"lakestream.format-version": "2"}).commit_transaction()
+    refused = pytest.raises(ConfigError, match=r"lakestream.format-version='2'.*reads format version 1 only.*Upgrade")
+    with refused:
+        Stream.open(stream.table.catalog, stream.name)
+    with refused:  # a producer running when the stream was upgraded: its next commit
+        running.commit(batch("a", 4, WORLD), seq=4)
+    with refused:  # a follower running then: when it next reads the head
+        follower.wait_for(9, timeout=30)
+    assert stream.head_step() == 8
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+
+
 def branch_snapshots(stream: Stream) -> int:
     return len(lineage(stream))
 

@@ -61,6 +61,22 @@ PROP_PACKED_ROW_GROUP_BYTES = props.PACKED_ROW_GROUP_BYTES.key
 
 FORMAT_VERSION = props.FORMAT_VERSION.created
 
+
+def check_format_version(properties: Mapping[str, str], *, stream: str | None = None) -> None:
+    """Refuse (:class:`ConfigError`) a table whose ``lakestream.format-version`` this release does not read: a stream a
+    newer lakestream_iceberg made or upgraded may lay its steps out in ways this one would misread or write over. An
+    absent property is left to the caller (a table without it is no stream)."""
+    raw = properties.get(PROP_VERSION)
+    if raw is None or raw in props.FORMAT_VERSION.choices:
+        return
+    where = f"stream {stream}" if stream else "the table"
+    raise ConfigError(
+        f"{where} has table property {PROP_VERSION}={raw!r}, and this release of lakestream_iceberg reads format "
+        f"version {', '.join(props.FORMAT_VERSION.choices)} only: a newer lakestream_iceberg made or upgraded it. "
+        "Upgrade lakestream_iceberg in every process that uses the stream (do not change the property: the steps "
+        "would be misread)"
+    )
+
 # Stream.create picks the packed layout from this world size on, unless lakestream.layout is given. Measured
 # (benchmarks/vs_kafka.py, W=8, one run per layout): packed ingests 1 MiB batches 2.1x (1 producer) to 2.2x (8)
 # faster and 16 MiB batches from 8 producers 2.9x faster than per-rank, whose W files and manifest entries per step
@@ -151,6 +167,7 @@ class StreamConfig:
         """
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
+        check_format_version(properties)
         values = {name: prop.get(properties) for name, prop in CONFIG_FIELDS.items()}
         # Iceberg's history.expire.min-snapshots-to-keep raises the count kept (never lowers lakestream's own)
         values["retain_snapshots"] = max(props.RETAIN_LAST.get(properties) or 0,

@@ -291,7 +291,9 @@ LIVE, REOPEN, FIXED = Change.LIVE, Change.REOPEN, Change.FIXED
 # -- the stream's shape: fixed when it is created ---------------------------------------------------------------------
 FORMAT_VERSION = ChoiceProperty(
     key="lakestream.format-version", created="1", change=FIXED, choices=("1",), noun="a format version this release reads",
-    doc="The version of lakestream's table layout; Stream.create writes it and a table without it is no stream.")
+    doc="The version of lakestream's table layout; Stream.create writes it and a table without it is no stream. A "
+        "version this release does not read (a newer release made or upgraded the stream) is refused when the "
+        "stream is opened, at the next commit and when a follower next reads the head: upgrade lakestream_iceberg.")
 WORLD_SIZE = IntProperty(
     key="lakestream.world-size", field="world_size", minimum=1, maximum=2**31 - 1, unit="ranks", change=FIXED,
     default_text="none: Stream.create(world_size=...) sets it", doc="Ranks (shards) in every global batch.")

@@ -34,7 +34,14 @@ from lakestream_iceberg.errors import (
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import MAX_STEP, check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
-from lakestream_iceberg.format.layout import PROP_LAYOUT, PROP_VERSION, PROP_WORLD_SIZE, StreamConfig, layout_of_spec
+from lakestream_iceberg.format.layout import (
+    PROP_LAYOUT,
+    PROP_VERSION,
+    PROP_WORLD_SIZE,
+    StreamConfig,
+    check_format_version,
+    layout_of_spec,
+)
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.manifest_cache import ManifestCache, shared_cache
 from lakestream_iceberg.format.manifests import ManifestPlanner
@@ -91,6 +98,7 @@ def check_layout(metadata: TableMetadata, config: StreamConfig, *, stream: str) 
     Another engine may evolve the spec of a live stream (Spark's ``ALTER TABLE ... ADD PARTITION FIELD``, pyiceberg's
     ``update_spec``): lakestream's files carry ``(_step, _rank)`` (packed: ``(_step,)``) as their partition, and a commit
     writes them with the table's default spec, so it is checked when a stream is opened and before every commit."""
+    check_format_version(metadata.properties, stream=stream)  # a newer lakestream_iceberg may upgrade a live stream
     implemented = layout_of_spec(metadata.spec(), metadata.schema())
     if implemented == config.layout:
         return
@@ -154,6 +162,7 @@ class StreamTable:
                 f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
             )
         self.table = table
+        check_format_version(props, stream=".".join(table.name()))
         self.config = StreamConfig.from_properties(props)
         check_layout(table.metadata, self.config, stream=".".join(table.name()))
         self.cache = cache or shared_cache(self.config.manifest_cache_bytes)

@@ -37,6 +37,7 @@ from lakestream_iceberg.connect.notify import HeadListener
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.errors import LakestreamError, ReadError, ReadTimeoutError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.layout import check_format_version
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.reader import read_file
 
@@ -157,6 +158,8 @@ class HeadWatcher:
         now = time.monotonic()
         changed = refresh_if_moved(self._stream.table, io=self._io)
         self.reloads += changed
+        if changed:  # a newer lakestream_iceberg may upgrade a followed stream: its steps would be misread
+            check_format_version(self._stream.table.metadata.properties, stream=self._stream.name)
         self._check_branch()  # every poll: the view may have moved in place (a commit through the same table object)
         if changed or self._seen is None:
             step = self.head()[0]
