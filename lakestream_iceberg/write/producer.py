@@ -33,6 +33,7 @@ from lakestream_iceberg.errors import (
     CommitOutcomeUnknownError,
     CommitTimeoutError,
     ConfigError,
+    ProducerConflictError,
     ProducerFailedError,
     SequenceError,
 )
@@ -223,6 +224,9 @@ class Producer:
         Args:
             shards: One pyarrow Table per rank, as for :meth:`commit`.
             seq: The batch's seq; defaults to the one after the last submitted (the table's next seq at the first).
+                When another writer of the id published that seq meanwhile, the future raises
+                :class:`~lakestream_iceberg.errors.ProducerConflictError` (an explicit ``seq`` that is published is a
+                replay: ``duplicate=True``).
             allow_gap: Permit ``seq`` beyond the next one (skipped seqs are never published).
             timeout_s: How long to wait for a free slot (None: as long as it takes).
 
@@ -356,6 +360,8 @@ class Producer:
         allow_gap = checked.allow_gap
         opened = self._open(seq, allow_gap)
         if isinstance(opened, CommitResult):
+            if checked.seq is None and seq is not None:
+                raise self._taken(opened)
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
         staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked.shards, whole=checked.whole)
@@ -405,6 +411,20 @@ class Producer:
         if known is None:
             return seq
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
+
+    def _taken(self, published: CommitResult) -> ProducerConflictError:
+        """A batch submitted with ``seq=None`` was numbered by this producer (the seq after its last submitted one),
+        but that seq is published already: not a replay of this batch, another live writer of the id published it
+        (a second producer object, a process forked from this one, another process). Reporting it as a duplicate
+        would drop the batch without a word."""
+        where = "a step since collected" if published.step is None else f"step {published.step}"
+        return ProducerConflictError(
+            f"producer {self.producer_id!r} seq {published.seq} on branch {self.branch!r} was published as {where} "
+            f"by another writer of the same id while this producer numbered its submitted batches "
+            f"itself (seq=None); this batch is not a replay of that one and was not published. Another live producer "
+            f"(another process, a forked child, a second Stream.producer({self.producer_id!r})) is using the id: give "
+            f"every live producer its own id, then open a new producer with this id: it resumes from the table's state"
+        )
 
     def _publish(self, planner: BatchPlanner) -> Outcome[Published]:
         """``CommitLoop.run`` of ``planner``; a staged batch that is not published is withdrawn from group commit."""

@@ -316,3 +316,23 @@ def test_a_producer_dropped_unclosed_publishes_what_it_submitted_and_its_committ
     until(lambda: gc.collect() >= 0 and not committer.is_alive(), "the idle committer thread to end once its producer is "
           "collected", deadline_s=DEADLINE_S)
     assert by_step(stream) == {1: ("p", 0), 2: ("p", 1), 3: ("p", 2)}
+
+
+def test_a_submit_whose_seq_another_writer_of_the_id_published_meanwhile_fails_with_a_conflict(stream: Stream) -> None:
+    # The submit path numbers batches itself (seq=None: the one after the last submitted). When another live writer of
+    # the same id (a second producer object, the child of a fork, another process) published that seq meanwhile, the
+    # batch is not a replay of the published one: it was reported duplicate=True and silently never published.
+    producer = stream.producer("p")
+    assert producer.submit(batch("p", 0, WORLD)).result(timeout=DEADLINE_S).seq == 0
+    stream.producer("p").commit(batch("p", 100, WORLD))  # the other writer takes seq 1
+    assert producer.next_seq == 2  # read from the table, as the submit's commit then plans on it
+    lost = producer.submit(batch("p", 1, WORLD))
+    with pytest.raises(ProducerConflictError, match="seq 1 .*was published as step 2") as conflict:
+        lost.result(timeout=DEADLINE_S)
+    assert "give every live producer its own id" in str(conflict.value)
+    assert by_step(stream) == {1: ("p", 0), 2: ("p", 100)}
+    with pytest.raises(ProducerFailedError):
+        producer.close()
+    replay = stream.producer("p")  # an explicit seq that is published is still a replay: duplicate, nothing written
+    assert replay.submit(batch("p", 100, WORLD), seq=1).result(timeout=DEADLINE_S).duplicate
+    replay.close()
