@@ -253,8 +253,9 @@ class Producer:
             taken = self._next_submit if checked.seq is None else checked.seq
             if taken > self._next_submit and not allow_gap:
                 raise SequenceError(
-                    f"seq {taken} would leave a gap: producer {self.producer_id!r} submitted up to seq "
-                    f"{self._next_submit - 1}; pass seq=None to take the next one, or allow_gap=True")
+                    f"producer {self.producer_id!r} would skip from seq {self._next_submit} to {taken}: its next seq is "
+                    f"{self._next_submit} (the one after its last submitted batch, or the table's next seq before its "
+                    "first submit); pass seq=None to take it, or allow_gap=True to skip on purpose")
             self._next_submit = max(self._next_submit, taken + 1)
             return Submitted(seq=taken, payload=checked, submitted_at=submitted_at, began_at=began_at)
 

@@ -336,3 +336,16 @@ def test_a_submit_whose_seq_another_writer_of_the_id_published_meanwhile_fails_w
     replay = stream.producer("p")  # an explicit seq that is published is still a replay: duplicate, nothing written
     assert replay.submit(batch("p", 100, WORLD), seq=1).result(timeout=DEADLINE_S).duplicate
     replay.close()
+
+
+def test_a_first_submit_that_would_leave_a_gap_names_the_next_seq(stream: Stream) -> None:
+    # The message said "submitted up to seq -1" for a producer that had submitted nothing.
+    producer = stream.producer("p")
+    with pytest.raises(SequenceError) as gap:
+        producer.submit(batch("p", 3, WORLD), seq=3)
+    assert "-1" not in str(gap.value)
+    assert "would skip from seq 0 to 3" in str(gap.value) and "allow_gap=True" in str(gap.value)
+    assert producer.submit(batch("p", 0, WORLD)).result(timeout=DEADLINE_S).seq == 0
+    with pytest.raises(SequenceError, match="would skip from seq 1 to 5"):
+        producer.submit(batch("p", 5, WORLD), seq=5)
+    producer.close()
