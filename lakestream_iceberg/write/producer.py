@@ -307,7 +307,9 @@ class Producer:
         self._own()
         if exc is None:
             self.close()
-        elif self._queue is not None:  # already failing: stop without hiding that error behind a flush's
+            return
+        self._closed = True  # already failing: closed all the same, without hiding that error behind a flush's
+        if self._queue is not None:
             try:
                 self._queue.close(timeout_s=None)
             except ProducerFailedError:

@@ -349,3 +349,21 @@ def test_a_first_submit_that_would_leave_a_gap_names_the_next_seq(stream: Stream
     with pytest.raises(SequenceError, match="would skip from seq 1 to 5"):
         producer.submit(batch("p", 5, WORLD), seq=5)
     producer.close()
+
+
+def test_a_producer_whose_with_block_raised_is_closed_too(stream: Stream) -> None:
+    # Leaving the block by an exception closed the committer of a producer that had submitted, but one that had only
+    # committed stayed open: it went on publishing batches after its block was left.
+    for submitted in (False, True):
+        with pytest.raises(KeyError), stream.producer(f"p{submitted:d}") as producer:
+            if submitted:
+                producer.submit(batch("p", 0, WORLD)).result(timeout=DEADLINE_S)
+            else:
+                producer.commit(batch("p", 0, WORLD))
+            raise KeyError("the caller's own error")
+        head = stream.head_step()
+        with pytest.raises(ProducerFailedError, match="closed"):
+            producer.commit(batch("p", 1, WORLD))
+        with pytest.raises(ProducerFailedError, match="closed"):
+            producer.submit(batch("p", 1, WORLD))
+        assert stream.head_step() == head
