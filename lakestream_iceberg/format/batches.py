@@ -53,9 +53,7 @@ def check_batch(shards: object, *, world_size: int, expected: pa.Schema) -> tupl
         known = any(schema.equals(seen) for seen in checked)
         if not known:
             if schema.names != expected.names:
-                raise SchemaMismatchError(
-                    f"shard for rank {rank} has columns {schema.names}, the stream expects {expected.names} (same order)"
-                )
+                raise SchemaMismatchError(_columns_differ(rank, schema.names, expected.names))
             for field, want in zip(schema, fields):
                 if not field.type.equals(want.type):
                     raise SchemaMismatchError(
@@ -77,6 +75,22 @@ def check_batch(shards: object, *, world_size: int, expected: pa.Schema) -> tupl
             checked.append(schema)
         out.append(shard)
     return out, None
+
+
+def _columns_differ(rank: int, names: list[str], expected: list[str]) -> str:
+    """The message for a shard whose column names are not the stream's: what differs, and what to do about it."""
+    missing = [name for name in expected if name not in names]
+    extra = [name for name in names if name not in expected]
+    if missing:
+        fix = f"lacks column(s) {missing}: add them (nulls where the column is nullable)"
+    elif extra:
+        fix = f"has column(s) {extra} the stream does not: drop them (table.select(stream.payload_arrow_schema.names))"
+    elif len(names) != len(expected):
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        fix = f"has column(s) {repeated} more than once: keep one of each"
+    else:
+        fix = "has the stream's columns in another order: reorder them with table.select(stream.payload_arrow_schema.names)"
+    return f"shard for rank {rank} {fix}; the stream's columns are {expected} (in that order), the shard's {names}"
 
 
 def _all_valid(shards: list[object] | tuple[object, ...], expected: pa.Schema, fields: list[pa.Field], to_scan: list[int],

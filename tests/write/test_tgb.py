@@ -149,6 +149,13 @@ def test_a_skipped_seq_is_refused_after_gc_while_a_lower_seq_of_the_producer_is_
         (lambda: [shard("p", 0, 0).drop_columns(["image"])] + batch("p", 0, 4)[1:], SchemaMismatchError, "columns"),
         (lambda: [shard("p", 0, 0).cast(SCHEMA.set(1, pa.field("seq", pa.int32())))] + batch("p", 0, 4)[1:], SchemaMismatchError, "cast"),
         (lambda: ["not a table"] * 4, SchemaMismatchError, "expected a pyarrow Table"),
+        # the columns' message said which columns were expected, not what to do about the difference
+        (lambda: [shard("p", 0, 0).drop_columns(["image"])] + batch("p", 0, 4)[1:], SchemaMismatchError,
+         r"lacks column\(s\) \['image'\]"),
+        (lambda: [shard("p", 0, 0).append_column("x", pa.array([0] * shard("p", 0, 0).num_rows))] + batch("p", 0, 4)[1:],
+         SchemaMismatchError, r"has column\(s\) \['x'\] the stream does not: drop them"),
+        (lambda: [shard("p", 0, 0).select(SCHEMA.names[::-1])] + batch("p", 0, 4)[1:], SchemaMismatchError,
+         r"in another order: reorder them with table.select\("),
     ],
 )
 def test_malformed_batches_raise_clear_errors_and_publish_nothing(stream: Stream, bad, error, words) -> None:
