@@ -302,6 +302,15 @@ class Producer:
     def __enter__(self) -> Producer:
         return self
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Refused: a producer holds its committer thread and lock, and a copy in another process would be a second
+        live writer of its id. The stream pickles (as its address): send it and the id instead."""
+        raise ConfigError(
+            f"a Producer cannot be pickled or sent to another process (producer {self.producer_id!r}): the stream pickles "
+            f"as its address, so send the stream (or open it there) and call stream.producer({self.producer_id!r}) in "
+            "that process, and use the id in one live process at a time"
+        )
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self._own()

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import (
+    ConfigError,
     LakestreamError,
     NotAStreamError,
     RankError,
@@ -694,3 +695,15 @@ def test_the_manifest_cache_is_bounded_in_entries_too() -> None:
     cache.remember_entries("m", entries(10))
     cache.remember_entries("m", entries(20))  # the same path again: counted once
     assert cache.entry_count == 20
+
+
+def test_a_producer_handed_to_another_process_is_refused_with_what_to_send_instead(stream: Stream) -> None:
+    # Pickling a producer (multiprocessing args, a Ray task) failed with "cannot pickle '_thread.lock' object".
+    import pickle
+
+    producer = stream.producer("p")
+    with pytest.raises(ConfigError, match=r"stream.producer\('p'\)") as refused:
+        pickle.dumps(producer)
+    assert "the stream pickles" in str(refused.value)
+    again = pickle.loads(pickle.dumps(stream))  # what the message says to send instead
+    assert again.producer("p").commit(batch("p", 0, 4)).step == 1
