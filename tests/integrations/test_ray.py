@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from lakestream_iceberg import Stream  # noqa: E402
-from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError  # noqa: E402
+from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError, StreamExistsError  # noqa: E402
 from lakestream_iceberg.integrations.ray import LakestreamDatasink, producer_id  # noqa: E402
 from tests.support import sqlite_catalog  # noqa: E402
 
@@ -805,3 +805,23 @@ def test_create_refuses_a_schema_iceberg_cannot_hold_with_the_column_and_the_fix
             given.on_write_start(None)
         with pytest.raises(NoSuchTableError):
             Stream.open(catalog, f"ns.{name}")
+
+
+def test_a_schema_other_than_the_existing_streams_is_refused_before_anything_is_published(tmp_path: Path) -> None:
+    """``schema=`` given for a stream that exists: without ``create`` it was ignored without a word (the job published
+    blocks of the stream's schema, whatever the sink was told); it is checked as ``world_size=`` is, on the driver."""
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    other = pa.schema([("id", pa.int64()), ("y", pa.string())])
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=other)
+    with pytest.raises(ConfigError, match=r"stream ns.s has schema \(id: int64, x: float\), the sink was given "
+                                          r"schema=\(id: int64, y: string\)"):
+        sink.on_write_start(None)
+    creating = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=other,
+                                  create=True, world_size=2)
+    with pytest.raises(StreamExistsError, match="already exists with world_size=2 and schema"):
+        creating.on_write_start(None)  # as Stream.create refuses it
+    assert Stream.open(catalog, "ns.s").head_step() == 0
+    same = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=SCHEMA)
+    same.on_write_start(None)
+    assert same.write(iter([_rows(0, 2)]), _task_context(0)).steps == (1,)
