@@ -825,3 +825,16 @@ def test_a_schema_other_than_the_existing_streams_is_refused_before_anything_is_
     same = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=SCHEMA)
     same.on_write_start(None)
     assert same.write(iter([_rows(0, 2)]), _task_context(0)).steps == (1,)
+
+
+def test_ray_train_dataset_refuses_a_rank_or_world_size_of_its_own(tmp_path: Path) -> None:
+    """``rank=`` or ``world_size=`` passed to ``ray_train_dataset`` (they are Ray Train's) failed in the training
+    worker with Python's 'got multiple values for keyword argument'; it is a ConfigError saying where they come from,
+    raised before Ray Train's context is asked."""
+    from lakestream_iceberg.integrations.ray import ray_train_dataset
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=2)
+    for given in ({"rank": 0}, {"world_size": 4}, {"rank": 1, "world_size": 2}):
+        with pytest.raises(ConfigError, match=r"ray_train_dataset takes rank and world size from "
+                                              r"ray\.train\.get_context\(\).*got " + ", ".join(sorted(given))):
+            ray_train_dataset(stream, **given)
