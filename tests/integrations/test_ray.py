@@ -838,3 +838,62 @@ def test_ray_train_dataset_refuses_a_rank_or_world_size_of_its_own(tmp_path: Pat
         with pytest.raises(ConfigError, match=r"ray_train_dataset takes rank and world size from "
                                               r"ray\.train\.get_context\(\).*got " + ", ".join(sorted(given))):
             ray_train_dataset(stream, **given)
+
+
+def _retried_train_loop(config: dict[str, Any]) -> None:
+    """docs/guide/training.md's Ray Train loop: the dataset's position travels in the Ray checkpoint reported with the
+    model's, and a restarted loop (Ray Train's retry after a failure, or a run restored under the same name) resumes
+    from the one Ray hands back. The first attempt fails after step 3."""
+    import tempfile
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    from lakestream_iceberg.integrations.ray import ray_train_dataset
+
+    rank = ray.train.get_context().get_world_rank()
+    dataset = ray_train_dataset(config["stream"], end_step=config["steps"], timeout=BOUND_S,
+                                collate=lambda shard: {"step": shard.step})
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as folder:
+            dataset.load_state_dict(json.loads(Path(folder, "data.json").read_text()))
+    attempt = "retry" if restored is not None else "first"
+    for item in dataset:
+        with Path(config["out"], f"rank{rank}-{attempt}.jsonl").open("a") as trained:
+            trained.write(f"{item['step']}\n")
+        if item["step"] % 2 == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    Path(folder, "data.json").write_text(json.dumps(dataset.state_dict()))
+                ray.train.report({"step": item["step"]},
+                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+        if item["step"] == 3 and restored is None:
+            raise RuntimeError("the first attempt fails after step 3")
+
+
+@pytest.mark.slow
+def test_a_restarted_ray_train_loop_resumes_the_stream_from_rays_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
+    """The Ray Train example of the training guide resumed from a stream checkpoint tag given in the loop's config, and
+    tagged a step every N steps: when Ray Train restarted the loop in the same run (a worker failure, ``FailureConfig``;
+    or a run restored under a name reused), the config was the first attempt's, so the loop read the stream again from
+    its start and failed at ``stream.checkpoint`` of a tag the first attempt had made (CheckpointError, the run lost).
+    The guide's loop keeps the dataset's position in the Ray checkpoint with the model: a restart resumes after it."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.retried", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    steps = 6
+    for s in range(steps):
+        producer.commit([_rows(4 * s, 2), _rows(4 * s + 2, 2)])
+    TorchTrainer(_retried_train_loop, train_loop_config={"stream": stream, "steps": steps, "out": str(tmp_path)},
+                 torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                 run_config=RunConfig(name="retried", storage_path=str(tmp_path / "ray_results"),
+                                      failure_config=FailureConfig(max_failures=1))).fit()
+    for rank in (0, 1):
+        first = [int(s) for s in (tmp_path / f"rank{rank}-first.jsonl").read_text().split()]
+        retry = [int(s) for s in (tmp_path / f"rank{rank}-retry.jsonl").read_text().split()]
+        assert first == [1, 2, 3]
+        assert retry == [3, 4, 5, 6]  # after the last checkpoint (step 2), as the model restored from it
