@@ -306,12 +306,13 @@ def ray_cluster() -> Iterator[None]:
 
 
 def _data_context(cpus: float | None = None) -> Any:
-    """A fresh Ray DataContext for one job (settings do not leak between tests)."""
+    """A fresh Ray DataContext for one job, Ray's defaults (settings do not leak between tests: a copy of the current
+    one kept the preserve_order an earlier test had set)."""
     from ray.data import DataContext, ExecutionResources
 
-    with warnings.catch_warnings():  # copying touches Ray's own deprecated settings
+    with warnings.catch_warnings():  # making one touches Ray's own deprecated settings
         warnings.simplefilter("ignore", DeprecationWarning)
-        ctx = DataContext.get_current().copy()
+        ctx = DataContext()
     if cpus is not None:
         ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus)
     DataContext._set_current(ctx)
@@ -482,6 +483,41 @@ def test_an_unfused_write_without_preserve_order_is_warned_about(ray_cluster: No
         ordered = job("ordered")
     assert ordered.report is not None and ordered.report.fused is False and ordered.report.warnings == ()
     assert ordered.report.published == 4
+
+
+@pytest.mark.slow
+def test_a_fused_write_fed_by_another_operator_without_preserve_order_is_warned_about(ray_cluster: None,
+                                                                                    tmp_path: Path) -> None:
+    """``read_parquet(...).map_batches(f).write_datasink(sink)`` (the README's job) is one fused operator, but Ray
+    2.60 feeds it from a ListFiles operator that lists files in completion order without ``preserve_order``: a task's
+    files came in another order in each run (observed: ids 50.., 0.., 100.. then 50.., 100.., 0..), so a re-run with
+    the same run name failed with verify_replays' BatchError, and the sink had warned of nothing (it warned of unfused
+    writes only). It warns of a write fed by another operator, fused or not; with preserve_order the files come in
+    listing order and a re-run replays every step."""
+    import pyarrow.parquet as pq
+
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.files", schema=SCHEMA, world_size=1)
+    (tmp_path / "raw").mkdir()
+    for f in range(3):
+        pq.write_table(_rows(f * 8, 8), tmp_path / "raw" / f"{f}.parquet")
+
+    def job(run_name: str) -> LakestreamDatasink:
+        sink = LakestreamDatasink(catalog=catalog, stream="ns.files", run_name=run_name, rows_per_step=4)
+        ray.data.read_parquet(str(tmp_path / "raw"), override_num_blocks=3).map_batches(
+            _to_payload, batch_format="pyarrow").write_datasink(sink)
+        return sink
+
+    _data_context()
+    with pytest.warns(RuntimeWarning, match=r"fed by another operator \(ListFiles.*preserve_order is off"):
+        unordered = job("unordered")
+    assert unordered.report is not None and unordered.report.fused is True and len(unordered.report.warnings) == 1
+    _data_context().execution_options.preserve_order = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ordered, again = job("ordered"), job("ordered")
+    assert ordered.report is not None and ordered.report.warnings == () and ordered.report.published == 6
+    assert again.report is not None and (again.report.published, again.report.duplicates) == (0, 6)
 
 
 # -- the Ray Train test: trainers follow a job that is still writing ---------------------------------------------------
