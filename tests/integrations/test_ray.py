@@ -931,5 +931,5 @@ def test_a_restarted_ray_train_loop_resumes_the_stream_from_rays_checkpoint(ray_
     for rank in (0, 1):
         first = [int(s) for s in (tmp_path / f"rank{rank}-first.jsonl").read_text().split()]
         retry = [int(s) for s in (tmp_path / f"rank{rank}-retry.jsonl").read_text().split()]
-        assert first == [1, 2, 3]
+        assert first[:2] == [1, 2]  # then step 3, unless the failing rank's teardown stopped this one before it
         assert retry == [3, 4, 5, 6]  # after the last checkpoint (step 2), as the model restored from it
