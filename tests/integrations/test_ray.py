@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from lakestream_iceberg import Stream  # noqa: E402
-from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError  # noqa: E402
+from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError, StreamExistsError  # noqa: E402
 from lakestream_iceberg.integrations.ray import LakestreamDatasink, producer_id  # noqa: E402
 from tests.support import sqlite_catalog  # noqa: E402
 
@@ -306,12 +306,13 @@ def ray_cluster() -> Iterator[None]:
 
 
 def _data_context(cpus: float | None = None) -> Any:
-    """A fresh Ray DataContext for one job (settings do not leak between tests)."""
+    """A fresh Ray DataContext for one job, Ray's defaults (settings do not leak between tests: a copy of the current
+    one kept the preserve_order an earlier test had set)."""
     from ray.data import DataContext, ExecutionResources
 
-    with warnings.catch_warnings():  # copying touches Ray's own deprecated settings
+    with warnings.catch_warnings():  # making one touches Ray's own deprecated settings
         warnings.simplefilter("ignore", DeprecationWarning)
-        ctx = DataContext.get_current().copy()
+        ctx = DataContext()
     if cpus is not None:
         ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus)
     DataContext._set_current(ctx)
@@ -482,6 +483,41 @@ def test_an_unfused_write_without_preserve_order_is_warned_about(ray_cluster: No
         ordered = job("ordered")
     assert ordered.report is not None and ordered.report.fused is False and ordered.report.warnings == ()
     assert ordered.report.published == 4
+
+
+@pytest.mark.slow
+def test_a_fused_write_fed_by_another_operator_without_preserve_order_is_warned_about(ray_cluster: None,
+                                                                                    tmp_path: Path) -> None:
+    """``read_parquet(...).map_batches(f).write_datasink(sink)`` (the README's job) is one fused operator, but Ray
+    2.60 feeds it from a ListFiles operator that lists files in completion order without ``preserve_order``: a task's
+    files came in another order in each run (observed: ids 50.., 0.., 100.. then 50.., 100.., 0..), so a re-run with
+    the same run name failed with verify_replays' BatchError, and the sink had warned of nothing (it warned of unfused
+    writes only). It warns of a write fed by another operator, fused or not; with preserve_order the files come in
+    listing order and a re-run replays every step."""
+    import pyarrow.parquet as pq
+
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.files", schema=SCHEMA, world_size=1)
+    (tmp_path / "raw").mkdir()
+    for f in range(3):
+        pq.write_table(_rows(f * 8, 8), tmp_path / "raw" / f"{f}.parquet")
+
+    def job(run_name: str) -> LakestreamDatasink:
+        sink = LakestreamDatasink(catalog=catalog, stream="ns.files", run_name=run_name, rows_per_step=4)
+        ray.data.read_parquet(str(tmp_path / "raw"), override_num_blocks=3).map_batches(
+            _to_payload, batch_format="pyarrow").write_datasink(sink)
+        return sink
+
+    _data_context()
+    with pytest.warns(RuntimeWarning, match=r"fed by another operator \(ListFiles.*preserve_order is off"):
+        unordered = job("unordered")
+    assert unordered.report is not None and unordered.report.fused is True and len(unordered.report.warnings) == 1
+    _data_context().execution_options.preserve_order = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        ordered, again = job("ordered"), job("ordered")
+    assert ordered.report is not None and ordered.report.warnings == () and ordered.report.published == 6
+    assert again.report is not None and (again.report.published, again.report.duplicates) == (0, 6)
 
 
 # -- the Ray Train test: trainers follow a job that is still writing ---------------------------------------------------
@@ -805,3 +841,95 @@ def test_create_refuses_a_schema_iceberg_cannot_hold_with_the_column_and_the_fix
             given.on_write_start(None)
         with pytest.raises(NoSuchTableError):
             Stream.open(catalog, f"ns.{name}")
+
+
+def test_a_schema_other_than_the_existing_streams_is_refused_before_anything_is_published(tmp_path: Path) -> None:
+    """``schema=`` given for a stream that exists: without ``create`` it was ignored without a word (the job published
+    blocks of the stream's schema, whatever the sink was told); it is checked as ``world_size=`` is, on the driver."""
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    other = pa.schema([("id", pa.int64()), ("y", pa.string())])
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=other)
+    with pytest.raises(ConfigError, match=r"stream ns.s has schema \(id: int64, x: float\), the sink was given "
+                                          r"schema=\(id: int64, y: string\)"):
+        sink.on_write_start(None)
+    creating = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=other,
+                                  create=True, world_size=2)
+    with pytest.raises(StreamExistsError, match="already exists with world_size=2 and schema"):
+        creating.on_write_start(None)  # as Stream.create refuses it
+    assert Stream.open(catalog, "ns.s").head_step() == 0
+    same = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="r", rows_per_step=2, schema=SCHEMA)
+    same.on_write_start(None)
+    assert same.write(iter([_rows(0, 2)]), _task_context(0)).steps == (1,)
+
+
+def test_ray_train_dataset_refuses_a_rank_or_world_size_of_its_own(tmp_path: Path) -> None:
+    """``rank=`` or ``world_size=`` passed to ``ray_train_dataset`` (they are Ray Train's) failed in the training
+    worker with Python's 'got multiple values for keyword argument'; it is a ConfigError saying where they come from,
+    raised before Ray Train's context is asked."""
+    from lakestream_iceberg.integrations.ray import ray_train_dataset
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=2)
+    for given in ({"rank": 0}, {"world_size": 4}, {"rank": 1, "world_size": 2}):
+        with pytest.raises(ConfigError, match=r"ray_train_dataset takes rank and world size from "
+                                              r"ray\.train\.get_context\(\).*got " + ", ".join(sorted(given))):
+            ray_train_dataset(stream, **given)
+
+
+def _retried_train_loop(config: dict[str, Any]) -> None:
+    """docs/guide/training.md's Ray Train loop: the dataset's position travels in the Ray checkpoint reported with the
+    model's, and a restarted loop (Ray Train's retry after a failure, or a run restored under the same name) resumes
+    from the one Ray hands back. The first attempt fails after step 3."""
+    import tempfile
+
+    import ray.train
+    from ray.train import Checkpoint
+
+    from lakestream_iceberg.integrations.ray import ray_train_dataset
+
+    rank = ray.train.get_context().get_world_rank()
+    dataset = ray_train_dataset(config["stream"], end_step=config["steps"], timeout=BOUND_S,
+                                collate=lambda shard: {"step": shard.step})
+    restored = ray.train.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as folder:
+            dataset.load_state_dict(json.loads(Path(folder, "data.json").read_text()))
+    attempt = "retry" if restored is not None else "first"
+    for item in dataset:
+        with Path(config["out"], f"rank{rank}-{attempt}.jsonl").open("a") as trained:
+            trained.write(f"{item['step']}\n")
+        if item["step"] % 2 == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    Path(folder, "data.json").write_text(json.dumps(dataset.state_dict()))
+                ray.train.report({"step": item["step"]},
+                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+        if item["step"] == 3 and restored is None:
+            raise RuntimeError("the first attempt fails after step 3")
+
+
+@pytest.mark.slow
+def test_a_restarted_ray_train_loop_resumes_the_stream_from_rays_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
+    """The Ray Train example of the training guide resumed from a stream checkpoint tag given in the loop's config, and
+    tagged a step every N steps: when Ray Train restarted the loop in the same run (a worker failure, ``FailureConfig``;
+    or a run restored under a name reused), the config was the first attempt's, so the loop read the stream again from
+    its start and failed at ``stream.checkpoint`` of a tag the first attempt had made (CheckpointError, the run lost).
+    The guide's loop keeps the dataset's position in the Ray checkpoint with the model: a restart resumes after it."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.retried", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    steps = 6
+    for s in range(steps):
+        producer.commit([_rows(4 * s, 2), _rows(4 * s + 2, 2)])
+    TorchTrainer(_retried_train_loop, train_loop_config={"stream": stream, "steps": steps, "out": str(tmp_path)},
+                 torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
+                 run_config=RunConfig(name="retried", storage_path=str(tmp_path / "ray_results"),
+                                      failure_config=FailureConfig(max_failures=1))).fit()
+    for rank in (0, 1):
+        first = [int(s) for s in (tmp_path / f"rank{rank}-first.jsonl").read_text().split()]
+        retry = [int(s) for s in (tmp_path / f"rank{rank}-retry.jsonl").read_text().split()]
+        assert first[:2] == [1, 2]  # then step 3, unless the failing rank's teardown stopped this one before it
+        assert retry == [3, 4, 5, 6]  # after the last checkpoint (step 2), as the model restored from it

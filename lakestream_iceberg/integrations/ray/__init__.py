@@ -56,12 +56,15 @@ file), so a task that runs again publishes only the steps its earlier attempts d
   task's process (fused), so nothing more goes through the object store. A row-wise transform (``Dataset.map``,
   ``flat_map``, ``filter`` with a function) outputs single rows, not batches: its output is cut into blocks of
   ``rows_per_step`` rows instead (left to Ray's shaping with ``step_fn``), not into one block per row.
-* **Not fused, not ordered: a warning.** When the write is not fused with the operator before it
-  (``map_batches(concurrency=...)``, ``write_datasink(concurrency=...)``, other remote args, a repartition) and
-  ``preserve_order`` is off, write tasks get blocks in completion order, so a re-run with the same run name may give a
-  task index other rows (``verify_replays`` then fails it: safe, but surprising). The sink warns at start
-  (``RuntimeWarning``, logged, and in ``SinkReport.warnings``) naming the fix. Reading straight from the input (no
-  operator before the write) keeps the input order and is not warned about.
+* **Fed by another operator, not ordered: a warning.** When the write is not fused with the operator before it
+  (``map_batches(concurrency=...)``, ``write_datasink(concurrency=...)``, other remote args, a repartition), or is
+  fused but its operator is fed by another one (Ray 2.60's ``read_parquet`` is a ``ListFiles`` operator feeding
+  ``ReadFiles->MapBatches->Write``, and lists files in completion order: observed, a task's files came in another
+  order in each run), and ``preserve_order`` is off, write tasks get their inputs in completion order, so a re-run
+  with the same run name may give a task index other rows (``verify_replays`` then fails it: safe, but surprising).
+  The sink warns at start (``RuntimeWarning``, logged, and in ``SinkReport.warnings``) naming the fix. Reading
+  straight from the input (``from_arrow``, ``from_items``, ...: no operator before the write's) keeps the input order
+  and is not warned about.
 * **Failed tasks ignored: a warning.** With ``DataContext.max_errored_blocks`` other than 0, Ray ignores failed
   tasks, write tasks included: the job succeeds while a failed write task's rows from its failure on are not
   published. The sink warns at start in the same way; a re-run with the same run name publishes what is missing.
@@ -82,9 +85,9 @@ provided each ``task_idx`` receives the same rows in the same order as before. T
 
 * the input is read in a deterministic order with a fixed block count (``override_num_blocks=``; the default
   parallelism depends on the cluster's CPUs, so another cluster size would cut other blocks),
-* ``DataContext.get_current().execution_options.preserve_order = True`` when the Write is not fused with the read
-  (otherwise blocks reach the Write operator, and get their ``task_idx``, in completion order; the sink warns at start
-  when it sees this), and
+* ``DataContext.get_current().execution_options.preserve_order = True`` unless the write's operator reads straight
+  from the input (otherwise blocks reach the Write operator, and get their ``task_idx``, in completion order, and a
+  ``read_parquet`` lists its files in completion order even when fused; the sink warns at start when it sees this), and
 * the preprocessing is deterministic (seeded randomness).
 
 When it does not hold, every (task, seq) already published is still published once, but the re-run's content for it
@@ -124,7 +127,8 @@ required (``nullable=False`` in the stream's schema) and a filled-in null fails 
 **Creating the stream.** ``create=True, world_size=W`` with ``schema=`` creates it on the driver, before any task. Without
 ``schema=`` the first write task with rows creates it from the first block it writes (what the preprocessing
 returned, minus ``rank_column``): tasks that race to create it agree on one (``Stream.create`` opens the winner's),
-and a job that fails before any block reaches the sink creates nothing.
+and a job that fails before any block reaches the sink creates nothing. For a stream that exists, ``schema=`` and
+``world_size=`` are checked against it on the driver, before any task runs.
 
 **Catalogs and secrets.** ``catalog`` is a catalog *name* (resolved in each task by pyiceberg from ``.pyiceberg.yaml``
 or ``PYICEBERG_CATALOG__<NAME>__*``, like any ``load_catalog(NAME)``, plus ``catalog_properties``, which must not hold

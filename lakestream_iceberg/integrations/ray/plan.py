@@ -23,8 +23,10 @@ def shape_write(sink: object, *, run_name: str, rows_per_step: int | None = None
       was called once per row, and each row went through the sink's per-block work, 4-8x slower). Its output is cut
       into blocks of ``rows_per_step`` rows instead (each step's block reaches the sink once the next row is
       mapped), and left to Ray's shaping with ``step_fn``.
-    * Not fused, fed by another operator, ``preserve_order`` off: write tasks receive blocks in completion order, so a
-      re-run under the same run name may give a task index other rows (``verify_replays`` then fails it): a warning.
+    * Fed by another operator (not fused with it, or fused but fed by one: Ray 2.60's ``read_parquet`` is a ListFiles
+      operator feeding ``ReadFiles->...->Write``), ``preserve_order`` off: write tasks receive their inputs in
+      completion order (ListFiles lists files so), so a re-run under the same run name may give a task index other
+      rows (``verify_replays`` then fails it): a warning. Only a write fed straight from the input is in input order.
     * ``DataContext.max_errored_blocks`` other than 0: Ray ignores that many failed tasks, write tasks included, and
       the job succeeds with their rows from the failure on unpublished (nothing in the sink's report showed it): a
       warning.
@@ -37,22 +39,26 @@ def shape_write(sink: object, *, run_name: str, rows_per_step: int | None = None
     write_at = next((i for i, t in enumerate(transforms) if _is_write_transform(t, sink)), None)
     if write_at is None:
         return None, notes
-    if write_at > 0:
+    fused = write_at > 0
+    if fused:
         _stream_batches(transforms[write_at - 1], rows_per_step)
-        return True, notes
     from ray.data._internal.execution.operators.input_data_buffer import InputDataBuffer
 
     upstream = op.input_dependencies[0] if op.input_dependencies else None
     if isinstance(upstream, InputDataBuffer) or op.data_context.execution_options.preserve_order:
-        return False, notes  # blocks reach the write in input order: task i gets the same rows in every run
-    return False, (
+        return fused, notes  # blocks reach the write in input order: task i gets the same rows in every run
+    name = getattr(upstream, "name", "?")
+    fed = (f"the write (fused with the transforms before it) is fed by another operator ({name}; Ray 2.60's "
+           "read_parquet lists files in completion order)" if fused else
+           f"the write is not fused with the operator before it ({name})")
+    return fused, (
         *notes,
-        f"LakestreamDatasink (run {run_name!r}): the write is not fused with the operator before it "
-        f"({getattr(upstream, 'name', '?')}) and DataContext.execution_options.preserve_order is off, so write tasks "
-        "receive blocks in completion order: a re-run with the same run_name may give a task index other rows, which "
-        "verify_replays then refuses (nothing is published twice, but the re-run fails). Set "
-        "ray.data.DataContext.get_current().execution_options.preserve_order = True before building the dataset, or "
-        "keep the write fused with the map (no concurrency= on map_batches or write_datasink, the same ray_remote_args)",
+        f"LakestreamDatasink (run {run_name!r}): {fed} and DataContext.execution_options.preserve_order is off, so "
+        "write tasks receive their inputs in completion order: a re-run with the same run_name may give a task index "
+        "other rows, which verify_replays then refuses (nothing is published twice, but the re-run fails). Set "
+        "ray.data.DataContext.get_current().execution_options.preserve_order = True before building the dataset"
+        + ("" if fused else ", or keep the write fused with the map (no concurrency= on map_batches or "
+           "write_datasink, the same ray_remote_args)"),
     )
 
 

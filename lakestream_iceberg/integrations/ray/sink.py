@@ -212,7 +212,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
         create: Create the stream when missing (``world_size`` required; schema: ``schema``, created on the driver, or
             that of the first block a write task writes, created by that task).
         world_size: Ranks per step, for ``create`` (checked against the stream otherwise, when given).
-        schema: The payload schema, for ``create`` (default: the first block's, minus ``rank_column``).
+        schema: The payload schema, for ``create`` (default: the first block's, minus ``rank_column``); checked
+            against the stream otherwise, when given.
         properties: Table properties for ``create``.
         catalog_properties: Extra non-secret catalog properties, with a catalog name (secrets: pyiceberg config).
         branch: The branch to publish into.
@@ -354,7 +355,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
 
         Raises:
             ConfigError: The stream does not exist and ``create`` is false, its world size differs from
-                ``world_size``, the branch is not a branch, or ``rank_column`` is not an integer column.
+                ``world_size``, its schema from ``schema`` (without ``create``), the branch is not a branch, or ``rank_column`` is not an integer column.
             StreamExistsError: ``create`` with ``properties`` the existing stream holds other values of.
         """
         self._shape_plan()
@@ -376,6 +377,10 @@ class LakestreamDatasink(Datasink[TaskReport]):
             if self.world_size is not None and stream.world_size != self.world_size:
                 raise ConfigError(f"stream {stream.name} has world_size {stream.world_size}, the sink was given "
                                   f"world_size={self.world_size}")
+            if self.schema is not None and not stream.payload_arrow_schema.equals(self.schema):
+                raise ConfigError(f"stream {stream.name} has schema ({_columns(stream.payload_arrow_schema)}), the sink "
+                                  f"was given schema=({_columns(self.schema)}): blocks must have the stream's; pass "
+                                  "its schema, or leave schema= out (it is for create=True)")
             if self.create and self.properties:  # the properties would not be applied: Stream.create says which
                 Stream.create(catalog, self._ref.identifier, schema=stream.payload_arrow_schema,
                               world_size=stream.world_size, properties=self.properties)

@@ -29,7 +29,7 @@ def ray_train_dataset(stream: StreamTable, *, checkpoint: str | None = None, fol
         A ``LakestreamDataset`` for this worker's rank.
 
     Raises:
-        ConfigError: Called outside a Ray Train training function.
+        ConfigError: Called outside a Ray Train training function, or given ``rank`` or ``world_size``.
         CheckpointError: No retained checkpoint has the name ``checkpoint``.
 
     Example:
@@ -37,6 +37,11 @@ def ray_train_dataset(stream: StreamTable, *, checkpoint: str | None = None, fol
         ...     for item in ray_train_dataset(config["stream"], end_step=config["steps"]):
         ...         loss = model(item["tokens"]) ...
     """
+    own = sorted(k for k in ("rank", "world_size") if k in kwargs)
+    if own:  # LakestreamDataset would get them twice: Python's "got multiple values for keyword argument"
+        raise ConfigError(f"ray_train_dataset takes rank and world size from ray.train.get_context() (this worker's "
+                          f"world rank and the training run's world size), got {', '.join(own)}=: leave them out, or "
+                          "make a LakestreamDataset(stream, rank=..., world_size=...) yourself")
     import ray.train
 
     from lakestream_iceberg.read.dataset import LakestreamDataset
