@@ -758,3 +758,49 @@ def test_consumer_lag_stops_at_a_loop_below_a_lakestream_head(tmp_path: Path) ->
     again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
     assert again.head_step() == 8
     assert [(c.status, c.lag_steps, c.lag_s) for c in consumer_lags(again)] == [("closed", 0, 0.0)]
+
+
+def cherry_pick(stream: Stream, source: Snapshot) -> Snapshot:
+    """What Iceberg Java's cherry-pick (Spark's ``CALL system.cherrypick_snapshot``, a WAP publish) commits when the
+    picked snapshot is not on top of the head: a new snapshot on the head that adds the picked snapshot's files, its
+    summary copied (``lakestream.*`` keys included) with ``source-snapshot-id`` naming the picked snapshot."""
+    table = stream.refresh().table
+    metadata = table.metadata
+    head = metadata.current_snapshot()
+    assert head is not None
+    snapshot_id, sequence_number = metadata.new_snapshot_id(), metadata.next_sequence_number()
+    path = f"{metadata.location}/metadata/snap-{snapshot_id}-1-{uuid.uuid4()}.avro"
+    with write_manifest_list(format_version=metadata.format_version, output_file=table.io.new_output(path),
+                             snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id,
+                             sequence_number=sequence_number, avro_compression="deflate") as writer:
+        writer.add_manifests(head.manifests(table.io))
+    summary = {**source.summary.additional_properties, "source-snapshot-id": str(source.snapshot_id),
+               "engine-name": "spark"}
+    snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id, sequence_number=sequence_number,
+                        manifest_list=path, schema_id=metadata.current_schema_id,
+                        summary=Summary(Operation.APPEND, **summary))
+    with table.transaction() as tx:
+        tx._apply((AddSnapshotUpdate(snapshot=snapshot),
+                   SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id)),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    return snapshot
+
+
+def test_a_cherry_picked_snapshot_whose_summary_copies_lakestreams_keys_is_foreign_not_the_streams_state(
+        tmp_path: Path) -> None:
+    """Another engine's cherry-pick copies the picked snapshot's summary, lakestream.* keys included: read as
+    lakestream's own, its old state made producers publish their published seqs again at steps already published."""
+    stream, before = published(make(tmp_path))
+    base = stream.refresh().table.metadata.current_snapshot()
+    picked = cherry_pick(stream, lineage(stream)[2])  # step 3's snapshot: producer a at seq 1, b at seq 0
+    producer = stream.producer("a")
+    with pytest.raises(ForeignSnapshotError, match=rf"snapshot {picked.snapshot_id} .*stream.repair\(\)"):
+        producer.commit(batch("a", 2, WORLD), seq=2)
+    with pytest.raises(ForeignSnapshotError):
+        stream.read(8, rank=0)
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == picked.snapshot_id  # nothing published
+    report = stream.repair()
+    assert (report.rolled_back_to, report.foreign, report.step) == (base.snapshot_id, (picked.snapshot_id,), 8)
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    assert (producer.commit(batch("a", 2, WORLD), seq=2).duplicate, producer.commit(batch("a", 4, WORLD), seq=4).step) \
+        == (True, 9)
