@@ -804,3 +804,55 @@ def test_a_cherry_picked_snapshot_whose_summary_copies_lakestreams_keys_is_forei
     assert {step: rows_of(stream, step) for step in range(1, 9)} == before
     assert (producer.commit(batch("a", 2, WORLD), seq=2).duplicate, producer.commit(batch("a", 4, WORLD), seq=4).step) \
         == (True, 9)
+
+
+OTHER_SCHEMA = pa.schema([("x", pa.int64())])
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("lakestream.world-size", "4", r"lakestream.world-size was '2' .*set it to '4'.*\{'lakestream.world-size': '2'\}"),
+    ("lakestream.world-size", None, r"lakestream.world-size was '2' .*removed it.*\{'lakestream.world-size': '2'\}"),
+    ("lakestream.layout", "packed", r"lakestream.layout was 'per-rank' .*set it to 'packed'.*\{'lakestream.layout': "
+                                    "'per-rank'}"),
+    ("lakestream.arrow-schema", "other", r"lakestream.arrow-schema was '.{24}\.\.\.' .*\{'lakestream.arrow-schema': "),
+], ids=["world-size", "world-size-removed", "layout", "arrow-schema"])
+def test_a_fixed_property_another_engine_changed_under_running_producers_is_refused_until_set_back(
+        tmp_path: Path, key: str, value: str | None, says: str) -> None:
+    """The world size, layout and payload schema are fixed when a stream is created: a running producer went on with
+    the values it opened the stream with while a process opening it afterwards took the new ones (two world sizes
+    writing one stream). The next commit of a running producer is refused, naming the value to set back."""
+    from lakestream_iceberg.format.table import encode_schema
+
+    stream, before = published(make(tmp_path))
+    producer = stream.producer("a")
+    head = stream.refresh().table.metadata.current_snapshot()
+    table = sqlite_catalog(str(tmp_path)).load_table("ns.stream")  # another engine, producers running
+    with table.transaction() as tx:
+        if value is None:
+            tx.remove_properties(key)
+        else:
+            tx.set_properties({key: encode_schema(OTHER_SCHEMA) if value == "other" else value})
+    with pytest.raises(ConfigError, match=says):
+        producer.commit(batch("a", 4, WORLD), seq=4)
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == head.snapshot_id  # nothing published
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before  # readers read on
+    with table.transaction() as tx:  # as the message says
+        tx.set_properties({key: {"lakestream.world-size": "2", "lakestream.layout": "per-rank"}.get(key) or
+                           encode_schema(SCHEMA)})
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+
+
+@pytest.mark.parametrize("key", ["lakestream.world-size", "lakestream.arrow-schema", "lakestream.format-version"])
+def test_a_stream_whose_identity_property_another_engine_removed_is_not_called_a_plain_table(
+        tmp_path: Path, key: str) -> None:
+    """Opening it said 'a plain Iceberg table, not a lakestream stream; create one with Stream.create()': the stream
+    and its steps are there, and the fix is to set the property back, to the value its earlier metadata held."""
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream, _ = published(make(tmp_path))
+    was = stream.refresh().table.metadata.properties[key]
+    with stream.table.transaction() as tx:
+        tx.remove_properties(key)
+    with pytest.raises(CorruptStateError, match=rf"lacks table property {key} .*removed.*\{{'{key}': '{was[:8]}"):
+        Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+
