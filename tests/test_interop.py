@@ -856,3 +856,34 @@ def test_a_stream_whose_identity_property_another_engine_removed_is_not_called_a
     with pytest.raises(CorruptStateError, match=rf"lacks table property {key} .*removed.*\{{'{key}': '{was[:8]}"):
         Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
 
+
+def set_unparsed(tmp_path: Path, stream: Stream, properties: dict[str, str]) -> None:
+    """A table property set by a tool that does not parse it, with a value pyiceberg refuses to commit: the same
+    metadata with the properties set, swapped in the SQLite catalog."""
+    import json
+    import sqlite3
+
+    old = stream.refresh().table.metadata_location
+    metadata = json.loads(Path(old.removeprefix("file://")).read_text())
+    metadata["properties"].update(properties)
+    new = old.replace(".metadata.json", "-spark.metadata.json")
+    Path(new.removeprefix("file://")).write_text(json.dumps(metadata))
+    with sqlite3.connect(tmp_path / "catalog.db") as db:
+        db.execute("UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ?", (new, old))
+
+
+def test_a_metadata_log_size_that_is_no_integer_is_refused_naming_the_property(tmp_path: Path) -> None:
+    """pyiceberg parses write.metadata.previous-versions-max when it writes a commit's metadata: a value that is no
+    integer (written by a tool that does not parse it) failed every commit five times over, then said 'This is a bug ... please report it'."""
+    stream, before = published(make(tmp_path))
+    producer = stream.producer("a")
+    head = stream.refresh().table.metadata.current_snapshot()
+    set_unparsed(tmp_path, stream, {"write.metadata.previous-versions-max": "5 files"})
+    for commit in (lambda: producer.commit(batch("a", 4, WORLD), seq=4), lambda: stream.checkpoint("c6", step=6)):
+        with pytest.raises(ConfigError, match=r"write.metadata.previous-versions-max='5 files', which is not an integer"):
+            commit()
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == head.snapshot_id  # nothing published
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before  # readers read on
+    with stream.table.transaction() as tx:
+        tx.set_properties({"write.metadata.previous-versions-max": "5"})
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9

@@ -46,14 +46,14 @@ from lakestream_iceberg.format.layout import (
 from lakestream_iceberg.format.lineage import branch_state, is_lakestream
 from lakestream_iceberg.format.manifest_cache import ManifestCache, shared_cache
 from lakestream_iceberg.format.manifests import ManifestPlanner
-from lakestream_iceberg.format.properties import ARROW_SCHEMA, LAYOUT, WORLD_SIZE
+from lakestream_iceberg.format.properties import ARROW_SCHEMA, HOW, LAYOUT, PREVIOUS_VERSIONS_MAX, WORLD_SIZE
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 
 PROP_ARROW_SCHEMA = ARROW_SCHEMA.key
 MAIN = "main"
 
-__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "check_fixed", "check_layout", "decode_schema",
-           "encode_schema", "missing_file_error"]
+__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "check_fixed", "check_layout", "check_metadata_log_size",
+           "decode_schema", "encode_schema", "missing_file_error"]
 
 T = TypeVar("T")
 
@@ -143,6 +143,24 @@ def check_fixed(properties: Mapping[str, str], opened: Mapping[str, str | None],
             f"{{{prop.key!r}: {back!r}}}).commit_transaction(); Spark: ALTER TABLE ... SET TBLPROPERTIES), and open the "
             "stream again in every process that opened it since"
         )
+
+
+def check_metadata_log_size(properties: Mapping[str, str], *, stream: str) -> None:
+    """Refuse (:class:`ConfigError`) a ``write.metadata.previous-versions-max`` that is no integer (written by a tool
+    that does not parse it, e.g. an edited metadata.json or a REST catalog's update): pyiceberg parses it when it writes every commit's metadata log, and would
+    refuse each attempt with a ``ValueError``. Parsed as pyiceberg parses it (an empty value is the default, below 1
+    is 1)."""
+    raw = properties.get(PREVIOUS_VERSIONS_MAX.key)
+    if not raw:
+        return
+    try:
+        int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"stream {stream} has table property {PREVIOUS_VERSIONS_MAX.key}={raw!r}, which is not an integer: no "
+            "commit can write the table's metadata log (pyiceberg's commits fail the same way); nothing is "
+            f"committed. Set it to a number of metadata files (Iceberg's default: 100) or remove it; {HOW}"
+        ) from None
 
 
 def _lost_properties_error(table: Table, missing: list[str]) -> CorruptStateError:
@@ -260,6 +278,7 @@ class StreamTable:
         """
         check_layout(metadata, self.config, stream=self.name)
         check_fixed(metadata.properties, self.fixed, stream=self.name)
+        check_metadata_log_size(metadata.properties, stream=self.name)
         return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
                                max_merge_entries=self.config.max_merge_entries)
 
