@@ -761,9 +761,9 @@ def test_consumer_lag_stops_at_a_loop_below_a_lakestream_head(tmp_path: Path) ->
 
 
 def cherry_pick(stream: Stream, source: Snapshot) -> Snapshot:
-    """What Iceberg Java's cherry-pick (Spark's ``CALL system.cherrypick_snapshot``, a WAP publish) commits when the
-    picked snapshot is not on top of the head: a new snapshot on the head that adds the picked snapshot's files, its
-    summary copied (``lakestream.*`` keys included) with ``source-snapshot-id`` naming the picked snapshot."""
+    """A cherry-pick by a tool that copies the picked snapshot's summary (``lakestream.*`` keys included): a new
+    snapshot on the head that adds the picked snapshot's files and names it in ``source-snapshot-id``, as Iceberg
+    Java's cherry-pick does (which copies no ``lakestream.*`` keys: ``interop/test_spark_foreign_writes.py``)."""
     table = stream.refresh().table
     metadata = table.metadata
     head = metadata.current_snapshot()
@@ -788,8 +788,8 @@ def cherry_pick(stream: Stream, source: Snapshot) -> Snapshot:
 
 def test_a_cherry_picked_snapshot_whose_summary_copies_lakestreams_keys_is_foreign_not_the_streams_state(
         tmp_path: Path) -> None:
-    """Another engine's cherry-pick copies the picked snapshot's summary, lakestream.* keys included: read as
-    lakestream's own, its old state made producers publish their published seqs again at steps already published."""
+    """A cherry-pick whose summary copies the picked snapshot's, lakestream.* keys included, was read as lakestream's
+    own: its old state made producers publish their published seqs again at steps already published."""
     stream, before = published(make(tmp_path))
     base = stream.refresh().table.metadata.current_snapshot()
     picked = cherry_pick(stream, lineage(stream)[2])  # step 3's snapshot: producer a at seq 1, b at seq 0
