@@ -887,3 +887,22 @@ def test_a_metadata_log_size_that_is_no_integer_is_refused_naming_the_property(t
     with stream.table.transaction() as tx:
         tx.set_properties({"write.metadata.previous-versions-max": "5"})
     assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+
+
+def test_a_tag_another_engine_made_is_named_as_such_when_forked_or_released(tmp_path: Path) -> None:
+    """A tag pyiceberg or Spark made on a stream (with its own retention) is kept and read, but it is no checkpoint:
+    forking or releasing it said 'no checkpoint named ...; list them with stream.checkpoints()', which does not list
+    it, as if the name were mistyped."""
+    from lakestream_iceberg.errors import CheckpointError
+
+    stream, _ = published(make(tmp_path))
+    at5 = lineage(stream)[4]
+    stream.table.manage_snapshots().create_tag(at5.snapshot_id, "t5", max_ref_age_ms=86_400_000).commit()
+    assert stream.refresh().checkpoints() == []
+    with pytest.raises(CheckpointError, match=r"'t5' is a tag .*not a lakestream checkpoint.*stream.checkpoint\('NAME', "
+                                              r"step=5\).*fork"):
+        stream.fork("t5", branch="f5")
+    with pytest.raises(CheckpointError, match=r"'t5' is a tag .*not a lakestream checkpoint.*remove_tag\('t5'\)"):
+        stream.release("t5")
+    assert stream.checkpoint("c5", step=5).step == 5
+    assert stream.fork("c5", branch="f5").step == 5
