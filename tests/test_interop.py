@@ -758,3 +758,151 @@ def test_consumer_lag_stops_at_a_loop_below_a_lakestream_head(tmp_path: Path) ->
     again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
     assert again.head_step() == 8
     assert [(c.status, c.lag_steps, c.lag_s) for c in consumer_lags(again)] == [("closed", 0, 0.0)]
+
+
+def cherry_pick(stream: Stream, source: Snapshot) -> Snapshot:
+    """A cherry-pick by a tool that copies the picked snapshot's summary (``lakestream.*`` keys included): a new
+    snapshot on the head that adds the picked snapshot's files and names it in ``source-snapshot-id``, as Iceberg
+    Java's cherry-pick does (which copies no ``lakestream.*`` keys: ``interop/test_spark_foreign_writes.py``)."""
+    table = stream.refresh().table
+    metadata = table.metadata
+    head = metadata.current_snapshot()
+    assert head is not None
+    snapshot_id, sequence_number = metadata.new_snapshot_id(), metadata.next_sequence_number()
+    path = f"{metadata.location}/metadata/snap-{snapshot_id}-1-{uuid.uuid4()}.avro"
+    with write_manifest_list(format_version=metadata.format_version, output_file=table.io.new_output(path),
+                             snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id,
+                             sequence_number=sequence_number, avro_compression="deflate") as writer:
+        writer.add_manifests(head.manifests(table.io))
+    summary = {**source.summary.additional_properties, "source-snapshot-id": str(source.snapshot_id),
+               "engine-name": "spark"}
+    snapshot = Snapshot(snapshot_id=snapshot_id, parent_snapshot_id=head.snapshot_id, sequence_number=sequence_number,
+                        manifest_list=path, schema_id=metadata.current_schema_id,
+                        summary=Summary(Operation.APPEND, **summary))
+    with table.transaction() as tx:
+        tx._apply((AddSnapshotUpdate(snapshot=snapshot),
+                   SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id)),
+                  (AssertRefSnapshotId(ref="main", snapshot_id=head.snapshot_id),))
+    return snapshot
+
+
+def test_a_cherry_picked_snapshot_whose_summary_copies_lakestreams_keys_is_foreign_not_the_streams_state(
+        tmp_path: Path) -> None:
+    """A cherry-pick whose summary copies the picked snapshot's, lakestream.* keys included, was read as lakestream's
+    own: its old state made producers publish their published seqs again at steps already published."""
+    stream, before = published(make(tmp_path))
+    base = stream.refresh().table.metadata.current_snapshot()
+    picked = cherry_pick(stream, lineage(stream)[2])  # step 3's snapshot: producer a at seq 1, b at seq 0
+    producer = stream.producer("a")
+    with pytest.raises(ForeignSnapshotError, match=rf"snapshot {picked.snapshot_id} .*stream.repair\(\)"):
+        producer.commit(batch("a", 2, WORLD), seq=2)
+    with pytest.raises(ForeignSnapshotError):
+        stream.read(8, rank=0)
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == picked.snapshot_id  # nothing published
+    report = stream.repair()
+    assert (report.rolled_back_to, report.foreign, report.step) == (base.snapshot_id, (picked.snapshot_id,), 8)
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+    assert (producer.commit(batch("a", 2, WORLD), seq=2).duplicate, producer.commit(batch("a", 4, WORLD), seq=4).step) \
+        == (True, 9)
+
+
+OTHER_SCHEMA = pa.schema([("x", pa.int64())])
+
+
+@pytest.mark.parametrize(("key", "value", "says"), [
+    ("lakestream.world-size", "4", r"lakestream.world-size was '2' .*set it to '4'.*\{'lakestream.world-size': '2'\}"),
+    ("lakestream.world-size", None, r"lakestream.world-size was '2' .*removed it.*\{'lakestream.world-size': '2'\}"),
+    ("lakestream.layout", "packed", r"lakestream.layout was 'per-rank' .*set it to 'packed'.*\{'lakestream.layout': "
+                                    "'per-rank'}"),
+    ("lakestream.arrow-schema", "other", r"lakestream.arrow-schema was '.{24}\.\.\.' .*\{'lakestream.arrow-schema': "),
+], ids=["world-size", "world-size-removed", "layout", "arrow-schema"])
+def test_a_fixed_property_another_engine_changed_under_running_producers_is_refused_until_set_back(
+        tmp_path: Path, key: str, value: str | None, says: str) -> None:
+    """The world size, layout and payload schema are fixed when a stream is created: a running producer went on with
+    the values it opened the stream with while a process opening it afterwards took the new ones (two world sizes
+    writing one stream). The next commit of a running producer is refused, naming the value to set back."""
+    from lakestream_iceberg.format.table import encode_schema
+
+    stream, before = published(make(tmp_path))
+    producer = stream.producer("a")
+    head = stream.refresh().table.metadata.current_snapshot()
+    table = sqlite_catalog(str(tmp_path)).load_table("ns.stream")  # another engine, producers running
+    with table.transaction() as tx:
+        if value is None:
+            tx.remove_properties(key)
+        else:
+            tx.set_properties({key: encode_schema(OTHER_SCHEMA) if value == "other" else value})
+    with pytest.raises(ConfigError, match=says):
+        producer.commit(batch("a", 4, WORLD), seq=4)
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == head.snapshot_id  # nothing published
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before  # readers read on
+    with table.transaction() as tx:  # as the message says
+        tx.set_properties({key: {"lakestream.world-size": "2", "lakestream.layout": "per-rank"}.get(key) or
+                           encode_schema(SCHEMA)})
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+
+
+@pytest.mark.parametrize("key", ["lakestream.world-size", "lakestream.arrow-schema", "lakestream.format-version"])
+def test_a_stream_whose_identity_property_another_engine_removed_is_not_called_a_plain_table(
+        tmp_path: Path, key: str) -> None:
+    """Opening it said 'a plain Iceberg table, not a lakestream stream; create one with Stream.create()': the stream
+    and its steps are there, and the fix is to set the property back, to the value its earlier metadata held."""
+    from lakestream_iceberg.errors import CorruptStateError
+
+    stream, _ = published(make(tmp_path))
+    was = stream.refresh().table.metadata.properties[key]
+    with stream.table.transaction() as tx:
+        tx.remove_properties(key)
+    with pytest.raises(CorruptStateError, match=rf"lacks table property {key} .*removed.*\{{'{key}': '{was[:8]}"):
+        Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+
+
+def set_unparsed(tmp_path: Path, stream: Stream, properties: dict[str, str]) -> None:
+    """A table property set by a tool that does not parse it, with a value pyiceberg refuses to commit: the same
+    metadata with the properties set, swapped in the SQLite catalog."""
+    import json
+    import sqlite3
+
+    old = stream.refresh().table.metadata_location
+    metadata = json.loads(Path(old.removeprefix("file://")).read_text())
+    metadata["properties"].update(properties)
+    new = old.replace(".metadata.json", "-spark.metadata.json")
+    Path(new.removeprefix("file://")).write_text(json.dumps(metadata))
+    with sqlite3.connect(tmp_path / "catalog.db") as db:
+        db.execute("UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ?", (new, old))
+
+
+def test_a_metadata_log_size_that_is_no_integer_is_refused_naming_the_property(tmp_path: Path) -> None:
+    """pyiceberg parses write.metadata.previous-versions-max when it writes a commit's metadata: a value that is no
+    integer (written by a tool that does not parse it) failed every commit five times over, then said 'This is a bug ... please report it'."""
+    stream, before = published(make(tmp_path))
+    producer = stream.producer("a")
+    head = stream.refresh().table.metadata.current_snapshot()
+    set_unparsed(tmp_path, stream, {"write.metadata.previous-versions-max": "5 files"})
+    for commit in (lambda: producer.commit(batch("a", 4, WORLD), seq=4), lambda: stream.checkpoint("c6", step=6)):
+        with pytest.raises(ConfigError, match=r"write.metadata.previous-versions-max='5 files', which is not an integer"):
+            commit()
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == head.snapshot_id  # nothing published
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before  # readers read on
+    with stream.table.transaction() as tx:
+        tx.set_properties({"write.metadata.previous-versions-max": "5"})
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+
+
+def test_a_tag_another_engine_made_is_named_as_such_when_forked_or_released(tmp_path: Path) -> None:
+    """A tag pyiceberg or Spark made on a stream (with its own retention) is kept and read, but it is no checkpoint:
+    forking or releasing it said 'no checkpoint named ...; list them with stream.checkpoints()', which does not list
+    it, as if the name were mistyped."""
+    from lakestream_iceberg.errors import CheckpointError
+
+    stream, _ = published(make(tmp_path))
+    at5 = lineage(stream)[4]
+    stream.table.manage_snapshots().create_tag(at5.snapshot_id, "t5", max_ref_age_ms=86_400_000).commit()
+    assert stream.refresh().checkpoints() == []
+    with pytest.raises(CheckpointError, match=r"'t5' is a tag .*not a lakestream checkpoint.*stream.checkpoint\('NAME', "
+                                              r"step=5\).*fork"):
+        stream.fork("t5", branch="f5")
+    with pytest.raises(CheckpointError, match=r"'t5' is a tag .*not a lakestream checkpoint.*remove_tag\('t5'\)"):
+        stream.release("t5")
+    assert stream.checkpoint("c5", step=5).step == 5
+    assert stream.fork("c5", branch="f5").step == 5

@@ -24,6 +24,7 @@ from pyiceberg.table.refs import SnapshotRef
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.format.layout import StreamConfig
+from lakestream_iceberg.format.lineage import is_lakestream
 
 
 def ancestors(metadata: TableMetadata, snapshot_id: int | None, limit: int, *,
@@ -107,7 +108,7 @@ def _state_lineage(by_id: dict[int, Snapshot], snapshot_id: int) -> list[int]:
     current = by_id.get(snapshot_id)
     while current is not None and current.snapshot_id not in out:
         out[current.snapshot_id] = None
-        if current.summary is not None and "lakestream.step" in current.summary.additional_properties:
+        if is_lakestream(current):
             break
         current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
     return list(out)

@@ -2,8 +2,9 @@
 
 A stream stays a plain Iceberg table, so Spark, Trino, Flink or pyiceberg may commit to it: maintenance that changes
 no data (``rewrite_manifests``), or writes that do (an append, a ``DELETE``, an overwrite, ``rewrite_data_files``).
-Their snapshots carry no ``lakestream.*`` summary keys. The rule, applied wherever the state of a branch head is read
-(commits, reads, GC, checkpoints):
+Their snapshots carry no ``lakestream.*`` summary keys (a cherry-pick that copied another snapshot's, naming it in
+Iceberg's ``source-snapshot-id``, counts as another engine's too). The rule, applied wherever the state of a branch
+head is read (commits, reads, GC, checkpoints):
 
 * the stream's state is the one recorded by the nearest snapshot at or below the head that lakestream wrote, so step
   numbering counts lakestream steps only and a foreign snapshot never resets it;
@@ -40,9 +41,19 @@ _CHANGE_KEYS = (
 )
 
 
+# Iceberg's SnapshotSummary key naming the snapshot a cherry-pick (Spark's cherrypick_snapshot, a WAP publish) picked;
+# lakestream never writes it (its checkpoints record lakestream.source-snapshot-id)
+_CHERRY_PICKED_FROM = "source-snapshot-id"
+
+
 def is_lakestream(snapshot: Snapshot) -> bool:
-    """Whether lakestream wrote the snapshot (its summary records a step)."""
-    return snapshot.summary is not None and KEY_STEP in snapshot.summary.additional_properties
+    """Whether lakestream wrote the snapshot: its summary records a step, and it is no other engine's cherry-pick.
+    Iceberg Java's cherry-pick copies no ``lakestream.*`` keys, but a tool that copied the picked snapshot's summary
+    would carry an older state (a branch's, or an older step's) that is not this head's."""
+    if snapshot.summary is None:
+        return False
+    props = snapshot.summary.additional_properties
+    return KEY_STEP in props and _CHERRY_PICKED_FROM not in props
 
 
 def changes_data(snapshot: Snapshot) -> bool:

@@ -9,7 +9,7 @@ on its own, and dependencies point one way.
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import cached_property
 from typing import TypeVar
@@ -17,6 +17,7 @@ from typing import TypeVar
 import pyarrow as pa
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
+from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
@@ -42,17 +43,17 @@ from lakestream_iceberg.format.layout import (
     check_format_version,
     layout_of_spec,
 )
-from lakestream_iceberg.format.lineage import branch_state
+from lakestream_iceberg.format.lineage import branch_state, is_lakestream
 from lakestream_iceberg.format.manifest_cache import ManifestCache, shared_cache
 from lakestream_iceberg.format.manifests import ManifestPlanner
-from lakestream_iceberg.format.properties import ARROW_SCHEMA
+from lakestream_iceberg.format.properties import ARROW_SCHEMA, HOW, LAYOUT, PREVIOUS_VERSIONS_MAX, WORLD_SIZE
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 
 PROP_ARROW_SCHEMA = ARROW_SCHEMA.key
 MAIN = "main"
 
-__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "check_layout", "decode_schema", "encode_schema",
-           "missing_file_error"]
+__all__ = ["MAIN", "PROP_ARROW_SCHEMA", "StreamTable", "after_gc", "check_fixed", "check_layout", "check_metadata_log_size",
+           "decode_schema", "encode_schema", "missing_file_error"]
 
 T = TypeVar("T")
 
@@ -115,6 +116,86 @@ def check_layout(metadata: TableMetadata, config: StreamConfig, *, stream: str) 
     )
 
 
+_FIXED = (WORLD_SIZE, LAYOUT, ARROW_SCHEMA)  # the properties a stream's files and readers are laid out by
+
+
+def check_fixed(properties: Mapping[str, str], opened: Mapping[str, str | None], *, stream: str) -> None:
+    """Refuse (:class:`ConfigError`) a table whose world size, layout or payload schema another engine changed or
+    removed since the stream was opened with ``opened`` (their values then): they are fixed when a stream is created,
+    and a producer that went on with the old values while processes opening the stream take the new ones would write
+    steps of two shapes into one stream. Checked before every commit; a value written differently that reads the same
+    (``' 2'``) is no change."""
+    for prop in _FIXED:
+        raw, was = properties.get(prop.key), opened.get(prop.key)
+        if raw == was:
+            continue
+        try:
+            if raw is not None and prop.get({prop.key: raw}) == prop.get({prop.key: was} if was is not None else {}):
+                continue
+        except ConfigError:
+            pass
+        back = prop.format(prop.get({prop.key: was} if was is not None else {}))  # type: ignore[arg-type]
+        done = "removed it" if raw is None else f"set it to {_short(raw)}"
+        raise ConfigError(
+            f"stream {stream}: table property {prop.key} was {_short(back)} when the stream was opened, and another "
+            f"engine or a person {done}: it is fixed when a stream is created and the published steps are laid out by "
+            "it, so nothing is committed. Set it back (pyiceberg: table.transaction().set_properties("
+            f"{{{prop.key!r}: {back!r}}}).commit_transaction(); Spark: ALTER TABLE ... SET TBLPROPERTIES), and open the "
+            "stream again in every process that opened it since"
+        )
+
+
+def check_metadata_log_size(properties: Mapping[str, str], *, stream: str) -> None:
+    """Refuse (:class:`ConfigError`) a ``write.metadata.previous-versions-max`` that is no integer (written by a tool
+    that does not parse it, e.g. an edited metadata.json or a REST catalog's update): pyiceberg parses it when it writes every commit's metadata log, and would
+    refuse each attempt with a ``ValueError``. Parsed as pyiceberg parses it (an empty value is the default, below 1
+    is 1)."""
+    raw = properties.get(PREVIOUS_VERSIONS_MAX.key)
+    if not raw:
+        return
+    try:
+        int(raw)
+    except ValueError:
+        raise ConfigError(
+            f"stream {stream} has table property {PREVIOUS_VERSIONS_MAX.key}={raw!r}, which is not an integer: no "
+            "commit can write the table's metadata log (pyiceberg's commits fail the same way); nothing is "
+            f"committed. Set it to a number of metadata files (Iceberg's default: 100) or remove it; {HOW}"
+        ) from None
+
+
+def _lost_properties_error(table: Table, missing: list[str]) -> CorruptStateError:
+    """The error for a stream (it has some of its identity properties, or snapshots lakestream wrote) that lacks
+    ``missing``: another engine removed them. Names the values the newest earlier metadata files held (at most 20
+    read), every one where they differ (another engine may have changed a value before removing it)."""
+    held: dict[str, list[str]] = {key: [] for key in missing}
+    for entry in list(reversed(table.metadata.metadata_log))[:20]:
+        try:
+            earlier = FromInputFile.table_metadata(table.io.new_input(entry.metadata_file))
+        except Exception:  # noqa: BLE001 - deleted (delete-after-commit) or unreadable: try an older one
+            continue
+        if earlier.table_uuid != table.metadata.table_uuid:
+            continue
+        for key, values in held.items():
+            if key in earlier.properties and earlier.properties[key] not in values:
+                values.append(earlier.properties[key])
+    if all(len(values) == 1 for values in held.values()):
+        fix = (f"set it back: pyiceberg: table.transaction().set_properties({ {k: v[0] for k, v in held.items()}!r})"
+               ".commit_transaction() (the value in the table's earlier metadata)")
+    else:
+        seen = "; ".join(f"{k}: {', '.join(map(_short, v)) or 'none left'}" for k, v in held.items())
+        fix = (f"set it back to the value the stream was created with (pyiceberg: table.transaction().set_properties("
+               f"{{...}}).commit_transaction()); the table's earlier metadata, newest first, held {seen}")
+    return CorruptStateError(
+        f"stream {'.'.join(table.name())} lacks table property {', '.join(missing)} (it has lakestream's other "
+        "properties or snapshots, so it is a stream): another engine or a person removed it, and the stream cannot be "
+        f"opened without it; {fix}"
+    )
+
+
+def _short(value: str) -> str:
+    return repr(value) if len(value) <= 40 else repr(value[:24] + "...")
+
+
 def encode_schema(schema: pa.Schema) -> str:
     return base64.b64encode(schema.serialize().to_pybytes()).decode()
 
@@ -156,7 +237,10 @@ class StreamTable:
             raise ConfigError(f"cache must be a ManifestCache (or None for the process-wide one), got "
                               f"{type(cache).__name__}")
         props = table.metadata.properties
-        if PROP_VERSION not in props or PROP_WORLD_SIZE not in props or PROP_ARROW_SCHEMA not in props:
+        missing = [key for key in (PROP_VERSION, PROP_WORLD_SIZE, PROP_ARROW_SCHEMA) if key not in props]
+        if missing and (len(missing) < 3 or any(is_lakestream(s) for s in table.metadata.snapshots)):
+            raise _lost_properties_error(table, missing)
+        if missing:
             raise NotAStreamError(
                 f"table {'.'.join(table.name())} is a plain Iceberg table, not a lakestream stream (no "
                 f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
@@ -167,6 +251,7 @@ class StreamTable:
         check_layout(table.metadata, self.config, stream=".".join(table.name()))
         self.cache = cache or shared_cache(self.config.manifest_cache_bytes)
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
+        self.fixed = {prop.key: props.get(prop.key) for prop in _FIXED}  # as opened (see check_fixed)
 
     @property
     def name(self) -> str:
@@ -192,6 +277,8 @@ class StreamTable:
                 :func:`check_layout`): the new snapshot's files would be written with a spec they do not fit.
         """
         check_layout(metadata, self.config, stream=self.name)
+        check_fixed(metadata.properties, self.fixed, stream=self.name)
+        check_metadata_log_size(metadata.properties, stream=self.name)
         return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
                                max_merge_entries=self.config.max_merge_entries)
 

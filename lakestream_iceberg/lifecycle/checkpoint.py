@@ -116,10 +116,25 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     )
 
 
+def _no_checkpoint(metadata: TableMetadata, name: str, *, doing: str, instead: str) -> CheckpointError:
+    """The error for a ``name`` that marks no checkpoint; a tag or branch another engine made under it is named as
+    such (stream.checkpoints() does not list it, so 'no checkpoint' alone reads like a typo)."""
+    ref = metadata.refs.get(name) if isinstance(name, str) else None
+    if ref is None or ref.snapshot_ref_type != SnapshotRefType.TAG or checkpoint_of(metadata, name) is not None:
+        also = f" ({name!r} is a branch)" if ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH else ""
+        return CheckpointError(f"no checkpoint named {name!r} to {doing}{also}; list them with stream.checkpoints()")
+    snapshot = metadata.snapshot_by_id(ref.snapshot_id)
+    step = StreamState.of(snapshot).step if snapshot is not None else "N"
+    return CheckpointError(f"{name!r} is a tag another engine or a person made (at step {step}), not a lakestream "
+                           f"checkpoint, so lakestream does not {doing.split()[0]} it; {instead.format(step=step)}")
+
+
 def plan_release(metadata: TableMetadata, *, name: str) -> Plan[None] | Done[None]:
     found = checkpoint_of(metadata, name)
     if found is None:
-        raise CheckpointError(f"no checkpoint named {name!r}; list them with stream.checkpoints()")
+        raise _no_checkpoint(metadata, name, doing="release",
+                             instead=f"remove it with the engine that made it (pyiceberg: table.manage_snapshots()"
+                                     f".remove_tag({name!r}).commit(); Spark: ALTER TABLE ... DROP TAG)")
     return Plan((RemoveSnapshotRefUpdate(ref_name=name),),
                 (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
                 None, [])
@@ -131,7 +146,9 @@ def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Chec
     fork another step without a word."""
     found = checkpoint_of(metadata, name)
     if found is None:
-        raise CheckpointError(f"no checkpoint named {name!r} to fork from; list them with stream.checkpoints()")
+        raise _no_checkpoint(metadata, name, doing="fork from",
+                             instead="make a checkpoint of its step with stream.checkpoint('NAME', step={step}) and "
+                                     "fork that")
     if expected is not None and expected.snapshot_id != found.snapshot_id:
         raise CheckpointError(
             f"checkpoint {name!r} of this stream is at step {found.step} (snapshot {found.snapshot_id}), not the "

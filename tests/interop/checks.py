@@ -15,6 +15,7 @@ import pyarrow as pa
 from pyiceberg.catalog.sql import SqlCatalog
 
 from lakestream_iceberg import CommitResult, Producer, Stream
+from lakestream_iceberg.format.lineage import is_lakestream
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.write.planner import STAGING_SCAN_S
 from tests.support import SCHEMA
@@ -183,7 +184,7 @@ def foreign_snapshots(stream: Stream, branch: str = "main") -> list[int]:
     metadata = stream.refresh().table.metadata
     snap = metadata.snapshot_by_name(branch)
     out = []
-    while snap is not None and "lakestream.step" not in (snap.summary.additional_properties if snap.summary else {}):
+    while snap is not None and not is_lakestream(snap):
         out.append(snap.snapshot_id)
         snap = metadata.snapshot_by_id(snap.parent_snapshot_id) if snap.parent_snapshot_id is not None else None
     return out

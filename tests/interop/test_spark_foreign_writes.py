@@ -210,3 +210,31 @@ def test_a_partition_field_spark_adds_is_refused_until_it_is_dropped(lake: Lake)
         writers.commit("a")
     lake.sql(f"ALTER TABLE {lake.table()} DROP PARTITION FIELD bucket(4, i)")
     assert_intact(lake, writers, head=4)
+
+
+def test_a_snapshot_spark_cherry_picks_onto_main_is_refused_until_repair_rolls_it_back(lake: Lake) -> None:
+    """Spark's ``cherrypick_snapshot`` of a branch's lakestream snapshot onto a main that moved on adds the picked
+    snapshot's files in a new snapshot whose summary names it (``source-snapshot-id``) and copies none of its
+    ``lakestream.*`` keys (Iceberg 1.10.2): another engine's data change, refused until ``repair`` rolls main back
+    with every step intact. (An engine that copied the keys too is refused as well: ``test_interop.py``.)"""
+    stream = create(lake)
+    writers = Writers(stream)
+    writers.rounds(1)  # steps 1-4
+    lake.sql(f"ALTER TABLE {lake.table()} CREATE BRANCH side")
+    picked = stream.producer("d", branch="side").commit(shards("d", 0))  # step 5 of branch side
+    last = writers.commit("a")  # step 5 of main
+    lake.sql(f"CALL {lake.name}.system.cherrypick_snapshot('{IDENTIFIER}', {picked.snapshot_id})")
+    foreign = foreign_snapshots(stream)
+    head = stream.refresh().head()
+    assert head.snapshot_id != picked.snapshot_id and head.parent_snapshot_id == last.snapshot_id
+    copied = head.summary.additional_properties
+    assert copied.get("source-snapshot-id") == str(picked.snapshot_id), copied
+    assert not [key for key in copied if key.startswith("lakestream.")], copied
+    assert foreign == [head.snapshot_id]
+    with pytest.raises(lakestream_iceberg.ForeignSnapshotError, match=str(head.snapshot_id)):
+        writers.commit("b")
+    with pytest.raises(lakestream_iceberg.ForeignSnapshotError):
+        stream.read(5, rank=0)
+    report = stream.repair()
+    assert (report.rolled_back_to, list(report.foreign), report.step) == (last.snapshot_id, foreign, 5)
+    assert_intact(lake, writers, head=5)
