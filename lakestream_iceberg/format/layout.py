@@ -158,16 +158,17 @@ class StreamConfig:
         return f"StreamConfig({', '.join(f'{k}={v!r}' for k, v in self.as_dict().items())})"
 
     @classmethod
-    def from_properties(cls, properties: Mapping[str, str]) -> StreamConfig:
-        """The settings of a table with these properties; an absent property takes its declared default.
+    def from_properties(cls, properties: Mapping[str, str], *, stream: str | None = None) -> StreamConfig:
+        """The settings of a table with these properties (of ``stream``, for the errors); an absent property takes its
+        declared default.
 
         Raises:
-            ConfigError: A property holds a value lakestream cannot use (names it and the fix), or the stream's world
-                size is missing.
+            ConfigError: A property holds a value lakestream cannot use (names it and the fix), the stream's world
+                size is missing, or its format version is one this release does not read (:func:`check_format_version`).
         """
         if PROP_WORLD_SIZE not in properties:
             raise ConfigError(f"table property {PROP_WORLD_SIZE} is missing; was the stream created with Stream.create()?")
-        check_format_version(properties)
+        check_format_version(properties, stream=stream)
         values = {name: prop.get(properties) for name, prop in CONFIG_FIELDS.items()}
         # Iceberg's history.expire.min-snapshots-to-keep raises the count kept (never lowers lakestream's own)
         values["retain_snapshots"] = max(props.RETAIN_LAST.get(properties) or 0,

@@ -246,8 +246,7 @@ class StreamTable:
                 f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
             )
         self.table = table
-        check_format_version(props, stream=".".join(table.name()))
-        self.config = StreamConfig.from_properties(props)
+        self.config = StreamConfig.from_properties(props, stream=".".join(table.name()))
         check_layout(table.metadata, self.config, stream=".".join(table.name()))
         self.cache = cache or shared_cache(self.config.manifest_cache_bytes)
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])

@@ -308,11 +308,24 @@ def _unrelated(metadata: Any, seen: int | None, base: Any) -> Any:
     one descends from the other (a step both list is the same on both), or the client's head is no longer kept."""
     if seen is None or base is None or seen == base.snapshot_id:
         return None
-    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    by_id = _snapshots_by_id(metadata)
     own = by_id.get(seen)
     if own is None or _descends(by_id, own, base) or _descends(by_id, base, own):
         return None
     return own
+
+
+_by_id: tuple[Any, dict[int, Any]] | None = None  # the last table metadata's snapshots by id (it never changes)
+
+
+def _snapshots_by_id(metadata: Any) -> dict[int, Any]:
+    """``metadata``'s snapshots by id, made once per metadata: a files request whose client heard of a newer head than
+    the one its step is planned on (most, once the head moves on) would otherwise index every retained snapshot."""
+    global _by_id
+    kept = _by_id
+    if kept is None or kept[0] is not metadata:
+        kept = _by_id = (metadata, {s.snapshot_id: s for s in metadata.snapshots})
+    return kept[1]
 
 
 def _descends(by_id: dict[int, Any], snapshot: Any, ancestor: Any) -> bool:
