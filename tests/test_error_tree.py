@@ -124,7 +124,7 @@ def test_nothing_was_published_by_the_bad_calls(world: dict[str, Any]) -> None:
 
 
 def test_the_command_line_reports_mistakes_as_lakestream_errors() -> None:
-    from lakestream_iceberg.tools.cli import UserError
+    from lakestream_iceberg.tools.commands import UserError
 
     assert issubclass(UserError, LakestreamError)
 

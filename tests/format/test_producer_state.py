@@ -240,7 +240,7 @@ def test_history_and_status_show_every_producer(churned: Stream) -> None:
     con = churned.history()
     total, active = con.sql("SELECT count(*), sum(active::INT) FROM producers").fetchall()[0]
     assert total == CHURN and active == len(churned.state().producers)
-    from lakestream_iceberg.tools.cli import status_dict
+    from lakestream_iceberg.tools.commands import status_dict
 
     status = status_dict(churned, "main")
     assert len(status["producers"]) == CHURN

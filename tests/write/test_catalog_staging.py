@@ -312,7 +312,7 @@ def test_drop_on_storage_staging_removes_no_rows_and_creates_no_intent_table(tmp
 def test_a_read_only_client_lists_staged_intents_without_writing(tmp_path: Path) -> None:
     """A trainer or ``lakestream status`` may open the catalog database read-only: reading the intent table (the
     staged-batch count) must not try to create it."""
-    from lakestream_iceberg.tools.cli import status_dict
+    from lakestream_iceberg.tools.commands import status_dict
 
     stream = make(tmp_path)
     stage(stream, "c", 0)

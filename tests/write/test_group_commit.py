@@ -328,7 +328,7 @@ def test_gc_keeps_fresh_intents_and_their_files_and_collects_abandoned_ones(tmp_
 
 
 def test_cli_status_counts_staged_batches(tmp_path: Path) -> None:
-    from lakestream_iceberg.tools.cli import status_dict
+    from lakestream_iceberg.tools.commands import status_dict
 
     stream = make(tmp_path)
     both_active(stream)
