@@ -311,9 +311,11 @@ def fetched_bytes(files: Sequence[Any], sources: Iterable[tuple[int, int, int]],
     return size * sum(stop - start for _, start, stop in sources) // total
 
 
-def track(loader: Iterable[Any], *, reporter: PositionReporter, first_step: int) -> Iterator[Any]:
+def track(loader: Iterable[Any], *, reporter: PositionReporter, first_step: int,
+          on_close: Callable[[], None] | None = None) -> Iterator[Any]:
     """``loader``'s items, recording each as delivered (see the module docstring): its step is ``item["step"]`` when
-    the item is a dict with an integer step (the default collate's), else counted from ``first_step``."""
+    the item is a dict with an integer step (the default collate's), else counted from ``first_step``. ``on_close``
+    runs once the reporter has recorded its last position."""
     step = first_step - 1
     iterator = iter(loader)
     try:
@@ -329,7 +331,11 @@ def track(loader: Iterable[Any], *, reporter: PositionReporter, first_step: int)
             reporter.delivered(step, wait_s=time.monotonic() - began)
             yield item
     finally:
-        reporter.close(closed=False)
+        try:
+            reporter.close(closed=False)
+        finally:
+            if on_close is not None:
+                on_close()
 
 
 class RankPositions:
@@ -378,19 +384,24 @@ class RankPositions:
             return None
         return self._start(stream, workers=0, source="iterator", head=head, reads=True, first_step=first_step)
 
-    def track(self, loader: Any, stream: StreamTable, *, first_step: int) -> Iterator[Any]:
-        """``loader``'s items, recorded in this (the training) process; see :func:`track`."""
+    def track(self, loader: Any, stream: StreamTable, *, first_step: int,
+              head: tuple[Callable[[], int | None], Callable[[], None]] | None = None) -> Iterator[Any]:
+        """``loader``'s items, recorded in this (the training) process; see :func:`track`. ``head``: a function
+        returning the head step now (for the steps-behind-head metric; this process does not follow the head
+        otherwise) and one releasing it when the iteration ends; None: one pointer query per report."""
         self.tracked = True  # before the loader's workers copy the dataset: they leave the recording to this process
         workers = int(getattr(loader, "num_workers", 0) or 0)
-        watcher = HeadWatcher(stream, branch=self.branch, listen=False)
+        if head is None:
+            watcher = HeadWatcher(stream, branch=self.branch, listen=False)
 
-        def head() -> int:  # one pointer query per report: this process does not follow the head otherwise
-            watcher.check()
-            return watcher.head()[0]
+            def read_head() -> int:
+                watcher.check()
+                return watcher.head()[0]
 
-        reporter = self._start(stream, workers=workers, source="loader", head=head, reads=workers == 0,
+            head = read_head, watcher.close
+        reporter = self._start(stream, workers=workers, source="loader", head=head[0], reads=workers == 0,
                                first_step=first_step)
-        return track(loader, reporter=reporter, first_step=first_step)
+        return track(loader, reporter=reporter, first_step=first_step, on_close=head[1])
 
     def read(self, files: Sequence[Any], ranges: Sequence[tuple[int, int, int]], *, counts: Sequence[int],
              packed: bool, name: str) -> None:

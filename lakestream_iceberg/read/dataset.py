@@ -58,7 +58,7 @@ from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
 from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
-from lakestream_iceberg.read.relay_client import follower
+from lakestream_iceberg.read.relay_client import follower, head_reader
 from lakestream_iceberg.read.resume import LoadedState, delivered_on_both
 from lakestream_iceberg.read.stream_ref import StreamRef, forked_view
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
@@ -310,7 +310,11 @@ class _DatasetCore:
         """
         if self._positions is None:
             raise ConfigError("track() records a consumer position: make the dataset with group='<run name>'")
-        return self._positions.track(loader, self._stream_here(), first_step=(self._loaded.pending() or self._position)["next_step"])
+        stream = self._stream_here()
+        head = head_reader(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
+                           poll_s=self.poll_s, max_poll_s=self.max_poll_s)  # a follower's head through the host relay
+        return self._positions.track(loader, stream, first_step=(self._loaded.pending() or self._position)["next_step"],
+                                     head=head)
 
     # -- iteration ---------------------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Any]:

@@ -33,7 +33,7 @@ from lakestream_iceberg.read.stream_ref import StreamRef
 
 log = logging.getLogger(__name__)
 
-__all__ = ["RelayWatcher", "follower"]
+__all__ = ["RelayWatcher", "follower", "head_reader"]
 
 CONNECT_S = 10.0  # how long a reader waits for some process to serve the relay (a holder starting up)
 WAIT_SLICE_S = 0.5  # a wait asks again this often, so that a stop is noticed
@@ -94,6 +94,12 @@ class RelayWatcher:
 
     def head(self) -> tuple[int, int | None]:
         """The head step and the id of its snapshot, as last heard (no I/O)."""
+        return self._head
+
+    def latest(self) -> tuple[int, int | None]:
+        """The head step and snapshot id as the relay last polled them: one local request, which neither waits nor
+        makes the relay poll (its own loop keeps the head current)."""
+        self._note(self._request(self._wait_channel, {"op": "wait", "step": 0, "timeout": 0}, wait_s=0.0))
         return self._head
 
     def wait(self, step: int, *, timeout: float | None, stop: threading.Event, poll_s: float = 0.02,
@@ -223,6 +229,29 @@ class RelayWatcher:
             old, self._holding = self._holding, relay
         if old is not None and old.pid == os.getpid():
             old.release()
+
+
+def head_reader(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float,
+                max_poll_s: float) -> tuple[Callable[[], int], Callable[[], None]]:
+    """A function returning the branch's head step now, and one releasing what it holds: for a process that reads no
+    steps itself but reports how far behind the head it is (the training process of a DataLoader with workers).
+
+    Through the host's relay when ``relay`` (one local request, as every reader of the host: a thousand ranks add no
+    catalog or storage request per report); else, and when no relay is usable, one pointer query per call and the
+    table's ``metadata.json`` when the head moved (a REST catalog: one ``loadTable``).
+    """
+    if relay:
+        watcher, _ = follower(stream, ref=ref, branch=branch, relay=True, poll_s=poll_s, max_poll_s=max_poll_s)
+        if isinstance(watcher, RelayWatcher):
+            return (lambda: watcher.latest()[0]), watcher.close
+        watcher.close()
+    direct = HeadWatcher(stream, branch=branch, listen=False)
+
+    def head() -> int:
+        direct.check()
+        return direct.head()[0]
+
+    return head, direct.close
 
 
 def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float,

@@ -651,3 +651,43 @@ def test_a_step_published_again_after_a_rollback_is_read_as_the_readers_head_lis
     assert [f.file_path for f in first.files(first.head()[1], 3)] == old
     second.close()
     first.close()
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_the_training_process_of_workers_reads_the_head_for_its_metric_through_the_relay(
+        tmp_path: Path, relay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``dataset.track(loader)`` reports how far behind the head the loop is: with the relay, the training process
+    asks the host's relay (no pointer query or ``metadata.json`` read of its own per report, which made a thousand
+    ranks a thousand catalog pollers); without, it reads the head itself. The gauge is right either way."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from torch.utils.data import DataLoader
+
+    from lakestream_iceberg.connect import metrics
+
+    stream = make_stream(tmp_path, steps=6)
+    holder = start_holder(tmp_path) if relay else None
+    parent, polls = os.getpid(), []
+    check = HeadWatcher.check
+
+    def counted(self: HeadWatcher) -> bool:
+        if os.getpid() == parent:  # the forked workers' own polls are not the training process's
+            polls.append(1)
+        return check(self)
+
+    monkeypatch.setattr(HeadWatcher, "check", counted)
+    registry = prometheus_client.CollectorRegistry()
+    metrics.use_registry(registry)
+    try:
+        ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=4, timeout=60, group="run",
+                               report_s=0.05, relay=relay)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        assert [int(item["step"]) for item in ds.track(loader)] == [1, 2, 3, 4]
+        labels = {"stream": stream.name, "group": "run", "rank": "0"}
+        assert registry.get_sample_value("lakestream_consumer_last_step", labels) == 4
+        assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2  # head 6
+        assert (len(polls) == 0) if relay else (len(polls) > 0)
+    finally:
+        metrics.use_registry(None)
+        if holder is not None:
+            holder.kill()
+            holder.wait(timeout=60)
