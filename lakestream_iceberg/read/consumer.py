@@ -3,7 +3,8 @@
 A :class:`~lakestream_iceberg.read.dataset.LakestreamDataset` made with ``group="run-42"`` records, for its (group,
 rank), the last step it delivered, how long the training loop waited for data, and how many bytes it fetched. The record
 is one upsert into the catalog's database (or one small object per rank elsewhere, see
-:mod:`lakestream_iceberg.connect.positions`), made by a background thread every ``report_s`` seconds (default 5) and once
+:mod:`lakestream_iceberg.connect.positions`), made by a background thread every ``report_s`` seconds (default 5; ``world_size / 200`` beyond 1,000 ranks, see
+:func:`default_report_s`) and once
 more when the iteration ends or the dataset is closed: never a commit to the table, and never I/O in the training loop.
 ``lakestream lag`` (:mod:`lakestream_iceberg.read.lag`) reads the records back. Rank 0's reporter also expires the
 positions of groups silent for longer than ``lakestream.consumers.retention-ms``, at most once an hour per process and
@@ -54,12 +55,20 @@ from lakestream_iceberg.read.reader import WHOLE_FILE_BYTES
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["DEFAULT_REPORT_S", "EXPIRY_INTERVAL_S", "Position", "PositionReporter", "RankPositions", "check_group",
-           "fetched_bytes", "track"]
+__all__ = ["DEFAULT_REPORT_S", "EXPIRY_INTERVAL_S", "REPORTS_PER_S", "Position", "PositionReporter", "RankPositions",
+           "check_group", "default_report_s", "fetched_bytes", "track"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REPORT_S = 5.0
+REPORTS_PER_S = 200  # the default report_s keeps a job's ranks under this many position writes a second in all
+
+
+def default_report_s(world_size: int) -> float:
+    """Seconds between a rank's position reports when the dataset names none: ``DEFAULT_REPORT_S`` up to 1,000 ranks,
+    then ``world_size / REPORTS_PER_S`` (20,000 ranks: every 100 s), so that a job's positions cost the catalog's
+    database (or the object store) at most ``REPORTS_PER_S`` writes a second however many ranks it has."""
+    return max(DEFAULT_REPORT_S, world_size / REPORTS_PER_S)
 VERSION = 1
 MAX_GROUP_CHARS = 200
 _SOURCES = ("iterator", "loader")

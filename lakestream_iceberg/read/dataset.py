@@ -54,7 +54,7 @@ from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
-from lakestream_iceberg.read.consumer import DEFAULT_REPORT_S, RankPositions
+from lakestream_iceberg.read.consumer import RankPositions, default_report_s
 from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -159,7 +159,7 @@ class _DatasetCore:
         max_poll_s: float | None = None,
         ship_credentials: bool = False,
         group: str | None = None,
-        report_s: float = DEFAULT_REPORT_S,
+        report_s: float | None = None,
         relay: bool | None = None,
     ) -> None:
         check_stream(stream)
@@ -199,6 +199,8 @@ class _DatasetCore:
         self.last_step: int | None = None  # the last step this instance delivered
         if relay and follow:  # its readers follow through the host's relay: no idle catalog connection kept for them
             release_idle_connections(stream.table.catalog)
+        if report_s is None:
+            report_s = default_report_s(self.world_size)
         self._positions = None if group is None else RankPositions(  # read/consumer.py
             group=group, report_s=report_s, rank=self.rank, world_size=self.world_size, branch=branch,
             stream=self._identity["stream"])
@@ -458,9 +460,10 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         poll_s, max_poll_s: Follow-mode polling backoff bounds (seconds; max_poll_s defaults to max(0.5, poll_s)).
             With the relay, its holder polls every ``poll_s`` (every ``max_poll_s`` where commit notifications wake it).
         group: Record this rank's position under this consumer group (a training run's name) for ``lakestream lag``:
-            one upsert every ``report_s`` seconds (default 5), never a table commit; with DataLoader workers iterate
+            one upsert every ``report_s`` seconds, never a table commit; with DataLoader workers iterate
             ``dataset.track(loader)`` (:mod:`lakestream_iceberg.read.consumer`). None (default): nothing is recorded.
-        report_s: Seconds between position reports.
+        report_s: Seconds between position reports. Default: 5, or ``world_size / 200`` beyond 1,000 ranks (20,000
+            ranks: 100), so that a job's ranks make at most 200 position writes a second in all.
         relay: Follow through the host's head relay (:mod:`lakestream_iceberg.read.relay`): one process per host
             polls the catalog and reads the table's metadata for every rank and DataLoader worker of that host, the
             others ask it over a unix socket. Default: on in follow mode; ``False`` polls the catalog from every reader.

@@ -447,3 +447,19 @@ def test_a_rank_holds_no_idle_database_connection_between_its_position_reports(t
         reporter.close()
         probe.close()
         catalog.engine.dispose()
+
+
+@pytest.mark.parametrize(("world_size", "report_s"), [(WORLD, 5.0), (1_000, 5.0), (20_000, 100.0)])
+def test_the_default_report_interval_keeps_a_jobs_position_writes_bounded_however_many_ranks(
+        stream: Stream, world_size: int, report_s: float) -> None:
+    """5 s up to 1,000 ranks, then world_size / 200: 20,000 ranks reporting every 5 s were 4,000 writes a second to the
+    catalog's database (a new PostgreSQL connection each) or the object store."""
+    ds = LakestreamDataset(stream, rank=world_size - 1, world_size=world_size, group="run", end_step=1)
+    list(ds)
+    ds.close()
+    row = lags(stream)[world_size - 1]
+    assert (row.status, row.report_s) == ("closed", report_s)
+    explicit = LakestreamDataset(stream, rank=0, world_size=world_size, group="other", report_s=FAST, end_step=1)
+    list(explicit)
+    explicit.close()
+    assert lags(stream, group="other")[0].report_s == FAST  # an explicit report_s is kept
