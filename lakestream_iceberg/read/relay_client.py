@@ -240,12 +240,11 @@ def head_reader(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool
     catalog or storage request per report); else, and when no relay is usable, one pointer query per call and the
     table's ``metadata.json`` when the head moved (a REST catalog: one ``loadTable``).
     """
-    if relay:
-        watcher, _ = follower(stream, ref=ref, branch=branch, relay=True, poll_s=poll_s, max_poll_s=max_poll_s)
-        if isinstance(watcher, RelayWatcher):
-            return (lambda: watcher.latest()[0]), watcher.close
-        watcher.close()
-    direct = HeadWatcher(stream, branch=branch, listen=False)
+    watcher, _ = follower(stream, ref=ref, branch=branch, relay=relay, poll_s=poll_s, max_poll_s=max_poll_s,
+                          listen=False)
+    if isinstance(watcher, RelayWatcher):
+        return (lambda: watcher.latest()[0]), watcher.close
+    direct = watcher
 
     def head() -> int:
         direct.check()
@@ -254,11 +253,11 @@ def head_reader(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool
     return head, direct.close
 
 
-def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float,
-             max_poll_s: float) -> tuple[RelayWatcher | HeadWatcher, Callable[[Any, int], list[DataFile]]]:
+def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float, max_poll_s: float,
+             listen: bool = True) -> tuple[RelayWatcher | HeadWatcher, Callable[[Any, int], list[DataFile]]]:
     """A head watcher for :func:`~lakestream_iceberg.read.follow.pump_steps` and the function giving a step's files:
     through the host's relay when ``relay`` and a private runtime directory is usable, else directly (the catalog and
-    the table's manifests, from this process).
+    the table's manifests, from this process; ``listen``: woken by commit notifications where the catalog sends them).
 
     A reader that is a relay client keeps no idle catalog connection (PostgreSQL): it needs none to follow.
     """
@@ -280,7 +279,7 @@ def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, p
                 if not watcher.holding:
                     release_idle_connections(stream.table.catalog)
                 return watcher, watcher.files
-    direct = HeadWatcher(stream, branch=branch)
+    direct = HeadWatcher(stream, branch=branch, listen=listen)
 
     def files(snapshot: Any, step: int) -> list[DataFile]:
         found = stream.index.files(snapshot, step)
