@@ -22,13 +22,14 @@ from typing import Literal, SupportsIndex, cast, overload
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 
+from lakestream_iceberg.connect.integers import INT64_MAX
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
 __all__ = ["MAX_STEP", "branches", "check_bool", "check_branch", "check_catalog", "check_identifier", "check_int", "check_location",
            "check_new_identifier", "check_seconds"]
 
 
-MAX_STEP = 2**63 - 1  # a step is an Iceberg long: a larger one is never published (reading or waiting for it is a mistake)
+MAX_STEP = INT64_MAX  # a step is an Iceberg long: a larger one is never published (reading or waiting for it is a mistake)
 
 
 def check_int(value: object, *, what: str, error: type[LakestreamError] = ConfigError, minimum: int | None = None,

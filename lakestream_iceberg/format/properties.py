@@ -27,6 +27,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import ClassVar, Generic, TypeVar
 
+from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.checks import check_int
 
@@ -295,7 +296,7 @@ FORMAT_VERSION = ChoiceProperty(
         "version this release does not read (a newer release made or upgraded the stream) is refused when the "
         "stream is opened, at the next commit and when a follower next reads the head: upgrade lakestream_iceberg.")
 WORLD_SIZE = IntProperty(
-    key="lakestream.world-size", field="world_size", minimum=1, maximum=2**31 - 1, unit="ranks", change=FIXED,
+    key="lakestream.world-size", field="world_size", minimum=1, maximum=INT32_MAX, unit="ranks", change=FIXED,
     default_text="none: Stream.create(world_size=...) sets it", doc="Ranks (shards) in every global batch.")
 ARROW_SCHEMA = TextProperty(
     key="lakestream.arrow-schema", change=FIXED, values="a base64 Arrow IPC schema",

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from pyiceberg.io import FileIO
 
+from lakestream_iceberg.connect.integers import INT64_MAX
 from lakestream_iceberg.errors import CorruptStateError, StepCollectedError, StepError, StepNotPublishedError
 from lakestream_iceberg.format.producers import DEFAULT_FILES, ProducerState
 
@@ -52,7 +53,7 @@ KEY_TOKEN = "lakestream.token"  # the published batch's token (in its data file 
 KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
 
 _INTEGER = re.compile(r"^-?[0-9]{1,19}$")
-MAX_SEQ = 2**63 - 1  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
+MAX_SEQ = INT64_MAX  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
 _TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
 
 
