@@ -5,6 +5,8 @@
 integers) is accepted and returned as a plain ``int``; a ``bool`` is refused (``True == 1`` in Python, and a ``True``
 once written into a snapshot summary as the string ``"True"`` is not a number any more), and so are floats (even
 integral ones), strings and ``None``. The caller names the value and picks the :class:`LakestreamError` subclass.
+An integer written as text (a table property, a snapshot summary value) is read by
+:func:`~lakestream_iceberg.connect.integers.parse_int` instead.
 
 **Branches.** A producer publishes into an existing branch only (``main``, which an empty stream does not have yet, or
 one made by ``fork``): a tag name would turn a checkpoint tag into a branch, and a typo would start a parentless

@@ -33,7 +33,7 @@ from pyiceberg.typedef import Record
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
-from lakestream_iceberg.connect.integers import INT32_MAX, INT64_MAX
+from lakestream_iceberg.connect.integers import INT32_MAX, INT64_MAX, parse_int
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
 from lakestream_iceberg.format.batches import has_required, hidden_nulls_filled
 from lakestream_iceberg.format.file_settings import parquet_options, statistics_plan
@@ -180,7 +180,7 @@ class StagedFile:
         """The staged file an intent declares (read back from storage: input). Raises ValueError for a value
         :meth:`to_json` never writes: a count, size or offset that is not an exact integer in ``[0, 2**63)`` (a bool,
         a float, a digit string: Iceberg's manifests hold 64-bit longs), a field id that is not a positive 32-bit
-        integer, or a bound that is not hex."""
+        integer in ASCII digits, or a bound that is not hex."""
 
         def count(value: Any, what: str) -> int:
             if type(value) is not int or not 0 <= value <= INT64_MAX:
@@ -188,9 +188,10 @@ class StagedFile:
             return value
 
         def field_id(key: Any) -> int:
-            if not isinstance(key, str) or not key.isdecimal() or not 0 < int(key) <= INT32_MAX:
-                raise ValueError(f"field id {key!r} is not a positive 32-bit integer")
-            return int(key)
+            found = parse_int(key, minimum=1, maximum=INT32_MAX, plus=False)  # "٥" is decimal to str.isdecimal()
+            if found is None:
+                raise ValueError(f"field id {key!r} is not a positive 32-bit integer in ASCII digits")
+            return found
 
         def mapping(name: str) -> dict[Any, Any]:
             value = raw[name]

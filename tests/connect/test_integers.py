@@ -1,4 +1,5 @@
-"""The ranges of Iceberg's int and long have one name each (``connect/integers.py``)."""
+"""The ranges of Iceberg's int and long have one name each (``connect/integers.py``), and integers written as text are
+read as Iceberg's Java engines read them (:func:`parse_int`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import io
 import tokenize
 from pathlib import Path
 
+import pytest
+
 import lakestream_iceberg
-from lakestream_iceberg.connect.integers import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN
+from lakestream_iceberg.connect.integers import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, parse_int
 
 PACKAGE = Path(lakestream_iceberg.__file__).parent
 _LIMITS = {"2147483647", "2147483648", "2_147_483_647", "9223372036854775807", "9223372036854775808"}
@@ -39,3 +42,29 @@ def test_int_limits_are_spelled_once() -> None:
 
 def test_limits() -> None:
     assert (INT32_MIN, INT32_MAX, INT64_MIN, INT64_MAX) == (-(2**31), 2**31 - 1, -(2**63), 2**63 - 1)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("0", 0), ("5", 5), ("-5", -5), ("+5", 5), ("007", 7), ("-0", 0), ("0" * 40 + "12", 12),
+    (str(INT64_MAX), INT64_MAX), (str(INT64_MIN), INT64_MIN),
+])
+def test_parse_int_reads_what_java_reads(text: str, expected: int) -> None:
+    assert parse_int(text) == expected
+
+
+@pytest.mark.parametrize("text", [
+    " 5", "5 ", "\t5", "5\n", "5_000", "٥", "５", "²", "", "-", "+", "+-5", "--5", "5.0", "5e3", "0x10", "five",
+    str(INT64_MAX + 1), str(INT64_MIN - 1), "9" * 5000,
+])
+def test_parse_int_refuses_what_java_refuses(text: str) -> None:
+    """Python's int() reads every one of these but the last five (and the 5000 digits with an error of its own); Java's
+    Long.parseLong refuses them, but for the non-ASCII digits, which no engine writes."""
+    assert parse_int(text) is None
+
+
+def test_parse_int_bounds_and_plus() -> None:
+    assert parse_int(str(INT32_MAX), maximum=INT32_MAX) == INT32_MAX
+    assert parse_int(str(INT32_MAX + 1), maximum=INT32_MAX) is None
+    assert parse_int("-1", minimum=0) is None
+    assert parse_int("+5", plus=False) is None and parse_int("-5", plus=False) == -5
+    assert parse_int(5) is None and parse_int(None) is None and parse_int(True) is None
