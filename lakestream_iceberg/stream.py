@@ -147,7 +147,8 @@ class Stream(StreamTable):
 
         Args:
             catalog: Any pyiceberg catalog.
-            identifier: ``"namespace.name"`` (or pyiceberg's ``("namespace", "name")``); the namespace is created when missing.
+            identifier: ``"namespace.name"`` (or pyiceberg's ``("namespace", "name")``); the namespace is created when
+                missing (and dropped again, while empty, when the stream cannot be created).
             schema: The pyarrow schema of one sample (the payload); ``_step`` and ``_rank`` are reserved.
             world_size: Ranks per global batch.
             location: Table location; defaults to the catalog's warehouse.

@@ -278,11 +278,14 @@ def test_2_a_head_at_the_last_64_bit_seq_refuses_the_next_one_before_publishing(
     assert stream.head_step() == 4
 
 
-@pytest.mark.parametrize("step", [2**63 - 1, 10**19 - 1])
-def test_2_a_head_step_at_the_64_bit_limit_is_refused_with_a_clear_error(catalog: SqlCatalog, step: int) -> None:
-    # the next step cannot be written as an Iceberg long: it used to fail inside the manifest writer (struct.error)
+@pytest.mark.parametrize(("step", "message"), [(2**63 - 1, f"head step {2**63 - 1}"),
+                                               (10**19 - 1, f"lakestream.step='{10**19 - 1}'")])
+def test_2_a_head_step_at_the_64_bit_limit_is_refused_with_a_clear_error(catalog: SqlCatalog, step: int,
+                                                                         message: str) -> None:
+    # the next step cannot be written as an Iceberg long: it used to fail inside the manifest writer (struct.error); a
+    # step past a long is no summary value lakestream writes
     stream, _, bad = malformed_head(catalog, {"lakestream.step": str(step), "lakestream.seq": "3"})
-    with pytest.raises(CorruptStateError, match=f"head step {step}"):
+    with pytest.raises(CorruptStateError, match=message):
         Stream.open(catalog, "ns.stream").producer("p").commit(batch("p", 3, WORLD))
     assert stream.refresh().table.metadata.snapshot_by_name("main").snapshot_id == bad
 
@@ -408,6 +411,8 @@ def test_2_a_foreign_append_naming_only_a_step_does_not_restart_every_producers_
 
 @pytest.mark.parametrize(("key", "value"), [("lakestream.step", "True"), ("lakestream.source-snapshot-id", "12x"),
                                             ("lakestream.source-snapshot-id", "\u00b2"),
+                                            ("lakestream.source-snapshot-id", "9223372036854775808"),
+                                            ("lakestream.source-snapshot-id", "+5"),
                                             ("lakestream.created-at-ms", "-1"),
                                             ("lakestream.created-at-ms", "999999999999999999")])
 def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(catalog: SqlCatalog, key: str,

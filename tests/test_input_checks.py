@@ -622,7 +622,7 @@ def test_a_warehouse_that_is_no_folder_is_a_config_error_naming_the_setting(tmp_
     catalog = SqlCatalog("wh", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=warehouse)
     with pytest.raises(ConfigError, match="warehouse.*PYICEBERG_CATALOG__WH__WAREHOUSE"):
         Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
-    assert catalog.list_tables("ns") == []
+    assert catalog.list_namespaces() == []  # nothing made: the namespace made for it is dropped again
 
 
 def test_a_step_past_an_iceberg_long_is_refused_instead_of_waited_for(tmp_path: Path) -> None:

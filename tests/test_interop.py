@@ -4,6 +4,7 @@ the Spark half is in tests/interop/)."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from datetime import timedelta
@@ -872,15 +873,18 @@ def set_unparsed(tmp_path: Path, stream: Stream, properties: dict[str, str]) -> 
         db.execute("UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ?", (new, old))
 
 
-def test_a_metadata_log_size_that_is_no_integer_is_refused_naming_the_property(tmp_path: Path) -> None:
+@pytest.mark.parametrize("value", ["5 files", " 5", "5_0", "٥", "2147483648"])
+def test_a_metadata_log_size_that_is_no_integer_is_refused_naming_the_property(tmp_path: Path, value: str) -> None:
     """pyiceberg parses write.metadata.previous-versions-max when it writes a commit's metadata: a value that is no
-    integer (written by a tool that does not parse it) failed every commit five times over, then said 'This is a bug ... please report it'."""
+    integer (written by a tool that does not parse it) failed every commit five times over, then said 'This is a bug ... please report it'.
+    One that Python's int() reads and Java's Integer.parseInt refuses (" 5", "5_0", "٥", past an int) was committed
+    with, and Spark's and Trino's commits failed on it."""
     stream, before = published(make(tmp_path))
     producer = stream.producer("a")
     head = stream.refresh().table.metadata.current_snapshot()
-    set_unparsed(tmp_path, stream, {"write.metadata.previous-versions-max": "5 files"})
+    set_unparsed(tmp_path, stream, {"write.metadata.previous-versions-max": value})
     for commit in (lambda: producer.commit(batch("a", 4, WORLD), seq=4), lambda: stream.checkpoint("c6", step=6)):
-        with pytest.raises(ConfigError, match=r"write.metadata.previous-versions-max='5 files', which is not an integer"):
+        with pytest.raises(ConfigError, match=re.escape(f"write.metadata.previous-versions-max={value!r}, which is not an integer")):
             commit()
     assert stream.refresh().table.metadata.current_snapshot().snapshot_id == head.snapshot_id  # nothing published
     assert {step: rows_of(stream, step) for step in range(1, 9)} == before  # readers read on

@@ -66,6 +66,7 @@ from urllib.parse import quote, unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.pointer import sqlite_connections
 from lakestream_iceberg.connect.sql_tables import CatalogTable
 from lakestream_iceberg.connect.storage import list_files
@@ -91,7 +92,6 @@ _SQLITE_EXPIRED = (
     f"(SELECT grp FROM {POSITION_TABLE} WHERE location = ? AND updated_at >= {_SQLITE_NOW} - ?)"
 )
 _SUFFIX = ".parquet"
-MAX_RANK = 2**31 - 1  # a rank is below a world size, itself an int32 (the listing's rank column is one)
 _SCHEMA = pa.schema([("position", pa.string())])
 
 
@@ -307,13 +307,13 @@ class PositionStore:
 
 
 def _keyed(location: str, rows: list[PositionRow]) -> list[PositionRow]:
-    """``rows`` less those whose rank no rank can have (not an int from 0 to ``MAX_RANK``: an object named
+    """``rows`` less those whose rank no rank can have (not an int from 0 to ``INT32_MAX``, a world size's bound: an object named
     ``r99999999999.parquet``, a row another program wrote), which are logged: they are no rank's position, and a
     listing (an int32 rank column) cannot hold them."""
     kept: list[PositionRow] = []
     odd: list[PositionRow] = []
     for row in rows:
-        (kept if type(row.rank) is int and 0 <= row.rank <= MAX_RANK else odd).append(row)
+        (kept if type(row.rank) is int and 0 <= row.rank <= INT32_MAX else odd).append(row)
     if odd:
         log.warning("%d consumer position(s) of %s are stored under a rank no rank can have (group %r rank %r%s) and "
                     "are not listed: another program wrote them; delete them (lakestream lag STREAM --group %r --delete)",

@@ -3,7 +3,6 @@ and the snapshot that published the step (see :mod:`lakestream_iceberg.lifecycle
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -11,6 +10,7 @@ from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
 
@@ -47,8 +47,6 @@ class Checkpoint:
 def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties) if snapshot is not None and snapshot.summary else {}
 
-_SNAPSHOT_ID = re.compile(r"^-?[0-9]{1,19}$")
-_MS = re.compile(r"[0-9]{1,18}")
 
 
 def utc_from_ms(ms: float) -> datetime | None:
@@ -84,8 +82,9 @@ def _snapshot_id(name: str, raw: object) -> int | None:
     """The source snapshot id a checkpoint's summary records (None: not recorded)."""
     if raw is None or raw == "":
         return None
-    if isinstance(raw, str) and _SNAPSHOT_ID.fullmatch(raw):
-        return int(raw)
+    found = parse_int(raw, plus=False)  # a snapshot id is a long
+    if found is not None:
+        return found
     raise CorruptStateError(
         f"checkpoint tag {name!r} has a malformed {KEY_SOURCE_SNAPSHOT}={str(raw)[:64]!r} in its summary (lakestream "
         "writes a snapshot id): the tag was written by another tool or its summary was corrupted; remove the tag "
@@ -96,7 +95,8 @@ def _snapshot_id(name: str, raw: object) -> int | None:
 def _created_at(name: str, raw: str | None, timestamp_ms: int) -> datetime:
     """When the checkpoint was committed: its recorded ``lakestream.created-at-ms``, else (anchors written before it was
     recorded) its snapshot's timestamp."""
-    found = utc_from_ms(int(raw)) if raw is not None and _MS.fullmatch(raw) else None
+    ms = parse_int(raw, minimum=0, plus=False)
+    found = utc_from_ms(ms) if ms is not None else None
     if found is None and raw is None:
         found = utc_from_ms(timestamp_ms)
     if found is None:

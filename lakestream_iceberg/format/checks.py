@@ -5,6 +5,8 @@
 integers) is accepted and returned as a plain ``int``; a ``bool`` is refused (``True == 1`` in Python, and a ``True``
 once written into a snapshot summary as the string ``"True"`` is not a number any more), and so are floats (even
 integral ones), strings and ``None``. The caller names the value and picks the :class:`LakestreamError` subclass.
+An integer written as text (a table property, a snapshot summary value) is read by
+:func:`~lakestream_iceberg.connect.integers.parse_int` instead.
 
 **Branches.** A producer publishes into an existing branch only (``main``, which an empty stream does not have yet, or
 one made by ``fork``): a tag name would turn a checkpoint tag into a branch, and a typo would start a parentless
@@ -22,13 +24,14 @@ from typing import Literal, SupportsIndex, cast, overload
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 
+from lakestream_iceberg.connect.integers import INT64_MAX
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
 __all__ = ["MAX_STEP", "branches", "check_bool", "check_branch", "check_catalog", "check_identifier", "check_int", "check_location",
            "check_new_identifier", "check_seconds"]
 
 
-MAX_STEP = 2**63 - 1  # a step is an Iceberg long: a larger one is never published (reading or waiting for it is a mistake)
+MAX_STEP = INT64_MAX  # a step is an Iceberg long: a larger one is never published (reading or waiting for it is a mistake)
 
 
 def check_int(value: object, *, what: str, error: type[LakestreamError] = ConfigError, minimum: int | None = None,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError, ForeignSnapshotError
 from lakestream_iceberg.format.summary import KEY_STEP, StreamState
 
@@ -67,7 +68,7 @@ def changes_data(snapshot: Snapshot) -> bool:
         return True
     props = summary.additional_properties
     counts = [props[k] for k in _CHANGE_KEYS if k in props]
-    if any(c.strip() != "0" for c in counts) or props.get("replace-partitions") == "true":
+    if any(parse_int(c) != 0 for c in counts) or props.get("replace-partitions") == "true":  # " 0": no engine's zero
         return True
     return not counts and summary.operation.value != "replace"
 
@@ -128,7 +129,7 @@ def lineage(metadata: TableMetadata, head: Snapshot | None) -> Lineage:
 def _holds_data(snapshot: Snapshot) -> bool:
     """Whether a snapshot's table state holds data files, from its summary's total (unknown: yes)."""
     props = snapshot.summary.additional_properties if snapshot.summary is not None else {}
-    return props.get("total-data-files", "").strip() != "0"
+    return parse_int(props.get("total-data-files")) != 0
 
 
 def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str, branch: str) -> StreamState:
@@ -164,7 +165,7 @@ def _changed_message(found: Lineage, changed: Snapshot, *, stream: str, branch: 
     props = changed.summary.additional_properties if changed.summary is not None else {}
     engine = props.get("engine-name") or props.get("app-id")
     operation = changed.summary.operation.value if changed.summary is not None else "unknown"
-    counts = ", ".join(f"{k}={props[k]}" for k in _CHANGE_KEYS if props.get(k, "0").strip() != "0")
+    counts = ", ".join(f"{k}={props[k]}" for k in _CHANGE_KEYS if parse_int(props.get(k, "0")) != 0)
     base = found.base
     back = (f"roll the branch back to snapshot {base.snapshot_id} (step {StreamState.of(base).step}), the last one "
             "lakestream wrote" if base is not None else "roll the branch back to the last snapshot lakestream wrote")

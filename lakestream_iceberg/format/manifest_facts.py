@@ -14,7 +14,7 @@ from pyiceberg.types import LongType
 
 __all__ = ["entry_step", "manifest_level", "step_bounds", "stream_entry"]
 
-_LEVEL_RE = re.compile(r"-L(\d+)-m\d+\.avro$")
+_LEVEL_RE = re.compile(r"-L([0-9]{1,9})-m[0-9]+\.avro$")  # ASCII digits (\d takes "٣"), an int's
 
 
 @functools.lru_cache(maxsize=4096)  # a head lists a few dozen manifests; a plan asks each of them once per level

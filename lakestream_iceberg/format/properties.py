@@ -27,6 +27,7 @@ from datetime import timedelta
 from enum import Enum
 from typing import ClassVar, Generic, TypeVar
 
+from lakestream_iceberg.connect.integers import INT32_MAX, INT32_MIN, INT64_MAX, INT64_MIN, parse_int
 from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.checks import check_int
 
@@ -154,17 +155,21 @@ class Property(Generic[T]):
 
 @dataclass(frozen=True, kw_only=True)
 class IntProperty(Property[int]):
-    """An integer, within ``minimum`` and ``maximum`` (inclusive; None: unbounded)."""
+    """An integer, within ``minimum`` and ``maximum`` (inclusive; None: a long's bound), written as Iceberg's Java
+    engines read one (:func:`~lakestream_iceberg.connect.integers.parse_int`): Spark or Trino would fail on a value
+    Python's ``int()`` alone takes (``" 5"``, ``"5_000"``)."""
 
     kind: ClassVar[str] = "integer"
     minimum: int | None = None
     maximum: int | None = None
 
     def parse(self, raw: str) -> int:
-        try:
-            value = int(raw)
-        except (TypeError, ValueError):
-            raise self._refuse(raw, "is not an integer") from None
+        value = parse_int(raw)
+        if value is None:
+            raise self._refuse(raw, f"is not an integer as Iceberg's engines read one: write it in ASCII digits with "
+                                    f"an optional leading '-', no spaces, underscores or other characters, at most "
+                                    f"{self.maximum if self.maximum is not None else INT64_MAX} (e.g. "
+                                    f"'{self.default if self.default is not None else max(self.minimum or 0, 1)}')")
         if self.minimum is not None and value < self.minimum:
             raise ConfigError(f"table property {self.key}={value} must be >= {self.minimum}; {HOW}")
         if self.maximum is not None and value > self.maximum:
@@ -172,7 +177,8 @@ class IntProperty(Property[int]):
         return value
 
     def check(self, value: object, *, what: str | None = None) -> int:
-        return check_int(value, what=what or self.key, minimum=self.minimum, maximum=self.maximum)
+        return check_int(value, what=what or self.key, minimum=INT64_MIN if self.minimum is None else self.minimum,
+                         maximum=INT64_MAX if self.maximum is None else self.maximum)
 
     def words(self, value: int) -> str:
         if self.unit == "bytes":
@@ -295,7 +301,7 @@ FORMAT_VERSION = ChoiceProperty(
         "version this release does not read (a newer release made or upgraded the stream) is refused when the "
         "stream is opened, at the next commit and when a follower next reads the head: upgrade lakestream_iceberg.")
 WORLD_SIZE = IntProperty(
-    key="lakestream.world-size", field="world_size", minimum=1, maximum=2**31 - 1, unit="ranks", change=FIXED,
+    key="lakestream.world-size", field="world_size", minimum=1, maximum=INT32_MAX, unit="ranks", change=FIXED,
     default_text="none: Stream.create(world_size=...) sets it", doc="Ranks (shards) in every global batch.")
 ARROW_SCHEMA = TextProperty(
     key="lakestream.arrow-schema", change=FIXED, values="a base64 Arrow IPC schema",
@@ -322,7 +328,7 @@ MAX_SNAPSHOT_AGE = DurationProperty(
     default_text="0: off (Iceberg's 5 days are not applied by lakestream's commits)",
     doc="Snapshots younger than this are kept too (up to retain-max), for other engines' streaming readers.")
 MIN_SNAPSHOTS_TO_KEEP = IntProperty(
-    key="history.expire.min-snapshots-to-keep", default=1, created=2, default_by="Iceberg", minimum=1,
+    key="history.expire.min-snapshots-to-keep", default=1, created=2, default_by="Iceberg", minimum=1, maximum=INT32_MAX,
     unit="snapshots", change=LIVE,
     doc="Raises (never lowers) retain-last; 2 keeps a lakestream snapshot under Spark's expire_snapshots.")
 
@@ -374,7 +380,7 @@ IO_RETRY_TIMEOUT = DurationProperty(
 
 # -- Iceberg's metadata and file settings -------------------------------------------------------------------------------
 PREVIOUS_VERSIONS_MAX = IntProperty(
-    key="write.metadata.previous-versions-max", default=100, created=16, default_by="Iceberg", minimum=1,
+    key="write.metadata.previous-versions-max", default=100, created=16, default_by="Iceberg", minimum=1, maximum=INT32_MAX,
     unit="files", change=LIVE, doc="Old metadata.json files listed in the metadata log.")
 DELETE_AFTER_COMMIT = BoolProperty(
     key="write.metadata.delete-after-commit.enabled", default=False, created=True, default_by="Iceberg",
@@ -385,17 +391,20 @@ PARQUET_CODEC = TextProperty(
     doc="Compression of the data files (checked by a trial write when a producer starts).")
 PARQUET_LEVEL = IntProperty(
     key="write.parquet.compression-level", default_by="pyarrow", default_text="the codec's", blank_is_default=True,
+    minimum=INT32_MIN, maximum=INT32_MAX,
     change=REOPEN, doc="Compression level of the data files; only for codecs that have levels.")
 PARQUET_PAGE_SIZE = IntProperty(
     key="write.parquet.page-size-bytes", default_by="pyarrow", default_text="pyarrow's (1 MiB)", minimum=1,
-    unit="bytes", blank_is_default=True, change=REOPEN, doc="Target size of a data page in the data files.")
+    maximum=INT32_MAX, unit="bytes", blank_is_default=True, change=REOPEN,
+    doc="Target size of a data page in the data files.")
 PARQUET_DICT_SIZE = IntProperty(
     key="write.parquet.dict-size-bytes", default_by="pyarrow", default_text="pyarrow's (1 MiB)", minimum=1,
-    unit="bytes", blank_is_default=True, change=REOPEN,
+    maximum=INT32_MAX, unit="bytes", blank_is_default=True, change=REOPEN,
     doc="Size of a column's dictionary page before the writer falls back to plain encoding.")
 PARQUET_PAGE_ROWS = IntProperty(
-    key="write.parquet.page-row-limit", default_by="pyarrow", default_text="pyarrow's", minimum=1, unit="rows",
-    blank_is_default=True, change=REOPEN, doc="The most rows in a data page (needs pyarrow >= 18; ignored before).")
+    key="write.parquet.page-row-limit", default_by="pyarrow", default_text="pyarrow's", minimum=1, maximum=INT32_MAX,
+    unit="rows", blank_is_default=True, change=REOPEN,
+    doc="The most rows in a data page (needs pyarrow >= 18; ignored before).")
 AVRO_CODEC = TextProperty(
     key="write.avro.compression-codec", default="gzip", default_by="Iceberg", lower=True, blank_is_default=True,
     values="uncompressed, gzip, zstd, snappy (pyiceberg[snappy])", change=LIVE,

@@ -29,6 +29,8 @@ from pyiceberg.table.refs import SnapshotRef, SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotSummaryCollector, Summary, update_snapshot_summaries
 from pyiceberg.table.update import AddSnapshotUpdate, SetSnapshotRefUpdate, TableUpdate
 
+from lakestream_iceberg.connect.integers import parse_int
+
 __all__ = ["SnapshotBuilder", "set_ref"]
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,9 @@ class SnapshotBuilder:
         else:
             previous = parent.summary if parent is not None else None
             try:
+                if previous is not None and any(parse_int(v, minimum=0) is None for k, v in previous.additional_properties.items()
+                                                if k.startswith("total-")):  # pyiceberg's int() reads " 5" and "5_0"
+                    raise ValueError("a total no engine reads")
                 summary = update_snapshot_summaries(summary, previous_summary=previous)
             except ValueError:  # a foreign parent's total that is no integer: carry none (they are optional)
                 log.warning("snapshot %s: the parent's summary totals are not integers; the new snapshot records none",

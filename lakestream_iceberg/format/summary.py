@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from pyiceberg.io import FileIO
 
+from lakestream_iceberg.connect.integers import INT64_MAX, parse_int
 from lakestream_iceberg.errors import CorruptStateError, StepCollectedError, StepError, StepNotPublishedError
 from lakestream_iceberg.format.producers import DEFAULT_FILES, ProducerState
 
@@ -51,8 +52,7 @@ KEY_GROUP_MS = "lakestream.group-commit-ms"  # the committer's typical critical 
 KEY_TOKEN = "lakestream.token"  # the published batch's token (in its data file names): which write of (producer, seq)
 KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
 
-_INTEGER = re.compile(r"^-?[0-9]{1,19}$")
-MAX_SEQ = 2**63 - 1  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
+MAX_SEQ = INT64_MAX  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
 _TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
 
 
@@ -192,9 +192,10 @@ class _Fields:
 
     def integer(self, key: str, default: str = "", *, minimum: int = 0) -> int:
         raw = self._summary.get(key, default)
-        if not isinstance(raw, str) or not _INTEGER.fullmatch(raw) or int(raw) < minimum:
-            raise self.error(key, raw, f"expected an integer >= {minimum}")
-        return int(raw)
+        value = parse_int(raw, minimum=minimum, plus=False)  # ASCII digits, a long: what lakestream writes
+        if value is None:
+            raise self.error(key, raw, f"expected an integer from {minimum} to {INT64_MAX} in ASCII digits")
+        return value
 
     def number(self, key: str) -> float | None:
         raw = self._summary.get(key)

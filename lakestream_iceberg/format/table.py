@@ -22,6 +22,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.connect.integers import INT32_MAX, INT32_MIN, parse_int
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.errors import (
     ConfigError,
@@ -147,20 +148,21 @@ def check_fixed(properties: Mapping[str, str], opened: Mapping[str, str | None],
 
 def check_metadata_log_size(properties: Mapping[str, str], *, stream: str) -> None:
     """Refuse (:class:`ConfigError`) a ``write.metadata.previous-versions-max`` that is no integer (written by a tool
-    that does not parse it, e.g. an edited metadata.json or a REST catalog's update): pyiceberg parses it when it writes every commit's metadata log, and would
-    refuse each attempt with a ``ValueError``. Parsed as pyiceberg parses it (an empty value is the default, below 1
-    is 1)."""
+    that does not parse it, e.g. an edited metadata.json or a REST catalog's update): every commit parses it when it
+    writes the metadata log, pyiceberg's with ``int()`` (each attempt would fail with a ``ValueError``), Spark's and
+    Trino's with Java's ``Integer.parseInt``, which also refuses what ``int()`` takes (``" 5"``, ``"5_000"``). Parsed
+    as Java parses it (:func:`parse_int`, an int's range); an empty value is the default, below 1 is 1."""
     raw = properties.get(PREVIOUS_VERSIONS_MAX.key)
     if not raw:
         return
-    try:
-        int(raw)
-    except ValueError:
+    if parse_int(raw, minimum=INT32_MIN, maximum=INT32_MAX) is None:
         raise ConfigError(
-            f"stream {stream} has table property {PREVIOUS_VERSIONS_MAX.key}={raw!r}, which is not an integer: no "
-            "commit can write the table's metadata log (pyiceberg's commits fail the same way); nothing is "
-            f"committed. Set it to a number of metadata files (Iceberg's default: 100) or remove it; {HOW}"
-        ) from None
+            f"stream {stream} has table property {PREVIOUS_VERSIONS_MAX.key}={raw!r}, which is not an integer as "
+            "Iceberg reads one (ASCII digits with an optional leading '-', no spaces or underscores, at most "
+            f"{INT32_MAX}): commits that write the table's metadata log fail on it (Spark's and Trino's, and "
+            "pyiceberg's where Python's int() refuses it too); nothing is committed. Set it to a number of metadata "
+            f"files (Iceberg's default: 100) or remove it; {HOW}"
+        )
 
 
 def _lost_properties_error(table: Table, missing: list[str]) -> CorruptStateError:

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.connect.fork import no_fork_inside
+from lakestream_iceberg.connect.integers import INT32_MAX, INT64_MAX, INT64_MIN
 from lakestream_iceberg.connect.metrics import consumer_metrics
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, CorruptStateError
@@ -72,8 +73,6 @@ def default_report_s(world_size: int) -> float:
 VERSION = 1
 MAX_GROUP_CHARS = 200
 _SOURCES = ("iterator", "loader")
-_INT64 = 2**63  # the listing's integer columns (read/lag.py CONSUMERS_SCHEMA): int64, rank, world size, workers int32
-_INT32 = 2**31 - 1
 _MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last time a datetime holds
 EXPIRY_INTERVAL_S = 3600.0  # rank 0's reporter expires old groups at most this often per process and stream
 _expired_at: dict[str, float] = {}  # stream location -> time.monotonic() of this process's last expiry there (two
@@ -145,7 +144,7 @@ class Position:
                                         f"{value!r}")
             if isinstance(value, float) and not math.isfinite(value):
                 raise CorruptStateError(f"the position of group {group!r} rank {rank} has a non-finite {name!r}")
-            if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+            if isinstance(value, int) and not isinstance(value, bool) and not INT64_MIN <= value <= INT64_MAX:
                 raise CorruptStateError(f"the position of group {group!r} rank {rank} has an out-of-range {name!r}: "
                                         f"{value}")
             return value
@@ -162,8 +161,8 @@ class Position:
         )
         problems = [
             (position.rank != rank, f"rank {position.rank} (stored under rank {rank})"),
-            (not 0 <= rank < position.world_size <= _INT32, f"world_size {position.world_size} (rank {rank})"),
-            (position.workers > _INT32, f"workers {position.workers}"),
+            (not 0 <= rank < position.world_size <= INT32_MAX, f"world_size {position.world_size} (rank {rank})"),
+            (position.workers > INT32_MAX, f"workers {position.workers}"),
             (not 0 <= position.started_at <= _MAX_TIME, f"started_at {position.started_at}"),
             (position.last_step is not None and position.last_step < 0, f"last_step {position.last_step}"),
             (min(position.steps, position.pid, position.workers) < 0, "a negative count"),

@@ -17,6 +17,7 @@ import numpy as np
 import pyarrow as pa
 from pyiceberg.io import FileIO
 
+from lakestream_iceberg.connect.integers import INT32_MAX, INT32_MIN, parse_int
 from lakestream_iceberg.errors import LakestreamError, ReadError
 from lakestream_iceberg.format.checkpoints import list_checkpoints
 from lakestream_iceberg.format.checkpoints import utc_from_ms as _utc_from_ms
@@ -47,14 +48,19 @@ __all__ = ["adder_rows", "batch_rows", "checkpoint_rows", "file_rows", "live_ent
            "read_samples", "snapshot_rows", "step_rows", "utc_from_ms"]
 
 
-_DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>\d+)-(?P<token>[^-/]+)-(?:r(?P<rank>\d+)|packed)\.parquet$")
+_DATA_PATH = re.compile(r"/data/(?P<producer>[^/]+)/(?P<seq>[0-9]+)-(?P<token>[^-/]+)-(?:r(?P<rank>[0-9]+)|packed)\.parquet$")
 def parse_data_path(path: str) -> tuple[str, int, int | None] | None:
     """``(producer, seq, rank)`` from a data file path ``.../data/<producer>/<seq>-<token>-r<rank>.parquet`` (rank None:
-    ``...-packed.parquet``, the packed layout's file of every rank)."""
+    ``...-packed.parquet``, the packed layout's file of every rank); None for another path, or a seq or rank no long or
+    int holds."""
     match = _DATA_PATH.search(path)
     if match is None:
         return None
-    return match["producer"], int(match["seq"]), None if match["rank"] is None else int(match["rank"])
+    seq = parse_int(match["seq"], minimum=0)
+    rank = None if match["rank"] is None else parse_int(match["rank"], minimum=0, maximum=INT32_MAX)
+    if seq is None or rank is None and match["rank"] is not None:
+        return None
+    return match["producer"], seq, rank
 
 
 def utc_from_ms(ms: int | float | None) -> datetime | None:
@@ -70,15 +76,11 @@ def _summary(snapshot: Snapshot | None) -> dict[str, str]:
     return dict(snapshot.summary.additional_properties)
 
 
-def _int(value: str | None, *, bits: int = 64) -> int | None:
-    """A summary value as an int; None when absent or malformed, a value its view's ``bits``-bit column cannot hold
-    included (history shows what is there: the raw value stays in the ``summary`` column, and reading the head still
-    raises ``CorruptStateError``)."""
-    try:
-        number = None if value is None or isinstance(value, bool) else int(value)
-    except (TypeError, ValueError):
-        return None
-    return number if number is not None and -(2 ** (bits - 1)) <= number < 2 ** (bits - 1) else None
+def _int(value: str | None, *, int32: bool = False) -> int | None:
+    """A summary value as an int; None when absent or malformed (no integer as Iceberg reads one: ``" 5"``, ``"٥"``), a
+    value its view's column (a long, or an int with ``int32``) cannot hold included (history shows what is there: the
+    raw value stays in the ``summary`` column, and reading the head still raises ``CorruptStateError``)."""
+    return parse_int(value, minimum=INT32_MIN, maximum=INT32_MAX) if int32 else parse_int(value)
 
 
 # -- row builders (plain functions over the stream; each view is one Arrow table) -------------------------------------
@@ -129,9 +131,9 @@ def _snapshot_row(snapshot_id: int, snapshot: Snapshot | None) -> dict[str, Any]
         "committed_at": utc_from_ms(snapshot.timestamp_ms) if snapshot else None, "op": summary.get(KEY_OP),
         "operation": getattr(operation, "value", operation), "step": _int(summary.get(KEY_STEP)),
         "producer": summary.get(KEY_PRODUCER), "seq": _int(summary.get(KEY_SEQ)),
-        "attempts": _int(summary.get(KEY_ATTEMPTS), bits=32),
+        "attempts": _int(summary.get(KEY_ATTEMPTS), int32=True),
         "committer": summary.get(KEY_COMMITTER, summary.get(KEY_PRODUCER)),
-        "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None), bits=32),
+        "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None), int32=True),
         "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
     }
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
+from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, ConsumerGroupActiveError, CorruptStateError, LakestreamError
 from lakestream_iceberg.format.summary import KEY_OP, KEY_STEP, OP_APPEND
@@ -110,10 +111,10 @@ class _Branch:
                 break
             passed.add(current.snapshot_id)
             summary = current.summary.additional_properties if current.summary is not None else {}
-            try:  # only a snapshot that published steps dates them: a collect, checkpoint or repair snapshot carries
-                step = int(summary[KEY_STEP]) if summary.get(KEY_OP, OP_APPEND) == OP_APPEND else None  # the head's
-            except (KeyError, TypeError, ValueError):
-                step = None
+            # only a snapshot that published steps dates them: a collect, checkpoint or repair snapshot carries the
+            # head's; a step lakestream never writes (" 5", another engine's) dates none
+            appended = summary.get(KEY_OP, OP_APPEND) == OP_APPEND
+            step = parse_int(summary.get(KEY_STEP), minimum=0, plus=False) if appended else None
             if step is not None and step not in found:
                 found[step] = current.timestamp_ms / 1000
             current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None

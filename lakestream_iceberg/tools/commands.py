@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import LakestreamError
 from lakestream_iceberg.format.checks import branches
 from lakestream_iceberg.tools.config import CatalogSpec, load, open_stream
@@ -78,11 +79,8 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
     except Exception:  # informative only; a FileIO that cannot list
         staged = None
 
-    def total(key: str) -> int | None:  # pyiceberg's totals: informative, a malformed one shows as null
-        try:
-            return int(summary[key]) if key in summary else None
-        except (TypeError, ValueError):
-            return None
+    def total(key: str) -> int | None:  # the engines' totals: informative, one no engine reads (" 5") shows as null
+        return parse_int(summary.get(key), minimum=0)
 
     return {
         "stream": stream.name,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 
+from lakestream_iceberg.connect.integers import INT32_MAX, INT64_MAX
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PACKED_FROM_WORLD_SIZE
 from lakestream_iceberg.format.properties import COMMIT_TIMEOUT, GC_GRACE, PROPERTIES, Change, Property
 
@@ -48,7 +49,11 @@ This page is generated from the declarations in `lakestream_iceberg/format/prope
   stream open keeps the value it read until it opens the stream again;
 - *{Change.FIXED.value}*: part of how the stream is laid out; do not change it.
 
-Durations are milliseconds, as in Iceberg's `*-ms` properties. Two rules span properties: the **GC grace rule**,
+Integers are written as Iceberg's Java engines (Spark, Trino) read them with `Integer.parseInt` / `Long.parseLong`:
+ASCII digits with an optional leading `-` or `+`, no spaces, underscores or other characters (`"5_000"` and `" 5"`,
+which Python's `int()` takes, are refused with a `ConfigError` naming the property), at most {INT32_MAX:,} where
+Iceberg reads an int (its `write.*` and `history.expire.min-snapshots-to-keep`) and {INT64_MAX:,}
+elsewhere. Durations are milliseconds, as in Iceberg's `*-ms` properties. Two rules span properties: the **GC grace rule**,
 `{GC_GRACE.key}` >= {GRACE_PER_COMMIT_TIMEOUT} x `{COMMIT_TIMEOUT.key}` (a stream that breaks it is refused:
 GC could delete the files of a batch a commit may still publish), and `history.expire.min-snapshots-to-keep` raises
 `lakestream.snapshots.retain-last` when larger. `Stream.create` picks the `packed` layout from world size

@@ -3,18 +3,22 @@
 :func:`create_table` makes the Iceberg table of a new stream: the payload schema converted to Iceberg's (refused with
 a :class:`~lakestream_iceberg.errors.SchemaMismatchError` where Iceberg cannot hold it), the layout's partition spec,
 and the table properties (lakestream's defaults, the caller's, the payload's Arrow schema), each checked before
-anything is made; the namespace is created when missing, and group commit's staging resolved where it can live.
+anything is made; the namespace is created when missing (and dropped again, while empty, when the table cannot be
+created), and group commit's staging resolved where it can live.
 :func:`check_existing` refuses a call that asks an existing stream for another world size, schema, layout or property
 value: ``Stream.create`` opens such a stream as it is and never changes it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError
+from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, TableAlreadyExistsError
 from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
-from pyiceberg.schema import assign_fresh_schema_ids
+from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.catalog_settings import env_name
@@ -35,7 +39,9 @@ from lakestream_iceberg.format.properties import STAGING_AUTO, WORLD_SIZE, by_ke
 from lakestream_iceberg.format.table import PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.write.intent_store import resolve_staging
 
-__all__ = ["check_existing", "check_property_strings", "create_table"]
+__all__ = ["check_existing", "check_property_strings", "create_table", "drop_namespace_if_empty"]
+
+log = logging.getLogger(__name__)
 
 
 def check_property_strings(properties: object) -> None:
@@ -79,19 +85,62 @@ def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema:
     name = identifier if isinstance(identifier, str) else ".".join(identifier)
     props[PROP_GROUP_STAGING] = resolve_staging(catalog, config.group_staging, name=name)
     namespace = Catalog.namespace_from(identifier)
-    if namespace:
-        try:
-            catalog.create_namespace(namespace)
-        except NamespaceAlreadyExistsError:
-            pass
-        except Exception:  # another process created it between the catalog's check and its insert: a SQL
-            if not catalog.namespace_exists(namespace):  # catalog raises the database's integrity error
-                raise
+
+    def make() -> Table:
+        return _create(catalog, identifier, name=name, schema=iceberg_schema, layout=config.layout, location=location,
+                       properties=props)
+
     try:
-        return catalog.create_table(
-            identifier, schema=iceberg_schema, partition_spec=partition_spec(iceberg_schema, config.layout),
-            location=location, properties=props,
-        )
+        return _in_namespace(catalog, namespace, make)
+    except NoSuchNamespaceError:  # another create made the namespace, failed and dropped it again between this call's
+        return _in_namespace(catalog, namespace, make)  # check and its table: make it once more
+
+
+def _in_namespace(catalog: Catalog, namespace: tuple[str, ...], make: Callable[[], Table]) -> Table:
+    """``make()``'s table in ``namespace``, created first when missing, and dropped again (while empty) when this call
+    created it and ``make`` failed."""
+    created = bool(namespace) and _create_namespace(catalog, namespace)
+    try:
+        return make()
+    except TableAlreadyExistsError:
+        raise  # another process's table: the namespace is no longer this call's to remove
+    except Exception:
+        if created:
+            drop_namespace_if_empty(catalog, namespace)
+        raise
+
+
+def _create_namespace(catalog: Catalog, namespace: tuple[str, ...]) -> bool:
+    """Create ``namespace`` unless it exists; whether this call created it."""
+    try:
+        catalog.create_namespace(namespace)
+    except NamespaceAlreadyExistsError:
+        return False
+    except Exception:  # another process created it between the catalog's check and its insert: a SQL
+        if not catalog.namespace_exists(namespace):  # catalog raises the database's integrity error
+            raise
+        return False
+    return True
+
+
+def drop_namespace_if_empty(catalog: Catalog, namespace: tuple[str, ...]) -> None:
+    """Remove a namespace ``Stream.create`` made for a table it then failed to create, so that a refused create leaves
+    nothing behind. Never one that holds a table: pyiceberg's SQL catalog and REST catalogs refuse to drop a namespace
+    that is not empty (``NamespaceNotEmptyError``), which covers another process's table created meanwhile (on a SQL
+    catalog one created between its check and its delete keeps its row: a namespace is also every table's). That
+    refusal, or any other failure to drop, leaves the namespace as it is: the create's own error is what the caller
+    needs."""
+    try:
+        catalog.drop_namespace(namespace)
+    except Exception as exc:  # noqa: BLE001 - not empty (a table created meanwhile), gone already, or unreachable
+        log.debug("left namespace %s in place after a failed create: %s", ".".join(namespace), exc)
+
+
+def _create(catalog: Catalog, identifier: str | tuple[str, ...], *, name: str, schema: Schema, layout: str,
+            location: str | None, properties: dict[str, str]) -> Table:
+    try:
+        return catalog.create_table(identifier, schema=schema, partition_spec=partition_spec(schema, layout),
+                                    location=location, properties=properties)
     except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
         if transient(exc) or explain(exc, catalog.properties) is not None:
             raise  # a storage outage or credentials: config_errors explains those

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lakestream_iceberg.connect.integers import INT64_MAX
 from lakestream_iceberg.write.writer import StagedBatch, StagedFile, check_producer_id
 
 __all__ = ["INTENT_FORMAT", "INTENT_NAME", "Intent", "STAGING_DIR", "intent_name"]
@@ -96,8 +97,8 @@ class Intent:
         if not isinstance(body, dict) or body.get("format") not in _READABLE_FORMATS:
             raise ValueError(f"unknown intent format {body.get('format') if isinstance(body, dict) else body!r}")
         seq, token, staged_at = body["seq"], body["token"], body["staged_at"]
-        if type(seq) is not int or seq < 0:
-            raise ValueError(f"seq {seq!r} is not a non-negative integer")
+        if type(seq) is not int or not 0 <= seq <= INT64_MAX:  # a seq is a long, as the summary records it
+            raise ValueError(f"seq {seq!r} is not an integer from 0 to {INT64_MAX}")
         if not isinstance(token, str) or not _TOKEN.fullmatch(token):
             raise ValueError(f"token {token!r} is not 1-32 letters or digits")
         if type(staged_at) not in (int, float) or not isinstance(body["allow_gap"], bool):

@@ -33,6 +33,7 @@ from pyiceberg.typedef import Record
 
 from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
+from lakestream_iceberg.connect.integers import INT32_MAX, INT64_MAX, parse_int
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
 from lakestream_iceberg.format.batches import has_required, hidden_nulls_filled
 from lakestream_iceberg.format.file_settings import parquet_options, statistics_plan
@@ -130,9 +131,6 @@ def data_file_path(location: str, *, producer: str, seq: int, token: str, rank: 
     return f"{location.rstrip('/')}/data/{producer}/{seq:012d}-{token}-{suffix}.parquet"
 
 
-_LONG = 2**63  # Iceberg's manifests hold counts, sizes and offsets as 64-bit longs
-
-
 @dataclass(frozen=True)
 class StagedFile:
     """One rank's written shard (``rank`` None: the packed file of every rank), waiting for the step it will be
@@ -182,17 +180,18 @@ class StagedFile:
         """The staged file an intent declares (read back from storage: input). Raises ValueError for a value
         :meth:`to_json` never writes: a count, size or offset that is not an exact integer in ``[0, 2**63)`` (a bool,
         a float, a digit string: Iceberg's manifests hold 64-bit longs), a field id that is not a positive 32-bit
-        integer, or a bound that is not hex."""
+        integer in ASCII digits, or a bound that is not hex."""
 
         def count(value: Any, what: str) -> int:
-            if type(value) is not int or not 0 <= value < _LONG:
+            if type(value) is not int or not 0 <= value <= INT64_MAX:
                 raise ValueError(f"{what} {value!r} is not an integer in [0, 2**63)")
             return value
 
         def field_id(key: Any) -> int:
-            if not isinstance(key, str) or not key.isdecimal() or not 0 < int(key) < 2**31:
-                raise ValueError(f"field id {key!r} is not a positive 32-bit integer")
-            return int(key)
+            found = parse_int(key, minimum=1, maximum=INT32_MAX, plus=False)  # "٥" is decimal to str.isdecimal()
+            if found is None:
+                raise ValueError(f"field id {key!r} is not a positive 32-bit integer in ASCII digits")
+            return found
 
         def mapping(name: str) -> dict[Any, Any]:
             value = raw[name]
@@ -222,7 +221,7 @@ class StagedFile:
             "split_offsets": None if offsets is None else [count(x, "split_offsets") for x in offsets],
         }
         rank = raw["rank"]
-        if rank is not None and (type(rank) is not int or not 0 <= rank < 2**31):
+        if rank is not None and (type(rank) is not int or not 0 <= rank <= INT32_MAX):
             raise ValueError(f"rank {rank!r} is neither a rank nor null")
         path = raw["path"]
         if not isinstance(path, str):

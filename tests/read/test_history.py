@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import re
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import MissingExtraError, Stream
+from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.read.history import VIEWS, history
 from lakestream_iceberg.read.history_rows import parse_data_path, step_rows
 from tests.support import SCHEMA, batch, sqlite_catalog
@@ -269,16 +272,20 @@ def test_step_rows_of_collected_steps_cost_no_catalog_round_trip(tmp_path: Path,
 ])
 def test_a_summary_number_its_column_cannot_hold_shows_as_null(tmp_path: Path, key: str, value: str, column: str) -> None:
     """A retained snapshot whose summary holds a number past its view column's type (int32 attempts and group_size,
-    int64 seq; the head's parser accepts up to 19 digits) made history raise pyarrow's ArrowInvalid; it is NULL."""
+    int64 seq) made history raise pyarrow's ArrowInvalid; it is NULL. (Below the head: a head's seq past a long is
+    no value lakestream writes, and reading the head's state refuses it.)"""
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.huge", schema=SCHEMA, world_size=1)
     producer = stream.producer("p")
     producer.commit(batch("p", 0, 1), seq=0)
     table = stream.refresh().table
     props = {k: v for k, v in table.current_snapshot().summary.additional_properties.items() if k.startswith("lakestream.")}
     table.append(table.schema().as_arrow().empty_table(), snapshot_properties={**props, key: value})  # another tool
+    with pytest.raises(CorruptStateError, match=re.escape(f"{key}={value!r}")) if key == "lakestream.seq" else nullcontext():
+        stream.refresh().head_step()
+    table.append(table.schema().as_arrow().empty_table(), snapshot_properties=props)  # and again, with the head's
     producer.commit(batch("p", 1, 1), seq=1)
     rows = history(stream, samples=False).execute(f"SELECT step, {column} FROM snapshots ORDER BY snapshot_id").fetchall()
-    assert len(rows) == 3 and (1, None) in rows
+    assert len(rows) == 4 and (1, None) in rows
 
 
 def test_a_forks_first_step_joins_its_retained_snapshot_on_the_source_branch(tmp_path: Path) -> None:

@@ -1,0 +1,106 @@
+"""``Stream.create`` creates a missing namespace; when the table then cannot be created (a property or location the
+catalog refuses), it drops that namespace again, and only that one: never a namespace that existed before the call or
+that holds a table (another process's, created meanwhile). On the SQL catalog (SQLite) and the REST catalog
+(SeaweedFS)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyiceberg.catalog import Catalog
+from pyiceberg.catalog.sql import SqlCatalog
+from pyiceberg.exceptions import NamespaceNotEmptyError, NoSuchTableError
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.write.create import drop_namespace_if_empty
+from tests.backends import Backend, fresh_name, make_backend, seaweedfs_service  # noqa: F401 - fixture
+from tests.support import SCHEMA, sqlite_catalog
+
+WORLD = 2
+KINDS = ("sqlite-local", "rest-seaweedfs")
+REFUSED = {"format-version": "9"}  # passes lakestream's checks, refused by the catalog (pyiceberg's or the server)
+
+
+@pytest.fixture(params=KINDS)
+def backend(request: pytest.FixtureRequest, tmp_path: Path):
+    made = make_backend(request.param, request, tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def namespaces(catalog: Catalog) -> set[str]:
+    return {".".join(ns) for ns in catalog.list_namespaces()}
+
+
+def test_a_refused_create_leaves_no_namespace_behind(backend: Backend) -> None:
+    """The namespace made for a stream the catalog then refused stayed behind, empty."""
+    catalog = backend.catalog()
+    with pytest.raises(Exception):  # noqa: B017 - whatever the catalog raises for it
+        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD, properties=REFUSED)
+    assert backend.namespace not in namespaces(catalog)
+    stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD)  # and it can be made again
+    assert stream.head_step() == 0
+    stream.close()
+
+
+def test_a_namespace_that_existed_is_kept(backend: Backend) -> None:
+    catalog = backend.catalog()
+    catalog.create_namespace(backend.namespace)
+    with pytest.raises(Exception):  # noqa: B017
+        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD, properties=REFUSED)
+    assert backend.namespace in namespaces(catalog)
+    with pytest.raises(NoSuchTableError):
+        catalog.load_table(backend.identifier())
+
+
+def test_a_namespace_another_process_filled_meanwhile_keeps_its_table(backend: Backend) -> None:
+    """The race the drop must lose: another process creates a table in the namespace between this call's namespace
+    and its failed table. The catalogs refuse to drop a namespace that is not empty, and the cleanup takes that."""
+    catalog, other = backend.catalog(), backend.catalog()
+    catalog.create_namespace(backend.namespace)
+    theirs = Stream.create(other, backend.identifier("theirs"), schema=SCHEMA, world_size=WORLD)
+    with pytest.raises(NamespaceNotEmptyError):  # what the cleanup relies on, in both catalogs
+        catalog.drop_namespace(backend.namespace)
+    drop_namespace_if_empty(catalog, (backend.namespace,))
+    assert backend.namespace in namespaces(catalog)
+    assert Stream.open(catalog, backend.identifier("theirs")).head_step() == theirs.head_step() == 0
+    theirs.close()
+
+
+def test_a_location_the_catalog_cannot_write_leaves_no_namespace_behind(tmp_path: Path) -> None:
+    """A location under a file: the SQL catalog writes the table's first metadata file there, and fails."""
+    catalog = sqlite_catalog(str(tmp_path))
+    (tmp_path / "a-file").write_text("x")
+    name = fresh_name("ns")
+    with pytest.raises(Exception, match="cannot create stream"):
+        Stream.create(catalog, f"{name}.s", schema=SCHEMA, world_size=WORLD, location=f"file://{tmp_path}/a-file/t")
+    assert name not in namespaces(catalog)
+
+
+class DroppedMeanwhile(SqlCatalog):
+    """A SQL catalog on which another process's create, which made the namespace and then failed, drops it between
+    this process's namespace check and its table (the other side of the race above)."""
+
+    drops = 1
+
+    def create_table(self, identifier: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.drops:
+            self.drops -= 1
+            self.drop_namespace(Catalog.namespace_from(identifier))
+        return super().create_table(identifier, *args, **kwargs)
+
+
+def test_a_namespace_dropped_by_another_failed_create_is_made_again(tmp_path: Path) -> None:
+    """This call found the namespace (another create had just made it), and that create failed and dropped it before
+    this call's table went in: the catalog said the namespace does not exist."""
+    other = sqlite_catalog(str(tmp_path))
+    other.create_namespace("ns")
+    catalog = DroppedMeanwhile("test", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    assert catalog.drops == 0 and stream.head_step() == 0
+    assert "ns" in namespaces(other)
+    stream.close()
