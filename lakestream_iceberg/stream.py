@@ -166,7 +166,9 @@ class Stream(StreamTable):
                 namespace over 255 bytes with its parts joined by ``.``); ``location`` is not a URI or an absolute
                 path, or no folder can be made there (or in the catalog's warehouse); ``world_size`` is not in
                 1..2**31-1; a property holds a value the stream cannot use, says another world size or schema than the
-                arguments, or is a ``lakestream.*`` key lakestream does not read (each names the property).
+                arguments, or is a ``lakestream.*`` key lakestream does not read (each names the property);
+                ``format-version`` is not 1 or 2 (the Iceberg versions pyiceberg writes); a REST catalog refused the
+                table (a location outside its warehouse).
             StreamExistsError: A stream of that name exists with another schema or world size, or another value of a
                 property given (``properties`` apply only to a stream created here).
             NotAStreamError: A plain Iceberg table of that name exists.

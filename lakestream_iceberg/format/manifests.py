@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 _LOCAL_SCHEMES = ("", "file")  # table locations on a local file system (pyiceberg's PyArrowFileIO writes them inline)
 # The table format versions whose manifests, manifest lists and snapshots pyiceberg (and so lakestream) writes. Another
 # engine may upgrade a stream's table past them (Spark: ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')).
-_WRITABLE_FORMAT_VERSIONS = (1, 2)
+WRITABLE_FORMAT_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class ManifestPlanner:
 
     def __init__(self, *, io: FileIO, metadata: TableMetadata, cache: ManifestCache, fanout: int,
                  max_merge_entries: int = 4096) -> None:
-        if metadata.format_version not in _WRITABLE_FORMAT_VERSIONS:
+        if metadata.format_version not in WRITABLE_FORMAT_VERSIONS:
             raise ConfigError(
                 f"the table at {metadata.location} has Iceberg format version {metadata.format_version} (another engine "
                 "upgraded it, e.g. ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')); pyiceberg writes the "

@@ -16,13 +16,19 @@ from collections.abc import Callable
 
 import pyarrow as pa
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NamespaceAlreadyExistsError, NoSuchNamespaceError, TableAlreadyExistsError
+from pyiceberg.exceptions import (
+    BadRequestError,
+    NamespaceAlreadyExistsError,
+    NoSuchNamespaceError,
+    TableAlreadyExistsError,
+)
 from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from pyiceberg.schema import Schema, assign_fresh_schema_ids
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.catalog_settings import env_name
 from lakestream_iceberg.connect.diagnose import explain, redact, transient
+from lakestream_iceberg.connect.integers import INT32_MAX, parse_int
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError, StreamExistsError
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
@@ -35,6 +41,7 @@ from lakestream_iceberg.format.layout import (
     StreamConfig,
     partition_spec,
 )
+from lakestream_iceberg.format.manifests import WRITABLE_FORMAT_VERSIONS
 from lakestream_iceberg.format.properties import STAGING_AUTO, WORLD_SIZE, by_key, check_properties
 from lakestream_iceberg.format.table import PROP_ARROW_SCHEMA, StreamTable, encode_schema
 from lakestream_iceberg.write.intent_store import resolve_staging
@@ -74,6 +81,7 @@ def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema:
     props = StreamConfig(world_size=world_size, layout=layout).to_properties()
     if properties is not None:
         _check_given_shape(properties, world_size=world_size, schema=schema)
+        _check_format_version(properties)
         props.update(properties)
     props[PROP_ARROW_SCHEMA] = encode_schema(schema)
     check_properties(props)  # validate the caller's overrides before creating anything
@@ -141,6 +149,11 @@ def _create(catalog: Catalog, identifier: str | tuple[str, ...], *, name: str, s
     try:
         return catalog.create_table(identifier, schema=schema, partition_spec=partition_spec(schema, layout),
                                     location=location, properties=properties)
+    except BadRequestError as exc:  # a REST catalog refused it (a location outside its warehouse, a property)
+        raise ConfigError(f"cannot create stream {name}: the catalog {catalog.name!r} refused the table: "
+                          f"{redact(' '.join(str(exc).split())[:300], catalog.properties)}; change what it names (a "
+                          "location= inside the catalog's warehouse, or leave location= out) and create it again"
+                          ) from None
     except (OSError, ValueError) as exc:  # a file where the folder goes, a scheme no FileIO reads
         if transient(exc) or explain(exc, catalog.properties) is not None:
             raise  # a storage outage or credentials: config_errors explains those
@@ -196,6 +209,19 @@ def _check_given_shape(properties: dict[str, str], *, world_size: int, schema: p
     if PROP_ARROW_SCHEMA in properties and properties[PROP_ARROW_SCHEMA] != encode_schema(schema):
         raise ConfigError(f"properties set {PROP_ARROW_SCHEMA}, which is not the schema= given: pass the schema as "
                           f"schema= only (leave {PROP_ARROW_SCHEMA} out of properties)")
+
+
+def _check_format_version(properties: dict[str, str]) -> None:
+    """Refuse an Iceberg ``format-version`` pyiceberg cannot write manifests and snapshots of (pyiceberg raised its own
+    ValidationError for ``9``, and ``x`` was reported as a warehouse that cannot be written)."""
+    if "format-version" not in properties:
+        return
+    given = properties["format-version"]
+    if parse_int(given, minimum=0, maximum=INT32_MAX) not in WRITABLE_FORMAT_VERSIONS:
+        versions = " or ".join(str(v) for v in WRITABLE_FORMAT_VERSIONS)
+        raise ConfigError(f"table property format-version={given!r}: a stream is created at Iceberg format version "
+                          f"{versions} (the versions pyiceberg writes); set one of those, or leave format-version out "
+                          f"for {WRITABLE_FORMAT_VERSIONS[-1]}")
 
 
 def _not_applied(given: dict[str, str], current: dict[str, str]) -> list[str]:

@@ -14,13 +14,22 @@ from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceNotEmptyError, NoSuchTableError
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.write.create import drop_namespace_if_empty
 from tests.backends import Backend, fresh_name, make_backend, seaweedfs_service  # noqa: F401 - fixture
 from tests.support import SCHEMA, sqlite_catalog
 
 WORLD = 2
 KINDS = ("sqlite-local", "rest-seaweedfs")
-REFUSED = {"format-version": "9"}  # passes lakestream's checks, refused by the catalog (pyiceberg's or the server)
+
+
+def refused(backend: Backend, tmp_path: Path) -> dict[str, str]:
+    """A location that passes lakestream's checks and that the catalog refuses once the namespace exists: under a file
+    (the SQL catalog writes the first metadata file there, and fails), or outside the REST server's warehouse bucket."""
+    if backend.kind.startswith("rest"):
+        return {"location": f"s3://{fresh_name('no-such-bucket')}/t"}
+    (tmp_path / "a-file").write_text("x")
+    return {"location": f"file://{tmp_path}/a-file/t"}
 
 
 @pytest.fixture(params=KINDS)
@@ -36,22 +45,23 @@ def namespaces(catalog: Catalog) -> set[str]:
     return {".".join(ns) for ns in catalog.list_namespaces()}
 
 
-def test_a_refused_create_leaves_no_namespace_behind(backend: Backend) -> None:
-    """The namespace made for a stream the catalog then refused stayed behind, empty."""
+def test_a_refused_create_leaves_no_namespace_behind(backend: Backend, tmp_path: Path) -> None:
+    """The namespace made for a stream the catalog then refused stayed behind, empty (and a REST catalog's refusal
+    came out as pyiceberg's BadRequestError)."""
     catalog = backend.catalog()
-    with pytest.raises(Exception):  # noqa: B017 - whatever the catalog raises for it
-        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD, properties=REFUSED)
+    with pytest.raises(ConfigError, match="cannot create stream"):
+        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD, **refused(backend, tmp_path))
     assert backend.namespace not in namespaces(catalog)
     stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD)  # and it can be made again
     assert stream.head_step() == 0
     stream.close()
 
 
-def test_a_namespace_that_existed_is_kept(backend: Backend) -> None:
+def test_a_namespace_that_existed_is_kept(backend: Backend, tmp_path: Path) -> None:
     catalog = backend.catalog()
     catalog.create_namespace(backend.namespace)
-    with pytest.raises(Exception):  # noqa: B017
-        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD, properties=REFUSED)
+    with pytest.raises(ConfigError, match="cannot create stream"):
+        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD, **refused(backend, tmp_path))
     assert backend.namespace in namespaces(catalog)
     with pytest.raises(NoSuchTableError):
         catalog.load_table(backend.identifier())
@@ -103,4 +113,20 @@ def test_a_namespace_dropped_by_another_failed_create_is_made_again(tmp_path: Pa
     stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
     assert catalog.drops == 0 and stream.head_step() == 0
     assert "ns" in namespaces(other)
+    stream.close()
+
+
+@pytest.mark.parametrize("version", ["9", "3", "0", "x", " 2", "2.0"])
+def test_a_format_version_pyiceberg_cannot_write_is_refused_before_anything_is_made(backend: Backend,
+                                                                                     version: str) -> None:
+    """format-version 9 came out as pyiceberg's ValidationError and "x" as a warehouse that cannot be written;
+    pyiceberg writes the manifests and snapshots of versions 1 and 2 only."""
+    catalog = backend.catalog()
+    with pytest.raises(ConfigError, match=r"format-version=.*Iceberg format version 1 or 2"):
+        Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD,
+                      properties={"format-version": version})
+    assert backend.namespace not in namespaces(catalog)
+    stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD,
+                           properties={"format-version": "1"})
+    assert stream.table.metadata.format_version in (1, 2)  # a v1 table: pyiceberg upgrades what it reads to v2
     stream.close()
