@@ -235,8 +235,13 @@ def norm(path: str) -> str:
 
 def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: StreamTable,
                      skip: frozenset[int] = frozenset()) -> set[str]:
-    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references."""
+    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references, and the
+    statistics files that the metadata lists (Puffin files of another engine: Spark's compute_table_stats, Trino's
+    ANALYZE): no manifest lists them, and Iceberg's orphan removal keeps them. Expiring a snapshot (``skip``: a dry run's
+    expiry) drops its table statistics from the metadata; pyiceberg leaves its partition statistics listed."""
     out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    out.update(s.statistics_path for s in metadata.statistics if s.snapshot_id not in skip)
+    out.update(s.statistics_path for s in metadata.partition_statistics)
     seen: set[str] = set()  # retained snapshots share most manifests: each is read once, not once per snapshot
     for snapshot in metadata.snapshots:
         if snapshot.snapshot_id in skip:

@@ -451,3 +451,45 @@ def test_a_gc_whose_expired_head_another_gc_swept_before_its_own_sweep_finishes(
     for step in range(6, 12):
         producer, seq = ("p", step - 1) if step <= 8 else ("q", step - 9)
         assert digest(stream.read(step, rank=1)) == digest(batch(producer, seq, 2)[1])
+
+
+def test_gc_keeps_the_statistics_files_the_table_metadata_lists(catalog, stream: Stream) -> None:
+    """Another engine's table and partition statistics (Spark's compute_table_stats, Trino's ANALYZE: Puffin files under
+    metadata/ that metadata.json lists) are referenced by no snapshot's manifests: the sweep took them for orphans and
+    deleted them, leaving metadata that names missing files. Iceberg's own orphan removal keeps them; so does GC, and
+    only the table statistics of a snapshot GC expires go with it."""
+    from pyiceberg.table.statistics import PartitionStatisticsFile, StatisticsFile
+    from pyiceberg.table.update import SetPartitionStatisticsUpdate
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c4", step=4)
+    location = stream.table.metadata.location.removeprefix("file://")
+
+    def puffin(name: str) -> str:
+        path = f"{location}/metadata/{name}"
+        with open(path, "wb") as f:
+            f.write(b"PFA1" + b"\0" * 60)
+        os.utime(path, (0, 0))  # long past any grace period
+        return f"file://{path}"
+
+    table = catalog.load_table("ns.stream")
+    old_id = table.metadata.snapshots[0].snapshot_id  # expired by GC: its statistics go with it
+    kept_id = table.metadata.refs["c4"].snapshot_id  # the retained checkpoint's anchor
+    paths = {"kept": puffin("kept.stats"), "old": puffin("old.stats"), "partition": puffin("partition.stats")}
+    with table.transaction() as tx:
+        with tx.update_statistics() as update:
+            for snapshot_id, path in [(kept_id, paths["kept"]), (old_id, paths["old"])]:
+                update.set_statistics(StatisticsFile(snapshot_id=snapshot_id, statistics_path=path, file_size_in_bytes=64,
+                                                     file_footer_size_in_bytes=8, blob_metadata=[]))
+        tx._apply((SetPartitionStatisticsUpdate(partition_statistics=PartitionStatisticsFile(
+            snapshot_id=kept_id, statistics_path=paths["partition"], file_size_in_bytes=64)),))
+    stream = Stream(catalog.load_table("ns.stream"))
+    plan = stream.collect_garbage(grace=timedelta(0), allow_short_grace=True)
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 4} and report.files_deleted == plan.files_deleted
+    metadata = catalog.load_table("ns.stream").metadata
+    listed = [s.statistics_path for s in [*metadata.statistics, *metadata.partition_statistics]]
+    assert sorted(listed) == sorted([paths["kept"], paths["partition"]])
+    for path in listed:
+        assert os.path.exists(path.removeprefix("file://")), f"GC deleted {path}, which the table metadata lists"
+    assert not os.path.exists(paths["old"].removeprefix("file://"))  # its snapshot was expired, and it with it
