@@ -416,6 +416,8 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     if not dry_run:
         refuse_shared_files(metadata.properties, stream.name, doing="lakestream gc deletes files",
                             left="Nothing was committed or deleted", instead="dry runs still report")
+    # read before anything is committed: a bad value (another engine's) raised only after the commits and the sweep
+    positions_s = CONSUMERS_RETENTION.seconds(CONSUMERS_RETENTION.get(metadata.properties) or 0)
     rebase = awaiting_rebase(metadata)
     if rebase:
         log.warning("GC of %s keeps every producer-state file: branches %s lost the snapshots recording their state "
@@ -432,7 +434,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
               delete=False, keep_producer_state=bool(rebase))
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
-        _expire_positions(stream, plan.result, metadata, delete=False)
+        _expire_positions(stream, plan.result, metadata, retention_s=positions_s, delete=False)
         return plan.result
     # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
     # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
@@ -448,13 +450,14 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True,
           keep_producer_state=bool(rebase))
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
-    _expire_positions(stream, report, expiry.metadata, delete=True)
+    _expire_positions(stream, report, expiry.metadata, retention_s=positions_s, delete=True)
     return report
 
 
-def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, delete: bool) -> None:
-    """The consumer positions of groups silent for longer than ``lakestream.consumers.retention-ms`` (rows: 0 bytes)."""
-    retention_s = CONSUMERS_RETENTION.seconds(CONSUMERS_RETENTION.get(metadata.properties) or 0)
+def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, retention_s: float,
+                      delete: bool) -> None:
+    """The consumer positions of groups silent for longer than ``retention_s`` (``lakestream.consumers.retention-ms``,
+    read when GC began; rows: 0 bytes)."""
     try:
         store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=metadata.location)
         count, size = store.expire(older_than_s=retention_s, delete=delete)

@@ -493,3 +493,26 @@ def test_gc_keeps_the_statistics_files_the_table_metadata_lists(catalog, stream:
     for path in listed:
         assert os.path.exists(path.removeprefix("file://")), f"GC deleted {path}, which the table metadata lists"
     assert not os.path.exists(paths["old"].removeprefix("file://"))  # its snapshot was expired, and it with it
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_gc_refuses_a_bad_consumer_retention_before_it_commits_or_deletes_anything(catalog, stream: Stream,
+                                                                                  dry_run: bool) -> None:
+    """lakestream.consumers.retention-ms set out of bounds by another engine (1000: under a minute) was read only when
+    GC came to expire consumer positions, after its commits and sweep: GC released checkpoints, collected steps and
+    deleted their files, then raised ConfigError, so `lakestream gc` exited 1 as if nothing had happened and its report
+    was lost. It is refused before anything is committed or deleted."""
+    from lakestream_iceberg import ConfigError
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c4", step=4)
+    with catalog.load_table("ns.stream").transaction() as tx:
+        tx.set_properties({"lakestream.consumers.retention-ms": "1000"})
+    stream = Stream(catalog.load_table("ns.stream"))
+    before = files_under(stream)
+    with pytest.raises(ConfigError, match="lakestream.consumers.retention-ms=1000"):
+        stream.collect_garbage(dry_run=dry_run, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    stream = Stream(catalog.load_table("ns.stream"))
+    assert [c.name for c in stream.checkpoints()] == ["c2", "c4"] and files_under(stream) == before
+    assert digest(stream.read(2, rank=0)) == digest(batch("p", 1, 4)[0])
