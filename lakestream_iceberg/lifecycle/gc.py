@@ -5,8 +5,10 @@ Retention model (see docs/guide/retention.md):
 * a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
   given every checkpoint is retained. GC releases (un-tags) the others;
 * on each branch, every step older than the oldest retained checkpoint of that branch is garbage (no resume can reach
-  it); a branch without a checkpoint loses nothing, nor does a checkpoint past the branch's head step (another engine
-  moved the branch back under it: GC would mark steps collected that the branch publishes again);
+  it); a branch without a checkpoint loses nothing, nor does a checkpoint that is not on the branch's timeline: its
+  step holds other files on the branch than on its anchor, or is past the head step (another engine moved the branch
+  back under it, or dropped the branch and a fork made it again under its name: GC would delete steps, or mark them
+  collected, that no checkpoint pins);
 * GC's first commit releases those tags and adds one ``delete`` snapshot per collected branch whose state no longer
   lists those steps (a metadata-only delete of whole files, recorded as DELETED manifest entries); it expires every
   snapshot that no ref of the head it was planned on needs (the collected branches' older ancestors included: they
@@ -157,25 +159,22 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     collected: dict[str, tuple[Snapshot, int]] = {}
     planner = stream.manifest_planner(metadata)
     builder = SnapshotBuilder(metadata)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # snapshot_by_id scans the list: per branch, quadratic
+    by_branch: dict[str, list[Checkpoint]] = defaultdict(list)  # thousands of forks, each with checkpoints
+    for c in keep:
+        by_branch[c.branch].append(c)
     for branch, ref in sorted(metadata.refs.items()):
         if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
             continue
         requirements.append(AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id))
-        on_branch = [c.step for c in keep if c.branch == branch]
+        on_branch = by_branch.get(branch)
         if not on_branch:
             continue  # loses nothing: its state is not read, so another engine's branch (its writes) never stops GC
-        head = metadata.snapshot_by_id(ref.snapshot_id)
+        head = by_id.get(ref.snapshot_id)
         state = branch_state(metadata, head, stream=stream.name, branch=branch)
-        ahead = sorted(c.name for c in keep if c.branch == branch and c.step > state.step)
-        if ahead:  # the branch was moved back under them (a rollback, REPLACE BRANCH): not its timeline any more
-            log.warning("GC of %s: checkpoints %s of branch %r are past its head step %d (another engine moved the "
-                        "branch back); they collect nothing until the branch passes their step again", stream.name,
-                        ahead, branch, state.step)
-            on_branch = [step for step in on_branch if step <= state.step]
-            if not on_branch:
-                continue
-        cutoff = min(on_branch)
-        if cutoff <= state.collected_below or head is None:
+        cutoff = _first_on_timeline(stream, by_id, head, branch, on_branch, head_step=state.step,
+                                    first_kept=state.collected_below)
+        if head is None or cutoff is None or cutoff <= state.collected_below:
             continue
         report.collected_below[branch] = cutoff
         collected[branch] = (head, cutoff)
@@ -212,6 +211,37 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
     return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
+
+
+def _first_on_timeline(stream: StreamTable, by_id: Mapping[int, Snapshot], head: Snapshot | None, branch: str,
+                       checkpoints: list[Checkpoint], *, head_step: int, first_kept: int) -> int | None:
+    """The lowest step of ``checkpoints`` (the branch's retained ones) that pins the branch's own timeline: the branch
+    head holds the very files of that step that the checkpoint's anchor holds. A checkpoint names its branch, not the
+    timeline: after another engine moved the branch back under it (a rollback, REPLACE BRANCH), or dropped the branch
+    and a fork made it again under its name, the branch holds no such step or other files at it, and collecting below
+    it would delete steps (or mark them collected before they are published again) that no checkpoint pins. Such
+    checkpoints collect nothing on the branch, with a warning. One below the branch's ``first_kept`` step (collected,
+    or before its fork) has nothing left to pin there."""
+    others: list[str] = []
+    found = None
+    for checkpoint in sorted(checkpoints, key=lambda c: c.step):
+        if checkpoint.step < first_kept:
+            continue
+        if checkpoint.step <= head_step:
+            anchor = by_id.get(checkpoint.snapshot_id)
+            pinned = {e.data_file.file_path for m in (stream.cache.manifests(stream.io, anchor) if anchor else [])
+                      for e in stream.cache.entries(stream.io, m)}
+            held = {e.data_file.file_path for e in stream.index.entries(head, checkpoint.step)}
+            if pinned and pinned == held:
+                found = checkpoint.step
+                break
+        others.append(checkpoint.name)
+    if others:
+        log.warning("GC of %s: checkpoints %s of branch %r are not on the branch's timeline (another engine moved the "
+                    "branch back under them, or dropped it and it was made again under its name): their steps hold "
+                    "other files on the branch or are past its head step %d, so they collect nothing on it; release "
+                    "them once no one resumes from them", stream.name, others, branch, head_step)
+    return found
 
 
 def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Done[int]:

@@ -516,3 +516,33 @@ def test_gc_refuses_a_bad_consumer_retention_before_it_commits_or_deletes_anythi
     stream = Stream(catalog.load_table("ns.stream"))
     assert [c.name for c in stream.checkpoints()] == ["c2", "c4"] and files_under(stream) == before
     assert digest(stream.read(2, rank=0)) == digest(batch("p", 1, 4)[0])
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_checkpoint_of_a_dropped_branch_collects_nothing_on_a_new_branch_of_its_name(catalog, stream: Stream,
+                                                                                      dry_run: bool) -> None:
+    """A checkpoint names its branch, not the branch's timeline: after a fork was dropped (pyiceberg's remove_branch,
+    Spark's DROP BRANCH) and forked again under its name, GC, retaining every checkpoint, collected the new branch's
+    steps below the dropped one's checkpoint: steps 6..11 of a timeline no checkpoint pins were deleted. A checkpoint
+    whose step holds other files on its branch than on its anchor is another timeline's: it collects nothing there."""
+    publish(stream, "p", 6)
+    stream.checkpoint("c5", step=5)
+    stream.fork("c5", branch="exp")
+    publish(stream, "q", 10, branch="exp")
+    stream.checkpoint("e12", step=12, branch="exp")
+    catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    stream.fork("c5", branch="exp")
+    publish(stream, "r", 10, branch="exp")
+    stream.checkpoint("e14", step=14, branch="exp")  # the new timeline's own checkpoint still collects below it
+    report = stream.collect_garbage(dry_run=dry_run, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 5, "exp": 14}
+    stream.checkpoint("e14b", step=14, branch="exp")
+    stream.release("e14")
+    if not dry_run:
+        stream = stream.refresh()
+    for step in range(6 if dry_run else 14, 16):
+        assert digest(stream.read(step, rank=2, branch="exp")) == digest(batch("r", step - 6, 4)[2])
+    stream.release("e14b")
+    report = stream.collect_garbage(dry_run=dry_run, grace=timedelta(0), allow_short_grace=True)
+    assert "exp" not in report.collected_below
