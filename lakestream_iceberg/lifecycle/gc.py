@@ -74,7 +74,7 @@ from pyiceberg.table.update import (
 from lakestream_iceberg.connect.positions import POSITIONS_DIR, PositionStore
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError, CorruptStateError, LifecycleError
-from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
+from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints, on_timeline
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
@@ -215,26 +215,20 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
 
 def _first_on_timeline(stream: StreamTable, by_id: Mapping[int, Snapshot], head: Snapshot | None, branch: str,
                        checkpoints: list[Checkpoint], *, head_step: int, first_kept: int) -> int | None:
-    """The lowest step of ``checkpoints`` (the branch's retained ones) that pins the branch's own timeline: the branch
-    head holds the very files of that step that the checkpoint's anchor holds. A checkpoint names its branch, not the
-    timeline: after another engine moved the branch back under it (a rollback, REPLACE BRANCH), or dropped the branch
-    and a fork made it again under its name, the branch holds no such step or other files at it, and collecting below
-    it would delete steps (or mark them collected before they are published again) that no checkpoint pins. Such
-    checkpoints collect nothing on the branch, with a warning. One below the branch's ``first_kept`` step (collected,
-    or before its fork) has nothing left to pin there."""
+    """The lowest step of ``checkpoints`` (the branch's retained ones) that is on the branch's timeline
+    (:func:`~lakestream_iceberg.format.checkpoints.on_timeline`). Collecting below one that is not would delete steps
+    (or mark them collected before they are published again) that no checkpoint pins: such checkpoints collect nothing
+    on the branch, with a warning. One below the branch's ``first_kept`` step (collected, or before its fork) has
+    nothing left to pin there."""
     others: list[str] = []
     found = None
     for checkpoint in sorted(checkpoints, key=lambda c: c.step):
         if checkpoint.step < first_kept:
             continue
-        if checkpoint.step <= head_step:
-            anchor = by_id.get(checkpoint.snapshot_id)
-            pinned = {e.data_file.file_path for m in (stream.cache.manifests(stream.io, anchor) if anchor else [])
-                      for e in stream.cache.entries(stream.io, m)}
-            held = {e.data_file.file_path for e in stream.index.entries(head, checkpoint.step)}
-            if pinned and pinned == held:
-                found = checkpoint.step
-                break
+        if checkpoint.step <= head_step and on_timeline(stream.index, checkpoint, anchor=by_id.get(checkpoint.snapshot_id),
+                                                        head=head):
+            found = checkpoint.step
+            break
         others.append(checkpoint.name)
     if others:
         log.warning("GC of %s: checkpoints %s of branch %r are not on the branch's timeline (another engine moved the "

@@ -546,3 +546,35 @@ def test_a_checkpoint_of_a_dropped_branch_collects_nothing_on_a_new_branch_of_it
     stream.release("e14b")
     report = stream.collect_garbage(dry_run=dry_run, grace=timedelta(0), allow_short_grace=True)
     assert "exp" not in report.collected_below
+
+
+def test_resuming_from_a_checkpoint_its_branch_no_longer_holds_is_refused(catalog, stream: Stream) -> None:
+    """from_checkpoint resumes at step + 1 of the checkpoint's branch: after the branch was dropped and forked again
+    under its name, or rolled back under the checkpoint by another engine, a trainer resumed from it read another
+    timeline's steps (not the ones its model saw before) without a word. It is a CheckpointError saying to fork."""
+    from lakestream_iceberg import LakestreamDataset
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c5", step=5)
+    stream.fork("c5", branch="exp")
+    publish(stream, "q", 10, branch="exp")
+    stream.checkpoint("e12", step=12, branch="exp")
+    assert LakestreamDataset.from_checkpoint(stream, "e12", rank=0, world_size=4).start_step == 13
+    catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    stream.fork("c5", branch="exp")
+    publish(stream, "r", 10, branch="exp")
+    with pytest.raises(CheckpointError, match=r"'e12'.*branch 'exp'.*fork"):
+        LakestreamDataset.from_checkpoint(stream, "e12", rank=0, world_size=4)
+    # main moved back under a checkpoint by another engine (Spark's rollback_to_snapshot), then published again
+    stream.checkpoint("c6", step=6)
+    at4 = next(s for s in stream.table.metadata.snapshots
+               if s.summary.additional_properties.get("lakestream.step") == "4"
+               and s.summary.additional_properties.get("lakestream.op", "append") == "append")
+    catalog.load_table("ns.stream").manage_snapshots().rollback_to_snapshot(at4.snapshot_id).commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    with pytest.raises(CheckpointError, match=r"'c6'.*past"):
+        LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)
+    publish(stream, "s", 3)
+    with pytest.raises(CheckpointError, match=r"'c6'.*branch 'main'.*fork"):
+        LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)
