@@ -277,7 +277,8 @@ def test_lakestream_repair_on_the_command_line(tmp_path: Path, capsys: pytest.Ca
     assert code == 1 and str(foreign) in err and "lakestream repair" in err
     code, out, _ = cli("repair", "ns.cli", "--dry-run", "--json")
     assert code == 0 and json.loads(out) == {"branch": "main", "foreign": [foreign], "rolled_back_to": base, "step": 8,
-                                             "dry_run": True, "rebased_on": None}
+                                             "dry_run": True, "rebased_on": None,
+                                             "changes": ["overwrite: deleted-data-files=2, deleted-records=6"]}
     code, out, _ = cli("repair", "ns.cli")
     assert code == 0 and str(base) in out
     code, out, _ = cli("status", "ns.cli", "--json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
@@ -14,13 +15,16 @@ from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
 
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.index import StepIndex
+
 KEY_SOURCE_BRANCH = "lakestream.source-branch"
 # When the checkpoint was committed, by the committer's clock (ms since the epoch). The anchor's timestamp_ms is no
 # clock reading where an earlier snapshot is dated in the future (another engine wrote microseconds as milliseconds,
 # a skewed clock): Iceberg's snapshot timestamps must not go back, so every later snapshot is dated after it.
 KEY_CREATED_AT = "lakestream.created-at-ms"
 
-__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints", "utc_from_ms"]
+__all__ = ["Checkpoint", "checkpoint_of", "list_checkpoints", "on_timeline", "utc_from_ms"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,3 +116,12 @@ def list_checkpoints(metadata: TableMetadata) -> list[Checkpoint]:
     by_id = {s.snapshot_id: s for s in metadata.snapshots}  # one scan, not one per tag: thousands of both are usual
     found = (checkpoint_of(metadata, name, by_id=by_id) for name in metadata.refs)
     return sorted((c for c in found if c is not None), key=lambda c: (c.step, c.created_at))
+
+
+def on_timeline(index: StepIndex, checkpoint: Checkpoint, *, anchor: Snapshot | None, head: Snapshot | None) -> bool:
+    """Whether the branch whose head is ``head`` holds the very files of the checkpoint's step that its ``anchor``
+    holds: the checkpoint is on that branch's timeline. A checkpoint names its branch, not the timeline: after another
+    engine moved the branch back under it (a rollback, REPLACE BRANCH), or dropped the branch and a fork made it again
+    under its name, the branch holds no such step or other files at it, though it may publish past the step again."""
+    pinned = {e.data_file.file_path for e in index.entries(anchor, checkpoint.step)}
+    return bool(pinned) and pinned == {e.data_file.file_path for e in index.entries(head, checkpoint.step)}

@@ -29,7 +29,7 @@ from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError, ForeignSnapshotError
 from lakestream_iceberg.format.summary import KEY_STEP, StreamState
 
-__all__ = ["Lineage", "branch_state", "changes_data", "is_lakestream", "lineage"]
+__all__ = ["Lineage", "branch_state", "changes_data", "describe", "is_lakestream", "lineage"]
 
 # The summary counts of Iceberg's SnapshotSummary that record a change of the table's rows or files; any non-zero one
 # makes a snapshot a data change.
@@ -161,17 +161,23 @@ def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str,
     return StreamState.of(found.base)
 
 
-def _changed_message(found: Lineage, changed: Snapshot, *, stream: str, branch: str) -> str:
-    props = changed.summary.additional_properties if changed.summary is not None else {}
+def describe(snapshot: Snapshot) -> str:
+    """What a (foreign) snapshot did, from its summary: its operation, the engine that wrote it when recorded, and its
+    non-zero change counts (``append: added-data-files=1, added-records=4``)."""
+    props = snapshot.summary.additional_properties if snapshot.summary is not None else {}
     engine = props.get("engine-name") or props.get("app-id")
-    operation = changed.summary.operation.value if changed.summary is not None else "unknown"
+    operation = snapshot.summary.operation.value if snapshot.summary is not None else "unknown"
     counts = ", ".join(f"{k}={props[k]}" for k in _CHANGE_KEYS if parse_int(props.get(k, "0")) != 0)
+    return f"{operation}{', by ' + engine if engine else ''}{': ' + counts if counts else ''}"
+
+
+def _changed_message(found: Lineage, changed: Snapshot, *, stream: str, branch: str) -> str:
     base = found.base
     back = (f"roll the branch back to snapshot {base.snapshot_id} (step {StreamState.of(base).step}), the last one "
             "lakestream wrote" if base is not None else "roll the branch back to the last snapshot lakestream wrote")
     return (
-        f"branch {branch!r} of stream {stream}: snapshot {changed.snapshot_id} ({operation}"
-        f"{', by ' + engine if engine else ''}{': ' + counts if counts else ''}) was written by another engine and "
+        f"branch {branch!r} of stream {stream}: snapshot {changed.snapshot_id} ({describe(changed)}) was written by "
+        "another engine and "
         "changes the stream's data, so its steps may no longer hold what was published; lakestream neither commits on "
         "it nor reads through it. Run stream.repair() (or `lakestream repair`) to "
         f"{back}: every published step stays intact and the foreign change is dropped from the branch. Change a "

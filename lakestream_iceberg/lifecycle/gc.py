@@ -5,8 +5,10 @@ Retention model (see docs/guide/retention.md):
 * a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
   given every checkpoint is retained. GC releases (un-tags) the others;
 * on each branch, every step older than the oldest retained checkpoint of that branch is garbage (no resume can reach
-  it); a branch without a checkpoint loses nothing, nor does a checkpoint past the branch's head step (another engine
-  moved the branch back under it: GC would mark steps collected that the branch publishes again);
+  it); a branch without a checkpoint loses nothing, nor does a checkpoint that is not on the branch's timeline: its
+  step holds other files on the branch than on its anchor, or is past the head step (another engine moved the branch
+  back under it, or dropped the branch and a fork made it again under its name: GC would delete steps, or mark them
+  collected, that no checkpoint pins);
 * GC's first commit releases those tags and adds one ``delete`` snapshot per collected branch whose state no longer
   lists those steps (a metadata-only delete of whole files, recorded as DELETED manifest entries); it expires every
   snapshot that no ref of the head it was planned on needs (the collected branches' older ancestors included: they
@@ -72,7 +74,7 @@ from pyiceberg.table.update import (
 from lakestream_iceberg.connect.positions import POSITIONS_DIR, PositionStore
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError, CorruptStateError, LifecycleError
-from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
+from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints, on_timeline
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
@@ -157,25 +159,22 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     collected: dict[str, tuple[Snapshot, int]] = {}
     planner = stream.manifest_planner(metadata)
     builder = SnapshotBuilder(metadata)
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}  # snapshot_by_id scans the list: per branch, quadratic
+    by_branch: dict[str, list[Checkpoint]] = defaultdict(list)  # thousands of forks, each with checkpoints
+    for c in keep:
+        by_branch[c.branch].append(c)
     for branch, ref in sorted(metadata.refs.items()):
         if ref.snapshot_ref_type != SnapshotRefType.BRANCH:
             continue
         requirements.append(AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id))
-        on_branch = [c.step for c in keep if c.branch == branch]
+        on_branch = by_branch.get(branch)
         if not on_branch:
             continue  # loses nothing: its state is not read, so another engine's branch (its writes) never stops GC
-        head = metadata.snapshot_by_id(ref.snapshot_id)
+        head = by_id.get(ref.snapshot_id)
         state = branch_state(metadata, head, stream=stream.name, branch=branch)
-        ahead = sorted(c.name for c in keep if c.branch == branch and c.step > state.step)
-        if ahead:  # the branch was moved back under them (a rollback, REPLACE BRANCH): not its timeline any more
-            log.warning("GC of %s: checkpoints %s of branch %r are past its head step %d (another engine moved the "
-                        "branch back); they collect nothing until the branch passes their step again", stream.name,
-                        ahead, branch, state.step)
-            on_branch = [step for step in on_branch if step <= state.step]
-            if not on_branch:
-                continue
-        cutoff = min(on_branch)
-        if cutoff <= state.collected_below or head is None:
+        cutoff = _first_on_timeline(stream, by_id, head, branch, on_branch, head_step=state.step,
+                                    first_kept=state.collected_below)
+        if head is None or cutoff is None or cutoff <= state.collected_below:
             continue
         report.collected_below[branch] = cutoff
         collected[branch] = (head, cutoff)
@@ -214,6 +213,31 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
 
 
+def _first_on_timeline(stream: StreamTable, by_id: Mapping[int, Snapshot], head: Snapshot | None, branch: str,
+                       checkpoints: list[Checkpoint], *, head_step: int, first_kept: int) -> int | None:
+    """The lowest step of ``checkpoints`` (the branch's retained ones) that is on the branch's timeline
+    (:func:`~lakestream_iceberg.format.checkpoints.on_timeline`). Collecting below one that is not would delete steps
+    (or mark them collected before they are published again) that no checkpoint pins: such checkpoints collect nothing
+    on the branch, with a warning. One below the branch's ``first_kept`` step (collected, or before its fork) has
+    nothing left to pin there."""
+    others: list[str] = []
+    found = None
+    for checkpoint in sorted(checkpoints, key=lambda c: c.step):
+        if checkpoint.step < first_kept:
+            continue
+        if checkpoint.step <= head_step and on_timeline(stream.index, checkpoint, anchor=by_id.get(checkpoint.snapshot_id),
+                                                        head=head):
+            found = checkpoint.step
+            break
+        others.append(checkpoint.name)
+    if others:
+        log.warning("GC of %s: checkpoints %s of branch %r are not on the branch's timeline (another engine moved the "
+                    "branch back under them, or dropped it and it was made again under its name): their steps hold "
+                    "other files on the branch or are past its head step %d, so they collect nothing on it; release "
+                    "them once no one resumes from them", stream.name, others, branch, head_step)
+    return found
+
+
 def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Done[int]:
     """GC's second commit: expire every snapshot that no ref of ``metadata`` needs (released anchors, once their tag
     is gone). Planned on a head that already shows the release, so no fork can target those anchors any more, and a
@@ -235,8 +259,13 @@ def norm(path: str) -> str:
 
 def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: StreamTable,
                      skip: frozenset[int] = frozenset()) -> set[str]:
-    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references."""
+    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references, and the
+    statistics files that the metadata lists (Puffin files of another engine: Spark's compute_table_stats, Trino's
+    ANALYZE): no manifest lists them, and Iceberg's orphan removal keeps them. Expiring a snapshot (``skip``: a dry run's
+    expiry) drops its table statistics from the metadata; pyiceberg leaves its partition statistics listed."""
     out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    out.update(s.statistics_path for s in metadata.statistics if s.snapshot_id not in skip)
+    out.update(s.statistics_path for s in metadata.partition_statistics)
     seen: set[str] = set()  # retained snapshots share most manifests: each is read once, not once per snapshot
     for snapshot in metadata.snapshots:
         if snapshot.snapshot_id in skip:
@@ -411,6 +440,8 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     if not dry_run:
         refuse_shared_files(metadata.properties, stream.name, doing="lakestream gc deletes files",
                             left="Nothing was committed or deleted", instead="dry runs still report")
+    # read before anything is committed: a bad value (another engine's) raised only after the commits and the sweep
+    positions_s = CONSUMERS_RETENTION.seconds(CONSUMERS_RETENTION.get(metadata.properties) or 0)
     rebase = awaiting_rebase(metadata)
     if rebase:
         log.warning("GC of %s keeps every producer-state file: branches %s lost the snapshots recording their state "
@@ -427,7 +458,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
               delete=False, keep_producer_state=bool(rebase))
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
-        _expire_positions(stream, plan.result, metadata, delete=False)
+        _expire_positions(stream, plan.result, metadata, retention_s=positions_s, delete=False)
         return plan.result
     # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
     # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
@@ -443,13 +474,14 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True,
           keep_producer_state=bool(rebase))
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
-    _expire_positions(stream, report, expiry.metadata, delete=True)
+    _expire_positions(stream, report, expiry.metadata, retention_s=positions_s, delete=True)
     return report
 
 
-def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, delete: bool) -> None:
-    """The consumer positions of groups silent for longer than ``lakestream.consumers.retention-ms`` (rows: 0 bytes)."""
-    retention_s = CONSUMERS_RETENTION.seconds(CONSUMERS_RETENTION.get(metadata.properties) or 0)
+def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, retention_s: float,
+                      delete: bool) -> None:
+    """The consumer positions of groups silent for longer than ``retention_s`` (``lakestream.consumers.retention-ms``,
+    read when GC began; rows: 0 bytes)."""
     try:
         store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=metadata.location)
         count, size = store.expire(older_than_s=retention_s, delete=delete)

@@ -33,7 +33,7 @@ from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
 
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
-from lakestream_iceberg.format.lineage import Lineage, branch_state, lineage
+from lakestream_iceberg.format.lineage import Lineage, branch_state, describe, lineage
 from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
 from lakestream_iceberg.format.summary import OP_REPAIR, StreamState
 from lakestream_iceberg.write.plan import Done, Plan
@@ -59,6 +59,9 @@ class RepairReport:
         dry_run: Only planned: nothing was committed.
         rebased_on: The foreign head a ``repair`` snapshot was committed on, carrying the state read back from the
             metadata log (None: not re-based).
+        changes: What each foreign snapshot did, in ``foreign``'s order, from its summary (``append:
+            added-data-files=1, added-records=4``): after a rollback, these changes have left the branch (their files
+            stay until GC removes them).
     """
 
     branch: str
@@ -67,6 +70,7 @@ class RepairReport:
     step: int
     dry_run: bool
     rebased_on: int | None = None
+    changes: tuple[str, ...] = ()
 
     @property
     def repaired(self) -> bool:
@@ -108,7 +112,8 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
             snapshot_id=found.foreign[-1].snapshot_id,
         )
     report = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign),
-                          rolled_back_to=found.base.snapshot_id, step=StreamState.of(found.base).step, dry_run=dry_run)
+                          rolled_back_to=found.base.snapshot_id, step=StreamState.of(found.base).step, dry_run=dry_run,
+                          changes=tuple(describe(s) for s in found.foreign))
     if dry_run:
         return Done(report)
     return Plan(
@@ -136,7 +141,8 @@ def _plan_rebase(stream: StreamTable, metadata: TableMetadata, head: Snapshot, f
             snapshot_id=found.foreign[-1].snapshot_id,
         )
     report = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign), rolled_back_to=None,
-                          step=state.step, dry_run=dry_run, rebased_on=head.snapshot_id)
+                          step=state.step, dry_run=dry_run, rebased_on=head.snapshot_id,
+                          changes=tuple(describe(s) for s in found.foreign))
     if dry_run:
         return Done(report)
     builder = SnapshotBuilder(metadata)

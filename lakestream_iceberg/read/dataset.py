@@ -59,7 +59,7 @@ from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower, head_reader
-from lakestream_iceberg.read.resume import LoadedState, delivered_on_both
+from lakestream_iceberg.read.resume import LoadedState, check_resumable, delivered_on_both
 from lakestream_iceberg.read.stream_ref import StreamRef, forked_view
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 from lakestream_iceberg.read.worker_exit import stop_on_shutdown
@@ -215,13 +215,16 @@ class _DatasetCore:
             >>> ds = LakestreamDataset.from_checkpoint(stream, "step-1000", follow=True)   # doctest: +SKIP
 
         Raises:
-            CheckpointError: No retained checkpoint has that name.
+            CheckpointError: No retained checkpoint has that name, or its branch is no longer on its timeline (moved back
+                under it, or dropped and made again under its name): fork from it instead.
         """
         found = {c.name: c for c in check_stream(stream).checkpoints()}
         if name not in found:
             raise CheckpointError(f"no checkpoint {name!r} on {stream.name}; retained checkpoints: {sorted(found)}")
         checkpoint = found[name]
-        kwargs.setdefault("branch", getattr(checkpoint, "branch", "main"))
+        branch = kwargs.setdefault("branch", getattr(checkpoint, "branch", "main"))
+        if isinstance(branch, str):  # the constructor says what else a branch must be
+            check_resumable(check_stream(stream), checkpoint, branch=branch)
         return cls(stream, start_step=checkpoint.step + 1, **kwargs)
 
     # -- pickling (spawned DataLoader workers) --------------------------------------------------------------------------

@@ -19,8 +19,12 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lakestream_iceberg.errors import ConfigError
+from pyiceberg.table.refs import SnapshotRefType
+
+from lakestream_iceberg.errors import CheckpointError, ConfigError
+from lakestream_iceberg.format.checkpoints import Checkpoint, on_timeline
 from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.lineage import branch_state
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
@@ -141,3 +145,33 @@ def delivered_on_both(stream: StreamTable, *, branch: str, source: object, next_
     step = max(last, stream.branch_state(branch=branch, metadata=metadata).collected_below)
     mine = [f.file_path for f in stream.index.files(here, step)]
     return bool(mine) and mine == [f.file_path for f in stream.index.files(there, step)]
+
+
+def check_resumable(stream: StreamTable, checkpoint: Checkpoint, *, branch: str) -> None:
+    """Refuse (:class:`CheckpointError`) to resume after ``checkpoint`` on ``branch`` when the branch is no longer on
+    its timeline (:func:`~lakestream_iceberg.format.checkpoints.on_timeline`): its steps after the checkpoint's would be
+    another timeline's, not the ones the trainer read before. A branch that does not exist is left to the dataset
+    (which names the branches); a step the branch no longer holds (collected, or before its fork) to the read
+    (``StepCollectedError``)."""
+    metadata = stream.table.metadata
+    ref = metadata.refs.get(branch)
+    if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
+        return
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    head = by_id.get(ref.snapshot_id)
+    state = branch_state(metadata, head, stream=stream.name, branch=branch)
+    fork = (f"fork from it (stream.fork({checkpoint.name!r}, branch=...)) and go on on the fork, or resume from a "
+            "checkpoint the branch holds")
+    if checkpoint.step > state.step:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.name!r} (step {checkpoint.step}) is past the head step {state.step} of branch "
+            f"{branch!r} of {stream.name}: another engine moved the branch back under it (a rollback, REPLACE "
+            f"BRANCH), so the steps the branch publishes after it would be another timeline's; {fork}")
+    if checkpoint.step < state.collected_below:
+        return
+    if not on_timeline(stream.index, checkpoint, anchor=by_id.get(checkpoint.snapshot_id), head=head):
+        raise CheckpointError(
+            f"checkpoint {checkpoint.name!r} (step {checkpoint.step}) is not on the timeline of branch {branch!r} of "
+            f"{stream.name} any more: the branch holds other files at step {checkpoint.step} (it was dropped and made "
+            "again under its name, or moved back by another engine and published again), so resuming would read "
+            f"another timeline's steps; {fork}")

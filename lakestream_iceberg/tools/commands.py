@@ -268,9 +268,16 @@ def cmd_repair(args: argparse.Namespace, out: Output) -> int:
         out.fields([("branch", report.branch), ("head step", report.step), ("foreign data changes", "none")],
                    title=f"repair of {stream.name}: nothing to repair")
         return 0
-    done = ("re-based on", report.rebased_on) if report.rebased_on is not None else ("rolled back to", report.rolled_back_to)
-    out.fields([("branch", report.branch), ("foreign snapshots", ", ".join(map(str, report.foreign))), done,
-                ("head step", report.step)],
+    done: list[tuple[str, object]]
+    if report.rebased_on is not None:
+        done = [("re-based on", report.rebased_on)]
+    else:
+        left = "leave the branch" if args.dry_run else "left the branch"
+        done = [("rolled back to", report.rolled_back_to),
+                ("their changes", f"{left}; their files stay until lakestream gc removes them")]
+    what = report.changes or ("",) * len(report.foreign)
+    foreign = "; ".join(f"{sid} ({change})" if change else str(sid) for sid, change in zip(report.foreign, what))
+    out.fields([("branch", report.branch), ("foreign snapshots", foreign), *done, ("head step", report.step)],
                title=f"repair of {stream.name}" + (" (dry run: nothing changed)" if args.dry_run else ""))
     return 0
 

@@ -167,3 +167,22 @@ def test_rewrite_position_delete_files_finds_nothing_to_do_on_a_stream(lake: Lak
     assert (row.rewritten_delete_files_count, row.added_delete_files_count) == (0, 0)
     assert stream.refresh().head().snapshot_id == head  # no snapshot: lakestream writes no delete files
     assert_intact(lake, writers, head=4)
+
+
+def test_gc_keeps_the_statistics_file_spark_computed(lake: Lake) -> None:
+    """Spark's compute_table_stats writes a Puffin file under metadata/ that metadata.json lists and no manifest does:
+    lakestream GC deleted it once past the grace period, leaving Spark's table metadata naming a missing file (the
+    statistics of a snapshot that GC or a commit expires go with it)."""
+    from lakestream_iceberg import Stream
+
+    stream = create(lake)
+    writers = Writers(stream)
+    writers.rounds(3)
+    [row] = call(lake, "compute_table_stats")
+    path = row.statistics_file
+    age_files(Path(stream.table.metadata.location.removeprefix("file://")), 2 * DAY_S)
+    stream = Stream(stream.table.catalog.load_table(IDENTIFIER))
+    stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert [s.statistics_path for s in stream.refresh().table.metadata.statistics] == [path]
+    assert stream.io.new_input(path).exists(), f"GC deleted {path}, which the table metadata lists"
+    assert lake.sql(f"SELECT count(*) AS n FROM {lake.table()}")[0].n > 0

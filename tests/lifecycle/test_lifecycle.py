@@ -451,3 +451,130 @@ def test_a_gc_whose_expired_head_another_gc_swept_before_its_own_sweep_finishes(
     for step in range(6, 12):
         producer, seq = ("p", step - 1) if step <= 8 else ("q", step - 9)
         assert digest(stream.read(step, rank=1)) == digest(batch(producer, seq, 2)[1])
+
+
+def test_gc_keeps_the_statistics_files_the_table_metadata_lists(catalog, stream: Stream) -> None:
+    """Another engine's table and partition statistics (Spark's compute_table_stats, Trino's ANALYZE: Puffin files under
+    metadata/ that metadata.json lists) are referenced by no snapshot's manifests: the sweep took them for orphans and
+    deleted them, leaving metadata that names missing files. Iceberg's own orphan removal keeps them; so does GC, and
+    only the table statistics of a snapshot GC expires go with it."""
+    from pyiceberg.table.statistics import PartitionStatisticsFile, StatisticsFile
+    from pyiceberg.table.update import SetPartitionStatisticsUpdate
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c4", step=4)
+    location = stream.table.metadata.location.removeprefix("file://")
+
+    def puffin(name: str) -> str:
+        path = f"{location}/metadata/{name}"
+        with open(path, "wb") as f:
+            f.write(b"PFA1" + b"\0" * 60)
+        os.utime(path, (0, 0))  # long past any grace period
+        return f"file://{path}"
+
+    table = catalog.load_table("ns.stream")
+    old_id = table.metadata.snapshots[0].snapshot_id  # expired by GC: its statistics go with it
+    kept_id = table.metadata.refs["c4"].snapshot_id  # the retained checkpoint's anchor
+    paths = {"kept": puffin("kept.stats"), "old": puffin("old.stats"), "partition": puffin("partition.stats")}
+    with table.transaction() as tx:
+        with tx.update_statistics() as update:
+            for snapshot_id, path in [(kept_id, paths["kept"]), (old_id, paths["old"])]:
+                update.set_statistics(StatisticsFile(snapshot_id=snapshot_id, statistics_path=path, file_size_in_bytes=64,
+                                                     file_footer_size_in_bytes=8, blob_metadata=[]))
+        tx._apply((SetPartitionStatisticsUpdate(partition_statistics=PartitionStatisticsFile(
+            snapshot_id=kept_id, statistics_path=paths["partition"], file_size_in_bytes=64)),))
+    stream = Stream(catalog.load_table("ns.stream"))
+    plan = stream.collect_garbage(grace=timedelta(0), allow_short_grace=True)
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 4} and report.files_deleted == plan.files_deleted
+    metadata = catalog.load_table("ns.stream").metadata
+    listed = [s.statistics_path for s in [*metadata.statistics, *metadata.partition_statistics]]
+    assert sorted(listed) == sorted([paths["kept"], paths["partition"]])
+    for path in listed:
+        assert os.path.exists(path.removeprefix("file://")), f"GC deleted {path}, which the table metadata lists"
+    assert not os.path.exists(paths["old"].removeprefix("file://"))  # its snapshot was expired, and it with it
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_gc_refuses_a_bad_consumer_retention_before_it_commits_or_deletes_anything(catalog, stream: Stream,
+                                                                                  dry_run: bool) -> None:
+    """lakestream.consumers.retention-ms set out of bounds by another engine (1000: under a minute) was read only when
+    GC came to expire consumer positions, after its commits and sweep: GC released checkpoints, collected steps and
+    deleted their files, then raised ConfigError, so `lakestream gc` exited 1 as if nothing had happened and its report
+    was lost. It is refused before anything is committed or deleted."""
+    from lakestream_iceberg import ConfigError
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c4", step=4)
+    with catalog.load_table("ns.stream").transaction() as tx:
+        tx.set_properties({"lakestream.consumers.retention-ms": "1000"})
+    stream = Stream(catalog.load_table("ns.stream"))
+    before = files_under(stream)
+    with pytest.raises(ConfigError, match="lakestream.consumers.retention-ms=1000"):
+        stream.collect_garbage(dry_run=dry_run, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    stream = Stream(catalog.load_table("ns.stream"))
+    assert [c.name for c in stream.checkpoints()] == ["c2", "c4"] and files_under(stream) == before
+    assert digest(stream.read(2, rank=0)) == digest(batch("p", 1, 4)[0])
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_checkpoint_of_a_dropped_branch_collects_nothing_on_a_new_branch_of_its_name(catalog, stream: Stream,
+                                                                                      dry_run: bool) -> None:
+    """A checkpoint names its branch, not the branch's timeline: after a fork was dropped (pyiceberg's remove_branch,
+    Spark's DROP BRANCH) and forked again under its name, GC, retaining every checkpoint, collected the new branch's
+    steps below the dropped one's checkpoint: steps 6..11 of a timeline no checkpoint pins were deleted. A checkpoint
+    whose step holds other files on its branch than on its anchor is another timeline's: it collects nothing there."""
+    publish(stream, "p", 6)
+    stream.checkpoint("c5", step=5)
+    stream.fork("c5", branch="exp")
+    publish(stream, "q", 10, branch="exp")
+    stream.checkpoint("e12", step=12, branch="exp")
+    catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    stream.fork("c5", branch="exp")
+    publish(stream, "r", 10, branch="exp")
+    stream.checkpoint("e14", step=14, branch="exp")  # the new timeline's own checkpoint still collects below it
+    report = stream.collect_garbage(dry_run=dry_run, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 5, "exp": 14}
+    stream.checkpoint("e14b", step=14, branch="exp")
+    stream.release("e14")
+    if not dry_run:
+        stream = stream.refresh()
+    for step in range(6 if dry_run else 14, 16):
+        assert digest(stream.read(step, rank=2, branch="exp")) == digest(batch("r", step - 6, 4)[2])
+    stream.release("e14b")
+    report = stream.collect_garbage(dry_run=dry_run, grace=timedelta(0), allow_short_grace=True)
+    assert "exp" not in report.collected_below
+
+
+def test_resuming_from_a_checkpoint_its_branch_no_longer_holds_is_refused(catalog, stream: Stream) -> None:
+    """from_checkpoint resumes at step + 1 of the checkpoint's branch: after the branch was dropped and forked again
+    under its name, or rolled back under the checkpoint by another engine, a trainer resumed from it read another
+    timeline's steps (not the ones its model saw before) without a word. It is a CheckpointError saying to fork."""
+    from lakestream_iceberg import LakestreamDataset
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c5", step=5)
+    stream.fork("c5", branch="exp")
+    publish(stream, "q", 10, branch="exp")
+    stream.checkpoint("e12", step=12, branch="exp")
+    assert LakestreamDataset.from_checkpoint(stream, "e12", rank=0, world_size=4).start_step == 13
+    catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    stream.fork("c5", branch="exp")
+    publish(stream, "r", 10, branch="exp")
+    with pytest.raises(CheckpointError, match=r"'e12'.*branch 'exp'.*fork"):
+        LakestreamDataset.from_checkpoint(stream, "e12", rank=0, world_size=4)
+    # main moved back under a checkpoint by another engine (Spark's rollback_to_snapshot), then published again
+    stream.checkpoint("c6", step=6)
+    at4 = next(s for s in stream.table.metadata.snapshots
+               if s.summary.additional_properties.get("lakestream.step") == "4"
+               and s.summary.additional_properties.get("lakestream.op", "append") == "append")
+    catalog.load_table("ns.stream").manage_snapshots().rollback_to_snapshot(at4.snapshot_id).commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    with pytest.raises(CheckpointError, match=r"'c6'.*past"):
+        LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)
+    publish(stream, "s", 3)
+    with pytest.raises(CheckpointError, match=r"'c6'.*branch 'main'.*fork"):
+        LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)

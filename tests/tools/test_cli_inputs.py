@@ -148,7 +148,7 @@ def test_repair_of_a_stream_nothing_was_published_to_has_nothing_to_repair(tmp_p
     code, out, err = in_process(tmp_path, capsys, "repair", "ns.new", "--json")
     assert code == 0 and err == "", err
     assert json.loads(out) == {"branch": "main", "foreign": [], "rolled_back_to": None, "step": 0, "dry_run": False,
-                               "rebased_on": None}
+                               "rebased_on": None, "changes": []}
     code, _, err = in_process(tmp_path, capsys, "repair", "ns.new", "--branch", "feat")
     assert code == 1 and "no branch 'feat'" in err, err
 
@@ -160,3 +160,20 @@ def test_status_of_a_new_stream_lists_main_among_its_branches(tmp_path: Path, ca
     code, out, _ = in_process(tmp_path, capsys, "status", "ns.new", "--json")
     status = json.loads(out)
     assert code == 0 and (status["branch"], status["branches"], status["head_step"]) == ("main", ["main"], 0)
+
+
+def test_repair_says_what_the_foreign_snapshots_it_rolls_back_did(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``repair`` of a foreign append printed only snapshot ids ('foreign snapshots 9015...', 'rolled back to 6624...'):
+    an operator whose job appended rows learnt neither that nor that they left the branch. Each foreign snapshot is
+    named with what it did (operation, Iceberg's counts), and the rollback says the changes leave the branch."""
+    table = embedded_catalog(home).load_table(STREAM)
+    table.append(table.scan(row_filter="_step == 4").to_arrow())
+    rows = table.scan(row_filter="_step == 4").to_arrow().num_rows // 2
+    code, out, err = in_process(home, capsys, "repair", STREAM, "--json", "--dry-run")
+    report = json.loads(out)
+    assert code == 0 and len(report["foreign"]) == 1, err
+    assert report["changes"] == [f"append: added-data-files=1, added-records={rows}"], report
+    code, out, _ = in_process(home, capsys, "repair", STREAM)
+    flat = " ".join(out.split())
+    assert code == 0 and f"append: added-data-files=1, added-records={rows}" in flat, out
+    assert "left the branch" in flat, out
