@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 
 from lakestream_iceberg.errors import LakestreamError
 from lakestream_iceberg.format.checks import MAX_STEP
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=_at_least(1), metavar="K",
                    help="retain the newest K checkpoints and release the others (steps below the oldest retained one "
                         "are collected)")
+    p.add_argument("--keep-within", type=_duration, metavar="AGE",
+                   help="retain the checkpoints younger than AGE (e.g. 7d, 12h, 30m, 90s) and release the older ones; "
+                        "with --keep-last, a checkpoint either keeps is retained")
 
     p = with_stream(add("repair", cmd_repair, "roll a branch back to its last lakestream snapshot after another engine "
                                               "changed its data"))
@@ -139,6 +144,18 @@ def _at_least(minimum: int, *, maximum: int | None = None) -> Callable[[str], in
             raise argparse.ArgumentTypeError(f"{value} is above {maximum}, the largest step a stream can hold")
         return value
     return parse
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _duration(text: str) -> timedelta:
+    """``7d``, ``12h``, ``30m``, ``90s``, ``2w`` (a positive whole number and one unit)."""
+    found = re.fullmatch(r"([0-9]{1,9})([smhdw])", text.strip())
+    if found is None or int(found[1]) == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an age: a positive whole number and a unit, s, m, h, d or w "
+                                         "(7d, 12h, 30m)")
+    return timedelta(seconds=int(found[1]) * _UNITS[found[2]])
 
 
 def _seconds(minimum: float, *, unit: str = "seconds") -> Callable[[str], float]:

@@ -246,6 +246,8 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
     kwargs: dict[str, Any] = {"dry_run": args.dry_run}
     if args.keep_last is not None:
         kwargs["keep_last"] = args.keep_last
+    if args.keep_within is not None:
+        kwargs["keep_within"] = args.keep_within
     if out.json:
         report = stream.collect_garbage(**kwargs)
         out.emit_json(report)

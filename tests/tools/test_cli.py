@@ -428,3 +428,26 @@ def test_a_misspelt_home_makes_no_catalog_there(tmp_path: Path, capsys: pytest.C
         err = capsys.readouterr().err
         assert err.startswith("lakestream: error: no lakestream home at") and "--home" in err, err
     assert not (tmp_path / "typo").exists()
+
+
+def test_gc_keep_within_retains_the_young_checkpoints_keep_last_would_release(tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The API's keep_within had no CLI option: ``lakestream gc`` could only keep the newest K checkpoints, or all."""
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.kw", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for seq in range(4):
+        producer.commit(batch("p", seq, 1), seq=seq)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c3", step=3)
+    code, out, _ = main_inprocess(tmp_path, capsys, "gc", "ns.kw", "--keep-last", "1", "--dry-run", "--json")
+    assert code == 0 and json.loads(out)["released_checkpoints"] == ["c2"]
+    code, out, _ = main_inprocess(tmp_path, capsys, "gc", "ns.kw", "--keep-last", "1", "--keep-within", "1h",
+                                  "--dry-run", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["released_checkpoints"] == [] and plan["collected_below"] == {"main": 2}
+    code, out, _ = main_inprocess(tmp_path, capsys, "gc", "ns.kw", "--keep-within", "2w", "--json")
+    assert code == 0 and json.loads(out)["collected_below"] == {"main": 2}
+    assert [c.name for c in stream.refresh().checkpoints()] == ["c2", "c3"]
+    for bad in ("0d", "7", "1.5h", "-3h", "7x", "1e3s"):
+        code, err = in_process(tmp_path, capsys, "gc", "ns.kw", f"--keep-within={bad}", "--dry-run")
+        assert code == 2 and "--keep-within" in err and "not an age" in err, (bad, err)
