@@ -30,8 +30,9 @@ ranges, the ``(r % m)``-th one; any other ``W``: the rows ``[r*n//W, (r+1)*n//W)
 rows. A Parquet shard is one row group, so a consumer holding part of a file still fetches all of it.
 
 **Resume.** ``state_dict()`` is a plain dict ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid,
-"branch": b}``: the next step this instance (or this DataLoader worker) will deliver, and of which stream (its table
-UUID) and branch; loading it into a dataset of another stream or branch is refused. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
+"branch": b, "last_file": path}``: the next step this instance (or this DataLoader worker) will deliver, and of which
+stream (its table UUID) and branch; loading it into a dataset of another stream or branch is refused, and so is loading
+it where the branch no longer holds ``last_file`` (a data file of the last step delivered) at that step. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
 in each worker after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``)
 can be loaded under any number of workers. A loaded state resumes the next iteration only, with workers too (a
 plain DataLoader's workers of later epochs start at ``start_step``).
@@ -59,7 +60,7 @@ from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower, head_reader
-from lakestream_iceberg.read.resume import LoadedState, check_resumable, delivered_on_both
+from lakestream_iceberg.read.resume import LoadedState, check_resumable, delivered_on_both, still_holds
 from lakestream_iceberg.read.stream_ref import StreamRef, forked_view
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 from lakestream_iceberg.read.worker_exit import stop_on_shutdown
@@ -193,7 +194,7 @@ class _DatasetCore:
         self._schema = stream.payload_arrow_schema
         self._init_runtime()
         self._end = end_step if follow else self._resolve_end(stream)
-        self._position = {"next_step": start_step, "worker_id": 0, "num_workers": 1}
+        self._position: dict[str, Any] = {"next_step": start_step, "worker_id": 0, "num_workers": 1}
         self._identity = {"stream": str(stream.table.metadata.table_uuid), "branch": branch}
         self._loaded = LoadedState(self._identity)  # a loaded state_dict until an iteration applies it (read/resume.py)
         self.last_step: int | None = None  # the last step this instance delivered
@@ -279,9 +280,12 @@ class _DatasetCore:
         Raises:
             ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
                 ``branch``, from an earlier release, is taken as this dataset's).
+            CheckpointError: The branch no longer holds the last step the state delivered as it was read (dropped and
+                made again under its name, or moved back by another engine and published again).
         """
         self._loaded.load(state, forked_after=lambda source, next_step, num_workers: delivered_on_both(
-            self._stream_here(), branch=self.branch, source=source, next_step=next_step, num_workers=num_workers))
+            self._stream_here(), branch=self.branch, source=source, next_step=next_step, num_workers=num_workers),
+            holds=lambda step, path: still_holds(self._stream_here(), branch=self.branch, step=step, path=path))
 
     # -- lag, shutdown ---------------------------------------------------------------------------------------------------
     def lag(self) -> int:
@@ -341,12 +345,19 @@ class _DatasetCore:
         io = stream.io
         watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
                                      poll_s=self.poll_s, max_poll_s=self.max_poll_s)
+        planned: dict[int, str] = {}  # step -> a data file of it, as planned: a saved state names its timeline by it
+
+        def load(snapshot: Any, step: int) -> Any:
+            files = files_of(snapshot, step)
+            if files:
+                planned[step] = files[0].file_path
+            return self._load(stream, io, files, step, handoff=handoff, in_worker=in_worker)
+
         report = None if self._positions is None else self._positions.iteration(
             stream, in_worker=in_worker, head=lambda: watcher.head()[0], first_step=first)  # head as last seen: no I/O
         steps = pump_steps(
             watcher,
-            lambda snapshot, step: self._load(stream, io, files_of(snapshot, step), step, handoff=handoff,
-                                              in_worker=in_worker),
+            load,
             first=first, stride=num_workers, end=self._end, follow=self.follow, prefetch=self._prefetch(in_worker),
             timeout=self.timeout, poll_s=self.poll_s, max_poll_s=self.max_poll_s, stop=self._stop, closers=self._closers,
         )
@@ -357,7 +368,8 @@ class _DatasetCore:
             with closing(steps):
                 began = time.monotonic()  # the loop waits for data from its next() to the yield
                 for step, item in steps:
-                    self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers}
+                    self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers,
+                                      "last_file": planned.pop(step, None)}
                     self.last_step = step
                     if report is not None:
                         report.delivered(step, wait_s=time.monotonic() - began)

@@ -1,7 +1,8 @@
 """Resuming a ``LakestreamDataset`` from a ``state_dict``: checking a loaded state, and applying it once.
 
-A state is ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid, "branch": b}`` (see
-:mod:`lakestream_iceberg.read.dataset`). :meth:`LoadedState.load` checks one against the dataset's stream and branch
+A state is ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid, "branch": b, "last_file": path}``
+(see :mod:`lakestream_iceberg.read.dataset`; ``last_file``, a data file of the last step delivered, is checked against
+the branch when loaded: :func:`still_holds`). :meth:`LoadedState.load` checks one against the dataset's stream and branch
 (a state of the branch a fork was made from loads on the fork while everything it delivered is shared,
 :func:`delivered_on_both`); :meth:`LoadedState.first` applies it to the first iteration that starts.
 
@@ -29,7 +30,7 @@ from lakestream_iceberg.format.lineage import branch_state
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["LoadedState", "delivered_on_both"]
+__all__ = ["LoadedState", "delivered_on_both", "still_holds"]
 
 _TAKEN_SLOTS = 1024  # DataLoader worker ids that record applying a loaded state (a worker beyond applies it always)
 
@@ -43,7 +44,7 @@ class LoadedState:
 
     def __init__(self, identity: dict[str, str]) -> None:
         self._identity = identity
-        self._pending: dict[str, int] | None = None
+        self._pending: dict[str, Any] | None = None
         self._taken: Any = None  # with _pending: the worker ids that applied it, one shared byte each
         self._loaded_in = os.getpid()  # the process that loaded _pending
 
@@ -53,15 +54,19 @@ class LoadedState:
             state["_taken"] = None  # shared memory goes only to the processes this one starts (DataLoader's workers)
         return state
 
-    def load(self, state: dict[str, Any], *, forked_after: Callable[[object, int, int], bool]) -> None:
+    def load(self, state: dict[str, Any], *, forked_after: Callable[[object, int, int], bool],
+             holds: Callable[[int, str], bool]) -> None:
         """Check ``state`` and hold it for the next iteration.
 
         ``forked_after(branch, next_step, num_workers)``: whether a state of ``branch`` may load on this dataset's
         branch (:func:`delivered_on_both`); asked only for a state of another branch of the same stream.
+        ``holds(step, path)``: whether the dataset's branch still holds data file ``path`` at ``step`` (the last step
+        the state delivered, :func:`still_holds`); asked for a state of this branch that names the file.
 
         Raises:
             ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
                 ``branch``, from an earlier release, is taken as this dataset's).
+            CheckpointError: The branch no longer holds the last step the state delivered as it was delivered.
         """
         try:
             raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
@@ -85,7 +90,19 @@ class LoadedState:
         if pending["worker_id"] >= pending["num_workers"]:
             raise ConfigError(f"state_dict worker_id {pending['worker_id']} is not a worker of num_workers "
                               f"{pending['num_workers']} (0..{pending['num_workers'] - 1})")
-        self._pending = pending
+        last_file = state.get("last_file")
+        if last_file is not None and (not isinstance(last_file, str) or not last_file):
+            raise ConfigError(f"state_dict last_file must be a data file's path (or None), got {last_file!r}"[:300])
+        last = pending["next_step"] - pending["num_workers"]
+        if last_file is not None and identity == self._identity and last >= 1 and not holds(last, last_file):
+            raise CheckpointError(
+                f"the state_dict delivered step {last} of branch {identity['branch']!r}, which the branch no longer "
+                "holds as it was read (it was dropped and made again under its name, or moved back by another engine "
+                "and published again): resuming at its next_step would read another timeline's steps after those the "
+                "model saw. Fork from a checkpoint of the old timeline (stream.fork) and resume there, or start "
+                "afresh (start_step=)"
+            )
+        self._pending = {**pending, "last_file": last_file} if last_file is not None else pending
         self._taken, self._loaded_in = multiprocessing.RawArray("B", _TAKEN_SLOTS), os.getpid()
 
     def pending(self) -> dict[str, int] | None:
@@ -122,6 +139,19 @@ class LoadedState:
                 f"with num_workers={state['num_workers']} (this is worker {worker_id} of {num_workers})"
             )
         return state["next_step"]
+
+
+def still_holds(stream: StreamTable, *, branch: str, step: int, path: str) -> bool:
+    """Whether ``branch`` holds data file ``path`` at ``step``, as when a reader delivered it: False when the branch
+    is behind the step (moved back) or lists other files at it (dropped and made again, or moved back and published
+    again); True when the step was collected (GC) or is before the branch's fork, where nothing tells."""
+    metadata = stream.refresh().table.metadata
+    state = stream.branch_state(branch=branch, metadata=metadata)
+    if step > state.step:
+        return False
+    if step < state.collected_below:
+        return True
+    return any(f.file_path == path for f in stream.index.files(metadata.snapshot_by_name(branch), step))
 
 
 def delivered_on_both(stream: StreamTable, *, branch: str, source: object, next_step: int, num_workers: int) -> bool:

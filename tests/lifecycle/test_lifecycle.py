@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyiceberg.table.update import RemoveSnapshotRefUpdate
 
-from lakestream_iceberg import CheckpointError, LifecycleError, StepCollectedError, Stream
+from lakestream_iceberg import CheckpointError, ConfigError, LifecycleError, StepCollectedError, Stream
 from tests.support import SCHEMA, batch, digest, sqlite_catalog
 
 
@@ -578,3 +578,45 @@ def test_resuming_from_a_checkpoint_its_branch_no_longer_holds_is_refused(catalo
     publish(stream, "s", 3)
     with pytest.raises(CheckpointError, match=r"'c6'.*branch 'main'.*fork"):
         LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)
+
+
+def test_a_saved_state_whose_branch_no_longer_holds_its_last_step_is_refused(catalog, stream: Stream) -> None:
+    """A state_dict saved on a branch resumed at its next_step on whatever the branch held then: after the branch was
+    dropped and forked again under its name, or moved back by another engine and published again, the trainer read
+    another timeline's steps after those its model saw, without a word. The state names a data file of the last step
+    it delivered; loading it where the branch no longer holds that file is a CheckpointError."""
+    from lakestream_iceberg import LakestreamDataset
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c5", step=5)
+    stream.fork("c5", branch="exp")
+    publish(stream, "q", 4, branch="exp")  # steps 6..9 of exp
+    reader = LakestreamDataset(stream, rank=0, world_size=4, branch="exp", start_step=6)
+    assert [item["step"] for item in reader] == [6, 7, 8, 9]
+    saved = reader.state_dict()
+    assert saved["next_step"] == 10 and saved["last_file"]
+    LakestreamDataset(stream, rank=0, world_size=4, branch="exp").load_state_dict(saved)  # the same timeline: loads
+    catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    stream.fork("c5", branch="exp")
+    publish(stream, "r", 6, branch="exp")  # steps 6..11 again, other batches
+    with pytest.raises(CheckpointError, match=r"step 9 of branch 'exp'.*no longer holds"):
+        LakestreamDataset(stream, rank=0, world_size=4, branch="exp").load_state_dict(saved)
+    # main moved back under the state's last step by another engine (Spark's rollback_to_snapshot)
+    on_main = LakestreamDataset(stream, rank=0, world_size=4, end_step=6)
+    assert [item["step"] for item in on_main][-1] == 6
+    at_main = on_main.state_dict()
+    at4 = next(s for s in stream.table.metadata.snapshots
+               if s.summary.additional_properties.get("lakestream.step") == "4"
+               and s.summary.additional_properties.get("lakestream.op", "append") == "append")
+    catalog.load_table("ns.stream").manage_snapshots().rollback_to_snapshot(at4.snapshot_id).commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    with pytest.raises(CheckpointError, match="step 6 of branch 'main'"):  # behind it
+        LakestreamDataset(stream, rank=0, world_size=4).load_state_dict(at_main)
+    publish(stream, "s", 3)  # and published past it again: steps 5..7, other files
+    with pytest.raises(CheckpointError, match="step 6 of branch 'main'"):
+        LakestreamDataset(stream, rank=0, world_size=4).load_state_dict(at_main)
+    old = {k: v for k, v in at_main.items() if k != "last_file"}  # a state of an earlier release: nothing to compare
+    assert LakestreamDataset(stream, rank=0, world_size=4).load_state_dict(old) is None
+    with pytest.raises(ConfigError, match="last_file"):
+        LakestreamDataset(stream, rank=0, world_size=4).load_state_dict({**at_main, "last_file": 7})

@@ -208,7 +208,8 @@ def test_resume_from_state_dict_is_identical(tmp_path: Path) -> None:
             break
     state = first.state_dict()
     ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main"}
-    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1, **ident}
+    assert state["last_file"] in {f.file_path for f in stream.locate(3)}  # a file of the last step it delivered
+    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1, "last_file": state["last_file"], **ident}
     resumed = LakestreamDataset(stream, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state
@@ -250,8 +251,11 @@ def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> No
     for it in iters:
         it.close()
     ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main"}
-    assert states == [{"next_step": 7, "worker_id": 0, "num_workers": 2, **ident},
-                      {"next_step": 6, "worker_id": 1, "num_workers": 2, **ident}]
+    for state, last in zip(states, (5, 4)):  # a file of the last step each worker delivered
+        assert state["last_file"] in {f.file_path for f in stream.locate(last)}
+    assert [{k: v for k, v in state.items() if k != "last_file"} for state in states] == [
+        {"next_step": 7, "worker_id": 0, "num_workers": 2, **ident},
+        {"next_step": 6, "worker_id": 1, "num_workers": 2, **ident}]
 
     def load(worker_id: int) -> None:
         torch.utils.data.get_worker_info().dataset.load_state_dict(states[worker_id])
