@@ -52,11 +52,12 @@ def test_eight_producer_processes_publish_dense_steps_exactly_once(tmp_path: Pat
     total = 8 * per
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=3)
     procs = [spawn(tmp_path, f"prep-{i}", per) for i in range(8)]
-    results = []
-    for proc in procs:
+    reports = {}
+    for i, proc in enumerate(procs):
         out, err = proc.communicate(timeout=400)
         assert proc.returncode == 0, err[-3000:]
-        results += [json.loads(line) for line in out.splitlines()]
+        reports[f"prep-{i}"] = [json.loads(line) for line in out.splitlines()]
+    results = [r for lines in reports.values() for r in lines]
     assert stream.head_step() == total
     # eight producers contend: group commit published batches of producers that made no attempt of their own
     assert len(results) == total and any(r["carried"] and r["attempts"] == 0 for r in results)
@@ -71,6 +72,10 @@ def test_eight_producer_processes_publish_dense_steps_exactly_once(tmp_path: Pat
         expected = batch(producer, seq, 3)
         for rank in range(3):
             assert digest(stream.read(step, rank=rank)) == digest(expected[rank])
+    for pid, lines in reports.items():  # what each producer was told matches the table
+        assert [line["seq"] for line in lines] == list(range(per))
+        assert all(steps[line["step"]] == (pid, line["seq"]) for line in lines)
+        assert not any(line["dup"] for line in lines)
     per_seq = {p: [s for (q, s) in sorted(steps.values()) if q == p] for p in {p for p, _ in steps.values()}}
     assert all(seqs == list(range(per)) for seqs in per_seq.values())
     # each producer's own seqs appear in increasing step order

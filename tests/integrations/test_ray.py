@@ -535,8 +535,16 @@ def _gated_preprocess(batch: pa.Table, gate: str, from_id: int) -> pa.Table:
 
 
 def _train_loop(config: dict[str, Any]) -> None:
+    """A trainer of 2 ranks reading the stream in follow mode from a stream checkpoint tag (``resume``) up to
+    ``end_step``; rank 0 tags ``end_step`` once both ranks are done. With ``fail_after``, it is also the training
+    guide's Ray Train loop (docs/guide/training.md): the dataset's position travels in the Ray checkpoint reported
+    every second step (with the model's, in the guide), a restarted loop resumes from the one Ray hands back, and the
+    first attempt fails after step ``fail_after``. Each attempt writes the items it read, one JSON line each."""
+    import tempfile
+
     import ray.train
     import torch.distributed as dist
+    from ray.train import Checkpoint
 
     from lakestream_iceberg.integrations.ray import ray_train_dataset
 
@@ -549,12 +557,24 @@ def _train_loop(config: dict[str, Any]) -> None:
 
     dataset = ray_train_dataset(stream, checkpoint=config["resume"], end_step=config["end_step"], collate=collate,
                                 timeout=BOUND_S)
-    got = []
+    restored = ray.train.get_checkpoint()
+    if restored is not None:  # the config is the first attempt's: Ray's checkpoint, not config["resume"], says where
+        with restored.as_directory() as folder:
+            dataset.load_state_dict(json.loads(Path(folder, "data.json").read_text()))
+    attempt = "retry" if restored is not None else "first"
     for item in dataset:
-        got.append(item)
+        with Path(config["out"], f"rank{rank}-{config['name']}-{attempt}.jsonl").open("a") as trained:
+            trained.write(json.dumps(item) + "\n")
         if rank == 0 and not os.path.exists(config["gate"]):
             Path(config["gate"]).write_text(str(item["step"]))
-    Path(config["out"], f"rank{rank}-{config['name']}.json").write_text(json.dumps(got))
+        if config["fail_after"] is not None and item["step"] % 2 == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    Path(folder, "data.json").write_text(json.dumps(dataset.state_dict()))
+                ray.train.report({"step": item["step"]},
+                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+        if item["step"] == config["fail_after"] and restored is None:
+            raise RuntimeError(f"the first attempt fails after step {item['step']}")
     dist.barrier()  # both ranks are done with end_step before the checkpoint tag marks it
     if rank == 0 and config["checkpoint"]:
         stream.checkpoint(config["checkpoint"], step=config["end_step"])
@@ -562,13 +582,20 @@ def _train_loop(config: dict[str, Any]) -> None:
 
 @pytest.mark.slow
 def test_ray_train_follows_a_running_ray_data_job_and_resumes_from_a_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
-    from ray.train import RunConfig, ScalingConfig
+    """Trainers follow a Ray Data job that is still writing, and a new run resumes from the stream checkpoint tag the
+    first one made. The resumed run is also the training guide's Ray Train loop with a failure: the guide's example
+    resumed from a stream checkpoint tag given in the loop's config, so when Ray Train restarted the loop in the same
+    run (a worker failure, ``FailureConfig``; or a run restored under a name reused) it read the stream again from the
+    tag and failed at ``stream.checkpoint`` of a tag the first attempt had made (CheckpointError, the run lost). The
+    guide's loop keeps the dataset's position in the Ray checkpoint with the model: a restart resumes after it."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     catalog = sqlite_catalog(str(tmp_path))
     stream = Stream.create(catalog, "ns.train", schema=SCHEMA, world_size=2)
     tables, rows, per_step = 8, 16, 8
     steps, first_part = tables * rows // per_step, 6
+    fail_after = first_part + 3  # the resumed run's first attempt fails after it; its last Ray checkpoint is one before
     gate = str(tmp_path / "trainer-saw-a-step")
     _data_context(cpus=2)  # the other 2 logical CPUs are the trainer's
     dataset = ray.data.from_arrow([_rows(t * rows, rows) for t in range(tables)]).map_batches(
@@ -586,25 +613,35 @@ def test_ray_train_follows_a_running_ray_data_job_and_resumes_from_a_checkpoint(
     writer = threading.Thread(target=job, daemon=True)
     writer.start()
 
-    def fit(name: str, resume: str | None, end_step: int, checkpoint: str | None) -> None:
+    def fit(name: str, resume: str | None, end_step: int, checkpoint: str | None, fail_after: int | None) -> None:
         config = {"stream": stream, "resume": resume, "end_step": end_step, "gate": gate, "out": str(tmp_path),
-                  "name": name, "checkpoint": checkpoint}
+                  "name": name, "checkpoint": checkpoint, "fail_after": fail_after}
         TorchTrainer(_train_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
                      scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                     run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray_results"))).fit()
+                     run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray_results"),
+                                          failure_config=FailureConfig(max_failures=1 if fail_after else 0))).fit()
 
-    fit("first", None, first_part, "after-first")   # reads steps 1..6 while the job is still writing (gated)
-    fit("resumed", "after-first", steps, None)      # a new trainer resumes from the checkpoint tag at step 7
+    fit("first", None, first_part, "after-first", None)  # reads steps 1..6 while the job is still writing (gated)
+    fit("resumed", "after-first", steps, None, fail_after)  # a new trainer resumes from the tag at step 7, fails once
     writer.join(BOUND_S)
     assert not writer.is_alive() and "error" not in outcome, outcome.get("error")
     assert int(Path(gate).read_text()) == 1  # the first step a trainer saw was step 1, before the gated rows existed
     stream.refresh()
+
+    def read(name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
     for rank in (0, 1):
-        first = json.loads((tmp_path / f"rank{rank}-first.json").read_text())
-        resumed = json.loads((tmp_path / f"rank{rank}-resumed.json").read_text())
+        first, resumed, retry = read(f"rank{rank}-first-first.jsonl"), read(f"rank{rank}-resumed-first.jsonl"), \
+            read(f"rank{rank}-resumed-retry.jsonl")
+        assert not (tmp_path / f"rank{rank}-first-retry.jsonl").exists()
         assert [i["step"] for i in first] == list(range(1, first_part + 1))
-        assert [i["step"] for i in resumed] == list(range(first_part + 1, steps + 1))  # the next step, none missed
-        for item in first + resumed:
+        # the next step, none missed; then step fail_after, unless the failing rank's teardown stopped this one before it
+        assert [i["step"] for i in resumed][:2] == [first_part + 1, first_part + 2]
+        # the restarted loop resumes after Ray's last checkpoint (step fail_after - 1, as the model restored from it),
+        # not at the tag in its config
+        assert [i["step"] for i in retry] == list(range(fail_after, steps + 1))
+        for item in first + resumed + retry:
             assert item["world_size"] == 2
             assert item["ids"] == stream.read(item["step"], rank=rank).column("id").to_pylist()  # its partition, exactly
     assert sink.report is not None and sink.report.published == steps and outcome["done_at_head"] == steps
@@ -874,62 +911,3 @@ def test_ray_train_dataset_refuses_a_rank_or_world_size_of_its_own(tmp_path: Pat
         with pytest.raises(ConfigError, match=r"ray_train_dataset takes rank and world size from "
                                               r"ray\.train\.get_context\(\).*got " + ", ".join(sorted(given))):
             ray_train_dataset(stream, **given)
-
-
-def _retried_train_loop(config: dict[str, Any]) -> None:
-    """docs/guide/training.md's Ray Train loop: the dataset's position travels in the Ray checkpoint reported with the
-    model's, and a restarted loop (Ray Train's retry after a failure, or a run restored under the same name) resumes
-    from the one Ray hands back. The first attempt fails after step 3."""
-    import tempfile
-
-    import ray.train
-    from ray.train import Checkpoint
-
-    from lakestream_iceberg.integrations.ray import ray_train_dataset
-
-    rank = ray.train.get_context().get_world_rank()
-    dataset = ray_train_dataset(config["stream"], end_step=config["steps"], timeout=BOUND_S,
-                                collate=lambda shard: {"step": shard.step})
-    restored = ray.train.get_checkpoint()
-    if restored is not None:
-        with restored.as_directory() as folder:
-            dataset.load_state_dict(json.loads(Path(folder, "data.json").read_text()))
-    attempt = "retry" if restored is not None else "first"
-    for item in dataset:
-        with Path(config["out"], f"rank{rank}-{attempt}.jsonl").open("a") as trained:
-            trained.write(f"{item['step']}\n")
-        if item["step"] % 2 == 0:
-            with tempfile.TemporaryDirectory() as folder:
-                if rank == 0:
-                    Path(folder, "data.json").write_text(json.dumps(dataset.state_dict()))
-                ray.train.report({"step": item["step"]},
-                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
-        if item["step"] == 3 and restored is None:
-            raise RuntimeError("the first attempt fails after step 3")
-
-
-@pytest.mark.slow
-def test_a_restarted_ray_train_loop_resumes_the_stream_from_rays_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
-    """The Ray Train example of the training guide resumed from a stream checkpoint tag given in the loop's config, and
-    tagged a step every N steps: when Ray Train restarted the loop in the same run (a worker failure, ``FailureConfig``;
-    or a run restored under a name reused), the config was the first attempt's, so the loop read the stream again from
-    its start and failed at ``stream.checkpoint`` of a tag the first attempt had made (CheckpointError, the run lost).
-    The guide's loop keeps the dataset's position in the Ray checkpoint with the model: a restart resumes after it."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    catalog = sqlite_catalog(str(tmp_path))
-    stream = Stream.create(catalog, "ns.retried", schema=SCHEMA, world_size=2)
-    producer = stream.producer("p")
-    steps = 6
-    for s in range(steps):
-        producer.commit([_rows(4 * s, 2), _rows(4 * s + 2, 2)])
-    TorchTrainer(_retried_train_loop, train_loop_config={"stream": stream, "steps": steps, "out": str(tmp_path)},
-                 torch_config=TorchConfig(backend="gloo"), scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                 run_config=RunConfig(name="retried", storage_path=str(tmp_path / "ray_results"),
-                                      failure_config=FailureConfig(max_failures=1))).fit()
-    for rank in (0, 1):
-        first = [int(s) for s in (tmp_path / f"rank{rank}-first.jsonl").read_text().split()]
-        retry = [int(s) for s in (tmp_path / f"rank{rank}-retry.jsonl").read_text().split()]
-        assert first[:2] == [1, 2]  # then step 3, unless the failing rank's teardown stopped this one before it
-        assert retry == [3, 4, 5, 6]  # after the last checkpoint (step 2), as the model restored from it
