@@ -32,9 +32,10 @@ rows. A Parquet shard is one row group, so a consumer holding part of a file sti
 **Resume.** ``state_dict()`` is a plain dict ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid,
 "branch": b, "last_file": path}``: the next step this instance (or this DataLoader worker) will deliver, and of which
 stream (its table UUID) and branch; loading it into a dataset of another stream or branch is refused, and so is loading
-it where the branch no longer holds ``last_file`` (a data file of the last step delivered) at that step. It follows torchdata's ``StatefulDataLoader`` protocol (state taken
-in each worker after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``)
-can be loaded under any number of workers. A loaded state resumes the next iteration only, with workers too (a
+it where the state's branch (on its own or under a fork of it) no longer holds ``last_file`` (a data file of the last
+step delivered) at that step. It follows torchdata's ``StatefulDataLoader`` protocol (state taken in each worker
+after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``) can be loaded
+under any number of workers. A loaded state resumes the next iteration only, with workers too (a
 plain DataLoader's workers of later epochs start at ``start_step``).
 """
 
@@ -280,12 +281,13 @@ class _DatasetCore:
         Raises:
             ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
                 ``branch``, from an earlier release, is taken as this dataset's).
-            CheckpointError: The branch no longer holds the last step the state delivered as it was read (dropped and
-                made again under its name, or moved back by another engine and published again).
+            CheckpointError: The state's branch no longer holds the last step the state delivered as it was read
+                (dropped and made again under its name, or moved back by another engine and published again), loaded
+                on that branch or on a fork of it.
         """
         self._loaded.load(state, forked_after=lambda source, next_step, num_workers: delivered_on_both(
             self._stream_here(), branch=self.branch, source=source, next_step=next_step, num_workers=num_workers),
-            holds=lambda step, path: still_holds(self._stream_here(), branch=self.branch, step=step, path=path))
+            holds=lambda branch, step, path: still_holds(self._stream_here(), branch=branch, step=step, path=path))
 
     # -- lag, shutdown ---------------------------------------------------------------------------------------------------
     def lag(self) -> int:

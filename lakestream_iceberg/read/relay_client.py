@@ -62,14 +62,17 @@ class RelayWatcher:
         paths: Where the relay lives (:func:`~lakestream_iceberg.read.relay_wire.relay_paths`).
         branch: The branch to follow.
         poll_s, max_poll_s: The holder's poll interval, and its safety-net interval when commit notifications wake it.
+        elect: Serve the relay from this process when no process does; False: only ever a client (a connection that
+            finds nobody serving raises ``ReadError`` at once).
 
     Raises:
         OSError: The relay's lock file or socket cannot be used (read directly instead).
-        ReadError: No relay answered within ``CONNECT_S`` seconds.
+        ReadError: No relay answered within ``CONNECT_S`` seconds (at once without ``elect``).
     """
 
-    def __init__(self, stream: StreamTable, *, paths: RelayPaths, branch: str, poll_s: float, max_poll_s: float) -> None:
-        self._stream, self._paths, self._branch = stream, paths, branch
+    def __init__(self, stream: StreamTable, *, paths: RelayPaths, branch: str, poll_s: float, max_poll_s: float,
+                 elect: bool = True) -> None:
+        self._stream, self._paths, self._branch, self._elect = stream, paths, branch, elect
         self._poll_s, self._max_poll_s = poll_s, max_poll_s
         self._uuid = str(stream.table.metadata.table_uuid)
         self._head: tuple[int, int | None] = (0, None)
@@ -209,6 +212,8 @@ class RelayWatcher:
                                     f"{hello.get('branch')!r}, not {self._uuid} branch {self._branch!r}")
                 channel.sock, channel.pid = sock, os.getpid()
                 return
+            if not self._elect:
+                raise ReadError(f"no process serves the head relay of {self._stream.name} at {self._paths.socket}")
             relay = hold(self._stream, branch=self._branch, paths=self._paths, poll_s=self._poll_s,
                          max_poll_s=self._max_poll_s)
             if relay is not None and relay is not self._holding:  # a relay this reader already serves from refused
@@ -237,20 +242,60 @@ def head_reader(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool
     steps itself but reports how far behind the head it is (the training process of a DataLoader with workers).
 
     Through the host's relay when ``relay`` (one local request, as every reader of the host: a thousand ranks add no
-    catalog or storage request per report); else, and when no relay is usable, one pointer query per call and the
-    table's ``metadata.json`` when the head moved (a REST catalog: one ``loadTable``).
+    catalog or storage request per report), as a client only: the training process never serves the relay, which
+    would put the host's catalog polls and every worker's step plans on the training loop's interpreter; it connects at
+    its first call (none where the metric is not exported). Else, and while no other process serves the relay (before
+    the workers start), one pointer query per call and the table's ``metadata.json`` when the head moved (a REST
+    catalog: one ``loadTable``).
     """
-    watcher, _ = follower(stream, ref=ref, branch=branch, relay=relay, poll_s=poll_s, max_poll_s=max_poll_s,
-                          listen=False)
-    if isinstance(watcher, RelayWatcher):
-        return (lambda: watcher.latest()[0]), watcher.close
-    direct = watcher
+    paths = None
+    if relay:
+        paths = relay_paths(catalog_name=ref.catalog_name, catalog_properties=ref.catalog_properties,
+                            identifier=ref.identifier, table_uuid=str(stream.table.metadata.table_uuid), branch=branch)
+    reader = _HeadReader(stream, paths=paths, branch=branch, poll_s=poll_s, max_poll_s=max_poll_s)
+    return reader.head, reader.close
 
-    def head() -> int:
-        direct.check()
-        return direct.head()[0]
 
-    return head, direct.close
+class _HeadReader:
+    """:func:`head_reader`'s state: a relay client and a direct watcher, each made on first use."""
+
+    def __init__(self, stream: StreamTable, *, paths: RelayPaths | None, branch: str, poll_s: float,
+                 max_poll_s: float) -> None:
+        self._stream, self._paths, self._branch = stream, paths, branch
+        self._poll_s, self._max_poll_s = poll_s, max_poll_s
+        self._lock = threading.Lock()  # the reporter's thread and its last report at close may ask at once
+        self._client: RelayWatcher | None = None
+        self._direct: HeadWatcher | None = None
+        self._closed = False
+
+    def head(self) -> int:
+        with self._lock:
+            if self._closed:
+                raise ReadError(f"the head reader of {self._stream.name} was closed")
+            if self._paths is not None:
+                try:
+                    if self._client is None:
+                        self._client = RelayWatcher(self._stream, paths=self._paths, branch=self._branch,
+                                                    poll_s=self._poll_s, max_poll_s=self._max_poll_s, elect=False)
+                    return self._client.latest()[0]
+                except (OSError, ReadError) as exc:  # nobody serves it (yet, or any more): read directly this time
+                    log.debug("head relay unusable for the steps-behind metric (%s); reading directly", exc)
+                    if self._client is not None:
+                        self._client.close()
+                        self._client = None
+            if self._direct is None:
+                self._direct = HeadWatcher(self._stream, branch=self._branch, listen=False)
+            self._direct.check()
+            return self._direct.head()[0]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            client, direct, self._client, self._direct = self._client, self._direct, None, None
+        if client is not None:
+            client.close()
+        if direct is not None:
+            direct.close()
 
 
 def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float, max_poll_s: float,

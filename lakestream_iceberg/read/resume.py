@@ -55,18 +55,21 @@ class LoadedState:
         return state
 
     def load(self, state: dict[str, Any], *, forked_after: Callable[[object, int, int], bool],
-             holds: Callable[[int, str], bool]) -> None:
+             holds: Callable[[str, int, str], bool]) -> None:
         """Check ``state`` and hold it for the next iteration.
 
         ``forked_after(branch, next_step, num_workers)``: whether a state of ``branch`` may load on this dataset's
         branch (:func:`delivered_on_both`); asked only for a state of another branch of the same stream.
-        ``holds(step, path)``: whether the dataset's branch still holds data file ``path`` at ``step`` (the last step
-        the state delivered, :func:`still_holds`); asked for a state of this branch that names the file.
+        ``holds(branch, step, path)``: whether ``branch`` still holds data file ``path`` at ``step`` (the last step
+        the state delivered, :func:`still_holds`); asked for a state that names the file, on the state's own branch
+        (on a fork, :func:`delivered_on_both` compares the fork with that branch as it is now, which may be another
+        timeline than the one the state read: the branch dropped and forked again under its name).
 
         Raises:
             ConfigError: Not such a state, or one of another stream or branch (a state without ``stream`` /
                 ``branch``, from an earlier release, is taken as this dataset's).
-            CheckpointError: The branch no longer holds the last step the state delivered as it was delivered.
+            CheckpointError: The state's branch no longer holds the last step the state delivered as it was delivered
+                (loaded on that branch or on a fork of it).
         """
         try:
             raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
@@ -94,7 +97,7 @@ class LoadedState:
         if last_file is not None and (not isinstance(last_file, str) or not last_file):
             raise ConfigError(f"state_dict last_file must be a data file's path (or None), got {last_file!r}"[:300])
         last = pending["next_step"] - pending["num_workers"]
-        if last_file is not None and identity == self._identity and last >= 1 and not holds(last, last_file):
+        if last_file is not None and last >= 1 and not holds(identity["branch"], last, last_file):
             raise CheckpointError(
                 f"the state_dict delivered step {last} of branch {identity['branch']!r}, which the branch no longer "
                 "holds as it was read (it was dropped and made again under its name, or moved back by another engine "

@@ -151,11 +151,14 @@ _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 def _duration(text: str) -> timedelta:
     """``7d``, ``12h``, ``30m``, ``90s``, ``2w`` (a positive whole number and one unit)."""
-    found = re.fullmatch(r"([0-9]{1,9})([smhdw])", text.strip())
+    found = re.fullmatch(r"([0-9]{1,30})([smhdw])", text.strip())
     if found is None or int(found[1]) == 0:
         raise argparse.ArgumentTypeError(f"{text!r} is not an age: a positive whole number and a unit, s, m, h, d or w "
                                          "(7d, 12h, 30m)")
-    return timedelta(seconds=int(found[1]) * _UNITS[found[2]])
+    try:
+        return timedelta(seconds=int(found[1]) * _UNITS[found[2]])
+    except OverflowError:  # past what a timedelta holds (argparse shows only ArgumentTypeError, TypeError, ValueError)
+        raise argparse.ArgumentTypeError(f"{text!r} is too long an age: at most {timedelta.max.days} days") from None
 
 
 def _seconds(minimum: float, *, unit: str = "seconds") -> Callable[[str], float]:

@@ -189,7 +189,10 @@ def check_existing(existing: StreamTable, identifier: object, *, schema: pa.Sche
             f"stream {identifier} already exists with {PROP_LAYOUT}={existing.config.layout!r}, not {asked!r}: the "
             "layout is fixed when a stream is created; open it with Stream.open() or create a stream under another name"
         )
-    differing = _not_applied(properties or {}, existing.table.metadata.properties)
+    if properties is not None:
+        _check_format_version(properties)
+    differing = _not_applied(properties or {}, existing.table.metadata.properties,
+                             format_version=existing.table.metadata.format_version)
     if differing:  # returning the stream as it is ignored them without a word
         raise StreamExistsError(
             f"stream {identifier} already exists with {', '.join(differing)}: Stream.create sets properties only "
@@ -224,15 +227,20 @@ def _check_format_version(properties: dict[str, str]) -> None:
                           f"for {WRITABLE_FORMAT_VERSIONS[-1]}")
 
 
-def _not_applied(given: dict[str, str], current: dict[str, str]) -> list[str]:
+def _not_applied(given: dict[str, str], current: dict[str, str], *, format_version: int) -> list[str]:
     """``key=current (not given)`` for each property of ``given`` the existing stream does not have (a lakestream or
-    Iceberg property it reads: by value, its default standing for an absent one)."""
+    Iceberg property it reads: by value, its default standing for an absent one; ``format-version`` against the
+    table's ``format_version``, which pyiceberg keeps apart from the properties)."""
     check_properties(given)
     differing = []
     for key, value in given.items():
         prop = by_key(key)
-        if key == PROP_GROUP_STAGING and value == STAGING_AUTO or key == "format-version":
-            continue  # Stream.create stored what "auto" resolved to; pyiceberg keeps the format version apart
+        if key == PROP_GROUP_STAGING and value == STAGING_AUTO:
+            continue  # Stream.create stored what "auto" resolved to
+        if key == "format-version":
+            if parse_int(value, minimum=0, maximum=INT32_MAX) != format_version:
+                differing.append(f"{key}={format_version} (not {value!r})")
+            continue
         same = prop.get({key: value}) == prop.get(current) if prop is not None else current.get(key) == value
         if not same:
             differing.append(f"{key}={current.get(key)!r} (not {value!r})")

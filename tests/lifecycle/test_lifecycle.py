@@ -620,3 +620,30 @@ def test_a_saved_state_whose_branch_no_longer_holds_its_last_step_is_refused(cat
     assert LakestreamDataset(stream, rank=0, world_size=4).load_state_dict(old) is None
     with pytest.raises(ConfigError, match="last_file"):
         LakestreamDataset(stream, rank=0, world_size=4).load_state_dict({**at_main, "last_file": 7})
+
+
+def test_a_saved_state_loaded_on_a_fork_of_another_timeline_of_its_branch_is_refused(catalog, stream: Stream) -> None:
+    """A state of branch ``exp`` loads on a fork of ``exp`` made at or after its last step (everything it delivered is
+    shared). Only the fork and the state's branch as it is now were compared: after ``exp`` was dropped and forked
+    again under its name, a fork of the new ``exp`` took the state, and the trainer read another timeline's steps
+    after those its model saw, without a word. The state's last_file is checked on its own branch there too."""
+    from lakestream_iceberg import LakestreamDataset
+
+    publish(stream, "p", 6)
+    stream.checkpoint("c5", step=5)
+    stream.fork("c5", branch="exp")
+    publish(stream, "q", 4, branch="exp")  # steps 6..9 of exp
+    reader = LakestreamDataset(stream, rank=0, world_size=4, branch="exp", start_step=6)
+    assert [item["step"] for item in reader] == [6, 7, 8, 9]
+    saved = reader.state_dict()
+    stream.checkpoint("e9", step=9, branch="exp")
+    stream.fork("e9", branch="same")  # a fork of the state's own timeline: loads
+    LakestreamDataset(stream, rank=0, world_size=4, branch="same").load_state_dict(saved)
+    catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    stream.fork("c5", branch="exp")
+    publish(stream, "r", 6, branch="exp")  # steps 6..11 again, other batches
+    stream.checkpoint("e10", step=10, branch="exp")
+    stream.fork("e10", branch="other")
+    with pytest.raises(CheckpointError, match=r"step 9 of branch 'exp'.*no longer holds"):
+        LakestreamDataset(stream, rank=0, world_size=4, branch="other").load_state_dict(saved)

@@ -691,3 +691,41 @@ def test_the_training_process_of_workers_reads_the_head_for_its_metric_through_t
         if holder is not None:
             holder.kill()
             holder.wait(timeout=60)
+
+
+@pytest.mark.parametrize("metric", [True, False])
+def test_the_training_process_of_workers_never_serves_the_relay(tmp_path: Path, metric: bool) -> None:
+    """``dataset.track(loader)`` opened the host's relay in the training process before the loader forked its workers,
+    so the training process was its first client and served it (metric exported or not): its polls of the catalog, and
+    every worker's step plans (manifest reads) of the host, ran on the training loop's interpreter. It asks the relay
+    only for the metric, as a client, and reads the head itself while no other process serves it."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from torch.utils.data import DataLoader
+
+    from lakestream_iceberg.connect import metrics
+    from lakestream_iceberg.read.relay import held
+    from lakestream_iceberg.read.relay_wire import relay_paths
+
+    stream = make_stream(tmp_path, steps=6)
+    ref = StreamRef.of(stream)
+    paths = relay_paths(catalog_name=ref.catalog_name, catalog_properties=ref.catalog_properties,
+                        identifier=ref.identifier, table_uuid=str(stream.table.metadata.table_uuid), branch="main")
+    assert paths is not None
+    registry = prometheus_client.CollectorRegistry()
+    metrics.use_registry(registry if metric else None)
+    try:
+        ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=4, timeout=60, group="run",
+                               report_s=0.05, relay=True)
+        loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
+        tracked = ds.track(loader)
+        assert held(paths) is None
+        steps = []
+        for item in tracked:
+            steps.append(int(item["step"]))
+            assert held(paths) is None, steps
+        assert steps == [1, 2, 3, 4]
+        if metric:
+            labels = {"stream": stream.name, "group": "run", "rank": "0"}
+            assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2  # head 6
+    finally:
+        metrics.use_registry(None)

@@ -451,3 +451,17 @@ def test_gc_keep_within_retains_the_young_checkpoints_keep_last_would_release(tm
     for bad in ("0d", "7", "1.5h", "-3h", "7x", "1e3s"):
         code, err = in_process(tmp_path, capsys, "gc", "ns.kw", f"--keep-within={bad}", "--dry-run")
         assert code == 2 and "--keep-within" in err and "not an age" in err, (bad, err)
+
+
+def test_gc_keep_within_past_what_python_holds_is_a_usage_error(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--keep-within 999999999w`` (past timedelta's 999,999,999 days) raised a raw OverflowError traceback, and
+    ``1000000000s`` (ten digits, about 32 years) was called 'not an age'."""
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.kwo", schema=SCHEMA, world_size=1)
+    stream.producer("p").commit(batch("p", 0, 1), seq=0)
+    for big in ("999999999w", "9999999999d", "999999999999999999s"):
+        code, err = in_process(tmp_path, capsys, "gc", "ns.kwo", f"--keep-within={big}", "--dry-run")
+        assert code == 2 and "--keep-within" in err and "999999999 days" in err, (big, err)
+    code, out, _ = main_inprocess(tmp_path, capsys, "gc", "ns.kwo", "--keep-within", "1000000000s", "--dry-run",
+                                  "--json")
+    assert code == 0 and json.loads(out)["dry_run"] is True

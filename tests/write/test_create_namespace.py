@@ -14,7 +14,7 @@ from pyiceberg.catalog.sql import SqlCatalog
 from pyiceberg.exceptions import NamespaceNotEmptyError, NoSuchTableError
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import ConfigError
+from lakestream_iceberg.errors import ConfigError, StreamExistsError
 from lakestream_iceberg.write.create import drop_namespace_if_empty
 from tests.backends import Backend, fresh_name, make_backend, seaweedfs_service  # noqa: F401 - fixture
 from tests.support import SCHEMA, sqlite_catalog
@@ -130,3 +130,18 @@ def test_a_format_version_pyiceberg_cannot_write_is_refused_before_anything_is_m
                            properties={"format-version": "1"})
     assert stream.table.metadata.format_version in (1, 2)  # a v1 table: pyiceberg upgrades what it reads to v2
     stream.close()
+
+
+def test_a_format_version_given_for_an_existing_stream_is_checked_against_it(tmp_path: Path) -> None:
+    """Stream.create of a stream that exists returned it without a word whatever format-version it was given (9, x,
+    or another version than the stream's), where another value of any other property given is refused."""
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.fv", schema=SCHEMA, world_size=WORLD, properties={"format-version": "1"}).close()
+    again = Stream.create(catalog, "ns.fv", schema=SCHEMA, world_size=WORLD, properties={"format-version": "1"})
+    assert again.table.metadata.format_version == 1  # the same: opened as it is
+    again.close()
+    for version in ("9", "x"):
+        with pytest.raises(ConfigError, match=r"format-version=.*Iceberg format version 1 or 2"):
+            Stream.create(catalog, "ns.fv", schema=SCHEMA, world_size=WORLD, properties={"format-version": version})
+    with pytest.raises(StreamExistsError, match=r"format-version=1 \(not '2'\)"):
+        Stream.create(catalog, "ns.fv", schema=SCHEMA, world_size=WORLD, properties={"format-version": "2"})
