@@ -62,6 +62,7 @@ __all__ = ["DEFAULT_REPORT_S", "EXPIRY_INTERVAL_S", "REPORTS_PER_S", "Position",
 log = logging.getLogger(__name__)
 
 DEFAULT_REPORT_S = 5.0
+METRICS_S = 5.0  # how often the steps-behind-head gauge is refreshed when positions are written less often
 REPORTS_PER_S = 200  # the default report_s keeps a job's ranks under this many position writes a second in all
 
 
@@ -251,10 +252,21 @@ class PositionReporter:
     def _run(self) -> None:
         self._report(closed=False)  # the rank shows up at once, before its first step
         self._expire()
-        # a report_s past what threading can wait (about 292 years) raised OverflowError here and in close()
-        while not self._stop.wait(min(self._doc.report_s, threading.TIMEOUT_MAX)):
-            self._report(closed=False)
-            self._expire()
+        report_s = self._doc.report_s
+        # the steps-behind gauge every METRICS_S however rarely the position is written (world_size / 200 s past
+        # 1,000 ranks); a report_s past what threading can wait (about 292 years) raised OverflowError here
+        tick = min(report_s, METRICS_S if self._metrics is not None and self._head is not None else report_s,
+                   threading.TIMEOUT_MAX)
+        due = time.monotonic() + report_s
+        while not self._stop.wait(tick):
+            if time.monotonic() >= due:
+                due = time.monotonic() + report_s
+                self._report(closed=False)
+                self._expire()
+            else:
+                with self._lock:
+                    last = self._last
+                self._gauge(last)
 
     def _expire(self) -> None:
         """Rank 0: delete the positions of groups silent for longer than the retention, unless this process did so on
@@ -286,15 +298,21 @@ class PositionReporter:
         with no_fork_inside():  # a DataLoader forking its workers waits for a report in a database library
             self._record(doc)
 
+    def _gauge(self, last_step: int | None) -> None:
+        """Set the steps-behind-head gauge (before the first step too, as ``lakestream lag``); a failed head read
+        leaves it at its last value."""
+        if self._metrics is None or self._head is None:
+            return
+        try:
+            head = self._head()
+        except Exception as exc:  # noqa: BLE001 - the gauge keeps its last value; the position is still recorded
+            log.debug("reading the head for the steps-behind metric failed: %s", exc)
+            return
+        if head is not None:
+            self._metrics.behind(head - (last_step or 0))
+
     def _record(self, doc: Position) -> None:
-        if self._metrics is not None and self._head is not None:  # before the first step too, as lakestream lag
-            try:
-                head = self._head()
-            except Exception as exc:  # noqa: BLE001 - the gauge keeps its last value; the position is still recorded
-                log.debug("reading the head for the steps-behind metric failed: %s", exc)
-                head = None
-            if head is not None:
-                self._metrics.behind(head - (doc.last_step or 0))
+        self._gauge(doc.last_step)
         try:
             self._store.upsert(group=doc.group, rank=doc.rank, body=doc.to_json())
             self._failures = 0

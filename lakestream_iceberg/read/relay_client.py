@@ -298,11 +298,11 @@ class _HeadReader:
             direct.close()
 
 
-def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float, max_poll_s: float,
-             listen: bool = True) -> tuple[RelayWatcher | HeadWatcher, Callable[[Any, int], list[DataFile]]]:
+def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float,
+             max_poll_s: float) -> tuple[RelayWatcher | HeadWatcher, Callable[[Any, int], list[DataFile]]]:
     """A head watcher for :func:`~lakestream_iceberg.read.follow.pump_steps` and the function giving a step's files:
     through the host's relay when ``relay`` and a private runtime directory is usable, else directly (the catalog and
-    the table's manifests, from this process; ``listen``: woken by commit notifications where the catalog sends them).
+    the table's manifests, from this process).
 
     A reader that is a relay client keeps no idle catalog connection (PostgreSQL): it needs none to follow.
     """
@@ -324,7 +324,7 @@ def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, p
                 if not watcher.holding:
                     release_idle_connections(stream.table.catalog)
                 return watcher, watcher.files
-    direct = HeadWatcher(stream, branch=branch, listen=listen)
+    direct = HeadWatcher(stream, branch=branch)
 
     def files(snapshot: Any, step: int) -> list[DataFile]:
         found = stream.index.files(snapshot, step)

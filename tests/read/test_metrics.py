@@ -176,3 +176,29 @@ def test_without_prometheus_client_nothing_is_exported_and_nothing_breaks(tmp_pa
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[0] == "False [1, 2] ['closed'] False"  # a producer and a rank, no client loaded
+
+
+def test_the_steps_behind_gauge_is_refreshed_between_rare_position_reports(stream: Stream, registry: object,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past 1,000 ranks a position is written every world_size / 200 s, and the gauge was set only then: a rank that
+    reported every 100 s showed a head up to 100 s old. The gauge is refreshed every METRICS_S meanwhile."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    from lakestream_iceberg.read import consumer
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+    from tests.support import until
+
+    monkeypatch.setattr(consumer, "METRICS_S", 0.05)
+    producer = stream.producer("prep-0")
+    for seq in range(4):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=3600, relay=False)
+    items = iter(ds.track(DataLoader(ds, batch_size=None, num_workers=0)))
+    assert next(items)["step"] == 1
+    labels = {"stream": stream.name, "group": "run", "rank": "0"}
+    for seq in range(4, 7):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 7 - 1,
+          "the gauge to see head step 7 with the rank at step 1")
+    items.close()
