@@ -26,6 +26,7 @@ from lakestream_iceberg.errors import CheckpointError, ConfigError
 from lakestream_iceberg.format.checkpoints import Checkpoint, on_timeline
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.lineage import branch_state
+from lakestream_iceberg.format.table import after_gc
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
@@ -148,13 +149,18 @@ def still_holds(stream: StreamTable, *, branch: str, step: int, path: str) -> bo
     """Whether ``branch`` holds data file ``path`` at ``step``, as when a reader delivered it: False when the branch
     is behind the step (moved back) or lists other files at it (dropped and made again, or moved back and published
     again); True when the step was collected (GC) or is before the branch's fork, where nothing tells."""
-    metadata = stream.refresh().table.metadata
-    state = stream.branch_state(branch=branch, metadata=metadata)
-    if step > state.step:
-        return False
-    if step < state.collected_below:
-        return True
-    return any(f.file_path == path for f in stream.index.files(metadata.snapshot_by_name(branch), step))
+
+    def check() -> bool:  # on the current head: run again after a GC deleted a manifest of the view it read
+        metadata = stream.table.metadata
+        state = stream.branch_state(branch=branch, metadata=metadata)
+        if step > state.step:
+            return False
+        if step < state.collected_below:
+            return True
+        return any(f.file_path == path for f in stream.index.files(metadata.snapshot_by_name(branch), step))
+
+    stream.refresh()
+    return after_gc(check, refresh=stream.refresh)
 
 
 def delivered_on_both(stream: StreamTable, *, branch: str, source: object, next_step: int, num_workers: int) -> bool:
