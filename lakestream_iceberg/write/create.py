@@ -79,6 +79,8 @@ def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema:
         ) from exc
     layout = LAYOUT_PACKED if world_size >= PACKED_FROM_WORLD_SIZE else LAYOUT_PER_RANK
     props = StreamConfig(world_size=world_size, layout=layout).to_properties()
+    # the newest version pyiceberg writes, asked for explicitly: a REST catalog may default to one it does not (3)
+    props["format-version"] = str(WRITABLE_FORMAT_VERSIONS[-1])
     if properties is not None:
         _check_given_shape(properties, world_size=world_size, schema=schema)
         _check_format_version(properties)
