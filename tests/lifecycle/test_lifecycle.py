@@ -580,11 +580,8 @@ def test_resuming_from_a_checkpoint_its_branch_no_longer_holds_is_refused(catalo
         LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)
 
 
-def test_a_saved_state_whose_branch_no_longer_holds_its_last_step_is_refused(catalog, stream: Stream) -> None:
-    """A state_dict saved on a branch resumed at its next_step on whatever the branch held then: after the branch was
-    dropped and forked again under its name, or moved back by another engine and published again, the trainer read
-    another timeline's steps after those its model saw, without a word. The state names a data file of the last step
-    it delivered; loading it where the branch no longer holds that file is a CheckpointError."""
+def state_read_on_a_fork(stream: Stream) -> dict:
+    """Main's steps 1..6, checkpoint c5, fork ``exp`` of it with steps 6..9: the state of a reader of all of those."""
     from lakestream_iceberg import LakestreamDataset
 
     publish(stream, "p", 6)
@@ -593,7 +590,17 @@ def test_a_saved_state_whose_branch_no_longer_holds_its_last_step_is_refused(cat
     publish(stream, "q", 4, branch="exp")  # steps 6..9 of exp
     reader = LakestreamDataset(stream, rank=0, world_size=4, branch="exp", start_step=6)
     assert [item["step"] for item in reader] == [6, 7, 8, 9]
-    saved = reader.state_dict()
+    return reader.state_dict()
+
+
+def test_a_saved_state_whose_branch_no_longer_holds_its_last_step_is_refused(catalog, stream: Stream) -> None:
+    """A state_dict saved on a branch resumed at its next_step on whatever the branch held then: after the branch was
+    dropped and forked again under its name, or moved back by another engine and published again, the trainer read
+    another timeline's steps after those its model saw, without a word. The state names a data file of the last step
+    it delivered; loading it where the branch no longer holds that file is a CheckpointError."""
+    from lakestream_iceberg import LakestreamDataset
+
+    saved = state_read_on_a_fork(stream)
     assert saved["next_step"] == 10 and saved["last_file"]
     LakestreamDataset(stream, rank=0, world_size=4, branch="exp").load_state_dict(saved)  # the same timeline: loads
     catalog.load_table("ns.stream").manage_snapshots().remove_branch("exp").commit()
@@ -629,13 +636,7 @@ def test_a_saved_state_loaded_on_a_fork_of_another_timeline_of_its_branch_is_ref
     after those its model saw, without a word. The state's last_file is checked on its own branch there too."""
     from lakestream_iceberg import LakestreamDataset
 
-    publish(stream, "p", 6)
-    stream.checkpoint("c5", step=5)
-    stream.fork("c5", branch="exp")
-    publish(stream, "q", 4, branch="exp")  # steps 6..9 of exp
-    reader = LakestreamDataset(stream, rank=0, world_size=4, branch="exp", start_step=6)
-    assert [item["step"] for item in reader] == [6, 7, 8, 9]
-    saved = reader.state_dict()
+    saved = state_read_on_a_fork(stream)
     stream.checkpoint("e9", step=9, branch="exp")
     stream.fork("e9", branch="same")  # a fork of the state's own timeline: loads
     LakestreamDataset(stream, rank=0, world_size=4, branch="same").load_state_dict(saved)
