@@ -37,7 +37,7 @@ from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, ConsumerGroupActiveError, CorruptStateError, LakestreamError
 from lakestream_iceberg.format.summary import KEY_OP, KEY_STEP, OP_APPEND
-from lakestream_iceberg.read.consumer import Position, check_group
+from lakestream_iceberg.read.position import Position, check_group
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable

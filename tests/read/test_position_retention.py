@@ -26,7 +26,7 @@ from lakestream_iceberg.connect.positions import POSITION_TABLE, POSITIONS_DIR, 
 from lakestream_iceberg.errors import ConfigError, ConsumerGroupActiveError
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
 from lakestream_iceberg.read import consumer
-from lakestream_iceberg.read.consumer import Position
+from lakestream_iceberg.read.position import Position
 from tests.backends import fresh_name, postgres_service
 from tests.support import SCHEMA, batch, sqlite_catalog, until
 
