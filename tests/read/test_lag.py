@@ -19,8 +19,8 @@ import pytest
 from lakestream_iceberg import Stream
 from lakestream_iceberg.connect.positions import POSITION_TABLE, PositionStore
 from lakestream_iceberg.errors import ConfigError, CorruptStateError
-from lakestream_iceberg.read.position import Position
 from lakestream_iceberg.read.lag import consumer_lags
+from lakestream_iceberg.read.position import Position
 from tests.backends import make_backend, postgres_service, seaweedfs_service
 from tests.support import SCHEMA, batch, sqlite_catalog, until
 
