@@ -371,22 +371,22 @@ def test_replays_compare_nan_inside_maps_and_large_float_columns_in_arrow() -> N
     pytest.importorskip("ray.data")
     import numpy as np
 
-    from lakestream_iceberg.integrations.ray.sink import _same_rows
+    from lakestream_iceberg.integrations.ray.replay import same_rows
 
     kind = pa.map_(pa.string(), pa.float64())
     one = pa.table({"m": pa.array([[("k", math.nan)]], kind)})
-    assert _same_rows(one, pa.table({"m": pa.array([[("k", math.nan)]], kind)}))
-    assert not _same_rows(one, pa.table({"m": pa.array([[("k", 1.0)]], kind)}))
+    assert same_rows(one, pa.table({"m": pa.array([[("k", math.nan)]], kind)}))
+    assert not same_rows(one, pa.table({"m": pa.array([[("k", 1.0)]], kind)}))
     values = np.random.default_rng(0).random(2_000_000)
     values[0] = np.nan
     def table(v: np.ndarray) -> pa.Table:  # a float column and an embedding column (8 floats per row)
         return pa.table({"x": pa.array(v[:250_000]), "e": pa.FixedSizeListArray.from_arrays(pa.array(v), 8)})
 
     a, b = table(values), table(values.copy())
-    assert _same_rows(a, b)  # compared in Arrow (as Python objects, 2M floats took seconds)
+    assert same_rows(a, b)  # compared in Arrow (as Python objects, 2M floats took seconds)
     changed = values.copy()
     changed[-1] += 1.0
-    assert not _same_rows(a, table(changed))
+    assert not same_rows(a, table(changed))
 
 
 def test_a_stream_may_be_named_by_a_tuple_as_pyiceberg_allows(tmp_path: Path) -> None:

@@ -795,45 +795,45 @@ def test_a_worker_keeps_a_bounded_number_of_streams_open(tmp_path: Path, monkeyp
     """A long-lived Ray worker that wrote to many streams (one job after another) keeps the least recently used few
     open, closing the others (their threads and catalog connections); it kept every one, each with its engine and
     thread pools. A handle a forked worker inherited is forgotten there, never closed from the child."""
-    from lakestream_iceberg.integrations.ray import sink
+    from lakestream_iceberg.integrations.ray import streams
     from lakestream_iceberg.read.stream_ref import StreamRef
 
-    sink._streams.clear()  # noqa: SLF001 - what earlier tests of this process opened
+    streams._streams.clear()  # noqa: SLF001 - what earlier tests of this process opened
     released: list[object] = []
-    release = sink._release  # noqa: SLF001
+    release = streams._release  # noqa: SLF001
 
     def spy(stream: Stream) -> None:
         released.append(stream)
         release(stream)
 
-    monkeypatch.setattr(sink, "_release", spy)
+    monkeypatch.setattr(streams, "_release", spy)
     refs = []
-    for i in range(sink.MAX_OPEN_STREAMS + 3):
+    for i in range(streams.MAX_OPEN_STREAMS + 3):
         (tmp_path / f"c{i}").mkdir()
         stream = Stream.create(sqlite_catalog(str(tmp_path / f"c{i}")), f"ns.s{i}", schema=SCHEMA, world_size=2)
         refs.append(StreamRef.of(stream))
-    opened = [sink._open(ref) for ref in refs]  # noqa: SLF001
-    assert len(sink._streams) == sink.MAX_OPEN_STREAMS  # noqa: SLF001
-    kept = {id(s) for s in sink._streams.values()}  # noqa: SLF001
-    assert kept == {id(s) for s in opened[-sink.MAX_OPEN_STREAMS:]}
+    opened = [streams.open_stream(ref) for ref in refs]
+    assert len(streams._streams) == streams.MAX_OPEN_STREAMS  # noqa: SLF001
+    kept = {id(s) for s in streams._streams.values()}  # noqa: SLF001
+    assert kept == {id(s) for s in opened[-streams.MAX_OPEN_STREAMS:]}
     assert released == opened[:3]  # the least recently used, closed: threads and catalog connections
     assert opened[0].table.catalog.engine.pool.checkedin() == 0  # its catalog's engine was disposed
     assert opened[-1].table.catalog.engine.pool.checkedin() >= 1  # a kept one's was not
-    assert sink._open(refs[-1]) is opened[-1]  # noqa: SLF001 - still cached, the same handle
+    assert streams.open_stream(refs[-1]) is opened[-1]  # still cached, the same handle
     first = opened[0]
     assert "writer" not in first.__dict__ and "staging" not in first.__dict__  # closed (never used: nothing made)
     first.producer("p").commit([_rows(0, 2), _rows(2, 2)])  # an evicted handle stays usable for whoever holds it
     first.close()
-    again = sink._open(refs[0])  # noqa: SLF001 - reopened, evicting the least recently used
+    again = streams.open_stream(refs[0])  # reopened, evicting the least recently used
     assert again is not first and again.head_step() == 1
-    assert len(sink._streams) == sink.MAX_OPEN_STREAMS  # noqa: SLF001
+    assert len(streams._streams) == streams.MAX_OPEN_STREAMS  # noqa: SLF001
     # a key of another process (what a forked worker inherits) is dropped at the next open, not closed
-    inherited = next(iter(sink._streams))  # noqa: SLF001
-    sink._streams[(inherited[0] + 1, inherited[1])] = sink._streams.pop(inherited)  # noqa: SLF001
-    sink._open(refs[1])  # noqa: SLF001 - not cached: opened, and the foreign key dropped
-    assert all(pid == os.getpid() for pid, _ in sink._streams)  # noqa: SLF001
-    assert len(sink._streams) == sink.MAX_OPEN_STREAMS  # noqa: SLF001
-    sink._streams.clear()  # noqa: SLF001
+    inherited = next(iter(streams._streams))  # noqa: SLF001
+    streams._streams[(inherited[0] + 1, inherited[1])] = streams._streams.pop(inherited)  # noqa: SLF001
+    streams.open_stream(refs[1])  # not cached: opened, and the foreign key dropped
+    assert all(pid == os.getpid() for pid, _ in streams._streams)  # noqa: SLF001
+    assert len(streams._streams) == streams.MAX_OPEN_STREAMS  # noqa: SLF001
+    streams._streams.clear()  # noqa: SLF001
 
 
 def test_nulls_in_a_required_column_fail_the_task(tmp_path: Path) -> None:

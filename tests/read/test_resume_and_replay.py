@@ -66,23 +66,23 @@ def test_gc_dry_run_and_real_run_agree_on_a_null_step_row_in_a_retained_manifest
 @pytest.mark.parametrize("kind", [pa.float16(), pa.list_(pa.float16())])
 def test_a_replay_of_float16_with_nan_is_the_same_rows(kind: pa.DataType) -> None:
     pytest.importorskip("ray.data")
-    from lakestream_iceberg.integrations.ray.sink import _same_rows
+    from lakestream_iceberg.integrations.ray.replay import same_rows
 
     value = np.float16(math.nan)
     data = [value, np.float16(1)] if not pa.types.is_list(kind) else [[value], [np.float16(1)]]
     stored = pa.table({"x": pa.array(data, kind)})
-    assert _same_rows(stored, pa.table({"x": pa.array(data, kind)}))  # ArrowNotImplementedError: no half-float kernels
+    assert same_rows(stored, pa.table({"x": pa.array(data, kind)}))  # ArrowNotImplementedError: no half-float kernels
 
 
 def test_a_float16_stream_roundtrips_so_the_replay_check_sees_float16(tmp_path: Path) -> None:
     pytest.importorskip("ray.data")
-    from lakestream_iceberg.integrations.ray.sink import _same_rows
+    from lakestream_iceberg.integrations.ray.replay import same_rows
 
     schema = pa.schema([("x", pa.float16())])
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.h", schema=schema, world_size=1)
     shard16 = pa.table({"x": pa.array([np.float16(math.nan), np.float16(2)], pa.float16())})
     stream.producer("p").commit([shard16], seq=0)
-    assert _same_rows(stream.read(1, rank=0), shard16)
+    assert same_rows(stream.read(1, rank=0), shard16)
 
 
 # 1b. the fork check walks parent links from the fork's head: after retain-last commits on the fork they are broken ---
@@ -121,8 +121,8 @@ def test_a_tuple_name_with_an_empty_dotted_segment_is_a_config_error(tmp_path: P
 # 4b. latent: pc.all() of an empty array is null, so an all-empty list column reached through the cast branch differs
 def test_an_all_empty_list_column_that_needed_a_cast_is_the_same_rows() -> None:
     pytest.importorskip("ray.data")
-    from lakestream_iceberg.integrations.ray.sink import _same_rows
+    from lakestream_iceberg.integrations.ray.replay import same_rows
 
     stored = pa.table({"e": pa.array([[], None], pa.list_(pa.float32()))})
     shard64 = pa.table({"e": pa.array([[], None], pa.list_(pa.float64()))})
-    assert _same_rows(stored, shard64)  # pc.all() of an empty array is null, not True
+    assert same_rows(stored, shard64)  # pc.all() of an empty array is null, not True

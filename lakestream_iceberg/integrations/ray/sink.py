@@ -6,22 +6,18 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import threading
 import time
 import warnings
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.io.pyarrow import UnsupportedPyArrowTypeException
 from ray.data import Datasink
 from ray.data.block import BlockAccessor
 
-from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.secrets import split_secrets
 from lakestream_iceberg.errors import (
     BatchError,
@@ -29,7 +25,6 @@ from lakestream_iceberg.errors import (
     ProducerConflictError,
     ReadError,
     SchemaMismatchError,
-    StreamError,
     StreamExistsError,
 )
 from lakestream_iceberg.format.checks import check_identifier, check_int, check_new_identifier
@@ -37,8 +32,10 @@ from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
 from lakestream_iceberg.format.layout import table_arrow_schema
 from lakestream_iceberg.format.properties import WORLD_SIZE, check_properties
 from lakestream_iceberg.integrations.ray.plan import shape_write
+from lakestream_iceberg.integrations.ray.replay import same_rows
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
+from lakestream_iceberg.integrations.ray.streams import open_stream
 from lakestream_iceberg.read.stream_ref import PY_CATALOG_IMPL, StreamRef
 from lakestream_iceberg.stream import Stream
 from lakestream_iceberg.write.writer import check_producer_id
@@ -53,122 +50,6 @@ if TYPE_CHECKING:
 __all__ = ["LakestreamDatasink"]
 
 log = logging.getLogger(__name__)
-
-
-_streams: OrderedDict[tuple[int, StreamRef], Stream] = OrderedDict()  # least recently used first
-_streams_lock = threading.Lock()
-MAX_OPEN_STREAMS = 8  # per worker process: a worker that wrote to more streams closes the least recently used
-
-
-def _release(stream: Stream) -> None:
-    """Close a stream this module opened: its threads, and its catalog (the catalog's connections)."""
-    for close in (stream.close, stream.table.catalog.close):
-        try:
-            close()
-        except Exception as exc:  # noqa: BLE001 - best effort: an unreachable catalog has nothing left to close
-            log.debug("closing a cached stream failed (%s)", exc)
-
-
-def _cache(key: tuple[int, StreamRef], stream: Stream) -> list[Stream]:
-    """Keep ``stream`` (with ``_streams_lock`` held); returns the streams to release: the least recently used beyond
-    ``MAX_OPEN_STREAMS``, and forgets (never closes) those a forked worker inherited from its parent."""
-    pid = key[0]
-    for other in [k for k in _streams if k[0] != pid]:
-        del _streams[other]  # the parent's: its connections must not be touched from here
-    _streams[key] = stream
-    _streams.move_to_end(key)
-    evicted = []
-    while len(_streams) > MAX_OPEN_STREAMS:
-        evicted.append(_streams.popitem(last=False)[1])
-    return evicted
-
-
-def _open(ref: StreamRef) -> Stream:
-    """The stream, opened once per worker process (a Ray worker runs many write tasks; one catalog engine each).
-
-    A cached stream is refreshed first (one catalog pointer query on SQL catalogs): when the name now holds another
-    table (dropped and created again, e.g. between two jobs of one Ray session), it is opened again instead of
-    publishing with the old table's world size, schema and producer state."""
-    key = (os.getpid(), ref)
-    with _streams_lock:
-        stream = _streams.get(key)
-        if stream is not None:
-            _streams.move_to_end(key)
-    if stream is not None:
-        try:
-            stream.refresh()
-            return stream
-        except StreamError:  # another table under this name now: forget (and close) the old one's handle
-            with _streams_lock:
-                if _streams.get(key) is stream:
-                    del _streams[key]
-            _release(stream)
-        except Exception as exc:  # noqa: BLE001 - the catalog is busy or down for now: the commit's refresh retries
-            if not transient(exc):
-                raise
-            return stream
-    evicted: list[Stream] = []
-    with _streams_lock:
-        stream = _streams.get(key)
-        if stream is None:
-            stream = Stream.open(ref.catalog(), ref.identifier)
-            evicted = _cache(key, stream)
-    for old in evicted:  # outside the lock. A Ray worker runs one write task at a time, so nothing commits through it
-        _release(old)    # now; had it been, SQLAlchemy leaves a checked-out connection to its holder, and a stream
-    return stream        # stays usable after close() (its next use starts its threads and connections again)
-
-
-def _same_rows(stored: pa.Table, shard: pa.Table | pa.RecordBatch) -> bool:
-    """Whether a replayed shard holds the rows a step stores: column by column, NaN equal to NaN (Arrow's ``equals``
-    is IEEE: a float feature holding NaN would make every retry of a deterministic job look like a different one)."""
-    if isinstance(shard, pa.RecordBatch):
-        shard = pa.Table.from_batches([shard])
-    if stored.num_rows != shard.num_rows or stored.num_columns != shard.num_columns:
-        return False
-    for a, b in zip(stored.columns, shard.columns, strict=True):
-        if a.equals(b):
-            continue
-        if a.type != b.type:
-            try:
-                b = b.cast(a.type)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError):
-                return False
-        if not _same_array(a.combine_chunks(), b.combine_chunks()):  # only when Arrow's equals says they differ
-            return False
-    return True
-
-
-def _same_array(a: pa.Array, b: pa.Array) -> bool:
-    """``a.equals(b)`` with NaN equal to NaN, in Arrow for floats and lists of floats (embeddings: no Python objects);
-    other nested types (maps, structs) compare as Python values."""
-    if len(a) != len(b) or a.null_count != b.null_count or not _every(pc.equal(a.is_null(), b.is_null())):
-        return False
-    if pa.types.is_floating(a.type):
-        if a.type == pa.float16():  # no half-float compute kernels: float32 holds every half-float value, NaN too
-            a, b = a.cast(pa.float32()), b.cast(pa.float32())
-        return _every(pc.or_(pc.equal(a, b), pc.and_(pc.is_nan(a), pc.is_nan(b))))
-    if pa.types.is_list(a.type) or pa.types.is_large_list(a.type) or pa.types.is_fixed_size_list(a.type):
-        if not _every(pc.equal(pc.list_value_length(a), pc.list_value_length(b))):
-            return False
-        return _same_array(pc.list_flatten(a), pc.list_flatten(b))
-    if a.equals(b):
-        return True
-    return _same_values(a.to_pylist(), b.to_pylist())
-
-
-def _every(mask: pa.Array) -> bool:
-    """Every value of a boolean array is true; nulls (positions null in both sides) and an empty array count as true."""
-    return pc.all(pc.fill_null(mask, True)).as_py() is not False
-
-
-def _same_values(a: object, b: object) -> bool:
-    if isinstance(a, float) and isinstance(b, float):
-        return a == b or (a != a and b != b)  # NaN == NaN here
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # maps come back as lists of (key, value)
-        return type(a) is type(b) and len(a) == len(b) and all(_same_values(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same_values(a[k], b[k]) for k in a)
-    return type(a) is type(b) and a == b
 
 
 def _icebergable(schema: pa.Schema, where: str, source: str) -> None:
@@ -473,7 +354,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         here from the first block this task writes (what the sink receives, after every fused map): tasks that race
         to create it agree on one (``Stream.create`` opens the winner's), and each block is then checked against it."""
         try:
-            return _open(self._ref), tables
+            return open_stream(self._ref), tables
         except NoSuchTableError:
             if not self.create:
                 raise ConfigError(f"{where}: the stream does not exist (dropped while the job ran?); create it with "
@@ -491,7 +372,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
                           world_size=self.world_size or 1, properties=self.properties or None)
         except StreamExistsError:
             pass  # another task created it from its first block (other nullability, or another schema: conform says)
-        stream = _open(self._ref)
+        stream = open_stream(self._ref)
         self._check_against(stream)
         return stream, itertools.chain([first], tables)
 
@@ -553,6 +434,6 @@ class LakestreamDatasink(Datasink[TaskReport]):
                     stored = stream.read(step, rank=rank, branch=self.branch)
                 except ReadError:
                     return ""  # collected by GC meanwhile
-                if not _same_rows(stored, shard):
+                if not same_rows(stored, shard):
                     return f"other rows for rank {rank} than this run formed (same counts, {replayed})"
         return ""
