@@ -49,16 +49,13 @@ snapshot while a lakestream commit that expires it is in flight; Iceberg's own s
 from __future__ import annotations
 
 import logging
-import posixpath
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
-from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
@@ -71,22 +68,19 @@ from pyiceberg.table.update import (
     TableUpdate,
 )
 
-from lakestream_iceberg.connect.positions import POSITIONS_DIR, PositionStore
-from lakestream_iceberg.connect.storage import list_files
+from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, CorruptStateError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints, on_timeline
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
 from lakestream_iceberg.format.lineage import branch_state, lineage
-from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
-from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION, GC_ENABLED
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.format.table import after_gc
+from lakestream_iceberg.lifecycle.sweep import Swept, kept_after_dry_run, known_files, norm, referenced_files, sweep
 from lakestream_iceberg.write.commit import CommitLoop
-from lakestream_iceberg.write.intent import STAGING_DIR
 from lakestream_iceberg.write.plan import Done, Plan
 
 if TYPE_CHECKING:
@@ -251,69 +245,6 @@ def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Don
     return Plan((RemoveSnapshotsUpdate(snapshot_ids=expired),), tuple(requirements), len(expired), [])
 
 
-def norm(path: str) -> str:
-    """A path without its scheme, so that ``file:/x``, ``file:///x`` and ``/x`` compare equal."""
-    parsed = urlparse(path)
-    return posixpath.normpath(f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).lstrip("/")
-
-
-def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: StreamTable,
-                     skip: frozenset[int] = frozenset()) -> set[str]:
-    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references, and the
-    statistics files that the metadata lists (Puffin files of another engine: Spark's compute_table_stats, Trino's
-    ANALYZE): no manifest lists them, and Iceberg's orphan removal keeps them. Expiring a snapshot (``skip``: a dry run's
-    expiry) drops its table statistics from the metadata; pyiceberg leaves its partition statistics listed."""
-    out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
-    out.update(s.statistics_path for s in metadata.statistics if s.snapshot_id not in skip)
-    out.update(s.statistics_path for s in metadata.partition_statistics)
-    seen: set[str] = set()  # retained snapshots share most manifests: each is read once, not once per snapshot
-    for snapshot in metadata.snapshots:
-        if snapshot.snapshot_id in skip:
-            continue
-        out.add(snapshot.manifest_list)
-        out.update(StreamState.of(snapshot).producer_files)  # producer-state files (format/producers.py)
-        for manifest in stream.cache.manifests(io, snapshot):
-            if manifest.manifest_path in seen:
-                continue
-            seen.add(manifest.manifest_path)
-            out.add(manifest.manifest_path)
-            out.update(e.data_file.file_path for e in stream.cache.entries(io, manifest))
-    return {norm(p) for p in out if p}
-
-
-def kept_after_dry_run(stream: StreamTable, metadata: TableMetadata, metadata_location: str, report: GCReport,
-                       collected: dict[str, tuple[Snapshot, int]], expired: set[int]) -> set[str]:
-    """What a real run would leave referenced: retained snapshots, plus the collected heads' surviving steps."""
-    keep = referenced_files(stream.io, metadata, metadata_location, stream, skip=frozenset(expired))
-    for head, cutoff in collected.values():
-        keep.update(norm(p) for p in StreamState.of(head).producer_files)  # the collecting snapshot lists them too
-        for manifest in stream.cache.manifests(stream.io, head):
-            bounds = step_bounds(manifest)
-            whole = bounds is not None and bounds[0] >= cutoff  # a real run keeps it as it is, every entry with it
-            if whole:
-                keep.add(norm(manifest.manifest_path))
-            keep.update(norm(e.data_file.file_path) for e in stream.cache.entries(stream.io, manifest)
-                        if whole or (entry_step(e.data_file) or 0) >= cutoff)
-    return keep
-
-
-def _kind(path: str) -> str:
-    name = path.rsplit("/", 1)[-1]
-    if f"/data/{STAGING_DIR}/" in path:
-        return "intent"
-    if f"/data/{PRODUCERS_DIR}/" in path:
-        return "producer-state"
-    if "/data/" in path and name.endswith(".parquet"):
-        return "data"
-    if name.endswith(".metadata.json"):
-        return "metadata"
-    if name.startswith("snap-") and name.endswith(".avro"):
-        return "manifest-list"
-    if name.endswith(".avro"):
-        return "manifest"
-    return "other"
-
-
 def awaiting_rebase(metadata: TableMetadata) -> list[str]:
     """The branches whose head's lineage was expired below its foreign snapshots before any lakestream snapshot (e.g.
     Spark's ``rewrite_manifests`` then ``expire_snapshots(retain_last => 1)``): ``repair()`` re-bases them on the state
@@ -329,40 +260,6 @@ def awaiting_rebase(metadata: TableMetadata) -> list[str]:
         if broken:
             out.append(branch)
     return out
-
-
-def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str], report: GCReport,
-          grace_s: float, delete: bool, keep_producer_state: bool = False) -> None:
-    """Delete unreferenced files under the table location; files no metadata ever referenced need to age first.
-    ``keep_producer_state``: delete no producer-state file (a branch awaits a repair that re-bases on old ones)."""
-    location = location.rstrip("/") + "/"
-    root = norm(location) + "/"
-    cutoff = time.time() - grace_s
-    counts: dict[str, int] = defaultdict(int)
-    sizes: dict[str, int] = defaultdict(int)
-    for path, size, mtime in list_files(stream.io, location):
-        key = norm(path)
-        if key in keep or not key.startswith(root) or f"/data/{POSITIONS_DIR}/" in path:
-            continue  # position objects expire a group at a time (_expire_positions), not a file at a time
-        if keep_producer_state and f"/data/{PRODUCERS_DIR}/" in path:
-            continue
-        if key not in known and mtime > cutoff:
-            report.files_in_grace += 1
-            continue
-        kind = _kind(path)
-        if delete:
-            try:
-                stream.io.delete(path)
-            except FileNotFoundError:
-                continue
-        counts[kind] += 1
-        sizes[kind] += size
-    report.files_deleted, report.bytes_deleted = dict(counts), dict(sizes)
-
-
-def known_files(stream: StreamTable, metadata: TableMetadata) -> set[str]:
-    """Files some snapshot of ``metadata`` references (so they were committed, not in flight)."""
-    return referenced_files(stream.io, metadata, "", stream)
 
 
 def snapshots_expired(plan: Plan[GCReport]) -> set[int]:
@@ -451,12 +348,12 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         def survey(metadata: TableMetadata) -> tuple[Plan[GCReport], set[str]]:
             plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
                                                      write=False)
-            return plan, kept_after_dry_run(stream, metadata, stream.table.metadata_location, plan.result, collected,
+            return plan, kept_after_dry_run(stream, metadata, stream.table.metadata_location, collected,
                                             snapshots_expired(plan) | deferred)
 
         plan, keep = after_gc(lambda: survey(metadata), refresh=lambda: None, again=lambda: survey(head()))
-        sweep(stream, location=metadata.location, keep=keep, known=known, report=plan.result, grace_s=grace_s,
-              delete=False, keep_producer_state=bool(rebase))
+        _record(plan.result, sweep(stream, location=metadata.location, keep=keep, known=known, grace_s=grace_s,
+                                   delete=False, keep_producer_state=bool(rebase)))
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
         _expire_positions(stream, plan.result, metadata, retention_s=positions_s, delete=False)
         return plan.result
@@ -471,11 +368,16 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
                     refresh=lambda: None,
                     again=lambda: referenced_files(stream.io, head(), stream.table.metadata_location, stream))
     known |= {norm(p) for p in outcome.abandoned_files}
-    sweep(stream, location=expiry.metadata.location, keep=keep, known=known, report=report, grace_s=grace_s, delete=True,
-          keep_producer_state=bool(rebase))
+    _record(report, sweep(stream, location=expiry.metadata.location, keep=keep, known=known, grace_s=grace_s,
+                          delete=True, keep_producer_state=bool(rebase)))
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
     _expire_positions(stream, report, expiry.metadata, retention_s=positions_s, delete=True)
     return report
+
+
+def _record(report: GCReport, swept: Swept) -> None:
+    report.files_deleted, report.bytes_deleted = swept.files_deleted, swept.bytes_deleted
+    report.files_in_grace += swept.files_in_grace
 
 
 def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, retention_s: float,

@@ -1,0 +1,141 @@
+"""The files side of lifecycle GC: which files the table's metadata references, and the sweep that deletes the others
+under the table's location (see :mod:`lakestream_iceberg.lifecycle.gc` for what is retained and why).
+
+A file that some snapshot references was committed; one that no metadata ever referenced (a crashed producer's
+staged shards, a lost compare-and-swap's manifests) may belong to a commit still in flight, so the sweep deletes it only
+once it is older than the grace period. Paths compare without their scheme (:func:`norm`).
+"""
+
+from __future__ import annotations
+
+import posixpath
+import time
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from urllib.parse import urlparse
+
+from pyiceberg.io import FileIO
+from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
+
+from lakestream_iceberg.connect.positions import POSITIONS_DIR
+from lakestream_iceberg.connect.storage import list_files
+from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
+from lakestream_iceberg.format.producers import PRODUCERS_DIR
+from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.write.intent import STAGING_DIR
+
+if TYPE_CHECKING:
+    from lakestream_iceberg.format.table import StreamTable
+
+__all__ = ["Swept", "kept_after_dry_run", "known_files", "norm", "referenced_files", "sweep"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Swept:
+    """What a sweep deleted (or, in a dry run, would delete), by kind of file, and the unreferenced files it left to age."""
+
+    files_deleted: dict[str, int]
+    bytes_deleted: dict[str, int]
+    files_in_grace: int
+
+
+def norm(path: str) -> str:
+    """A path without its scheme, so that ``file:/x``, ``file:///x`` and ``/x`` compare equal."""
+    parsed = urlparse(path)
+    return posixpath.normpath(f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).lstrip("/")
+
+
+def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: StreamTable,
+                     skip: frozenset[int] = frozenset()) -> set[str]:
+    """Every file (normalised, see :func:`norm`) that the metadata log or a snapshot not in ``skip`` references, and the
+    statistics files that the metadata lists (Puffin files of another engine: Spark's compute_table_stats, Trino's
+    ANALYZE): no manifest lists them, and Iceberg's orphan removal keeps them. Expiring a snapshot (``skip``: a dry run's
+    expiry) drops its table statistics from the metadata; pyiceberg leaves its partition statistics listed."""
+    out = {metadata_location, *(e.metadata_file for e in metadata.metadata_log)}
+    out.update(s.statistics_path for s in metadata.statistics if s.snapshot_id not in skip)
+    out.update(s.statistics_path for s in metadata.partition_statistics)
+    seen: set[str] = set()  # retained snapshots share most manifests: each is read once, not once per snapshot
+    for snapshot in metadata.snapshots:
+        if snapshot.snapshot_id in skip:
+            continue
+        out.add(snapshot.manifest_list)
+        out.update(StreamState.of(snapshot).producer_files)  # producer-state files (format/producers.py)
+        for manifest in stream.cache.manifests(io, snapshot):
+            if manifest.manifest_path in seen:
+                continue
+            seen.add(manifest.manifest_path)
+            out.add(manifest.manifest_path)
+            out.update(e.data_file.file_path for e in stream.cache.entries(io, manifest))
+    return {norm(p) for p in out if p}
+
+
+def kept_after_dry_run(stream: StreamTable, metadata: TableMetadata, metadata_location: str,
+                       collected: Mapping[str, tuple[Snapshot, int]], expired: set[int]) -> set[str]:
+    """What a real run would leave referenced: retained snapshots, plus the collected heads' surviving steps."""
+    keep = referenced_files(stream.io, metadata, metadata_location, stream, skip=frozenset(expired))
+    for head, cutoff in collected.values():
+        keep.update(norm(p) for p in StreamState.of(head).producer_files)  # the collecting snapshot lists them too
+        for manifest in stream.cache.manifests(stream.io, head):
+            bounds = step_bounds(manifest)
+            whole = bounds is not None and bounds[0] >= cutoff  # a real run keeps it as it is, every entry with it
+            if whole:
+                keep.add(norm(manifest.manifest_path))
+            keep.update(norm(e.data_file.file_path) for e in stream.cache.entries(stream.io, manifest)
+                        if whole or (entry_step(e.data_file) or 0) >= cutoff)
+    return keep
+
+
+def _kind(path: str) -> str:
+    name = path.rsplit("/", 1)[-1]
+    if f"/data/{STAGING_DIR}/" in path:
+        return "intent"
+    if f"/data/{PRODUCERS_DIR}/" in path:
+        return "producer-state"
+    if "/data/" in path and name.endswith(".parquet"):
+        return "data"
+    if name.endswith(".metadata.json"):
+        return "metadata"
+    if name.startswith("snap-") and name.endswith(".avro"):
+        return "manifest-list"
+    if name.endswith(".avro"):
+        return "manifest"
+    return "other"
+
+
+def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str], grace_s: float, delete: bool,
+          keep_producer_state: bool = False) -> Swept:
+    """Delete unreferenced files under the table location (``delete=False``: count them only); files no metadata ever
+    referenced (``known``) need to be older than ``grace_s`` first. ``keep_producer_state``: delete no producer-state
+    file (a branch awaits a repair that re-bases on old ones)."""
+    location = location.rstrip("/") + "/"
+    root = norm(location) + "/"
+    cutoff = time.time() - grace_s
+    counts: dict[str, int] = defaultdict(int)
+    sizes: dict[str, int] = defaultdict(int)
+    in_grace = 0
+    for path, size, mtime in list_files(stream.io, location):
+        key = norm(path)
+        if key in keep or not key.startswith(root) or f"/data/{POSITIONS_DIR}/" in path:
+            continue  # position objects expire a group at a time (GC's consumer retention), not a file at a time
+        if keep_producer_state and f"/data/{PRODUCERS_DIR}/" in path:
+            continue
+        if key not in known and mtime > cutoff:
+            in_grace += 1
+            continue
+        kind = _kind(path)
+        if delete:
+            try:
+                stream.io.delete(path)
+            except FileNotFoundError:
+                continue
+        counts[kind] += 1
+        sizes[kind] += size
+    return Swept(files_deleted=dict(counts), bytes_deleted=dict(sizes), files_in_grace=in_grace)
+
+
+def known_files(stream: StreamTable, metadata: TableMetadata) -> set[str]:
+    """Files some snapshot of ``metadata`` references (so they were committed, not in flight)."""
+    return referenced_files(stream.io, metadata, "", stream)
