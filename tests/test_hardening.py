@@ -637,6 +637,80 @@ def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_d
     assert [digest(stream.read(result.step, rank=r)) for r in range(WORLD)] == [digest(t) for t in batch("b", 2, WORLD)]
 
 
+def test_4f_a_live_twins_batch_staged_after_the_producer_was_made_is_a_conflict_not_a_duplicate(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """Two live processes with one id: the producer "b" was made (a restart, while the old process still runs); the old
+    one then stages its own seq 2, and another producer's commit carries it while "b" commits seq 2. That batch cannot
+    be an earlier incarnation's: it was staged after "b" was made. "b" must be told (``ProducerConflictError``), not
+    answered ``duplicate=True`` while its batch is dropped."""
+    stream = make(catalog, **staging)
+    a, _ = both_active(stream)
+    restarted = stream.producer("b")
+    twin = stream.writer.write(producer="b", seq=2, shards=[shard("b", 2, r, rows=3) for r in range(WORLD)])  # the twin's
+    stream.staging.stage(branch="main", batch=twin, allow_gap=False)
+    original = stream.writer.write
+    fired: list[bool] = []
+
+    def write_then_a_commits(**kwargs: Any) -> Any:
+        staged = original(**kwargs)
+        if not fired:  # after b's files are written, before it plans: a's commit carries the twin's intent
+            fired.append(True)
+            a.commit(batch("a", 2, WORLD))
+        return staged
+
+    stream.writer.write = write_then_a_commits  # type: ignore[method-assign]
+    try:
+        with pytest.raises(ProducerConflictError, match="'b' seq 2"):
+            restarted.commit(batch("b", 2, WORLD))
+    finally:
+        del stream.writer.write
+    assert fired
+    carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
+    assert len(carried) == 1 and carried[0]["lakestream.token"] == twin.token
+
+
+def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(catalog: SqlCatalog,
+                                                                            staging: dict[str, str]) -> None:
+    """The same producer's own earlier call of seq 2 failed after staging (its outcome unknown to the caller), and a
+    commit of another producer carries that batch while the call is retried: the retry gets ``duplicate=True``, not a
+    conflict, though the batch was staged after the producer was made."""
+    stream = make(catalog, **staging)
+    a, b = both_active(stream)
+    stage = stream.staging.stage
+    staged_first: list[Any] = []
+
+    def stage_then_fail(**kwargs: Any) -> Any:
+        staged_first.append(stage(**kwargs))
+        raise RuntimeError("the host lost its network after staging (the caller cannot tell whether it lands)")
+
+    stream.staging.stage = stage_then_fail  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="lost its network"):
+            b.commit(batch("b", 2, WORLD))
+    finally:
+        del stream.staging.stage
+    assert staged_first and stream.staging.exists(staged_first[0].path)  # it stays staged: a commit may carry it
+    original = stream.writer.write
+    fired: list[bool] = []
+
+    def write_then_a_commits(**kwargs: Any) -> Any:
+        staged = original(**kwargs)
+        if not fired:  # the retry's files are written; a's commit carries the first call's intent before it plans
+            fired.append(True)
+            a.commit(batch("a", 2, WORLD))
+        return staged
+
+    stream.writer.write = write_then_a_commits  # type: ignore[method-assign]
+    try:
+        result = b.commit(batch("b", 2, WORLD))
+    finally:
+        del stream.writer.write
+    assert fired
+    carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
+    assert len(carried) == 1 and carried[0]["lakestream.token"] == staged_first[0].batch.token
+    assert result.duplicate and result.step == int(carried[0]["lakestream.step"])
+
+
 def test_4g_a_carried_batch_records_its_token_and_when_it_was_staged(catalog: SqlCatalog, staging: dict[str, str]) -> None:
     stream = make(catalog, **staging)
     a, _ = both_active(stream)

@@ -38,7 +38,6 @@ class Submitted(Generic[T]):
     seq: int
     payload: T
     submitted_at: float  # time.monotonic()
-    began_at: float  # time.time()
 
 
 @dataclass(kw_only=True)

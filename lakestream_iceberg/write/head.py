@@ -76,10 +76,11 @@ class ProducerHead:
         return find_published(self.stream, metadata, self.state(metadata), producer_id=self.producer_id,
                               branch=self.branch, seq=seq)
 
-    def check_publisher(self, metadata: TableMetadata, found: Found, staged: StagedBatch, *, since: float) -> bool:
+    def check_publisher(self, metadata: TableMetadata, found: Found, staged: StagedBatch, *, since: float,
+                        earlier: frozenset[str] = frozenset()) -> bool:
         """Whether the snapshot that published ``found`` holds ``staged`` (see :func:`check_publisher`)."""
         return check_publisher(self.stream.io, metadata, found, staged, producer_id=self.producer_id,
-                               branch=self.branch, since=since)
+                               branch=self.branch, since=since, earlier=earlier)
 
     def opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or

@@ -109,19 +109,23 @@ class BatchPlanner:
         staged: The batch, its data files written.
         seq: Its producer sequence number, checked against the head on every plan.
         allow_gap: Whether ``seq`` may skip past the producer's next one.
-        began_at: When the call began (unix seconds): a batch of this seq staged before is an earlier incarnation's.
+        since: When the producer was made (unix seconds): a batch of this seq staged before is an earlier
+            incarnation's; one staged later is another live writer's.
+        earlier: Tokens of this producer's own earlier calls of this seq that failed after writing: batches of them
+            are its own, not another writer's.
         intent: The batch's intent when it is staged already (None: committed alone until :meth:`escalate`).
     """
 
     def __init__(self, *, head: ProducerHead, staging: StagingArea, policy: CommitPolicy, staged: StagedBatch, seq: int,
-                 allow_gap: bool, began_at: float, intent: Intent | None) -> None:
+                 allow_gap: bool, since: float, earlier: frozenset[str] = frozenset(), intent: Intent | None) -> None:
         self._head = head
         self._staging = staging
         self._policy = policy
         self._staged = staged
         self._seq = seq
         self._allow_gap = allow_gap
-        self._began_at = began_at
+        self._since = since
+        self._earlier = earlier
         self._max_age_s = head.stream.config.staged_max_age_s  # half the GC grace period
         self.intent: Intent | None = None
         self.staged_at = 0.0
@@ -143,7 +147,7 @@ class BatchPlanner:
         if (found := self._head.published(metadata, self._seq)) is not None:
             # Published meanwhile: carried by another producer's group commit, or our own commit whose outcome was
             # unknown landed after all (both: our token), or an earlier incarnation's staged batch was carried.
-            mine = self._head.check_publisher(metadata, found, self._staged, since=self._began_at)
+            mine = self._head.check_publisher(metadata, found, self._staged, since=self._since, earlier=self._earlier)
             return Done(Published(**found, duplicate=self.intent is None or not mine))
         self._head.check_seq(self._seq, current, self._allow_gap)
         return self._plan_group(metadata, current, attempt)

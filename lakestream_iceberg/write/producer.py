@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -107,6 +108,9 @@ class _Checked:
     allow_gap: bool
 
 
+UNSETTLED_KEPT = 64  # the calls that failed after writing whose batches a producer still recognises as its own
+
+
 class Producer:
     """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`;
     the constructor's arguments (the stream, the branch, its commit loop, writer and staging area) are internal.
@@ -135,6 +139,12 @@ class Producer:
         self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
         self._closed = False  # close() was called: no more commits or submits
         self._pid = os.getpid()  # the process whose committer thread and lock these are (see _own)
+        # A batch of this id staged before this producer was made may be an earlier incarnation's (a dead process
+        # whose intent is carried while its restart commits the same seq): a duplicate. One staged later is another
+        # live writer's, unless it is this producer's own from a call that failed after staging (its outcome unknown
+        # to the caller, who retries the seq): those calls' (seq, token), the last few.
+        self._made_at = time.time()
+        self._unsettled: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -186,10 +196,10 @@ class Producer:
             with self._lock:
                 if self._queue is None:
                     self._refuse_closed()
-                    started, began_at = time.monotonic(), time.time()
+                    started = time.monotonic()
                     checked = self._check(shards, seq=seq, allow_gap=allow_gap)
                     with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
-                        return self._commit(checked, seq=checked.seq, started=started, began_at=began_at)
+                        return self._commit(checked, seq=checked.seq, started=started)
         # submit() was used: the batch queues behind the submitted ones, in order, and this call waits for it
         self._queue.refuse_own_thread("commit() after a submit")  # a done-callback would wait for its own thread
         return self.submit(shards, seq=seq, allow_gap=allow_gap).result()
@@ -241,7 +251,7 @@ class Producer:
                 is free: it would wait for that thread itself. :meth:`flush`, :meth:`close` and :meth:`commit` (after a
                 submit) refuse such a callback in the same way.
         """
-        submitted_at, began_at = time.monotonic(), time.time()
+        submitted_at = time.monotonic()
         self._own()
         timeout_s = _check_timeout(timeout_s)
         checked = self._check(shards, seq=seq, allow_gap=allow_gap)
@@ -257,7 +267,7 @@ class Producer:
                     f"{self._next_submit} (the one after its last submitted batch, or the table's next seq before its "
                     "first submit); pass seq=None to take it, or allow_gap=True to skip on purpose")
             self._next_submit = max(self._next_submit, taken + 1)
-            return Submitted(seq=taken, payload=checked, submitted_at=submitted_at, began_at=began_at)
+            return Submitted(seq=taken, payload=checked, submitted_at=submitted_at)
 
         return self._queue.put(take_seq, timeout_s=timeout_s)
 
@@ -349,7 +359,7 @@ class Producer:
 
     def _publish_submitted(self, job: Submitted[_Checked]) -> CommitResult:
         with self._lock, config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
-            return self._commit(job.payload, seq=job.seq, started=job.submitted_at, began_at=job.began_at)
+            return self._commit(job.payload, seq=job.seq, started=job.submitted_at)
 
     def _check(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> _Checked:
         """The batch checked against the stream before anything is written: raises a BatchError when malformed."""
@@ -361,14 +371,14 @@ class Producer:
         shards, whole = check_batch(shards, world_size=stream.world_size, expected=stream.payload_arrow_schema)
         return _Checked(shards=shards, whole=whole, seq=seq, allow_gap=allow_gap)
 
-    def _commit(self, checked: _Checked, *, seq: int | None, started: float, began_at: float) -> CommitResult:
+    def _commit(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
         """Publish a checked batch (both :meth:`commit` and the committer thread of :meth:`submit` come here), and
         record it in the commit metrics (:mod:`lakestream_iceberg.connect.metrics`; nothing without the extra)."""
-        result = self._publish_checked(checked, seq=seq, started=started, began_at=began_at)
+        result = self._publish_checked(checked, seq=seq, started=started)
         observe_commit(result, stream=self._stream.name, branch=self.branch, staging=self._staging)
         return result
 
-    def _publish_checked(self, checked: _Checked, *, seq: int | None, started: float, began_at: float) -> CommitResult:
+    def _publish_checked(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
         allow_gap = checked.allow_gap
         opened = self._open(seq, allow_gap)
         if isinstance(opened, CommitResult):
@@ -377,10 +387,15 @@ class Producer:
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
         staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked.shards, whole=checked.whole)
-        intent = stage_batch(self._staging, self._head, staged, allow_gap) if self._stages() else None
-        planner = BatchPlanner(head=self._head, staging=self._staging, policy=self._loop.policy, staged=staged, seq=seq,
-                               allow_gap=allow_gap, began_at=began_at, intent=intent)
-        outcome = self._publish(planner)
+        try:
+            intent = stage_batch(self._staging, self._head, staged, allow_gap) if self._stages() else None
+            planner = BatchPlanner(head=self._head, staging=self._staging, policy=self._loop.policy, staged=staged,
+                                   seq=seq, allow_gap=allow_gap, since=self._made_at,
+                                   earlier=frozenset(t for s, t in self._unsettled if s == seq), intent=intent)
+            outcome = self._publish(planner)
+        except BaseException:
+            self._unsettled.append((seq, staged.token))  # staged or sent: it may still be published (see __init__)
+            raise
         published = outcome.result
         if outcome.peeked:
             self._peeked_next = seq + 1

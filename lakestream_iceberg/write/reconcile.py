@@ -84,29 +84,30 @@ def _lower_seq_live(stream: StreamTable, metadata: TableMetadata, branch: str, p
 
 
 def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: StagedBatch, *, producer_id: str,
-                    branch: str, since: float) -> bool:
+                    branch: str, since: float, earlier: frozenset[str] = frozenset()) -> bool:
     """Whether the snapshot that published (producer, seq) holds ``staged``, the batch this call wrote.
 
-    False: it holds an earlier incarnation's batch of that seq, staged before this call began (``since``, unix seconds)
-    and carried by another producer's commit; the call's seq is then a duplicate. True also when nothing can be compared
-    (the snapshot expired, or predates recorded tokens).
+    False: it holds a batch of that seq that is not another live writer's, carried by another producer's commit: an
+    earlier incarnation's, staged before this producer was made (``since``, unix seconds), or this producer's own from
+    an earlier call that failed after writing (its token in ``earlier``); the call's seq is then a duplicate. True also
+    when nothing can be compared (the snapshot expired, or predates recorded tokens).
 
     Raises:
-        ProducerConflictError: It holds a batch staged or committed while this call ran: another live writer uses the
-            same producer id (this call's files are deleted first: nothing refers to them).
+        ProducerConflictError: It holds a batch staged or committed since this producer was made, by no call of it:
+            another live writer uses the same producer id (this call's files are deleted first: nothing refers to them).
     """
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
     state = StreamState.of(snapshot)
     if snapshot is None or state.token is None or state.token == staged.token:
         return True
-    if state.staged_at_ms is not None and state.staged_at_ms / 1000 < since:
+    if state.token in earlier or (state.staged_at_ms is not None and state.staged_at_ms / 1000 < since):
         return False
     for f in staged.files:
         try:
             io.delete(f.path)
         except Exception:  # noqa: BLE001 - GC collects it after the grace period
             pass
-    how = (f"staged at {state.staged_at_ms / 1000:.3f} (unix s), after this call began at {since:.3f}"
+    how = (f"staged at {state.staged_at_ms / 1000:.3f} (unix s), after this producer was made at {since:.3f}"
            if state.staged_at_ms is not None else "committed directly by a producer with the same id")
     raise ProducerConflictError(
         f"producer {producer_id!r} seq {staged.seq} on branch {branch!r} was published as step {found['step']} "
