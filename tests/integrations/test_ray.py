@@ -207,6 +207,32 @@ def test_two_attempts_of_a_task_committing_the_same_step_at_once_do_not_fail_the
         assert stream.producer(producer_id("z", trial)).next_seq == 2
 
 
+@pytest.mark.parametrize("verify", ["rows", "counts", "off"])
+def test_a_seq_another_attempt_published_at_the_same_moment_is_checked_as_verify_replays_says(
+        tmp_path: Path, verify: str) -> None:
+    """Another attempt of the task (a zombie) published the seq with other rows of the same counts while this attempt
+    committed it (``ProducerConflictError``). That is settled as any replay of the job is: ``verify_replays="rows"``
+    fails the task, ``"counts"`` and ``"off"`` take the published step (a job that asked for no row check is not failed
+    by one only because the replay came at the same moment)."""
+    from lakestream_iceberg.errors import ProducerConflictError
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.z", schema=SCHEMA, world_size=2)
+    name = producer_id("z", 0)
+    stream.producer(name).commit([_rows(0, 2), _rows(2, 2)])  # the zombie's batch of seq 0
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.z", run_name="z", rows_per_step=4, verify_replays=verify)
+    mine = [_rows(10, 2), _rows(12, 2)]  # the same counts, other rows (a job whose preprocessing is not seeded)
+    conflict = ProducerConflictError("published at the same moment by another writer")
+    settle = sink._settle_conflict  # noqa: SLF001 - the rule for a seq raced by another attempt, without racing one
+    if verify == "rows":
+        with pytest.raises(ProducerConflictError, match="other rows"):
+            settle(stream, stream.producer(name), mine, 0, "task 0", conflict)
+    else:
+        result = settle(stream, stream.producer(name), mine, 0, "task 0", conflict)
+        assert result.duplicate and result.step == 1
+    assert stream.head_step() == 1 and stream.read(1, rank=0).column("id").to_pylist() == [0, 1]
+
+
 def test_rank_column_step_fn_and_schema_errors(tmp_path: Path) -> None:
     catalog = sqlite_catalog(str(tmp_path))
     Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)

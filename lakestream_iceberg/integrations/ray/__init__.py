@@ -74,11 +74,13 @@ deaths (a worker killed mid-commit leaves an outcome-unknown commit or a staged 
 seq is reconciled from the table, see docs/concepts.md, "Group commit").
 
 **A zombie attempt.** A worker whose node is lost can outlive its raylet for a moment and keep publishing while Ray
-starts the retry elsewhere. When both attempts commit the same seq at the same moment, the loser's commit finds that
-seq published under its producer id with a batch it did not write (``ProducerConflictError``: two processes with one
-producer id committing an identical batch lost this race in 20 of 20 trials, and the job failed). The sink then reads
-the published step back: the same rows are a replay (counted in ``TaskReport.duplicates`` and ``TaskReport.raced``);
-other rows are a real conflict (two jobs running under one run name) and fail the task with ``ProducerConflictError``.
+starts the retry elsewhere. When both attempts commit the same seq at the same moment, or the zombie stages a seq
+after the retry began, the retry's commit finds that seq published under its producer id with a batch it did not
+write (``ProducerConflictError``: two processes with one producer id committing an identical batch lost this race in
+20 of 20 trials, and the job failed). The sink then checks the published step as it checks any replay
+(``verify_replays``): the same rows (``"rows"``, the default) or rows per rank (``"counts"``) are a replay (counted in
+``TaskReport.duplicates`` and ``TaskReport.raced``); others are a real conflict (two jobs running under one run name)
+and fail the task with ``ProducerConflictError``. With ``"off"`` the published step is taken as it is.
 
 **Re-running a job** (the driver died, or the job is run again) with the **same run name** publishes nothing twice
 provided each ``task_idx`` receives the same rows in the same order as before. That holds when
