@@ -14,6 +14,7 @@ intents, 5 GC grace vs commit timeout, 6 secrets, 7 dataset after GC, 8 step 0 /
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -608,6 +609,27 @@ def test_4e_producer_whose_seq_was_published_with_foreign_data_does_not_report_s
     )
 
 
+@contextlib.contextmanager
+def carried_while_writing(stream: Stream, carrier: Any) -> Iterator[list[bool]]:
+    """Within the block, the first batch written (after its files, before its commit plans) lets ``carrier`` commit
+    first: that commit carries whatever intents are staged. Yields a list that holds True once it happened."""
+    original = stream.writer.write
+    fired: list[bool] = []
+
+    def write_then_carry(**kwargs: Any) -> Any:
+        staged = original(**kwargs)
+        if not fired:
+            fired.append(True)  # first: the carrier's own write comes through here too
+            carrier.commit(batch(carrier.producer_id, 2, stream.world_size))
+        return staged
+
+    stream.writer.write = write_then_carry  # type: ignore[method-assign]
+    try:
+        yield fired
+    finally:
+        del stream.writer.write
+
+
 def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_duplicate(catalog: SqlCatalog, staging: dict[str, str]) -> None:
     """A producer that staged seq 2 and died; its restart commits seq 2 again while another producer's commit carries
     the dead incarnation's intent: the restart gets ``duplicate=True`` and the carried step, not an error."""
@@ -615,21 +637,8 @@ def test_4f_an_earlier_incarnations_staged_batch_carried_during_a_restart_is_a_d
     a, _ = both_active(stream)
     dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
     stream.staging.stage(branch="main", batch=dead, allow_gap=False)
-    original = stream.writer.write
-    fired: list[bool] = []
-
-    def write_then_a_commits(**kwargs: Any) -> Any:
-        staged = original(**kwargs)
-        if not fired:  # after the restart's files are written, before it plans: a's commit carries the old intent
-            fired.append(True)  # first: a's own write comes through here too
-            a.commit(batch("a", 2, WORLD))
-        return staged
-
-    stream.writer.write = write_then_a_commits  # type: ignore[method-assign]
-    try:
+    with carried_while_writing(stream, a) as fired:  # b's files are written; a's commit carries the staged one
         result = stream.producer("b").commit(batch("b", 2, WORLD))
-    finally:
-        del stream.writer.write
     assert fired
     carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
     assert len(carried) == 1 and carried[0]["lakestream.token"] == dead.token
@@ -648,22 +657,9 @@ def test_4f_a_live_twins_batch_staged_after_the_producer_was_made_is_a_conflict_
     restarted = stream.producer("b")
     twin = stream.writer.write(producer="b", seq=2, shards=[shard("b", 2, r, rows=3) for r in range(WORLD)])  # the twin's
     stream.staging.stage(branch="main", batch=twin, allow_gap=False)
-    original = stream.writer.write
-    fired: list[bool] = []
-
-    def write_then_a_commits(**kwargs: Any) -> Any:
-        staged = original(**kwargs)
-        if not fired:  # after b's files are written, before it plans: a's commit carries the twin's intent
-            fired.append(True)
-            a.commit(batch("a", 2, WORLD))
-        return staged
-
-    stream.writer.write = write_then_a_commits  # type: ignore[method-assign]
-    try:
+    with carried_while_writing(stream, a) as fired:  # b's files are written; a's commit carries the staged one
         with pytest.raises(ProducerConflictError, match="'b' seq 2"):
             restarted.commit(batch("b", 2, WORLD))
-    finally:
-        del stream.writer.write
     assert fired
     carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
     assert len(carried) == 1 and carried[0]["lakestream.token"] == twin.token
@@ -690,21 +686,8 @@ def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(cata
     finally:
         del stream.staging.stage
     assert staged_first and stream.staging.exists(staged_first[0].path)  # it stays staged: a commit may carry it
-    original = stream.writer.write
-    fired: list[bool] = []
-
-    def write_then_a_commits(**kwargs: Any) -> Any:
-        staged = original(**kwargs)
-        if not fired:  # the retry's files are written; a's commit carries the first call's intent before it plans
-            fired.append(True)
-            a.commit(batch("a", 2, WORLD))
-        return staged
-
-    stream.writer.write = write_then_a_commits  # type: ignore[method-assign]
-    try:
+    with carried_while_writing(stream, a) as fired:  # b's files are written; a's commit carries the staged one
         result = b.commit(batch("b", 2, WORLD))
-    finally:
-        del stream.writer.write
     assert fired
     carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
     assert len(carried) == 1 and carried[0]["lakestream.token"] == staged_first[0].batch.token
