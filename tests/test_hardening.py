@@ -40,6 +40,7 @@ from pyiceberg.table.update import RemoveSnapshotsUpdate
 from lakestream_iceberg import (
     CheckpointError,
     CommitOutcomeUnknownError,
+    CommitTimeoutError,
     ConfigError,
     CorruptStateError,
     LakestreamError,
@@ -692,6 +693,50 @@ def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(cata
     carried = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
     assert len(carried) == 1 and carried[0]["lakestream.token"] == staged_first[0].batch.token
     assert result.duplicate and result.step == int(carried[0]["lakestream.step"])
+
+
+def test_4f_a_direct_commit_sent_before_the_producer_was_made_and_landing_during_its_retry_is_a_duplicate(
+        catalog: SqlCatalog) -> None:
+    """A producer committing alone (no staging) sends its commit of seq 2; the connection drops and the call gives up
+    (``CommitTimeoutError``), but the catalog applies that request later, while a producer made after the failure (the
+    restart, or ``stream.producer(...)`` again in the same process) retries seq 2. The batch was sent before that
+    producer was made: an earlier incarnation's, so the retry gets ``duplicate=True`` and its step, as it does for a
+    staged batch; it used to raise ``ProducerConflictError`` ("committed directly by a producer with the same id")."""
+    stream = make(catalog, **{"lakestream.commit.max-attempts": "3"})
+    first = stream.producer("b")
+    for seq in range(2):
+        first.commit(batch("b", seq, WORLD))
+    original = catalog.commit_table
+    held: list[tuple[Any, Any, Any]] = []
+
+    def drop(table: Any, requirements: Any, updates: Any) -> Any:  # the first request reaches the catalog late
+        if not held:
+            held.append((table, requirements, updates))
+        raise ConnectionResetError("connection reset by peer (injected: the request is still on its way)")
+
+    catalog.commit_table = drop  # type: ignore[method-assign]
+    try:
+        with pytest.raises(CommitTimeoutError):
+            first.commit(batch("b", 2, WORLD))
+    finally:
+        del catalog.commit_table
+    assert len(held) == 1
+    restarted = stream.producer("b")
+
+    def land_late_then_commit(table: Any, requirements: Any, updates: Any) -> Any:
+        if held:
+            original(*held.pop())  # the first call's request lands now, before the retry's own
+        return original(table, requirements, updates)
+
+    catalog.commit_table = land_late_then_commit  # type: ignore[method-assign]
+    try:
+        result = restarted.commit(batch("b", 2, WORLD))
+    finally:
+        del catalog.commit_table
+    assert not held
+    landed = [s for s in published_by(stream, "b") if s["lakestream.seq"] == "2"]
+    assert len(landed) == 1 and "lakestream.staged-at-ms" not in landed[0]
+    assert result.duplicate and result.step == int(landed[0]["lakestream.step"])
 
 
 def test_4g_a_carried_batch_records_its_token_and_when_it_was_staged(catalog: SqlCatalog, staging: dict[str, str]) -> None:

@@ -109,8 +109,8 @@ class BatchPlanner:
         staged: The batch, its data files written.
         seq: Its producer sequence number, checked against the head on every plan.
         allow_gap: Whether ``seq`` may skip past the producer's next one.
-        since: When the producer was made (unix seconds): a batch of this seq staged before is an earlier
-            incarnation's; one staged later is another live writer's.
+        since: When the producer was made (unix seconds): a batch of this seq staged (or committed directly in a
+            snapshot made) before is an earlier incarnation's; one staged or committed later is another live writer's.
         earlier: Tokens of this producer's own earlier calls of this seq that failed after writing: batches of them
             are its own, not another writer's.
         intent: The batch's intent when it is staged already (None: committed alone until :meth:`escalate`).

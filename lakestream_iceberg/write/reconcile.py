@@ -4,8 +4,8 @@ A producer asks before it writes anything (a re-commit of a published seq is a d
 the head while committing (its batch may have been carried by another producer's group commit, or its own commit whose
 outcome was unknown may have landed). Every published batch records its token (``lakestream.token``, also in its data
 file names) and, when another producer's commit carried it, when it was staged (``lakestream.staged-at-ms``): so a
-producer tells its own batch from an earlier incarnation's (staged before this call began: a duplicate) and from
-another live writer's under the same id (:class:`ProducerConflictError`).
+producer tells its own batch from an earlier incarnation's (staged, or committed directly in a snapshot made, before
+this producer was made: a duplicate) and from another live writer's under the same id (:class:`ProducerConflictError`).
 """
 
 from __future__ import annotations
@@ -87,28 +87,34 @@ def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: S
                     branch: str, since: float, earlier: frozenset[str] = frozenset()) -> bool:
     """Whether the snapshot that published (producer, seq) holds ``staged``, the batch this call wrote.
 
-    False: it holds a batch of that seq that is not another live writer's, carried by another producer's commit: an
-    earlier incarnation's, staged before this producer was made (``since``, unix seconds), or this producer's own from
-    an earlier call that failed after writing (its token in ``earlier``); the call's seq is then a duplicate. True also
-    when nothing can be compared (the snapshot expired, or predates recorded tokens).
+    False: it holds a batch of that seq that is not another live writer's: an earlier incarnation's, staged before
+    this producer was made (``since``, unix seconds) and carried by another producer's commit, or committed directly in
+    a snapshot made before then (the snapshot's timestamp: a commit whose caller gave up on it may land late); or this
+    producer's own from an earlier call that failed after writing (its token in ``earlier``). The call's seq is then a
+    duplicate. True also when nothing can be compared (the snapshot expired, or predates recorded tokens).
 
     Raises:
-        ProducerConflictError: It holds a batch staged or committed since this producer was made, by no call of it:
-            another live writer uses the same producer id (this call's files are deleted first: nothing refers to them).
+        ProducerConflictError: It holds a batch staged, or committed in a snapshot made, since this producer was made,
+            by no call of it: another live writer uses the same producer id (this call's files are deleted first:
+            nothing refers to them).
     """
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
     state = StreamState.of(snapshot)
     if snapshot is None or state.token is None or state.token == staged.token:
         return True
-    if state.token in earlier or (state.staged_at_ms is not None and state.staged_at_ms / 1000 < since):
+    # When its writer let go of it: staged (carried by another producer's commit), or else sent in its own commit,
+    # whose snapshot it made (the snapshot's timestamp: a commit whose outcome its caller never learnt may land late)
+    sent_ms = state.staged_at_ms if state.staged_at_ms is not None else snapshot.timestamp_ms
+    if state.token in earlier or sent_ms / 1000 < since:
         return False
     for f in staged.files:
         try:
             io.delete(f.path)
         except Exception:  # noqa: BLE001 - GC collects it after the grace period
             pass
-    how = (f"staged at {state.staged_at_ms / 1000:.3f} (unix s), after this producer was made at {since:.3f}"
-           if state.staged_at_ms is not None else "committed directly by a producer with the same id")
+    how = (f"staged at {sent_ms / 1000:.3f} (unix s)" if state.staged_at_ms is not None else
+           f"committed directly by a producer with the same id, in a snapshot made at {sent_ms / 1000:.3f} (unix s)")
+    how += f", after this producer was made at {since:.3f}"
     raise ProducerConflictError(
         f"producer {producer_id!r} seq {staged.seq} on branch {branch!r} was published as step {found['step']} "
         f"(snapshot {found['snapshot_id']}) with batch {state.token!r}, not with the batch this call wrote "
