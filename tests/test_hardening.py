@@ -666,6 +666,27 @@ def test_4f_a_live_twins_batch_staged_after_the_producer_was_made_is_a_conflict_
     assert len(carried) == 1 and carried[0]["lakestream.token"] == twin.token
 
 
+def test_4f_an_explicit_seq_a_live_twin_published_before_the_call_is_a_conflict_not_a_replay(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """A live twin with the same id published seq 2 after producer "b" was made, before b's call of seq 2 began: the
+    call is answered from the table, and was ``duplicate=True`` whoever published the seq, so b's batch was dropped
+    without a word. b's replays of its own seqs, and a producer made after the seq was published (a restart replaying
+    its predecessor's batches), still get ``duplicate=True``."""
+    stream = make(catalog, **staging)
+    _, b = both_active(stream)  # b published seqs 0 and 1 itself (committed, or carried by a's group commits)
+    twin = stream.producer("b")
+    twin.commit(batch("b", 2, WORLD))
+    assert b.next_seq == 3  # b reads the head: its call of seq 2 begins with seq 2 published
+    with pytest.raises(ProducerConflictError, match=r"'b' seq 2 .*by no call of this producer"):
+        b.commit(batch("b", 2, WORLD), seq=2)
+    own = b.commit(batch("b", 1, WORLD), seq=1)
+    assert own.duplicate and own.step is not None
+    restarted = stream.producer("b")
+    replay = restarted.commit(batch("b", 2, WORLD), seq=2)
+    assert replay.duplicate and replay.step == stream.head_step()
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")].count("2") == 1
+
+
 def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(catalog: SqlCatalog,
                                                                             staging: dict[str, str]) -> None:
     """The same producer's own earlier call of seq 2 failed after staging (its outcome unknown to the caller), and a

@@ -17,7 +17,7 @@ from lakestream_iceberg.errors import CommitError, ForeignSnapshotError, Sequenc
 from lakestream_iceberg.format.checks import check_branch
 from lakestream_iceberg.format.summary import MAX_SEQ, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
-from lakestream_iceberg.write.reconcile import Found, check_publisher, find_published
+from lakestream_iceberg.write.reconcile import Found, check_publisher, check_replay, find_published
 from lakestream_iceberg.write.writer import StagedBatch
 
 if TYPE_CHECKING:
@@ -81,6 +81,12 @@ class ProducerHead:
         """Whether the snapshot that published ``found`` holds ``staged`` (see :func:`check_publisher`)."""
         return check_publisher(self.stream.io, metadata, found, staged, producer_id=self.producer_id,
                                branch=self.branch, since=since, earlier=earlier)
+
+    def check_replay(self, metadata: TableMetadata, found: Found, *, seq: int, since: float,
+                     earlier: frozenset[str] = frozenset()) -> None:
+        """Whether ``seq``, published before the call began, may be answered as a replay (see :func:`check_replay`)."""
+        check_replay(metadata, found, producer_id=self.producer_id, branch=self.branch, seq=seq, since=since,
+                     earlier=earlier)
 
     def opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or

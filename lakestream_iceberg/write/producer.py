@@ -47,6 +47,7 @@ from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.head import ProducerHead
 from lakestream_iceberg.write.plan import Outcome
 from lakestream_iceberg.write.planner import BatchPlanner, Published, stage_batch
+from lakestream_iceberg.write.seq_ranges import SeqRanges
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, check_producer_id
 
@@ -145,6 +146,7 @@ class Producer:
         # to the caller, who retries the seq): those calls' (seq, token), the last few.
         self._made_at = time.time()
         self._unsettled: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
+        self._published = SeqRanges()  # the seqs this producer published: a replay of one is its own, whenever it was sent
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -404,6 +406,8 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
+        if not published.duplicate:
+            self._published.add(seq)
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
@@ -437,6 +441,9 @@ class Producer:
         known = after_gc(lambda: head.published(loop.metadata, seq), refresh=head.refresh)
         if known is None:
             return seq
+        if seq not in self._published:  # published by another producer object: a replay unless another live writer's
+            head.check_replay(loop.metadata, known, seq=seq, since=self._made_at,
+                              earlier=frozenset(t for s, t in self._unsettled if s == seq))
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
 
     def _taken(self, published: CommitResult) -> ProducerConflictError:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypedDict
 
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.errors import CorruptStateError, ProducerConflictError, SequenceError
 from lakestream_iceberg.format.expiry import ancestors
@@ -23,7 +24,7 @@ from lakestream_iceberg.write.writer import StagedBatch
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["Found", "check_publisher", "find_published"]
+__all__ = ["Found", "check_publisher", "check_replay", "find_published"]
 
 
 class Found(TypedDict):
@@ -102,19 +103,14 @@ def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: S
     state = StreamState.of(snapshot)
     if snapshot is None or state.token is None or state.token == staged.token:
         return True
-    # When its writer let go of it: staged (carried by another producer's commit), or else sent in its own commit,
-    # whose snapshot it made (the snapshot's timestamp: a commit whose outcome its caller never learnt may land late)
-    sent_ms = state.staged_at_ms if state.staged_at_ms is not None else snapshot.timestamp_ms
-    if state.token in earlier or sent_ms / 1000 < since:
+    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
+    if how is None:
         return False
     for f in staged.files:
         try:
             io.delete(f.path)
         except Exception:  # noqa: BLE001 - GC collects it after the grace period
             pass
-    how = (f"staged at {sent_ms / 1000:.3f} (unix s)" if state.staged_at_ms is not None else
-           f"committed directly by a producer with the same id, in a snapshot made at {sent_ms / 1000:.3f} (unix s)")
-    how += f", after this producer was made at {since:.3f}"
     raise ProducerConflictError(
         f"producer {producer_id!r} seq {staged.seq} on branch {branch!r} was published as step {found['step']} "
         f"(snapshot {found['snapshot_id']}) with batch {state.token!r}, not with the batch this call wrote "
@@ -122,3 +118,43 @@ def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: S
         "something wrote a staged intent under it). Nothing of this call was published and its files were deleted: "
         f"give every live producer its own id, and check what step {found['step']} holds"
     )
+
+
+def check_replay(metadata: TableMetadata, found: Found, *, producer_id: str, branch: str, seq: int, since: float,
+                 earlier: frozenset[str] = frozenset()) -> None:
+    """A call of an explicit ``seq`` that was published before the call began, by no call of this producer: a replay
+    (``duplicate=True``) when the batch that published it is an earlier incarnation's, sent before this producer was
+    made (``since``) or one of this producer's own failed calls (``earlier``); nothing to compare when the snapshot
+    expired or predates recorded tokens.
+
+    Raises:
+        ProducerConflictError: The batch was staged, or committed in a snapshot made, since this producer was made:
+            another live writer uses the same producer id (nothing of this call was written).
+    """
+    snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
+    state = StreamState.of(snapshot)
+    if snapshot is None or state.token is None:
+        return
+    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
+    if how is None:
+        return
+    raise ProducerConflictError(
+        f"producer {producer_id!r} seq {seq} on branch {branch!r} was published as step {found['step']} (snapshot "
+        f"{found['snapshot_id']}) with batch {state.token!r}, {how}, by no call of this producer: it is no replay of an "
+        f"earlier incarnation's batch. Another live process is using producer id {producer_id!r}. Nothing of this call "
+        f"was written: give every live producer its own id, and check what step {found['step']} holds"
+    )
+
+
+def _sent_by_another(snapshot: Snapshot, state: StreamState, *, since: float, earlier: frozenset[str]) -> str | None:
+    """How the batch ``snapshot`` published was sent, when that was since this producer was made (``since``) and not by
+    one of its own failed calls (``earlier``): another live writer's; None when it is an earlier incarnation's or its own.
+
+    Sent: staged (carried by another producer's commit), or else in its own commit, whose snapshot it made (the
+    snapshot's timestamp: a commit whose outcome its caller never learnt may land late)."""
+    sent_ms = state.staged_at_ms if state.staged_at_ms is not None else snapshot.timestamp_ms
+    if state.token in earlier or sent_ms / 1000 < since:
+        return None
+    how = (f"staged at {sent_ms / 1000:.3f} (unix s)" if state.staged_at_ms is not None else
+           f"committed directly by a producer with the same id, in a snapshot made at {sent_ms / 1000:.3f} (unix s)")
+    return f"{how}, after this producer was made at {since:.3f}"
