@@ -687,6 +687,34 @@ def test_4f_an_explicit_seq_a_live_twin_published_before_the_call_is_a_conflict_
     assert [s["lakestream.seq"] for s in published_by(stream, "b")].count("2") == 1
 
 
+def test_4f_a_producers_replay_of_a_seq_whose_commit_landed_unseen_is_a_duplicate(catalog: SqlCatalog) -> None:
+    """A producer committing alone: the catalog applies its commit of seq 2 but the answer is lost, and the producer
+    finds the seq published by its own batch when it reads the table back. A later replay of seq 2 by the same producer
+    is its own replay (``duplicate=True``), not another writer's batch sent after it was made."""
+    stream = make(catalog)
+    b = stream.producer("b")
+    for seq in range(2):
+        b.commit(batch("b", seq, WORLD))
+    original = catalog.commit_table
+    lost: list[bool] = []
+
+    def apply_then_lose_the_answer(table: Any, requirements: Any, updates: Any) -> Any:
+        response = original(table, requirements, updates)
+        if not lost:
+            lost.append(True)
+            raise ConnectionResetError("connection reset by peer (injected: the commit was applied)")
+        return response
+
+    catalog.commit_table = apply_then_lose_the_answer  # type: ignore[method-assign]
+    try:
+        first = b.commit(batch("b", 2, WORLD))
+    finally:
+        del catalog.commit_table
+    assert lost and first.step == stream.head_step()
+    replay = b.commit(batch("b", 2, WORLD), seq=2)
+    assert replay.duplicate and replay.step == first.step
+
+
 def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(catalog: SqlCatalog,
                                                                             staging: dict[str, str]) -> None:
     """The same producer's own earlier call of seq 2 failed after staging (its outcome unknown to the caller), and a

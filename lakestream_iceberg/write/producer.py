@@ -146,7 +146,7 @@ class Producer:
         # to the caller, who retries the seq): those calls' (seq, token), the last few.
         self._made_at = time.time()
         self._unsettled: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
-        self._published = SeqRanges()  # the seqs this producer published: a replay of one is its own, whenever it was sent
+        self._published = SeqRanges()  # the seqs this producer answered with success: a replay of one is too
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -406,8 +406,7 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
-        if not published.duplicate:
-            self._published.add(seq)
+        self._published.add(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
@@ -444,6 +443,7 @@ class Producer:
         if seq not in self._published:  # published by another producer object: a replay unless another live writer's
             head.check_replay(loop.metadata, known, seq=seq, since=self._made_at,
                               earlier=frozenset(t for s, t in self._unsettled if s == seq))
+            self._published.add(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
 
     def _taken(self, published: CommitResult) -> ProducerConflictError:

@@ -1,5 +1,6 @@
-"""The seqs one producer object published itself, as a few ranges: a replay of one of them is its own, whenever it was
-published (see :meth:`lakestream_iceberg.write.producer.Producer.commit`)."""
+"""The seqs one producer object answered with success (its own batches, or replays judged an earlier incarnation's), as
+a few ranges: a replay of one of them is answered the same way, whenever its batch was sent (see
+:meth:`lakestream_iceberg.write.producer.Producer.commit`)."""
 
 from __future__ import annotations
 
