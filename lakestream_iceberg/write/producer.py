@@ -393,7 +393,7 @@ class Producer:
             intent = stage_batch(self._staging, self._head, staged, allow_gap) if self._stages() else None
             planner = BatchPlanner(head=self._head, staging=self._staging, policy=self._loop.policy, staged=staged,
                                    seq=seq, allow_gap=allow_gap, since=self._made_at,
-                                   earlier=frozenset(t for s, t in self._unsettled if s == seq), intent=intent)
+                                   earlier=self._unsettled_tokens(seq), intent=intent)
             outcome = self._publish(planner)
         except BaseException:
             self._unsettled.append((seq, staged.token))  # staged or sent: it may still be published (see __init__)
@@ -442,9 +442,13 @@ class Producer:
             return seq
         if seq not in self._published:  # published by another producer object: a replay unless another live writer's
             head.check_replay(loop.metadata, known, seq=seq, since=self._made_at,
-                              earlier=frozenset(t for s, t in self._unsettled if s == seq))
+                              earlier=self._unsettled_tokens(seq))
             self._published.add(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
+
+    def _unsettled_tokens(self, seq: int) -> frozenset[str]:
+        """The tokens of this producer's calls of ``seq`` that failed after writing (see ``__init__``)."""
+        return frozenset(token for failed, token in self._unsettled if failed == seq)
 
     def _taken(self, published: CommitResult) -> ProducerConflictError:
         """A batch submitted with ``seq=None`` was numbered by this producer (the seq after its last submitted one),
