@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.smoke_runs import SmokeRuns  # noqa: E402
 from tests.support import SCHEMA, sqlite_catalog  # noqa: E402
 
 
@@ -42,6 +43,17 @@ def _relays_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         os.environ.pop("LAKESTREAM_RELAY_DIR", None)
     else:
         os.environ["LAKESTREAM_RELAY_DIR"] = saved
+
+
+@pytest.fixture(autouse=True, scope="session")
+def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+               _isolated_pyiceberg_config: None, _relays_in_a_temp_dir: None) -> Iterator[SmokeRuns]:
+    """The benchmark smoke runs of the selected tests, started in the background at the suite's first test, in the
+    environment the isolation fixtures above made (tests/smoke_runs.py)."""
+    runs = SmokeRuns(tmp_path_factory.mktemp("smoke-runs"), dict(os.environ))
+    runs.start(request.session.items)
+    yield runs
+    runs.stop()
 
 
 @pytest.fixture

