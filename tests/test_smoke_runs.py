@@ -1,0 +1,96 @@
+"""tests/smoke_runs.py, the background runner of the benchmark smoke runs: each run happens once, in the background or
+by its own test when its turn has not come, and a failed or hanging run fails its own test with what it printed."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.smoke_runs import Job, SmokeRuns, result
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _script(tmp_path: Path, name: str, body: str) -> str:
+    """A stand-in benchmark: ``--smoke --out PATH`` as the real ones take; ``body`` runs first, with ``out`` set."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(f"""\
+        import json, os, sys, time
+        out = sys.argv[sys.argv.index("--out") + 1]
+        {body}
+        with open(out, "w") as f:
+            json.dump({{"pid": os.getpid(), "smoke": "--smoke" in sys.argv, "env": os.environ.get("SMOKE_RUNS_MARK")}}, f)
+        """))
+    return str(path)  # an absolute path: BENCH / it is it
+
+
+def test_each_run_happens_once_whether_the_background_or_its_test_gets_to_it_first(tmp_path: Path) -> None:
+    gate = tmp_path / "gate"
+    first = Job(script=_script(tmp_path, "first.py", f"""
+        while not os.path.exists({str(gate)!r}):  # held until the test has claimed the second run
+            time.sleep(0.01)"""), timeout=100)
+    second = Job(script=_script(tmp_path, "second.py", "pass"), timeout=100)
+    runs = SmokeRuns(tmp_path, {**os.environ, "SMOKE_RUNS_MARK": "suite"})
+    try:
+        with runs.lock:  # what start() does with the selected tests' jobs
+            runs.state = {first.script: "pending", second.script: "pending"}
+        runs.thread = threading.Thread(target=runs._background, args=([first, second],), daemon=True)
+        runs.thread.start()
+        with runs.done:
+            while runs.state[first.script] != "running":
+                runs.done.wait(0.01)
+        # the background is busy with the first run: the second's test runs it itself instead of waiting behind it
+        claimed = threading.Thread(target=lambda: runs.outcome(second))
+        claimed.start()
+        with runs.done:
+            while runs.state[second.script] != "done":
+                runs.done.wait(0.01)
+        gate.write_text("go")
+        claimed.join()
+        got_first, got_second = result(runs, first), result(runs, second)
+        runs.thread.join()
+    finally:
+        runs.stop()
+    assert got_first["smoke"] is True and got_first["env"] == "suite"  # the environment the runner was given
+    assert got_second["pid"] != got_first["pid"]
+    assert result(runs, second) == got_second  # taken again, never run again
+
+
+def test_a_failed_run_fails_its_test_with_what_it_printed(tmp_path: Path) -> None:
+    job = Job(script=_script(tmp_path, "broken.py", "print('half way'); sys.exit('the benchmark broke')"), timeout=100)
+    runs = SmokeRuns(tmp_path, dict(os.environ))
+    with pytest.raises(AssertionError, match=r"(?s)broken.py --smoke failed \(1\).*half way.*the benchmark broke"):
+        result(runs, job)
+
+
+def test_a_hanging_run_is_stopped_by_its_guard_and_its_process_group_is_gone(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    job = Job(script=_script(tmp_path, "hang.py", f"""
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        open({str(pids)!r}, "w").write(f"{{os.getpid()}} {{child.pid}}")
+        while True:
+            time.sleep(1)"""), timeout=3)
+    runs = SmokeRuns(tmp_path, dict(os.environ))
+    with pytest.raises(pytest.fail.Exception, match=r"hang.py --smoke did not finish in 3 s"):
+        result(runs, job)
+    assert not runs.processes
+    for pid in (int(p) for p in pids.read_text().split()) if pids.exists() else ():  # killed before it wrote: none
+        deadline = time.monotonic() + 60  # SIGKILLed: exiting (its pipes closed first), however slowly
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _running(pid)  # the benchmark and what it started: not left running
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie left to an init that does not reap is not running)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
