@@ -687,6 +687,33 @@ def test_4f_an_explicit_seq_a_live_twin_published_before_the_call_is_a_conflict_
     assert [s["lakestream.seq"] for s in published_by(stream, "b")].count("2") == 1
 
 
+def test_4f_two_live_producers_of_one_id_numbering_after_the_table_do_not_publish_in_turns(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """Two live producers with one id that both take the next seq from the table (``seq=None``, ``submit``) never
+    collide on a seq: each published every other one, both answered with success, and a zombie and its restart fed
+    the stream the same input twice without a word. The one about to publish after the other's batch is refused
+    (``ProducerConflictError``); the other goes on, and a producer made after both (a restart) resumes."""
+    stream = make(catalog, **staging)
+    _, b = both_active(stream)  # b published seqs 0 and 1
+    twin = stream.producer("b")  # made after b's seqs: they are an earlier incarnation's to it
+    assert twin.commit(batch("b", 2, WORLD)).seq == 2
+    assert b.next_seq == 3  # b reads the head (a commit colliding on seq 2 was refused before: see the test above)
+    with pytest.raises(ProducerConflictError, match=r"'b' cannot publish seq 3 .*last seq 2 .*by no call of this "
+                                                    r"producer, after it first read the table"):
+        b.commit(batch("b", 3, WORLD))
+    with pytest.raises(ProducerConflictError, match=r"cannot publish seq 3"):  # an explicit seq: the same
+        b.commit(batch("b", 3, WORLD), seq=3)
+    with pytest.raises(ProducerConflictError, match=r"cannot publish seq 3"):  # submitted: the same
+        b.submit(batch("b", 3, WORLD)).result()
+    assert twin.commit(batch("b", 3, WORLD)).seq == 3  # its own last seq: it goes on
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
+    restarted = stream.producer("b")
+    assert restarted.next_seq == 4 and restarted.commit(batch("b", 4, WORLD)).seq == 4
+    with pytest.raises(ProducerConflictError):  # to the twin, seq 4 is another writer's (whether it numbers 4 or 5)
+        twin.commit(batch("b", 5, WORLD))
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3", "4"]
+
+
 def test_4f_a_producers_replay_of_a_seq_whose_commit_landed_unseen_is_a_duplicate(catalog: SqlCatalog) -> None:
     """A producer committing alone: the catalog applies its commit of seq 2 but the answer is lost, and the producer
     finds the seq published by its own batch when it reads the table back. A later replay of seq 2 by the same producer

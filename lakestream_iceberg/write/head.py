@@ -17,7 +17,7 @@ from lakestream_iceberg.errors import CommitError, ForeignSnapshotError, Sequenc
 from lakestream_iceberg.format.checks import check_branch
 from lakestream_iceberg.format.summary import MAX_SEQ, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
-from lakestream_iceberg.write.reconcile import Found, check_publisher, check_replay, find_published
+from lakestream_iceberg.write.reconcile import Found, check_follows, check_publisher, check_replay, find_published
 from lakestream_iceberg.write.writer import StagedBatch
 
 if TYPE_CHECKING:
@@ -87,6 +87,19 @@ class ProducerHead:
         """Whether ``seq``, published before the call began, may be answered as a replay (see :func:`check_replay`)."""
         check_replay(metadata, found, producer_id=self.producer_id, branch=self.branch, seq=seq, since=since,
                      earlier=earlier)
+
+    def last_seq(self, state: StreamState) -> int:
+        """This id's last published seq in ``state`` (-1 when it never published)."""
+        return self.next_seq(state) - 1
+
+    def check_follows(self, metadata: TableMetadata, *, last: int, seq: int, first_seen: int,
+                      earlier: frozenset[str]) -> None:
+        """Before publishing the new ``seq`` after ``last``, published since this producer first read the table and
+        answered by no call of it: refuse another live writer's batch (see :func:`check_follows`)."""
+        found = self.published(metadata, last)
+        if found is not None:
+            check_follows(metadata, found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
+                          first_seen=first_seen, earlier=earlier)
 
     def opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or

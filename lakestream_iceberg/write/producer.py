@@ -147,6 +147,9 @@ class Producer:
         self._made_at = time.time()
         self._unsettled: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
         self._published = SeqRanges()  # the seqs this producer answered with success: a replay of one is too
+        # The id's last published seq when this producer first read the table (-1: none; None: not read yet). A later
+        # seq of the id that no call of this producer published is another live writer's (see _follows_own).
+        self._first_seen: int | None = None
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -160,7 +163,9 @@ class Producer:
         not yet published are not counted)."""
         self._own()
         with self._lock:  # the committer thread reads and adopts the same table view
-            return self._head.next_seq(self._head.state(self._head.refresh()))
+            following = self._head.next_seq(self._head.state(self._head.refresh()))
+            self._follows_own(following - 1)  # the first read of the table: what an earlier incarnation published
+            return following
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
         """Publish one global batch (one shard per rank) as the next step, exactly once.
@@ -425,26 +430,46 @@ class Producer:
             # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
             head.check_branch(loop.metadata)
             return self._peeked_next
-        if not loop.fresh and self._stages() and (opens := head.opens(seq)) is not None:
+        if (not loop.fresh and self._stages() and (opens := head.opens(seq)) is not None
+                and self._follows_own(opens - 1)):
             # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
             # staged: a light read of the head shows ``seq`` as this id's next one, so it is neither a duplicate nor a
             # gap there, which is all a full read would check before writing. Whoever plans its publication reads the
             # head fully and checks it again; when another producer's commit carries it, the light read that answers
             # the call is the only read of the head (a fresh id of an elastic pool reloads no metadata). Alone, the
-            # full read is made here as before: its own commit plans on it.
+            # full read is made here as before: its own commit plans on it. When the id's seq before it is another
+            # writer's, the full read below finds out whose.
             return opens
         state = head.state(loop.metadata if loop.fresh else head.refresh())
+        last = head.last_seq(state)
+        follows = self._follows_own(last)
         if seq is None:
-            seq = head.next_seq(state)
+            seq = last + 1
         head.check_seq(seq, state, allow_gap)
         known = after_gc(lambda: head.published(loop.metadata, seq), refresh=head.refresh)
         if known is None:
+            if not follows and last < seq:  # the id's last seq is neither this producer's nor an earlier incarnation's
+                assert self._first_seen is not None
+                head.check_follows(loop.metadata, last=last, seq=seq, first_seen=self._first_seen,
+                                   earlier=self._unsettled_tokens(last))
+                self._published.add(last)  # this producer's own batch, from a call that failed after writing it
             return seq
         if seq not in self._published:  # published by another producer object: a replay unless another live writer's
             head.check_replay(loop.metadata, known, seq=seq, since=self._made_at,
                               earlier=self._unsettled_tokens(seq))
             self._published.add(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
+
+    def _follows_own(self, last: int) -> bool:
+        """Whether this id's last published seq ``last`` (-1: none) is one this producer may publish after without a
+        check: one published before it first read the table (an earlier incarnation's; this records that first
+        read), or one it answered itself. Any other is another live writer's, or its own from a failed call: two
+        producers of one id that both number after the table (``seq=None``) would otherwise publish in turns, each
+        every other seq, and never collide on one. The first read decides, not a clock: of two live writers, the one
+        about to publish after the other's batch is refused, and the other goes on."""
+        if self._first_seen is None:
+            self._first_seen = last
+        return last <= self._first_seen or last in self._published
 
     def _unsettled_tokens(self, seq: int) -> frozenset[str]:
         """The tokens of this producer's calls of ``seq`` that failed after writing (see ``__init__``)."""
