@@ -468,7 +468,7 @@ class Stream(StreamTable):
 
         Args:
             dry_run: Only report the plan (the default; pass ``dry_run=False`` to delete).
-            keep_last: Retain the newest K checkpoints (others are released).
+            keep_last: Retain the newest K checkpoints of each branch (others are released).
             keep_within: Retain checkpoints younger than this.
             grace: Minimum age of never-referenced files before deletion (default ``lakestream.gc.grace-period-ms``).
                 It must be at least twice ``lakestream.commit.timeout-ms`` (the GC grace rule, docs/guide/retention.md): a younger

@@ -2,8 +2,8 @@
 
 Retention model (see docs/guide/retention.md):
 
-* a checkpoint is *retained* when it is among the ``keep_last`` newest or younger than ``keep_within``; with neither
-  given every checkpoint is retained. GC releases (un-tags) the others;
+* a checkpoint is *retained* when it is among the ``keep_last`` newest of its branch or younger than ``keep_within``;
+  with neither given every checkpoint is retained. GC releases (un-tags) the others;
 * on each branch, every step older than the oldest retained checkpoint of that branch is garbage (no resume can reach
   it); a branch without a checkpoint loses nothing, nor does a checkpoint that is not on the branch's timeline: its
   step holds other files on the branch than on its anchor, or is past the head step (another engine moved the branch
@@ -129,8 +129,9 @@ def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_withi
         return list(checkpoints)
     newest = sorted(checkpoints, key=lambda c: (c.created_at, c.step), reverse=True)
     keep: set[str] = set()
-    if keep_last is not None:
-        keep.update(c.name for c in newest[:keep_last])
+    if keep_last is not None:  # of each branch: a fork's checkpoints never release the last ones of the run it forked
+        for branch in {c.branch for c in checkpoints}:
+            keep.update(c.name for c in [c for c in newest if c.branch == branch][:keep_last])
     if keep_within is not None:
         keep.update(c.name for c in checkpoints if now - c.created_at <= keep_within)
     return [c for c in checkpoints if c.name in keep]

@@ -99,8 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     branch=False)
     p.add_argument("--dry-run", action="store_true", help="report what would be deleted, delete nothing")
     p.add_argument("--keep-last", type=_at_least(1), metavar="K",
-                   help="retain the newest K checkpoints and release the others (steps below the oldest retained one "
-                        "are collected)")
+                   help="retain the newest K checkpoints of each branch and release the others (steps below the "
+                        "oldest retained one are collected)")
     p.add_argument("--keep-within", type=_duration, metavar="AGE",
                    help="retain the checkpoints younger than AGE (e.g. 7d, 12h, 30m, 90s) and release the older ones; "
                         "with --keep-last, a checkpoint either keeps is retained")

@@ -178,6 +178,25 @@ def test_fork_continues_at_checkpoint_plus_one_on_a_branch(stream: Stream) -> No
         stream.fork("c3", branch="retry-lr")
 
 
+def test_keep_last_keeps_the_newest_checkpoints_of_each_branch(tmp_path) -> None:
+    """keep_last counted checkpoints across branches: a checkpoint taken on a fork released the last checkpoint of the
+    run it was forked from, the one its trainer resumes from (and GC then collected nothing on that branch)."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(4):
+        producer.commit(batch("p", seq, 2))
+    stream.checkpoint("main-2", step=2)
+    stream.checkpoint("main-3", step=3)
+    stream.fork("main-2", branch="exp")
+    assert stream.producer("q", branch="exp").commit(batch("q", 0, 2)).step == 3
+    stream.checkpoint("exp-3", step=3, branch="exp")  # the newest checkpoint of the stream
+    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert report.released_checkpoints == ["main-2"]
+    assert sorted(c.name for c in stream.checkpoints()) == ["exp-3", "main-3"]
+    assert stream.state().collected_below == 3  # main: the steps below its retained checkpoint
+    assert [digest(stream.read(3, rank=r)) for r in range(2)] == [digest(t) for t in batch("p", 2, 2)]  # main-3's step
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.sampled_from(["commit", "commit", "commit", "checkpoint", "release", "gc", "resume", "fork"]),
                     min_size=4, max_size=22),

@@ -413,7 +413,7 @@ def test_gc_has_no_branch_to_ignore_and_checkpoints_lists_the_branch_asked(tmp_p
     with pytest.raises(SystemExit):
         main(["gc", "--help"])
     gc_help = " ".join(capsys.readouterr().out.split())
-    assert "--keep-last K retain the newest K checkpoints and release the others" in gc_help
+    assert "--keep-last K retain the newest K checkpoints of each branch and release the others" in gc_help
 
 
 def test_a_misspelt_home_makes_no_catalog_there(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
