@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,16 +65,20 @@ def _skipped(item: pytest.Item) -> bool:
     return any(bool(m.args[0]) if m.args else bool(m.kwargs.get("condition", True)) for m in item.iter_markers("skipif"))
 
 
-def run_script(job: Job, out: Path, env: dict[str, str], started: list[subprocess.Popen[str]]) -> Outcome:
+def run_script(job: Job, out: Path, env: dict[str, str], started: list[subprocess.Popen[str]],
+               stopping: Callable[[], bool] = lambda: False) -> Outcome:
     """Run ``job``'s benchmark with ``--smoke`` in its own process group. On its hang guard the benchmark gets SIGABRT
     first (faulthandler prints where every thread was, so a hang can be told from a slow machine), then the group is
     killed. Interrupted (Ctrl-C, or pytest-timeout's signal in the test's thread), the group is killed too: in its own
-    session it gets no Ctrl-C, and nothing else would stop it."""
+    session it gets no Ctrl-C, and nothing else would stop it. So is one started once ``stopping()`` (the session
+    stopped after this run's turn was taken: what it killed did not include this one)."""
     proc = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", str(BENCH / job.script), "--smoke", "--out", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     started.append(proc)
+    if stopping():
+        _kill_group(proc)
     try:
         try:
             stdout, stderr = proc.communicate(timeout=job.timeout)
@@ -131,7 +136,8 @@ class SmokeRuns:
 
     def _run(self, job: Job) -> None:
         try:
-            outcome = run_script(job, self.directory / f"{Path(job.script).stem}.json", self.env, self.processes)
+            outcome = run_script(job, self.directory / f"{Path(job.script).stem}.json", self.env, self.processes,
+                                 stopping=lambda: self.stopping)
         except BaseException as exc:
             self._finish(job, Outcome(-1, "", f"{type(exc).__name__}: {exc}", self.directory / "none"))
             if isinstance(exc, Exception):

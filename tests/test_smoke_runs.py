@@ -133,6 +133,22 @@ def test_an_interrupted_test_stops_the_run_it_ran_itself_and_the_interruption_re
                 os.kill(pid, signal.SIGKILL)
 
 
+def test_a_run_whose_turn_was_taken_before_the_session_stopped_is_stopped_once_it_starts(tmp_path: Path) -> None:
+    """The background thread took a run's turn, and the session stopped (its end, ``-x``, Ctrl-C) before the benchmark
+    was started: started after the stop had killed what was running, the benchmark is killed at once. It ran to its
+    hang guard while the session waited for the background thread (60 s) and then ended without it, leaving it
+    running in its own session."""
+    job = Job(script=_script(tmp_path, "late.py", """
+        while True:
+            time.sleep(1)"""), timeout=20)
+    runs = SmokeRuns(tmp_path, dict(os.environ))
+    assert runs._claim(job)  # the background thread's turn for it ...
+    runs.stop()  # ... and the session stops before it starts the benchmark
+    runs._run(job)  # the background thread goes on
+    outcome = runs.outcomes[job.script]
+    assert outcome.returncode == -signal.SIGKILL and not runs.processes
+
+
 def _running(pid: int) -> bool:
     """Whether ``pid`` runs (a zombie left to an init that does not reap is not running)."""
     try:
