@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,31 +65,41 @@ def _skipped(item: pytest.Item) -> bool:
     return any(bool(m.args[0]) if m.args else bool(m.kwargs.get("condition", True)) for m in item.iter_markers("skipif"))
 
 
-def run_script(job: Job, out: Path, env: dict[str, str], started: list[subprocess.Popen[str]]) -> Outcome:
+def run_script(job: Job, out: Path, env: dict[str, str], started: list[subprocess.Popen[str]],
+               stopping: Callable[[], bool] = lambda: False) -> Outcome:
     """Run ``job``'s benchmark with ``--smoke`` in its own process group. On its hang guard the benchmark gets SIGABRT
     first (faulthandler prints where every thread was, so a hang can be told from a slow machine), then the group is
-    killed."""
+    killed. Interrupted (Ctrl-C, or pytest-timeout's signal in the test's thread), the group is killed too: in its own
+    session it gets no Ctrl-C, and nothing else would stop it. So is one started once ``stopping()`` (the session
+    stopped after this run's turn was taken: what it killed did not include this one)."""
     proc = subprocess.Popen(
         [sys.executable, "-X", "faulthandler", str(BENCH / job.script), "--smoke", "--out", str(out)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     started.append(proc)
+    if stopping():
+        _kill_group(proc)
     try:
-        stdout, stderr = proc.communicate(timeout=job.timeout)
-        return Outcome(proc.returncode, stdout, stderr, out)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGABRT)
         try:
-            proc.wait(timeout=10)
+            stdout, stderr = proc.communicate(timeout=job.timeout)
+            return Outcome(proc.returncode, stdout, stderr, out)
         except subprocess.TimeoutExpired:
-            pass
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # the group is empty once everything in it exited
-                os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate(timeout=30)
-        return Outcome(None, stdout, stderr, out)
+            proc.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            _kill_group(proc)
+            stdout, stderr = proc.communicate(timeout=30)
+            return Outcome(None, stdout, stderr, out)
+    except BaseException:
+        _kill_group(proc)
+        raise
     finally:
         started.remove(proc)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the group is empty once everything in it exited
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 class SmokeRuns:
@@ -125,9 +136,16 @@ class SmokeRuns:
 
     def _run(self, job: Job) -> None:
         try:
-            outcome = run_script(job, self.directory / f"{Path(job.script).stem}.json", self.env, self.processes)
-        except BaseException as exc:  # reported by the test that asks for it
-            outcome = Outcome(-1, "", f"{type(exc).__name__}: {exc}", self.directory / "none")
+            outcome = run_script(job, self.directory / f"{Path(job.script).stem}.json", self.env, self.processes,
+                                 stopping=lambda: self.stopping)
+        except BaseException as exc:
+            self._finish(job, Outcome(-1, "", f"{type(exc).__name__}: {exc}", self.directory / "none"))
+            if isinstance(exc, Exception):
+                return  # reported by the test that asks for it
+            raise  # Ctrl-C, or pytest-timeout's signal in the test's thread: pytest's to handle, not a run's outcome
+        self._finish(job, outcome)
+
+    def _finish(self, job: Job, outcome: Outcome) -> None:
         with self.done:
             self.outcomes[job.script] = outcome
             self.state[job.script] = "done"

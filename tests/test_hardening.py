@@ -714,6 +714,28 @@ def test_4f_two_live_producers_of_one_id_numbering_after_the_table_do_not_publis
     assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3", "4"]
 
 
+@pytest.mark.parametrize("how", ["commit", "submit"])
+def test_4f_an_earlier_incarnations_batch_published_after_the_restart_read_the_table_is_followed(
+        catalog: SqlCatalog, staging: dict[str, str], how: str) -> None:
+    """A producer staged seq 2 and died; its restart reads ``next_seq`` (2), and only then another producer's group
+    commit carries the dead incarnation's batch. That batch was sent before the restart was made: an earlier
+    incarnation's, as a replay of seq 2 would be told (``duplicate=True``). The restart reads ``next_seq`` again (3),
+    and its next batch (``seq=None``, or submitted) is published as seq 3; it raised ProducerConflictError ("another
+    live process is using producer id"), though no other writer lived."""
+    stream = make(catalog, **staging)
+    a, _ = both_active(stream)
+    dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
+    stream.staging.stage(branch="main", batch=dead, allow_gap=False)  # the process that staged it died
+    restarted = stream.producer("b")
+    assert restarted.next_seq == 2
+    a.commit(batch("a", 2, WORLD))  # carries the dead incarnation's seq 2
+    assert published_by(stream, "b")[-1]["lakestream.token"] == dead.token
+    assert restarted.next_seq == 3
+    result = restarted.commit(batch("b", 3, WORLD)) if how == "commit" else restarted.submit(batch("b", 3, WORLD)).result()
+    assert result.seq == 3 and not result.duplicate
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
+
+
 def test_4f_a_producers_replay_of_a_seq_whose_commit_landed_unseen_is_a_duplicate(catalog: SqlCatalog) -> None:
     """A producer committing alone: the catalog applies its commit of seq 2 but the answer is lost, and the producer
     finds the seq published by its own batch when it reads the table back. A later replay of seq 2 by the same producer

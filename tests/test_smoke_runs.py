@@ -4,6 +4,7 @@ by its own test when its turn has not come, and a failed or hanging run fails it
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 import threading
 import time
@@ -85,6 +86,67 @@ def test_a_hanging_run_is_stopped_by_its_guard_and_its_process_group_is_gone(tmp
         while _running(pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not _running(pid)  # the benchmark and what it started: not left running
+
+
+def test_an_interrupted_test_stops_the_run_it_ran_itself_and_the_interruption_reaches_pytest(tmp_path: Path) -> None:
+    """A smoke test runs its own run (its turn had not come) and is interrupted there: Ctrl-C, or pytest-timeout's
+    signal. The interruption reaches pytest (it was taken for the run's failed outcome: the test failed with
+    "failed (-1)" and a Ctrl-C did not stop the session), and the benchmark's process group is stopped (it kept running
+    in its own session, its hang guard gone, after pytest ended)."""
+    pids = tmp_path / "pids"
+    job = Job(script=_script(tmp_path, "long.py", f"""
+        import subprocess
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        open({str(pids)!r} + ".part", "w").write(f"{{os.getpid()}} {{child.pid}}")
+        os.rename({str(pids)!r} + ".part", {str(pids)!r})
+        while True:
+            time.sleep(1)"""), timeout=100)
+    runs = SmokeRuns(tmp_path, dict(os.environ))
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def once_started() -> None:  # the benchmark and its child run: interrupt the test's thread as Ctrl-C would
+        while not pids.exists():
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    interrupter = threading.Thread(target=once_started, daemon=True)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runs.outcome(job)
+        interrupter.join()
+        assert not runs.processes
+        started = [int(p) for p in pids.read_text().split()]
+        for pid in started:
+            deadline = time.monotonic() + 60  # SIGKILLed: exiting, however slowly
+            while _running(pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert not [pid for pid in started if _running(pid)]  # the benchmark and what it started: not left running
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        runs.stop()
+        for pid in (int(p) for p in pids.read_text().split()) if pids.exists() else ():  # left by a failing run
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_run_whose_turn_was_taken_before_the_session_stopped_is_stopped_once_it_starts(tmp_path: Path) -> None:
+    """The background thread took a run's turn, and the session stopped (its end, ``-x``, Ctrl-C) before the benchmark
+    was started: started after the stop had killed what was running, the benchmark is killed at once. It ran to its
+    hang guard while the session waited for the background thread (60 s) and then ended without it, leaving it
+    running in its own session."""
+    job = Job(script=_script(tmp_path, "late.py", """
+        while True:
+            time.sleep(1)"""), timeout=20)
+    runs = SmokeRuns(tmp_path, dict(os.environ))
+    assert runs._claim(job)  # the background thread's turn for it ...
+    runs.stop()  # ... and the session stops before it starts the benchmark
+    runs._run(job)  # the background thread goes on
+    outcome = runs.outcomes[job.script]
+    assert outcome.returncode == -signal.SIGKILL and not runs.processes
 
 
 def _running(pid: int) -> bool:

@@ -92,14 +92,14 @@ class ProducerHead:
         """This id's last published seq in ``state`` (-1 when it never published)."""
         return self.next_seq(state) - 1
 
-    def check_follows(self, metadata: TableMetadata, *, last: int, seq: int, first_seen: int,
+    def check_follows(self, metadata: TableMetadata, *, last: int, seq: int, first_seen: int, since: float,
                       earlier: frozenset[str]) -> None:
         """Before publishing the new ``seq`` after ``last``, published since this producer first read the table and
         answered by no call of it: refuse another live writer's batch (see :func:`check_follows`)."""
         found = self.published(metadata, last)
         if found is not None:
             check_follows(metadata, found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
-                          first_seen=first_seen, earlier=earlier)
+                          first_seen=first_seen, since=since, earlier=earlier)
 
     def opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or

@@ -450,9 +450,9 @@ class Producer:
         if known is None:
             if not follows and last < seq:  # the id's last seq is neither this producer's nor an earlier incarnation's
                 assert self._first_seen is not None
-                head.check_follows(loop.metadata, last=last, seq=seq, first_seen=self._first_seen,
+                head.check_follows(loop.metadata, last=last, seq=seq, first_seen=self._first_seen, since=self._made_at,
                                    earlier=self._unsettled_tokens(last))
-                self._published.add(last)  # this producer's own batch, from a call that failed after writing it
+                self._published.add(last)  # its own from a failed call, or an earlier incarnation's that landed late
             return seq
         if seq not in self._published:  # published by another producer object: a replay unless another live writer's
             head.check_replay(loop.metadata, known, seq=seq, since=self._made_at,
@@ -463,10 +463,11 @@ class Producer:
     def _follows_own(self, last: int) -> bool:
         """Whether this id's last published seq ``last`` (-1: none) is one this producer may publish after without a
         check: one published before it first read the table (an earlier incarnation's; this records that first
-        read), or one it answered itself. Any other is another live writer's, or its own from a failed call: two
-        producers of one id that both number after the table (``seq=None``) would otherwise publish in turns, each
-        every other seq, and never collide on one. The first read decides, not a clock: of two live writers, the one
-        about to publish after the other's batch is refused, and the other goes on."""
+        read), or one it answered itself. Any other is checked (:func:`~lakestream_iceberg.write.reconcile.check_follows`):
+        another live writer's, or its own from a failed call, or an earlier incarnation's that landed late (sent before
+        this producer was made): two producers of one id that both number after the table (``seq=None``) would
+        otherwise publish in turns, each every other seq, and never collide on one. Of two live writers, the one about
+        to publish after the other's batch (sent once both were made) is refused, and the other goes on."""
         if self._first_seen is None:
             self._first_seen = last
         return last <= self._first_seen or last in self._published

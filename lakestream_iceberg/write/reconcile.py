@@ -147,26 +147,31 @@ def check_replay(metadata: TableMetadata, found: Found, *, producer_id: str, bra
 
 
 def check_follows(metadata: TableMetadata, found: Found, *, producer_id: str, branch: str, last: int, seq: int,
-                  first_seen: int, earlier: frozenset[str] = frozenset()) -> None:
+                  first_seen: int, since: float, earlier: frozenset[str] = frozenset()) -> None:
     """A call about to publish the new ``seq`` after this id's last published seq ``last``, which was published after
     this producer first read the table (the id's last seq was ``first_seen`` then) and which no call of this producer
-    answered: fine when its batch is this producer's own from a call that failed after writing (its token in
-    ``earlier``), or when that cannot be told (the snapshot expired, or predates recorded tokens).
+    answered: fine when its batch is an earlier incarnation's, sent before this producer was made (``since``: a batch
+    the dead process staged, or a commit it gave up on, that landed late), or this producer's own from a call that
+    failed after writing (its token in ``earlier``), or when that cannot be told (the snapshot expired, or predates
+    recorded tokens).
 
     Raises:
-        ProducerConflictError: Another batch published it: another live writer uses the same producer id. Both number
-            their batches after the table's state (``seq=None``), so they would publish in turns without ever
-            colliding on a seq (nothing of this call was written).
+        ProducerConflictError: Another batch, sent since this producer was made, published it: another live writer uses
+            the same producer id. Both number their batches after the table's state (``seq=None``), so they would
+            publish in turns without ever colliding on a seq (nothing of this call was written).
     """
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
     state = StreamState.of(snapshot)
-    if snapshot is None or state.token is None or state.token in earlier:
+    if snapshot is None or state.token is None:
+        return
+    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
+    if how is None:
         return
     raise ProducerConflictError(
         f"producer {producer_id!r} cannot publish seq {seq} on branch {branch!r}: the id's last seq {last} was published "
-        f"as step {found['step']} (snapshot {found['snapshot_id']}) with batch {state.token!r} by no call of this "
-        f"producer, after it first read the table (the id's last seq was {first_seen} then). Another live process is "
-        f"using producer id {producer_id!r}, and the two would publish in turns. Nothing of this call was written: "
+        f"as step {found['step']} (snapshot {found['snapshot_id']}) with batch {state.token!r}, {how}, by no call of "
+        f"this producer, after it first read the table (the id's last seq was {first_seen} then). Another live process "
+        f"is using producer id {producer_id!r}, and the two would publish in turns. Nothing of this call was written: "
         f"give every live producer its own id, and check what step {found['step']} holds"
     )
 
