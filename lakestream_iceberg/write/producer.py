@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -45,9 +44,9 @@ from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.background import CommitQueue, Submitted
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.head import ProducerHead
+from lakestream_iceberg.write.own_batches import OwnBatches
 from lakestream_iceberg.write.plan import Outcome
 from lakestream_iceberg.write.planner import BatchPlanner, Published, stage_batch
-from lakestream_iceberg.write.seq_ranges import SeqRanges
 from lakestream_iceberg.write.staging import StagingArea
 from lakestream_iceberg.write.writer import BatchWriter, check_producer_id
 
@@ -109,7 +108,6 @@ class _Checked:
     allow_gap: bool
 
 
-UNSETTLED_KEPT = 64  # the calls that failed after writing whose batches a producer still recognises as its own
 
 
 class Producer:
@@ -140,16 +138,7 @@ class Producer:
         self._next_submit = 0  # the seq the next submit takes (valid once the queue is started)
         self._closed = False  # close() was called: no more commits or submits
         self._pid = os.getpid()  # the process whose committer thread and lock these are (see _own)
-        # A batch of this id staged before this producer was made may be an earlier incarnation's (a dead process
-        # whose intent is carried while its restart commits the same seq): a duplicate. One staged later is another
-        # live writer's, unless it is this producer's own from a call that failed after staging (its outcome unknown
-        # to the caller, who retries the seq): those calls' (seq, token), the last few.
-        self._made_at = time.time()
-        self._unsettled: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
-        self._published = SeqRanges()  # the seqs this producer answered with success: a replay of one is too
-        # The id's last published seq when this producer first read the table (-1: none; None: not read yet). A later
-        # seq of the id that no call of this producer published is another live writer's (see _follows_own).
-        self._first_seen: int | None = None
+        self._sent = OwnBatches()  # how it tells its own batches from another writer's of the same id
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -164,7 +153,7 @@ class Producer:
         self._own()
         with self._lock:  # the committer thread reads and adopts the same table view
             following = self._head.next_seq(self._head.state(self._head.refresh()))
-            self._follows_own(following - 1)  # the first read of the table: what an earlier incarnation published
+            self._sent.follows(following - 1)  # the first read of the table: what an earlier incarnation published
             return following
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
@@ -397,11 +386,11 @@ class Producer:
         try:
             intent = stage_batch(self._staging, self._head, staged, allow_gap) if self._stages() else None
             planner = BatchPlanner(head=self._head, staging=self._staging, policy=self._loop.policy, staged=staged,
-                                   seq=seq, allow_gap=allow_gap, since=self._made_at,
-                                   earlier=self._unsettled_tokens(seq), intent=intent)
+                                   seq=seq, allow_gap=allow_gap, since=self._sent.made_at,
+                                   earlier=self._sent.failed_tokens(seq), intent=intent)
             outcome = self._publish(planner)
         except BaseException:
-            self._unsettled.append((seq, staged.token))  # staged or sent: it may still be published (see __init__)
+            self._sent.failed(seq, staged.token)  # staged or sent: it may still be published (see OwnBatches)
             raise
         published = outcome.result
         if outcome.peeked:
@@ -411,7 +400,7 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
-        self._published.add(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
+        self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
@@ -431,7 +420,7 @@ class Producer:
             head.check_branch(loop.metadata)
             return self._peeked_next
         if (not loop.fresh and self._stages() and (opens := head.opens(seq)) is not None
-                and self._follows_own(opens - 1)):
+                and self._sent.follows(opens - 1)):
             # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
             # staged: a light read of the head shows ``seq`` as this id's next one, so it is neither a duplicate nor a
             # gap there, which is all a full read would check before writing. Whoever plans its publication reads the
@@ -442,39 +431,23 @@ class Producer:
             return opens
         state = head.state(loop.metadata if loop.fresh else head.refresh())
         last = head.last_seq(state)
-        follows = self._follows_own(last)
+        follows = self._sent.follows(last)
         if seq is None:
             seq = last + 1
         head.check_seq(seq, state, allow_gap)
         known = after_gc(lambda: head.published(loop.metadata, seq), refresh=head.refresh)
         if known is None:
             if not follows and last < seq:  # the id's last seq is neither this producer's nor an earlier incarnation's
-                assert self._first_seen is not None
-                head.check_follows(loop.metadata, last=last, seq=seq, first_seen=self._first_seen, since=self._made_at,
-                                   earlier=self._unsettled_tokens(last))
-                self._published.add(last)  # its own from a failed call, or an earlier incarnation's that landed late
+                assert self._sent.first_seen is not None
+                head.check_follows(loop.metadata, last=last, seq=seq, first_seen=self._sent.first_seen,
+                                   since=self._sent.made_at, earlier=self._sent.failed_tokens(last))
+                self._sent.answered(last)  # its own from a failed call, or an earlier incarnation's that landed late
             return seq
-        if seq not in self._published:  # published by another producer object: a replay unless another live writer's
-            head.check_replay(loop.metadata, known, seq=seq, since=self._made_at,
-                              earlier=self._unsettled_tokens(seq))
-            self._published.add(seq)
+        if seq not in self._sent:  # published by another producer object: a replay unless another live writer's
+            head.check_replay(loop.metadata, known, seq=seq, since=self._sent.made_at,
+                              earlier=self._sent.failed_tokens(seq))
+            self._sent.answered(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
-
-    def _follows_own(self, last: int) -> bool:
-        """Whether this id's last published seq ``last`` (-1: none) is one this producer may publish after without a
-        check: one published before it first read the table (an earlier incarnation's; this records that first
-        read), or one it answered itself. Any other is checked (:func:`~lakestream_iceberg.write.reconcile.check_follows`):
-        another live writer's, or its own from a failed call, or an earlier incarnation's that landed late (sent before
-        this producer was made): two producers of one id that both number after the table (``seq=None``) would
-        otherwise publish in turns, each every other seq, and never collide on one. Of two live writers, the one about
-        to publish after the other's batch (sent once both were made) is refused, and the other goes on."""
-        if self._first_seen is None:
-            self._first_seen = last
-        return last <= self._first_seen or last in self._published
-
-    def _unsettled_tokens(self, seq: int) -> frozenset[str]:
-        """The tokens of this producer's calls of ``seq`` that failed after writing (see ``__init__``)."""
-        return frozenset(token for failed, token in self._unsettled if failed == seq)
 
     def _taken(self, published: CommitResult) -> ProducerConflictError:
         """A batch submitted with ``seq=None`` was numbered by this producer (the seq after its last submitted one),

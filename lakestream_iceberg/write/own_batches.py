@@ -1,0 +1,64 @@
+"""What one producer object sent, so that it tells its own batches from those of another writer with the same id.
+
+A producer id is the only fence between writers (docs/concepts.md, "Two live processes with one id"). To tell its own
+batches from an earlier incarnation's and from another live writer's, a :class:`~lakestream_iceberg.write.producer.Producer`
+keeps, in an :class:`OwnBatches`:
+
+* when it was made: a batch of its id sent (staged, or committed directly) before then is an earlier incarnation's;
+* the seqs it answered with success (:class:`~lakestream_iceberg.write.seq_ranges.SeqRanges`): a replay of one of them
+  is answered the same way, whoever's batch published it;
+* the tokens of its calls that failed after writing, the last :data:`UNSETTLED_KEPT`: their batches may still be
+  published (carried by another producer's group commit, or a commit the catalog applied late), and are its own;
+* the id's last published seq when it first read the table: a later seq of the id that it did not publish was sent by
+  someone else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from lakestream_iceberg.write.seq_ranges import SeqRanges
+
+__all__ = ["UNSETTLED_KEPT", "OwnBatches"]
+
+UNSETTLED_KEPT = 64  # the calls that failed after writing whose batches a producer still recognises as its own
+
+
+class OwnBatches:
+    """The batches one producer object sent (module docstring)."""
+
+    def __init__(self) -> None:
+        self.made_at = time.time()
+        self._answered = SeqRanges()
+        self._failed: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
+        self.first_seen: int | None = None  # the id's last seq at the first read of the table (-1: none; None: unread)
+
+    def answered(self, seq: int) -> None:
+        """``seq`` was answered with success: its batch, or one judged an earlier incarnation's."""
+        self._answered.add(seq)
+
+    def __contains__(self, seq: int) -> bool:
+        """Whether ``seq`` was answered with success (a replay of it is answered the same way)."""
+        return seq in self._answered
+
+    def failed(self, seq: int, token: str) -> None:
+        """A call of ``seq`` failed after writing the batch ``token``: it may still be published."""
+        self._failed.append((seq, token))
+
+    def failed_tokens(self, seq: int) -> frozenset[str]:
+        """The tokens of the calls of ``seq`` that failed after writing (the last :data:`UNSETTLED_KEPT` calls)."""
+        return frozenset(token for failed, token in self._failed if failed == seq)
+
+    def follows(self, last: int) -> bool:
+        """Whether this id's last published seq ``last`` (-1: none) is one the producer may publish after without a
+        check: one published before it first read the table (an earlier incarnation's; the first call records that
+        read), or one it answered itself. Any other is checked
+        (:func:`~lakestream_iceberg.write.reconcile.check_follows`): another live writer's, its own from a failed call,
+        or an earlier incarnation's that landed late (sent before this producer was made). Two producers of one id that
+        both number after the table (``seq=None``) would otherwise publish in turns, each every other seq, and never
+        collide on one; of two live writers, the one about to publish after the other's batch (sent once both were
+        made) is refused, and the other goes on."""
+        if self.first_seen is None:
+            self.first_seen = last
+        return last <= self.first_seen or last in self._answered
