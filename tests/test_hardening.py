@@ -736,6 +736,33 @@ def test_4f_an_earlier_incarnations_batch_published_after_the_restart_read_the_t
     assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
 
 
+@pytest.mark.parametrize("case", ["twin", "earlier incarnation"])
+def test_4f_the_follow_rule_holds_once_the_snapshot_of_the_ids_last_seq_expired(
+        catalog: SqlCatalog, staging: dict[str, str], case: str) -> None:
+    """Other producers' commits expire the snapshot that published the id's last seq before the producer's next call
+    (a busy stream keeps a few snapshots): that batch is then told by its data file, whose name holds its token and
+    whose modification time says it was written after (a live twin's) or before (an earlier incarnation's) the
+    producer was made. Without a snapshot to compare, two live twins took turns undetected."""
+    stream = make(catalog, **staging, **{"lakestream.snapshots.retain-last": "2"})
+    a, b = both_active(stream)
+    if case == "twin":
+        stream.producer("b").commit(batch("b", 2, WORLD))  # a live twin made after b
+    else:
+        dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
+        stream.staging.stage(branch="main", batch=dead, allow_gap=False)  # the process that staged it died
+        b = stream.producer("b")  # its restart
+        assert b.next_seq == 2
+    for seq in range(2, 5):
+        a.commit(batch("a", seq, WORLD))  # (carries the dead incarnation's seq 2) and expires the snapshot of b's seq 2
+    assert "2" not in [s["lakestream.seq"] for s in published_by(stream, "b")]
+    assert b.next_seq == 3
+    if case == "twin":
+        with pytest.raises(ProducerConflictError, match=r"cannot publish seq 3 .*data file was written at .*expired"):
+            b.commit(batch("b", 3, WORLD))
+    else:
+        assert b.commit(batch("b", 3, WORLD)).seq == 3
+
+
 def test_4f_a_producers_replay_of_a_seq_whose_commit_landed_unseen_is_a_duplicate(catalog: SqlCatalog) -> None:
     """A producer committing alone: the catalog applies its commit of seq 2 but the answer is lost, and the producer
     finds the seq published by its own batch when it reads the table back. A later replay of seq 2 by the same producer

@@ -7,6 +7,7 @@ Each test gets a fresh catalog (database / S3 prefix / namespace). Deselect with
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pyarrow as pa
@@ -215,3 +216,18 @@ def test_concurrent_producer_processes_publish_dense_steps_exactly_once(backend:
     scanned = stream.table.catalog.load_table(backend.identifier()).scan(selected_fields=("producer", "seq", "_step")).to_arrow()
     for row in scanned.to_pylist():
         assert steps[row["_step"]] == (row["producer"], row["seq"])
+
+
+def test_a_data_files_modification_time_is_read_from_the_store(backend: Backend) -> None:
+    """A producer tells a batch whose snapshot expired by its data file's modification time (the follow rule of two
+    live producers of one id): read through the table's FileIO from every store, None for a file that is not there."""
+    from lakestream_iceberg.connect.storage import modified_at
+
+    stream = create(backend)
+    before = time.time()
+    step = stream.producer("p").commit(batch("p", 0, WORLD)).step
+    after = time.time()
+    path = stream.locate(step)[0].file_path
+    written = modified_at(stream.io, path)
+    assert written is not None and int(before) - 1 <= written <= after + 1  # S3 keeps whole seconds
+    assert modified_at(stream.io, path.replace(".parquet", "-missing.parquet")) is None

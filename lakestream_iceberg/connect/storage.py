@@ -1,4 +1,5 @@
-"""Listing the files under a table location through the table's own FileIO (PyArrow or fsspec), for GC."""
+"""Listing the files under a table location through the table's own FileIO (PyArrow or fsspec), for GC, and one file's
+modification time."""
 
 from __future__ import annotations
 
@@ -46,3 +47,28 @@ def list_files(io: FileIO, location: str) -> Iterator[tuple[str, int, float]]:
             yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
         return
     raise ConfigError(f"garbage collection cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
+
+
+def modified_at(io: FileIO, path: str) -> float | None:
+    """When the file at ``path`` was last modified (unix seconds, by the store's clock), or None when that cannot be
+    told (no such file, a FileIO that lists no times, an error of the store)."""
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    try:
+        if isinstance(io, PyArrowFileIO):
+            from pyarrow import fs as pafs
+
+            scheme, netloc, bare = PyArrowFileIO.parse_location(path, io.properties)
+            info = io.fs_by_scheme(scheme, netloc).get_file_info(bare)
+            return info.mtime.timestamp() if info.type == pafs.FileType.File and info.mtime is not None else None
+        from pyiceberg.io.fsspec import FsspecFileIO
+
+        if isinstance(io, FsspecFileIO):
+            from urllib.parse import urlparse
+
+            found = io.get_fs(urlparse(path).scheme).info(path)
+            mtime = found.get("LastModified") or found.get("mtime")
+            return mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime) if mtime else None
+    except (OSError, ValueError, TypeError, ImportError):
+        return None
+    return None

@@ -13,11 +13,19 @@ from typing import TYPE_CHECKING
 
 from pyiceberg.table.metadata import TableMetadata
 
+from lakestream_iceberg.connect.storage import modified_at
 from lakestream_iceberg.errors import CommitError, ForeignSnapshotError, SequenceError
 from lakestream_iceberg.format.checks import check_branch
 from lakestream_iceberg.format.summary import MAX_SEQ, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
-from lakestream_iceberg.write.reconcile import Found, check_follows, check_publisher, check_replay, find_published
+from lakestream_iceberg.write.reconcile import (
+    Found,
+    check_follows,
+    check_follows_by_file,
+    check_publisher,
+    check_replay,
+    find_published,
+)
 from lakestream_iceberg.write.writer import StagedBatch
 
 if TYPE_CHECKING:
@@ -97,9 +105,31 @@ class ProducerHead:
         """Before publishing the new ``seq`` after ``last``, published since this producer first read the table and
         answered by no call of it: refuse another live writer's batch (see :func:`check_follows`)."""
         found = self.published(metadata, last)
-        if found is not None:
-            check_follows(metadata, found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
-                          first_seen=first_seen, since=since, earlier=earlier)
+        if found is None:
+            return
+        if found["snapshot_id"] is None or metadata.snapshot_by_id(found["snapshot_id"]) is None:
+            if found["step"] is not None:  # expired: the batch's data file tells its token and when it was written
+                token, written_at = self._batch_file(metadata, found["step"], last)
+                check_follows_by_file(found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
+                                      first_seen=first_seen, since=since, earlier=earlier, token=token,
+                                      written_at=written_at)
+            return
+        check_follows(metadata, found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
+                      first_seen=first_seen, since=since, earlier=earlier)
+
+    def _batch_file(self, metadata: TableMetadata, step: int, seq: int) -> tuple[str | None, float | None]:
+        """The token of this id's batch ``seq`` published as ``step``, from its data file's name
+        (``data/<producer>/<seq>-<token>-<rank>.parquet``), and that file's modification time; None for what cannot
+        be read (a file named otherwise: another engine's)."""
+        prefix = f"/data/{self.producer_id}/{seq:012d}-"
+        for entry in self.stream.index.entries(metadata.snapshot_by_name(self.branch), step):
+            path = entry.data_file.file_path
+            at = path.rfind(prefix)
+            if at < 0:
+                continue
+            token = path[at + len(prefix):].split("-", 1)[0]
+            return (token or None), modified_at(self.stream.io, path)
+        return None, None
 
     def opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or

@@ -24,7 +24,7 @@ from lakestream_iceberg.write.writer import StagedBatch
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["Found", "check_follows", "check_publisher", "check_replay", "find_published"]
+__all__ = ["Found", "check_follows", "check_follows_by_file", "check_publisher", "check_replay", "find_published"]
 
 
 class Found(TypedDict):
@@ -173,6 +173,29 @@ def check_follows(metadata: TableMetadata, found: Found, *, producer_id: str, br
         f"this producer, after it first read the table (the id's last seq was {first_seen} then). Another live process "
         f"is using producer id {producer_id!r}, and the two would publish in turns. Nothing of this call was written: "
         f"give every live producer its own id, and check what step {found['step']} holds"
+    )
+
+
+def check_follows_by_file(found: Found, *, producer_id: str, branch: str, last: int, seq: int, first_seen: int,
+                          since: float, earlier: frozenset[str], token: str | None, written_at: float | None) -> None:
+    """:func:`check_follows` when the snapshot that published ``last`` has expired: its batch is told by its data
+    file, whose name holds the batch's token and whose modification time (by the store's clock) is no later than when
+    the batch was sent. Fine when the token is one of this producer's own failed calls (``earlier``), when the file was
+    written before this producer was made (``since``: an earlier incarnation's), or when neither can be read.
+
+    Raises:
+        ProducerConflictError: The file was written since this producer was made, by no call of it: another live
+            writer uses the same producer id.
+    """
+    if token is None or token in earlier or written_at is None or written_at < since:
+        return
+    raise ProducerConflictError(
+        f"producer {producer_id!r} cannot publish seq {seq} on branch {branch!r}: the id's last seq {last} was published "
+        f"as step {found['step']} with batch {token!r}, whose data file was written at {written_at:.3f} (unix s, its "
+        f"snapshot has expired since), after this producer was made at {since:.3f}, by no call of this producer, after "
+        f"it first read the table (the id's last seq was {first_seen} then). Another live process is using producer id "
+        f"{producer_id!r}, and the two would publish in turns. Nothing of this call was written: give every live "
+        f"producer its own id, and check what step {found['step']} holds"
     )
 
 
