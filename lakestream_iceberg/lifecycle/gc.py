@@ -130,8 +130,11 @@ def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_withi
     newest = sorted(checkpoints, key=lambda c: (c.created_at, c.step), reverse=True)
     keep: set[str] = set()
     if keep_last is not None:  # of each branch: a fork's checkpoints never release the last ones of the run it forked
-        for branch in {c.branch for c in checkpoints}:
-            keep.update(c.name for c in [c for c in newest if c.branch == branch][:keep_last])
+        by_branch: dict[str, list[Checkpoint]] = defaultdict(list)  # grouped once: thousands of forks, each with some
+        for c in newest:
+            by_branch[c.branch].append(c)
+        for newest_first in by_branch.values():
+            keep.update(c.name for c in newest_first[:keep_last])
     if keep_within is not None:
         keep.update(c.name for c in checkpoints if now - c.created_at <= keep_within)
     return [c for c in checkpoints if c.name in keep]

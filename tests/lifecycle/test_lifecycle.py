@@ -197,6 +197,33 @@ def test_keep_last_keeps_the_newest_checkpoints_of_each_branch(tmp_path) -> None
     assert [digest(stream.read(3, rank=r)) for r in range(2)] == [digest(t) for t in batch("p", 2, 2)]  # main-3's step
 
 
+def test_keep_last_among_many_forks_groups_the_checkpoints_by_branch_once() -> None:
+    """keep_last of each branch scanned every checkpoint once per branch: O(branches x checkpoints) name comparisons
+    for every GC (dry runs too) of a stream with thousands of forks, each with its checkpoints."""
+    from datetime import datetime, timezone
+
+    from lakestream_iceberg.format.checkpoints import Checkpoint
+    from lakestream_iceberg.lifecycle.gc import retained
+
+    compared: list[str] = []
+
+    class Name(str):  # a branch name that counts the comparisons made with it
+        __hash__ = str.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            compared.append(str(self))
+            return str.__eq__(self, other)
+
+    now = datetime.now(timezone.utc)
+    branches = 60
+    checkpoints = [Checkpoint(name=f"b{b}-{i}", step=i + 1, snapshot_id=b * 10 + i, source_snapshot_id=None,
+                              created_at=now - timedelta(minutes=i), branch=Name(f"b{b}"))
+                   for b in range(branches) for i in range(3)]
+    kept = retained(checkpoints, keep_last=2, keep_within=None, now=now)
+    assert sorted(c.name for c in kept) == sorted(f"b{b}-{i}" for b in range(branches) for i in range(2))
+    assert len(compared) <= 2 * len(checkpoints), f"{len(compared)} comparisons for {len(checkpoints)} checkpoints"
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.sampled_from(["commit", "commit", "commit", "checkpoint", "release", "gc", "resume", "fork"]),
                     min_size=4, max_size=22),
