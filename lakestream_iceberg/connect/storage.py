@@ -69,6 +69,6 @@ def modified_at(io: FileIO, path: str) -> float | None:
             found = io.get_fs(urlparse(path).scheme).info(path)
             mtime = found.get("LastModified") or found.get("mtime")
             return mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime) if mtime else None
-    except (OSError, ValueError, TypeError, ImportError):
+    except Exception:  # noqa: BLE001 - a store's own errors too (s3fs raises botocore's for an unreachable endpoint)
         return None
     return None

@@ -1,0 +1,43 @@
+"""A file's modification time read through the table's FileIO (connect/storage.py): what the producer's follow rule
+reads when the snapshot of the id's last seq has expired."""
+
+from __future__ import annotations
+
+import pytest
+from pyiceberg.io import FileIO
+
+from catalog import services
+from lakestream_iceberg.connect.storage import modified_at
+
+
+@pytest.mark.parametrize("kind", ["pyarrow", "fsspec"])
+def test_a_store_that_cannot_be_reached_tells_no_modification_time(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FsspecFileIO, an S3 endpoint that refuses connections made ``modified_at`` raise botocore's
+    ``EndpointConnectionError`` (no OSError), out of ``Producer.commit`` when its follow rule read an expired batch's
+    data file; an error of the store means "cannot be told" (None), as with PyArrowFileIO."""
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries: the refusal is the same on the first try
+    port = services.free_ports(1)[0]  # nothing listens: every request is refused
+    properties = {"s3.endpoint": f"http://127.0.0.1:{port}", "s3.access-key-id": "x",
+                  "s3.secret-access-key": "y", "s3.region": "us-east-1"}
+    io: FileIO
+    if kind == "pyarrow":
+        from pyiceberg.io.pyarrow import PyArrowFileIO
+
+        io = PyArrowFileIO(properties)
+    else:
+        from pyiceberg.io.fsspec import FsspecFileIO
+
+        io = FsspecFileIO(properties)
+    assert modified_at(io, "s3://bucket/table/data/p/000000000001-0123456789ab-r00000.parquet") is None
+
+
+def test_a_local_files_modification_time_is_its_mtime(tmp_path) -> None:
+    from pyiceberg.io.fsspec import FsspecFileIO
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    path = tmp_path / "f.parquet"
+    path.write_bytes(b"x")
+    for io in (PyArrowFileIO({}), FsspecFileIO({})):
+        assert modified_at(io, str(path)) == pytest.approx(path.stat().st_mtime, abs=1e-3)
+        assert modified_at(io, f"file://{path}") == pytest.approx(path.stat().st_mtime, abs=1e-3)
+        assert modified_at(io, str(tmp_path / "missing.parquet")) is None
