@@ -131,13 +131,9 @@ def check_replay(metadata: TableMetadata, found: Found, *, producer_id: str, bra
         ProducerConflictError: The batch was staged, or committed in a snapshot made, since this producer was made:
             another live writer uses the same producer id (nothing of this call was written).
     """
-    snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
-    state = StreamState.of(snapshot)
-    if snapshot is None or state.token is None:
+    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier)) is None:
         return
-    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
-    if how is None:
-        return
+    state, how = sent
     raise ProducerConflictError(
         f"producer {producer_id!r} seq {seq} on branch {branch!r} was published as step {found['step']} (snapshot "
         f"{found['snapshot_id']}) with batch {state.token!r}, {how}, by no call of this producer: it is no replay of an "
@@ -160,13 +156,9 @@ def check_follows(metadata: TableMetadata, found: Found, *, producer_id: str, br
             the same producer id. Both number their batches after the table's state (``seq=None``), so they would
             publish in turns without ever colliding on a seq (nothing of this call was written).
     """
-    snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
-    state = StreamState.of(snapshot)
-    if snapshot is None or state.token is None:
+    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier)) is None:
         return
-    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
-    if how is None:
-        return
+    state, how = sent
     raise ProducerConflictError(
         f"producer {producer_id!r} cannot publish seq {seq} on branch {branch!r}: the id's last seq {last} was published "
         f"as step {found['step']} (snapshot {found['snapshot_id']}) with batch {state.token!r}, {how}, by no call of "
@@ -197,6 +189,19 @@ def check_follows_by_file(found: Found, *, producer_id: str, branch: str, last: 
         f"{producer_id!r}, and the two would publish in turns. Nothing of this call was written: give every live "
         f"producer its own id, and check what step {found['step']} holds"
     )
+
+
+def _sent_by_another_in(metadata: TableMetadata, found: Found, *, since: float,
+                        earlier: frozenset[str]) -> tuple[StreamState, str] | None:
+    """The state of the snapshot that published ``found`` and how its batch was sent, when another live writer sent it
+    (:func:`_sent_by_another`); None when it is an earlier incarnation's or this producer's own, or when nothing can be
+    compared (the snapshot expired, or predates recorded tokens)."""
+    snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
+    state = StreamState.of(snapshot)
+    if snapshot is None or state.token is None:
+        return None
+    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
+    return None if how is None else (state, how)
 
 
 def _sent_by_another(snapshot: Snapshot, state: StreamState, *, since: float, earlier: frozenset[str]) -> str | None:
