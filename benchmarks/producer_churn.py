@@ -14,9 +14,9 @@ Scenarios (``--scenarios A,B,C``; each a section of the printed table; every rat
   size of the current metadata.json there (target <= 64 KiB). ``--max-seconds`` stops the loop early (the report says
   how far it got): on code whose commit cost grows with every id, 20,000 ids take hours.
 * **B. lone producer after churn** (needs A's stream; selecting B alone runs A's churn first): after A, one new
-  producer id commits alone for ``--lone-seconds`` or ``--lone-commits``, whichever comes first; its commits/s are
-  compared with the same loop on a fresh stream, in ``--lone-rounds`` alternating rounds each, every round after
-  ``os.sync()`` (target >= 0.9x).
+  producer id commits alone for ``--lone-seconds`` or ``--lone-commits``, whichever comes first (at least one commit);
+  its commits/s are compared with the same loop on a fresh stream, in ``--lone-rounds`` alternating rounds each, every
+  round after ``os.sync()`` (target >= 0.9x).
 * **C. rotating pool**: ``--pool`` producer processes (multiprocessing forkserver or spawn, ``--start-method``; all
   released together after a start barrier)
   each commit ``--pool-batches`` batches, taking a fresh producer id every ``--rotate`` batches. Reported: failed
@@ -258,12 +258,13 @@ def run_churn(root: Path, args: argparse.Namespace) -> tuple[Any, dict[str, Any]
 
 
 def lone_run(stream: Any, producer_id: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One producer id commits alone until ``--lone-commits`` or ``--lone-seconds`` (checked after each commit)."""
+    """One producer id commits alone until ``--lone-commits`` or ``--lone-seconds`` (checked after each commit: at least
+    one commit, however slow a busy machine makes the first read of the table)."""
     producer = stream.producer(producer_id)
     lat: list[float] = []
     t0 = time.perf_counter()
     seq = producer.next_seq
-    while len(lat) < args.lone_commits and time.perf_counter() - t0 < args.lone_seconds:
+    while len(lat) < args.lone_commits and (not lat or time.perf_counter() - t0 < args.lone_seconds):
         s = time.perf_counter()
         producer.commit(batch(producer_id, seq), seq=seq)
         lat.append(time.perf_counter() - s)

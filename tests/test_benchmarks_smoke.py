@@ -294,6 +294,32 @@ def test_vs_kafka_pools_its_rounds() -> None:
     assert module.pool_rounds([fast, dict(slow, attempts_per_commit=None)])["attempts_per_commit"] is None
 
 
+def _bench_module(name: str) -> Any:
+    """``benchmarks/<name>.py`` as a module (with ``benchmarks/`` on the path while it imports its helpers)."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location(f"{name}_under_test", BENCH / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+    return module
+
+
+def test_producer_churn_lone_run_commits_once_however_slow_its_first_read(tmp_path: Path) -> None:
+    """Scenario B's lone producer commits at least once even when its window has passed before the first commit (a
+    busy machine spent ``--lone-seconds`` on the producer's first read of the table): the smoke test asserts a commit."""
+    import argparse
+
+    churn = _bench_module("producer_churn")
+    stream = churn.create_stream(churn.open_catalog(churn.sqlite_props(tmp_path)), "lone")
+    args = argparse.Namespace(lone_commits=5, lone_seconds=0.0)  # the window is over before the loop begins
+    lone = churn.lone_run(stream, "lone-0", args)
+    assert lone["commits"] == 1 and _positive(lone["commits_per_s"]), lone
+    assert stream.refresh().head_step() == 1
+
+
 def test_run_folders_are_deleted_at_the_end_unless_the_disk_runs_short(tmp_path: Path) -> None:
     """The comparing benchmarks keep their run folders until they end (deleting one slows the next runs' file
     creations on some file systems): deleted at close, at once when asked, or early, oldest first, for disk space."""
