@@ -414,24 +414,29 @@ def exactly_once(stream: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's figures from its producers' records. A ``Producer.submit`` batch whose commit ended before its
+    callback was added has no commit CPU (NaN, see ``BackgroundLakeSide._record``; a busy machine makes it likelier):
+    it counts in the batches and latencies, and the CPU figures are those of the batches whose CPU is known."""
     recs = [rec for r in reports for rec in r["records"]]
     batches = len(recs)
     elapsed = max((rec[1] for rec in recs), default=math.nan)
-    prep = sum(rec[2] for rec in recs)
-    commit = sum(rec[3] for rec in recs)
+    timed = [rec for rec in recs if math.isfinite(rec[3])]
+    prep = sum(rec[2] for rec in timed)
+    commit = sum(rec[3] for rec in timed)
     latency = [rec[1] - rec[0] for rec in recs]
-    carried = [rec[3] for rec in recs if rec[4]]
-    if len(carried) < MIN_SAMPLES:  # a batch or two carried while the producers were mostly alone says nothing
-        carried = []
-    own = [rec[3] for rec in recs if not rec[4]]
+    carried_n = sum(1 for rec in recs if rec[4])
+    carried = [rec[3] for rec in timed if rec[4]]
+    if carried_n < MIN_SAMPLES:  # a batch or two carried while the producers were mostly alone says nothing
+        carried_n, carried = 0, []
+    own = [rec[3] for rec in timed if not rec[4]]
     return {
         "batches": batches, "elapsed_s": elapsed, "batches_per_s": batches / elapsed if elapsed > 0 else math.nan,
-        "prep_cpu_ms": 1000 * prep / batches if batches else math.nan,
-        "commit_cpu_ms": 1000 * commit / batches if batches else math.nan,
+        "prep_cpu_ms": 1000 * prep / len(timed) if timed else math.nan,
+        "commit_cpu_ms": 1000 * commit / len(timed) if timed else math.nan,
         "commit_share": commit / (prep + commit) if prep + commit else math.nan,
         "cpu_s": sum(r["cpu_s"] for r in reports),
         "cores_used": sum(r["cpu_s"] for r in reports) / elapsed if elapsed > 0 else math.nan,
-        "carried_frac": len(carried) / batches if batches else math.nan,
+        "carried_frac": carried_n / batches if batches else math.nan,
         "carried_cpu_ms_p50": 1000 * percentile(carried, 50), "carried_cpu_ms_mean": 1000 * statistics.fmean(carried) if carried else math.nan,
         "own_cpu_ms_p50": 1000 * percentile(own, 50), "own_cpu_ms_mean": 1000 * statistics.fmean(own) if own else math.nan,
         "latency_ms_p50": 1000 * percentile(latency, 50), "latency_ms_p99": 1000 * percentile(latency, 99),

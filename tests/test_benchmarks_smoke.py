@@ -320,6 +320,22 @@ def test_producer_churn_lone_run_commits_once_however_slow_its_first_read(tmp_pa
     assert stream.refresh().head_step() == 1
 
 
+def test_busy_producers_figures_leave_out_the_cpu_of_a_batch_committed_before_its_callback() -> None:
+    """A ``Producer.submit`` batch whose commit ended before the producer added its callback (a busy machine can stall
+    the producer's thread that long) has no commit CPU (NaN): it counts as a batch, and the CPU figures are those of
+    the other batches, where the NaN made the run's commit share NaN and the smoke test failed on 0 < share < 1."""
+    busy = _bench_module("busy_producers")
+    # (commit start, commit end, prep CPU, commit CPU, carried, attempts)
+    records = [(0.0, 0.01, 0.02, 0.005, 0.0, 1.0), (0.01, 0.03, 0.02, math.nan, 0.0, 1.0),
+               (0.03, 0.04, 0.02, 0.005, 0.0, 1.0)]
+    figures = busy.summarize([{"records": records, "failed": [], "cpu_s": 0.1}])
+    assert figures["batches"] == 3 and figures["per_producer"] == [3]
+    assert figures["commit_share"] == pytest.approx(0.2) and figures["commit_cpu_ms"] == pytest.approx(5.0)
+    assert figures["prep_cpu_ms"] == pytest.approx(20.0) and figures["own_cpu_ms_p50"] == pytest.approx(5.0)
+    assert figures["carried_frac"] == 0
+    assert 0 < figures["latency_ms_p50"] <= figures["latency_ms_p99"]
+
+
 def test_run_folders_are_deleted_at_the_end_unless_the_disk_runs_short(tmp_path: Path) -> None:
     """The comparing benchmarks keep their run folders until they end (deleting one slows the next runs' file
     creations on some file systems): deleted at close, at once when asked, or early, oldest first, for disk space."""
