@@ -225,6 +225,7 @@ class BackgroundLakeSide(LakeSide):
         self.done: list[tuple[float, ...]] = []  # (seq, commit end, committer CPU, carried, attempts)
         self.failed: list[str] = []
         self._cpu = 0.0
+        self._unknown = False  # the committer CPU since the last measured batch covers an unmeasured one too
 
     def submit(self, shards: list[pa.Table], seq: int) -> None:
         from lakestream_iceberg import ProducerFailedError
@@ -239,10 +240,12 @@ class BackgroundLakeSide(LakeSide):
     def _record(self, future: Any) -> None:
         end = time.monotonic()
         if threading.current_thread() is threading.main_thread():  # done before the callback was added: no CPU known
-            spent = math.nan
+            spent, self._unknown = math.nan, True
         else:
             cpu = time.thread_time()
             spent, self._cpu = cpu - self._cpu, cpu  # the committer thread's CPU since the previous batch's completion
+            if self._unknown:  # that includes the unmeasured batch's commit: not this batch's alone either
+                spent, self._unknown = math.nan, False
         exc = future.exception()
         if exc is not None:
             self.failed.append(f"{type(exc).__name__}: {str(exc)[:200]}")
@@ -415,8 +418,9 @@ def exactly_once(stream: Any, reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 def summarize(reports: list[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures from its producers' records. A ``Producer.submit`` batch whose commit ended before its
-    callback was added has no commit CPU (NaN, see ``BackgroundLakeSide._record``; a busy machine makes it likelier):
-    it counts in the batches and latencies, and the CPU figures are those of the batches whose CPU is known."""
+    callback was added has no commit CPU (NaN, and the batch after it neither: see ``BackgroundLakeSide._record``; a busy
+    machine makes it likelier): they count in the batches and latencies, and the CPU figures are those of the batches
+    whose CPU is known."""
     recs = [rec for r in reports for rec in r["records"]]
     batches = len(recs)
     elapsed = max((rec[1] for rec in recs), default=math.nan)

@@ -324,7 +324,25 @@ def test_busy_producers_figures_leave_out_the_cpu_of_a_batch_committed_before_it
     """A ``Producer.submit`` batch whose commit ended before the producer added its callback (a busy machine can stall
     the producer's thread that long) has no commit CPU (NaN): it counts as a batch, and the CPU figures are those of
     the other batches, where the NaN made the run's commit share NaN and the smoke test failed on 0 < share < 1."""
+    from concurrent.futures import Future, ThreadPoolExecutor
+    from types import SimpleNamespace
+
     busy = _bench_module("busy_producers")
+    side = object.__new__(busy.BackgroundLakeSide)  # its records alone: no stream needed
+    side.done, side.failed, side._cpu, side._unknown = [], [], 0.0, False
+
+    def committed(seq: int) -> Future[Any]:
+        future: Future[Any] = Future()
+        future.set_result(SimpleNamespace(seq=seq, carried=False, attempts=1))
+        return future
+
+    side._record(committed(0))  # done before its callback was added: recorded by the producer's own thread
+    with ThreadPoolExecutor(max_workers=1) as committer:  # the next two, by the committer thread
+        for seq in (1, 2):
+            committer.submit(side._record, committed(seq)).result()
+    cpu = {int(seq): spent for seq, _end, spent, _carried, _attempts in side.done}
+    # batch 0's commit CPU is unknown, and the committer's CPU until batch 1 covers batch 0's commit too
+    assert math.isnan(cpu[0]) and math.isnan(cpu[1]) and cpu[2] >= 0, cpu
     # (commit start, commit end, prep CPU, commit CPU, carried, attempts)
     records = [(0.0, 0.01, 0.02, 0.005, 0.0, 1.0), (0.01, 0.03, 0.02, math.nan, 0.0, 1.0),
                (0.03, 0.04, 0.02, 0.005, 0.0, 1.0)]
