@@ -325,8 +325,10 @@ def main() -> None:
     pg = Postgres(settings={"max_connections": "2000"})
     weed = SeaweedFS(root / "seaweedfs")
     results = []
+    scratch = [str(root)]  # what the run writes outside --out: all deleted at its end
     try:
         pg.start()
+        scratch.append(str(pg.data_dir))
         weed.start()
         for world in [int(x) for x in args.ranks.split(",")]:
             for hosts in [int(x) for x in args.hosts.split(",")]:
@@ -338,7 +340,7 @@ def main() -> None:
                     print(f"  R={world} K={args.workers} H={hosts} {mode}: {result['wall_s']:.0f}s", flush=True)
     finally:
         weed.stop()
-        pg.stop()
+        pg.close()  # stop() alone left PostgreSQL's data dir (~55 MB) in the temp dir after every run
         shutil.rmtree(root, ignore_errors=True)
     table = Table(f"fan-out: R ranks x K={args.workers} DataLoader workers following one producer (PostgreSQL + "
                   "SeaweedFS S3); per step per rank, steady state (total = start-up included)",
@@ -359,7 +361,8 @@ def main() -> None:
     if args.out or not args.smoke:
         kwargs = {"directory": Path(args.out).parent} if args.out else {}
         path = write_json(Path(args.out).name if args.out else args.name, {"table": table, "runs": results,
-                                                                            "args": vars(args)}, **kwargs)
+                                                                            "args": vars(args), "scratch_dirs": scratch},
+                          **kwargs)
         print(f"wrote {path}")
 
 
