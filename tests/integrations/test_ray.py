@@ -600,6 +600,13 @@ def _train_loop(config: dict[str, Any]) -> None:
                 ray.train.report({"step": item["step"]},
                                  checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
         if item["step"] == config["fail_after"] and restored is None:
+            # Ray Train takes each rank's reports from a one-slot queue it polls, and keeps a checkpoint once every
+            # rank's report of it was polled: a rank that fails first could be seen failing before a slower rank's
+            # checkpoint report was polled, and the retry then started from no checkpoint. Each report waits at a
+            # barrier of all ranks and for the rank's previous report to be polled: after two more reports, every
+            # rank's report of the last checkpoint was.
+            for _ in range(2):
+                ray.train.report({"step": item["step"]})
             raise RuntimeError(f"the first attempt fails after step {item['step']}")
     dist.barrier()  # both ranks are done with end_step before the checkpoint tag marks it
     if rank == 0 and config["checkpoint"]:
