@@ -763,6 +763,28 @@ def test_4f_the_follow_rule_holds_once_the_snapshot_of_the_ids_last_seq_expired(
         assert b.commit(batch("b", 3, WORLD)).seq == 3
 
 
+def test_4f_a_producers_next_batch_after_its_call_failed_past_publishing_is_no_conflict(catalog: SqlCatalog) -> None:
+    """A call whose batch was published and which then failed while tidying up (removing intents: a store error, a
+    KeyboardInterrupt) recorded its seq neither as answered nor as failed: the producer's next batch took its own
+    published one for another live writer's (``ProducerConflictError``)."""
+    stream = make(catalog)
+    b = stream.producer("b")
+    b.commit(batch("b", 0, WORLD))
+    remove = stream.staging.remove
+
+    def fail(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("the store went away while intents were removed (injected)")
+
+    stream.staging.remove = fail  # type: ignore[method-assign]
+    try:
+        with pytest.raises(OSError, match="went away"):
+            b.commit(batch("b", 1, WORLD))
+    finally:
+        stream.staging.remove = remove  # type: ignore[method-assign]
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1"]
+    assert b.next_seq == 2 and b.commit(batch("b", 2, WORLD)).seq == 2
+
+
 def test_4f_a_producers_replay_of_a_seq_whose_commit_landed_unseen_is_a_duplicate(catalog: SqlCatalog) -> None:
     """A producer committing alone: the catalog applies its commit of seq 2 but the answer is lost, and the producer
     finds the seq published by its own batch when it reads the table back. A later replay of seq 2 by the same producer

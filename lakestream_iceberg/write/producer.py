@@ -108,8 +108,6 @@ class _Checked:
     allow_gap: bool
 
 
-
-
 class Producer:
     """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`;
     the constructor's arguments (the stream, the branch, its commit loop, writer and staging area) are internal.
@@ -393,6 +391,7 @@ class Producer:
             self._sent.failed(seq, staged.token)  # staged or sent: it may still be published (see OwnBatches)
             raise
         published = outcome.result
+        self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
         if outcome.peeked:
             self._peeked_next = seq + 1
         intent = planner.intent  # a lost swap may have staged it since (BatchPlanner.escalate)
@@ -400,7 +399,6 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
-        self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
