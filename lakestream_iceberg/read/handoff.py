@@ -148,7 +148,7 @@ def _resolved(torch: Any, value: Any) -> Any:
     """``value`` with lazy conjugate and negative views resolved: torch's own pickling of a shared tensor drops them
     (the values arrive conjugated back or negated)."""
     if isinstance(value, Blobs):
-        return Blobs(values=_resolved(torch, value.values), offsets=_resolved(torch, value.offsets))
+        return Blobs._of(_resolved(torch, value.values), _resolved(torch, value.offsets))
     if isinstance(value, torch.Tensor) and (value.is_conj() or value.is_neg()):
         return value.resolve_conj().resolve_neg()
     return value
@@ -248,7 +248,7 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
         if kind == "tensor":
             item[name] = tensors[value]
         elif kind == "blobs":
-            item[name] = Blobs(values=tensors[value], offsets=tensors[value + 1])
+            item[name] = Blobs._of(tensors[value], tensors[value + 1])
         else:
             item[name] = value
     return item
