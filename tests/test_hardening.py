@@ -800,6 +800,29 @@ def test_4f_a_seq_published_by_another_batch_whose_snapshot_expired_is_told_by_i
     assert head_producers(stream)["b"][:2] == [2, step]  # nothing of b's call was published
 
 
+def test_4f_a_replay_on_a_fork_whose_snapshot_expired_is_answered_with_the_forks_step(catalog: SqlCatalog) -> None:
+    """A fork starts its producers' seqs afresh, and its table state holds the steps it inherited: a producer id that
+    published on ``main`` before the fork has a data file of the same seq in both. Once the snapshot that published a
+    seq on the fork has expired, a replay of it was answered with the inherited step of ``main``'s batch (its step, and
+    the batch the replay check compared with): a restart replaying on the fork got another step than the one its seq
+    published, and a live twin's batch on the fork passed for an earlier incarnation's (``duplicate=True``)."""
+    stream = make(catalog, **{"lakestream.snapshots.retain-last": "2"})
+    b = stream.producer("b")
+    for seq in range(3):
+        b.commit(batch("b", seq, WORLD))
+    stream.fork(stream.checkpoint("c", step=3), branch="f")
+    made = stream.producer("b", branch="f")  # made before the fork's batches below: they are another writer's to it
+    first = stream.producer("b", branch="f")
+    steps = [first.commit(batch("f", seq, WORLD)).step for seq in range(60)]  # expires the fork's early snapshots
+    restarted = stream.producer("b", branch="f")
+    for seq in range(3):
+        replay = restarted.commit(batch("f", seq, WORLD), seq=seq)
+        assert (replay.duplicate, replay.step) == (True, steps[seq])
+    for seq in range(3):
+        with pytest.raises(ProducerConflictError, match=rf"'b' seq {seq} .*data file was written at .*expired"):
+            made.commit(batch("f", seq, WORLD), seq=seq)
+
+
 def test_4f_a_producers_next_batch_after_its_call_failed_past_publishing_is_no_conflict(catalog: SqlCatalog) -> None:
     """A call whose batch was published and which then failed while tidying up (removing intents: a store error, a
     KeyboardInterrupt) recorded its seq neither as answered nor as failed: the producer's next batch took its own

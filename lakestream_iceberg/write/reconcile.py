@@ -66,7 +66,8 @@ def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamSt
         st = StreamState.of(metadata.snapshot_by_id(snapshot_id))
         if st.op == OP_APPEND and st.producer == producer_id and st.seq == seq:
             return {"step": st.step, "snapshot_id": snapshot_id, "group": st.group}
-    step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-")
+    # at most the step of the producer's published seq: a fork's own batch of ``seq``, not the one it inherited
+    step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-", up_to=known.step)
     if step is None and (state.collected_below <= 1 or _lower_seq_live(stream, metadata, branch, producer_id, seq)):
         raise SequenceError(
             f"producer {producer_id!r} seq {seq} was never published on branch {branch!r} and never will be: the "
