@@ -763,6 +763,66 @@ def test_4f_the_follow_rule_holds_once_the_snapshot_of_the_ids_last_seq_expired(
         assert b.commit(batch("b", 3, WORLD)).seq == 3
 
 
+@pytest.mark.parametrize("case", ["twin", "twin, explicit seq", "twin, explicit seq read", "earlier incarnation"])
+def test_4f_a_seq_published_by_another_batch_whose_snapshot_expired_is_told_by_its_data_file(
+        catalog: SqlCatalog, staging: dict[str, str], case: str) -> None:
+    """The producer numbers its next batch from its own view of the table (its last read), and the batch that
+    published that seq meanwhile was committed so long before its call planned that other producers' commits expired its
+    snapshot (a busy stream keeps a few): with nothing to compare, a live twin's batch was taken for this call's own,
+    which was dropped and answered as published (``carried=True``, ``duplicate=False``: silent loss), and an explicit
+    seq's for a replay. The batch's data file tells, as for the follow rule: its name holds its token, its modification
+    time when it was written (after the producer was made: a live twin's; before: an earlier incarnation's, a
+    duplicate). The same holds when the producer reads the head before its call of an explicit seq (a replay's check)."""
+    stream = make(catalog, **staging, **{"lakestream.snapshots.retain-last": "2"})
+    a, b = both_active(stream)
+    if case.startswith("twin"):
+        assert b.next_seq == 2  # its last read of the table
+        stream.producer("b").commit(batch("b", 2, WORLD))  # a live twin made after b
+    else:
+        dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
+        stream.staging.stage(branch="main", batch=dead, allow_gap=False)  # the process that staged it died
+        b = stream.producer("b")  # its restart
+        assert b.next_seq == 2
+    for seq in range(2, 5):
+        a.commit(batch("a", seq, WORLD))  # (carries the dead incarnation's seq 2) and expires the snapshot of b's seq 2
+    assert "2" not in [s["lakestream.seq"] for s in published_by(stream, "b")]
+    seq, step = head_producers(stream)["b"][:2]
+    assert seq == 2
+    explicit = {"seq": 2} if case.startswith("twin, explicit seq") else {}
+    if case == "twin, explicit seq read":
+        assert b.next_seq == 3  # b reads the head: its call of seq 2 begins with seq 2 published (check_replay)
+    if case.startswith("twin"):
+        with pytest.raises(ProducerConflictError, match=r"'b' seq 2 .*data file was written at .*expired"):
+            b.commit(batch("b", 2, WORLD), **explicit)
+    else:
+        result = b.commit(batch("b", 2, WORLD))
+        assert (result.seq, result.step, result.duplicate) == (2, step, True)
+    assert head_producers(stream)["b"][:2] == [2, step]  # nothing of b's call was published
+
+
+def test_4f_a_replay_on_a_fork_whose_snapshot_expired_is_answered_with_the_forks_step(catalog: SqlCatalog) -> None:
+    """A fork starts its producers' seqs afresh, and its table state holds the steps it inherited: a producer id that
+    published on ``main`` before the fork has a data file of the same seq in both. Once the snapshot that published a
+    seq on the fork has expired, a replay of it was answered with the inherited step of ``main``'s batch (its step, and
+    the batch the replay check compared with): a restart replaying on the fork got another step than the one its seq
+    published, and a live twin's batch on the fork passed for an earlier incarnation's (``duplicate=True``)."""
+    stream = make(catalog, **{"lakestream.snapshots.retain-last": "2"})
+    b = stream.producer("b")
+    for seq in range(3):
+        b.commit(batch("b", seq, WORLD))
+    stream.fork(stream.checkpoint("c", step=3), branch="f")
+    made = stream.producer("b", branch="f")  # made before the fork's batches below: they are another writer's to it
+    first = stream.producer("b", branch="f")
+    steps = [first.commit(batch("f", seq, WORLD)).step for seq in range(60)]  # expires the fork's early snapshots
+    restarted = stream.producer("b", branch="f")
+    for seq in range(3):
+        replay = restarted.commit(batch("f", seq, WORLD), seq=seq)
+        assert (replay.duplicate, replay.step) == (True, steps[seq])
+    for seq in range(3):
+        with pytest.raises(ProducerConflictError, match=rf"'b' seq {seq} .*data file was written at .*expired"):
+            made.commit(batch("f", seq, WORLD), seq=seq)
+
+
 def test_4f_a_producers_next_batch_after_its_call_failed_past_publishing_is_no_conflict(catalog: SqlCatalog) -> None:
     """A call whose batch was published and which then failed while tidying up (removing intents: a store error, a
     KeyboardInterrupt) recorded its seq neither as answered nor as failed: the producer's next batch took its own

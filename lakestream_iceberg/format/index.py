@@ -130,9 +130,9 @@ class StepIndex:
                 lowest = int(digits)
         return lowest
 
-    def step_of_file(self, metadata: TableMetadata, branch: str, path_fragment: str) -> int | None:
-        """The step of the first live file whose path contains ``path_fragment`` (slow path: scans all manifests)."""
-        for data_file in self.all_files(metadata.snapshot_by_name(branch)):
-            if path_fragment in data_file.file_path:
-                return entry_step(data_file)
-        return None
+    def step_of_file(self, metadata: TableMetadata, branch: str, path_fragment: str, *, up_to: int) -> int | None:
+        """The newest step, at most ``up_to``, of the live files whose path contains ``path_fragment`` (slow path: scans
+        all manifests). Newest: a fork starts its producers' seqs afresh and holds the steps it inherited, so a
+        producer's file of one seq may be live twice there, the fork's own at the later step."""
+        steps = (entry_step(f) for f in self.all_files(metadata.snapshot_by_name(branch)) if path_fragment in f.file_path)
+        return max((step for step in steps if step is not None and step <= up_to), default=None)

@@ -19,9 +19,9 @@ from lakestream_iceberg.format.checks import check_branch
 from lakestream_iceberg.format.summary import MAX_SEQ, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.reconcile import (
+    BatchFile,
     Found,
     check_follows,
-    check_follows_by_file,
     check_publisher,
     check_replay,
     find_published,
@@ -88,13 +88,14 @@ class ProducerHead:
                         earlier: frozenset[str] = frozenset()) -> bool:
         """Whether the snapshot that published ``found`` holds ``staged`` (see :func:`check_publisher`)."""
         return check_publisher(self.stream.io, metadata, found, staged, producer_id=self.producer_id,
-                               branch=self.branch, since=since, earlier=earlier)
+                               branch=self.branch, since=since, earlier=earlier,
+                               file=self._file(metadata, found, staged.seq))
 
     def check_replay(self, metadata: TableMetadata, found: Found, *, seq: int, since: float,
                      earlier: frozenset[str] = frozenset()) -> None:
         """Whether ``seq``, published before the call began, may be answered as a replay (see :func:`check_replay`)."""
         check_replay(metadata, found, producer_id=self.producer_id, branch=self.branch, seq=seq, since=since,
-                     earlier=earlier)
+                     earlier=earlier, file=self._file(metadata, found, seq))
 
     def last_seq(self, state: StreamState) -> int:
         """This id's last published seq in ``state`` (-1 when it never published)."""
@@ -107,17 +108,19 @@ class ProducerHead:
         found = self.published(metadata, last)
         if found is None:
             return
-        if found["snapshot_id"] is None or metadata.snapshot_by_id(found["snapshot_id"]) is None:
-            if found["step"] is not None:  # expired: the batch's data file tells its token and when it was written
-                token, written_at = self._batch_file(metadata, found["step"], last)
-                check_follows_by_file(found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
-                                      first_seen=first_seen, since=since, earlier=earlier, token=token,
-                                      written_at=written_at)
-            return
         check_follows(metadata, found, producer_id=self.producer_id, branch=self.branch, last=last, seq=seq,
-                      first_seen=first_seen, since=since, earlier=earlier)
+                      first_seen=first_seen, since=since, earlier=earlier, file=self._file(metadata, found, last))
 
-    def _batch_file(self, metadata: TableMetadata, step: int, seq: int) -> tuple[str | None, float | None]:
+    def _file(self, metadata: TableMetadata, found: Found, seq: int) -> BatchFile | None:
+        """This id's batch ``seq`` (published as ``found``) told by its data file, once the snapshot that published it
+        has expired (a busy stream keeps a few): the snapshot no longer tells whose batch it was. None while the
+        snapshot is there, or when the step is no longer known."""
+        snapshot_id = found["snapshot_id"]
+        if found["step"] is None or (snapshot_id is not None and metadata.snapshot_by_id(snapshot_id) is not None):
+            return None
+        return self._batch_file(metadata, found["step"], seq)
+
+    def _batch_file(self, metadata: TableMetadata, step: int, seq: int) -> BatchFile:
         """The token of this id's batch ``seq`` published as ``step``, from its data file's name
         (``data/<producer>/<seq>-<token>-<rank>.parquet``), and that file's modification time; None for what cannot
         be read (a file named otherwise: another engine's)."""
@@ -128,8 +131,8 @@ class ProducerHead:
             if at < 0:
                 continue
             token = path[at + len(prefix):].split("-", 1)[0]
-            return (token or None), modified_at(self.stream.io, path)
-        return None, None
+            return BatchFile(token or None, modified_at(self.stream.io, path))
+        return BatchFile(None, None)
 
     def opens(self, seq: int | None) -> int | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or

@@ -10,7 +10,7 @@ this producer was made: a duplicate) and from another live writer's under the sa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, NamedTuple, TypedDict
 
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
@@ -24,7 +24,7 @@ from lakestream_iceberg.write.writer import StagedBatch
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["Found", "check_follows", "check_follows_by_file", "check_publisher", "check_replay", "find_published"]
+__all__ = ["BatchFile", "Found", "check_follows", "check_publisher", "check_replay", "find_published"]
 
 
 class Found(TypedDict):
@@ -34,6 +34,15 @@ class Found(TypedDict):
     step: int | None
     snapshot_id: int | None
     group: int
+
+
+class BatchFile(NamedTuple):
+    """A published batch told by its data file once the snapshot that published it has expired: the batch's token, which
+    the file's name holds, and when the file was written (the store's modification time, no later than when the batch
+    was sent); None for what cannot be read (a file named otherwise, a store that keeps no times)."""
+
+    token: str | None
+    written_at: float | None
 
 
 def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamState, *, producer_id: str, branch: str,
@@ -57,7 +66,8 @@ def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamSt
         st = StreamState.of(metadata.snapshot_by_id(snapshot_id))
         if st.op == OP_APPEND and st.producer == producer_id and st.seq == seq:
             return {"step": st.step, "snapshot_id": snapshot_id, "group": st.group}
-    step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-")
+    # at most the step of the producer's published seq: a fork's own batch of ``seq``, not the one it inherited
+    step = stream.index.step_of_file(metadata, branch, f"/data/{producer_id}/{seq:012d}-", up_to=known.step)
     if step is None and (state.collected_below <= 1 or _lower_seq_live(stream, metadata, branch, producer_id, seq)):
         raise SequenceError(
             f"producer {producer_id!r} seq {seq} was never published on branch {branch!r} and never will be: the "
@@ -85,27 +95,30 @@ def _lower_seq_live(stream: StreamTable, metadata: TableMetadata, branch: str, p
 
 
 def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: StagedBatch, *, producer_id: str,
-                    branch: str, since: float, earlier: frozenset[str] = frozenset()) -> bool:
+                    branch: str, since: float, earlier: frozenset[str] = frozenset(),
+                    file: BatchFile | None = None) -> bool:
     """Whether the snapshot that published (producer, seq) holds ``staged``, the batch this call wrote.
 
     False: it holds a batch of that seq that is not another live writer's: an earlier incarnation's, staged before
     this producer was made (``since``, unix seconds) and carried by another producer's commit, or committed directly in
     a snapshot made before then (the snapshot's timestamp: a commit whose caller gave up on it may land late); or this
     producer's own from an earlier call that failed after writing (its token in ``earlier``). The call's seq is then a
-    duplicate. True also when nothing can be compared (the snapshot expired, or predates recorded tokens).
+    duplicate. Once that snapshot has expired, the batch's data file tells (``file``): its token, and when it was
+    written (also False when that cannot be read: the batch is not this call's). True also when nothing can be compared
+    (no token recorded or readable).
 
     Raises:
-        ProducerConflictError: It holds a batch staged, or committed in a snapshot made, since this producer was made,
-            by no call of it: another live writer uses the same producer id (this call's files are deleted first:
-            nothing refers to them).
+        ProducerConflictError: It holds a batch staged, or committed in a snapshot made (or its data file written),
+            since this producer was made, by no call of it: another live writer uses the same producer id (this call's
+            files are deleted first: nothing refers to them).
     """
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
-    state = StreamState.of(snapshot)
-    if snapshot is None or state.token is None or state.token == staged.token:
+    token = StreamState.of(snapshot).token if snapshot is not None else file.token if file is not None else None
+    if token is None or token == staged.token:
         return True
-    how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
-    if how is None:
+    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier, file=file)) is None:
         return False
+    token, how = sent
     for f in staged.files:
         try:
             io.delete(f.path)
@@ -113,95 +126,81 @@ def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: S
             pass
     raise ProducerConflictError(
         f"producer {producer_id!r} seq {staged.seq} on branch {branch!r} was published as step {found['step']} "
-        f"(snapshot {found['snapshot_id']}) with batch {state.token!r}, not with the batch this call wrote "
-        f"({staged.token!r}); that batch was {how}. Another live process is using producer id {producer_id!r} (or "
+        f"(snapshot {found['snapshot_id']}) with batch {token!r} ({how}), not with the batch this call wrote "
+        f"({staged.token!r}). Another live process is using producer id {producer_id!r} (or "
         "something wrote a staged intent under it). Nothing of this call was published and its files were deleted: "
         f"give every live producer its own id, and check what step {found['step']} holds"
     )
 
 
 def check_replay(metadata: TableMetadata, found: Found, *, producer_id: str, branch: str, seq: int, since: float,
-                 earlier: frozenset[str] = frozenset()) -> None:
+                 earlier: frozenset[str] = frozenset(), file: BatchFile | None = None) -> None:
     """A call of an explicit ``seq`` that was published before the call began, by no call of this producer: a replay
     (``duplicate=True``) when the batch that published it is an earlier incarnation's, sent before this producer was
-    made (``since``) or one of this producer's own failed calls (``earlier``); nothing to compare when the snapshot
-    expired or predates recorded tokens.
+    made (``since``) or one of this producer's own failed calls (``earlier``); once the snapshot has expired, its data
+    file tells (``file``); nothing to compare when neither records a token, or the file's time cannot be read.
 
     Raises:
-        ProducerConflictError: The batch was staged, or committed in a snapshot made, since this producer was made:
+        ProducerConflictError: The batch was staged, or committed in a snapshot made (or its data file written), since
+            this producer was made:
             another live writer uses the same producer id (nothing of this call was written).
     """
-    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier)) is None:
+    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier, file=file)) is None:
         return
-    state, how = sent
+    token, how = sent
     raise ProducerConflictError(
         f"producer {producer_id!r} seq {seq} on branch {branch!r} was published as step {found['step']} (snapshot "
-        f"{found['snapshot_id']}) with batch {state.token!r}, {how}, by no call of this producer: it is no replay of an "
+        f"{found['snapshot_id']}) with batch {token!r}, {how}, by no call of this producer: it is no replay of an "
         f"earlier incarnation's batch. Another live process is using producer id {producer_id!r}. Nothing of this call "
         f"was written: give every live producer its own id, and check what step {found['step']} holds"
     )
 
 
 def check_follows(metadata: TableMetadata, found: Found, *, producer_id: str, branch: str, last: int, seq: int,
-                  first_seen: int, since: float, earlier: frozenset[str] = frozenset()) -> None:
+                  first_seen: int, since: float, earlier: frozenset[str] = frozenset(),
+                  file: BatchFile | None = None) -> None:
     """A call about to publish the new ``seq`` after this id's last published seq ``last``, which was published after
     this producer first read the table (the id's last seq was ``first_seen`` then) and which no call of this producer
     answered: fine when its batch is an earlier incarnation's, sent before this producer was made (``since``: a batch
     the dead process staged, or a commit it gave up on, that landed late), or this producer's own from a call that
-    failed after writing (its token in ``earlier``), or when that cannot be told (the snapshot expired, or predates
-    recorded tokens).
+    failed after writing (its token in ``earlier``), or when that cannot be told (no token recorded, or the snapshot
+    expired and its data file, ``file``, does not tell its token or when it was written).
 
     Raises:
         ProducerConflictError: Another batch, sent since this producer was made, published it: another live writer uses
             the same producer id. Both number their batches after the table's state (``seq=None``), so they would
             publish in turns without ever colliding on a seq (nothing of this call was written).
     """
-    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier)) is None:
+    if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier, file=file)) is None:
         return
-    state, how = sent
+    token, how = sent
     raise ProducerConflictError(
         f"producer {producer_id!r} cannot publish seq {seq} on branch {branch!r}: the id's last seq {last} was published "
-        f"as step {found['step']} (snapshot {found['snapshot_id']}) with batch {state.token!r}, {how}, by no call of "
+        f"as step {found['step']} (snapshot {found['snapshot_id']}) with batch {token!r}, {how}, by no call of "
         f"this producer, after it first read the table (the id's last seq was {first_seen} then). Another live process "
         f"is using producer id {producer_id!r}, and the two would publish in turns. Nothing of this call was written: "
         f"give every live producer its own id, and check what step {found['step']} holds"
     )
 
 
-def check_follows_by_file(found: Found, *, producer_id: str, branch: str, last: int, seq: int, first_seen: int,
-                          since: float, earlier: frozenset[str], token: str | None, written_at: float | None) -> None:
-    """:func:`check_follows` when the snapshot that published ``last`` has expired: its batch is told by its data
-    file, whose name holds the batch's token and whose modification time (by the store's clock) is no later than when
-    the batch was sent. Fine when the token is one of this producer's own failed calls (``earlier``), when the file was
-    written before this producer was made (``since``: an earlier incarnation's), or when neither can be read.
-
-    Raises:
-        ProducerConflictError: The file was written since this producer was made, by no call of it: another live
-            writer uses the same producer id.
-    """
-    if token is None or token in earlier or written_at is None or written_at < since:
-        return
-    raise ProducerConflictError(
-        f"producer {producer_id!r} cannot publish seq {seq} on branch {branch!r}: the id's last seq {last} was published "
-        f"as step {found['step']} with batch {token!r}, whose data file was written at {written_at:.3f} (unix s, its "
-        f"snapshot has expired since), after this producer was made at {since:.3f}, by no call of this producer, after "
-        f"it first read the table (the id's last seq was {first_seen} then). Another live process is using producer id "
-        f"{producer_id!r}, and the two would publish in turns. Nothing of this call was written: give every live "
-        f"producer its own id, and check what step {found['step']} holds"
-    )
-
-
-def _sent_by_another_in(metadata: TableMetadata, found: Found, *, since: float,
-                        earlier: frozenset[str]) -> tuple[StreamState, str] | None:
-    """The state of the snapshot that published ``found`` and how its batch was sent, when another live writer sent it
+def _sent_by_another_in(metadata: TableMetadata, found: Found, *, since: float, earlier: frozenset[str],
+                        file: BatchFile | None = None) -> tuple[str, str] | None:
+    """The token of the batch that published ``found`` and how it was sent, when another live writer sent it
     (:func:`_sent_by_another`); None when it is an earlier incarnation's or this producer's own, or when nothing can be
-    compared (the snapshot expired, or predates recorded tokens)."""
+    compared (no token recorded). Once the snapshot has expired, the batch's data file tells (``file``): written since
+    this producer was made, by no call of it, it is another live writer's."""
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
+    if snapshot is None:
+        if file is None or file.token is None or file.written_at is None or file.token in earlier or \
+                file.written_at < since:
+            return None
+        return file.token, (f"whose data file was written at {file.written_at:.3f} (unix s, by the store's clock; its "
+                            f"snapshot has expired since), after this producer was made at {since:.3f}")
     state = StreamState.of(snapshot)
-    if snapshot is None or state.token is None:
+    if state.token is None:
         return None
     how = _sent_by_another(snapshot, state, since=since, earlier=earlier)
-    return None if how is None else (state, how)
+    return None if how is None else (state.token, how)
 
 
 def _sent_by_another(snapshot: Snapshot, state: StreamState, *, since: float, earlier: frozenset[str]) -> str | None:
