@@ -11,15 +11,17 @@ per-worker pool of anonymous shared memory (``memfd``); the pickle carries the s
 descriptor the first time only. The training process maps each segment once and builds the item as a plain ``dict``
 of views of it; when the last of those views is gone it marks the segment free in the segment's first byte, and the
 worker writes a later item into it. A segment the training process still holds is never written: items kept for
-as long as you like stay intact (the worker makes another segment). Values of other types are pickled as they are;
-without workers nothing changes. Where ``os.memfd_create`` is missing (not Linux) the item is a plain dict and torch's
-own sharing applies.
+as long as you like stay intact (the worker makes another segment). When DataLoader lets go of a worker (its
+iterator ended, or the loader is gone), the training process unmaps that worker's segments; an item still held keeps
+its own until it is dropped. Values of other types are pickled as they are; without workers nothing changes. Where
+``os.memfd_create`` is missing (not Linux) the item is a plain dict and torch's own sharing applies.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import multiprocessing
 import os
 import threading
 import weakref
@@ -191,7 +193,8 @@ def _shippable(torch: Any, value: Any) -> bool:
 
 # -- in the training process ---------------------------------------------------------------------------------------
 _mapped: dict[tuple[int, int], mmap.mmap] = {}  # (worker pid, segment) -> its mapping, while that worker lives
-_mapped_lock = threading.Lock()
+_mapped_lock = threading.RLock()  # a collection inside the lock may end a worker's Process object (_forget)
+_owners: dict[int, Any] = {}  # worker pid -> a weak reference to its Process object, whose end drops its mappings
 
 
 def _release(segment: mmap.mmap) -> None:
@@ -203,19 +206,43 @@ def _mapping(key: tuple[int, int], fd: Any, size: int) -> mmap.mmap:
     with _mapped_lock:
         segment = _mapped.get(key)
         if fd is not None:
-            for pid in {pid for pid, _ in _mapped} - {key[0]}:  # workers of earlier loaders: drop their segments
+            for pid in {pid for pid, _ in list(_mapped)} - {key[0]}:  # workers of earlier loaders: drop theirs
                 if not _alive(pid):
-                    for gone in [k for k in _mapped if k[0] == pid]:
-                        del _mapped[gone]  # views still held keep their mapping alive through their arrays
+                    _forget(pid)
             raw = fd.detach()
             try:
                 segment = _mapped[key] = mmap.mmap(raw, size)
             finally:
                 os.close(raw)
+            _watch(key[0])
         if segment is None:
             raise RuntimeError(f"DataLoader worker {key[0]} sent an item in its shared-memory segment {key[1]}, which "
                                "this process never received; this is a bug in lakestream_iceberg, please report it")
         return segment
+
+
+def _watch(pid: int) -> None:
+    """Drop worker ``pid``'s mappings once DataLoader lets go of the worker (its ``Process`` object: the loader's
+    iterator ended, or the loader is gone, so none of its items can still arrive): the last loader's segments would
+    otherwise stay mapped, their memory taken, until another loader's worker sent its first item."""
+    for child in multiprocessing.active_children():
+        if child.pid == pid:
+            watched = _owners.get(pid)
+            if watched is None or watched() is not child:  # a first segment, or a later worker with an earlier's pid
+                _owners[pid] = weakref.ref(child)
+                weakref.finalize(child, _forget, pid, _owners[pid])
+            return
+
+
+def _forget(pid: int, owner: Any = None) -> None:
+    """Drop the mappings of worker ``pid`` (when ``owner`` is given: if that worker's ``Process`` object is still the
+    one watched for ``pid``); views still held keep theirs alive through their arrays."""
+    with _mapped_lock:
+        if owner is not None and _owners.get(pid) is not owner:
+            return
+        _owners.pop(pid, None)
+        for key in [k for k in list(_mapped) if k[0] == pid]:
+            _mapped.pop(key, None)
 
 
 def _alive(pid: int) -> bool:

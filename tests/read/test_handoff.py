@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -155,6 +156,60 @@ def test_items_from_workers_equal_the_items_without_workers_all_held_at_once(tmp
                            multiprocessing_context=context))  # every item kept: no segment may be written twice
     assert payload(held) == payload(alone) and [it["step"] for it in held] == list(range(1, 10))
     assert all(type(it) is dict and isinstance(it["blob"], Blobs) for it in held)
+
+
+def handoff_memory() -> set[int]:
+    """The segments (memfd inodes) this process holds, by a descriptor or a mapping."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "lakestream-handoff" in os.readlink(f"/proc/self/fd/{fd}"):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    with open("/proc/self/maps") as maps:
+        held |= {int(line.split()[4]) for line in maps if "lakestream-handoff" in line}
+    return held
+
+
+def test_the_training_process_lets_go_of_a_workers_segments_once_its_loader_is_done(tmp_path: Path) -> None:
+    """The training process kept every segment of a finished DataLoader's workers mapped (with a descriptor each)
+    until a later DataLoader's worker sent its first item: after a loop over huge steps, their memory stayed taken."""
+    stream = make_stream(tmp_path, steps=9)
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    before = handoff_memory()
+
+    def loader(**kwargs: object) -> DataLoader:
+        return DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=2, **kwargs)
+
+    steps = []
+    for item in loader():  # each item dropped as the loop goes on
+        steps.append(item["step"])
+        assert handoff_memory() - before
+    del item
+    assert steps == list(range(1, 10))
+    gc.collect()
+    assert not handoff_memory() - before
+
+    held = list(loader(multiprocessing_context="spawn"))  # items kept past the loader's end keep their segments
+    gc.collect()
+    assert payload(held) == alone and handoff_memory() - before
+    first = held[0]["tokens"]
+    del held
+    gc.collect()
+    assert first.tolist() == alone[0][2] and handoff_memory() - before  # a view holds its segment
+    del first
+    gc.collect()
+    assert not handoff_memory() - before
+
+    persistent = loader(persistent_workers=True)  # workers alive between epochs: their segments stay for reuse
+    for _ in range(2):
+        assert payload(list(persistent)) == alone
+    gc.collect()
+    assert handoff_memory() - before
+    del persistent
+    gc.collect()
+    assert not handoff_memory() - before
 
 
 def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: pytest.MonkeyPatch,
