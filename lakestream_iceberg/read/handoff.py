@@ -197,8 +197,10 @@ _mapped_lock = threading.RLock()  # a collection inside the lock may end a worke
 _owners: dict[int, Any] = {}  # worker pid -> a weak reference to its Process object, whose end drops its mappings
 
 
-def _release(segment: mmap.mmap) -> None:
-    if not segment.closed:
+def _release(segment: mmap.mmap, receiver: int) -> None:
+    # only in the process that received the item: a forked child (another DataLoader's worker) that collects the item
+    # as garbage inherited from it would free the segment a second time, maybe while it holds a later item
+    if os.getpid() == receiver and not segment.closed:
         segment[0] = 0  # the worker may write its next item here
 
 
@@ -262,7 +264,7 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
     advise_workers(num_workers)
     segment = _mapping(key, fd, size)
     payload = np.frombuffer(segment, dtype=np.uint8, count=size - _HEADER, offset=_HEADER)
-    weakref.finalize(payload, _release, segment)
+    weakref.finalize(payload, _release, segment, os.getpid())
     # numpy views of the payload, each wrapped by torch (3x cheaper than slicing a torch tensor of it); a dtype numpy
     # lacks comes as torch's own and is viewed through torch. Every tensor holds its view, every view the payload: the
     # payload dies, and the segment is released, with the last tensor.

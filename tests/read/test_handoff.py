@@ -212,6 +212,36 @@ def test_the_training_process_lets_go_of_a_workers_segments_once_its_loader_is_d
     assert not handoff_memory() - before
 
 
+def collect_garbage(_: int) -> None:
+    gc.collect()
+
+
+def test_an_item_collected_in_a_forked_child_is_not_released_for_the_training_process(tmp_path: Path) -> None:
+    """An item that was garbage in a reference cycle when the training process forked (another DataLoader's workers)
+    was released by the child's collection too: its segment was then freed twice, the second time while it held a
+    later item the training process kept, and the worker wrote a third item over that one."""
+    stream = make_stream(tmp_path, steps=9)
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    items = iter(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=1,
+                            multiprocessing_context="fork"))
+    held = [next(items)]
+    gc.disable()  # the cycle stays garbage until the fork below
+    try:
+        cycle: list = [next(items)]
+        cycle.append(cycle)
+        del cycle
+        other = DataLoader(list(range(2)), batch_size=None, num_workers=1, multiprocessing_context="fork",
+                           worker_init_fn=collect_garbage)  # e.g. an eval loader, whose forked worker collects
+        assert list(other) == [0, 1]
+        held.append(next(items))
+    finally:
+        gc.enable()
+    gc.collect()  # the training process releases the item in its cycle, as it should
+    held += list(items)
+    assert [it["step"] for it in held] == [1] + list(range(3, 10))
+    assert payload(held) == [alone[0]] + alone[2:]  # every item kept intact
+
+
 def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(handoff, "_advised", set())
