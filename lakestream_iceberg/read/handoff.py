@@ -267,8 +267,10 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
     weakref.finalize(payload, _release, segment, os.getpid())
     # numpy views of the payload, each wrapped by torch (3x cheaper than slicing a torch tensor of it); a dtype numpy
     # lacks comes as torch's own and is viewed through torch. Every tensor holds its view, every view the payload: the
-    # payload dies, and the segment is released, with the last tensor.
-    tensors = [torch.from_numpy(payload[start : start + nbytes].view(dtype).reshape(shape)) if isinstance(dtype, np.dtype)
+    # payload dies, and the segment is released, with the last tensor. An empty tensor is made afresh: a view would
+    # start where the next tensor does, and torch.save refuses two storages of one address with different dtypes.
+    tensors = [_empty(torch, dtype, shape) if not nbytes
+               else torch.from_numpy(payload[start : start + nbytes].view(dtype).reshape(shape)) if isinstance(dtype, np.dtype)
                else torch.from_numpy(payload[start : start + nbytes]).view(dtype).view(shape)
                for start, nbytes, dtype, shape in layout]
     del payload
@@ -281,6 +283,11 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
         else:
             item[name] = value
     return item
+
+
+def _empty(torch: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """An empty tensor of ``dtype`` (numpy's, or torch's where numpy has none) and ``shape``, in memory of its own."""
+    return torch.from_numpy(np.empty(shape, dtype)) if isinstance(dtype, np.dtype) else torch.empty(shape, dtype=dtype)
 
 
 # -- when workers pay ----------------------------------------------------------------------------------------------

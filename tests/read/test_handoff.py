@@ -8,6 +8,7 @@ either way). Then real DataLoader workers, fork and spawn, against the items rea
 from __future__ import annotations
 
 import gc
+import io
 import logging
 import os
 import pickle
@@ -240,6 +241,29 @@ def test_an_item_collected_in_a_forked_child_is_not_released_for_the_training_pr
     held += list(items)
     assert [it["step"] for it in held] == [1] + list(range(3, 10))
     assert payload(held) == [alone[0]] + alone[2:]  # every item kept intact
+
+
+def test_an_item_with_empty_tensors_saves_with_torch_save(tmp_path: Path) -> None:
+    """An empty tensor (a 0-row step, a column of empty lists or blobs) was a view at the place of the next tensor in
+    the segment: ``torch.save`` of the item raised "Cannot save multiple tensors or storages that view the same data
+    as different types", where the same item read without workers saved."""
+    catalog = SqlCatalog("t", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/wh")
+    stream = Stream.create(catalog, "ns.handoff", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for rows in ([1, 2], [], [3, 4]):  # a 0-row step, then rows whose lists and blobs are all empty
+        producer.commit([pa.table({"tokens": [list(range(r % 3 - 1)) for r in rows], "blob": [b"x" * (r % 3 - 1) for r in rows],
+                                   "label": rows}, schema=SCHEMA)])
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    items = list(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=1))
+    saved = []
+    for item in items:
+        buffer = io.BytesIO()
+        torch.save(item, buffer)
+        saved.append(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    assert payload(saved) == payload(items) == alone
+    assert alone[1][1] == [] and alone[2][2] == [[], []]
+    got = ship(sample_item(4))  # every kind of tensor, an empty one among them
+    torch.save(got, io.BytesIO())
 
 
 def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: pytest.MonkeyPatch,
