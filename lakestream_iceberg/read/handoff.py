@@ -5,16 +5,17 @@ and sending a file descriptor, which the training process fetches from the worke
 For a step of 256 samples whose blobs were 256 tensors, that was 256 round trips per step, and the fresh pages cost a
 page fault (and zeroing) on each side for every 4 KiB: ``num_workers=2`` ran about 3x slower than no workers on 2 cores.
 
-:class:`Handoff` marks the dict item the dataset yields inside a worker. When DataLoader pickles it, every CPU tensor
-in it (and both tensors of each :class:`~lakestream_iceberg.read.tensors.Blobs`) is copied into one segment of a
-per-worker pool of anonymous shared memory (``memfd``); the pickle carries the segment's number and the layout, plus its
-descriptor the first time only. The training process maps each segment once and builds the item as a plain ``dict``
-of views of it; when the last of those views is gone it marks the segment free in the segment's first byte, and the
-worker writes a later item into it. A segment the training process still holds is never written: items kept for
-as long as you like stay intact (the worker makes another segment). When DataLoader lets go of a worker (its
-iterator ended, or the loader is gone), the training process unmaps that worker's segments; an item still held keeps
-its own until it is dropped. Values of other types are pickled as they are; without workers nothing changes. Where
-``os.memfd_create`` is missing (not Linux) the item is a plain dict and torch's own sharing applies.
+:class:`Handoff` marks the dict item the dataset yields inside a worker. When DataLoader pickles it, every CPU tensor in
+it (and both tensors of each :class:`~lakestream_iceberg.read.tensors.Blobs`) is copied into one segment of a per-worker
+pool of anonymous shared memory (``memfd``); the pickle carries the segment's number and the layout, plus its descriptor
+the first time only. The training process maps each segment once and builds the item as a plain ``dict`` of views of it;
+when the last of those views is gone it marks the segment free in the segment's first byte, and the worker writes a
+later item into it. A segment the training process still holds is never written: items kept for as long as you like stay
+intact (the worker makes another segment). An item no free segment fits gets a larger one, and the free ones it outgrew
+give their memory back (items that grow step after step leave only the last sizes' memory taken). When DataLoader lets
+go of a worker (its iterator ended, or the loader is gone), the training process unmaps that worker's segments; an item
+still held keeps its own until it is dropped. Values of other types are pickled as they are; without workers nothing
+changes. Where ``os.memfd_create`` is missing (not Linux) the item is a plain dict and torch's own sharing applies.
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ class _Segment:
     def free(self) -> bool:
         return self.map[0] == 0
 
+    def empty(self) -> None:
+        """Give the pages past the header back (read as zeros until written again): nobody views a free segment."""
+        try:
+            self.map.madvise(mmap.MADV_REMOVE, mmap.PAGESIZE, self.size - mmap.PAGESIZE)
+        except (AttributeError, OSError):  # no MADV_REMOVE here: the segment keeps its memory, as it did
+            pass
+
     def close(self) -> None:
         self.map.close()
         os.close(self.fd)
@@ -80,6 +88,9 @@ class _Pool:
             if fitting:
                 index = min(fitting)[1]
             else:
+                for outgrown in self.segments:  # free ones this item outgrew: their memory back, the header page kept
+                    if outgrown.size > mmap.PAGESIZE and outgrown.free():
+                        outgrown.empty()
                 size = max(_MIN_SEGMENT, -(-(need + need // 4) // mmap.PAGESIZE) * mmap.PAGESIZE)
                 index = len(self.segments)
                 self.segments.append(_Segment(size))

@@ -266,6 +266,43 @@ def test_an_item_with_empty_tensors_saves_with_torch_save(tmp_path: Path) -> Non
     torch.save(got, io.BytesIO())
 
 
+def grow(item: dict) -> dict:
+    """A transform (module level: spawned workers pickle it) whose items grow with the step, as a curriculum's do."""
+    return {**item, "grown": torch.full((item["step"] * 25_000,), item["step"], dtype=torch.int32)}
+
+
+def handoff_bytes() -> int:
+    """The memory the segments this process holds a descriptor of take (their pages written)."""
+    taken = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "lakestream-handoff" in os.readlink(f"/proc/self/fd/{fd}"):
+                found = os.stat(f"/proc/self/fd/{fd}")
+                taken[found.st_ino] = found.st_blocks * 512
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return sum(taken.values())
+
+
+def test_segments_outgrown_by_growing_items_give_their_memory_back(tmp_path: Path) -> None:
+    """A worker makes a larger segment for an item no free one fits, and kept every smaller one with its memory: items
+    growing step after step (a curriculum's) left the memory of every size they passed through taken, in the worker and
+    the training process, for as long as the loader lived: 10x the largest item after 40 steps here."""
+    stream = make_stream(tmp_path, steps=40)
+    loader = DataLoader(LakestreamDataset(stream, rank=0, world_size=1, transform=grow), batch_size=None,
+                        num_workers=1, persistent_workers=True)  # segments stay between epochs
+    before = handoff_bytes()
+    sizes = [item["grown"].numel() * 4 for item in loader if bool((item["grown"] == item["step"]).all())]
+    assert len(sizes) == 40
+    gc.collect()
+    # the items in flight at most (the loop's, DataLoader's prefetch_factor=2, the worker's next) and the header pages
+    assert handoff_bytes() - before <= 6 * max(sizes)
+    again = list(loader)  # the segments given back are written again
+    assert payload(again) == payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    assert [(it["grown"].numel(), bool((it["grown"] == it["step"]).all())) for it in again] == [
+        (step * 25_000, True) for step in range(1, 41)]
+
+
 def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: pytest.MonkeyPatch,
                                                                    caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(handoff, "_advised", set())
