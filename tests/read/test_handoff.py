@@ -12,6 +12,7 @@ import io
 import logging
 import os
 import pickle
+import signal
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -209,6 +210,34 @@ def test_the_training_process_lets_go_of_a_workers_segments_once_its_loader_is_d
     gc.collect()
     assert handoff_memory() - before
     del persistent
+    gc.collect()
+    assert not handoff_memory() - before
+
+
+def fail_at_step_5(item: dict) -> dict:
+    if item["step"] == 5:
+        raise ValueError("a transform failed at step 5")
+    return item
+
+
+def test_a_worker_that_fails_or_is_killed_ends_the_loop_leaving_kept_items_intact_and_no_segment(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=9)
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    before = handoff_memory()
+    kept = []
+    with pytest.raises(ValueError, match="failed at step 5"):
+        for item in DataLoader(LakestreamDataset(stream, rank=0, world_size=1, transform=fail_at_step_5),
+                               batch_size=None, num_workers=2):
+            kept.append(item)
+    items = iter(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=2))
+    kept.append(next(items))
+    os.kill(items._workers[1].pid, signal.SIGKILL)  # noqa: SLF001 - the worker DataLoader started
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        kept += list(items)
+    del items, item
+    gc.collect()
+    assert payload(kept[:4]) == alone[:4] and payload(kept[4:5]) == alone[:1]
+    del kept
     gc.collect()
     assert not handoff_memory() - before
 
