@@ -203,7 +203,7 @@ def _shippable(torch: Any, value: Any) -> bool:
 
 
 # -- in the training process ---------------------------------------------------------------------------------------
-_mapped: dict[tuple[int, int], mmap.mmap] = {}  # (worker pid, segment) -> its mapping, while that worker lives
+_mapped: dict[tuple[int, int], mmap.mmap] = {}  # (worker pid, segment) -> its mapping, while DataLoader holds the worker
 _mapped_lock = threading.RLock()  # a collection inside the lock may end a worker's Process object (_forget)
 _owners: dict[int, Any] = {}  # worker pid -> a weak reference to its Process object, whose end drops its mappings
 
