@@ -5,21 +5,24 @@ and sending a file descriptor, which the training process fetches from the worke
 For a step of 256 samples whose blobs were 256 tensors, that was 256 round trips per step, and the fresh pages cost a
 page fault (and zeroing) on each side for every 4 KiB: ``num_workers=2`` ran about 3x slower than no workers on 2 cores.
 
-:class:`Handoff` marks the dict item the dataset yields inside a worker. When DataLoader pickles it, every CPU tensor
-in it (and both tensors of each :class:`~lakestream_iceberg.read.tensors.Blobs`) is copied into one segment of a
-per-worker pool of anonymous shared memory (``memfd``); the pickle carries the segment's number and the layout, plus its
-descriptor the first time only. The training process maps each segment once and builds the item as a plain ``dict``
-of views of it; when the last of those views is gone it marks the segment free in the segment's first byte, and the
-worker writes a later item into it. A segment the training process still holds is never written: items kept for
-as long as you like stay intact (the worker makes another segment). Values of other types are pickled as they are;
-without workers nothing changes. Where ``os.memfd_create`` is missing (not Linux) the item is a plain dict and torch's
-own sharing applies.
+:class:`Handoff` marks the dict item the dataset yields inside a worker. When DataLoader pickles it, every CPU tensor in
+it (and both tensors of each :class:`~lakestream_iceberg.read.tensors.Blobs`) is copied into one segment of a per-worker
+pool of anonymous shared memory (``memfd``); the pickle carries the segment's number and the layout, plus its descriptor
+the first time only. The training process maps each segment once and builds the item as a plain ``dict`` of views of it;
+when the last of those views is gone it marks the segment free in the segment's first byte, and the worker writes a
+later item into it. A segment the training process still holds is never written: items kept for as long as you like stay
+intact (the worker makes another segment). An item no free segment fits gets a larger one, and the free ones it outgrew
+give their memory back (items that grow step after step leave only the last sizes' memory taken). When DataLoader lets
+go of a worker (its iterator ended, or the loader is gone), the training process unmaps that worker's segments; an item
+still held keeps its own until it is dropped. Values of other types are pickled as they are; without workers nothing
+changes. Where ``os.memfd_create`` is missing (not Linux) the item is a plain dict and torch's own sharing applies.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import multiprocessing
 import os
 import threading
 import weakref
@@ -58,6 +61,13 @@ class _Segment:
     def free(self) -> bool:
         return self.map[0] == 0
 
+    def empty(self) -> None:
+        """Give the pages past the header back (read as zeros until written again): nobody views a free segment."""
+        try:
+            self.map.madvise(mmap.MADV_REMOVE, mmap.PAGESIZE, self.size - mmap.PAGESIZE)
+        except (AttributeError, OSError):  # no MADV_REMOVE here: the segment keeps its memory, as it did
+            pass
+
     def close(self) -> None:
         self.map.close()
         os.close(self.fd)
@@ -78,6 +88,9 @@ class _Pool:
             if fitting:
                 index = min(fitting)[1]
             else:
+                for outgrown in self.segments:  # free ones this item outgrew: their memory back, the header page kept
+                    if outgrown.size > mmap.PAGESIZE and outgrown.free():
+                        outgrown.empty()
                 size = max(_MIN_SEGMENT, -(-(need + need // 4) // mmap.PAGESIZE) * mmap.PAGESIZE)
                 index = len(self.segments)
                 self.segments.append(_Segment(size))
@@ -190,12 +203,15 @@ def _shippable(torch: Any, value: Any) -> bool:
 
 
 # -- in the training process ---------------------------------------------------------------------------------------
-_mapped: dict[tuple[int, int], mmap.mmap] = {}  # (worker pid, segment) -> its mapping, while that worker lives
-_mapped_lock = threading.Lock()
+_mapped: dict[tuple[int, int], mmap.mmap] = {}  # (worker pid, segment) -> its mapping, while DataLoader holds the worker
+_mapped_lock = threading.RLock()  # a collection inside the lock may end a worker's Process object (_forget)
+_owners: dict[int, Any] = {}  # worker pid -> a weak reference to its Process object, whose end drops its mappings
 
 
-def _release(segment: mmap.mmap) -> None:
-    if not segment.closed:
+def _release(segment: mmap.mmap, receiver: int) -> None:
+    # only in the process that received the item: a forked child (another DataLoader's worker) that collects the item
+    # as garbage inherited from it would free the segment a second time, maybe while it holds a later item
+    if os.getpid() == receiver and not segment.closed:
         segment[0] = 0  # the worker may write its next item here
 
 
@@ -203,19 +219,43 @@ def _mapping(key: tuple[int, int], fd: Any, size: int) -> mmap.mmap:
     with _mapped_lock:
         segment = _mapped.get(key)
         if fd is not None:
-            for pid in {pid for pid, _ in _mapped} - {key[0]}:  # workers of earlier loaders: drop their segments
+            for pid in {pid for pid, _ in list(_mapped)} - {key[0]}:  # workers of earlier loaders: drop theirs
                 if not _alive(pid):
-                    for gone in [k for k in _mapped if k[0] == pid]:
-                        del _mapped[gone]  # views still held keep their mapping alive through their arrays
+                    _forget(pid)
             raw = fd.detach()
             try:
                 segment = _mapped[key] = mmap.mmap(raw, size)
             finally:
                 os.close(raw)
+            _watch(key[0])
         if segment is None:
             raise RuntimeError(f"DataLoader worker {key[0]} sent an item in its shared-memory segment {key[1]}, which "
                                "this process never received; this is a bug in lakestream_iceberg, please report it")
         return segment
+
+
+def _watch(pid: int) -> None:
+    """Drop worker ``pid``'s mappings once DataLoader lets go of the worker (its ``Process`` object: the loader's
+    iterator ended, or the loader is gone, so none of its items can still arrive): the last loader's segments would
+    otherwise stay mapped, their memory taken, until another loader's worker sent its first item."""
+    for child in multiprocessing.active_children():
+        if child.pid == pid:
+            watched = _owners.get(pid)
+            if watched is None or watched() is not child:  # a first segment, or a later worker with an earlier's pid
+                _owners[pid] = weakref.ref(child)
+                weakref.finalize(child, _forget, pid, _owners[pid])
+            return
+
+
+def _forget(pid: int, owner: Any = None) -> None:
+    """Drop the mappings of worker ``pid`` (when ``owner`` is given: if that worker's ``Process`` object is still the
+    one watched for ``pid``); views still held keep theirs alive through their arrays."""
+    with _mapped_lock:
+        if owner is not None and _owners.get(pid) is not owner:
+            return
+        _owners.pop(pid, None)
+        for key in [k for k in list(_mapped) if k[0] == pid]:
+            _mapped.pop(key, None)
 
 
 def _alive(pid: int) -> bool:
@@ -235,11 +275,13 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
     advise_workers(num_workers)
     segment = _mapping(key, fd, size)
     payload = np.frombuffer(segment, dtype=np.uint8, count=size - _HEADER, offset=_HEADER)
-    weakref.finalize(payload, _release, segment)
+    weakref.finalize(payload, _release, segment, os.getpid())
     # numpy views of the payload, each wrapped by torch (3x cheaper than slicing a torch tensor of it); a dtype numpy
     # lacks comes as torch's own and is viewed through torch. Every tensor holds its view, every view the payload: the
-    # payload dies, and the segment is released, with the last tensor.
-    tensors = [torch.from_numpy(payload[start : start + nbytes].view(dtype).reshape(shape)) if isinstance(dtype, np.dtype)
+    # payload dies, and the segment is released, with the last tensor. An empty tensor is made afresh: a view would
+    # start where the next tensor does, and torch.save refuses two storages of one address with different dtypes.
+    tensors = [_empty(torch, dtype, shape) if not nbytes
+               else torch.from_numpy(payload[start : start + nbytes].view(dtype).reshape(shape)) if isinstance(dtype, np.dtype)
                else torch.from_numpy(payload[start : start + nbytes]).view(dtype).view(shape)
                for start, nbytes, dtype, shape in layout]
     del payload
@@ -252,6 +294,11 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
         else:
             item[name] = value
     return item
+
+
+def _empty(torch: Any, dtype: Any, shape: tuple[int, ...]) -> Any:
+    """An empty tensor of ``dtype`` (numpy's, or torch's where numpy has none) and ``shape``, in memory of its own."""
+    return torch.from_numpy(np.empty(shape, dtype)) if isinstance(dtype, np.dtype) else torch.empty(shape, dtype=dtype)
 
 
 # -- when workers pay ----------------------------------------------------------------------------------------------

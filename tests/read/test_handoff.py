@@ -8,8 +8,11 @@ either way). Then real DataLoader workers, fork and spawn, against the items rea
 from __future__ import annotations
 
 import gc
+import io
 import logging
+import os
 import pickle
+import signal
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
@@ -155,6 +158,178 @@ def test_items_from_workers_equal_the_items_without_workers_all_held_at_once(tmp
                            multiprocessing_context=context))  # every item kept: no segment may be written twice
     assert payload(held) == payload(alone) and [it["step"] for it in held] == list(range(1, 10))
     assert all(type(it) is dict and isinstance(it["blob"], Blobs) for it in held)
+
+
+def handoff_memory() -> set[int]:
+    """The segments (memfd inodes) this process holds, by a descriptor or a mapping."""
+    held = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "lakestream-handoff" in os.readlink(f"/proc/self/fd/{fd}"):
+                held.add(os.stat(f"/proc/self/fd/{fd}").st_ino)
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    with open("/proc/self/maps") as maps:
+        held |= {int(line.split()[4]) for line in maps if "lakestream-handoff" in line}
+    return held
+
+
+def test_the_training_process_lets_go_of_a_workers_segments_once_its_loader_is_done(tmp_path: Path) -> None:
+    """The training process kept every segment of a finished DataLoader's workers mapped (with a descriptor each)
+    until a later DataLoader's worker sent its first item: after a loop over huge steps, their memory stayed taken."""
+    stream = make_stream(tmp_path, steps=9)
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    before = handoff_memory()
+
+    def loader(**kwargs: object) -> DataLoader:
+        return DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=2, **kwargs)
+
+    steps = []
+    for item in loader():  # each item dropped as the loop goes on
+        steps.append(item["step"])
+        assert handoff_memory() - before
+    del item
+    assert steps == list(range(1, 10))
+    gc.collect()
+    assert not handoff_memory() - before
+
+    held = list(loader(multiprocessing_context="spawn"))  # items kept past the loader's end keep their segments
+    gc.collect()
+    assert payload(held) == alone and handoff_memory() - before
+    first = held[0]["tokens"]
+    del held
+    gc.collect()
+    assert first.tolist() == alone[0][2] and handoff_memory() - before  # a view holds its segment
+    del first
+    gc.collect()
+    assert not handoff_memory() - before
+
+    persistent = loader(persistent_workers=True)  # workers alive between epochs: their segments stay for reuse
+    for _ in range(2):
+        assert payload(list(persistent)) == alone
+    gc.collect()
+    assert handoff_memory() - before
+    del persistent
+    gc.collect()
+    assert not handoff_memory() - before
+
+
+def fail_at_step_5(item: dict) -> dict:
+    if item["step"] == 5:
+        raise ValueError("a transform failed at step 5")
+    return item
+
+
+def test_a_worker_that_fails_or_is_killed_ends_the_loop_leaving_kept_items_intact_and_no_segment(tmp_path: Path) -> None:
+    stream = make_stream(tmp_path, steps=9)
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    before = handoff_memory()
+    kept = []
+    with pytest.raises(ValueError, match="failed at step 5"):
+        for item in DataLoader(LakestreamDataset(stream, rank=0, world_size=1, transform=fail_at_step_5),
+                               batch_size=None, num_workers=2):
+            kept.append(item)
+    items = iter(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=2))
+    kept.append(next(items))
+    os.kill(items._workers[1].pid, signal.SIGKILL)  # noqa: SLF001 - the worker DataLoader started
+    with pytest.raises(RuntimeError, match="exited unexpectedly"):
+        kept += list(items)
+    del items, item
+    gc.collect()
+    assert payload(kept[:4]) == alone[:4] and payload(kept[4:5]) == alone[:1]
+    del kept
+    gc.collect()
+    assert not handoff_memory() - before
+
+
+def collect_garbage(_: int) -> None:
+    gc.collect()
+
+
+def test_an_item_collected_in_a_forked_child_is_not_released_for_the_training_process(tmp_path: Path) -> None:
+    """An item that was garbage in a reference cycle when the training process forked (another DataLoader's workers)
+    was released by the child's collection too: its segment was then freed twice, the second time while it held a
+    later item the training process kept, and the worker wrote a third item over that one."""
+    stream = make_stream(tmp_path, steps=9)
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    items = iter(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=1,
+                            multiprocessing_context="fork"))
+    held = [next(items)]
+    gc.disable()  # the cycle stays garbage until the fork below
+    try:
+        cycle: list = [next(items)]
+        cycle.append(cycle)
+        del cycle
+        other = DataLoader(list(range(2)), batch_size=None, num_workers=1, multiprocessing_context="fork",
+                           worker_init_fn=collect_garbage)  # e.g. an eval loader, whose forked worker collects
+        assert list(other) == [0, 1]
+        held.append(next(items))
+    finally:
+        gc.enable()
+    gc.collect()  # the training process releases the item in its cycle, as it should
+    held += list(items)
+    assert [it["step"] for it in held] == [1] + list(range(3, 10))
+    assert payload(held) == [alone[0]] + alone[2:]  # every item kept intact
+
+
+def test_an_item_with_empty_tensors_saves_with_torch_save(tmp_path: Path) -> None:
+    """An empty tensor (a 0-row step, a column of empty lists or blobs) was a view at the place of the next tensor in
+    the segment: ``torch.save`` of the item raised "Cannot save multiple tensors or storages that view the same data
+    as different types", where the same item read without workers saved."""
+    catalog = SqlCatalog("t", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/wh")
+    stream = Stream.create(catalog, "ns.handoff", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for rows in ([1, 2], [], [3, 4]):  # a 0-row step, then rows whose lists and blobs are all empty
+        producer.commit([pa.table({"tokens": [list(range(r % 3 - 1)) for r in rows], "blob": [b"x" * (r % 3 - 1) for r in rows],
+                                   "label": rows}, schema=SCHEMA)])
+    alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    items = list(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=1))
+    saved = []
+    for item in items:
+        buffer = io.BytesIO()
+        torch.save(item, buffer)
+        saved.append(torch.load(io.BytesIO(buffer.getvalue()), weights_only=False))
+    assert payload(saved) == payload(items) == alone
+    assert alone[1][1] == [] and alone[2][2] == [[], []]
+    got = ship(sample_item(4))  # every kind of tensor, an empty one among them
+    torch.save(got, io.BytesIO())
+
+
+def grow(item: dict) -> dict:
+    """A transform (module level: spawned workers pickle it) whose items grow with the step, as a curriculum's do."""
+    return {**item, "grown": torch.full((item["step"] * 25_000,), item["step"], dtype=torch.int32)}
+
+
+def handoff_bytes() -> int:
+    """The memory the segments this process holds a descriptor of take (their pages written)."""
+    taken = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if "lakestream-handoff" in os.readlink(f"/proc/self/fd/{fd}"):
+                found = os.stat(f"/proc/self/fd/{fd}")
+                taken[found.st_ino] = found.st_blocks * 512
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return sum(taken.values())
+
+
+def test_segments_outgrown_by_growing_items_give_their_memory_back(tmp_path: Path) -> None:
+    """A worker makes a larger segment for an item no free one fits, and kept every smaller one with its memory: items
+    growing step after step (a curriculum's) left the memory of every size they passed through taken, in the worker and
+    the training process, for as long as the loader lived: 10x the largest item after 40 steps here."""
+    stream = make_stream(tmp_path, steps=40)
+    loader = DataLoader(LakestreamDataset(stream, rank=0, world_size=1, transform=grow), batch_size=None,
+                        num_workers=1, persistent_workers=True)  # segments stay between epochs
+    before = handoff_bytes()
+    sizes = [item["grown"].numel() * 4 for item in loader if bool((item["grown"] == item["step"]).all())]
+    assert len(sizes) == 40
+    gc.collect()
+    # the items in flight at most (the loop's, DataLoader's prefetch_factor=2, the worker's next) and the header pages
+    assert handoff_bytes() - before <= 6 * max(sizes)
+    again = list(loader)  # the segments given back are written again
+    assert payload(again) == payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
+    assert [(it["grown"].numel(), bool((it["grown"] == it["step"]).all())) for it in again] == [
+        (step * 25_000, True) for step in range(1, 41)]
 
 
 def test_workers_that_leave_no_core_free_are_advised_against_once(monkeypatch: pytest.MonkeyPatch,
