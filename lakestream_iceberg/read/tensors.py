@@ -220,6 +220,8 @@ class Blobs:
         values = self.values.to(*args, **kwargs)  # a dtype applies to the bytes: offsets cast to it would misplace rows
         offsets = self.offsets.to(values.device, non_blocking=bool(kwargs.get("non_blocking", False)),
                                   copy=bool(kwargs.get("copy", False)))
+        if self.offsets.device.type != "cpu" and offsets.device.type == "cpu":  # offsets made off the CPU: never checked
+            return Blobs(values=values, offsets=offsets)
         return Blobs._of(values, offsets)
 
     def __repr__(self) -> str:
