@@ -533,7 +533,7 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
 def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A staged batch whose commit is refused at planning (here: the branch was rolled back behind the producer, so
-    its seq would leave a gap) is withdrawn with the error: no later group commit publishes the batch the caller was
+    its explicit seq would leave a gap) is withdrawn with the error: no later group commit publishes the batch the caller was
     told failed, and the producer's real next batch is not reported as a duplicate of it."""
     from lakestream_iceberg.errors import SequenceError
 
@@ -545,7 +545,7 @@ def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(t
     monkeypatch.setattr(a, "_contended", lambda: True)  # a stages its batch (group commit), then plans at once
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 0.0)  # noqa: SLF001
     with pytest.raises(SequenceError, match="would skip from seq 1 to 2"):
-        a.commit(batch("a", 2, WORLD))  # a's view still ends at its own seq 1: seq 2, refused at planning
+        a.commit(batch("a", 2, WORLD), seq=2)  # a's view still ends at its own seq 1: seq 2, refused at planning
     assert staged_files(stream) == []  # withdrawn with the error
     monkeypatch.undo()
     # b's seq 1, published at the rolled-back step 4, is open again; its intent (removed by the commit that published
