@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import config_errors
 from lakestream_iceberg.connect.metrics import observe_commit, prepare
@@ -160,8 +161,9 @@ class Producer:
         not yet published are not counted)."""
         self._own()
         with self._lock:  # the committer thread reads and adopts the same table view
-            following = self._head.next_seq(self._head.state(self._head.refresh()))
-            self._sent.follows(following - 1)  # the first read of the table: what an earlier incarnation published
+            metadata = self._head.refresh()
+            following = self._head.next_seq(self._head.state(metadata))
+            self._follows(metadata, following - 1)  # the first read of the table: what an earlier incarnation published
             return following
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
@@ -433,6 +435,8 @@ class Producer:
             self._sent.failed(seq, staged.token)  # staged or sent: it may still be published (see OwnBatches)
             raise
         published = outcome.result
+        if outcome.landed:
+            self._saw(outcome.metadata)  # the head it committed: a rollback it planned on is seen now
         self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
         if outcome.peeked:
             self._peeked_next = seq + 1
@@ -459,20 +463,22 @@ class Producer:
             # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
             head.check_branch(loop.metadata)
             return self._peeked_next
-        if (not loop.fresh and self._stages() and (opens := head.opens(seq)) is not None
-                and self._sent.follows(opens - 1)):
+        if (not loop.fresh and self._sent.first_seen is None and self._stages() and (light := head.opens(seq)) is not None
+                and self._sent.follows(light[0] - 1)):
             # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
             # staged: a light read of the head shows ``seq`` as this id's next one, so it is neither a duplicate nor a
             # gap there, which is all a full read would check before writing. Whoever plans its publication reads the
             # head fully and checks it again; when another producer's commit carries it, the light read that answers
             # the call is the only read of the head (a fresh id of an elastic pool reloads no metadata). Alone, the
             # full read is made here as before: its own commit plans on it. When the id's seq before it is another
-            # writer's, the full read below finds out whose.
-            return opens
+            # writer's, the full read below finds out whose. Only at the producer's first read: later, whether the
+            # head still descends from the one it read last (a rollback) takes a full read (see _follows).
+            self._sent.seen = light[1]
+            return light[0]
         reused = loop.fresh  # the head as this producer last read or committed it, not read for this call
         state = head.state(loop.metadata if reused else head.refresh())
         last = head.last_seq(state)
-        follows = self._sent.follows(last)
+        follows = self._follows(loop.metadata, last)
         if seq is None:
             seq = last + 1
         head.check_seq(seq, state, allow_gap)
@@ -494,6 +500,23 @@ class Producer:
                               earlier=self._sent.failed_tokens(seq))
             self._sent.answered(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
+
+    def _follows(self, metadata: TableMetadata, last: int) -> bool:
+        """Whether this id's last seq ``last`` on the branch's head in ``metadata`` (a full read) may be followed
+        without a check (:meth:`OwnBatches.follows`). When the head no longer descends from the one the producer last
+        read or committed (another engine rolled the branch back), what it recorded about the seqs after the rollback
+        point no longer says who published them: the fence follows the branch back first (:meth:`OwnBatches.rebase`)."""
+        self._saw(metadata)
+        return self._sent.follows(last)
+
+    def _saw(self, metadata: TableMetadata) -> None:
+        """Record the branch's head in ``metadata`` as the one the producer read last, after following a rollback
+        since the one before (see :meth:`_follows`)."""
+        sent = self._sent
+        if sent.seen is not None and (kept := self._head.left(metadata, sent.seen)) is not None:
+            sent.rebase(kept)
+        if (head := metadata.snapshot_by_name(self.branch)) is not None:
+            sent.seen = (head.snapshot_id, head.sequence_number or 0)
 
     def _taken(self, published: CommitResult) -> ProducerConflictError:
         """A batch submitted with ``seq=None`` was numbered by this producer (the seq after its last submitted one),
