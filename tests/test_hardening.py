@@ -823,6 +823,33 @@ def test_4f_a_replay_on_a_fork_whose_snapshot_expired_is_answered_with_the_forks
             made.commit(batch("f", seq, WORLD), seq=seq)
 
 
+@pytest.mark.parametrize("first", ["b", "twin"])
+def test_4f_the_follow_rule_follows_the_branch_back_after_a_rollback(
+        catalog: SqlCatalog, staging: dict[str, str], first: str) -> None:
+    """Two live producers of one id across a rollback by another engine: the fence of each (the id's last seq when it
+    first read the table, and the seqs it answered) stayed above the rolled-back head, so the seqs published again after
+    it passed for ones it may follow, and the two took turns undetected. The fence follows the branch back: the one
+    about to publish after the other's batch is refused (``ProducerConflictError``), the other goes on."""
+    stream = make(catalog, **staging)
+    _, b = both_active(stream)
+    for seq in (2, 3):
+        b.commit(batch("b", seq, WORLD))
+    twin = stream.producer("b")
+    assert twin.next_seq == 4  # its first read: b's seqs 0..3 are an earlier incarnation's to it
+    stream.table.refresh()
+    at1 = next(s for s in stream.table.metadata.snapshots if s.summary is not None and
+               s.summary.additional_properties.get("lakestream.producer") == "b" and
+               s.summary.additional_properties.get("lakestream.seq") == "1")
+    stream.table.manage_snapshots().rollback_to_snapshot(at1.snapshot_id).commit()  # seqs 2 and 3 leave the branch
+    goes_on, refused = (b, twin) if first == "b" else (twin, b)
+    assert goes_on.commit(batch("b", 2, WORLD)).seq == 2
+    with pytest.raises(ProducerConflictError, match=r"'b' cannot publish seq 3 .*last seq 2 .*by no call of this "
+                                                    r"producer"):
+        refused.commit(batch("b", 3, WORLD))
+    assert goes_on.commit(batch("b", 3, WORLD)).seq == 3
+    assert head_producers(stream)["b"][0] == 3
+
+
 def test_4f_a_producers_next_batch_after_its_call_failed_past_publishing_is_no_conflict(catalog: SqlCatalog) -> None:
     """A call whose batch was published and which then failed while tidying up (removing intents: a store error, a
     KeyboardInterrupt) recorded its seq neither as answered nor as failed: the producer's next batch took its own

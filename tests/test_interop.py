@@ -18,7 +18,7 @@ from pyiceberg.table.snapshots import Operation, Snapshot, Summary
 from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSnapshotRefUpdate
 
 from lakestream_iceberg import ForeignSnapshotError, Stream
-from lakestream_iceberg.errors import ConfigError, LifecycleError
+from lakestream_iceberg.errors import ConfigError, LifecycleError, SequenceError
 from lakestream_iceberg.format.summary import StreamState
 from tests.support import SCHEMA, batch, digest, foreign_append, foreign_delete, sqlite_catalog
 
@@ -666,6 +666,37 @@ def test_a_rollback_by_another_engine_unpublishes_the_later_steps_as_a_fork_woul
     assert (republished.duplicate, republished.step) == (False, 6)
     assert again.checkpoint("c6", step=6).step == 6
     assert {step: rows_of(again, step) for step in range(1, 7)} == {step: before[step] for step in range(1, 7)}
+
+
+def test_a_producer_live_across_a_rollback_continues_from_the_rolled_back_state(tmp_path: Path) -> None:
+    """A producer object that published before another engine rolled the branch back: its next call read its own
+    last commit as the head. ``commit(seq=None)`` numbered after a seq that left the branch and raised SequenceError
+    once; a submit queue numbered after its last submitted batch and stopped the producer; an explicit seq that left
+    the branch was answered ``duplicate=True`` with a step no longer on the branch (its batch dropped without a word).
+    Now the table numbers them: seqs after the rollback point are published again, once, and an explicit seq past the
+    id's next one is a gap."""
+    stream = make(tmp_path)
+    a, b, c = stream.producer("a"), stream.producer("b"), stream.producer("c")
+    for seq in range(4):
+        assert (a.commit(batch("a", seq, WORLD)).step, b.commit(batch("b", seq, WORLD)).step) == (3 * seq + 1,
+                                                                                                  3 * seq + 2)
+        assert c.submit(batch("c", seq, WORLD)).result().step == 3 * seq + 3
+    at5 = lineage(stream)[4]  # a's seq 1 and b's seq 1 published, c's seq 1 not yet
+    stream.table.manage_snapshots().rollback_to_snapshot(at5.snapshot_id).commit()  # pyiceberg, Spark's CALL rollback
+    assert stream.head_step() == 5  # (read by another view: a's own still shows its last commit as the head)
+    again = a.commit(batch("a", 2, WORLD))  # numbered by the table: seq 2 is published again
+    assert (again.seq, again.step, again.duplicate) == (2, 6, False)
+    submitted = [c.submit(batch("c", seq, WORLD)) for seq in (1, 2)]  # its queue numbered seqs 4 and 5 next
+    assert [(f.result().seq, f.result().step) for f in submitted] == [(1, 7), (2, 8)]
+    with pytest.raises(SequenceError, match=r"'b' on branch 'main' would skip from seq 2 to 3"):
+        b.commit(batch("b", 3, WORLD), seq=3)  # answered before the rollback; the branch no longer holds it
+    assert b.commit(batch("b", 1, WORLD), seq=1).duplicate  # still on the branch: a replay
+    assert (b.commit(batch("b", 2, WORLD), seq=2).step, b.commit(batch("b", 3, WORLD)).step) == (9, 10)
+    expected = {1: ("a", 0), 2: ("b", 0), 3: ("c", 0), 4: ("a", 1), 5: ("b", 1), 6: ("a", 2), 7: ("c", 1),
+                8: ("c", 2), 9: ("b", 2), 10: ("b", 3)}
+    assert {step: rows_of(stream, step) for step in expected} == \
+        {step: [digest(t) for t in batch(p, seq, WORLD)] for step, (p, seq) in expected.items()}
+    c.close()
 
 
 def upgrade_to_v3(tmp_path: Path, stream: Stream) -> None:

@@ -16,6 +16,7 @@ from pyiceberg.table.metadata import TableMetadata
 from lakestream_iceberg.connect.storage import modified_at
 from lakestream_iceberg.errors import CommitError, ForeignSnapshotError, SequenceError
 from lakestream_iceberg.format.checks import check_branch
+from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.summary import MAX_SEQ, StreamState
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.reconcile import (
@@ -101,6 +102,24 @@ class ProducerHead:
         """This id's last published seq in ``state`` (-1 when it never published)."""
         return self.next_seq(state) - 1
 
+    def left(self, metadata: TableMetadata, seen: tuple[int, int]) -> int | None:
+        """When the branch's head in ``metadata`` no longer descends from ``seen`` (a head this producer read or
+        committed: its snapshot id and sequence number), as after another engine rolled the branch back: this id's last
+        seq where the head's lineage leaves ``seen``'s, at its newest ancestor older than ``seen`` (-1: none there).
+        None when the head descends from ``seen``, or when that cannot be told (expiry cut the head's lineage above
+        ``seen``'s age)."""
+        seen_id, number = seen
+        current = metadata.snapshot_by_name(self.branch)
+        if number <= 0 or current is None or seen_id in (current.snapshot_id, current.parent_snapshot_id):
+            return None  # the usual case (its own commit on the head it read); format version 1 numbers no commits
+        by_id = {s.snapshot_id: s for s in metadata.snapshots}
+        while current is not None and current.snapshot_id != seen_id and current.parent_snapshot_id != seen_id:
+            if (current.sequence_number or 0) <= number:  # made before ``seen`` (Iceberg numbers commits), yet not below it
+                return self.last_seq(branch_state(metadata, current, stream=self.stream.name, branch=self.branch))
+            parent = current.parent_snapshot_id
+            current = by_id.get(parent) if parent is not None else None
+        return None
+
     def check_follows(self, metadata: TableMetadata, *, last: int, seq: int, first_seen: int, since: float,
                       earlier: frozenset[str]) -> None:
         """Before publishing the new ``seq`` after ``last``, published since this producer first read the table and
@@ -134,9 +153,10 @@ class ProducerHead:
             return BatchFile(token or None, modified_at(self.stream.io, path))
         return BatchFile(None, None)
 
-    def opens(self, seq: int | None) -> int | None:
+    def opens(self, seq: int | None) -> tuple[int, tuple[int, int] | None] | None:
         """This id's next seq as a light read of the head shows it (:meth:`CommitLoop.peek`), when that is ``seq`` or
-        ``seq`` is None; else (a duplicate, a gap, a head the light read cannot tell) None: read the head fully."""
+        ``seq`` is None, with the head's snapshot id and sequence number (:attr:`Peek.head`); else (a duplicate, a gap,
+        a head the light read cannot tell) None: read the head fully."""
         self.check_branch(self.loop.metadata)  # a branch that is no branch is refused before anything is written
         peek = self.loop.peek()
         if peek is None:
@@ -145,4 +165,4 @@ class ProducerHead:
             expected = self.next_seq(peek.state)
         except Exception:  # noqa: BLE001 - e.g. a producer-state file unreadable now: the full read retries or reports
             return None
-        return expected if seq in (None, expected) else None
+        return (expected, peek.head) if seq in (None, expected) else None

@@ -10,7 +10,11 @@ keeps, in an :class:`OwnBatches`:
 * the tokens of its calls that failed after writing, the last :data:`UNSETTLED_KEPT`: their batches may still be
   published (carried by another producer's group commit, or a commit the catalog applied late), and are its own;
 * the id's last published seq when it first read the table: a later seq of the id that it did not publish was sent by
-  someone else.
+  someone else;
+* the head it last read or committed (:attr:`OwnBatches.seen`): when another engine rolls the branch back (or points
+  it at another lineage), the seqs published after the point where the new head's lineage leaves that one are no
+  longer on the branch, and may be published again, by anyone: the fence and the answered seqs follow the branch back
+  to that point (:meth:`OwnBatches.rebase`), so that a live twin's batch published again there is told as before.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class OwnBatches:
         self._answered = SeqRanges()
         self._failed: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
         self.first_seen: int | None = None  # the id's last seq at the first read of the table (-1: none; None: unread)
+        self.seen: tuple[int, int] | None = None  # the head last read or committed: (snapshot id, sequence number)
 
     def answered(self, seq: int) -> None:
         """``seq`` was answered with success: its batch, or one judged an earlier incarnation's."""
@@ -62,3 +67,11 @@ class OwnBatches:
         if self.first_seen is None:
             self.first_seen = last
         return last <= self.first_seen or last in self._answered
+
+    def rebase(self, last: int) -> None:
+        """The branch was rolled back to where this id's last published seq is ``last`` (-1: none): the seqs after it
+        left the branch, so neither the fence (:attr:`first_seen`) nor the seqs answered above it say any more who
+        published them, should they be published again."""
+        if self.first_seen is not None:
+            self.first_seen = min(self.first_seen, last)
+        self._answered.discard_above(last)

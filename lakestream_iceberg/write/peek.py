@@ -68,7 +68,9 @@ class HeadPeek:
                 snapshot = metadata.snapshot_by_id(snapshot_id)
                 return StreamState.of(snapshot) if snapshot is not None else None
 
-            return Peek(head_state(self._table, metadata, self._branch), loaded)
+            snapshot = metadata.snapshot_by_name(self._branch)
+            return Peek(head_state(self._table, metadata, self._branch), loaded,
+                        None if snapshot is None else (snapshot.snapshot_id, snapshot.sequence_number or 0))
         refs, snapshots = document.get("refs"), document.get("snapshots")
         ref = refs.get(self._branch) if isinstance(refs, dict) else None
         if not isinstance(ref, dict) or ref.get("type") != "branch" or not isinstance(snapshots, list) or \
@@ -97,6 +99,7 @@ class HeadPeek:
         head = states(ref.get("snapshot-id"))
         if head is None:
             return None
-        peek = Peek(head, states)
+        number = by_id[ref["snapshot-id"]].get("sequence-number", 0)  # absent in format version 1: 0, as pyiceberg reads it
+        peek = Peek(head, states, (ref["snapshot-id"], number) if type(number) is int else None)
         self._last = (location, peek)
         return peek

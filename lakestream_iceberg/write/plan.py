@@ -62,11 +62,13 @@ class Outcome(Generic[T]):
 
 @dataclass(frozen=True)
 class Peek:
-    """The branch head as a light read found it: its state, and ``states(snapshot_id)``, the state any snapshot of
-    that metadata records (None for a snapshot it does not hold)."""
+    """The branch head as a light read found it: its state, ``states(snapshot_id)``, the state any snapshot of
+    that metadata records (None for a snapshot it does not hold), and ``head``, the head's snapshot id and sequence
+    number (None when not told)."""
 
     state: StreamState
     states: Callable[[object], StreamState | None]
+    head: tuple[int, int] | None = None
 
 
 class Carry(Protocol[T_co]):

@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 import pyarrow as pa
+from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import config_errors
 from lakestream_iceberg.connect.metrics import observe_commit, prepare
@@ -98,6 +99,15 @@ def _check_timeout(timeout_s: object) -> float | None:
     return None if timeout_s >= threading.TIMEOUT_MAX else float(timeout_s)
 
 
+class _RolledBack(Exception):
+    """A batch the producer numbered was refused as a gap: the branch was rolled back below its seq (not raised out of
+    the producer: the batch is published as ``next_seq`` instead)."""
+
+    def __init__(self, next_seq: int) -> None:
+        super().__init__(next_seq)
+        self.next_seq = next_seq
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Checked:
     """A batch that passed :func:`check_batch`: its shards, concatenated when the check did it, and its gap rule."""
@@ -137,6 +147,7 @@ class Producer:
         self._closed = False  # close() was called: no more commits or submits
         self._pid = os.getpid()  # the process whose committer thread and lock these are (see _own)
         self._sent = OwnBatches()  # how it tells its own batches from another writer's of the same id
+        self._renumbered = 0  # added to the seqs its submit queue took, once rollbacks took the branch's seqs back
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -150,8 +161,9 @@ class Producer:
         not yet published are not counted)."""
         self._own()
         with self._lock:  # the committer thread reads and adopts the same table view
-            following = self._head.next_seq(self._head.state(self._head.refresh()))
-            self._sent.follows(following - 1)  # the first read of the table: what an earlier incarnation published
+            metadata = self._head.refresh()
+            following = self._head.next_seq(self._head.state(metadata))
+            self._follows(metadata, following - 1)  # the first read of the table: what an earlier incarnation published
             return following
 
     def commit(self, shards: Sequence[pa.Table], *, seq: int | None = None, allow_gap: bool = False) -> CommitResult:
@@ -227,7 +239,9 @@ class Producer:
 
         Args:
             shards: One pyarrow Table per rank, as for :meth:`commit`.
-            seq: The batch's seq; defaults to the one after the last submitted (the table's next seq at the first).
+            seq: The batch's seq; defaults to the one after the last submitted (the table's next seq at the first;
+                after another engine rolled the branch back below it, the rolled-back head's next seq, and the batches
+                queued behind it follow on).
                 When another writer of the id published that seq meanwhile, the future raises
                 :class:`~lakestream_iceberg.errors.ProducerConflictError` (an explicit ``seq`` that is published is a
                 replay: ``duplicate=True``).
@@ -373,6 +387,31 @@ class Producer:
         return result
 
     def _publish_checked(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
+        """Publish a checked batch as ``seq`` (None: the table's next seq). A batch the producer numbered itself
+        (``seq=None``, or submitted so) follows a rollback of the branch by another engine: once the head shows the
+        id's next seq below the one it took, it is published as that one (a submit queue's later batches with it)."""
+        numbered = checked.seq is None
+        if numbered and seq is not None:
+            seq += self._renumbered
+        while True:
+            try:
+                return self._publish_seq(checked, seq=seq, started=started)
+            except _RolledBack as rolled:
+                if seq is not None:
+                    self._renumbered += rolled.next_seq - seq
+                    seq = rolled.next_seq
+
+    def _rolled_back(self, seq: int) -> int | None:
+        """The id's next seq on the head the last plan read, when it is below ``seq``: the branch was rolled back (its
+        seqs from there on left it) after this producer numbered ``seq``; else None."""
+        head = self._head
+        try:
+            following = head.next_seq(head.state(self._loop.metadata))
+        except Exception:  # noqa: BLE001 - the refusal that was raised says it; nothing to renumber on
+            return None
+        return following if following < seq else None
+
+    def _publish_seq(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
         allow_gap = checked.allow_gap
         opened = self._open(seq, allow_gap)
         if isinstance(opened, CommitResult):
@@ -387,10 +426,17 @@ class Producer:
                                    seq=seq, allow_gap=allow_gap, since=self._sent.made_at,
                                    earlier=self._sent.failed_tokens(seq), intent=intent)
             outcome = self._publish(planner)
+        except SequenceError as exc:
+            self._sent.failed(seq, staged.token)
+            if checked.seq is None and (following := self._rolled_back(seq)) is not None:
+                raise _RolledBack(following) from exc  # numbered on a head that a rollback took back: renumber
+            raise
         except BaseException:
             self._sent.failed(seq, staged.token)  # staged or sent: it may still be published (see OwnBatches)
             raise
         published = outcome.result
+        if outcome.landed:
+            self._saw(outcome.metadata)  # the head it committed: a rollback it planned on is seen now
         self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
         if outcome.peeked:
             self._peeked_next = seq + 1
@@ -417,19 +463,22 @@ class Producer:
             # older than that head, which showed this id's next seq. Planning reads the head fully and checks it again.
             head.check_branch(loop.metadata)
             return self._peeked_next
-        if (not loop.fresh and self._stages() and (opens := head.opens(seq)) is not None
-                and self._sent.follows(opens - 1)):
+        if (not loop.fresh and self._sent.first_seen is None and self._stages() and (light := head.opens(seq)) is not None
+                and self._sent.follows(light[0] - 1)):
             # The loaded view is older than the head (a new producer starts from the stream's) and the batch will be
             # staged: a light read of the head shows ``seq`` as this id's next one, so it is neither a duplicate nor a
             # gap there, which is all a full read would check before writing. Whoever plans its publication reads the
             # head fully and checks it again; when another producer's commit carries it, the light read that answers
             # the call is the only read of the head (a fresh id of an elastic pool reloads no metadata). Alone, the
             # full read is made here as before: its own commit plans on it. When the id's seq before it is another
-            # writer's, the full read below finds out whose.
-            return opens
-        state = head.state(loop.metadata if loop.fresh else head.refresh())
+            # writer's, the full read below finds out whose. Only at the producer's first read: later, whether the
+            # head still descends from the one it read last (a rollback) takes a full read (see _follows).
+            self._sent.seen = light[1]
+            return light[0]
+        reused = loop.fresh  # the head as this producer last read or committed it, not read for this call
+        state = head.state(loop.metadata if reused else head.refresh())
         last = head.last_seq(state)
-        follows = self._sent.follows(last)
+        follows = self._follows(loop.metadata, last)
         if seq is None:
             seq = last + 1
         head.check_seq(seq, state, allow_gap)
@@ -441,11 +490,33 @@ class Producer:
                                    since=self._sent.made_at, earlier=self._sent.failed_tokens(last))
                 self._sent.answered(last)  # its own from a failed call, or an earlier incarnation's that landed late
             return seq
+        if reused:
+            # A duplicate is answered without a commit, so nothing checked that view: another engine may have rolled
+            # the branch back since, and the seq left it. Answer from the head.
+            loop.mark_stale()
+            return self._open(seq, allow_gap)
         if seq not in self._sent:  # published by another producer object: a replay unless another live writer's
             head.check_replay(loop.metadata, known, seq=seq, since=self._sent.made_at,
                               earlier=self._sent.failed_tokens(seq))
             self._sent.answered(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
+
+    def _follows(self, metadata: TableMetadata, last: int) -> bool:
+        """Whether this id's last seq ``last`` on the branch's head in ``metadata`` (a full read) may be followed
+        without a check (:meth:`OwnBatches.follows`). When the head no longer descends from the one the producer last
+        read or committed (another engine rolled the branch back), what it recorded about the seqs after the rollback
+        point no longer says who published them: the fence follows the branch back first (:meth:`OwnBatches.rebase`)."""
+        self._saw(metadata)
+        return self._sent.follows(last)
+
+    def _saw(self, metadata: TableMetadata) -> None:
+        """Record the branch's head in ``metadata`` as the one the producer read last, after following a rollback
+        since the one before (see :meth:`_follows`)."""
+        sent = self._sent
+        if sent.seen is not None and (kept := self._head.left(metadata, sent.seen)) is not None:
+            sent.rebase(kept)
+        if (head := metadata.snapshot_by_name(self.branch)) is not None:
+            sent.seen = (head.snapshot_id, head.sequence_number or 0)
 
     def _taken(self, published: CommitResult) -> ProducerConflictError:
         """A batch submitted with ``seq=None`` was numbered by this producer (the seq after its last submitted one),

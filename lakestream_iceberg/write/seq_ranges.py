@@ -51,3 +51,11 @@ class SeqRanges:
             lasts.insert(i, seq)
             if len(firsts) > MAX_RANGES:
                 del firsts[0], lasts[0]
+
+    def discard_above(self, seq: int) -> None:
+        """Forget every seq above ``seq``."""
+        firsts, lasts = self._firsts, self._lasts
+        i = bisect.bisect_right(firsts, seq)  # ranges from i on start above seq
+        del firsts[i:], lasts[i:]
+        if lasts and lasts[-1] > seq:
+            lasts[-1] = seq

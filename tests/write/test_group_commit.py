@@ -533,7 +533,7 @@ def test_a_light_read_that_cannot_confirm_the_batch_falls_back_to_the_full_read(
 def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A staged batch whose commit is refused at planning (here: the branch was rolled back behind the producer, so
-    its seq would leave a gap) is withdrawn with the error: no later group commit publishes the batch the caller was
+    its explicit seq would leave a gap) is withdrawn with the error: no later group commit publishes the batch the caller was
     told failed, and the producer's real next batch is not reported as a duplicate of it."""
     from lakestream_iceberg.errors import SequenceError
 
@@ -545,7 +545,7 @@ def test_a_batch_refused_while_planning_is_withdrawn_and_never_published_later(t
     monkeypatch.setattr(a, "_contended", lambda: True)  # a stages its batch (group commit), then plans at once
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 0.0)  # noqa: SLF001
     with pytest.raises(SequenceError, match="would skip from seq 1 to 2"):
-        a.commit(batch("a", 2, WORLD))  # a's view still ends at its own seq 1: seq 2, refused at planning
+        a.commit(batch("a", 2, WORLD), seq=2)  # a's view still ends at its own seq 1: seq 2, refused at planning
     assert staged_files(stream) == []  # withdrawn with the error
     monkeypatch.undo()
     # b's seq 1, published at the rolled-back step 4, is open again; its intent (removed by the commit that published
@@ -684,6 +684,26 @@ def test_a_new_producer_whose_batch_is_carried_reads_the_head_only_lightly(tmp_p
     assert (result.step, result.seq, result.carried, result.duplicate) == (6, 1, True, False)
     assert c._loop._refreshes == 0  # noqa: SLF001 - the head was never read fully
     assert published(stream)[5] == ("c", 0) and published(stream)[6] == ("c", 1)
+
+
+def test_a_producer_carried_after_its_own_commit_reads_the_head_only_lightly(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Group commit's usual turn: a producer leads one commit, and others commit on top of it before its next batch,
+    which another producer's commit carries. It opens that batch's seq on the view its own commit left and is answered
+    from a light read of the head: no full read of the metadata (several times the CPU of a light one) in the call."""
+    stream = make(tmp_path)
+    a, b = both_active(stream)  # a and b publish steps 1-4
+    c = stream.producer("c")
+    assert c.commit(batch("c", 0, WORLD)).step == 5  # its own commit: its view is the head
+    assert b.commit(batch("b", 2, WORLD)).step == 6  # and no longer
+    refreshes = c._loop._refreshes  # noqa: SLF001 - full reads of the head so far
+    monkeypatch.setattr(c, "_contended", lambda: True)
+    monkeypatch.setattr(c._loop.policy, "hold_delay", lambda **_kw: 600.0)  # noqa: SLF001 - only a carry ends the hold
+    monkeypatch.setattr(CommitPolicy, "idle_after_s", 600.0)
+    monkeypatch.setattr(CommitPolicy, "leads_queue", False)
+    result = carried_by(stream, c, b, batch("c", 1, WORLD), batch("b", 3, WORLD), carrier_step=8)
+    assert (result.step, result.seq, result.carried, result.duplicate) == (7, 1, True, False)
+    assert c._loop._refreshes == refreshes  # noqa: SLF001 - no full read of the head in the call
 
 
 @pytest.mark.parametrize("contended", [False, True])

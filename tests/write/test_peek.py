@@ -52,3 +52,19 @@ def test_a_light_read_reads_the_catalog_pointer_once_whether_or_not_the_head_mov
         assert light.read() is found  # not moved: the kept light read
         per_read.append(len(reads) - before)
     assert per_read == [1, 1, 1, 1]
+
+
+def test_a_light_read_names_the_head_snapshot_as_a_full_read_does(tmp_path: Path) -> None:
+    """Its snapshot id and sequence number: a producer whose first read of the table was a light one tells from them
+    whether a later head still descends from it (a rollback by another engine)."""
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p0")
+    producer.commit(batch("p0", 0, WORLD))
+    view = catalog.load_table("ns.stream")
+    light = HeadPeek(table=view, branch="main")
+    for seq in (1, 2):  # the pointer has not moved since the view was loaded, then it has
+        found = light.read()
+        head = stream.refresh().table.metadata.snapshot_by_name("main")
+        assert found is not None and head is not None and found.head == (head.snapshot_id, head.sequence_number)
+        producer.commit(batch("p0", seq, WORLD))

@@ -31,3 +31,18 @@ def test_past_the_bound_the_oldest_ranges_are_forgotten() -> None:
         ranges.add(seq)
     assert len(ranges) == MAX_RANGES
     assert 0 not in ranges and 18 not in ranges and 20 in ranges and 2 * (MAX_RANGES + 9) in ranges
+
+
+def test_the_seqs_above_one_are_forgotten() -> None:
+    """What a rollback of the branch takes back (OwnBatches.rebase)."""
+    ranges = SeqRanges()
+    for seq in [*range(0, 10), *range(20, 30), *range(40, 50)]:
+        ranges.add(seq)
+    ranges.discard_above(24)
+    assert [s for s in range(60) if s in ranges] == [*range(0, 10), *range(20, 25)]
+    ranges.discard_above(15)
+    assert [s for s in range(60) if s in ranges] == list(range(10))
+    ranges.discard_above(-1)
+    assert len(ranges) == 0 and 0 not in ranges
+    ranges.add(3)  # it goes on from there
+    assert 3 in ranges and len(ranges) == 1
