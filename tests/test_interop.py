@@ -734,6 +734,37 @@ def test_a_submit_queue_live_across_a_rollback_numbers_from_the_rolled_back_head
         {seq + 1: [digest(t) for t in batch("a", seq, WORLD)] for seq in range(6)}
 
 
+@pytest.mark.parametrize("then", ["commit", "submit", "replay"])
+def test_a_producers_own_steps_that_come_back_after_a_rollback_are_its_own(tmp_path: Path, then: str) -> None:
+    """A rollback undone by another engine (the branch set back to the old head, Spark's fast_forward or
+    set_current_snapshot) while a producer object is live: its own batches that left the branch are back. The producer
+    took them for another live writer's (ProducerConflictError, the batch not published). They are its own: a replay of
+    one is a duplicate, and its next batch follows on after them."""
+    stream = make(tmp_path)
+    a = stream.producer("a")
+    for seq in range(4):
+        if then == "submit":
+            a.submit(batch("a", seq, WORLD))
+        else:
+            a.commit(batch("a", seq, WORLD))
+    a.flush()
+    old = lineage(stream)[-1].snapshot_id
+    rollback_to(stream, "a", 1)
+    assert a.next_seq == 2  # the producer reads the rolled-back head
+    stream.refresh().table.manage_snapshots().set_current_snapshot(snapshot_id=old).commit()  # and it is undone
+    if then == "replay":
+        again = a.commit(batch("a", 2, WORLD), seq=2)
+        assert (again.seq, again.step, again.duplicate) == (2, 3, True)
+    if then == "submit":
+        results = [f.result() for f in [a.submit(batch("a", seq, WORLD)) for seq in (4, 5)]]
+    else:
+        results = [a.commit(batch("a", seq, WORLD)) for seq in (4, 5)]
+    assert [(r.seq, r.step, r.duplicate) for r in results] == [(4, 5, False), (5, 6, False)]
+    assert a.close() == 0
+    assert {step: rows_of(stream, step) for step in range(1, 7)} == \
+        {seq + 1: [digest(t) for t in batch("a", seq, WORLD)] for seq in range(6)}
+
+
 def upgrade_to_v3(tmp_path: Path, stream: Stream) -> None:
     """What Spark's ``ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')`` commits (pyiceberg cannot upgrade past
     2): the same metadata as format version 3, with the row lineage counter v3 adds, swapped in the SQLite catalog."""

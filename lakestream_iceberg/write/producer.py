@@ -100,8 +100,9 @@ def _check_timeout(timeout_s: object) -> float | None:
 
 
 class _RolledBack(Exception):
-    """A batch the producer numbered was refused as a gap: the branch was rolled back below its seq (not raised out of
-    the producer: the batch is published as ``next_seq`` instead)."""
+    """A batch the producer numbered cannot take its seq: the branch was rolled back below it (a gap), or a batch of
+    that seq the producer published before a rollback is back on the branch (a fast-forward to the old head). Not raised
+    out of the producer: the batch is published as ``next_seq`` instead."""
 
     def __init__(self, next_seq: int) -> None:
         super().__init__(next_seq)
@@ -425,6 +426,8 @@ class Producer:
             raise
         if isinstance(opened, CommitResult):
             if checked.seq is None and seq is not None:
+                if self._sent.returned(seq):  # its own batch that a rollback took off the branch is back
+                    raise _RolledBack(self._head.next_seq(self._head.state(self._loop.metadata)))
                 raise self._taken(opened)
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
@@ -446,7 +449,8 @@ class Producer:
         published = outcome.result
         if outcome.landed:
             self._saw(outcome.metadata)  # the head it committed: a rollback it planned on is seen now
-        self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
+        # its batch, or one judged an earlier incarnation's: a replay is answered the same
+        self._sent.answered(seq, None if published.duplicate else staged.token)
         if outcome.peeked:
             self._peeked_next = seq + 1
         intent = planner.intent  # a lost swap may have staged it since (BatchPlanner.escalate)
@@ -454,6 +458,10 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
+        if checked.seq is None and published.duplicate and self._sent.returned(seq):
+            # Its own batch of that seq, published before a rollback, is back (the planner's head): not this batch,
+            # which follows on after it.
+            raise _RolledBack(self._head.next_seq(self._head.state(self._loop.metadata)))
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
