@@ -699,6 +699,72 @@ def test_a_producer_live_across_a_rollback_continues_from_the_rolled_back_state(
     c.close()
 
 
+def rollback_to(stream: Stream, producer: str, seq: int) -> None:
+    """Roll the branch back to the snapshot that published ``producer``'s ``seq``, as pyiceberg and Spark's CALL do."""
+    at = next(s for s in lineage(stream) if s.summary is not None and
+              s.summary.additional_properties.get("lakestream.producer") == producer and
+              s.summary.additional_properties.get("lakestream.seq") == str(seq))
+    stream.table.manage_snapshots().rollback_to_snapshot(at.snapshot_id).commit()
+
+
+@pytest.mark.parametrize("then", ["next_seq", "explicit", "allow_gap"])
+def test_a_submit_queue_live_across_a_rollback_numbers_from_the_rolled_back_head(tmp_path: Path, then: str) -> None:
+    """A submit queue's batches numbered by the producer (``seq=None``) after another engine rolled the branch back:
+    after ``next_seq`` was read (the head read since the rollback refused the queue's seq as a gap before anything was
+    written, which stopped the producer); after an explicit seq read from the rolled-back head (the queue's next batch
+    took that seq again and failed with ProducerConflictError, "another writer"); with ``allow_gap=True`` (the batch
+    skipped the seqs that left the branch). They follow on from the rolled-back head, as ``commit(seq=None)`` does."""
+    stream = make(tmp_path)
+    a = stream.producer("a", max_in_flight=3)
+    for seq in range(5):
+        a.submit(batch("a", seq, WORLD))
+    a.flush()
+    rollback_to(stream, "a", 1)  # seqs 2..4 leave the branch
+    if then == "next_seq":
+        assert a.next_seq == 2
+    futures = [a.submit(batch("a", 2, WORLD), allow_gap=then == "allow_gap")]
+    if then == "explicit":
+        assert futures[0].result().seq == 2 and a.next_seq == 3
+        futures.append(a.submit(batch("a", 3, WORLD), seq=3))
+    futures += [a.submit(batch("a", seq, WORLD)) for seq in range(len(futures) + 2, 6)]
+    assert [(f.result().seq, f.result().step, f.result().duplicate) for f in futures] == \
+        [(seq, seq + 1, False) for seq in range(2, 6)]
+    assert a.close() == 0
+    assert {step: rows_of(stream, step) for step in range(1, 7)} == \
+        {seq + 1: [digest(t) for t in batch("a", seq, WORLD)] for seq in range(6)}
+
+
+@pytest.mark.parametrize("then", ["commit", "submit", "replay"])
+def test_a_producers_own_steps_that_come_back_after_a_rollback_are_its_own(tmp_path: Path, then: str) -> None:
+    """A rollback undone by another engine (the branch set back to the old head, Spark's fast_forward or
+    set_current_snapshot) while a producer object is live: its own batches that left the branch are back. The producer
+    took them for another live writer's (ProducerConflictError, the batch not published). They are its own: a replay of
+    one is a duplicate, and its next batch follows on after them."""
+    stream = make(tmp_path)
+    a = stream.producer("a")
+    for seq in range(4):
+        if then == "submit":
+            a.submit(batch("a", seq, WORLD))
+        else:
+            a.commit(batch("a", seq, WORLD))
+    a.flush()
+    old = lineage(stream)[-1].snapshot_id
+    rollback_to(stream, "a", 1)
+    assert a.next_seq == 2  # the producer reads the rolled-back head
+    stream.refresh().table.manage_snapshots().set_current_snapshot(snapshot_id=old).commit()  # and it is undone
+    if then == "replay":
+        again = a.commit(batch("a", 2, WORLD), seq=2)
+        assert (again.seq, again.step, again.duplicate) == (2, 3, True)
+    if then == "submit":
+        results = [f.result() for f in [a.submit(batch("a", seq, WORLD)) for seq in (4, 5)]]
+    else:
+        results = [a.commit(batch("a", seq, WORLD)) for seq in (4, 5)]
+    assert [(r.seq, r.step, r.duplicate) for r in results] == [(4, 5, False), (5, 6, False)]
+    assert a.close() == 0
+    assert {step: rows_of(stream, step) for step in range(1, 7)} == \
+        {seq + 1: [digest(t) for t in batch("a", seq, WORLD)] for seq in range(6)}
+
+
 def upgrade_to_v3(tmp_path: Path, stream: Stream) -> None:
     """What Spark's ``ALTER TABLE ... SET TBLPROPERTIES ('format-version'='3')`` commits (pyiceberg cannot upgrade past
     2): the same metadata as format version 3, with the row lineage counter v3 adds, swapped in the SQLite catalog."""

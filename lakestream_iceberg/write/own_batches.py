@@ -14,7 +14,9 @@ keeps, in an :class:`OwnBatches`:
 * the head it last read or committed (:attr:`OwnBatches.seen`): when another engine rolls the branch back (or points
   it at another lineage), the seqs published after the point where the new head's lineage leaves that one are no
   longer on the branch, and may be published again, by anyone: the fence and the answered seqs follow the branch back
-  to that point (:meth:`OwnBatches.rebase`), so that a live twin's batch published again there is told as before.
+  to that point (:meth:`OwnBatches.rebase`), so that a live twin's batch published again there is told as before;
+* the tokens of the batches it published last, the last :data:`UNSETTLED_KEPT`: those a rollback took off the branch
+  are still its own should another engine bring them back (a fast-forward to the old head).
 """
 
 from __future__ import annotations
@@ -36,12 +38,17 @@ class OwnBatches:
         self.made_at = time.time()
         self._answered = SeqRanges()
         self._failed: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)
+        self._kept: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)  # its own batches it published last
+        self._left: deque[tuple[int, str]] = deque(maxlen=UNSETTLED_KEPT)  # those of them a rollback took off the branch
         self.first_seen: int | None = None  # the id's last seq at the first read of the table (-1: none; None: unread)
         self.seen: tuple[int, int] | None = None  # the head last read or committed: (snapshot id, sequence number)
 
-    def answered(self, seq: int) -> None:
-        """``seq`` was answered with success: its batch, or one judged an earlier incarnation's."""
+    def answered(self, seq: int, token: str | None = None) -> None:
+        """``seq`` was answered with success: its batch (``token``, when this producer published it), or one judged an
+        earlier incarnation's."""
         self._answered.add(seq)
+        if token is not None:
+            self._kept.append((seq, token))
 
     def __contains__(self, seq: int) -> bool:
         """Whether ``seq`` was answered with success (a replay of it is answered the same way)."""
@@ -52,8 +59,15 @@ class OwnBatches:
         self._failed.append((seq, token))
 
     def failed_tokens(self, seq: int) -> frozenset[str]:
-        """The tokens of the calls of ``seq`` that failed after writing (the last :data:`UNSETTLED_KEPT` calls)."""
-        return frozenset(token for failed, token in self._failed if failed == seq)
+        """The tokens of this producer's own batches of ``seq`` that the branch may show, though no call of it answered
+        them: the calls that failed after writing (the last :data:`UNSETTLED_KEPT`), and the batches it published that a
+        rollback took off the branch (another engine may bring them back: a fast-forward to the old head)."""
+        return frozenset(token for failed, token in (*self._failed, *self._left) if failed == seq)
+
+    def returned(self, seq: int) -> bool:
+        """Whether this producer published a batch of ``seq`` that a rollback took off the branch (see :meth:`rebase`):
+        found on the branch again, it is that batch, not a later one."""
+        return any(left == seq for left, _ in self._left)
 
     def follows(self, last: int) -> bool:
         """Whether this id's last published seq ``last`` (-1: none) is one the producer may publish after without a
@@ -75,3 +89,7 @@ class OwnBatches:
         if self.first_seen is not None:
             self.first_seen = min(self.first_seen, last)
         self._answered.discard_above(last)
+        self._left.extend(kept for kept in self._kept if kept[0] > last)  # still its own, should they come back
+        below = [kept for kept in self._kept if kept[0] <= last]
+        self._kept.clear()
+        self._kept.extend(below)

@@ -100,8 +100,9 @@ def _check_timeout(timeout_s: object) -> float | None:
 
 
 class _RolledBack(Exception):
-    """A batch the producer numbered was refused as a gap: the branch was rolled back below its seq (not raised out of
-    the producer: the batch is published as ``next_seq`` instead)."""
+    """A batch the producer numbered cannot take its seq: the branch was rolled back below it (a gap), or a batch of
+    that seq the producer published before a rollback is back on the branch (a fast-forward to the old head). Not raised
+    out of the producer: the batch is published as ``next_seq`` instead."""
 
     def __init__(self, next_seq: int) -> None:
         super().__init__(next_seq)
@@ -147,7 +148,7 @@ class Producer:
         self._closed = False  # close() was called: no more commits or submits
         self._pid = os.getpid()  # the process whose committer thread and lock these are (see _own)
         self._sent = OwnBatches()  # how it tells its own batches from another writer's of the same id
-        self._renumbered = 0  # added to the seqs its submit queue took, once rollbacks took the branch's seqs back
+        self._queue_next = 0  # the seq a batch submitted with seq=None is published as: after the queue's last one
         prepare()  # the metrics client's import and registration, here rather than inside the first commit
 
     @property
@@ -245,7 +246,8 @@ class Producer:
                 When another writer of the id published that seq meanwhile, the future raises
                 :class:`~lakestream_iceberg.errors.ProducerConflictError` (an explicit ``seq`` that is published is a
                 replay: ``duplicate=True``).
-            allow_gap: Permit ``seq`` beyond the next one (skipped seqs are never published).
+            allow_gap: Permit ``seq`` beyond the next one (skipped seqs are never published); a batch the producer
+                numbers (``seq=None``) never skips.
             timeout_s: How long to wait for a free slot (None: as long as it takes).
 
         Returns:
@@ -359,15 +361,22 @@ class Producer:
         with self._lock:  # after a commit made in this thread or another: the table's next seq includes it
             if self._queue is None:
                 self._refuse_closed()
-                self._next_submit = self.next_seq
+                self._next_submit = self._queue_next = self.next_seq
                 self._queue = CommitQueue(publish=self._publish_submitted, max_in_flight=self.max_in_flight,
                                           name=f"lakestream-commit-{self.producer_id}",
                                           fix=f"open a new producer with the same id ({self.producer_id!r}): it resumes "
                                               "from the table's state, and each seq is published once")
 
     def _publish_submitted(self, job: Submitted[_Checked]) -> CommitResult:
+        # A batch submitted with seq=None is published after the queue's last published batch, not as the seq it took
+        # (job.seq): the same while the branch only grows, but once another engine rolled it back, the queue's batches
+        # follow on from the rolled-back head (see _publish_checked), and an explicit seq the caller read from that
+        # head (next_seq) is followed, not taken again.
+        numbered = job.payload.seq is None
         with self._lock, config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
-            return self._commit(job.payload, seq=job.seq, started=job.submitted_at)
+            result = self._commit(job.payload, seq=self._queue_next if numbered else job.seq, started=job.submitted_at)
+            self._queue_next = result.seq + 1 if numbered else max(self._queue_next, result.seq + 1)
+            return result
 
     def _check(self, shards: Sequence[pa.Table], *, seq: int | None, allow_gap: bool) -> _Checked:
         """The batch checked against the stream before anything is written: raises a BatchError when malformed."""
@@ -390,15 +399,11 @@ class Producer:
         """Publish a checked batch as ``seq`` (None: the table's next seq). A batch the producer numbered itself
         (``seq=None``, or submitted so) follows a rollback of the branch by another engine: once the head shows the
         id's next seq below the one it took, it is published as that one (a submit queue's later batches with it)."""
-        numbered = checked.seq is None
-        if numbered and seq is not None:
-            seq += self._renumbered
         while True:
             try:
                 return self._publish_seq(checked, seq=seq, started=started)
             except _RolledBack as rolled:
                 if seq is not None:
-                    self._renumbered += rolled.next_seq - seq
                     seq = rolled.next_seq
 
     def _rolled_back(self, seq: int) -> int | None:
@@ -412,10 +417,17 @@ class Producer:
         return following if following < seq else None
 
     def _publish_seq(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
-        allow_gap = checked.allow_gap
-        opened = self._open(seq, allow_gap)
+        allow_gap = checked.allow_gap and checked.seq is not None  # a batch it numbered never skips: it follows the head
+        try:
+            opened = self._open(seq, allow_gap)
+        except SequenceError as exc:  # a submitted batch's seq checked on a head read since a rollback (next_seq)
+            if checked.seq is None and seq is not None and (following := self._rolled_back(seq)) is not None:
+                raise _RolledBack(following) from exc
+            raise
         if isinstance(opened, CommitResult):
             if checked.seq is None and seq is not None:
+                if self._sent.returned(seq):  # its own batch that a rollback took off the branch is back
+                    raise _RolledBack(self._head.next_seq(self._head.state(self._loop.metadata)))
                 raise self._taken(opened)
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
@@ -437,7 +449,8 @@ class Producer:
         published = outcome.result
         if outcome.landed:
             self._saw(outcome.metadata)  # the head it committed: a rollback it planned on is seen now
-        self._sent.answered(seq)  # its batch, or one judged an earlier incarnation's: a replay is answered the same
+        # its batch, or one judged an earlier incarnation's: a replay is answered the same
+        self._sent.answered(seq, None if published.duplicate else staged.token)
         if outcome.peeked:
             self._peeked_next = seq + 1
         intent = planner.intent  # a lost swap may have staged it since (BatchPlanner.escalate)
@@ -445,6 +458,10 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
+        if checked.seq is None and published.duplicate and self._sent.returned(seq):
+            # Its own batch of that seq, published before a rollback, is back (the planner's head): not this batch,
+            # which follows on after it.
+            raise _RolledBack(self._head.next_seq(self._head.state(self._loop.metadata)))
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
