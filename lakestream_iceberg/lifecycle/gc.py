@@ -203,8 +203,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
     # What the second commit will expire once the release landed (counted here for dry runs): released anchors that no
     # other ref keeps.
-    remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items()
-                                                        if n not in report.released_checkpoints}})
+    gone = set(report.released_checkpoints)  # a list's `in` per ref: O(tags x released) in every GC's first commit
+    remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items() if n not in gone}})
     still = protected(remaining, **retention(metadata))
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
