@@ -721,3 +721,48 @@ def test_gc_planning_among_many_released_tags_tests_no_ref_against_the_list_of_r
     report = stream.collect_garbage(dry_run=True, keep_last=2)
     assert len(report.released_checkpoints) == 28 and report.snapshots_expired > 0
     assert sum(compared) < 30, f"{sum(compared)} comparisons of names for 30 tags"
+
+
+@pytest.mark.parametrize("call", ["follow", "replay"])
+def test_a_producer_whose_head_gc_swept_while_it_read_a_batchs_data_file_gets_no_raw_file_error(
+        tmp_path, monkeypatch, call: str) -> None:
+    """Once the snapshot that published the id's last seq has expired, a producer tells whose batch it was by its data
+    file, listed by the head it read; a GC that collected meanwhile and swept that head's manifests made the call raise
+    a bare FileNotFoundError. It is read again on the current head, as every read after GC is."""
+    from lakestream_iceberg import ProducerConflictError
+    from lakestream_iceberg.write.head import ProducerHead
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.snapshots.retain-last": "2"})
+    first = Stream.open(catalog, "ns.stream").producer("p")
+    first.commit(batch("p", 0, 1))  # step 1; `first` was made before `twin`
+    twin = Stream.open(catalog, "ns.stream").producer("p")
+    twin.commit(batch("p", 1, 1))  # step 2: seq 1, by a live writer made after `first`
+    publish(stream, "x", 4)  # steps 3-6: the snapshot of step 2 expires
+    stream.checkpoint("c4", step=4)
+    gc_stream = Stream.open(catalog, "ns.stream")
+    checked = ProducerHead.check_follows if call == "follow" else ProducerHead.check_replay
+
+    def gc_first(self: ProducerHead, *args, **kwargs):  # GC collects and sweeps right after the producer read the head
+        if not gc_stream.state().collected_below > 1:
+            gc_stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+        return checked(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProducerHead, "check_follows" if call == "follow" else "check_replay", gc_first)
+    first._loop.mark_stale()  # noqa: SLF001 - as a failed call leaves it: the next call reads the head first
+    if call == "follow":  # `first` numbers after the id's last seq, the twin's: another live writer's, or unknown now
+        try:
+            result = first.commit(batch("p", 2, 1))
+        except ProducerConflictError:
+            pass
+        else:
+            assert result.seq == 2 and not result.duplicate
+    else:  # `first` replays seq 1: the twin's batch, or unknown now
+        try:
+            result = first.commit(batch("p", 1, 1), seq=1)
+        except ProducerConflictError:
+            pass
+        else:
+            assert result.duplicate
+    assert gc_stream.state().collected_below == 4
