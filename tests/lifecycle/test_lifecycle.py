@@ -696,6 +696,74 @@ def test_a_saved_state_loaded_on_a_fork_of_another_timeline_of_its_branch_is_ref
         LakestreamDataset(stream, rank=0, world_size=4, branch="other").load_state_dict(saved)
 
 
+GC_CHILD = r"""
+import sys
+from datetime import timedelta
+
+from pyiceberg.io.pyarrow import PyArrowFileIO
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.lifecycle import gc
+from tests.support import sqlite_catalog
+
+root, point = sys.argv[1], sys.argv[2]
+
+
+def stop() -> None:  # the parent sees the line and SIGKILLs this process at that point
+    print("stopped", flush=True)
+    sys.stdin.readline()
+
+
+if point == "between-commits":
+    plan_expire = gc.plan_expire
+    gc.plan_expire = lambda *a, **k: stop() or plan_expire(*a, **k)
+else:
+    delete, deleted = PyArrowFileIO.delete, []
+    PyArrowFileIO.delete = lambda self, path: (deleted.append(path), len(deleted) == 3 and stop(), delete(self, path))[2]
+stream = Stream.open(sqlite_catalog(root), "ns.stream")
+stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["between-commits", "mid-sweep"])
+def test_a_gc_killed_midway_then_run_again_loses_nothing_and_leaves_no_file_behind(tmp_path, point: str) -> None:
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lakestream_iceberg.lifecycle.sweep import norm, referenced_files
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 10)
+    for step in (3, 6, 8):
+        stream.checkpoint(f"c{step}", step=step)
+    child = subprocess.Popen([sys.executable, "-c", GC_CHILD, str(tmp_path), point], cwd=Path(__file__).resolve().parents[2],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line == "stopped\n", line + child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    stream.refresh()
+    again = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert [c.name for c in stream.refresh().checkpoints()] == ["c8"]
+    assert again.collected_below in ({}, {"main": 8})
+    assert stream.state().collected_below == 8
+    assert [digest(stream.read(s, rank=r)) for s in range(8, 11) for r in range(2)] == \
+           [digest(t) for seq in range(7, 10) for t in batch("p", seq, 2)]
+    metadata = stream.table.metadata
+    location = metadata.location.removeprefix("file://")
+    on_disk = {norm(os.path.join(d, f)) for d, _, fs in os.walk(location) for f in fs}
+    assert on_disk - referenced_files(stream.io, metadata, stream.table.metadata_location, stream) == set()
+    assert stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True).total_files == 0
+    stream.fork("c8", branch="after")  # the retained checkpoint still forks and resumes
+    assert digest(stream.read(8, rank=0, branch="after")) == digest(batch("p", 7, 2)[0])
+
+
 def test_gc_planning_among_many_released_tags_tests_no_ref_against_the_list_of_released_ones(tmp_path, monkeypatch) -> None:
     """GC's first commit counted what its second would expire by testing every ref against the list of released tags:
     O(tags x released) comparisons while planning on the head it swaps (4,000 tags: 0.1 s, 20,000: seconds)."""
