@@ -834,3 +834,65 @@ def test_a_producer_whose_head_gc_swept_while_it_read_a_batchs_data_file_gets_no
         else:
             assert result.duplicate
     assert gc_stream.state().collected_below == 4
+
+
+OP_CHILD = r"""
+import sys
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect import swap
+from tests.support import sqlite_catalog
+
+root, op = sys.argv[1], sys.argv[2]
+write = swap._write_metadata
+
+
+def stop(*args) -> None:  # every file of the commit written, the catalog's pointer not moved: SIGKILLed here
+    write(*args)
+    print("stopped", flush=True)
+    sys.stdin.readline()
+
+
+swap._write_metadata = stop
+stream = Stream.open(sqlite_catalog(root), "ns.stream")
+{"checkpoint": lambda: stream.checkpoint("c5", step=5), "fork": lambda: stream.fork("c3", branch="exp"),
+ "release": lambda: stream.release("c3"), "repair": lambda: stream.repair()}[op]()
+"""
+
+
+@pytest.mark.parametrize("op", ["checkpoint", "fork", "release", "repair"])
+def test_a_lifecycle_command_killed_before_its_swap_changed_nothing_and_gc_removes_what_it_wrote(tmp_path, op: str) -> None:
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lakestream_iceberg.lifecycle.sweep import norm, referenced_files
+    from tests.support import foreign_append
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 6)
+    stream.checkpoint("c3", step=3)
+    if op == "repair":
+        foreign_append(stream)
+    before = stream.refresh().table.metadata_location
+    child = subprocess.Popen([sys.executable, "-c", OP_CHILD, str(tmp_path), op], cwd=Path(__file__).resolve().parents[2],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line == "stopped\n", line + child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert stream.refresh().table.metadata_location == before  # nothing half done
+    assert [c.name for c in stream.checkpoints()] == ["c3"]
+    {"checkpoint": lambda: stream.checkpoint("c5", step=5), "fork": lambda: stream.fork("c3", branch="exp"),
+     "release": lambda: stream.release("c3"), "repair": lambda: stream.repair()}[op]()  # the same command again lands
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert report.files_deleted.get("metadata", 0) >= 1  # the killed command's metadata.json: no orphan is left
+    metadata = stream.refresh().table.metadata
+    location = metadata.location.removeprefix("file://")
+    on_disk = {norm(os.path.join(d, f)) for d, _, fs in os.walk(location) for f in fs}
+    assert on_disk - referenced_files(stream.io, metadata, stream.table.metadata_location, stream) == set()
+    assert digest(stream.read(6, rank=1)) == digest(batch("p", 5, 2)[1])
