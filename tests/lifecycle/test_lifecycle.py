@@ -896,3 +896,26 @@ def test_a_lifecycle_command_killed_before_its_swap_changed_nothing_and_gc_remov
     on_disk = {norm(os.path.join(d, f)) for d, _, fs in os.walk(location) for f in fs}
     assert on_disk - referenced_files(stream.io, metadata, stream.table.metadata_location, stream) == set()
     assert digest(stream.read(6, rank=1)) == digest(batch("p", 5, 2)[1])
+
+
+def test_keep_last_with_a_dropped_branch_and_a_tag_another_engine_replaced(catalog, stream: Stream) -> None:
+    """keep_last counts each branch's lakestream checkpoints: those of a branch another engine dropped stay a group of
+    their own (GC collects nothing there), and a checkpoint's tag another engine moved to another snapshot is no
+    checkpoint any more (its snapshot is kept as any other engine's tag)."""
+    publish(stream, "p", 8)
+    for step in (2, 4, 6):
+        stream.checkpoint(f"m{step}", step=step)
+    stream.fork("m2", branch="exp")
+    publish(stream, "q", 4, branch="exp")
+    for step in (4, 5):
+        stream.checkpoint(f"e{step}", step=step, branch="exp")
+    table = stream.refresh().table
+    head = table.metadata.refs["main"].snapshot_id
+    table.manage_snapshots().remove_branch("exp").remove_tag("m6").create_tag(head, "m6").commit()
+    report = stream.refresh().collect_garbage(dry_run=False, keep_last=1)
+    assert sorted(report.released_checkpoints) == ["e4", "m2"]
+    assert report.collected_below == {"main": 4}
+    assert sorted(c.name for c in stream.refresh().checkpoints()) == ["e5", "m4"]
+    assert stream.table.metadata.refs["m6"].snapshot_id == head  # another engine's tag and its snapshot stay
+    assert [digest(stream.read(s, rank=0)) for s in range(4, 9)] == [digest(batch("p", s - 1, 2)[0]) for s in range(4, 9)]
+    assert set(stream.table.scan(snapshot_id=head).to_arrow().column("_step").to_pylist()) == set(range(1, 9))
