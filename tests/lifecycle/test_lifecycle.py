@@ -919,3 +919,35 @@ def test_keep_last_with_a_dropped_branch_and_a_tag_another_engine_replaced(catal
     assert stream.table.metadata.refs["m6"].snapshot_id == head  # another engine's tag and its snapshot stay
     assert [digest(stream.read(s, rank=0)) for s in range(4, 9)] == [digest(batch("p", s - 1, 2)[0]) for s in range(4, 9)]
     assert set(stream.table.scan(snapshot_id=head).to_arrow().column("_step").to_pylist()) == set(range(1, 9))
+
+
+@pytest.mark.parametrize("commit", ["first", "second"])
+def test_a_gc_that_gives_up_to_contention_says_what_it_did_and_to_run_it_again(tmp_path, monkeypatch, commit: str) -> None:
+    """The commit loop's budget message spoke of a batch: "nothing was published. Retry the same call (same seq)",
+    also when GC's second commit gave up after its first had released checkpoints and collected steps."""
+    from lakestream_iceberg import CommitTimeoutError
+    from lakestream_iceberg.lifecycle import gc
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.commit.max-attempts": "1"})
+    publish(stream, "p", 4)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c3", step=3)
+    producer = Stream.open(catalog, "ns.stream").producer("q")
+    planned = gc.plan_collect if commit == "first" else gc.plan_expire
+
+    def after_another_commit(*args, **kwargs):  # a producer's commit lands between GC's plan and its swap
+        producer.commit(batch("q", producer.next_seq, 1))
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(gc, "plan_collect" if commit == "first" else "plan_expire", after_another_commit)
+    with pytest.raises(CommitTimeoutError) as raised:
+        stream.collect_garbage(dry_run=False, keep_last=1)
+    message = str(raised.value)
+    assert "seq" not in message and "Run GC again" in message
+    assert ("nothing was released" in message) == (commit == "first")
+    assert [c.name for c in stream.refresh().checkpoints()] == (["c2", "c3"] if commit == "first" else ["c3"])
+    monkeypatch.undo()
+    stream.collect_garbage(dry_run=False, keep_last=1)  # run again: it lands
+    assert [c.name for c in stream.refresh().checkpoints()] == ["c3"] and stream.state().collected_below == 3
