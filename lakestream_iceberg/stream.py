@@ -483,6 +483,8 @@ class Stream(StreamTable):
             LifecycleError: Invalid ``keep_last`` / ``keep_within``, ``dry_run`` / ``allow_short_grace`` not a bool, or
                 (not in a dry run) the table property ``gc.enabled`` is false.
             ConfigError: ``grace`` breaks the GC grace rule and ``allow_short_grace`` is false.
+            CommitTimeoutError: Other commits kept winning until the commit budget ran out; the message says what
+                landed (run GC again).
         """
         for name, flag in (("dry_run", dry_run), ("allow_short_grace", allow_short_grace)):
             if not isinstance(flag, bool):  # dry_run=None must not delete, nor "no" allow anything

@@ -7,7 +7,8 @@ holds (its requirements name that metadata's branch head), so the reload only re
 SQL catalog :func:`swap` therefore applies the updates to the held metadata, writes the new ``metadata.json`` and runs
 the same conditional ``UPDATE`` with the *held* location: if any other commit landed since that metadata was read, no
 row matches and the swap is lost (``CommitFailedException``), exactly as with pyiceberg. The metadata it writes is the
-one pyiceberg would write (the same update functions, the same metadata log, the same file naming), so pyiceberg,
+one pyiceberg would write (the same update functions, a run of tag removals and a snapshot expiry applied in one
+pass each with the same checks and result; the same metadata log, the same file naming), so pyiceberg,
 DuckDB and Java Iceberg read it identically. On PostgreSQL the same transaction notifies followers
 (:mod:`.notify`).
 
@@ -29,7 +30,15 @@ from pyiceberg.serializers import Compressor
 from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.locations import load_location_provider
 from pyiceberg.table.metadata import TableMetadata
-from pyiceberg.table.update import TableRequirement, TableUpdate, update_table_metadata
+from pyiceberg.table.refs import MAIN_BRANCH
+from pyiceberg.table.update import (
+    RemoveSnapshotRefUpdate,
+    RemoveSnapshotsUpdate,
+    RemoveStatisticsUpdate,
+    TableRequirement,
+    TableUpdate,
+    update_table_metadata,
+)
 
 from lakestream_iceberg.connect.diagnose import explain, transient
 from lakestream_iceberg.connect.notify import channel, notifies
@@ -115,6 +124,49 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     return CommitTableResponse(metadata=metadata, metadata_location=location)
 
 
+def _remove_refs(metadata: TableMetadata, removals: tuple[RemoveSnapshotRefUpdate, ...],
+                 context: _TableMetadataUpdateContext) -> TableMetadata:
+    """pyiceberg's handler of each ``RemoveSnapshotRefUpdate`` of ``removals`` in turn (the same checks, result and
+    recorded updates), in one pass: it copies the refs and scans the snapshots once per ref, so a GC releasing
+    thousands of tags spent seconds between reading the head and swapping it, and lost every swap to busy producers."""
+    ids = {s.snapshot_id for s in metadata.snapshots}
+    refs = dict(metadata.refs)
+    current = metadata.current_snapshot_id
+    for update in removals:
+        ref = refs.get(update.ref_name)
+        if ref is None:
+            continue
+        if ref.snapshot_id not in ids:
+            raise ValueError(f"Cannot remove {update.ref_name} ref with unknown snapshot {ref.snapshot_id}")
+        del refs[update.ref_name]
+        current = None if update.ref_name == MAIN_BRANCH else current
+        context.add_update(update)
+    if len(refs) == len(metadata.refs):
+        return metadata
+    return metadata.model_copy(update={"refs": refs, "current_snapshot_id": current})
+
+
+def _remove_snapshots(metadata: TableMetadata, update: RemoveSnapshotsUpdate,
+                      context: _TableMetadataUpdateContext) -> TableMetadata:
+    """pyiceberg's handler of ``RemoveSnapshotsUpdate`` (the same checks, result and recorded updates), with the ids in
+    a set: it tests each snapshot against the list of ids, O(snapshots x expired) for a GC expiring thousands."""
+    removed = set(update.snapshot_ids)
+    known = {s.snapshot_id for s in metadata.snapshots}
+    for snapshot_id in update.snapshot_ids:
+        if snapshot_id not in known:
+            raise ValueError(f"Snapshot with snapshot id {snapshot_id} does not exist")
+    snapshots = [s.model_copy(update={"parent_snapshot_id": None}) if s.parent_snapshot_id in removed else s
+                 for s in metadata.snapshots if s.snapshot_id not in removed]
+    snapshot_log = [e for e in metadata.snapshot_log if e.snapshot_id not in removed]
+    statistics = [s.snapshot_id for s in metadata.statistics if s.snapshot_id in removed]
+    updated = _remove_refs(metadata, tuple(RemoveSnapshotRefUpdate(ref_name=name) for name, ref in metadata.refs.items()
+                                           if ref.snapshot_id in removed), context)
+    for snapshot_id in statistics:
+        updated = _apply_table_update(RemoveStatisticsUpdate(snapshot_id=snapshot_id), updated, context)
+    context.add_update(update)
+    return updated.model_copy(update={"snapshots": snapshots, "snapshot_log": snapshot_log})
+
+
 def _raise_if_permanent(exc: Exception, table: Table, what: str, properties: Mapping[str, Any]) -> None:
     """Raise a lakestream error for a statement of the swap's transaction that failed in a way no retry can change (a
     read-only database, a role without the privilege): nothing landed, and the commit loop would otherwise read the
@@ -181,8 +233,20 @@ def _updated(base: TableMetadata, updates: tuple[TableUpdate, ...], base_locatio
         return update_table_metadata(base_metadata=base, updates=updates, metadata_location=base_location)
     context = _TableMetadataUpdateContext()
     metadata = base
-    for item in updates:
-        metadata = _apply_table_update(item, metadata, context)
+    at = 0
+    while at < len(updates):
+        item = updates[at]
+        if isinstance(item, RemoveSnapshotRefUpdate):  # a run of them (GC's release of thousands of tags): one pass
+            end = next((i for i in range(at, len(updates)) if not isinstance(updates[i], RemoveSnapshotRefUpdate)),
+                       len(updates))
+            metadata = _remove_refs(metadata, cast(tuple[RemoveSnapshotRefUpdate, ...], updates[at:end]), context)
+            at = end
+            continue
+        if isinstance(item, RemoveSnapshotsUpdate):
+            metadata = _remove_snapshots(metadata, item, context)
+        else:
+            metadata = _apply_table_update(item, metadata, context)
+        at += 1
     if not context.has_changes():
         return base
     metadata = _update_table_metadata_log(metadata, base_location, base.last_updated_ms)

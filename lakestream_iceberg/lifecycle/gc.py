@@ -69,7 +69,7 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.connect.positions import PositionStore
-from lakestream_iceberg.errors import ConfigError, CorruptStateError, LifecycleError
+from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, CorruptStateError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints, on_timeline
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.expiry import protected, retention, young
@@ -203,8 +203,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
         updates.append(RemoveSnapshotsUpdate(snapshot_ids=expired))
     # What the second commit will expire once the release landed (counted here for dry runs): released anchors that no
     # other ref keeps.
-    remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items()
-                                                        if n not in report.released_checkpoints}})
+    gone = set(report.released_checkpoints)  # a list's `in` per ref: O(tags x released) in every GC's first commit
+    remaining = uncollected.model_copy(update={"refs": {n: r for n, r in uncollected.refs.items() if n not in gone}})
     still = protected(remaining, **retention(metadata))
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
@@ -363,10 +363,22 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         return plan.result
     # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
     # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
-    outcome = loop.run(lambda md, _: plan_collect(stream, md, keep_last=keep_last, keep_within=keep_within, write=True)[0],
-                       pace=False)
+    try:
+        outcome = loop.run(lambda md, _: plan_collect(stream, md, keep_last=keep_last, keep_within=keep_within,
+                                                      write=True)[0], pace=False)
+    except CommitTimeoutError as exc:
+        raise CommitTimeoutError(f"GC of {stream.name} gave up its first commit after contention with other commits: "
+                                 f"nothing was released, collected or deleted. Run GC again, or raise "
+                                 f"{PROP_COMMIT_TIMEOUT_MS} / lakestream.commit.max-attempts") from exc
     report = outcome.result
-    expiry = loop.run(lambda md, _: plan_expire(stream, md), pace=False)
+    try:
+        expiry = loop.run(lambda md, _: plan_expire(stream, md), pace=False)
+    except CommitTimeoutError as exc:
+        raise CommitTimeoutError(
+            f"GC of {stream.name} released {len(report.released_checkpoints)} checkpoints and collected "
+            f"{report.collected_below or 'no step'}, then gave up expiring the snapshots no ref needs any more after "
+            "contention with other commits: no file was deleted. Run GC again: it expires them and deletes "
+            "their files then") from exc
     report.snapshots_expired += expiry.result
     keep = after_gc(lambda: referenced_files(stream.io, expiry.metadata, stream.table.metadata_location, stream),
                     refresh=lambda: None,

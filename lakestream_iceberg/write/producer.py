@@ -503,8 +503,11 @@ class Producer:
         if known is None:
             if not follows and last < seq:  # the id's last seq is neither this producer's nor an earlier incarnation's
                 assert self._sent.first_seen is not None
-                head.check_follows(loop.metadata, last=last, seq=seq, first_seen=self._sent.first_seen,
-                                   since=self._sent.made_at, earlier=self._sent.failed_tokens(last))
+                first_seen = self._sent.first_seen
+                # reads the batch's data file where its snapshot expired: listed by a head that GC may have swept since
+                after_gc(lambda: head.check_follows(loop.metadata, last=last, seq=seq, first_seen=first_seen,
+                                                    since=self._sent.made_at, earlier=self._sent.failed_tokens(last)),
+                         refresh=head.refresh)
                 self._sent.answered(last)  # its own from a failed call, or an earlier incarnation's that landed late
             return seq
         if reused:
@@ -513,8 +516,8 @@ class Producer:
             loop.mark_stale()
             return self._open(seq, allow_gap)
         if seq not in self._sent:  # published by another producer object: a replay unless another live writer's
-            head.check_replay(loop.metadata, known, seq=seq, since=self._sent.made_at,
-                              earlier=self._sent.failed_tokens(seq))
+            after_gc(lambda: head.check_replay(loop.metadata, known, seq=seq, since=self._sent.made_at,
+                                               earlier=self._sent.failed_tokens(seq)), refresh=head.refresh)
             self._sent.answered(seq)
         return CommitResult(**known, seq=seq, producer=self.producer_id, attempts=0, duplicate=True)
 

@@ -225,3 +225,48 @@ def test_a_postgresql_server_refusing_writes_as_a_standby_does_is_transient_and_
         assert "permission denied" in str(denied.value) and not transient(denied.value)
     finally:
         engine.dispose()
+
+
+def test_releasing_and_expiring_thousands_of_tags_is_one_pass_with_pyicebergs_result(tmp_path: Path, monkeypatch) -> None:
+    """GC's first commit removes every released tag (one RemoveSnapshotRefUpdate each) and expires snapshots: applied
+    with pyiceberg's handlers, each removal copied the refs and scanned the snapshots, and the expiry tested every
+    snapshot against the list of ids: 2,000 released tags took a second between reading the head and swapping it
+    (4,000: three), so a GC lost every swap to a producer committing meanwhile (5 minutes of retries at 2,000)."""
+    from pyiceberg.table.metadata import TableMetadataCommonFields, TableMetadataV2
+    from pyiceberg.table.refs import SnapshotRefType
+    from pyiceberg.table.update import AddSnapshotUpdate, AssertTableUUID, RemoveSnapshotRefUpdate, RemoveSnapshotsUpdate
+
+    from lakestream_iceberg.format.snapshots import set_ref
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, 1), seq=seq)
+    anchor_id = stream.checkpoint("c", step=2).snapshot_id
+    metadata = stream.refresh().table.metadata
+    anchor = metadata.snapshot_by_id(anchor_id)
+    assert anchor is not None
+    tags, next_id, sequence = 300, max(s.snapshot_id for s in metadata.snapshots) + 1, metadata.last_sequence_number
+    added: list = []
+    for i in range(tags):  # copies of the anchor, each tagged: as many checkpoints
+        copy = anchor.model_copy(update={"snapshot_id": next_id + i, "sequence_number": sequence + 1 + i})
+        added += [AddSnapshotUpdate(snapshot=copy), set_ref(f"t{i}", SnapshotRefType.TAG, next_id + i)]
+    stream.table.catalog.commit_table(stream.table, (AssertTableUUID(uuid=metadata.table_uuid),), tuple(added))
+    table = fresh_view(stream)
+    main_head = table.metadata.refs["main"].snapshot_id
+    parent = table.metadata.snapshot_by_id(main_head).parent_snapshot_id  # expired: the head's parent link is cut
+    updates = (*(RemoveSnapshotRefUpdate(ref_name=f"t{i}") for i in range(0, tags, 2)), RemoveSnapshotRefUpdate(ref_name="x"),
+               RemoveSnapshotsUpdate(snapshot_ids=[next_id + i for i in range(0, tags, 2)] + [next_id + 1, parent]))
+    theirs = update_table_metadata(table.metadata, updates, metadata_location=table.metadata_location)
+    copies: list[int] = []
+    scans: list[int] = []
+    model_copy, by_id = TableMetadataV2.model_copy, TableMetadataCommonFields.snapshot_by_id
+    monkeypatch.setattr(TableMetadataV2, "model_copy", lambda self, **k: copies.append(1) or model_copy(self, **k))
+    monkeypatch.setattr(TableMetadataCommonFields, "snapshot_by_id", lambda self, i: scans.append(i) or by_id(self, i))
+    ours = _updated(table.metadata, updates, table.metadata_location)
+    drop = {"last_updated_ms"}
+    assert ours.model_dump(exclude=drop) == theirs.model_dump(exclude=drop)
+    assert "t1" not in ours.refs and "t3" in ours.refs and "t2" not in ours.refs and len(ours.refs) == tags // 2 + 1
+    assert len(copies) <= 6 and not scans, f"{len(copies)} copies of the metadata, {len(scans)} scans for {tags} tags"
+    with pytest.raises(ValueError, match="does not exist"):
+        _updated(table.metadata, (RemoveSnapshotsUpdate(snapshot_ids=[-5]),), table.metadata_location)

@@ -694,3 +694,260 @@ def test_a_saved_state_loaded_on_a_fork_of_another_timeline_of_its_branch_is_ref
     stream.fork("e10", branch="other")
     with pytest.raises(CheckpointError, match=r"step 9 of branch 'exp'.*no longer holds"):
         LakestreamDataset(stream, rank=0, world_size=4, branch="other").load_state_dict(saved)
+
+
+GC_CHILD = r"""
+import sys
+from datetime import timedelta
+
+from pyiceberg.io.pyarrow import PyArrowFileIO
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.lifecycle import gc
+from tests.support import sqlite_catalog
+
+root, point = sys.argv[1], sys.argv[2]
+
+
+def stop() -> None:  # the parent sees the line and SIGKILLs this process at that point
+    print("stopped", flush=True)
+    sys.stdin.readline()
+
+
+if point == "between-commits":
+    plan_expire = gc.plan_expire
+    gc.plan_expire = lambda *a, **k: stop() or plan_expire(*a, **k)
+else:
+    delete, deleted = PyArrowFileIO.delete, []
+    PyArrowFileIO.delete = lambda self, path: (deleted.append(path), len(deleted) == 3 and stop(), delete(self, path))[2]
+stream = Stream.open(sqlite_catalog(root), "ns.stream")
+stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("point", ["between-commits", "mid-sweep"])
+def test_a_gc_killed_midway_then_run_again_loses_nothing_and_leaves_no_file_behind(tmp_path, point: str) -> None:
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lakestream_iceberg.lifecycle.sweep import norm, referenced_files
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 10)
+    for step in (3, 6, 8):
+        stream.checkpoint(f"c{step}", step=step)
+    child = subprocess.Popen([sys.executable, "-c", GC_CHILD, str(tmp_path), point], cwd=Path(__file__).resolve().parents[2],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line == "stopped\n", line + child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    stream.refresh()
+    again = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert [c.name for c in stream.refresh().checkpoints()] == ["c8"]
+    assert again.collected_below in ({}, {"main": 8})
+    assert stream.state().collected_below == 8
+    assert [digest(stream.read(s, rank=r)) for s in range(8, 11) for r in range(2)] == \
+           [digest(t) for seq in range(7, 10) for t in batch("p", seq, 2)]
+    metadata = stream.table.metadata
+    location = metadata.location.removeprefix("file://")
+    on_disk = {norm(os.path.join(d, f)) for d, _, fs in os.walk(location) for f in fs}
+    assert on_disk - referenced_files(stream.io, metadata, stream.table.metadata_location, stream) == set()
+    assert stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True).total_files == 0
+    stream.fork("c8", branch="after")  # the retained checkpoint still forks and resumes
+    assert digest(stream.read(8, rank=0, branch="after")) == digest(batch("p", 7, 2)[0])
+
+
+def test_gc_planning_among_many_released_tags_tests_no_ref_against_the_list_of_released_ones(tmp_path, monkeypatch) -> None:
+    """GC's first commit counted what its second would expire by testing every ref against the list of released tags:
+    O(tags x released) comparisons while planning on the head it swaps (4,000 tags: 0.1 s, 20,000: seconds)."""
+    from lakestream_iceberg.lifecycle import gc
+
+    compared: list[int] = []
+
+    class Names(list):  # the released tags' names, counting the comparisons a membership test makes
+        def __contains__(self, item: object) -> bool:
+            compared.append(len(self))
+            return super().__contains__(item)
+
+    class Report(gc.GCReport):
+        def __setattr__(self, name: str, value: object) -> None:
+            super().__setattr__(name, Names(value) if name == "released_checkpoints" else value)
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.many", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.snapshots.retain-last": "100"})
+    publish(stream, "p", 30)
+    for step in range(1, 31):
+        stream.checkpoint(f"c{step}", step=step)
+    monkeypatch.setattr(gc, "GCReport", Report)
+    report = stream.collect_garbage(dry_run=True, keep_last=2)
+    assert len(report.released_checkpoints) == 28 and report.snapshots_expired > 0
+    assert sum(compared) < 30, f"{sum(compared)} comparisons of names for 30 tags"
+
+
+@pytest.mark.parametrize("call", ["follow", "replay"])
+def test_a_producer_whose_head_gc_swept_while_it_read_a_batchs_data_file_gets_no_raw_file_error(
+        tmp_path, monkeypatch, call: str) -> None:
+    """Once the snapshot that published the id's last seq has expired, a producer tells whose batch it was by its data
+    file, listed by the head it read; a GC that collected meanwhile and swept that head's manifests made the call raise
+    a bare FileNotFoundError. It is read again on the current head, as every read after GC is."""
+    from lakestream_iceberg import ProducerConflictError
+    from lakestream_iceberg.write.head import ProducerHead
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.snapshots.retain-last": "2"})
+    first = Stream.open(catalog, "ns.stream").producer("p")
+    first.commit(batch("p", 0, 1))  # step 1; `first` was made before `twin`
+    twin = Stream.open(catalog, "ns.stream").producer("p")
+    twin.commit(batch("p", 1, 1))  # step 2: seq 1, by a live writer made after `first`
+    publish(stream, "x", 4)  # steps 3-6: the snapshot of step 2 expires
+    stream.checkpoint("c4", step=4)
+    gc_stream = Stream.open(catalog, "ns.stream")
+    checked = ProducerHead.check_follows if call == "follow" else ProducerHead.check_replay
+
+    def gc_first(self: ProducerHead, *args, **kwargs):  # GC collects and sweeps right after the producer read the head
+        if not gc_stream.state().collected_below > 1:
+            gc_stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+        return checked(self, *args, **kwargs)
+
+    monkeypatch.setattr(ProducerHead, "check_follows" if call == "follow" else "check_replay", gc_first)
+    first._loop.mark_stale()  # noqa: SLF001 - as a failed call leaves it: the next call reads the head first
+    if call == "follow":  # `first` numbers after the id's last seq, the twin's: another live writer's, or unknown now
+        try:
+            result = first.commit(batch("p", 2, 1))
+        except ProducerConflictError:
+            pass
+        else:
+            assert result.seq == 2 and not result.duplicate
+    else:  # `first` replays seq 1: the twin's batch, or unknown now
+        try:
+            result = first.commit(batch("p", 1, 1), seq=1)
+        except ProducerConflictError:
+            pass
+        else:
+            assert result.duplicate
+    assert gc_stream.state().collected_below == 4
+
+
+OP_CHILD = r"""
+import sys
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect import swap
+from tests.support import sqlite_catalog
+
+root, op = sys.argv[1], sys.argv[2]
+write = swap._write_metadata
+
+
+def stop(*args) -> None:  # every file of the commit written, the catalog's pointer not moved: SIGKILLed here
+    write(*args)
+    print("stopped", flush=True)
+    sys.stdin.readline()
+
+
+swap._write_metadata = stop
+stream = Stream.open(sqlite_catalog(root), "ns.stream")
+{"checkpoint": lambda: stream.checkpoint("c5", step=5), "fork": lambda: stream.fork("c3", branch="exp"),
+ "release": lambda: stream.release("c3"), "repair": lambda: stream.repair()}[op]()
+"""
+
+
+@pytest.mark.parametrize("op", ["checkpoint", "fork", "release", "repair"])
+def test_a_lifecycle_command_killed_before_its_swap_changed_nothing_and_gc_removes_what_it_wrote(tmp_path, op: str) -> None:
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from lakestream_iceberg.lifecycle.sweep import norm, referenced_files
+    from tests.support import foreign_append
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 6)
+    stream.checkpoint("c3", step=3)
+    if op == "repair":
+        foreign_append(stream)
+    before = stream.refresh().table.metadata_location
+    child = subprocess.Popen([sys.executable, "-c", OP_CHILD, str(tmp_path), op], cwd=Path(__file__).resolve().parents[2],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line == "stopped\n", line + child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert stream.refresh().table.metadata_location == before  # nothing half done
+    assert [c.name for c in stream.checkpoints()] == ["c3"]
+    {"checkpoint": lambda: stream.checkpoint("c5", step=5), "fork": lambda: stream.fork("c3", branch="exp"),
+     "release": lambda: stream.release("c3"), "repair": lambda: stream.repair()}[op]()  # the same command again lands
+    report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert report.files_deleted.get("metadata", 0) >= 1  # the killed command's metadata.json: no orphan is left
+    metadata = stream.refresh().table.metadata
+    location = metadata.location.removeprefix("file://")
+    on_disk = {norm(os.path.join(d, f)) for d, _, fs in os.walk(location) for f in fs}
+    assert on_disk - referenced_files(stream.io, metadata, stream.table.metadata_location, stream) == set()
+    assert digest(stream.read(6, rank=1)) == digest(batch("p", 5, 2)[1])
+
+
+def test_keep_last_with_a_dropped_branch_and_a_tag_another_engine_replaced(catalog, stream: Stream) -> None:
+    """keep_last counts each branch's lakestream checkpoints: those of a branch another engine dropped stay a group of
+    their own (GC collects nothing there), and a checkpoint's tag another engine moved to another snapshot is no
+    checkpoint any more (its snapshot is kept as any other engine's tag)."""
+    publish(stream, "p", 8)
+    for step in (2, 4, 6):
+        stream.checkpoint(f"m{step}", step=step)
+    stream.fork("m2", branch="exp")
+    publish(stream, "q", 4, branch="exp")
+    for step in (4, 5):
+        stream.checkpoint(f"e{step}", step=step, branch="exp")
+    table = stream.refresh().table
+    head = table.metadata.refs["main"].snapshot_id
+    table.manage_snapshots().remove_branch("exp").remove_tag("m6").create_tag(head, "m6").commit()
+    report = stream.refresh().collect_garbage(dry_run=False, keep_last=1)
+    assert sorted(report.released_checkpoints) == ["e4", "m2"]
+    assert report.collected_below == {"main": 4}
+    assert sorted(c.name for c in stream.refresh().checkpoints()) == ["e5", "m4"]
+    assert stream.table.metadata.refs["m6"].snapshot_id == head  # another engine's tag and its snapshot stay
+    assert [digest(stream.read(s, rank=0)) for s in range(4, 9)] == [digest(batch("p", s - 1, 2)[0]) for s in range(4, 9)]
+    assert set(stream.table.scan(snapshot_id=head).to_arrow().column("_step").to_pylist()) == set(range(1, 9))
+
+
+@pytest.mark.parametrize("commit", ["first", "second"])
+def test_a_gc_that_gives_up_to_contention_says_what_it_did_and_to_run_it_again(tmp_path, monkeypatch, commit: str) -> None:
+    """The commit loop's budget message spoke of a batch: "nothing was published. Retry the same call (same seq)",
+    also when GC's second commit gave up after its first had released checkpoints and collected steps."""
+    from lakestream_iceberg import CommitTimeoutError
+    from lakestream_iceberg.lifecycle import gc
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.commit.max-attempts": "1"})
+    publish(stream, "p", 4)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c3", step=3)
+    producer = Stream.open(catalog, "ns.stream").producer("q")
+    planned = gc.plan_collect if commit == "first" else gc.plan_expire
+
+    def after_another_commit(*args, **kwargs):  # a producer's commit lands between GC's plan and its swap
+        producer.commit(batch("q", producer.next_seq, 1))
+        return planned(*args, **kwargs)
+
+    monkeypatch.setattr(gc, "plan_collect" if commit == "first" else "plan_expire", after_another_commit)
+    with pytest.raises(CommitTimeoutError) as raised:
+        stream.collect_garbage(dry_run=False, keep_last=1)
+    message = str(raised.value)
+    assert "seq" not in message and "Run GC again" in message
+    assert ("nothing was released" in message) == (commit == "first")
+    assert [c.name for c in stream.refresh().checkpoints()] == (["c2", "c3"] if commit == "first" else ["c3"])
+    monkeypatch.undo()
+    stream.collect_garbage(dry_run=False, keep_last=1)  # run again: it lands
+    assert [c.name for c in stream.refresh().checkpoints()] == ["c3"] and stream.state().collected_below == 3
