@@ -736,16 +736,16 @@ def test_4f_an_earlier_incarnations_batch_published_after_the_restart_read_the_t
     assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
 
 
-@pytest.mark.parametrize("case", ["twin", "earlier incarnation"])
-def test_4f_the_follow_rule_holds_once_the_snapshot_of_the_ids_last_seq_expired(
-        catalog: SqlCatalog, staging: dict[str, str], case: str) -> None:
-    """Other producers' commits expire the snapshot that published the id's last seq before the producer's next call
-    (a busy stream keeps a few snapshots): that batch is then told by its data file, whose name holds its token and
-    whose modification time says it was written after (a live twin's) or before (an earlier incarnation's) the
-    producer was made. Without a snapshot to compare, two live twins took turns undetected."""
+def b_seq_2_expired(catalog: SqlCatalog, staging: dict[str, str], *, twin: bool,
+                    read: bool = False) -> tuple[Stream, Any]:
+    """A stream keeping 2 snapshots where producer b's seq 2 was published by a live twin made after b (``twin``;
+    ``read``: b read the table just before), or by b's dead earlier incarnation, whose staged batch another producer's
+    commit carried (b, returned, is then its restart); other commits expired that snapshot since."""
     stream = make(catalog, **staging, **{"lakestream.snapshots.retain-last": "2"})
     a, b = both_active(stream)
-    if case == "twin":
+    if twin:
+        if read:
+            assert b.next_seq == 2  # its last read of the table
         stream.producer("b").commit(batch("b", 2, WORLD))  # a live twin made after b
     else:
         dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
@@ -755,6 +755,17 @@ def test_4f_the_follow_rule_holds_once_the_snapshot_of_the_ids_last_seq_expired(
     for seq in range(2, 5):
         a.commit(batch("a", seq, WORLD))  # (carries the dead incarnation's seq 2) and expires the snapshot of b's seq 2
     assert "2" not in [s["lakestream.seq"] for s in published_by(stream, "b")]
+    return stream, b
+
+
+@pytest.mark.parametrize("case", ["twin", "earlier incarnation"])
+def test_4f_the_follow_rule_holds_once_the_snapshot_of_the_ids_last_seq_expired(
+        catalog: SqlCatalog, staging: dict[str, str], case: str) -> None:
+    """Other producers' commits expire the snapshot that published the id's last seq before the producer's next call
+    (a busy stream keeps a few snapshots): that batch is then told by its data file, whose name holds its token and
+    whose modification time says it was written after (a live twin's) or before (an earlier incarnation's) the
+    producer was made. Without a snapshot to compare, two live twins took turns undetected."""
+    stream, b = b_seq_2_expired(catalog, staging, twin=case == "twin")
     assert b.next_seq == 3
     if case == "twin":
         with pytest.raises(ProducerConflictError, match=r"cannot publish seq 3 .*data file was written at .*expired"):
@@ -773,19 +784,7 @@ def test_4f_a_seq_published_by_another_batch_whose_snapshot_expired_is_told_by_i
     seq's for a replay. The batch's data file tells, as for the follow rule: its name holds its token, its modification
     time when it was written (after the producer was made: a live twin's; before: an earlier incarnation's, a
     duplicate). The same holds when the producer reads the head before its call of an explicit seq (a replay's check)."""
-    stream = make(catalog, **staging, **{"lakestream.snapshots.retain-last": "2"})
-    a, b = both_active(stream)
-    if case.startswith("twin"):
-        assert b.next_seq == 2  # its last read of the table
-        stream.producer("b").commit(batch("b", 2, WORLD))  # a live twin made after b
-    else:
-        dead = stream.writer.write(producer="b", seq=2, shards=batch("b", 2, WORLD))
-        stream.staging.stage(branch="main", batch=dead, allow_gap=False)  # the process that staged it died
-        b = stream.producer("b")  # its restart
-        assert b.next_seq == 2
-    for seq in range(2, 5):
-        a.commit(batch("a", seq, WORLD))  # (carries the dead incarnation's seq 2) and expires the snapshot of b's seq 2
-    assert "2" not in [s["lakestream.seq"] for s in published_by(stream, "b")]
+    stream, b = b_seq_2_expired(catalog, staging, twin=case.startswith("twin"), read=True)
     seq, step = head_producers(stream)["b"][:2]
     assert seq == 2
     explicit = {"seq": 2} if case.startswith("twin, explicit seq") else {}

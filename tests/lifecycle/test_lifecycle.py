@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -289,10 +293,7 @@ def test_randomized_lifecycle_keeps_exactly_what_checkpoints_need(tmp_path_facto
 @pytest.mark.slow
 def test_gc_runs_while_producers_commit_and_consumers_read(tmp_path) -> None:
     import random
-    import subprocess
-    import sys
     import threading
-    from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
@@ -696,6 +697,20 @@ def test_a_saved_state_loaded_on_a_fork_of_another_timeline_of_its_branch_is_ref
         LakestreamDataset(stream, rank=0, world_size=4, branch="other").load_state_dict(saved)
 
 
+def killed_where_it_stops(code: str, *args: str) -> None:
+    """Run ``code`` in a child process and SIGKILL it at the point where it prints ``stopped`` and waits (an observed
+    point, never a timed window)."""
+    child = subprocess.Popen([sys.executable, "-c", code, *args], cwd=Path(__file__).resolve().parents[2],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = child.stdout.readline()
+        assert line == "stopped\n", line + child.stderr.read()[-2000:]
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+
+
 GC_CHILD = r"""
 import sys
 from datetime import timedelta
@@ -728,26 +743,13 @@ print("finished", flush=True)
 
 @pytest.mark.parametrize("point", ["between-commits", "mid-sweep"])
 def test_a_gc_killed_midway_then_run_again_loses_nothing_and_leaves_no_file_behind(tmp_path, point: str) -> None:
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from lakestream_iceberg.lifecycle.sweep import norm, referenced_files
 
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=2)
     publish(stream, "p", 10)
     for step in (3, 6, 8):
         stream.checkpoint(f"c{step}", step=step)
-    child = subprocess.Popen([sys.executable, "-c", GC_CHILD, str(tmp_path), point], cwd=Path(__file__).resolve().parents[2],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline()
-        assert line == "stopped\n", line + child.stderr.read()[-2000:]
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    killed_where_it_stops(GC_CHILD, str(tmp_path), point)
     stream.refresh()
     again = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
     assert [c.name for c in stream.refresh().checkpoints()] == ["c8"]
@@ -862,11 +864,6 @@ stream = Stream.open(sqlite_catalog(root), "ns.stream")
 
 @pytest.mark.parametrize("op", ["checkpoint", "fork", "release", "repair"])
 def test_a_lifecycle_command_killed_before_its_swap_changed_nothing_and_gc_removes_what_it_wrote(tmp_path, op: str) -> None:
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from lakestream_iceberg.lifecycle.sweep import norm, referenced_files
     from tests.support import foreign_append
 
@@ -876,15 +873,7 @@ def test_a_lifecycle_command_killed_before_its_swap_changed_nothing_and_gc_remov
     if op == "repair":
         foreign_append(stream)
     before = stream.refresh().table.metadata_location
-    child = subprocess.Popen([sys.executable, "-c", OP_CHILD, str(tmp_path), op], cwd=Path(__file__).resolve().parents[2],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = child.stdout.readline()
-        assert line == "stopped\n", line + child.stderr.read()[-2000:]
-        child.send_signal(signal.SIGKILL)
-    finally:
-        child.kill()
-        child.wait()
+    killed_where_it_stops(OP_CHILD, str(tmp_path), op)
     assert stream.refresh().table.metadata_location == before  # nothing half done
     assert [c.name for c in stream.checkpoints()] == ["c3"]
     {"checkpoint": lambda: stream.checkpoint("c5", step=5), "fork": lambda: stream.fork("c3", branch="exp"),
