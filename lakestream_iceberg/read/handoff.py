@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from lakestream_iceberg.errors import ReadError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.read.tensors import Blobs, require_torch
 
@@ -222,7 +223,15 @@ def _mapping(key: tuple[int, int], fd: Any, size: int) -> mmap.mmap:
             for pid in {pid for pid, _ in list(_mapped)} - {key[0]}:  # workers of earlier loaders: drop theirs
                 if not _alive(pid):
                     _forget(pid)
-            raw = fd.detach()
+            try:  # the descriptor comes from the worker itself, over a socket: a dead worker cannot hand it over
+                raw = fd.detach()
+            except (OSError, EOFError) as exc:
+                raise ReadError(
+                    f"DataLoader worker (pid {key[0]}) exited before the training process took the shared memory of "
+                    f"its item ({type(exc).__name__}: {exc}): it was killed (out of memory, or a signal). Make a new "
+                    "DataLoader to go on (from the dataset's state_dict() or its consumer group's position to resume "
+                    "where the loop was)"
+                ) from exc
             try:
                 segment = _mapped[key] = mmap.mmap(raw, size)
             finally:
