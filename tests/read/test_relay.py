@@ -5,9 +5,11 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from collections.abc import Callable
@@ -729,3 +731,22 @@ def test_the_training_process_of_workers_never_serves_the_relay(tmp_path: Path, 
             assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2  # head 6
     finally:
         metrics.use_registry(None)
+
+
+def test_a_relay_dir_too_long_for_a_socket_in_bytes_is_said_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A LAKESTREAM_RELAY_DIR of non-ASCII characters short enough in characters but not in bytes (a unix socket's path
+    is bytes) was taken: every follower then failed to bind or reach the socket ("AF_UNIX path too long") and logged a
+    warning of its own, instead of the one warning saying the folder is not used and why."""
+    from lakestream_iceberg.read import relay_wire
+
+    base = Path(tempfile.mkdtemp(prefix="lsr"))
+    try:
+        chosen = base / ("é" * (relay_wire._SOCKET_NAME_MAX - 38 - len(str(base)) - 1))
+        assert len(str(chosen)) + 38 <= relay_wire._SOCKET_NAME_MAX < len(os.fsencode(str(chosen))) + 38
+        monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(chosen))
+        with caplog.at_level(logging.WARNING, logger=relay_wire.__name__):
+            assert relay_wire.relay_dir() is None
+        assert any("too long for a unix socket" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        shutil.rmtree(base)
