@@ -196,8 +196,9 @@ class RelayWatcher:
                 sock.connect(str(self._paths.socket))
                 send_frame(sock, {"op": "hello"}, timeout=IO_S)
                 hello = recv_frame(sock, timeout=IO_S)
-            except (FileNotFoundError, ConnectionError):
-                sock.close()  # nobody serves it (or its holder just exited): elect
+            except (FileNotFoundError, ConnectionError, BlockingIOError):
+                sock.close()  # nobody serves it (or its holder just exited): elect; BlockingIOError: its queue of
+                # connections not yet accepted is full (a unix socket refuses at once): wait for a place, as here
             except TimeoutError:  # a holder that accepts (the kernel queues the connection) but never answers
                 sock.close()
                 raise ReadError(f"the head relay of {self._stream.name} at {self._paths.socket} did not answer within "

@@ -750,3 +750,47 @@ def test_a_relay_dir_too_long_for_a_socket_in_bytes_is_said_not_used(monkeypatch
         assert any("too long for a unix socket" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         shutil.rmtree(base)
+
+
+def test_a_holder_whose_connection_queue_is_full_raises_the_relays_error(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader reconnecting (its holder exited) to a relay whose queue of connections not yet accepted is full (a
+    holder out of descriptors, stopped, or starved while a whole host reconnects at once) got a bare BlockingIOError
+    ("Resource temporarily unavailable") out of its wait: a unix socket refuses such a connect at once instead of
+    queueing it. It waits for a free place as for a holder starting up, and then raises the relay's ReadError."""
+    import socket
+
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued: list[socket.socket] = []
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        paths = client._paths
+        with open(paths.lock, "a+b") as lock:  # a holder that never accepts: this test
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            paths.socket.unlink()
+            listener.bind(str(paths.socket))
+            listener.listen(1)
+            while True:  # fill its queue until the kernel refuses a connection
+                peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                peer.setblocking(False)
+                queued.append(peer)
+                try:
+                    peer.connect(str(paths.socket))
+                except BlockingIOError:
+                    break
+            monkeypatch.setattr(relay_client, "CONNECT_S", 0.5)
+            with pytest.raises(ReadError, match="no process served the head relay"):
+                client.check()
+        client.close()
+    finally:
+        for peer in queued:
+            peer.close()
+        listener.close()
+        holder.kill()
+        holder.wait(timeout=60)
