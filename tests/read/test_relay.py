@@ -794,3 +794,26 @@ def test_a_holder_whose_connection_queue_is_full_raises_the_relays_error(tmp_pat
         listener.close()
         holder.kill()
         holder.wait(timeout=60)
+
+
+def test_a_relay_directory_removed_under_its_readers_raises_the_relays_error(tmp_path: Path, relay_dir: Path) -> None:
+    """The relay directory removed while readers follow (systemd removes $XDG_RUNTIME_DIR when the user's last session
+    ends, e.g. a run started over ssh and left running): a reader whose holder exited then reconnected, found no
+    socket, tried to serve the relay itself and got a bare FileNotFoundError out of its wait (making the lock file),
+    which a follow-mode loop can take for a collected step's file. It raises the relay's ReadError, naming the folder."""
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        shutil.rmtree(relay_dir)
+        with pytest.raises(ReadError, match="cannot serve the head relay") as raised:
+            client.check()
+        assert str(relay_dir) in str(raised.value)
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
