@@ -817,3 +817,25 @@ def test_a_relay_directory_removed_under_its_readers_raises_the_relays_error(tmp
     finally:
         holder.kill()
         holder.wait(timeout=60)
+
+
+def test_the_holder_keeps_answers_of_at_most_so_many_data_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder kept its last 256 answers whatever their size: in steady state every step's list of data files of
+    the last 256 steps (a stream of one file per rank at 4,096 ranks: about 370 MB; at 100,000 files a step: about
+    9 GB) in the process that serves the relay, a rank or a DataLoader worker. The answers kept hold at most
+    ``PLAN_FILES_KEPT`` data files, and always the newest answer."""
+    stream = make_stream(tmp_path, steps=4)  # 2 files a step
+    monkeypatch.setattr(relay_module, "PLAN_FILES_KEPT", 5)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    watcher.check()
+    relay = relay_module.held(watcher._paths)
+    assert relay is not None
+    for step in range(1, 5):
+        assert [f.file_path for f in watcher.files(None, step)] == [f.file_path for f in stream.locate(step)]
+        kept = list(relay._plans.values())
+        assert kept[-1]["step"] == step and sum(len(answer["files"]) for answer in kept) <= 5
+    monkeypatch.setattr(relay_module, "PLAN_FILES_KEPT", 1)  # one answer larger than the bound is still kept
+    assert [f.file_path for f in watcher.files(None, 1)] == [f.file_path for f in stream.locate(1)]
+    assert [answer["step"] for answer in relay._plans.values()] == [1]
+    watcher.close()
