@@ -839,3 +839,43 @@ def test_the_holder_keeps_answers_of_at_most_so_many_data_files(tmp_path: Path, 
     assert [f.file_path for f in watcher.files(None, 1)] == [f.file_path for f in stream.locate(1)]
     assert [answer["step"] for answer in relay._plans.values()] == [1]
     watcher.close()
+
+
+def test_readers_a_little_behind_the_head_do_not_make_the_relay_poll_the_catalog(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follow-mode reader whose producers stay a step or two ahead (fewer than its prefetch) refreshes its head at
+    every step to prefetch further; through the relay that refresh was a ``check``, which makes the holder poll the
+    catalog now and plan the next steps on the head of now: one catalog query (and a manifest read on each new head)
+    per step and reader of the host, what the relay is there to save. The refresh asks the relay for its head (its own
+    loop polls); only a reader that found a file gone after a GC makes it poll."""
+    from lakestream_iceberg.read.follow import pump_steps
+
+    stream = make_stream(tmp_path, steps=3)
+    forced: list[int] = []
+    replan = relay_module.HeadRelay._replan
+
+    def counted(relay: relay_module.HeadRelay) -> None:
+        forced.append(1)
+        replan(relay)
+
+    monkeypatch.setattr(relay_module.HeadRelay, "_replan", counted)
+    holder = watch(stream)
+    assert isinstance(holder, RelayWatcher) and holder.holding
+    readers = [follower(stream, ref=StreamRef.of(stream), branch="main", relay=True, poll_s=0.02, max_poll_s=0.5)
+               for _ in range(4)]
+    stop = threading.Event()
+    pumps = [pump_steps(watcher, files, first=1, stride=1, end=10, follow=True, prefetch=3, timeout=60, poll_s=0.02,
+                        max_poll_s=0.5, stop=stop, closers=[]) for watcher, files in readers]
+    for pump in pumps:
+        assert next(pump)[0] == 1
+    started = len(forced)  # each reader's first head
+    producer = stream.producer("prep-1")
+    for step in range(2, 11):
+        if step + 2 <= 10:
+            assert producer.commit([shard(step + 2, r) for r in range(2)]).step == step + 2
+        for pump in pumps:
+            assert next(pump)[0] == step
+    assert len(forced) == started
+    for pump in pumps:
+        pump.close()
+    holder.close()
