@@ -200,6 +200,11 @@ class HeadWatcher:
             "branch (stream.checkpoints() and the table's refs list them), or fork it again from a checkpoint"
         )
 
+    def latest(self) -> tuple[int, Snapshot | None]:
+        """The head step and snapshot of now (:meth:`check`, then :meth:`head`)."""
+        self.check()
+        return self.head()
+
     def head(self) -> tuple[int, Snapshot | None]:
         """The head step and snapshot of the branch in the current table view (no I/O)."""
         metadata = self._stream.table.metadata
@@ -265,6 +270,8 @@ class HeadSource(Protocol):
 
     def head(self) -> tuple[int, Any]: ...
 
+    def latest(self) -> tuple[int, Any]: ...
+
     def wait(self, step: int, *, timeout: float | None, stop: threading.Event, poll_s: float = 0.02,
              max_poll_s: float = 0.5) -> tuple[int, Any] | None: ...
 
@@ -301,16 +308,16 @@ def pump_steps(
     (``watcher.check()``): a retained step is then read, and a collected one raises the loader's error for it.
     """
 
-    def poll() -> None:  # a follow-mode pump rides out a catalog hiccup (the next wait retries until its timeout)
+    def poll(ask: Callable[[], object]) -> None:  # a follow-mode pump rides out a catalog hiccup (the next wait retries)
         try:
-            watcher.check()
+            ask()
         except StreamError:
             raise  # the table is gone or another one (dropped, created again): its head is no step of this stream
         except Exception:
             if not follow:
                 raise
 
-    poll()
+    poll(watcher.check)
     head, snapshot = watcher.head()
     pool = ThreadPoolExecutor(prefetch, thread_name_prefix="lakestream-read") if prefetch else None
     pending: deque[Future[T]] = deque()
@@ -341,7 +348,9 @@ def pump_steps(
                     return
                 head, snapshot = waited
             elif follow and submit > head and len(pending) < prefetch:
-                poll()  # cheap unless the head moved: lets prefetch run ahead of the consumer
+                # lets prefetch run ahead of the consumer: a pointer query directly, a local request through the
+                # relay (a check there would make the holder poll the catalog for every reader at every step)
+                poll(watcher.latest)
                 head, snapshot = watcher.head()
             while submit <= head and (end is None or submit <= end) and len(pending) <= prefetch:
                 if pool is None:

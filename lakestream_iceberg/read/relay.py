@@ -19,8 +19,8 @@ process per host, stream and branch (the *holder*) does all of that once, and th
   their class (:func:`.relay_wire.decode_error`): a collected step, a dropped or re-created table raise the same errors
   through the relay as without it.
 
-Memory is bounded: the table view and its manifest cache (bounded as every stream's), ``PLANS_KEPT`` answers, and one
-thread per connection, at most ``MAX_CLIENTS``. A holder serves while its own process has a reader following (see
+Memory is bounded: the table view and its manifest cache (bounded as every stream's), ``PLANS_KEPT`` answers of at
+most ``PLAN_FILES_KEPT`` data files in all, and one thread per connection, at most ``MAX_CLIENTS``. A holder serves while its own process has a reader following (see
 :func:`hold`); when the last one closes it stops, and its clients elect a new holder.
 """
 
@@ -59,6 +59,7 @@ __all__ = ["HeadRelay", "hold", "held"]
 WAIT_SLICE_S = 2.0  # the longest a ``wait`` blocks on the holder: a client asks again (and notices its own stop)
 IO_S = 10.0  # a frame that does not arrive or leave within this is a dead peer
 PLANS_KEPT = 256
+PLAN_FILES_KEPT = 100_000  # data files among the answers kept (about 35 MB); the newest answer is kept whatever its size
 MAX_CLIENTS = 4096
 
 
@@ -85,6 +86,7 @@ class HeadRelay:
         self._fatal: LakestreamError | None = None
         self._plan_base: tuple[int, Any] | None = None  # the head steps are planned on (see _files)
         self._plans: OrderedDict[tuple[int | None, int], dict[str, Any]] = OrderedDict()
+        self._plan_files = 0  # data files among self._plans
         self._clients: set[socket.socket] = set()
         self._users = 0
         self.served = 0
@@ -296,8 +298,9 @@ class HeadRelay:
                   "files": encode_files(files)}
         with self._cond:
             self._plans[key] = answer
-            while len(self._plans) > PLANS_KEPT:
-                self._plans.popitem(last=False)
+            self._plan_files += len(files)
+            while len(self._plans) > 1 and (len(self._plans) > PLANS_KEPT or self._plan_files > PLAN_FILES_KEPT):
+                self._plan_files -= len(self._plans.popitem(last=False)[1]["files"])
         return answer
 
 

@@ -66,8 +66,9 @@ class RelayWatcher:
             finds nobody serving raises ``ReadError`` at once).
 
     Raises:
-        OSError: The relay's lock file or socket cannot be used (read directly instead).
-        ReadError: No relay answered within ``CONNECT_S`` seconds (at once without ``elect``).
+        OSError: The relay's socket cannot be reached (read directly instead).
+        ReadError: No relay answered within ``CONNECT_S`` seconds (at once without ``elect``), or this process cannot
+            make the relay's lock file or socket (read directly instead).
     """
 
     def __init__(self, stream: StreamTable, *, paths: RelayPaths, branch: str, poll_s: float, max_poll_s: float,
@@ -196,8 +197,9 @@ class RelayWatcher:
                 sock.connect(str(self._paths.socket))
                 send_frame(sock, {"op": "hello"}, timeout=IO_S)
                 hello = recv_frame(sock, timeout=IO_S)
-            except (FileNotFoundError, ConnectionError):
-                sock.close()  # nobody serves it (or its holder just exited): elect
+            except (FileNotFoundError, ConnectionError, BlockingIOError):
+                sock.close()  # nobody serves it (or its holder just exited): elect; BlockingIOError: its queue of
+                # connections not yet accepted is full (a unix socket refuses at once): wait for a place, as here
             except TimeoutError:  # a holder that accepts (the kernel queues the connection) but never answers
                 sock.close()
                 raise ReadError(f"the head relay of {self._stream.name} at {self._paths.socket} did not answer within "
@@ -214,8 +216,13 @@ class RelayWatcher:
                 return
             if not self._elect:
                 raise ReadError(f"no process serves the head relay of {self._stream.name} at {self._paths.socket}")
-            relay = hold(self._stream, branch=self._branch, paths=self._paths, poll_s=self._poll_s,
-                         max_poll_s=self._max_poll_s)
+            try:
+                relay = hold(self._stream, branch=self._branch, paths=self._paths, poll_s=self._poll_s,
+                             max_poll_s=self._max_poll_s)
+            except OSError as exc:  # its folder removed (systemd removes $XDG_RUNTIME_DIR at logout), not writable...
+                raise ReadError(f"this process cannot serve the head relay of {self._stream.name} at "
+                                f"{self._paths.socket} ({type(exc).__name__}: {exc.strerror or exc}); pass relay=False "
+                                "to read without it, or set LAKESTREAM_RELAY_DIR to a folder that stays") from exc
             if relay is not None and relay is not self._holding:  # a relay this reader already serves from refused
                 self._adopt(relay)                                  # it (at MAX_CLIENTS): wait, up to the deadline
                 continue

@@ -98,8 +98,8 @@ def _unusable(directory: Path, uid: int) -> str | None:
         return "it is not a folder (a file, or a link)"
     if info.st_uid != uid or info.st_mode & 0o077:  # their socket could answer in the relay's name
         return f"it belongs to another user or others may enter it (mode {stat.S_IMODE(info.st_mode):o})"
-    if len(str(directory)) + 38 > _SOCKET_NAME_MAX:
-        return f"its path is too long for a unix socket ({_SOCKET_NAME_MAX - 38} characters at most)"
+    if len(os.fsencode(directory)) + 38 > _SOCKET_NAME_MAX:  # a socket's path is bytes: "é" takes two
+        return f"its path is too long for a unix socket ({_SOCKET_NAME_MAX - 38} bytes at most)"
     if not os.access(directory, os.W_OK | os.X_OK):
         return "this user may not write in it"
     return None

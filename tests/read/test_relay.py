@@ -5,9 +5,11 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 from collections.abc import Callable
@@ -729,3 +731,151 @@ def test_the_training_process_of_workers_never_serves_the_relay(tmp_path: Path, 
             assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2  # head 6
     finally:
         metrics.use_registry(None)
+
+
+def test_a_relay_dir_too_long_for_a_socket_in_bytes_is_said_not_used(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A LAKESTREAM_RELAY_DIR of non-ASCII characters short enough in characters but not in bytes (a unix socket's path
+    is bytes) was taken: every follower then failed to bind or reach the socket ("AF_UNIX path too long") and logged a
+    warning of its own, instead of the one warning saying the folder is not used and why."""
+    from lakestream_iceberg.read import relay_wire
+
+    base = Path(tempfile.mkdtemp(prefix="lsr"))
+    try:
+        chosen = base / ("é" * (relay_wire._SOCKET_NAME_MAX - 38 - len(str(base)) - 1))
+        assert len(str(chosen)) + 38 <= relay_wire._SOCKET_NAME_MAX < len(os.fsencode(str(chosen))) + 38
+        monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(chosen))
+        with caplog.at_level(logging.WARNING, logger=relay_wire.__name__):
+            assert relay_wire.relay_dir() is None
+        assert any("too long for a unix socket" in r.getMessage() for r in caplog.records), caplog.text
+    finally:
+        shutil.rmtree(base)
+
+
+def test_a_holder_whose_connection_queue_is_full_raises_the_relays_error(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader reconnecting (its holder exited) to a relay whose queue of connections not yet accepted is full (a
+    holder out of descriptors, stopped, or starved while a whole host reconnects at once) got a bare BlockingIOError
+    ("Resource temporarily unavailable") out of its wait: a unix socket refuses such a connect at once instead of
+    queueing it. It waits for a free place as for a holder starting up, and then raises the relay's ReadError."""
+    import socket
+
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued: list[socket.socket] = []
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        paths = client._paths
+        with open(paths.lock, "a+b") as lock:  # a holder that never accepts: this test
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            paths.socket.unlink()
+            listener.bind(str(paths.socket))
+            listener.listen(1)
+            while True:  # fill its queue until the kernel refuses a connection
+                peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                peer.setblocking(False)
+                queued.append(peer)
+                try:
+                    peer.connect(str(paths.socket))
+                except BlockingIOError:
+                    break
+            monkeypatch.setattr(relay_client, "CONNECT_S", 0.5)
+            with pytest.raises(ReadError, match="no process served the head relay"):
+                client.check()
+        client.close()
+    finally:
+        for peer in queued:
+            peer.close()
+        listener.close()
+        holder.kill()
+        holder.wait(timeout=60)
+
+
+def test_a_relay_directory_removed_under_its_readers_raises_the_relays_error(tmp_path: Path, relay_dir: Path) -> None:
+    """The relay directory removed while readers follow (systemd removes $XDG_RUNTIME_DIR when the user's last session
+    ends, e.g. a run started over ssh and left running): a reader whose holder exited then reconnected, found no
+    socket, tried to serve the relay itself and got a bare FileNotFoundError out of its wait (making the lock file),
+    which a follow-mode loop can take for a collected step's file. It raises the relay's ReadError, naming the folder."""
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher) and not client.holding
+        client.check()
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=60)
+        shutil.rmtree(relay_dir)
+        with pytest.raises(ReadError, match="cannot serve the head relay") as raised:
+            client.check()
+        assert str(relay_dir) in str(raised.value)
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+
+
+def test_the_holder_keeps_answers_of_at_most_so_many_data_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The holder kept its last 256 answers whatever their size: in steady state every step's list of data files of
+    the last 256 steps (a stream of one file per rank at 4,096 ranks: about 370 MB; at 100,000 files a step: about
+    9 GB) in the process that serves the relay, a rank or a DataLoader worker. The answers kept hold at most
+    ``PLAN_FILES_KEPT`` data files, and always the newest answer."""
+    stream = make_stream(tmp_path, steps=4)  # 2 files a step
+    monkeypatch.setattr(relay_module, "PLAN_FILES_KEPT", 5)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    watcher.check()
+    relay = relay_module.held(watcher._paths)
+    assert relay is not None
+    for step in range(1, 5):
+        assert [f.file_path for f in watcher.files(None, step)] == [f.file_path for f in stream.locate(step)]
+        kept = list(relay._plans.values())
+        assert kept[-1]["step"] == step and sum(len(answer["files"]) for answer in kept) <= 5
+    monkeypatch.setattr(relay_module, "PLAN_FILES_KEPT", 1)  # one answer larger than the bound is still kept
+    assert [f.file_path for f in watcher.files(None, 1)] == [f.file_path for f in stream.locate(1)]
+    assert [answer["step"] for answer in relay._plans.values()] == [1]
+    watcher.close()
+
+
+def test_readers_a_little_behind_the_head_do_not_make_the_relay_poll_the_catalog(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follow-mode reader whose producers stay a step or two ahead (fewer than its prefetch) refreshes its head at
+    every step to prefetch further; through the relay that refresh was a ``check``, which makes the holder poll the
+    catalog now and plan the next steps on the head of now: one catalog query (and a manifest read on each new head)
+    per step and reader of the host, what the relay is there to save. The refresh asks the relay for its head (its own
+    loop polls); only a reader that found a file gone after a GC makes it poll."""
+    from lakestream_iceberg.read.follow import pump_steps
+
+    stream = make_stream(tmp_path, steps=3)
+    forced: list[int] = []
+    replan = relay_module.HeadRelay._replan
+
+    def counted(relay: relay_module.HeadRelay) -> None:
+        forced.append(1)
+        replan(relay)
+
+    monkeypatch.setattr(relay_module.HeadRelay, "_replan", counted)
+    holder = watch(stream)
+    assert isinstance(holder, RelayWatcher) and holder.holding
+    readers = [follower(stream, ref=StreamRef.of(stream), branch="main", relay=True, poll_s=0.02, max_poll_s=0.5)
+               for _ in range(4)]
+    stop = threading.Event()
+    pumps = [pump_steps(watcher, files, first=1, stride=1, end=10, follow=True, prefetch=3, timeout=60, poll_s=0.02,
+                        max_poll_s=0.5, stop=stop, closers=[]) for watcher, files in readers]
+    for pump in pumps:
+        assert next(pump)[0] == 1
+    started = len(forced)  # each reader's first head
+    producer = stream.producer("prep-1")
+    for step in range(2, 11):
+        if step + 2 <= 10:
+            assert producer.commit([shard(step + 2, r) for r in range(2)]).step == step + 2
+        for pump in pumps:
+            assert next(pump)[0] == step
+    assert len(forced) == started
+    for pump in pumps:
+        pump.close()
+    holder.close()
