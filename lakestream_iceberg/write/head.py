@@ -8,6 +8,7 @@ producer's :class:`~lakestream_iceberg.write.commit.CommitLoop`, which holds the
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING
 
@@ -150,7 +151,7 @@ class ProducerHead:
             if at < 0:
                 continue
             token = path[at + len(prefix):].split("-", 1)[0]
-            return BatchFile(token or None, modified_at(self.stream.io, path))
+            return BatchFile(token or None, functools.partial(modified_at, self.stream.io, path))
         return BatchFile(None, None)
 
     def opens(self, seq: int | None) -> tuple[int, tuple[int, int] | None] | None:

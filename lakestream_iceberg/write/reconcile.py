@@ -10,7 +10,8 @@ this producer was made: a duplicate) and from another live writer's under the sa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple, TypedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypedDict
 
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
@@ -36,13 +37,26 @@ class Found(TypedDict):
     group: int
 
 
-class BatchFile(NamedTuple):
+class BatchFile:
     """A published batch told by its data file once the snapshot that published it has expired: the batch's token, which
     the file's name holds, and when the file was written (the store's modification time, no later than when the batch
-    was sent); None for what cannot be read (a file named otherwise, a store that keeps no times)."""
+    was sent); None for what cannot be read (a file named otherwise, a store that keeps no times).
 
-    token: str | None
-    written_at: float | None
+    ``written_at`` asks the store on first use only (``read_time``, one request): a token that settles the question (the
+    call's own batch, one of its failed calls') needs no request, as for a carried batch, the common case."""
+
+    __slots__ = ("_read_time", "_written_at", "token")
+
+    def __init__(self, token: str | None, read_time: Callable[[], float | None] | None = None) -> None:
+        self.token = token
+        self._read_time = read_time
+        self._written_at: float | None = None
+
+    @property
+    def written_at(self) -> float | None:
+        if self._read_time is not None:
+            self._written_at, self._read_time = self._read_time(), None
+        return self._written_at
 
 
 def find_published(stream: StreamTable, metadata: TableMetadata, state: StreamState, *, producer_id: str, branch: str,
@@ -191,10 +205,12 @@ def _sent_by_another_in(metadata: TableMetadata, found: Found, *, since: float, 
     this producer was made, by no call of it, it is another live writer's."""
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
     if snapshot is None:
-        if file is None or file.token is None or file.written_at is None or file.token in earlier or \
-                file.written_at < since:
+        if file is None or file.token is None or file.token in earlier:
             return None
-        return file.token, (f"whose data file was written at {file.written_at:.3f} (unix s, by the store's clock; its "
+        written_at = file.written_at  # asked of the store only here
+        if written_at is None or written_at < since:
+            return None
+        return file.token, (f"whose data file was written at {written_at:.3f} (unix s, by the store's clock; its "
                             f"snapshot has expired since), after this producer was made at {since:.3f}")
     state = StreamState.of(snapshot)
     if state.token is None:
