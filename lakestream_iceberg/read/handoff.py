@@ -263,7 +263,10 @@ def _forget(pid: int, owner: Any = None) -> None:
         if owner is not None and _owners.get(pid) is not owner:
             return
         _owners.pop(pid, None)
-        for key in [k for k in list(_mapped) if k[0] == pid]:
+        gone = {pid}
+        if owner is not None:  # a loader let go of a worker: also the workers that were never watched and are gone
+            gone |= {k[0] for k in _mapped if k[0] not in _owners and not _alive(k[0])}  # (one killed just as its
+        for key in [k for k in list(_mapped) if k[0] in gone]:                          # first segment arrived)
             _mapped.pop(key, None)
 
 

@@ -404,3 +404,40 @@ def test_an_item_whose_worker_died_before_handing_over_its_memory_is_a_read_erro
     with pytest.raises(ReadError, match=rf"DataLoader worker \(pid {worker.pid}\) exited before the training process "
                                         r"took the shared memory of its item .*Make a new DataLoader"):
         pickle.loads(data)
+
+
+def _send_and_wait(conn: Any) -> None:
+    conn.send_bytes(bytes(ForkingPickler.dumps(Handoff({"x": torch.arange(10)}, num_workers=2))))
+    conn.recv_bytes()  # alive until the training process took the item's memory
+
+
+def test_the_segments_of_a_worker_gone_before_it_was_watched_go_when_a_loader_lets_go_of_its_workers() -> None:
+    """A worker killed just as its first segment arrived is gone before the training process looks for its Process
+    object (to drop its segments when DataLoader lets go of it): its segments stayed mapped until a later loader's
+    worker sent an item. They go once a loader lets go of any worker, as that worker's own do."""
+    before = handoff_memory()
+    context = multiprocessing.get_context("fork")
+    items = []
+    to_worker, worker_end = context.Pipe()
+    worker = context.Process(target=_send_and_wait, args=(worker_end,))  # a worker a DataLoader holds
+    worker.start()
+    items.append(pickle.loads(to_worker.recv_bytes()))
+    to_child, child_end = context.Pipe()
+    pid = os.fork()  # a worker the training process never finds among its multiprocessing children
+    if pid == 0:
+        try:
+            _send_and_wait(child_end)
+        finally:
+            os._exit(0)
+    items.append(pickle.loads(to_child.recv_bytes()))
+    to_child.send_bytes(b"taken")
+    os.waitpid(pid, 0)
+    to_worker.send_bytes(b"taken")
+    worker.join()
+    assert [item["x"].tolist() for item in items] == [list(range(10))] * 2
+    del items
+    gc.collect()
+    assert len(handoff_memory() - before) == 2  # both still mapped while the loader holds its worker
+    del worker  # the loader lets go of it
+    gc.collect()
+    assert not handoff_memory() - before
