@@ -411,6 +411,12 @@ def _send_and_wait(conn: Any) -> None:
     conn.recv_bytes()  # alive until the training process took the item's memory
 
 
+def _start_grandchild(conn: Any) -> None:
+    grandchild = multiprocessing.get_context("fork").Process(target=_send_and_wait, args=(conn,))
+    grandchild.start()
+    grandchild.join()
+
+
 def test_the_segments_of_a_worker_gone_before_it_was_watched_go_when_a_loader_lets_go_of_its_workers() -> None:
     """A worker killed just as its first segment arrived is gone before the training process looks for its Process
     object (to drop its segments when DataLoader lets go of it): its segments stayed mapped until a later loader's
@@ -422,18 +428,15 @@ def test_the_segments_of_a_worker_gone_before_it_was_watched_go_when_a_loader_le
     worker = context.Process(target=_send_and_wait, args=(worker_end,))  # a worker a DataLoader holds
     worker.start()
     items.append(pickle.loads(to_worker.recv_bytes()))
-    to_child, child_end = context.Pipe()
-    pid = os.fork()  # a worker the training process never finds among its multiprocessing children
-    if pid == 0:
-        try:
-            _send_and_wait(child_end)
-        finally:
-            os._exit(0)
-    items.append(pickle.loads(to_child.recv_bytes()))
-    to_child.send_bytes(b"taken")
-    os.waitpid(pid, 0)
+    to_other, other_end = context.Pipe()
+    parent = context.Process(target=_start_grandchild, args=(other_end,))  # the sender: a process the training
+    parent.start()                                                       # process never finds among its children
+    items.append(pickle.loads(to_other.recv_bytes()))
+    to_other.send_bytes(b"taken")
+    parent.join()  # and the sender with it
     to_worker.send_bytes(b"taken")
     worker.join()
+    del parent
     assert [item["x"].tolist() for item in items] == [list(range(10))] * 2
     del items
     gc.collect()
