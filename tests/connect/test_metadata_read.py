@@ -70,6 +70,8 @@ def test_an_entry_whose_json_changed_under_a_known_id_is_validated_anew(tmp_path
 def test_what_pyiceberg_refuses_is_refused_as_pyiceberg_refuses_it(tmp_path: Path) -> None:
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.stream", schema=SCHEMA, world_size=WORLD)
     table = stream.table
+    good = read_metadata(table.io, table.metadata_location)  # this table's entries are held from here on
+    held = metadata_read._held[str(good.table_uuid)]
     document = json.loads(Path(table.metadata_location.removeprefix("file://")).read_text())
     del document["schemas"]
     bad = tmp_path / "00099-bad.metadata.json"
@@ -88,7 +90,7 @@ def test_what_pyiceberg_refuses_is_refused_as_pyiceberg_refuses_it(tmp_path: Pat
         pass
     else:  # pragma: no cover
         raise AssertionError("a missing file must raise FileNotFoundError, as pyiceberg's read does")
-    assert metadata_read._held  # the good reads were kept
+    assert metadata_read._held[str(good.table_uuid)] is held  # the good read's entries were kept
 
 
 def _read_in_child(io, location: str, out) -> None:  # type: ignore[no-untyped-def]
