@@ -4,6 +4,9 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# make test runs the tests in this many pytest processes (pytest-xdist): most tests wait on services, subprocesses and
+# storage, so two keep 2 cores busy; 0 runs them in this process. Ray's and Spark's tests each stay in one process.
+TEST_PROCESSES ?= 2
 
 BENCH_PKGS := benchmarks/.bench-packages/.installed-stamp
 
@@ -43,7 +46,7 @@ test: $(STAMP) postgres-bin spark-bin
 	$(BIN)/lint-imports --no-cache
 	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
 	$(BIN)/mypy lakestream_iceberg
-	@set +e; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	@set +e; $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS); rc=$$?; \
 	$(BIN)/python -m catalog.services down >/dev/null 2>&1; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.smoke_runs import SmokeRuns  # noqa: E402
+from tests.smoke_runs import SmokeRuns, job_of  # noqa: E402
 from tests.support import SCHEMA, sqlite_catalog  # noqa: E402
 
 
@@ -50,10 +50,17 @@ def smoke_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
                _isolated_pyiceberg_config: None, _relays_in_a_temp_dir: None) -> Iterator[SmokeRuns]:
     """The benchmark smoke runs of the selected tests, started in the background at the suite's first test, in the
     environment the isolation fixtures above made (tests/smoke_runs.py)."""
-    runs = SmokeRuns(tmp_path_factory.mktemp("smoke-runs"), dict(os.environ))
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # under pytest-xdist: this process's name (gw0, gw1, ...)
+    shared = None
+    if worker is not None:  # the session's processes share the parent of their temp dirs
+        shared = tmp_path_factory.getbasetemp().parent / "smoke-runs"
+        shared.mkdir(exist_ok=True)
+    runs = SmokeRuns(tmp_path_factory.mktemp("smoke-runs"), dict(os.environ), shared=shared,
+                     background=worker in (None, "gw0"))
     runs.start(request.session.items)
     yield runs
-    runs.stop()
+    interrupted = request.session.exitstatus == pytest.ExitCode.INTERRUPTED or bool(request.session.shouldstop)
+    runs.stop(finish_running=shared is not None and not interrupted)
 
 
 @pytest.fixture
@@ -66,3 +73,17 @@ def stream(catalog):
     from lakestream_iceberg import Stream
 
     return Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=4)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``), the tests that must not run beside each other
+    stay in one process, in their order: every Ray test (and the Ray benchmark's smoke run), since a second Ray instance
+    on the machine would join the first through ``/tmp/ray/ray_current_cluster``; and every Spark test, which share
+    one package-scoped JVM."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.nodeid.startswith("tests/integrations/") or (job_of(item) is not None and job_of(item).alone):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+        elif item.nodeid.startswith("tests/interop/"):
+            item.add_marker(pytest.mark.xdist_group("spark"))

@@ -9,6 +9,12 @@ it when it is running, running it itself when its turn has not come yet (never w
 timeout only ever covers its own run). A run marked ``alone`` (a benchmark that starts its own Ray instance, which must
 not run beside the Ray tests) is always run by its test.
 
+Under pytest-xdist (``make test`` runs the suite in 2 processes) every process collects every test but runs only those
+it is sent, so one process (``gw0``) runs the smoke runs ahead in its background thread, and the turns and outcomes are
+files in a directory the session's processes share: a run is claimed by creating its claim file (whoever creates it
+first runs it: the background thread, or the smoke test of either process whose turn came first), and a test whose run
+another process claimed waits for that run's outcome file (or fails at once if that process is gone without one).
+
 Only the runs of tests that will run are started: those selected (``-k``, ``-m``) and not skipped by a ``skipif``
 whose condition is true. Every run gets the environment the suite had when the first test started (after the
 isolation fixtures of conftest.py), never a test's monkeypatched one.
@@ -23,6 +29,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +104,16 @@ def run_script(job: Job, out: Path, env: dict[str, str], started: list[subproces
         started.remove(proc)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is empty once everything in it exited
         os.killpg(proc.pid, signal.SIGKILL)
@@ -105,19 +122,25 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
 class SmokeRuns:
     """The smoke runs of one pytest session (module docstring)."""
 
-    def __init__(self, directory: Path, env: dict[str, str]) -> None:
+    def __init__(self, directory: Path, env: dict[str, str], *, shared: Path | None = None,
+                 background: bool = True) -> None:
         self.directory = directory
         self.env = env
+        self.shared = shared  # the claim and outcome files of the session's pytest-xdist processes, or None
+        self.background = background  # whether start() runs the smoke runs ahead here
         self.lock = threading.Lock()
-        self.state: dict[str, str] = {}  # script -> "pending", "running" or "done"
+        self.state: dict[str, str] = {}  # script -> "pending", "running", "done" or "elsewhere" (another process's)
         self.outcomes: dict[str, Outcome] = {}
         self.done = threading.Condition(self.lock)
         self.processes: list[subprocess.Popen[str]] = []
-        self.stopping = False
+        self.stopping = False  # no other run starts
+        self.killing = False  # and what runs is killed
         self.thread: threading.Thread | None = None
 
     def start(self, items: list[pytest.Item]) -> None:
         """Start the background runs of the smoke tests among ``items`` that will run."""
+        if not self.background:
+            return
         jobs = [job for item in items if (job := job_of(item)) is not None and not job.alone and not _skipped(item)]
         if not jobs:
             return
@@ -131,13 +154,25 @@ class SmokeRuns:
         with self.lock:
             if self.stopping or self.state.get(job.script, "pending") != "pending":
                 return False
+            if self.shared is not None:
+                try:
+                    fd = os.open(self._file(job, "claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                except FileExistsError:  # another process's
+                    self.state[job.script] = "elsewhere"
+                    return False
+                with os.fdopen(fd, "w") as claim:
+                    claim.write(str(os.getpid()))
             self.state[job.script] = "running"
             return True
+
+    def _file(self, job: Job, kind: str) -> Path:
+        assert self.shared is not None
+        return self.shared / f"{Path(job.script).stem}.{kind}"
 
     def _run(self, job: Job) -> None:
         try:
             outcome = run_script(job, self.directory / f"{Path(job.script).stem}.json", self.env, self.processes,
-                                 stopping=lambda: self.stopping)
+                                 stopping=lambda: self.killing)
         except BaseException as exc:
             self._finish(job, Outcome(-1, "", f"{type(exc).__name__}: {exc}", self.directory / "none"))
             if isinstance(exc, Exception):
@@ -146,6 +181,11 @@ class SmokeRuns:
         self._finish(job, outcome)
 
     def _finish(self, job: Job, outcome: Outcome) -> None:
+        if self.shared is not None:  # for a test of another process: written whole, then renamed into place
+            part = self._file(job, "outcome.part")
+            part.write_text(json.dumps({"returncode": outcome.returncode, "stdout": outcome.stdout,
+                                        "stderr": outcome.stderr, "out": str(outcome.out)}))
+            os.replace(part, self._file(job, "outcome"))
         with self.done:
             self.outcomes[job.script] = outcome
             self.state[job.script] = "done"
@@ -161,19 +201,38 @@ class SmokeRuns:
         if self._claim(job):
             self._run(job)
         with self.done:
-            while self.state.get(job.script) != "done":  # running in the background, under its own hang guard
-                self.done.wait()
-            return self.outcomes[job.script]
+            while self.state.get(job.script) not in ("done", "elsewhere"):  # running in the background, under its
+                self.done.wait()                                             # own hang guard
+            if self.state[job.script] == "done":
+                return self.outcomes[job.script]
+        return self._outcome_elsewhere(job)
 
-    def stop(self) -> None:
-        """Kill what still runs (an interrupted session) and wait for the background thread."""
+    def _outcome_elsewhere(self, job: Job) -> Outcome:
+        """The outcome of the run another pytest-xdist process claimed: waited for while that process lives (the run
+        is under its own hang guard there)."""
+        outcome, claim = self._file(job, "outcome"), self._file(job, "claim")
+        while not outcome.exists():
+            owner = int(claim.read_text() or 0)  # empty for a moment, between its creation and its write
+            if owner and not _alive(owner) and not outcome.exists():
+                return Outcome(-1, "", f"the pytest process {owner} that ran it exited without its outcome",
+                               self.directory / "none")
+            time.sleep(0.1)
+        data = json.loads(outcome.read_text())
+        return Outcome(data["returncode"], data["stdout"], data["stderr"], Path(data["out"]))
+
+    def stop(self, *, finish_running: bool = False) -> None:
+        """Start no other run; kill what still runs (an interrupted session) and wait for the background thread.
+
+        With ``finish_running`` (the normal end of a pytest-xdist process, whose background run a test of another
+        process may be waiting for), the run in progress is left to end, under its own hang guard."""
         with self.lock:
-            self.stopping = True
-        for proc in list(self.processes):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            self.stopping, self.killing = True, not finish_running
+        if not finish_running:
+            for proc in list(self.processes):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         if self.thread is not None:
-            self.thread.join(timeout=60)
+            self.thread.join(timeout=None if finish_running else 60)
 
 
 def result(runs: SmokeRuns, job: Job) -> dict[str, Any]:

@@ -3,8 +3,11 @@ by its own test when its turn has not come, and a failed or hanging run fails it
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import time
@@ -147,6 +150,59 @@ def test_a_run_whose_turn_was_taken_before_the_session_stopped_is_stopped_once_i
     runs._run(job)  # the background thread goes on
     outcome = runs.outcomes[job.script]
     assert outcome.returncode == -signal.SIGKILL and not runs.processes
+
+
+def test_processes_sharing_a_directory_run_each_run_once_and_take_each_others_outcomes(tmp_path: Path) -> None:
+    """Under pytest-xdist: one process runs ahead in the background, a test of the other takes that run's outcome
+    (waiting while it runs, even when the first process's session ends meanwhile), and a run the other process's test
+    got to first is its own, which the background skips."""
+    shared, gate = tmp_path / "shared", tmp_path / "gate"
+    shared.mkdir()
+    ahead = Job(script=_script(tmp_path, "ahead.py", f"""
+        while not os.path.exists({str(gate)!r}):  # held until the other process waits for it
+            time.sleep(0.01)"""), timeout=100)
+    taken = Job(script=_script(tmp_path, "taken.py", "pass"), timeout=100)
+    first = SmokeRuns(tmp_path / "gw0", dict(os.environ), shared=shared)
+    second = SmokeRuns(tmp_path / "gw1", dict(os.environ), shared=shared, background=False)
+    for runs in (first, second):
+        runs.directory.mkdir()
+    got_taken = result(second, taken)  # its turn came in the second process first
+    first.thread = threading.Thread(target=first._background, args=([taken, ahead],), daemon=True)
+    first.thread.start()
+    waiting: dict[str, object] = {}
+    waiter = threading.Thread(target=lambda: waiting.update(got=result(second, ahead)), daemon=True)
+    try:
+        with first.done:
+            while first.state.get(ahead.script) != "running":
+                first.done.wait(0.01)
+        waiter.start()
+        while second.state.get(ahead.script) != "elsewhere":  # the other's test saw the claim: it waits for the outcome
+            time.sleep(0.01)
+        stopping = threading.Thread(target=lambda: first.stop(finish_running=True), daemon=True)
+        stopping.start()  # the first process's session ends: its run in progress goes on for the other's test
+        while not first.stopping:
+            time.sleep(0.01)
+        gate.write_text("go")
+        stopping.join()
+        waiter.join()
+    finally:
+        first.stop()
+    assert waiting["got"] == json.loads((first.directory / "ahead.json").read_text())  # the first process's run
+    assert first.state[taken.script] == "elsewhere" and taken.script not in first.outcomes  # never run twice
+    assert got_taken["pid"] != waiting["got"]["pid"]  # type: ignore[index]
+
+
+def test_a_run_whose_process_exited_without_its_outcome_fails_the_test_waiting_for_it(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    job = Job(script=_script(tmp_path, "orphan.py", "pass"), timeout=100)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pytest process that claimed the run, then died (killed, out of memory)
+    (shared / "orphan.claim").write_text(str(gone.pid))
+    runs = SmokeRuns(tmp_path, dict(os.environ), shared=shared, background=False)
+    with pytest.raises(AssertionError, match=rf"(?s)orphan.py --smoke failed \(-1\).*process {gone.pid} that ran it exited"):
+        result(runs, job)
+    assert not (tmp_path / "orphan.json").exists()  # not run here either
 
 
 def _running(pid: int) -> bool:
