@@ -1,6 +1,6 @@
 """lakestream vs MosaicML Streaming: one trainer rank reading the same samples into the same tensors.
 
-    .venv/bin/python benchmarks/vs_streaming.py            # ~5 minutes on 2 cores; writes benchmarks/results/vs_streaming.json
+    .venv/bin/python benchmarks/vs_streaming.py            # ~3 minutes on 2 cores; writes benchmarks/results/vs_streaming.json
     .venv/bin/python benchmarks/vs_streaming.py --smoke    # seconds; what tests/test_benchmarks_smoke.py runs
 
 The samples: ``--steps`` (200) steps of ``--batch`` (256) samples, each an int64 id, 256-768 int32 tokens (ids below
@@ -222,7 +222,7 @@ def main() -> None:
     ap.add_argument("--codecs", default=",".join(CODECS))
     args = ap.parse_args()
     run = Run("vs_streaming", smoke=args.smoke)
-    fill_defaults(args, steps=(200, 12), rounds=(3, 1))
+    fill_defaults(args, steps=(200, 12), rounds=(7, 1))
     args.batch = 32 if args.smoke else args.batch
     workers = int_list(args.workers)
     codecs = args.codecs.split(",")
