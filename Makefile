@@ -51,7 +51,7 @@ test: $(STAMP) postgres-bin spark-bin
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -m "not services and not slow and not spark" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup -m "not services and not slow and not spark" $(PYTEST_ARGS)
 
 services-up: $(STAMP) postgres-bin
 	$(BIN)/python -m catalog.services up
