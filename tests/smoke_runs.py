@@ -104,16 +104,6 @@ def run_script(job: Job, out: Path, env: dict[str, str], started: list[subproces
         started.remove(proc)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     with contextlib.suppress(ProcessLookupError):  # the group is empty once everything in it exited
         os.killpg(proc.pid, signal.SIGKILL)
@@ -213,7 +203,7 @@ class SmokeRuns:
         outcome, claim = self._file(job, "outcome"), self._file(job, "claim")
         while not outcome.exists():
             owner = int(claim.read_text() or 0)  # empty for a moment, between its creation and its write
-            if owner and not _alive(owner) and not outcome.exists():
+            if owner and not Path(f"/proc/{owner}").exists() and not outcome.exists():  # that process is gone
                 return Outcome(-1, "", f"the pytest process {owner} that ran it exited without its outcome",
                                self.directory / "none")
             time.sleep(0.1)
