@@ -69,6 +69,16 @@ def start_holder(tmp_path: Path) -> subprocess.Popen[str]:
     return proc
 
 
+def client_of_a_killed_holder(stream: Stream, holder: subprocess.Popen[str]) -> RelayWatcher:
+    """A reader that connected to ``holder`` (another process serving the relay), which is then SIGKILLed."""
+    client = watch(stream)
+    assert isinstance(client, RelayWatcher) and not client.holding
+    client.check()
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=60)
+    return client
+
+
 def commit(stream: Stream, step: int, world: int = 2) -> None:
     assert stream.producer("prep-0").commit([shard(step, r) for r in range(world)]).step == step
 
@@ -765,11 +775,7 @@ def test_a_holder_whose_connection_queue_is_full_raises_the_relays_error(tmp_pat
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     queued: list[socket.socket] = []
     try:
-        client = watch(stream)
-        assert isinstance(client, RelayWatcher) and not client.holding
-        client.check()
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=60)
+        client = client_of_a_killed_holder(stream, holder)
         paths = client._paths
         with open(paths.lock, "a+b") as lock:  # a holder that never accepts: this test
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -804,11 +810,7 @@ def test_a_relay_directory_removed_under_its_readers_raises_the_relays_error(tmp
     stream = make_stream(tmp_path, steps=1)
     holder = start_holder(tmp_path)
     try:
-        client = watch(stream)
-        assert isinstance(client, RelayWatcher) and not client.holding
-        client.check()
-        holder.send_signal(signal.SIGKILL)
-        holder.wait(timeout=60)
+        client = client_of_a_killed_holder(stream, holder)
         shutil.rmtree(relay_dir)
         with pytest.raises(ReadError, match="cannot serve the head relay") as raised:
             client.check()
