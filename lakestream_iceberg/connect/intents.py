@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lakestream_iceberg.connect.pointer import sqlite_connections
-from lakestream_iceberg.connect.sql_tables import CatalogTable
+from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
 from lakestream_iceberg.errors import ProducerConflictError
 
 __all__ = ["INTENT_TABLE", "IntentRow", "IntentTable"]
@@ -71,20 +71,8 @@ class IntentTable:
     def of(catalog: Any) -> IntentTable | None:
         """The intent table of ``catalog``'s database: a plain pyiceberg ``SqlCatalog`` on a SQLite database file or on
         PostgreSQL; None for any other catalog (REST, Glue, Hive, an in-memory SQLite database, other dialects)."""
-        try:
-            from pyiceberg.catalog.sql import SqlCatalog
-        except ImportError:  # pragma: no cover - the sql extra is a core dependency
-            return None
-        if type(catalog) is not SqlCatalog:
-            return None
-        engine = catalog.engine
-        if engine.dialect.name == "postgresql":
-            return IntentTable(engine)
-        database = engine.url.database or ""
-        if engine.dialect.name == "sqlite" and database not in ("", ":memory:") and "mode=memory" not in database \
-                and not database.startswith("file::memory:"):
-            return IntentTable(engine)  # through this module's own connections where it can (sqlite_connections)
-        return None
+        engine = shared_engine(catalog)  # on SQLite through this module's own connections (sqlite_connections)
+        return None if engine is None else IntentTable(engine)
 
     # -- statements -----------------------------------------------------------------------------------------------------
     def insert(self, path: str, body: str) -> None:

@@ -68,7 +68,7 @@ import pyarrow.parquet as pq
 
 from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.pointer import sqlite_connections
-from lakestream_iceberg.connect.sql_tables import CatalogTable
+from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
 from lakestream_iceberg.connect.storage import list_files
 
 __all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
@@ -329,21 +329,10 @@ def _segment(group: str) -> str:
 
 
 def _sql_engine(catalog: Any) -> Any:
-    """The engine of a plain pyiceberg ``SqlCatalog`` on a SQLite database file or PostgreSQL; None otherwise."""
-    try:
-        from pyiceberg.catalog.sql import SqlCatalog
-    except ImportError:  # pragma: no cover - the sql extra is a core dependency
-        return None
-    if type(catalog) is not SqlCatalog:
-        return None
-    engine = catalog.engine
-    if engine.dialect.name == "postgresql":
-        return _unpooled(engine)
-    database = engine.url.database or ""
-    if engine.dialect.name == "sqlite" and database not in ("", ":memory:") and "mode=memory" not in database \
-            and not database.startswith("file::memory:"):
-        return engine
-    return None
+    """The engine of a plain pyiceberg ``SqlCatalog`` on a SQLite database file or PostgreSQL (unpooled); None
+    otherwise."""
+    engine = shared_engine(catalog)
+    return _unpooled(engine) if engine is not None and engine.dialect.name == "postgresql" else engine
 
 
 _UNPOOLED: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

@@ -11,10 +11,31 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CatalogTable"]
+__all__ = ["CatalogTable", "file_sqlite", "shared_engine"]
 
 _SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 _tables: weakref.WeakSet[CatalogTable] = weakref.WeakSet()
+
+
+def file_sqlite(engine: Any) -> bool:
+    """Whether ``engine`` is a SQLite database in a file (which other processes can open), not one in memory."""
+    database = engine.url.database or ""
+    return (engine.dialect.name == "sqlite" and database not in ("", ":memory:") and "mode=memory" not in database
+            and not database.startswith("file::memory:"))
+
+
+def shared_engine(catalog: Any) -> Any:
+    """The engine of ``catalog`` when it is a plain pyiceberg ``SqlCatalog`` (not a subclass) whose database every
+    process of the stream shares: PostgreSQL, or a SQLite database file. None for any other catalog (REST, Glue, Hive,
+    an in-memory SQLite database, other dialects): lakestream keeps no tables of its own there."""
+    try:
+        from pyiceberg.catalog.sql import SqlCatalog
+    except ImportError:  # pragma: no cover - the sql extra is a core dependency
+        return None
+    if type(catalog) is not SqlCatalog:
+        return None
+    engine = catalog.engine
+    return engine if engine.dialect.name == "postgresql" or file_sqlite(engine) else None
 
 
 class CatalogTable:

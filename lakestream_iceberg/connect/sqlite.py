@@ -27,6 +27,7 @@ import threading
 import weakref
 from typing import Any
 
+from lakestream_iceberg.connect.sql_tables import file_sqlite
 from lakestream_iceberg.errors import ConfigError
 
 __all__ = ["PROP_SQLITE_WAL", "prefer_wal"]
@@ -66,9 +67,7 @@ def prefer_wal(catalog: Any) -> str | None:
     if not isinstance(catalog, SqlCatalog):
         return None
     engine = catalog.engine
-    database = engine.url.database or ""
-    if engine.dialect.name != "sqlite" or database in ("", ":memory:") or "mode=memory" in database \
-            or database.startswith("file::memory:"):
+    if not file_sqlite(engine):
         return None
     with _lock:
         if engine in _done:
