@@ -17,11 +17,13 @@ indexed ``SELECT`` per move of the head, a committer's listing one ``SELECT`` th
 ``DELETE``. Ages come from the database's clock (``staged_at`` and "now" in the same query), as a file's age comes from
 the store's clock.
 
-SQLite: statements run on this thread's own ``sqlite3`` connection (:func:`~lakestream_iceberg.connect.pointer.
-sqlite_connections`; SQLAlchemy's where the database URI has options), in WAL mode with ``synchronous=NORMAL``: an intent needs no sync of its own. A machine that loses
-power may lose the rows of its last moments, and with them nothing that was published (the producers that staged them
-were on that machine and never returned from ``commit()``; their restarts commit those seqs again). The pointer swap
-keeps pyiceberg's connections and SQLite's ``synchronous=FULL``. PostgreSQL: SQLAlchemy Core on the catalog's engine.
+Statements run on this thread's direct connection to the database (:mod:`lakestream_iceberg.connect.direct`: one
+autocommit connection per thread, a round trip per statement), or through SQLAlchemy where the database has none (a
+SQLite URI with options, a PostgreSQL driver other than psycopg2). SQLite: in WAL mode with ``synchronous=NORMAL``: an
+intent needs no sync of its own. A machine that loses power may lose the rows of its last moments, and with them
+nothing that was published (the producers that staged them were on that machine and never returned from ``commit()``;
+their restarts commit those seqs again). The pointer swap keeps pyiceberg's connections and SQLite's
+``synchronous=FULL``.
 A catalog on an in-memory SQLite database has none (its producers share one process: storage staging).
 Other dialects have no intent table (storage staging).
 """
@@ -32,7 +34,7 @@ import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
-from lakestream_iceberg.connect.pointer import sqlite_connections
+from lakestream_iceberg.connect.direct import direct_connections
 from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
 from lakestream_iceberg.errors import ProducerConflictError
 
@@ -44,6 +46,7 @@ _SQLITE_DDL = (
     f"CREATE TABLE IF NOT EXISTS {INTENT_TABLE} (id INTEGER PRIMARY KEY AUTOINCREMENT, folder TEXT NOT NULL, "
     "name TEXT NOT NULL, body TEXT NOT NULL, staged_at REAL NOT NULL, UNIQUE (folder, name))"
 )
+_PG_NOW = "extract(epoch from clock_timestamp())"  # unix seconds, microsecond resolution
 _SQLITE_REMOVE_UNDER = f"DELETE FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ?"  # (prefix length, prefix)
 _DELETE_CHUNK = 500  # (folder, name) pairs per PostgreSQL DELETE
 
@@ -64,14 +67,17 @@ class IntentTable:
 
     def __init__(self, engine: Any) -> None:
         self._engine = engine
-        self._sqlite = sqlite_connections(engine) if engine.dialect.name == "sqlite" else None
-        self._rows: Any = None  # the SQLAlchemy Table (PostgreSQL, SQLite URIs with options), made in _ensure
+        self._direct = direct_connections(engine)
+        self._sqlite = self._direct if self._direct is not None and self._direct.dialect == "sqlite" else None
+        self._now_sql = _SQLITE_NOW if engine.dialect.name == "sqlite" else _PG_NOW
+        self._rows: Any = None  # the SQLAlchemy Table (without direct connections: PostgreSQL drivers other than
+        # psycopg2, SQLite URIs with options), made in _ensure
 
     @staticmethod
     def of(catalog: Any) -> IntentTable | None:
         """The intent table of ``catalog``'s database: a plain pyiceberg ``SqlCatalog`` on a SQLite database file or on
         PostgreSQL; None for any other catalog (REST, Glue, Hive, an in-memory SQLite database, other dialects)."""
-        engine = shared_engine(catalog)  # on SQLite through this module's own connections (sqlite_connections)
+        engine = shared_engine(catalog)  # statements on its direct connections where it has them (connect/direct.py)
         return None if engine is None else IntentTable(engine)
 
     # -- statements -----------------------------------------------------------------------------------------------------
@@ -82,10 +88,13 @@ class IntentTable:
         folder, name = _split(path)
         self._ensure()
         try:
-            if self._sqlite is not None:
-                self._sqlite_conn().execute(
-                    f"INSERT INTO {INTENT_TABLE} (folder, name, body, staged_at) VALUES (?, ?, ?, {_SQLITE_NOW})",
-                    (folder, name, body))
+            if self._direct is not None:
+                try:
+                    self._direct.execute(
+                        f"INSERT INTO {INTENT_TABLE} (folder, name, body, staged_at) VALUES (?, ?, ?, {self._now_sql})",
+                        (folder, name, body))
+                except _unique_violations() as exc:
+                    raise sqlite3.IntegrityError(str(exc)) from exc
                 return
             from sqlalchemy.exc import IntegrityError
 
@@ -104,10 +113,8 @@ class IntentTable:
     def body(self, path: str) -> str | None:
         folder, name = _split(path)
         self._ensure()
-        if self._sqlite is not None:
-            row = self._sqlite_conn().execute(f"SELECT body FROM {INTENT_TABLE} WHERE folder = ? AND name = ?",
-                                              (folder, name)).fetchone()
-            return None if row is None else row[0]
+        if self._direct is not None:
+            return self._direct.read(f"SELECT body FROM {INTENT_TABLE} WHERE folder = ? AND name = ?", (folder, name))
         from sqlalchemy import select
 
         t = self._rows
@@ -117,9 +124,9 @@ class IntentTable:
     def exists(self, path: str) -> bool:
         folder, name = _split(path)
         self._ensure()
-        if self._sqlite is not None:
-            return self._sqlite_conn().execute(f"SELECT 1 FROM {INTENT_TABLE} WHERE folder = ? AND name = ?",
-                                               (folder, name)).fetchone() is not None
+        if self._direct is not None:
+            return self._direct.execute(f"SELECT 1 FROM {INTENT_TABLE} WHERE folder = ? AND name = ?",
+                                        (folder, name)).fetchone() is not None
         from sqlalchemy import select
 
         t = self._rows
@@ -129,9 +136,9 @@ class IntentTable:
     def listing(self, folder: str, *, bodies: bool) -> list[IntentRow]:
         """The intents staged under ``folder``, in staging order (with their bodies when ``bodies``)."""
         self._ensure()
-        if self._sqlite is not None:
-            rows = self._sqlite_conn().execute(
-                f"SELECT id, name, {_SQLITE_NOW} - staged_at, {'body' if bodies else 'NULL'} FROM {INTENT_TABLE} "
+        if self._direct is not None:
+            rows = self._direct.execute(
+                f"SELECT id, name, {self._now_sql} - staged_at, {'body' if bodies else 'NULL'} FROM {INTENT_TABLE} "
                 "WHERE folder = ? ORDER BY id", (folder,)).fetchall()
         else:
             from sqlalchemy import null, select
@@ -164,6 +171,11 @@ class IntentTable:
                     conn.execute("ROLLBACK")
                 raise
             return
+        if self._direct is not None and len(keys) <= _DELETE_CHUNK:  # one statement: all of them or none
+            pairs = ", ".join(["(?, ?)"] * len(keys))
+            self._direct.execute(f"DELETE FROM {INTENT_TABLE} WHERE (folder, name) IN ({pairs})",
+                                 [part for key in keys for part in key])
+            return
         from sqlalchemy import and_, delete, or_
 
         t = self._rows
@@ -177,9 +189,9 @@ class IntentTable:
         the database's clock, removed unless ``delete`` is false; returns their paths."""
         self._ensure()
         prefix = root.rstrip("/") + "/"
-        if self._sqlite is not None:
-            rows = self._sqlite_conn().execute(
-                f"SELECT folder, name FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ? AND {_SQLITE_NOW} - staged_at > ?",
+        if self._direct is not None:
+            rows = self._direct.execute(
+                f"SELECT folder, name FROM {INTENT_TABLE} WHERE substr(folder, 1, ?) = ? AND {self._now_sql} - staged_at > ?",
                 (len(prefix), prefix, older_than_s)).fetchall()
         else:
             from sqlalchemy import func, select
@@ -252,6 +264,15 @@ def _refused(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(k in text for k in ("permission denied", "readonly database", "read-only", "insufficient privilege",
                                    "must be owner", "not authorized"))
+
+
+def _unique_violations() -> tuple[type[BaseException], ...]:
+    """The driver errors of an ``INSERT`` whose key is taken (sqlite3's and, where installed, psycopg2's)."""
+    try:
+        import psycopg2
+    except ImportError:
+        return (sqlite3.IntegrityError,)
+    return (sqlite3.IntegrityError, psycopg2.IntegrityError)
 
 
 def _split(path: str) -> tuple[str, str]:

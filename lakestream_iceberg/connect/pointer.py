@@ -3,8 +3,9 @@
 A commit loop, ``head_step()``, ``state()`` and a follow-mode reader all ask whether the table changed many times per
 second; when it did not, nothing but the pointer should be read.
 
-* SQL catalogs (SQLite, PostgreSQL): one indexed ``SELECT metadata_location FROM iceberg_tables`` on the catalog's own
-  SQLAlchemy engine; the new ``metadata.json`` is read through the table's FileIO only when the pointer moved.
+* SQL catalogs (SQLite, PostgreSQL): one indexed ``SELECT metadata_location FROM iceberg_tables``, on this thread's
+  direct connection to the catalog's database (:mod:`.direct`) where it has one, else on the catalog's own SQLAlchemy
+  engine; the new ``metadata.json`` is read through the table's FileIO only when the pointer moved.
 * Any other catalog (REST, Glue, Hive): ``Table.refresh()`` (those catalogs answer with the full metadata anyway).
 
 :func:`read_moved` is the lighter read still for a caller that needs a few fields of the new head (a producer whose
@@ -16,19 +17,16 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import sqlite3
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
-from urllib.request import pathname2url
 
 from pyiceberg.catalog import Catalog
 from pyiceberg.exceptions import NoSuchTableError
 from pyiceberg.io import FileIO
 from pyiceberg.table import Table
 
+from lakestream_iceberg.connect.direct import direct_connections
 from lakestream_iceberg.connect.fork import no_fork_inside
 from lakestream_iceberg.connect.metadata_read import read_metadata
 from lakestream_iceberg.errors import StreamError, StreamNotFoundError
@@ -55,10 +53,10 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
         IcebergTables.table_name == identifier[-1],
     )
     engine = catalog.engine
-    reader = _sqlite_reader(engine)
-    if reader is not None:  # the same query on a plain sqlite3 connection: a third of SQLAlchemy's cost per call
+    direct = direct_connections(engine)
+    if direct is not None:  # the same query on this thread's autocommit connection (connect/direct.py)
         params = (catalog.name, Catalog.namespace_to_string(identifier[:-1]), identifier[-1])
-        return lambda: reader(_SQLITE_PROBE, params)
+        return lambda: direct.read(_PROBE_SQL, params)
 
     def probe() -> str | None:
         with no_fork_inside(), engine.connect() as conn:
@@ -68,148 +66,8 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
 
 
 # pyiceberg's IcebergTables: (catalog_name, table_namespace, table_name) is the primary key
-_SQLITE_PROBE = ("SELECT metadata_location FROM iceberg_tables "
-                 "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ?")
-
-
-class _Connection:
-    """One thread's probe connection; closed when the thread ends (its thread-local copy is the only strong reference)
-    or when the engine is disposed, whichever comes first."""
-
-    __slots__ = ("__weakref__", "conn", "key")
-
-    def __init__(self, key: tuple[int, int], conn: sqlite3.Connection) -> None:
-        self.key, self.conn = key, conn
-
-
-_INHERITED: list[object] = []  # a forked child's copies of its parent's connections: kept, never closed
-_getpid = os.getpid  # which process this is (a name of its own, so a test can play a forked child)
-
-
-def _close(conn: sqlite3.Connection, pid: int) -> None:
-    """Close a probe connection, but only in the process that opened it. A forked child keeps its copies (in
-    ``_INHERITED``) instead of letting them go: the last reference closes a ``sqlite3`` connection, which runs SQLite
-    code on state that may have been copied mid-operation (another thread's query at the fork)."""
-    if _getpid() != pid:
-        _INHERITED.append(conn)
-        return
-    try:
-        conn.close()
-    except Exception:  # noqa: BLE001 - in use by its thread right now: closed with it
-        pass
-
-
-class _SqliteReaders:
-    """The ``sqlite3`` connections that answer one engine's probes: one per thread and process, opened on first use on
-    the file the engine's own connections opened, closed when their thread ends or the engine is disposed
-    (``catalog.close()``). A process whose threads come and go (a pool that replaces its workers) keeps one open
-    connection per live thread, not one per thread it ever ran."""
-
-    def __init__(self, path: str) -> None:
-        self.uri = f"file:{pathname2url(path)}?mode=rw"  # never creates a database: a missing file is an error
-        self.local = threading.local()
-        self.generation = 0  # bumped by dispose(): every thread opens a new connection at its next query
-        self.opened: weakref.WeakSet[_Connection] = weakref.WeakSet()  # the live threads' connections, for dispose()
-        self.lock = threading.Lock()
-
-    def read(self, sql: str, params: tuple[str, ...]) -> str | None:
-        with no_fork_inside():  # probes run in background threads too (watchers, relays)
-            row = self.connection().execute(sql, params).fetchone()
-        return row[0] if row is not None else None
-
-    def connection(self) -> sqlite3.Connection:
-        """This thread's connection (autocommit), opened on first use in this thread and process."""
-        key = (_getpid(), self.generation)
-        held: _Connection | None = getattr(self.local, "held", None)
-        if held is None or held.key != key:  # first use in this thread, a forked child, or disposed since
-            if held is not None and held.key[0] != key[0]:
-                _INHERITED.append(held)  # the parent's: dropping the last reference would close it here
-            # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect; check_same_thread off only so that
-            # dispose() and the finalizer may close it from another thread (each is used by the thread that opened it)
-            conn = sqlite3.connect(self.uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
-            # These connections write nothing but staged intents (connect/intents.py), which need no sync of their
-            # own; in WAL mode NORMAL keeps the database consistent through a crash (the swap keeps FULL)
-            if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
-                conn.execute("PRAGMA synchronous=NORMAL")
-            held = _Connection(key, conn)
-            weakref.finalize(held, _close, conn, key[0])
-            with self.lock:
-                self.opened.add(held)
-            self.local.held = held
-        return held.conn
-
-    def open_connections(self) -> int:
-        """How many probe connections this process holds open now."""
-        pid = _getpid()
-        with self.lock:
-            return sum(1 for held in list(self.opened) if held.key[0] == pid)
-
-    def dispose(self, *_args: Any) -> None:
-        """Close this process's connections (SQLAlchemy's ``engine_disposed`` event); a child's dispose after a
-        fork (``close=False``) leaves its parent's connections alone, as SQLAlchemy does."""
-        pid = _getpid()
-        with self.lock:
-            mine = [held for held in list(self.opened) if held.key[0] == pid]
-            for held in mine:
-                self.opened.discard(held)
-            self.generation += 1
-        for held in mine:
-            _close(held.conn, pid)
-
-
-_READERS: weakref.WeakKeyDictionary[Any, _SqliteReaders | None] = weakref.WeakKeyDictionary()  # engine -> readers
-_READERS_LOCK = threading.Lock()
-
-
-def _sqlite_reader(engine: Any) -> Callable[[str, tuple[str, ...]], str | None] | None:
-    """:func:`sqlite_connections`' one-value query function (None where there are none)."""
-    readers = sqlite_connections(engine)
-    return readers.read if readers is not None else None
-
-
-def sqlite_connections(engine: Any) -> _SqliteReaders | None:
-    """For an SQLAlchemy engine of the standard ``pysqlite`` driver on a plain SQLite database file: ``sqlite3``
-    connections of this thread and process (autocommit: each query reads the last committed state, in WAL mode without
-    blocking the writer), for the pointer probe and the staged intents (:mod:`lakestream_iceberg.connect.intents`).
-    None for anything else (an in-memory database, a URI with options, another driver such as SQLCipher,
-    credentials), which keeps SQLAlchemy's connections.
-
-    The file is the one the engine's own connections opened (SQLAlchemy makes a relative path absolute when the engine
-    is made; the working directory may have changed since), asked once per engine. A catalog opened again (a new
-    engine) never reads through an older catalog's connection, and a forked child opens its own (a SQLite connection
-    must not cross a fork)."""
-    url = engine.url
-    database = url.database or ""
-    if engine.dialect.name != "sqlite" or getattr(engine.dialect, "driver", None) != "pysqlite" or url.query \
-            or url.username or url.password or url.host or url.port or database in ("", ":memory:") \
-            or database.startswith("file:"):
-        return None
-    with _READERS_LOCK:
-        if engine in _READERS:
-            return _READERS[engine]
-    with engine.connect() as conn:  # outside the lock: the engine's own connection, maybe a busy database
-        rows = conn.exec_driver_sql("PRAGMA database_list").fetchall()
-    path = next((row[2] for row in rows if row[1] == "main"), "")
-    made = _SqliteReaders(path) if path else None
-    with _READERS_LOCK:
-        readers = _READERS.setdefault(engine, made)  # a thread that got here first wins
-    if readers is made and made is not None:
-        from sqlalchemy import event
-
-        event.listen(engine, "engine_disposed", made.dispose)
-    return readers
-
-
-def _reset_lock_after_fork() -> None:
-    global _READERS_LOCK
-    _READERS_LOCK = threading.Lock()  # another thread of the parent may have held a lock at the fork
-    for readers in list(_READERS.values()):
-        if readers is not None:
-            readers.lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_lock_after_fork)
+_PROBE_SQL = ("SELECT metadata_location FROM iceberg_tables "
+              "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ?")
 
 
 def release_idle_connections(catalog: Catalog) -> bool:

@@ -66,8 +66,8 @@ from urllib.parse import quote, unquote
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from lakestream_iceberg.connect.direct import sqlite_connections
 from lakestream_iceberg.connect.integers import INT32_MAX
-from lakestream_iceberg.connect.pointer import sqlite_connections
 from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
 from lakestream_iceberg.connect.storage import list_files
 

@@ -77,11 +77,11 @@ def test_a_database_that_cannot_switch_now_keeps_working_and_switches_later(tmp_
 
 # ------------------------------------------------------------------ the pointer probe reads SQLite on its own connection
 def _fork_probe(conn: object, probe: object, engine: object) -> None:
-    from lakestream_iceberg.connect.pointer import _READERS
+    from lakestream_iceberg.connect.direct import _BY_ENGINE
 
     try:
         found = probe()  # type: ignore[operator]
-        readers = _READERS[engine]
+        readers = _BY_ENGINE[engine]
         conn.send(("ok", found, readers is not None and readers.local.held.key[0] == os.getpid()))  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001
         conn.send(("error", repr(exc), False))  # type: ignore[attr-defined]
@@ -138,12 +138,13 @@ def test_a_thread_that_ends_closes_its_probe_connection(tmp_path: Path) -> None:
     import gc
     import threading
 
-    from lakestream_iceberg.connect.pointer import _READERS, pointer_probe
+    from lakestream_iceberg.connect.direct import _BY_ENGINE
+    from lakestream_iceberg.connect.pointer import pointer_probe
 
     stream = Stream.create(catalog(tmp_path), "ns.s", schema=SCHEMA, world_size=WORLD)
     probe = pointer_probe(stream.table)  # what head_step(), commit loops and followers ask
     assert probe is not None and probe() == stream.table.metadata_location
-    readers = _READERS[stream.table.catalog.engine]
+    readers = _BY_ENGINE[stream.table.catalog.engine]
     assert readers is not None and readers.open_connections() == 1
     before = _open_files_of(tmp_path / "catalog.db")
     gate, release = threading.Barrier(9, timeout=120), threading.Event()  # a failed assertion must not hang it
@@ -182,36 +183,36 @@ def test_a_forked_child_keeps_its_parents_probe_connections_open(tmp_path: Path,
     """A forked child never closes the copies of its parent's connections (the last reference closes a sqlite3
     connection, which runs SQLite code on state that may have been copied mid-operation): it keeps them, and opens
     its own. Here the child is this process seen under another pid."""
-    from lakestream_iceberg.connect import pointer
+    from lakestream_iceberg.connect import direct, pointer
 
     stream = Stream.create(catalog(tmp_path), "ns.s", schema=SCHEMA, world_size=WORLD)
     probe = pointer.pointer_probe(stream.table)
     assert probe is not None and probe() == stream.table.metadata_location
-    readers = pointer._READERS[stream.table.catalog.engine]
+    readers = direct._BY_ENGINE[stream.table.catalog.engine]
     parents = readers.local.held
     real = os.getpid()
-    monkeypatch.setattr(pointer, "_getpid", lambda: real + 1)  # "the child"
+    monkeypatch.setattr(direct, "_getpid", lambda: real + 1)  # "the child"
     assert probe() == stream.table.metadata_location
     assert readers.local.held is not parents and readers.local.held.key[0] == real + 1
-    assert any(kept is parents for kept in pointer._INHERITED)
-    pointer._close(parents.conn, real)  # a finalizer of the parent's connection running in the child
+    assert any(kept is parents for kept in direct._INHERITED)
+    direct._close(parents.conn, real)  # a finalizer of the parent's connection running in the child
     assert parents.conn.execute("SELECT 1").fetchone() == (1,)  # still open: kept, not closed
-    monkeypatch.setattr(pointer, "_getpid", lambda: real)
-    pointer._INHERITED[:] = [k for k in pointer._INHERITED if k is not parents and k is not parents.conn]
+    monkeypatch.setattr(direct, "_getpid", lambda: real)
+    direct._INHERITED[:] = [k for k in direct._INHERITED if k is not parents and k is not parents.conn]
 
 
 def test_a_database_named_by_a_uri_with_options_or_another_driver_keeps_sqlalchemys_connections(tmp_path: Path) -> None:
     from sqlalchemy import create_engine
 
-    from lakestream_iceberg.connect.pointer import _sqlite_reader
+    from lakestream_iceberg.connect.direct import direct_connections
 
     plain = catalog(tmp_path)
-    assert _sqlite_reader(plain.engine) is not None
+    assert direct_connections(plain.engine) is not None
     with_options = SqlCatalog("wal", uri=f"sqlite:///{tmp_path}/catalog.db?timeout=30", warehouse=f"file://{tmp_path}/wh")
-    assert _sqlite_reader(with_options.engine) is None
+    assert direct_connections(with_options.engine) is None
     # SQLCipher's dialect is "sqlite" too, but plain sqlite3 cannot read its encrypted file (sqlite3 stands in for its
     # driver module here: only the URL and the dialect matter)
-    assert _sqlite_reader(create_engine(f"sqlite+pysqlcipher://:secret@/{tmp_path}/enc.db", module=sqlite3)) is None
+    assert direct_connections(create_engine(f"sqlite+pysqlcipher://:secret@/{tmp_path}/enc.db", module=sqlite3)) is None
 
 
 def test_a_relative_database_path_is_read_where_the_catalog_opened_it(tmp_path: Path,

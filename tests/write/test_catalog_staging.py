@@ -173,7 +173,7 @@ def test_auto_is_resolved_when_the_stream_is_created_and_a_stream_without_the_pr
 def test_intent_rows_are_written_without_a_sync_of_their_own_and_the_swap_keeps_full_sync(tmp_path: Path) -> None:
     """SQLite in WAL mode: the connections that write intents use synchronous=NORMAL (an intent lost to a power cut
     belonged to a producer that never returned), pyiceberg's connections that swap the pointer keep FULL."""
-    from lakestream_iceberg.connect.pointer import sqlite_connections
+    from lakestream_iceberg.connect.direct import sqlite_connections
 
     stream = make(tmp_path)
     stage(stream, "c", 0)

@@ -1,0 +1,255 @@
+"""Direct connections to a SQL catalog's database, outside SQLAlchemy's pool and in autocommit, for lakestream's own
+frequent statements (the pointer probe, staged intents, consumer positions).
+
+A holding producer asks whether the head moved, and whether its staged batch is still staged, many times per commit;
+a follower asks whether the head moved at every poll. Through SQLAlchemy each such statement checks a connection out
+of the pool, runs it in a transaction and gives the connection back with a rollback. On PostgreSQL through psycopg2
+that is three round trips (``BEGIN``, the statement, ``ROLLBACK``) and about 210 us of client CPU; on a connection in
+autocommit it is one round trip and about 40 us (``benchmarks/commit_scaling.py``, PostgreSQL rows). On a SQLite file,
+plain ``sqlite3`` costs a third of SQLAlchemy's.
+
+* **SQLite** (the standard ``pysqlite`` driver on a plain database file): one ``sqlite3`` connection per thread on the
+  file the engine's own connections opened, in autocommit (each query reads the last committed state, in WAL mode
+  without blocking the writer).
+* **PostgreSQL** through psycopg2: one connection per process, which the engine makes (``engine.raw_connection()``:
+  the same URL, ``connect_args`` and pool events as its own), detached from its pool and put in autocommit: every
+  statement is a transaction of its own. The process's threads take turns on it (a statement is one round trip); the
+  pool then serves pyiceberg's loads and commits only, so a process still holds about as many connections as before:
+  count one for this one when sizing ``max_connections`` (a pooler in transaction mode serves it too).
+* Anything else (an in-memory database, a URI with options, credentials or another driver) has none: callers keep
+  SQLAlchemy's connections.
+
+A connection is opened on the first statement (of the thread, on SQLite) and closed when the engine is disposed
+(``catalog.close()``, :func:`~lakestream_iceberg.connect.pointer.release_idle_connections`) or, on SQLite, when its
+thread ends. A forked child never uses
+nor closes its parent's (closing a PostgreSQL one would end the parent's session, a SQLite one would run SQLite code on
+state copied mid-operation): it keeps them and opens its own. A PostgreSQL connection that fails as a connection (the
+server restarted, a proxy closed it while idle) is dropped, and a statement that met it on a connection opened earlier
+runs once more on a new one; the error of a fresh connection is raised as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.request import pathname2url
+
+from lakestream_iceberg.connect.fork import no_fork_inside
+
+__all__ = ["DirectConnections", "direct_connections", "sqlite_connections"]
+
+_INHERITED: list[object] = []  # a forked child's copies of its parent's connections: kept, never closed
+_getpid = os.getpid  # which process this is (a name of its own, so a test can play a forked child)
+
+
+class _Slot:
+    """The process-wide connection's holder, in place of a ``threading.local`` (``held``: the connection or None)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: _Held | None = None
+
+
+class _Held:
+    """A connection and the (process, generation) it belongs to. A thread's (SQLite) is closed when the thread ends
+    (its thread-local copy is the only strong reference) or when the engine is disposed, whichever comes first."""
+
+    __slots__ = ("__weakref__", "conn", "key")
+
+    def __init__(self, key: tuple[int, int], conn: Any) -> None:
+        self.key, self.conn = key, conn
+
+
+def _close(conn: Any, pid: int) -> None:
+    """Close a connection, but only in the process that opened it (see the module docstring)."""
+    if _getpid() != pid:
+        _INHERITED.append(conn)
+        return
+    try:
+        conn.close()
+    except Exception:  # noqa: BLE001 - in use by its thread right now, or already broken: closed with it
+        pass
+
+
+class DirectConnections:
+    """The direct connections of one engine (see the module docstring).
+
+    Attributes:
+        dialect: ``"sqlite"`` or ``"postgresql"``: statements use ``?`` placeholders either way (:meth:`execute`
+            gives PostgreSQL its ``%s``).
+    """
+
+    def __init__(self, dialect: str, opener: Callable[[], Any], *, per_thread: bool,
+                 broken: tuple[type[BaseException], ...] = ()) -> None:
+        self.dialect = dialect
+        self._open = opener
+        self._broken = broken  # the driver's errors that may mean a dead connection (PostgreSQL), dropped on sight
+        # per thread (SQLite), or one per process that the threads take turns on (PostgreSQL: under this lock)
+        self._turns: threading.Lock | None = None if per_thread else threading.Lock()
+        self.local: Any = threading.local() if per_thread else _Slot()
+        self.generation = 0  # bumped by dispose(): a new connection at the next statement
+        self.opened: weakref.WeakSet[_Held] = weakref.WeakSet()  # the open connections, for dispose()
+        self.lock = threading.Lock()
+
+    def connection(self) -> Any:
+        """The connection (autocommit) of this thread (SQLite) or process (PostgreSQL), opened on first use."""
+        if self._turns is None:
+            return self._held()[0].conn
+        with self._turns:
+            return self._held()[0].conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """Run one statement (``?`` placeholders) on :meth:`connection`; returns its cursor (``fetchone``,
+        ``fetchall``, ``rowcount``). On PostgreSQL a connection error drops the connection, and the statement runs
+        once more on a new one when the failed connection was not new (see the module docstring)."""
+        if self._turns is None:
+            with no_fork_inside():  # statements run in background threads too (watchers, relays, committers)
+                return self._held()[0].conn.execute(sql, params)
+        sql = sql.replace("?", "%s")
+        with no_fork_inside(), self._turns:  # a cursor has every row once executed: fetched after the lock
+            while True:
+                held, fresh = self._held()
+                try:
+                    cursor = held.conn.cursor()
+                    cursor.execute(sql, params)
+                    return cursor
+                except self._broken:
+                    self._drop(held)
+                    if fresh:
+                        raise
+
+    def read(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """The first column of the first row of a query, or None when it returns no row."""
+        row = self.execute(sql, params).fetchone()
+        return row[0] if row is not None else None
+
+    def _held(self) -> tuple[_Held, bool]:
+        key = (_getpid(), self.generation)
+        held: _Held | None = getattr(self.local, "held", None)
+        if held is not None and held.key == key:
+            return held, False
+        if held is not None and held.key[0] != key[0]:
+            _INHERITED.append(held)  # the parent's: dropping the last reference would close it here
+        held = _Held(key, self._open())
+        weakref.finalize(held, _close, held.conn, key[0])
+        with self.lock:
+            self.opened.add(held)
+        self.local.held = held
+        return held, True
+
+    def _drop(self, held: _Held) -> None:
+        with self.lock:
+            self.opened.discard(held)
+        if getattr(self.local, "held", None) is held:
+            self.local.held = None
+        _close(held.conn, held.key[0])
+
+    def open_connections(self) -> int:
+        """How many direct connections this process holds open now."""
+        pid = _getpid()
+        with self.lock:
+            return sum(1 for held in list(self.opened) if held.key[0] == pid)
+
+    def dispose(self, *_args: Any) -> None:
+        """Close this process's connections (SQLAlchemy's ``engine_disposed`` event); a child's dispose after a
+        fork (``close=False``) leaves its parent's connections alone, as SQLAlchemy does."""
+        pid = _getpid()
+        with self.lock:
+            mine = [held for held in list(self.opened) if held.key[0] == pid]
+            for held in mine:
+                self.opened.discard(held)
+            self.generation += 1
+        for held in mine:
+            _close(held.conn, pid)
+
+
+_BY_ENGINE: weakref.WeakKeyDictionary[Any, DirectConnections | None] = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def sqlite_connections(engine: Any) -> DirectConnections | None:
+    """:func:`direct_connections` of an engine on a SQLite database file (None for anything else)."""
+    if engine.dialect.name != "sqlite":
+        return None
+    return direct_connections(engine)
+
+
+def direct_connections(engine: Any) -> DirectConnections | None:
+    """The direct connections of an SQLAlchemy engine (see the module docstring), made once per engine; None where it
+    has none. A catalog opened again (a new engine) never runs statements on an older catalog's connections."""
+    with _LOCK:
+        if engine in _BY_ENGINE:
+            return _BY_ENGINE[engine]
+    made = _make(engine)  # outside the lock: SQLite asks the engine's own connection, maybe of a busy database
+    with _LOCK:
+        direct = _BY_ENGINE.setdefault(engine, made)  # a thread that got here first wins
+    if direct is made and made is not None:
+        from sqlalchemy import event
+
+        event.listen(engine, "engine_disposed", made.dispose)
+    return direct
+
+
+def _make(engine: Any) -> DirectConnections | None:
+    dialect = engine.dialect.name
+    driver = getattr(engine.dialect, "driver", None)
+    if dialect == "postgresql" and driver == "psycopg2":
+        return _postgres(engine)
+    if dialect != "sqlite" or driver != "pysqlite":
+        return None
+    url = engine.url
+    database = url.database or ""
+    if url.query or url.username or url.password or url.host or url.port or database in ("", ":memory:") \
+            or database.startswith("file:"):
+        return None
+    with engine.connect() as conn:  # the file the engine's own connections opened (a relative path made absolute)
+        rows = conn.exec_driver_sql("PRAGMA database_list").fetchall()
+    path = next((row[2] for row in rows if row[1] == "main"), "")
+    if not path:
+        return None
+    uri = f"file:{pathname2url(path)}?mode=rw"  # never creates a database: a missing file is an error
+
+    def open_sqlite() -> sqlite3.Connection:
+        # sqlite3's default busy timeout, as SQLAlchemy's pysqlite dialect; check_same_thread off only so that
+        # dispose() and the finalizer may close it from another thread (each is used by the thread that opened it)
+        conn = sqlite3.connect(uri, uri=True, timeout=5.0, isolation_level=None, check_same_thread=False)
+        # These connections write nothing but staged intents and consumer positions, which need no sync of their own;
+        # in WAL mode NORMAL keeps the database consistent through a crash (the pointer swap keeps FULL)
+        if str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower() == "wal":
+            conn.execute("PRAGMA synchronous=NORMAL")
+        return conn
+
+    return DirectConnections("sqlite", open_sqlite, per_thread=True)
+
+
+def _postgres(engine: Any) -> DirectConnections:
+    import psycopg2
+
+    def open_postgres() -> Any:
+        proxied = engine.raw_connection()  # the engine's URL, connect_args and connect events
+        proxied.detach()  # ours now: the pool neither reuses nor resets it
+        conn = proxied.dbapi_connection
+        conn.autocommit = True
+        return conn
+
+    return DirectConnections("postgresql", open_postgres, per_thread=False,
+                             broken=(psycopg2.OperationalError, psycopg2.InterfaceError))
+
+
+def _reset_lock_after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()  # another thread of the parent may have held a lock at the fork
+    for direct in list(_BY_ENGINE.values()):
+        if direct is not None:
+            direct.lock = threading.Lock()
+            if direct._turns is not None:
+                direct._turns = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_lock_after_fork)

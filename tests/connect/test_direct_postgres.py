@@ -1,0 +1,167 @@
+"""Direct connections on PostgreSQL catalogs (connect/direct.py): the pointer probe and the staged intents run on one
+autocommit connection per thread, outside SQLAlchemy's pool, and see every commit at once."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyiceberg.catalog.sql import SqlCatalog
+from sqlalchemy import event
+
+from catalog import services
+from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.direct import DirectConnections, direct_connections
+from lakestream_iceberg.connect.intents import IntentTable
+from lakestream_iceberg.connect.pointer import pointer_probe
+from lakestream_iceberg.errors import ProducerConflictError
+from tests.backends import fresh_name, postgres_service
+from tests.support import SCHEMA, batch
+
+__all__ = ["postgres_service"]
+
+WORLD = 2
+pytestmark = pytest.mark.services
+
+
+@pytest.fixture
+def pg_uri(postgres_service: services.Postgres) -> str:
+    database = fresh_name("db")
+    postgres_service.create_database(database)
+    return postgres_service.sqlalchemy_uri(database)
+
+
+def pg_catalog(uri: str, tmp_path: Path) -> SqlCatalog:
+    return SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+
+
+def backend_pid(direct: DirectConnections) -> int:
+    return int(direct.connection().info.backend_pid)
+
+
+def session_state(catalog: SqlCatalog, pid: int) -> str | None:
+    """What the server says the session ``pid`` is doing (None when it has no such session)."""
+    with catalog.engine.connect() as conn:
+        return conn.exec_driver_sql("SELECT state FROM pg_stat_activity WHERE pid = %(pid)s", {"pid": pid}).scalar()
+
+
+def wait_until_gone(catalog: SqlCatalog, pid: int) -> None:
+    """Until the server no longer lists session ``pid`` (a backend exits after its client closed the connection)."""
+    deadline = time.monotonic() + 600  # a safety net only: the loop ends as soon as the server drops the session
+    while session_state(catalog, pid) is not None:
+        assert time.monotonic() < deadline, f"session {pid} still listed"
+        time.sleep(0.01)
+
+
+def test_the_probe_and_the_intents_run_on_one_autocommit_connection_that_sees_other_commits(pg_uri: str,
+                                                                                          tmp_path: Path) -> None:
+    """Through SQLAlchemy each probe cost BEGIN, the query and ROLLBACK (three round trips); on the direct connection
+    it is one statement, and the connection never stays in a transaction (which would pin an old snapshot)."""
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    direct = direct_connections(cat.engine)
+    assert probe is not None and direct is not None and direct.dialect == "postgresql"
+    checkouts: list[object] = []
+    event.listen(cat.engine, "checkout", lambda *_: checkouts.append(1))
+    assert probe() == stream.table.metadata_location
+    intents = IntentTable.of(cat)
+    assert intents is not None
+    folder = f"{stream.table.location()}/data/_staging/main"
+    intents.insert(f"{folder}/p@000000000001-t.parquet", '{"seq": 1}')  # creates the table: pooled, once
+    checkouts.clear()
+    intents.insert(f"{folder}/p@000000000001-t.parquet", '{"seq": 1}')  # the same body again: a no-op
+    with pytest.raises(ProducerConflictError, match="same producer id"):
+        intents.insert(f"{folder}/p@000000000001-t.parquet", '{"seq": 2}')
+    intents.insert(f"{folder}/q@000000000001-t.parquet", '{"seq": 1}')
+    assert intents.exists(f"{folder}/q@000000000001-t.parquet")
+    assert intents.body(f"{folder}/p@000000000001-t.parquet") == '{"seq": 1}'
+    rows = intents.listing(folder, bodies=True)
+    assert [(r.path.rsplit("/", 1)[1], r.body) for r in rows] == [("p@000000000001-t.parquet", '{"seq": 1}'),
+                                                                   ("q@000000000001-t.parquet", '{"seq": 1}')]
+    assert rows[0].order < rows[1].order and all(0 <= r.age_s < 3600 for r in rows)
+    assert intents.expire(folder, older_than_s=3600, delete=True) == []  # none that old
+    intents.delete([r.path for r in rows] + [f"{folder}/gone@000000000009-t.parquet"])  # one statement for all
+    assert intents.listing(folder, bodies=False) == []
+    assert checkouts == []  # nothing above took a pooled connection
+    pid = backend_pid(direct)
+    assert session_state(cat, pid) == "idle"  # not "idle in transaction"
+
+    other = pg_catalog(pg_uri, tmp_path)  # another catalog (its own engine) commits
+    Stream.open(other, "ns.s").producer("p").commit(batch("p", 0, WORLD))
+    now = other.load_table("ns.s").metadata_location
+    assert now != stream.table.metadata_location and probe() == now  # seen at once
+    assert direct.open_connections() == 1 and backend_pid(direct) == pid
+
+
+def test_a_connection_the_server_ended_is_replaced_on_the_next_statement(pg_uri: str, tmp_path: Path) -> None:
+    """A server restart, or a proxy closing an idle connection: the statement that meets the dead connection runs again
+    on a new one, and the caller sees its answer, not the driver's error."""
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    direct = direct_connections(cat.engine)
+    assert probe is not None and direct is not None
+    assert probe() == stream.table.metadata_location
+    first = backend_pid(direct)
+    with cat.engine.connect() as conn:
+        assert conn.exec_driver_sql("SELECT pg_terminate_backend(%(pid)s)", {"pid": first}).scalar() is True
+    wait_until_gone(cat, first)
+    assert probe() == stream.table.metadata_location
+    assert backend_pid(direct) != first and direct.open_connections() == 1
+    stream.producer("p").commit(batch("p", 0, WORLD))  # group commit stages and polls on the new one
+    assert stream.head_step() == 1 and probe() == cat.load_table("ns.s").metadata_location
+
+
+def test_the_threads_of_a_process_share_one_connection_which_a_disposed_engine_closes(pg_uri: str,
+                                                                                     tmp_path: Path) -> None:
+    """One connection per process, whatever its threads (a relay holder, prefetch threads, a committer): a thousand
+    ranks or producers must not multiply the server's connections by their threads."""
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    direct = direct_connections(cat.engine)
+    assert probe is not None and direct is not None
+    assert probe() == stream.table.metadata_location
+    mine = backend_pid(direct)
+    answers: list[str | None] = []
+    threads = [threading.Thread(target=lambda: answers.extend(probe() for _ in range(50))) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [stream.table.metadata_location] * 400
+    assert direct.open_connections() == 1 and backend_pid(direct) == mine
+    cat.engine.dispose()  # catalog.close(), release_idle_connections()
+    assert direct.open_connections() == 0
+    wait_until_gone(cat, mine)
+    assert probe() == stream.table.metadata_location  # and the next statement opens a new one
+    assert direct.open_connections() == 1
+
+
+def _child_probe(probe: Any, direct: DirectConnections, conn: Any) -> None:
+    conn.send((probe(), backend_pid(direct)))  # forked: both came with the parent's memory, not pickled
+
+
+def test_a_forked_child_opens_its_own_connection_and_leaves_its_parents_working(pg_uri: str, tmp_path: Path) -> None:
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    direct = direct_connections(cat.engine)
+    assert probe is not None and direct is not None
+    assert probe() == stream.table.metadata_location
+    parent = backend_pid(direct)
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_child_probe, args=(probe, direct, send))
+    child.start()
+    found, childs = receive.recv()
+    child.join()
+    assert child.exitcode == 0
+    assert found == stream.table.metadata_location and childs != parent
+    assert probe() == stream.table.metadata_location and backend_pid(direct) == parent  # the parent's still works
+    assert session_state(cat, parent) == "idle"
