@@ -13,7 +13,8 @@ their own relay directory (``LAKESTREAM_RELAY_DIR``) and their own PostgreSQL ``
 
 What is counted, by the benchmark itself (nothing in the library counts for it):
 
-* **catalog queries**: a SQLAlchemy ``before_cursor_execute`` listener on every engine of every process;
+* **catalog queries**: a SQLAlchemy ``before_cursor_execute`` listener on every engine of every process, and a count
+  of the statements lakestream runs on its direct connections (``connect/direct.py``), outside SQLAlchemy;
 * **catalog connections**: ``pg_stat_activity`` rows of the readers' ``application_name``, sampled every 50 ms
   (LISTEN connections included); the maximum over the run, and per host;
 * **storage requests and bytes**: the catalog's FileIO is ``fanout.CountingArrowFileIO`` (``py-io-impl``), pyiceberg's
@@ -72,13 +73,24 @@ class CountingArrowFileIO(PyArrowFileIO):
 
 
 def count_queries() -> None:
+    """Count every catalog statement of this process and the processes it forks: SQLAlchemy's, and those lakestream
+    runs on its direct connections (the pointer probe, connect/direct.py), which SQLAlchemy does not see."""
     from sqlalchemy import event
     from sqlalchemy.engine import Engine
+
+    from lakestream_iceberg.connect.direct import DirectConnections
 
     def on_execute(*_args: Any, **_kwargs: Any) -> None:
         COUNTS["catalog:queries"] += 1
 
     event.listen(Engine, "before_cursor_execute", on_execute)
+    direct_execute = DirectConnections.execute
+
+    def counted(self: DirectConnections, sql: str, params: Any = ()) -> Any:
+        COUNTS["catalog:queries"] += 1
+        return direct_execute(self, sql, params)
+
+    DirectConnections.execute = counted  # type: ignore[method-assign]
 
 
 def snapshot() -> dict[str, int]:
