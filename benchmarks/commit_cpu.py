@@ -16,6 +16,12 @@ Each warehouse also runs ``cold`` (unless ``--evict-mib 0``): before every commi
 (16) MiB of float32 arrays through the CPU as preprocessing does (numpy, outside the measurement), so the commit finds
 its code and data out of the caches, as it does in a producer that prepares every batch (``busy_producers.py``); the
 CPU is then counted around each commit only.
+
+``--catalogs sqlite,postgres`` (the default) adds two rows on a PostgreSQL catalog (the project's server, a database
+per round; the warehouse on tmpfs where there is one), alternating with the others: ``postgres direct``, as shipped
+(the pointer probe, the staged intents and the swap on the process's autocommit connection, ``connect/direct.py``),
+and ``postgres pooled``, the same statements through SQLAlchemy's pool (``BEGIN``, the statement, ``COMMIT`` or
+``ROLLBACK``), as before the direct connection. ``process`` CPU does not count the database server's.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import Run, Table, bench_parser, sqlite_catalog  # noqa: E402
+from _common import Run, Table, bench_parser, sqlite_catalog, start_postgres  # noqa: E402
 
 import lakestream_iceberg.write.commit as commit_module  # noqa: E402
 from lakestream_iceberg import Stream  # noqa: E402
@@ -106,9 +112,34 @@ class Sweep:
             np.add(self.b, np.float32(0.5), out=self.a)  # stays 1.0: no overflow however many sweeps
 
 
+@contextlib.contextmanager
+def pooled_statements() -> Iterator[None]:
+    """lakestream's own statements through SQLAlchemy's pool, as before ``connect/direct.py``: every module that asks
+    for the direct connections is told there are none (what a PostgreSQL driver other than psycopg2 gets)."""
+    import lakestream_iceberg.connect.intents as intents
+    import lakestream_iceberg.connect.pointer as pointer
+    import lakestream_iceberg.connect.swap as swap
+
+    modules = (intents, pointer, swap)
+    originals = [module.direct_connections for module in modules]
+    for module in modules:
+        module.direct_connections = lambda engine: None  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals, strict=True):
+            module.direct_connections = original  # type: ignore[attr-defined]
+
+
 def one_round(root: Path, *, pool: list[list[pa.Table]], commits: int, warmup: int, world_size: int,
-              clock: PhaseClock, sweep: Sweep | None = None) -> dict[str, float]:
-    catalog = sqlite_catalog(root)
+              clock: PhaseClock, sweep: Sweep | None = None, catalog_uri: str | None = None) -> dict[str, float]:
+    if catalog_uri is None:
+        catalog = sqlite_catalog(root)
+    else:
+        from pyiceberg.catalog.sql import SqlCatalog
+
+        catalog = SqlCatalog("bench", uri=catalog_uri, warehouse=f"file://{root}/warehouse")
+        catalog.create_namespace("bench")
     Stream.create(catalog, "bench.commit_cpu", schema=SCHEMA, world_size=world_size,
                   properties={"write.parquet.compression-codec": "uncompressed"})
     stream = Stream.open(catalog, "bench.commit_cpu")
@@ -149,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-dir", default=None, help="parent of the disk warehouse (default: the temp dir)")
     parser.add_argument("--evict-mib", type=int, default=16,
                         help="MiB swept through the caches before each commit of the 'cold' rows (0: no cold rows)")
+    parser.add_argument("--catalogs", default="sqlite,postgres",
+                        help="sqlite, and postgres for the 'postgres direct' and 'postgres pooled' rows")
     args = parser.parse_args(argv)
     if args.smoke:
         args.commits, args.warmup, args.rounds = 5, 2, 1
@@ -164,17 +197,31 @@ def main(argv: list[str] | None = None) -> int:
     sweep = Sweep(args.evict_mib) if args.evict_mib > 0 else None
     kinds = [(place, parent, None) for place, parent in places.items()]
     kinds += [(f"{place} cold", parent, sweep) for place, parent in places.items() if sweep is not None]
+    catalogs = {c.strip() for c in args.catalogs.split(",") if c.strip()}
+    if catalogs - {"sqlite", "postgres"} or "sqlite" not in catalogs:
+        parser.error(f"--catalogs {args.catalogs!r}: sqlite, optionally with postgres")
+    server = None
+    if "postgres" in catalogs:
+        kinds += [("postgres direct", places.get("tmpfs", places["disk"]), None),
+                  ("postgres pooled", places.get("tmpfs", places["disk"]), None)]
+        server, _how = start_postgres()
     rows: dict[str, list[dict[str, float]]] = {kind: [] for kind, _, _ in kinds}
     try:
         with run.phase("rounds"):
-            for _ in range(args.rounds):
+            for n in range(args.rounds):
                 for kind, parent, evict in kinds:  # alternating: all see the same stretch of machine load
-                    with tempfile.TemporaryDirectory(dir=parent, prefix="commit_cpu-") as root:
+                    uri = None if not kind.startswith("postgres") else \
+                        server.create_database(f"commit_cpu_{n}_{kind.split()[1]}")  # type: ignore[union-attr]
+                    with tempfile.TemporaryDirectory(dir=parent, prefix="commit_cpu-") as root, \
+                            (pooled_statements() if kind == "postgres pooled" else contextlib.nullcontext()):
                         rows[kind].append(one_round(Path(root), pool=pool, commits=args.commits, warmup=args.warmup,
-                                                    world_size=args.world_size, clock=clock, sweep=evict))
+                                                    world_size=args.world_size, clock=clock, sweep=evict,
+                                                    catalog_uri=uri))
     finally:
         for step in undo:
             step()
+        if server is not None:
+            server.close()  # stopped, and its data dir removed
     keys = ["cpu_ms", "user_ms", "sys_ms", *(f"{phase}_ms" for phase in PHASES), "other_ms", "commits_per_s"]
     table = Table(f"CPU ms per lone commit ({args.batch_bytes // 1024} KiB, {args.world_size} shards, medians of "
                   f"{args.rounds} rounds of {args.commits})", ["warehouse", *[k.removesuffix("_ms") for k in keys]])

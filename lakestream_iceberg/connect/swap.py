@@ -41,6 +41,7 @@ from pyiceberg.table.update import (
 )
 
 from lakestream_iceberg.connect.diagnose import explain, transient
+from lakestream_iceberg.connect.direct import direct_connections
 from lakestream_iceberg.connect.notify import channel, notifies
 from lakestream_iceberg.connect.pointer import pointer_probe
 from lakestream_iceberg.connect.secrets import redact
@@ -107,6 +108,22 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     identifier = table.name()
     params = {"p_catalog": catalog.name, "p_namespace": Catalog.namespace_to_string(identifier[:-1]),
               "p_table": identifier[-1], "p_base": base_location, "p_location": location}
+    direct = direct_connections(catalog.engine)  # type: ignore[attr-defined]
+    if direct is not None and direct.dialect == "postgresql" and notifies(catalog):
+        # One statement in autocommit on the process's direct connection (connect/direct.py): the conditional UPDATE
+        # and, for the row it changed, pg_notify, in one transaction and one round trip (SQLAlchemy's transaction
+        # took five: BEGIN, UPDATE, the notification, COMMIT and the pool's reset). Never run again on its own after
+        # a connection error: whether it landed is then unknown, and the caller reads the head back.
+        try:
+            swapped = bool(direct.execute(_PG_SWAP, (location, base_location, params["p_catalog"], params["p_namespace"],
+                                                     params["p_table"], base_location, channel(catalog.name, identifier),
+                                                     location), again=False).fetchall())
+        except Exception as exc:
+            _raise_if_permanent(exc, table, "updating the catalog's table pointer", catalog.properties)
+            raise
+        if not swapped:
+            raise CommitFailedException(f"Table has been updated by another process: {'.'.join(identifier)}")
+        return CommitTableResponse(metadata=metadata, metadata_location=location)
     # One transaction on a Core connection (the statement pyiceberg's commit_table runs, without the ORM session's
     # per-call evaluation of the WHERE clause against loaded objects: we load none). Leaving the block commits it;
     # an exception rolls it back.
@@ -201,6 +218,14 @@ def _legacy_current_snapshot_id() -> bool:
     from pyiceberg.utils.config import Config
 
     return bool(Config().get_bool("legacy-current-snapshot-id"))
+
+
+# pyiceberg's conditional update (see _swap_statement) and the notification of the row it changed, in one statement
+_PG_SWAP = (
+    "WITH swapped AS (UPDATE iceberg_tables SET metadata_location = ?, previous_metadata_location = ? "
+    "WHERE catalog_name = ? AND table_namespace = ? AND table_name = ? AND metadata_location = ? RETURNING 1) "
+    "SELECT pg_notify(?, ?) FROM swapped"
+)
 
 
 @functools.cache

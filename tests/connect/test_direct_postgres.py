@@ -165,3 +165,53 @@ def test_a_forked_child_opens_its_own_connection_and_leaves_its_parents_working(
     assert found == stream.table.metadata_location and childs != parent
     assert probe() == stream.table.metadata_location and backend_pid(direct) == parent  # the parent's still works
     assert session_state(cat, parent) == "idle"
+
+
+def _notifications(conn: Any, *, until: int) -> list[str]:
+    """The payloads on ``conn`` once at least ``until`` arrived (waiting on its socket; a safety net only)."""
+    from lakestream_iceberg.connect.notify import readable
+
+    deadline = time.monotonic() + 600
+    conn.poll()
+    while len(conn.notifies) < until:
+        assert time.monotonic() < deadline, f"{len(conn.notifies)} of {until} notifications"
+        readable(conn, 1.0)
+        conn.poll()
+    got = [n.payload for n in conn.notifies]
+    conn.notifies.clear()
+    return got
+
+
+def test_the_swap_is_one_statement_that_changes_and_notifies_only_when_it_wins(pg_uri: str, tmp_path: Path) -> None:
+    """The conditional UPDATE and its pg_notify run as one statement on the direct connection: a swap from stale
+    metadata changes nothing and notifies nobody, a won swap moves the pointer and sends exactly its location."""
+    from pyiceberg.exceptions import CommitFailedException
+    from pyiceberg.table.update import SetPropertiesUpdate
+
+    from lakestream_iceberg.connect.notify import channel
+    from lakestream_iceberg.connect.swap import swap, swaps_from_held
+
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    assert swaps_from_held(stream.table)
+    raw = cat.engine.raw_connection()
+    raw.detach()
+    listen = raw.dbapi_connection
+    listen.autocommit = True
+    listen.cursor().execute(f'LISTEN "{channel(cat.name, ("ns", "s"))}"')
+    stale = cat.load_table("ns.s")
+    stream.producer("p").commit(batch("p", 0, WORLD))
+    assert _notifications(listen, until=1) == [cat.load_table("ns.s").metadata_location]
+    checkouts: list[object] = []
+    event.listen(cat.engine, "checkout", lambda *_: checkouts.append(1))
+    with pytest.raises(CommitFailedException, match="updated by another process"):
+        swap(stale, (), (SetPropertiesUpdate(updates={"lost": "yes"}),))
+    after = cat.load_table("ns.s")
+    assert "lost" not in after.properties and after.metadata_location != stale.metadata_location
+    checkouts.clear()
+    won = swap(after, (), (SetPropertiesUpdate(updates={"won": "yes"}),))
+    assert checkouts == []  # the swap itself took no pooled connection
+    assert cat.load_table("ns.s").properties["won"] == "yes"
+    assert cat.load_table("ns.s").metadata_location == won.metadata_location
+    assert _notifications(listen, until=1) == [won.metadata_location]  # the lost swap sent none
+    listen.close()
