@@ -104,10 +104,11 @@ class DirectConnections:
             return self._held()[0].conn
 
     def execute(self, sql: str, params: Sequence[Any] = (), *, again: bool = True) -> Any:
-        """Run one statement (``?`` placeholders) on :meth:`connection`; returns its cursor (``fetchone``,
-        ``fetchall``, ``rowcount``). On PostgreSQL a connection error drops the connection, and the statement runs
-        once more on a new one when the failed connection was not new and ``again`` (see the module docstring); a
-        statement whose outcome must be known (the pointer swap) passes ``again=False`` and gets the error."""
+        """Run one statement (``?`` placeholders; no literal ``?`` or ``%`` in its text) on :meth:`connection`; returns
+        its cursor (``fetchone``, ``fetchall``, ``rowcount``). On PostgreSQL a connection error drops the connection,
+        and the statement runs once more on a new one when the failed connection was not new and ``again`` (see the
+        module docstring); a statement whose outcome must be known (the pointer swap) passes ``again=False`` and gets
+        the error."""
         if self._turns is None:
             with no_fork_inside():  # statements run in background threads too (watchers, relays, committers)
                 return self._held()[0].conn.execute(sql, params)

@@ -17,8 +17,8 @@ indexed ``SELECT`` per move of the head, a committer's listing one ``SELECT`` th
 ``DELETE``. Ages come from the database's clock (``staged_at`` and "now" in the same query), as a file's age comes from
 the store's clock.
 
-Statements run on this thread's direct connection to the database (:mod:`lakestream_iceberg.connect.direct`: one
-autocommit connection per thread, a round trip per statement), or through SQLAlchemy where the database has none (a
+Statements run on the database's direct connection (:mod:`lakestream_iceberg.connect.direct`: in autocommit, one per
+thread on SQLite and per process on PostgreSQL, a round trip per statement), or through SQLAlchemy where it has none (a
 SQLite URI with options, a PostgreSQL driver other than psycopg2). SQLite: in WAL mode with ``synchronous=NORMAL``: an
 intent needs no sync of its own. A machine that loses power may lose the rows of its last moments, and with them
 nothing that was published (the producers that staged them were on that machine and never returned from ``commit()``;
