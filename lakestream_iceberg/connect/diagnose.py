@@ -146,7 +146,9 @@ def transient(exc: BaseException) -> bool:
             return False
         if _SQL_FAILOVER.search(text):
             return True
-        names = {type(e).__name__ for e in _chain(exc)}
+        # by class and base classes: a driver's own error (psycopg2's QueryCanceled, DeadlockDetected on a direct
+        # connection, connect/direct.py) counts as the OperationalError SQLAlchemy would have wrapped it in
+        names = {cls.__name__ for e in _chain(exc) for cls in type(e).__mro__}
         # TimeoutError: SQLAlchemy's pool had no free connection in time (the process's other threads held them all)
         return bool(names & {"OperationalError", "InterfaceError", "DisconnectionError", "TimeoutError"}) \
             or bool(_SQL_UNREACHABLE.search(text))

@@ -25,7 +25,9 @@ thread ends. A forked child never uses
 nor closes its parent's (closing a PostgreSQL one would end the parent's session, a SQLite one would run SQLite code on
 state copied mid-operation): it keeps them and opens its own. A PostgreSQL connection that fails as a connection (the
 server restarted, a proxy closed it while idle) is dropped, and a statement that met it on a connection opened earlier
-runs once more on a new one; the error of a fresh connection is raised as it is.
+runs once more on a new one; the error of a fresh connection is raised as it is. A statement's own error on a working
+connection (``statement_timeout``, a lock timeout, a deadlock: ``OperationalError`` subclasses too) is raised at once,
+and the connection kept.
 """
 
 from __future__ import annotations
@@ -121,6 +123,8 @@ class DirectConnections:
                     cursor.execute(sql, params)
                     return cursor
                 except self._broken:
+                    if not getattr(held.conn, "closed", True):  # the statement's error (statement_timeout, a lock
+                        raise  # or deadlock timeout) on a working connection: kept, and the statement not run again
                     self._drop(held)
                     if fresh or not again:
                         raise

@@ -9,14 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psycopg2
+import psycopg2.errors
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 from sqlalchemy import event
 
 from catalog import services
 from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.direct import DirectConnections, direct_connections
-from lakestream_iceberg.connect.intents import IntentTable
+from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
 from lakestream_iceberg.connect.pointer import pointer_probe
 from lakestream_iceberg.errors import ProducerConflictError
 from tests.backends import fresh_name, postgres_service
@@ -215,3 +218,31 @@ def test_the_swap_is_one_statement_that_changes_and_notifies_only_when_it_wins(p
     assert cat.load_table("ns.s").metadata_location == won.metadata_location
     assert _notifications(listen, until=1) == [won.metadata_location]  # the lost swap sent none
     listen.close()
+
+
+def test_a_statement_the_server_cancels_keeps_the_connection_and_stays_retryable(pg_uri: str, tmp_path: Path) -> None:
+    """``statement_timeout`` in the catalog's connection options: a lakestream statement that waits past it (a lock held
+    by another session) is cancelled by the server, an ``OperationalError`` subclass. The connection is fine: it must
+    not be closed and the statement must not run (and wait) a second time; the error stays one that ``transient``
+    retries, as SQLAlchemy's ``OperationalError`` around it was."""
+    cat = SqlCatalog("pg", uri=f"{pg_uri}?options=-c%20statement_timeout%3D300",
+                     warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    intents = IntentTable.of(cat)
+    direct = direct_connections(cat.engine)
+    assert intents is not None and direct is not None and intents.create()
+    path = f"{stream.table.location()}/data/_staging/main/p@000000000001-t.parquet"
+    assert not intents.exists(path)
+    first = backend_pid(direct)
+    opened: list[object] = []
+    with cat.engine.connect() as locker, locker.begin():
+        locker.exec_driver_sql("SET LOCAL statement_timeout = 0")
+        locker.exec_driver_sql(f"LOCK TABLE {INTENT_TABLE} IN ACCESS EXCLUSIVE MODE")
+        event.listen(cat.engine, "connect", lambda *_: opened.append(1))
+        with pytest.raises(psycopg2.errors.QueryCanceled) as cancelled:
+            intents.exists(path)
+    assert transient(cancelled.value)
+    assert opened == [] and direct.open_connections() == 1 and backend_pid(direct) == first
+    assert session_state(cat, first) == "idle"
+    assert not intents.exists(path)
+
