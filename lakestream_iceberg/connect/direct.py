@@ -25,7 +25,8 @@ thread ends. A forked child never uses
 nor closes its parent's (closing a PostgreSQL one would end the parent's session, a SQLite one would run SQLite code on
 state copied mid-operation): it keeps them and opens its own. A PostgreSQL connection that fails as a connection (the
 server restarted, a proxy closed it while idle) is dropped, and a statement that met it on a connection opened earlier
-runs once more on a new one; the error of a fresh connection is raised as it is. A statement's own error on a working
+runs once more on a new one, after the engine is disposed (the pool's idle connections died with it, as SQLAlchemy
+assumes on a disconnect); the error of a fresh connection is raised as it is. A statement's own error on a working
 connection (``statement_timeout``, a lock timeout, a deadlock: ``OperationalError`` subclasses too) is raised at once,
 and the connection kept.
 """
@@ -87,10 +88,11 @@ class DirectConnections:
     """
 
     def __init__(self, dialect: str, opener: Callable[[], Any], *, per_thread: bool,
-                 broken: tuple[type[BaseException], ...] = ()) -> None:
+                 broken: tuple[type[BaseException], ...] = (), on_dead: Callable[[], None] | None = None) -> None:
         self.dialect = dialect
         self._open = opener
         self._broken = broken  # the driver's errors that may mean a dead connection (PostgreSQL), dropped on sight
+        self._on_dead = on_dead  # called when a connection used before died, ahead of the statement's second run
         # per thread (SQLite), or one per process that the threads take turns on (PostgreSQL: under this lock)
         self._turns: threading.Lock | None = None if per_thread else threading.Lock()
         self.local: Any = threading.local() if per_thread else _Slot()
@@ -128,6 +130,8 @@ class DirectConnections:
                     self._drop(held)
                     if fresh or not again:
                         raise
+                    if self._on_dead is not None:
+                        self._on_dead()
 
     def read(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row of a query, or None when it returns no row."""
@@ -243,8 +247,11 @@ def _postgres(engine: Any) -> DirectConnections:
         conn.autocommit = True
         return conn
 
+    # A connection that died after it worked (a server restart, a failover) leaves the pool's idle connections dead
+    # too: the engine is disposed, as SQLAlchemy invalidates its pool on a disconnect, so that the second run (and
+    # pyiceberg's next statement) gets a new connection instead of a dead pooled one
     return DirectConnections("postgresql", open_postgres, per_thread=False,
-                             broken=(psycopg2.OperationalError, psycopg2.InterfaceError))
+                             broken=(psycopg2.OperationalError, psycopg2.InterfaceError), on_dead=engine.dispose)
 
 
 def _reset_lock_after_fork() -> None:

@@ -13,7 +13,8 @@ import psycopg2
 import psycopg2.errors
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
-from sqlalchemy import event
+from sqlalchemy import create_engine, event
+from sqlalchemy.pool import NullPool
 
 from catalog import services
 from lakestream_iceberg import Stream
@@ -245,4 +246,38 @@ def test_a_statement_the_server_cancels_keeps_the_connection_and_stays_retryable
     assert opened == [] and direct.open_connections() == 1 and backend_pid(direct) == first
     assert session_state(cat, first) == "idle"
     assert not intents.exists(path)
+
+
+def _terminate_all(uri: str, database: str) -> None:
+    """Every session of ``database`` ended by the server, as a restart would (from a session of another database)."""
+    admin = create_engine(uri.rsplit("/", 1)[0] + "/postgres", poolclass=NullPool, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.exec_driver_sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %(db)s",
+                                 {"db": database})
+            while conn.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %(db)s",
+                                       {"db": database}).scalar():
+                time.sleep(0.01)
+    finally:
+        admin.dispose()
+
+
+def test_after_a_server_restart_the_statement_runs_again_on_a_new_connection_not_on_an_idle_pooled_one(
+        pg_uri: str, tmp_path: Path) -> None:
+    """A restart ends the direct connection and the pool's idle ones alike: the statement that meets the dead
+    connection must run again on a connection that works, not on one of the pool's dead ones."""
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    direct = direct_connections(cat.engine)
+    assert probe is not None and direct is not None
+    assert probe() == stream.table.metadata_location
+    first = backend_pid(direct)
+    with cat.engine.connect() as a, cat.engine.connect() as b:  # the pool keeps two idle connections
+        a.exec_driver_sql("SELECT 1")
+        b.exec_driver_sql("SELECT 1")
+    _terminate_all(pg_uri, pg_uri.rsplit("/", 1)[1])
+    assert probe() == stream.table.metadata_location
+    assert backend_pid(direct) != first and direct.open_connections() == 1
+    assert stream.table.refresh().metadata_location == stream.table.metadata_location  # the pool recovers too
 
