@@ -21,7 +21,8 @@ plain ``sqlite3`` costs a third of SQLAlchemy's.
 
 A connection is opened on the first statement (of the thread, on SQLite) and closed when the engine is disposed
 (``catalog.close()``, :func:`~lakestream_iceberg.connect.pointer.release_idle_connections`) or, on SQLite, when its
-thread ends. A forked child never uses
+thread ends; on PostgreSQL a statement that another thread's dispose cut off runs again on a new one (its rows are
+fetched while the connection is held). A forked child never uses
 nor closes its parent's (closing a PostgreSQL one would end the parent's session, a SQLite one would run SQLite code on
 state copied mid-operation): it keeps them and opens its own. A PostgreSQL connection that fails as a connection (the
 server restarted, a proxy closed it while idle) is dropped, and a statement that met it on a connection opened earlier
@@ -68,6 +69,23 @@ class _Held:
         self.key, self.conn = key, conn
 
 
+class _Rows:
+    """A statement's rows, fetched while its connection was held and no fork could come (a cursor's ``fetchone``,
+    ``fetchall`` and ``rowcount``)."""
+
+    __slots__ = ("_rows", "rowcount")
+
+    def __init__(self, rows: list[Any], rowcount: int) -> None:
+        self._rows, self.rowcount = rows, rowcount
+
+    def fetchone(self) -> Any:
+        return self._rows.pop(0) if self._rows else None
+
+    def fetchall(self) -> list[Any]:
+        rows, self._rows = self._rows, []
+        return rows
+
+
 def _close(conn: Any, pid: int) -> None:
     """Close a connection, but only in the process that opened it (see the module docstring)."""
     if _getpid() != pid:
@@ -109,26 +127,32 @@ class DirectConnections:
 
     def execute(self, sql: str, params: Sequence[Any] = (), *, again: bool = True) -> Any:
         """Run one statement (``?`` placeholders; no literal ``?`` or ``%`` in its text) on :meth:`connection`; returns
-        its cursor (``fetchone``, ``fetchall``, ``rowcount``). On PostgreSQL a connection error drops the connection,
-        and the statement runs once more on a new one when the failed connection was not new and ``again`` (see the
-        module docstring); a statement whose outcome must be known (the pointer swap) passes ``again=False`` and gets
-        the error."""
+        its rows, fetched before it returns (``fetchone``, ``fetchall``, ``rowcount``). On PostgreSQL a connection
+        error drops the connection, and the statement runs once more on a new one when the failed connection was not
+        new or was closed by a dispose in another thread, and ``again`` (see the module docstring); a statement whose
+        outcome must be known (the pointer swap) passes ``again=False`` and gets the error."""
         if self._turns is None:
-            with no_fork_inside():  # statements run in background threads too (watchers, relays, committers)
-                return self._held()[0].conn.execute(sql, params)
+            with no_fork_inside():  # statements run in background threads too (watchers, relays, committers): sqlite3
+                cursor = self._held()[0].conn.execute(sql, params)  # steps the statement again as its rows are fetched
+                return _Rows(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
         sql = sql.replace("?", "%s")
-        with no_fork_inside(), self._turns:  # a cursor has every row once executed: fetched after the lock
+        with no_fork_inside(), self._turns:
             while True:
                 held, fresh = self._held()
                 try:
                     cursor = held.conn.cursor()
                     cursor.execute(sql, params)
-                    return cursor
+                    # fetched here: a dispose in another thread closes the connection, and its cursors, at any time
+                    return _Rows(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
                 except self._broken:
                     if not getattr(held.conn, "closed", True):  # the statement's error (statement_timeout, a lock
                         raise  # or deadlock timeout) on a working connection: kept, and the statement not run again
                     self._drop(held)
-                    if fresh or not again:
+                    if not again:
+                        raise
+                    if held.key[1] != self.generation:  # closed by a dispose (catalog.close()) since it was opened
+                        continue
+                    if fresh:
                         raise
                     if self._on_dead is not None:
                         self._on_dead()

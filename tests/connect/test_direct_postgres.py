@@ -21,7 +21,7 @@ from lakestream_iceberg import Stream
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.connect.direct import DirectConnections, direct_connections
 from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
-from lakestream_iceberg.connect.pointer import pointer_probe
+from lakestream_iceberg.connect.pointer import pointer_probe, release_idle_connections
 from lakestream_iceberg.errors import ProducerConflictError
 from tests.backends import fresh_name, postgres_service
 from tests.support import SCHEMA, batch
@@ -281,3 +281,49 @@ def test_after_a_server_restart_the_statement_runs_again_on_a_new_connection_not
     assert backend_pid(direct) != first and direct.open_connections() == 1
     assert stream.table.refresh().metadata_location == stream.table.metadata_location  # the pool recovers too
 
+
+def test_threads_probing_and_staging_while_another_thread_disposes_the_engine_get_their_answers(
+        pg_uri: str, tmp_path: Path) -> None:
+    """``release_idle_connections`` or ``catalog.close()`` in one thread closes the process's connection while other
+    threads run statements on it: each statement runs again on a new connection (as through SQLAlchemy, where a dispose
+    never failed a statement in progress), and none reads its rows from a cursor the dispose closed."""
+    cat = pg_catalog(pg_uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    intents = IntentTable.of(cat)
+    assert probe is not None and intents is not None and intents.create()
+    folder = f"{stream.table.location()}/data/_staging/main"
+    failures: list[BaseException] = []
+    wrong: list[object] = []
+    done = threading.Event()
+    disposals = [0]
+
+    def work(n: int) -> None:
+        try:
+            for i in range(40):
+                if probe() != stream.table.metadata_location:
+                    wrong.append("probe")
+                path = f"{folder}/p{n}@{i:012d}-t.parquet"
+                intents.insert(path, '{"seq": 1}')
+                if not intents.exists(path) or intents.body(path) != '{"seq": 1}':
+                    wrong.append(path)
+                intents.delete([path])
+        except Exception as exc:  # noqa: BLE001 - reported below
+            failures.append(exc)
+
+    def dispose() -> None:
+        while not done.is_set():
+            release_idle_connections(cat)
+            disposals[0] += 1
+
+    disposer = threading.Thread(target=dispose)
+    disposer.start()
+    workers = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    done.set()
+    disposer.join()
+    assert failures == [] and wrong == [] and disposals[0] > 0
+    assert intents.listing(folder, bodies=False) == []
