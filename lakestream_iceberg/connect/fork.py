@@ -139,11 +139,12 @@ if hasattr(os, "register_at_fork"):
 # child, which has only the forking thread: the child's first SQLite call then hangs on libsqlite3's allocator mutex.
 # Threads that query in the background (a head watcher's pointer probe, a relay's poll, a consumer's position report)
 # wrap each call in ``no_fork_inside()``; a fork (a DataLoader starting its workers) waits for the calls in flight,
-# at most FORK_WAIT_S, and none starts until the fork is done. The forking thread's own calls are not waited for.
+# at most FORK_WAIT_S, and none starts from the moment it waits until it is done (a thread already inside may nest). The forking thread's own calls are not waited for.
 FORK_WAIT_S = 10.0
 _gate = threading.Condition()
 _inside: dict[int, int] = {}  # thread ident -> calls in flight (nested calls count once each)
 _gate_held = False
+_forking = False  # a fork waits for the calls in flight: new ones (but a thread's nested calls) wait for it
 
 
 @contextmanager
@@ -151,6 +152,8 @@ def no_fork_inside() -> Iterator[None]:
     """Run the block with no ``os.fork`` of this process in the middle of it (see the note above)."""
     me = threading.get_ident()
     with _gate:
+        while _forking and me not in _inside:  # calls that kept coming would hold a waiting fork back to its bound
+            _gate.wait()
         _inside[me] = _inside.get(me, 0) + 1
     try:
         yield
@@ -170,20 +173,26 @@ def _others_inside() -> bool:
 
 
 def _gate_before_fork() -> None:
-    global _gate_held
+    global _gate_held, _forking
     _gate_held = _gate.acquire(timeout=FORK_WAIT_S)
-    if _gate_held and not _gate.wait_for(lambda: not _others_inside(), timeout=FORK_WAIT_S):
+    if not _gate_held:
+        return
+    _forking = True
+    if not _gate.wait_for(lambda: not _others_inside(), timeout=FORK_WAIT_S):
         log.warning("forking while a database call of another thread has been in progress for %.0f s", FORK_WAIT_S)
 
 
 def _gate_after_fork_in_parent() -> None:
+    global _forking
     if _gate_held:
+        _forking = False
+        _gate.notify_all()  # the calls that waited for the fork
         _gate.release()
 
 
 def _gate_after_fork_in_child() -> None:
-    global _gate, _gate_held
-    _gate, _gate_held = threading.Condition(), False
+    global _gate, _gate_held, _forking
+    _gate, _gate_held, _forking = threading.Condition(), False, False
     _inside.clear()  # the parent's other threads do not exist here
 
 

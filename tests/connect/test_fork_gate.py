@@ -112,3 +112,33 @@ def test_a_forked_child_owns_the_pools_of_the_catalogs_made_fork_safe(tmp_path) 
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert fork.owns_connections(safe)  # still the parent's own
+
+
+def test_calls_that_keep_coming_do_not_hold_a_fork_back(caplog: pytest.LogCaptureFixture) -> None:
+    """No call starts while a fork waits for the calls in flight: threads that query back to back (a relay serving
+    many readers, a holder polling) kept slipping in while it waited, and every fork waited its whole bound
+    (FORK_WAIT_S, 10 s), warning, each time a DataLoader started its workers."""
+    stop = threading.Event()
+    calls = [0, 0, 0]
+
+    def busy(i: int) -> None:
+        while not stop.is_set():
+            with no_fork_inside():
+                calls[i] += 1
+                time.sleep(0.001)  # a statement's round trip, inside the gate
+
+    threads = [threading.Thread(target=busy, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    try:
+        while not all(calls):  # every thread is calling
+            time.sleep(0.001)
+        with caplog.at_level(logging.WARNING, logger=fork.__name__):
+            for _ in range(3):
+                assert _fork_and_reap(5) == 5
+        assert not [r for r in caplog.records if "forking while" in r.getMessage()]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    assert not fork._inside
