@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,17 @@ def pg_catalog(uri: str, tmp_path: Path) -> SqlCatalog:
     return SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
 
 
+def probed(uri: str, tmp_path: Path) -> tuple[SqlCatalog, Stream, Callable[[], str | None], DirectConnections]:
+    """A stream on a fresh PostgreSQL catalog, its pointer probe and the process's direct connections, probed once."""
+    cat = pg_catalog(uri, tmp_path)
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
+    probe = pointer_probe(stream.table)
+    direct = direct_connections(cat.engine)
+    assert probe is not None and direct is not None and direct.dialect == "postgresql"
+    assert probe() == stream.table.metadata_location
+    return cat, stream, probe, direct
+
+
 def backend_pid(direct: DirectConnections) -> int:
     return int(direct.connection().info.backend_pid)
 
@@ -65,14 +77,9 @@ def test_the_probe_and_the_intents_run_on_one_autocommit_connection_that_sees_ot
                                                                                           tmp_path: Path) -> None:
     """Through SQLAlchemy each probe cost BEGIN, the query and ROLLBACK (three round trips); on the direct connection
     it is one statement, and the connection never stays in a transaction (which would pin an old snapshot)."""
-    cat = pg_catalog(pg_uri, tmp_path)
-    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
-    probe = pointer_probe(stream.table)
-    direct = direct_connections(cat.engine)
-    assert probe is not None and direct is not None and direct.dialect == "postgresql"
+    cat, stream, probe, direct = probed(pg_uri, tmp_path)
     checkouts: list[object] = []
     event.listen(cat.engine, "checkout", lambda *_: checkouts.append(1))
-    assert probe() == stream.table.metadata_location
     intents = IntentTable.of(cat)
     assert intents is not None
     folder = f"{stream.table.location()}/data/_staging/main"
@@ -105,12 +112,7 @@ def test_the_probe_and_the_intents_run_on_one_autocommit_connection_that_sees_ot
 def test_a_connection_the_server_ended_is_replaced_on_the_next_statement(pg_uri: str, tmp_path: Path) -> None:
     """A server restart, or a proxy closing an idle connection: the statement that meets the dead connection runs again
     on a new one, and the caller sees its answer, not the driver's error."""
-    cat = pg_catalog(pg_uri, tmp_path)
-    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
-    probe = pointer_probe(stream.table)
-    direct = direct_connections(cat.engine)
-    assert probe is not None and direct is not None
-    assert probe() == stream.table.metadata_location
+    cat, stream, probe, direct = probed(pg_uri, tmp_path)
     first = backend_pid(direct)
     with cat.engine.connect() as conn:
         assert conn.exec_driver_sql("SELECT pg_terminate_backend(%(pid)s)", {"pid": first}).scalar() is True
@@ -125,12 +127,7 @@ def test_the_threads_of_a_process_share_one_connection_which_a_disposed_engine_c
                                                                                      tmp_path: Path) -> None:
     """One connection per process, whatever its threads (a relay holder, prefetch threads, a committer): a thousand
     ranks or producers must not multiply the server's connections by their threads."""
-    cat = pg_catalog(pg_uri, tmp_path)
-    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
-    probe = pointer_probe(stream.table)
-    direct = direct_connections(cat.engine)
-    assert probe is not None and direct is not None
-    assert probe() == stream.table.metadata_location
+    cat, stream, probe, direct = probed(pg_uri, tmp_path)
     mine = backend_pid(direct)
     answers: list[str | None] = []
     threads = [threading.Thread(target=lambda: answers.extend(probe() for _ in range(50))) for _ in range(8)]
@@ -152,12 +149,7 @@ def _child_probe(probe: Any, direct: DirectConnections, conn: Any) -> None:
 
 
 def test_a_forked_child_opens_its_own_connection_and_leaves_its_parents_working(pg_uri: str, tmp_path: Path) -> None:
-    cat = pg_catalog(pg_uri, tmp_path)
-    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
-    probe = pointer_probe(stream.table)
-    direct = direct_connections(cat.engine)
-    assert probe is not None and direct is not None
-    assert probe() == stream.table.metadata_location
+    cat, stream, probe, direct = probed(pg_uri, tmp_path)
     parent = backend_pid(direct)
     ctx = mp.get_context("fork")
     receive, send = ctx.Pipe(duplex=False)
@@ -266,12 +258,7 @@ def test_after_a_server_restart_the_statement_runs_again_on_a_new_connection_not
         pg_uri: str, tmp_path: Path) -> None:
     """A restart ends the direct connection and the pool's idle ones alike: the statement that meets the dead
     connection must run again on a connection that works, not on one of the pool's dead ones."""
-    cat = pg_catalog(pg_uri, tmp_path)
-    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD)
-    probe = pointer_probe(stream.table)
-    direct = direct_connections(cat.engine)
-    assert probe is not None and direct is not None
-    assert probe() == stream.table.metadata_location
+    cat, stream, probe, direct = probed(pg_uri, tmp_path)
     first = backend_pid(direct)
     with cat.engine.connect() as a, cat.engine.connect() as b:  # the pool keeps two idle connections
         a.exec_driver_sql("SELECT 1")
