@@ -1,12 +1,12 @@
 """Direct connections to a SQL catalog's database, outside SQLAlchemy's pool and in autocommit, for lakestream's own
-frequent statements (the pointer probe, staged intents, consumer positions).
+frequent statements (the pointer probe, staged intents, the pointer swap on PostgreSQL, consumer positions on SQLite).
 
 A holding producer asks whether the head moved, and whether its staged batch is still staged, many times per commit;
 a follower asks whether the head moved at every poll. Through SQLAlchemy each such statement checks a connection out
 of the pool, runs it in a transaction and gives the connection back with a rollback. On PostgreSQL through psycopg2
 that is three round trips (``BEGIN``, the statement, ``ROLLBACK``) and about 210 us of client CPU; on a connection in
-autocommit it is one round trip and about 40 us (``benchmarks/commit_scaling.py``, PostgreSQL rows). On a SQLite file,
-plain ``sqlite3`` costs a third of SQLAlchemy's.
+autocommit it is one round trip and about 40 us (``benchmarks/commit_cpu.py`` and ``commit_scaling.py`` on PostgreSQL
+show what it changes). On a SQLite file, plain ``sqlite3`` costs a third of SQLAlchemy's.
 
 * **SQLite** (the standard ``pysqlite`` driver on a plain database file): one ``sqlite3`` connection per thread on the
   file the engine's own connections opened, in autocommit (each query reads the last committed state, in WAL mode
@@ -22,9 +22,9 @@ plain ``sqlite3`` costs a third of SQLAlchemy's.
 A connection is opened on the first statement (of the thread, on SQLite) and closed when the engine is disposed
 (``catalog.close()``, :func:`~lakestream_iceberg.connect.pointer.release_idle_connections`) or, on SQLite, when its
 thread ends; on PostgreSQL a statement that another thread's dispose cut off runs again on a new one (its rows are
-fetched while the connection is held). A forked child never uses
-nor closes its parent's (closing a PostgreSQL one would end the parent's session, a SQLite one would run SQLite code on
-state copied mid-operation): it keeps them and opens its own. A PostgreSQL connection that fails as a connection (the
+fetched while the connection is held). A forked child never uses nor closes its parent's (closing a PostgreSQL one
+would end the parent's session, a SQLite one would run SQLite code on state copied mid-operation): it keeps them and
+opens its own. A PostgreSQL connection that fails as a connection (the
 server restarted, a proxy closed it while idle) is dropped, and a statement that met it on a connection opened earlier
 runs once more on a new one, after the engine is disposed (the pool's idle connections died with it, as SQLAlchemy
 assumes on a disconnect); the error of a fresh connection is raised as it is. A statement's own error on a working
