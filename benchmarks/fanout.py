@@ -86,9 +86,9 @@ def count_queries() -> None:
     event.listen(Engine, "before_cursor_execute", on_execute)
     direct_execute = DirectConnections.execute
 
-    def counted(self: DirectConnections, sql: str, params: Any = ()) -> Any:
+    def counted(self: DirectConnections, sql: str, params: Any = (), **options: Any) -> Any:
         COUNTS["catalog:queries"] += 1
-        return direct_execute(self, sql, params)
+        return direct_execute(self, sql, params, **options)
 
     DirectConnections.execute = counted  # type: ignore[method-assign]
 
