@@ -3,9 +3,10 @@
 A commit loop, ``head_step()``, ``state()`` and a follow-mode reader all ask whether the table changed many times per
 second; when it did not, nothing but the pointer should be read.
 
-* SQL catalogs (SQLite, PostgreSQL): one indexed ``SELECT metadata_location FROM iceberg_tables``, on this thread's
-  direct connection to the catalog's database (:mod:`.direct`) where it has one, else on the catalog's own SQLAlchemy
-  engine; the new ``metadata.json`` is read through the table's FileIO only when the pointer moved.
+* SQL catalogs (SQLite, PostgreSQL): one indexed ``SELECT metadata_location FROM iceberg_tables``, on the direct
+  connection to the catalog's database (:mod:`.direct`: the thread's on SQLite, the process's on PostgreSQL) where it
+  has one, else on the catalog's own SQLAlchemy engine; the new ``metadata.json`` is read through the table's FileIO
+  only when the pointer moved.
 * Any other catalog (REST, Glue, Hive): ``Table.refresh()`` (those catalogs answer with the full metadata anyway).
 
 :func:`read_moved` is the lighter read still for a caller that needs a few fields of the new head (a producer whose
@@ -54,7 +55,7 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
     )
     engine = catalog.engine
     direct = direct_connections(engine)
-    if direct is not None:  # the same query on this thread's autocommit connection (connect/direct.py)
+    if direct is not None:  # the same query on the autocommit connection of connect/direct.py
         params = (catalog.name, Catalog.namespace_to_string(identifier[:-1]), identifier[-1])
         return lambda: direct.read(_PROBE_SQL, params)
 
