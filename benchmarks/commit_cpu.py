@@ -21,7 +21,9 @@ CPU is then counted around each commit only.
 per round; the warehouse on tmpfs where there is one), alternating with the others: ``postgres direct``, as shipped
 (the pointer probe, the staged intents and the swap on the process's autocommit connection, ``connect/direct.py``),
 and ``postgres pooled``, the same statements through SQLAlchemy's pool (``BEGIN``, the statement, ``COMMIT`` or
-``ROLLBACK``), as before the direct connection. ``process`` CPU does not count the database server's.
+``ROLLBACK``), as before the direct connection. ``process`` CPU does not count the database server's. After its
+commits, each round also times ``2 x --commits`` pointer probes (``probe_cpu_us``, ``probe_wall_us``: one "did the
+head move?", which a holding producer and a follower ask many times per step).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from _common import Run, Table, bench_parser, sqlite_catalog, start_postgres  # 
 
 import lakestream_iceberg.write.commit as commit_module  # noqa: E402
 from lakestream_iceberg import Stream  # noqa: E402
+from lakestream_iceberg.connect.pointer import pointer_probe  # noqa: E402
 from lakestream_iceberg.write.planner import BatchPlanner  # noqa: E402
 from lakestream_iceberg.write.writer import BatchWriter  # noqa: E402
 
@@ -159,11 +162,19 @@ def one_round(root: Path, *, pool: list[list[pa.Table]], commits: int, warmup: i
                 after = resource.getrusage(resource.RUSAGE_SELF)
                 user += after.ru_utime - before.ru_utime
                 system += after.ru_stime - before.ru_stime
+        probe = pointer_probe(stream.table)  # what a holding producer and a follower ask many times per step
+        assert probe is not None
+        probes = max(20, commits * 2)
+        w0, t0 = time.perf_counter(), time.thread_time()
+        for _ in range(probes):
+            probe()
+        probe_wall, probe_cpu = time.perf_counter() - w0, time.thread_time() - t0
     finally:
         producer.close()
         catalog.engine.dispose()
     per = 1000.0 / commits
-    row = {"user_ms": user * per, "sys_ms": system * per, **{f"{phase}_ms": clock.seconds[phase] * per for phase in PHASES}}
+    row = {"user_ms": user * per, "sys_ms": system * per, **{f"{phase}_ms": clock.seconds[phase] * per for phase in PHASES},
+           "probe_cpu_us": probe_cpu * 1e6 / probes, "probe_wall_us": probe_wall * 1e6 / probes}
     row["cpu_ms"] = row["user_ms"] + row["sys_ms"]
     row["other_ms"] = thread * per - sum(row[f"{phase}_ms"] for phase in PHASES)
     row["commits_per_s"] = commits / wall
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             step()
         if server is not None:
             server.close()  # stopped, and its data dir removed
-    keys = ["cpu_ms", "user_ms", "sys_ms", *(f"{phase}_ms" for phase in PHASES), "other_ms", "commits_per_s"]
+    keys = ["cpu_ms", "user_ms", "sys_ms", *(f"{phase}_ms" for phase in PHASES), "other_ms", "commits_per_s",
+            "probe_cpu_us", "probe_wall_us"]
     table = Table(f"CPU ms per lone commit ({args.batch_bytes // 1024} KiB, {args.world_size} shards, medians of "
                   f"{args.rounds} rounds of {args.commits})", ["warehouse", *[k.removesuffix("_ms") for k in keys]])
     medians = {place: {k: statistics.median(r[k] for r in found) for k in keys} for place, found in rows.items()}

@@ -516,9 +516,10 @@ def test_fanout_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
 def test_commit_cpu_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
     data = smoke()
     assert data["benchmark"] == "commit_cpu" and data["smoke"] is True
-    for warehouse in ("disk", "tmpfs", "disk cold", "tmpfs cold"):  # both warehouses, caches warm and swept by "preprocessing"
-        medians = data["medians"][warehouse]
+    for warehouse in ("disk", "tmpfs", "disk cold", "tmpfs cold", "postgres direct", "postgres pooled"):
+        medians = data["medians"][warehouse]  # both warehouses, caches warm and swept by "preprocessing"; PostgreSQL
         assert _positive(medians["cpu_ms"]) and _positive(medians["commits_per_s"])
+        assert _positive(medians["probe_cpu_us"]) and _positive(medians["probe_wall_us"])
         assert all(_positive(medians[f"{phase}_ms"]) for phase in ("write", "plan", "swap"))
     assert data["tables"] and "CPU ms per lone commit" in data["printed"]
 
