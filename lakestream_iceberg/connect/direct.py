@@ -4,9 +4,9 @@ frequent statements (the pointer probe, staged intents, the pointer swap on Post
 A holding producer asks whether the head moved, and whether its staged batch is still staged, many times per commit;
 a follower asks whether the head moved at every poll. Through SQLAlchemy each such statement checks a connection out
 of the pool, runs it in a transaction and gives the connection back with a rollback. On PostgreSQL through psycopg2
-that is three round trips (``BEGIN``, the statement, ``ROLLBACK``) and about 210 us of client CPU; on a connection in
-autocommit it is one round trip and about 40 us (``benchmarks/commit_cpu.py`` and ``commit_scaling.py`` on PostgreSQL
-show what it changes). On a SQLite file, plain ``sqlite3`` costs a third of SQLAlchemy's.
+that is three round trips (``BEGIN``, the statement, ``ROLLBACK``) and about 220 us of client CPU; on a connection in
+autocommit it is one round trip and about 50 us (``benchmarks/commit_cpu.py``'s probe columns; ``commit_scaling.py``
+on PostgreSQL shows what it changes for group commit). On a SQLite file, plain ``sqlite3`` costs a third of SQLAlchemy's.
 
 * **SQLite** (the standard ``pysqlite`` driver on a plain database file): one ``sqlite3`` connection per thread on the
   file the engine's own connections opened, in autocommit (each query reads the last committed state, in WAL mode
