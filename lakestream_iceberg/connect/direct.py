@@ -44,7 +44,7 @@ from urllib.request import pathname2url
 
 from lakestream_iceberg.connect.fork import no_fork_inside
 
-__all__ = ["DirectConnections", "direct_connections", "sqlite_connections"]
+__all__ = ["DirectConnections", "close_in_owner", "detached_autocommit", "direct_connections", "sqlite_connections"]
 
 _INHERITED: list[object] = []  # a forked child's copies of its parent's connections: kept, never closed
 _getpid = os.getpid  # which process this is (a name of its own, so a test can play a forked child)
@@ -86,9 +86,11 @@ class _Rows:
         return rows
 
 
-def _close(conn: Any, pid: int) -> None:
-    """Close a connection, but only in the process that opened it (see the module docstring)."""
-    if _getpid() != pid:
+def close_in_owner(conn: Any, pid: int | None = None) -> None:
+    """Close a database connection, but only in the process that opened it (``pid``; None: this one). A forked child
+    keeps its copy instead, never closed: closing or freeing a PostgreSQL one would end the parent's session, a SQLite
+    one would run SQLite code on state copied mid-operation."""
+    if pid is not None and _getpid() != pid:
         _INHERITED.append(conn)
         return
     try:
@@ -170,7 +172,7 @@ class DirectConnections:
         if held is not None and held.key[0] != key[0]:
             _INHERITED.append(held)  # the parent's: dropping the last reference would close it here
         held = _Held(key, self._open())
-        weakref.finalize(held, _close, held.conn, key[0])
+        weakref.finalize(held, close_in_owner, held.conn, key[0])
         with self.lock:
             self.opened.add(held)
         self.local.held = held
@@ -181,7 +183,7 @@ class DirectConnections:
             self.opened.discard(held)
         if getattr(self.local, "held", None) is held:
             self.local.held = None
-        _close(held.conn, held.key[0])
+        close_in_owner(held.conn, held.key[0])
 
     def open_connections(self) -> int:
         """How many direct connections this process holds open now."""
@@ -199,7 +201,7 @@ class DirectConnections:
                 self.opened.discard(held)
             self.generation += 1
         for held in mine:
-            _close(held.conn, pid)
+            close_in_owner(held.conn, pid)
 
 
 _BY_ENGINE: weakref.WeakKeyDictionary[Any, DirectConnections | None] = weakref.WeakKeyDictionary()
@@ -264,18 +266,21 @@ def _make(engine: Any) -> DirectConnections | None:
 def _postgres(engine: Any) -> DirectConnections:
     import psycopg2
 
-    def open_postgres() -> Any:
-        proxied = engine.raw_connection()  # the engine's URL, connect_args and connect events
-        proxied.detach()  # ours now: the pool neither reuses nor resets it
-        conn = proxied.dbapi_connection
-        conn.autocommit = True
-        return conn
-
     # A connection that died after it worked (a server restart, a failover) leaves the pool's idle connections dead
     # too: the engine is disposed, as SQLAlchemy invalidates its pool on a disconnect, so that the second run (and
     # pyiceberg's next statement) gets a new connection instead of a dead pooled one
-    return DirectConnections("postgresql", open_postgres, per_thread=False,
+    return DirectConnections("postgresql", lambda: detached_autocommit(engine), per_thread=False,
                              broken=(psycopg2.OperationalError, psycopg2.InterfaceError), on_dead=engine.dispose)
+
+
+def detached_autocommit(engine: Any) -> Any:
+    """A DBAPI connection the engine makes (its URL, ``connect_args`` and connect events), detached from its pool (ours
+    until closed: the pool neither reuses nor resets it) and in autocommit."""
+    proxied = engine.raw_connection()
+    proxied.detach()
+    conn = proxied.dbapi_connection
+    conn.autocommit = True
+    return conn
 
 
 def _reset_lock_after_fork() -> None:

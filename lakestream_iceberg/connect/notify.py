@@ -28,6 +28,8 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
+from lakestream_iceberg.connect.direct import close_in_owner, detached_autocommit
+
 log = logging.getLogger(__name__)
 
 __all__ = ["HeadListener", "channel", "notifies", "readable"]
@@ -61,7 +63,7 @@ class HeadListener:
         self._lock = threading.Lock()
         self._pid = os.getpid()
         self.received = 0
-        self._finalizer = weakref.finalize(self, _close_quietly, connection, self._pid)
+        self._finalizer = weakref.finalize(self, close_in_owner, connection, self._pid)
 
     @classmethod
     def open(cls, table: Table) -> HeadListener | None:
@@ -71,10 +73,7 @@ class HeadListener:
             return None
         name = channel(catalog.name, table.name())
         try:
-            raw = catalog.engine.raw_connection()  # type: ignore[attr-defined]
-            raw.detach()  # ours until closed: never handed back to the pool with a LISTEN on it
-            connection = raw.dbapi_connection
-            connection.autocommit = True
+            connection = detached_autocommit(catalog.engine)  # type: ignore[attr-defined]  # no LISTEN back in the pool
             with connection.cursor() as cursor:
                 cursor.execute(f'LISTEN "{name}"')
         except Exception as exc:  # noqa: BLE001 - no notifications: the follower polls
@@ -103,7 +102,7 @@ class HeadListener:
                 log.warning("commit notifications for channel %s stopped (%s); polling instead", self._name,
                             type(exc).__name__)
                 self._conn = None
-                _close_quietly(conn)
+                close_in_owner(conn)
                 return False
 
     def _drain(self, conn: Any) -> bool:
@@ -131,16 +130,3 @@ def readable(conn: Any, timeout: float) -> bool:
         return bool(poller.poll(timeout * 1000))
     ready, _, _ = select.select([conn], [], [], timeout)  # pragma: no cover - Windows: no poll()
     return bool(ready)
-
-
-_INHERITED: list[Any] = []  # a forked child's copies of its parent's listening connections: kept, never closed
-
-
-def _close_quietly(connection: Any, pid: int | None = None) -> None:
-    if pid is not None and pid != os.getpid():
-        _INHERITED.append(connection)  # closing or freeing it here would send the server the parent's goodbye
-        return
-    try:
-        connection.close()
-    except Exception:  # noqa: BLE001 - already closed or broken
-        pass

@@ -48,16 +48,15 @@ def pointer_probe(table: Table) -> Callable[[], str | None] | None:
     if not isinstance(catalog, SqlCatalog):
         return None
     identifier = table.name()
-    stmt = select(IcebergTables.metadata_location).where(
-        IcebergTables.catalog_name == catalog.name,
-        IcebergTables.table_namespace == Catalog.namespace_to_string(identifier[:-1]),
-        IcebergTables.table_name == identifier[-1],
-    )
+    params = (catalog.name, Catalog.namespace_to_string(identifier[:-1]), identifier[-1])
     engine = catalog.engine
     direct = direct_connections(engine)
     if direct is not None:  # the same query on the autocommit connection of connect/direct.py
-        params = (catalog.name, Catalog.namespace_to_string(identifier[:-1]), identifier[-1])
         return lambda: direct.read(_PROBE_SQL, params)
+    stmt = select(IcebergTables.metadata_location).where(
+        IcebergTables.catalog_name == params[0], IcebergTables.table_namespace == params[1],
+        IcebergTables.table_name == params[2],
+    )
 
     def probe() -> str | None:
         with no_fork_inside(), engine.connect() as conn:

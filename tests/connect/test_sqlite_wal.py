@@ -195,7 +195,7 @@ def test_a_forked_child_keeps_its_parents_probe_connections_open(tmp_path: Path,
     assert probe() == stream.table.metadata_location
     assert readers.local.held is not parents and readers.local.held.key[0] == real + 1
     assert any(kept is parents for kept in direct._INHERITED)
-    direct._close(parents.conn, real)  # a finalizer of the parent's connection running in the child
+    direct.close_in_owner(parents.conn, real)  # a finalizer of the parent's connection running in the child
     assert parents.conn.execute("SELECT 1").fetchone() == (1,)  # still open: kept, not closed
     monkeypatch.setattr(direct, "_getpid", lambda: real)
     direct._INHERITED[:] = [k for k in direct._INHERITED if k is not parents and k is not parents.conn]
