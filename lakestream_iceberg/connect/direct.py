@@ -30,13 +30,24 @@ runs once more on a new one, after the engine is disposed (the pool's idle conne
 assumes on a disconnect); the error of a fresh connection is raised as it is. A statement's own error on a working
 connection (``statement_timeout``, a lock timeout, a deadlock: ``OperationalError`` subclasses too) is raised at once,
 and the connection kept.
+
+**Commit notifications on PostgreSQL** (:meth:`DirectConnections.listen`): a thread that waits for the head of a table
+to move (a producer whose staged batch holds, :mod:`lakestream_iceberg.write.hold`) can ``LISTEN`` on the table's
+channel (:mod:`.notify`) on this same connection, and wait on its socket (:meth:`~DirectConnections.wait_notified`)
+instead of asking again and again. No connection is added. The process listens only while some thread waits: the
+first waiter's ``LISTEN`` and the last one's ``UNLISTEN`` are statements of their own, and notifications that arrive
+during any statement are counted per channel as they come, so none is left to pile up in the driver. A connection
+opened in place of a dead or disposed one listens again on the channels waited on, and every waiter is told to look
+(a notification may have been missed in between).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,7 +55,8 @@ from urllib.request import pathname2url
 
 from lakestream_iceberg.connect.fork import no_fork_inside
 
-__all__ = ["DirectConnections", "close_in_owner", "detached_autocommit", "direct_connections", "sqlite_connections"]
+__all__ = ["DirectConnections", "close_in_owner", "detached_autocommit", "direct_connections", "readable",
+           "sqlite_connections"]
 
 _INHERITED: list[object] = []  # a forked child's copies of its parent's connections: kept, never closed
 _getpid = os.getpid  # which process this is (a name of its own, so a test can play a forked child)
@@ -119,6 +131,12 @@ class DirectConnections:
         self.generation = 0  # bumped by dispose(): a new connection at the next statement
         self.opened: weakref.WeakSet[_Held] = weakref.WeakSet()  # the open connections, for dispose()
         self.lock = threading.Lock()
+        # PostgreSQL notifications (see the module docstring): the channels LISTENed on now and their waiters, and the
+        # notifications counted per channel (bumped too when a new connection listens again: anything may have moved)
+        self._waiters: dict[str, int] = {}
+        self._notified: dict[str, int] = {}
+        self._heard: dict[str, int] = {}  # the notifications themselves (without those bumps)
+        self._listen_lock = threading.Lock()  # orders LISTEN and UNLISTEN with the counts of waiters
 
     def connection(self) -> Any:
         """The connection (autocommit) of this thread (SQLite) or process (PostgreSQL), opened on first use."""
@@ -143,7 +161,11 @@ class DirectConnections:
                 held, fresh = self._held()
                 try:
                     cursor = held.conn.cursor()
+                    if fresh and self._waiters:  # the channels waited on: LISTEN again on the new connection
+                        self._listen_again(cursor)
                     cursor.execute(sql, params)
+                    if held.conn.notifies:  # arrived during the statement: counted now, none left in the driver
+                        self._count(held.conn)
                     # fetched here: a dispose in another thread closes the connection, and its cursors, at any time
                     return _Rows(cursor.fetchall() if cursor.description is not None else [], cursor.rowcount)
                 except self._broken:
@@ -158,6 +180,80 @@ class DirectConnections:
                         raise
                     if self._on_dead is not None:
                         self._on_dead()
+
+    def listen(self, channel: str) -> bool:
+        """Start waiting for notifications on ``channel`` (PostgreSQL): the first waiter of the process runs ``LISTEN``.
+        Every ``listen`` that returned True needs its :meth:`unlisten`. False (nothing to undo) where this connection
+        takes no notifications (SQLite) or ``LISTEN`` failed: the caller polls."""
+        if self._turns is None:
+            return False
+        with self._listen_lock:
+            if not self._waiters.get(channel):
+                try:
+                    self.execute(f'LISTEN "{channel}"')
+                except Exception:  # noqa: BLE001 - e.g. the database unreachable right now: the caller polls
+                    return False
+            self._waiters[channel] = self._waiters.get(channel, 0) + 1
+            return True
+
+    def unlisten(self, channel: str) -> None:
+        """Stop waiting on ``channel``: the last waiter of the process runs ``UNLISTEN`` (a failure is left to the next
+        statement: a dead connection is dropped with its ``LISTEN``; on a live one only its notifications are counted)."""
+        with self._listen_lock:
+            left = self._waiters.get(channel, 0) - 1
+            if left > 0:
+                self._waiters[channel] = left
+                return
+            self._waiters.pop(channel, None)
+            try:
+                self.execute(f'UNLISTEN "{channel}"')
+            except Exception:  # noqa: BLE001 - see the docstring
+                pass
+
+    def notified(self, channel: str) -> int:
+        """How many times this process was told to look at ``channel`` (compare with an earlier count): each
+        notification, and each new connection that listens again (one may have been missed in between)."""
+        return self._notified.get(channel, 0)
+
+    def heard(self, channel: str) -> int:
+        """How many notifications this process has received on ``channel``."""
+        return self._heard.get(channel, 0)
+
+    def wait_notified(self, channel: str, seen: int, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for the count of ``channel``'s notifications to pass ``seen``; returns the
+        count. Returns at once when it already has; after the timeout otherwise, or early when the connection has
+        something to read that is not a notification (another thread's statement). Where no connection of this
+        process is open, or it fails, it sleeps the timeout: the caller's next statement reopens it."""
+        if (count := self._notified.get(channel, 0)) != seen:
+            return count
+        held: _Held | None = getattr(self.local, "held", None)
+        if self._turns is None or held is None or held.key != (_getpid(), self.generation):
+            time.sleep(max(0.0, timeout))
+            return self._notified.get(channel, 0)
+        conn = held.conn
+        try:
+            if readable(conn, timeout):
+                with no_fork_inside(), self._turns:
+                    if self.local.held is held:  # not replaced while this thread waited
+                        conn.poll()
+                        self._count(conn)
+        except Exception:  # noqa: BLE001 - closed by a dispose meanwhile, or dead: the next statement reopens it
+            time.sleep(max(0.0, timeout))
+        return self._notified.get(channel, 0)
+
+    def _count(self, conn: Any) -> None:
+        """Count (and drop from the driver) the notifications the connection received; under ``_turns``."""
+        for notice in conn.notifies:
+            self._notified[notice.channel] = self._notified.get(notice.channel, 0) + 1
+            self._heard[notice.channel] = self._heard.get(notice.channel, 0) + 1
+        conn.notifies.clear()
+
+    def _listen_again(self, cursor: Any) -> None:
+        """On a new connection: ``LISTEN`` on every channel waited on, and tell their waiters to look (notifications
+        sent while no connection listened are lost)."""
+        for channel in list(self._waiters):
+            cursor.execute(f'LISTEN "{channel}"')
+            self._notified[channel] = self._notified.get(channel, 0) + 1
 
     def read(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row of a query, or None when it returns no row."""
@@ -283,12 +379,27 @@ def detached_autocommit(engine: Any) -> Any:
     return conn
 
 
+def readable(conn: Any, timeout: float) -> bool:
+    """Whether ``conn`` (a socket, a database connection: anything with ``fileno()``) has something to read, or was
+    closed, within ``timeout`` seconds: ``poll()``, which takes any descriptor (``select()`` refuses those from 1024 up,
+    which a process with many open files or sockets hands out, e.g. a relay holder serving hundreds of readers)."""
+    timeout = max(0.0, timeout)
+    if hasattr(select, "poll"):
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
+    ready, _, _ = select.select([conn], [], [], timeout)  # pragma: no cover - Windows: no poll()
+    return bool(ready)
+
+
 def _reset_lock_after_fork() -> None:
     global _LOCK
     _LOCK = threading.Lock()  # another thread of the parent may have held a lock at the fork
     for direct in list(_BY_ENGINE.values()):
         if direct is not None:
             direct.lock = threading.Lock()
+            direct._listen_lock = threading.Lock()
+            direct._waiters = {}  # the parent's waiters: this process listens on its own connection, when it waits
             if direct._turns is not None:
                 direct._turns = threading.Lock()
 

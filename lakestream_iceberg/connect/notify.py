@@ -7,7 +7,9 @@ What each catalog gets:
   delivers a notification only when that transaction commits, so a notification always means "the head moved". A
   follower (:class:`HeadListener`) holds one extra connection that ``LISTEN``\\ s on the table's channel and wakes as
   soon as one arrives. Commits made by other tools (pyiceberg's own ``commit_table``, Spark) send none: followers
-  keep polling, at their backed-off interval, as a safety net.
+  keep polling, at their backed-off interval, as a safety net. A producer whose staged batch holds for a group commit
+  (:class:`CommitNotices`) listens on the process's direct connection (:mod:`.direct`, no connection added) for as
+  long as it holds, and reads the pointer when a notification comes instead of at every poll.
 * **SQLite and every other catalog** (REST, Glue, Hive): no notifications; followers poll with exponential backoff
   (on SQL catalogs a poll reads only the table pointer, see :mod:`.pointer`).
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import select
 import threading
 import weakref
 from typing import Any
@@ -28,11 +29,11 @@ from typing import Any
 from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 
-from lakestream_iceberg.connect.direct import close_in_owner, detached_autocommit
+from lakestream_iceberg.connect.direct import close_in_owner, detached_autocommit, direct_connections, readable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HeadListener", "channel", "notifies", "readable"]
+__all__ = ["CommitNotices", "HeadListener", "channel", "notifies", "readable"]
 
 
 def channel(catalog_name: str, identifier: tuple[str, ...]) -> str:
@@ -119,14 +120,63 @@ class HeadListener:
         self._finalizer()
 
 
-def readable(conn: Any, timeout: float) -> bool:
-    """Whether ``conn`` (a socket, a database connection: anything with ``fileno()``) has something to read, or was
-    closed, within ``timeout`` seconds: ``poll()``, which takes any descriptor (``select()`` refuses those from 1024 up,
-    which a process with many open files or sockets hands out, e.g. a relay holder serving hundreds of readers)."""
-    timeout = max(0.0, timeout)
-    if hasattr(select, "poll"):
-        poller = select.poll()
-        poller.register(conn, select.POLLIN)
-        return bool(poller.poll(timeout * 1000))
-    ready, _, _ = select.select([conn], [], [], timeout)  # pragma: no cover - Windows: no poll()
-    return bool(ready)
+class CommitNotices:
+    """Commit notifications for a producer's holds on one table, on the process's direct connection (PostgreSQL).
+
+    :meth:`open` returns None where the catalog sends none or has no direct connection. A hold calls :meth:`start`
+    (``LISTEN``, shared by the holds of the process's threads), waits with :meth:`wait` and ends with :meth:`stop`.
+    Notifications are *proven* once one arrived during a hold: from then on a hold reads the pointer when one comes
+    (and every :attr:`fallback` as a safety net for commits that send none) instead of at every poll. Until then holds
+    poll as they would without notifications, only waking early when one comes. Where ``LISTEN`` is accepted but no
+    notification ever arrives (a pooler in transaction mode serves the connection, or the table's commits come from
+    a catalog whose commit sends none) the process stops listening after :attr:`GIVE_UP` holds that saw the head move
+    and heard nothing.
+    """
+
+    GIVE_UP = 8
+
+    def __init__(self, direct: Any, name: str) -> None:
+        self._direct = direct
+        self.channel = name
+        self.proven = False
+        self.off = False
+        self._silent = 0  # holds in a row that saw the head move and heard nothing, before any notification
+        self._heard_at_start = 0
+
+    @classmethod
+    def open(cls, table: Table) -> CommitNotices | None:
+        """The notifications of ``table``'s commits, or None where its catalog sends none."""
+        catalog = table.catalog
+        if not notifies(catalog):
+            return None
+        direct = direct_connections(catalog.engine)  # type: ignore[attr-defined]
+        if direct is None:
+            return None
+        return cls(direct, channel(catalog.name, table.name()))
+
+    def start(self) -> int | None:
+        """Listen for the length of a hold: the count of notifications so far (compare with :meth:`wait`'s), or None
+        when this hold polls instead (given up on, or ``LISTEN`` failed)."""
+        if self.off or not self._direct.listen(self.channel):
+            return None
+        self._heard_at_start = int(self._direct.heard(self.channel))
+        return int(self._direct.notified(self.channel))
+
+    def wait(self, seen: int, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for a notification after count ``seen``; returns the count now (it also
+        moves when the connection was replaced: anything may have been missed, so look)."""
+        return int(self._direct.wait_notified(self.channel, seen, timeout))
+
+    def stop(self, *, moved: bool) -> None:
+        """End a hold's listening (``moved``: whether it saw the head move)."""
+        heard = int(self._direct.heard(self.channel)) != self._heard_at_start
+        self._direct.unlisten(self.channel)
+        if heard:
+            self.proven, self._silent = True, 0
+        elif moved and not self.proven:
+            self._silent += 1
+            if self._silent >= self.GIVE_UP:
+                self.off = True
+                log.info("no commit notifications arrive on channel %s (a pooler in transaction mode, or commits that "
+                         "send none): holds poll the catalog pointer instead", self.channel)
+

@@ -100,20 +100,22 @@ def cached_probe(table: Table) -> Callable[[], str | None] | None:
 
 class PointerWatch:
     """How long a table's catalog pointer has stayed where it is, as seen from the first read (``probe``: see
-    :func:`cached_probe`; probed at most every ``every_s``), and whether it moved since the last look. A failing or
-    missing probe never reports idleness nor a move."""
+    :func:`cached_probe`; probed at most every ``every_s``, which may be changed, and at the next look after
+    :meth:`due`), and whether it moved since the last look. A failing or missing probe never reports idleness nor a
+    move."""
 
     def __init__(self, probe: Callable[[], str | None] | None, now: float, *, every_s: float) -> None:
         self._probe = probe
-        self._every_s = every_s
+        self.every_s = every_s
         self._location: str | None = None
         self._since = now
         self._read = False
         self._probed = -math.inf
         self._moved = False  # moved (or first read) since moved() last answered
+        self._moves = 0
 
     def _look(self, now: float) -> None:
-        if self._probe is None or (self._read and now - self._probed < self._every_s):
+        if self._probe is None or (self._read and now - self._probed < self.every_s):
             return
         self._probed = now
         try:
@@ -122,7 +124,18 @@ class PointerWatch:
             self._read = False
             return
         if not self._read or location != self._location:
+            if self._location is not None and location != self._location:
+                self._moves += 1
             self._location, self._since, self._read, self._moved = location, now, True, True
+
+    def due(self) -> None:
+        """Probe at the next look, however recent the last probe (a commit notification came)."""
+        self._probed = -math.inf
+
+    @property
+    def moves(self) -> int:
+        """How many moves the probes saw (the first read not counted)."""
+        return self._moves
 
     def idle_for(self, now: float) -> float:
         """Seconds the pointer has stayed where it is (0 when it cannot be read)."""

@@ -51,6 +51,7 @@ from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import transient
+from lakestream_iceberg.connect.notify import CommitNotices
 from lakestream_iceberg.connect.pointer import cached_probe, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
 from lakestream_iceberg.errors import (
@@ -183,7 +184,9 @@ class CommitLoop:
         # True from an answer found by peek() until the next full read: table.metadata is older than the head
         self.peeked = False
         self._peek = HeadPeek(table=table, branch=branch)
-        self._hold = Hold(policy=policy, branch=branch, probe=self._probe, peek=self.peek, clock=clock, sleep=sleep)
+        self._notices: CommitNotices | None | bool = False  # False: not looked up yet
+        self._hold = Hold(policy=policy, branch=branch, probe=self._probe, peek=self.peek, clock=clock, sleep=sleep,
+                          notices=self._commit_notices)
 
     def refresh(self, *, deadline: float) -> TableMetadata:
         """Reload the table, retrying a failing catalog with bounded, jittered backoff until ``deadline``."""
@@ -247,6 +250,15 @@ class CommitLoop:
         self.policy.observe_head(state.step, producers=[p.step for p in state.producers.values() if p.recurring or p.step > recent],
                                  group=state.group,
                                  group_commit_s=state.group_commit_ms / 1000 if state.group_commit_ms else None)
+
+    def _commit_notices(self) -> CommitNotices | None:
+        """The table's commit notifications (None: its catalog sends none, or they cannot be set up now)."""
+        if self._notices is False:
+            try:
+                self._notices = CommitNotices.open(self.table)
+            except Exception:  # noqa: BLE001 - e.g. the database unreachable right now: holds poll, asked again later
+                return None
+        return self._notices if isinstance(self._notices, CommitNotices) else None
 
     def _probe(self) -> Callable[[], str | None] | None:
         """The table's catalog pointer probe (None: the catalog has none, or it cannot be made now)."""

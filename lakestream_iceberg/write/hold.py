@@ -17,6 +17,7 @@ from typing import Any
 
 from pyiceberg.table.metadata import TableMetadata
 
+from lakestream_iceberg.connect.notify import CommitNotices
 from lakestream_iceberg.connect.pointer import PointerWatch
 from lakestream_iceberg.write.dac import CommitPolicy
 from lakestream_iceberg.write.plan import Carry, Peek
@@ -36,11 +37,14 @@ class Hold:
             made now.
         peek: Reads the head lightly (:meth:`CommitLoop.peek`); None when it must be read fully.
         clock, sleep: ``time.monotonic`` and ``time.sleep``, or a test's.
+        notices: Returns the table's commit notifications, or None where its catalog sends none (not PostgreSQL).
     """
 
     def __init__(self, *, policy: CommitPolicy, branch: str, probe: Callable[[], Callable[[], str | None] | None],
-                 peek: Callable[[], Peek | None], clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+                 peek: Callable[[], Peek | None], clock: Callable[[], float], sleep: Callable[[float], None],
+                 notices: Callable[[], CommitNotices | None] = lambda: None) -> None:
         self.policy = policy
+        self._notices = notices
         self._branch = branch
         self._probe = probe
         self._peek = peek
@@ -71,6 +75,9 @@ class Hold:
           runs the producers it did not carry write their next batches;
         * the head has not moved for ``policy.idle_after_s``: nobody is committing (the producers ahead stopped).
 
+        On PostgreSQL the hold listens for commit notifications meanwhile (:class:`~lakestream_iceberg.connect.notify.
+        CommitNotices`): it wakes as soon as a commit lands, and once notifications have proven to arrive it reads the
+        pointer when one comes (and every half ``idle_after_s``, for commits that send none) instead of at every poll.
         Without a pointer probe (REST catalogs) it holds for ``seconds``, polling whether its intent is gone."""
         start = self._clock()
         end = start + seconds
@@ -79,6 +86,18 @@ class Hold:
         lead = self.policy.leads_queue and probe is not None
         watch = PointerWatch(probe, start, every_s=0.0 if lead else idle_s / 4) if lead or seconds > idle_s else None
         self._carried_peek = None
+        notices = self._notices() if lead else None
+        seen = notices.start() if notices is not None else None
+        try:
+            return self._hold(carry, seconds, end, watch, lead=lead, notices=notices, seen=seen)
+        finally:
+            if notices is not None and seen is not None:
+                notices.stop(moved=watch is not None and watch.moves > 0)
+
+    def _hold(self, carry: Carry[Any], seconds: float, end: float, watch: PointerWatch | None, *, lead: bool,
+              notices: CommitNotices | None, seen: int | None) -> bool:
+        """:meth:`wait`'s loop (``notices`` listening, ``seen`` their count, when it has them)."""
+        idle_s = self.policy.idle_after_s
         polls = not lead  # whether every poll checks the intent (with ``lead``: on every move of the head)
         while (now := self._clock()) < end:
             if lead and watch is not None and watch.moved(now):
@@ -86,7 +105,16 @@ class Hold:
                 if place is not None:
                     return place
                 polls = polls or self._blind
-            self._sleep(min(self.policy.poll_delay(waited=now - carry.staged_at), end - now))
+            delay = min(self.policy.poll_delay(waited=now - carry.staged_at), end - now)
+            if notices is None or seen is None or watch is None:  # no notifications: poll
+                self._sleep(delay)
+            else:
+                if notices.proven and not polls:  # the pointer is read when a notification comes, and as a safety net
+                    watch.every_s = max(delay, idle_s / 2)
+                    delay = min(watch.every_s, end - now)
+                if (count := notices.wait(seen, delay)) != seen:
+                    seen = count
+                    watch.due()
             if (polls or (watch is not None and not watch.readable)) and carry.gone():  # no pointer now: the intent
                 return True
             if watch is not None and seconds > idle_s and watch.idle_for(self._clock()) >= idle_s:
