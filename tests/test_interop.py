@@ -1008,3 +1008,41 @@ def test_a_tag_another_engine_made_is_named_as_such_when_forked_or_released(tmp_
         stream.release("t5")
     assert stream.checkpoint("c5", step=5).step == 5
     assert stream.fork("c5", branch="f5").step == 5
+
+
+@pytest.mark.parametrize("retain", ["500", "2"], ids=["step-snapshot-retained", "step-snapshot-expired"])
+def test_main_set_to_a_checkpoints_tag_by_another_engine_is_refused_and_repaired_not_read_as_a_fork(
+        tmp_path: Path, retain: str) -> None:
+    """Another engine rolled main back to a checkpoint by its tag (Spark's set_current_snapshot(ref => 'c4'), pyiceberg's
+    set_current_snapshot(ref_name='c4')): main's head became the checkpoint's anchor, which holds step 4 alone and no
+    producer sequences, and lakestream read it as a fork: steps 1-3 left main ('collected by lifecycle GC'), and
+    producers published their published seqs again (producer a's seq 0 at step 5). It is refused, and repair() rolls
+    main back to the snapshot that published step 4 (or, when that one was expired, where main was before)."""
+    stream, before = published(make(tmp_path, **{"lakestream.snapshots.retain-last": retain}))
+    producer = stream.producer("a")
+    at4 = {StreamState.of(s).step: s.snapshot_id for s in lineage(stream)}.get(4)
+    moved_from = stream.refresh().head().snapshot_id
+    checkpoint = stream.checkpoint("c4", step=4)
+    stream.table.manage_snapshots().set_current_snapshot(ref_name="c4").commit()  # another engine
+    refused = pytest.raises(ForeignSnapshotError, match=rf"anchor of checkpoint 'c4' \(step 4\).*stream.repair\(\)")
+    with refused as err:
+        producer.commit(batch("a", 0, WORLD))  # seq 0 was published at step 1
+    assert err.value.snapshot_id == checkpoint.snapshot_id
+    with refused:
+        stream.read(1, rank=0)
+    with refused:
+        stream.head_step()
+    assert stream.refresh().head().snapshot_id == checkpoint.snapshot_id  # nothing published
+    report = stream.repair()
+    if retain == "500":
+        assert (report.rolled_back_to, report.step) == (at4, 4)
+        assert {step: rows_of(stream, step) for step in range(1, 5)} == {s: before[s] for s in range(1, 5)}
+        assert (producer.commit(batch("a", 0, WORLD), seq=0).duplicate, producer.commit(batch("a", 2, WORLD)).step) == \
+            (True, 5)  # a's seqs 0 and 1 (steps 1, 3) stay published; seq 2 left main with the rollback
+    else:
+        assert at4 is None and (report.rolled_back_to, report.step) == (moved_from, 8)
+        assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+        assert producer.commit(batch("a", 0, WORLD), seq=0).duplicate
+        assert producer.commit(batch("a", 4, WORLD)).step == 9
+    assert report.foreign == (checkpoint.snapshot_id,)
+    assert [c.name for c in stream.checkpoints()] == ["c4"]

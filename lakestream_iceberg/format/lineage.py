@@ -23,13 +23,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyiceberg.table.metadata import TableMetadata
+from pyiceberg.table.refs import MAIN_BRANCH
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError, ForeignSnapshotError
-from lakestream_iceberg.format.summary import KEY_STEP, StreamState
+from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, KEY_STEP, OP_CHECKPOINT, StreamState
 
-__all__ = ["Lineage", "branch_state", "changes_data", "describe", "is_lakestream", "lineage"]
+__all__ = ["Lineage", "anchor_on_main", "branch_state", "changes_data", "describe", "is_lakestream", "lineage"]
 
 # The summary counts of Iceberg's SnapshotSummary that record a change of the table's rows or files; any non-zero one
 # makes a snapshot a data change.
@@ -141,6 +142,7 @@ def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str,
             reaching one. The message names the snapshot and how to bring the branch back.
     """
     if head is None or is_lakestream(head):
+        _refuse_anchor_on_main(metadata, head, stream=stream, branch=branch)
         return StreamState.of(head)
     found = lineage(metadata, head)
     changed = found.changed
@@ -158,7 +160,42 @@ def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str,
             "history.expire.min-snapshots-to-keep at 2 or more so that expiry keeps a lakestream snapshot",
             snapshot_id=oldest.snapshot_id,
         )
+    _refuse_anchor_on_main(metadata, found.base, stream=stream, branch=branch)
     return StreamState.of(found.base)
+
+
+def anchor_on_main(base: Snapshot | None, branch: str) -> bool:
+    """Whether ``base``, the lakestream snapshot a branch's state is read from, is a checkpoint's anchor on ``main``.
+
+    An anchor holds its checkpoint's step alone and no producer sequences: on a fork (``Stream.fork`` makes a new
+    branch at it) that is the new timeline's start. ``main`` is never made by a fork, so it is there because another
+    engine moved it (Spark's ``set_current_snapshot(ref => 'ckpt')``, ``REPLACE BRANCH main``, pyiceberg's
+    ``set_current_snapshot(ref_name=...)``): read as main's state, the steps below the checkpoint would leave main and
+    its producers would publish their published sequences again."""
+    return branch == MAIN_BRANCH and base is not None and StreamState.of(base).op == OP_CHECKPOINT
+
+
+def _refuse_anchor_on_main(metadata: TableMetadata, base: Snapshot | None, *, stream: str, branch: str) -> None:
+    if not anchor_on_main(base, branch):
+        return
+    assert base is not None
+    props = base.summary.additional_properties if base.summary is not None else {}
+    name, step = props.get(KEY_CHECKPOINT, "?"), StreamState.of(base).step
+    source = parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)
+    kept = source is not None and metadata.snapshot_by_id(source) is not None
+    raise ForeignSnapshotError(
+        f"branch 'main' of stream {stream}: its head is snapshot {base.snapshot_id}, the anchor of checkpoint "
+        f"{name!r} (step {step}), where another engine set it (a set_current_snapshot or REPLACE BRANCH to the "
+        f"checkpoint's tag). An anchor holds step {step} alone and no producer sequences, so on main the steps below "
+        f"it would be lost and producers would publish their published batches again; lakestream neither commits on "
+        "it nor reads through it. Run stream.repair() (or `lakestream repair`) to roll main back to "
+        + (f"snapshot {source}, which published step {step} with every step before it" if kept else
+           "where it was before it was moved (the snapshot that published step "
+           f"{step} was expired)")
+        + ". To resume training from a checkpoint, use LakestreamDataset.from_checkpoint; to go on from it as a new "
+        "timeline, fork it (Stream.fork)",
+        snapshot_id=base.snapshot_id,
+    )
 
 
 def describe(snapshot: Snapshot) -> str:

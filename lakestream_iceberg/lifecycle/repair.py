@@ -32,10 +32,11 @@ from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
 from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
 
+from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
-from lakestream_iceberg.format.lineage import Lineage, branch_state, describe, lineage
+from lakestream_iceberg.format.lineage import Lineage, anchor_on_main, branch_state, describe, lineage
 from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
-from lakestream_iceberg.format.summary import OP_REPAIR, StreamState
+from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_REPAIR, StreamState
 from lakestream_iceberg.write.plan import Done, Plan
 
 if TYPE_CHECKING:
@@ -100,6 +101,9 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     if found.changed is None and found.broken:
         assert head is not None  # lineage() reports a broken lineage only below a head it walked (None: Lineage(None))
         return _plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run)
+    if found.changed is None and anchor_on_main(found.base, branch):
+        assert found.base is not None and ref is not None
+        return _plan_off_anchor(stream, metadata, found, found.base, ref.snapshot_id, dry_run=dry_run)
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
@@ -119,6 +123,48 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     return Plan(
         (set_ref(branch, SnapshotRefType.BRANCH, found.base.snapshot_id, current=ref),),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id)),
+        report,
+        [],
+    )
+
+
+def _plan_off_anchor(stream: StreamTable, metadata: TableMetadata, found: Lineage, anchor: Snapshot, head_id: int, *,
+                     dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
+    """Main moved onto a checkpoint's anchor by another engine (see :func:`~lakestream_iceberg.format.lineage.
+    anchor_on_main`): back to the snapshot that published the checkpoint's step when it is retained (the rollback to
+    that step the move meant, every step before it and the producers' sequences with it), else to main's head before
+    the move (the newest one of the table's snapshot log that is retained and holds a state, not an anchor)."""
+    props = anchor.summary.additional_properties if anchor.summary is not None else {}
+    moved = {anchor.snapshot_id, *(s.snapshot_id for s in found.foreign)}
+    candidates = [parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)]
+    candidates += [entry.snapshot_id for entry in reversed(metadata.snapshot_log) if entry.snapshot_id not in moved]
+    target = None
+    for snapshot_id in candidates:
+        snapshot = metadata.snapshot_by_id(snapshot_id) if snapshot_id is not None else None
+        if snapshot is None:
+            continue
+        there = lineage(metadata, snapshot)
+        if there.base is not None and there.changed is None and not there.broken and not anchor_on_main(there.base, "main"):
+            target = snapshot
+            break
+    if target is None:
+        raise ForeignSnapshotError(
+            f"branch 'main' of stream {stream.name} cannot be repaired automatically: another engine set it to the "
+            f"anchor of checkpoint {props.get(KEY_CHECKPOINT, '?')!r} (snapshot {anchor.snapshot_id}), and neither "
+            "the snapshot that published its step nor main's earlier heads are retained. Point main at a snapshot "
+            "lakestream wrote on it if a backup of the metadata has one, or create a new stream for the producers",
+            snapshot_id=anchor.snapshot_id)
+    report = RepairReport(branch="main", foreign=tuple(s.snapshot_id for s in (*found.foreign, anchor)),
+                          rolled_back_to=target.snapshot_id, step=branch_state(metadata, target, stream=stream.name,
+                                                                               branch="main").step,
+                          dry_run=dry_run, changes=(*(describe(s) for s in found.foreign),
+                                                    f"main set to checkpoint {props.get(KEY_CHECKPOINT, '?')!r}'s anchor "
+                                                    f"(step {StreamState.of(anchor).step} alone)"))
+    if dry_run:
+        return Done(report)
+    return Plan(
+        (set_ref("main", SnapshotRefType.BRANCH, target.snapshot_id, current=metadata.refs["main"]),),
+        (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref="main", snapshot_id=head_id)),
         report,
         [],
     )
