@@ -1046,3 +1046,32 @@ def test_main_set_to_a_checkpoints_tag_by_another_engine_is_refused_and_repaired
         assert producer.commit(batch("a", 4, WORLD)).step == 9
     assert report.foreign == (checkpoint.snapshot_id,)
     assert [c.name for c in stream.checkpoints()] == ["c4"]
+
+
+@pytest.mark.parametrize("change", ["rename", "drop"])
+def test_a_packed_streams_rank_column_dropped_or_renamed_by_another_engine_is_refused_until_restored(
+        tmp_path: Path, change: str) -> None:
+    """_rank is a stored column of the packed layout, not a partition field, so Iceberg lets another engine drop or
+    rename it: a producer opened before went on committing files with a _rank column the table no longer had, and a
+    producer made after it failed with a raw KeyError: '_rank'. Both are a ConfigError saying how to restore it, and
+    after the restore producers commit and every step reads as published."""
+    from pyiceberg.types import IntegerType
+
+    stream, before = published(make(tmp_path, **{"lakestream.layout": "packed"}))
+    running = stream.producer("a")
+    head = stream.refresh().head().snapshot_id
+    with sqlite_catalog(str(tmp_path)).load_table("ns.stream").update_schema(allow_incompatible_changes=True) as update:
+        update.rename_column("_rank", "rank_id") if change == "rename" else update.delete_column("_rank")
+    refused = pytest.raises(ConfigError, match=r"packed layout.*no longer has that column.*Rename it back")
+    with refused:
+        running.commit(batch("a", 4, WORLD), seq=4)
+    with refused:
+        Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").producer("b").commit(batch("b", 4, WORLD), seq=4)
+    assert stream.refresh().head().snapshot_id == head  # nothing published
+    with sqlite_catalog(str(tmp_path)).load_table("ns.stream").update_schema() as update:  # as the message says
+        update.rename_column("rank_id", "_rank") if change == "rename" else update.add_column("_rank", IntegerType())
+    assert running.commit(batch("a", 4, WORLD), seq=4).step == 9
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    assert again.producer("b").commit(batch("b", 4, WORLD), seq=4).step == 10
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+    assert all(again.read(10, rank=r).equals(t) for r, t in enumerate(batch("b", 4, WORLD)))

@@ -37,9 +37,11 @@ from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
 from lakestream_iceberg.format.checks import MAX_STEP, check_branch, check_int
 from lakestream_iceberg.format.index import StepIndex
 from lakestream_iceberg.format.layout import (
+    LAYOUT_PACKED,
     PROP_LAYOUT,
     PROP_VERSION,
     PROP_WORLD_SIZE,
+    RANK_COLUMN,
     StreamConfig,
     check_format_version,
     layout_of_spec,
@@ -103,6 +105,15 @@ def check_layout(metadata: TableMetadata, config: StreamConfig, *, stream: str) 
     check_format_version(metadata.properties, stream=stream)  # a newer lakestream_iceberg may upgrade a live stream
     implemented = layout_of_spec(metadata.spec(), metadata.schema())
     if implemented == config.layout:
+        if implemented == LAYOUT_PACKED and RANK_COLUMN not in {f.name for f in metadata.schema().fields}:
+            raise ConfigError(
+                f"stream {stream} has the packed layout, whose data files store each row's rank in the column "
+                f"{RANK_COLUMN}, but its table schema no longer has that column: another engine or a person dropped or "
+                f"renamed it, and lakestream's files cannot be written without it (nor read by rank by other engines). "
+                f"Rename it back (Spark: ALTER TABLE ... RENAME COLUMN NAME TO {RANK_COLUMN}; pyiceberg: "
+                f"table.update_schema().rename_column(NAME, {RANK_COLUMN!r}).commit()), or add it again if it was dropped "
+                f"(an int column named {RANK_COLUMN})"
+            )
         return
     raise ConfigError(
         f"stream {stream} has {PROP_LAYOUT}={config.layout!r} but its partition spec ({metadata.spec()}) implements "
