@@ -28,6 +28,7 @@ from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError, ForeignSnapshotError
+from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, KEY_STEP, OP_CHECKPOINT, StreamState
 
 __all__ = ["Lineage", "anchor_on_main", "branch_state", "changes_data", "describe", "is_lakestream", "lineage"]
@@ -182,7 +183,8 @@ def _refuse_anchor_on_main(metadata: TableMetadata, base: Snapshot | None, *, st
     props = base.summary.additional_properties if base.summary is not None else {}
     name, step = props.get(KEY_CHECKPOINT, "?"), StreamState.of(base).step
     source = parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)
-    kept = source is not None and metadata.snapshot_by_id(source) is not None
+    kept = (source is not None and metadata.snapshot_by_id(source) is not None
+            and props.get(KEY_SOURCE_BRANCH, MAIN_BRANCH) == MAIN_BRANCH)
     raise ForeignSnapshotError(
         f"branch 'main' of stream {stream}: its head is snapshot {base.snapshot_id}, the anchor of checkpoint "
         f"{name!r} (step {step}), where another engine set it (a set_current_snapshot or REPLACE BRANCH to the "
@@ -190,8 +192,7 @@ def _refuse_anchor_on_main(metadata: TableMetadata, base: Snapshot | None, *, st
         f"it would be lost and producers would publish their published batches again; lakestream neither commits on "
         "it nor reads through it. Run stream.repair() (or `lakestream repair`) to roll main back to "
         + (f"snapshot {source}, which published step {step} with every step before it" if kept else
-           "where it was before it was moved (the snapshot that published step "
-           f"{step} was expired)")
+           "where it was before it was moved (the checkpoint's step is not a retained snapshot of main)")
         + ". To resume training from a checkpoint, use LakestreamDataset.from_checkpoint; to go on from it as a new "
         "timeline, fork it (Stream.fork)",
         snapshot_id=base.snapshot_id,

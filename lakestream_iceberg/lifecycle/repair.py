@@ -34,6 +34,7 @@ from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
+from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
 from lakestream_iceberg.format.lineage import Lineage, anchor_on_main, branch_state, describe, lineage
 from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_REPAIR, StreamState
@@ -131,12 +132,15 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
 def _plan_off_anchor(stream: StreamTable, metadata: TableMetadata, found: Lineage, anchor: Snapshot, head_id: int, *,
                      dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
     """Main moved onto a checkpoint's anchor by another engine (see :func:`~lakestream_iceberg.format.lineage.
-    anchor_on_main`): back to the snapshot that published the checkpoint's step when it is retained (the rollback to
-    that step the move meant, every step before it and the producers' sequences with it), else to main's head before
+    anchor_on_main`): back to the snapshot that published the checkpoint's step when it is retained and the checkpoint
+    was taken on main (the rollback to that step the move meant, every step before it and the producers' sequences
+    with it), else to main's head before
     the move (the newest one of the table's snapshot log that is retained and holds a state, not an anchor)."""
     props = anchor.summary.additional_properties if anchor.summary is not None else {}
     moved = {anchor.snapshot_id, *(s.snapshot_id for s in found.foreign)}
-    candidates = [parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)]
+    # the source snapshot is main's own step only for a checkpoint taken on main (a fork's step holds the fork's timeline)
+    own = props.get(KEY_SOURCE_BRANCH, MAIN_BRANCH) == MAIN_BRANCH
+    candidates = [parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)] if own else []
     candidates += [entry.snapshot_id for entry in reversed(metadata.snapshot_log) if entry.snapshot_id not in moved]
     target = None
     for snapshot_id in candidates:
