@@ -1028,9 +1028,9 @@ def test_main_set_to_a_checkpoints_tag_by_another_engine_is_refused_and_repaired
         stream.fork(stream.checkpoint("c2", step=2), branch="f")
         for seq in range(2):
             stream.producer("x", branch="f").commit(batch("x", seq, WORLD))
-    checkpoint = stream.checkpoint("c4", step=4, branch=on if on == "main" else "f")
+    checkpoint = stream.checkpoint("c4", step=4, branch="main" if on == "main" else "f")
     stream.table.manage_snapshots().set_current_snapshot(ref_name="c4").commit()  # another engine
-    refused = pytest.raises(ForeignSnapshotError, match=rf"anchor of checkpoint 'c4' \(step 4\).*stream.repair\(\)")
+    refused = pytest.raises(ForeignSnapshotError, match=r"anchor of checkpoint 'c4' \(step 4\).*stream.repair\(\)")
     with refused as err:
         producer.commit(batch("a", 0, WORLD))  # seq 0 was published at step 1
     assert err.value.snapshot_id == checkpoint.snapshot_id
