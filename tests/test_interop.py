@@ -1106,3 +1106,26 @@ def test_main_fast_forwarded_to_a_fork_keeps_its_steps_or_is_refused(tmp_path: P
         raise
     except LakestreamError:
         pass  # refused loudly: acceptable
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: a snapshot whose summary records a step is taken as lakestream's")
+def test_a_foreign_append_that_copied_lakestreams_summary_keys_is_foreign(tmp_path: Path) -> None:
+    """A tool that appends with the head's snapshot properties copied (pyiceberg's append(..., snapshot_properties=...),
+    Spark's snapshot-property.* options), lakestream.* keys included: the append was read as lakestream's own
+    snapshot, so producers went on committing on top of it (step 9), the step it wrote into failed to read with a
+    CorruptStateError, and repair() found nothing to repair. Expected: refused as foreign data, as a cherry-pick that
+    copied the keys is."""
+    stream, before = published(make(tmp_path))
+    base = stream.refresh().head()
+    assert base is not None
+    keys = {k: v for k, v in base.summary.additional_properties.items() if k.startswith("lakestream.")}
+    table = stream.table
+    rows = batch("x", 0, 1)[0]
+    rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
+    rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
+    table.append(rows.select([f.name for f in table.schema().as_arrow()]).cast(table.schema().as_arrow()),
+                 snapshot_properties=keys)
+    with pytest.raises(ForeignSnapshotError):
+        stream.producer("a").commit(batch("a", 4, WORLD), seq=4)
+    assert stream.repair().rolled_back_to == base.snapshot_id
+    assert {step: rows_of(stream, step) for step in range(1, 9)} == before
