@@ -78,3 +78,12 @@ def foreign_append(stream: Any) -> None:
     rows = rows.append_column("_step", pa.array([3] * rows.num_rows, pa.int64()))
     rows = rows.append_column("_rank", pa.array([0] * rows.num_rows, pa.int32()))
     table.append(rows.select([f.name for f in table.schema().as_arrow()]).cast(table.schema().as_arrow()))
+
+
+def lakestream_keys(snapshot: Any) -> dict[str, str]:
+    """A lakestream snapshot's ``lakestream.*`` summary keys, to append a snapshot with pyiceberg that lakestream takes
+    for its own, as one written by a lakestream that did not record ``lakestream.snapshot-id`` yet (a copy that names
+    another snapshot's id is another engine's: tests/test_interop.py): how tests put rows lakestream never writes
+    into a stream's lineage."""
+    return {k: v for k, v in snapshot.summary.additional_properties.items()
+            if k.startswith("lakestream.") and k != "lakestream.snapshot-id"}

@@ -51,7 +51,7 @@ from lakestream_iceberg import (
     Stream,
     load_catalog,
 )
-from tests.support import SCHEMA, batch, digest, shard
+from tests.support import SCHEMA, batch, digest, lakestream_keys, shard
 
 WORLD = 2
 
@@ -337,7 +337,7 @@ def malformed_head(catalog: SqlCatalog, bad: dict[str, str] | None = None) -> tu
     stream.checkpoint("c1", step=1)
     table = catalog.load_table("ns.stream")
     head = table.metadata.snapshot_by_name("main")
-    props = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("lakestream.")}
+    props = lakestream_keys(head)
     props.update({"lakestream.step": "4", "lakestream.producer": "p", "lakestream.seq": "3"})
     props.update(bad or {"lakestream.seq": "True"})
     rows = shard("p", 3, 0, rows=2)

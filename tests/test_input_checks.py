@@ -17,7 +17,7 @@ from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepCollectedError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.read.dataset import LakestreamDataset
-from tests.support import SCHEMA, batch, sqlite_catalog
+from tests.support import SCHEMA, batch, lakestream_keys, sqlite_catalog
 
 WORLD = 2
 
@@ -318,8 +318,7 @@ def test_gc_and_history_skip_rows_another_engine_appended_without_a_step(tmp_pat
 
     stream = make(tmp_path, steps=1)
     table = stream.table.catalog.load_table("ns.s")
-    props = {k: v for k, v in table.metadata.snapshot_by_name("main").summary.additional_properties.items()
-             if k.startswith("lakestream.")}
+    props = lakestream_keys(table.metadata.snapshot_by_name("main"))
     from tests.support import shard
 
     rows = shard("x", 0, 0, rows=1)

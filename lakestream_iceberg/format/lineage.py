@@ -29,7 +29,14 @@ from pyiceberg.table.snapshots import Snapshot
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError, ForeignSnapshotError
 from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
-from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, KEY_STEP, OP_CHECKPOINT, StreamState
+from lakestream_iceberg.format.summary import (
+    KEY_CHECKPOINT,
+    KEY_SNAPSHOT_ID,
+    KEY_SOURCE_SNAPSHOT,
+    KEY_STEP,
+    OP_CHECKPOINT,
+    StreamState,
+)
 
 __all__ = ["Lineage", "anchor_on_main", "branch_state", "changes_data", "describe", "is_lakestream", "lineage"]
 
@@ -50,13 +57,20 @@ _CHERRY_PICKED_FROM = "source-snapshot-id"
 
 
 def is_lakestream(snapshot: Snapshot) -> bool:
-    """Whether lakestream wrote the snapshot: its summary records a step, and it is no other engine's cherry-pick.
-    Iceberg Java's cherry-pick copies no ``lakestream.*`` keys, but a tool that copied the picked snapshot's summary
-    would carry an older state (a branch's, or an older step's) that is not this head's."""
+    """Whether lakestream wrote the snapshot: its summary records a step, for this snapshot.
+
+    A tool that copies a snapshot's properties onto its own (Iceberg Java's cherry-pick does not, but a tool may; an
+    append with the head's properties copied: pyiceberg's ``append(snapshot_properties=...)``, Spark's
+    ``snapshot-property.*`` options) carries a state that is not this snapshot's: such a snapshot names another id in
+    ``lakestream.snapshot-id`` (lakestream records its own there; snapshots written before it did record none), or
+    the picked one in ``source-snapshot-id``."""
     if snapshot.summary is None:
         return False
     props = snapshot.summary.additional_properties
-    return KEY_STEP in props and _CHERRY_PICKED_FROM not in props
+    if KEY_STEP not in props or _CHERRY_PICKED_FROM in props:
+        return False
+    written_for = props.get(KEY_SNAPSHOT_ID)
+    return written_for is None or written_for == str(snapshot.snapshot_id)
 
 
 def changes_data(snapshot: Snapshot) -> bool:

@@ -30,6 +30,7 @@ from pyiceberg.table.snapshots import Operation, Snapshot, SnapshotSummaryCollec
 from pyiceberg.table.update import AddSnapshotUpdate, SetSnapshotRefUpdate, TableUpdate
 
 from lakestream_iceberg.connect.integers import parse_int
+from lakestream_iceberg.format.summary import KEY_SNAPSHOT_ID, KEY_STEP
 
 __all__ = ["SnapshotBuilder", "set_ref"]
 
@@ -91,7 +92,9 @@ class SnapshotBuilder:
                 carried from the parent's summary unless ``totals`` is given.
             added, removed: The data files it adds and removes (its summary's counts).
             totals: The ``total-*`` values to record instead (a checkpoint anchor's table state is one step).
-            properties: The ``lakestream.*`` summary properties.
+            properties: The ``lakestream.*`` summary properties (a stream state's also get the snapshot's own id,
+                ``lakestream.snapshot-id``: a copy of them on another snapshot is not lakestream's, see
+                :func:`~lakestream_iceberg.format.lineage.is_lakestream`).
         """
         collector = SnapshotSummaryCollector()
         spec, schema = self._metadata.spec(), self._metadata.schema()
@@ -99,6 +102,8 @@ class SnapshotBuilder:
             collector.add_file(data_file, schema=schema, partition_spec=spec)
         for data_file in removed:
             collector.remove_file(data_file, schema=schema, partition_spec=spec)
+        if KEY_STEP in properties:
+            properties = {**properties, KEY_SNAPSHOT_ID: str(snapshot_id)}
         summary = Summary(operation, **collector.build(), **properties)
         if totals is not None:
             summary = Summary(operation, **{**summary.additional_properties, **totals})

@@ -50,6 +50,9 @@ KEY_GROUP = "lakestream.group"  # batches published by the commit that wrote thi
 KEY_COMMITTER = "lakestream.committer"  # the producer whose compare-and-swap published it (absent: its own producer)
 KEY_GROUP_MS = "lakestream.group-commit-ms"  # the committer's typical critical section: how long holders should expect
 KEY_TOKEN = "lakestream.token"  # the published batch's token (in its data file names): which write of (producer, seq)
+# the id of the snapshot lakestream wrote the summary for: a summary another tool copied onto its own snapshot (pyiceberg's
+# append(snapshot_properties=...), Spark's snapshot-property.* options) names another id, and that snapshot is foreign
+KEY_SNAPSHOT_ID = "lakestream.snapshot-id"
 KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
 
 MAX_SEQ = INT64_MAX  # the largest producer seq a summary records (an Iceberg long, as other engines read it)

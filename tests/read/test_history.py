@@ -14,7 +14,7 @@ from lakestream_iceberg import MissingExtraError, Stream
 from lakestream_iceberg.errors import CorruptStateError
 from lakestream_iceberg.read.history import VIEWS, history
 from lakestream_iceberg.read.history_rows import parse_data_path, step_rows
-from tests.support import SCHEMA, batch, sqlite_catalog
+from tests.support import SCHEMA, batch, lakestream_keys, sqlite_catalog
 
 pytest.importorskip("duckdb")
 
@@ -278,7 +278,7 @@ def test_a_summary_number_its_column_cannot_hold_shows_as_null(tmp_path: Path, k
     producer = stream.producer("p")
     producer.commit(batch("p", 0, 1), seq=0)
     table = stream.refresh().table
-    props = {k: v for k, v in table.current_snapshot().summary.additional_properties.items() if k.startswith("lakestream.")}
+    props = lakestream_keys(table.current_snapshot())
     table.append(table.schema().as_arrow().empty_table(), snapshot_properties={**props, key: value})  # another tool
     with pytest.raises(CorruptStateError, match=re.escape(f"{key}={value!r}")) if key == "lakestream.seq" else nullcontext():
         stream.refresh().head_step()

@@ -18,7 +18,7 @@ from pyiceberg.typedef import Record
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ConfigError, CorruptStateError, LifecycleError, StepError
 from lakestream_iceberg.read.follow import consumer_lag
-from tests.support import SCHEMA, shard, sqlite_catalog
+from tests.support import SCHEMA, lakestream_keys, shard, sqlite_catalog
 
 WORLD = 3
 
@@ -93,7 +93,7 @@ def test_entries_another_engine_added_at_step_0_do_not_stop_commits_or_gc(tmp_pa
     stream = stream_with_steps(tmp_path, steps=1)
     table = stream.table.catalog.load_table("ns.stream")
     head = table.metadata.snapshot_by_name("main")
-    props = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("lakestream.")}
+    props = lakestream_keys(head)
     rows = shard("x", 0, 0, rows=1)
     table.append(rows.append_column("_step", pa.array([0], pa.int64())).append_column("_rank", pa.array([0], pa.int32())),
                  snapshot_properties=props)

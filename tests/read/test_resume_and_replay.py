@@ -13,7 +13,7 @@ import pytest
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.read.dataset import LakestreamDataset
-from tests.support import SCHEMA, batch, shard, sqlite_catalog
+from tests.support import SCHEMA, batch, lakestream_keys, shard, sqlite_catalog
 
 WORLD = 2
 
@@ -46,8 +46,7 @@ def test_worker_states_saved_on_main_load_on_a_fork_of_the_checkpoint_they_stopp
 def test_gc_dry_run_and_real_run_agree_on_a_null_step_row_in_a_retained_manifest(tmp_path: Path) -> None:
     stream = make(tmp_path, steps=3, properties={"lakestream.manifest.merge-fanout": "3"})  # L0 m1..m3 -> L1 (1-3)
     table = stream.table.catalog.load_table("ns.s")
-    props = {k: v for k, v in table.metadata.snapshot_by_name("main").summary.additional_properties.items()
-             if k.startswith("lakestream.")}
+    props = lakestream_keys(table.metadata.snapshot_by_name("main"))
     rows = shard("x", 0, 0, rows=1)
     table.append(rows.append_column("_step", pa.array([None], pa.int64())).append_column("_rank", pa.array([0], pa.int32())),
                  snapshot_properties=props)
