@@ -1084,29 +1084,58 @@ def test_a_packed_streams_rank_column_dropped_or_renamed_by_another_engine_is_re
     assert all(again.read(10, rank=r).equals(t) for r, t in enumerate(batch("b", 4, WORLD)))
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: main's state is read from the fork's snapshots, which record no branch")
-def test_main_fast_forwarded_to_a_fork_keeps_its_steps_or_is_refused(tmp_path: Path) -> None:
-    """Promoting a fork to main (Spark's fast_forward('main', 'lr'), allowed because the fork's anchor has main's step-5
-    snapshot as its parent): the anchor holds step 5 alone and the fork's producer sequences start afresh, so main
-    lost steps 1-4 ('collected by lifecycle GC', and GC deletes their files once nothing references them) and
-    producer a published its seq 0 again at step 8. Expected: main's steps stay readable and a's published seqs
-    stay published, or lakestream refuses the promoted head with an error that says what to do."""
-    from lakestream_iceberg.errors import LakestreamError, StepCollectedError
-
+def test_main_fast_forwarded_to_a_fork_is_refused_and_repaired_back_to_its_own_head(tmp_path: Path) -> None:
+    """Promoting a fork to main (Spark's fast_forward('main', 'lr'), which Iceberg allows because the fork's anchor has
+    main's step-8 snapshot as its parent). The anchor holds step 8 alone and the fork's producer sequences start
+    afresh: read as main's state, main would lose steps 1-7 (and GC their files) and producer a would publish its seq 0
+    again. Every snapshot of a fork names the anchor its timeline starts at, so main on one is refused, and repair()
+    rolls main back to its own head; the fork stays a branch of its own."""
     stream, before = published(make(tmp_path))
     stream.fork(stream.checkpoint("c8", step=8), branch="lr")
     for seq in range(2):
         stream.producer("x", branch="lr").commit(batch("x", seq, WORLD))
-    lr = stream.refresh().table.metadata.snapshot_by_name("lr")
-    assert lr is not None
+    metadata = stream.refresh().table.metadata
+    lr, anchor, moved_from = (metadata.snapshot_by_name(name) for name in ("lr", "c8", "main"))
+    assert lr is not None and anchor is not None and moved_from is not None
+    assert lr.summary["lakestream.timeline"] == anchor.summary["lakestream.timeline"] == str(anchor.snapshot_id)
+    assert "lakestream.timeline" not in moved_from.summary.additional_properties
     stream.table.manage_snapshots().set_current_snapshot(lr.snapshot_id).commit()  # what fast_forward commits
-    try:
-        assert rows_of(stream, 1) == before[1]
-        assert stream.producer("a").commit(batch("a", 0, WORLD), seq=0).duplicate
-    except StepCollectedError:
-        raise
-    except LakestreamError:
-        pass  # refused loudly: acceptable
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    refused = pytest.raises(ForeignSnapshotError, match=r"committed on a fork whose timeline starts at checkpoint 'c8' "
+                                                        r"\(step 8\).*Run stream.repair\(\)")
+    with refused:
+        again.producer("a").commit(batch("a", 0, WORLD), seq=0)
+    with refused:
+        again.read(1, rank=0)
+    report = again.repair()
+    assert report.rolled_back_to == moved_from.snapshot_id and report.step == 8
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+    assert again.producer("a").commit(batch("a", 0, WORLD), seq=0).duplicate
+    assert all(again.read(9, rank=r, branch="lr").equals(t) for r, t in enumerate(batch("x", 0, WORLD)))
+
+
+def test_a_forks_gc_snapshots_carry_its_timeline_and_mains_never_do(tmp_path: Path) -> None:
+    """Lifecycle GC's collect snapshot on a fork keeps naming the fork's anchor (main set to it is refused too); main's
+    own collect snapshot names none."""
+    stream, _ = published(make(tmp_path))
+    anchor = stream.fork(stream.checkpoint("c6", step=6), branch="lr").snapshot_id
+    for seq in range(2):
+        stream.producer("x", branch="lr").commit(batch("x", seq, WORLD))
+    stream.release("c6")
+    stream.checkpoint("m8", step=8)
+    stream.checkpoint("l8", step=8, branch="lr")
+    report = stream.collect_garbage(dry_run=False, keep_last=2, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 8, "lr": 8}
+    metadata = stream.refresh().table.metadata
+    lr, main = metadata.snapshot_by_name("lr"), metadata.snapshot_by_name("main")
+    assert lr is not None and main is not None
+    assert lr.summary["lakestream.op"] == main.summary["lakestream.op"] == "collect"
+    assert lr.summary["lakestream.timeline"] == str(anchor)
+    assert "lakestream.timeline" not in main.summary.additional_properties
+    stream.table.manage_snapshots().set_current_snapshot(lr.snapshot_id).commit()
+    with pytest.raises(ForeignSnapshotError, match="committed on a fork whose timeline starts at the checkpoint anchor"):
+        Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").head_step()
+    assert Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").repair().rolled_back_to == main.snapshot_id
 
 
 def test_a_foreign_append_that_copied_lakestreams_summary_keys_is_foreign(tmp_path: Path) -> None:

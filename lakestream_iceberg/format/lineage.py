@@ -38,7 +38,7 @@ from lakestream_iceberg.format.summary import (
     StreamState,
 )
 
-__all__ = ["Lineage", "anchor_on_main", "branch_state", "changes_data", "describe", "is_lakestream", "lineage"]
+__all__ = ["Lineage", "branch_state", "changes_data", "describe", "fork_on_main", "is_lakestream", "lineage"]
 
 # The summary counts of Iceberg's SnapshotSummary that record a change of the table's rows or files; any non-zero one
 # makes a snapshot a data change.
@@ -157,7 +157,7 @@ def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str,
             reaching one. The message names the snapshot and how to bring the branch back.
     """
     if head is None or is_lakestream(head):
-        _refuse_anchor_on_main(metadata, head, stream=stream, branch=branch)
+        _refuse_fork_on_main(metadata, head, stream=stream, branch=branch)
         return StreamState.of(head)
     found = lineage(metadata, head)
     changed = found.changed
@@ -175,27 +175,48 @@ def branch_state(metadata: TableMetadata, head: Snapshot | None, *, stream: str,
             "history.expire.min-snapshots-to-keep at 2 or more so that expiry keeps a lakestream snapshot",
             snapshot_id=oldest.snapshot_id,
         )
-    _refuse_anchor_on_main(metadata, found.base, stream=stream, branch=branch)
+    _refuse_fork_on_main(metadata, found.base, stream=stream, branch=branch)
     return StreamState.of(found.base)
 
 
-def anchor_on_main(base: Snapshot | None, branch: str) -> bool:
-    """Whether ``base``, the lakestream snapshot a branch's state is read from, is a checkpoint's anchor on ``main``.
+def fork_on_main(base: Snapshot | None, branch: str) -> bool:
+    """Whether ``base``, the lakestream snapshot a branch's state is read from, is a fork's and the branch is ``main``.
 
-    An anchor holds its checkpoint's step alone and no producer sequences: on a fork (``Stream.fork`` makes a new
-    branch at it) that is the new timeline's start. ``main`` is never made by a fork, so it is there because another
-    engine moved it (Spark's ``set_current_snapshot(ref => 'ckpt')``, ``REPLACE BRANCH main``, pyiceberg's
-    ``set_current_snapshot(ref_name=...)``): read as main's state, the steps below the checkpoint would leave main and
-    its producers would publish their published sequences again."""
-    return branch == MAIN_BRANCH and base is not None and StreamState.of(base).op == OP_CHECKPOINT
+    A checkpoint's anchor holds its step alone and no producer sequences, and on a fork (``Stream.fork`` makes a new
+    branch at it) it starts a new timeline, which every snapshot committed after it names (``lakestream.timeline``).
+    ``main`` is never made by a fork, so it is on one because another engine moved it there: to a checkpoint's tag
+    (Spark's ``set_current_snapshot(ref => 'ckpt')``, ``REPLACE BRANCH main``, pyiceberg's
+    ``set_current_snapshot(ref_name=...)``) or to a fork's head (Spark's ``fast_forward('main', 'fork')``, which
+    Iceberg allows as the anchor's parent is main's step). Read as main's state, the steps below the fork's start
+    would leave main and its producers would publish their published sequences again."""
+    if branch != MAIN_BRANCH or base is None:
+        return False
+    state = StreamState.of(base)
+    return state.op == OP_CHECKPOINT or state.timeline is not None
 
 
-def _refuse_anchor_on_main(metadata: TableMetadata, base: Snapshot | None, *, stream: str, branch: str) -> None:
-    if not anchor_on_main(base, branch):
+def _refuse_fork_on_main(metadata: TableMetadata, base: Snapshot | None, *, stream: str, branch: str) -> None:
+    if not fork_on_main(base, branch):
         return
     assert base is not None
+    state = StreamState.of(base)
+    if state.op != OP_CHECKPOINT:  # a snapshot committed on a fork
+        anchor = metadata.snapshot_by_id(state.timeline) if state.timeline is not None else None
+        props = anchor.summary.additional_properties if anchor is not None and anchor.summary is not None else {}
+        start = f"checkpoint {props[KEY_CHECKPOINT]!r} (step {StreamState.of(anchor).step})" \
+            if anchor is not None and KEY_CHECKPOINT in props else f"the checkpoint anchor {state.timeline}"
+        raise ForeignSnapshotError(
+            f"branch 'main' of stream {stream}: its head's state is snapshot {base.snapshot_id} (step {state.step}), "
+            f"which was committed on a fork whose timeline starts at {start}, where another engine moved main (a "
+            "fast_forward or set_current_snapshot to the fork's head). A fork's producer sequences start afresh at its "
+            "checkpoint and it holds none of the steps before it, so on main those steps would be lost and producers "
+            "would publish their published batches again; lakestream neither commits on it nor reads through it. Run "
+            "stream.repair() (or `lakestream repair`) to roll main back to where it was before it was moved. A fork "
+            "stays a branch of its own: keep producing and training on it by its name",
+            snapshot_id=base.snapshot_id,
+        )
     props = base.summary.additional_properties if base.summary is not None else {}
-    name, step = props.get(KEY_CHECKPOINT, "?"), StreamState.of(base).step
+    name, step = props.get(KEY_CHECKPOINT, "?"), state.step
     source = parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)
     kept = (source is not None and metadata.snapshot_by_id(source) is not None
             and props.get(KEY_SOURCE_BRANCH, MAIN_BRANCH) == MAIN_BRANCH)

@@ -53,6 +53,9 @@ KEY_TOKEN = "lakestream.token"  # the published batch's token (in its data file 
 # the id of the snapshot lakestream wrote the summary for: a summary another tool copied onto its own snapshot (pyiceberg's
 # append(snapshot_properties=...), Spark's snapshot-property.* options) names another id, and that snapshot is foreign
 KEY_SNAPSHOT_ID = "lakestream.snapshot-id"
+# the checkpoint anchor a fork's timeline starts at (set on the anchor, carried by every snapshot after it): never on
+# main's own snapshots, so a main moved onto a fork's snapshots (Spark's fast_forward) is told from its own line
+KEY_TIMELINE = "lakestream.timeline"
 KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
 
 MAX_SEQ = INT64_MAX  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
@@ -75,6 +78,7 @@ class StreamState:
     producer_files: tuple[str, ...] = ()
     token: str | None = None
     staged_at_ms: int | None = None
+    timeline: int | None = None  # the anchor a fork's timeline starts at (KEY_TIMELINE); None on main's own line
 
     @classmethod
     def empty(cls) -> StreamState:
@@ -104,6 +108,7 @@ class StreamState:
             producer_files=fields.files(),
             token=fields.token(),
             staged_at_ms=fields.optional(KEY_STAGED_AT),
+            timeline=fields.optional(KEY_TIMELINE),
         )
 
     @classmethod
@@ -170,6 +175,8 @@ class StreamState:
             props[KEY_TOKEN] = self.token
         if self.staged_at_ms is not None:
             props[KEY_STAGED_AT] = str(self.staged_at_ms)
+        if self.timeline is not None:
+            props[KEY_TIMELINE] = str(self.timeline)
         props.update(extra)
         return props
 

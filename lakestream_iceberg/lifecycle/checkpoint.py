@@ -91,7 +91,8 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
     rows = sum(e.data_file.record_count for e in entries)
     size = sum(e.data_file.file_size_in_bytes for e in entries)
     created_ms = int(time.time() * 1000)  # the anchor's timestamp_ms follows its parent's, which may be in the future
-    anchor_state = StreamState(op=OP_CHECKPOINT, step=step, producers={}, collected_below=step)
+    # a fork of it starts a timeline here: the anchor and every snapshot committed after it name it (lineage.py)
+    anchor_state = StreamState(op=OP_CHECKPOINT, step=step, producers={}, collected_below=step, timeline=snapshot_id)
     # its table state is the one step (totals given), listed as EXISTING: it adds and removes nothing
     snapshot = builder.snapshot(
         snapshot_id=snapshot_id, sequence_number=sequence_number,

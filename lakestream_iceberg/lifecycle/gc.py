@@ -184,7 +184,7 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
         manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=head.snapshot_id,
                                            sequence_number=sequence_number)
         new_state = StreamState(op=OP_COLLECT, step=state.step, producers=state.producers, collected_below=cutoff,
-                                producer_files=state.producer_files)
+                                producer_files=state.producer_files, timeline=state.timeline)
         snapshot = builder.snapshot(snapshot_id=snapshot_id, sequence_number=sequence_number, parent=head,
                                     manifest_list=manifest_list, operation=Operation.DELETE, removed=dropped,
                                     properties=new_state.properties())

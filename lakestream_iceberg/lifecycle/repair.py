@@ -35,9 +35,9 @@ from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
 from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
-from lakestream_iceberg.format.lineage import Lineage, anchor_on_main, branch_state, describe, lineage
+from lakestream_iceberg.format.lineage import Lineage, branch_state, describe, fork_on_main, lineage
 from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
-from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_REPAIR, StreamState
+from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_CHECKPOINT, OP_REPAIR, StreamState
 from lakestream_iceberg.write.plan import Done, Plan
 
 if TYPE_CHECKING:
@@ -102,9 +102,9 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     if found.changed is None and found.broken:
         assert head is not None  # lineage() reports a broken lineage only below a head it walked (None: Lineage(None))
         return _plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run)
-    if found.changed is None and anchor_on_main(found.base, branch):
+    if found.changed is None and fork_on_main(found.base, branch):
         assert found.base is not None and ref is not None
-        return _plan_off_anchor(stream, metadata, found, found.base, ref.snapshot_id, dry_run=dry_run)
+        return _plan_off_fork(stream, metadata, found, found.base, ref.snapshot_id, dry_run=dry_run)
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
@@ -129,17 +129,18 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     )
 
 
-def _plan_off_anchor(stream: StreamTable, metadata: TableMetadata, found: Lineage, anchor: Snapshot, head_id: int, *,
-                     dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
-    """Main moved onto a checkpoint's anchor by another engine (see :func:`~lakestream_iceberg.format.lineage.
-    anchor_on_main`): back to the snapshot that published the checkpoint's step when it is retained and the checkpoint
-    was taken on main (the rollback to that step the move meant, every step before it and the producers' sequences
-    with it), else to main's head before
-    the move (the newest one of the table's snapshot log that is retained and holds a state, not an anchor)."""
-    props = anchor.summary.additional_properties if anchor.summary is not None else {}
-    moved = {anchor.snapshot_id, *(s.snapshot_id for s in found.foreign)}
+def _plan_off_fork(stream: StreamTable, metadata: TableMetadata, found: Lineage, base: Snapshot, head_id: int, *,
+                   dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
+    """Main moved onto a fork's timeline by another engine (see :func:`~lakestream_iceberg.format.lineage.
+    fork_on_main`): a checkpoint's anchor (``base``) goes back to the snapshot that published the checkpoint's step
+    when it is retained and the checkpoint was taken on main (the rollback to that step the move meant, every step
+    before it and the producers' sequences with it); otherwise, and for a fork's head, main goes back to its head
+    before the move (the newest one of the table's snapshot log that is retained and holds main's own state)."""
+    anchor = StreamState.of(base).op == OP_CHECKPOINT
+    props = base.summary.additional_properties if base.summary is not None else {}
+    moved = {base.snapshot_id, *(s.snapshot_id for s in found.foreign)}
     # the source snapshot is main's own step only for a checkpoint taken on main (a fork's step holds the fork's timeline)
-    own = props.get(KEY_SOURCE_BRANCH, MAIN_BRANCH) == MAIN_BRANCH
+    own = anchor and props.get(KEY_SOURCE_BRANCH, MAIN_BRANCH) == MAIN_BRANCH
     candidates = [parse_int(props.get(KEY_SOURCE_SNAPSHOT), plus=False)] if own else []
     candidates += [entry.snapshot_id for entry in reversed(metadata.snapshot_log) if entry.snapshot_id not in moved]
     target = None
@@ -148,22 +149,23 @@ def _plan_off_anchor(stream: StreamTable, metadata: TableMetadata, found: Lineag
         if snapshot is None:
             continue
         there = lineage(metadata, snapshot)
-        if there.base is not None and there.changed is None and not there.broken and not anchor_on_main(there.base, "main"):
+        if there.base is not None and there.changed is None and not there.broken and not fork_on_main(there.base, "main"):
             target = snapshot
             break
+    moved_to = (f"the anchor of checkpoint {props.get(KEY_CHECKPOINT, '?')!r} (snapshot {base.snapshot_id}, step "
+                f"{StreamState.of(base).step} alone)" if anchor else
+                f"snapshot {base.snapshot_id} of a fork's timeline (step {StreamState.of(base).step})")
     if target is None:
         raise ForeignSnapshotError(
-            f"branch 'main' of stream {stream.name} cannot be repaired automatically: another engine set it to the "
-            f"anchor of checkpoint {props.get(KEY_CHECKPOINT, '?')!r} (snapshot {anchor.snapshot_id}), and neither "
-            "the snapshot that published its step nor main's earlier heads are retained. Point main at a snapshot "
-            "lakestream wrote on it if a backup of the metadata has one, or create a new stream for the producers",
-            snapshot_id=anchor.snapshot_id)
-    report = RepairReport(branch="main", foreign=tuple(s.snapshot_id for s in (*found.foreign, anchor)),
+            f"branch 'main' of stream {stream.name} cannot be repaired automatically: another engine set it to "
+            f"{moved_to}, and neither the snapshot that published the checkpoint's step nor main's earlier heads are "
+            "retained. Point main at a snapshot lakestream wrote on it if a backup of the metadata has one, or create "
+            "a new stream for the producers",
+            snapshot_id=base.snapshot_id)
+    report = RepairReport(branch="main", foreign=tuple(s.snapshot_id for s in (*found.foreign, base)),
                           rolled_back_to=target.snapshot_id, step=branch_state(metadata, target, stream=stream.name,
                                                                                branch="main").step,
-                          dry_run=dry_run, changes=(*(describe(s) for s in found.foreign),
-                                                    f"main set to checkpoint {props.get(KEY_CHECKPOINT, '?')!r}'s anchor "
-                                                    f"(step {StreamState.of(anchor).step} alone)"))
+                          dry_run=dry_run, changes=(*(describe(s) for s in found.foreign), f"main set to {moved_to}"))
     if dry_run:
         return Done(report)
     return Plan(
