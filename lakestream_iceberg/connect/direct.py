@@ -15,7 +15,8 @@ on PostgreSQL shows what it changes for group commit). On a SQLite file, plain `
   the same URL, ``connect_args`` and pool events as its own), detached from its pool and put in autocommit: every
   statement is a transaction of its own. The process's threads take turns on it (a statement is one round trip); the
   pool then serves pyiceberg's loads and commits only, so a process still holds about as many connections as before:
-  count one for this one when sizing ``max_connections`` (a pooler in transaction mode serves it too).
+  count one for this one when sizing ``max_connections`` (a pooler in transaction mode serves it too; it
+  delivers no notifications, so holds then poll, see below).
 * Anything else (an in-memory database, a URI with options, credentials or another driver) has none: callers keep
   SQLAlchemy's connections.
 
