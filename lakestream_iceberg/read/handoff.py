@@ -150,7 +150,11 @@ class Handoff(dict):  # type: ignore[type-arg]
         for tensor, (start, nbytes, _, _) in zip(tensors, layout, strict=True):
             if nbytes:  # numpy's copy: one memcpy, never torch's intra-op threads
                 tensor = _resolved(torch, tensor)  # a lazy view: its values, not its storage's
-                source = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                flat = tensor.contiguous().reshape(-1)
+                # one element under a stride other than 1 (``tokens[:, 0]`` of a one-row shard) counts as contiguous,
+                # and view(uint8) refused it: raising here, in DataLoader's queue feeder thread, lost the item and the
+                # training loop waited for it forever. Every element of a contiguous tensor is 1 apart.
+                source = flat.as_strided((flat.numel(),), (1,)).view(torch.uint8).numpy()
                 np.copyto(target[_HEADER + start : _HEADER + start + nbytes], source)
         del target  # an exported buffer would keep the mapping from being closed
         fd = None if segment.sent else DupFd(segment.fd)

@@ -112,6 +112,17 @@ def test_items_without_tensors_and_other_types_pass_unchanged() -> None:
 
 
 
+def test_a_one_element_tensor_under_a_stride_other_than_one_arrives_equal() -> None:
+    """``tokens[:, 0]`` of a one-row shard (one element, stride = the row length) counts as contiguous in torch, and its
+    flat view refused ``view(torch.uint8)``: the RuntimeError rose in DataLoader's queue feeder thread, which drops the
+    item, so the training loop waited for it forever."""
+    tokens = torch.arange(7, dtype=torch.int64).reshape(1, 7)
+    item = {"first": tokens[:, 0], "last": tokens[:, -1:].t(), "every_other": torch.arange(3.0)[::2][:1],
+            "half": torch.ones(1, 3, dtype=torch.bfloat16)[:, 1], "tokens": tokens}
+    got = ship(item)
+    assert all(same(item[key], got[key]) for key in item), {key: (item[key], got[key]) for key in item}
+
+
 def test_an_item_goes_through_torchs_own_sharing_when_no_segment_can_be_made(monkeypatch: pytest.MonkeyPatch,
                                                                               caplog: pytest.LogCaptureFixture) -> None:
     """memfd_create failing (descriptors or shared memory exhausted) raised in DataLoader's queue feeder thread, which
@@ -161,6 +172,24 @@ def test_items_from_workers_equal_the_items_without_workers_all_held_at_once(tmp
                            multiprocessing_context=context))  # every item kept: no segment may be written twice
     assert payload(held) == payload(alone) and [it["step"] for it in held] == list(range(1, 10))
     assert all(type(it) is dict and isinstance(it["blob"], Blobs) for it in held)
+
+
+def first_token(item: dict) -> dict:
+    return {"step": item["step"], "first": item["tokens"][:, 0], "label": item["label"]}
+
+
+def test_a_transform_taking_one_column_of_a_one_row_shard_reaches_the_loop_from_workers(tmp_path: Path) -> None:
+    """A transform's ``tokens[:, 0]`` of a one-row shard: the worker's item was lost in DataLoader's queue feeder
+    thread (see the test above) and the loop waited forever (here: DataLoader's own timeout)."""
+    catalog = SqlCatalog("t", uri=f"sqlite:///{tmp_path}/c.db", warehouse=f"file://{tmp_path}/wh")
+    stream = Stream.create(catalog, "ns.one_row", schema=SCHEMA, world_size=1)
+    producer = stream.producer("p")
+    for step in range(1, 5):
+        producer.commit([pa.table({"tokens": [[step, 1, 2]] * (step % 2 + 1), "blob": [b"x"] * (step % 2 + 1),
+                                   "label": [step] * (step % 2 + 1)}, schema=SCHEMA)])  # one row in steps 2 and 4
+    loader = DataLoader(LakestreamDataset(stream, rank=0, world_size=1, transform=first_token), batch_size=None,
+                        num_workers=2, multiprocessing_context="fork", timeout=60)
+    assert [(it["step"], it["first"].tolist()) for it in loader] == [(1, [1, 1]), (2, [2]), (3, [3, 3]), (4, [4])]
 
 
 def handoff_memory() -> set[int]:
