@@ -369,14 +369,17 @@ class _DatasetCore:
         try:
             with closing(steps):
                 began = time.monotonic()  # the loop waits for data from its next() to the yield
-                for step, item in steps:
-                    self._position = {"next_step": step + num_workers, "worker_id": worker_id, "num_workers": num_workers,
-                                      "last_file": planned.pop(step, None)}
-                    self.last_step = step
-                    if report is not None:
-                        report.delivered(step, wait_s=time.monotonic() - began)
-                    yield item
-                    began = time.monotonic()
+                try:
+                    for step, item in steps:
+                        self._position = {"next_step": step + num_workers, "worker_id": worker_id,
+                                          "num_workers": num_workers, "last_file": planned.pop(step, None)}
+                        self.last_step = step
+                        if report is not None:
+                            report.delivered(step, wait_s=time.monotonic() - began)
+                        yield item
+                        began = time.monotonic()
+                except _CallerError as wrapped:  # collate's or transform's own error, as they raised it
+                    raise wrapped.error from wrapped.error.__cause__
             finished = not self._stop.is_set()
         finally:
             if watch is not None:
@@ -403,10 +406,24 @@ class _DatasetCore:
                 self._positions.read(files, ranges, counts=data.counts, packed=stream.config.packed, name=stream.name)
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
-        item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table, sample_ids=sample_ids))
-        item = item if self.transform is None else self.transform(item)
+        try:
+            item = self.collate(StepShard(step=step, rank=self.rank, world_size=self.world_size, table=table,
+                                          sample_ids=sample_ids))
+            item = item if self.transform is None else self.transform(item)
+        except FileNotFoundError as exc:  # the user's own file (a vocabulary, an image by path): no stream file that
+            raise _CallerError(exc) from exc  # GC deleted, which pump_steps would read again and report as missing
         # in a DataLoader worker, a dict item crosses to the training process as one shared-memory buffer (handoff.py)
         return Handoff(item, num_workers=self._position["num_workers"]) if handoff and type(item) is dict else item
+
+
+class _CallerError(Exception):
+    """A ``FileNotFoundError`` that ``collate`` or ``transform`` raised, carried through :func:`pump_steps` (which reads a
+    step again on a ``FileNotFoundError``, taking it for a stream file that lifecycle GC deleted) to the iteration, which
+    raises ``error`` itself."""
+
+    def __init__(self, error: FileNotFoundError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 def _freeze_inherited() -> None:

@@ -33,6 +33,7 @@ from lakestream_iceberg.errors import (
     RankError,
     ReadTimeoutError,
     StepCollectedError,
+    StreamError,
 )
 from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch
 from lakestream_iceberg.read.follow import HeadWatcher, consumer_lag
@@ -134,6 +135,26 @@ def test_columns_transform_and_empty_shard(tmp_path: Path) -> None:
     assert empty and all(it["x"].shape == (0,) and it["sample_ids"].shape == (0,) for it in empty)  # delivered, not skipped
     with pytest.raises(ConfigError, match="nope"):
         LakestreamDataset(stream, rank=0, world_size=2, columns=["nope"])
+
+
+def _reads_a_missing_vocabulary(item: dict) -> dict:
+    if item["step"] == 2:
+        open(os.path.join(os.path.dirname(__file__), "no-such-vocabulary.json"))  # noqa: SIM115 - raises
+    return item
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_transforms_own_file_not_found_error_is_raised_as_it_is(tmp_path: Path, num_workers: int) -> None:
+    """A transform (or collate) raising FileNotFoundError for a file of its own was taken for a stream file that
+    lifecycle GC deleted: the step was read and transformed again, and the loop ended with a MissingFileError telling
+    to restore the stream's files from a backup."""
+    stream = make_stream(tmp_path, steps=3)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, transform=_reads_a_missing_vocabulary)
+    kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+    with pytest.raises(FileNotFoundError, match="no-such-vocabulary") as raised:
+        list(DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs))
+    assert "restore" not in str(raised.value).lower()
+    assert not isinstance(raised.value, StreamError)
 
 
 # ------------------------------------------------------------------------------ order and exactly-once, DataLoader
