@@ -6,10 +6,11 @@ the branch when loaded: :func:`still_holds`). :meth:`LoadedState.load` checks on
 (a state of the branch a fork was made from loads on the fork while everything it delivered is shared,
 :func:`delivered_on_both`); :meth:`LoadedState.first` applies it to the first iteration that starts.
 
-With DataLoader workers a state loaded in the training process is copied into every worker each time DataLoader
-starts them (non-persistent workers: every epoch), so it must be applied by the first worker of each id only: the
-workers of one id record that in one shared byte each (shared memory the training process makes when loading, and
-that only the processes it starts inherit).
+With DataLoader workers a state loaded in the training process reaches the workers through a small block of shared
+memory the dataset makes when it is built (only the processes the training process starts inherit it): the state and
+its generation, and per worker id the generation that id applied. Every epoch's new workers (non-persistent) and
+persistent workers starting their next epoch read it there, so a state loaded between two epochs of persistent workers
+resumes the next one too, and each state is applied by the first worker of each id only.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 __all__ = ["LoadedState", "delivered_on_both", "still_holds"]
 
 _TAKEN_SLOTS = 1024  # DataLoader worker ids that record applying a loaded state (a worker beyond applies it always)
+# the shared block: the latest state's generation, whether it is still to apply, its next_step, worker_id and
+# num_workers, then per worker id the generation that id applied
+_GENERATION, _ACTIVE, _NEXT, _WORKER, _WORKERS, _APPLIED = 0, 1, 2, 3, 4, 5
 
 
 class LoadedState:
@@ -46,14 +50,20 @@ class LoadedState:
     def __init__(self, identity: dict[str, str]) -> None:
         self._identity = identity
         self._pending: dict[str, Any] | None = None
-        self._taken: Any = None  # with _pending: the worker ids that applied it, one shared byte each
         self._loaded_in = os.getpid()  # the process that loaded _pending
+        self._owner = os.getpid()  # the training process: a state it loads goes to its workers through _shared
+        self._generation = 0  # _shared's generation of _pending, when the owner loaded it
+        self._shared: Any = multiprocessing.RawArray("q", _APPLIED + _TAKEN_SLOTS)  # see the module docstring
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if multiprocessing.context.get_spawning_popen() is None:
-            state["_taken"] = None  # shared memory goes only to the processes this one starts (DataLoader's workers)
+            state["_shared"] = None  # shared memory goes only to the processes this one starts (DataLoader's workers)
         return state
+
+    def _from_owner(self) -> bool:
+        """Whether this is a process the training process started (a DataLoader worker) sharing its block."""
+        return self._shared is not None and self._owner != os.getpid()
 
     def load(self, state: dict[str, Any], *, forked_after: Callable[[object, int, int], bool],
              holds: Callable[[str, int, str], bool]) -> None:
@@ -107,32 +117,52 @@ class LoadedState:
                 "afresh (start_step=)"
             )
         self._pending = {**pending, "last_file": last_file} if last_file is not None else pending
-        self._taken, self._loaded_in = multiprocessing.RawArray("B", _TAKEN_SLOTS), os.getpid()
+        self._loaded_in = os.getpid()
+        shared = self._shared
+        if shared is not None and self._owner == os.getpid():  # for the workers, persistent ones included
+            shared[_ACTIVE] = 0
+            shared[_NEXT], shared[_WORKER], shared[_WORKERS] = (pending["next_step"], pending["worker_id"],
+                                                                pending["num_workers"])
+            self._generation = shared[_GENERATION] = shared[_GENERATION] + 1
+            shared[_ACTIVE] = 1
 
     def pending(self) -> dict[str, int] | None:
         """The loaded state not yet applied, in this process or by DataLoader workers it started (a worker's own copy
         stays until it applies it)."""
-        if self._taken is not None and self._loaded_in == os.getpid() and any(self._taken):
-            self._pending = self._taken = None
+        shared = self._shared
+        if (self._pending is not None and shared is not None and self._owner == os.getpid() and self._generation
+                and self._generation in shared[_APPLIED:]):
+            self._pending = None
         return self._pending
 
     def first(self, worker_id: int, num_workers: int, *, start_step: int, in_worker: bool = False) -> int:
         """This worker's first step, consuming the loaded state.
 
         A state loaded in the training process is applied once, as without workers: by the first DataLoader worker of
-        each id (forked or spawned, each with its copy of it). The training process still holds it, and every later
-        DataLoader iterator's workers copy it again (non-persistent workers: each epoch), so they skip it where a worker
-        of their id already applied it, and start at ``start_step``.
+        each id (forked or spawned) to start an iteration after it was loaded, which reads it from the shared block
+        (module docstring): every later iteration's workers (non-persistent workers of a new epoch, or persistent ones
+        starting their next) find that their id applied it, and start at ``start_step``. A persistent worker finds a
+        state loaded between two epochs there too. A state loaded in the worker itself (torchdata's
+        ``StatefulDataLoader``) is that worker's own.
 
         Raises:
             ConfigError: The state was saved by a worker of another number of workers.
         """
-        state, taken = self._pending, self._taken
-        self._pending = self._taken = None
-        if state is not None and in_worker and taken is not None and worker_id < len(taken):
-            if taken[worker_id]:
-                state = None  # an earlier DataLoader's worker applied it
-            taken[worker_id] = 1
+        state, shared = self.pending(), self._shared
+        self._pending = None
+        if in_worker and self._from_owner() and not (state is not None and self._loaded_in == os.getpid()):
+            # a DataLoader worker: the state the training process loaded last, unless this id applied it already (a
+            # worker of an earlier epoch, or this persistent worker); a state loaded in the worker itself (torchdata's
+            # StatefulDataLoader) is the worker's own
+            state = None
+            generation = shared[_GENERATION]
+            if shared[_ACTIVE] and (worker_id >= _TAKEN_SLOTS or shared[_APPLIED + worker_id] < generation):
+                state = {"next_step": shared[_NEXT], "worker_id": shared[_WORKER], "num_workers": shared[_WORKERS]}
+                if worker_id < _TAKEN_SLOTS:
+                    shared[_APPLIED + worker_id] = generation
+        elif state is not None and shared is not None and self._owner == os.getpid() and self._generation:
+            shared[_ACTIVE] = 0  # applied here, without workers: later DataLoader workers start at start_step
+            self._generation = 0
         if state is None:
             return start_step + worker_id
         if state["num_workers"] == 1:

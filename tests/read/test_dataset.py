@@ -260,18 +260,24 @@ def test_a_state_loaded_before_workers_resumes_one_epoch_only(tmp_path: Path, co
     assert ds.state_dict()["next_step"] == 1  # applied by the workers: nothing pending here any more
 
 
-@pytest.mark.xfail(strict=True, reason="persistent workers keep the dataset copy they started with: a state loaded in "
-                   "the training process afterwards never reaches them (fix proposed: a shared-memory mailbox in LoadedState)")
-def test_a_state_loaded_between_epochs_of_persistent_workers_resumes_the_next_epoch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_state_loaded_between_epochs_of_persistent_workers_resumes_the_next_epoch(tmp_path: Path, context: str) -> None:
     """docs/guide/training.md: "a loaded state resumes the next iteration only, with or without workers". A loop that
     goes back to its last checkpoint (model and data) between epochs of a loader with persistent_workers=True: the
     next epoch started at step 1 while the model resumed after step 3, and state_dict() kept saying 4."""
     stream = make_stream(tmp_path, steps=6)
     ds = LakestreamDataset(stream, rank=0, world_size=2)
-    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", persistent_workers=True)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=context, persistent_workers=True)
     assert [it["step"] for it in loader] == [1, 2, 3, 4, 5, 6]
     ds.load_state_dict({"next_step": 4})
+    assert ds.state_dict()["next_step"] == 4
     assert [it["step"] for it in loader] == [4, 5, 6]
+    assert ds.state_dict()["next_step"] == 1  # applied by the workers: nothing pending here any more
+    assert [it["step"] for it in loader] == [1, 2, 3, 4, 5, 6]  # once: later epochs start at start_step
+    ds.load_state_dict({"next_step": 5})  # and again
+    assert [it["step"] for it in loader] == [5, 6]
+    alone = [it["step"] for it in ds]  # applied by the workers: an iteration without them starts at start_step
+    assert alone == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> None:
