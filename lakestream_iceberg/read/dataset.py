@@ -287,7 +287,8 @@ class _DatasetCore:
         """
         self._loaded.load(state, forked_after=lambda source, next_step, num_workers: delivered_on_both(
             self._stream_here(), branch=self.branch, source=source, next_step=next_step, num_workers=num_workers),
-            holds=lambda branch, step, path: still_holds(self._stream_here(), branch=branch, step=step, path=path))
+            holds=lambda branch, step, path: still_holds(self._stream_here(), branch=branch, step=step, path=path),
+            in_worker=require_torch().utils.data.get_worker_info() is not None)
 
     # -- lag, shutdown ---------------------------------------------------------------------------------------------------
     def lag(self) -> int:

@@ -66,8 +66,12 @@ class LoadedState:
         return self._shared is not None and self._owner != os.getpid()
 
     def load(self, state: dict[str, Any], *, forked_after: Callable[[object, int, int], bool],
-             holds: Callable[[str, int, str], bool]) -> None:
+             holds: Callable[[str, int, str], bool], in_worker: bool = False) -> None:
         """Check ``state`` and hold it for the next iteration.
+
+        ``in_worker``: loaded in a DataLoader worker (torchdata's ``StatefulDataLoader``), for that worker alone;
+        elsewhere the process becomes the one whose DataLoader workers the state goes to (a copy of the dataset
+        unpickled or forked into another process gets a block of its own).
 
         ``forked_after(branch, next_step, num_workers)``: whether a state of ``branch`` may load on this dataset's
         branch (:func:`delivered_on_both`); asked only for a state of another branch of the same stream.
@@ -118,8 +122,10 @@ class LoadedState:
             )
         self._pending = {**pending, "last_file": last_file} if last_file is not None else pending
         self._loaded_in = os.getpid()
+        if not in_worker and (self._shared is None or self._owner != os.getpid()):
+            self._shared, self._owner = multiprocessing.RawArray("q", _APPLIED + _TAKEN_SLOTS), os.getpid()
         shared = self._shared
-        if shared is not None and self._owner == os.getpid():  # for the workers, persistent ones included
+        if self._owner == os.getpid():  # for the workers, persistent ones included
             shared[_ACTIVE] = 0
             shared[_NEXT], shared[_WORKER], shared[_WORKERS] = (pending["next_step"], pending["worker_id"],
                                                                 pending["num_workers"])

@@ -280,6 +280,16 @@ def test_a_state_loaded_between_epochs_of_persistent_workers_resumes_the_next_ep
     assert alone == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_state_loaded_into_an_unpickled_dataset_resumes_its_workers_first_epoch_only(tmp_path: Path) -> None:
+    """A dataset shipped pickled (a Ray task, a process of your own) carries no shared block: the state loaded where it
+    runs resumes the first epoch of the workers started there, as in the process that made it."""
+    stream = make_stream(tmp_path, steps=6)
+    shipped = pickle.loads(pickle.dumps(LakestreamDataset(stream, rank=0, world_size=2)))
+    shipped.load_state_dict({"next_step": 4})
+    loader = DataLoader(shipped, batch_size=None, num_workers=2, multiprocessing_context="fork")
+    assert [[it["step"] for it in loader] for _ in range(2)] == [[4, 5, 6], [1, 2, 3, 4, 5, 6]]
+
+
 def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> None:
     """torchdata's StatefulDataLoader protocol: state_dict() in each worker after each item, load_state_dict() in each
     worker before iter(). Saved here by running the workers' iterations round-robin in-process, loaded in real workers."""
