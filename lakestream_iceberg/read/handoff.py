@@ -146,20 +146,29 @@ class Handoff(dict):  # type: ignore[type-arg]
         except OSError as exc:  # no segment now (descriptors or shared memory exhausted): raising here, in DataLoader's
             _fell_back(exc)     # queue feeder thread, would drop the item and the training loop would wait forever
             return dict, ({key: _resolved(torch, value) for key, value in self.items()},)  # torch's own sharing
-        target = np.frombuffer(segment.map, dtype=np.uint8)
-        for tensor, (start, nbytes, _, _) in zip(tensors, layout, strict=True):
-            if nbytes:  # numpy's copy: one memcpy, never torch's intra-op threads
-                tensor = _resolved(torch, tensor)  # a lazy view: its values, not its storage's
-                flat = tensor.contiguous().reshape(-1)
-                # one element under a stride other than 1 (``tokens[:, 0]`` of a one-row shard) counts as contiguous,
-                # and view(uint8) refused it: raising here, in DataLoader's queue feeder thread, lost the item and the
-                # training loop waited for it forever. Every element of a contiguous tensor is 1 apart.
-                source = flat.as_strided((flat.numel(),), (1,)).view(torch.uint8).numpy()
-                np.copyto(target[_HEADER + start : _HEADER + start + nbytes], source)
-        del target  # an exported buffer would keep the mapping from being closed
+        try:
+            _copy_into(torch, segment, tensors, layout)
+        except Exception as exc:  # noqa: BLE001 - a tensor the copy cannot take: raised here, in DataLoader's queue
+            segment.map[0] = 0  # feeder thread, the item would be lost and the loop would wait for it forever
+            _fell_back(exc)
+            return dict, ({key: _resolved(torch, value) for key, value in self.items()},)  # torch's own sharing
         fd = None if segment.sent else DupFd(segment.fd)
         segment.sent = True
         return _rebuild, ((pool.pid, index), fd, segment.size, layout, plan, self.num_workers)
+
+
+def _copy_into(torch: Any, segment: _Segment, tensors: list[Any], layout: list[tuple[int, int, Any, Any]]) -> None:
+    """Copy ``tensors`` into ``segment`` at their ``layout`` offsets."""
+    target = np.frombuffer(segment.map, dtype=np.uint8)
+    for tensor, (start, nbytes, _, _) in zip(tensors, layout, strict=True):
+        if nbytes:  # numpy's copy: one memcpy, never torch's intra-op threads
+            tensor = _resolved(torch, tensor)  # a lazy view: its values, not its storage's
+            flat = tensor.contiguous().reshape(-1)
+            # one element under a stride other than 1 (``tokens[:, 0]`` of a one-row shard) counts as contiguous, and
+            # view(uint8) refused it: every element of a contiguous tensor is 1 apart
+            source = flat.as_strided((flat.numel(),), (1,)).view(torch.uint8).numpy()
+            np.copyto(target[_HEADER + start : _HEADER + start + nbytes], source)
+    del target  # an exported buffer would keep the mapping from being closed
 
 
 def _resolved(torch: Any, value: Any) -> Any:
@@ -175,11 +184,15 @@ def _resolved(torch: Any, value: Any) -> Any:
 _fallbacks: list[str] = []  # why items went through torch's own sharing (logged the first time in each process)
 
 
-def _fell_back(exc: OSError) -> None:
+def _fell_back(exc: Exception) -> None:
     if not _fallbacks:
-        log.warning("a DataLoader worker could not make a shared-memory segment for an item (%s: %s); items go through "
-                    "torch's own sharing until it can (raise the open-file limit, ulimit -n, or free /dev/shm)",
-                    type(exc).__name__, exc)
+        if isinstance(exc, OSError):
+            log.warning("a DataLoader worker could not make a shared-memory segment for an item (%s: %s); items go "
+                        "through torch's own sharing until it can (raise the open-file limit, ulimit -n, or free "
+                        "/dev/shm)", type(exc).__name__, exc)
+        else:
+            log.warning("a DataLoader worker could not copy an item's tensors into its shared-memory segment (%s: %s); "
+                        "such items go through torch's own sharing (please report it)", type(exc).__name__, exc)
     _fallbacks.append(type(exc).__name__)
 
 

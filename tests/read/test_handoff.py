@@ -144,6 +144,32 @@ def test_an_item_goes_through_torchs_own_sharing_when_no_segment_can_be_made(mon
     assert len([r for r in caplog.records if "torch's own sharing" in r.getMessage()]) == 1
 
 
+def test_an_item_whose_tensors_cannot_be_copied_goes_through_torchs_own_sharing_and_frees_its_segment(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever fails while an item is copied into its segment (a tensor layout the copy does not take, as the
+    one-element case above did) would raise in DataLoader's queue feeder thread and lose the item: it goes through
+    torch's own sharing instead, logged once, and the segment it took is free for the next item."""
+    def refuse(*_: object) -> None:
+        raise RuntimeError("a layout the copy does not take")
+
+    monkeypatch.setattr(handoff, "_pool", None)
+    monkeypatch.setattr(handoff, "_fallbacks", [])
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.dataset"):
+        patch.setattr(handoff, "_copy_into", refuse)
+        for seed in (1, 2):
+            item = sample_item(seed)
+            got = ship(item)
+            assert type(got) is dict and all(same(item[k], got[k]) for k in item)
+    assert handoff._fallbacks == ["RuntimeError", "RuntimeError"]  # noqa: SLF001
+    assert len([r for r in caplog.records if "torch's own sharing" in r.getMessage()]) == 1
+    pool = handoff._pool  # noqa: SLF001
+    assert pool is not None and len(pool.segments) == 1 and pool.segments[0].free()  # taken twice, freed each time
+    item = sample_item(3)
+    got = ship(item)  # the copy works again: through the segment, which the item's views now hold
+    assert all(same(item[k], got[k]) for k in item)
+    assert len(pool.segments) == 1 and not pool.segments[0].free()
+
+
 # ---------------------------------------------------------------------------------------------- real workers
 SCHEMA = pa.schema([pa.field("tokens", pa.list_(pa.int32())), pa.field("blob", pa.binary()), pa.field("label", pa.int64())])
 
