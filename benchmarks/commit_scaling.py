@@ -41,11 +41,13 @@ import contextlib
 import gc
 import math
 import multiprocessing as mp
+import os
 import random
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -483,8 +485,55 @@ def contention_point(pool: Pool, catalog_props: dict[str, str], policy: str, pro
         create_stream(catalog, name, group_commit=policy == "dac")
     tasks = [Task(policy, catalog_props, name, f"w-{i}", start_at, warmup, duration, fixed_delay_s, seed * 1000 + i)
              for i in range(producers)]
+    window = Window(start_at + warmup, duration, catalog if catalog_props["uri"].startswith("postgresql") else None)
     results = pool.run(tasks)
-    return summarize_point(results, duration, policy, producers)
+    point = summarize_point(results, duration, policy, producers)
+    cpu_s, xacts = window.result()
+    point["machine_cpu_ms_per_commit"] = ratio_of(1000 * cpu_s, point["commits"]) if cpu_s is not None else math.nan
+    point["catalog_xacts_per_commit"] = ratio_of(xacts, point["commits"]) if xacts is not None else math.nan
+    return point
+
+
+class Window:
+    """The machine's CPU (every process, the database server's included: ``/proc/stat``) and, on PostgreSQL, the
+    catalog database's transactions (``pg_stat_database``) over a point's measured window, sampled by a thread of the
+    parent at the window's start and end (wall clock)."""
+
+    def __init__(self, start: float, duration: float, catalog: Any) -> None:
+        self._catalog = catalog
+        self._samples: list[tuple[float | None, int | None]] = []
+        self._thread = threading.Thread(target=self._run, args=(start, duration), daemon=True)
+        self._thread.start()
+
+    def _run(self, start: float, duration: float) -> None:
+        for at in (start, start + duration):
+            time.sleep(max(0.0, at - time.time()))
+            self._samples.append((self._cpu_s(), self._xacts()))
+
+    @staticmethod
+    def _cpu_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):  # not Linux
+            return None
+        return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+    def _xacts(self) -> int | None:
+        if self._catalog is None:
+            return None
+        with self._catalog.engine.connect() as conn:
+            return int(conn.exec_driver_sql("SELECT xact_commit + xact_rollback FROM pg_stat_database "
+                                            "WHERE datname = current_database()").scalar())
+
+    def result(self) -> tuple[float | None, int | None]:
+        """(CPU seconds, transactions) over the window; None where not measured."""
+        self._thread.join()
+        if len(self._samples) != 2:
+            return None, None
+        (cpu0, x0), (cpu1, x1) = self._samples
+        return (cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None,
+                x1 - x0 if x0 is not None and x1 is not None else None)
 
 
 def apart_props(catalog_props: dict[str, str], i: int) -> dict[str, str]:
@@ -642,7 +691,7 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
             t = Table(f"2. contention on {catalog_name}: {args.duration:.0f} s measured per point after {args.warmup:.0f} s "
                       f"warm-up, producers commit back to back ({args.repeat} repetition(s), interleaved)",
                       ["policy", "P", "rep", "commits/s", "vs P=1", "failed", "p50 ms", "p99 ms", "p99/p50", "Jain",
-                       "swaps/commit", "wasted", "carried", "batches/swap"])
+                       "swaps/commit", "wasted", "carried", "batches/swap", "CPU ms/commit", "xacts/commit"])
             single = {(p["policy"], p.get("rep", 0)): p["commits_per_s"] for p in pts if p["producers"] == 1}
             for p in pts:
                 base = single.get((p["policy"], p.get("rep", 0)))
@@ -650,13 +699,17 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> list[Table]:
                       ratio_of(p["commits_per_s"], base),
                       p["failed"], p["p50_s"] * 1000, p["p99_s"] * 1000,
                       ratio_of(p["p99_s"], p["p50_s"]), p["jain"], p["attempts_per_commit"],
-                      p["wasted_frac"], p.get("carried_frac", math.nan), p.get("batches_per_swap", math.nan))
+                      p["wasted_frac"], p.get("carried_frac", math.nan), p.get("batches_per_swap", math.nan),
+                      p.get("machine_cpu_ms_per_commit", math.nan), p.get("catalog_xacts_per_commit", math.nan))
             t.note("commits: published batches (one snapshot each); failed: commit calls that raised (pyiceberg: "
                    "CommitFailedException after 4 retries; lakestream: budget exhausted); swaps/commit: "
                    "compare-and-swaps sent per published batch; wasted: lost swaps / swaps; carried: batches published "
                    "by another producer's group commit (no swap of their own); batches/swap: batches per winning swap "
                    "(lakestream policies only); apart: every producer commits to a stream of its own (on SQLite in a "
-                   "database file of its own), nothing shared: the machine's ceiling for P processes committing")
+                   "database file of its own), nothing shared: the machine's ceiling for P processes committing; CPU "
+                   "ms/commit: the whole machine's CPU (every process, the database server's included) in the measured "
+                   "window per published batch; xacts/commit: the catalog database's transactions per published batch "
+                   "(PostgreSQL: each statement on lakestream's autocommit connection is one)")
             tables.append(t)
         targets = Table("2b. targets at the largest P (with repetitions: the ratio is the median of each repetition's "
                         "ratio to its own P=1 run; failed summed; p99/p50 the worst; Jain the lowest)",
