@@ -1158,3 +1158,30 @@ def test_a_foreign_append_that_copied_lakestreams_summary_keys_is_foreign(tmp_pa
         stream.producer("a").commit(batch("a", 4, WORLD), seq=4)
     assert stream.repair().rolled_back_to == base.snapshot_id
     assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+
+
+@pytest.mark.parametrize("moved", ["fast_forward", "tag"])
+def test_main_moved_onto_a_fork_then_appended_to_by_another_engine_is_repaired_in_one_call(
+        tmp_path: Path, moved: str) -> None:
+    """Main moved onto a fork's timeline (fast_forward to the fork, or set to a checkpoint's tag), then another engine
+    appended rows on main. repair() rolls back the append, and main must then be back on its own line, not left on
+    the fork's snapshot (still refused, a second repair() needed) while the report says it was repaired."""
+    stream, before = published(make(tmp_path))
+    stream.fork(stream.checkpoint("c8", step=8), branch="lr")
+    for seq in range(2):
+        stream.producer("x", branch="lr").commit(batch("x", seq, WORLD))
+    metadata = stream.refresh().table.metadata
+    moved_from = metadata.snapshot_by_name("main")
+    target = metadata.snapshot_by_name("lr" if moved == "fast_forward" else "c8")
+    assert moved_from is not None and target is not None
+    stream.table.manage_snapshots().set_current_snapshot(target.snapshot_id).commit()  # another engine
+    foreign_append(stream)  # another engine again, on main
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    with pytest.raises(ForeignSnapshotError):
+        again.head_step()
+    report = again.repair()
+    assert report.repaired
+    assert again.head_step() == 8  # main readable again after the one repair the message asks for
+    assert report.rolled_back_to == moved_from.snapshot_id
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+    assert again.producer("a").commit(batch("a", 0, WORLD), seq=0).duplicate

@@ -102,7 +102,7 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     if found.changed is None and found.broken:
         assert head is not None  # lineage() reports a broken lineage only below a head it walked (None: Lineage(None))
         return _plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run)
-    if found.changed is None and fork_on_main(found.base, branch):
+    if fork_on_main(found.base, branch):  # a foreign change on top of it too: main leaves the fork all the same
         assert found.base is not None and ref is not None
         return _plan_off_fork(stream, metadata, found, found.base, ref.snapshot_id, dry_run=dry_run)
     if found.changed is None:  # nothing to roll back
