@@ -189,12 +189,15 @@ class DirectConnections:
         if self._turns is None:
             return False
         with self._listen_lock:
-            if not self._waiters.get(channel):
+            first = not self._waiters.get(channel)
+            # counted first: a connection replaced while LISTEN runs (a dispose in another thread) listens again on it
+            self._waiters[channel] = self._waiters.get(channel, 0) + 1
+            if first:
                 try:
                     self.execute(f'LISTEN "{channel}"')
                 except Exception:  # noqa: BLE001 - e.g. the database unreachable right now: the caller polls
+                    self._waiters.pop(channel, None)
                     return False
-            self._waiters[channel] = self._waiters.get(channel, 0) + 1
             return True
 
     def unlisten(self, channel: str) -> None:
