@@ -135,12 +135,18 @@ def test_an_item_goes_through_torchs_own_sharing_when_no_segment_can_be_made(mon
     monkeypatch.setattr(handoff, "_pool", None)  # a fresh pool: every segment must be made
     monkeypatch.setattr(handoff, "_fallbacks", [])
     monkeypatch.setattr(handoff.os, "memfd_create", exhausted)
+    shipped_through_torchs_sharing(caplog, "OSError")
+
+
+def shipped_through_torchs_sharing(caplog: pytest.LogCaptureFixture, reason: str) -> None:
+    """Two items shipped: each arrives equal, as a plain dict through torch's own sharing, and the fallback (for
+    ``reason``, an exception's class name) is logged once."""
     with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.dataset"):
         for seed in (1, 2):
             item = sample_item(seed)
             got = ship(item)
             assert type(got) is dict and all(same(item[k], got[k]) for k in item)
-    assert handoff._fallbacks == ["OSError", "OSError"]  # noqa: SLF001
+    assert handoff._fallbacks == [reason, reason]  # noqa: SLF001
     assert len([r for r in caplog.records if "torch's own sharing" in r.getMessage()]) == 1
 
 
@@ -154,14 +160,9 @@ def test_an_item_whose_tensors_cannot_be_copied_goes_through_torchs_own_sharing_
 
     monkeypatch.setattr(handoff, "_pool", None)
     monkeypatch.setattr(handoff, "_fallbacks", [])
-    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="lakestream_iceberg.read.dataset"):
+    with monkeypatch.context() as patch:
         patch.setattr(handoff, "_copy_into", refuse)
-        for seed in (1, 2):
-            item = sample_item(seed)
-            got = ship(item)
-            assert type(got) is dict and all(same(item[k], got[k]) for k in item)
-    assert handoff._fallbacks == ["RuntimeError", "RuntimeError"]  # noqa: SLF001
-    assert len([r for r in caplog.records if "torch's own sharing" in r.getMessage()]) == 1
+        shipped_through_torchs_sharing(caplog, "RuntimeError")
     pool = handoff._pool  # noqa: SLF001
     assert pool is not None and len(pool.segments) == 1 and pool.segments[0].free()  # taken twice, freed each time
     item = sample_item(3)
