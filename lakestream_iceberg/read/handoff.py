@@ -26,6 +26,7 @@ import multiprocessing
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from multiprocessing.reduction import DupFd
 from typing import Any
 
@@ -226,11 +227,32 @@ _mapped_lock = threading.RLock()  # a collection inside the lock may end a worke
 _owners: dict[int, Any] = {}  # worker pid -> a weak reference to its Process object, whose end drops its mappings
 
 
-def _release(segment: mmap.mmap, receiver: int) -> None:
+def _finalizer(work: Callable[..., None]) -> Callable[..., None]:
+    """``work`` (idempotent) as a finalizer that finishes even when an exception is raised into it: DataLoader's
+    SIGCHLD handler raises in the training thread when a worker died, at whatever line it is on, a finalizer's too,
+    where it would stop the work half done (a dead worker's segments left mapped) and be lost anyway (an exception in a
+    finalizer is only printed). DataLoader raises it again where the loop waits."""
+    def run(*args: Any) -> None:
+        for _ in range(_FINALIZER_TRIES):
+            try:
+                work(*args)
+                return
+            except Exception:  # noqa: BLE001, S112 - see the docstring; the work is done again from the start
+                continue
+    return run
+
+
+_FINALIZER_TRIES = 8
+
+
+def _release_now(segment: mmap.mmap, receiver: int) -> None:
     # only in the process that received the item: a forked child (another DataLoader's worker) that collects the item
     # as garbage inherited from it would free the segment a second time, maybe while it holds a later item
     if os.getpid() == receiver and not segment.closed:
         segment[0] = 0  # the worker may write its next item here
+
+
+_release = _finalizer(_release_now)
 
 
 def _mapping(key: tuple[int, int], fd: Any, size: int) -> mmap.mmap:
@@ -239,7 +261,7 @@ def _mapping(key: tuple[int, int], fd: Any, size: int) -> mmap.mmap:
         if fd is not None:
             for pid in {pid for pid, _ in list(_mapped)} - {key[0]}:  # workers of earlier loaders: drop theirs
                 if not _alive(pid):
-                    _forget(pid)
+                    _forget_now(pid)
             try:  # the descriptor comes from the worker itself, over a socket: a dead worker cannot hand it over
                 raw = fd.detach()
             except (OSError, EOFError) as exc:
@@ -273,7 +295,7 @@ def _watch(pid: int) -> None:
             return
 
 
-def _forget(pid: int, owner: Any = None) -> None:
+def _forget_now(pid: int, owner: Any = None) -> None:
     """Drop the mappings of worker ``pid`` (when ``owner`` is given: if that worker's ``Process`` object is still the
     one watched for ``pid``); views still held keep theirs alive through their arrays."""
     with _mapped_lock:
@@ -285,6 +307,9 @@ def _forget(pid: int, owner: Any = None) -> None:
             gone |= {k[0] for k in _mapped if k[0] not in _owners and not _alive(k[0])}  # (one killed just as its
         for key in [k for k in list(_mapped) if k[0] in gone]:                          # first segment arrived)
             _mapped.pop(key, None)
+
+
+_forget = _finalizer(_forget_now)  # also a finalizer (_watch): a SIGCHLD raised into it must not leave mappings behind
 
 
 def _alive(pid: int) -> bool:
