@@ -168,7 +168,31 @@ def register_samples(
             wanted = [s for s in live_steps if step_range[0] <= s <= step_range[1]]
         return read_samples(stream, entries, steps=wanted, progress=progress)
 
-    con.register("samples", after_gc(samples, refresh=stream.refresh))
+    table = after_gc(samples, refresh=stream.refresh)
+    con.register("samples", table.cast(duckdb_schema(table.schema)))
+
+
+def duckdb_schema(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with what DuckDB cannot register as a view made a type it can: a half-float (which a stream holds,
+    Iceberg storing it as a float) becomes a float32, which holds every half-float value, NaN too."""
+    return pa.schema([field.with_type(_duckdb_type(field.type)) for field in schema], metadata=schema.metadata)
+
+
+def _duckdb_type(kind: pa.DataType) -> pa.DataType:
+    if pa.types.is_float16(kind):
+        return pa.float32()
+    if pa.types.is_fixed_size_list(kind):
+        return pa.list_(kind.value_field.with_type(_duckdb_type(kind.value_type)), kind.list_size)
+    if pa.types.is_large_list(kind):
+        return pa.large_list(kind.value_field.with_type(_duckdb_type(kind.value_type)))
+    if pa.types.is_map(kind):
+        return pa.map_(kind.key_field.with_type(_duckdb_type(kind.key_type)),
+                       kind.item_field.with_type(_duckdb_type(kind.item_type)), kind.keys_sorted)
+    if pa.types.is_list(kind):
+        return pa.list_(kind.value_field.with_type(_duckdb_type(kind.value_type)))
+    if pa.types.is_struct(kind):
+        return pa.struct([kind.field(i).with_type(_duckdb_type(kind.field(i).type)) for i in range(kind.num_fields)])
+    return kind
 
 
 def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) -> dict[str, pa.Table]:

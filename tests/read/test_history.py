@@ -303,3 +303,24 @@ def test_a_forks_first_step_joins_its_retained_snapshot_on_the_source_branch(tmp
     assert [(r["step"], r["producer"], r["retained"], r["dated"], r["attempts"]) for r in rows] == [
         (3, "p", True, True, 1), (4, "q", True, True, 1)]
     assert rows[0]["snapshot_id"] == results[2].snapshot_id
+
+
+def test_history_of_a_stream_with_half_float_columns_shows_them_as_floats(tmp_path: Path) -> None:
+    """A stream holds float16 columns (Iceberg stores them as floats), but DuckDB cannot register an Arrow half-float:
+    history() raised duckdb's NotImplementedException ("Unsupported Internal Arrow Type e") for every view, and
+    `lakestream sql` queries of samples failed with it."""
+    import numpy as np
+
+    schema = pa.schema([("h", pa.float16()), ("hs", pa.list_(pa.float16())),
+                        ("st", pa.struct([("v", pa.list_(pa.float16(), 2))]))])
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.half", schema=schema, world_size=1)
+    halves = np.array([1.5, np.nan, -2.0], np.float16)
+    shard = pa.table({"h": pa.array(halves), "hs": [[halves[0]], [], [halves[2], halves[0]]],
+                      "st": [{"v": [halves[0], halves[2]]}, None, {"v": [halves[2], halves[2]]}]}, schema=schema)
+    stream.producer("p").commit([shard])
+    con = history(stream)
+    assert con.sql("SELECT count(*) FROM batches").fetchall() == [(1,)]
+    rows = con.sql("SELECT h, hs, st, _step FROM samples ORDER BY _rank").fetchall()
+    assert [r[0] for r in rows][0::2] == [1.5, -2.0] and rows[1][0] != rows[1][0]  # NaN stays NaN
+    assert [r[1] for r in rows] == [[1.5], [], [-2.0, 1.5]]
+    assert rows[0][2] == {"v": (1.5, -2.0)} and rows[1][2] is None and rows[0][3] == 1
