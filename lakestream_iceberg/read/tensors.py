@@ -316,14 +316,28 @@ class TensorCollate:
             return {name: torch.from_numpy(values), f"{name}_offsets": torch.from_numpy(offsets - lo), f"{name}_lengths": torch.from_numpy(lengths)}
         pad = self.pad_value if is_list else 0
         try:
-            if values.dtype.kind in "iu" and not math.isfinite(pad):  # cast, NaN and infinity pad with INT_MIN
-                raise OverflowError
+            _check_pad(pad, values.dtype)
             padded = _pad(values, offsets - lo, pad)
         except OverflowError:
             raise ConfigError(f"pad_value={pad!r} does not fit column {name!r} ({kind}); choose another pad_value") from None
         if not padded.flags.writeable:  # rows of one length: a view of read-only Arrow memory, which torch must not get
             padded = padded.copy()
         return {name: torch.from_numpy(padded), f"{name}_lengths": torch.from_numpy(lengths)}
+
+
+def _check_pad(pad: float, dtype: np.dtype) -> None:
+    """Raise OverflowError when ``pad`` cast to ``dtype`` is not ``pad`` (a float truncated toward zero aside, as
+    np.full does): the unsafe cast wraps a numpy integer or a float out of range (-1 pads a uint8 column with 255, 300.0
+    with 44), pads NaN, infinity and huge floats with INT_MIN, and a float too big for a float column with infinity."""
+    if dtype.kind in "iu":
+        if not math.isfinite(pad):
+            raise OverflowError
+        info = np.iinfo(dtype)
+        whole = int(pad) if isinstance(pad, (int, np.integer)) else math.trunc(float(pad))  # numpy has no __trunc__
+        if not int(info.min) <= whole <= int(info.max):
+            raise OverflowError
+    elif dtype.kind == "f" and math.isfinite(pad) and abs(float(pad)) > float(np.finfo(dtype).max):
+        raise OverflowError
 
 
 def _numeric(kind: pa.DataType) -> bool:

@@ -182,6 +182,24 @@ def test_a_pad_value_the_column_cannot_hold_is_a_config_error(long_rows: bool) -
     assert collate(floats, pad_value=2.7)["t"][1, 1:].tolist() == [2] * (n - 1)  # cast like np.full: truncated
 
 
+@pytest.mark.parametrize(("kind", "pad"), [(pa.uint8(), 300.0), (pa.uint8(), -1.0), (pa.int8(), 1e30),
+                                         (pa.uint8(), np.int64(-1)), (pa.int32(), np.int64(2**40)),
+                                         (pa.int64(), np.uint64(2**64 - 1)), (pa.int8(), np.float32(1000)),
+                                         (pa.float16(), 1e10)])
+def test_a_float_or_numpy_pad_value_the_column_cannot_hold_is_a_config_error(kind: pa.DataType, pad: object) -> None:
+    """Only Python ints were checked: a float or numpy pad out of the column's range wrapped silently (300.0 padded a
+    uint8 column with 44, np.int64(-1) with 255, np.int64(2**40) an int32 column with 0), 1e30 padded with INT_MIN
+    and 1e10 a float16 column with infinity (a RuntimeWarning at most)."""
+    from lakestream_iceberg.errors import ConfigError
+
+    table = pa.table({"t": pa.array([[1, 2, 3], [1]], pa.list_(kind))})
+    with pytest.raises(ConfigError, match="pad_value"):
+        collate(table, pad_value=pad)
+    assert collate(table, pad_value=np.int8(7))["t"][1].tolist() == [1, 7, 7]  # a pad that fits, numpy or not
+    if pa.types.is_integer(kind):
+        assert collate(table, pad_value=5.9)["t"][1].tolist() == [1, 5, 5]  # truncated toward zero, as np.full does
+
+
 def test_padded_memory_outlives_the_table_and_later_steps() -> None:
     """The padded tensor owns its memory (Arrow's pool): dropping the shard's table and padding more steps, which
     reuse freed pool memory, leaves earlier tensors intact."""
