@@ -298,6 +298,10 @@ def load_catalog(name: str, **properties: str) -> Any:
     """
     from pyiceberg.catalog import load_catalog as _load
 
+    if not isinstance(name, str):  # pyiceberg: "argument of type 'NoneType' is not iterable"
+        raise ConfigError(f"a catalog's name is a string (its name in .pyiceberg.yaml / PYICEBERG_CATALOG__<NAME>__*), "
+                          f"got {type(name).__name__} {name!r}"[:300])
+
     from lakestream_iceberg.connect.rest_sigv4 import install_rest_sigv4_fix
     from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
 
@@ -312,8 +316,24 @@ def load_catalog(name: str, **properties: str) -> Any:
     # is now, the call's own arguments still winning
     _install_current_config()
     # the messages quote the settings pyiceberg used (config file and environment too), e.g. the uri it could not reach
-    with config_errors(_merged(name, given) or given, action=f"loading catalog {name!r}", catalog=name):
-        catalog = _load(name, **given)
+    used = _merged(name, given) or given
+    try:
+        with config_errors(used, action=f"loading catalog {name!r}", catalog=name):
+            catalog = _load(name, **given)
+    except LakestreamError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - pyiceberg says "not configured" or a wrong setting with ValueError, its
+        # own exceptions, SQLAlchemy's and botocore's: "URI missing", "Could not infer the catalog type", no region
+        cause = exc.__cause__  # pyiceberg's "SQLAlchemy support not installed" for a uri whose driver is missing
+        text = f"{exc} ({cause})" if isinstance(cause, ImportError) else str(exc)
+        detail = redact(" ".join(text.split()), used) or type(exc).__name__
+        if len(detail) > 400:
+            detail = detail[:400] + " ..."
+        error = ConfigError(f"could not load catalog {name!r}: {detail} ({type(exc).__name__}); configure it in "
+                            f".pyiceberg.yaml under catalog: {name}: or with {env_name(name, 'uri')} and friends, or "
+                            "pass its settings (type=, uri=, warehouse=, ...) to load_catalog")
+        error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
+        raise error from None
     if isinstance(getattr(catalog, "properties", None), dict):  # pyiceberg merged them back in from its config
         for key in dashed:
             catalog.properties.pop(key, None)

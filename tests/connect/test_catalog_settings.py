@@ -249,3 +249,23 @@ def test_a_variable_unset_after_import_is_not_used(tmp_path: Path) -> None:
         catalog = load_catalog("gone")
         assert "warehouse" not in catalog.properties, catalog.properties
         catalog.engine.dispose()
+
+
+@pytest.mark.parametrize(("name", "props", "match"), [
+    ("prod", {}, r"could not load catalog 'prod': URI missing.*PYICEBERG_CATALOG__PROD__URI"),  # the name misspelt
+    ("prod", {"type": "sql"}, r"could not load catalog 'prod': URI missing"),
+    ("prod", {"uri": "foo://x"}, r"could not load catalog 'prod': Could not infer the catalog type from the uri"),
+    ("prod", {"type": "sql", "uri": ""}, r"SQL connection URI is required"),
+    ("prod", {"type": "sql", "uri": "nodb://user:pw-s3cret@host/db"}, r"Can't load plugin: sqlalchemy.dialects:nodb"),
+    (None, {"type": "sql", "uri": "sqlite://"}, r"a catalog's name is a string.*NoneType"),
+])
+def test_a_catalog_not_configured_or_set_wrong_is_a_config_error(name: object, props: dict[str, str], match: str,
+                                                                  tmp_path: Path) -> None:
+    """load_catalog promises a ConfigError when "the catalog is not configured, a setting is wrong": a name with no
+    configuration raised pyiceberg's bare ValueError ("URI missing, please provide using --uri"), a uri of no catalog
+    type a ValueError, an empty or unknown SQL uri pyiceberg's and SQLAlchemy's own exceptions, a name that is no
+    string a TypeError. Only the CLI wrapped them."""
+    with configured("kwargs", "prod", props, tmp_path) as kwargs:
+        with pytest.raises(ConfigError, match=match) as info:
+            load_catalog(name, **kwargs)  # type: ignore[arg-type]
+    assert "pw-s3cret" not in str(info.value)
