@@ -635,3 +635,14 @@ def test_a_step_past_an_iceberg_long_is_refused_instead_of_waited_for(tmp_path: 
     with pytest.raises(ConfigError, match="start_step must be"):
         LakestreamDataset(stream, rank=0, world_size=1, start_step=2**63, follow=True, timeout=600)
     assert stream.wait_for(1, timeout=5) == 1
+
+
+@pytest.mark.parametrize("world_size", [2**31, 2**40, 2**64])
+def test_a_consumer_world_size_past_an_iceberg_int_is_refused(tmp_path: Path, world_size: int) -> None:
+    """A stream's world size is bounded by an Iceberg int, a reader's was not: a group's rank past it reported a
+    position that `lakestream lag` and the consumers view then dropped as written by "another program", and a world
+    size past a long was listed as NULL."""
+    stream = make(tmp_path, steps=1)
+    with pytest.raises(ConfigError, match="world_size"):
+        LakestreamDataset(stream, rank=3, world_size=world_size, group="run")
+    assert [item["step"] for item in LakestreamDataset(stream, rank=3, world_size=2**31 - 1)] == [1]

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lakestream_iceberg.connect.fork import fork_safe
+from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
@@ -132,7 +133,9 @@ def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, 
                 raise ConfigError("environment variables RANK and WORLD_SIZE must be integers when set") from None
         rank = found[0] if rank is None else rank
         world_size = found[1] if world_size is None else world_size
-    world_size = check_int(world_size, what="world_size", minimum=1)
+    # bounded as a stream's: a consumer position of a rank past an Iceberg int is dropped from `lakestream lag` and the
+    # consumers view as one "another program wrote", and a world size past a long was listed as NULL
+    world_size = check_int(world_size, what="world_size", minimum=1, maximum=INT32_MAX, hint="ranks are Iceberg ints")
     rank = check_int(rank, what="rank", error=RankError)
     if not 0 <= rank < world_size:
         raise RankError(f"rank {rank!r} is outside 0..{world_size - 1} (consumer world size {world_size})")
