@@ -44,8 +44,9 @@ def _check() -> None:
             continue
         try:
             with open(path, encoding="utf-8") as f:
-                if strictyaml.load(f.read()).data:
-                    return  # pyiceberg takes the first file that holds settings
+                data = strictyaml.load(f.read()).data
+            if isinstance(data, dict):
+                return  # pyiceberg takes the first file that holds settings
         except (UnicodeDecodeError, YAMLError) as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -59,3 +60,15 @@ def _check() -> None:
         except OSError as exc:
             raise ConfigError(f"{path} cannot be read ({exc.strerror or exc}): pyiceberg reads it whenever it is "
                               "imported; fix its permissions or move it away") from None
+        # pyiceberg's import lowercases the keys of what it parsed: an AttributeError ("'str' object has no attribute
+        # 'items'") for an empty file, one of comments only, or a list or a text at the top
+        text = data if isinstance(data, str) else None  # strictyaml gives a file of no mapping or list as its text
+        lines = [] if text is None else [line.strip() for line in text.splitlines()]
+        if text is not None and all(not line or line.startswith("#") or line in ("---", "...") for line in lines):
+            shown = "no settings (it is empty or holds comments only)"
+        else:
+            shown = f"a {'text' if text is not None else type(data).__name__} where a mapping of settings belongs"
+        raise ConfigError(
+            f"{path} holds {shown}: pyiceberg reads it whenever it is imported and fails on it. Write its settings as "
+            "block-style YAML (catalog:, then each catalog's name and settings indented below), or delete it"
+        )

@@ -355,6 +355,10 @@ def test_an_unreachable_catalog_is_named_by_its_uri_and_never_shows_a_password(e
     ("catalog:\n  prod:\n    uri: sqlite:///x.db\n   warehouse: [x\n", (".pyiceberg.yaml cannot be read", "line 4, column 4")),
     ('catalog: {prod: {uri: "sqlite:///x.db"}}\n', (".pyiceberg.yaml cannot be read", "flow mapping")),
     (b"catalog:\n  prod:\n    uri: caf\xe9\n", (".pyiceberg.yaml cannot be read", "utf-8")),
+    # pyiceberg's import raised AttributeError ("'str' object has no attribute 'items'") for a file of no mapping
+    ("", (".pyiceberg.yaml holds no settings", "empty or holds comments only")),  # `touch .pyiceberg.yaml`
+    ("# catalog:\n#   prod:\n", (".pyiceberg.yaml holds no settings", "empty or holds comments only")),
+    ("- catalog\n", (".pyiceberg.yaml holds a list where a mapping of settings belongs",)),
 ])
 def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, str], tmp_path: Path, yaml: str | bytes,
                                                                needles: tuple[str, ...]) -> None:
@@ -364,11 +368,12 @@ def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, st
     path.write_bytes(yaml if isinstance(yaml, bytes) else yaml.encode())
     proc = run({**env, "PYICEBERG_HOME": str(tmp_path)}, "--catalog", "prod", "status", STREAM, ok=False)
     assert_one_line_error(proc, *needles)
-    if "cannot be read" in needles[0]:  # a library import gets the same error, from the project's hierarchy
+    if "cannot be read" in needles[0] or "holds" in needles[0]:  # a library import gets the same error, from the
+        # project's hierarchy
         imported = subprocess.run([sys.executable, "-c", "import lakestream_iceberg"], capture_output=True, text=True,
                                   env={**env, "PYICEBERG_HOME": str(tmp_path)}, timeout=120)
         assert imported.returncode == 1 and imported.stderr.strip().splitlines()[-1].startswith(
-            f"lakestream_iceberg.errors.ConfigError: {path} cannot be read"), imported.stderr
+            f"lakestream_iceberg.errors.ConfigError: {path} {needles[0].split('.pyiceberg.yaml ')[1]}"), imported.stderr
 
 
 def test_a_file_the_storage_lost_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
