@@ -251,7 +251,9 @@ class TensorCollate:
         pad_value: The value padded list columns are filled with.
 
     Raises:
-        ConfigError: ``lists`` or ``binary`` is not one of its values, or ``pad_value`` not an int or float.
+        ConfigError: ``lists`` or ``binary`` is not one of its values, or ``pad_value`` not an int or float; when
+            called: ``pad_value`` does not fit a padded column, or a column would make a key the item already has
+            (a column named ``step`` or ``sample_ids``, or ``tokens_lengths`` beside a list column ``tokens``).
 
     Example:
         >>> LakestreamDataset(stream, collate=TensorCollate(lists="packed"))   # doctest: +SKIP
@@ -269,9 +271,17 @@ class TensorCollate:
     def __call__(self, shard: StepShard) -> dict[str, Any]:
         torch = require_torch("TensorCollate")
         item: dict[str, Any] = {"step": shard.step, "sample_ids": torch.from_numpy(shard.sample_ids)}
+        made_by = {"step": "the step number", "sample_ids": "the samples' ids"}
         for name, column in zip(shard.table.column_names, shard.table.columns, strict=True):
             array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
-            item.update(self._convert(torch, name, array))
+            converted = self._convert(torch, name, array)
+            for key in converted:  # a payload column named step, sample_ids or tokens_lengths silently replaced the
+                if key in made_by:  # collate's key (or was replaced by it)
+                    raise ConfigError(
+                        f"TensorCollate cannot make item[{key!r}] of column {name!r}: the item's {key!r} is "
+                        f"{made_by[key]}; rename the column, leave it out with columns=, or pass your own collate=")
+                made_by[key] = f"column {name!r}" if key == name else f"the {key[len(name) + 1:]} of column {name!r}"
+            item.update(converted)
         return item
 
     def _convert(self, torch: Any, name: str, array: pa.Array) -> dict[str, Any]:

@@ -200,6 +200,24 @@ def test_a_float_or_numpy_pad_value_the_column_cannot_hold_is_a_config_error(kin
         assert collate(table, pad_value=5.9)["t"][1].tolist() == [1, 5, 5]  # truncated toward zero, as np.full does
 
 
+@pytest.mark.parametrize(("columns", "lists"), [
+    ({"step": pa.array([5, 6], pa.int64())}, "padded"),
+    ({"sample_ids": pa.array([5, 6], pa.int64())}, "padded"),
+    ({"tokens": pa.array([[1], [2, 3]]), "tokens_lengths": pa.array([9, 9])}, "padded"),
+    ({"tokens_lengths": pa.array([9, 9]), "tokens": pa.array([[1], [2, 3]])}, "padded"),
+    ({"tokens": pa.array([[1], [2, 3]]), "tokens_offsets": pa.array([9, 9])}, "packed"),
+])
+def test_a_column_whose_item_key_the_collate_makes_too_is_refused(columns: dict, lists: str) -> None:
+    """Item keys were one dict: a payload column named step replaced the step number (the position tracking then
+    counted steps instead), one named sample_ids the ids, and tokens_lengths beside a list column tokens the lengths
+    (or the other way round, by column order): silently."""
+    from lakestream_iceberg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rename the column"):
+        collate(pa.table(columns), lists=lists)
+    assert collate(pa.table({"tokens": pa.array([[1], [2, 3]]), "tokens_len": pa.array([9, 9])}))["tokens_len"].tolist() == [9, 9]
+
+
 def test_padded_memory_outlives_the_table_and_later_steps() -> None:
     """The padded tensor owns its memory (Arrow's pool): dropping the shard's table and padding more steps, which
     reuse freed pool memory, leaves earlier tensors intact."""
