@@ -222,10 +222,13 @@ def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
     """The Arrow schema of the Iceberg table: the payload plus ``_step`` and ``_rank``."""
     if not isinstance(payload, pa.Schema) or len(payload) == 0:
         raise SchemaMismatchError(f"a stream's payload schema is a pyarrow Schema with at least one column, got {payload!r}")
-    clash = RESERVED_COLUMNS.intersection(payload.names)
+    # in any case: DuckDB (the history views) and engines that fold names to lower case (Trino; Spark by default)
+    # resolve _STEP and _step as one column: `SELECT _step FROM samples` read the payload's _STEP
+    clash = {name for name in payload.names if name.lower() in RESERVED_COLUMNS}
     if clash:
         raise SchemaMismatchError(
-            f"payload column(s) {sorted(clash)} are reserved by lakestream (step and rank are added for you); rename them"
+            f"payload column(s) {sorted(clash)} are reserved by lakestream in any letter case (step and rank are added "
+            "for you as _step and _rank); rename them"
         )
     if len(set(payload.names)) != len(payload.names):
         raise SchemaMismatchError("payload schema has duplicate column names; give every column a unique name")

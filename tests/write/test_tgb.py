@@ -239,6 +239,15 @@ def test_reserved_column_names_and_types_iceberg_lacks_are_refused(catalog, kind
     assert not catalog.table_exists("ns.bad")
 
 
+def test_reserved_column_names_are_reserved_in_any_letter_case(catalog) -> None:
+    """A payload column _STEP was taken: the history views' `SELECT _step FROM samples` then read it instead of the
+    step (DuckDB resolves names in any case), as Trino and Spark (case-insensitive by default) would."""
+    for name in ("_STEP", "_Rank"):
+        with pytest.raises(SchemaMismatchError, match="reserved"):
+            Stream.create(catalog, "ns.bad", schema=pa.schema([(name, pa.int32()), ("x", pa.int32())]), world_size=1)
+        assert not catalog.table_exists("ns.bad")
+
+
 @pytest.mark.parametrize("layout", ["per-rank", "packed"])
 def test_uint32_columns_hold_their_whole_range(catalog, layout: str) -> None:
     """pyiceberg types uint32 as Iceberg's signed 32-bit int; the table types it long, so every uint32 is written."""
