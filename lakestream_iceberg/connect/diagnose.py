@@ -266,6 +266,9 @@ def config_errors(
         raise error from None
 
 
+PASS_SETTINGS = ", or pass its settings (type=, uri=, warehouse=, ...) to load_catalog"  # the command line says its own
+
+
 def load_catalog(name: str, **properties: str) -> Any:
     """``pyiceberg.catalog.load_catalog`` that raises a :class:`ConfigError` naming the setting on connection or
     credential failures (SQL catalogs connect when loaded, REST catalogs fetch their config).
@@ -330,8 +333,8 @@ def load_catalog(name: str, **properties: str) -> Any:
         if len(detail) > 400:
             detail = detail[:400] + " ..."
         error = ConfigError(f"could not load catalog {name!r}: {detail} ({type(exc).__name__}); configure it in "
-                            f".pyiceberg.yaml under catalog: {name}: or with {env_name(name, 'uri')} and friends, or "
-                            "pass its settings (type=, uri=, warehouse=, ...) to load_catalog")
+                            f".pyiceberg.yaml under catalog: {name}: or with {env_name(name, 'uri')} and friends"
+                            + PASS_SETTINGS)
         error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
         raise error from None
     if isinstance(getattr(catalog, "properties", None), dict):  # pyiceberg merged them back in from its config

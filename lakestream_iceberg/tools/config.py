@@ -119,12 +119,16 @@ def load(spec: CatalogSpec, *, create: bool = True) -> Catalog:
     """
     if not spec.name:
         return embedded_catalog(spec.home, create=create)
-    from lakestream_iceberg.connect.diagnose import load_catalog
+    from lakestream_iceberg.connect.diagnose import PASS_SETTINGS, load_catalog
     from lakestream_iceberg.connect.secrets import redact
 
     try:
         return load_catalog(spec.name)
-    except ConfigError:
+    except ConfigError as exc:
+        if str(exc).endswith(PASS_SETTINGS):  # a catalog not configured or set wrong: the command line passes none
+            error = ConfigError(str(exc).removesuffix(PASS_SETTINGS) + ", or drop --catalog to use the embedded default")
+            error.original = getattr(exc, "original", None)  # type: ignore[attr-defined]
+            raise error from None
         raise
     except Exception as exc:  # pyiceberg raises ValueError, driver and HTTP errors alike
         env = "PYICEBERG_CATALOG__" + spec.name.upper().replace("-", "_") + "__URI"

@@ -376,6 +376,15 @@ def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, st
             f"lakestream_iceberg.errors.ConfigError: {path} {needles[0].split('.pyiceberg.yaml ')[1]}"), imported.stderr
 
 
+def test_a_catalog_not_configured_says_what_to_set_and_how_to_do_without(env: dict[str, str]) -> None:
+    """load_catalog now raises its own ConfigError for a catalog not configured (it raised pyiceberg's ValueError);
+    the command line keeps its advice, which passes no settings to load_catalog."""
+    proc = run(env, "--catalog", "prod", "status", STREAM, ok=False)
+    assert_one_line_error(proc, "could not load catalog 'prod': URI missing", "PYICEBERG_CATALOG__PROD__URI",
+                          "drop --catalog to use the embedded default")
+    assert "load_catalog" not in proc.stderr
+
+
 def test_a_file_the_storage_lost_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A storage failure (here: files deleted behind the catalog's back; an unreachable endpoint raises the same
     OSError) was a pyarrow traceback."""
