@@ -646,3 +646,19 @@ def test_a_consumer_world_size_past_an_iceberg_int_is_refused(tmp_path: Path, wo
     with pytest.raises(ConfigError, match="world_size"):
         LakestreamDataset(stream, rank=3, world_size=world_size, group="run")
     assert [item["step"] for item in LakestreamDataset(stream, rank=3, world_size=2**31 - 1)] == [1]
+
+
+def test_a_location_that_holds_files_or_lies_in_a_table_is_refused(tmp_path: Path) -> None:
+    """GC deletes every file under a stream's location that the stream does not reference: a stream made at the
+    warehouse's root (or a namespace's folder) deleted every other stream's data and metadata at its first GC, and one
+    inside another stream's folder had its files deleted by that stream's GC."""
+    stream = make(tmp_path, steps=2)
+    home = stream.table.metadata.location
+    for location in (f"file://{tmp_path}/warehouse", f"file://{tmp_path}/warehouse/ns", home + "/data",
+                     home + "/sub/folder"):
+        with pytest.raises(ConfigError, match="GC"):
+            Stream.create(stream.table.catalog, "other.b", schema=SCHEMA, world_size=WORLD, location=location)
+        assert not stream.table.catalog.table_exists("other.b")
+    own = Stream.create(stream.table.catalog, "other.b", schema=SCHEMA, world_size=WORLD,
+                        location=f"file://{tmp_path}/elsewhere/b")  # a folder of its own
+    assert own.table.metadata.location.endswith("/elsewhere/b") and stream.read(2, rank=0).num_rows >= 0

@@ -100,10 +100,57 @@ def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema:
         return _create(catalog, identifier, name=name, schema=iceberg_schema, layout=config.layout, location=location,
                        properties=props)
 
+    if location is not None:
+        refuse_occupied_location(catalog, location, name=name)
     try:
         return _in_namespace(catalog, namespace, make)
     except NoSuchNamespaceError:  # another create made the namespace, failed and dropped it again between this call's
         return _in_namespace(catalog, namespace, make)  # check and its table: make it once more
+
+
+def refuse_occupied_location(catalog: Catalog, location: str, *, name: str) -> None:
+    """Refuse (:class:`ConfigError`) a location given to a new stream that holds anything but a table's ``data`` and
+    ``metadata`` folders, or lies inside another table's folder: lifecycle GC deletes every file under a stream's
+    location that its own snapshots do not reference, so a stream made at the warehouse's root (or a namespace's
+    folder) deleted every table's data and metadata below it at its first GC, and one inside another table's folder had
+    its files deleted by that table's GC. A location holding only ``data`` and ``metadata`` is taken: a dropped stream's
+    (its files stay unless purged), which the new stream's GC then removes; a live table's there is not detected.
+    Best effort: storage pyiceberg reaches through pyarrow; a location that cannot be listed is left to the create."""
+    from pyarrow import fs as pafs
+    from pyiceberg.io import load_file_io
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    try:
+        io = load_file_io(dict(catalog.properties), location)
+        if not isinstance(io, PyArrowFileIO):
+            return
+        scheme, netloc, path = PyArrowFileIO.parse_location(location, io.properties)
+        filesystem = io.fs_by_scheme(scheme, netloc)
+        path = path.rstrip("/")
+        held = filesystem.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
+        table_above = None
+        parent = path
+        while parent.strip("/").count("/") > (0 if scheme in ("file", "") else 1):  # up to the root or the bucket
+            parent = parent.rsplit("/", 1)[0]
+            found = filesystem.get_file_info(pafs.FileSelector(f"{parent}/metadata", allow_not_found=True))
+            if any(info.path.endswith(".metadata.json") for info in found):
+                table_above = parent
+                break
+    except (OSError, ValueError):  # no folder, no permission, an unreachable endpoint: the create says which
+        return
+    # a table's own folders (a dropped table's, whose location a new stream may take over) are data/ and metadata/
+    foreign = sorted(info.base_name for info in held if info.base_name not in ("data", "metadata"))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+        raise ConfigError(
+            f"cannot create stream {name} at {location}: the location holds {shown}, and lifecycle GC deletes every "
+            "file under a stream's location that the stream does not reference (other tables' data and metadata "
+            "too); give the stream a folder of its own that is empty or does not exist yet, or leave location out")
+    if table_above is not None:
+        raise ConfigError(
+            f"cannot create stream {name} at {location}: it lies inside the folder of another table ({table_above} "
+            "holds table metadata), whose lifecycle GC would delete the stream's files; give the stream a folder "
+            "outside every table's location, or leave location out")
 
 
 def _in_namespace(catalog: Catalog, namespace: tuple[str, ...], make: Callable[[], Table]) -> Table:
