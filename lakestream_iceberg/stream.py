@@ -164,7 +164,9 @@ class Stream(StreamTable):
             ConfigError: ``catalog`` is not a pyiceberg catalog; ``identifier`` is not ``"namespace.name"`` (no empty
                 part) or a part cannot be a folder name (a ``/``, a control character, over 255 bytes; a nested
                 namespace over 255 bytes with its parts joined by ``.``); ``location`` is not a URI or an absolute
-                path, or no folder can be made there (or in the catalog's warehouse); ``world_size`` is not in
+                path, or no folder can be made there (or in the catalog's warehouse), or it holds other folders than a
+                table's ``data`` and ``metadata`` (the warehouse's root) or lies inside another table's folder (GC
+                deletes every file under a stream's location it does not reference); ``world_size`` is not in
                 1..2**31-1; a property holds a value the stream cannot use, says another world size or schema than the
                 arguments, or is a ``lakestream.*`` key lakestream does not read (each names the property);
                 ``format-version`` is not 1 or 2 (the Iceberg versions pyiceberg writes); a REST catalog refused the
