@@ -346,12 +346,14 @@ class Stream(StreamTable):
             The :class:`~lakestream_iceberg.write.producer.Producer`.
 
         Raises:
-            ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is; or
-                ``max_in_flight`` is not an integer >= 1.
+            ConfigError: ``branch`` is not a branch of the stream (a checkpoint tag, a typo); ``main`` always is;
+                ``seed`` is neither None nor an integer; or ``max_in_flight`` is not an integer >= 1.
         """
         # Its own view of the table, starting from ours: the first commit refreshes it (on SQL catalogs one read of the
         # catalog pointer, no metadata reload when nothing moved), so making a producer costs no catalog round trip.
         self.require_branch(branch, doing=f"cannot make producer {producer_id!r} on")
+        if seed is not None:
+            seed = check_int(seed, what="seed", hint="or None")
         table = Table(self.table.name(), metadata=self.table.metadata, metadata_location=self.table.metadata_location,
                       io=self.table.io, catalog=self.table.catalog, config=self.table.config)
         policy = CommitPolicy(clock=time.monotonic, rng=random.Random(seed),

@@ -407,6 +407,30 @@ def test_two_names_that_map_to_one_folder_are_refused_before_anything_is_made(tm
     assert first.head_step() == 0
 
 
+def test_a_name_part_with_white_space_at_either_end_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    """'ns.s ' made a second, empty stream beside 'ns.s' (in folder 's '), while pyiceberg opens ' ns.s' as 'ns.s':
+    a producer and a trainer that differ by one space used two streams."""
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
+    for name in ("ns.s ", " ns.s", "ns. s", "ns .s", ("ns", "s\u00a0"), ("ns", "\u3000s")):
+        with pytest.raises(ConfigError, match="starts or ends with white space"):
+            Stream.create(catalog, name, schema=SCHEMA, world_size=1)
+    assert catalog.list_namespaces() == [("ns",)] and catalog.list_tables("ns") == [("ns", "s")]
+    assert Stream.create(catalog, "ns.two words", schema=SCHEMA, world_size=1).head_step() == 0  # inside: a folder name
+
+
+def test_a_producer_seed_that_is_no_integer_is_a_config_error(tmp_path: Path) -> None:
+    stream = make(tmp_path, steps=1)
+    import numpy as np
+
+    for bad in (True, "x", 1.5, np.float64(2.0)):
+        with pytest.raises(ConfigError, match="seed"):
+            stream.producer("p", seed=bad)  # type: ignore[arg-type]
+    producer = stream.producer("p", seed=np.int64(7))  # type: ignore[arg-type]
+    producer.commit(batch("p", 1, WORLD), seq=1)
+    assert stream.refresh().head_step() == 2
+
+
 def test_a_nested_namespace_too_long_for_one_folder_is_refused_before_anything_is_made(tmp_path: Path) -> None:
     """A nested namespace is one folder of the location, its parts joined by '.' (<warehouse>/a.b/name): two parts of
     200 bytes each passed, and creating failed midway (the namespaces made) blaming the catalog's warehouse."""

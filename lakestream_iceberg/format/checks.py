@@ -106,11 +106,13 @@ _PART_BYTES = 255
 
 def check_new_identifier(identifier: str | tuple[str, ...]) -> None:
     """Refuse a checked identifier (:func:`check_identifier`) whose parts cannot each be one folder name of the new
-    stream's location: a ``/``, a control character, or more than 255 bytes (UTF-8) in a part or in a nested
-    namespace's parts joined by ``.`` (one folder: ``<warehouse>/a.b/name``)."""
+    stream's location: a ``/``, a control character, white space at its start or end (``"ns.s "`` made a second
+    stream beside ``ns.s``, where pyiceberg opens ``" ns.s"`` as ``ns.s``), or more than 255 bytes (UTF-8) in a part
+    or in a nested namespace's parts joined by ``.`` (one folder: ``<warehouse>/a.b/name``)."""
     parts = identifier.split(".") if isinstance(identifier, str) else identifier
     for part in parts:
         problem = ("holds a path separator ('/' or '\\')" if "/" in part or "\\" in part
+                   else "starts or ends with white space" if part != part.strip()
                    else "holds a control character" if any(ord(c) < 32 or 127 <= ord(c) < 160 for c in part)
                    else f"is longer than {_PART_BYTES} bytes" if len(part.encode("utf-8", "surrogatepass")) > _PART_BYTES
                    else None)
@@ -118,7 +120,8 @@ def check_new_identifier(identifier: str | tuple[str, ...]) -> None:
             raise ConfigError(
                 f"cannot create a stream named {identifier!r}: the part {part[:40]!r}{'...' if len(part) > 40 else ''} "
                 f"{problem}; each part of 'namespace.name' becomes a folder of the stream's location, so use at most "
-                f"{_PART_BYTES} bytes without '/', '\\' or control characters (e.g. 'train.run_42')")
+                f"{_PART_BYTES} bytes without '/', '\\', control characters or white space at either end (e.g. "
+                "'train.run_42')")
     namespace = ".".join(parts[:-1])  # a nested namespace is one folder, its parts joined by '.' (pyiceberg's)
     if len(namespace.encode("utf-8", "surrogatepass")) > _PART_BYTES:
         raise ConfigError(
