@@ -463,3 +463,21 @@ def test_the_default_report_interval_keeps_a_jobs_position_writes_bounded_howeve
     list(explicit)
     explicit.close()
     assert lags(stream, group="other")[0].report_s == FAST  # an explicit report_s is kept
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_rank_that_breaks_out_of_its_loop_and_closes_the_dataset_shows_as_closed(stream: Stream,
+                                                                                   follow: bool) -> None:
+    """``ds.close()`` "reports the final position" (docs/guide/monitoring.md) and a rank "closed cleanly" shows as
+    ``closed`` (read/lag.py). A loop that stops early (``break``: a step budget, an eval) and then closes the dataset
+    showed as ``stale``, the status of "a killed or hung process", forever: the iteration's end recorded the position
+    as not closed, and the close recorded nothing more."""
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST, follow=follow, timeout=30)
+    for item in ds:
+        if item["step"] == 2:
+            break
+    ds.close()
+    until(lambda: lags(stream)[0].age_s > 4 * FAST, "the rank's last report to age past the stale limit")
+    row = lags(stream)[0]
+    assert (row.last_step, row.lag_steps) == (2, 2)
+    assert row.status == "closed"
