@@ -41,12 +41,13 @@ ATTEMPTS = 4  # connections broken in a row (holders exiting one after the other
 
 
 class _Channel:
-    __slots__ = ("lock", "pid", "sock")
+    __slots__ = ("holder", "lock", "pid", "sock")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.sock: socket.socket | None = None
-        self.pid = 0
+        self.pid = 0  # the process that opened the connection (a forked child opens its own)
+        self.holder: object = None  # the pid of the process serving the relay, as its hello said
 
     def drop(self) -> None:
         if self.sock is not None:
@@ -174,7 +175,8 @@ class RelayWatcher:
                     channel.drop()
                     raise ReadError(
                         f"the head relay of {self._stream.name} at {self._paths.socket} did not answer within "
-                        f"{wait_s + IO_S:.0f}s (is its holder stopped?); pass relay=False to read without it"
+                        f"{wait_s + IO_S:.0f}s (is its holder, pid {channel.holder}, stopped?); pass relay=False to "
+                        "read without it"
                     ) from None
                 except OSError:  # the holder exited: connect again, which elects a new one
                     channel.drop()
@@ -213,6 +215,7 @@ class RelayWatcher:
                     raise ReadError(f"the head relay at {self._paths.socket} serves table {hello.get('uuid')!r} branch "
                                     f"{hello.get('branch')!r}, not {self._uuid} branch {self._branch!r}")
                 channel.sock, channel.pid = sock, os.getpid()
+                channel.holder = hello.get("pid") if type(hello.get("pid")) is int else "unknown"
                 return
             if not self._elect:
                 raise ReadError(f"no process serves the head relay of {self._stream.name} at {self._paths.socket}")

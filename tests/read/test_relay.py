@@ -881,3 +881,22 @@ def test_readers_a_little_behind_the_head_do_not_make_the_relay_poll_the_catalog
     for pump in pumps:
         pump.close()
     holder.close()
+
+
+def test_a_stopped_holders_error_names_its_pid(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay client's docstring promises a ReadError "naming the holder's pid rather than hanging": with many
+    processes on a host, the pid says which one to look at (a stopped, debugged or GIL-starved process)."""
+    stream = make_stream(tmp_path, steps=1)
+    holder = start_holder(tmp_path)
+    try:
+        client = watch(stream)
+        assert isinstance(client, RelayWatcher)
+        client.check()
+        monkeypatch.setattr(relay_client, "IO_S", 0.5)
+        holder.send_signal(signal.SIGSTOP)
+        with pytest.raises(ReadError, match=f"did not answer.*pid {holder.pid}"):
+            client.wait(5, timeout=None, stop=threading.Event())
+        client.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
