@@ -272,8 +272,12 @@ class HeadRelay:
             base = self._plan_base
             if base is None or base[0] < step:  # plan on the newest head only for a step the older one lacks
                 base = self._plan_base = self._head
-            snapshot = base[1]
-        snapshot = _unrelated(self.stream.table.metadata, seen, snapshot) or snapshot
+            snapshot, reaches = base[1], base[0] >= step
+        metadata = self.stream.table.metadata
+        # the client's head when the two are of unrelated lineages, or when the client's head lists a step this
+        # relay's head does not reach (moved back by another engine, seen by a holder elected since): as a direct read
+        own = _unrelated(metadata, seen, snapshot) if reaches else _snapshots_by_id(metadata).get(seen)
+        snapshot = own or snapshot
         key = (None if snapshot is None else snapshot.snapshot_id, step)
         with self._plan_lock:  # one lookup per step: the clients a head move woke all ask at once
             return self._plan(key, step, snapshot)

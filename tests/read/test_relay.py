@@ -900,3 +900,31 @@ def test_a_stopped_holders_error_names_its_pid(tmp_path: Path, monkeypatch: pyte
     finally:
         holder.kill()
         holder.wait(timeout=60)
+
+
+
+def test_a_step_the_readers_head_lists_is_read_after_a_rollback_below_it_by_a_new_holder(tmp_path: Path) -> None:
+    """A reader has heard of head step 4 (not read step 3 yet) when another engine rolls main back to step 2 and, before
+    anything is published again, the relay's holder stops (its rank finished, or was killed) and a new one is elected.
+    A direct read of the reader's head reads step 3 as that head lists it; the new holder planned step 3 on its own
+    head (step 2), since the reader's head descends from it, and answered StepNotPublishedError, which ends a follow:
+    the client promises to plan "on this reader's head, as a direct read does" after a rollback."""
+    stream = make_stream(tmp_path, steps=4)
+    holder = watch(Stream.open(make_catalog(tmp_path), "ns.s"))
+    reader = watch(Stream.open(make_catalog(tmp_path), "ns.s"))
+    assert isinstance(holder, RelayWatcher) and holder.holding
+    assert isinstance(reader, RelayWatcher) and not reader.holding
+    reader.check()
+    head, snapshot = reader.head()
+    assert head == 4
+    old = [f.file_path for f in stream.locate(3)]
+    step_2 = next(s.snapshot_id for s in stream.refresh().table.metadata.snapshots
+                  if s.summary is not None and s.summary.additional_properties.get("lakestream.step") == "2")
+    stream.table.manage_snapshots().rollback_to_snapshot(step_2).commit()
+    holder.close()  # the holder stops; the reader's next request elects a new one (here: the reader's process)
+    try:
+        direct = Stream.open(make_catalog(tmp_path), "ns.s")
+        assert [f.file_path for f in direct.index.files(direct.table.metadata.snapshot_by_id(snapshot), 3)] == old
+        assert [f.file_path for f in reader.files(snapshot, 3)] == old
+    finally:
+        reader.close()
