@@ -928,3 +928,21 @@ def test_a_step_the_readers_head_lists_is_read_after_a_rollback_below_it_by_a_ne
         assert [f.file_path for f in reader.files(snapshot, 3)] == old
     finally:
         reader.close()
+
+
+def test_a_follower_reads_on_after_a_rollback_below_its_heard_head_when_another_reader_starts(tmp_path: Path) -> None:
+    """The same rollback, with one holder throughout: another reader of the host starting an iteration (a rank
+    restarting, the next epoch's DataLoader workers) asks the relay to ``check``, which plans later steps on the relay's
+    head of now, rolled back; the first follower's next step then came back StepNotPublishedError."""
+    stream = make_stream(tmp_path, steps=4)
+    ds = LakestreamDataset(Stream.open(make_catalog(tmp_path), "ns.s"), rank=0, world_size=2, follow=True,
+                           end_step=4, timeout=30, prefetch=0)
+    it = iter(ds)
+    assert [next(it)["step"], next(it)["step"]] == [1, 2]  # this reader serves the relay
+    step_2 = next(s.snapshot_id for s in stream.refresh().table.metadata.snapshots
+                  if s.summary is not None and s.summary.additional_properties.get("lakestream.step") == "2")
+    stream.table.manage_snapshots().rollback_to_snapshot(step_2).commit()
+    other = LakestreamDataset(Stream.open(make_catalog(tmp_path), "ns.s"), rank=1, world_size=2, follow=True,
+                              end_step=1, timeout=30)
+    assert [item["step"] for item in other] == [1]
+    check_items(list(it), world=2, rank=0, steps=[3, 4])
