@@ -10,7 +10,9 @@ process per host, stream and branch (the *holder*) does all of that once, and th
   A forked child closes its copy of the lock (so that its parent's death frees it) and never serves its parent's relay.
 * **Following**: the holder keeps its own view of the table at the head (:class:`~.follow.HeadWatcher`): it polls the
   catalog pointer every ``poll_s`` (on PostgreSQL it also listens for commit notifications and then polls only every
-  ``max_poll_s`` as a safety net), and reads the new ``metadata.json`` once per head.
+  ``max_poll_s`` as a safety net), and reads the new ``metadata.json`` once per head. While the catalog cannot be
+  reached it backs off to ``max_poll_s``, as a direct follower does, and warns once per outage (and every
+  ``FAILURES_LOGGED``-th failure).
 * **Answers**: ``wait`` (block until the head reaches a step, at most ``WAIT_SLICE_S``), ``files`` (a step's data
   files, looked up once and kept for the next clients in a small LRU; looked up on the head that first listed the
   step, not on every newer head, so that clients asking for one step at different heads cost one manifest read, not
@@ -61,6 +63,7 @@ IO_S = 10.0  # a frame that does not arrive or leave within this is a dead peer
 PLANS_KEPT = 256
 PLAN_FILES_KEPT = 100_000  # data files among the answers kept (about 35 MB); the newest answer is kept whatever its size
 MAX_CLIENTS = 4096
+FAILURES_LOGGED = 100  # while the catalog is unreachable, a warning at the first failed poll and every 100th
 
 
 class HeadRelay:
@@ -84,6 +87,7 @@ class HeadRelay:
         self._stop = threading.Event()
         self._head: tuple[int, Any] = self._watcher.head()
         self._fatal: LakestreamError | None = None
+        self._failures = 0  # catalog polls failed in a row
         self._plan_base: tuple[int, Any] | None = None  # the head steps are planned on (see _files)
         self._plans: OrderedDict[tuple[int | None, int], dict[str, Any]] = OrderedDict()
         self._plan_files = 0  # data files among self._plans
@@ -151,7 +155,9 @@ class HeadRelay:
         self._watcher.close()
 
     # -- following -----------------------------------------------------------------------------------------------------
-    def _poll_once(self) -> None:
+    def _poll_once(self) -> bool:
+        """Poll the catalog once; False when it could not be reached (logged once per outage, and every
+        ``FAILURES_LOGGED``-th failure in a row)."""
         with self._poll_lock:
             try:
                 self._watcher.check()
@@ -159,14 +165,21 @@ class HeadRelay:
             except LakestreamError as exc:  # dropped, re-created, malformed: every client gets it
                 fatal = exc
             except Exception as exc:  # noqa: BLE001 - the catalog is unreachable for now: clients wait, or time out
-                log.warning("relay polling %s failed (%s); retrying", self.stream.name, type(exc).__name__)
-                return
+                self._failures += 1
+                if self._failures == 1 or self._failures % FAILURES_LOGGED == 0:
+                    log.warning("relay polling %s failed %d time(s) in a row (%s); retrying, backing off to every "
+                                "%gs", self.stream.name, self._failures, type(exc).__name__, self._max_poll_s)
+                return False
+            if self._failures:
+                log.info("relay polling %s works again after %d failure(s)", self.stream.name, self._failures)
+                self._failures = 0
             head = self._watcher.head() if fatal is None else self._head
         with self._cond:
             self._fatal, moved = fatal, head[0] != self._head[0]
             self._head = head
             if moved or fatal is not None:
                 self._cond.notify_all()
+        return True
 
     def _replan(self) -> None:
         self._poll_once()
@@ -174,10 +187,15 @@ class HeadRelay:
             self._plan_base = None
 
     def _poll_loop(self) -> None:
+        backoff = self._poll_s
         while not self._stop.is_set():
-            self._poll_once()
-            listening = self._watcher.listening  # PostgreSQL: a commit wakes us, polls are a safety net
-            woke = self._watcher.pause(self._max_poll_s if listening else self._poll_s, self._stop)
+            if self._poll_once():
+                backoff = self._poll_s
+                listening = self._watcher.listening  # PostgreSQL: a commit wakes us, polls are a safety net
+                sleep = self._max_poll_s if listening else self._poll_s
+            else:  # the catalog is unreachable: back off as a direct follower does (HeadWatcher.wait), not poll_s
+                backoff = sleep = min(backoff * 2, max(self._max_poll_s, self._poll_s))
+            woke = self._watcher.pause(sleep, self._stop)
             if woke is None:
                 return
 

@@ -1,0 +1,76 @@
+"""The head relay while the catalog is unreachable (a real PostgreSQL refusing connections)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.read.relay_client import RelayWatcher, follower
+from lakestream_iceberg.read.stream_ref import StreamRef
+from tests.backends import fresh_name, postgres_service
+from tests.read.test_dataset import SCHEMA, shard
+
+__all__ = ["postgres_service"]
+
+
+@pytest.fixture(autouse=True)
+def relay_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    directory = tmp_path_factory.mktemp("relay")
+    directory.chmod(0o700)
+    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(directory))
+    return directory
+
+
+@pytest.mark.services
+def test_a_holder_backs_off_while_the_catalog_is_unreachable(tmp_path: Path, postgres_service: object,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    """The catalog's database refuses connections (an outage, a failover). A direct follower backs off to
+    ``max_poll_s`` (HeadWatcher.wait); the host's relay holder kept polling every ``poll_s`` (20 ms) and logged a
+    warning at each failure: about 27 warnings a second per host, and every host's holder hammering the database with
+    connection attempts while it comes back. It backs off the same way and says so once, and sees the next step once
+    the database is back."""
+    import psycopg2
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    database = fresh_name("db")
+    uri = postgres_service.create_database(database)  # type: ignore[attr-defined]
+    catalog = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+    catalog.create_namespace("ns")
+    stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    stream.producer("p").commit([shard(1, r) for r in range(2)])
+    admin = psycopg2.connect(uri.replace("postgresql+psycopg2", "postgresql").rsplit("/", 1)[0] + "/postgres")
+    admin.autocommit = True
+
+    def run(sql: str) -> None:
+        with admin.cursor() as cur:
+            cur.execute(sql)
+
+    watcher, _ = follower(Stream.open(catalog, "ns.s"), ref=StreamRef.of(stream), branch="main", relay=True,
+                          poll_s=0.02, max_poll_s=0.5)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    try:
+        watcher.wait(1, timeout=30, stop=threading.Event())
+        time.sleep(0.5)  # the holder's LISTEN connection is open
+        run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        run(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}'")
+        with caplog.at_level(logging.WARNING, logger="lakestream_iceberg"):
+            caplog.clear()
+            time.sleep(3.0)
+            failed = [r for r in caplog.records if "failed" in r.getMessage()]
+        # 3 s of outage: a direct follower (HeadWatcher.wait) backs off to max_poll_s and warns about 6 times
+        assert len(failed) <= 12, f"{len(failed)} warnings in 3 s: {failed[0].getMessage() if failed else ''}"
+        run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        other = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+        Stream.open(other, "ns.s").producer("p").commit([shard(2, r) for r in range(2)])
+        other.engine.dispose()
+        assert watcher.wait(2, timeout=30, stop=threading.Event())[0] == 2  # the holder polls again once it is back
+    finally:
+        run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        watcher.close()
+        admin.close()
+        catalog.engine.dispose()
