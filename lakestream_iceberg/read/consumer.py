@@ -96,6 +96,7 @@ class PositionReporter:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._closed = False  # the last position recorded at a close said closed
+        self._close_lock = threading.Lock()
         self._failures = 0
         self.pid = os.getpid()
         self._began = time.monotonic()
@@ -132,16 +133,17 @@ class PositionReporter:
         """Stop reporting and record the position once more (``closed``: the rank finished or was closed cleanly, so
         ``lakestream lag`` shows it as closed rather than stale). A close with ``closed`` after one without (an iteration
         that a ``break`` ended, then ``dataset.close()``) records the position once more, as closed."""
-        if self._stop.is_set():
-            if closed and not self._closed and self.pid == os.getpid():
-                self._closed = True
-                self._report(closed=True)
-            return
-        self._stop.set()
-        self._closed = closed
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=min(max(1.0, 2 * self._doc.report_s), threading.TIMEOUT_MAX))
-        self._report(closed=closed)
+        with self._close_lock:  # dataset.close() from another thread and the iteration's own end may race here
+            if self._stop.is_set():
+                if closed and not self._closed and self.pid == os.getpid():
+                    self._closed = True
+                    self._report(closed=True)
+                return
+            self._stop.set()
+            self._closed = closed
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=min(max(1.0, 2 * self._doc.report_s), threading.TIMEOUT_MAX))
+            self._report(closed=closed)
 
     def _run(self) -> None:
         self._report(closed=False)  # the rank shows up at once, before its first step
