@@ -359,8 +359,22 @@ class _DatasetCore:
                 planned[step] = files[0].file_path
             return self._load(stream, io, files, step, handoff=handoff, in_worker=in_worker)
 
-        report = None if self._positions is None else self._positions.iteration(
-            stream, in_worker=in_worker, head=lambda: watcher.head()[0], first_step=first)  # head as last seen: no I/O
+        release_head: Callable[[], None] | None = None
+        if self._positions is None:
+            report = None
+        else:
+            # the steps-behind gauge's head (read only where prometheus_client is installed, every METRICS_S): a
+            # follower's watcher polls only once the rank has read ahead up to the head it last saw, so a rank falling
+            # behind would show its lag shrinking while it grew; ask for the head of now, through the host's relay (one
+            # local request) or with one pointer query. Without follow the iteration ends at the head it saw.
+            head: Callable[[], int | None] = lambda: watcher.head()[0]  # noqa: E731
+            if self.follow and not in_worker:
+                head, release_head = head_reader(stream, ref=self._ref, branch=self.branch, relay=self.relay,
+                                                 poll_s=self.poll_s, max_poll_s=self.max_poll_s)
+            report = self._positions.iteration(stream, in_worker=in_worker, head=head, first_step=first)
+            if report is None and release_head is not None:
+                release_head()
+                release_head = None
         steps = pump_steps(
             watcher,
             load,
@@ -388,8 +402,12 @@ class _DatasetCore:
         finally:
             if watch is not None:
                 watch.close()
-            if report is not None:
-                report.close(closed=finished)
+            try:
+                if report is not None:
+                    report.close(closed=finished)
+            finally:
+                if release_head is not None:
+                    release_head()
 
     def _prefetch(self, in_worker: bool) -> int:
         """Read-ahead threads: ``prefetch``, else 2 in the training process and 1 in a DataLoader worker, where the

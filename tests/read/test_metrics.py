@@ -202,3 +202,41 @@ def test_the_steps_behind_gauge_is_refreshed_between_rare_position_reports(strea
     until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 7 - 1,
           "the gauge to see head step 7 with the rank at step 1")
     items.close()
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_the_steps_behind_gauge_of_a_following_rank_sees_steps_published_while_it_trains(
+        stream: Stream, registry: object, monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory,
+        relay: bool) -> None:
+    """A follow-mode rank iterated without workers (the default) set the gauge from its watcher's head "as last
+    seen", and the watcher polls only once the rank has read ahead up to that head: a rank falling behind (training
+    slower than the producers publish) showed its lag shrinking to 0 while it grew, until it caught up with the head
+    it last saw. ``lakestream lag`` showed the real lag meanwhile."""
+    pytest.importorskip("torch")
+    from lakestream_iceberg.read import consumer
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+    from lakestream_iceberg.read.lag import consumer_lags
+    from tests.support import until
+
+    directory = tmp_path_factory.mktemp("relay")
+    directory.chmod(0o700)
+    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(directory))
+    monkeypatch.setattr(consumer, "METRICS_S", 0.05)
+    producer = stream.producer("prep-0")
+    for seq in range(4):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=3600, follow=True, timeout=30,
+                           relay=relay)
+    items = iter(ds)
+    assert next(items)["step"] == 1  # the rank trains on step 1 while the producers publish steps 5-12
+    for seq in range(4, 12):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    labels = {"stream": stream.name, "group": "run", "rank": "0"}
+    try:
+        until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 12 - 1,
+              "the gauge to see head step 12 with the rank at step 1", deadline_s=10)
+    finally:
+        shown = registry.get_sample_value("lakestream_consumer_steps_behind_head", labels)
+        items.close()
+        ds.close()
+    assert shown == 11 == consumer_lags(stream.refresh(), group="run")[0].lag_steps
