@@ -263,7 +263,9 @@ class HeadRelay:
             if self._fatal is not None:
                 return encode_error(self._fatal)
             step, snapshot = self._head
-        return {"head": step, "snapshot": None if snapshot is None else snapshot.snapshot_id}
+        # failures: the catalog polls failed in a row (a client that times out says the catalog is the cause)
+        return {"head": step, "snapshot": None if snapshot is None else snapshot.snapshot_id,
+                "failures": self._failures}
 
     def _wait(self, request: dict[str, Any]) -> dict[str, Any]:
         step, wait_s = request.get("step"), request.get("timeout")

@@ -78,6 +78,7 @@ class RelayWatcher:
         self._poll_s, self._max_poll_s = poll_s, max_poll_s
         self._uuid = str(stream.table.metadata.table_uuid)
         self._head: tuple[int, int | None] = (0, None)
+        self._failures = 0  # the holder's catalog polls failed in a row, as it last said
         self._wait_channel, self._files_channel = _Channel(), _Channel()
         self._holding: HeadRelay | None = None
         self._hold_lock = threading.Lock()
@@ -118,6 +119,12 @@ class RelayWatcher:
         while not stop.is_set():
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
+                if self._failures:
+                    raise ReadTimeoutError(
+                        f"step {step} of {self._stream.name} (branch {self._branch!r}) was not seen within {timeout}s "
+                        f"(head step is {self._head[0]}): the head relay's holder (pid {self._wait_channel.holder}) "
+                        f"cannot reach the catalog ({self._failures} polls failed in a row; its log says why)"
+                    )
                 raise ReadTimeoutError(
                     f"step {step} of {self._stream.name} (branch {self._branch!r}) was not published within {timeout}s "
                     f"(head step is {self._head[0]}); are the producers running? Raise the dataset's timeout= to wait "
@@ -161,6 +168,8 @@ class RelayWatcher:
             raise ReadError(f"the head relay answered a malformed head {str(reply)[:200]}")
         if head >= self._head[0]:
             self._head = (head, snapshot)
+        failures = reply.get("failures")
+        self._failures = failures if type(failures) is int else 0
 
     def _request(self, channel: _Channel, message: dict[str, Any], *, wait_s: float) -> dict[str, Any]:
         with channel.lock:

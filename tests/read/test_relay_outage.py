@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import ReadTimeoutError
 from lakestream_iceberg.read.relay_client import RelayWatcher, follower
 from lakestream_iceberg.read.stream_ref import StreamRef
 from tests.backends import fresh_name, postgres_service
@@ -64,6 +65,9 @@ def test_a_holder_backs_off_while_the_catalog_is_unreachable(tmp_path: Path, pos
             failed = [r for r in caplog.records if "failed" in r.getMessage()]
         # 3 s of outage: a direct follower (HeadWatcher.wait) backs off to max_poll_s and warns about 6 times
         assert len(failed) <= 12, f"{len(failed)} warnings in 3 s: {failed[0].getMessage() if failed else ''}"
+        # a reader of the host that times out meanwhile names the cause, not "are the producers running?"
+        with pytest.raises(ReadTimeoutError, match=r"holder \(pid \d+\) cannot reach the catalog"):
+            watcher.wait(2, timeout=1.0, stop=threading.Event())
         run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
         other = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
         Stream.open(other, "ns.s").producer("p").commit([shard(2, r) for r in range(2)])
