@@ -393,10 +393,14 @@ def consumer_lag(stream: StreamTable, delivered_step: int, *, branch: str = "mai
     Example:
         >>> consumer_lag(stream, 40)     # head step 42 -> 2     # doctest: +SKIP
         2
+
+    Raises:
+        ConfigError: The stream has no branch of that name.
     """
     delivered_step = check_int(delivered_step, what="delivered_step", error=StepError, minimum=0,
                                hint="0 when nothing was delivered yet")
     watcher = HeadWatcher(stream, branch=branch)
     watcher.check()
+    stream.require_ref(branch, doing="no consumer lag on")  # a misspelt branch read as an empty one: lag 0, "caught up"
     return max(0, watcher.head()[0] - delivered_step)
 

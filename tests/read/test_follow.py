@@ -192,3 +192,18 @@ def test_waiting_for_a_step_a_checkpoint_tag_already_holds_returns_it(tmp_path: 
     assert stream.wait_for(2, branch="c2", timeout=600) == 2
     with pytest.raises(ReadError, match="'c2' of ns.tag is a checkpoint's tag, not a branch: it pins step 2"):
         stream.wait_for(3, branch="c2", timeout=600)
+
+
+def test_the_lag_on_a_branch_the_stream_does_not_have_is_refused(tmp_path: Path) -> None:
+    """consumer_lag(stream, step, branch="typo") read the missing branch as an empty one and answered 0 (caught up),
+    where head_step() and wait_for() refuse a branch the stream does not have."""
+    from lakestream_iceberg.errors import ConfigError
+    from lakestream_iceberg.read.follow import consumer_lag
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.lag", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(3):
+        producer.commit(batch("p", seq, 2), seq=seq)
+    assert consumer_lag(stream, 1) == 2
+    with pytest.raises(ConfigError, match="'mian'"):
+        consumer_lag(stream, 1, branch="mian")
