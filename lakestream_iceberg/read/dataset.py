@@ -178,6 +178,8 @@ class _DatasetCore:
                                                                                 minimum=poll_s)
         stream.refresh()  # a branch forked since the stream was opened is a branch
         branch = stream.require_branch(branch, doing="cannot read")
+        ref = stream.table.metadata.refs.get(branch)  # a branch gone from here on was dropped (main may be unborn)
+        self._branch_existed = ref is not None and ref.snapshot_ref_type == "branch"
         if end_step is not None:
             end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
         if prefetch is not None:
@@ -267,7 +269,7 @@ class _DatasetCore:
         return self._stream
 
     def _resolve_end(self, stream: StreamTable) -> int:
-        watcher = HeadWatcher(stream, branch=self.branch)
+        watcher = HeadWatcher(stream, branch=self.branch, existed=self._branch_existed)
         watcher.check()
         head = watcher.head()[0]
         return head if self.end_step is None else min(self.end_step, head)
@@ -297,7 +299,7 @@ class _DatasetCore:
     def lag(self) -> int:
         """Head step minus the last step this instance delivered (before the first item: the step before the one it
         starts at, ``start_step`` or a loaded state's)."""
-        watcher = HeadWatcher(self._stream_here(), branch=self.branch)
+        watcher = HeadWatcher(self._stream_here(), branch=self.branch, existed=self._branch_existed)
         watcher.check()
         state = self._loaded.pending()
         if state is None and self.last_step is not None:
@@ -350,7 +352,8 @@ class _DatasetCore:
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
         io = stream.io
         watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
-                                     poll_s=self.poll_s, max_poll_s=self.max_poll_s)
+                                     poll_s=self.poll_s, max_poll_s=self.max_poll_s,
+                                     existed=getattr(self, "_branch_existed", False))
         planned: dict[int, str] = {}  # step -> a data file of it, as planned: a saved state names its timeline by it
 
         def load(snapshot: Any, step: int) -> Any:

@@ -98,9 +98,12 @@ class HeadWatcher:
         stream: The stream whose ``table`` view is kept current (its metadata is replaced in place, like ``refresh``).
         branch: The branch to follow.
         io: The FileIO to read ``metadata.json`` with (default: the table's).
+        existed: The caller saw ``branch`` as a branch before (a dataset made on it): its ref missing now is a drop
+            (``ReadError``), whatever the view given shows.
     """
 
-    def __init__(self, stream: StreamTable, *, branch: str, io: FileIO | None = None, listen: bool = True) -> None:
+    def __init__(self, stream: StreamTable, *, branch: str, io: FileIO | None = None, listen: bool = True,
+                 existed: bool = False) -> None:
         self._stream = stream
         self._branch = branch
         self._io = io or stream.io
@@ -111,7 +114,10 @@ class HeadWatcher:
         self.clock = ArrivalClock()
         self._seen: int | None = None  # the highest head step seen so far
         self._last_poll: float | None = None
-        self._had_branch = False  # the branch was seen: its ref gone since is a drop, not a fork yet to be made
+        # the branch was seen (in the view given, or at a poll since): its ref gone since is a drop, not a fork yet to
+        # be made; a dataset's iteration or lag() that starts after the drop holds a view that still shows it
+        ref = stream.table.metadata.refs.get(branch)
+        self._had_branch = existed or (ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH)
 
     @property
     def notifications(self) -> int:

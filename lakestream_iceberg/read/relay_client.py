@@ -318,7 +318,8 @@ class _HeadReader:
 
 
 def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, poll_s: float,
-             max_poll_s: float) -> tuple[RelayWatcher | HeadWatcher, Callable[[Any, int], list[DataFile]]]:
+             max_poll_s: float, existed: bool = False) -> tuple[RelayWatcher | HeadWatcher,
+                                                                 Callable[[Any, int], list[DataFile]]]:
     """A head watcher for :func:`~lakestream_iceberg.read.follow.pump_steps` and the function giving a step's files:
     through the host's relay when ``relay`` and a private runtime directory is usable, else directly (the catalog and
     the table's manifests, from this process).
@@ -343,7 +344,7 @@ def follower(stream: StreamTable, *, ref: StreamRef, branch: str, relay: bool, p
                 if not watcher.holding:
                     release_idle_connections(stream.table.catalog)
                 return watcher, watcher.files
-    direct = HeadWatcher(stream, branch=branch)
+    direct = HeadWatcher(stream, branch=branch, existed=existed)
 
     def files(snapshot: Any, step: int) -> list[DataFile]:
         found = stream.index.files(snapshot, step)

@@ -207,3 +207,37 @@ def test_the_lag_on_a_branch_the_stream_does_not_have_is_refused(tmp_path: Path)
     assert consumer_lag(stream, 1) == 2
     with pytest.raises(ConfigError, match="'mian'"):
         consumer_lag(stream, 1, branch="mian")
+
+
+@pytest.mark.parametrize(("follow", "relay"), [(False, False), (True, False), (True, True)],
+                         ids=["read", "follow-direct", "follow-relay"])
+def test_an_iteration_starting_after_its_branch_was_dropped_raises_the_read_error(tmp_path: Path, follow: bool,
+                                                                                  relay: bool,
+                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dataset made on a fork that another engine drops before the dataset's (next) iteration starts: the
+    iteration's fresh head watcher had never seen the branch, read the missing ref as an unborn branch at step 0, and
+    the iteration delivered nothing without a word (follow=False: an empty epoch; lag() said 0) or waited out its
+    timeout for a step that cannot come (follow=True; forever with timeout=None), where a drop seen while following
+    raises ReadError."""
+    from lakestream_iceberg import LakestreamDataset, ReadError
+
+    directory = tmp_path / "relay"
+    directory.mkdir(mode=0o700)
+    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(directory))
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.drop", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    for seq in range(2):
+        producer.commit(batch("p", seq, 2), seq=seq)
+    stream.checkpoint("c1", step=1)
+    stream.fork("c1", branch="f")
+    stream.producer("q", branch="f").commit(batch("q", 0, 2), seq=0)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=follow, branch="f", start_step=2, timeout=20,
+                           relay=relay)
+    if not follow:
+        assert [item["step"] for item in ds] == [2]  # an epoch before the drop
+    other = Stream.open(stream.table.catalog, "ns.drop")  # another engine, another process
+    other.table.manage_snapshots().remove_branch("f").commit()
+    with pytest.raises(ReadError, match="branch 'f' of ns.drop no longer exists"):
+        list(ds)
+    with pytest.raises(ReadError, match="branch 'f' of ns.drop no longer exists"):
+        ds.lag()
