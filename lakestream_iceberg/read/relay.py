@@ -296,7 +296,8 @@ class HeadRelay:
         metadata = self.stream.table.metadata
         # the client's head when the two are of unrelated lineages, or when the client's head lists a step this
         # relay's head does not reach (moved back by another engine, seen by a holder elected since): as a direct read
-        own = _unrelated(metadata, seen, snapshot) if reaches else _snapshots_by_id(metadata).get(seen)
+        own = (_unrelated(metadata, seen, snapshot) if reaches
+               else None if seen is None else _snapshots_by_id(metadata).get(seen))
         snapshot = own or snapshot
         key = (None if snapshot is None else snapshot.snapshot_id, step)
         with self._plan_lock:  # one lookup per step: the clients a head move woke all ask at once
