@@ -19,6 +19,7 @@ Manifests and manifest lists are immutable, so they are cached per process by pa
 from __future__ import annotations
 
 import contextlib
+import copy
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -66,6 +67,17 @@ def _live_files(manifest: ManifestFile) -> int | None:
     if manifest.added_files_count is None or manifest.existing_files_count is None:
         return None
     return manifest.added_files_count + manifest.existing_files_count
+
+
+def _with_sequence_number(manifest: ManifestFile, *, was: int, now: int) -> ManifestFile:
+    """A copy of ``manifest`` (written by an attempt whose sequence number was ``was``) as the attempt of sequence
+    number ``now`` lists it: the sequence numbers :meth:`ManifestPlanner._write` gave it, ``now``; its entries' own
+    (explicit in a rewritten manifest) stay."""
+    listed = copy.deepcopy(manifest)
+    listed.sequence_number = now
+    if listed.min_sequence_number == was:
+        listed.min_sequence_number = now
+    return listed
 
 
 def _copy_entry(entry: ManifestEntry, status: ManifestEntryStatus, snapshot_id: int | None = None) -> ManifestEntry:
@@ -310,12 +322,19 @@ class ManifestPlanner:
         return ordered[best[0]: best[0] + best[1]] if best[1] >= 2 else []
 
     def without_steps_below(
-        self, manifests: list[ManifestFile], below: int, *, snapshot_id: int, sequence_number: int
+        self, manifests: list[ManifestFile], below: int, *, snapshot_id: int, sequence_number: int,
+        rewrites: dict[tuple[str, int, int], tuple[ManifestFile, int, list[DataFile]]] | None = None,
     ) -> tuple[list[ManifestFile], list[DataFile]]:
         """Drop every file of a step ``< below``; return the new manifest list and the dropped files.
 
         Manifests entirely at or above ``below`` are kept as they are; the others are rewritten with the dropped files
         as DELETED entries of the new snapshot (Iceberg's record of a metadata-only delete) and the rest as EXISTING.
+
+        ``rewrites``: the manifests earlier attempts of the same commit rewrote (kept by the caller across attempts):
+        a manifest still listed, rewritten for the same ``below`` and ``snapshot_id``, is taken as it was written (its
+        entries depend on nothing else) with this attempt's sequence number, not written again. Lifecycle GC re-plans
+        on every lost race; without them each attempt rewrote every manifest holding a collected step, and lost again
+        to producers committing in far less time.
         """
         out: list[ManifestFile] = []
         dropped: list[DataFile] = []
@@ -323,6 +342,14 @@ class ManifestPlanner:
             bounds = step_bounds(manifest)
             if bounds is not None and bounds[0] >= below:
                 out.append(manifest)
+                continue
+            key = (manifest.manifest_path, below, snapshot_id)
+            earlier = None if rewrites is None else rewrites.get(key)
+            if earlier is not None:
+                written, written_seq, gone_files = earlier
+                out.append(_with_sequence_number(written, was=written_seq, now=sequence_number))
+                dropped.extend(gone_files)
+                self._replaced.append(manifest.manifest_path)
                 continue
             entries = self._cache.entries(self._io, manifest)
             gone = [e for e in entries if (entry_step(e.data_file) or 0) < below]
@@ -332,7 +359,10 @@ class ManifestPlanner:
             dropped.extend(e.data_file for e in gone)
             kept = [_copy_entry(e, ManifestEntryStatus.EXISTING) for e in entries if (entry_step(e.data_file) or 0) >= below]
             rewritten = [_copy_entry(e, ManifestEntryStatus.DELETED, snapshot_id) for e in gone] + kept
-            out.append(self._write(manifest_level(manifest.manifest_path), snapshot_id, sequence_number, rewritten))
+            written = self._write(manifest_level(manifest.manifest_path), snapshot_id, sequence_number, rewritten)
+            out.append(written)
+            if rewrites is not None:
+                rewrites[key] = (copy.deepcopy(written), sequence_number, [e.data_file for e in gone])
             self._replaced.append(manifest.manifest_path)
         return out, dropped
 

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING
 
+from pyiceberg.manifest import DataFile, ManifestFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
@@ -140,11 +141,25 @@ def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_withi
     return [c for c in checkpoints if c.name in keep]
 
 
+@dataclass
+class Attempts:
+    """What GC's first commit keeps from one attempt to the next (they re-plan after each lost race): each collected
+    branch's snapshot id, and the manifests written for it. Producers committing meanwhile add steps above the cutoff
+    and leave the manifests holding collected steps as they were, so a later attempt writes only what changed, and its
+    plan takes about as long as a producer's commit instead of rewriting every collected step's manifest entries
+    (which lost every race to a producer committing back to back on a stream of hundreds of steps)."""
+
+    snapshot_ids: dict[str, int] = field(default_factory=dict)
+    rewrites: dict[tuple[str, int, int], tuple[ManifestFile, int, list[DataFile]]] = field(default_factory=dict)
+
+
 def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
-                 write: bool) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
+                 write: bool, attempts: Attempts | None = None,
+                 ) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
     """GC's first commit, the collected branches' heads, and the released anchors that the second commit
     (:func:`plan_expire`) will expire. With ``write=False`` nothing is written (dry run): the plan is only reported,
-    and ``snapshots_expired`` counts both commits."""
+    and ``snapshots_expired`` counts both commits. ``attempts``: kept across the attempts of one commit (see
+    :class:`Attempts`)."""
     now = datetime.now(timezone.utc)
     checkpoints = list_checkpoints(metadata)
     keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within, now=now)
@@ -178,9 +193,13 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
         collected[branch] = (head, cutoff)
         if not write:
             continue
-        snapshot_id, sequence_number = builder.next_ids()
+        snapshot_id, sequence_number = builder.next_ids(
+            prefer=None if attempts is None else attempts.snapshot_ids.get(branch))
+        if attempts is not None:
+            attempts.snapshot_ids[branch] = snapshot_id
         manifests, dropped = planner.without_steps_below(planner.parent_manifests(head), cutoff,
-                                                        snapshot_id=snapshot_id, sequence_number=sequence_number)
+                                                        snapshot_id=snapshot_id, sequence_number=sequence_number,
+                                                        rewrites=None if attempts is None else attempts.rewrites)
         manifest_list = planner.write_list(manifests, snapshot_id=snapshot_id, parent_id=head.snapshot_id,
                                            sequence_number=sequence_number)
         new_state = StreamState(op=OP_COLLECT, step=state.step, producers=state.producers, collected_below=cutoff,
@@ -363,9 +382,10 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         return plan.result
     # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
     # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
+    attempts = Attempts()
     try:
         outcome = loop.run(lambda md, _: plan_collect(stream, md, keep_last=keep_last, keep_within=keep_within,
-                                                      write=True)[0], pace=False)
+                                                      write=True, attempts=attempts)[0], pace=False)
     except CommitTimeoutError as exc:
         raise CommitTimeoutError(f"GC of {stream.name} gave up its first commit after contention with other commits: "
                                  f"nothing was released, collected or deleted. Run GC again, or raise "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -15,7 +17,7 @@ from hypothesis import strategies as st
 from pyiceberg.table.update import RemoveSnapshotRefUpdate
 
 from lakestream_iceberg import CheckpointError, ConfigError, LifecycleError, StepCollectedError, Stream
-from tests.support import SCHEMA, batch, digest, sqlite_catalog
+from tests.support import SCHEMA, batch, digest, sqlite_catalog, until
 
 
 def files_under(stream: Stream, sub: str = "data") -> set[str]:
@@ -940,6 +942,44 @@ def test_a_gc_that_gives_up_to_contention_says_what_it_did_and_to_run_it_again(t
     monkeypatch.undo()
     stream.collect_garbage(dry_run=False, keep_last=1)  # run again: it lands
     assert [c.name for c in stream.refresh().checkpoints()] == ["c3"] and stream.state().collected_below == 3
+
+
+@pytest.mark.slow
+def test_gc_lands_while_a_producer_keeps_committing_on_a_stream_of_hundreds_of_steps(tmp_path) -> None:
+    """A long training run: a producer commits back to back while a scheduled GC collects below the newest checkpoint.
+    GC's first commit asserts every branch head and is planned again after each lost race; it rewrote every manifest
+    holding a collected step each time (80-100 ms at 800 steps of world size 2) while the producer commits every
+    15-20 ms: it lost every race and gave up with CommitTimeoutError, every time it was run (with a 20 s budget here,
+    and with the default 5 minutes at 2,000 steps): a busy stream's storage was never reclaimed. Its attempts now keep
+    the manifests they wrote, and a later attempt plans in about a producer's commit time."""
+    root = Path(__file__).resolve().parents[2]
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "pre", 800)
+    log = tmp_path / "w.jsonl"  # a pipe left unread would stop the producer once full
+    producer = subprocess.Popen([sys.executable, "-m", "tests.workers", str(tmp_path), "ns.stream", "w", "1000000"],
+                                cwd=root, stdout=log.open("w"), stderr=subprocess.DEVNULL)
+    try:
+        until(lambda: log.stat().st_size > 0, "the producer's first commit")
+        latest = stream.checkpoint("latest", step=stream.head_step() - 1)
+        report = stream.collect_garbage(dry_run=False, keep_last=1)  # gave up after the commit timeout before
+        assert report.collected_below == {"main": latest.step}
+        head = stream.refresh().head_step()
+        assert head > latest.step and stream.state().collected_below == latest.step
+    finally:
+        producer.kill()
+        producer.wait()
+    with pytest.raises(StepCollectedError):
+        stream.read(latest.step - 1, rank=0)
+    seqs = {}  # step -> the producer's seq, as it printed them (its last line may be cut short by the kill)
+    for line in log.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            seqs[json.loads(line)["step"]] = json.loads(line)["seq"]
+    for step in range(latest.step, head + 1):  # through the manifests an earlier attempt wrote, as the landed one lists
+        shards = [stream.read(step, rank=rank) for rank in (0, 1)]
+        if step <= 800 or step in seqs:
+            expected = batch("pre", step - 1, 2) if step <= 800 else batch("w", seqs[step], 2)
+            assert [digest(t) for t in shards] == [digest(t) for t in expected]
 
 
 def test_dropping_with_purge_after_gc_warns_of_no_file_gc_already_deleted(catalog, stream: Stream, caplog) -> None:
