@@ -224,7 +224,11 @@ class _DatasetCore:
         Raises:
             CheckpointError: No retained checkpoint has that name, or its branch is no longer on its timeline (moved back
                 under it, or dropped and made again under its name): fork from it instead.
+            ConfigError: ``start_step`` is given: the checkpoint decides it.
         """
+        if "start_step" in kwargs:
+            raise ConfigError(f"from_checkpoint starts right after checkpoint {name!r}, so it takes no start_step; to "
+                              "start at another step, use LakestreamDataset(stream, start_step=..., branch=...)")
         found = {c.name: c for c in check_stream(stream).checkpoints()}
         if name not in found:
             raise CheckpointError(f"no checkpoint {name!r} on {stream.name}; retained checkpoints: {sorted(found)}")

@@ -332,6 +332,8 @@ def test_from_checkpoint_starts_after_it(tmp_path: Path) -> None:
     assert _payload(ds) == full[4:]
     with pytest.raises(CheckpointError, match="ckpt-a"):
         LakestreamDataset.from_checkpoint(stream, "nope", rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="takes no start_step.*LakestreamDataset"):  # a raw TypeError before
+        LakestreamDataset.from_checkpoint(stream, "ckpt-a", rank=0, world_size=2, start_step=2)
 
 
 # ------------------------------------------------------------------------------------------------------ elastic
