@@ -43,6 +43,8 @@ from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
 
+FAILURES_LOGGED = 100  # while the catalog cannot be reached, a warning at the first failed poll and every 100th
+
 __all__ = ["ArrivalClock", "HeadSource", "HeadWatcher", "consumer_lag", "fetch_table", "pump_steps"]
 
 class ArrivalClock:
@@ -113,6 +115,7 @@ class HeadWatcher:
         self._listener: HeadListener | None = None
         self.clock = ArrivalClock()
         self._seen: int | None = None  # the highest head step seen so far
+        self._failures = 0  # polls that could not reach the catalog, in a row (wait)
         self._last_poll: float | None = None
         # the branch was seen (in the view given, or at a poll since): its ref gone since is a drop, not a fork yet to
         # be made; a dataset's iteration or lag() that starts after the drop holds a view that still shows it
@@ -242,11 +245,16 @@ class HeadWatcher:
         while True:
             try:
                 self.check()
-                error = None
+                if self._failures:
+                    log.info("polling %s works again after %d failure(s)", self._stream.name, self._failures)
+                error, self._failures = None, 0
             except LakestreamError:
                 raise  # the table was read and is wrong (re-created, malformed): waiting cannot fix it
             except Exception as exc:  # the catalog is unreachable for now: keep trying until the deadline
-                log.warning("polling %s failed (%s); retrying", self._stream.name, type(exc).__name__)
+                self._failures += 1  # a warning at the first failure and every FAILURES_LOGGED-th, per rank
+                if self._failures == 1 or self._failures % FAILURES_LOGGED == 0:
+                    log.warning("polling %s failed %d time(s) in a row (%s); retrying, backing off to every %gs",
+                                self._stream.name, self._failures, type(exc).__name__, max_poll_s)
                 error = exc
             head = self.head()
             if head[0] >= step:
@@ -257,7 +265,9 @@ class HeadWatcher:
                     f"step {step} of {self._stream.name} (branch {self._branch!r}) was not published within {timeout}s "
                     f"(head step is {head[0]}); are the producers running? Raise the dataset's timeout= to wait longer"
                 ) from error
-            planned = self.clock.delay(time.monotonic(), poll_s=poll_s, max_poll_s=max_poll_s)
+            # steps due soon are polled for every poll_s, but not while the catalog cannot be reached: back off then
+            planned = None if error is not None else self.clock.delay(time.monotonic(), poll_s=poll_s,
+                                                                      max_poll_s=max_poll_s)
             sleep = delay if planned is None else planned
             woke = self.pause(sleep if remaining is None else min(sleep, remaining), stop)
             if woke is None:

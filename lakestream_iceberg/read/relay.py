@@ -45,7 +45,7 @@ from lakestream_iceberg.connect.notify import readable
 from lakestream_iceberg.errors import LakestreamError
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.format.table import StreamTable, after_gc
-from lakestream_iceberg.read.follow import HeadWatcher
+from lakestream_iceberg.read.follow import FAILURES_LOGGED, HeadWatcher
 from lakestream_iceberg.read.relay_wire import (
     RelayPaths,
     encode_error,
@@ -63,7 +63,6 @@ IO_S = 10.0  # a frame that does not arrive or leave within this is a dead peer
 PLANS_KEPT = 256
 PLAN_FILES_KEPT = 100_000  # data files among the answers kept (about 35 MB); the newest answer is kept whatever its size
 MAX_CLIENTS = 4096
-FAILURES_LOGGED = 100  # while the catalog is unreachable, a warning at the first failed poll and every 100th
 
 
 class HeadRelay:

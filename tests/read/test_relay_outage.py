@@ -78,3 +78,52 @@ def test_a_holder_backs_off_while_the_catalog_is_unreachable(tmp_path: Path, pos
         watcher.close()
         admin.close()
         catalog.engine.dispose()
+
+
+@pytest.mark.services
+def test_a_direct_follower_warns_once_while_the_catalog_is_unreachable(tmp_path: Path, postgres_service: object,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Without the relay, every rank's follower warned at each failed poll (about twice a second per rank, and a rank
+    whose steps came steadily polled every poll_s): a thousand ranks logged thousands of lines a second through an
+    outage. It warns at the first failure (and every FAILURES_LOGGED-th), backs off, and sees the next step once the
+    database is back."""
+    import psycopg2
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from lakestream_iceberg.read.follow import HeadWatcher
+
+    database = fresh_name("db")
+    uri = postgres_service.create_database(database)  # type: ignore[attr-defined]
+    catalog = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+    catalog.create_namespace("ns")
+    stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=2)
+    stream.producer("p").commit([shard(1, r) for r in range(2)])
+    admin = psycopg2.connect(uri.replace("postgresql+psycopg2", "postgresql").rsplit("/", 1)[0] + "/postgres")
+    admin.autocommit = True
+
+    def run(sql: str) -> None:
+        with admin.cursor() as cur:
+            cur.execute(sql)
+
+    watcher = HeadWatcher(Stream.open(catalog, "ns.s"), branch="main", listen=False)
+    try:
+        assert watcher.wait(1, timeout=30, stop=threading.Event(), poll_s=0.02, max_poll_s=0.2)[0] == 1
+        run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS false')
+        run(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{database}'")
+        with caplog.at_level(logging.INFO, logger="lakestream_iceberg"):
+            caplog.clear()
+            with pytest.raises(ReadTimeoutError):
+                watcher.wait(2, timeout=3.0, stop=threading.Event(), poll_s=0.02, max_poll_s=0.2)
+            failed = [r for r in caplog.records if "failed" in r.getMessage()]
+            assert len(failed) == 1 and failed[0].levelno == logging.WARNING, [r.getMessage() for r in failed]
+            run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+            other = SqlCatalog("pg", uri=uri, warehouse=f"file://{tmp_path}/warehouse")
+            Stream.open(other, "ns.s").producer("p").commit([shard(2, r) for r in range(2)])
+            other.engine.dispose()
+            assert watcher.wait(2, timeout=30, stop=threading.Event(), poll_s=0.02, max_poll_s=0.2)[0] == 2
+            assert any("works again" in r.getMessage() for r in caplog.records)
+    finally:
+        run(f'ALTER DATABASE "{database}" ALLOW_CONNECTIONS true')
+        watcher.close()
+        admin.close()
+        catalog.engine.dispose()
