@@ -327,6 +327,8 @@ def load_catalog(name: str, **properties: str) -> Any:
         raise
     except Exception as exc:  # noqa: BLE001 - pyiceberg says "not configured" or a wrong setting with ValueError, its
         # own exceptions, SQLAlchemy's and botocore's: "URI missing", "Could not infer the catalog type", no region
+        if transient(exc):  # a catalog busy or restarting (a REST 503 / 429, a locked database): not a setting, retry
+            raise
         cause = exc.__cause__  # pyiceberg's "SQLAlchemy support not installed" for a uri whose driver is missing
         text = f"{exc} ({cause})" if isinstance(cause, ImportError) else str(exc)
         detail = redact(" ".join(text.split()), used) or type(exc).__name__

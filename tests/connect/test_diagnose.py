@@ -164,3 +164,16 @@ def test_an_s3_endpoint_whose_tls_certificate_is_refused_is_permanent(tmp_path: 
         thread.join()
     assert "NETWORK_CONNECTION" in str(exc) and "curlCode: 60" in str(exc), exc
     assert not transient(exc)
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_load_catalog_of_a_rest_catalog_busy_for_a_moment_stays_transient(status: int) -> None:
+    """lakestream_iceberg.load_catalog wraps what pyiceberg raises for a catalog "not configured or set wrong" in a
+    ConfigError; a REST catalog answering 503 / 429 to its config request is configured right and only busy: the error
+    must stay one a retry can fix (transient), not advice to configure the catalog in .pyiceberg.yaml."""
+    from lakestream_iceberg.connect.diagnose import load_catalog
+
+    with answering(status) as port:
+        exc = _raised(lambda: load_catalog("busy", type="rest", uri=f"http://127.0.0.1:{port}"))
+    assert transient(exc), (type(exc).__name__, exc)
+    assert "configure it in .pyiceberg.yaml" not in str(exc), exc
