@@ -177,3 +177,20 @@ def test_load_catalog_of_a_rest_catalog_busy_for_a_moment_stays_transient(status
         exc = _raised(lambda: load_catalog("busy", type="rest", uri=f"http://127.0.0.1:{port}"))
     assert transient(exc), (type(exc).__name__, exc)
     assert "configure it in .pyiceberg.yaml" not in str(exc), exc
+
+
+def test_load_catalog_of_a_sqlite_catalog_locked_for_a_moment_stays_transient(tmp_path: Path) -> None:
+    """The same for a SQL catalog whose database another process holds locked while it loads (pyiceberg reads its
+    tables' schema at load): "database is locked" is transient, not a setting to fix."""
+    from lakestream_iceberg.connect.diagnose import load_catalog
+
+    path = tmp_path / "catalog.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("CREATE TABLE other (a)")
+        holder.execute("BEGIN EXCLUSIVE")
+        exc = _raised(lambda: load_catalog("locked", type="sql", uri=f"sqlite:///{path}",
+                                           warehouse=f"file://{tmp_path}/warehouse"))
+    finally:
+        holder.close()
+    assert transient(exc), (type(exc).__name__, exc)
