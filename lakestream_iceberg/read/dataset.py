@@ -145,6 +145,8 @@ def _default_rank_world(rank: int | None, world_size: int | None) -> tuple[int, 
 class _DatasetCore:
     """Everything of ``LakestreamDataset`` but the torch base class (see the module docstring)."""
 
+    _branch_existed = False  # the branch was a branch when the dataset was made (a dataset pickled before: unknown)
+
     def __init__(
         self,
         stream: StreamTable,
@@ -357,7 +359,7 @@ class _DatasetCore:
         io = stream.io
         watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
                                      poll_s=self.poll_s, max_poll_s=self.max_poll_s,
-                                     existed=getattr(self, "_branch_existed", False))
+                                     existed=self._branch_existed)
         planned: dict[int, str] = {}  # step -> a data file of it, as planned: a saved state names its timeline by it
 
         def load(snapshot: Any, step: int) -> Any:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pyiceberg.manifest import DataFile
+from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.errors import ReadError, ReadTimeoutError
@@ -302,8 +303,10 @@ class _HeadReader:
                     if self._client is not None:
                         self._client.close()
                         self._client = None
-            if self._direct is None:
-                self._direct = HeadWatcher(self._stream, branch=self._branch, listen=False)
+            if self._direct is None:  # a view of its own: the reading thread's watcher refreshes the stream's in place
+                table = self._stream.table  # (two threads writing one view's metadata and location could leave a mix)
+                own = StreamTable(Table(table.name(), table.metadata, table.metadata_location, table.io, table.catalog))
+                self._direct = HeadWatcher(own, branch=self._branch, listen=False)
             self._direct.check()
             return self._direct.head()[0]
 
