@@ -146,13 +146,8 @@ def test_a_head_rolled_back_under_a_follower_is_warned_about(tmp_path: Path, cap
     assert watcher.check() and watcher.head()[0] == 3 and len(watcher.clock._arrivals) == 1  # a step arrived
 
 
-@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
-def test_a_followed_branch_another_engine_drops_ends_the_follow_with_a_read_error(tmp_path: Path, relay: bool) -> None:
-    """A fork dropped by another engine (Spark's ALTER TABLE ... DROP BRANCH) under a follow-mode dataset: its head
-    read as step 0 ("moved back") and the follower waited for a step that can never come, up to its timeout (forever
-    with timeout=None). It ends with a ReadError naming the branch; a branch replaced by a tag of its name too."""
-    from lakestream_iceberg import LakestreamDataset, ReadError
-
+def forked_stream(tmp_path: Path) -> Stream:
+    """Stream ns.drop with 2 steps on main and fork "f" from checkpoint c1 (step 1), holding its own step 2."""
     stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.drop", schema=SCHEMA, world_size=2)
     producer = stream.producer("p")
     for seq in range(2):
@@ -160,6 +155,17 @@ def test_a_followed_branch_another_engine_drops_ends_the_follow_with_a_read_erro
     stream.checkpoint("c1", step=1)
     stream.fork("c1", branch="f")
     stream.producer("q", branch="f").commit(batch("q", 0, 2), seq=0)
+    return stream
+
+
+@pytest.mark.parametrize("relay", [False, True], ids=["direct", "relay"])
+def test_a_followed_branch_another_engine_drops_ends_the_follow_with_a_read_error(tmp_path: Path, relay: bool) -> None:
+    """A fork dropped by another engine (Spark's ALTER TABLE ... DROP BRANCH) under a follow-mode dataset: its head
+    read as step 0 ("moved back") and the follower waited for a step that can never come, up to its timeout (forever
+    with timeout=None). It ends with a ReadError naming the branch; a branch replaced by a tag of its name too."""
+    from lakestream_iceberg import LakestreamDataset, ReadError
+
+    stream = forked_stream(tmp_path)
     items = iter(LakestreamDataset(stream, rank=0, world_size=2, follow=True, branch="f", timeout=None, relay=relay,
                                    start_step=2))
     assert next(items)["step"] == 2  # the fork's step 2: followed from here
@@ -224,13 +230,7 @@ def test_an_iteration_starting_after_its_branch_was_dropped_raises_the_read_erro
     directory = tmp_path / "relay"
     directory.mkdir(mode=0o700)
     monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(directory))
-    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.drop", schema=SCHEMA, world_size=2)
-    producer = stream.producer("p")
-    for seq in range(2):
-        producer.commit(batch("p", seq, 2), seq=seq)
-    stream.checkpoint("c1", step=1)
-    stream.fork("c1", branch="f")
-    stream.producer("q", branch="f").commit(batch("q", 0, 2), seq=0)
+    stream = forked_stream(tmp_path)
     ds = LakestreamDataset(stream, rank=0, world_size=2, follow=follow, branch="f", start_step=2, timeout=20,
                            relay=relay)
     if not follow:

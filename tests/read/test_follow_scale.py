@@ -14,16 +14,9 @@ from lakestream_iceberg.errors import ReadTimeoutError
 from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.backends import fresh_name, postgres_service
 from tests.read.test_dataset import SCHEMA, shard
+from tests.read.test_relay import relay_dir  # autouse: a relay directory of its own
 
-__all__ = ["postgres_service"]
-
-
-@pytest.fixture(autouse=True)
-def relay_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path_factory.mktemp("relay")
-    directory.chmod(0o700)
-    monkeypatch.setenv("LAKESTREAM_RELAY_DIR", str(directory))
-    return directory
+__all__ = ["postgres_service", "relay_dir"]
 
 
 def descriptors() -> int:
