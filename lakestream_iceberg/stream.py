@@ -9,8 +9,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from functools import cached_property
 from typing import Any
@@ -59,6 +57,7 @@ from lakestream_iceberg.format.properties import WORLD_SIZE
 from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds, refuse_shared_files
+from lakestream_iceberg.lifecycle.purge import quiet_about_collected
 from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.reader import StepFiles, check_columns
@@ -74,46 +73,6 @@ from lakestream_iceberg.write.writer import BatchWriter
 __all__ = ["Stream"]
 
 log = logging.getLogger(__name__)
-
-
-class _AlreadyDeleted(logging.Filter):
-    """Drops pyiceberg's purge warning for a file that is not there any more: purge_table walks every manifest entry,
-    the DELETED ones of lifecycle GC's collect snapshots too, and warns "Failed to delete data file ..." for each file
-    GC already removed (thousands after a long run). A file that is still there, its deletion failed, still warns."""
-
-    _PREFIX = "Failed to delete "
-
-    def __init__(self, io: Any) -> None:
-        super().__init__()
-        self.io = io
-        self.gone = 0
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if not message.startswith(self._PREFIX) or " file " not in message:
-            return True
-        path = message.split(" file ", 1)[1]
-        try:
-            there = self.io.new_input(path).exists()
-        except Exception:  # noqa: BLE001 - cannot tell: keep the warning
-            return True
-        if there:
-            return True
-        self.gone += 1
-        return False
-
-
-@contextmanager
-def _quiet_about_collected(io: Any) -> Iterator[None]:
-    purge_log = logging.getLogger("pyiceberg.catalog")
-    quiet = _AlreadyDeleted(io)
-    purge_log.addFilter(quiet)
-    try:
-        yield
-    finally:
-        purge_log.removeFilter(quiet)
-        if quiet.gone:
-            log.info("purge: %d files the table's metadata lists were already deleted (lifecycle GC)", quiet.gone)
 
 
 def _reopen(ref: StreamRef) -> Stream:
@@ -325,7 +284,7 @@ class Stream(StreamTable):
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"dropping stream {identifier}", catalog=catalog.name):
             if purge:
-                with _quiet_about_collected(stream.io):
+                with quiet_about_collected(stream.io):
                     catalog.purge_table(identifier)
             else:
                 catalog.drop_table(identifier)
