@@ -4,9 +4,10 @@ Ray runs locally (``ray.init`` in a module fixture, no dashboard, shut down at t
 local warehouse, every process is real. Nothing waits for a fixed time window: each test waits for progress it can
 observe (a step published, a marker file written by a task), with generous bounds only as a safety net.
 
-Logical CPUs: ``ray.init(num_cpus=4)`` on 2 physical cores. Logical CPUs are scheduling tokens, not cores: the Ray
-Train test needs its 2 training workers (1 CPU each) to run *while* the Ray Data job writes, so the data job is capped
-at the other 2 (``execution_options.resource_limits``). The work itself is small; the cores are shared either way.
+Logical CPUs: ``ray.init(num_cpus=4)`` on 2 physical cores. Logical CPUs are scheduling tokens, not cores: a test
+with a reader beside the job caps the data job at 2 (``execution_options.resource_limits``). The work itself is small;
+the cores are shared either way. The Ray Train job (trainers following a job that is still writing, resuming from a
+stream checkpoint tag, restarted after a failure) runs on the multi-node cluster of ``test_ray_cluster.py``.
 """
 
 from __future__ import annotations
@@ -303,10 +304,16 @@ def _stop_leftover_workers(raylets: set[str]) -> None:
 @contextlib.contextmanager
 def worker_environment() -> Iterator[None]:
     """Ray workers import this checkout (and tests.*, for the functions below) whatever the venv's editable install
-    points to, and print every log line; the variables are restored afterwards."""
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_DEDUP_LOGS")}
+    points to, and print every log line; the variables are restored afterwards.
+
+    Ray Train's controller polls its workers every 2 s by default, and a ``ray.train.report`` waits for the poll: the
+    tests' trainers, which report every second step, spent most of their time waiting for it. Here it polls every
+    0.25 s, and runs without the preemption watcher (an actor of its own, for cloud spot instances)."""
+    tuned = {"RAY_DEDUP_LOGS": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+             "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0"}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", *tuned)}
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), saved["PYTHONPATH"]) if p)
-    os.environ["RAY_DEDUP_LOGS"] = "0"
+    os.environ.update(tuned)
     try:
         yield
     finally:
@@ -544,140 +551,6 @@ def test_a_fused_write_fed_by_another_operator_without_preserve_order_is_warned_
         ordered, again = job("ordered"), job("ordered")
     assert ordered.report is not None and ordered.report.warnings == () and ordered.report.published == 6
     assert again.report is not None and (again.report.published, again.report.duplicates) == (0, 6)
-
-
-# -- the Ray Train test: trainers follow a job that is still writing ---------------------------------------------------
-
-
-def _gated_preprocess(batch: pa.Table, gate: str, from_id: int) -> pa.Table:
-    """The job's later rows wait until a trainer has seen a step: the job cannot finish before a trainer read from it."""
-    if batch.num_rows and batch.column("id")[0].as_py() >= from_id:
-        deadline = time.monotonic() + BOUND_S
-        while not os.path.exists(gate):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no trainer saw a step within {BOUND_S}s")
-            time.sleep(0.05)
-    return batch
-
-
-def _train_loop(config: dict[str, Any]) -> None:
-    """A trainer of 2 ranks reading the stream in follow mode from a stream checkpoint tag (``resume``) up to
-    ``end_step``; rank 0 tags ``end_step`` once both ranks are done. With ``fail_after``, it is also the training
-    guide's Ray Train loop (docs/guide/training.md): the dataset's position travels in the Ray checkpoint reported
-    every second step (with the model's, in the guide), a restarted loop resumes from the one Ray hands back, and the
-    first attempt fails after step ``fail_after``. Each attempt writes the items it read, one JSON line each."""
-    import tempfile
-
-    import ray.train
-    import torch.distributed as dist
-    from ray.train import Checkpoint
-
-    from lakestream_iceberg.integrations.ray import ray_train_dataset
-
-    stream = config["stream"]
-    context = ray.train.get_context()
-    rank = context.get_world_rank()
-
-    def collate(shard: Any) -> dict[str, Any]:
-        return {"step": shard.step, "ids": shard.table.column("id").to_pylist(), "world_size": shard.world_size}
-
-    dataset = ray_train_dataset(stream, checkpoint=config["resume"], end_step=config["end_step"], collate=collate,
-                                timeout=BOUND_S)
-    restored = ray.train.get_checkpoint()
-    if restored is not None:  # the config is the first attempt's: Ray's checkpoint, not config["resume"], says where
-        with restored.as_directory() as folder:
-            dataset.load_state_dict(json.loads(Path(folder, "data.json").read_text()))
-    attempt = "retry" if restored is not None else "first"
-    for item in dataset:
-        with Path(config["out"], f"rank{rank}-{config['name']}-{attempt}.jsonl").open("a") as trained:
-            trained.write(json.dumps(item) + "\n")
-        if rank == 0 and not os.path.exists(config["gate"]):
-            Path(config["gate"]).write_text(str(item["step"]))
-        if config["fail_after"] is not None and item["step"] % 2 == 0:
-            with tempfile.TemporaryDirectory() as folder:
-                if rank == 0:
-                    Path(folder, "data.json").write_text(json.dumps(dataset.state_dict()))
-                ray.train.report({"step": item["step"]},
-                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
-        if item["step"] == config["fail_after"] and restored is None:
-            # Ray Train takes each rank's reports from a one-slot queue it polls, and keeps a checkpoint once every
-            # rank's report of it was polled: a rank that fails first could be seen failing before a slower rank's
-            # checkpoint report was polled, and the retry then started from no checkpoint. Each report waits at a
-            # barrier of all ranks and for the rank's previous report to be polled: after two more reports, every
-            # rank's report of the last checkpoint was.
-            for _ in range(2):
-                ray.train.report({"step": item["step"]})
-            raise RuntimeError(f"the first attempt fails after step {item['step']}")
-    dist.barrier()  # both ranks are done with end_step before the checkpoint tag marks it
-    if rank == 0 and config["checkpoint"]:
-        stream.checkpoint(config["checkpoint"], step=config["end_step"])
-
-
-@pytest.mark.slow
-def test_ray_train_follows_a_running_ray_data_job_and_resumes_from_a_checkpoint(ray_cluster: None, tmp_path: Path) -> None:
-    """Trainers follow a Ray Data job that is still writing, and a new run resumes from the stream checkpoint tag the
-    first one made. The resumed run is also the training guide's Ray Train loop with a failure: the guide's example
-    resumed from a stream checkpoint tag given in the loop's config, so when Ray Train restarted the loop in the same
-    run (a worker failure, ``FailureConfig``; or a run restored under a name reused) it read the stream again from the
-    tag and failed at ``stream.checkpoint`` of a tag the first attempt had made (CheckpointError, the run lost). The
-    guide's loop keeps the dataset's position in the Ray checkpoint with the model: a restart resumes after it."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
-
-    catalog = sqlite_catalog(str(tmp_path))
-    stream = Stream.create(catalog, "ns.train", schema=SCHEMA, world_size=2)
-    tables, rows, per_step = 8, 16, 8
-    steps, first_part = tables * rows // per_step, 6
-    fail_after = first_part + 3  # the resumed run's first attempt fails after it; its last Ray checkpoint is one before
-    gate = str(tmp_path / "trainer-saw-a-step")
-    _data_context(cpus=2)  # the other 2 logical CPUs are the trainer's
-    dataset = ray.data.from_arrow([_rows(t * rows, rows) for t in range(tables)]).map_batches(
-        _gated_preprocess, fn_kwargs={"gate": gate, "from_id": 4 * rows}, batch_format="pyarrow", batch_size=None)
-    sink = LakestreamDatasink(catalog=catalog, stream="ns.train", run_name="prep", rows_per_step=per_step)
-    outcome: dict[str, Any] = {}
-
-    def job() -> None:
-        try:
-            dataset.write_datasink(sink)
-        except BaseException as exc:  # reported by the main thread
-            outcome["error"] = exc
-        outcome["done_at_head"] = Stream.open(catalog, "ns.train").head_step()
-
-    writer = threading.Thread(target=job, daemon=True)
-    writer.start()
-
-    def fit(name: str, resume: str | None, end_step: int, checkpoint: str | None, fail_after: int | None) -> None:
-        config = {"stream": stream, "resume": resume, "end_step": end_step, "gate": gate, "out": str(tmp_path),
-                  "name": name, "checkpoint": checkpoint, "fail_after": fail_after}
-        TorchTrainer(_train_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
-                     scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
-                     run_config=RunConfig(name=name, storage_path=str(tmp_path / "ray_results"),
-                                          failure_config=FailureConfig(max_failures=1 if fail_after else 0))).fit()
-
-    fit("first", None, first_part, "after-first", None)  # reads steps 1..6 while the job is still writing (gated)
-    fit("resumed", "after-first", steps, None, fail_after)  # a new trainer resumes from the tag at step 7, fails once
-    writer.join(BOUND_S)
-    assert not writer.is_alive() and "error" not in outcome, outcome.get("error")
-    assert int(Path(gate).read_text()) == 1  # the first step a trainer saw was step 1, before the gated rows existed
-    stream.refresh()
-
-    def read(name: str) -> list[dict[str, Any]]:
-        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
-
-    for rank in (0, 1):
-        first, resumed, retry = read(f"rank{rank}-first-first.jsonl"), read(f"rank{rank}-resumed-first.jsonl"), \
-            read(f"rank{rank}-resumed-retry.jsonl")
-        assert not (tmp_path / f"rank{rank}-first-retry.jsonl").exists()
-        assert [i["step"] for i in first] == list(range(1, first_part + 1))
-        # the next step, none missed; then step fail_after, unless the failing rank's teardown stopped this one before it
-        assert [i["step"] for i in resumed][:2] == [first_part + 1, first_part + 2]
-        # the restarted loop resumes after Ray's last checkpoint (step fail_after - 1, as the model restored from it),
-        # not at the tag in its config
-        assert [i["step"] for i in retry] == list(range(fail_after, steps + 1))
-        for item in first + resumed + retry:
-            assert item["world_size"] == 2
-            assert item["ids"] == stream.read(item["step"], rank=rank).column("id").to_pylist()  # its partition, exactly
-    assert sink.report is not None and sink.report.published == steps and outcome["done_at_head"] == steps
 
 
 # -- faults: a write task's worker process is killed mid-job ---------------------------------------------------------

@@ -1,6 +1,7 @@
 """The Ray Data sink on a multi-node Ray cluster (``ray.cluster_utils.Cluster``: a head and two worker raylets on
 this machine, each with its own logical CPUs), one worker node removed while the job runs, and a Ray Train job on the
-same cluster following the stream.
+same cluster following the stream: it starts from a stream checkpoint tag, fails once and is restarted by Ray Train
+from its last Ray checkpoint (the training guide's loop), and tags the last step when done.
 
 The head node holds the trainers (custom resource ``trainer``), the two worker nodes the Ray Data tasks (custom
 resource ``data``), so removing a worker node kills write tasks and never a trainer. Nothing waits for a fixed time:
@@ -40,6 +41,7 @@ from tests.support import sqlite_catalog  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 BLOCKS, ROWS, PER_STEP = 6, 16, 4  # 6 write tasks of 4 steps each: 24 steps
 STEPS = BLOCKS * ROWS // PER_STEP
+FAIL_AFTER = 5  # the trainer's first attempt fails after this step (odd: its last Ray checkpoint is the step before)
 
 
 @pytest.fixture
@@ -92,25 +94,62 @@ def _node_task(batch: pa.Table, marks: str, victim_id: int, gate_from: int, per_
         yield batch.slice(start, per_step)
 
 
-def _follow(config: dict[str, Any]) -> None:
+def _train_loop(config: dict[str, Any]) -> None:
+    """A trainer of 2 ranks reading the stream in follow mode from a stream checkpoint tag (``resume``) up to
+    ``end_step``; rank 0 tags ``end_step`` once both ranks are done. With ``fail_after``, it is also the training
+    guide's Ray Train loop (docs/guide/training.md): the dataset's position travels in the Ray checkpoint reported
+    every second step (with the model's, in the guide), a restarted loop resumes from the one Ray hands back, and the
+    first attempt fails after step ``fail_after``. Each attempt writes the items it read, one JSON line each."""
+    import tempfile
+
     import ray.train
+    import torch.distributed as dist
+    from ray.train import Checkpoint
 
     from lakestream_iceberg.integrations.ray import ray_train_dataset
 
-    rank = ray.train.get_context().get_world_rank()
-    dataset = ray_train_dataset(config["stream"], end_step=config["steps"], timeout=BOUND_S,
-                                collate=lambda shard: (shard.step, shard.table.column("id").to_pylist()))
-    got = []
+    stream = config["stream"]
+    context = ray.train.get_context()
+    rank = context.get_world_rank()
+
+    def collate(shard: Any) -> dict[str, Any]:
+        return {"step": shard.step, "ids": shard.table.column("id").to_pylist(), "world_size": shard.world_size}
+
+    dataset = ray_train_dataset(stream, checkpoint=config["resume"], end_step=config["end_step"], collate=collate,
+                                timeout=BOUND_S)
+    restored = ray.train.get_checkpoint()
+    if restored is not None:  # the config is the first attempt's: Ray's checkpoint, not config["resume"], says where
+        with restored.as_directory() as folder:
+            dataset.load_state_dict(json.loads(Path(folder, "data.json").read_text()))
+    attempt = "retry" if restored is not None else "first"
     for item in dataset:
-        got.append(item)
+        with Path(config["out"], f"rank{rank}-{config['name']}-{attempt}.jsonl").open("a") as trained:
+            trained.write(json.dumps(item) + "\n")
         if rank == 0 and not os.path.exists(config["gate"]):
-            Path(config["gate"]).write_text(str(item[0]))
-    Path(config["out"], f"rank{rank}.json").write_text(json.dumps(got))
+            Path(config["gate"]).write_text(str(item["step"]))
+        if config["fail_after"] is not None and item["step"] % 2 == 0:
+            with tempfile.TemporaryDirectory() as folder:
+                if rank == 0:
+                    Path(folder, "data.json").write_text(json.dumps(dataset.state_dict()))
+                ray.train.report({"step": item["step"]},
+                                 checkpoint=Checkpoint.from_directory(folder) if rank == 0 else None)
+        if item["step"] == config["fail_after"] and restored is None:
+            # Ray Train takes each rank's reports from a one-slot queue it polls, and keeps a checkpoint once every
+            # rank's report of it was polled: a rank that fails first could be seen failing before a slower rank's
+            # checkpoint report was polled, and the retry then started from no checkpoint. Each report waits at a
+            # barrier of all ranks and for the rank's previous report to be polled: after two more reports, every
+            # rank's report of the last checkpoint was.
+            for _ in range(2):
+                ray.train.report({"step": item["step"]})
+            raise RuntimeError(f"the first attempt fails after step {item['step']}")
+    dist.barrier()  # both ranks are done with end_step before the checkpoint tag marks it
+    if rank == 0 and config["checkpoint"]:
+        stream.checkpoint(config["checkpoint"], step=config["end_step"])
 
 
 @pytest.mark.slow
 def test_sink_on_three_nodes_survives_a_removed_node_and_ray_train_follows(three_nodes: Any, tmp_path: Path) -> None:
-    from ray.train import RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     cluster, workers = three_nodes
@@ -133,7 +172,6 @@ def test_sink_on_three_nodes_survives_a_removed_node_and_ray_train_follows(three
             outcome["error"] = exc
 
     writer = threading.Thread(target=job, daemon=True)
-    started = time.monotonic()
     writer.start()
     deadline = time.monotonic() + BOUND_S
     while not (marks / "victim").exists():
@@ -145,25 +183,36 @@ def test_sink_on_three_nodes_survives_a_removed_node_and_ray_train_follows(three
     (marks / "removing").touch()  # the retry runs through
     cluster.remove_node(victim_node, allow_graceful=False)
 
-    TorchTrainer(_follow, train_loop_config={"stream": stream, "steps": STEPS, "gate": str(marks / "trainer-saw-a-step"),
-                                             "out": str(tmp_path)},
-                 torch_config=TorchConfig(backend="gloo"),
+    # the trainer resumes after a stream checkpoint tag the test makes at step 1; its first attempt fails after step
+    # FAIL_AFTER and Ray Train restarts the loop, which resumes after Ray's last checkpoint (step FAIL_AFTER - 1)
+    stream.checkpoint("start", step=1)
+    config = {"stream": stream, "resume": "start", "end_step": STEPS, "gate": str(marks / "trainer-saw-a-step"),
+              "out": str(tmp_path), "name": "follow", "checkpoint": "trained", "fail_after": FAIL_AFTER}
+    TorchTrainer(_train_loop, train_loop_config=config, torch_config=TorchConfig(backend="gloo"),
                  scaling_config=ScalingConfig(num_workers=2, use_gpu=False,
                                               resources_per_worker={"CPU": 1, "trainer": 1}),
-                 run_config=RunConfig(name="follow", storage_path=str(tmp_path / "ray_results"))).fit()
+                 run_config=RunConfig(name="follow", storage_path=str(tmp_path / "ray_results"),
+                                      failure_config=FailureConfig(max_failures=1))).fit()
     writer.join(BOUND_S)
     assert not writer.is_alive() and "error" not in outcome, outcome.get("error")
-    elapsed = time.monotonic() - started
 
     stream.refresh()
     assert stream.head_step() == STEPS  # dense: no gap, nothing twice
     assert sink.report is not None and sink.report.steps == list(range(1, STEPS + 1)) and sink.report.fused is True
     everything = sorted(i for s in range(1, STEPS + 1) for rank in _step_ids(stream, s) for i in rank)
     assert everything == list(range(BLOCKS * ROWS))  # every row once
-    assert int((marks / "trainer-saw-a-step").read_text()) >= 1
+    assert int((marks / "trainer-saw-a-step").read_text()) == 2  # the first step after the tag
+    assert {c.name: c.step for c in stream.checkpoints()}["trained"] == STEPS  # rank 0 tagged the last step once both ranks were done
+
+    def read(name: str) -> list[dict[str, Any]]:
+        return [json.loads(line) for line in (tmp_path / name).read_text().splitlines()]
+
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert [step for step, _ in seen] == list(range(1, STEPS + 1))  # every step, in order, once
-        for step, ids in seen:
-            assert ids == stream.read(step, rank=rank).column("id").to_pylist()
-    assert elapsed < BOUND_S
+        first, retry = read(f"rank{rank}-follow-first.jsonl"), read(f"rank{rank}-follow-retry.jsonl")
+        # after the tag, none missed; then step FAIL_AFTER, unless the failing rank's teardown stopped this one before it
+        assert [i["step"] for i in first][:2] == [2, 3]
+        # the restarted loop resumes after Ray's last checkpoint (as the model restored from it), not at the tag
+        assert [i["step"] for i in retry] == list(range(FAIL_AFTER, STEPS + 1))
+        for item in first + retry:
+            assert item["world_size"] == 2
+            assert item["ids"] == stream.read(item["step"], rank=rank).column("id").to_pylist()  # its partition, exactly
