@@ -7,6 +7,11 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+# Python 3.11 before 3.11.8 can fail ast.parse with "SystemError: AST constructor recursion depth mismatch" (CPython
+# gh-106905). pytest rewrites the hypothesis package when it is imported, and hypothesis' plugin imports it at the end of
+# the session when no test did: after a Ray test, that failed a passing run (seen once in a loop of the Ray cluster
+# test). Imported here, before any test runs.
+import hypothesis  # noqa: F401
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
