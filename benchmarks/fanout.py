@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import shutil
 import sys
@@ -222,6 +223,20 @@ def wait_following(dsn: str, relay_dirs: list[tuple[Path, int]], listens: int, p
         conn.close()
 
 
+def join_all(named: list[tuple[str, Any]], *, timeout: float) -> None:
+    """Wait for every process to exit 0. The first one that fails fails the run at once, by name (its traceback is
+    the last one printed): a producer that died must not leave the ranks waiting out their read timeout first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        failed = [(name, p.exitcode) for name, p in named if p.exitcode not in (None, 0)]
+        assert not failed, f"{failed[0][0]} exited with {failed[0][1]}"
+        running = [p.sentinel for _, p in named if p.exitcode is None]
+        if not running:
+            return
+        assert time.monotonic() < deadline, f"{len(running)} process(es) still running after {timeout:.0f}s"
+        mp.connection.wait(running, timeout=1.0)
+
+
 def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int, relay: bool, steps: int,
         interval: float, pause_every: int = 0, pause_s: float = 0.0) -> dict[str, Any]:
     from pyiceberg.catalog.sql import SqlCatalog
@@ -268,9 +283,7 @@ def run(pg: Any, weed: Any, root: Path, *, world: int, workers: int, hosts: int,
                             procs)
     go.set()
     try:
-        for p in procs + [prod]:
-            p.join(timeout=900)
-            assert p.exitcode == 0, f"process exited with {p.exitcode}"
+        join_all([("the producer", prod), *((f"rank {r}", p) for r, p in enumerate(procs))], timeout=900)
     finally:
         stop.set()
         sampler.join()
