@@ -71,14 +71,16 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
         raise CheckpointError(f"branch {branch!r} of {stream.name} does not exist or has no steps")
     state = branch_state(metadata, head, stream=stream.name, branch=branch)
     if step < 1 or step > state.step:
-        raise CheckpointError(f"cannot checkpoint step {step!r} of {stream.name}: published steps are 1..{state.step}")
+        raise CheckpointError(f"cannot checkpoint step {step!r} of {stream.name} (branch {branch!r}): its published "
+                              f"steps are 1..{state.step}")
     entries = stream.index.entries(head, step)
     if step < state.collected_below:  # a fork's branch starts at its checkpoint: nothing below it was ever on it
         raise CheckpointError(f"cannot checkpoint step {step} of {stream.name} (branch {branch!r}): the steps below "
                               f"{state.collected_below} are gone (collected by GC, or before the branch's fork); "
                               f"checkpoint a step from {state.collected_below} to {state.step}")
     if not entries:
-        raise CheckpointError(f"cannot checkpoint step {step} of {stream.name}: it was already collected by lifecycle GC")
+        raise CheckpointError(f"cannot checkpoint step {step} of {stream.name} (branch {branch!r}): it was already "
+                              "collected by lifecycle GC")
     builder = SnapshotBuilder(metadata)
     snapshot_id, sequence_number = builder.next_ids()
     planner = stream.manifest_planner(metadata)

@@ -182,6 +182,9 @@ def test_fork_continues_at_checkpoint_plus_one_on_a_branch(stream: Stream) -> No
         stream.read(2, rank=0, branch="retry-lr")
     with pytest.raises(CheckpointError, match="already used"):
         stream.fork("c3", branch="retry-lr")
+    # step 6 is main's head, not the fork's: the error names the branch whose steps it lists
+    with pytest.raises(CheckpointError, match=r"step 6 of .* \(branch 'retry-lr'\): its published steps are 1\.\.5"):
+        stream.checkpoint("c6", step=6, branch="retry-lr")
 
 
 def test_keep_last_keeps_the_newest_checkpoints_of_each_branch(tmp_path) -> None:
