@@ -714,6 +714,24 @@ def test_4f_two_live_producers_of_one_id_numbering_after_the_table_do_not_publis
     assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3", "4"]
 
 
+def test_4f_an_explicit_seq_a_live_twin_published_past_the_producers_view_is_a_conflict_not_a_gap(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """A live twin with the same id published seqs 2 and 3 after producer "b" last read the head (its view still says
+    seq 2 is next). b's call of an explicit seq 3 was checked for a gap on that old view alone: ``SequenceError``
+    "would skip from seq 2 to 3; commit seq 2 first", which is false (seq 2 is published) and names no second writer,
+    and every later seq of b failed the same way. It must read the head before refusing a gap, and find the twin."""
+    stream = make(catalog, **staging)
+    _, b = both_active(stream)  # b published seqs 0 and 1; its view of the head is fresh from its own last commit
+    twin = stream.producer("b")
+    twin.commit(batch("b", 2, WORLD))
+    twin.commit(batch("b", 3, WORLD))
+    with pytest.raises(ProducerConflictError, match=r"'b' seq 3 .*by no call of this producer"):
+        b.commit(batch("b", 3, WORLD), seq=3)
+    with pytest.raises(SequenceError, match="would skip from seq 4 to 5"):  # a real gap, on the head as it is now
+        b.commit(batch("b", 5, WORLD), seq=5)
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
+
+
 @pytest.mark.parametrize("how", ["commit", "submit"])
 def test_4f_an_earlier_incarnations_batch_published_after_the_restart_read_the_table_is_followed(
         catalog: SqlCatalog, staging: dict[str, str], how: str) -> None:

@@ -498,7 +498,16 @@ class Producer:
         follows = self._follows(loop.metadata, last)
         if seq is None:
             seq = last + 1
-        head.check_seq(seq, state, allow_gap)
+        try:
+            head.check_seq(seq, state, allow_gap)
+        except SequenceError:
+            if not reused:
+                raise
+            # A gap on the view as this producer last read or committed it, not on the head: another writer of the id
+            # (a live twin) may have published past it since. Refused on the head as it is now (a conflict, when the
+            # seq is another writer's), never on an old view ("commit seq N first" for an N that is published).
+            loop.mark_stale()
+            return self._open(seq, allow_gap)
         known = after_gc(lambda: head.published(loop.metadata, seq), refresh=head.refresh)
         if known is None:
             if not follows and last < seq:  # the id's last seq is neither this producer's nor an earlier incarnation's
