@@ -130,7 +130,15 @@ class SequenceError(BatchError):
 
 
 class CommitError(LakestreamError):
-    """A batch could not be published."""
+    """A batch could not be published.
+
+    Attributes:
+        seq: The producer seq the failed call used, once it had written its batch (else None): a batch the producer
+            numbered itself (``seq=None``) is retried safely only with this seq, since the table numbers a
+            ``seq=None`` retry after the last seq it published, which may be this batch's.
+    """
+
+    seq: int | None = None
 
 
 class CommitTimeoutError(CommitError):

@@ -197,6 +197,56 @@ def test_outcome_unknown_commit_that_did_not_land_is_published_once(tmp_path: Pa
     assert digest(stream.read(1, rank=1)) == digest(batch("p", 0, 2)[1])
 
 
+class DownAfterCommit(SqlCatalog):
+    """A real SQLite catalog that applies a commit, then stays unreachable (commits and reads of the head) while ``down``."""
+
+    down = False
+    fail_after = 0
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        if self.down:
+            raise ConnectionResetError("catalog unreachable (injected)")
+        response = super().commit_table(table, requirements, updates)
+        if self.fail_after:
+            self.fail_after -= 1
+            self.down = True
+            raise ConnectionResetError("connection reset by peer (injected, after the commit landed)")
+        return response
+
+
+def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit of a batch the producer numbered (``seq=None``, the README's way) lands, but the catalog stays
+    unreachable for the whole commit budget: ``CommitOutcomeUnknownError``, "retry with the same seq". The error did
+    not say which seq, and the table numbers a ``seq=None`` retry after the seq that landed, so the natural retry
+    published the same batch a second time (steps 2 and 3). The error names the seq (``.seq``), and a retry with it
+    is a duplicate."""
+    import lakestream_iceberg.write.commit as commit_module
+    from lakestream_iceberg import CommitOutcomeUnknownError
+
+    catalog = DownAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.commit.timeout-ms": "500"})
+    refresh = commit_module.refresh_if_moved
+
+    def unreachable_while_down(table: Any, **kwargs: Any) -> bool:
+        if catalog.down:
+            raise ConnectionResetError("catalog unreachable (injected)")
+        return refresh(table, **kwargs)
+
+    monkeypatch.setattr(commit_module, "refresh_if_moved", unreachable_while_down)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2))
+    catalog.fail_after = 1
+    with pytest.raises(CommitOutcomeUnknownError, match=r"producer 'p' seq 1\b.*seq=1") as info:
+        producer.commit(batch("p", 1, 2))
+    assert info.value.seq == 1
+    catalog.down = False
+    retry = producer.commit(batch("p", 1, 2), seq=info.value.seq)
+    assert retry.duplicate and (retry.step, retry.seq) == (2, 1)
+    assert sorted(published(stream).values()) == [("p", 0), ("p", 1)]
+
+
 def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_connections_of_its_own(
         tmp_path: Path) -> None:
     """A ``fork``ed worker inherits the parent's writer pool without its threads and the catalog's pooled connections:

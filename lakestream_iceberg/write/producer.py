@@ -443,8 +443,15 @@ class Producer:
             if checked.seq is None and (following := self._rolled_back(seq)) is not None:
                 raise _RolledBack(following) from exc  # numbered on a head that a rollback took back: renumber
             raise
-        except BaseException:
+        except BaseException as exc:
             self._sent.failed(seq, staged.token)  # staged or sent: it may still be published (see OwnBatches)
+            if isinstance(exc, (CommitTimeoutError, CommitOutcomeUnknownError)) and exc.seq is None:
+                # The caller retries with this seq: one it did not number (seq=None) is known only from here, and a
+                # seq=None retry is numbered after the table's last seq, which may be this very batch's.
+                exc.seq = seq
+                exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq} (a "
+                            "retry with seq=None is numbered after the seq the table shows last, which may be this "
+                            "batch's, and would publish it again)", *exc.args[1:])
             raise
         published = outcome.result
         if outcome.landed:
