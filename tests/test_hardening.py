@@ -946,6 +946,34 @@ def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(cata
     assert result.duplicate and result.step == int(carried[0]["lakestream.step"])
 
 
+def test_4f_the_next_explicit_seq_after_a_failed_call_whose_batch_was_carried_since_is_published(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """The producer's call of seq 2 failed after staging, and another producer's commit carried that batch afterwards.
+    Its next call, of seq 3, was checked for a gap on the producer's own view of the head, which predates the carry:
+    ``SequenceError`` "would skip from seq 2 to 3; commit seq 2 first", for a seq 2 that is published (and a replay
+    of seq 2 is a duplicate). The gap is checked on the head before it is refused."""
+    stream = make(catalog, **staging)
+    a, b = both_active(stream)
+    stage = stream.staging.stage
+
+    def stage_then_fail(**kwargs: Any) -> Any:
+        stage(**kwargs)
+        raise RuntimeError("the host lost its network after staging (the caller cannot tell whether it lands)")
+
+    stream.staging.stage = stage_then_fail  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="lost its network"):
+            b.commit(batch("b", 2, WORLD), seq=2)
+    finally:
+        del stream.staging.stage
+    a.commit(batch("a", 2, WORLD))  # carries b's staged seq 2
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2"]
+    result = b.commit(batch("b", 3, WORLD), seq=3)
+    assert result.seq == 3 and not result.duplicate
+    assert b.commit(batch("b", 2, WORLD), seq=2).duplicate
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
+
+
 def test_4f_a_direct_commit_sent_before_the_producer_was_made_and_landing_during_its_retry_is_a_duplicate(
         catalog: SqlCatalog) -> None:
     """A producer committing alone (no staging) sends its commit of seq 2; the connection drops and the call gives up

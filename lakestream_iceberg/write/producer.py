@@ -510,9 +510,10 @@ class Producer:
         except SequenceError:
             if not reused:
                 raise
-            # A gap on the view as this producer last read or committed it, not on the head: another writer of the id
-            # (a live twin) may have published past it since. Refused on the head as it is now (a conflict, when the
-            # seq is another writer's), never on an old view ("commit seq N first" for an N that is published).
+            # A gap on the view as this producer last read or committed it, not on the head: its own batch of a call
+            # that failed after staging may have been carried since, or another writer of the id (a live twin) may
+            # have published past it. Refused on the head as it is now (a conflict, when the seq is another writer's),
+            # never on an old view ("commit seq N first" for an N that is published).
             loop.mark_stale()
             return self._open(seq, allow_gap)
         known = after_gc(lambda: head.published(loop.metadata, seq), refresh=head.refresh)
