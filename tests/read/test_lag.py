@@ -187,6 +187,31 @@ def test_positions_outside_a_sql_catalog_are_objects_under_the_table_location(tm
     assert report.files_deleted.get("consumer-position") is None  # no commit's file: it expires with its group
 
 
+@pytest.mark.parametrize("group", ["训练" * 50, "run/" * 50], ids=["cjk-100", "slashes-200"])
+def test_a_group_name_the_object_store_cannot_hold_is_refused_when_the_dataset_is_made(tmp_path: Path,
+                                                                                      group: str) -> None:
+    """A group of at most 200 printable characters passed ``check_group``, but outside a SQL catalog its position is
+    an object under ``data/_consumers/<URL-quoted group>/``: 100 CJK characters quote to 900 bytes, past a file name's
+    255 (and a 200-character one with slashes to 600). Every report failed in the background (a log warning), so the
+    rank was never listed, and ``lakestream lag --group`` failed with "cannot list". It must be refused up front."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    catalog = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=1)
+    publish(stream, 2)
+    assert len(group) <= 200 and group.isprintable()
+    with pytest.raises(ConfigError, match="group must be"):
+        ds = LakestreamDataset(stream, rank=0, world_size=1, group=group, report_s=FAST)
+        assert [i["step"] for i in ds] == [1, 2]  # without the check: iterated, but no position was ever recorded
+        ds.close()
+        rows = consumer_lags(stream.refresh(), group=group)  # without the check: ConfigError "cannot list ..."
+        assert [(r.rank, r.status) for r in rows] == [(0, "closed")], "the position was never recorded"
+    assert consumer_lags(stream.refresh()) == []
+    ok = "run-" + "训" * 25  # 29 characters, 229 bytes quoted: fits
+    assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=1, group=ok, report_s=FAST)] == [1, 2]
+    assert [(r.group, r.status, r.last_step) for r in consumer_lags(stream.refresh(), group=ok)] == [(ok, "closed", 2)]
+
+
 def test_path_like_group_names_stay_in_their_own_folder_of_the_object_store(tmp_path: Path) -> None:
     """Groups named ``.`` and ``..`` are folders of their own under ``_consumers``: not the folder itself or ``data/``
     (where the listing read them as another group's, and deleting them deleted every group's positions)."""
