@@ -3,7 +3,9 @@
 
 Each recorded position (:mod:`lakestream_iceberg.read.consumer`) becomes one :class:`ConsumerLag` row:
 
-* ``lag_steps``: the head step of the position's branch minus the last step the rank delivered;
+* ``lag_steps``: the head step of the position's branch minus the last step the rank delivered; negative when the
+  branch moved back below that step (another engine's rollback: the steps past the head that the rank delivered left
+  the branch; ``error`` says so, and ``lag_s`` is None);
 * ``lag_s``: how long ago the oldest step it has not delivered was committed (0 when caught up; where that step's
   snapshot was expired, the oldest retained step after it stands in, so the figure is a lower bound; None when no
   snapshot that published a step after it is retained, as right after a GC);
@@ -180,17 +182,26 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
         last = position.last_step
         lagging = status != "gone" and branch.head is not None
         delivered = 0 if last is None else last
+        # past the head: the branch moved back (another engine's rollback) below steps the rank delivered, which
+        # left the branch; a negative lag, as kafka-consumer-groups shows after a truncation, never "caught up"
+        behind = branch.head - delivered if lagging and branch.head is not None else None
+        moved_back = behind is not None and behind < 0
+        error = None if position.stream == uuid else \
+            f"recorded for table UUID {position.stream}, a table since dropped at this location"
+        if moved_back and error is None:
+            error = (f"the head of branch {position.branch!r} (step {branch.head}) is below the last step the rank "
+                     f"delivered: the branch moved back (rolled back) since, and steps {branch.head + 1}-{delivered} "
+                     "it delivered are no longer on it (or the stream's view is older than the position: refresh it)")
         out.append(ConsumerLag(
             group=row.group, rank=row.rank, status=status, world_size=position.world_size, branch=position.branch,
             last_step=last, head_step=branch.head if position.stream == uuid else None,
-            lag_steps=max(0, branch.head - delivered) if lagging and branch.head is not None else None,
-            lag_s=branch.lag_s(delivered, now) if lagging else None,
+            lag_steps=behind,
+            lag_s=branch.lag_s(delivered, now) if lagging and not moved_back else None,
             data_wait_fraction=min(1.0, position.wait_s / position.elapsed_s) if position.elapsed_s > 0 else None,
             wait_s=position.wait_s, elapsed_s=position.elapsed_s, steps=position.steps, read_bytes=position.read_bytes,
             age_s=row.age_s, started_at=datetime.fromtimestamp(position.started_at, tz=timezone.utc),
             report_s=position.report_s, host=position.host, pid=position.pid, workers=position.workers,
-            source=position.source, error=None if position.stream == uuid else
-            f"recorded for table UUID {position.stream}, a table since dropped at this location"))
+            source=position.source, error=error))
     return out
 
 

@@ -506,3 +506,20 @@ def test_a_rank_that_breaks_out_of_its_loop_and_closes_the_dataset_shows_as_clos
     row = lags(stream)[0]
     assert (row.last_step, row.lag_steps) == (2, 2)
     assert row.status == "closed"
+
+
+def test_a_rank_past_a_head_another_engine_moved_back_is_not_shown_caught_up(stream: Stream) -> None:
+    """Another engine rolls main back from step 4 to step 2 (Iceberg's rollback_to_snapshot) after a rank delivered
+    steps 1-4. ``lag_steps`` (head step minus the last step delivered) was clamped to 0 and ``lag_s`` 0.0: the rank
+    showed as caught up, where a follower of the branch is warned that steps it delivered left it (HeadWatcher). It is
+    the negative lag (kafka-consumer-groups shows one after a truncation), no lag_s, and ``error`` says the branch
+    moved back."""
+    two = next(s for s in stream.refresh().table.snapshots() if (s.summary or {}).get("lakestream.step") == "2")
+    assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST)] == [
+        1, 2, 3, 4]
+    assert (lags(stream)[0].lag_steps, lags(stream)[0].lag_s) == (0, 0.0)
+    stream.refresh().table.manage_snapshots().rollback_to_snapshot(two.snapshot_id).commit()
+    row = lags(stream)[0]
+    assert (row.status, row.last_step, row.head_step) == ("closed", 4, 2)
+    assert row.lag_steps == -2 and row.lag_s is None
+    assert row.error is not None and "moved back" in row.error
