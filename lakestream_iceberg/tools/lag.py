@@ -7,6 +7,7 @@ prints them: a summary per group and a table per rank for people, one JSON docum
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["COLUMNS", "delete_positions", "lag_report", "show_lag"]
 
+MAX_NOTES = 20  # ranks whose error is printed under the table
 COLUMNS = ["rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "data_wait", "read_MB", "age_s", "host",
            "pid"]
 
@@ -74,3 +76,10 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
                      "lag_s": None if p["lag_s"] is None else round(p["lag_s"], 2),
                      "age_s": None if p["age_s"] is None else round(p["age_s"], 1)})
     out.table(rows, columns=COLUMNS if len(report["groups"]) == 1 else ["group", *COLUMNS])
+    # why a rank is invalid or gone (or past a head that moved back): a table cell would fold it beyond reading
+    notes = [p for p in report["positions"] if p["error"]]
+    for p in notes[:MAX_NOTES]:
+        print(f"group {p['group']} rank {p['rank']} ({p['status']}): {p['error']}")
+    if len(notes) > MAX_NOTES:
+        print(f"... {len(notes) - MAX_NOTES} more (use --json for all of them)")
+    sys.stdout.flush()

@@ -523,3 +523,20 @@ def test_a_rank_past_a_head_another_engine_moved_back_is_not_shown_caught_up(str
     assert (row.status, row.last_step, row.head_step) == ("closed", 4, 2)
     assert row.lag_steps == -2 and row.lag_s is None
     assert row.error is not None and "moved back" in row.error
+
+
+def test_the_lag_table_for_people_says_why_a_rank_is_invalid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`lakestream lag` (no --json) showed a damaged position as status ``invalid`` and nothing else: the reason
+    (``error``: which field, or that the record is not JSON) was only in the JSON output."""
+    from lakestream_iceberg.tools.cli import main
+    from lakestream_iceberg.tools.config import embedded_catalog
+
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 2)
+    for rank in range(WORLD):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run", report_s=FAST)]
+    store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+    store.upsert(group="run", rank=1, body="{not json")
+    assert main(["lag", "ns.lag", "--group", "run", "--home", str(tmp_path)]) == 0
+    human = " ".join(capsys.readouterr().out.split())
+    assert "invalid" in human and "not JSON" in human, human
