@@ -247,7 +247,7 @@ class PositionStore:
         """``(path, group, rank, mtime, size)`` of every position object of ``group`` (every group when None)."""
         found: list[tuple[str, str, int, float, int]] = []
         root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{_segment(group)}")
-        for path, size, mtime in list_files(self._io, root):
+        for path, size, mtime in list_files(self._io, root, purpose="the consumer positions"):
             parts = path.rsplit("/", 2)
             name = parts[-1]
             digits = name[1:-len(_SUFFIX)]

@@ -10,8 +10,9 @@ from pyiceberg.io import FileIO
 from lakestream_iceberg.errors import ConfigError
 
 
-def list_files(io: FileIO, location: str) -> Iterator[tuple[str, int, float]]:
-    """Yield ``(full path, size in bytes, mtime as unix seconds)`` for every file below ``location``."""
+def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection") -> Iterator[tuple[str, int, float]]:
+    """Yield ``(full path, size in bytes, mtime as unix seconds)`` for every file below ``location``; ``purpose`` (what
+    the listing is for) is named by the error when it fails."""
     from pyiceberg.io.pyarrow import PyArrowFileIO
 
     if isinstance(io, PyArrowFileIO):
@@ -26,7 +27,7 @@ def list_files(io: FileIO, location: str) -> Iterator[tuple[str, int, float]]:
         try:
             infos = filesystem.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
         except OSError as exc:
-            raise ConfigError(f"cannot list {location} for garbage collection: {exc}") from exc
+            raise ConfigError(f"cannot list {location} for {purpose}: {exc}") from exc
         for info in infos:
             if info.type == pafs.FileType.File:
                 mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
@@ -46,7 +47,7 @@ def list_files(io: FileIO, location: str) -> Iterator[tuple[str, int, float]]:
             mtime = info.get("LastModified") or info.get("mtime") or 0
             yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
         return
-    raise ConfigError(f"garbage collection cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
+    raise ConfigError(f"{purpose} cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
 
 
 def modified_at(io: FileIO, path: str) -> float | None:

@@ -540,3 +540,17 @@ def test_the_lag_table_for_people_says_why_a_rank_is_invalid(tmp_path: Path, cap
     assert main(["lag", "ns.lag", "--group", "run", "--home", str(tmp_path)]) == 0
     human = " ".join(capsys.readouterr().out.split())
     assert "invalid" in human and "not JSON" in human, human
+
+
+def test_a_position_listing_that_fails_names_what_it_listed_for(tmp_path: Path) -> None:
+    """Outside a SQL catalog, a store that cannot list the positions' folder made `lakestream lag` fail with "cannot
+    list ... for garbage collection", a command the operator never ran."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    catalog = SqlCatalog("mem", uri="sqlite:///:memory:", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.lag", schema=SCHEMA, world_size=1)
+    publish(stream, 1)
+    (tmp_path / "warehouse" / "ns" / "lag" / "data" / "_consumers").write_text("a file, not a folder")
+    with pytest.raises(ConfigError, match="cannot list .*_consumers for the consumer positions") as caught:
+        consumer_lags(stream.refresh())
+    assert "garbage collection" not in str(caught.value)
