@@ -246,6 +246,8 @@ class PositionStore:
     def _object_list(self, group: str | None) -> list[tuple[str, str, int, float, int]]:
         """``(path, group, rank, mtime, size)`` of every position object of ``group`` (every group when None)."""
         found: list[tuple[str, str, int, float, int]] = []
+        if group is not None and len(_segment(group)) > MAX_SEGMENT_BYTES:
+            return found  # no folder can have its name (a dataset refuses to record under it): none stored
         root = f"{self.location}/data/{POSITIONS_DIR}" + ("" if group is None else f"/{_segment(group)}")
         for path, size, mtime in list_files(self._io, root, purpose="the consumer positions"):
             parts = path.rsplit("/", 2)
@@ -319,6 +321,9 @@ def _keyed(location: str, rows: list[PositionRow]) -> list[PositionRow]:
                     "are not listed: another program wrote them; delete them (lakestream lag STREAM --group %r --delete)",
                     len(odd), location, odd[0].group, odd[0].rank, ", ..." if len(odd) > 1 else "", odd[0].group)
     return kept
+
+
+MAX_SEGMENT_BYTES = 255  # a file system's longest name; read.position.check_group bounds recorded groups to it
 
 
 def _segment(group: str) -> str:

@@ -271,7 +271,7 @@ class RankPositions:
     """
 
     def __init__(self, *, group: object, report_s: object, rank: int, world_size: int, branch: str, stream: str) -> None:
-        self.group = check_group(group)
+        self.group = check_group(group, recording=True)
         self.report_s = float(check_seconds(report_s, what="report_s", minimum=0.05) or 0.0)  # never None here
         self.rank, self.world_size, self.branch, self.stream = rank, world_size, branch, stream
         self.tracked = False  # iterated through track(): the training process records, the iterators do not

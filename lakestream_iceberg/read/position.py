@@ -30,15 +30,19 @@ _SOURCES = ("iterator", "loader")
 _MAX_TIME = 253402300799.0  # 9999-12-31T23:59:59Z, the last time a datetime holds
 
 
-def check_group(group: object) -> str:
-    """``group`` when it is a usable consumer group name (a non-empty string of printable characters, at most 200, that
-    URL-quoted is at most 255 bytes: outside a SQL catalog a group is one folder name of the object store, and a
-    file system's names are at most 255 bytes, a non-ASCII letter quoting to 6-12 and a '/' to 3)."""
+def check_group(group: object, *, recording: bool = False) -> str:
+    """``group`` when it is a usable consumer group name (a non-empty string of printable characters, at most 200).
+
+    ``recording`` (a dataset about to record positions under it): also at most 255 bytes URL-quoted. Outside a SQL
+    catalog a group is one folder name of the object store, and file systems' names are at most 255 bytes (a non-ASCII
+    letter quotes to 6-12, a '/' to 3); a longer name's every report failed in the background. Reading and deleting
+    a group's positions take the longer names a SQL catalog may hold from before that bound.
+    """
     if not isinstance(group, str) or not group.strip() or len(group) > MAX_GROUP_CHARS or not group.isprintable():
         raise ConfigError(f"group must be a non-empty printable string of at most {MAX_GROUP_CHARS} characters (a "
                           f"training run's name), got {group!r}")
     quoted = len(quote(group, safe=""))
-    if quoted > MAX_GROUP_QUOTED:
+    if recording and quoted > MAX_GROUP_QUOTED:
         raise ConfigError(f"group must be a name of at most {MAX_GROUP_QUOTED} bytes once URL-quoted (it names a "
                           f"folder of the object store; a non-ASCII letter takes 6 to 12, '/' and other punctuation "
                           f"3), got {group!r}, {quoted} bytes quoted: use a shorter or ASCII name")

@@ -207,6 +207,10 @@ def test_a_group_name_the_object_store_cannot_hold_is_refused_when_the_dataset_i
         rows = consumer_lags(stream.refresh(), group=group)  # without the check: ConfigError "cannot list ..."
         assert [(r.rank, r.status) for r in rows] == [(0, "closed")], "the position was never recorded"
     assert consumer_lags(stream.refresh()) == []
+    assert consumer_lags(stream, group=group) == []  # none can be stored under it: no "cannot list" either
+    from lakestream_iceberg.read.lag import delete_group
+
+    assert delete_group(stream, group=group) == 0
     ok = "run-" + "训" * 25  # 29 characters, 229 bytes quoted: fits
     assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=1, group=ok, report_s=FAST)] == [1, 2]
     assert [(r.group, r.status, r.last_step) for r in consumer_lags(stream.refresh(), group=ok)] == [(ok, "closed", 2)]
