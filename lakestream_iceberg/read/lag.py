@@ -34,6 +34,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+from pyiceberg.table.refs import SnapshotRefType
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.connect.positions import PositionStore
@@ -96,11 +97,16 @@ class _Branch:
         self.head: int | None = None
         self.steps: list[int] = []
         self.times: list[float] = []
-        if metadata.snapshot_by_name(branch) is None:
+        self.problem: str | None = None  # why there is no head to measure a lag against
+        ref = metadata.refs.get(branch)
+        if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH or metadata.snapshot_by_name(branch) is None:
+            self.problem = (f"{branch!r} is no branch of the stream now (dropped, or never made): no head to measure a "
+                            "lag against")
             return
         try:
             self.head = stream.branch_state(branch=branch, metadata=metadata).step
-        except LakestreamError:
+        except LakestreamError as exc:
+            self.problem = f"the head of branch {branch!r} cannot be read: {' '.join(str(exc).split())}"
             return
         by_id = {s.snapshot_id: s for s in metadata.snapshots}
         current = metadata.snapshot_by_name(branch)
@@ -188,6 +194,8 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
         moved_back = behind is not None and behind < 0
         error = None if position.stream == uuid else \
             f"recorded for table UUID {position.stream}, a table since dropped at this location"
+        if error is None and status != "gone" and branch.problem is not None:
+            error = branch.problem
         if moved_back and error is None:
             error = (f"the head of branch {position.branch!r} (step {branch.head}) is below the last step the rank "
                      f"delivered: the branch moved back (rolled back) since, and steps {branch.head + 1}-{delivered} "

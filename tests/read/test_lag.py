@@ -558,3 +558,18 @@ def test_a_position_listing_that_fails_names_what_it_listed_for(tmp_path: Path) 
     with pytest.raises(ConfigError, match="cannot list .*_consumers for the consumer positions") as caught:
         consumer_lags(stream.refresh())
     assert "garbage collection" not in str(caught.value)
+
+
+def test_a_rank_of_a_branch_since_dropped_says_why_it_has_no_lag(stream: Stream) -> None:
+    """A rank that read a fork, which was then dropped (``remove_branch``): its row had no head and no lag, and nothing
+    said why (``error`` None)."""
+    stream.checkpoint("c2", step=2)
+    stream.fork("c2", branch="exp")
+    stream.producer("q", branch="exp").commit(batch("q", 0, WORLD), seq=0)
+    assert [i["step"] for i in LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", branch="exp",
+                                                 start_step=2, report_s=FAST)] == [2, 3]
+    assert lags(stream)[0].lag_steps == 0 and lags(stream)[0].error is None
+    stream.refresh().table.manage_snapshots().remove_branch("exp").commit()
+    row = lags(stream)[0]
+    assert (row.status, row.head_step, row.lag_steps) == ("closed", None, None)
+    assert row.error is not None and "'exp' is no branch" in row.error
