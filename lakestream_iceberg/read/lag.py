@@ -196,9 +196,9 @@ def consumer_lags(stream: StreamTable, *, group: str | None = None, stale_after:
             f"recorded for table UUID {position.stream}, a table since dropped at this location"
         if error is None and status != "gone" and branch.problem is not None:
             error = branch.problem
-        if moved_back and error is None:
+        if moved_back and error is None and behind is not None:
             error = (f"the head of branch {position.branch!r} (step {branch.head}) is below the last step the rank "
-                     f"delivered: the branch moved back (rolled back) since, and steps {branch.head + 1}-{delivered} "
+                     f"delivered: the branch moved back (rolled back) since, and steps {delivered + behind + 1}-{delivered} "
                      "it delivered are no longer on it (or the stream's view is older than the position: refresh it)")
         out.append(ConsumerLag(
             group=row.group, rank=row.rank, status=status, world_size=position.world_size, branch=position.branch,

@@ -7,7 +7,6 @@ prints them: a summary per group and a table per rank for people, one JSON docum
 
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
@@ -78,8 +77,7 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
     out.table(rows, columns=COLUMNS if len(report["groups"]) == 1 else ["group", *COLUMNS])
     # why a rank is invalid or gone (or past a head that moved back): a table cell would fold it beyond reading
     notes = [p for p in report["positions"] if p["error"]]
-    for p in notes[:MAX_NOTES]:
-        print(f"group {p['group']} rank {p['rank']} ({p['status']}): {p['error']}")
+    for p in notes[:MAX_NOTES]:  # as written: an error quotes names and values that rich would read as markup
+        out.console.print(f"group {p['group']} rank {p['rank']} ({p['status']}): {p['error']}", markup=False)
     if len(notes) > MAX_NOTES:
-        print(f"... {len(notes) - MAX_NOTES} more (use --json for all of them)")
-    sys.stdout.flush()
+        out.console.print(f"... {len(notes) - MAX_NOTES} more (use --json for all of them)")
