@@ -933,11 +933,13 @@ def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(cata
 
     stream.staging.stage = stage_then_fail  # type: ignore[method-assign]
     try:
-        with pytest.raises(RuntimeError, match="lost its network"):
+        with pytest.raises(RuntimeError, match="lost its network") as failed:
             b.commit(batch("b", 2, WORLD))
     finally:
         del stream.staging.stage
     assert staged_first and stream.staging.exists(staged_first[0].path)  # it stays staged: a commit may carry it
+    if hasattr(failed.value, "add_note"):  # the error names the seq a caller that let the table number it retries with
+        assert any("retry it with seq=2" in note for note in getattr(failed.value, "__notes__", []))
     with carried_while_writing(stream, a) as fired:  # b's files are written; a's commit carries the staged one
         result = b.commit(batch("b", 2, WORLD))
     assert fired

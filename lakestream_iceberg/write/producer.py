@@ -34,6 +34,7 @@ from lakestream_iceberg.errors import (
     CommitOutcomeUnknownError,
     CommitTimeoutError,
     ConfigError,
+    LakestreamError,
     ProducerConflictError,
     ProducerFailedError,
     SequenceError,
@@ -452,6 +453,10 @@ class Producer:
                 exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq} (a "
                             "retry with seq=None is numbered after the seq the table shows last, which may be this "
                             "batch's, and would publish it again)", *exc.args[1:])
+            elif checked.seq is None and not isinstance(exc, LakestreamError) and hasattr(exc, "add_note"):  # 3.11+
+                exc.add_note(f"lakestream: producer {self.producer_id!r} had written this batch as seq {seq}, and it "
+                             f"may still be published: retry it with seq={seq} (a retry with seq=None may be numbered "
+                             "after it, and publish it again)")
             raise
         published = outcome.result
         if outcome.landed:
