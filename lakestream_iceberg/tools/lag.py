@@ -25,7 +25,7 @@ COLUMNS = ["rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "da
 
 def lag_report(stream: StreamTable, *, group: str | None, stale_after: float) -> dict[str, Any]:
     """What ``lakestream lag`` reports (also its ``--json`` document): the stream, the groups with their rank counts by
-    status and their largest lag, and one row per rank."""
+    status, the ranks of their world size with no record (``unreported``) and their largest lag, and one row per rank."""
     from lakestream_iceberg.read.lag import consumer_lags
 
     stream.refresh()
@@ -35,9 +35,13 @@ def lag_report(stream: StreamTable, *, group: str | None, stale_after: float) ->
         mine = [r for r in rows if r.group == name]
         counts = Counter(r.status for r in mine)
         lags = [r.lag_steps for r in mine if r.lag_steps is not None]  # gone ranks have none
-        groups.append({"group": name, "ranks": dict(sorted(counts.items())),
-                       "world_size": max((r.world_size for r in mine if r.status != "gone" and r.world_size), default=None),
-                       "max_lag_steps": max(lags, default=None)})
+        world = max((r.world_size for r in mine if r.status != "gone" and r.world_size), default=None)
+        # ranks of the world size with no record at all: never started (or hung before making their dataset), which
+        # no row of the table shows
+        seen = {r.rank for r in mine if r.status != "gone" and r.world_size == world}
+        unreported = None if world is None else sum(1 for rank in range(world) if rank not in seen)
+        groups.append({"group": name, "ranks": dict(sorted(counts.items())), "world_size": world,
+                       "unreported": unreported, "max_lag_steps": max(lags, default=None)})
     return {"stream": stream.name, "stale_after_reports": stale_after, "groups": groups,
             "positions": [asdict(r) for r in rows]}
 
@@ -64,7 +68,8 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
                           + " (a LakestreamDataset records them when made with group=...)")
         return
     for g in report["groups"]:
-        counts = ", ".join(f"{n} {status}" for status, n in g["ranks"].items())
+        counts = ", ".join([f"{n} {status}" for status, n in g["ranks"].items()]
+                           + ([f"{g['unreported']} never reported"] if g["unreported"] else []))
         out.console.print(f"group {g['group']} on {report['stream']}: world size {g['world_size']}, ranks: {counts}, "
                           f"max lag {g['max_lag_steps'] if g['max_lag_steps'] is not None else '-'} steps")
     rows = []

@@ -336,7 +336,8 @@ def test_lag_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     publish(stream, 1)
     assert main(["lag", "ns.lag", "--group", "run", "--home", str(tmp_path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["groups"] == [{"group": "run", "ranks": {"closed": 2}, "world_size": WORLD, "max_lag_steps": 1}]
+    assert report["groups"] == [{"group": "run", "ranks": {"closed": 2}, "world_size": WORLD, "unreported": 0,
+                                 "max_lag_steps": 1}]
     assert [(p["rank"], p["status"], p["last_step"], p["lag_steps"], p["head_step"]) for p in report["positions"]] == [
         (0, "closed", 4, 1, 5), (1, "closed", 4, 1, 5)]
     assert main(["lag", "ns.lag", "--home", str(tmp_path)]) == 0  # every group, as a table for people
@@ -344,6 +345,13 @@ def test_lag_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert "group run" in human and "closed" in human
     assert main(["lag", "ns.lag", "--group", "other", "--home", str(tmp_path), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["positions"] == []
+    # a rank of a world size of 3 that never made its dataset (hung, or never started) shows in no row: it is counted
+    for rank in (0, 2):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=3, group="wide", report_s=FAST)]
+    assert main(["lag", "ns.lag", "--group", "wide", "--home", str(tmp_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["groups"][0]["unreported"] == 1
+    assert main(["lag", "ns.lag", "--group", "wide", "--home", str(tmp_path)]) == 0
+    assert "2 closed, 1 never reported" in capsys.readouterr().out
 
 
 @pytest.mark.services
