@@ -133,9 +133,10 @@ class CommitError(LakestreamError):
     """A batch could not be published.
 
     Attributes:
-        seq: The producer seq the failed call used, once it had written its batch (else None): a batch the producer
-            numbered itself (``seq=None``) is retried safely only with this seq, since the table numbers a
-            ``seq=None`` retry after the last seq it published, which may be this batch's.
+        seq: The producer seq the failed call used, once it had written its batch (else None). A batch the producer
+            numbered itself (``seq=None``) is retried with this seq, or with ``seq=None`` through the same producer
+            object (its next call takes the same batch for the retry); another producer object, after a restart,
+            numbers a ``seq=None`` batch after the last seq the table shows, which may be this batch's.
     """
 
     seq: int | None = None

@@ -948,6 +948,55 @@ def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(cata
     assert result.duplicate and result.step == int(carried[0]["lakestream.step"])
 
 
+def _fail_after_staging(stream: Stream, producer: Any, shards: list[pa.Table]) -> None:
+    """``producer.commit(shards)`` (seq=None) fails after its batch was staged: a later commit may still carry it."""
+    stage = stream.staging.stage
+
+    def stage_then_fail(**kwargs: Any) -> Any:
+        stage(**kwargs)
+        raise RuntimeError("the host lost its network after staging (the caller cannot tell whether it lands)")
+
+    stream.staging.stage = stage_then_fail  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="lost its network"):
+            producer.commit(shards)
+    finally:
+        del stream.staging.stage
+
+
+def test_4f_the_next_batch_after_a_failed_call_whose_batch_was_published_since_is_published_too(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """A seq=None call failed after staging its batch, and the caller went on to its next batch (a loop that logs a
+    failed commit and moves on); another producer's commit had carried the failed one meanwhile. The next batch was
+    numbered on the producer's old view as the failed call's seq, found published there by the producer's own batch,
+    and answered duplicate=True: never published. A batch other than the failed one is the next seq."""
+    stream = make(catalog, **staging)
+    a, b = both_active(stream)
+    _fail_after_staging(stream, b, batch("b", 2, WORLD))
+    a.commit(batch("a", 2, WORLD))  # carries b's staged batch
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2"]
+    result = b.commit(batch("b", 3, WORLD))
+    assert (result.seq, result.duplicate) == (3, False)
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2", "3"]
+    assert digest(stream.read(result.step, rank=0)) == digest(batch("b", 3, WORLD)[0])
+
+
+def test_4f_a_seq_none_retry_of_a_failed_batch_published_since_is_a_duplicate_whatever_the_producer_read(
+        catalog: SqlCatalog, staging: dict[str, str]) -> None:
+    """The failed call's batch is published (carried by another producer's commit), and the producer reads the table
+    (next_seq) before the caller retries the batch with seq=None: it was numbered after it and published a second
+    time. The same batch again is the failed call's retry: duplicate=True, published once."""
+    stream = make(catalog, **staging)
+    a, b = both_active(stream)
+    _fail_after_staging(stream, b, batch("b", 2, WORLD))
+    a.commit(batch("a", 2, WORLD))  # carries b's staged batch
+    assert b.next_seq == 3
+    result = b.commit(batch("b", 2, WORLD))
+    assert (result.seq, result.duplicate) == (2, True)
+    assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2"]
+    assert b.commit(batch("b", 3, WORLD)).seq == 3  # and the producer goes on after it
+
+
 def test_4f_the_next_explicit_seq_after_a_failed_call_whose_batch_was_carried_since_is_published(
         catalog: SqlCatalog, staging: dict[str, str]) -> None:
     """The producer's call of seq 2 failed after staging, and another producer's commit carried that batch afterwards.

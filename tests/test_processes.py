@@ -220,7 +220,7 @@ def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_pa
     unreachable for the whole commit budget: ``CommitOutcomeUnknownError``, "retry with the same seq". The error did
     not say which seq, and the table numbers a ``seq=None`` retry after the seq that landed, so the natural retry
     published the same batch a second time (steps 2 and 3). The error names the seq (``.seq``), and a retry with it
-    is a duplicate."""
+    is a duplicate; so is a seq=None retry of the same batch through the same producer."""
     import lakestream_iceberg.write.commit as commit_module
     from lakestream_iceberg import CommitOutcomeUnknownError
 
@@ -245,6 +245,14 @@ def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_pa
     retry = producer.commit(batch("p", 1, 2), seq=info.value.seq)
     assert retry.duplicate and (retry.step, retry.seq) == (2, 1)
     assert sorted(published(stream).values()) == [("p", 0), ("p", 1)]
+    # the natural retry, seq=None through the same producer: its next call takes the same batch for the retry
+    catalog.fail_after = 1
+    with pytest.raises(CommitOutcomeUnknownError, match=r"seq 2\b"):
+        producer.commit(batch("p", 2, 2))
+    catalog.down = False
+    again = producer.commit(batch("p", 2, 2))
+    assert again.duplicate and (again.step, again.seq) == (3, 2)
+    assert sorted(published(stream).values()) == [("p", 0), ("p", 1), ("p", 2)]
 
 
 def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_connections_of_its_own(

@@ -120,6 +120,19 @@ class _Checked:
     allow_gap: bool
 
 
+@dataclass(frozen=True)
+class _FailedCall:
+    """A ``commit(seq=None)`` call that raised after writing its batch as ``seq``: the batch may still be published."""
+
+    seq: int
+    shards: list[pa.Table]
+
+    def same(self, shards: list[pa.Table]) -> bool:
+        """Whether ``shards`` is that batch again (equal tables, shard by shard; Arrow compares the values, so a batch
+        rebuilt or sliced anew is the same, whatever its buffers)."""
+        return len(shards) == len(self.shards) and all(a.equals(b) for a, b in zip(shards, self.shards, strict=True))
+
+
 class Producer:
     """Publishes global batches into one branch of a stream. Obtain one with :meth:`lakestream_iceberg.Stream.producer`;
     the constructor's arguments (the stream, the branch, its commit loop, writer and staging area) are internal.
@@ -141,6 +154,7 @@ class Producer:
         self._loop = loop
         self._head = ProducerHead(stream, producer_id=self.producer_id, branch=branch, loop=loop)
         self._peeked_next = 0  # this id's next seq, as the light read that answered its last commit showed it
+        self._failed: _FailedCall | None = None  # the last call, when it was a seq=None call that failed after writing
         self.max_in_flight = check_int(max_in_flight, what="max_in_flight", minimum=1,
                                        hint="the batches a producer may have queued or committing in the background")
         self._lock = threading.RLock()  # held by every commit (caller's or committer thread) and every read of the head
@@ -419,6 +433,17 @@ class Producer:
 
     def _publish_seq(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
         allow_gap = checked.allow_gap and checked.seq is not None  # a batch it numbered never skips: it follows the head
+        numbered_here = seq is None  # commit(seq=None): the table numbers it (a submitted batch has its seq already)
+        failed = self._failed  # kept until a call succeeds, or fails after writing its batch
+        retry = numbered_here and failed is not None and failed.same(checked.shards)
+        if retry and failed is not None:
+            # the call after a seq=None call that failed having written its batch, with that batch again: its retry,
+            # of that seq, whether or not it was published since and whatever this producer's view shows
+            seq = failed.seq
+        elif numbered_here and failed is not None:
+            # another batch: numbered on the head as it is now, so never taken for the failed call's, should that
+            # have been published since the producer's view was read (it would have been answered duplicate=True)
+            self._loop.mark_stale()
         try:
             opened = self._open(seq, allow_gap)
         except SequenceError as exc:  # a submitted batch's seq checked on a head read since a rollback (next_seq)
@@ -426,10 +451,11 @@ class Producer:
                 raise _RolledBack(following) from exc
             raise
         if isinstance(opened, CommitResult):
-            if checked.seq is None and seq is not None:
+            if checked.seq is None and seq is not None and not retry:
                 if self._sent.returned(seq):  # its own batch that a rollback took off the branch is back
                     raise _RolledBack(self._head.next_seq(self._head.state(self._loop.metadata)))
                 raise self._taken(opened)
+            self._failed = None
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
         staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked.shards, whole=checked.whole)
@@ -446,17 +472,20 @@ class Producer:
             raise
         except BaseException as exc:
             self._sent.failed(seq, staged.token)  # staged or sent: it may still be published (see OwnBatches)
+            # its next call tells a retry of this batch from the next batch by comparing them
+            self._failed = _FailedCall(seq, checked.shards) if numbered_here else None
             if isinstance(exc, (CommitTimeoutError, CommitOutcomeUnknownError)) and exc.seq is None:
                 # The caller retries with this seq: one it did not number (seq=None) is known only from here, and a
                 # seq=None retry is numbered after the table's last seq, which may be this very batch's.
                 exc.seq = seq
-                exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq} (a "
-                            "retry with seq=None is numbered after the seq the table shows last, which may be this "
-                            "batch's, and would publish it again)", *exc.args[1:])
+                exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq}, or "
+                            "with seq=None through this producer object (its next call takes the same batch for the "
+                            "retry); another producer object numbers a seq=None batch after the seq the table shows "
+                            "last, which may be this batch's, and would publish it again", *exc.args[1:])
             elif checked.seq is None and not isinstance(exc, LakestreamError) and hasattr(exc, "add_note"):  # 3.11+
                 exc.add_note(f"lakestream: producer {self.producer_id!r} had written this batch as seq {seq}, and it "
-                             f"may still be published: retry it with seq={seq} (a retry with seq=None may be numbered "
-                             "after it, and publish it again)")
+                             f"may still be published: retry it with seq={seq}, or with seq=None through this producer "
+                             "object (another one may number it after that seq, and publish it again)")
             raise
         published = outcome.result
         if outcome.landed:
@@ -470,13 +499,17 @@ class Producer:
             self._staging.remove(published.intents + published.stale)
         elif intent is not None and not (outcome.carried_after is not None and not self._staging.exists(intent.path)):
             self._staging.remove([intent.path])
-        if checked.seq is None and published.duplicate and self._sent.returned(seq):
-            # Its own batch of that seq, published before a rollback, is back (the planner's head): not this batch,
-            # which follows on after it.
+        if checked.seq is None and published.duplicate and (self._sent.returned(seq) or (
+                failed is not None and not retry and seq == failed.seq)):
+            # Its own batch of that seq, published before a rollback, is back (the planner's head), or the failed
+            # call's batch was published while this one, another, was on its way: not this batch, which follows on
+            # after it (on the head read again).
+            self._loop.mark_stale()
             raise _RolledBack(self._head.next_seq(self._head.state(self._loop.metadata)))
         if published.step is not None:
             self._loop.policy.record_published(step=published.step, at=time.monotonic(),
                                                carried_after=None if outcome.landed else outcome.carried_after)
+        self._failed = None
         return CommitResult(step=published.step, snapshot_id=published.snapshot_id, seq=seq, producer=self.producer_id,
                             attempts=outcome.sent if intent is not None else outcome.attempts,
                             duplicate=published.duplicate, rows=staged.rows, bytes=staged.size_bytes,
