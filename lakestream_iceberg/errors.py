@@ -16,7 +16,7 @@ happened and what to do next. pyiceberg's own exceptions are wrapped (``raise ..
     │   ├── SchemaMismatchError
     │   └── SequenceError           a gap in a producer's sequence numbers
     ├── CommitError                 a commit could not be published
-    │   ├── CommitTimeoutError      the retry budget ran out; the batch was NOT published (safe to retry)
+    │   ├── CommitTimeoutError      the retry budget ran out; this call published nothing (retry with the same seq)
     │   ├── CommitOutcomeUnknownError  the catalog failed and the table could not be read back to reconcile
     │   ├── ProducerConflictError   the producer's (id, seq) was published with a batch it did not write
     │   └── ProducerFailedError     a background commit of this producer failed; open a new producer to go on
@@ -143,7 +143,9 @@ class CommitError(LakestreamError):
 
 
 class CommitTimeoutError(CommitError):
-    """The commit loop ran out of attempts or time; the batch was not published and may be committed again."""
+    """The commit loop ran out of attempts or time; this call published nothing. A batch it had staged for group
+    commit is withdrawn, but another producer's group commit that read it before may still publish it: retry with the
+    same seq (``seq``), which is reconciled either way (a duplicate when it landed), never with ``seq=None``."""
 
 
 class CommitOutcomeUnknownError(CommitError):

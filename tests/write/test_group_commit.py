@@ -867,3 +867,69 @@ def test_a_result_says_how_many_batches_the_commit_that_published_it_published(t
     monkeypatch.setattr(CommitPolicy, "leads_queue", False)  # nor a batch that leads the queue: it is the only one
     carried = carried_by(stream, a, b, batch("a", 3, WORLD), batch("b", 3, WORLD), carrier_step=10)
     assert (carried.step, carried.carried, carried.group) == (9, True, 2) and summary_of(stream, 9).group == 2
+
+
+class Gated(SqlCatalog):
+    """A catalog whose stream commits wait, once ``gate`` is set, for ``gate`` to call them through: a committer that has
+    planned (its staged batches read) but not swapped yet."""
+
+    gate = None
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        if self.gate is not None:
+            self.gate()
+        return super().commit_table(table, requirements, updates)
+
+
+def test_a_commit_timeout_does_not_mean_unpublished_when_a_group_commit_had_read_the_batch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``CommitTimeoutError`` withdraws the caller's staged batch, but a group commit of another producer that read the
+    intent before the withdrawal still publishes it after the error was raised (Producer.commit's docstring says so).
+    The error class and the producers guide must not promise "the batch was NOT published": the caller may only retry
+    with the same seq (a duplicate then), never treat the batch as dropped."""
+    props = {PROP_COMMIT_MAX_ATTEMPTS: "2"}
+    root = str(tmp_path)
+    gated_a = Gated("test", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+    gated_b = Gated("test", uri=f"sqlite:///{root}/catalog.db", warehouse=f"file://{root}/warehouse")
+    stream = Stream.create(gated_a, "ns.stream", schema=SCHEMA, world_size=WORLD, properties=props)
+    a, _ = both_active(stream)
+    b = Stream.open(gated_b, "ns.stream").producer("b")
+    monkeypatch.setattr(a, "_contended", lambda: True)  # a stages its batch ...
+    monkeypatch.setattr(b, "_contended", lambda: False)  # ... b commits alone, listing the staged batches
+    b_planned, a_gave_up = threading.Event(), threading.Event()
+
+    def refuse_once_b_planned() -> None:  # A's own swaps: lost, once B is about to publish A's staged batch
+        assert b_planned.wait(60)
+        raise CommitFailedException("injected: the branch moved")
+
+    def hold_until_a_gave_up() -> None:  # B has planned on the staged batches; its swap waits for A's error
+        b_planned.set()
+        assert a_gave_up.wait(60)
+
+    gated_a.gate, gated_b.gate = refuse_once_b_planned, hold_until_a_gave_up
+    errors: list = []
+
+    def commit_a() -> None:
+        try:
+            a.commit(batch("a", 2, WORLD))
+        except CommitTimeoutError as exc:
+            errors.append(exc)
+        finally:
+            a_gave_up.set()
+
+    thread_a = threading.Thread(target=commit_a, daemon=True)
+    thread_a.start()
+    deadline = time.monotonic() + 60
+    while not staged_files(stream):  # A has written and staged its batch
+        assert thread_a.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    from lakestream_iceberg.write.planner import STAGING_SCAN_S
+
+    time.sleep(STAGING_SCAN_S)
+    result_b = b.commit(batch("b", 2, WORLD))
+    thread_a.join(60)
+    assert len(errors) == 1 and "withdrawn" in str(errors[0])  # A was told its commit gave up ...
+    gated_a.gate = gated_b.gate = None
+    assert ("a", 2) in published(stream).values()  # ... yet its batch is published
+    assert result_b.group >= 2
+    assert a.commit(batch("a", 2, WORLD), seq=2).duplicate  # a retry with the same seq is the safe answer
