@@ -512,10 +512,11 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         end_step: Last step to deliver (inclusive). With ``follow=False`` iteration ends at ``min(end_step, head)``,
             the head being read when iteration starts (without workers) or when the dataset was built (the end every
             DataLoader worker uses, so they agree).
-        follow: Wait for steps not yet published (forever unless ``end_step``).
+        follow: Wait for steps not yet published: iteration goes on until ``end_step`` (without it, for good), each
+            wait bounded by ``timeout``.
         branch: The branch to read.
         timeout: Seconds a follow-mode iteration waits for its next step before raising ``ReadTimeoutError``
-            (None: forever).
+            (default 300: producers paused for longer end the loop; None: forever).
         columns: Payload columns to deliver (default: all).
         transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
