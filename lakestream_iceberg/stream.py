@@ -536,11 +536,12 @@ class Stream(StreamTable):
 
         Args:
             branch: The branch whose steps the views show.
-            samples_steps: ``(first, last)``: the steps the ``samples`` view reads (default: all retained steps).
+            samples_steps: ``(first, last)``: the steps the ``samples`` view reads (default: the head step only, since
+                ``samples`` reads data files; pass a range to look further back).
 
         Returns:
-            A DuckDB connection with the views ``batches``, ``files``, ``producers``, ``checkpoints``, ``snapshots``
-            and ``samples``.
+            A DuckDB connection with the views ``batches``, ``files``, ``producers``, ``checkpoints``, ``snapshots``,
+            ``consumers`` and ``samples``.
 
         Raises:
             MissingExtraError: DuckDB is not installed (``pip install 'lakestream-iceberg[duckdb]'``).
