@@ -340,7 +340,7 @@ class Stream(StreamTable):
 
         Args:
             producer_id: A stable id: a restarted producer with the same id continues at its next seq, exactly once.
-            branch: ``main`` or a branch made by :meth:`fork`.
+            branch: A branch of the stream: ``main``, one made by :meth:`fork`, or one another engine made.
             seed: Seed of the pacing policy's jitter (tests and simulations).
             max_in_flight: Batches :meth:`Producer.submit` may keep queued or committing in the background.
 
