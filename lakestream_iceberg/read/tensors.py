@@ -238,8 +238,8 @@ class TensorCollate:
       ``[n + 1]``, row ``i`` is ``col[offsets[i]:offsets[i+1]]``) and ``col_lengths``;
     * binary -> uint8: ``binary="blobs"`` (the default) -> :class:`Blobs`, list-like (``len``, ``blobs[i]``,
       iteration give uint8 tensors) but two tensors whatever the row count, so DataLoader workers hand it over
-      cheaply; ``"list"`` -> a Python list of ``n`` tensors, each a view of one buffer (the default before ``Blobs``:
-      ``blobs.tolist()`` gives the same); ``"padded"`` (with zeros) and ``"packed"`` as for lists;
+      cheaply; ``"list"`` -> a Python list of ``n`` tensors, each a view of one buffer
+      (``blobs.tolist()`` gives the same); ``"padded"`` (with zeros) and ``"packed"`` as for lists;
     * strings and anything else -> Python lists.
 
     A null list or blob counts as empty; a null number (in a column, a list or a fixed-size list) or a null
