@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, default=2, help="trainer-rank processes = world size (default 2)")
     p.add_argument("--steps-per-producer", type=int, default=20, help="batches each producer publishes (default 20)")
 
-    with_stream(add("status", cmd_status, "head step, producers, steps past the newest checkpoint, checkpoints, metadata and storage size"))
+    with_stream(add("status", cmd_status, "head step, producers, consumer groups, steps past the newest checkpoint, "
+                    "checkpoints, metadata and storage size"))
 
     p = with_stream(add("sql", cmd_sql, "run DuckDB SQL over the stream's history views"))
     p.add_argument("query", metavar="SQL",

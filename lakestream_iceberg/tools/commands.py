@@ -79,6 +79,16 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
     except Exception:  # informative only; a FileIO that cannot list
         staged = None
 
+    try:  # the consumer groups whose ranks record positions on this branch; each rank's row: lakestream lag
+        from lakestream_iceberg.read.lag import DEFAULT_STALE_AFTER
+        from lakestream_iceberg.tools.lag import lag_report
+
+        report = lag_report(stream, group=None, stale_after=DEFAULT_STALE_AFTER)
+        on_branch = {p["group"] for p in report["positions"] if p["branch"] == branch}
+        groups: list[dict[str, Any]] | None = [g for g in report["groups"] if g["group"] in on_branch]
+    except Exception:  # informative only: positions that cannot be listed (lakestream lag says why)
+        groups = None
+
     def total(key: str) -> int | None:  # the engines' totals: informative, one no engine reads (" 5") shows as null
         return parse_int(summary.get(key), minimum=0)
 
@@ -99,6 +109,7 @@ def status_dict(stream: Stream, branch: str) -> dict[str, Any]:
         "consumer_lag": None if newest is None else state.step - newest,
         "consumer_lag_basis": f"head step - newest checkpoint step on {branch}" if newest is not None
         else f"unknown (no checkpoint on {branch})",
+        "consumer_groups": groups,
         "checkpoints": checkpoints,
         "branches": branches(metadata),  # main too before its first step, as every command counts it
         "snapshots_retained": len(metadata.snapshots),
@@ -136,8 +147,8 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         ("location", status["location"]), ("world size", f"{status['world_size']} ({status['layout']} layout)"),
         ("branch", f"{status['branch']} (branches: {', '.join(status['branches']) or '-'})"),
         ("head step", status["head_step"]), ("last commit", status["last_commit_at"]),
-        ("consumer lag", f"{status['consumer_lag']} steps ({status['consumer_lag_basis']})"
-                         if status["consumer_lag"] is not None else status["consumer_lag_basis"]),
+        ("past checkpoint", f"{status['consumer_lag']} steps ({status['consumer_lag_basis']})"
+                            if status["consumer_lag"] is not None else status["consumer_lag_basis"]),
         ("steps collected below", status["collected_below"]),
         ("staged batches", ("-" if status["staged_batches"] is None else str(status["staged_batches"]))
          + f" (intents kept in the {status['staging']})"),
@@ -147,6 +158,10 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
                     f"{storage['records'] or 0:,} samples"),
     ], title=f"stream {status['stream']}")
     out.table(status["producers"], title="producers", columns=["producer", "last_seq", "last_step", "lag"])
+    if status["consumer_groups"] is not None:  # the ranks' recorded positions (lakestream lag: one row per rank)
+        out.table([{**g, "ranks": ", ".join(f"{n} {what}" for what, n in g["ranks"].items())}
+                   for g in status["consumer_groups"]], title="consumer groups (lakestream lag --group: each rank)",
+                  columns=["group", "world_size", "ranks", "unreported", "max_lag_steps"])
     out.table([plain(c) for c in status["checkpoints"]], title="checkpoints",
               columns=["name", "branch", "step", "snapshot_id", "created_at"])
     out.table([{**p, "value": p["value"] if p["set"] else f"({p['value']})", "live change": p["live_short"]}

@@ -352,6 +352,12 @@ def test_lag_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert json.loads(capsys.readouterr().out)["groups"][0]["unreported"] == 1
     assert main(["lag", "ns.lag", "--group", "wide", "--home", str(tmp_path)]) == 0
     assert "2 closed, 1 never reported" in capsys.readouterr().out
+    # lakestream status lists the groups of its branch with their largest lag
+    assert main(["status", "ns.lag", "--home", str(tmp_path), "--json"]) == 0
+    groups = {g["group"]: g for g in json.loads(capsys.readouterr().out)["consumer_groups"]}
+    assert (groups["run"]["max_lag_steps"], groups["wide"]["unreported"]) == (1, 1)
+    assert main(["status", "ns.lag", "--home", str(tmp_path)]) == 0
+    assert "consumer groups" in capsys.readouterr().out
 
 
 @pytest.mark.services
