@@ -87,18 +87,25 @@ def stop_on_shutdown(stop: threading.Event) -> ShutdownWatch | None:
 _warned: list[bool] = []  # whether this process warned of persistent workers in follow mode
 
 
+# the modules whose ``_worker_loop`` runs a DataLoader worker: torch's, and torchdata's StatefulDataLoader's (a copy of
+# torch's loop with the same arguments, and the loader docs/guide/training.md names for resuming with workers)
+_WORKER_MODULES = ("torch.utils.data._utils.worker", "torchdata.stateful_dataloader.worker")
+
+
 def _worker_arguments() -> dict[str, Any]:
     """The arguments of torch's ``_worker_loop`` that this process runs (``done_event``, ``persistent_workers``,
-    ``worker_id``, ...), or ``{}`` (not a DataLoader worker, or a torch whose worker loop changed).
+    ``worker_id``, ...), or ``{}`` (not a DataLoader worker, or a torch whose worker loop changed). torchdata's
+    ``StatefulDataLoader`` runs a worker loop of its own with the same arguments: its workers are recognised too.
 
     Read from the worker process's own target and arguments (``multiprocessing.current_process()``), with fork, spawn
     and forkserver alike. Not from the worker loop's frame: on Python before 3.13 reading a frame's ``f_locals`` keeps a
     copy of its locals on the frame, which would keep the previous epoch's iteration alive into the next one."""
-    worker = sys.modules.get("torch.utils.data._utils.worker")
     process: Any = multiprocessing.current_process()
-    if worker is None or getattr(process, "_target", None) is not getattr(worker, "_worker_loop", None):
+    target = getattr(process, "_target", None)
+    loops = [getattr(sys.modules.get(name), "_worker_loop", None) for name in _WORKER_MODULES]
+    if target is None or not any(target is loop for loop in loops):
         return {}
     try:
-        return dict(inspect.signature(worker._worker_loop).bind(*process._args, **process._kwargs).arguments)
+        return dict(inspect.signature(target).bind(*process._args, **process._kwargs).arguments)
     except (TypeError, ValueError, AttributeError):
         return {}

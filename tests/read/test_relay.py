@@ -264,6 +264,35 @@ def test_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early
     assert terminated == [] and [w.exitcode for w in workers] == [0, 0]
 
 
+def test_stateful_dataloader_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchdata's StatefulDataLoader (what docs/guide/training.md names for resuming with workers) runs a worker loop
+    of its own: its shutdown reached no waiting worker, which was terminated after 5 s each (and a worker whose training
+    process died followed the stream until its timeout, forever without one)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    import multiprocessing.process
+
+    import torch.utils.data._utils as torch_utils
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 60.0)  # as above: a termination means not noticed
+    terminated: list[int | None] = []
+    terminate = multiprocessing.process.BaseProcess.terminate
+
+    def recorded(process: multiprocessing.process.BaseProcess) -> None:
+        terminated.append(process.pid)
+        terminate(process)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", recorded)
+    stream = make_stream(tmp_path, steps=2)
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True)  # follows forever
+    loader = iter(StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    assert [next(loader)["step"], next(loader)["step"]] == [1, 2]  # then both workers wait for steps 3 and 4
+    workers = list(loader._workers)
+    loader._shutdown_workers()
+    assert terminated == [] and [w.exitcode for w in workers] == [0, 0]
+
+
 @pytest.mark.parametrize("persistent", [True, False])
 def test_follow_mode_under_persistent_workers_warns_once(tmp_path: Path, persistent: bool) -> None:
     """DataLoader restarts persistent workers between items only, so after a break a follow-mode worker holds the next
