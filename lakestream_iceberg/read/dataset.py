@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -65,7 +66,7 @@ from lakestream_iceberg.read.relay_client import follower, head_reader
 from lakestream_iceberg.read.resume import LoadedState, check_resumable, delivered_on_both, still_holds
 from lakestream_iceberg.read.stream_ref import StreamRef, forked_view
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
-from lakestream_iceberg.read.worker_exit import stop_on_shutdown
+from lakestream_iceberg.read.worker_exit import batched_by_default_collate, stop_on_shutdown
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
@@ -344,6 +345,13 @@ class _DatasetCore:
         torch = require_torch()
         info = torch.utils.data.get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        if batched_by_default_collate(caller=sys._getframe(1)):
+            # DataLoader's default batch_size=1 (or any N) stacks N steps: every tensor got a leading dimension of N,
+            # "step" a tensor, and Blobs raised a TypeError naming no fix; N > 1 with workers merged steps w, w + k, ...
+            raise ConfigError(
+                "LakestreamDataset items are batches already (this rank's shard of one step): iterate it with "
+                "DataLoader(dataset, batch_size=None). DataLoader's batch_size (1 unless given) makes torch's "
+                "default_collate stack that many steps into one item; to combine steps on purpose, pass a collate_fn")
         if info is not None:
             _freeze_inherited()
         stream = self._stream_here()

@@ -109,3 +109,23 @@ def _worker_arguments() -> dict[str, Any]:
         return dict(inspect.signature(target).bind(*process._args, **process._kwargs).arguments)
     except (TypeError, ValueError, AttributeError):
         return {}
+
+
+def batched_by_default_collate(*, caller: Any = None) -> bool:
+    """Whether the DataLoader iterating the dataset batches its items with torch's ``default_collate``
+    (``batch_size`` not None, no ``collate_fn`` of the user's): in a worker from the worker loop's arguments, in the
+    training process from the fetcher whose ``__init__`` is ``caller`` (the frame that called ``iter(dataset)``; its
+    locals are read only when it is that fetcher's, which returns at once). False wherever neither tells."""
+    collate = sys.modules.get("torch.utils.data._utils.collate")
+    default = getattr(collate, "default_collate", None)
+    if default is None:
+        return False
+    arguments = _worker_arguments()
+    if arguments:
+        return bool(arguments.get("auto_collation")) and arguments.get("collate_fn") is default
+    fetcher_class = getattr(sys.modules.get("torch.utils.data._utils.fetch"), "_IterableDatasetFetcher", None)
+    init = getattr(getattr(fetcher_class, "__init__", None), "__code__", None)
+    if caller is None or init is None or caller.f_code is not init:
+        return False
+    fetcher = caller.f_locals.get("self")
+    return bool(getattr(fetcher, "auto_collation", False)) and getattr(fetcher, "collate_fn", None) is default

@@ -168,6 +168,27 @@ def test_order_and_exactly_once_across_ranks_and_fork_workers(tmp_path: Path, nu
         check_items(items, world=2, rank=rank, steps=list(range(1, 8)))
 
 
+@pytest.mark.parametrize(("num_workers", "batch_size"), [(0, 1), (0, 2), (2, 1), (2, 2)])
+def test_a_loader_that_batches_steps_with_the_default_collate_is_refused(tmp_path: Path, num_workers: int,
+                                                                         batch_size: int) -> None:
+    """An item is a batch already: DataLoader's default batch_size=1 stacked each item into a batch of one (a leading
+    dimension on every tensor, ``step`` a tensor) and raised torch's TypeError on Blobs naming no fix; batch_size=2
+    stacked two steps (with workers, steps w and w + k of one worker). Refused, saying batch_size=None; a collate_fn of
+    the user's still combines steps as it likes."""
+    stream = make_stream(tmp_path, steps=4)
+    kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match="batch_size=None"):
+        list(DataLoader(ds, batch_size=batch_size, num_workers=num_workers, **kwargs))
+    numbers = LakestreamDataset(stream, rank=0, world_size=2, columns=["x", "f"])  # no Blobs: stacked silently before
+    with pytest.raises(ConfigError, match="batch_size=None"):
+        list(DataLoader(numbers, batch_size=batch_size, num_workers=num_workers, **kwargs))
+    pairs = list(DataLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=lambda items: [it["step"] for it in items],
+                            **kwargs))
+    assert sorted(step for pair in pairs for step in pair) == [1, 2, 3, 4]
+    assert [it["step"] for it in DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs)] == [1, 2, 3, 4]
+
+
 def test_fork_workers_take_their_inherited_objects_out_of_the_collectors_sight(tmp_path: Path) -> None:
     """A worker's first full collection would walk the whole heap it inherited (a stall of every thread of the worker,
     the head relay's too when it serves it): the worker freezes what it started with; the training process is left
