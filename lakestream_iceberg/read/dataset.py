@@ -360,10 +360,17 @@ class _DatasetCore:
         return self._iterate(stream, worker_id, num_workers, in_worker=info is not None)
 
     def _iterate(self, stream: StreamTable, worker_id: int, num_workers: int, *, in_worker: bool = False) -> Iterator[Any]:
-        handoff = in_worker and supported()
+        # the loaded state goes to this iteration when it is made (iter()), not at its first item: an iterator dropped
+        # unstarted (StatefulDataLoader's, resuming a state saved at the end of an epoch) left it to the next one,
+        # whose epoch then started past the last step and delivered nothing
         first = self._loaded.first(worker_id, num_workers, start_step=self.start_step, in_worker=in_worker)
-        self._stop.clear()
         self._position = {"next_step": first, "worker_id": worker_id, "num_workers": num_workers}
+        return self._steps(stream, worker_id, num_workers, first, in_worker=in_worker)
+
+    def _steps(self, stream: StreamTable, worker_id: int, num_workers: int, first: int, *,
+               in_worker: bool = False) -> Iterator[Any]:
+        handoff = in_worker and supported()
+        self._stop.clear()
         io = stream.io
         watcher, files_of = follower(stream, ref=self._ref, branch=self.branch, relay=self.relay and self.follow,
                                      poll_s=self.poll_s, max_poll_s=self.max_poll_s,

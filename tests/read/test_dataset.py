@@ -345,6 +345,50 @@ def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> No
         list(mismatched)
 
 
+def test_a_loaded_state_goes_to_the_iteration_iter_makes_even_one_dropped_before_its_first_item(tmp_path: Path) -> None:
+    """"A loaded state resumes the next iteration only": the one iter() makes. It went to the first iteration to deliver
+    an item instead, so an iterator made and dropped unstarted (StatefulDataLoader's, below) left it to the next one."""
+    stream = make_stream(tmp_path, steps=6)
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    ds.load_state_dict({"next_step": 7})  # saved after the epoch's last step
+    dropped = iter(DataLoader(ds, batch_size=None))
+    assert ds.state_dict()["next_step"] == 7  # the iteration made resumes there
+    del dropped
+    assert [it["step"] for it in DataLoader(ds, batch_size=None)] == [1, 2, 3, 4, 5, 6]
+    assert [it["step"] for it in ds] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_resuming_a_state_saved_at_the_end_of_an_epoch_delivers_the_next_epoch(
+        tmp_path: Path, num_workers: int) -> None:
+    """torchdata's StatefulDataLoader (docs/guide/training.md), given a state saved once an epoch ended, makes an
+    iterator that loads the dataset's state and drops it unstarted, then starts a fresh epoch. Without workers that
+    epoch resumed past the last step: a job checkpointed at the end of an epoch lost its next epoch whole (with workers
+    it was delivered)."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    stream = make_stream(tmp_path, steps=6)
+    kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
+
+    def loader() -> StatefulDataLoader:
+        return StatefulDataLoader(LakestreamDataset(stream, rank=0, world_size=2), batch_size=None,
+                                  num_workers=num_workers, **kwargs)
+
+    first = loader()
+    assert [it["step"] for it in first] == [1, 2, 3, 4, 5, 6]
+    state = pickle.loads(pickle.dumps(first.state_dict()))
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert [[it["step"] for it in resumed] for _ in range(2)] == [[1, 2, 3, 4, 5, 6]] * 2
+    middle = loader()  # and a state saved mid-epoch resumes that epoch, then whole ones
+    assert [next(iter(middle))["step"] for _ in range(1)] == [1]
+    state = middle.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert [[it["step"] for it in resumed] for _ in range(2)] == [[2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]
+
+
 def test_from_checkpoint_starts_after_it(tmp_path: Path) -> None:
     stream = make_stream(tmp_path, steps=6)
     stream.checkpoint("ckpt-a", step=4)
