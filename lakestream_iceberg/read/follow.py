@@ -230,6 +230,8 @@ class HeadWatcher:
         max_poll_s: float = 0.5,
     ) -> tuple[int, Snapshot | None] | None:
         """Block until ``step`` is published; return ``(head step, head snapshot)``, or None when ``stop`` was set.
+        ``timeout`` runs from the start, and again from each step published meanwhile (``step`` may be several steps
+        ahead: a DataLoader worker's next).
 
         Polls on the :class:`ArrivalClock` schedule: every ``poll_s`` from shortly before the next step is due while
         steps arrive steadily, else exponential backoff from ``poll_s`` to ``max_poll_s``; catalog errors are retried
@@ -240,6 +242,7 @@ class HeadWatcher:
             ReadError: The branch was dropped, or replaced by a tag, while it was followed.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        seen = self.head()[0]  # a step published meanwhile restarts the timeout (see below)
         delay = poll_s
         error: BaseException | None = None
         while True:
@@ -259,6 +262,10 @@ class HeadWatcher:
             head = self.head()
             if head[0] >= step:
                 return head
+            if timeout is not None and head[0] > seen:
+                # the producers are publishing: a DataLoader worker (every k-th step) waits for k steps at a time, and
+                # its timeout, "seconds without a new step", timed out a steady stream slower than timeout / k
+                seen, deadline = head[0], time.monotonic() + timeout
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 raise ReadTimeoutError(

@@ -111,13 +111,17 @@ class RelayWatcher:
 
     def wait(self, step: int, *, timeout: float | None, stop: threading.Event, poll_s: float = 0.02,
              max_poll_s: float = 0.5) -> tuple[int, int | None] | None:
-        """Block until ``step`` is published (the relay wakes this reader); None when ``stop`` was set.
+        """Block until ``step`` is published (the relay wakes this reader); None when ``stop`` was set. ``timeout``
+        runs from the start, and again from each step published meanwhile (as :meth:`HeadWatcher.wait`).
 
         Raises:
             ReadTimeoutError: ``timeout`` seconds passed first (``None`` waits forever).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        seen = self._head[0]
         while not stop.is_set():
+            if timeout is not None and self._head[0] > seen:  # a step published meanwhile: as HeadWatcher.wait
+                seen, deadline = self._head[0], time.monotonic() + timeout
             remaining = None if deadline is None else deadline - time.monotonic()
             if remaining is not None and remaining <= 0:
                 if self._failures:

@@ -487,6 +487,29 @@ def test_follow_mode_in_workers_with_a_live_producer_thread(tmp_path: Path) -> N
     check_items(items, world=2, rank=0, steps=[1, 2, 3, 4, 5, 6])
 
 
+@pytest.mark.parametrize("relay", [True, False])
+def test_a_worker_times_out_only_when_no_step_is_published_for_timeout_seconds(tmp_path: Path, relay: bool) -> None:
+    """docs/guide/training.md: ReadTimeoutError "after timeout seconds without a new step". A DataLoader worker reads
+    every k-th step, so it waits for k steps at a time: a steady stream publishing a step every 3 s timed out workers
+    of 2 whose timeout was 5 s."""
+    stream = make_stream(tmp_path, steps=2)
+    producer = stream.producer("slow")
+
+    def produce() -> None:
+        for step in range(3, 6):
+            time.sleep(3.0)
+            producer.commit([shard(step, r) for r in range(2)])
+
+    ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=5, timeout=5, relay=relay)
+    thread = threading.Thread(target=produce)
+    thread.start()
+    try:
+        items = list(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
+    finally:
+        thread.join()
+    check_items(items, world=2, rank=0, steps=[1, 2, 3, 4, 5])
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stalled_producer_does_not_hang_past_timeout(tmp_path: Path, num_workers: int) -> None:
     stream = make_stream(tmp_path, steps=2)
