@@ -530,8 +530,9 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         follow: Wait for steps not yet published: iteration goes on until ``end_step`` (without it, for good), each
             wait bounded by ``timeout``.
         branch: The branch to read.
-        timeout: Seconds a follow-mode iteration waits for its next step before raising ``ReadTimeoutError``
-            (default 300: producers paused for longer end the loop; None: forever).
+        timeout: Seconds a follow-mode iteration waits for its next step with no step published before raising
+            ``ReadTimeoutError`` (default 300: producers paused for longer end the loop; None: forever); a DataLoader
+            worker's next step is ``num_workers`` ahead.
         columns: Payload columns to deliver (default: all).
         transform: ``item -> item``, applied after ``collate``, in a prefetch thread.
         collate: ``StepShard -> item``; default :class:`TensorCollate` (padding and packing documented there).
