@@ -948,8 +948,8 @@ def test_4f_a_retry_of_a_failed_call_carried_meanwhile_is_still_a_duplicate(cata
     assert result.duplicate and result.step == int(carried[0]["lakestream.step"])
 
 
-def _fail_after_staging(stream: Stream, producer: Any, shards: list[pa.Table]) -> None:
-    """``producer.commit(shards)`` (seq=None) fails after its batch was staged: a later commit may still carry it."""
+def _fail_after_staging(stream: Stream, producer: Any, shards: list[pa.Table], **kwargs: Any) -> None:
+    """``producer.commit(shards, **kwargs)`` fails after its batch was staged: a later commit may still carry it."""
     stage = stream.staging.stage
 
     def stage_then_fail(**kwargs: Any) -> Any:
@@ -959,7 +959,7 @@ def _fail_after_staging(stream: Stream, producer: Any, shards: list[pa.Table]) -
     stream.staging.stage = stage_then_fail  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="lost its network"):
-            producer.commit(shards)
+            producer.commit(shards, **kwargs)
     finally:
         del stream.staging.stage
 
@@ -1005,18 +1005,7 @@ def test_4f_the_next_explicit_seq_after_a_failed_call_whose_batch_was_carried_si
     of seq 2 is a duplicate). The gap is checked on the head before it is refused."""
     stream = make(catalog, **staging)
     a, b = both_active(stream)
-    stage = stream.staging.stage
-
-    def stage_then_fail(**kwargs: Any) -> Any:
-        stage(**kwargs)
-        raise RuntimeError("the host lost its network after staging (the caller cannot tell whether it lands)")
-
-    stream.staging.stage = stage_then_fail  # type: ignore[method-assign]
-    try:
-        with pytest.raises(RuntimeError, match="lost its network"):
-            b.commit(batch("b", 2, WORLD), seq=2)
-    finally:
-        del stream.staging.stage
+    _fail_after_staging(stream, b, batch("b", 2, WORLD), seq=2)
     a.commit(batch("a", 2, WORLD))  # carries b's staged seq 2
     assert [s["lakestream.seq"] for s in published_by(stream, "b")] == ["0", "1", "2"]
     result = b.commit(batch("b", 3, WORLD), seq=3)

@@ -234,18 +234,14 @@ def test_forked_workers_open_a_catalog_connection_only_to_serve_the_relay(tmp_pa
     assert sorted(opened.values())[1] <= 2  # the holder: its polls and its LISTEN
 
 
-@pytest.mark.parametrize("relay", [True, False])
-def test_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early(
-        tmp_path: Path, relay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A loop that breaks out while its workers wait for unpublished steps: DataLoader's shutdown reaches the waits
-    (read/worker_exit.py), and every worker exits by itself instead of being terminated after its join timeout."""
+def _recorded_terminations(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """The pids of the DataLoader workers terminated from now on. DataLoader joins each worker for
+    ``MP_STATUS_CHECK_INTERVAL``, then terminates the ones still alive (they exit 0 either way): set to 60 s, long enough
+    for any machine, so a termination means the worker never noticed the shutdown."""
     import multiprocessing.process
 
     import torch.utils.data._utils as torch_utils
-    from torch.utils.data import DataLoader
 
-    # DataLoader joins each worker this long, then terminates the ones still alive (they exit 0 either way): long
-    # enough for any machine, so a termination means the worker never noticed the shutdown.
     monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 60.0)
     terminated: list[int | None] = []
     terminate = multiprocessing.process.BaseProcess.terminate
@@ -255,6 +251,17 @@ def test_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early
         terminate(process)
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", recorded)
+    return terminated
+
+
+@pytest.mark.parametrize("relay", [True, False])
+def test_workers_waiting_for_a_step_exit_by_themselves_when_the_loop_stops_early(
+        tmp_path: Path, relay: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A loop that breaks out while its workers wait for unpublished steps: DataLoader's shutdown reaches the waits
+    (read/worker_exit.py), and every worker exits by itself instead of being terminated after its join timeout."""
+    from torch.utils.data import DataLoader
+
+    terminated = _recorded_terminations(monkeypatch)
     stream = make_stream(tmp_path, steps=2)
     ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, relay=relay)  # follows forever
     loader = iter(DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
@@ -270,20 +277,9 @@ def test_stateful_dataloader_workers_waiting_for_a_step_exit_by_themselves_when_
     of its own: its shutdown reached no waiting worker, which was terminated after 5 s each (and a worker whose training
     process died followed the stream until its timeout, forever without one)."""
     pytest.importorskip("torchdata.stateful_dataloader")
-    import multiprocessing.process
-
-    import torch.utils.data._utils as torch_utils
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    monkeypatch.setattr(torch_utils, "MP_STATUS_CHECK_INTERVAL", 60.0)  # as above: a termination means not noticed
-    terminated: list[int | None] = []
-    terminate = multiprocessing.process.BaseProcess.terminate
-
-    def recorded(process: multiprocessing.process.BaseProcess) -> None:
-        terminated.append(process.pid)
-        terminate(process)
-
-    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", recorded)
+    terminated = _recorded_terminations(monkeypatch)
     stream = make_stream(tmp_path, steps=2)
     ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True)  # follows forever
     loader = iter(StatefulDataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork"))
