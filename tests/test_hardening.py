@@ -829,6 +829,12 @@ def test_4f_a_replay_on_a_fork_whose_snapshot_expired_is_answered_with_the_forks
         b.commit(batch("b", seq, WORLD))
     stream.fork(stream.checkpoint("c", step=3), branch="f")
     made = stream.producer("b", branch="f")  # made before the fork's batches below: they are another writer's to it
+    # a file's modification time comes from the kernel's coarse clock, up to a tick behind time.time(): a batch written
+    # within that tick of the producer's making passes for an earlier incarnation's; the fork's batches come later
+    probe = local(stream.table.metadata.location) / "after-made"
+    while probe.touch() or probe.stat().st_mtime <= made._sent.made_at:
+        pass
+    probe.unlink()
     first = stream.producer("b", branch="f")
     steps = [first.commit(batch("f", seq, WORLD)).step for seq in range(60)]  # expires the fork's early snapshots
     restarted = stream.producer("b", branch="f")
