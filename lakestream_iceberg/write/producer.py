@@ -475,8 +475,9 @@ class Producer:
             # its next call tells a retry of this batch from the next batch by comparing them
             self._failed = _FailedCall(seq, checked.shards) if numbered_here else None
             if isinstance(exc, (CommitTimeoutError, CommitOutcomeUnknownError)) and exc.seq is None:
-                # The caller retries with this seq: one it did not number (seq=None) is known only from here, and a
-                # seq=None retry is numbered after the table's last seq, which may be this very batch's.
+                # The caller retries with this seq: one it did not number (seq=None) is known only from here, and
+                # another producer object (after a restart) numbers a seq=None retry after the table's last seq,
+                # which may be this very batch's.
                 exc.seq = seq
                 exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq}, or "
                             "with seq=None through this producer object (its next call takes the same batch for the "
