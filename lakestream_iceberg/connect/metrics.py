@@ -16,7 +16,8 @@ application's choice (``prometheus_client.start_http_server(9100)``, or a push g
                                                        (``stream``, ``branch``), counted when scraped
 ``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``stream``, ``group``, ``rank``);
                                                        before its first, the step before it (0 from step 1)
-``lakestream_consumer_steps_behind_head``    gauge     head step minus that step, at the last report
+``lakestream_consumer_steps_behind_head``    gauge     head step minus that step, at the last report; removed when the
+                                                       rank's iteration ends
 ``lakestream_consumer_steps_total``          counter   steps delivered
 ``lakestream_consumer_data_wait_seconds_total`` counter time the training loop waited for data
 ``lakestream_consumer_read_bytes_total``     counter   bytes of data files fetched
@@ -166,35 +167,72 @@ def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None
 
 
 class ConsumerMetrics:
-    """One consumer rank's metric children (see the module docstring); made by :func:`consumer_metrics`."""
+    """One consumer rank's metric children (see the module docstring); made by :func:`consumer_metrics`.
 
-    def __init__(self, families: _Families, *, stream: str, group: str, rank: int) -> None:
+    ``gauges=False``: the counters alone (a process that fetches data for a rank whose position another process
+    records: a DataLoader worker), which shows no gauge of its own for the rank."""
+
+    def __init__(self, families: _Families, *, stream: str, group: str, rank: int, gauges: bool = True) -> None:
         labels = (stream, group, str(rank))
-        self._last = families.last_step.labels(*labels)
-        self._behind = families.behind.labels(*labels)
+        self._families, self._labels = families, labels
         self._steps = families.steps.labels(*labels)
         self._wait = families.wait.labels(*labels)
         self._read = families.read.labels(*labels)
+        self._last = self._behind = None
+        self._released = not gauges
+        if gauges:
+            with _lock:
+                key = (id(families.registry), labels)
+                _reporting[key] = _reporting.get(key, 0) + 1
+            self._last = families.last_step.labels(*labels)
+            self._behind = families.behind.labels(*labels)
 
     def delivered(self, *, step: int, wait_s: float) -> None:
-        self._last.set(step)
+        if self._last is not None:
+            self._last.set(step)
         self._steps.inc()
         if wait_s > 0:
             self._wait.inc(wait_s)
 
     def starts_after(self, step: int) -> None:
         """Before its first step a rank stands at the step before its first (0: none)."""
-        self._last.set(step)
+        if self._last is not None:
+            self._last.set(step)
 
     def read(self, nbytes: int) -> None:
         if nbytes > 0:
             self._read.inc(nbytes)
 
     def behind(self, steps: int) -> None:
-        self._behind.set(max(0, steps))
+        if self._behind is not None:
+            self._behind.set(max(0, steps))
+
+    def release(self) -> None:
+        """The rank stopped reporting here (its iteration ended or was closed): its steps-behind gauge is removed once
+        no other reporter of this process has the same labels, since nothing refreshes it any more while the head moves
+        on (a frozen lag is a false one). The last step and the counters stay: facts of what the rank did. Idempotent;
+        a later update of this object's gauges goes nowhere."""
+        with _lock:
+            if self._released:
+                return
+            self._released = True
+            key = (id(self._families.registry), self._labels)
+            left = _reporting.get(key, 1) - 1
+            if left > 0:
+                _reporting[key] = left
+                return
+            _reporting.pop(key, None)
+            try:
+                self._families.behind.remove(*self._labels)
+            except KeyError:  # never set, or removed already
+                pass
 
 
-def consumer_metrics(*, stream: str, group: str, rank: int) -> ConsumerMetrics | None:
-    """The metrics of one consumer rank, or None without the extra."""
+_reporting: dict[tuple[int, tuple[str, str, str]], int] = {}  # (id(registry), labels) -> unreleased ConsumerMetrics
+
+
+def consumer_metrics(*, stream: str, group: str, rank: int, gauges: bool = True) -> ConsumerMetrics | None:
+    """The metrics of one consumer rank, or None without the extra (``gauges``: see :class:`ConsumerMetrics`)."""
     families = _families_now()
-    return None if families is None else ConsumerMetrics(families, stream=stream, group=group, rank=rank)
+    return None if families is None else ConsumerMetrics(families, stream=stream, group=group, rank=rank,
+                                                         gauges=gauges)

@@ -144,6 +144,8 @@ class PositionReporter:
             if self._thread is not threading.current_thread():
                 self._thread.join(timeout=min(max(1.0, 2 * self._doc.report_s), threading.TIMEOUT_MAX))
             self._report(closed=closed)
+            if self._metrics is not None:  # nothing refreshes the steps-behind gauge from now on
+                self._metrics.release()
 
     def _run(self) -> None:
         self._report(closed=False)  # the rank shows up at once, before its first step
@@ -335,7 +337,8 @@ class RankPositions:
             reporter.read(nbytes)
             return
         if self._metrics is None or self._metrics[0] != os.getpid():
-            self._metrics = (os.getpid(), consumer_metrics(stream=name, group=self.group, rank=self.rank))
+            self._metrics = (os.getpid(), consumer_metrics(stream=name, group=self.group, rank=self.rank,
+                                                               gauges=False))
         if self._metrics[1] is not None:
             self._metrics[1].read(nbytes)
 

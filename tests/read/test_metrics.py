@@ -75,17 +75,24 @@ def test_a_trainer_rank_is_measured(stream: Stream, registry: object) -> None:
     pytest.importorskip("torch")
     from lakestream_iceberg.read.dataset import LakestreamDataset
     from lakestream_iceberg.read.lag import consumer_lags
+    from tests.support import until
 
     producer = stream.producer("prep-0")
     for seq in range(4):
         producer.commit(batch("prep-0", seq, WORLD), seq=seq)
     ds = LakestreamDataset(stream, rank=1, world_size=WORLD, group="run", report_s=0.05)
-    assert [item["step"] for item in ds] == [1, 2, 3, 4]
     labels = {"stream": stream.name, "group": "run", "rank": "1"}
     value = registry.get_sample_value
+    steps = []
+    for item in ds:
+        steps.append(item["step"])
+        if steps[-1] == 2:  # head 4; refreshed at each report (every 0.05 s)
+            until(lambda: value("lakestream_consumer_steps_behind_head", labels) == 2, "the gauge at 2 steps behind")
+    assert steps == [1, 2, 3, 4]
     assert value("lakestream_consumer_steps_total", labels) == 4
     assert value("lakestream_consumer_last_step", labels) == 4
-    assert value("lakestream_consumer_steps_behind_head", labels) == 0
+    # the iteration ended: nothing refreshes the lag any more, and a frozen one would be false once the head moves on
+    assert value("lakestream_consumer_steps_behind_head", labels) is None
     assert value("lakestream_consumer_data_wait_seconds_total", labels) >= 0
     position = consumer_lags(stream.refresh(), group="run")[0]
     assert value("lakestream_consumer_read_bytes_total", labels) == position.read_bytes > 0
@@ -133,6 +140,50 @@ def test_a_rank_that_delivered_nothing_yet_is_measured_where_its_position_says_i
             gate.clear()
     finally:
         gate.set()
+
+
+def test_a_ranks_lag_gauge_goes_with_its_last_reporter_in_the_process(stream: Stream, registry: object) -> None:
+    """The steps-behind gauge stayed at its last value once a rank's iteration ended (an epoch's end, an elastic
+    resize giving the process another rank), while the head moved on: a lag that was no longer true. It goes when the
+    last reporter of its labels in the process closes; the last step and the counters stay."""
+    from lakestream_iceberg.connect.positions import PositionStore
+    from lakestream_iceberg.read.consumer import PositionReporter
+    from tests.support import until
+
+    store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+    head = [5]
+
+    def reporter() -> PositionReporter:
+        return PositionReporter(store=store, group="run", rank=0, world_size=WORLD, branch="main", name=stream.name,
+                                stream=str(stream.table.metadata.table_uuid), report_s=0.05, workers=0,
+                                source="iterator", head=lambda: head[0])
+
+    labels = {"stream": stream.name, "group": "run", "rank": "0"}
+
+    def behind() -> float | None:
+        return registry.get_sample_value("lakestream_consumer_steps_behind_head", labels)
+
+    first, second = reporter(), reporter()  # e.g. two iterations of one dataset at once
+    first.delivered(2, wait_s=0.0)
+    until(lambda: behind() == 3, "the gauge at 3 steps behind")
+    first.close()
+    second.delivered(1, wait_s=0.0)
+    head[0] = 7  # the head moves on: the second reporter still refreshes the gauge
+    until(lambda: behind() == 6, "the gauge of the reporter left, at 6 steps behind")
+    second.close()
+    assert behind() is None
+    assert registry.get_sample_value("lakestream_consumer_last_step", labels) == 1
+    assert registry.get_sample_value("lakestream_consumer_steps_total", labels) == 2
+    first.close()  # again, and after the second: nothing comes back
+    assert behind() is None
+    again = reporter()  # the rank's next iteration shows it again
+    until(lambda: behind() == 7, "the next iteration's gauge")
+    again.close()
+    assert behind() is None
+    reads = metrics.consumer_metrics(stream=stream.name, group="run", rank=1, gauges=False)  # a DataLoader worker's
+    reads.read(10)
+    assert registry.get_sample_value("lakestream_consumer_read_bytes_total", {**labels, "rank": "1"}) == 10
+    assert registry.get_sample_value("lakestream_consumer_last_step", {**labels, "rank": "1"}) is None
 
 
 def test_without_prometheus_client_nothing_is_exported_and_nothing_breaks(tmp_path: Path) -> None:

@@ -718,10 +718,16 @@ def test_the_training_process_of_workers_reads_the_head_for_its_metric_through_t
         ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=4, timeout=60, group="run",
                                report_s=0.05, relay=relay)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
-        assert [int(item["step"]) for item in ds.track(loader)] == [1, 2, 3, 4]
         labels = {"stream": stream.name, "group": "run", "rank": "0"}
+        steps = []
+        for item in ds.track(loader):
+            steps.append(int(item["step"]))
+            if steps[-1] == 4:  # head 6; refreshed at each report (every 0.05 s)
+                until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2,
+                      "the gauge to see head step 6 with the rank at step 4")
+        assert steps == [1, 2, 3, 4]
         assert registry.get_sample_value("lakestream_consumer_last_step", labels) == 4
-        assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2  # head 6
+        assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) is None  # the rank is done
         assert (len(polls) == 0) if relay else (len(polls) > 0)
     finally:
         metrics.use_registry(None)
@@ -757,13 +763,14 @@ def test_the_training_process_of_workers_never_serves_the_relay(tmp_path: Path, 
         tracked = ds.track(loader)
         assert held(paths) is None
         steps = []
+        labels = {"stream": stream.name, "group": "run", "rank": "0"}
         for item in tracked:
             steps.append(int(item["step"]))
             assert held(paths) is None, steps
+            if metric and steps[-1] == 4:  # head 6
+                until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2,
+                      "the gauge to see head step 6 with the rank at step 4")
         assert steps == [1, 2, 3, 4]
-        if metric:
-            labels = {"stream": stream.name, "group": "run", "rank": "0"}
-            assert registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 2  # head 6
     finally:
         metrics.use_registry(None)
 
