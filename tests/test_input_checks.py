@@ -686,3 +686,17 @@ def test_a_location_that_holds_files_or_lies_in_a_table_is_refused(tmp_path: Pat
     own = Stream.create(stream.table.catalog, "other.b", schema=SCHEMA, world_size=WORLD,
                         location=f"file://{tmp_path}/elsewhere/b")  # a folder of its own
     assert own.table.metadata.location.endswith("/elsewhere/b") and stream.read(2, rank=0).num_rows >= 0
+
+
+def test_a_state_next_step_past_a_long_is_refused_not_wrapped(tmp_path: Path) -> None:
+    """A state_dict read back from a checkpoint file is input: a next_step past an Iceberg long (no step is ever
+    published there; start_step= refuses it) was taken, and under DataLoader workers it went through the shared block's
+    64-bit slots, which wrap silently: 2**64 + 2 resumed at step 2, replaying steps the model had seen."""
+    from torch.utils.data import DataLoader
+
+    stream = make(tmp_path, steps=4)
+    for bad in ({"next_step": 2**64 + 2}, {"next_step": 2**63}, {"next_step": 1, "worker_id": 0, "num_workers": 2**64 + 1}):
+        ds = LakestreamDataset(stream, rank=0, world_size=1, follow=False)
+        with pytest.raises(ConfigError, match="state_dict"):
+            ds.load_state_dict(bad)
+            list(DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork"))

@@ -25,7 +25,7 @@ from pyiceberg.table.refs import SnapshotRefType
 
 from lakestream_iceberg.errors import CheckpointError, ConfigError
 from lakestream_iceberg.format.checkpoints import Checkpoint, on_timeline
-from lakestream_iceberg.format.checks import check_int
+from lakestream_iceberg.format.checks import MAX_STEP, check_int
 from lakestream_iceberg.format.lineage import branch_state
 from lakestream_iceberg.format.table import after_gc
 
@@ -92,8 +92,10 @@ class LoadedState:
             identity = {key: state.get(key, mine) for key, mine in self._identity.items()}
         except (KeyError, TypeError, AttributeError):
             raise ConfigError(f"not a LakestreamDataset state_dict: {state!r}") from None
-        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0)
-                   for key, value in raw.items()}
+        # at most a long: no step is published past one, and the shared block's 64-bit slots would wrap a larger value
+        # silently (2**64 + 2 resumed DataLoader workers at step 2)
+        pending = {key: check_int(value, what=f"state_dict {key}", minimum=1 if key != "worker_id" else 0,
+                                  maximum=MAX_STEP) for key, value in raw.items()}
         if identity != self._identity and not (identity["stream"] == self._identity["stream"]
                                                and forked_after(identity["branch"], pending["next_step"],
                                                                 pending["num_workers"])):
