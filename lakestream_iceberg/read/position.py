@@ -85,7 +85,7 @@ class Position:
         """
         try:
             doc = json.loads(body)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested past the parser's stack
             raise CorruptStateError(f"the position of group {group!r} rank {rank} is not JSON ({exc}): "
                                     f"{body[:200]!r}") from None
         version = doc.get("v") if isinstance(doc, dict) else None

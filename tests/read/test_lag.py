@@ -289,6 +289,20 @@ def test_a_position_out_of_range_is_invalid_not_a_crash_or_a_misreading(stream: 
     assert view.column("status").to_pylist() == ["invalid", "closed"]
 
 
+def test_a_position_nested_past_the_parsers_stack_is_invalid_not_a_crash(stream: Stream) -> None:
+    """A stored document of arrays nested thousands deep (a corrupted or foreign row) made json.loads raise
+    RecursionError, which Position.parse let through: ``lakestream lag`` and the consumers view failed for the whole
+    stream instead of showing that one rank as invalid (the summary and relay readers catch it)."""
+    for rank in range(WORLD):
+        assert [i["step"] for i in LakestreamDataset(stream, rank=rank, world_size=WORLD, group="run", report_s=FAST)]
+    store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+    store.upsert(group="run", rank=0, body="[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CorruptStateError, match="not JSON"):
+        Position.parse("[" * 100_000, group="run", rank=0)
+    rows = lags(stream)
+    assert (rows[0].status, rows[1].status) == ("invalid", "closed")
+
+
 @pytest.mark.parametrize("group", ["", "  ", True, 3, "x" * 201, "tab\there"])
 def test_a_bad_group_is_a_config_error(stream: Stream, group: object) -> None:
     with pytest.raises(ConfigError, match="group"):
