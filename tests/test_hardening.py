@@ -442,6 +442,36 @@ def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(cat
         assert isinstance(info.value, CorruptStateError) and "'broken'" in str(info.value) and key in str(info.value)
 
 
+@pytest.mark.parametrize("step", [None, "0"], ids=["no-step", "step-0"])
+def test_2_a_checkpoint_anchor_without_a_step_is_not_read_as_step_0(catalog: SqlCatalog, step: str | None) -> None:
+    """A tag on a snapshot whose summary names the checkpoint but records no step (or step 0, which no checkpoint has:
+    checkpoint() refuses a step below 1) was listed as a checkpoint at step 0, and from_checkpoint resumed the trainer
+    at step 1, replaying every step the model had seen, without a word."""
+    stream = make(catalog)
+    for seq in range(3):
+        stream.producer("p").commit(batch("p", seq, WORLD))
+    table = catalog.load_table("ns.stream")
+    rows = shard("p", 1, 0, rows=1)
+    rows = rows.append_column("_step", pa.array([1], pa.int64())).append_column("_rank", pa.array([0], pa.int32()))
+    table.manage_snapshots().create_branch(snapshot_id=table.metadata.snapshot_by_name("main").snapshot_id,
+                                           branch_name="scratch").commit()
+    props = {"lakestream.op": "checkpoint", "lakestream.checkpoint": "broken", "lakestream.source-branch": "main"}
+    if step is not None:
+        props.update({"lakestream.step": step, "lakestream.collected-below": "1", "lakestream.producers": "{}"})
+    table.append(rows, branch="scratch", snapshot_properties=props)
+    bad = table.metadata.snapshot_by_name("scratch").snapshot_id
+    table.manage_snapshots().create_tag(snapshot_id=bad, tag_name="broken").remove_branch("scratch").commit()
+    stream.refresh()
+    with pytest.raises(CorruptStateError) as info:
+        stream.checkpoints()
+    assert "'broken'" in str(info.value) and str(bad) in str(info.value) and "lakestream.step" in str(info.value)
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+
+    with pytest.raises(CorruptStateError, match="'broken'"):
+        LakestreamDataset.from_checkpoint(stream, "broken", rank=0, world_size=1, follow=False)
+    assert stream.head_step() == 3
+
+
 @pytest.mark.parametrize("entry", [[2**63, 1, 1], [1, 2**63, 1], [1, 1, 2**64], [1, 1, -(2**63) - 1], [1, 1, 1, -1],
                                    [1, 1, 1, 2**63]])
 def test_2_a_producer_table_entry_past_64_bits_is_not_what_lakestream_writes(entry: list[int]) -> None:

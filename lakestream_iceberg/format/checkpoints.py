@@ -13,7 +13,7 @@ from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import CorruptStateError
-from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, StreamState
+from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, KEY_STEP, StreamState
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.index import StepIndex
@@ -72,9 +72,17 @@ def checkpoint_of(metadata: TableMetadata, name: str, *, by_id: dict[int, Snapsh
     if snapshot is None or summary.get(KEY_CHECKPOINT) != name:
         return None
     source = summary.get(KEY_SOURCE_SNAPSHOT)
+    step = StreamState.of(snapshot).step
+    if step < 1:  # no step recorded (read as 0), or 0: checkpoint() takes steps from 1; resuming would replay from 1
+        raise CorruptStateError(
+            f"checkpoint tag {name!r} is on snapshot {snapshot.snapshot_id}, whose summary records "
+            f"{KEY_STEP}={summary.get(KEY_STEP)!r} (lakestream writes the checkpointed step, 1 or more): the tag was "
+            "written by another tool or its summary was corrupted; remove the tag "
+            f"(table.manage_snapshots().remove_tag({name!r}).commit()) or point it at a lakestream checkpoint"
+        )
     return Checkpoint(
         name=name,
-        step=StreamState.of(snapshot).step,
+        step=step,
         snapshot_id=snapshot.snapshot_id,
         created_at=_created_at(name, summary.get(KEY_CREATED_AT), snapshot.timestamp_ms),
         branch=summary.get(KEY_SOURCE_BRANCH, "main"),
