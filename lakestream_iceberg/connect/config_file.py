@@ -46,6 +46,7 @@ def _check() -> None:
             with open(path, encoding="utf-8") as f:
                 data = strictyaml.load(f.read()).data
             if isinstance(data, dict):
+                _check_environment(path, data)
                 return  # pyiceberg takes the first file that holds settings
         except (UnicodeDecodeError, YAMLError) as exc:
             mark = getattr(exc, "problem_mark", None)
@@ -72,3 +73,37 @@ def _check() -> None:
             f"{path} holds {shown}: pyiceberg reads it whenever it is imported and fails on it. Write its settings as "
             "block-style YAML (catalog:, then each catalog's name and settings indented below), or delete it"
         )
+    _check_environment(None, {})
+
+
+def _check_environment(path: str | None, data: dict) -> None:
+    """Raise ConfigError where pyiceberg's import would fail merging the ``PYICEBERG_*`` environment variables into the
+    file's settings: a variable that sets a key inside one the file (or another variable) holds as a text or a list
+    (``catalog: prod: oops`` with ``PYICEBERG_CATALOG__PROD__URI`` set) made it raise a bare ``ValueError``."""
+    config = _lowercased(data)  # as pyiceberg merges: the file's keys lowercased, then each variable in turn
+    for variable, value in os.environ.items():
+        lowered = variable.lower()
+        if not lowered.startswith("pyiceberg_"):
+            continue
+        parts = [part.replace("__", ".").replace("_", "-") for part in lowered[len("pyiceberg_"):].split("__", maxsplit=2)]
+        node = config
+        for depth, part in enumerate(parts):
+            if depth == len(parts) - 1:
+                node[part] = value
+                break
+            inner = node.setdefault(part, {})
+            if not isinstance(inner, dict):
+                key = ": ".join(parts[:depth + 1])
+                where = f"{path} holds" if path is not None else "the environment sets"
+                raise ConfigError(
+                    f"{where} {key}: as a {'text' if isinstance(inner, str) else type(inner).__name__}, and the "
+                    f"environment variable {variable} sets a setting inside it: pyiceberg merges PYICEBERG_* variables "
+                    "into the file's settings whenever it is imported and fails on it. Write "
+                    f"{key}: as a mapping of settings (block-style YAML, each setting indented below it), or unset "
+                    f"{variable}"
+                )
+            node = inner
+
+
+def _lowercased(data: dict) -> dict:
+    return {str(k).lower(): _lowercased(v) if isinstance(v, dict) else v for k, v in data.items()}

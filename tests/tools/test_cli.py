@@ -376,6 +376,22 @@ def test_a_malformed_catalog_configuration_is_a_one_line_error(env: dict[str, st
             f"lakestream_iceberg.errors.ConfigError: {path} {needles[0].split('.pyiceberg.yaml ')[1]}"), imported.stderr
 
 
+@pytest.mark.parametrize("yaml", ["catalog: oops\n", "catalog:\n  prod: oops\n", "catalog:\n  - prod\n"])
+def test_a_catalog_entry_that_is_no_mapping_with_its_variable_set_is_a_one_line_error(
+        env: dict[str, str], tmp_path: Path, yaml: str) -> None:
+    """"could not load catalog 'prod'" advises PYICEBERG_CATALOG__PROD__URI; with that variable set, pyiceberg's import
+    failed merging it into the file's text or list (a ValueError "Incompatible configurations, merging dict with a
+    value"): a traceback from the command line and from ``import lakestream_iceberg``, before any project code ran."""
+    (tmp_path / ".pyiceberg.yaml").write_text(yaml)
+    broken = {**env, "PYICEBERG_HOME": str(tmp_path), "PYICEBERG_CATALOG__PROD__URI": "sqlite:///x.db"}
+    proc = run(broken, "--catalog", "prod", "status", STREAM, ok=False)
+    assert_one_line_error(proc, ".pyiceberg.yaml", "PYICEBERG_CATALOG__PROD__URI", "catalog:")
+    imported = subprocess.run([sys.executable, "-c", "import lakestream_iceberg"], capture_output=True, text=True,
+                              env=broken, timeout=120)
+    assert imported.returncode == 1 and imported.stderr.strip().splitlines()[-1].startswith(
+        "lakestream_iceberg.errors.ConfigError: "), imported.stderr
+
+
 def test_a_catalog_not_configured_says_what_to_set_and_how_to_do_without(env: dict[str, str]) -> None:
     """load_catalog now raises its own ConfigError for a catalog not configured (it raised pyiceberg's ValueError);
     the command line keeps its advice, which passes no settings to load_catalog."""
