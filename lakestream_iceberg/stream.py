@@ -27,6 +27,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
+from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import (
@@ -238,6 +239,9 @@ class Stream(StreamTable):
                     f"no stream {identifier} in catalog {catalog.name!r}: create it with Stream.create(), or check the "
                     "name and the catalog"
                 ) from exc
+            except MALFORMED as exc:
+                raise malformed_metadata(f"the current metadata file of table {identifier} (the one catalog "
+                                         f"{catalog.name!r} names for it)", exc) from exc
             return cls(table)
 
     @classmethod

@@ -16,17 +16,38 @@ refuses) is read by pyiceberg's ``FromInputFile`` as before, which raises what i
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import threading
 from collections import OrderedDict
 from typing import Any
 
+from pyiceberg.exceptions import ValidationError
 from pyiceberg.io import FileIO
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata, TableMetadataUtil
 
-__all__ = ["read_metadata"]
+from lakestream_iceberg.errors import CorruptStateError
+
+__all__ = ["MALFORMED", "malformed_metadata", "read_metadata"]
+
+# What pyiceberg raises for a metadata.json it cannot parse: not JSON or not table metadata (its ValidationError wraps
+# pydantic's), not UTF-8, a compressed file cut short (EOFError) or not gzip: never a transient failure
+MALFORMED: tuple[type[BaseException], ...] = (ValidationError, UnicodeDecodeError, json.JSONDecodeError, EOFError,
+                                              gzip.BadGzipFile)
+
+
+def malformed_metadata(what: str, exc: BaseException) -> CorruptStateError:
+    """The error for a table metadata file that cannot be parsed (``what``: the file, or the table whose current one)."""
+    detail = " ".join(str(exc).split())[:200]
+    return CorruptStateError(
+        f"{what} cannot be read as Iceberg table metadata ({type(exc).__name__}: {detail}): it was damaged or "
+        "overwritten by a tool that does not write Iceberg metadata, and nothing can be read or published through it. "
+        "Restore it from a backup (or the bucket's object versioning), or point the catalog back at the previous "
+        "metadata file (the newest one in the table's metadata/ folder that reads; on a SQL catalog its "
+        "iceberg_tables.metadata_location)"
+    )
 
 # the lists of a metadata document whose entries are kept, with the field that identifies an entry
 _KEPT = (("snapshots", "snapshot-id", "snapshots"), ("schemas", "schema-id", "schemas"),
@@ -51,8 +72,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def read_metadata(io: FileIO, location: str) -> TableMetadata:
     """The table metadata at ``location``, equal to ``FromInputFile.table_metadata(io.new_input(location))``.
 
-    Raises what that raises (``FileNotFoundError`` for a missing file among them).
+    Raises what that raises (``FileNotFoundError`` for a missing file among them), but a file that cannot be parsed:
+    :class:`CorruptStateError` naming it.
     """
+    try:
+        return _read(io, location)
+    except MALFORMED as exc:  # not a transient failure: a commit retrying it would wait out its whole budget
+        raise malformed_metadata(f"table metadata file {location}, the one the catalog names as current,", exc) from exc
+
+
+def _read(io: FileIO, location: str) -> TableMetadata:
     if location.endswith(".gz.metadata.json"):
         return FromInputFile.table_metadata(io.new_input(location))
     with io.new_input(location).open() as f:

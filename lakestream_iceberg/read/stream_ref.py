@@ -20,6 +20,7 @@ from pyiceberg.utils.config import Config, merge_config
 from lakestream_iceberg.connect.catalog_settings import resolve
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
 from lakestream_iceberg.connect.fork import fork_safe, owns_connections
+from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.format.table import StreamTable
 
@@ -95,7 +96,11 @@ class StreamRef:
         catalog = self.catalog()
         fork_safe(catalog)  # a reader's forked workers open their own catalog connections (connect/fork.py)
         with config_errors(catalog.properties, action=f"opening stream {self.identifier}", catalog=catalog.name):
-            return StreamTable(catalog.load_table(self.identifier))
+            try:
+                table = catalog.load_table(self.identifier)
+            except MALFORMED as exc:
+                raise malformed_metadata(f"the current metadata file of table {self.identifier}", exc) from exc
+            return StreamTable(table)
 
 
 def forked_view(stream: StreamTable) -> StreamTable | None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.connect import metadata_read
 from lakestream_iceberg.connect.metadata_read import read_metadata
+from lakestream_iceberg.errors import CorruptStateError
 from tests.support import SCHEMA, batch, sqlite_catalog
 
 WORLD = 2
@@ -81,8 +83,11 @@ def test_what_pyiceberg_refuses_is_refused_as_pyiceberg_refuses_it(tmp_path: Pat
         try:
             read(table.io, f"file://{bad}")
         except Exception as exc:  # noqa: BLE001 - compared below
-            errors.append((type(exc), str(exc)))
-    assert len(errors) == 2 and errors[0] == errors[1]
+            errors.append(exc)
+    # pyiceberg's refusal, as the cause of the project's error naming the file (a file it cannot parse is no outage)
+    assert len(errors) == 2 and isinstance(errors[0], CorruptStateError) and str(bad) in str(errors[0])
+    cause = errors[0].__cause__
+    assert (type(cause), str(cause)) == (type(errors[1]), str(errors[1]))
     assert not (tmp_path / "absent").exists()
     try:
         read_metadata(table.io, f"file://{tmp_path}/absent/00001-x.metadata.json")
@@ -115,3 +120,41 @@ def test_a_process_forked_while_the_kept_reads_were_locked_reads_metadata(tmp_pa
         if child.is_alive():  # pragma: no cover - the deadlock this test is about
             child.kill()
             child.join()
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-utf8", "not-an-object"])
+def test_a_current_metadata_file_that_cannot_be_parsed_is_a_corrupt_state_error_not_a_catalog_outage(
+        tmp_path: Path, damage: str) -> None:
+    """The metadata.json the catalog names is data read back from storage. Damaged, it raised pyiceberg's
+    ValidationError or a UnicodeDecodeError out of head_step(), Stream.open() and a dataset, and a commit took it for an
+    unreachable catalog: it retried for its whole budget and then said "retry once the catalog is reachable"
+    (CommitOutcomeUnknownError), which no retry fixes."""
+    import sqlite3
+    import time
+    from urllib.parse import urlparse
+
+    from lakestream_iceberg.errors import CommitOutcomeUnknownError
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.s", schema=SCHEMA, world_size=1,
+                           properties={"lakestream.commit.timeout-ms": "3000"})
+    stream.producer("p").commit(batch("p", 0, 1), seq=0)
+    other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.s")
+    assert other.head_step() == 1
+    stream.producer("p").commit(batch("p", 1, 1), seq=1)
+    [db] = tmp_path.glob("*.db")
+    with sqlite3.connect(db) as conn:
+        [location] = conn.execute("SELECT metadata_location FROM iceberg_tables").fetchone()
+    path = Path(urlparse(location).path)
+    raw = path.read_bytes()
+    path.write_bytes({"truncated": raw[: len(raw) // 2], "not-utf8": b"\xff\xfe{}", "not-an-object": b"[1]"}[damage])
+    with pytest.raises(CorruptStateError, match=path.name):
+        other.head_step()
+    started = time.monotonic()
+    with pytest.raises(CorruptStateError, match=path.name) as info:
+        other.producer("q").commit(batch("q", 0, 1), seq=0)
+    assert not isinstance(info.value, CommitOutcomeUnknownError) and time.monotonic() - started < 2
+    with pytest.raises(CorruptStateError, match="ns.s"):
+        Stream.open(sqlite_catalog(str(tmp_path)), "ns.s")
+    with pytest.raises(CorruptStateError):
+        list(LakestreamDataset(other, rank=0, world_size=1, follow=False))
