@@ -472,6 +472,17 @@ def test_2_a_checkpoint_anchor_without_a_step_is_not_read_as_step_0(catalog: Sql
     assert stream.head_step() == 3
 
 
+def test_2_a_producer_listed_twice_in_the_summary_is_not_what_lakestream_writes(catalog: SqlCatalog) -> None:
+    """JSON lets an object name a key twice and Python's parser keeps the last: a head whose producer table lists p at
+    seq 3 and again at seq 0 (a foreign or damaged summary) gave p next_seq 1, and p published its seqs 1.. again as new
+    steps. A producer-state file listing an id twice is refused for the same reason."""
+    stream, _, bad = malformed_head(catalog, {"lakestream.producers": '{"p":[3,4,1,1],"p":[0,1,1,1]}'})
+    with pytest.raises(Exception) as info:
+        Stream.open(catalog, "ns.stream").producer("p").next_seq  # noqa: B018
+    assert_names_bad_summary(info.value, bad, key="lakestream.producers")
+    assert "'p'" in str(info.value)
+
+
 @pytest.mark.parametrize("entry", [[2**63, 1, 1], [1, 2**63, 1], [1, 1, 2**64], [1, 1, -(2**63) - 1], [1, 1, 1, -1],
                                    [1, 1, 1, 2**63]])
 def test_2_a_producer_table_entry_past_64_bits_is_not_what_lakestream_writes(entry: list[int]) -> None:

@@ -191,6 +191,21 @@ _PARSED_STATES: dict[tuple[int, str], StreamState] = {}
 _MAX_PARSED_STATES = 256
 
 
+class _DuplicateKey(Exception):
+    """A JSON object that names a key twice (``args[0]``: the key)."""
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return out
+
+
 class _Fields:
     """Strict readers of one summary's values: anything lakestream does not write is a :class:`CorruptStateError`."""
 
@@ -227,7 +242,10 @@ class _Fields:
         if cached is not None:  # the same table, already validated: every refresh of every producer reads it again
             return dict(cached)
         try:
-            table = json.loads(raw)
+            table = json.loads(raw, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as exc:  # the parser keeps the last: which entry wins would decide the producer's next seq
+            raise self.error(KEY_PRODUCERS, raw, f"producer {exc.args[0]!r} listed twice; lakestream lists each once") \
+                from None
         except (TypeError, ValueError, RecursionError):  # RecursionError: nested deeper than the parser's stack
             raise self.error(KEY_PRODUCERS, raw, "not JSON") from None
         if not isinstance(table, dict):
