@@ -227,18 +227,23 @@ def delivered_on_both(stream: StreamTable, *, branch: str, source: object, next_
 def check_resumable(stream: StreamTable, checkpoint: Checkpoint, *, branch: str) -> None:
     """Refuse (:class:`CheckpointError`) to resume after ``checkpoint`` on ``branch`` when the branch is no longer on
     its timeline (:func:`~lakestream_iceberg.format.checkpoints.on_timeline`): its steps after the checkpoint's would be
-    another timeline's, not the ones the trainer read before. A branch that does not exist is left to the dataset
-    (which names the branches); a step the branch no longer holds (collected, or before its fork) to the read
-    (``StepCollectedError``)."""
+    another timeline's, not the ones the trainer read before, or when it is the checkpoint's own branch and was dropped.
+    Another branch that does not exist is left to the dataset (which names the branches); a step the branch no longer
+    holds (collected, or before its fork) to the read (``StepCollectedError``)."""
     metadata = stream.table.metadata
     ref = metadata.refs.get(branch)
+    fork = (f"fork from it (stream.fork({checkpoint.name!r}, branch=...)) and go on on the fork, or resume from a "
+            "checkpoint the branch holds")
+    if ref is None and branch == checkpoint.branch:  # the checkpoint's own branch, dropped since: not the caller's typo
+        raise CheckpointError(
+            f"checkpoint {checkpoint.name!r} (step {checkpoint.step}) was taken on branch {branch!r}, which {stream.name} "
+            f"no longer has (dropped): the steps after the checkpoint went with it; {fork} (then "
+            f"LakestreamDataset.from_checkpoint(stream, {checkpoint.name!r}, branch=...) on the fork)")
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
         return
     by_id = {s.snapshot_id: s for s in metadata.snapshots}
     head = by_id.get(ref.snapshot_id)
     state = branch_state(metadata, head, stream=stream.name, branch=branch)
-    fork = (f"fork from it (stream.fork({checkpoint.name!r}, branch=...)) and go on on the fork, or resume from a "
-            "checkpoint the branch holds")
     if checkpoint.step > state.step:
         raise CheckpointError(
             f"checkpoint {checkpoint.name!r} (step {checkpoint.step}) is past the head step {state.step} of branch "

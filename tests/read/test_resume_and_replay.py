@@ -125,3 +125,26 @@ def test_an_all_empty_list_column_that_needed_a_cast_is_the_same_rows() -> None:
     stored = pa.table({"e": pa.array([[], None], pa.list_(pa.float32()))})
     shard64 = pa.table({"e": pa.array([[], None], pa.list_(pa.float64()))})
     assert same_rows(stored, shard64)  # pc.all() of an empty array is null, not True
+
+
+def test_from_checkpoint_of_a_dropped_branch_says_to_fork_from_it(tmp_path: Path) -> None:
+    """A checkpoint taken on a fork whose branch was dropped since: from_checkpoint said "cannot read branch 'exp' ...
+    it has no branch 'exp'" (a ConfigError about a branch the caller never named), though its docstring promises a
+    CheckpointError that says to fork from the checkpoint, which resumes it."""
+    from lakestream_iceberg.errors import CheckpointError
+
+    stream = make(tmp_path, steps=3)
+    stream.checkpoint("c1", step=2)
+    stream.fork("c1", branch="exp")
+    producer = stream.producer("e", branch="exp")
+    for seq in range(2):
+        producer.commit(batch("e", seq, WORLD), seq=seq)
+    stream.checkpoint("c2", step=3, branch="exp")
+    stream.table.catalog.load_table("ns.s").manage_snapshots().remove_branch("exp").commit()
+    stream.refresh()
+    with pytest.raises(CheckpointError, match=r"'c2'.*branch 'exp'.*stream.fork\('c2'"):
+        LakestreamDataset.from_checkpoint(stream, "c2", rank=0, world_size=1, follow=False)
+    stream.fork("c2", branch="again")  # as the message says
+    stream.producer("e", branch="again").commit(batch("e", 0, WORLD), seq=0)
+    resumed = LakestreamDataset.from_checkpoint(stream, "c2", rank=0, world_size=1, follow=False, branch="again")
+    assert [item["step"] for item in resumed] == [4]
