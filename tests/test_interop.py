@@ -860,6 +860,21 @@ def test_consumer_lag_stops_at_a_loop_below_a_lakestream_head(tmp_path: Path) ->
     assert [(c.status, c.lag_steps, c.lag_s) for c in consumer_lags(again)] == [("closed", 0, 0.0)]
 
 
+@pytest.mark.timeout(60)
+def test_a_running_producer_stops_at_a_loop_below_a_lakestream_head(tmp_path: Path) -> None:
+    """The same head under a producer that committed before it: its next commit asks whether the branch left the head
+    it last saw (another engine's rollback) and walked the parent links down to a snapshot older than that one, which
+    a loop of newer snapshots never reaches (a hang; its stack: ProducerHead.left). As for the lag, the walk stops at
+    the loop: whether the branch left that head cannot be told there, and the producer commits on the readable head
+    as a producer opened afresh does."""
+    stream, _ = published(make(tmp_path))
+    producer = stream.producer("a")
+    assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9  # it saw the head it published
+    looping_snapshots(stream, lakestream_on_top=True)  # the loop's top carries that head's state
+    assert producer.commit(batch("a", 5, WORLD), seq=5).step == 10
+    assert Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").producer("a").next_seq == 6
+
+
 def cherry_pick(stream: Stream, source: Snapshot) -> Snapshot:
     """A cherry-pick by a tool that copies the picked snapshot's summary (``lakestream.*`` keys included): a new
     snapshot on the head that adds the picked snapshot's files and names it in ``source-snapshot-id``, as Iceberg

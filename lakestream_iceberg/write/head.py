@@ -9,6 +9,7 @@ producer's :class:`~lakestream_iceberg.write.commit.CommitLoop`, which holds the
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["ProducerHead"]
+
+log = logging.getLogger(__name__)
 
 
 class ProducerHead:
@@ -114,9 +117,17 @@ class ProducerHead:
         if number <= 0 or current is None or seen_id in (current.snapshot_id, current.parent_snapshot_id):
             return None  # the usual case (its own commit on the head it read); format version 1 numbers no commits
         by_id = {s.snapshot_id: s for s in metadata.snapshots}
+        walked: set[int] = set()
         while current is not None and current.snapshot_id != seen_id and current.parent_snapshot_id != seen_id:
             if (current.sequence_number or 0) <= number:  # made before ``seen`` (Iceberg numbers commits), yet not below it
                 return self.last_seq(branch_state(metadata, current, stream=self.stream.name, branch=self.branch))
+            if current.snapshot_id in walked:  # parent links that loop (another engine's): walked forever, newer than
+                # ``seen`` all along; whether the head left it cannot be told, as when expiry cut the lineage
+                log.warning("the ancestry of branch %r of %s loops back to snapshot %d: whether another engine rolled "
+                            "the branch back under producer %s cannot be told", self.branch, self.stream.name,
+                            current.snapshot_id, self.producer_id)
+                return None
+            walked.add(current.snapshot_id)
             parent = current.parent_snapshot_id
             current = by_id.get(parent) if parent is not None else None
         return None
