@@ -33,7 +33,7 @@ from typing import Any
 
 from lakestream_iceberg.errors import ConfigError
 
-__all__ = ["catalog_types", "check_env_reaches", "engine_options", "engine_options_passed", "env_name", "resolve",
+__all__ = ["CATALOG_KEYS", "catalog_types", "check_catalog_keys", "check_env_reaches", "engine_options", "engine_options_passed", "env_name", "resolve",
            "sql_catalog_keys"]
 
 # what pyiceberg 0.12's SqlCatalog reads and passes on, and SQLAlchemy 2.0's create_engine keywords: used only where
@@ -47,6 +47,35 @@ _ENGINE_OPTIONS = frozenset({
     "module", "paramstyle", "pool", "poolclass", "pool_logging_name", "pool_pre_ping", "pool_size", "pool_recycle",
     "pool_reset_on_return", "pool_timeout", "pool_use_lifo", "plugins", "query_cache_size", "use_insertmanyvalues",
 })  # fmt: skip
+
+
+# the catalog properties lakestream itself reads under lakestream. (connect/sqlite.py's PROP_SQLITE_WAL)
+CATALOG_KEYS = ("lakestream.sqlite.wal",)
+
+
+def check_catalog_keys(name: str, properties: Mapping[str, Any]) -> None:
+    """Refuse a catalog property under ``lakestream.`` that lakestream does not read: a misspelt
+    ``lakestream.sqlite.wal`` was ignored without a word (and the database switched to WAL after all), and a table
+    property set on the catalog (``lakestream.snapshots.retain-last``) configures no stream.
+
+    Raises:
+        ConfigError: Such a key, with the nearest catalog property, or where a table property belongs.
+    """
+    import difflib
+
+    for key in properties:
+        if not isinstance(key, str) or not key.lower().startswith("lakestream.") or key in CATALOG_KEYS:
+            continue
+        from lakestream_iceberg.format.properties import by_key
+
+        if by_key(key) is not None:
+            hint = (f"; {key} is a table property: set it with Stream.create(..., properties={{{key!r}: ...}}) or on the "
+                    "table (docs/configuration.md)")
+        else:
+            near = difflib.get_close_matches(key.lower(), CATALOG_KEYS, n=1, cutoff=0.6)
+            hint = f"; did you mean {near[0]}?" if near else f"; the catalog properties lakestream reads: {', '.join(CATALOG_KEYS)}"
+        raise ConfigError(f"catalog {name!r}: catalog property {key} is not one lakestream reads{hint} (fix it in "
+                          f".pyiceberg.yaml, {env_name(name, key)} or the load_catalog() argument)")
 
 
 def env_name(catalog: str | None, key: str) -> str:

@@ -12,6 +12,7 @@ import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.catalog_settings import CATALOG_KEYS
 from lakestream_iceberg.connect.sqlite import PROP_SQLITE_WAL, prefer_wal
 from lakestream_iceberg.errors import ConfigError
 from tests.backends import published
@@ -261,3 +262,20 @@ def test_closing_the_catalog_closes_the_probe_connections_of_this_process(tmp_pa
     cat.close()
     assert open_files() == []
     assert probe() == stream.table.metadata_location  # still answers, on a connection opened again
+
+
+@pytest.mark.parametrize("typo", ["lakestream.sqlite-wal", "lakestream.sqlite.wall", "lakestream.sqlite_wal"])
+def test_a_misspelt_lakestream_catalog_property_is_a_config_error_not_ignored(tmp_path: Path, typo: str) -> None:
+    """A misspelt ``lakestream.sqlite.wal: "false"`` (the catalog property that leaves the database's journal alone) was
+    ignored without a word and the database switched to WAL anyway, a change of the file that persists. Table properties
+    refuse an unknown ``lakestream.*`` key (docs/configuration.md); a catalog property does too, naming the right one."""
+    with pytest.raises(ConfigError, match=rf"{typo}.*did you mean {PROP_SQLITE_WAL}"):
+        Stream.create(catalog(tmp_path, **{typo: "false"}), "ns.s", schema=SCHEMA, world_size=WORLD)
+    assert journal_mode(tmp_path) == "delete"
+
+
+def test_a_table_property_set_on_the_catalog_is_a_config_error_saying_where_it_belongs(tmp_path: Path) -> None:
+    """``lakestream.snapshots.retain-last`` in ``.pyiceberg.yaml``'s catalog section configures no stream: said so."""
+    assert PROP_SQLITE_WAL in CATALOG_KEYS
+    with pytest.raises(ConfigError, match=r"lakestream.snapshots.retain-last is a table property.*Stream.create"):
+        Stream.create(catalog(tmp_path, **{"lakestream.snapshots.retain-last": "64"}), "ns.s", schema=SCHEMA, world_size=1)
