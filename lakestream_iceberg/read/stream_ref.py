@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from pyiceberg.catalog import Catalog
@@ -24,9 +25,24 @@ from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metada
 from lakestream_iceberg.connect.secrets import redacted, split_secrets
 from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["PY_CATALOG_IMPL", "StreamRef", "forked_view"]
+__all__ = ["PY_CATALOG_IMPL", "StreamRef", "forked_view", "travelling_properties"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
+
+
+def travelling_properties(properties: Mapping[Any, Any]) -> dict[str, str]:
+    """A catalog's properties as another process gets them: as strings, as pyiceberg's configuration gives them.
+
+    pyiceberg and lakestream read a number given as a keyword argument (``s3.connect-timeout=5``,
+    ``rest.client.socket-timeout-ms=5000``) as they read its string; it must not be lost on the way to a worker, nor the
+    worker's configured value used instead. ``None`` (a setting left unset) and values of no plain type stay behind."""
+    out: dict[str, str] = {}
+    for key, value in properties.items():
+        if isinstance(value, bool):
+            out[str(key)] = "true" if value else "false"
+        elif isinstance(value, (str, int, float)):
+            out[str(key)] = str(value)
+    return out
 
 
 @dataclass(frozen=True)
@@ -59,7 +75,7 @@ class StreamRef:
     def of(cls, stream: StreamTable, *, include_secrets: bool = False) -> StreamRef:
         """The address of ``stream``; ``include_secrets=True`` makes its pickles carry the credentials (see above)."""
         catalog = stream.table.catalog
-        props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
+        props = travelling_properties(catalog.properties)
         if "type" not in props and PY_CATALOG_IMPL not in props:
             props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
         public, secret = split_secrets(props)

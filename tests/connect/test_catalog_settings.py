@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import subprocess
 import sys
 import uuid
@@ -269,3 +270,20 @@ def test_a_catalog_not_configured_or_set_wrong_is_a_config_error(name: object, p
         with pytest.raises(ConfigError, match=match) as info:
             load_catalog(name, **kwargs)  # type: ignore[arg-type]
     assert "pw-s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("how", ["load_catalog", "class"])
+def test_a_setting_given_as_a_number_reaches_the_process_that_unpickles_the_stream(how: str, tmp_path: Path) -> None:
+    """pyiceberg takes ``s3.connect-timeout=5`` and lakestream ``rest.client.socket-timeout-ms=5000`` as numbers (they
+    convert with ``float()``), but a pickled stream carried only the string-valued settings: a spawned DataLoader worker
+    or a Ray task reopened the catalog without them (default timeouts, without a word). They travel as strings."""
+    props: dict[str, Any] = {"uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh",
+                             "s3.connect-timeout": 5, "rest.client.socket-timeout-ms": 5000}
+    with configured("kwargs", "numbers", {}, tmp_path / "home"):
+        catalog = load_catalog("numbers", type="sql", **props) if how == "load_catalog" else SqlCatalog("numbers", **props)
+        catalog.create_namespace("ns")
+        stream = Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
+        assert stream.io.properties["s3.connect-timeout"] == 5
+        reopened = pickle.loads(pickle.dumps(stream))
+        assert reopened.io.properties.get("s3.connect-timeout") == "5"
+        assert reopened.table.catalog.properties.get("rest.client.socket-timeout-ms") == "5000"

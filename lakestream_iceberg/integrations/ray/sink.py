@@ -36,7 +36,7 @@ from lakestream_iceberg.integrations.ray.replay import same_rows
 from lakestream_iceberg.integrations.ray.reports import MAX_RUN_NAME, SinkReport, TaskReport, producer_id
 from lakestream_iceberg.integrations.ray.steps import StepFn, StepRule
 from lakestream_iceberg.integrations.ray.streams import open_stream
-from lakestream_iceberg.read.stream_ref import PY_CATALOG_IMPL, StreamRef
+from lakestream_iceberg.read.stream_ref import PY_CATALOG_IMPL, StreamRef, travelling_properties
 from lakestream_iceberg.stream import Stream
 from lakestream_iceberg.write.writer import check_producer_id
 
@@ -188,7 +188,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         if isinstance(catalog, Catalog):
             if extra:
                 raise ConfigError("catalog_properties= applies to a catalog name; a Catalog object has its own properties")
-            props = {k: v for k, v in catalog.properties.items() if isinstance(v, str)}
+            props = travelling_properties(catalog.properties)
             if "type" not in props and PY_CATALOG_IMPL not in props:
                 props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
             public, _secret = split_secrets(props)  # the secrets stay here: tasks resolve them from their config
