@@ -18,11 +18,12 @@ from pyiceberg.catalog import Catalog
 from pyiceberg.table import Table
 from pyiceberg.utils.config import Config, merge_config
 
-from lakestream_iceberg.connect.catalog_settings import resolve
-from lakestream_iceberg.connect.diagnose import config_errors, load_catalog
+from lakestream_iceberg.connect.catalog_settings import env_name, resolve
+from lakestream_iceberg.connect.diagnose import config_errors, load_catalog, transient
 from lakestream_iceberg.connect.fork import fork_safe, owns_connections
 from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata
-from lakestream_iceberg.connect.secrets import redacted, split_secrets
+from lakestream_iceberg.connect.secrets import redact, redacted, split_secrets
+from lakestream_iceberg.errors import ConfigError, LakestreamError
 from lakestream_iceberg.format.table import StreamTable
 
 __all__ = ["PY_CATALOG_IMPL", "StreamRef", "forked_view", "travelling_properties"]
@@ -70,6 +71,7 @@ class StreamRef:
     identifier: str
     secrets: tuple[tuple[str, str], ...] = field(default=(), compare=False)
     ship_secrets: bool = False
+    withheld: tuple[str, ...] = field(default=(), compare=False)  # the names of the secrets a pickle left behind
 
     @classmethod
     def of(cls, stream: StreamTable, *, include_secrets: bool = False) -> StreamRef:
@@ -84,8 +86,9 @@ class StreamRef:
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle without ``secrets`` unless they are shipped on purpose (``include_secrets=True``)."""
+        withheld = tuple(sorted({*self.withheld, *(() if self.ship_secrets else (k for k, _ in self.secrets))}))
         return (type(self), (self.catalog_name, self.catalog_properties, self.identifier,
-                             self.secrets if self.ship_secrets else (), self.ship_secrets))
+                             self.secrets if self.ship_secrets else (), self.ship_secrets, withheld))
 
     def __repr__(self) -> str:
         shown = redacted(dict(self.catalog_properties))
@@ -93,7 +96,50 @@ class StreamRef:
         return f"StreamRef({self.catalog_name!r}, {self.identifier!r}, properties={shown}{held})"
 
     def catalog(self) -> Catalog:
-        """The catalog, loaded with these properties plus what pyiceberg's configuration gives this catalog name."""
+        """The catalog, loaded with these properties plus what pyiceberg's configuration gives this catalog name.
+
+        Raises:
+            ConfigError: The catalog cannot be built here; when a setting the pickle withheld (a credential) is not
+                configured in this process either, the message names it and where to set it.
+        """
+        try:
+            return self._catalog()
+        except Exception as exc:
+            missing = self._withheld_here()
+            if not missing and isinstance(exc, LakestreamError):
+                raise
+            if not missing and transient(exc):  # a catalog busy or restarting: not a setting
+                raise
+            detail = redact(" ".join(str(exc).split()), dict(self.catalog_properties))[:400] or type(exc).__name__
+            if missing:
+                names = ", ".join(missing)
+                envs = ", ".join(env_name(self.catalog_name, key) for key in missing)
+                message = (f"could not load catalog {self.catalog_name!r} for stream {self.identifier} in this process: "
+                           f"the pickled stream did not carry {names} (credentials stay out of pickles) and this "
+                           f"process's configuration has none; set {envs} (or .pyiceberg.yaml under catalog: "
+                           f"{self.catalog_name}:) where the stream is unpickled, or, over a trusted channel only, "
+                           f"ship them with LakestreamDataset(..., ship_credentials=True) / StreamRef.of(stream, "
+                           f"include_secrets=True). Cause: {detail}")
+            else:
+                message = (f"could not load catalog {self.catalog_name!r} for stream {self.identifier} in this process: "
+                           f"{detail} ({type(exc).__name__}); configure it in .pyiceberg.yaml under catalog: "
+                           f"{self.catalog_name}: or with {env_name(self.catalog_name, 'uri')} and friends")
+            error = ConfigError(redact(message, dict(self.catalog_properties)))
+            error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
+            raise error from None
+
+    def _withheld_here(self) -> list[str]:
+        """The withheld settings this process's configuration does not give the catalog either."""
+        if not self.withheld:
+            return []
+        try:
+            configured = Config().get_catalog_config(self.catalog_name) or {}
+        except Exception:  # noqa: BLE001 - a malformed configuration: every withheld setting is missing
+            configured = {}
+        have = {**configured, **dict(self.secrets)}
+        return [key for key in self.withheld if not have.get(key) and not have.get(key.replace("_", "-"))]
+
+    def _catalog(self) -> Catalog:
         props = {**dict(self.catalog_properties), **dict(self.secrets)}
         impl = props.pop(PY_CATALOG_IMPL, None)
         if impl is None:

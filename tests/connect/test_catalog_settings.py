@@ -287,3 +287,30 @@ def test_a_setting_given_as_a_number_reaches_the_process_that_unpickles_the_stre
         reopened = pickle.loads(pickle.dumps(stream))
         assert reopened.io.properties.get("s3.connect-timeout") == "5"
         assert reopened.table.catalog.properties.get("rest.client.socket-timeout-ms") == "5000"
+
+
+@pytest.mark.services
+@pytest.mark.parametrize("how", ["load_catalog", "class"])
+def test_a_stream_unpickled_where_its_withheld_credentials_are_not_configured_says_so(
+        how: str, postgres_service: services.Postgres, tmp_path: Path) -> None:
+    """A pickled stream never carries its credentials; a uri with a password is one. Unpickled in a process that has no
+    configuration for the catalog (a spawned DataLoader worker of a notebook that passed the uri to load_catalog), a
+    catalog built as a class raised pyiceberg's own ``NoSuchPropertyException: SQL connection URI is required``, and one
+    from load_catalog said "URI missing" as if it had never been set. Both say which setting the pickle left behind
+    and how to get it there, without the password."""
+    database = f"db_{uuid.uuid4().hex[:10]}"
+    postgres_service.create_database(database)
+    uri = postgres_service.sqlalchemy_uri(database).replace("postgres@", "postgres:pw-s3cret@")  # trust auth: ignored
+    assert "pw-s3cret@" in uri
+    props = {"uri": uri, "warehouse": f"file://{tmp_path}/wh"}
+    with configured("kwargs", "withheld", {}, tmp_path / "home"):  # no file, no variables: an unconfigured worker
+        catalog = load_catalog("withheld", type="sql", **props) if how == "load_catalog" else SqlCatalog("withheld", **props)
+        try:
+            catalog.create_namespace("ns")
+            payload = pickle.dumps(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+            assert b"pw-s3cret" not in payload
+            with pytest.raises(ConfigError, match=r"did not carry uri.*PYICEBERG_CATALOG__WITHHELD__URI.*ship_credentials") as info:
+                pickle.loads(payload)
+            assert "pw-s3cret" not in str(info.value)
+        finally:
+            catalog.engine.dispose()
