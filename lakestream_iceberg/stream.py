@@ -610,7 +610,7 @@ class Stream(StreamTable):
             return after_gc(read_rank, refresh=self.refresh)
 
         what = f"reading step {step} rank {rank} of {self.name}"
-        with config_errors(self.io.properties, action=what):  # storage outages retry; a wrong secret fails at once
+        with config_errors(self.io.properties, action=what, catalog=self.table.catalog.name):  # a wrong secret fails at once
             return call_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_s)
 
     def wait_for(self, step: int, *, timeout: float, branch: str = MAIN, poll_s: float = 0.05) -> int:

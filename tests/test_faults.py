@@ -477,3 +477,23 @@ def test_diagnose_classifies_without_servers() -> None:
     leaky = OSError(f"AWS Error ACCESS_DENIED for secret {CANARY} at {props['uri']}")
     assert CANARY not in str(explain(leaky, props))
     assert redact(f"x {CANARY} postgresql://u:pw1234@h/db", props) == "x **** postgresql://u:****@h/db"
+
+
+def test_a_wrong_storage_secret_met_by_a_commit_names_the_catalogs_own_variable(request: pytest.FixtureRequest,
+                                                                                tmp_path: Path) -> None:
+    """Open works (a REST catalog serves the metadata), the commit's data write meets the wrong S3 secret: the
+    ConfigError named ``PYICEBERG_CATALOG__<NAME>__S3__SECRET_ACCESS_KEY`` literally, though the stream knows its
+    catalog's name (Stream.create/open and load_catalog name it)."""
+    good = make_backend(REST, request, tmp_path)
+    try:
+        Stream.create(good.catalog(), good.identifier(), schema=SCHEMA, world_size=2)
+        from pyiceberg.catalog import load_catalog as plain_load
+
+        stream = Stream.open(plain_load(good.name, **{**good.properties, S3_SECRET: CANARY}), good.identifier())
+        with pytest.raises(ConfigError, match=S3_SECRET) as info:
+            stream.producer("p").commit(batch("p", 0, 2))
+    finally:
+        good.close()
+    text = str(info.value)
+    assert "PYICEBERG_CATALOG__REST_SEAWEEDFS__S3__SECRET_ACCESS_KEY" in text and "<NAME>" not in text, text
+    assert CANARY not in text

@@ -190,7 +190,7 @@ def _raise_if_permanent(exc: Exception, table: Table, what: str, properties: Map
     head back and try again until its budget ran out. Transient failures return (the caller re-raises them)."""
     if transient(exc):
         return
-    error = explain(exc, properties, action=f"committing to {'.'.join(table.name())}: {what}")
+    error = explain(exc, properties, action=f"committing to {'.'.join(table.name())}: {what}", catalog=table.catalog.name)
     if error is not None:
         raise error from None  # explain() keeps the original (its text unredacted) as error.original, unchained
     detail = redact(" ".join(f"{type(exc).__name__}: {exc}".split()), properties)[:400]

@@ -220,7 +220,8 @@ class Producer:
                     self._refuse_closed()
                     started = time.monotonic()
                     checked = self._check(shards, seq=seq, allow_gap=allow_gap)
-                    with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
+                    with config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}",
+                                       catalog=self._stream.table.catalog.name):
                         return self._commit(checked, seq=checked.seq, started=started)
         # submit() was used: the batch queues behind the submitted ones, in order, and this call waits for it
         self._queue.refuse_own_thread("commit() after a submit")  # a done-callback would wait for its own thread
@@ -388,7 +389,8 @@ class Producer:
         # follow on from the rolled-back head (see _publish_checked), and an explicit seq the caller read from that
         # head (next_seq) is followed, not taken again.
         numbered = job.payload.seq is None
-        with self._lock, config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}"):
+        with self._lock, config_errors(self._stream.io.properties, action=f"committing to {self._stream.name}",
+                                       catalog=self._stream.table.catalog.name):
             result = self._commit(job.payload, seq=self._queue_next if numbered else job.seq, started=job.submitted_at)
             self._queue_next = result.seq + 1 if numbered else max(self._queue_next, result.seq + 1)
             return result
