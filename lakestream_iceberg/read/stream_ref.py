@@ -128,6 +128,21 @@ class StreamRef:
             error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted
             raise error from None
 
+    def _own_key_ids(self) -> list[str]:
+        """The carried key ids (``s3.access-key-id``, ``client.access-key-id``) whose secret the pickle withheld and
+        this process's configuration gives a key id of its own for: a key id and its secret are one credential, so
+        both come from this process's configuration (carried settings otherwise win over it)."""
+        withheld = [key for key in self.withheld if key not in dict(self.secrets)]
+        if not withheld:
+            return []
+        try:
+            configured = Config().get_catalog_config(self.catalog_name) or {}
+        except Exception:  # noqa: BLE001 - a malformed configuration: load_catalog says so
+            return []
+        carried = dict(self.catalog_properties)
+        ids = {key.rsplit(".", 1)[0] + ".access-key-id" for key in withheld if "." in key}
+        return sorted(key for key in ids if key in carried and configured.get(key) and configured[key] != carried[key])
+
     def _withheld_here(self) -> list[str]:
         """The withheld settings this process's configuration does not give the catalog either."""
         if not self.withheld:
@@ -141,6 +156,8 @@ class StreamRef:
 
     def _catalog(self) -> Catalog:
         props = {**dict(self.catalog_properties), **dict(self.secrets)}
+        for key in self._own_key_ids():
+            props.pop(key)  # this process's own key pair: its key id with its secret, never the parent's id with it
         impl = props.pop(PY_CATALOG_IMPL, None)
         if impl is None:
             return load_catalog(self.catalog_name, **props)  # pyiceberg merges .pyiceberg.yaml and PYICEBERG_* itself

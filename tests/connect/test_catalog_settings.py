@@ -314,3 +314,27 @@ def test_a_stream_unpickled_where_its_withheld_credentials_are_not_configured_sa
             assert "pw-s3cret" not in str(info.value)
         finally:
             catalog.engine.dispose()
+
+
+def test_a_worker_with_its_own_key_pair_uses_its_own_key_id_with_its_own_secret(tmp_path: Path) -> None:
+    """The pickle withholds ``s3.secret-access-key`` but carried ``s3.access-key-id`` (not a secret), and carried
+    settings win over the unpickling process's configuration: a worker host configured with its own key pair (the
+    read-only keys docs/guide/hosts.md recommends for trainers) reopened the stream with the parent's key id and its own
+    secret, a pair that exists nowhere (SeaweedFS: SignatureDoesNotMatch / ACCESS_DENIED on open), though
+    ``load_catalog`` in that worker works. A key id travels only where the worker configures none."""
+    name = "pair"
+    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
+                                  "warehouse": f"file://{tmp_path}/wh", "s3.access-key-id": "producer-key",
+                                  "s3.secret-access-key": "producer-secret"}, tmp_path / "home"):
+        catalog = load_catalog(name)
+        catalog.create_namespace("ns")
+        payload = pickle.dumps(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
+                                  "s3.access-key-id": "trainer-key", "s3.secret-access-key": "trainer-secret"},
+                    tmp_path / "worker"):
+        props = pickle.loads(payload).io.properties
+        assert (props["s3.access-key-id"], props["s3.secret-access-key"]) == ("trainer-key", "trainer-secret")
+    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
+                                  "s3.secret-access-key": "producer-secret"}, tmp_path / "secret-only"):
+        props = pickle.loads(payload).io.properties  # no key id configured here: the carried one is the only one
+        assert (props["s3.access-key-id"], props["s3.secret-access-key"]) == ("producer-key", "producer-secret")
