@@ -233,4 +233,6 @@ def resolve(name: str, configured: Mapping[str, Any], given: Mapping[str, Any]) 
             "or the keyword arguments)"
         )
     dashed = {key for key in configured if key in _aliases()}
-    return {**renamed, **from_call}, dashed
+    # an empty argument (None, "") is no setting (pyiceberg's merge keeps the configured value): it must not replace a
+    # renamed one, which pyiceberg no longer sees under its own name
+    return {**renamed, **{k: v for k, v in from_call.items() if v or k not in renamed}}, dashed

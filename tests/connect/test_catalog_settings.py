@@ -338,3 +338,18 @@ def test_a_worker_with_its_own_key_pair_uses_its_own_key_id_with_its_own_secret(
                                   "s3.secret-access-key": "producer-secret"}, tmp_path / "secret-only"):
         props = pickle.loads(payload).io.properties  # no key id configured here: the carried one is the only one
         assert (props["s3.access-key-id"], props["s3.secret-access-key"]) == ("producer-key", "producer-secret")
+
+
+@pytest.mark.parametrize("way", ["yaml", "env"])
+@pytest.mark.parametrize("value", [None, ""])
+def test_an_empty_argument_leaves_the_configured_setting_in_effect_every_way(way: str, value: str | None,
+                                                                            tmp_path: Path) -> None:
+    """pyiceberg's merge: an empty argument (None, "") is no setting, and the configured value stays (``uri=None``
+    loads the configured uri). ``pool_pre_ping=None`` did that for the file's ``pool_pre_ping``, but against
+    ``PYICEBERG_CATALOG__<NAME>__POOL_PRE_PING`` it replaced the setting and failed: "'NoneType' object has no
+    attribute 'lower'"."""
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "pool_pre_ping": "true"}
+    with configured(way, "empty", props, tmp_path / way):
+        catalog = load_catalog("empty", pool_pre_ping=value, uri=value)  # type: ignore[arg-type]
+    assert catalog.engine.pool._pre_ping is True
+    catalog.engine.dispose()
