@@ -497,3 +497,26 @@ def test_a_wrong_storage_secret_met_by_a_commit_names_the_catalogs_own_variable(
     text = str(info.value)
     assert "PYICEBERG_CATALOG__REST_SEAWEEDFS__S3__SECRET_ACCESS_KEY" in text and "<NAME>" not in text, text
     assert CANARY not in text
+
+
+def test_a_key_id_without_its_secret_is_a_config_error_naming_both(moto_service: services.MotoS3, tmp_path: Path) -> None:
+    """A catalog whose ``s3.secret-access-key`` is empty (an unset shell variable behind
+    ``PYICEBERG_CATALOG__<NAME>__S3__SECRET_ACCESS_KEY``) while ``s3.access-key-id`` is set: pyarrow refuses with a
+    ``ValueError`` before any request, which came out of Stream.open as it was. And lakestream's load_catalog refuses a
+    key pyiceberg would drop for its spelling (``s3-secret-access-key``), naming the right one."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    props = {"uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"s3://{moto_service.bucket}/{tmp_path.name}",
+             **moto_service.s3_properties()}
+    catalog = SqlCatalog("halfkey", **props)
+    catalog.create_namespace("ns")
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
+    half = SqlCatalog("halfkey", **{**props, S3_SECRET: ""})
+    with pytest.raises(ConfigError, match=r"s3.access-key-id and s3.secret-access-key go together.*"
+                                          r"PYICEBERG_CATALOG__HALFKEY__S3__SECRET_ACCESS_KEY"):
+        Stream.open(half, "ns.s")
+    typo = {k: v for k, v in props.items() if k != S3_SECRET} | {"s3-secret-access-key": moto_service.secret_key}
+    with pytest.raises(ConfigError, match=r"s3-secret-access-key is not a setting pyiceberg reads.*did you mean "
+                                          r"s3.secret-access-key") as info:
+        load_catalog("halfkey", type="sql", **typo)
+    assert moto_service.secret_key not in str(info.value)

@@ -33,7 +33,7 @@ from typing import Any
 
 from lakestream_iceberg.errors import ConfigError
 
-__all__ = ["CATALOG_KEYS", "catalog_types", "check_catalog_keys", "check_env_reaches", "engine_options", "engine_options_passed", "env_name", "resolve",
+__all__ = ["CATALOG_KEYS", "catalog_types", "check_catalog_keys", "check_env_reaches", "misspelt_keys", "engine_options", "engine_options_passed", "env_name", "resolve",
            "sql_catalog_keys"]
 
 # what pyiceberg 0.12's SqlCatalog reads and passes on, and SQLAlchemy 2.0's create_engine keywords: used only where
@@ -76,6 +76,44 @@ def check_catalog_keys(name: str, properties: Mapping[str, Any]) -> None:
             hint = f"; did you mean {near[0]}?" if near else f"; the catalog properties lakestream reads: {', '.join(CATALOG_KEYS)}"
         raise ConfigError(f"catalog {name!r}: catalog property {key} is not one lakestream reads{hint} (fix it in "
                           f".pyiceberg.yaml, {env_name(name, key)} or the load_catalog() argument)")
+
+
+@functools.cache
+def _io_keys() -> dict[str, str]:
+    """The FileIO properties pyiceberg reads (``s3.secret-access-key``, ...), by their spelling with every ``.`` and
+    ``_`` made ``-``."""
+    try:
+        import pyiceberg.io as io
+    except ImportError:  # pragma: no cover - pyiceberg is a dependency
+        return {}
+    keys = {value for name, value in vars(io).items() if name.isupper() and isinstance(value, str)
+            and re.fullmatch(r"[a-z0-9]+(?:\.[a-z0-9_-]+)+", value) and not value.startswith("pyiceberg.")}
+    return {re.sub(r"[._]", "-", key): key for key in keys}
+
+
+def misspelt_keys(properties: Mapping[str, Any]) -> dict[str, str]:
+    """The properties that spell a FileIO property pyiceberg reads with other separators, which pyiceberg ignores:
+    ``s3-secret-access-key`` (``PYICEBERG_CATALOG__<NAME>__S3_SECRET_ACCESS_KEY``, one ``_`` short), ``s3.secret_access_key``
+    -> the property meant, where the properly spelt one is not set too."""
+    known = _io_keys()
+    found = {}
+    for key in properties:
+        if not isinstance(key, str):
+            continue
+        meant = known.get(re.sub(r"[._]", "-", key.lower()))
+        if meant is not None and meant != key and not properties.get(meant):
+            found[key] = meant
+    return found
+
+
+def check_spelling(name: str, properties: Mapping[str, Any]) -> None:
+    """Raise a :class:`ConfigError` for a property :func:`misspelt_keys` finds (pyiceberg would drop it without a word)."""
+    found = misspelt_keys(properties)
+    if found:
+        key, meant = sorted(found.items())[0]
+        raise ConfigError(f"catalog {name!r}: {key} is not a setting pyiceberg reads (it is dropped); did you mean "
+                          f"{meant}? Set {meant} in .pyiceberg.yaml, {env_name(name, meant)} (each . of the key as __, "
+                          "each - as _) or the load_catalog() argument")
 
 
 def env_name(catalog: str | None, key: str) -> str:

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from lakestream_iceberg.connect.catalog_settings import check_env_reaches, env_name, resolve
+from lakestream_iceberg.connect.catalog_settings import check_env_reaches, check_spelling, env_name, misspelt_keys, resolve
 from lakestream_iceberg.connect.secrets import redact, secret_values
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 
@@ -97,6 +97,8 @@ _S3_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode: (?:6|7|28|35|52|55|5
 _S3_TIMEOUT = re.compile(r"curlCode: 28|Timeout was reached|timed out|ConnectTimeoutError|ReadTimeoutError")
 _S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status (?:5\d\d|429)\b|"
                         r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout")  # fmt: skip
+# pyarrow's S3FileSystem given a key id without its secret (or a secret without its id): a ValueError before any request
+_S3_HALF_KEY = re.compile(r"both access_key and secret_key must be provided")
 _S3_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist")
 # the endpoint's TLS certificate is refused (untrusted, expired, for another name): every retry meets the same one
 _S3_TLS = re.compile(r"curlCode: (?:51|58|60|77|83|90)\b|SSL peer certificate|certificate verify failed")
@@ -195,7 +197,13 @@ def explain(
         detail = detail[:400] + " ..."
     message: str | None = None
 
-    if kind == "s3":
+    if _S3_HALF_KEY.search(text):
+        typos = misspelt_keys(props)
+        hint = "".join(f"; {key} is not a setting pyiceberg reads: did you mean {meant}?" for key, meant in sorted(typos.items()))
+        message = ("s3.access-key-id and s3.secret-access-key go together, and only one of them is set"
+                   f"{hint}; " + _settings(["s3.access-key-id", "s3.secret-access-key"], catalog)
+                   + " (or set neither, for the AWS credential chain)")  # fmt: skip
+    elif kind == "s3":
         endpoint = props.get("s3.endpoint") or "the default AWS endpoint"
         if _S3_SECRET.search(text):
             message = ("the S3 server rejected the request signature: the secret key is wrong; "
@@ -313,7 +321,9 @@ def load_catalog(name: str, **properties: str) -> Any:
         install_rest_timeout()
 
     check_env_reaches(name, os.environ)  # PYICEBERG_CATALOG__MY_CAT__* configures my-cat, not my_cat
-    given, dashed = resolve(name, _configured(name) or {}, properties)
+    configured = _configured(name) or {}
+    check_spelling(name, {**configured, **properties})  # S3_SECRET_ACCESS_KEY (one _ short): dropped by pyiceberg
+    given, dashed = resolve(name, configured, properties)
     # pyiceberg merges the configuration it read at import: a variable set (or a file changed) since then was dropped
     # without a word and the file's catalog used, and one unset since was still used; it gets the configuration as it
     # is now, the call's own arguments still winning

@@ -10,14 +10,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from lakestream_iceberg import Stream
+from catalog import services
+from lakestream_iceberg import Stream, load_catalog
 from lakestream_iceberg.tools.config import embedded_catalog
+from tests.backends import moto_service
 from tests.support import SCHEMA, batch, sqlite_catalog
 
 pytest.importorskip("duckdb")
+
+__all__ = ["moto_service"]  # fixture used by name
 
 WORLD = 2
 STREAM = "ns.cli"
@@ -495,3 +500,23 @@ def test_gc_keep_within_past_what_python_holds_is_a_usage_error(tmp_path: Path,
     code, out, _ = main_inprocess(tmp_path, capsys, "gc", "ns.kwo", "--keep-within", "1000000000s", "--dry-run",
                                   "--json")
     assert code == 0 and json.loads(out)["dry_run"] is True
+
+
+@pytest.mark.services
+def test_a_misspelt_storage_secret_variable_is_a_one_line_error_naming_the_setting(
+        env: dict[str, str], tmp_path: Path, moto_service: Any) -> None:
+    """``PYICEBERG_CATALOG__PROD__S3_SECRET_ACCESS_KEY`` (one ``_`` short after ``S3``) is read by pyiceberg as
+    ``s3-secret-access-key``, which nothing reads: the key id was set and the secret not, and pyarrow's ``ValueError``
+    ("both access_key and secret_key must be provided") came out of ``lakestream status`` as a traceback."""
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"s3://{moto_service.bucket}/{tmp_path.name}",
+             **moto_service.s3_properties()}
+    catalog = load_catalog("prod", **props)
+    catalog.create_namespace("ns")
+    Stream.create(catalog, STREAM, schema=SCHEMA, world_size=WORLD)
+    settings = {k: v for k, v in props.items() if k != "s3.secret-access-key"}
+    typo = {**env, **services.catalog_env("prod", settings),
+            "PYICEBERG_CATALOG__PROD__S3_SECRET_ACCESS_KEY": moto_service.secret_key}
+    proc = run(typo, "--catalog", "prod", "status", STREAM, ok=False)
+    assert proc.returncode == 1 and proc.stderr.startswith("lakestream: error:"), proc.stderr
+    assert "s3.secret-access-key" in proc.stderr and "s3-secret-access-key" in proc.stderr, proc.stderr
+    assert moto_service.secret_key not in proc.stderr
