@@ -93,7 +93,9 @@ pyiceberg reads `PYICEBERG_CATALOG__PROD__POOL_PRE_PING` as `pool-pre-ping`, whi
 `pool_pre_ping`; lakestream maps the dashed spelling of every underscore key the SQL catalog reads back to its name,
 so a setting means the same in the file, the environment and the arguments. A setting that would have no effect
 (a SQLAlchemy engine option such as `pool_size`, which pyiceberg's SQL catalog does not pass on) and a `type` that
-names no catalog type are a `ConfigError` (`lakestream_iceberg/connect/catalog_settings.py`). pyiceberg reads every
+names no catalog type are a `ConfigError` (`lakestream_iceberg/connect/catalog_settings.py`), and so is a FileIO
+property spelt with other separators, which pyiceberg drops (`s3-secret-access-key`, what
+`PYICEBERG_CATALOG__PROD__S3_SECRET_ACCESS_KEY` sets). pyiceberg reads every
 `_` of a variable's catalog name as `-` too: `PYICEBERG_CATALOG__MY_CAT__URI` configures catalog `my-cat`, never
 `my_cat`, so `load_catalog("my_cat")` refuses such variables with a `ConfigError` rather than ignore them; name the
 catalog `my-cat`.
@@ -101,7 +103,8 @@ catalog `my-cat`.
 Catalog properties lakestream reads: `lakestream.sqlite.wal` (SQLite catalogs: `true`, the default, puts the
 database in write-ahead-log mode; `false` leaves it as it is), and for REST catalogs
 `rest.client.connection-timeout-ms` (default 10 s) and `rest.client.socket-timeout-ms` (default 60 s), the request
-timeouts pyiceberg 0.12 does not set.
+timeouts pyiceberg 0.12 does not set. Any other catalog property under `lakestream.` (a misspelling, or a table
+property set on the catalog, which configures no stream) is a `ConfigError` when a stream is created or opened.
 
 The `lakestream` command line takes `--catalog NAME` (loaded as above) or, without it, uses an embedded SQLite
 catalog at `<home>/catalog.db` with its warehouse at `<home>/warehouse`, where `<home>` is `--home DIR`, else
