@@ -111,7 +111,7 @@ def check_spelling(name: str, properties: Mapping[str, Any]) -> None:
     found = misspelt_keys(properties)
     if found:
         key, meant = sorted(found.items())[0]
-        where = (f".pyiceberg.yaml or the load_catalog() argument (no variable can: pyiceberg reads each _ of one as -)"
+        where = (".pyiceberg.yaml or the load_catalog() argument (no variable can: pyiceberg reads each _ of one as -)"
                  if "_" in meant else f".pyiceberg.yaml, {env_name(name, meant)} (each . of the key as __, each - as _) "
                  "or the load_catalog() argument")
         raise ConfigError(f"catalog {name!r}: {key} is not a setting pyiceberg reads (it is dropped); did you mean "

@@ -10,8 +10,8 @@ opened without asking the catalog at all, where the catalog allows it.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyiceberg.catalog import Catalog
