@@ -24,6 +24,7 @@ from pyiceberg.schema import Schema
 from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
+from lakestream_iceberg.connect.catalog_settings import check_catalog_keys
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
@@ -54,7 +55,7 @@ from lakestream_iceberg.format.layout import (
     table_arrow_schema,
 )
 from lakestream_iceberg.format.manifest_cache import ManifestCache
-from lakestream_iceberg.format.properties import WORLD_SIZE
+from lakestream_iceberg.format.properties import WORLD_SIZE, by_key
 from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds, refuse_shared_files
@@ -178,7 +179,7 @@ class Stream(StreamTable):
             NotAStreamError: A plain Iceberg table of that name exists.
             SchemaMismatchError: The schema uses a reserved column name, or a type Iceberg cannot hold.
         """
-        check_catalog(catalog)
+        _check_catalog(catalog)
         identifier = check_identifier(identifier)
         check_new_identifier(identifier)
         location = check_location(location)
@@ -229,7 +230,7 @@ class Stream(StreamTable):
             ConfigError: ``catalog`` is not a pyiceberg catalog, ``identifier`` is not ``"namespace.name"``, or the
                 catalog is unreachable.
         """
-        check_catalog(catalog)
+        _check_catalog(catalog)
         identifier = check_identifier(identifier)
         with config_errors(catalog.properties, action=f"opening stream {identifier}", catalog=catalog.name):
             try:
@@ -669,3 +670,13 @@ class Stream(StreamTable):
                 delay = poll_s if watcher.pause(min(delay, remaining)) else min(delay * 2, 1.0)
         finally:
             watcher.close()
+
+
+def _check_catalog(catalog: object) -> None:
+    """A pyiceberg catalog whose ``lakestream.*`` properties are all ones lakestream reads (a misspelt
+    ``lakestream.sqlite.wal`` was ignored, and a table property set on the catalog configures no stream)."""
+    check_catalog(catalog)
+    properties = getattr(catalog, "properties", None)
+    if isinstance(properties, dict):
+        check_catalog_keys(str(getattr(catalog, "name", "")), properties,
+                           table_property=lambda key: by_key(key) is not None)

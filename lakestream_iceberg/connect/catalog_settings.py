@@ -53,22 +53,22 @@ _ENGINE_OPTIONS = frozenset({
 CATALOG_KEYS = ("lakestream.sqlite.wal",)
 
 
-def check_catalog_keys(name: str, properties: Mapping[str, Any]) -> None:
+def check_catalog_keys(name: str, properties: Mapping[str, Any], *,
+                       table_property: Callable[[str], bool] = lambda key: False) -> None:
     """Refuse a catalog property under ``lakestream.`` that lakestream does not read: a misspelt
     ``lakestream.sqlite.wal`` was ignored without a word (and the database switched to WAL after all), and a table
     property set on the catalog (``lakestream.snapshots.retain-last``) configures no stream.
 
     Raises:
-        ConfigError: Such a key, with the nearest catalog property, or where a table property belongs.
+        ConfigError: Such a key, with the nearest catalog property, or where a table property belongs (``table_property``
+            tells a table property's key).
     """
     import difflib
 
     for key in properties:
         if not isinstance(key, str) or not key.lower().startswith("lakestream.") or key in CATALOG_KEYS:
             continue
-        from lakestream_iceberg.format.properties import by_key
-
-        if by_key(key) is not None:
+        if table_property(key):
             hint = (f"; {key} is a table property: set it with Stream.create(..., properties={{{key!r}: ...}}) or on the "
                     "table (docs/configuration.md)")
         else:

@@ -155,11 +155,6 @@ def check_catalog(catalog: object) -> None:
         hint = (f"; load it with lakestream_iceberg.load_catalog({catalog!r})" if isinstance(catalog, str)
                 else " (lakestream_iceberg.load_catalog(name) or pyiceberg's load_catalog(name) returns one)")
         raise ConfigError(f"catalog must be a pyiceberg Catalog, got {type(catalog).__name__} {catalog!r}"[:300] + hint)
-    from lakestream_iceberg.connect.catalog_settings import check_catalog_keys
-
-    properties = getattr(catalog, "properties", None)
-    if isinstance(properties, dict):
-        check_catalog_keys(str(catalog.name), properties)  # a misspelt lakestream.sqlite.wal: not ignored
 
 
 def branches(metadata: TableMetadata) -> list[str]:
