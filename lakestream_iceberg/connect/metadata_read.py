@@ -40,13 +40,23 @@ MALFORMED: tuple[type[BaseException], ...] = (ValidationError, UnicodeDecodeErro
 
 def malformed_metadata(what: str, exc: BaseException) -> CorruptStateError:
     """The error for a table metadata file that cannot be parsed (``what``: the file, or the table whose current one)."""
-    detail = " ".join(str(exc).split())[:200]
+    detail = " ".join(str(exc).split())[:300]
+    restore = ("Restore it from a backup (or the bucket's object versioning), or point the catalog back at the previous "
+               "metadata file (the newest one in the table's metadata/ folder that reads; on a SQL catalog its "
+               "iceberg_tables.metadata_location)")
+    if isinstance(exc, ValidationError):  # JSON that pyiceberg's model refuses: damage, or a newer engine's metadata
+        from pyiceberg import __version__
+
+        return CorruptStateError(
+            f"{what} cannot be read by pyiceberg {__version__} ({type(exc).__name__}: {detail}), and nothing can be read "
+            "or published through it. If another engine wrote it with an Iceberg feature this pyiceberg does not read "
+            "(a newer format version, a type such as variant), the table is not damaged: read it with a pyiceberg that "
+            f"reads that feature, or undo the change with that engine. If it was damaged or overwritten: {restore}"
+        )
     return CorruptStateError(
         f"{what} cannot be read as Iceberg table metadata ({type(exc).__name__}: {detail}): it was damaged or "
-        "overwritten by a tool that does not write Iceberg metadata, and nothing can be read or published through it. "
-        "Restore it from a backup (or the bucket's object versioning), or point the catalog back at the previous "
-        "metadata file (the newest one in the table's metadata/ folder that reads; on a SQL catalog its "
-        "iceberg_tables.metadata_location)"
+        f"overwritten by a tool that does not write Iceberg metadata, and nothing can be read or published through it. "
+        f"{restore}"
     )
 
 # the lists of a metadata document whose entries are kept, with the field that identifies an entry
