@@ -29,6 +29,8 @@ from lakestream_iceberg.format.table import StreamTable
 __all__ = ["PY_CATALOG_IMPL", "StreamRef", "forked_view", "travelling_properties"]
 
 PY_CATALOG_IMPL = "py-catalog-impl"
+_AWS_KEY_IDS = ("s3.access-key-id", "client.access-key-id")  # pyiceberg's S3 FileIO: the first set is used
+_AWS_SECRETS = ("s3.secret-access-key", "client.secret-access-key")
 
 
 def travelling_properties(properties: Mapping[Any, Any]) -> dict[str, str]:
@@ -141,7 +143,12 @@ class StreamRef:
             return []
         carried = dict(self.catalog_properties)
         ids = {key.rsplit(".", 1)[0] + ".access-key-id" for key in withheld if "." in key}
-        return sorted(key for key in ids if key in carried and configured.get(key) and configured[key] != carried[key])
+        # pyiceberg's S3 FileIO takes s3.* first, then client.* (one AWS key pair for catalog and storage): a worker's own
+        # client.* pair must not be paired with the parent's carried s3.access-key-id either
+        own_aws = any(configured.get(key) for key in _AWS_KEY_IDS)
+        return sorted(key for key in ids if key in carried and (
+            (configured.get(key) and configured[key] != carried[key])
+            or (key in _AWS_KEY_IDS and own_aws and not configured.get(key))))
 
     def _withheld_here(self) -> list[str]:
         """The withheld settings this process's configuration does not give the catalog either."""
@@ -152,7 +159,10 @@ class StreamRef:
         except Exception:  # noqa: BLE001 - a malformed configuration: every withheld setting is missing
             configured = {}
         have = {**configured, **dict(self.secrets)}
-        return [key for key in self.withheld if not have.get(key) and not have.get(key.replace("_", "-"))]
+        # a worker with an AWS key pair of its own needs none of the parent's AWS credentials (its session token neither)
+        own_pair = any(have.get(key) for key in _AWS_KEY_IDS) and any(have.get(key) for key in _AWS_SECRETS)
+        return [key for key in self.withheld if not have.get(key) and not have.get(key.replace("_", "-"))
+                and not (own_pair and key.split(".", 1)[0] in ("s3", "client"))]
 
     def _catalog(self) -> Catalog:
         props = {**dict(self.catalog_properties), **dict(self.secrets)}

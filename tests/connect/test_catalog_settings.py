@@ -353,3 +353,60 @@ def test_an_empty_argument_leaves_the_configured_setting_in_effect_every_way(way
         catalog = load_catalog("empty", pool_pre_ping=value, uri=value)  # type: ignore[arg-type]
     assert catalog.engine.pool._pre_ping is True
     catalog.engine.dispose()
+
+
+def test_a_worker_with_its_own_client_key_pair_uses_it_whole(tmp_path: Path) -> None:
+    """review3: the own-key-pair fix (4e9adf3) only looks at the withheld secret's own prefix. pyiceberg documents
+    ``client.access-key-id`` / ``client.secret-access-key`` as the AWS key pair for the catalog and S3 FileIO alike
+    (PyArrowFileIO takes ``s3.*`` first, then ``client.*``). A worker host configured with its own ``client.*`` pair
+    still got the parent's carried ``s3.access-key-id`` paired with its own ``client.secret-access-key``: a pair that
+    exists nowhere (access denied on the first read)."""
+    from pyiceberg.io import AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, S3_ACCESS_KEY_ID, S3_SECRET_ACCESS_KEY
+    from pyiceberg.utils.properties import get_first_property_value
+
+    name = "cpair"
+    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
+                                  "warehouse": f"file://{tmp_path}/wh", "s3.access-key-id": "producer-key",
+                                  "s3.secret-access-key": "producer-secret"}, tmp_path / "home"):
+        catalog = load_catalog(name)
+        catalog.create_namespace("ns")
+        payload = pickle.dumps(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
+                                  "client.access-key-id": "trainer-key", "client.secret-access-key": "trainer-secret"},
+                    tmp_path / "worker"):
+        props = pickle.loads(payload).io.properties
+        used = (get_first_property_value(props, S3_ACCESS_KEY_ID, AWS_ACCESS_KEY_ID),
+                get_first_property_value(props, S3_SECRET_ACCESS_KEY, AWS_SECRET_ACCESS_KEY))  # as PyArrowFileIO picks
+        assert used == ("trainer-key", "trainer-secret")
+
+
+@pytest.mark.services
+def test_a_catalog_outage_in_a_worker_with_its_own_key_pair_is_not_called_a_missing_credential(tmp_path: Path) -> None:
+    """review3: StreamRef.catalog() turns any construction failure into a ConfigError "the pickled stream did not carry
+    X" when a withheld setting is not configured here, even a transient one. A worker with its own key pair (no session
+    token: long-lived keys) reopening a stream whose parent used temporary credentials (key id, secret, session token)
+    needs no ``s3.session-token``, yet a catalog database that refuses connections for the moment is reported as a
+    missing session token to configure, and no longer counts as transient."""
+    from lakestream_iceberg.connect.diagnose import transient
+
+    ref = StreamRef("outage", (("type", "sql"), ("uri", f"postgresql+psycopg2://postgres@127.0.0.1:{_closed_port()}/x"),
+                               ("s3.access-key-id", "producer-key")), "ns.s",
+                    (("s3.secret-access-key", "producer-secret"), ("s3.session-token", "producer-token")))
+    with configured("env", "outage", {"s3.access-key-id": "trainer-key", "s3.secret-access-key": "trainer-secret"},
+                    tmp_path / "worker"):
+        with pytest.raises(Exception) as here:  # the process that holds the secrets: the outage as such
+            ref.catalog()
+        unpickled = pickle.loads(pickle.dumps(ref))
+        with pytest.raises(Exception) as info:
+            unpickled.catalog()
+        assert "s3.session-token" not in str(info.value)
+        assert type(info.value) is type(here.value) and transient(info.value) == transient(here.value)
+
+
+def _closed_port() -> int:
+    """A local port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
