@@ -28,7 +28,7 @@ from lakestream_iceberg.connect.catalog_settings import check_catalog_keys
 from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
-from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata
+from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, unparsable
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import (
@@ -241,6 +241,8 @@ class Stream(StreamTable):
                     "name and the catalog"
                 ) from exc
             except MALFORMED as exc:
+                if not unparsable(exc):  # an HTTP client's JSONDecodeError (a REST token refresh): not a metadata file
+                    raise
                 raise malformed_metadata(f"the current metadata file of table {identifier} (the one catalog "
                                          f"{catalog.name!r} names for it)", exc) from exc
             return cls(table)

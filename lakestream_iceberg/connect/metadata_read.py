@@ -30,12 +30,20 @@ from pyiceberg.table.metadata import TableMetadata, TableMetadataUtil
 
 from lakestream_iceberg.errors import CorruptStateError
 
-__all__ = ["MALFORMED", "malformed_metadata", "read_metadata"]
+__all__ = ["MALFORMED", "malformed_metadata", "read_metadata", "unparsable"]
 
 # What pyiceberg raises for a metadata.json it cannot parse: not JSON or not table metadata (its ValidationError wraps
 # pydantic's), not UTF-8, a compressed file cut short (EOFError) or not gzip: never a transient failure
 MALFORMED: tuple[type[BaseException], ...] = (ValidationError, UnicodeDecodeError, json.JSONDecodeError, EOFError,
                                               gzip.BadGzipFile)
+
+
+def unparsable(exc: BaseException) -> bool:
+    """Whether ``exc``, one of :data:`MALFORMED` raised out of a catalog's ``load_table`` or a table's ``refresh``, is a
+    metadata file that cannot be parsed: not an HTTP client's own error (requests' ``JSONDecodeError`` is a
+    ``json.JSONDecodeError``: pyiceberg's OAuth2 token refresh meeting an HTML page raises it inside any REST call)."""
+    return isinstance(exc, MALFORMED) and not any(
+        cls.__module__.split(".", 1)[0] in ("requests", "urllib3", "httpx") for cls in type(exc).__mro__)
 
 
 def malformed_metadata(what: str, exc: BaseException) -> CorruptStateError:

@@ -29,7 +29,7 @@ from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.direct import direct_connections
 from lakestream_iceberg.connect.fork import no_fork_inside
-from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, read_metadata
+from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, read_metadata, unparsable
 from lakestream_iceberg.errors import StreamError, StreamNotFoundError
 
 __all__ = ["PointerWatch", "cached_probe", "pointer_probe", "read_moved", "refresh_if_moved", "release_idle_connections"]
@@ -242,6 +242,8 @@ def _reload(table: Table) -> None:
     try:
         table.refresh()
     except MALFORMED as exc:  # the catalog's new metadata file cannot be parsed: no retry reads it
+        if not unparsable(exc):  # an HTTP client's JSONDecodeError (a REST token refresh): not a metadata file
+            raise
         raise malformed_metadata(f"the current metadata file of table {'.'.join(table.name())}", exc) from exc
     except NoSuchTableError as exc:
         if isinstance(exc, StreamNotFoundError):

@@ -21,7 +21,7 @@ from pyiceberg.utils.config import Config, merge_config
 from lakestream_iceberg.connect.catalog_settings import env_name, resolve
 from lakestream_iceberg.connect.diagnose import config_errors, load_catalog, transient
 from lakestream_iceberg.connect.fork import fork_safe, owns_connections
-from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata
+from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, unparsable
 from lakestream_iceberg.connect.secrets import redact, redacted, split_secrets
 from lakestream_iceberg.errors import ConfigError, LakestreamError
 from lakestream_iceberg.format.table import StreamTable
@@ -188,6 +188,8 @@ class StreamRef:
             try:
                 table = catalog.load_table(self.identifier)
             except MALFORMED as exc:
+                if not unparsable(exc):  # an HTTP client's JSONDecodeError (a REST token refresh): not a metadata file
+                    raise
                 raise malformed_metadata(f"the current metadata file of table {self.identifier}", exc) from exc
             return StreamTable(table)
 

@@ -185,3 +185,61 @@ def test_table_metadata_pyiceberg_cannot_read_but_a_newer_engine_wrote_is_not_ca
     message = str(info.value)
     assert "variant" in message
     assert "it was damaged or overwritten by a tool" not in message and "a newer format version, a type such as variant" in message, message
+
+
+def test_an_oauth2_token_endpoint_answering_html_is_not_a_damaged_metadata_file(tmp_path: Path) -> None:
+    """review3: MALFORMED holds json.JSONDecodeError, and requests' JSONDecodeError is one. pyiceberg's OAuth2 auth
+    manager (``auth: {type: oauth2}``) refreshes its token inside whatever request needs it, with
+    ``response.json()``: a token endpoint (or a proxy or SSO page in front of it) that answers an expired token's refresh
+    with a 200 HTML page made Stream.open (and a refresh, a commit's reload) say the table's current metadata file is
+    damaged, with the advice to point the catalog back at an older metadata file; no metadata file was read at all.
+
+    The server here stands in for an OAuth2 token endpoint behind such a proxy (no such service runs in the tests)."""
+    import http.server
+    import threading
+    import time
+
+    from pyiceberg.catalog.rest import RestCatalog
+
+    from lakestream_iceberg.errors import CorruptStateError
+
+    tokens = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def _send(self, body: str, kind: str) -> None:
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            tokens.append(self.path)
+            if len(tokens) == 1:  # a token that expires in a second (pyiceberg refreshes 60 s early)
+                self._send(json.dumps({"access_token": "t1", "token_type": "bearer", "expires_in": 61}),
+                           "application/json")
+            else:
+                self._send("<html><body>Service temporarily unavailable</body></html>", "text/html")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._send(json.dumps({"defaults": {}, "overrides": {}}), "application/json")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        catalog = RestCatalog("oauth", uri=uri, auth={"type": "oauth2", "oauth2": {
+            "client_id": "id", "client_secret": "secret", "token_url": f"{uri}/token"}})
+        time.sleep(1.2)
+        with pytest.raises(Exception) as info:
+            Stream.open(catalog, "ns.s")
+        assert len(tokens) >= 2  # the refresh met the HTML page
+        assert not isinstance(info.value, CorruptStateError), str(info.value)
+    finally:
+        server.shutdown()
+        server.server_close()
