@@ -114,7 +114,11 @@ def test_pickled_sink_carries_no_secret(tmp_path: Path) -> None:
     sink = LakestreamDatasink(catalog=catalog, stream="ns.s", run_name="prep", rows_per_step=4)
     blob = pickle.dumps(sink)
     assert b"hunter22-not-shipped" not in blob
-    assert pickle.loads(blob).stream_ref.identifier == "ns.s"
+    shipped = pickle.loads(blob).stream_ref
+    assert shipped.identifier == "ns.s"
+    # the name of what stayed behind travels, as with a pickled stream: a task lacking it is told which setting, and a
+    # task with a key pair of its own uses it whole (not the driver's key id with its own secret)
+    assert shipped.withheld == ("s3.secret-access-key",) and shipped.secrets == ()
 
 
 def test_catalog_by_name_is_resolved_from_pyiceberg_config_in_the_task(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -191,8 +191,9 @@ class LakestreamDatasink(Datasink[TaskReport]):
             props = travelling_properties(catalog.properties)
             if "type" not in props and PY_CATALOG_IMPL not in props:
                 props[PY_CATALOG_IMPL] = f"{type(catalog).__module__}.{type(catalog).__qualname__}"
-            public, _secret = split_secrets(props)  # the secrets stay here: tasks resolve them from their config
-            return StreamRef(catalog.name, tuple(sorted(public.items())), stream)
+            public, secret = split_secrets(props)  # the secrets stay here: tasks resolve them from their config
+            # their names travel: a task that lacks one says which (and one with its own key pair uses it whole)
+            return StreamRef(catalog.name, tuple(sorted(public.items())), stream, withheld=tuple(sorted(secret)))
         if not isinstance(catalog, str) or not catalog:
             raise ConfigError(f"catalog must be a catalog name or a pyiceberg Catalog, got {type(catalog).__name__}")
         public, secret = split_secrets({str(k): str(v) for k, v in (extra or {}).items()})
