@@ -30,16 +30,20 @@ def lag_report(stream: StreamTable, *, group: str | None, stale_after: float) ->
 
     stream.refresh()
     rows = consumer_lags(stream, group=group, stale_after=stale_after)
+    by_group: dict[str, list[Any]] = {}  # one pass over the positions, not one per group
+    for r in rows:
+        by_group.setdefault(r.group, []).append(r)
     groups = []
-    for name in sorted({r.group for r in rows}):
-        mine = [r for r in rows if r.group == name]
+    for name in sorted(by_group):
+        mine = by_group[name]
         counts = Counter(r.status for r in mine)
         lags = [r.lag_steps for r in mine if r.lag_steps is not None]  # gone ranks have none
         world = max((r.world_size for r in mine if r.status != "gone" and r.world_size), default=None)
         # ranks of the world size with no record at all: never started (or hung before making their dataset), which
-        # no row of the table shows
+        # no row of the table shows. A position's rank is below its world size (Position.parse), so the recorded ranks
+        # of that world size are counted, not every rank of it walked (a world size may be up to 2**31 - 1)
         seen = {r.rank for r in mine if r.status != "gone" and r.world_size == world}
-        unreported = None if world is None else sum(1 for rank in range(world) if rank not in seen)
+        unreported = None if world is None else world - len(seen)
         groups.append({"group": name, "ranks": dict(sorted(counts.items())), "world_size": world,
                        "unreported": unreported, "max_lag_steps": max(lags, default=None)})
     return {"stream": stream.name, "stale_after_reports": stale_after, "groups": groups,
