@@ -78,7 +78,7 @@ if TYPE_CHECKING:
 
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["VIEWS", "collect", "history", "import_duckdb", "register_samples"]
+__all__ = ["VIEWS", "collect", "history", "import_duckdb", "register_consumers", "register_samples"]
 
 VIEWS = ("batches", "files", "producers", "checkpoints", "snapshots", "consumers", "samples")
 # -- the public entry point ---------------------------------------------------------------------------------------------
@@ -100,6 +100,7 @@ def history(
     samples: bool = True,
     refresh: bool = True,
     progress: bool = False,
+    consumers: bool = True,
 ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB connection with the stream's history as views (see the module docstring for columns).
 
@@ -112,6 +113,8 @@ def history(
         samples: Register the ``samples`` view now; with False, add it later with :func:`register_samples`.
         refresh: Reload table metadata from the catalog first.
         progress: Show a progress bar (on a terminal) while reading samples.
+        consumers: Register the ``consumers`` view now (it lists every recorded position of every group: one row, or
+            one object read, per rank); with False, add it later with :func:`register_consumers`.
 
     Returns:
         A ``duckdb.DuckDBPyConnection``; views: ``batches, files, producers, checkpoints, snapshots, consumers,
@@ -133,7 +136,7 @@ def history(
     samples_steps = _step_range(samples_steps)
     con = duckdb.connect()
     # a file GC deleted since the view was read: once more on the fresh head (a file still listed is MissingFileError)
-    tables = after_gc(lambda: collect(stream, branch=branch, refresh=False), refresh=stream.refresh)
+    tables = after_gc(lambda: collect(stream, branch=branch, refresh=False, consumers=consumers), refresh=stream.refresh)
     for name, table in tables.items():
         con.register(name, table)
     if samples:
@@ -172,6 +175,11 @@ def register_samples(
     con.register("samples", table.cast(duckdb_schema(table.schema)))
 
 
+def register_consumers(con: duckdb.DuckDBPyConnection, stream: StreamTable) -> None:
+    """(Re)register the ``consumers`` view of ``con``: every consumer group's recorded positions (all branches)."""
+    con.register("consumers", consumers_table(stream))
+
+
 def duckdb_schema(schema: pa.Schema) -> pa.Schema:
     """``schema`` with what DuckDB cannot register as a view made a type it can: a half-float (which a stream holds,
     Iceberg storing it as a float) becomes a float32, which holds every half-float value, NaN too."""
@@ -195,18 +203,22 @@ def _duckdb_type(kind: pa.DataType) -> pa.DataType:
     return kind
 
 
-def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True) -> dict[str, pa.Table]:
-    """The metadata views (all but ``samples``) as Arrow tables keyed by view name."""
+def collect(stream: StreamTable, *, branch: str = "main", refresh: bool = True,
+            consumers: bool = True) -> dict[str, pa.Table]:
+    """The metadata views (all but ``samples``; ``consumers`` only with ``consumers``) as Arrow tables keyed by view
+    name."""
     state = stream.state(branch=branch, refresh=refresh)
     entries = live_entries(stream, branch=branch)
     files = file_rows(entries, world_size=stream.world_size)
     snapshots = snapshot_rows(stream, branch=branch)
     batches = batch_rows(files, snapshots, adder_rows(stream, files, snapshots))
-    return {
+    tables = {
         "batches": pa.Table.from_pylist(batches, schema=BATCHES_SCHEMA),
         "files": pa.Table.from_pylist(files, schema=FILES_SCHEMA),
         "producers": pa.Table.from_pylist(producer_rows(state, batches, stream.io), schema=PRODUCERS_SCHEMA),
         "checkpoints": pa.Table.from_pylist(checkpoint_rows(stream, {branch: entries}), schema=CHECKPOINTS_SCHEMA),
         "snapshots": pa.Table.from_pylist(snapshots, schema=SNAPSHOTS_SCHEMA),
-        "consumers": consumers_table(stream),
     }
+    if consumers:
+        tables["consumers"] = consumers_table(stream)
+    return tables

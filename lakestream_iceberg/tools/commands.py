@@ -184,22 +184,30 @@ def _parse_steps(text: str | None) -> tuple[int, int] | None:
 
 
 def cmd_sql(args: argparse.Namespace, out: Output) -> int:
-    from lakestream_iceberg.read.history import history, import_duckdb, register_samples
+    from lakestream_iceberg.read.history import history, import_duckdb, register_consumers, register_samples
 
     duckdb = import_duckdb()  # MissingExtraError naming the extra when DuckDB is not installed
 
     stream = _stream(args)
     steps = _parse_steps(args.steps)
-    # Metadata views first; the samples view reads data files, so it is loaded only when the query names it.
-    con = history(stream, branch=args.branch, samples=False)
+    # Metadata views first; the samples view reads data files and the consumers view every recorded position of every
+    # group (a row, or an object read, per rank), so each is loaded only when the query names it (once).
+    con = history(stream, branch=args.branch, samples=False, consumers=False)
+    later = {
+        "samples": lambda: register_samples(con, stream, branch=args.branch, samples_steps=steps,
+                                            progress=not out.json),
+        "consumers": lambda: register_consumers(con, stream),
+    }
     try:
-        try:
-            relation = con.sql(args.query)
-        except duckdb.CatalogException as exc:
-            if "samples" not in str(exc):
-                raise
-            register_samples(con, stream, branch=args.branch, samples_steps=steps, progress=not out.json)
-            relation = con.sql(args.query)
+        while True:
+            try:
+                relation = con.sql(args.query)
+                break
+            except duckdb.CatalogException as exc:
+                missing = next((name for name in later if name in str(exc)), None)
+                if missing is None:
+                    raise
+                later.pop(missing)()
         rows = []
         if out.json and relation is not None:  # a table shows MAX_HUMAN_ROWS: fetching every row cost gigabytes
             columns = _unique_names(relation.columns)
