@@ -8,10 +8,12 @@ page fault (and zeroing) on each side for every 4 KiB: ``num_workers=2`` ran abo
 :class:`Handoff` marks the dict item the dataset yields inside a worker. When DataLoader pickles it, every CPU tensor in
 it (and both tensors of each :class:`~lakestream_iceberg.read.tensors.Blobs`) is copied into one segment of a per-worker
 pool of anonymous shared memory (``memfd``); the pickle carries the segment's number and the layout, plus its descriptor
-the first time only. The training process maps each segment once and builds the item as a plain ``dict`` of views of it;
-when the last of those views is gone it marks the segment free in the segment's first byte, and the worker writes a
-later item into it. A segment the training process still holds is never written: items kept for as long as you like stay
-intact (the worker makes another segment). An item no free segment fits gets a larger one, and the free ones it outgrew
+the first time only. The training process maps each segment once and builds the item as a plain ``dict`` of views of it,
+but for tensors of at most ``COPIED_BYTES``, which it copies out (a kept ``item["sample_ids"]`` would otherwise hold the
+whole segment: a loop keeping each step's ids took a segment per step, shared memory that only grew); when the last of
+the views is gone it marks the segment free in the segment's first byte, and the worker writes a later item into it. A
+segment the training process still holds is never written: items kept for as long as you like stay intact (the worker
+makes another segment). An item no free segment fits gets a larger one, and the free ones it outgrew
 give their memory back (items that grow step after step leave only the last sizes' memory taken). When DataLoader lets
 go of a worker (its iterator ended, or the loader is gone), the training process unmaps that worker's segments; an item
 still held keeps its own until it is dropped. Values of other types are pickled as they are; without workers nothing
@@ -43,6 +45,7 @@ log = logging.getLogger("lakestream_iceberg.read.dataset")
 _ALIGN = 64  # every tensor starts on a 64-byte boundary, as Arrow aligns its buffers
 _HEADER = _ALIGN  # byte 0: 1 while the training process holds the segment's item, 0 when free
 _MIN_SEGMENT = 1 << 20
+COPIED_BYTES = 64 << 10  # a tensor this small arrives as a copy, not a view of the segment (module docstring)
 
 
 def supported() -> bool:
@@ -332,11 +335,12 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
     weakref.finalize(payload, _release, segment, os.getpid())
     # numpy views of the payload, each wrapped by torch (3x cheaper than slicing a torch tensor of it); a dtype numpy
     # lacks comes as torch's own and is viewed through torch. Every tensor holds its view, every view the payload: the
-    # payload dies, and the segment is released, with the last tensor. An empty tensor is made afresh: a view would
-    # start where the next tensor does, and torch.save refuses two storages of one address with different dtypes.
+    # payload dies, and the segment is released, with the last tensor. A tensor of at most COPIED_BYTES is a copy, so
+    # that keeping one does not hold the segment. An empty tensor is made afresh: a view would start where the next
+    # tensor does, and torch.save refuses two storages of one address with different dtypes.
+    copied = COPIED_BYTES
     tensors = [_empty(torch, dtype, shape) if not nbytes
-               else torch.from_numpy(payload[start : start + nbytes].view(dtype).reshape(shape)) if isinstance(dtype, np.dtype)
-               else torch.from_numpy(payload[start : start + nbytes]).view(dtype).view(shape)
+               else _tensor(torch, payload[start : start + nbytes], dtype, shape, copy=nbytes <= copied)
                for start, nbytes, dtype, shape in layout]
     del payload
     item: dict[str, Any] = {}
@@ -348,6 +352,16 @@ def _rebuild(key: tuple[int, int], fd: Any, size: int, layout: list[tuple[int, i
         else:
             item[name] = value
     return item
+
+
+def _tensor(torch: Any, raw: np.ndarray, dtype: Any, shape: tuple[int, ...], *, copy: bool) -> Any:
+    """The tensor of ``dtype`` (numpy's, or torch's where numpy has none) and ``shape`` in the bytes ``raw``: a view of
+    them, or with ``copy`` in memory of its own."""
+    if isinstance(dtype, np.dtype):
+        array = raw.view(dtype).reshape(shape)
+        return torch.from_numpy(array.copy() if copy else array)
+    tensor = torch.from_numpy(raw).view(dtype).view(shape)
+    return tensor.clone() if copy else tensor
 
 
 def _empty(torch: Any, dtype: Any, shape: tuple[int, ...]) -> Any:

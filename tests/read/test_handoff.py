@@ -67,7 +67,8 @@ def same(a: object, b: object) -> bool:
     return a == b
 
 
-def test_an_item_arrives_equal_as_a_plain_dict_of_views_of_one_buffer() -> None:
+def test_an_item_arrives_equal_as_a_plain_dict_of_views_of_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handoff, "COPIED_BYTES", 0)  # every tensor a view (sample_item's are all small)
     item = sample_item(3)
     got = ship(item)
     assert type(got) is dict and list(got) == list(item)
@@ -84,7 +85,8 @@ def test_an_item_arrives_equal_as_a_plain_dict_of_views_of_one_buffer() -> None:
     assert [bytes(b.numpy()) for b in got["blob"]] == [bytes(b.numpy()) for b in item["blob"]]
 
 
-def test_a_segment_is_reused_only_after_every_view_of_its_item_is_gone() -> None:
+def test_a_segment_is_reused_only_after_every_view_of_its_item_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handoff, "COPIED_BYTES", 0)  # every tensor a view (sample_item's are all small)
     pool = handoff._pool_here()
     first = ship(sample_item(1))
     kept = first["tokens"]  # one view is enough to hold the segment
@@ -98,6 +100,41 @@ def test_a_segment_is_reused_only_after_every_view_of_its_item_is_gone() -> None
     for seed in range(4, 10):  # one item at a time: the freed segments serve them all
         assert same(ship(sample_item(seed))["tokens"], sample_item(seed)["tokens"])
     assert len(pool.segments) == before
+
+
+def test_a_small_tensor_kept_past_its_step_does_not_hold_its_items_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kept ``item["sample_ids"]`` held its item's whole segment: a loop keeping each step's ids (for logging, for an
+    epoch's record) took one segment per step, shared memory that only grew. Tensors of at most COPIED_BYTES arrive as
+    copies; a larger one is a view of the segment, and keeping it holds the segment, as before."""
+    # a pool of this test's own segments, and their mappings: both are per process, and the other tests' items go on
+    # through the pool and the mappings they had (a segment's mapping is keyed by its number, sent once)
+    monkeypatch.setattr(handoff, "_pool", None)
+    monkeypatch.setattr(handoff, "_mapped", {})
+    pool = handoff._pool_here()
+    big = (handoff.COPIED_BYTES // 4) + 1  # int32 values: one element past the copied size
+
+    def item(seed: int) -> dict:
+        return {**sample_item(seed), "large": torch.arange(big, dtype=torch.int32) + seed}
+
+    first = ship(item(1))
+    before = len(pool.segments)
+    kept = [first["sample_ids"], first["half"], first["blob"].offsets]  # small ones, a bfloat16 among them
+    large = first["large"]
+    del first
+    gc.collect()
+    second = ship(item(2))
+    assert len(pool.segments) == before + 1  # the large tensor holds the first segment
+    del large, second
+    gc.collect()
+    ids = [ship(item(seed))["sample_ids"] for seed in range(3, 12)]  # each step's ids kept, the rest dropped
+    assert len(pool.segments) == before + 1  # the freed segments serve every later item
+    assert [t.tolist() for t in ids] == [(torch.arange(5) + seed).tolist() for seed in range(3, 12)]
+    assert same(kept[0], sample_item(1)["sample_ids"]) and same(kept[1], sample_item(1)["half"])
+    assert same(kept[2], sample_item(1)["blob"].offsets)
+    for tensor in ids:  # memory of their own: writable, and not in any mapped segment
+        tensor[0] = -1
+        assert not any(np.frombuffer(m, dtype=np.uint8).ctypes.data <= tensor.data_ptr()
+                       < np.frombuffer(m, dtype=np.uint8).ctypes.data + len(m) for m in handoff._mapped.values())
 
 
 def test_items_without_tensors_and_other_types_pass_unchanged() -> None:
@@ -159,7 +196,9 @@ def test_an_item_whose_tensors_cannot_be_copied_goes_through_torchs_own_sharing_
         raise RuntimeError("a layout the copy does not take")
 
     monkeypatch.setattr(handoff, "_pool", None)
+    monkeypatch.setattr(handoff, "_mapped", {})  # the new pool's mappings, keyed as the old pool's are
     monkeypatch.setattr(handoff, "_fallbacks", [])
+    monkeypatch.setattr(handoff, "COPIED_BYTES", 0)  # every tensor a view (sample_item's are all small)
     with monkeypatch.context() as patch:
         patch.setattr(handoff, "_copy_into", refuse)
         shipped_through_torchs_sharing(caplog, "RuntimeError")
@@ -251,9 +290,11 @@ def handoff_memory() -> set[int]:
     return held
 
 
-def test_the_training_process_lets_go_of_a_workers_segments_once_its_loader_is_done(tmp_path: Path) -> None:
+def test_the_training_process_lets_go_of_a_workers_segments_once_its_loader_is_done(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The training process kept every segment of a finished DataLoader's workers mapped (with a descriptor each)
     until a later DataLoader's worker sent its first item: after a loop over huge steps, their memory stayed taken."""
+    monkeypatch.setattr(handoff, "COPIED_BYTES", 0)  # every tensor a view (these items' are all small)
     stream = make_stream(tmp_path, steps=9)
     alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
     before = handoff_memory()
