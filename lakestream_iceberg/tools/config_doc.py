@@ -87,7 +87,7 @@ is that function with clearer errors, so a catalog is configured exactly as for 
 - `.pyiceberg.yaml` in `$PYICEBERG_HOME`, else in the home directory, under `catalog:` then the catalog's name;
 - environment variables `PYICEBERG_CATALOG__<NAME>__<KEY>`, which override the file: `__` in the key stands for `.`
   and `_` for `-`, so `PYICEBERG_CATALOG__PROD__S3__ACCESS_KEY_ID` is `s3.access-key-id` of catalog `prod`;
-- keyword arguments, which override both.
+- keyword arguments, which override both (an empty one, `None` or `''`, leaves the configured setting in effect).
 
 pyiceberg reads `PYICEBERG_CATALOG__PROD__POOL_PRE_PING` as `pool-pre-ping`, while its SQL catalog reads only
 `pool_pre_ping`; lakestream maps the dashed spelling of every underscore key the SQL catalog reads back to its name,
