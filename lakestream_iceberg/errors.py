@@ -145,7 +145,8 @@ class CommitError(LakestreamError):
 class CommitTimeoutError(CommitError):
     """The commit loop ran out of attempts or time; this call published nothing. A batch it had staged for group
     commit is withdrawn, but another producer's group commit that read it before may still publish it: retry with the
-    same seq (``seq``), which is reconciled either way (a duplicate when it landed), never with ``seq=None``."""
+    same seq (``seq``), which is reconciled either way (a duplicate when it landed); with ``seq=None`` only through the
+    same producer object after a ``seq=None`` call (see :class:`CommitError`)."""
 
 
 class CommitOutcomeUnknownError(CommitError):

@@ -255,6 +255,40 @@ def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_pa
     assert sorted(published(stream).values()) == [("p", 0), ("p", 1), ("p", 2)]
 
 
+def test_an_outcome_unknown_error_of_an_explicit_seq_does_not_advise_a_seq_none_retry(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit with an explicit seq lands, then the catalog stays unreachable: ``CommitOutcomeUnknownError``. Its
+    message advised a retry "with seq=None through this producer object (its next call takes the same batch for the
+    retry)", which holds only for a batch the producer numbered: after an explicit seq the producer keeps no failed
+    batch, and a ``seq=None`` retry is numbered after the seq that landed (the batch published twice)."""
+    import lakestream_iceberg.write.commit as commit_module
+    from lakestream_iceberg import CommitOutcomeUnknownError
+
+    catalog = DownAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.commit.timeout-ms": "500"})
+    refresh = commit_module.refresh_if_moved
+
+    def unreachable_while_down(table: Any, **kwargs: Any) -> bool:
+        if catalog.down:
+            raise ConnectionResetError("catalog unreachable (injected)")
+        return refresh(table, **kwargs)
+
+    monkeypatch.setattr(commit_module, "refresh_if_moved", unreachable_while_down)
+    producer = stream.producer("p")
+    producer.commit(batch("p", 0, 2), seq=0)
+    catalog.fail_after = 1
+    with pytest.raises(CommitOutcomeUnknownError) as info:
+        producer.commit(batch("p", 1, 2), seq=1)
+    assert info.value.seq == 1
+    catalog.down = False
+    assert "seq=None through this producer object" not in str(info.value)
+    assert "Retry this batch with seq=1; this or another producer object numbers a seq=None batch after" in str(info.value)
+    retry = producer.commit(batch("p", 1, 2), seq=info.value.seq)
+    assert retry.duplicate and (retry.step, retry.seq) == (2, 1)
+    assert sorted(published(stream).values()) == [("p", 0), ("p", 1)]
+
+
 def test_a_worker_forked_after_the_parent_committed_commits_with_threads_and_connections_of_its_own(
         tmp_path: Path) -> None:
     """A ``fork``ed worker inherits the parent's writer pool without its threads and the catalog's pooled connections:

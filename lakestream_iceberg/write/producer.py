@@ -481,10 +481,13 @@ class Producer:
                 # another producer object (after a restart) numbers a seq=None retry after the table's last seq,
                 # which may be this very batch's.
                 exc.seq = seq
-                exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq}, or "
-                            "with seq=None through this producer object (its next call takes the same batch for the "
-                            "retry); another producer object numbers a seq=None batch after the seq the table shows "
-                            "last, which may be this batch's, and would publish it again", *exc.args[1:])
+                # seq=None through this producer object only for a batch it numbered: after an explicit seq it keeps
+                # no failed batch, and numbers a seq=None one after the seq the table shows last
+                how = (", or with seq=None through this producer object (its next call takes the same batch for the "
+                       "retry); another producer object" if numbered_here else "; this or another producer object")
+                exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq}{how} "
+                            "numbers a seq=None batch after the seq the table shows last, which may be this batch's, "
+                            "and would publish it again", *exc.args[1:])
             elif checked.seq is None and not isinstance(exc, LakestreamError) and hasattr(exc, "add_note"):  # 3.11+
                 exc.add_note(f"lakestream: producer {self.producer_id!r} had written this batch as seq {seq}, and it "
                              f"may still be published: retry it with seq={seq}, or with seq=None through this producer "
