@@ -2,8 +2,9 @@
 
 Without ``prometheus-client`` installed nothing is recorded or exported and nothing else changes: every function here
 returns at once. With it, lakestream registers its metrics in ``prometheus_client``'s default registry (or the one
-given to :func:`use_registry`) the first time a producer commits or a trainer rank reports; exporting them is the
-application's choice (``prometheus_client.start_http_server(9100)``, or a push gateway). Names and labels:
+given to :func:`use_registry`) the first time a producer is made or a trainer rank starts recording its position;
+exporting them is the application's choice (``prometheus_client.start_http_server(9100)``, or a push gateway). Names
+and labels:
 
 =========================================== ========= ===================================================================
 ``lakestream_commit_latency_seconds``        histogram wall time of ``Producer.commit`` (``stream``, ``branch``)
