@@ -87,3 +87,17 @@ def lakestream_keys(snapshot: Any) -> dict[str, str]:
     into a stream's lineage."""
     return {k: v for k, v in snapshot.summary.additional_properties.items()
             if k.startswith("lakestream.") and k != "lakestream.snapshot-id"}
+
+
+def counting_str(compared: list[str]) -> type[str]:
+    """A ``str`` subclass whose ``==`` appends the string to ``compared``: a test counts the comparisons a loop over
+    names makes (a scan per name, where one pass would do)."""
+
+    class Counted(str):
+        __hash__ = str.__hash__
+
+        def __eq__(self, other: object) -> bool:
+            compared.append(str(self))
+            return str.__eq__(self, other)
+
+    return Counted

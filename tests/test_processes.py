@@ -214,15 +214,10 @@ class DownAfterCommit(SqlCatalog):
         return response
 
 
-def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A commit of a batch the producer numbered (``seq=None``, the README's way) lands, but the catalog stays
-    unreachable for the whole commit budget: ``CommitOutcomeUnknownError``, "retry with the same seq". The error did
-    not say which seq, and the table numbers a ``seq=None`` retry after the seq that landed, so the natural retry
-    published the same batch a second time (steps 2 and 3). The error names the seq (``.seq``), and a retry with it
-    is a duplicate; so is a seq=None retry of the same batch through the same producer."""
+def down_after_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[DownAfterCommit, Stream]:
+    """A stream whose catalog goes down once a commit landed (``fail_after``), and whose head reads fail while it is
+    down: the commit's outcome cannot be learned (500 ms budget)."""
     import lakestream_iceberg.write.commit as commit_module
-    from lakestream_iceberg import CommitOutcomeUnknownError
 
     catalog = DownAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
     stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2,
@@ -235,6 +230,19 @@ def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_pa
         return refresh(table, **kwargs)
 
     monkeypatch.setattr(commit_module, "refresh_if_moved", unreachable_while_down)
+    return catalog, stream
+
+
+def test_an_outcome_unknown_error_names_the_seq_whose_retry_is_reconciled(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit of a batch the producer numbered (``seq=None``, the README's way) lands, but the catalog stays
+    unreachable for the whole commit budget: ``CommitOutcomeUnknownError``, "retry with the same seq". The error did
+    not say which seq, and the table numbers a ``seq=None`` retry after the seq that landed, so the natural retry
+    published the same batch a second time (steps 2 and 3). The error names the seq (``.seq``), and a retry with it
+    is a duplicate; so is a seq=None retry of the same batch through the same producer."""
+    from lakestream_iceberg import CommitOutcomeUnknownError
+
+    catalog, stream = down_after_commit(tmp_path, monkeypatch)
     producer = stream.producer("p")
     producer.commit(batch("p", 0, 2))
     catalog.fail_after = 1
@@ -261,20 +269,9 @@ def test_an_outcome_unknown_error_of_an_explicit_seq_does_not_advise_a_seq_none_
     message advised a retry "with seq=None through this producer object (its next call takes the same batch for the
     retry)", which holds only for a batch the producer numbered: after an explicit seq the producer keeps no failed
     batch, and a ``seq=None`` retry is numbered after the seq that landed (the batch published twice)."""
-    import lakestream_iceberg.write.commit as commit_module
     from lakestream_iceberg import CommitOutcomeUnknownError
 
-    catalog = DownAfterCommit("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
-    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2,
-                           properties={"lakestream.commit.timeout-ms": "500"})
-    refresh = commit_module.refresh_if_moved
-
-    def unreachable_while_down(table: Any, **kwargs: Any) -> bool:
-        if catalog.down:
-            raise ConnectionResetError("catalog unreachable (injected)")
-        return refresh(table, **kwargs)
-
-    monkeypatch.setattr(commit_module, "refresh_if_moved", unreachable_while_down)
+    catalog, stream = down_after_commit(tmp_path, monkeypatch)
     producer = stream.producer("p")
     producer.commit(batch("p", 0, 2), seq=0)
     catalog.fail_after = 1

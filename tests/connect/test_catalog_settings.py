@@ -316,6 +316,16 @@ def test_a_stream_unpickled_where_its_withheld_credentials_are_not_configured_sa
             catalog.engine.dispose()
 
 
+def pickled_with_a_key_pair(tmp_path: Path, name: str) -> bytes:
+    """A pickled stream of catalog ``name`` whose process had the key pair producer-key / producer-secret."""
+    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
+                                  "warehouse": f"file://{tmp_path}/wh", "s3.access-key-id": "producer-key",
+                                  "s3.secret-access-key": "producer-secret"}, tmp_path / "home"):
+        catalog = load_catalog(name)
+        catalog.create_namespace("ns")
+        return pickle.dumps(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+
+
 def test_a_worker_with_its_own_key_pair_uses_its_own_key_id_with_its_own_secret(tmp_path: Path) -> None:
     """The pickle withholds ``s3.secret-access-key`` but carried ``s3.access-key-id`` (not a secret), and carried
     settings win over the unpickling process's configuration: a worker host configured with its own key pair (the
@@ -323,12 +333,7 @@ def test_a_worker_with_its_own_key_pair_uses_its_own_key_id_with_its_own_secret(
     secret, a pair that exists nowhere (SeaweedFS: SignatureDoesNotMatch / ACCESS_DENIED on open), though
     ``load_catalog`` in that worker works. A key id travels only where the worker configures none."""
     name = "pair"
-    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
-                                  "warehouse": f"file://{tmp_path}/wh", "s3.access-key-id": "producer-key",
-                                  "s3.secret-access-key": "producer-secret"}, tmp_path / "home"):
-        catalog = load_catalog(name)
-        catalog.create_namespace("ns")
-        payload = pickle.dumps(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+    payload = pickled_with_a_key_pair(tmp_path, name)
     with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
                                   "s3.access-key-id": "trainer-key", "s3.secret-access-key": "trainer-secret"},
                     tmp_path / "worker"):
@@ -356,7 +361,7 @@ def test_an_empty_argument_leaves_the_configured_setting_in_effect_every_way(way
 
 
 def test_a_worker_with_its_own_client_key_pair_uses_it_whole(tmp_path: Path) -> None:
-    """review3: the own-key-pair fix (4e9adf3) only looks at the withheld secret's own prefix. pyiceberg documents
+    """A worker's own key pair was recognised under the withheld secret's own prefix only. pyiceberg documents
     ``client.access-key-id`` / ``client.secret-access-key`` as the AWS key pair for the catalog and S3 FileIO alike
     (PyArrowFileIO takes ``s3.*`` first, then ``client.*``). A worker host configured with its own ``client.*`` pair
     still got the parent's carried ``s3.access-key-id`` paired with its own ``client.secret-access-key``: a pair that
@@ -365,12 +370,7 @@ def test_a_worker_with_its_own_client_key_pair_uses_it_whole(tmp_path: Path) -> 
     from pyiceberg.utils.properties import get_first_property_value
 
     name = "cpair"
-    with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
-                                  "warehouse": f"file://{tmp_path}/wh", "s3.access-key-id": "producer-key",
-                                  "s3.secret-access-key": "producer-secret"}, tmp_path / "home"):
-        catalog = load_catalog(name)
-        catalog.create_namespace("ns")
-        payload = pickle.dumps(Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1))
+    payload = pickled_with_a_key_pair(tmp_path, name)
     with configured("env", name, {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db",
                                   "client.access-key-id": "trainer-key", "client.secret-access-key": "trainer-secret"},
                     tmp_path / "worker"):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from pyiceberg.table.update import RemoveSnapshotRefUpdate
 
 from lakestream_iceberg import CheckpointError, ConfigError, LifecycleError, StepCollectedError, Stream
-from tests.support import SCHEMA, batch, digest, sqlite_catalog, until
+from tests.support import SCHEMA, batch, counting_str, digest, sqlite_catalog, until
 
 
 def files_under(stream: Stream, sub: str = "data") -> set[str]:
@@ -216,12 +216,7 @@ def test_keep_last_among_many_forks_groups_the_checkpoints_by_branch_once() -> N
 
     compared: list[str] = []
 
-    class Name(str):  # a branch name that counts the comparisons made with it
-        __hash__ = str.__hash__
-
-        def __eq__(self, other: object) -> bool:
-            compared.append(str(self))
-            return str.__eq__(self, other)
+    Name = counting_str(compared)  # a branch name that counts the comparisons made with it
 
     now = datetime.now(timezone.utc)
     branches = 60

@@ -22,7 +22,7 @@ from lakestream_iceberg.errors import ConfigError, CorruptStateError
 from lakestream_iceberg.read.lag import consumer_lags
 from lakestream_iceberg.read.position import Position
 from tests.backends import make_backend, postgres_service, seaweedfs_service
-from tests.support import SCHEMA, batch, sqlite_catalog, until
+from tests.support import SCHEMA, batch, counting_str, sqlite_catalog, until
 
 __all__ = ["postgres_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -414,12 +414,7 @@ def test_the_lag_report_of_many_groups_goes_over_the_positions_once(stream: Stre
             store.upsert(group=f"g{g}", rank=rank, body=json.dumps({**doc, "rank": rank}))
     compared: list[str] = []
 
-    class Name(str):  # a group name that counts the comparisons made with it
-        __hash__ = str.__hash__
-
-        def __eq__(self, other: object) -> bool:
-            compared.append(str(self))
-            return str.__eq__(self, other)
+    Name = counting_str(compared)  # a group name that counts the comparisons made with it
 
     real = lag_module.consumer_lags
     monkeypatch.setattr(lag_module, "consumer_lags",
