@@ -137,7 +137,10 @@ class FileIntents:
 
     def load(self, entry: Entry) -> Intent | None:
         """The intent at ``entry``; None when it cannot be read now (deleted since the listing, half-written: a local
-        file system has no atomic PUT); :class:`UnusableIntent` when it is complete but not an intent."""
+        file system has no atomic PUT); :class:`UnusableIntent` when it is complete but not an intent, or half-written
+        and unchanged for longer than its writer retries a write (``retry_s``): its writer died while writing it (a
+        SIGKILL between creating the file and writing it leaves 0 bytes, or the first 8,192), and nothing ever
+        completes it."""
         try:
             with self._io.new_input(entry.path).open() as f:
                 raw = f.read()
@@ -148,6 +151,9 @@ class FileIntents:
         except Exception as exc:  # noqa: BLE001 - half-written or foreign
             if raw.endswith(PARQUET_MAGIC) and len(raw) > 8:
                 raise UnusableIntent(str(exc)) from exc
+            if entry.modified is not None and (unchanged := time.time() - entry.modified) > self._retry_s:
+                raise UnusableIntent(f"half-written ({len(raw)} bytes) and unchanged for {unchanged:.0f}s: its writer "
+                                     "is gone") from exc
             return None
 
     def delete(self, paths: list[str]) -> None:

@@ -19,7 +19,9 @@ Producers still never talk to each other: they share the object store and the ca
 Rules that keep exactly-once intact:
 
 * An intent is immutable: written once under a unique name (``token`` is the batch's data-file token), never changed.
-  A reader that finds a half-written file (a local filesystem has no atomic PUT) skips it this time. Producer ids
+  A reader that finds a half-written file (a local filesystem has no atomic PUT) skips it this time; one unchanged
+  for longer than a writer retries a write (its writer died while writing it) is never published, and no held batch
+  waits for it. Producer ids
   start with a letter or digit, so ``_staging`` never collides with a producer's data folder.
 * A commit publishes intent (producer, seq) only when the head it builds on says ``seq`` is that producer's next
   sequence number (or a gap the owner allowed), so the compare-and-swap that checks the head also checks the seq: two
@@ -264,6 +266,8 @@ class StagingArea:
         except UnusableIntent as exc:  # complete but unusable: never read again
             log.warning("ignoring unreadable staged intent %s (%s)", path, exc)
             self._remember(path, None)
+            with self._lock:  # never published: no held batch waits for it in the queue either (see ahead)
+                self._rejected.add(path)
             return None
         if intent is not None:
             self._remember(path, intent)

@@ -933,3 +933,45 @@ def test_a_commit_timeout_does_not_mean_unpublished_when_a_group_commit_had_read
     assert ("a", 2) in published(stream).values()  # ... yet its batch is published
     assert result_b.group >= 2
     assert a.commit(batch("a", 2, WORLD), seq=2).duplicate  # a retry with the same seq is the safe answer
+
+
+@pytest.mark.parametrize("broken", ["malformed-row", "truncated-file"])
+def test_an_intent_that_can_never_be_published_does_not_hold_the_queue(tmp_path: Path, broken: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """An intent staged before this batch that no commit can ever publish: a complete one that is not an intent (a
+    malformed row), or an intent file its producer was SIGKILLed while writing (a local file system has no atomic PUT:
+    the kill leaves 0 or 8,192 bytes of it) and that has stayed half-written for longer than a write takes. No commit
+    carries it, so nothing removes it before GC; waiting for it held every batch staged behind it, at every hold, for
+    half the grace period (30 minutes by default) instead of leading the queue once the head moved."""
+    stream = make(tmp_path, **({} if broken == "malformed-row" else STORAGE))
+    a, b = both_active(stream)
+    folder = stream.staging.folder("main")
+    if broken == "malformed-row":
+        from lakestream_iceberg.connect.intents import IntentTable
+
+        table = IntentTable.of(stream.table.catalog)
+        assert table is not None
+        table.insert(f"{folder}/x@{0:012d}-junk.parquet", "{not json")
+    else:
+        whole = stage(Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream"), "x", 0)  # another process's
+        path = Path(whole.path.removeprefix("file://"))
+        path.write_bytes(path.read_bytes()[:8192] if path.stat().st_size > 8192 else b"")  # the kill's leftover
+        past = time.time() - 600  # unchanged for 10 minutes: its writer is gone (it retries a write for 2)
+        os.utime(path, (past, past))
+    assert b.commit(batch("b", 2, WORLD)).step == 5  # a commit reads it: never publishable, and it stays staged
+    assert len(staged_files(stream)) == 1
+    verdicts = _holding(a, monkeypatch)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not verdicts:  # a staged its batch and looked at its place in the queue
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    other.table.transaction().set_properties({"touched": "1"}).commit_transaction()  # the head moves
+    thread.join(60)  # holding behind the broken intent: 600 s
+    assert not thread.is_alive(), f"still holding behind an intent nobody can publish: {verdicts}"
+    (result,) = results
+    assert (result.step, result.seq, result.carried) == (6, 2, False) and verdicts[-1] is False
+    assert published(stream)[6] == ("a", 2)
