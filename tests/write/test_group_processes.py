@@ -3,7 +3,6 @@ and SQL catalog; streams and branches that share the catalog's intent table."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
