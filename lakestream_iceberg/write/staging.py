@@ -21,8 +21,8 @@ Rules that keep exactly-once intact:
 * An intent is immutable: written once under a unique name (``token`` is the batch's data-file token), never changed.
   A reader that finds a half-written file (a local filesystem has no atomic PUT) skips it this time; one unchanged
   for longer than a writer retries a write (its writer died while writing it) is never published, and no held batch
-  waits for it. Producer ids
-  start with a letter or digit, so ``_staging`` never collides with a producer's data folder.
+  waits for it. Producer ids start with a letter or digit, so ``_staging`` never collides with a producer's data
+  folder.
 * A commit publishes intent (producer, seq) only when the head it builds on says ``seq`` is that producer's next
   sequence number (or a gap the owner allowed), so the compare-and-swap that checks the head also checks the seq: two
   producers racing to publish the same intent cannot both land, and a published intent is never published again.
