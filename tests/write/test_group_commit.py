@@ -766,6 +766,19 @@ def _holding(a, monkeypatch: pytest.MonkeyPatch) -> list:
     return verdicts
 
 
+def _committing(a, verdicts: list) -> tuple[threading.Thread, list]:  # type: ignore[no-untyped-def]
+    """Start ``a.commit`` of its seq-2 batch in a thread, and return once it staged the batch and looked at its place
+    in the queue (a first verdict); the thread, and the list its result goes to."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not verdicts:
+        assert thread.is_alive() and time.monotonic() < deadline
+        time.sleep(0.005)
+    return thread, results
+
+
 def test_a_held_batch_commits_itself_once_it_leads_the_queue_of_staged_batches(tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A batch staged behind another one that nobody has published holds (that batch's owner, or the commit already in
@@ -775,13 +788,7 @@ def test_a_held_batch_commits_itself_once_it_leads_the_queue_of_staged_batches(t
     a, _b = both_active(stream)
     ahead = stage(stream, "x", 0)  # staged first; its owner holds it too (here: died)
     verdicts = _holding(a, monkeypatch)
-    results: list = []
-    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not verdicts:  # a staged its batch and looked at its place in the queue
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.005)
+    thread, results = _committing(a, verdicts)
     assert verdicts == [None] and thread.is_alive() and stream.head_step() == 4  # behind x's batch: holding
     stream.staging.remove([ahead.path])  # x's batch withdrawn (its commit gave up) ...
     other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
@@ -961,13 +968,7 @@ def test_an_intent_that_can_never_be_published_does_not_hold_the_queue(tmp_path:
     assert b.commit(batch("b", 2, WORLD)).step == 5  # a commit reads it: never publishable, and it stays staged
     assert len(staged_files(stream)) == 1
     verdicts = _holding(a, monkeypatch)
-    results: list = []
-    thread = threading.Thread(target=lambda: results.append(a.commit(batch("a", 2, WORLD))), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not verdicts:  # a staged its batch and looked at its place in the queue
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.005)
+    thread, results = _committing(a, verdicts)
     for _ in range(20):  # the head moves (a's own commit may land first: it has read the broken intent meanwhile)
         try:
             other = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
