@@ -277,7 +277,7 @@ def config_errors(
 PASS_SETTINGS = ", or pass its settings (type=, uri=, warehouse=, ...) to load_catalog"  # the command line says its own
 
 
-def load_catalog(name: str, **properties: str) -> Any:
+def load_catalog(name: str | None = None, **properties: str) -> Any:
     """``pyiceberg.catalog.load_catalog`` that raises a :class:`ConfigError` naming the setting on connection or
     credential failures (SQL catalogs connect when loaded, REST catalogs fetch their config).
 
@@ -293,7 +293,9 @@ def load_catalog(name: str, **properties: str) -> Any:
     :mod:`lakestream_iceberg.connect.rest_timeout`); both are idempotent and off where pyiceberg does not need them.
 
     Args:
-        name: The catalog's name in ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``.
+        name: The catalog's name in ``.pyiceberg.yaml`` / ``PYICEBERG_CATALOG__<NAME>__*``. ``None`` (the default)
+            takes pyiceberg's default catalog: the configuration's ``default-catalog`` (``PYICEBERG_DEFAULT_CATALOG``),
+            else ``default``, as ``pyiceberg.catalog.load_catalog()`` does.
         **properties: Catalog properties that override the configured ones (``type``, ``uri``, ``warehouse``, ...).
 
     Returns:
@@ -309,7 +311,9 @@ def load_catalog(name: str, **properties: str) -> Any:
     """
     from pyiceberg.catalog import load_catalog as _load
 
-    if not isinstance(name, str):  # pyiceberg: "argument of type 'NoneType' is not iterable"
+    if name is None:
+        name = _default_name()
+    if not isinstance(name, str):  # pyiceberg: "argument of type 'int' is not iterable"
         raise ConfigError(f"a catalog's name is a string (its name in .pyiceberg.yaml / PYICEBERG_CATALOG__<NAME>__*), "
                           f"got {type(name).__name__} {name!r}"[:300])
 
@@ -353,6 +357,26 @@ def load_catalog(name: str, **properties: str) -> Any:
         for key in dashed:
             catalog.properties.pop(key, None)
     return catalog
+
+
+def _default_name() -> str:
+    """pyiceberg's default catalog name in the configuration as it is now: ``default-catalog`` (in
+    ``.pyiceberg.yaml`` or ``PYICEBERG_DEFAULT_CATALOG``), else ``default``."""
+    from lakestream_iceberg.connect.config_file import check_config_file
+
+    check_config_file()
+    try:
+        from pyiceberg.utils.config import Config
+
+        config = Config()
+    except Exception:  # noqa: BLE001 - its config helpers moved: pyiceberg's own lookup at load time decides
+        return "default"
+    given = config.config.get("default-catalog")
+    if given is not None and not isinstance(given, str):  # pyiceberg: ValueError "should be a str"
+        raise ConfigError(f"the configuration's default-catalog (.pyiceberg.yaml or PYICEBERG_DEFAULT_CATALOG) is "
+                          f"{type(given).__name__} {given!r}"[:200] + ": set it to a catalog's name, or pass the name "
+                          "to load_catalog")
+    return given or "default"
 
 
 def _configured(name: str) -> dict[str, Any] | None:

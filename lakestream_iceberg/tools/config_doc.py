@@ -89,6 +89,9 @@ is that function with clearer errors, so a catalog is configured exactly as for 
   and `_` for `-`, so `PYICEBERG_CATALOG__PROD__S3__ACCESS_KEY_ID` is `s3.access-key-id` of catalog `prod`;
 - keyword arguments, which override both (an empty one, `None` or `''`, leaves the configured setting in effect).
 
+Without a name, `load_catalog()` loads pyiceberg's default catalog: the one `default-catalog` names (in the file, or
+`PYICEBERG_DEFAULT_CATALOG`), else the catalog called `default`.
+
 pyiceberg reads `PYICEBERG_CATALOG__PROD__POOL_PRE_PING` as `pool-pre-ping`, while its SQL catalog reads only
 `pool_pre_ping`; lakestream maps the dashed spelling of every underscore key the SQL catalog reads back to its name,
 so a setting means the same in the file, the environment and the arguments. A setting that would have no effect

@@ -258,7 +258,8 @@ def test_a_variable_unset_after_import_is_not_used(tmp_path: Path) -> None:
     ("prod", {"uri": "foo://x"}, r"could not load catalog 'prod': Could not infer the catalog type from the uri"),
     ("prod", {"type": "sql", "uri": ""}, r"SQL connection URI is required"),
     ("prod", {"type": "sql", "uri": "nodb://user:pw-s3cret@host/db"}, r"Can't load plugin: sqlalchemy.dialects:nodb"),
-    (None, {"type": "sql", "uri": "sqlite://"}, r"a catalog's name is a string.*NoneType"),
+    (5, {"type": "sql", "uri": "sqlite://"}, r"a catalog's name is a string.*got int 5"),
+    (True, {"type": "sql", "uri": "sqlite://"}, r"a catalog's name is a string.*got bool True"),
 ])
 def test_a_catalog_not_configured_or_set_wrong_is_a_config_error(name: object, props: dict[str, str], match: str,
                                                                   tmp_path: Path) -> None:
@@ -270,6 +271,33 @@ def test_a_catalog_not_configured_or_set_wrong_is_a_config_error(name: object, p
         with pytest.raises(ConfigError, match=match) as info:
             load_catalog(name, **kwargs)  # type: ignore[arg-type]
     assert "pw-s3cret" not in str(info.value)
+
+
+@pytest.mark.parametrize("way", ["yaml", "env"])
+@pytest.mark.parametrize("default", [None, "mine"])
+def test_no_name_loads_pyiceberg_default_catalog_as_configured_now(way: str, default: str | None, tmp_path: Path) -> None:
+    """``load_catalog()`` without a name is pyiceberg's default catalog, as ``pyiceberg.catalog.load_catalog()`` gives
+    it: the configuration's ``default-catalog`` (set after import too), else ``default``. It raised a ConfigError
+    asking for a name."""
+    name = default or "default"
+    props = {"type": "sql", "uri": f"sqlite:///{tmp_path}/catalog.db", "warehouse": f"file://{tmp_path}/wh"}
+    with configured(way, name, props, tmp_path / "home"), pytest.MonkeyPatch.context() as mp:
+        if default is not None and way == "env":
+            mp.setenv("PYICEBERG_DEFAULT_CATALOG", default)  # after pyiceberg read its configuration
+        elif default is not None:
+            with (tmp_path / "home" / ".pyiceberg.yaml").open("a") as file:
+                file.write(f"default-catalog: {default}\n")
+        catalog = load_catalog()
+        assert catalog.name == name and catalog.properties["warehouse"] == f"file://{tmp_path}/wh"
+        catalog.engine.dispose()
+
+
+def test_a_default_catalog_name_that_is_no_string_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / ".pyiceberg.yaml").write_text("default-catalog:\n  - prod\n")  # a list: pyiceberg's ValueError
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(tmp_path))
+        with pytest.raises(ConfigError, match=r"default-catalog .*list \['prod'\]: set it to a catalog's name"):
+            load_catalog()
 
 
 @pytest.mark.parametrize("how", ["load_catalog", "class"])
