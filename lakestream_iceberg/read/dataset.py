@@ -544,6 +544,7 @@ _DOC = """A stream as a torch ``IterableDataset``: this rank's shard of each ste
         group: Record this rank's position under this consumer group (a training run's name) for ``lakestream lag``:
             one upsert every ``report_s`` seconds, never a table commit; with DataLoader workers iterate
             ``dataset.track(loader)`` (:mod:`lakestream_iceberg.read.consumer`). None (default): nothing is recorded.
+            A printable string of at most 200 characters, and at most 255 bytes URL-quoted (it names a folder).
         report_s: Seconds between position reports. Default: 5, or ``world_size / 200`` beyond 1,000 ranks (20,000
             ranks: 100), so that a job's ranks make at most 200 position writes a second in all.
         relay: Follow through the host's head relay (:mod:`lakestream_iceberg.read.relay`): one process per host
