@@ -11,13 +11,20 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-import torch
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepCollectedError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.support import SCHEMA, batch, lakestream_keys, sqlite_catalog
+
+try:
+    import torch
+
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+except ImportError:  # the core installs without the torch extra: its checks are tested, the dataset's skip
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="needs torch (pip install 'lakestream-iceberg[torch]')")
 
 WORLD = 2
 
@@ -32,6 +39,7 @@ def make(root: Path, name: str = "ns.s", steps: int = 4) -> Stream:
 
 
 # ------------------------------------------------------------------------------------------------ integers and bools
+@needs_torch
 def test_a_torch_or_numpy_bool_is_not_an_integer(tmp_path: Path) -> None:
     import numpy as np
 
@@ -46,6 +54,7 @@ def test_a_torch_or_numpy_bool_is_not_an_integer(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------- the dataset
+@needs_torch
 def test_ship_credentials_must_be_a_bool_and_false_ships_no_secret(tmp_path: Path) -> None:
     stream = make(tmp_path)
     stream.table.catalog.properties["s3.secret-access-key"] = "hunter22-secret"
@@ -54,6 +63,7 @@ def test_ship_credentials_must_be_a_bool_and_false_ships_no_secret(tmp_path: Pat
     assert b"hunter22-secret" not in pickle.dumps(LakestreamDataset(stream, rank=0, world_size=1))
 
 
+@needs_torch
 @pytest.mark.parametrize("kwargs", [{"follow": "false"}, {"timeout": "30"}, {"timeout": -1}, {"timeout": math.nan},
                                     {"timeout": True}, {"poll_s": -1}, {"poll_s": 0}, {"max_poll_s": 0.001}])
 def test_dataset_flags_and_seconds_are_checked_when_it_is_made(tmp_path: Path, kwargs: dict) -> None:
@@ -71,6 +81,7 @@ def test_wait_for_seconds_are_checked(tmp_path: Path, kwargs: dict) -> None:
         stream.wait_for(5, **kwargs)
 
 
+@needs_torch
 def test_a_dataset_on_a_branch_the_stream_does_not_have_is_refused(tmp_path: Path) -> None:
     stream = make(tmp_path)
     stream.checkpoint("ck", step=2)
@@ -83,6 +94,7 @@ def test_a_dataset_on_a_branch_the_stream_does_not_have_is_refused(tmp_path: Pat
     assert [it["step"] for it in fork] == [2]
 
 
+@needs_torch
 def test_a_state_of_another_stream_or_branch_or_worker_is_refused(tmp_path: Path) -> None:
     a, b = make(tmp_path / "a", "ns.a", steps=6), make(tmp_path / "b", "ns.b", steps=6)
     da = LakestreamDataset(a, rank=0, world_size=1)
@@ -281,6 +293,7 @@ def _recreate(catalog: object, name: str = "ns.s", commits: int = 3) -> Stream:
     return again
 
 
+@needs_torch
 def test_a_follower_of_a_table_created_again_raises_instead_of_waiting(tmp_path: Path) -> None:
     import threading
 
@@ -299,6 +312,7 @@ def test_a_follower_of_a_table_created_again_raises_instead_of_waiting(tmp_path:
         next(items)
 
 
+@needs_torch
 def test_dataloader_workers_refuse_a_table_created_again(tmp_path: Path) -> None:
     stream = make(tmp_path, steps=1)
     ds = LakestreamDataset(stream, rank=0, world_size=1, end_step=1)
@@ -337,12 +351,14 @@ def test_gc_and_history_skip_rows_another_engine_appended_without_a_step(tmp_pat
     assert set(stream.read(5, rank=1).column("seq").to_pylist()) <= {4}  # step 5 is seq 4 of p, still readable
 
 
+@needs_torch
 def test_a_slow_poll_alone_is_accepted(tmp_path: Path) -> None:
     stream = make(tmp_path, steps=1)
     ds = LakestreamDataset(stream, rank=0, world_size=1, follow=True, poll_s=1.0)  # max_poll_s defaults to >= poll_s
     assert ds.max_poll_s == 1.0
 
 
+@needs_torch
 def test_a_state_saved_on_main_resumes_on_a_fork_of_its_checkpoint_and_not_past_it(tmp_path: Path) -> None:
     stream = make(tmp_path, steps=5)
     stream.checkpoint("c3", step=3)
@@ -517,6 +533,7 @@ def test_a_misspelt_branch_is_refused_by_reads_instead_of_read_as_empty(tmp_path
     assert stream.head_step(branch="ck") == 1  # a checkpoint reads as what it pins, as before
 
 
+@needs_torch
 @pytest.mark.parametrize("name", ["transform", "collate"])
 def test_a_transform_or_collate_that_is_no_function_is_refused_when_the_dataset_is_made(tmp_path: Path, name: str) -> None:
     stream = make(tmp_path, steps=1)
@@ -599,6 +616,7 @@ def test_fork_of_a_checkpoint_object_its_name_no_longer_marks_is_refused(tmp_pat
     assert a.fork(mine, branch="x").step == 2 and a.fork("c", branch="y").step == 2
 
 
+@needs_torch
 @pytest.mark.parametrize("thing", [None, "ns.s", "table"])
 def test_a_stream_that_is_no_stream_is_a_config_error(tmp_path: Path, thing: object) -> None:
     """Stream(...), LakestreamDataset(...) and from_checkpoint(...) of None, a name or the pyiceberg table raised
@@ -648,6 +666,7 @@ def test_a_warehouse_that_is_no_folder_is_a_config_error_naming_the_setting(tmp_
     assert catalog.list_namespaces() == []  # nothing made: the namespace made for it is dropped again
 
 
+@needs_torch
 def test_a_step_past_an_iceberg_long_is_refused_instead_of_waited_for(tmp_path: Path) -> None:
     """read(2**63) said the step was not published yet (wait_for it), wait_for(2**70) waited out its timeout and a
     follower started at 2**70 waited for a step that can never be published."""
@@ -661,6 +680,7 @@ def test_a_step_past_an_iceberg_long_is_refused_instead_of_waited_for(tmp_path: 
     assert stream.wait_for(1, timeout=5) == 1
 
 
+@needs_torch
 @pytest.mark.parametrize("world_size", [2**31, 2**40, 2**64])
 def test_a_consumer_world_size_past_an_iceberg_int_is_refused(tmp_path: Path, world_size: int) -> None:
     """A stream's world size is bounded by an Iceberg int, a reader's was not: a group's rank past it reported a
@@ -688,6 +708,7 @@ def test_a_location_that_holds_files_or_lies_in_a_table_is_refused(tmp_path: Pat
     assert own.table.metadata.location.endswith("/elsewhere/b") and stream.read(2, rank=0).num_rows >= 0
 
 
+@needs_torch
 def test_a_state_next_step_past_a_long_is_refused_not_wrapped(tmp_path: Path) -> None:
     """A state_dict read back from a checkpoint file is input: a next_step past an Iceberg long (no step is ever
     published there; start_step= refuses it) was taken, and under DataLoader workers it went through the shared block's

@@ -156,6 +156,7 @@ def test_duckdb_reads_the_files_pyiceberg_plans_as_the_same_rows(catalog: SqlCat
 @pytest.mark.parametrize("consumers", [1, 4, 6, 12])
 def test_the_dataset_gives_every_consumer_world_size_the_same_rows_as_the_per_rank_layout(
         catalog: SqlCatalog, consumers: int) -> None:
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg.read.dataset import LakestreamDataset
 
     packed = make(catalog)

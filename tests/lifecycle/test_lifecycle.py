@@ -599,6 +599,7 @@ def test_resuming_from_a_checkpoint_its_branch_no_longer_holds_is_refused(catalo
     """from_checkpoint resumes at step + 1 of the checkpoint's branch: after the branch was dropped and forked again
     under its name, or rolled back under the checkpoint by another engine, a trainer resumed from it read another
     timeline's steps (not the ones its model saw before) without a word. It is a CheckpointError saying to fork."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset
 
     publish(stream, "p", 6)
@@ -645,6 +646,7 @@ def test_a_saved_state_whose_branch_no_longer_holds_its_last_step_is_refused(cat
     dropped and forked again under its name, or moved back by another engine and published again, the trainer read
     another timeline's steps after those its model saw, without a word. The state names a data file of the last step
     it delivered; loading it where the branch no longer holds that file is a CheckpointError."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset
 
     saved = state_read_on_a_fork(stream)
@@ -681,6 +683,7 @@ def test_a_saved_state_loaded_on_a_fork_of_another_timeline_of_its_branch_is_ref
     shared). Only the fork and the state's branch as it is now were compared: after ``exp`` was dropped and forked
     again under its name, a fork of the new ``exp`` took the state, and the trainer read another timeline's steps
     after those its model saw, without a word. The state's last_file is checked on its own branch there too."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset
 
     saved = state_read_on_a_fork(stream)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from lakestream_iceberg import ForeignSnapshotError, LakestreamDataset, Stream
+from lakestream_iceberg import ForeignSnapshotError, Stream
 from lakestream_iceberg.errors import ProducerFailedError
 from tests.backends import (
     ROOT,
@@ -107,6 +107,9 @@ def test_producers_of_the_same_stream_made_before_and_after_the_refusal_go_on(ba
 
 @BACKENDS
 def test_a_held_stream_and_dataset_read_again_after_the_repair(backend: Backend) -> None:
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
+    from lakestream_iceberg import LakestreamDataset
+
     stream = create(backend)
     producer = stream.producer("a")
     for seq in range(4):
