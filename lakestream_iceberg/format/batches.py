@@ -191,6 +191,8 @@ def _filled(array: pa.Array) -> pa.Array:
     if pa.types.is_map(kind):
         keys, items = array.keys, array.items  # whole children: the offsets index them
         new_keys, new_items = _own(_filled(keys), kind.key_field), _own(_filled(items), kind.item_field)
+        if _KEYS_BITMAP_ABORTS_CAST:
+            new_keys = _without_bitmap(new_keys)
         if new_keys is keys and new_items is items:
             return array
         return pa.MapArray.from_arrays(_offsets(array), new_keys, new_items, type=kind, mask=mask)
@@ -203,6 +205,22 @@ def _filled(array: pa.Array) -> pa.Array:
         return array
     lists = pa.LargeListArray if pa.types.is_large_list(kind) else pa.ListArray
     return lists.from_arrays(_offsets(array), new_values, type=kind, mask=mask)
+
+
+# pyarrow before 26 (the last release for Python 3.10 is 25) aborts the process, a failed C++ check and not an exception
+# ("Map array keys array should have no nulls"), casting a map array whose keys carry a validity bitmap, as take() and
+# filter() make them, to another key type: the writer casts string keys to Iceberg's large_string. A map's keys hold no
+# null (check_batch refuses them), so the bitmap says nothing: the keys are built again without it.
+_KEYS_BITMAP_ABORTS_CAST = int(pa.__version__.split(".")[0]) < 26
+
+
+def _without_bitmap(array: pa.Array) -> pa.Array:
+    """``array`` (without nulls) with no validity bitmap, zero-copy; as it is when it has none, or children."""
+    kind = array.type
+    if array.buffers()[0] is None or array.null_count or kind.num_fields or pa.types.is_dictionary(kind) \
+            or isinstance(kind, pa.ExtensionType):
+        return array
+    return pa.Array.from_buffers(kind, len(array), [None, *array.buffers()[1:]], null_count=0, offset=array.offset)
 
 
 def _offsets(array: pa.Array) -> pa.Array:
