@@ -94,16 +94,32 @@ def embedded_catalog(home: str | os.PathLike[str] | None = None, *, create: bool
     except OSError as exc:
         raise ConfigError(f"cannot create the lakestream home {root}: {exc.strerror}; pass --home DIR or set {ENV_HOME}") from exc
     try:
-        # The path percent-encoded in the URL (SQLAlchemy decodes it): a ? or # in the home put the database elsewhere.
         # The warehouse a plain path: pyiceberg never decodes a file URI, so as_uri() put the data of a home with a
         # space or a non-ASCII letter into a sibling folder named with %20, and a ? or # cut the path short.
-        return SqlCatalog(EMBEDDED_NAME, uri="sqlite:///" + quote(str(root / "catalog.db")), warehouse=str(root / "warehouse"))
+        return SqlCatalog(EMBEDDED_NAME, uri=sqlite_url(root / "catalog.db"), warehouse=str(root / "warehouse"))
     except Exception as exc:  # sqlalchemy's DatabaseError: not a SQLite file, or one pyiceberg cannot set up
         raise ConfigError(
             f"the embedded catalog {root / 'catalog.db'} cannot be opened ({type(exc).__name__}: "
             f"{' '.join(str(exc).split())[:200]}); it is not a SQLite catalog database: move it aside (the tables' files "
             f"stay in {root / 'warehouse'}), or pass --home DIR / set {ENV_HOME} to another folder"
         ) from exc
+
+
+def sqlite_url(path: Path) -> str:
+    """The SQLAlchemy URL of the SQLite database file ``path``, whatever its path holds (a space, ``?``, ``#``, ``%``).
+
+    SQLAlchemy 2.1 decodes the database part of a URL, so the path goes percent-encoded (a ``?`` or ``#`` in it put the
+    database elsewhere). SQLAlchemy 2.0 (the newest for Python 3.10) decodes nothing: the encoded path named a folder
+    that does not exist ("unable to open database file"). There the path goes as it is, but for a ``?``, which starts
+    the URL's query: that one goes as an SQLite URI filename, which SQLite decodes itself.
+    """
+    from sqlalchemy.engine import make_url
+
+    if make_url("sqlite:///%41").database == "A":  # SQLAlchemy 2.1 and later
+        return "sqlite:///" + quote(str(path))
+    if "?" not in str(path):
+        return "sqlite:///" + str(path)
+    return "sqlite:///file:" + quote(str(path)) + "?uri=true"
 
 
 def load(spec: CatalogSpec, *, create: bool = True) -> Catalog:
