@@ -19,11 +19,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyiceberg.catalog.sql import SqlCatalog
-from torch.utils.data import DataLoader
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import (
@@ -35,9 +33,14 @@ from lakestream_iceberg.errors import (
     StepCollectedError,
     StreamError,
 )
-from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch
 from lakestream_iceberg.read.follow import HeadWatcher, consumer_lag
 from lakestream_iceberg.read.stream_ref import StreamRef
+
+pytest.importorskip("torch")  # the dataset's tests need the torch extra (the core's run without it)
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch  # noqa: E402
 
 SCHEMA = pa.schema([
     pa.field("x", pa.int64(), nullable=False),

@@ -163,6 +163,7 @@ def test_a_followed_branch_another_engine_drops_ends_the_follow_with_a_read_erro
     """A fork dropped by another engine (Spark's ALTER TABLE ... DROP BRANCH) under a follow-mode dataset: its head
     read as step 0 ("moved back") and the follower waited for a step that can never come, up to its timeout (forever
     with timeout=None). It ends with a ReadError naming the branch; a branch replaced by a tag of its name too."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset, ReadError
 
     stream = forked_stream(tmp_path)
@@ -225,6 +226,7 @@ def test_an_iteration_starting_after_its_branch_was_dropped_raises_the_read_erro
     the iteration delivered nothing without a word (follow=False: an empty epoch; lag() said 0) or waited out its
     timeout for a step that cannot come (follow=True; forever with timeout=None), where a drop seen while following
     raises ReadError."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset, ReadError
 
     directory = tmp_path / "relay"

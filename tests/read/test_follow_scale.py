@@ -11,10 +11,12 @@ import pytest
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ReadTimeoutError
-from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.backends import fresh_name, postgres_service
 from tests.read.test_dataset import SCHEMA, shard
 from tests.read.test_relay import relay_dir  # autouse: a relay directory of its own
+
+pytest.importorskip("torch")  # the dataset's tests need the torch extra (the core's run without it)
+from lakestream_iceberg.read.dataset import LakestreamDataset  # noqa: E402
 
 __all__ = ["postgres_service", "relay_dir"]
 

@@ -22,16 +22,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 from pyiceberg.catalog.sql import SqlCatalog
-from torch.utils.data import DataLoader
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ConfigError, ReadError
 from lakestream_iceberg.read import handoff
-from lakestream_iceberg.read.dataset import LakestreamDataset
 from lakestream_iceberg.read.handoff import Handoff, advise_workers
 from lakestream_iceberg.read.tensors import Blobs
+
+pytest.importorskip("torch")  # the dataset's tests need the torch extra (the core's run without it)
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from lakestream_iceberg.read.dataset import LakestreamDataset  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not handoff.supported(), reason="the segment pool needs os.memfd_create (Linux)")
 

@@ -21,13 +21,15 @@ from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ReadError, StepCollectedError, StreamError, StreamNotFoundError
 from lakestream_iceberg.read import relay as relay_module
 from lakestream_iceberg.read import relay_client
-from lakestream_iceberg.read.dataset import LakestreamDataset
 from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.relay_client import RelayWatcher, follower
 from lakestream_iceberg.read.stream_ref import StreamRef
 from tests.backends import fresh_name, postgres_service
 from tests.read.test_dataset import SCHEMA, check_items, make_catalog, make_stream, shard
 from tests.support import until
+
+pytest.importorskip("torch")  # the dataset's tests need the torch extra (the core's run without it)
+from lakestream_iceberg.read.dataset import LakestreamDataset  # noqa: E402
 
 __all__ = ["postgres_service"]
 

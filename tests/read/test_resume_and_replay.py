@@ -12,8 +12,10 @@ import pyarrow as pa
 import pytest
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.read.dataset import LakestreamDataset
 from tests.support import SCHEMA, batch, lakestream_keys, shard, sqlite_catalog
+
+pytest.importorskip("torch")  # the dataset's tests need the torch extra (the core's run without it)
+from lakestream_iceberg.read.dataset import LakestreamDataset  # noqa: E402
 
 WORLD = 2
 

@@ -12,11 +12,13 @@ import warnings
 import numpy as np
 import pyarrow as pa
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, _pad
+
+pytest.importorskip("torch")  # the dataset's tests need the torch extra (the core's run without it)
+import torch  # noqa: E402
 
 LIST_TYPES = [pa.int8(), pa.int32(), pa.int64(), pa.uint16(), pa.float16(), pa.float32(), pa.float64()]
 
