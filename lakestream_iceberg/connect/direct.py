@@ -340,8 +340,12 @@ def _make(engine: Any) -> DirectConnections | None:
         return None
     url = engine.url
     database = url.database or ""
-    if url.query or url.username or url.password or url.host or url.port or database in ("", ":memory:") \
-            or database.startswith("file:"):
+    # A file URI without options (uri=true alone) names a file as a path does: tools/config.sqlite_url makes one on
+    # SQLAlchemy 2.0 for a home whose path holds a ?. Any other option (mode=, cache=, timeout=, ...) keeps
+    # SQLAlchemy's connections, which apply it.
+    plain_uri = database.startswith("file:") and dict(url.query) == {"uri": "true"}
+    if (url.query and not plain_uri) or url.username or url.password or url.host or url.port \
+            or database in ("", ":memory:") or (database.startswith("file:") and not plain_uri):
         return None
     with engine.connect() as conn:  # the file the engine's own connections opened (a relative path made absolute)
         rows = conn.exec_driver_sql("PRAGMA database_list").fetchall()

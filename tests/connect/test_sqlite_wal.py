@@ -216,6 +216,27 @@ def test_a_database_named_by_a_uri_with_options_or_another_driver_keeps_sqlalche
     assert direct_connections(create_engine(f"sqlite+pysqlcipher://:secret@/{tmp_path}/enc.db", module=sqlite3)) is None
 
 
+@pytest.mark.parametrize("folder", ["plain", "with space"])
+def test_a_database_named_by_a_file_uri_without_options_gets_the_direct_connections(tmp_path: Path, folder: str) -> None:
+    """``sqlite:///file:<path>?uri=true`` (how the embedded catalog names a home whose path holds a ? on SQLAlchemy
+    2.0) is a plain database file: it kept SQLAlchemy's pooled connections for the pointer probe and staged intents.
+    The direct connections open the file the catalog opened and see its commits."""
+    from urllib.parse import quote
+
+    from lakestream_iceberg.connect.direct import direct_connections
+
+    (tmp_path / folder).mkdir()
+    path = tmp_path / folder / "catalog.db"
+    cat = SqlCatalog("wal", uri=f"sqlite:///file:{quote(str(path))}?uri=true", warehouse=f"file://{tmp_path}/wh")
+    assert direct_connections(cat.engine) is not None
+    stream = Stream.create(cat, "ns.s", schema=SCHEMA, world_size=1)
+    stream.producer("p").commit(batch("p", 0, 1), seq=0)
+    assert path.is_file() and sorted(p.name for p in tmp_path.iterdir()) == sorted([folder, "wh"])
+    assert published(stream) == {1: ("p", 0)} and stream.head_step() == 1
+    read_only = SqlCatalog("wal", uri=f"sqlite:///file:{quote(str(path))}?mode=ro&uri=true", warehouse=f"file://{tmp_path}/wh")
+    assert direct_connections(read_only.engine) is None  # an option: SQLAlchemy's connections apply it
+
+
 def test_a_relative_database_path_is_read_where_the_catalog_opened_it(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """SQLAlchemy makes ``sqlite:///catalog.db`` absolute when the engine is made: a probe from a thread that starts
