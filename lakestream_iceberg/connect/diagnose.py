@@ -311,6 +311,7 @@ def load_catalog(name: str | None = None, **properties: str) -> Any:
     """
     from pyiceberg.catalog import load_catalog as _load
 
+    unnamed = name is None
     if name is None:
         name = _default_name()
     if not isinstance(name, str):  # pyiceberg: "argument of type 'int' is not iterable"
@@ -348,7 +349,9 @@ def load_catalog(name: str | None = None, **properties: str) -> Any:
         detail = redact(" ".join(text.split()), used) or type(exc).__name__
         if len(detail) > 400:
             detail = detail[:400] + " ..."
-        error = ConfigError(f"could not load catalog {name!r}: {detail} ({type(exc).__name__}); configure it in "
+        which = (" (no name was given: pyiceberg's default catalog is the one default-catalog or "
+                 "PYICEBERG_DEFAULT_CATALOG names, else 'default')") if unnamed else ""
+        error = ConfigError(f"could not load catalog {name!r}{which}: {detail} ({type(exc).__name__}); configure it in "
                             f".pyiceberg.yaml under catalog: {name}: or with {env_name(name, 'uri')} and friends"
                             + PASS_SETTINGS)
         error.original = exc  # type: ignore[attr-defined]  # not chained: its text is unredacted

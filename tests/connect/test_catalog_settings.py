@@ -292,6 +292,18 @@ def test_no_name_loads_pyiceberg_default_catalog_as_configured_now(way: str, def
         catalog.engine.dispose()
 
 
+def test_no_name_and_no_default_catalog_configured_says_where_the_name_came_from(tmp_path: Path) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYICEBERG_HOME", str(tmp_path))  # no .pyiceberg.yaml, no variables for a catalog named default
+        for key in [k for k in os.environ if k.startswith("PYICEBERG_CATALOG__") or k == "PYICEBERG_DEFAULT_CATALOG"]:
+            mp.delenv(key)
+        with pytest.raises(ConfigError, match=r"could not load catalog 'default' \(no name was given: .*default-catalog"):
+            load_catalog()
+        with pytest.raises(ConfigError, match=r"could not load catalog 'prod': ") as named:
+            load_catalog("prod")
+        assert "no name was given" not in str(named.value)
+
+
 def test_a_default_catalog_name_that_is_no_string_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / ".pyiceberg.yaml").write_text("default-catalog:\n  - prod\n")  # a list: pyiceberg's ValueError
     with pytest.MonkeyPatch.context() as mp:
