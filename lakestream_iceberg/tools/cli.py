@@ -41,7 +41,7 @@ from lakestream_iceberg.tools.commands import (
     cmd_tail,
     storage_error,
 )
-from lakestream_iceberg.tools.config import ENV_HOME
+from lakestream_iceberg.tools.config import ENV_HOME, closing_catalogs
 from lakestream_iceberg.tools.output import Output
 
 __all__ = ["main", "build_parser"]
@@ -182,7 +182,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             setattr(args, name, default)
     out = Output(as_json=args.json)
     try:
-        return int(args.func(args, out))
+        with closing_catalogs():
+            return int(args.func(args, out))
     except (UserError, LakestreamError) as exc:
         sys.stdout.flush()
         print(f"lakestream: error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -15,8 +15,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -122,8 +124,27 @@ def sqlite_url(path: Path) -> str:
     return "sqlite:///file:" + quote(str(path)) + "?uri=true"
 
 
+_opened: list[Catalog] | None = None  # the catalogs load() made inside closing_catalogs()
+
+
+@contextlib.contextmanager
+def closing_catalogs() -> Iterator[None]:
+    """Close every catalog :func:`load` makes inside the block when it ends (a CLI command's): their connections
+    (SQLAlchemy's pool, lakestream's direct ones) would otherwise be left for the interpreter's exit to collect, which
+    Python 3.13 reports as unclosed databases."""
+    global _opened
+    outer, _opened = _opened, []
+    try:
+        yield
+    finally:
+        made, _opened = _opened, outer
+        for catalog in made:
+            with contextlib.suppress(Exception):  # a catalog that cannot close (a broken connection) is left as it is
+                catalog.close()
+
+
 def load(spec: CatalogSpec, *, create: bool = True) -> Catalog:
-    """Load the catalog ``spec`` names.
+    """Load the catalog ``spec`` names (closed at the end of an enclosing :func:`closing_catalogs`).
 
     Args:
         spec: The catalog.
@@ -133,6 +154,13 @@ def load(spec: CatalogSpec, *, create: bool = True) -> Catalog:
         ConfigError: The named catalog is not configured or could not be initialised (the message names the setting),
             or the embedded one has no home and ``create`` is false.
     """
+    catalog = _load(spec, create=create)
+    if _opened is not None:
+        _opened.append(catalog)
+    return catalog
+
+
+def _load(spec: CatalogSpec, *, create: bool) -> Catalog:
     if not spec.name:
         return embedded_catalog(spec.home, create=create)
     from lakestream_iceberg.connect.diagnose import PASS_SETTINGS, load_catalog

@@ -542,3 +542,31 @@ def test_a_misspelt_storage_secret_variable_is_a_one_line_error_naming_the_setti
     assert proc.returncode == 1 and proc.stderr.startswith("lakestream: error:"), proc.stderr
     assert "s3.secret-access-key" in proc.stderr and "s3-secret-access-key" in proc.stderr, proc.stderr
     assert moto_service.secret_key not in proc.stderr
+
+
+def _open_sqlite_connections() -> set[int]:
+    """The ids of this process's SQLite connections that are open (a closed one refuses every call)."""
+    import gc
+    import sqlite3
+
+    found = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, sqlite3.Connection):
+            try:
+                obj.total_changes  # noqa: B018 - raises ProgrammingError once closed
+            except sqlite3.ProgrammingError:
+                continue
+            found.add(id(obj))
+    return found
+
+
+@pytest.mark.parametrize("args", [("status", STREAM), ("checkpoints", STREAM), ("sql", STREAM, "select count(*) from batches"),
+                                  ("lag", STREAM)])
+def test_a_command_closes_the_catalog_it_opened(home: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...]) -> None:
+    """Connections left open for the interpreter's exit to collect: Python 3.13 reports every one as a ResourceWarning
+    (`lakestream demo` printed one), and a long-lived caller of ``main`` would keep them."""
+    before = _open_sqlite_connections()
+    code, _, _ = main_inprocess(home, capsys, *args)
+    assert code == 0
+    left = _open_sqlite_connections() - before
+    assert not left, f"{len(left)} SQLite connection(s) of the catalog still open after `lakestream {args[0]}`"
