@@ -313,9 +313,11 @@ class Stream(StreamTable):
     @cached_property
     def writer(self) -> BatchWriter:
         avro_codec(self.table.metadata.properties)  # a producer is refused before it writes anything
+        written = self._file_schema()
+        self.written_ids = {f.name: f.field_id for f in written.fields}  # every commit checks the table still has them
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
-            file_schema=self._file_schema(), properties=self.table.metadata.properties,
+            file_schema=written, properties=self.table.metadata.properties,
             retry_s=self.config.io_retry_timeout_s, packed_row_group_bytes=self.config.packed_row_group_bytes if self.config.packed else None,
         )
 

@@ -17,7 +17,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot, Summary
 from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSnapshotRefUpdate
 
-from lakestream_iceberg import ForeignSnapshotError, Stream
+from lakestream_iceberg import ForeignSnapshotError, SchemaMismatchError, Stream
 from lakestream_iceberg.errors import ConfigError, LifecycleError, SequenceError
 from lakestream_iceberg.format.summary import StreamState
 from tests.support import SCHEMA, batch, digest, foreign_append, foreign_delete, sqlite_catalog
@@ -371,15 +371,44 @@ def test_an_added_optional_column_or_moved_columns_keep_producers_writing_and_re
      r"gained required column\(s\) \['needed'\]"),
 ], ids=["drop", "rename", "required"])
 def test_an_incompatible_schema_change_is_refused_with_what_changed(tmp_path: Path, change, says: str) -> None:
-    from lakestream_iceberg import SchemaMismatchError
+    """Refused for a stream opened after the change, and for a producer (and a stream) made before it, whose writer
+    kept the schema of then: it went on publishing files with the dropped or renamed column's data in them."""
 
     stream, before = published(make(tmp_path))
+    running = stream.producer("a")
+    running.commit(batch("a", 4, WORLD), seq=4)  # its writer is made: the schema of now
     with stream.table.update_schema(allow_incompatible_changes=True) as update:
         change(update)
     again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
     with pytest.raises(SchemaMismatchError, match=says):
-        again.producer("a").commit(batch("a", 4, WORLD), seq=4)
-    assert again.head_step() == 8  # nothing published
+        again.producer("b").commit(batch("b", 0, WORLD), seq=0)
+    for commit in (lambda: running.commit(batch("a", 5, WORLD), seq=5),
+                   lambda: stream.producer("c").commit(batch("c", 0, WORLD), seq=0)):
+        with pytest.raises(SchemaMismatchError, match=says):
+            commit()
+    assert again.head_step() == 9  # nothing published since
+    assert {step: rows_of(again, step) for step in range(1, 9)} == before
+
+
+def test_a_payload_column_dropped_and_added_again_is_refused_to_producers_made_before(tmp_path: Path) -> None:
+    """Dropped and added again under its name and type, a column is another one (a new field id): a producer made
+    before writes the old one, whose values Iceberg readers returned as nulls of the new column. It is refused; a
+    producer made after commits, and Iceberg reads its rows as committed."""
+    stream, before = published(make(tmp_path))
+    running = stream.producer("a")
+    running.commit(batch("a", 4, WORLD), seq=4)
+    kind = stream.table.schema().find_field("i").field_type
+    with stream.table.update_schema(allow_incompatible_changes=True) as update:
+        update.delete_column("i")
+    with stream.refresh().table.update_schema() as update:
+        update.add_column("i", kind)
+    with pytest.raises(SchemaMismatchError, match=r"other columns named \['i'\].*Open the stream again"):
+        running.commit(batch("a", 5, WORLD), seq=5)
+    again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    assert again.producer("a").commit(batch("a", 5, WORLD), seq=5).step == 10
+    rows = again.refresh().table.scan(row_filter="_step == 10").to_arrow()
+    assert rows.num_rows > 0 and rows["i"].null_count == 0
+    assert sorted(rows["i"].to_pylist()) == sorted(v for t in batch("a", 5, WORLD) for v in t["i"].to_pylist())
 
 
 def test_a_partition_spec_evolved_under_running_producers_is_refused_until_restored(tmp_path: Path) -> None:
@@ -1076,7 +1105,9 @@ def test_a_packed_streams_rank_column_dropped_or_renamed_by_another_engine_is_re
     """_rank is a stored column of the packed layout, not a partition field, so Iceberg lets another engine drop or
     rename it: a producer opened before went on committing files with a _rank column the table no longer had, and a
     producer made after it failed with a raw KeyError: '_rank'. Both are a ConfigError saying how to restore it, and
-    after the restore producers commit and every step reads as published."""
+    after the restore producers commit and every step reads as published. A _rank added again is another column (a new
+    field id): a producer made before writes the old one, which Iceberg readers read as nulls, so it is refused and
+    one made after the restore commits."""
     from pyiceberg.types import IntegerType
 
     stream, before = published(make(tmp_path, **{"lakestream.layout": "packed"}))
@@ -1092,11 +1123,17 @@ def test_a_packed_streams_rank_column_dropped_or_renamed_by_another_engine_is_re
     assert stream.refresh().head().snapshot_id == head  # nothing published
     with sqlite_catalog(str(tmp_path)).load_table("ns.stream").update_schema() as update:  # as the message says
         update.rename_column("rank_id", "_rank") if change == "rename" else update.add_column("_rank", IntegerType())
+    if change == "drop":  # added again: another column (a new field id), which the running producer's files do not
+        with pytest.raises(SchemaMismatchError, match=r"other columns named \['_rank'\].*Open the stream again"):
+            running.commit(batch("a", 4, WORLD), seq=4)  # fill: Iceberg readers saw its files' _rank as nulls
+        running = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream").producer("a")
     assert running.commit(batch("a", 4, WORLD), seq=4).step == 9
     again = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
     assert again.producer("b").commit(batch("b", 4, WORLD), seq=4).step == 10
     assert {step: rows_of(again, step) for step in range(1, 9)} == before
     assert all(again.read(10, rank=r).equals(t) for r, t in enumerate(batch("b", 4, WORLD)))
+    ranks = again.refresh().table.scan(row_filter="_step >= 9").to_arrow()["_rank"]  # as other engines read it
+    assert len(ranks) > 0 and ranks.null_count == 0
 
 
 def test_main_fast_forwarded_to_a_fork_is_refused_and_repaired_back_to_its_own_head(tmp_path: Path) -> None:

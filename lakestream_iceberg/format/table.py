@@ -31,6 +31,7 @@ from lakestream_iceberg.errors import (
     LakestreamError,
     MissingFileError,
     NotAStreamError,
+    SchemaMismatchError,
     StepError,
 )
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints
@@ -44,6 +45,7 @@ from lakestream_iceberg.format.layout import (
     RANK_COLUMN,
     StreamConfig,
     check_format_version,
+    file_schema,
     layout_of_spec,
 )
 from lakestream_iceberg.format.lineage import branch_state, is_lakestream
@@ -264,6 +266,9 @@ class StreamTable:
         self.cache = cache or shared_cache(self.config.manifest_cache_bytes)
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
         self.fixed = {prop.key: props.get(prop.key) for prop in _FIXED}  # as opened (see check_fixed)
+        self._payload_checked: int | None = None  # the table schema id the payload was last checked against
+        # the field id of each column the stream's data files are written with (set when its writer is made)
+        self.written_ids: dict[str, int] | None = None
 
     @property
     def name(self) -> str:
@@ -287,10 +292,25 @@ class StreamTable:
         Raises:
             ConfigError: Another engine evolved the partition spec since the stream was opened (see
                 :func:`check_layout`): the new snapshot's files would be written with a spec they do not fit.
+            SchemaMismatchError: Another engine dropped, renamed or retyped a payload column (see
+                :func:`~lakestream_iceberg.format.layout.file_schema`).
         """
         check_layout(metadata, self.config, stream=self.name)
         check_fixed(metadata.properties, self.fixed, stream=self.name)
         check_metadata_log_size(metadata.properties, stream=self.name)
+        if metadata.current_schema_id != self._payload_checked:
+            # a payload column another engine dropped, renamed or retyped: what making a producer refuses, refused
+            # here too for producers (and streams) made before the change, whose writer kept the schema of then
+            now = file_schema(metadata.schema(), self.config.layout, self.payload_arrow_schema, stream=self.name)
+            written = self.written_ids
+            moved = sorted(f.name for f in now.fields if written is not None and written.get(f.name) != f.field_id)
+            if moved:  # dropped and added again under the same name: Iceberg readers would read these files' values
+                raise SchemaMismatchError(  # as nulls of the new column (they match columns by field id)
+                    f"the table schema of {self.name} has other columns named {moved} than this stream's producers "
+                    "write (other field ids: dropped and added again by another engine); nothing is committed. Open "
+                    "the stream again (Stream.open) and make its producers from it to write the new columns"
+                )
+            self._payload_checked = metadata.current_schema_id
         return ManifestPlanner(io=self.io, metadata=metadata, cache=self.cache, fanout=self.config.merge_fanout,
                                max_merge_entries=self.config.max_merge_entries)
 
