@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 
 from lakestream_iceberg.errors import SchemaMismatchError, ShardCountError
 
-__all__ = ["check_batch", "check_shards", "has_required", "hidden_nulls_filled"]
+__all__ = ["check_batch", "check_shards", "has_required", "hidden_nulls_filled", "map_keys_unmasked"]
 
 
 def check_shards(shards: object, *, world_size: int, expected: pa.Schema) -> list[pa.Table]:
@@ -212,6 +212,64 @@ def _filled(array: pa.Array) -> pa.Array:
 # filter() make them, to another key type: the writer casts string keys to Iceberg's large_string. A map's keys hold no
 # null (check_batch refuses them), so the bitmap says nothing: the keys are built again without it.
 _KEYS_BITMAP_ABORTS_CAST = int(pa.__version__.split(".")[0]) < 26
+
+
+def map_keys_unmasked(table: pa.Table) -> pa.Table:
+    """``table`` with the keys of every map in it, at any depth (in lists, structs, other maps' items), rebuilt without
+    a validity bitmap, zero-copy; columns holding no map, and maps whose keys have none, are returned as they are.
+
+    For a table that is about to be cast to a schema with other map types, before anything checked it: pyarrow before
+    26 aborts the process casting a map whose keys carry a bitmap (as take() and filter() make them, and so Ray's
+    blocks) to another key type. Unlike :func:`hidden_nulls_filled` it changes no value, so it may run before the
+    checks: keys that hold a null (an invalid map) keep their bitmap."""
+    for i, field in enumerate(table.schema):
+        if not _holds_map(field.type):
+            continue
+        column = table.column(i)
+        chunks = [_keys_unmasked(chunk) for chunk in column.chunks]
+        if any(new is not old for new, old in zip(chunks, column.chunks)):
+            table = table.set_column(i, field, pa.chunked_array(chunks, field.type))
+    return table
+
+
+def _holds_map(data_type: pa.DataType) -> bool:
+    return pa.types.is_map(data_type) or any(_holds_map(f.type) for f in _children(data_type))
+
+
+def _keys_unmasked(array: pa.Array) -> pa.Array:
+    """``array`` with every map's keys below it without a validity bitmap (see :func:`map_keys_unmasked`); rebuilt
+    only where something changes, as :func:`_filled` rebuilds a nested array."""
+    kind = array.type
+    if not _holds_map(kind):
+        return array
+    mask = array.is_null() if array.null_count else None
+    if pa.types.is_struct(kind):
+        fields = _children(kind)
+        children = [array.field(i) for i in range(len(fields))]  # field() honours the slice
+        new = [_keys_unmasked(child) for child in children]
+        if all(n is c for n, c in zip(new, children, strict=True)):
+            return array
+        return pa.StructArray.from_arrays(new, fields=fields, mask=mask)
+    if pa.types.is_map(kind):
+        keys, items = array.keys, array.items  # whole children: the offsets index them
+        new_keys, new_items = _without_bitmap(_keys_unmasked(keys)), _keys_unmasked(items)
+        if new_keys is keys and new_items is items:
+            return array
+        return pa.MapArray.from_arrays(_offsets(array), new_keys, new_items, type=kind, mask=mask)
+    if pa.types.is_fixed_size_list(kind):
+        values = array.values.slice(array.offset * kind.list_size, len(array) * kind.list_size)  # this slice's
+        new_values = _keys_unmasked(values)
+        if new_values is values:
+            return array
+        return pa.FixedSizeListArray.from_arrays(new_values, type=kind, mask=mask)
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        return array  # a dictionary or extension type holding maps: as it is
+    values = array.values  # a list: the whole child, which its offsets index
+    new_values = _keys_unmasked(values)
+    if new_values is values:
+        return array
+    lists = pa.LargeListArray if pa.types.is_large_list(kind) else pa.ListArray
+    return lists.from_arrays(_offsets(array), new_values, type=kind, mask=mask)
 
 
 def _without_bitmap(array: pa.Array) -> pa.Array:

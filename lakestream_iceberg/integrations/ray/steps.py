@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from lakestream_iceberg.errors import BatchError, ConfigError, SchemaMismatchError
+from lakestream_iceberg.format.batches import map_keys_unmasked
 
 __all__ = ["StepFn", "StepRule"]
 
@@ -112,6 +113,10 @@ class StepRule:
         table = table.select(want)
         if self.cast:
             target = pa.schema([*payload, *(table.schema.field(c) for c in extra)])
+            # pyarrow < 26 aborts the process casting a map whose keys carry a validity bitmap (take() and filter()
+            # make them; so do Ray's operators) to another key type: the writer's own fix (format/batches.py) comes
+            # after this cast, so the keys lose it here first (zero-copy, every pyarrow: the property is testable)
+            table = map_keys_unmasked(table)
             try:
                 table = table.cast(target)
             except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
