@@ -120,7 +120,9 @@ keep the order without ``preserve_order``: nothing promises it. To publish the d
 
 **Schema.** Every block must have the stream's payload columns (any order, plus ``rank_column``) with the stream's
 types; ``cast=True`` casts (safely: an overflow is an error). A block that does not match fails its task with a
-:class:`SchemaMismatchError` naming the column, and the job fails; no data is skipped. With a fused write every batch
+:class:`SchemaMismatchError` naming the column, and the job fails; no data is skipped. A block without rows is skipped
+whatever its columns (Ray hands the sink one without columns where a ``filter``, ``flat_map`` or generator emptied a
+task's input), and ``step_fn`` is never called with one. With a fused write every batch
 of the preprocessing is its own block, so a batch that lacks a column fails the job. A batch merged with others
 *before* the sink sees it (by an upstream operator of an unfused write) is another matter: Ray fills a missing
 nullable column with nulls when it merges, and the sink cannot tell those from real nulls; declare such a column

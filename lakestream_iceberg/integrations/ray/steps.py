@@ -42,7 +42,7 @@ class StepRule:
         """The global batches (one pyarrow Table per rank each) that a task's blocks, in order, form.
 
         Args:
-            tables: The task's blocks, in order.
+            tables: The task's blocks, in order; blocks without rows are skipped (whatever their columns).
             payload: The stream's payload schema.
             world_size: Ranks per step.
             where: Names the task in error messages.
@@ -55,6 +55,10 @@ class StepRule:
             BatchError: A rank column value outside ``0..world_size-1``.
             ConfigError: ``step_fn`` returned something other than steps of ``world_size`` tables.
         """
+        # A block without rows holds nothing to publish, and Ray hands the sink one *without columns* where a
+        # filter, flat_map or generator emptied a task's input: skipped before it is checked (it failed the task with
+        # "missing [every column]"), and never passed to a step_fn (an empty step would depend on Ray's blocking)
+        tables = (block for block in tables if block.num_rows)
         if self.step_fn is not None:
             for block in tables:
                 table = self.conform(block, payload, where)
@@ -70,8 +74,6 @@ class StepRule:
         held = 0
         for block in tables:
             table = self.conform(block, payload, where)
-            if not table.num_rows:
-                continue
             pending.append(table)
             held += table.num_rows
             while held >= size:
