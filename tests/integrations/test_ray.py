@@ -106,6 +106,27 @@ def test_sink_arguments_are_checked(tmp_path: Path) -> None:
     assert producer_id("prep", 7) == "prep-7"
 
 
+def test_bad_sink_arguments_are_config_errors_that_name_the_argument(tmp_path: Path) -> None:
+    """Each bad argument is a ConfigError naming it: ``create="false"`` was blamed on a missing world_size,
+    ``catalog_properties=5`` raised an AttributeError, ``rank_column=""`` failed every write task with a block
+    "missing ['']", and ``properties=`` without ``create=True`` were dropped without a word (an unknown key too)."""
+    catalog = sqlite_catalog(str(tmp_path))
+    ok = {"catalog": catalog, "stream": "ns.s", "run_name": "prep", "rows_per_step": 4}
+    for bad, says in (({"create": "false"}, "create must be True or False, got 'false'"),
+                      ({"world_size": True, "create": True}, "world_size must be an integer, got the bool"),
+                      ({"world_size": -2}, "world_size must be in 1"),
+                      ({"rows_per_step": -1}, "rows_per_step must be >= 1"),
+                      ({"rank_column": ""}, "rank_column must be a column name, got ''"),
+                      ({"catalog": "prod", "catalog_properties": 5}, "catalog_properties must be a dict"),
+                      ({"properties": {"lakestream.nope": "1"}}, "lakestream.nope is not a lakestream property")):
+        with pytest.raises(ConfigError, match=says):
+            LakestreamDatasink(**{**ok, **bad})
+    Stream.create(catalog, "ns.s", schema=SCHEMA, world_size=1)
+    with pytest.raises(StreamExistsError, match="lakestream.layout='per-rank', not 'packed'"):  # not applied, checked
+        LakestreamDatasink(**ok, properties={"lakestream.layout": "packed"}).on_write_start(None)
+    LakestreamDatasink(**ok, properties={"lakestream.layout": "per-rank"}).on_write_start(None)
+
+
 def test_pickled_sink_carries_no_secret(tmp_path: Path) -> None:
     import pickle
 

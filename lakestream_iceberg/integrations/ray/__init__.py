@@ -131,8 +131,8 @@ required (``nullable=False`` in the stream's schema) and a filled-in null fails 
 **Creating the stream.** ``create=True, world_size=W`` with ``schema=`` creates it on the driver, before any task. Without
 ``schema=`` the first write task with rows creates it from the first block it writes (what the preprocessing
 returned, minus ``rank_column``): tasks that race to create it agree on one (``Stream.create`` opens the winner's),
-and a job that fails before any block reaches the sink creates nothing. For a stream that exists, ``schema=`` and
-``world_size=`` are checked against it on the driver, before any task runs.
+and a job that fails before any block reaches the sink creates nothing. For a stream that exists, ``schema=``,
+``world_size=`` and ``properties=`` are checked against it on the driver, before any task runs (never changed).
 
 **Catalogs and secrets.** ``catalog`` is a catalog *name* (resolved in each task by pyiceberg from ``.pyiceberg.yaml``
 or ``PYICEBERG_CATALOG__<NAME>__*``, like any ``load_catalog(NAME)``, plus ``catalog_properties``, which must not hold

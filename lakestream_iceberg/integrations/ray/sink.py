@@ -95,7 +95,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         world_size: Ranks per step, for ``create`` (checked against the stream otherwise, when given).
         schema: The payload schema, for ``create`` (default: the first block's, minus ``rank_column``); checked
             against the stream otherwise, when given.
-        properties: Table properties for ``create``.
+        properties: Table properties for ``create``; checked against a stream that exists (never changed).
         catalog_properties: Extra non-secret catalog properties, with a catalog name (secrets: pyiceberg config).
         branch: The branch to publish into.
         verify_replays: How a replayed step is checked against the published one: ``"rows"`` (read it back and compare
@@ -140,6 +140,9 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 f"run_name {run_name!r} is invalid: it becomes part of producer ids (f'{{run_name}}-{{task_idx}}'), so use "
                 "letters, digits, '.', '_' or '-', starting with a letter or digit"
             ) from None
+        for name, flag in (("drop_last", drop_last), ("cast", cast), ("create", create)):
+            if not isinstance(flag, bool):  # bool("false") is True: a string must not drop rows or create a stream
+                raise ConfigError(f"{name} must be True or False, got {flag!r}")
         if (rows_per_step is None) == (step_fn is None):
             raise ConfigError("pass exactly one of rows_per_step= (rows dealt to the ranks) and step_fn= (block -> steps)")
         if rows_per_step is not None:
@@ -148,7 +151,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
             raise ConfigError(f"step_fn must be callable (block -> iterable of steps), got {type(step_fn).__name__}")
         if step_fn is not None and (rank_column is not None or drop_last):
             raise ConfigError("rank_column= and drop_last= apply to rows_per_step=, not to step_fn=")
-        if rank_column is not None and not isinstance(rank_column, str):
+        if rank_column is not None and (not isinstance(rank_column, str) or not rank_column):
             raise ConfigError(f"rank_column must be a column name, got {rank_column!r}")
         if world_size is not None:
             world_size = check_int(world_size, what="world_size", minimum=1, maximum=WORLD_SIZE.maximum)
@@ -158,9 +161,12 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 isinstance(k, str) and isinstance(v, str) for k, v in properties.items())):
             raise ConfigError(f"properties must be a dict of strings to strings (table properties, e.g. "
                               f"{{'lakestream.snapshots.retain-last': '64'}}), got {properties!r}"[:300])
+        if catalog_properties is not None and not isinstance(catalog_properties, Mapping):
+            raise ConfigError(f"catalog_properties must be a dict of catalog property names to values, got "
+                              f"{type(catalog_properties).__name__}")
         if create:  # what Stream.create would refuse in every write task (the first one creates the stream): here
             check_new_identifier(check_identifier(stream))
-            check_properties(dict(properties or {}))
+        check_properties(dict(properties or {}))  # an unknown lakestream.* key, with or without create
         if schema is not None and not isinstance(schema, pa.Schema):
             raise ConfigError(f"schema must be a pyarrow.Schema, got {type(schema).__name__}")
         if not isinstance(stream, str) or not stream:
@@ -168,9 +174,6 @@ class LakestreamDatasink(Datasink[TaskReport]):
         if not isinstance(branch, str) or not branch:
             raise ConfigError(f"branch must be a branch name, got {branch!r}")
         self.run_name, self.rows_per_step, self.rank_column, self.step_fn = run_name, rows_per_step, rank_column, step_fn
-        for name, flag in (("drop_last", drop_last), ("cast", cast), ("create", create)):
-            if not isinstance(flag, bool):  # bool("false") is True: a string must not drop rows or create a stream
-                raise ConfigError(f"{name} must be True or False, got {flag!r}")
         self.drop_last, self.cast, self.create, self.world_size = drop_last, cast, create, world_size
         self.schema = None if schema is None else schema.remove_metadata()
         self.properties = dict(properties or {})
@@ -238,7 +241,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         Raises:
             ConfigError: The stream does not exist and ``create`` is false, its world size differs from
                 ``world_size``, its schema from ``schema`` (without ``create``), the branch is not a branch, or ``rank_column`` is not an integer column.
-            StreamExistsError: ``create`` with ``properties`` the existing stream holds other values of.
+            StreamExistsError: ``properties`` the existing stream holds other values of (with or without ``create``).
         """
         self._shape_plan()
         catalog = self._ref.catalog()
@@ -263,7 +266,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 raise ConfigError(f"stream {stream.name} has schema ({_columns(stream.payload_arrow_schema)}), the sink "
                                   f"was given schema=({_columns(self.schema)}): blocks must have the stream's; pass "
                                   "its schema, or leave schema= out (it is for create=True)")
-            if self.create and self.properties:  # the properties would not be applied: Stream.create says which
+            if self.properties:  # checked as schema= is (they are not applied to a stream that exists): Stream.create
+                # says which differ
                 Stream.create(catalog, self._ref.identifier, schema=stream.payload_arrow_schema,
                               world_size=stream.world_size, properties=self.properties)
         self._check_against(stream)
