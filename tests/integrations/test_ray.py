@@ -750,6 +750,26 @@ def test_the_cast_path_hands_the_writer_map_keys_without_a_validity_bitmap(tmp_p
     assert [stream.read(1, rank=r).to_pylist() for r in range(2)] == [block.to_pylist()[0::2], block.to_pylist()[1::2]]
 
 
+def test_cast_takes_a_nested_column_of_the_streams_type_with_nulls_under_null_parents(tmp_path: Path) -> None:
+    """A struct whose field is required may hold a null under a null struct (Arrow allows it: ``take()`` with a null
+    index makes one); no reader sees it and the writer fills it. ``cast=True`` cast every column, and pyarrow's cast
+    of such a struct to its own type refuses it ("nulls in input cannot be viewed as non-nullable"): the block that
+    ``cast=False`` publishes failed the task. Only the columns whose type differs are cast."""
+    required = pa.struct([pa.field("a", pa.int64(), nullable=False), pa.field("b", pa.string())])
+    payload = pa.schema([("id", pa.int64()), ("s", required)])
+    catalog = sqlite_catalog(str(tmp_path))
+    Stream.create(catalog, "ns.nested", schema=payload, world_size=1)
+    whole = pa.table({"id": [0, 1, 2], "s": pa.array([{"a": 1, "b": "x"}, None, {"a": 3, "b": None}], required)},
+                     schema=payload)
+    block = whole.take(pa.array([0, None, 2])).set_column(0, "id", pa.array([0, 1, 2], pa.int32()))  # id: to cast
+    assert block.column("s").chunk(0).field(0).null_count == 1  # the hidden null
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.nested", run_name="n", rows_per_step=3, cast=True)
+    sink.on_write_start(None)
+    assert sink.write([block], _task_context(0)).steps == (1,)
+    assert Stream.open(catalog, "ns.nested").read(1, rank=0).to_pylist() == [
+        {"id": 0, "s": {"a": 1, "b": "x"}}, {"id": 1, "s": None}, {"id": 2, "s": {"a": 3, "b": None}}]
+
+
 def test_a_context_that_ignores_failed_tasks_is_warned_about(tmp_path: Path) -> None:
     """With ``DataContext.max_errored_blocks`` other than 0 Ray ignores failed write tasks: a job whose write task
     failed after publishing part of its steps succeeded, the rest of that task's rows unpublished and nothing in the

@@ -119,10 +119,17 @@ class StepRule:
             # make them; so do Ray's operators) to another key type: the writer's own fix (format/batches.py) comes
             # after this cast, so the keys lose it here first (zero-copy, every pyarrow: the property is testable)
             table = map_keys_unmasked(table)
-            try:
-                table = table.cast(target)
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
-                raise SchemaMismatchError(f"{where}: a block cannot be cast to the stream's schema: {exc}") from None
+            # only the columns whose type differs: pyarrow's cast of a nested column to its own type refuses a null
+            # that a non-nullable field holds under a null parent (take() with a null index makes them), which Arrow
+            # allows, no reader sees, and the writer fills (format/batches.py): cast=True refused what cast=False took
+            for i, want in enumerate(target):
+                if table.schema.field(i).type.equals(want.type):
+                    continue
+                try:
+                    table = table.set_column(i, want, table.column(i).cast(want.type))
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as exc:
+                    raise SchemaMismatchError(f"{where}: a block cannot be cast to the stream's schema: column "
+                                              f"{want.name!r}: {exc}") from None
         for name, field in zip(payload.names, payload):
             got = table.schema.field(name).type
             if not got.equals(field.type):
