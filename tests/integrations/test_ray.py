@@ -402,6 +402,11 @@ def test_ray_data_job_publishes_exactly_once_and_a_rerun_publishes_nothing(ray_c
     with pytest.raises(Exception, match="column 'x' of a block is double, the stream expects float"):
         bad.write_datasink(LakestreamDatasink(catalog=catalog, stream="ns.ray", run_name="bad", rows_per_step=2))
     assert stream.refresh().head_step() == steps
+    # a sink used again: a failed job leaves no report, not the report of the job before it (which told of 0
+    # published and every step a duplicate, as if this job had run)
+    with pytest.raises(Exception, match="column 'x' of a block is double"):
+        bad.write_datasink(rerun)
+    assert rerun.report is None and stream.refresh().head_step() == steps
 
 
 def _to_payload(batch: pa.Table) -> pa.Table:

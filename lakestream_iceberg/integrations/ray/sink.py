@@ -182,7 +182,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
         self.branch, self.verify_replays = branch, verify_replays
         self._catalog: Catalog | None = None
         self._ref = self._address(catalog, stream, catalog_properties)
-        self.report: SinkReport | None = None  # set on the driver when the job completes
+        self.report: SinkReport | None = None  # set on the driver when the job completes (None again at each start)
         self._fused: bool | None = None  # what on_write_start saw of Ray's plan (None: not seen)
         self._plan_notes: list[str] = []
 
@@ -243,6 +243,7 @@ class LakestreamDatasink(Datasink[TaskReport]):
                 ``world_size``, its schema from ``schema`` (without ``create``), the branch is not a branch, or ``rank_column`` is not an integer column.
             StreamExistsError: ``properties`` the existing stream holds other values of (with or without ``create``).
         """
+        self.report = None  # a sink used for another job: a failed one must not leave the last job's report
         self._shape_plan()
         catalog = self._ref.catalog()
         if self.create and self.schema is not None:
