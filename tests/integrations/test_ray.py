@@ -933,6 +933,35 @@ def test_a_schema_other_than_the_existing_streams_is_refused_before_anything_is_
     assert same.write(iter([_rows(0, 2)]), _task_context(0)).steps == (1,)
 
 
+def test_a_payload_column_renamed_between_runs_is_refused_by_a_worker_that_wrote_before(tmp_path: Path) -> None:
+    """A Ray worker keeps the streams it wrote to open across jobs (``open_stream``), and a stream checks the table's
+    schema once, when its writer is made: after another engine renamed a payload column between two runs, a worker
+    that had written before published the next run's steps, which a stream opened afresh refuses. The driver refuses
+    the job before any task, and a worker's cached stream is opened again (an added optional column still works)."""
+    from pyiceberg.types import StringType
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.evolved", schema=SCHEMA, world_size=1)
+    first = LakestreamDatasink(catalog=catalog, stream="ns.evolved", run_name="first", rows_per_step=2)
+    first.on_write_start(None)
+    assert first.write([_rows(0, 2)], _task_context(0)).steps == (1,)  # this process is now a worker that wrote
+
+    with stream.table.update_schema() as update:  # another engine, between the runs: legal, lakestream keeps going
+        update.add_column("note", StringType())
+    added = LakestreamDatasink(catalog=catalog, stream="ns.evolved", run_name="added", rows_per_step=2)
+    added.on_write_start(None)
+    assert added.write([_rows(2, 2)], _task_context(0)).steps == (2,)
+
+    with catalog.load_table("ns.evolved").update_schema() as update:  # refused by lakestream producers
+        update.rename_column("x", "x2")
+    second = LakestreamDatasink(catalog=catalog, stream="ns.evolved", run_name="second", rows_per_step=2)
+    with pytest.raises(SchemaMismatchError, match="no longer has the payload column 'x'"):
+        second.on_write_start(None)
+    with pytest.raises(SchemaMismatchError, match="no longer has the payload column 'x'"):
+        second.write([_rows(4, 2)], _task_context(0))
+    assert stream.refresh().head_step() == 2
+
+
 def test_ray_train_dataset_refuses_a_rank_or_world_size_of_its_own(tmp_path: Path) -> None:
     """``rank=`` or ``world_size=`` passed to ``ray_train_dataset`` (they are Ray Train's) failed in the training
     worker with Python's 'got multiple values for keyword argument'; it is a ConfigError saying where they come from,

@@ -29,7 +29,7 @@ from lakestream_iceberg.errors import (
 )
 from lakestream_iceberg.format.checks import check_identifier, check_int, check_new_identifier
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options
-from lakestream_iceberg.format.layout import table_arrow_schema
+from lakestream_iceberg.format.layout import file_schema, table_arrow_schema
 from lakestream_iceberg.format.properties import WORLD_SIZE, check_properties
 from lakestream_iceberg.integrations.ray.plan import shape_write
 from lakestream_iceberg.integrations.ray.replay import same_rows
@@ -242,6 +242,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
             ConfigError: The stream does not exist and ``create`` is false, its world size differs from
                 ``world_size``, its schema from ``schema`` (without ``create``), the branch is not a branch, or ``rank_column`` is not an integer column.
             StreamExistsError: ``properties`` the existing stream holds other values of (with or without ``create``).
+            SchemaMismatchError: Another engine dropped, renamed or retyped a payload column of the stream (as making a
+                producer refuses).
         """
         self.report = None  # a sink used for another job: a failed one must not leave the last job's report
         self._shape_plan()
@@ -285,6 +287,8 @@ class LakestreamDatasink(Datasink[TaskReport]):
     def _check_against(self, stream: StreamTable) -> None:
         # the table's file settings and the branch, once on the driver: not an error in every write task (and retry)
         stream.require_branch(self.branch, doing="the sink cannot write to")
+        # a payload column another engine dropped, renamed or retyped: what making a producer refuses, once here
+        file_schema(stream.table.schema(), stream.config.layout, stream.payload_arrow_schema, stream=stream.name)
         parquet_options(stream.table.metadata.properties, strict=False)
         avro_codec(stream.table.metadata.properties)
         if self.rank_column is not None and self.rank_column in stream.payload_arrow_schema.names:

@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 
 _streams: OrderedDict[tuple[int, StreamRef], Stream] = OrderedDict()  # least recently used first
+_schema_ids: dict[tuple[int, StreamRef], int] = {}  # the table schema each cached stream was opened with
 _streams_lock = threading.Lock()
 MAX_OPEN_STREAMS = 8  # per worker process: a worker that wrote to more streams closes the least recently used
 
@@ -40,9 +41,12 @@ def _cache(key: tuple[int, StreamRef], stream: Stream) -> list[Stream]:
         del _streams[other]  # the parent's: its connections must not be touched from here
     _streams[key] = stream
     _streams.move_to_end(key)
+    _schema_ids[key] = stream.table.metadata.current_schema_id
     evicted = []
     while len(_streams) > MAX_OPEN_STREAMS:
         evicted.append(_streams.popitem(last=False)[1])
+    for gone in [k for k in _schema_ids if k not in _streams]:
+        del _schema_ids[gone]
     return evicted
 
 
@@ -51,7 +55,9 @@ def open_stream(ref: StreamRef) -> Stream:
 
     A cached stream is refreshed first (one catalog pointer query on SQL catalogs): when the name now holds another
     table (dropped and created again, e.g. between two jobs of one Ray session), it is opened again instead of
-    publishing with the old table's world size, schema and producer state."""
+    publishing with the old table's world size, schema and producer state. So it is when another engine changed the
+    table's schema since: a stream's writer checks the schema once, when it is made, and a cached one published
+    after a payload column was renamed or dropped, which a stream opened afresh refuses (``SchemaMismatchError``)."""
     key = (os.getpid(), ref)
     with _streams_lock:
         stream = _streams.get(key)
@@ -60,11 +66,14 @@ def open_stream(ref: StreamRef) -> Stream:
     if stream is not None:
         try:
             stream.refresh()
-            return stream
+            if stream.table.metadata.current_schema_id == _schema_ids.get(key, stream.table.metadata.current_schema_id):
+                return stream
+            raise StreamError("the table's schema changed since the stream was opened")  # its writer's is stale
         except StreamError:  # another table under this name now: forget (and close) the old one's handle
             with _streams_lock:
                 if _streams.get(key) is stream:
                     del _streams[key]
+                    _schema_ids.pop(key, None)
             _release(stream)
         except Exception as exc:  # noqa: BLE001 - the catalog is busy or down for now: the commit's refresh retries
             if not transient(exc):
