@@ -47,6 +47,7 @@ from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.follow import FAILURES_LOGGED, HeadWatcher
 from lakestream_iceberg.read.relay_wire import (
+    MAX_REQUEST,
     RelayPaths,
     encode_error,
     encode_files,
@@ -229,7 +230,7 @@ class HeadRelay:
             while not self._stop.is_set():
                 if not readable(conn, 5.0):  # stop() shuts the connection down, which wakes this at once
                     continue
-                request = recv_frame(conn, timeout=IO_S)
+                request = recv_frame(conn, timeout=IO_S, limit=MAX_REQUEST)
                 send_frame(conn, self._answer(request), timeout=IO_S)
                 self.served += 1
         except (OSError, ValueError):

@@ -32,11 +32,12 @@ from pyiceberg.typedef import Record
 from lakestream_iceberg import errors
 from lakestream_iceberg.errors import LakestreamError, ReadError
 
-__all__ = ["MAX_FRAME", "RelayPaths", "decode_error", "decode_files", "encode_error", "encode_files", "recv_frame",
+__all__ = ["MAX_FRAME", "MAX_REQUEST", "RelayPaths", "decode_error", "decode_files", "encode_error", "encode_files", "recv_frame",
            "relay_dir", "relay_paths", "send_frame"]
 
 PROTOCOL = 1
 MAX_FRAME = 64 * 1024 * 1024  # a step of 100,000 per-rank files is ~10 MB of JSON
+MAX_REQUEST = 64 * 1024  # what a relay reads from a client: its requests are a few dozen bytes
 _HEADER = struct.Struct(">I")
 _BUILTIN_ERRORS: dict[str, type[Exception]] = {"FileNotFoundError": FileNotFoundError, "TimeoutError": TimeoutError,
                                                "PermissionError": PermissionError}
@@ -123,8 +124,12 @@ def send_frame(sock: socket.socket, message: dict[str, Any], *, timeout: float) 
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
-def recv_frame(sock: socket.socket, *, timeout: float) -> dict[str, Any]:
-    """Receive one JSON object within ``timeout`` seconds.
+def recv_frame(sock: socket.socket, *, timeout: float, limit: int = MAX_FRAME) -> dict[str, Any]:
+    """Receive one JSON object of at most ``limit`` bytes within ``timeout`` seconds.
+
+    A relay reads its clients' requests with ``limit=MAX_REQUEST``: with ``MAX_FRAME`` a client declaring 64 MB (a
+    broken one, or one speaking another protocol) held up to 64 MB of the holder's memory per connection, at most
+    ``MAX_CLIENTS`` connections.
 
     Raises:
         socket.timeout: Nothing complete arrived in time.
@@ -132,8 +137,8 @@ def recv_frame(sock: socket.socket, *, timeout: float) -> dict[str, Any]:
     """
     deadline = time.monotonic() + timeout
     (size,) = _HEADER.unpack(_read(sock, _HEADER.size, deadline))
-    if size > MAX_FRAME:
-        raise ConnectionError(f"relay frame of {size} bytes exceeds {MAX_FRAME}")
+    if size > limit:
+        raise ConnectionError(f"relay frame of {size} bytes exceeds {limit}")
     try:
         message = json.loads(_read(sock, size, deadline))
     except (ValueError, RecursionError) as exc:  # RecursionError: arrays nested thousands deep

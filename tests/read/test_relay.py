@@ -561,6 +561,57 @@ def test_a_holder_out_of_descriptors_accepts_again_once_some_are_free(tmp_path: 
     watcher.close()
 
 
+def _hello(path: Path, *, timeout: float = 5.0) -> dict[str, object]:
+    """One raw ``hello`` to the relay at ``path``: its answer (ConnectionError: refused; TimeoutError: deaf)."""
+    import socket
+
+    from lakestream_iceberg.read.relay_wire import recv_frame, send_frame
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        send_frame(sock, {"op": "hello"}, timeout=timeout)
+        return recv_frame(sock, timeout=timeout)
+
+
+def test_a_holder_reads_no_request_larger_than_requests_are() -> None:
+    """The holder read its clients' requests with the replies' limit (64 MB): a client declaring 64 MB held that much of
+    the holder's memory per connection (20 such clients took 1.2 GB), up to MAX_CLIENTS of them. A request is a few
+    dozen bytes: a larger one ends its connection at once, before its body is read."""
+    import socket
+    import struct
+
+    from lakestream_iceberg.read.relay_wire import MAX_FRAME, MAX_REQUEST, recv_frame
+
+    assert MAX_REQUEST < MAX_FRAME
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        body = b'{"op":"hello","pad":"' + b"x" * MAX_REQUEST + b'"}'
+        theirs.sendall(struct.pack(">I", len(body)))  # the header alone: the body is never needed to refuse it
+        with pytest.raises(ConnectionError, match="exceeds"):
+            recv_frame(ours, timeout=10, limit=MAX_REQUEST)
+
+
+def test_a_relay_closes_a_connection_declaring_a_request_larger_than_requests_are(tmp_path: Path) -> None:
+    """The same through a holder: it read on towards the declared 32 MB (up to IO_S) instead of closing at once."""
+    import socket
+    import struct
+
+    stream = make_stream(tmp_path, steps=1)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(5.0)  # the holder waits IO_S (10 s) for a frame's body: it closed before that
+        sock.connect(str(watcher._paths.socket))
+        try:
+            sock.sendall(struct.pack(">I", 32 * 1024 * 1024) + b'{"op":"hello","pad":"' + b"x" * 256 * 1024)
+            assert sock.recv(1) == b""  # closed; before: TimeoutError, the holder reading on towards 32 MB
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # closed before all of our bytes went, or with them unread
+    assert _hello(watcher._paths.socket)["uuid"] == str(stream.table.metadata.table_uuid)
+    watcher.close()
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"op": "files", "step": ' + b"9" * 5_000 + b"}", b"\xff\xfe", b"[1]"])
 def test_a_frame_that_is_not_a_json_object_ends_the_connection_only(body: bytes) -> None:
     """A peer's frame of arrays nested 100,000 deep raised RecursionError out of recv_frame: a traceback from the
