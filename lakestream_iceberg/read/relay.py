@@ -201,7 +201,7 @@ class HeadRelay:
 
     # -- serving -------------------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        failing = False
+        failing = refusing = False  # accept() failing, threads not starting: each warned once per streak
         while not self._stop.is_set():
             try:
                 if not readable(self._listener, 0.2):
@@ -217,13 +217,30 @@ class HeadRelay:
                 failing = True
                 self._stop.wait(0.1)
                 continue
-            failing = False
             with self._cond:
                 if len(self._clients) >= MAX_CLIENTS:
                     conn.close()
                     continue
                 self._clients.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="lakestream-relay-client", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="lakestream-relay-client", daemon=True).start()
+            except RuntimeError as exc:
+                # "can't start new thread": the user's process limit (``ulimit -u`` counts threads) or memory. Raised
+                # here, it ended the accept thread: the relay stayed elected and answered no reader of the host again.
+                # Refuse this connection (its reader elects, finds the relay held and after CONNECT_S raises the
+                # relay's ReadError, or reads directly when it was starting) and serve the next ones once threads are
+                # free again
+                with self._cond:
+                    self._clients.discard(conn)
+                conn.close()
+                if not refusing:
+                    log.warning("the head relay of %s cannot start a thread for a new client (%s; %d clients served "
+                                "now); refusing connections until it can: raise the user's process limit (ulimit -u) "
+                                "or run fewer readers on this host", self.stream.name, exc, len(self._clients))
+                refusing = True
+                self._stop.wait(0.1)
+                continue
+            failing = refusing = False
 
     def _serve(self, conn: socket.socket) -> None:
         try:

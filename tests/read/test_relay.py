@@ -574,6 +574,29 @@ def _hello(path: Path, *, timeout: float = 5.0) -> dict[str, object]:
         return recv_frame(sock, timeout=timeout)
 
 
+def test_a_holder_that_cannot_start_a_clients_thread_serves_the_next_clients(tmp_path: Path) -> None:
+    """A thread that could not start (``ulimit -u`` counts threads; or memory) raised RuntimeError out of the accept
+    loop: its thread ended, the relay stayed elected and every reader of the host waited for answers that never came
+    (the refused connection was also kept open, never served). A thread stack no address space holds fails the same
+    ``pthread_create`` for real."""
+    stream = make_stream(tmp_path, steps=2)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    watcher.check()
+    path = watcher._paths.socket
+    uuid = str(stream.table.metadata.table_uuid)
+    assert _hello(path)["uuid"] == uuid
+    previous = threading.stack_size(1 << 50)
+    try:
+        with pytest.raises(ConnectionError):  # refused at once: closed, not kept open unserved (a TimeoutError)
+            _hello(path)
+    finally:
+        threading.stack_size(previous)
+    assert _hello(path)["uuid"] == uuid  # served again (before: TimeoutError, nobody accepted any more)
+    assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+    watcher.close()
+
+
 def test_a_holder_reads_no_request_larger_than_requests_are() -> None:
     """The holder read its clients' requests with the replies' limit (64 MB): a client declaring 64 MB held that much of
     the holder's memory per connection (20 such clients took 1.2 GB), up to MAX_CLIENTS of them. A request is a few
