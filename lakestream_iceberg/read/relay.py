@@ -288,7 +288,9 @@ class HeadRelay:
         step, wait_s = request.get("step"), request.get("timeout")
         if type(step) is not int or not isinstance(wait_s, (int, float)) or isinstance(wait_s, bool):
             return {"error": "ReadError", "message": "malformed relay wait request"}
-        end = time.monotonic() + max(0.0, min(float(wait_s), WAIT_SLICE_S))
+        # compared as given: float() of an integer past a float's range (a wire integer) raised OverflowError, sent
+        # back as "the head relay failed (OverflowError: ...)"; a NaN waits 0 s
+        end = time.monotonic() + max(0.0, min(wait_s, WAIT_SLICE_S))
         with self._cond:
             while self._head[0] < step and self._fatal is None and not self._stop.is_set():
                 left = end - time.monotonic()

@@ -635,6 +635,27 @@ def test_a_relay_closes_a_connection_declaring_a_request_larger_than_requests_ar
     watcher.close()
 
 
+@pytest.mark.parametrize("timeout", [b"1" + b"0" * 400, b"-1" + b"0" * 400, b"NaN", b"Infinity", b"0", b"0.5"])
+def test_a_wait_request_of_any_json_number_is_answered_with_the_head(tmp_path: Path, timeout: bytes) -> None:
+    """A wait's timeout is a wire number: an integer past a float's range raised OverflowError in the holder, which
+    came back as ReadError("the head relay failed (OverflowError: int too large to convert to float)")."""
+    import socket
+    import struct
+
+    from lakestream_iceberg.read.relay_wire import recv_frame
+
+    stream = make_stream(tmp_path, steps=1)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(str(watcher._paths.socket))
+        body = b'{"op":"wait","step":1,"timeout":' + timeout + b"}"
+        sock.sendall(struct.pack(">I", len(body)) + body)
+        reply = recv_frame(sock, timeout=10)
+    assert reply.get("head") == 1 and "error" not in reply, reply
+    watcher.close()
+
+
 @pytest.mark.parametrize("body", [b"[" * 100_000, b'{"op": "files", "step": ' + b"9" * 5_000 + b"}", b"\xff\xfe", b"[1]"])
 def test_a_frame_that_is_not_a_json_object_ends_the_connection_only(body: bytes) -> None:
     """A peer's frame of arrays nested 100,000 deep raised RecursionError out of recv_frame: a traceback from the
