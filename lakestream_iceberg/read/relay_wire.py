@@ -5,8 +5,8 @@
   it and nobody else may enter it. One relay per stream, branch and table UUID: ``<key>.lock`` (the ``flock`` that
   elects the holder) and ``<key>.sock`` (its unix socket), ``key`` a hash of the catalog's name and non-secret
   properties, the table identifier, its UUID and the branch.
-* **What**: frames of a 4-byte big-endian length and a JSON object, at most ``MAX_FRAME`` bytes; every socket
-  operation has a deadline. Errors travel as their class name and message and are raised again on the client as the
+* **What**: frames of a 4-byte big-endian length and a JSON object, at most ``MAX_FRAME`` bytes (a client's requests:
+  ``MAX_REQUEST``); every socket operation has a deadline. Errors travel as their class name and message and are raised again on the client as the
   same :mod:`lakestream_iceberg.errors` class (a few built-in ``OSError`` subclasses too); anything else arrives as a
   :class:`~lakestream_iceberg.errors.ReadError` naming the original class.
 """
