@@ -42,12 +42,13 @@ from typing import Any
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.notify import readable
-from lakestream_iceberg.errors import LakestreamError
+from lakestream_iceberg.errors import LakestreamError, ReadError
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.follow import FAILURES_LOGGED, HeadWatcher
 from lakestream_iceberg.read.relay_wire import (
     MAX_REQUEST,
+    FrameTooLargeError,
     RelayPaths,
     encode_error,
     encode_files,
@@ -248,7 +249,13 @@ class HeadRelay:
                 if not readable(conn, 5.0):  # stop() shuts the connection down, which wakes this at once
                     continue
                 request = recv_frame(conn, timeout=IO_S, limit=MAX_REQUEST)
-                send_frame(conn, self._answer(request), timeout=IO_S)
+                try:
+                    send_frame(conn, self._answer(request), timeout=IO_S)
+                except FrameTooLargeError as exc:  # its client would take it for a broken connection and ask again
+                    send_frame(conn, encode_error(ReadError(
+                        f"the head relay's answer for step {str(request.get('step'))[:40]} of {self.stream.name} is "
+                        f"too large to send ({exc}; a step of that many data files): pass relay=False to read it "
+                        "directly")), timeout=IO_S)
                 self.served += 1
         except (OSError, ValueError):
             pass  # the client went away (or broke the protocol): its connection alone ends

@@ -32,7 +32,7 @@ from pyiceberg.typedef import Record
 from lakestream_iceberg import errors
 from lakestream_iceberg.errors import LakestreamError, ReadError
 
-__all__ = ["MAX_FRAME", "MAX_REQUEST", "RelayPaths", "decode_error", "decode_files", "encode_error", "encode_files", "recv_frame",
+__all__ = ["MAX_FRAME", "MAX_REQUEST", "FrameTooLargeError", "RelayPaths", "decode_error", "decode_files", "encode_error", "encode_files", "recv_frame",
            "relay_dir", "relay_paths", "send_frame"]
 
 PROTOCOL = 1
@@ -118,14 +118,24 @@ def relay_paths(*, catalog_name: str, catalog_properties: Sequence[tuple[str, st
 
 # -- frames ------------------------------------------------------------------------------------------------------------
 def send_frame(sock: socket.socket, message: dict[str, Any], *, timeout: float) -> None:
-    """Send one JSON object; ``socket.timeout`` when it does not leave within ``timeout`` seconds."""
+    """Send one JSON object; ``socket.timeout`` when it does not leave within ``timeout`` seconds.
+
+    Raises:
+        FrameTooLargeError: It encodes to more than ``MAX_FRAME`` bytes (nothing was sent: the connection is usable).
+    """
     body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME:  # the peer would refuse it as a broken connection (see recv_frame)
+        raise FrameTooLargeError(f"{len(body)} bytes exceed the {MAX_FRAME} of a relay frame")
     sock.settimeout(timeout)
     sock.sendall(_HEADER.pack(len(body)) + body)
 
 
-def recv_frame(sock: socket.socket, *, timeout: float, limit: int = MAX_FRAME) -> dict[str, Any]:
-    """Receive one JSON object of at most ``limit`` bytes within ``timeout`` seconds.
+class FrameTooLargeError(ReadError):
+    """A message larger than a relay frame carries (:func:`send_frame` sent nothing of it)."""
+
+
+def recv_frame(sock: socket.socket, *, timeout: float, limit: int | None = None) -> dict[str, Any]:
+    """Receive one JSON object of at most ``limit`` bytes (None: ``MAX_FRAME``) within ``timeout`` seconds.
 
     A relay reads its clients' requests with ``limit=MAX_REQUEST``: with ``MAX_FRAME`` a client declaring 64 MB (a
     broken one, or one speaking another protocol) held up to 64 MB of the holder's memory per connection, at most
@@ -137,6 +147,7 @@ def recv_frame(sock: socket.socket, *, timeout: float, limit: int = MAX_FRAME) -
     """
     deadline = time.monotonic() + timeout
     (size,) = _HEADER.unpack(_read(sock, _HEADER.size, deadline))
+    limit = MAX_FRAME if limit is None else limit
     if size > limit:
         raise ConnectionError(f"relay frame of {size} bytes exceeds {limit}")
     try:

@@ -635,6 +635,29 @@ def test_a_relay_closes_a_connection_declaring_a_request_larger_than_requests_ar
     watcher.close()
 
 
+def test_a_step_whose_answer_exceeds_a_frame_raises_an_error_that_says_so(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer over MAX_FRAME (a step of some 400,000 files) was sent anyway; its reader refused the frame as a broken
+    connection, connected again (electing anew) and asked again, four times, each costing the holder the whole answer,
+    then raised "closed 4 connections in a row": nothing said the step was too large for the relay."""
+    from lakestream_iceberg.read import relay_wire
+
+    stream = make_stream(tmp_path, steps=2)
+    watcher = watch(stream)
+    assert isinstance(watcher, RelayWatcher) and watcher.holding
+    watcher.check()
+    watcher.files(None, 1)  # its files connection is open
+    monkeypatch.setattr(relay_wire, "MAX_FRAME", 300)  # the hello and head answers fit, a step's two files do not
+    served = relay_module.held(watcher._paths).served
+    with pytest.raises(ReadError, match=r"step 2 .*too large.*relay=False"):
+        watcher.files(None, 2)
+    assert relay_module.held(watcher._paths).served == served + 1  # asked once, not once per reconnection
+    watcher.check()  # the connection still works
+    monkeypatch.undo()
+    assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
+    watcher.close()
+
+
 @pytest.mark.parametrize("timeout", [b"1" + b"0" * 400, b"-1" + b"0" * 400, b"NaN", b"Infinity", b"0", b"0.5"])
 def test_a_wait_request_of_any_json_number_is_answered_with_the_head(tmp_path: Path, timeout: bytes) -> None:
     """A wait's timeout is a wire number: an integer past a float's range raised OverflowError in the holder, which
