@@ -65,7 +65,8 @@ def test_ship_credentials_must_be_a_bool_and_false_ships_no_secret(tmp_path: Pat
 
 @needs_torch
 @pytest.mark.parametrize("kwargs", [{"follow": "false"}, {"timeout": "30"}, {"timeout": -1}, {"timeout": math.nan},
-                                    {"timeout": True}, {"poll_s": -1}, {"poll_s": 0}, {"max_poll_s": 0.001}])
+                                    {"timeout": True}, {"poll_s": -1}, {"poll_s": 0}, {"max_poll_s": 0.001},
+                                    {"timeout": 10**400}, {"poll_s": 10**400}])  # OverflowError, not ConfigError
 def test_dataset_flags_and_seconds_are_checked_when_it_is_made(tmp_path: Path, kwargs: dict) -> None:
     stream = make(tmp_path, steps=1)
     with pytest.raises(ConfigError, match=next(iter(kwargs))):
@@ -73,7 +74,7 @@ def test_dataset_flags_and_seconds_are_checked_when_it_is_made(tmp_path: Path, k
 
 
 @pytest.mark.parametrize("kwargs", [{"timeout": None}, {"timeout": "30"}, {"timeout": math.nan}, {"timeout": True},
-                                    {"timeout": -1}, {"timeout": 1, "poll_s": 0}])
+                                    {"timeout": -1}, {"timeout": 1, "poll_s": 0}, {"timeout": 10**400}])
 def test_wait_for_seconds_are_checked(tmp_path: Path, kwargs: dict) -> None:
     """None and text raised TypeError, NaN waited forever, poll_s=0 polled the catalog in a busy loop."""
     stream = make(tmp_path, steps=1)

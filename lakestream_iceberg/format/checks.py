@@ -80,10 +80,19 @@ def check_seconds(value: object, *, what: str, minimum: float = 0.0, allow_none:
     """``value`` as a finite number of seconds >= ``minimum`` (``None`` when ``allow_none``), never a bool or NaN."""
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not _finite(value) or value < minimum:
         raise error(f"{what} must be a finite number of seconds >= {minimum:g}{' (or None)' if allow_none else ''}, "
                     f"got {value!r}")
     return float(value)
+
+
+def _finite(value: numbers.Real) -> bool:
+    """Whether ``value`` is a finite float: an integer past a float's range (``10**400``) raised OverflowError out of
+    ``math.isfinite``, not the ConfigError naming the argument."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_identifier(identifier: object) -> str | tuple[str, ...]:
