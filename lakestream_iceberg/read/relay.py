@@ -326,15 +326,23 @@ class HeadRelay:
                else None if seen is None else _snapshots_by_id(metadata).get(seen))
         snapshot = own or snapshot
         key = (None if snapshot is None else snapshot.snapshot_id, step)
+        kept = self._kept(key)  # before the lock: an answer kept never waits for another step's lookup (storage)
+        if kept is not None:
+            return kept
         with self._plan_lock:  # one lookup per step: the clients a head move woke all ask at once
             return self._plan(key, step, snapshot)
 
-    def _plan(self, key: tuple[int | None, int], step: int, snapshot: Any) -> dict[str, Any]:
+    def _kept(self, key: tuple[int | None, int]) -> dict[str, Any] | None:
         with self._cond:
             kept = self._plans.get(key)
             if kept is not None:
                 self._plans.move_to_end(key)
-                return kept
+            return kept
+
+    def _plan(self, key: tuple[int | None, int], step: int, snapshot: Any) -> dict[str, Any]:
+        kept = self._kept(key)  # looked up by a client that held the lock before this one
+        if kept is not None:
+            return kept
         index = self.stream.index
 
         def on_head() -> list[Any]:

@@ -635,6 +635,47 @@ def test_a_relay_closes_a_connection_declaring_a_request_larger_than_requests_ar
     watcher.close()
 
 
+def test_a_kept_answer_is_not_held_up_by_another_steps_slow_lookup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every files request took the holder's plan lock before looking at the answers it keeps: while one step's lookup
+    waited on storage (a slow manifest read), readers asking for a step already answered waited too, past IO_S into a
+    ReadError ("is its holder stopped?") when the read took that long. The slow read is the real lookup, held back."""
+    stream = make_stream(tmp_path, steps=3)
+    first, second = watch(stream), watch(stream)  # two readers of this process, each with its own connections
+    assert isinstance(first, RelayWatcher) and isinstance(second, RelayWatcher) and first.holding
+    first.check()
+    second.check()
+    expected = [f.file_path for f in stream.locate(2)]
+    assert [f.file_path for f in second.files(None, 2)] == expected  # step 2's answer is kept
+    relay = relay_module.held(first._paths)
+    assert relay is not None
+    index = relay.stream.index
+    looking, release = threading.Event(), threading.Event()
+    lookup = index.files
+
+    def slow_files(snapshot: object, step: int) -> list:
+        if step == 3:
+            looking.set()
+            release.wait(30)
+        return lookup(snapshot, step)
+
+    monkeypatch.setattr(index, "files", slow_files)
+    slow = threading.Thread(target=first.files, args=(None, 3), daemon=True)
+    slow.start()
+    try:
+        assert looking.wait(30)
+        answered: list[list[str]] = []
+        kept = threading.Thread(target=lambda: answered.append([f.file_path for f in second.files(None, 2)]),
+                                daemon=True)
+        kept.start()
+        kept.join(timeout=5)
+        assert answered == [expected], "a kept answer waited for another step's lookup"
+    finally:
+        release.set()
+        slow.join(timeout=60)
+    first.close()
+    second.close()
+
+
 def test_a_step_whose_answer_exceeds_a_frame_raises_an_error_that_says_so(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """An answer over MAX_FRAME (a step of some 400,000 files) was sent anyway; its reader refused the frame as a broken
