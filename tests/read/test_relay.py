@@ -615,16 +615,18 @@ def test_a_holder_reads_no_request_larger_than_requests_are() -> None:
             recv_frame(ours, timeout=10, limit=MAX_REQUEST)
 
 
-def test_a_relay_closes_a_connection_declaring_a_request_larger_than_requests_are(tmp_path: Path) -> None:
+def test_a_relay_closes_a_connection_declaring_a_request_larger_than_requests_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same through a holder: it read on towards the declared 32 MB (up to IO_S) instead of closing at once."""
     import socket
     import struct
 
+    monkeypatch.setattr(relay_module, "IO_S", 3600.0)  # a holder reading on waits for the body past this test's wait
     stream = make_stream(tmp_path, steps=1)
     watcher = watch(stream)
     assert isinstance(watcher, RelayWatcher) and watcher.holding
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(5.0)  # the holder waits IO_S (10 s) for a frame's body: it closed before that
+        sock.settimeout(120.0)  # closed at once; a holder reading on towards 32 MB would not close it for an hour
         sock.connect(str(watcher._paths.socket))
         try:
             sock.sendall(struct.pack(">I", 32 * 1024 * 1024) + b'{"op":"hello","pad":"' + b"x" * 256 * 1024)
@@ -655,7 +657,7 @@ def test_a_kept_answer_is_not_held_up_by_another_steps_slow_lookup(tmp_path: Pat
     def slow_files(snapshot: object, step: int) -> list:
         if step == 3:
             looking.set()
-            release.wait(30)
+            release.wait(120)  # past the client's IO_S: a kept answer stuck behind this lookup fails its reader
         return lookup(snapshot, step)
 
     monkeypatch.setattr(index, "files", slow_files)
@@ -667,7 +669,7 @@ def test_a_kept_answer_is_not_held_up_by_another_steps_slow_lookup(tmp_path: Pat
         kept = threading.Thread(target=lambda: answered.append([f.file_path for f in second.files(None, 2)]),
                                 daemon=True)
         kept.start()
-        kept.join(timeout=5)
+        kept.join(timeout=60)  # answered at once, or its reader failed after IO_S (10 s): either way it ends
         assert answered == [expected], "a kept answer waited for another step's lookup"
     finally:
         release.set()
@@ -688,11 +690,19 @@ def test_a_step_whose_answer_exceeds_a_frame_raises_an_error_that_says_so(tmp_pa
     assert isinstance(watcher, RelayWatcher) and watcher.holding
     watcher.check()
     watcher.files(None, 1)  # its files connection is open
+    asked: list[object] = []  # the holder's requests for step 2 (the watcher's own head waits go on meanwhile)
+    answer = relay_module.HeadRelay._answer
+
+    def counted(self: relay_module.HeadRelay, request: dict) -> dict:
+        if request.get("step") == 2 and request.get("op") != "wait":
+            asked.append(request.get("op"))
+        return answer(self, request)
+
+    monkeypatch.setattr(relay_module.HeadRelay, "_answer", counted)
     monkeypatch.setattr(relay_wire, "MAX_FRAME", 300)  # the hello and head answers fit, a step's two files do not
-    served = relay_module.held(watcher._paths).served
     with pytest.raises(ReadError, match=r"step 2 .*too large.*relay=False"):
         watcher.files(None, 2)
-    assert relay_module.held(watcher._paths).served == served + 1  # asked once, not once per reconnection
+    assert len(asked) == 1, asked  # asked once, not once per reconnection
     watcher.check()  # the connection still works
     monkeypatch.undo()
     assert [f.file_path for f in watcher.files(None, 2)] == [f.file_path for f in stream.locate(2)]
