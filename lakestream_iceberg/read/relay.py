@@ -202,7 +202,7 @@ class HeadRelay:
 
     # -- serving -------------------------------------------------------------------------------------------------------
     def _accept_loop(self) -> None:
-        failing = refusing = False  # accept() failing, threads not starting: each warned once per streak
+        failing = refusing = full = False  # accept() failing, threads not starting, at MAX_CLIENTS: warned once per streak
         while not self._stop.is_set():
             try:
                 if not readable(self._listener, 0.2):
@@ -221,8 +221,15 @@ class HeadRelay:
             with self._cond:
                 if len(self._clients) >= MAX_CLIENTS:
                     conn.close()
+                    if not full:  # otherwise only the refused readers' errors would say so, on other processes
+                        log.warning("the head relay of %s serves %d clients, its most: refusing new connections until "
+                                    "some close (their readers raise a ReadError, or read directly when starting); "
+                                    "run fewer readers on this host, or read with relay=False",
+                                    self.stream.name, MAX_CLIENTS)
+                    full = True
                     continue
                 self._clients.add(conn)
+                full = False
             try:
                 threading.Thread(target=self._serve, args=(conn,), name="lakestream-relay-client", daemon=True).start()
             except RuntimeError as exc:

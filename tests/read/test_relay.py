@@ -492,9 +492,10 @@ def test_a_holder_serves_connections_on_descriptors_above_1024(tmp_path: Path, m
 
 
 def test_a_holder_at_its_client_limit_refuses_its_own_reader_with_an_error(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
     """A relay at MAX_CLIENTS closes new connections; a reader of the holder's own process then spun forever
-    (elect: "I hold it", connect: refused, elect, ...) instead of giving up after CONNECT_S."""
+    (elect: "I hold it", connect: refused, elect, ...) instead of giving up after CONNECT_S. The holder says so, once."""
     stream = make_stream(tmp_path, steps=2)
     monkeypatch.setattr(relay_module, "MAX_CLIENTS", 1)
     monkeypatch.setattr(relay_client, "CONNECT_S", 0.5)
@@ -513,6 +514,8 @@ def test_a_holder_at_its_client_limit_refuses_its_own_reader_with_an_error(tmp_p
     thread.join(timeout=60)
     assert not thread.is_alive(), "the reader spun instead of raising"
     assert len(raised) == 1 and isinstance(raised[0], ReadError) and "clients it takes" in str(raised[0])
+    full = [r for r in caplog.records if "its most: refusing new connections" in r.getMessage()]
+    assert len(full) == 1 and full[0].levelno == logging.WARNING  # once, however many connections it refused
     watcher.close()
 
 
