@@ -20,7 +20,7 @@ from pyiceberg.exceptions import (
     NoSuchTableError,
     TableAlreadyExistsError,
 )
-from pyiceberg.schema import Schema
+from pyiceberg.schema import Schema, index_by_name
 from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
@@ -314,7 +314,7 @@ class Stream(StreamTable):
     def writer(self) -> BatchWriter:
         avro_codec(self.table.metadata.properties)  # a producer is refused before it writes anything
         written = self._file_schema()
-        self.written_ids = {f.name: f.field_id for f in written.fields}  # every commit checks the table still has them
+        self.written_ids = index_by_name(written)  # each (nested) field's id: every commit checks the table still has them
         return BatchWriter(
             io=self.io, location=self.table.metadata.location,
             file_schema=written, properties=self.table.metadata.properties,

@@ -293,8 +293,9 @@ def file_schema(schema: Schema, layout: str, payload: pa.Schema | None = None, *
     added optional column.
 
     Raises:
-        SchemaMismatchError: The table's schema no longer holds a payload column (dropped or renamed), changed its
-            type to one the payload cannot be written as, or gained a required column lakestream cannot write.
+        SchemaMismatchError: The table's schema no longer holds a payload column or a field inside one (dropped or
+            renamed), changed its type to one the payload cannot be written as, gained a required column or nested
+            field lakestream cannot write, or made one the payload allows nulls in required.
     """
     if payload is not None:
         _check_evolution(schema, payload, stream)
@@ -330,10 +331,67 @@ def _check_evolution(schema: Schema, payload: pa.Schema, stream: str) -> None:
         except (pa.ArrowException, ValueError, TypeError):
             raise SchemaMismatchError(f"the table schema of {stream} changed the type of payload column {field.name!r} "
                                       f"from {field.type} to {found.field_type}, which it cannot be written as: {fix}") from None
+        # pyarrow casts a struct by field name, dropping a field the target lacks and filling one it adds with nulls:
+        # a nested field dropped or renamed lost its values, one made or added as required was written with nulls
+        problem = _nested_problem(field.type, found.field_type, field.name) or \
+            _required_problem(field.nullable, found.required, field.name)
+        if problem is not None:
+            raise SchemaMismatchError(f"the table schema of {stream} {problem}: {fix}")
     added = [f.name for f in schema.fields if f.required and f.name not in RESERVED_COLUMNS and f.name not in payload.names]
     if added:
         raise SchemaMismatchError(f"the table schema of {stream} gained required column(s) {added} that lakestream "
                                   f"producers cannot write (an optional column is fine: readers see nulls): {fix}")
+
+
+def _required_problem(nullable: bool, required: bool, path: str) -> str | None:
+    """A field the payload allows nulls in that the table now requires (another engine's ``SET NOT NULL``, pyiceberg's
+    ``update_column(..., required=True)``): a producer would write its nulls into a required field, which Iceberg
+    readers refuse or read as values that cannot be null."""
+    if nullable and required:
+        return (f"made payload field {path!r} required, but the stream's payload schema allows nulls in it (its "
+                "producers write them); make it optional again (pyiceberg: update_schema().update_column("
+                f"{_path_arg(path)}, required=False))")
+    return None
+
+
+def _path_arg(path: str) -> str:
+    parts = path.split(".")
+    return repr(parts[0]) if len(parts) == 1 else repr(tuple(parts))
+
+
+def _nested_problem(kind: pa.DataType, found: object, path: str) -> str | None:
+    """What another engine changed inside a nested payload column (``path``) that its files cannot be written with:
+    a struct field dropped or renamed, a required one added, an optional one made required (None: nothing). Leaf types
+    are checked by the caller's cast; a nested type that became another kind fails that cast."""
+    from pyiceberg.types import ListType, MapType, StructType
+
+    if pa.types.is_struct(kind) and isinstance(found, StructType):
+        fields = {f.name: f for f in found.fields}
+        for i in range(kind.num_fields):
+            child = kind.field(i)
+            match = fields.get(child.name)
+            where = f"{path}.{child.name}"
+            if match is None:
+                return f"no longer has the payload field {where!r} (dropped or renamed by another engine)"
+            problem = _nested_problem(child.type, match.field_type, where) or \
+                _required_problem(child.nullable, match.required, where)
+            if problem is not None:
+                return problem
+        names = set(kind.names)
+        added = [f"{path}.{f.name}" for f in found.fields if f.required and f.name not in names]
+        if added:
+            return f"gained required field(s) {added} that lakestream producers cannot write (an optional one is fine)"
+        return None
+    if (pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)) and \
+            isinstance(found, ListType):
+        where = f"{path}.element"
+        return _nested_problem(kind.value_type, found.element_type, where) or \
+            _required_problem(kind.value_field.nullable, found.element_required, where)
+    if pa.types.is_map(kind) and isinstance(found, MapType):
+        return _nested_problem(kind.key_type, found.key_type, f"{path}.key") or \
+            _nested_problem(kind.item_type, found.value_type, f"{path}.value") or \
+            _required_problem(kind.item_field.nullable, found.value_required, f"{path}.value")
+    return None
 
 
 def payload_names(schema: Schema) -> list[str]:

@@ -17,6 +17,7 @@ from typing import TypeVar
 import pyarrow as pa
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
+from pyiceberg.schema import index_by_name
 from pyiceberg.serializers import FromInputFile
 from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
@@ -267,7 +268,8 @@ class StreamTable:
         self.payload_arrow_schema: pa.Schema = decode_schema(props[PROP_ARROW_SCHEMA])
         self.fixed = {prop.key: props.get(prop.key) for prop in _FIXED}  # as opened (see check_fixed)
         self._payload_checked: int | None = None  # the table schema id the payload was last checked against
-        # the field id of each column the stream's data files are written with (set when its writer is made)
+        # the field id of each column and nested field (by its dotted name) the stream's data files are written with
+        # (set when its writer is made)
         self.written_ids: dict[str, int] | None = None
 
     @property
@@ -303,7 +305,8 @@ class StreamTable:
             # here too for producers (and streams) made before the change, whose writer kept the schema of then
             now = file_schema(metadata.schema(), self.config.layout, self.payload_arrow_schema, stream=self.name)
             written = self.written_ids
-            moved = sorted(f.name for f in now.fields if written is not None and written.get(f.name) != f.field_id)
+            moved = sorted(name for name, field_id in index_by_name(now).items()
+                           if written is not None and name in written and written[name] != field_id)
             if moved:  # dropped and added again under the same name: Iceberg readers would read these files' values
                 raise SchemaMismatchError(  # as nulls of the new column (they match columns by field id)
                     f"the table schema of {self.name} has other columns named {moved} than this stream's producers "
