@@ -50,6 +50,7 @@ from lakestream_iceberg.format.checks import (
 )
 from lakestream_iceberg.format.file_settings import avro_codec
 from lakestream_iceberg.format.layout import (
+    StreamConfig,
     check_rank,
     file_schema,
     table_arrow_schema,
@@ -505,7 +506,10 @@ class Stream(StreamTable):
             if not isinstance(flag, bool):  # dry_run=None must not delete, nor "no" allow anything
                 raise LifecycleError(f"{name} must be True or False, not {flag!r}")
         keep_last = check_policy(keep_last, keep_within)
-        grace_s = grace_seconds(grace, self.config, allow_short=allow_short_grace)
+        # the grace period and commit timeout of now as well as of when the stream was opened: another engine may have
+        # raised them since, and producers opened after the change publish files as old as the new ones allow
+        current = StreamConfig.from_properties(self.refresh().table.metadata.properties, stream=self.name)
+        grace_s = grace_seconds(grace, self.config, allow_short=allow_short_grace, current=current)
         return collect_garbage(self, self._control_loop(MAIN), dry_run=dry_run, keep_last=keep_last,
                                keep_within=keep_within, grace_s=grace_s,
                                expire_intents=self._expire_intents if self._intent_table is not None else None)

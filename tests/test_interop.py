@@ -4,6 +4,7 @@ the Spark half is in tests/interop/)."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
@@ -656,6 +657,54 @@ def test_a_purge_of_a_table_whose_gc_another_engine_disabled_is_refused(tmp_path
     assert {step: rows_of(Stream.open(catalog, stream.name), step) for step in range(1, 9)} == before
     Stream.drop(catalog, stream.name)  # without purge: the catalog entry goes, every file stays
     assert not catalog.table_exists(stream.name) and files <= {p for p in (tmp_path / "warehouse").rglob("*")}
+
+
+def test_gc_of_a_stream_opened_before_the_grace_period_was_raised_keeps_what_a_commit_may_still_publish(
+        tmp_path: Path) -> None:
+    """Another engine raises lakestream.commit.timeout-ms and lakestream.gc.grace-period-ms together (the grace rule:
+    grace >= 2 x timeout). A producer opened since may take up to the new timeout to publish files it wrote, and group
+    commit publishes batches staged up to half the new grace ago; a long-lived stream that runs GC (opened before)
+    swept unreferenced files with the grace of then, deleting the files of a batch a commit may still publish."""
+    stream, _ = published(make(tmp_path))
+    hour_ms = 3_600_000
+    stream.table.catalog.load_table(stream.name).transaction().set_properties({
+        "lakestream.commit.timeout-ms": str(4 * hour_ms), "lakestream.gc.grace-period-ms": str(8 * hour_ms),
+    }).commit_transaction()
+    late = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")  # a producer process started after the change
+    in_flight = late.writer.write(producer="late", seq=0, shards=batch("late", 0, WORLD))  # its commit not landed yet
+    two_hours_ago = time.time() - 2 * 3600
+    for f in in_flight.files:
+        os.utime(f.path.removeprefix("file://"), (two_hours_ago, two_hours_ago))
+    report = stream.collect_garbage(dry_run=False)  # the grace of now: 8 h, not the 1 h the stream was opened with
+    assert report.files_in_grace >= WORLD
+    assert all(os.path.exists(f.path.removeprefix("file://")) for f in in_flight.files)
+    assert stream.head_step() == 8
+
+
+def test_a_producer_opened_before_the_grace_period_was_lowered_publishes_no_batch_older_than_half_of_it(
+        tmp_path: Path) -> None:
+    """Another engine lowers lakestream.gc.grace-period-ms (and the commit timeout with it). GC opened since deletes
+    unreferenced files older than the new grace period; a producer opened before went on carrying other producers'
+    staged batches up to half the old grace period old into its group commits, whose files that GC may delete between
+    the producer's footer check and its swap. It now keeps to half the grace period of the head it plans on."""
+    import dataclasses
+
+    hour_ms = 3_600_000
+    stream, _ = published(make(tmp_path, **{"lakestream.commit.timeout-ms": str(4 * hour_ms),
+                                            "lakestream.gc.grace-period-ms": str(8 * hour_ms)}))
+    running = stream.producer("a")
+    stream.table.catalog.load_table(stream.name).transaction().set_properties({
+        "lakestream.commit.timeout-ms": str(hour_ms // 4), "lakestream.gc.grace-period-ms": str(hour_ms),
+    }).commit_transaction()
+    two_hours_ago = time.time() - 2 * 3600
+    dead = stream.writer.write(producer="dead", seq=0, shards=batch("dead", 0, WORLD))
+    for f in dead.files:
+        os.utime(f.path.removeprefix("file://"), (two_hours_ago, two_hours_ago))
+    stream.staging.stage(branch="main", batch=dataclasses.replace(dead, written_at=two_hours_ago), allow_gap=False)
+    result = running.commit(batch("a", 4, WORLD), seq=4)  # alone, it lists the staged batches of others
+    assert result.step == 9
+    assert "dead" not in stream.state().producers  # older than half of the grace of now: never published
+    assert stream.head_step() == 9
 
 
 def test_lifecycle_gc_keeps_the_snapshots_age_retention_keeps(tmp_path: Path) -> None:

@@ -218,6 +218,17 @@ class StreamConfig:
         return out
 
 
+def staged_max_age_s(properties: Mapping[str, str]) -> float:
+    """:attr:`StreamConfig.staged_max_age_s` of a table with these properties (its ``lakestream.gc.grace-period-ms``).
+
+    Raises:
+        ConfigError: The grace period is not a duration lakestream reads.
+    """
+    grace_ms = props.GC_GRACE.get(properties)
+    grace_ms = props.GC_GRACE.default if grace_ms is None else grace_ms
+    return props.GC_GRACE.seconds(int(grace_ms or 0)) * (1 - 1 / GRACE_PER_COMMIT_TIMEOUT)
+
+
 def table_arrow_schema(payload: pa.Schema) -> pa.Schema:
     """The Arrow schema of the Iceberg table: the payload plus ``_step`` and ``_rank``."""
     if not isinstance(payload, pa.Schema) or len(payload) == 0:

@@ -298,8 +298,14 @@ def check_policy(keep_last: int | None, keep_within: timedelta | None) -> int | 
     return keep_last
 
 
-def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short: bool) -> float:
+def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short: bool,
+                  current: StreamConfig | None = None) -> float:
     """The grace period GC uses: ``grace``, or ``lakestream.gc.grace-period-ms`` when None.
+
+    ``config``: the stream's settings as it was opened (its own producers commit with them); ``current``: as the
+    table's properties say now (producers opened since commit with them). Another engine may change the grace period
+    and the commit timeout while a stream lives (a GC run by a long-lived process): the longer of the two grace
+    periods is used, and an explicit ``grace`` is checked against the longer commit timeout.
 
     The GC grace rule (docs/guide/retention.md): a grace shorter than ``GRACE_PER_COMMIT_TIMEOUT`` x ``lakestream.commit.timeout-ms`` can
     delete the files of a batch that a commit in flight still publishes, so it is refused unless ``allow_short``: the
@@ -308,11 +314,12 @@ def grace_seconds(grace: timedelta | None, config: StreamConfig, *, allow_short:
     Raises:
         ConfigError: ``grace`` is not a non-negative ``timedelta``, or is too short without ``allow_short``.
     """
+    configs = [config] if current is None else [config, current]
     if grace is None:
-        return config.gc_grace_s  # the property itself obeys the rule (StreamConfig)
+        return max(c.gc_grace_s for c in configs)  # each property itself obeys the rule (StreamConfig)
     if not isinstance(grace, timedelta) or grace.total_seconds() < 0:
         raise ConfigError(f"grace must be a non-negative datetime.timedelta (or None), got {grace!r}")
-    need_s = GRACE_PER_COMMIT_TIMEOUT * config.commit_timeout_s
+    need_s = GRACE_PER_COMMIT_TIMEOUT * max(c.commit_timeout_s for c in configs)
     if grace.total_seconds() < need_s and not allow_short:
         raise ConfigError(
             f"grace={grace} is shorter than {GRACE_PER_COMMIT_TIMEOUT} x {PROP_COMMIT_TIMEOUT_MS} ({need_s:g}s): with "

@@ -31,7 +31,7 @@ from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID, RemoveS
 from lakestream_iceberg.connect.diagnose import transient
 from lakestream_iceberg.errors import CommitTimeoutError, CorruptStateError
 from lakestream_iceberg.format.expiry import expirable, retention
-from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS
+from lakestream_iceberg.format.layout import PROP_GC_GRACE_MS, staged_max_age_s
 from lakestream_iceberg.format.manifests import ManifestPlanner
 from lakestream_iceberg.format.producers import compact
 from lakestream_iceberg.format.snapshots import SnapshotBuilder
@@ -126,7 +126,8 @@ class BatchPlanner:
         self._allow_gap = allow_gap
         self._since = since
         self._earlier = earlier
-        self._max_age_s = head.stream.config.staged_max_age_s  # half the GC grace period
+        self._opened_max_age_s = head.stream.config.staged_max_age_s  # half the GC grace period, as opened
+        self._max_age_s = self._opened_max_age_s  # and as the head planned on says (see plan)
         self.intent: Intent | None = None
         self.staged_at = 0.0
         self._own = _Batch(staged, allow_gap, time.time(), None)
@@ -143,6 +144,9 @@ class BatchPlanner:
             CommitTimeoutError: The batch's files are older than half the GC grace period (see :meth:`_check_age`).
             ProducerConflictError: Another live writer published this seq under the same producer id.
         """
+        # another engine may have lowered the grace period since the stream was opened: GC opened since deletes what
+        # is older than the new one, so no batch older than half of it (this call's own, or a staged one) is published
+        self._max_age_s = min(self._opened_max_age_s, staged_max_age_s(metadata.properties))
         current = self._head.state(metadata)
         if (found := self._head.published(metadata, self._seq)) is not None:
             # Published meanwhile: carried by another producer's group commit, or our own commit whose outcome was
