@@ -1070,11 +1070,15 @@ def test_a_fixed_property_another_engine_changed_under_running_producers_is_refu
         tmp_path: Path, key: str, value: str | None, says: str) -> None:
     """The world size, layout and payload schema are fixed when a stream is created: a running producer went on with
     the values it opened the stream with while a process opening it afterwards took the new ones (two world sizes
-    writing one stream). The next commit of a running producer is refused, naming the value to set back."""
+    writing one stream). The next commit of a running producer is refused, naming the value to set back, and so is a
+    follower opened before: it refused the steps producers opened since wrote as damaged files ("roll the stream back
+    to a checkpoint"), or read them as another shape."""
     from lakestream_iceberg.format.table import encode_schema
 
     stream, before = published(make(tmp_path))
     producer = stream.producer("a")
+    follower = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")
+    assert follower.wait_for(8, timeout=30) == 8
     head = stream.refresh().table.metadata.current_snapshot()
     table = sqlite_catalog(str(tmp_path)).load_table("ns.stream")  # another engine, producers running
     with table.transaction() as tx:
@@ -1084,12 +1088,16 @@ def test_a_fixed_property_another_engine_changed_under_running_producers_is_refu
             tx.set_properties({key: encode_schema(OTHER_SCHEMA) if value == "other" else value})
     with pytest.raises(ConfigError, match=says):
         producer.commit(batch("a", 4, WORLD), seq=4)
+    with pytest.raises(ConfigError, match=says) as refused:
+        follower.wait_for(9, timeout=30)
+    assert "a follower opened before reads no further step" in str(refused.value)
     assert stream.refresh().table.metadata.current_snapshot().snapshot_id == head.snapshot_id  # nothing published
     assert {step: rows_of(stream, step) for step in range(1, 9)} == before  # readers read on
     with table.transaction() as tx:  # as the message says
         tx.set_properties({key: {"lakestream.world-size": "2", "lakestream.layout": "per-rank"}.get(key) or
                            encode_schema(SCHEMA)})
     assert producer.commit(batch("a", 4, WORLD), seq=4).step == 9
+    assert follower.wait_for(9, timeout=30) == 9
 
 
 @pytest.mark.parametrize("key", ["lakestream.world-size", "lakestream.arrow-schema", "lakestream.format-version"])

@@ -134,11 +134,13 @@ def check_layout(metadata: TableMetadata, config: StreamConfig, *, stream: str) 
 _FIXED = (WORLD_SIZE, LAYOUT, ARROW_SCHEMA)  # the properties a stream's files and readers are laid out by
 
 
-def check_fixed(properties: Mapping[str, str], opened: Mapping[str, str | None], *, stream: str) -> None:
+def check_fixed(properties: Mapping[str, str], opened: Mapping[str, str | None], *, stream: str,
+                left: str = "nothing is committed") -> None:
     """Refuse (:class:`ConfigError`) a table whose world size, layout or payload schema another engine changed or
     removed since the stream was opened with ``opened`` (their values then): they are fixed when a stream is created,
     and a producer that went on with the old values while processes opening the stream take the new ones would write
-    steps of two shapes into one stream. Checked before every commit; a value written differently that reads the same
+    steps of two shapes into one stream. Checked before every commit, and by a follower whenever the head's metadata
+    changes (``left``: what the caller does not do, for the message); a value written differently that reads the same
     (``' 2'``) is no change."""
     for prop in _FIXED:
         raw, was = properties.get(prop.key), opened.get(prop.key)
@@ -154,7 +156,7 @@ def check_fixed(properties: Mapping[str, str], opened: Mapping[str, str | None],
         raise ConfigError(
             f"stream {stream}: table property {prop.key} was {_short(back)} when the stream was opened, and another "
             f"engine or a person {done}: it is fixed when a stream is created and the published steps are laid out by "
-            "it, so nothing is committed. Set it back (pyiceberg: table.transaction().set_properties("
+            f"it, so {left}. Set it back (pyiceberg: table.transaction().set_properties("
             f"{{{prop.key!r}: {back!r}}}).commit_transaction(); Spark: ALTER TABLE ... SET TBLPROPERTIES), and open the "
             "stream again in every process that opened it since"
         )

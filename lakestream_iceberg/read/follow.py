@@ -38,7 +38,7 @@ from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.errors import LakestreamError, ReadError, ReadTimeoutError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
 from lakestream_iceberg.format.layout import check_format_version
-from lakestream_iceberg.format.table import StreamTable, after_gc
+from lakestream_iceberg.format.table import StreamTable, after_gc, check_fixed
 from lakestream_iceberg.read.reader import read_file
 
 log = logging.getLogger(__name__)
@@ -168,7 +168,12 @@ class HeadWatcher:
         changed = refresh_if_moved(self._stream.table, io=self._io)
         self.reloads += changed
         if changed:  # a newer lakestream_iceberg may upgrade a followed stream: its steps would be misread
-            check_format_version(self._stream.table.metadata.properties, stream=self._stream.name)
+            properties = self._stream.table.metadata.properties
+            check_format_version(properties, stream=self._stream.name)
+            # world size, layout, payload schema changed by another engine: producers opened since lay steps out by
+            # the new value, which this reader would refuse as damaged files (or read as another shape)
+            check_fixed(properties, self._stream.fixed, stream=self._stream.name,
+                        left="a follower opened before reads no further step")
         self._check_branch()  # every poll: the view may have moved in place (a commit through the same table object)
         if changed or self._seen is None:
             step = self.head()[0]
