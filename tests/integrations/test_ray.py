@@ -523,28 +523,42 @@ def test_a_row_wise_map_feeds_the_sink_blocks_of_a_step_not_single_rows(ray_clus
     assert [_step_ids(stream, s)[0] for s in (2, 3, 4)] == [list(range(100 + k, 104 + k)) for k in (0, 4, 8)]
 
 
-def _steps_of_one_rank(block: pa.Table) -> Iterator[list[pa.Table]]:
-    yield [block]
-
-
 @pytest.mark.slow
 def test_a_task_whose_rows_a_filter_removed_publishes_nothing_and_fails_nothing(ray_cluster: None, tmp_path: Path) -> None:
     """Where a row-wise ``filter`` (or ``flat_map``, or a generator that yields nothing) removes every row of a task's
     input, Ray hands that write task a block without rows and *without columns*: the sink checked it against the
-    stream's columns and failed the whole job ("missing ['id', 'x']"). A block without rows is skipped, with
-    ``rows_per_step`` and with ``step_fn`` (which is never called with one), and the other tasks' rows are published."""
+    stream's columns and failed the whole job ("missing ['id', 'x']"). A block without rows is skipped and the other
+    tasks' rows are published (``step_fn`` too: the next test, without a cluster)."""
     catalog = sqlite_catalog(str(tmp_path))
     stream = Stream.create(catalog, "ns.filtered", schema=SCHEMA, world_size=1)
     _data_context()
-    for run_name, how in (("rows", {"rows_per_step": 4}), ("fn", {"step_fn": _steps_of_one_rank})):
-        sink = LakestreamDatasink(catalog=catalog, stream="ns.filtered", run_name=run_name, cast=True, **how)
-        ray.data.from_arrow([_rows(i * 4, 4) for i in range(3)]).filter(
-            lambda row: not 4 <= row["id"] < 8).write_datasink(sink)  # the second block loses every row (x: a double)
-        assert sink.report is not None and sink.report.rows == 8 and len(sink.report.tasks) == 3
-        assert sorted(len(t.steps) for t in sink.report.tasks) == [0, 1, 1]
+    sink = LakestreamDatasink(catalog=catalog, stream="ns.filtered", run_name="rows", cast=True, rows_per_step=4)
+    ray.data.from_arrow([_rows(i * 4, 4) for i in range(3)]).filter(
+        lambda row: not 4 <= row["id"] < 8).write_datasink(sink)  # the second block loses every row (x: a double)
+    assert sink.report is not None and sink.report.rows == 8 and len(sink.report.tasks) == 3
+    assert sorted(len(t.steps) for t in sink.report.tasks) == [0, 1, 1]
     stream.refresh()
-    assert stream.head_step() == 4
-    assert sorted(i for s in range(1, 5) for i in _step_ids(stream, s)[0]) == sorted([*range(4), *range(8, 12)] * 2)
+    assert stream.head_step() == 2
+    assert sorted(i for s in range(1, 3) for i in _step_ids(stream, s)[0]) == [*range(4), *range(8, 12)]
+
+
+@pytest.mark.parametrize("how", ["rows", "fn"])
+def test_step_rule_skips_a_block_without_rows_or_columns_and_never_hands_it_to_step_fn(how: str) -> None:
+    """The block Ray hands a write task whose input a filter emptied (no rows, no columns), between two real ones."""
+    from lakestream_iceberg.integrations.ray import StepRule
+
+    called: list[int] = []
+
+    def one_rank(block: pa.Table) -> Iterator[list[pa.Table]]:
+        called.append(block.num_rows)
+        yield [block]
+
+    rule = StepRule(rows_per_step=4 if how == "rows" else None, step_fn=one_rank if how == "fn" else None,
+                    rank_column=None, drop_last=False, cast=True)
+    blocks = [_rows(0, 4), pa.table({}), _rows(8, 4)]
+    steps = list(rule.steps(iter(blocks), payload=SCHEMA, world_size=1, where="test"))
+    assert [step[0].column("id").to_pylist() for step in steps] == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert called == ([4, 4] if how == "fn" else [])
 
 
 @pytest.mark.slow
