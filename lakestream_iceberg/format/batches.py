@@ -10,6 +10,8 @@ those slots for the writer, for streams with such fields (:func:`has_required`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -165,11 +167,18 @@ def hidden_nulls_filled(table: pa.Table) -> pa.Table:
     null parent replaced by a value: Arrow allows them (a struct taken with a null index has one under each null
     slot), but pyarrow's cast and Parquet writer refuse a non-nullable field holding nulls anywhere. No reader ever
     sees the values put there (their parent is null). Columns without such a field are returned as they are."""
+    return _columns_rebuilt(table, has_required, _filled)
+
+
+def _columns_rebuilt(table: pa.Table, holds: Callable[[pa.DataType], bool],
+                     rebuild: Callable[[pa.Array], pa.Array]) -> pa.Table:
+    """``table`` with ``rebuild`` applied to every chunk of the columns whose type ``holds``; a column none of whose
+    chunks ``rebuild`` changed (returned as they are) stays the same column."""
     for i, field in enumerate(table.schema):
-        if not has_required(field.type):
+        if not holds(field.type):
             continue
         column = table.column(i)
-        chunks = [_filled(chunk) for chunk in column.chunks]
+        chunks = [rebuild(chunk) for chunk in column.chunks]
         if any(new is not old for new, old in zip(chunks, column.chunks)):
             table = table.set_column(i, field, pa.chunked_array(chunks, field.type))  # a struct's type keeps its field names
     return table
@@ -222,14 +231,7 @@ def map_keys_unmasked(table: pa.Table) -> pa.Table:
     26 aborts the process casting a map whose keys carry a bitmap (as take() and filter() make them, and so Ray's
     blocks) to another key type. Unlike :func:`hidden_nulls_filled` it changes no value, so it may run before the
     checks: keys that hold a null (an invalid map) keep their bitmap."""
-    for i, field in enumerate(table.schema):
-        if not _holds_map(field.type):
-            continue
-        column = table.column(i)
-        chunks = [_keys_unmasked(chunk) for chunk in column.chunks]
-        if any(new is not old for new, old in zip(chunks, column.chunks)):
-            table = table.set_column(i, field, pa.chunked_array(chunks, field.type))
-    return table
+    return _columns_rebuilt(table, _holds_map, _keys_unmasked)
 
 
 def _holds_map(data_type: pa.DataType) -> bool:
