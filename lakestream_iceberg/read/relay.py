@@ -6,7 +6,10 @@ process per host, stream and branch (the *holder*) does all of that once, and th
 
 * **Election**: whoever takes the ``flock`` on the relay's lock file (:mod:`.relay_wire` says where) serves; the kernel
   releases it when the holder exits, however it exits, and the next reader that finds the socket dead takes over.
-  A holder that stops removes its socket and lock file, so relays of finished runs leave no files behind.
+  A holder that stops removes its socket and lock file, so relays of finished runs leave no files behind. A holder
+  that was killed (a DataLoader worker terminated when its training process exits, SIGKILL, out of memory) leaves
+  both; a new holder removes those of every relay in the directory whose lock nobody holds (:func:`_sweep`), so a
+  host that runs a job per new stream does not gather two files per job.
   A forked child closes its copy of the lock (so that its parent's death frees it) and never serves its parent's relay.
 * **Following**: the holder keeps its own view of the table at the head (:class:`~.follow.HeadWatcher`): it polls the
   catalog pointer every ``poll_s`` (on PostgreSQL it also listens for commit notifications and then polls only every
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -442,7 +446,47 @@ def hold(stream: StreamTable, *, branch: str, paths: RelayPaths, poll_s: float, 
     with _HELD_LOCK:
         _HELD[paths.key] = relay
     log.debug("serving the head relay of %s (branch %s) at %s", stream.name, branch, paths.socket)
+    _sweep(paths)
     return relay
+
+
+_KEY_LOCK = re.compile(r"[0-9a-f]{32}\.lock")
+
+
+def _sweep(paths: RelayPaths) -> int:
+    """Remove the files of the relays in ``paths``' directory that no process serves any more (their holders were
+    killed before they could stop), but the one of ``paths``; returns how many relays' files went.
+
+    A relay's files are removed as a stopping holder removes its own: its socket, then its lock file while this process
+    holds the lock (:func:`_lock`, which checks that the path still names the file locked), so a reader electing a
+    holder for that relay meanwhile either waits for the lock or locks a new file. A relay whose lock another process
+    holds (it serves, or is about to) is left alone. Best effort: nothing here fails the caller."""
+    directory = paths.lock.parent
+    removed = 0
+    try:  # a relay's files only (relay_paths: 32 hex digits), plain files: the folder may be one the user named
+        keys = [entry.name[:-5] for entry in os.scandir(directory)
+                if _KEY_LOCK.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)]
+    except OSError:
+        return 0
+    for key in keys:
+        if key == paths.key:
+            continue
+        other = RelayPaths(directory, key)
+        try:
+            fd = _lock(other.lock)
+        except OSError:
+            continue
+        if fd is None:
+            continue  # served (or being elected) by another process
+        try:
+            _unlink(other.socket)
+            _unlink(other.lock)  # while still locked, as stop() does
+        finally:
+            os.close(fd)
+        removed += 1
+    if removed:
+        log.debug("removed the files of %d relay(s) whose holders were gone from %s", removed, directory)
+    return removed
 
 
 LOCK_TRIES = 100

@@ -1152,3 +1152,53 @@ def test_a_follower_reads_on_after_a_rollback_below_its_heard_head_when_another_
                               end_step=1, timeout=30)
     assert [item["step"] for item in other] == [1]
     check_items(list(it), world=2, rank=0, steps=[3, 4])
+
+
+def _holder_child(stream: Stream, paths: object) -> tuple[int, int]:
+    """A forked child serving the relay at ``paths`` (its pid, and a pipe that ends when the child is gone)."""
+    ready, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            os.close(ready)
+            relay = relay_module.hold(stream, branch="main", paths=paths, poll_s=0.02, max_poll_s=0.5)  # type: ignore[arg-type]
+            os.write(told, b"1" if relay is not None else b"0")
+            signal.pause()
+        finally:
+            os._exit(1)
+    os.close(told)
+    assert os.read(ready, 1) == b"1"
+    return pid, ready
+
+
+def test_a_new_holder_removes_the_files_that_killed_holders_left(tmp_path: Path, relay_dir: Path) -> None:
+    """A holder killed before it could stop (a DataLoader worker terminated when its training process exits, SIGKILL,
+    out of memory) leaves its socket and lock file; no later holder of that relay comes where each job follows a new
+    stream, so they gathered, two files per job. A new holder removes them, and leaves a live holder's alone."""
+    from lakestream_iceberg.read.relay_wire import RelayPaths
+
+    stream = make_stream(tmp_path, steps=1)
+    live_paths = RelayPaths(relay_dir, "f" * 32)
+    live, live_pipe = _holder_child(stream, live_paths)
+    files: list[int] = []
+    try:
+        for i in range(1, 9):  # each "job": a holder of its own stream's relay, killed
+            pid, pipe = _holder_child(stream, RelayPaths(relay_dir, f"{i:032x}"))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(pipe)
+            reader = watch(stream)  # the next job's reader serves its own relay, then stops
+            assert isinstance(reader, RelayWatcher) and reader.holding
+            reader.close()
+            if i in (4, 8):
+                files.append(len([p for p in relay_dir.iterdir() if p.stem != live_paths.key]))
+        # before, the killed holders' files stayed: 8 after four jobs, 16 after eight
+        assert files[1] <= files[0] + 2 and files[0] <= 2, files
+        assert live_paths.lock.exists() and live_paths.socket.exists()  # a live holder's files stay, and it answers
+        client = RelayWatcher(stream, paths=live_paths, branch="main", poll_s=0.02, max_poll_s=0.5, elect=False)
+        assert client.latest()[0] == 1
+        client.close()
+    finally:
+        os.kill(live, signal.SIGKILL)
+        os.waitpid(live, 0)
+        os.close(live_pipe)
