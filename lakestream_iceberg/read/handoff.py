@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from multiprocessing.reduction import DupFd
 from typing import Any
@@ -185,7 +186,9 @@ def _resolved(torch: Any, value: Any) -> Any:
     return value
 
 
-_fallbacks: list[str] = []  # why items went through torch's own sharing (logged the first time in each process)
+# why items went through torch's own sharing, and how many (logged the first time in each process): counts, not one
+# entry per item, as a worker whose segments cannot be made falls back at every step for as long as it runs
+_fallbacks: Counter[str] = Counter()
 
 
 def _fell_back(exc: Exception) -> None:
@@ -197,7 +200,7 @@ def _fell_back(exc: Exception) -> None:
         else:
             log.warning("a DataLoader worker could not copy an item's tensors into its shared-memory segment (%s: %s); "
                         "such items go through torch's own sharing (please report it)", type(exc).__name__, exc)
-    _fallbacks.append(type(exc).__name__)
+    _fallbacks[type(exc).__name__] += 1
 
 
 _numpy_dtypes: dict[Any, Any] = {}  # torch dtype -> the numpy dtype of its .numpy(), or the torch dtype where numpy has none

@@ -14,7 +14,9 @@ import multiprocessing
 import os
 import pickle
 import signal
+import sys
 import time
+from collections import Counter
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -173,9 +175,28 @@ def test_an_item_goes_through_torchs_own_sharing_when_no_segment_can_be_made(mon
         raise OSError(errno.EMFILE, "Too many open files")
 
     monkeypatch.setattr(handoff, "_pool", None)  # a fresh pool: every segment must be made
-    monkeypatch.setattr(handoff, "_fallbacks", [])
+    monkeypatch.setattr(handoff, "_fallbacks", Counter())
     monkeypatch.setattr(handoff.os, "memfd_create", exhausted)
     shipped_through_torchs_sharing(caplog, "OSError")
+
+
+def test_items_that_fall_back_leave_no_record_per_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose segments cannot be made (descriptors or shared memory exhausted) falls back at every step for as
+    long as it runs, days in follow mode: what it keeps of the fallbacks is counts, not one entry per item."""
+    import errno
+
+    def exhausted(*_: object) -> int:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(handoff, "_pool", None)
+    monkeypatch.setattr(handoff, "_fallbacks", type(handoff._fallbacks)())  # noqa: SLF001
+    monkeypatch.setattr(handoff.os, "memfd_create", exhausted)
+    item, kept = sample_item(1), []
+    for _ in range(2):  # 300 items, then 300 more
+        for _ in range(300):
+            assert type(ship(item)) is dict
+        kept.append(sys.getsizeof(handoff._fallbacks))  # noqa: SLF001
+    assert kept[1] <= kept[0], kept  # a list of reasons grew with every item: 2,520 -> 5,432 bytes
 
 
 def shipped_through_torchs_sharing(caplog: pytest.LogCaptureFixture, reason: str) -> None:
@@ -186,7 +207,7 @@ def shipped_through_torchs_sharing(caplog: pytest.LogCaptureFixture, reason: str
             item = sample_item(seed)
             got = ship(item)
             assert type(got) is dict and all(same(item[k], got[k]) for k in item)
-    assert handoff._fallbacks == [reason, reason]  # noqa: SLF001
+    assert handoff._fallbacks == {reason: 2}  # noqa: SLF001
     assert len([r for r in caplog.records if "torch's own sharing" in r.getMessage()]) == 1
 
 
@@ -200,7 +221,7 @@ def test_an_item_whose_tensors_cannot_be_copied_goes_through_torchs_own_sharing_
 
     monkeypatch.setattr(handoff, "_pool", None)
     monkeypatch.setattr(handoff, "_mapped", {})  # the new pool's mappings, keyed as the old pool's are
-    monkeypatch.setattr(handoff, "_fallbacks", [])
+    monkeypatch.setattr(handoff, "_fallbacks", Counter())
     monkeypatch.setattr(handoff, "COPIED_BYTES", 0)  # every tensor a view (sample_item's are all small)
     with monkeypatch.context() as patch:
         patch.setattr(handoff, "_copy_into", refuse)
