@@ -469,6 +469,33 @@ def test_a_payload_column_dropped_and_added_again_is_refused_to_producers_made_b
     assert sorted(rows["i"].to_pylist()) == sorted(v for t in batch("a", 5, WORLD) for v in t["i"].to_pylist())
 
 
+@pytest.mark.parametrize("again", [False, True], ids=["dropped", "dropped-and-added-again"])
+def test_checkpoints_and_gc_go_on_after_a_payload_column_is_dropped(tmp_path: Path, again: bool) -> None:
+    """A checkpoint (a trainer's) and GC write no data files: a payload column another engine dropped (or dropped and
+    added again) refuses the producers, whose files would lose its values, but not them. The payload check of
+    producers' commits ran in every commit's manifest planner, so a stream that had produced, or one opened before
+    the change, refused to checkpoint or collect its old steps until the column came back."""
+    stream, before = published(make(tmp_path))
+    running = stream.producer("a")
+    running.commit(batch("a", 4, WORLD), seq=4)  # its writer is made: the schema of then
+    reader = Stream.open(sqlite_catalog(str(tmp_path)), "ns.stream")  # opened before the change, never produced
+    kind = stream.table.schema().find_field("i").field_type
+    with stream.table.update_schema(allow_incompatible_changes=True) as update:
+        update.delete_column("i")
+    if again:
+        with stream.refresh().table.update_schema() as update:
+            update.add_column("i", kind)
+    with pytest.raises(SchemaMismatchError):
+        running.commit(batch("a", 5, WORLD), seq=5)
+    for each in (stream, reader):
+        assert each.checkpoint(f"cp-{id(each)}", step=8).step == 8
+    report = stream.collect_garbage(dry_run=False, keep_last=2, grace=timedelta(0), allow_short_grace=True)
+    assert report.collected_below == {"main": 8}
+    assert reader.collect_garbage(dry_run=False, keep_last=2, grace=timedelta(0), allow_short_grace=True).dry_run is False
+    assert stream.head_step() == 9
+    assert {step: rows_of(stream, step) for step in (8,)} == {8: before[8]}
+
+
 def test_a_partition_spec_evolved_under_running_producers_is_refused_until_restored(tmp_path: Path) -> None:
     """Another engine adds a partition field while producers run (Spark's ALTER TABLE ... ADD PARTITION FIELD): a
     running producer, checkpoint and GC are refused with a ConfigError that says how to restore the spec, nothing is

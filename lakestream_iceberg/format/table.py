@@ -290,19 +290,23 @@ class StreamTable:
     def index(self) -> StepIndex:
         return StepIndex(io=self.io, cache=self.cache)
 
-    def manifest_planner(self, metadata: TableMetadata) -> ManifestPlanner:
+    def manifest_planner(self, metadata: TableMetadata, *, publishing: bool = False) -> ManifestPlanner:
         """A planner for one new snapshot's manifests, configured from the stream's properties.
+
+        ``publishing``: the snapshot publishes data files this stream's producers wrote (a producer's commit), which
+        the table's payload schema must still describe; a checkpoint, GC or repair writes none, and is not refused for
+        a payload column another engine dropped or added again (readers go on reading the published steps).
 
         Raises:
             ConfigError: Another engine evolved the partition spec since the stream was opened (see
                 :func:`check_layout`): the new snapshot's files would be written with a spec they do not fit.
-            SchemaMismatchError: Another engine dropped, renamed or retyped a payload column (see
+            SchemaMismatchError: ``publishing``, and another engine dropped, renamed or retyped a payload column (see
                 :func:`~lakestream_iceberg.format.layout.file_schema`).
         """
         check_layout(metadata, self.config, stream=self.name)
         check_fixed(metadata.properties, self.fixed, stream=self.name)
         check_metadata_log_size(metadata.properties, stream=self.name)
-        if metadata.current_schema_id != self._payload_checked:
+        if publishing and metadata.current_schema_id != self._payload_checked:
             # a payload column another engine dropped, renamed or retyped: what making a producer refuses, refused
             # here too for producers (and streams) made before the change, whose writer kept the schema of then
             now = file_schema(metadata.schema(), self.config.layout, self.payload_arrow_schema, stream=self.name)

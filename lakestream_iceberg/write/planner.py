@@ -301,7 +301,7 @@ class _GroupCommit:
         self._metadata, self._state, self._parent = metadata, state, parent
         self._group, self._attempt, self._added, self._critical_ms = size, attempt, 0, critical_ms
         self.builder = SnapshotBuilder(metadata)
-        self.planner: ManifestPlanner = self._stream.manifest_planner(metadata)
+        self.planner: ManifestPlanner = self._stream.manifest_planner(metadata, publishing=True)
         self._manifests = self.planner.parent_manifests(parent)
         self._own_manifests: list[ManifestFile] = []  # this group's manifests so far, one per batch, newest first
         self._producers = dict(state.producers)
