@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import shlex
 from collections.abc import Iterator
@@ -124,20 +125,22 @@ def sqlite_url(path: Path) -> str:
     return "sqlite:///file:" + quote(str(path)) + "?uri=true"
 
 
-_opened: list[Catalog] | None = None  # the catalogs load() made inside closing_catalogs()
+# the catalogs load() made inside closing_catalogs(), per thread (a context variable: each thread starts without
+# one), so that commands run at once by threads of one process (main()) close each their own
+_opened: contextvars.ContextVar[list[Catalog] | None] = contextvars.ContextVar("lakestream_cli_catalogs", default=None)
 
 
 @contextlib.contextmanager
 def closing_catalogs() -> Iterator[None]:
-    """Close every catalog :func:`load` makes inside the block when it ends (a CLI command's): their connections
-    (SQLAlchemy's pool, lakestream's direct ones) would otherwise be left for the interpreter's exit to collect, which
-    Python 3.13 reports as unclosed databases."""
-    global _opened
-    outer, _opened = _opened, []
+    """Close every catalog :func:`load` makes inside the block (in this thread) when it ends (a CLI command's): their
+    connections (SQLAlchemy's pool, lakestream's direct ones) would otherwise be left for the interpreter's exit to
+    collect, which Python 3.13 reports as unclosed databases."""
+    made: list[Catalog] = []
+    token = _opened.set(made)
     try:
         yield
     finally:
-        made, _opened = _opened, outer
+        _opened.reset(token)
         for catalog in made:
             with contextlib.suppress(Exception):  # a catalog that cannot close (a broken connection) is left as it is
                 catalog.close()
@@ -155,8 +158,9 @@ def load(spec: CatalogSpec, *, create: bool = True) -> Catalog:
             or the embedded one has no home and ``create`` is false.
     """
     catalog = _load(spec, create=create)
-    if _opened is not None:
-        _opened.append(catalog)
+    opened = _opened.get()
+    if opened is not None:
+        opened.append(catalog)
     return catalog
 
 

@@ -570,3 +570,51 @@ def test_a_command_closes_the_catalog_it_opened(home: Path, capsys: pytest.Captu
     assert code == 0
     left = _open_sqlite_connections() - before
     assert not left, f"{len(left)} SQLite connection(s) of the catalog still open after `lakestream {args[0]}`"
+
+
+def test_commands_run_at_once_in_threads_close_each_their_own_catalogs(tmp_path: Path) -> None:
+    """Two threads of a long-lived process run a command each (``main()``), one starting while the other runs. The
+    catalogs a command loads were gathered in one list for the whole process: the first to end closed the other's
+    catalogs under it (on a REST catalog its session), and the second ended with TypeError (None is not iterable),
+    its catalog left open and every catalog the process loaded after it gathered for ever."""
+    import threading
+
+    from lakestream_iceberg.tools.config import CatalogSpec, closing_catalogs, load
+
+    entered, loaded, first_done = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    used_after: list[object] = []
+    before = _open_sqlite_connections()
+
+    def first() -> None:
+        try:
+            with closing_catalogs():
+                entered.set()
+                load(CatalogSpec(home=str(tmp_path / "one"))).list_namespaces()
+                assert loaded.wait(30)  # the second command has loaded its catalog meanwhile
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+        finally:
+            first_done.set()
+
+    def second() -> None:
+        try:
+            assert entered.wait(30)
+            with closing_catalogs():
+                catalog = load(CatalogSpec(home=str(tmp_path / "two")))
+                catalog.list_namespaces()
+                loaded.set()
+                assert first_done.wait(30)  # the first command ended: this one goes on with its catalog
+                used_after.append(catalog.list_namespaces())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    assert used_after == [[]]
+    left = _open_sqlite_connections() - before
+    assert not left, f"{len(left)} SQLite connection(s) still open after both commands ended"
