@@ -345,7 +345,7 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
     shown = 0
     if not out.json:
         out.console.print(f"following {stream.name} (branch {args.branch}) from step {next_step}{gone}; Ctrl-C to stop",
-                          style="dim")
+                          style="dim", soft_wrap=True)
     while args.max_steps is None or shown < args.max_steps:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
@@ -367,7 +367,8 @@ def cmd_tail(args: argparse.Namespace, out: Output) -> int:
                     f"step {row['step']:>7}  {row['producer'] or '?'} seq {row['seq'] if row['seq'] is not None else '?'}"
                     f"  {row['samples'] if row['samples'] is not None else '-'} samples {row['samples_per_rank'] or ''}"
                     f"  {(row['bytes'] or 0) / 1e3:,.1f} kB  attempts {row['attempts'] or '-'}"
-                    f"  {human(row['committed_at'])}"
+                    f"  {human(row['committed_at'])}",
+                    soft_wrap=True,  # one line per step, whatever the width: piped, rich wraps at 80 columns
                 )
             shown += 1
         next_step = last + 1

@@ -69,13 +69,13 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
         return
     if not report["positions"]:
         out.console.print(f"no recorded positions on {report['stream']}" + (f" for group {group!r}" if group else "")
-                          + " (a LakestreamDataset records them when made with group=...)")
+                          + " (a LakestreamDataset records them when made with group=...)", soft_wrap=True)
         return
     for g in report["groups"]:
         counts = ", ".join([f"{n} {status}" for status, n in g["ranks"].items()]
                            + ([f"{g['unreported']} never reported"] if g["unreported"] else []))
         out.console.print(f"group {g['group']} on {report['stream']}: world size {g['world_size']}, ranks: {counts}, "
-                          f"max lag {g['max_lag_steps'] if g['max_lag_steps'] is not None else '-'} steps")
+                          f"max lag {g['max_lag_steps'] if g['max_lag_steps'] is not None else '-'} steps", soft_wrap=True)
     rows = []
     for p in report["positions"]:
         wait = p["data_wait_fraction"]
@@ -87,6 +87,6 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
     # why a rank is invalid or gone (or past a head that moved back): a table cell would fold it beyond reading
     notes = [p for p in report["positions"] if p["error"]]
     for p in notes[:MAX_NOTES]:  # as written: an error quotes names and values that rich would read as markup
-        out.console.print(f"group {p['group']} rank {p['rank']} ({p['status']}): {p['error']}", markup=False)
+        out.console.print(f"group {p['group']} rank {p['rank']} ({p['status']}): {p['error']}", markup=False, soft_wrap=True)
     if len(notes) > MAX_NOTES:
         out.console.print(f"... {len(notes) - MAX_NOTES} more (use --json for all of them)")

@@ -86,7 +86,7 @@ class Output:
             self.console.print(title, style="bold underline")
         table = Table(show_header=False, box=None, pad_edge=False)
         table.add_column(style="bold")
-        table.add_column()
+        table.add_column(overflow="fold")  # a path or a URI without spaces: folded, never cut with an ellipsis
         for key, value in pairs:
             table.add_row(key, human(value))
         self.console.print(table)

@@ -277,6 +277,23 @@ def test_tail_follows_new_steps(env: dict[str, str], home: Path, capsys: pytest.
     assert code == 0 and "prep-0 seq 3" in out
 
 
+def test_piped_output_keeps_each_line_whole_at_80_columns(env: dict[str, str], home: Path) -> None:
+    """Piped (``lakestream tail S | grep prep-1``, ``> log``), rich writes 80 columns: each step of ``tail`` was cut in
+    two (its timestamp on a line of its own), and ``status`` cut the stream's location with an ellipsis."""
+    narrow = {**env, "COLUMNS": "80"}
+    out = run(narrow, "tail", STREAM, "--from-step", "1", "--max-steps", "2", "--timeout", "30").stdout.splitlines()
+    # (earlier tests of this module may have collected the first steps: tail starts at the first kept one)
+    assert len(out) == 3 and out[0].startswith("following ns.cli") and out[0].endswith("Ctrl-C to stop"), out
+    assert all(re.match(r"step +\d+ +prep-\d seq \d+ .*  attempts \S+  (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}\+00:00|-)$",
+                        line) for line in out[1:]), out
+    status = run(narrow, "status", STREAM).stdout
+    location = json.loads(run(narrow, "status", STREAM, "--json").stdout)["location"]
+    assert len(location) > 60 and "\u2026" not in status
+    assert location in "".join(line.strip() for line in status.splitlines() if not line.startswith(("stream", "world"))), status
+    lag = run(narrow, "lag", STREAM, "--group", "nobody-" + "x" * 40).stdout.splitlines()
+    assert len(lag) == 1 and lag[0].startswith("no recorded positions"), lag
+
+
 @pytest.mark.parametrize("args", [("status", STREAM), ("tail", STREAM, "--from-step", "1", "--max-steps", "2"),
                                   ("sql", STREAM, "SELECT * FROM batches", "--json")])
 def test_a_reader_of_stdout_that_went_away_is_no_error(env: dict[str, str], args: tuple[str, ...]) -> None:
