@@ -21,6 +21,7 @@ from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, SetSn
 from lakestream_iceberg import ForeignSnapshotError, SchemaMismatchError, Stream
 from lakestream_iceberg.errors import ConfigError, LifecycleError, SequenceError
 from lakestream_iceberg.format.summary import StreamState
+from lakestream_iceberg.read.history_rows import utc_from_ms
 from tests.support import SCHEMA, batch, digest, foreign_append, foreign_delete, sqlite_catalog
 
 WORLD = 2
@@ -109,9 +110,10 @@ def test_a_group_commit_is_an_incremental_append_for_every_batch(tmp_path: Path)
 # --------------------------------------------------------------------------------------------------- foreign snapshots
 
 
-def commit_replace(stream: Stream, timestamp_ms: int | None = None) -> Snapshot:
+def commit_replace(stream: Stream, timestamp_ms: int | None = None, properties: dict[str, str] | None = None) -> Snapshot:
     """What ``rewrite_manifests`` commits: a ``replace`` snapshot listing the same files (here: the same manifests in a
-    new manifest list), no data changed, no ``lakestream.*`` keys; dated ``timestamp_ms`` (default: now)."""
+    new manifest list), no data changed, no ``lakestream.*`` keys (``properties``: summary keys to add, such as the
+    head's copied by a tool); dated ``timestamp_ms`` (default: now)."""
     table = stream.refresh().table
     metadata = table.metadata
     head = metadata.current_snapshot()
@@ -128,7 +130,7 @@ def commit_replace(stream: Stream, timestamp_ms: int | None = None) -> Snapshot:
                         manifest_list=path, schema_id=metadata.current_schema_id,
                         **({} if timestamp_ms is None else {"timestamp_ms": timestamp_ms}),
                         summary=Summary(Operation.REPLACE, **totals, **{"manifests-created": "0", "manifests-kept": "1",
-                                                                      "engine-name": "test"}))
+                                                                      "engine-name": "test"}, **(properties or {})))
     with table.transaction() as tx:
         tx._apply((AddSnapshotUpdate(snapshot=snapshot),
                    SetSnapshotRefUpdate(ref_name="main", type=SnapshotRefType.BRANCH, snapshot_id=snapshot_id)),
@@ -195,6 +197,41 @@ def test_a_foreign_snapshot_dated_in_the_future_keeps_checkpoints_and_history_wo
     report = stream.collect_garbage(dry_run=False, keep_within=timedelta(hours=1), grace=timedelta(0),
                                     allow_short_grace=True)
     assert report.released_checkpoints == [] and report.collected_below == {"main": 8}
+
+
+def test_a_foreign_snapshot_with_copied_lakestream_keys_is_never_taken_for_the_step_it_copied(tmp_path: Path) -> None:
+    """A metadata-only snapshot of another engine that copied the head's ``lakestream.*`` keys (naming the head in
+    ``lakestream.snapshot-id``) is not lakestream's (lineage.is_lakestream): commits go on over it. The history joined
+    it to the step it copied (``batches`` showed its id and time for step 8, ``lakestream tail`` too, ``snapshots`` an
+    ``append`` of step 8 twice) and the lag dated step 8 at its time, an hour late: a rank behind step 8 showed lag_s 0."""
+    from lakestream_iceberg.connect.positions import PositionStore
+    from lakestream_iceberg.read.history_rows import step_rows
+    from lakestream_iceberg.read.lag import consumer_lags
+    from lakestream_iceberg.read.position import Position
+
+    stream, _ = published(make(tmp_path))
+    head = stream.table.metadata.snapshot_by_name("main")
+    copied = {k: v for k, v in head.summary.additional_properties.items() if k.startswith("lakestream.")}
+    assert copied["lakestream.snapshot-id"] == str(head.snapshot_id)
+    foreign = commit_replace(stream, timestamp_ms=head.timestamp_ms + 3_600_000, properties=copied)
+    assert stream.refresh().head_step() == 8
+    con = stream.history()
+    assert con.sql("SELECT snapshot_id, committed_at FROM batches WHERE step = 8").fetchall() == [
+        (head.snapshot_id, utc_from_ms(head.timestamp_ms))]
+    rows = con.sql("SELECT op, step, producer, seq, committer FROM snapshots WHERE snapshot_id = "
+                   f"{foreign.snapshot_id}").fetchall()
+    assert rows == [(None, None, None, None, None)]
+    assert con.sql("SELECT count(*) FROM snapshots WHERE step = 8").fetchall() == [(1,)]
+    assert [r["snapshot_id"] for r in step_rows(stream, [8], branch="main")] == [head.snapshot_id]
+    uuid_ = str(stream.table.metadata.table_uuid)
+    position = Position(group="run", rank=0, stream=uuid_, branch="main", world_size=1, last_step=7, steps=7,
+                        started_at=head.timestamp_ms / 1000 - 60, elapsed_s=60.0, wait_s=1.0, read_bytes=0,
+                        report_s=5.0, closed=True, host="h", pid=1, workers=0, source="iterator")
+    PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location).upsert(
+        group="run", rank=0, body=position.to_json())
+    (lag,) = consumer_lags(stream, group="run", now=head.timestamp_ms / 1000 + 10)
+    assert (lag.lag_steps, lag.lag_s) == (1, pytest.approx(10.0))
+    assert stream.producer("a").commit(batch("a", 4, WORLD), seq=4).step == 9  # commits go on over it
 
 
 def test_a_follower_reads_through_a_metadata_only_foreign_snapshot(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from lakestream_iceberg.format.checkpoints import utc_from_ms as _utc_from_ms
 from lakestream_iceberg.format.expiry import ancestors
 from lakestream_iceberg.format.index import is_packed, rank_of
 from lakestream_iceberg.format.layout import RANK_COLUMN, STEP_COLUMN
+from lakestream_iceberg.format.lineage import is_lakestream
 from lakestream_iceberg.format.manifest_facts import stream_entry
 from lakestream_iceberg.format.summary import (
     KEY_ATTEMPTS,
@@ -124,7 +125,12 @@ def snapshot_rows(stream: StreamTable, *, branch: str) -> list[dict[str, Any]]:
 
 
 def _snapshot_row(snapshot_id: int, snapshot: Snapshot | None) -> dict[str, Any]:
-    summary = _summary(snapshot)
+    full = summary = _summary(snapshot)
+    if snapshot is not None and KEY_STEP in summary and not is_lakestream(snapshot):
+        # another engine's snapshot that copied a lakestream snapshot's keys (naming that one in lakestream.snapshot-id,
+        # or a cherry-pick's source-snapshot-id): it published no step, so none of its lakestream columns is read (the
+        # copied step was joined to it in batches and tail); the ``summary`` column still shows every key
+        summary = {k: v for k, v in summary.items() if not k.startswith("lakestream.")}
     operation = snapshot.summary.operation if snapshot and snapshot.summary else None
     return {
         "snapshot_id": snapshot_id, "parent_id": snapshot.parent_snapshot_id if snapshot else None,
@@ -134,7 +140,7 @@ def _snapshot_row(snapshot_id: int, snapshot: Snapshot | None) -> dict[str, Any]
         "attempts": _int(summary.get(KEY_ATTEMPTS), int32=True),
         "committer": summary.get(KEY_COMMITTER, summary.get(KEY_PRODUCER)),
         "group_size": _int(summary.get(KEY_GROUP, "1" if KEY_STEP in summary else None), int32=True),
-        "summary": json.dumps({"operation": getattr(operation, "value", operation), **summary}, sort_keys=True),
+        "summary": json.dumps({"operation": getattr(operation, "value", operation), **full}, sort_keys=True),
     }
 
 

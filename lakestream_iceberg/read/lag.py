@@ -39,6 +39,7 @@ from pyiceberg.table.refs import SnapshotRefType
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import ConfigError, ConsumerGroupActiveError, CorruptStateError, LakestreamError
+from lakestream_iceberg.format.lineage import is_lakestream
 from lakestream_iceberg.format.summary import KEY_OP, KEY_STEP, OP_APPEND
 from lakestream_iceberg.read.position import Position, check_group
 
@@ -121,7 +122,9 @@ class _Branch:
             summary = current.summary.additional_properties if current.summary is not None else {}
             # only a snapshot that published steps dates them: a collect, checkpoint or repair snapshot carries the
             # head's; a step lakestream never writes (" 5", another engine's) dates none
-            appended = summary.get(KEY_OP, OP_APPEND) == OP_APPEND
+            # another engine's snapshot that copied a lakestream snapshot's keys (lineage.is_lakestream) published
+            # nothing either: it dated the copied step at its own, later, time
+            appended = summary.get(KEY_OP, OP_APPEND) == OP_APPEND and is_lakestream(current)
             step = parse_int(summary.get(KEY_STEP), minimum=0, plus=False) if appended else None
             if step is not None and step not in found:
                 found[step] = current.timestamp_ms / 1000
