@@ -1284,3 +1284,18 @@ def test_2_a_summary_number_with_a_trailing_newline_is_not_what_lakestream_write
     summary[key] += "\n"
     with pytest.raises(CorruptStateError, match=key):
         StreamState.parse(summary, snapshot_id=7)
+
+
+def test_2_a_collected_below_past_the_step_after_the_head_is_refused_not_shown() -> None:
+    """GC collects steps below a checkpoint, at most the head step, so ``lakestream.collected-below`` is never past the
+    step after ``lakestream.step``. Another tool's summary with 500 over a head of 100 was read as is: ``lakestream
+    status`` showed steps collected below 500 on a head of 100, the history and ``tail`` skipped every step (tail
+    waited for step 500), GC's plan started from it. It is refused loudly, as every value lakestream never writes."""
+    from lakestream_iceberg.errors import CorruptStateError
+    from lakestream_iceberg.format.summary import StreamState
+
+    summary = {"lakestream.step": "100", "lakestream.producers": "{}", "lakestream.collected-below": "101"}
+    assert StreamState.parse(summary).collected_below == 101
+    summary["lakestream.collected-below"] = "500"
+    with pytest.raises(CorruptStateError, match="lakestream.collected-below=.500.*step 100"):
+        StreamState.parse(summary, snapshot_id=7)

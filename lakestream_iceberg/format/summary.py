@@ -95,11 +95,16 @@ class StreamState:
         if not summary or KEY_STEP not in summary:
             return cls.empty()
         fields = _Fields(summary, snapshot_id, parent_id)
+        step = fields.integer(KEY_STEP)
+        collected_below = fields.integer(KEY_COLLECTED_BELOW, "1")
+        if collected_below > step + 1:  # GC collects below a checkpoint, at most the head: status and tail showed it
+            why = f"above {step + 1}, the step after {KEY_STEP} {step}: GC never collects a step above the head"
+            raise fields.error(KEY_COLLECTED_BELOW, summary.get(KEY_COLLECTED_BELOW), why)
         return cls(
             op=summary.get(KEY_OP, OP_APPEND),
-            step=fields.integer(KEY_STEP),
+            step=step,
             producers=fields.producers(),
-            collected_below=fields.integer(KEY_COLLECTED_BELOW, "1"),
+            collected_below=collected_below,
             producer=summary.get(KEY_PRODUCER),
             seq=fields.optional(KEY_SEQ),
             group=fields.integer(KEY_GROUP, "1", minimum=1),
