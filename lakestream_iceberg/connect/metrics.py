@@ -31,10 +31,13 @@ consumer's labels are those of the ranks the process runs.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
+
+from lakestream_iceberg.errors import ConfigError
 
 __all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "prepare", "use_registry"]
 
@@ -45,6 +48,17 @@ _COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 _lock = threading.Lock()
 _chosen: Any = None  # the registry use_registry() chose (None: prometheus_client's default)
 _families: dict[int, _Families] = {}  # by id(registry); the registry is held by its _Families
+
+
+def _new_lock_after_fork() -> None:
+    """A child forked while another thread held ``_lock`` (a committer thread recording a commit while a DataLoader
+    forks its workers) would wait for it forever: the child starts with a free lock."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _client() -> Any:
@@ -62,8 +76,18 @@ def available() -> bool:
 
 def use_registry(registry: Any) -> None:
     """Record lakestream's metrics into ``registry`` (a ``prometheus_client.CollectorRegistry``) from now on; None
-    goes back to ``prometheus_client.REGISTRY``. Without the extra this does nothing."""
+    goes back to ``prometheus_client.REGISTRY``. lakestream's metric families are registered in ``registry`` here, so
+    that anything but a registry, or a registry that already holds a metric of one of lakestream's names (another
+    library's, or the application's), is a ``ConfigError`` at this call rather than metrics lost later; passing the
+    same registry again is harmless. Without the extra this does nothing."""
     global _chosen
+    client = _client()
+    if client is not None and registry is not None:
+        if not (callable(getattr(registry, "register", None)) and callable(getattr(registry, "unregister", None))):
+            raise ConfigError(f"use_registry() takes a prometheus_client.CollectorRegistry or None, not "
+                              f"{type(registry).__name__}")
+        with _lock:
+            _families_in(client, registry)
     with _lock:
         _chosen = registry
 
@@ -106,7 +130,7 @@ class _Families:
     def __init__(self, client: Any, registry: Any) -> None:
         self.registry = registry
         h, c, g = client.Histogram, client.Counter, client.Gauge
-        r = {"registry": registry}
+        r: dict[str, Any] = {"registry": None}  # registered below, all or none
         producer, consumer = ["stream", "branch"], ["stream", "group", "rank"]
         self.latency = h("lakestream_commit_latency_seconds", "Wall time of Producer.commit", producer,
                          buckets=_LATENCY_BUCKETS, **r)
@@ -117,12 +141,34 @@ class _Families:
         self.group = h("lakestream_commit_group_size", "Batches published by the swap that published a batch", producer,
                        buckets=_COUNT_BUCKETS, **r)
         self.staged = _StagedCollector()
-        registry.register(self.staged)
         self.last_step = g("lakestream_consumer_last_step", "Last step a consumer rank delivered", consumer, **r)
         self.behind = g("lakestream_consumer_steps_behind_head", "Head step minus the last step delivered", consumer, **r)
         self.steps = c("lakestream_consumer_steps", "Steps delivered to the training loop", consumer, **r)
         self.wait = c("lakestream_consumer_data_wait_seconds", "Time the training loop waited for data", consumer, **r)
         self.read = c("lakestream_consumer_read_bytes", "Bytes of data files fetched", consumer, **r)
+        done: list[Any] = []
+        for collector in (self.latency, self.attempts, self.commits, self.group, self.staged, self.last_step,
+                          self.behind, self.steps, self.wait, self.read):
+            try:
+                registry.register(collector)
+            except Exception as exc:
+                for registered in done:  # none of them, rather than some: a later try finds the registry as it was
+                    try:
+                        registry.unregister(registered)
+                    except Exception:  # noqa: BLE001, S110 - best effort; the error below says what failed
+                        pass
+                raise ConfigError(f"lakestream's Prometheus metrics cannot be registered in {type(registry).__name__}: "
+                                  f"{exc} (another metric there has one of lakestream's names; give lakestream its "
+                                  f"own registry with lakestream_iceberg.connect.metrics.use_registry)") from exc
+            done.append(collector)
+
+
+def _families_in(client: Any, registry: Any) -> _Families:
+    """lakestream's families in ``registry``, registered there the first time (hold ``_lock``)."""
+    found = _families.get(id(registry))
+    if found is None or found.registry is not registry:
+        found = _families[id(registry)] = _Families(client, registry)
+    return found
 
 
 def _families_now() -> _Families | None:
@@ -130,11 +176,7 @@ def _families_now() -> _Families | None:
     if client is None:
         return None
     with _lock:
-        registry = _chosen if _chosen is not None else client.REGISTRY
-        found = _families.get(id(registry))
-        if found is None or found.registry is not registry:
-            found = _families[id(registry)] = _Families(client, registry)
-        return found
+        return _families_in(client, _chosen if _chosen is not None else client.REGISTRY)
 
 
 def prepare() -> None:
@@ -142,8 +184,8 @@ def prepare() -> None:
     the first commit does not pay for it (importing ``prometheus_client`` takes tens of ms). Never raises."""
     try:
         _families_now()
-    except Exception:  # noqa: BLE001 - metrics must not fail a producer
-        log.debug("metrics not prepared", exc_info=True)
+    except Exception as exc:  # noqa: BLE001 - metrics must not fail a producer
+        _warn_once(exc)
 
 
 def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None) -> None:
@@ -163,6 +205,8 @@ def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None
                 families.group.labels(stream, branch).observe(group)
         if staging is not None:
             families.staged.add(stream, branch, staging)
+    except ConfigError as exc:  # lakestream's metrics cannot be registered: said once, not at every commit
+        _warn_once(exc)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.debug("recording commit metrics failed: %s", exc)
 
@@ -229,11 +273,26 @@ class ConsumerMetrics:
                 pass
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(exc: Exception) -> None:
+    """Say once per distinct failure that lakestream's metrics are not recorded (producers and ranks go on)."""
+    if str(exc) not in _warned:
+        _warned.add(str(exc))
+        log.warning("lakestream's metrics are not recorded: %s", exc)
+
+
 _reporting: dict[tuple[int, tuple[str, str, str]], int] = {}  # (id(registry), labels) -> unreleased ConsumerMetrics
 
 
 def consumer_metrics(*, stream: str, group: str, rank: int, gauges: bool = True) -> ConsumerMetrics | None:
-    """The metrics of one consumer rank, or None without the extra (``gauges``: see :class:`ConsumerMetrics`)."""
-    families = _families_now()
+    """The metrics of one consumer rank, or None without the extra, or where lakestream's metrics cannot be registered
+    (logged; metrics never stop training) (``gauges``: see :class:`ConsumerMetrics`)."""
+    try:
+        families = _families_now()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        _warn_once(exc)
+        return None
     return None if families is None else ConsumerMetrics(families, stream=stream, group=group, rank=rank,
                                                          gauges=gauges)

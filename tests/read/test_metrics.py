@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -291,3 +292,102 @@ def test_the_steps_behind_gauge_of_a_following_rank_sees_steps_published_while_i
         items.close()
         ds.close()
     assert shown == 11 == consumer_lags(stream.refresh(), group="run")[0].lag_steps
+
+
+@pytest.mark.parametrize("bad", ["registry", 5, prometheus_client])
+def test_use_registry_refuses_what_is_not_a_registry(stream: Stream, bad: object) -> None:
+    """``use_registry("x")`` was accepted: producers then recorded nothing (silently), and every dataset with a group
+    failed at its first step with ``AttributeError: 'str' object has no attribute 'register'``."""
+    from lakestream_iceberg import LakestreamDataset
+    from lakestream_iceberg.errors import ConfigError
+
+    try:
+        with pytest.raises(ConfigError, match="CollectorRegistry or None"):
+            metrics.use_registry(bad)
+        stream.producer("prep-0").commit(batch("prep-0", 0, WORLD), seq=0)
+        ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", end_step=1)
+        assert [int(item["step"]) for item in ds] == [1]
+        ds.close()
+    finally:
+        metrics.use_registry(None)
+
+
+def test_a_registry_holding_one_of_lakestreams_names_is_refused_and_left_as_it_was(stream: Stream) -> None:
+    """A registry that already had ``lakestream_commits`` (the application's own counter) got lakestream's first two
+    families registered, then the third failed: the registry kept half of lakestream's metrics, and every dataset with
+    a group failed at its first step with ``DuplicateTimeseries``. Now ``use_registry`` says so and registers none."""
+    from lakestream_iceberg import LakestreamDataset
+    from lakestream_iceberg.errors import ConfigError
+
+    registry = prometheus_client.CollectorRegistry()
+    prometheus_client.Counter("lakestream_commits", "the application's own", registry=registry)
+    before = prometheus_client.generate_latest(registry)
+    try:
+        with pytest.raises(ConfigError, match="lakestream_commits.*use_registry"):
+            metrics.use_registry(registry)
+        assert prometheus_client.generate_latest(registry) == before
+        ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", end_step=1)
+        stream.producer("prep-0").commit(batch("prep-0", 0, WORLD), seq=0)
+        assert [int(item["step"]) for item in ds] == [1]
+        ds.close()
+        fresh = prometheus_client.CollectorRegistry()
+        metrics.use_registry(fresh)
+        metrics.use_registry(fresh)  # the same registry twice: one set of families
+    finally:
+        metrics.use_registry(None)
+
+
+def test_a_conflict_in_the_default_registry_never_stops_a_producer_or_a_rank(tmp_path: Path) -> None:
+    """With no registry chosen, a name of lakestream's taken in ``prometheus_client.REGISTRY`` made every dataset with a
+    group fail at its first step (``DuplicateTimeseries``), while producers went on: now both go on, and one warning
+    says why nothing is recorded."""
+    code = textwrap.dedent(f"""
+        import logging, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+        import prometheus_client
+        prometheus_client.Counter("lakestream_consumer_steps", "someone else's")
+        from lakestream_iceberg import LakestreamDataset, Stream
+        from tests.support import SCHEMA, batch, sqlite_catalog
+
+        stream = Stream.create(sqlite_catalog({str(tmp_path)!r}), "ns.clash", schema=SCHEMA, world_size=2)
+        producer = stream.producer("prep-0")
+        for seq in range(2):
+            producer.commit(batch("prep-0", seq, 2), seq=seq)
+        ds = LakestreamDataset(stream, rank=0, world_size=2, group="run", end_step=2)
+        print("steps", [int(item["step"]) for item in ds])
+        ds.close()
+        print("families", sorted(n for n in prometheus_client.REGISTRY._names_to_collectors if "lakestream" in n))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if "lakestream" in line or line.startswith("steps")]
+    assert "steps [1, 2]" in lines, proc.stdout
+    assert sum("metrics are not recorded" in line for line in lines) == 1, proc.stdout
+    families = next(line for line in lines if line.startswith("families"))
+    assert "lakestream_commits_total" not in families, families  # none of lakestream's half-registered
+
+
+def test_a_child_forked_while_the_metrics_lock_was_held_records_its_metrics(registry: object) -> None:
+    """A fork (a DataLoader starting its workers) while another thread of the parent held the metrics' lock (a
+    committer thread recording a commit) left the child's copy of the lock held forever: a worker's first read
+    (``consumer_metrics``) hung."""
+    with metrics._lock:
+        pid = os.fork()
+        if pid == 0:  # the child: exit at once, whatever happens
+            code = 1
+            try:
+                code = 0 if metrics.consumer_metrics(stream="s", group="g", rank=0, gauges=False) is not None else 2
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung on the metrics lock")
