@@ -33,14 +33,12 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import socket
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from pyiceberg.table import Table
@@ -50,6 +48,7 @@ from lakestream_iceberg.errors import LakestreamError, ReadError
 from lakestream_iceberg.format.summary import StreamState, missing_step_error
 from lakestream_iceberg.format.table import StreamTable, after_gc
 from lakestream_iceberg.read.follow import FAILURES_LOGGED, HeadWatcher
+from lakestream_iceberg.read.relay_lock import lock_file, sweep, unlink_quietly
 from lakestream_iceberg.read.relay_wire import (
     MAX_REQUEST,
     FrameTooLargeError,
@@ -152,7 +151,7 @@ class HeadRelay:
             self._cond.notify_all()
         for conn in clients:
             _shutdown(conn)
-        _unlink(self.paths.lock)  # while still locked: a stopped relay leaves nothing behind (see _lock)
+        unlink_quietly(self.paths.lock)  # while still locked: a stopped relay leaves nothing behind (see relay_lock.lock_file)
         os.close(self._lock_fd)  # releases the flock
         for thread in self._threads:
             if thread is not threading.current_thread():
@@ -434,107 +433,20 @@ def hold(stream: StreamTable, *, branch: str, paths: RelayPaths, poll_s: float, 
     relay = held(paths)
     if relay is not None:
         return relay
-    fd = _lock(paths.lock)
+    fd = lock_file(paths.lock)
     if fd is None:
         return None
     try:
         relay = HeadRelay(stream, branch=branch, paths=paths, lock_fd=fd, poll_s=poll_s, max_poll_s=max_poll_s)
     except BaseException:
-        _unlink(paths.lock)
+        unlink_quietly(paths.lock)
         os.close(fd)
         raise
     with _HELD_LOCK:
         _HELD[paths.key] = relay
     log.debug("serving the head relay of %s (branch %s) at %s", stream.name, branch, paths.socket)
-    _sweep(paths)
+    sweep(paths)
     return relay
-
-
-_KEY_LOCK = re.compile(r"[0-9a-f]{32}\.lock")
-
-
-def _sweep(paths: RelayPaths) -> int:
-    """Remove the files of the relays in ``paths``' directory that no process serves any more (their holders were
-    killed before they could stop), but the one of ``paths``; returns how many relays' files went.
-
-    A relay's files are removed as a stopping holder removes its own: its socket, then its lock file while this process
-    holds the lock (:func:`_lock`, which checks that the path still names the file locked), so a reader electing a
-    holder for that relay meanwhile either waits for the lock or locks a new file. A relay whose lock another process
-    holds (it serves, or is about to) is left alone. Best effort: nothing here fails the caller."""
-    directory = paths.lock.parent
-    removed = 0
-    try:  # a relay's files only (relay_paths: 32 hex digits), plain files: the folder may be one the user named
-        keys = [entry.name[:-5] for entry in os.scandir(directory)
-                if _KEY_LOCK.fullmatch(entry.name) and entry.is_file(follow_symlinks=False)]
-    except OSError:
-        return 0
-    for key in keys:
-        if key == paths.key:
-            continue
-        other = RelayPaths(directory, key)
-        try:
-            fd = _lock(other.lock)
-        except OSError:
-            continue
-        if fd is None:
-            continue  # served (or being elected) by another process
-        try:
-            _unlink(other.socket)
-            _unlink(other.lock)  # while still locked, as stop() does
-        finally:
-            os.close(fd)
-        removed += 1
-    if removed:
-        log.debug("removed the files of %d relay(s) whose holders were gone from %s", removed, directory)
-    return removed
-
-
-LOCK_TRIES = 100
-
-
-def _lock(path: Path) -> int | None:
-    """A descriptor holding the ``flock`` on the file ``path`` names now, or None while another process holds it.
-
-    A holder unlinks its lock file when it stops, still holding the lock, so that relays of finished runs leave no
-    files behind (a killed holder leaves its file, which the next holder takes over). A process that opened the file
-    just before that unlink and locked it just after holds a file nobody else can find: it checks that ``path`` still
-    names the file it locked, and else tries again with a new one. Two processes therefore never both hold the lock
-    that ``path`` names.
-
-    Raises:
-        OSError: No ``flock`` here (not a POSIX system), the file cannot be made, or it was replaced ``LOCK_TRIES``
-            times in a row (the caller reads directly).
-    """
-    try:
-        import fcntl
-    except ImportError:  # not a POSIX system
-        raise OSError("no flock on this platform") from None
-    for _ in range(LOCK_TRIES):
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            locked = os.fstat(fd)
-            try:
-                named = os.stat(path)
-            except FileNotFoundError:
-                named = None
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        except BaseException:
-            os.close(fd)
-            raise
-        if named is not None and (named.st_dev, named.st_ino) == (locked.st_dev, locked.st_ino):
-            return fd
-        os.close(fd)  # a stopped holder unlinked this file after we opened it: lock the one there now
-    raise OSError(f"the relay lock file {path} was replaced {LOCK_TRIES} times while this process tried to lock it")
-
-
-def _unlink(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def _shutdown(conn: socket.socket) -> None:

@@ -20,7 +20,7 @@ import pytest
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ReadError, StepCollectedError, StreamError, StreamNotFoundError
 from lakestream_iceberg.read import relay as relay_module
-from lakestream_iceberg.read import relay_client
+from lakestream_iceberg.read import relay_client, relay_lock
 from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.relay_client import RelayWatcher, follower
 from lakestream_iceberg.read.stream_ref import StreamRef
@@ -427,7 +427,7 @@ def test_a_follow_reader_whose_planned_step_was_collected_gets_the_direct_error(
 def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Holders unlink their lock file when they stop: whoever opened that file just before must not count as holding
-    the lock (relay._lock checks that the path still names the file it locked). Threads lock through open files of
+    the lock (relay_lock.lock_file checks that the path still names the file it locked). Threads lock through open files of
     their own, which exclude each other as processes do."""
     path = tmp_path / "k.lock"
     holders: list[int] = []
@@ -436,7 +436,7 @@ def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_
 
     def run() -> None:
         for _ in range(300):
-            fd = relay_module._lock(path)
+            fd = relay_lock.lock_file(path)
             if fd is None:
                 continue
             with guard:
@@ -446,7 +446,7 @@ def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_
             os.sched_yield()
             with guard:
                 holders.remove(fd)
-            relay_module._unlink(path)  # as HeadRelay.stop: unlink while locked, then release
+            relay_lock.unlink_quietly(path)  # as HeadRelay.stop: unlink while locked, then release
             os.close(fd)
 
     threads = [threading.Thread(target=run) for _ in range(4)]
@@ -468,7 +468,7 @@ def test_the_lock_is_never_held_twice_while_holders_remove_their_lock_files(tmp_
     path.touch()
     with monkeypatch.context() as patch:
         patch.setattr(os, "stat", stat_after_unlink)
-        fd = relay_module._lock(path)
+        fd = relay_lock.lock_file(path)
     assert fd is not None and unlinked
     assert os.fstat(fd).st_ino == os.stat(path).st_ino  # it holds the file the path names now, made after the unlink
     os.close(fd)
