@@ -1005,3 +1005,49 @@ def test_dropping_with_purge_after_gc_warns_of_no_file_gc_already_deleted(catalo
     assert failures == [], f"{len(failures)} warnings, e.g. {failures[:2]}"
     left = {os.path.join(d, f) for d, _, fs in os.walk(location) for f in fs}
     assert not {f for f in left if f.endswith(".parquet") and "/_producers/" not in f}, left
+
+
+class DropsReplyOfCommit:
+    """A mixin for a real SQLite catalog whose connection 'drops' after the next ``drop`` commits landed: the caller
+    sees an error whose outcome it cannot know (as a REST timeout or a PostgreSQL connection reset after COMMIT)."""
+
+    drop = 0
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        response = super().commit_table(table, requirements, updates)  # type: ignore[misc]
+        if self.drop:
+            self.drop -= 1
+            raise ConnectionResetError("connection reset by peer (injected, after the commit landed)")
+        return response
+
+
+@pytest.mark.parametrize("op", ["checkpoint", "release", "fork"])
+def test_a_lifecycle_command_whose_commit_landed_but_whose_reply_was_lost_succeeds_once(tmp_path, op: str) -> None:
+    """The commit loop reads the head back after an unknown outcome and plans again: the planners of checkpoint,
+    release and fork took their own landed commit for someone else's (a checkpoint or branch of that name already
+    exists, no checkpoint of that name to release) and the call failed though it had done what it was asked."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    class Flaky(DropsReplyOfCommit, SqlCatalog):
+        pass
+
+    catalog = Flaky("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 6)
+    stream.checkpoint("c3", step=3)
+    before = len(stream.refresh().table.metadata.snapshots)
+    catalog.drop = 1
+    if op == "checkpoint":
+        made = stream.checkpoint("c5", step=5)
+        assert [(c.name, c.step, c.snapshot_id) for c in stream.refresh().checkpoints()] == \
+               [("c3", 3, stream.checkpoints()[0].snapshot_id), ("c5", 5, made.snapshot_id)]
+        assert len(stream.table.metadata.snapshots) == before + 1  # one anchor: the commit landed once
+    elif op == "release":
+        stream.release("c3")
+        assert stream.refresh().checkpoints() == []
+    else:
+        forked = stream.fork("c3", branch="exp")
+        assert forked.name == "c3" and stream.refresh().table.metadata.refs["exp"].snapshot_id == forked.snapshot_id
+        publish(stream, "q", 1, branch="exp")
+        assert stream.head_step(branch="exp") == 4
+    assert catalog.drop == 0
