@@ -406,8 +406,10 @@ class Stream(StreamTable):
         Raises:
             CheckpointError: Invalid or duplicate name, unpublished or already collected step.
         """
+        planned: set[int] = set()  # an attempt whose reply was lost may have landed: the next one finds its anchor
         return self._control_loop(branch).run(
-            lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch), pace=False).result
+            lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch, planned=planned),
+            pace=False).result
 
     def release(self, name: str) -> None:
         """Remove a checkpoint's tag; lifecycle GC may then collect what only it needed.
@@ -418,7 +420,8 @@ class Stream(StreamTable):
         Raises:
             CheckpointError: No checkpoint has that name.
         """
-        self._control_loop(MAIN).run(lambda md, _: plan_release(md, name=name), pace=False)
+        planned: list[int] = []  # an attempt whose reply was lost may have landed: the next one finds the tag gone
+        self._control_loop(MAIN).run(lambda md, _: plan_release(md, name=name, planned=planned), pace=False)
 
     def fork(self, checkpoint: Checkpoint | str, *, branch: str) -> Checkpoint:
         """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1.
@@ -437,8 +440,10 @@ class Stream(StreamTable):
         """
         expected = checkpoint if isinstance(checkpoint, Checkpoint) else None
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
+        planned: list[Checkpoint] = []  # an attempt whose reply was lost may have landed: the next one finds the branch
         return self._control_loop(MAIN).run(
-            lambda md, _: plan_fork(md, name=name, branch=branch, expected=expected), pace=False).result
+            lambda md, _: plan_fork(md, name=name, branch=branch, expected=expected, planned=planned),
+            pace=False).result
 
     def repair(self, *, branch: str = MAIN, dry_run: bool = False) -> RepairReport:
         """Roll ``branch`` back to its last lakestream snapshot when another engine changed its data.

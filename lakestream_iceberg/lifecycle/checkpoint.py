@@ -62,7 +62,15 @@ def check_name(name: str, metadata: TableMetadata) -> None:
         raise CheckpointError(f"a checkpoint, tag or branch named {name!r} already exists; release it or pick another name")
 
 
-def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, step: int, branch: str) -> Plan[Checkpoint]:
+def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, step: int, branch: str,
+                    planned: set[int] | None = None) -> Plan[Checkpoint] | Done[Checkpoint]:
+    """``planned``: the anchor snapshot ids this call planned in earlier attempts (the function adds each one it
+    plans). When one of them is the tag's, an attempt whose outcome was unknown (the reply lost) landed: ``Done``."""
+    if planned:
+        ref = metadata.refs.get(name) if isinstance(name, str) else None
+        found = checkpoint_of(metadata, name) if ref is not None and ref.snapshot_id in planned else None
+        if found is not None:
+            return Done(found)
     check_name(name, metadata)
     step = check_int(step, what="checkpoint step", error=CheckpointError)  # True is not step 1; numpy integers are
     check_branch(metadata, branch, stream=stream.name, doing="cannot checkpoint", error=CheckpointError)
@@ -106,6 +114,8 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
                                               **({KEY_SOURCE_SNAPSHOT: str(source)} if source is not None else {})}),
     )
     builder.add(snapshot, tag=name)
+    if planned is not None:
+        planned.add(snapshot_id)
     result = Checkpoint(name=name, step=step, snapshot_id=snapshot_id,
                         created_at=datetime.fromtimestamp(created_ms / 1000, tz=timezone.utc), branch=branch,
                         source_snapshot_id=source)
@@ -132,21 +142,40 @@ def _no_checkpoint(metadata: TableMetadata, name: str, *, doing: str, instead: s
                            f"checkpoint, so lakestream does not {doing.split()[0]} it; {instead.format(step=step)}")
 
 
-def plan_release(metadata: TableMetadata, *, name: str) -> Plan[None] | Done[None]:
+def plan_release(metadata: TableMetadata, *, name: str, planned: list[int] | None = None) -> Plan[None] | Done[None]:
+    """``planned``: the anchors this call planned to untag in earlier attempts (the function adds each one). When the
+    tag is gone after one, an attempt whose outcome was unknown landed (or another release did it): ``Done``."""
+    if planned and name not in metadata.refs:
+        return Done(None)
     found = checkpoint_of(metadata, name)
     if found is None:
         raise _no_checkpoint(metadata, name, doing="release",
                              instead=f"remove it with the engine that made it (pyiceberg: table.manage_snapshots()"
                                      f".remove_tag({name!r}).commit(); Spark: ALTER TABLE ... DROP TAG)")
+    if planned is not None:
+        planned.append(found.snapshot_id)
     return Plan((RemoveSnapshotRefUpdate(ref_name=name),),
                 (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
                 None, [])
 
 
-def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Checkpoint | None = None) -> Plan[Checkpoint]:
+def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Checkpoint | None = None,
+              planned: list[Checkpoint] | None = None) -> Plan[Checkpoint] | Done[Checkpoint]:
     """The fork of checkpoint ``name`` as ``branch``; ``expected`` (a :class:`Checkpoint` the caller holds) must be
     the one the tag still marks: a checkpoint of another stream, or one released and made again under its name, would
-    fork another step without a word."""
+    fork another step without a word.
+
+    ``planned``: the checkpoints this call planned to fork in earlier attempts (the function adds each one). When
+    ``branch`` is a branch whose lineage starts at one of their anchors, an attempt whose outcome was unknown (the
+    reply lost) landed, and producers may have committed on it since: ``Done``."""
+    if planned and isinstance(branch, str):
+        ref = metadata.refs.get(branch)
+        if ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH:
+            by_id = {s.snapshot_id: s for s in metadata.snapshots}
+            lineage = set(ancestors(metadata, ref.snapshot_id, len(by_id), by_id=by_id))
+            for earlier in planned:
+                if earlier.snapshot_id in lineage:
+                    return Done(earlier)
     found = checkpoint_of(metadata, name)
     if found is None:
         raise _no_checkpoint(metadata, name, doing="fork from",
@@ -160,6 +189,8 @@ def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Chec
         )
     if not isinstance(branch, str) or not _NAME.fullmatch(branch) or branch in metadata.refs:
         raise CheckpointError(f"cannot create branch {branch!r}: the name is invalid or already used by a tag or branch")
+    if planned is not None:
+        planned.append(found)
     return Plan(
         (set_ref(branch, SnapshotRefType.BRANCH, found.snapshot_id),),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=None),
