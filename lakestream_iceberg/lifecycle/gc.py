@@ -104,6 +104,9 @@ class GCReport:
         files_deleted: Files deleted (or to delete), by kind (``data``, ``manifest``, ``metadata``, ``intent``, ...).
         bytes_deleted: Bytes deleted (or to delete), by the same kinds.
         files_in_grace: Unreferenced files kept because they are younger than the grace period.
+        files_failed: Unreferenced files whose delete failed (a storage error other than "not found"); they stay
+            unreferenced, and the next GC deletes them (once older than its grace period).
+        first_failure: The first of those failures (path and error), or None.
     """
 
     dry_run: bool
@@ -113,6 +116,8 @@ class GCReport:
     files_deleted: dict[str, int] = field(default_factory=dict)
     bytes_deleted: dict[str, int] = field(default_factory=dict)
     files_in_grace: int = 0
+    files_failed: int = 0
+    first_failure: str | None = None
 
     @property
     def total_files(self) -> int:
@@ -421,6 +426,8 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
 def _record(report: GCReport, swept: Swept) -> None:
     report.files_deleted, report.bytes_deleted = swept.files_deleted, swept.bytes_deleted
     report.files_in_grace += swept.files_in_grace
+    report.files_failed += swept.files_failed
+    report.first_failure = report.first_failure or swept.first_failure
 
 
 def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, retention_s: float,

@@ -4,10 +4,17 @@ under the table's location (see :mod:`lakestream_iceberg.lifecycle.gc` for what 
 A file that some snapshot references was committed; one that no metadata ever referenced (a crashed producer's
 staged shards, a lost compare-and-swap's manifests) may belong to a commit still in flight, so the sweep deletes it only
 once it is older than the grace period. Paths compare without their scheme (:func:`norm`).
+
+Deletes run on pyiceberg's shared thread pool (``max-workers`` in its configuration, ``PYICEBERG_MAX_WORKERS``), a
+bounded batch at a time: on an object store each delete is a round trip, and one at a time a GC of 100,000 files took
+as many round trips in a row. A delete that fails (a bucket policy that refuses deletes, a file made immutable) does not
+stop the others: the sweep counts it (:attr:`Swept.files_failed`), logs one warning naming the first failure, and the
+file stays unreferenced for the next GC to delete (once older than the grace period: no snapshot lists it any more).
 """
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import time
 from collections import defaultdict
@@ -19,6 +26,7 @@ from urllib.parse import urlparse
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
+from pyiceberg.utils.concurrent import ExecutorFactory
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR
 from lakestream_iceberg.connect.storage import list_files
@@ -32,6 +40,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Swept", "kept_after_dry_run", "known_files", "norm", "referenced_files", "sweep"]
 
+log = logging.getLogger(__name__)
+
+DELETE_BATCH = 1_000  # deletes handed to the pool at a time: bounds the futures held, keeps every worker busy
+
 
 @dataclass(frozen=True, kw_only=True)
 class Swept:
@@ -40,6 +52,8 @@ class Swept:
     files_deleted: dict[str, int]
     bytes_deleted: dict[str, int]
     files_in_grace: int
+    files_failed: int = 0
+    first_failure: str | None = None
 
 
 def norm(path: str) -> str:
@@ -113,8 +127,7 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
     location = location.rstrip("/") + "/"
     root = norm(location) + "/"
     cutoff = time.time() - grace_s
-    counts: dict[str, int] = defaultdict(int)
-    sizes: dict[str, int] = defaultdict(int)
+    deletes = _Deletes(stream.io)
     in_grace = 0
     for path, size, mtime in list_files(stream.io, location):
         key = norm(path)
@@ -125,15 +138,57 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
         if key not in known and mtime > cutoff:
             in_grace += 1
             continue
-        kind = _kind(path)
         if delete:
-            try:
-                stream.io.delete(path)
-            except FileNotFoundError:
-                continue
-        counts[kind] += 1
-        sizes[kind] += size
-    return Swept(files_deleted=dict(counts), bytes_deleted=dict(sizes), files_in_grace=in_grace)
+            deletes.add(path, _kind(path), size)
+        else:
+            deletes.count(_kind(path), size)
+    deletes.flush()
+    if deletes.failed:
+        log.warning("GC of %s could not delete %d unreferenced files (the first: %s); they stay unreferenced and the "
+                    "next GC deletes them once it may", stream.name, deletes.failed, deletes.first_failure)
+    return Swept(files_deleted=dict(deletes.counts), bytes_deleted=dict(deletes.sizes), files_in_grace=in_grace,
+                 files_failed=deletes.failed, first_failure=deletes.first_failure)
+
+
+class _Deletes:
+    """The sweep's deletes, run :data:`DELETE_BATCH` at a time on pyiceberg's thread pool, and what they did."""
+
+    def __init__(self, io: FileIO) -> None:
+        self._io = io
+        self._batch: list[tuple[str, str, int]] = []
+        self.counts: dict[str, int] = defaultdict(int)
+        self.sizes: dict[str, int] = defaultdict(int)
+        self.failed = 0
+        self.first_failure: str | None = None
+
+    def count(self, kind: str, size: int) -> None:
+        self.counts[kind] += 1
+        self.sizes[kind] += size
+
+    def add(self, path: str, kind: str, size: int) -> None:
+        self._batch.append((path, kind, size))
+        if len(self._batch) >= DELETE_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        batch, self._batch = self._batch, []
+        if not batch:
+            return
+        for (path, kind, size), error in zip(batch, ExecutorFactory.get_or_create().map(self._delete, batch),
+                                             strict=True):
+            if error is None:
+                self.count(kind, size)
+            elif not isinstance(error, FileNotFoundError):  # gone already (another GC): nothing to count
+                self.failed += 1
+                if self.first_failure is None:
+                    self.first_failure = f"{path}: {type(error).__name__}: {error}"
+
+    def _delete(self, item: tuple[str, str, int]) -> OSError | None:
+        try:
+            self._io.delete(item[0])
+        except OSError as exc:
+            return exc
+        return None
 
 
 def known_files(stream: StreamTable, metadata: TableMetadata) -> set[str]:
