@@ -10,7 +10,9 @@ and labels:
 ``lakestream_commit_latency_seconds``        histogram wall time of ``Producer.commit`` (``stream``, ``branch``)
 ``lakestream_commit_attempts``               histogram compare-and-swap attempts per commit (``stream``, ``branch``)
 ``lakestream_commits_total``                 counter   commits by ``outcome``: ``published`` (own swap), ``carried`` (by
-                                                       another producer's group commit), ``duplicate``
+                                                       another producer's group commit), ``duplicate``, ``failed``
+                                                       (publishing a checked batch raised: in
+                                                       ``Producer.commit`` or ``submit()``'s future)
 ``lakestream_commit_group_size``             histogram batches the swap that published a batch published
                                                        (``CommitResult.group``)
 ``lakestream_staged_intents``                gauge     batches staged for group commit and not published yet, per
@@ -39,7 +41,8 @@ from typing import Any
 
 from lakestream_iceberg.errors import ConfigError
 
-__all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "prepare", "use_registry"]
+__all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "observe_failed_commit", "prepare",
+           "use_registry"]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ class _Families:
                          buckets=_LATENCY_BUCKETS, **r)
         self.attempts = h("lakestream_commit_attempts", "Compare-and-swap attempts per commit", producer,
                           buckets=_COUNT_BUCKETS, **r)
-        self.commits = c("lakestream_commits", "Commits by outcome (published, carried, duplicate)",
+        self.commits = c("lakestream_commits", "Commits by outcome (published, carried, duplicate, failed)",
                          [*producer, "outcome"], **r)
         self.group = h("lakestream_commit_group_size", "Batches published by the swap that published a batch", producer,
                        buckets=_COUNT_BUCKETS, **r)
@@ -208,6 +211,18 @@ def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None
     except ConfigError as exc:  # lakestream's metrics cannot be registered: said once, not at every commit
         _warn_once(exc)
     except Exception as exc:  # noqa: BLE001 - see the docstring
+        log.debug("recording commit metrics failed: %s", exc)
+
+
+def observe_failed_commit(*, stream: str, branch: str) -> None:
+    """Count one ``Producer.commit`` that raised (``outcome="failed"``). Never raises."""
+    try:
+        families = _families_now()
+        if families is not None:
+            families.commits.labels(stream, branch, "failed").inc()
+    except ConfigError as exc:
+        _warn_once(exc)
+    except Exception as exc:  # noqa: BLE001 - metrics must not change the error a commit raises
         log.debug("recording commit metrics failed: %s", exc)
 
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import config_errors
-from lakestream_iceberg.connect.metrics import observe_commit, prepare
+from lakestream_iceberg.connect.metrics import observe_commit, observe_failed_commit, prepare
 from lakestream_iceberg.errors import (
     CommitOutcomeUnknownError,
     CommitTimeoutError,
@@ -408,7 +408,11 @@ class Producer:
     def _commit(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:
         """Publish a checked batch (both :meth:`commit` and the committer thread of :meth:`submit` come here), and
         record it in the commit metrics (:mod:`lakestream_iceberg.connect.metrics`; nothing without the extra)."""
-        result = self._publish_checked(checked, seq=seq, started=started)
+        try:
+            result = self._publish_checked(checked, seq=seq, started=started)
+        except Exception:
+            observe_failed_commit(stream=self._stream.name, branch=self.branch)
+            raise
         observe_commit(result, stream=self._stream.name, branch=self.branch, staging=self._staging)
         return result
 

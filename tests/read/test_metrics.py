@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lakestream_iceberg import Stream
+from lakestream_iceberg import BatchError, SchemaMismatchError, Stream
 from lakestream_iceberg.connect import metrics
 from tests.support import SCHEMA, batch, sqlite_catalog
 
@@ -58,6 +58,23 @@ def test_producer_commits_are_measured(stream: Stream, registry: object) -> None
     assert value("lakestream_staged_intents") == 0  # asked of the staging area when scraped
     assert value("lakestream_commit_group_size_count") == 3  # a lone producer's swaps publish groups of 1
     assert value("lakestream_commit_group_size_sum") == sum(r.group for r in results) == 3
+
+
+def test_a_commit_that_raises_is_counted_as_failed_and_a_refused_batch_is_not(stream: Stream, registry: object) -> None:
+    producer = stream.producer("prep-0")
+    producer.commit(batch("prep-0", 0, WORLD), seq=0)
+    with pytest.raises(BatchError):  # refused by its checks before anything is written: not a commit
+        producer.commit(batch("prep-0", 1, WORLD)[:1], seq=1)
+    with stream.table.update_schema() as update:  # another engine drops a payload column: every commit is refused
+        update.delete_column("i")
+    with pytest.raises(SchemaMismatchError, match="no longer has the payload column 'i'"):
+        producer.commit(batch("prep-0", 1, WORLD), seq=1)
+    future = producer.submit(batch("prep-0", 1, WORLD), seq=1)  # the committer thread's commit: refused the same
+    with pytest.raises(SchemaMismatchError, match="no longer has the payload column 'i'"):
+        future.result(timeout=120)
+    labels = {"stream": stream.name, "branch": "main"}
+    assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "failed"}) == 2
+    assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "published"}) == 1
 
 
 def test_a_group_size_is_recorded_where_the_commit_result_has_one(stream: Stream, registry: object) -> None:
