@@ -27,11 +27,15 @@ and labels:
 =========================================== ========= ===================================================================
 
 Labels stay bounded in a long-lived process: producer ids are not a label (an elastic pool makes new ones), and a
-consumer's labels are those of the ranks the process runs.
+consumer's labels are those of the ranks the process runs. A rank's series stay when its iteration ends (the last
+step and the counters are facts of what it did; a scrape after training still reads them), for the last
+:data:`FINISHED_RANKS_KEPT` finished ranks of the process: a service that opens a new group for every run removes the
+series of the oldest finished ones, as a Kafka client removes a closed consumer's metrics.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import threading
@@ -41,11 +45,12 @@ from typing import Any
 
 from lakestream_iceberg.errors import ConfigError
 
-__all__ = ["ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "observe_failed_commit", "prepare",
+__all__ = ["FINISHED_RANKS_KEPT", "ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "observe_failed_commit", "prepare",
            "use_registry"]
 
 log = logging.getLogger(__name__)
 
+FINISHED_RANKS_KEPT = 1_000  # (stream, group, rank) label sets whose iteration ended and whose series stay
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 _COUNT_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 _lock = threading.Lock()
@@ -244,6 +249,7 @@ class ConsumerMetrics:
             with _lock:
                 key = (id(families.registry), labels)
                 _reporting[key] = _reporting.get(key, 0) + 1
+                _finished.pop(key, None)  # reporting again: not a finished rank
             self._last = families.last_step.labels(*labels)
             self._behind = families.behind.labels(*labels)
 
@@ -270,8 +276,9 @@ class ConsumerMetrics:
     def release(self) -> None:
         """The rank stopped reporting here (its iteration ended or was closed): its steps-behind gauge is removed once
         no other reporter of this process has the same labels, since nothing refreshes it any more while the head moves
-        on (a frozen lag is a false one). The last step and the counters stay: facts of what the rank did. Idempotent;
-        a later update of this object's gauges goes nowhere."""
+        on (a frozen lag is a false one). The last step and the counters stay: facts of what the rank did, until
+        :data:`FINISHED_RANKS_KEPT` ranks of this process finished after it. Idempotent; a later update of this
+        object's gauges goes nowhere."""
         with _lock:
             if self._released:
                 return
@@ -282,10 +289,19 @@ class ConsumerMetrics:
                 _reporting[key] = left
                 return
             _reporting.pop(key, None)
-            try:
-                self._families.behind.remove(*self._labels)
-            except KeyError:  # never set, or removed already
-                pass
+            _remove(self._families.behind, self._labels)
+            _finished[key] = self._families
+            while len(_finished) > FINISHED_RANKS_KEPT:  # the oldest finished rank's series go
+                (_, old), families = _finished.popitem(last=False)
+                for family in (families.last_step, families.steps, families.wait, families.read):
+                    _remove(family, old)
+
+
+def _remove(family: Any, labels: tuple[str, ...]) -> None:
+    try:
+        family.remove(*labels)
+    except KeyError:  # never set, or removed already
+        pass
 
 
 _warned: set[str] = set()
@@ -299,6 +315,8 @@ def _warn_once(exc: Exception) -> None:
 
 
 _reporting: dict[tuple[int, tuple[str, str, str]], int] = {}  # (id(registry), labels) -> unreleased ConsumerMetrics
+# (id(registry), labels) of ranks whose last reporter released, oldest first -> their families
+_finished: collections.OrderedDict[tuple[int, tuple[str, str, str]], _Families] = collections.OrderedDict()
 
 
 def consumer_metrics(*, stream: str, group: str, rank: int, gauges: bool = True) -> ConsumerMetrics | None:

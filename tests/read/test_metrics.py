@@ -116,6 +116,39 @@ def test_a_trainer_rank_is_measured(stream: Stream, registry: object) -> None:
     assert value("lakestream_consumer_read_bytes_total", labels) == position.read_bytes > 0
 
 
+def test_the_series_of_finished_ranks_stay_for_the_last_few_and_the_oldest_go(stream: Stream, registry: object,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long-lived service opening a new group for every run would keep ~8 series per finished rank forever: the
+    newest FINISHED_RANKS_KEPT finished ranks keep theirs (a scrape after training reads them), older ones go."""
+    pytest.importorskip("torch")
+    from lakestream_iceberg.read.dataset import LakestreamDataset
+
+    monkeypatch.setattr(metrics, "FINISHED_RANKS_KEPT", 2)
+    producer = stream.producer("prep-0")
+    for seq in range(2):
+        producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+
+    def steps(group: str) -> float | None:
+        return registry.get_sample_value("lakestream_consumer_steps_total",
+                                         {"stream": stream.name, "group": group, "rank": "0"})
+
+    def last(group: str) -> float | None:
+        return registry.get_sample_value("lakestream_consumer_last_step",
+                                         {"stream": stream.name, "group": group, "rank": "0"})
+
+    for run in range(3):
+        assert [item["step"] for item in LakestreamDataset(stream, rank=0, world_size=WORLD, group=f"run-{run}")] == [1, 2]
+    assert steps("run-0") is None and last("run-0") is None  # the oldest finished rank: removed
+    assert steps("run-1") == steps("run-2") == 2 and last("run-1") == last("run-2") == 2
+    running = iter(LakestreamDataset(stream, rank=0, world_size=WORLD, group="run-1"))  # run-1 reports again
+    assert next(running)["step"] == 1
+    for run in range(3, 5):  # two more finish: run-2 goes, run-1 (reporting, then finished last) stays
+        assert [item["step"] for item in LakestreamDataset(stream, rank=0, world_size=WORLD, group=f"run-{run}")] == [1, 2]
+    assert steps("run-1") == 3 and steps("run-2") is None and steps("run-4") == 2
+    assert [item["step"] for item in running] == [2]  # run-1 ends, the newest finished: run-3, the oldest, goes
+    assert steps("run-1") == 4 and steps("run-3") is None and steps("run-4") == 2
+
+
 def test_a_rank_that_delivered_nothing_yet_is_measured_where_its_position_says_it_is(stream: Stream,
                                                                                      registry: object) -> None:
     """Before its first step a rank's position is the step before its first (None from step 1), and lakestream lag
