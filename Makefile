@@ -77,6 +77,7 @@ bench: $(STAMP) $(BENCH_PKGS) postgres-bin
 	$(BIN)/python benchmarks/producer_churn.py --max-seconds 900
 	$(BIN)/python benchmarks/step_cost.py
 	$(BIN)/python benchmarks/commit_writes.py
+	$(BIN)/python benchmarks/gc_sweep.py
 	$(BIN)/python benchmarks/host_copy.py
 	$(BIN)/python benchmarks/vs_ray.py
 	$(BIN)/python benchmarks/vs_streaming.py

@@ -19,6 +19,8 @@ may use it. A script holds its scenario; what every script needs comes from here
   ``rss_kib``, ``pid_rss_kib``, ``free_port``; ``preloaded_context`` (forkserver children that skip the imports);
 - timing (``harness.timing``): ``sleep_until``, ``timed`` (wall and CPU seconds of a call), ``batches`` (a saturated
   or paced producer's batches, each when due);
+- latency (``harness.latency``): ``DelayedLine`` (a TCP forwarder that delays what clients send: a store on this host
+  answering as one across a network);
 - rounds (``harness.rounds``): ``alternating``, ``rotating``, ``interleaved``;
 - services (``harness.services``): ``start_postgres`` (the project's PostgreSQL, else ``OwnPostgres`` in a temp dir);
 - catalogs (``harness.catalogs``): ``sqlite_catalog`` and ``sqlite_props`` (SQLite and a local warehouse in a folder);
@@ -50,6 +52,7 @@ from harness.files import (  # noqa: E402
     settle_and_say,
     settle_file_creation,
 )
+from harness.latency import DelayedLine  # noqa: E402
 from harness.procs import (  # noqa: E402
     Children,
     Parent,
@@ -92,6 +95,7 @@ __all__ = [
     "REPO_ROOT",
     "RESULTS_DIR",
     "Children",
+    "DelayedLine",
     "OwnPostgres",
     "Parent",
     "Run",

@@ -1,7 +1,7 @@
 """Smoke runs of the benchmarks (benchmarks/vs_kafka.py, benchmarks/vs_colocated.py, benchmarks/producer_churn.py,
 benchmarks/vs_ray.py, benchmarks/step_cost.py, benchmarks/commit_writes.py, benchmarks/stream_retention.py,
 benchmarks/memory.py, benchmarks/busy_producers.py, benchmarks/disaggregation.py, benchmarks/fanout.py,
-benchmarks/file_encoding.py, benchmarks/merge_cpu.py).
+benchmarks/file_encoding.py, benchmarks/merge_cpu.py, benchmarks/gc_sweep.py).
 
 Each benchmark runs as a subprocess with ``--smoke`` (seconds), writes its JSON to a temp dir, and the JSON is checked
 for the expected keys and sane values. The numbers themselves are not asserted (2 shared cores): only that each part
@@ -254,6 +254,22 @@ def test_commit_writes_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
     assert all(r["batches"] > 0 and _positive(r["rate"]) and _positive(r["plan_p50"]) for r in rows)
     assert all(r["exactly_once"] for r in rows)  # dense steps, every producer's seqs published once, in every mode
     assert all(run["head_step"] == run["batches"] for run in data["runs"])
+
+
+@pytest.mark.services
+@pytest.mark.timeout(300)
+@pytest.mark.smoke_run("gc_sweep.py", timeout=240)
+def test_gc_sweep_smoke(smoke: Callable[[], dict[str, Any]]) -> None:
+    data = smoke()
+    assert data["benchmark"] == "gc_sweep" and data["smoke"] is True
+    latencies = (0.0, data["config"]["latency_ms"])
+    rows = {(r["latency_ms"], r["mode"]): r for r in data["rows"]}
+    assert set(rows) == {(lat, m) for lat in latencies for m in ("one at a time", "pool", "pool of 16")}
+    for (_, mode), row in rows.items():
+        assert row["files"] > 0 and _positive(row["gc_s"]) and _positive(row["files_per_s"])
+        assert row["left_is_retained"] and row["failed"] == 0  # every run collected exactly what the checkpoint allows
+        assert row["workers"] == {"one at a time": 1, "pool of 16": 16}.get(mode, row["workers"])
+    assert len({r["files"] for r in data["runs"]}) == 1  # the same garbage in every run
 
 
 @pytest.mark.timeout(300)

@@ -8,6 +8,7 @@
 - ``procs``: child processes (a start line, a pipe protocol, reporting a child's traceback, stopping them), CPU and RSS
   readings, a free port;
 - ``timing``: sleeping until a moment, a saturated or paced producer's batches;
+- ``latency``: a TCP line with a fixed delay, an object store on this host answering as one across a network;
 - ``services``: a PostgreSQL, the project's or one of its own in a temp dir;
 - ``rounds``: rounds in alternating or rotating order, so that a slow phase of the machine hits every variant;
 - ``catalogs``: a SQLite catalog with a local warehouse, in one folder;
