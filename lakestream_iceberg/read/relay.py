@@ -226,8 +226,8 @@ class HeadRelay:
                     conn.close()
                     if not full:  # otherwise only the refused readers' errors would say so, on other processes
                         log.warning("the head relay of %s serves %d clients, its most: refusing new connections until "
-                                    "some close (their readers raise a ReadError, or read directly when starting); "
-                                    "run fewer readers on this host, or read with relay=False",
+                                    "some close (their readers read directly: each polls the catalog itself); run "
+                                    "fewer readers on this host, or read with relay=False",
                                     self.stream.name, MAX_CLIENTS)
                     full = True
                     continue
@@ -238,9 +238,8 @@ class HeadRelay:
             except RuntimeError as exc:
                 # "can't start new thread": the user's process limit (``ulimit -u`` counts threads) or memory. Raised
                 # here, it ended the accept thread: the relay stayed elected and answered no reader of the host again.
-                # Refuse this connection (its reader elects, finds the relay held and after CONNECT_S raises the
-                # relay's ReadError, or reads directly when it was starting) and serve the next ones once threads are
-                # free again
+                # Refuse this connection (its reader elects, finds the relay held and after CONNECT_S reads directly)
+                # and serve the next ones once threads are free again
                 with self._cond:
                     self._clients.discard(conn)
                 conn.close()
