@@ -327,7 +327,7 @@ class RelayWatcher:
                     channel.drop()
                     raise RelayUnavailableError(
                         f"the head relay of {self._stream.name} at {self._paths.socket} did not answer within "
-                        f"{wait_s + IO_S:.0f}s (is its holder, pid {channel.holder}, stopped?)"
+                        f"{wait_s + IO_S:g}s (is its holder, pid {channel.holder}, stopped?)"
                     ) from None
                 except OSError:  # the holder exited: connect again, which elects a new one
                     channel.drop()
@@ -356,7 +356,7 @@ class RelayWatcher:
             except TimeoutError:  # a holder that accepts (the kernel queues the connection) but never answers
                 sock.close()
                 raise RelayUnavailableError(f"the head relay of {self._stream.name} at {self._paths.socket} did not "
-                                            f"answer within {IO_S:.0f}s (is its holder stopped?)") from None
+                                            f"answer within {IO_S:g}s (is its holder stopped?)") from None
             except OSError as exc:  # a socket this process may not use (another user's file, too long a path...)
                 sock.close()
                 raise RelayUnavailableError(f"the head relay of {self._stream.name} at {self._paths.socket} cannot be "
@@ -392,7 +392,7 @@ class RelayWatcher:
                 continue
             if time.monotonic() > deadline:
                 raise RelayUnavailableError(f"no process served the head relay of {self._stream.name} at "
-                                            f"{self._paths.socket} within {CONNECT_S:.0f}s (or its holder has all the "
+                                            f"{self._paths.socket} within {CONNECT_S:g}s (or its holder has all the "
                                             "clients it takes)")
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
