@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import SnapshotRefType
@@ -156,7 +157,7 @@ def plan_release(metadata: TableMetadata, *, name: str, planned: list[int] | Non
         planned.append(found.snapshot_id)
     return Plan((RemoveSnapshotRefUpdate(ref_name=name),),
                 (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
-                None, [])
+                None, [], settle=_forget_if_lost(planned, found.snapshot_id))
 
 
 def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Checkpoint | None = None,
@@ -197,4 +198,20 @@ def plan_fork(metadata: TableMetadata, *, name: str, branch: str, expected: Chec
          AssertRefSnapshotId(ref=name, snapshot_id=found.snapshot_id)),
         found,
         [],
+        settle=_forget_if_lost(planned, found),
     )
+
+
+def _forget_if_lost(planned: list[Any] | None, item: Any) -> Callable[[bool, Snapshot | None], None] | None:
+    """A plan's ``settle`` that takes ``item`` out of ``planned`` again once its swap was lost (a definite failure:
+    another process changed the ref first). Only an attempt whose outcome stayed unknown may have landed; one that lost
+    did not, and the ref as the next attempt finds it is another process's (a concurrent release of the same tag, a
+    fork of the same checkpoint as the same branch), refused as before."""
+    if planned is None:
+        return None
+
+    def settle(landed: bool, _head: Snapshot | None) -> None:
+        if not landed and item in planned:
+            planned.remove(item)
+
+    return settle

@@ -1051,3 +1051,49 @@ def test_a_lifecycle_command_whose_commit_landed_but_whose_reply_was_lost_succee
         publish(stream, "q", 1, branch="exp")
         assert stream.head_step(branch="exp") == 4
     assert catalog.drop == 0
+
+
+class RacesCommit:
+    """A mixin for a real SQLite catalog that runs ``before`` (once) just before the next commit: another process's
+    commit landing between this one's planning and its compare-and-swap, which this one then loses (a definite
+    failure, not an unknown outcome)."""
+
+    before = None
+
+    def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+        before, self.before = self.before, None
+        if before is not None:
+            before()
+        return super().commit_table(table, requirements, updates)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("op", ["release", "fork"])
+def test_a_lifecycle_command_that_lost_its_swap_to_another_process_doing_the_same_fails_as_before(tmp_path,
+                                                                                                   op: str) -> None:
+    """Recognising one's own landed commit after an unknown outcome must not turn a lost compare-and-swap into
+    success: another process released the checkpoint (or made the branch, and published on it) first, and this call
+    said it had done it, where it said 'no checkpoint' / 'already used' before (and does when run after the other)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    class Racing(RacesCommit, SqlCatalog):
+        pass
+
+    catalog = Racing("racing", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 4)
+    stream.checkpoint("c3", step=3)
+    other = Stream.open(catalog, "ns.stream")
+    if op == "release":
+        catalog.before = lambda: other.release("c3")
+        with pytest.raises(CheckpointError, match="no checkpoint named 'c3'"):
+            stream.release("c3")
+    else:
+        def fork_and_publish() -> None:
+            other.fork("c3", branch="exp")
+            publish(other, "q", 1, branch="exp")
+
+        catalog.before = fork_and_publish
+        with pytest.raises(CheckpointError, match="already used"):
+            stream.fork("c3", branch="exp")
+        assert stream.refresh().head_step(branch="exp") == 4  # the other process's branch, untouched
+    assert catalog.before is None
