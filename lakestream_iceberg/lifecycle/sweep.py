@@ -183,10 +183,10 @@ class _Deletes:
                 if self.first_failure is None:
                     self.first_failure = f"{path}: {type(error).__name__}: {error}"
 
-    def _delete(self, item: tuple[str, str, int]) -> OSError | None:
+    def _delete(self, item: tuple[str, str, int]) -> Exception | None:
         try:
             self._io.delete(item[0])
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - not only OSError: FsspecFileIO raises botocore's own errors
             return exc
         return None
 

@@ -69,7 +69,7 @@ def test_the_sweep_runs_its_deletes_side_by_side(tmp_path: Path, monkeypatch: py
             first_two = calls[0] <= 2
             threads.add(threading.get_ident())
         if first_two:
-            barrier.wait()  # BrokenBarrierError (not an OSError) fails the GC if the deletes run one at a time
+            barrier.wait()  # BrokenBarrierError: counted as failed deletes if the deletes run one at a time
         real(self, location)
 
     monkeypatch.setattr(PyArrowFileIO, "delete", delete)
@@ -127,3 +127,26 @@ def test_the_gc_command_prints_its_report_and_fails_when_a_delete_failed(tmp_pat
     assert stuck in _data_files(stream)
     assert stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True).files_deleted["data"] == 1
     assert _data_files(stream) == kept
+
+
+def test_a_delete_that_raises_no_oserror_is_counted_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FsspecFileIO's delete against a store it cannot reach raises botocore's ``EndpointConnectionError``, no
+    OSError: it ended the sweep (and the GC, after its commits landed) with a traceback, the batch's other deletes
+    cancelled, instead of being counted as a failed delete that the report names and the next GC retries."""
+    from pyiceberg.io.fsspec import FsspecFileIO
+
+    from catalog import services
+    from lakestream_iceberg.lifecycle.sweep import _Deletes
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    port = services.free_ports(1)[0]  # nothing listens: every request is refused
+    io = FsspecFileIO({"s3.endpoint": f"http://127.0.0.1:{port}", "s3.access-key-id": "x",
+                       "s3.secret-access-key": "y", "s3.region": "us-east-1"})
+    deletes = _Deletes(io)
+    paths = [f"s3://bucket/table/data/p/00000000000{i}-0123456789ab-r00000.parquet" for i in range(3)]
+    for path in paths:
+        deletes.add(path, "data", 10)
+    deletes.flush()
+    assert deletes.failed == 3 and dict(deletes.counts) == {}
+    assert deletes.first_failure is not None and deletes.first_failure.startswith(paths[0])
+    assert "EndpointConnectionError" in deletes.first_failure
