@@ -7,15 +7,18 @@ once it is older than the grace period. Paths compare without their scheme (:fun
 
 Deletes run on pyiceberg's shared thread pool (``max-workers`` in its configuration, ``PYICEBERG_MAX_WORKERS``), a
 bounded batch at a time: on an object store each delete is a round trip, and one at a time a GC of 100,000 files took
-as many round trips in a row. A delete that fails (a bucket policy that refuses deletes, a file made immutable) does not
-stop the others: the sweep counts it (:attr:`Swept.files_failed`), logs one warning naming the first failure, and the
-file stays unreferenced for the next GC to delete (once older than the grace period: no snapshot lists it any more).
+as many round trips in a row (a GC that itself runs on one of that pool's threads deletes one at a time: it would
+otherwise wait on work queued behind the workers that wait). A delete that fails (a bucket policy that refuses
+deletes, a file made immutable, a store out of reach) does not stop the others: the sweep counts it
+(:attr:`Swept.files_failed`), logs one warning naming the first failure, and the file stays unreferenced for the next
+GC to delete (once older than the grace period: no snapshot lists it any more).
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping
@@ -174,8 +177,12 @@ class _Deletes:
         batch, self._batch = self._batch, []
         if not batch:
             return
-        for (path, kind, size), error in zip(batch, ExecutorFactory.get_or_create().map(self._delete, batch),
-                                             strict=True):
+        pool = ExecutorFactory.get_or_create()
+        # a GC running on the pool itself (an application fanning maintenance out on it, or max-workers 1) would wait
+        # for deletes queued behind the very workers that wait: here, they run one at a time in this thread
+        on_pool = threading.current_thread() in getattr(pool, "_threads", ())
+        errors = map(self._delete, batch) if on_pool else pool.map(self._delete, batch)
+        for (path, kind, size), error in zip(batch, errors, strict=True):
             if error is None:
                 self.count(kind, size)
             elif not isinstance(error, FileNotFoundError):  # gone already (another GC): nothing to count

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -150,3 +151,38 @@ def test_a_delete_that_raises_no_oserror_is_counted_too(monkeypatch: pytest.Monk
     assert deletes.failed == 3 and dict(deletes.counts) == {}
     assert deletes.first_failure is not None and deletes.first_failure.startswith(paths[0])
     assert "EndpointConnectionError" in deletes.first_failure
+
+
+GC_ON_THE_POOL = """
+import sys
+from datetime import timedelta
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from pyiceberg.utils.concurrent import ExecutorFactory
+from lakestream_iceberg import Stream
+from lakestream_iceberg.tools.config import embedded_catalog
+from tests.support import SCHEMA, batch
+stream = Stream.create(embedded_catalog(Path({tmp!r})), "ns.pool", schema=SCHEMA, world_size=2)
+producer = stream.producer("p")
+for seq in range(4):
+    producer.commit(batch("p", seq, 2), seq=seq)
+stream.checkpoint("c3", step=3)
+gc = lambda: stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+try:
+    report = ExecutorFactory.get_or_create().submit(gc).result(timeout=90)
+except TimeoutError:
+    print("stuck", flush=True)
+    import os
+    os._exit(3)  # the pool's thread never returns: no normal exit
+print(report.files_deleted["data"], report.files_failed, flush=True)
+"""
+
+
+def test_a_gc_run_on_pyicebergs_pool_does_not_wait_on_that_pool_forever(tmp_path: Path) -> None:
+    """An application that runs GC on pyiceberg's shared pool (maintenance of many streams fanned out with
+    ``ExecutorFactory.get_or_create().map``, or ``max-workers`` 1): each GC's deletes queued behind the GCs holding
+    every worker, which waited for them; it never returned (it did before deletes ran on the pool)."""
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", GC_ON_THE_POOL.format(root=root, tmp=str(tmp_path))], cwd=root,
+                          env={**os.environ, "PYICEBERG_MAX_WORKERS": "1"}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.split() == ["4", "0"], (done.returncode, done.stdout, done.stderr[-2000:])
