@@ -5,23 +5,24 @@ A file that some snapshot references was committed; one that no metadata ever re
 staged shards, a lost compare-and-swap's manifests) may belong to a commit still in flight, so the sweep deletes it only
 once it is older than the grace period. Paths compare without their scheme (:func:`norm`).
 
-Deletes run on pyiceberg's shared thread pool (``max-workers`` in its configuration, ``PYICEBERG_MAX_WORKERS``), a
-bounded batch at a time: on an object store each delete is a round trip, and one at a time a GC of 100,000 files took
-as many round trips in a row (a GC that itself runs on one of that pool's threads deletes one at a time: it would
-otherwise wait on work queued behind the workers that wait). A delete that fails (a bucket policy that refuses
-deletes, a file made immutable, a store out of reach) does not stop the others: the sweep counts it
-(:attr:`Swept.files_failed`), logs one warning naming the first failure, and the file stays unreferenced for the next
-GC to delete (once older than the grace period: no snapshot lists it any more).
+Deletes run side by side on a thread pool of the sweep's own, sized as pyiceberg sizes its pool (``max-workers`` in
+its configuration, ``PYICEBERG_MAX_WORKERS``), a bounded batch at a time: on an object store each delete is a round
+trip, and one at a time a GC of 100,000 files took as many round trips in a row. A pool of its own, not pyiceberg's
+shared one: a GC that an application runs on that pool (one per stream, fanned out) would wait for deletes queued
+behind the very workers that wait. A delete that fails (a bucket policy that refuses deletes, a file made immutable, a
+store out of reach) does not stop the others: the sweep counts it (:attr:`Swept.files_failed`), logs one warning
+naming the first failure, and the file stays unreferenced for the next GC to delete (once older than the grace
+period: no snapshot lists it any more).
 """
 
 from __future__ import annotations
 
 import logging
 import posixpath
-import threading
 import time
 from collections import defaultdict
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
@@ -130,7 +131,20 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
     location = location.rstrip("/") + "/"
     root = norm(location) + "/"
     cutoff = time.time() - grace_s
-    deletes = _Deletes(stream.io)
+    with _Deletes(stream.io) as deletes:
+        in_grace = _walk(stream, location=location, root=root, keep=keep, known=known, cutoff=cutoff, delete=delete,
+                         keep_producer_state=keep_producer_state, deletes=deletes)
+    if deletes.failed:
+        log.warning("GC of %s could not delete %d unreferenced files (the first: %s); they stay unreferenced and the "
+                    "next GC deletes them once it may", stream.name, deletes.failed, deletes.first_failure)
+    return Swept(files_deleted=dict(deletes.counts), bytes_deleted=dict(deletes.sizes), files_in_grace=in_grace,
+                 files_failed=deletes.failed, first_failure=deletes.first_failure)
+
+
+def _walk(stream: StreamTable, *, location: str, root: str, keep: set[str], known: set[str], cutoff: float,
+          delete: bool, keep_producer_state: bool, deletes: _Deletes) -> int:
+    """Hand every unreferenced file under ``location`` to ``deletes`` (to delete, or to count); return how many were
+    left for being younger than the grace period."""
     in_grace = 0
     for path, size, mtime in list_files(stream.io, location):
         key = norm(path)
@@ -146,23 +160,29 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
         else:
             deletes.count(_kind(path), size)
     deletes.flush()
-    if deletes.failed:
-        log.warning("GC of %s could not delete %d unreferenced files (the first: %s); they stay unreferenced and the "
-                    "next GC deletes them once it may", stream.name, deletes.failed, deletes.first_failure)
-    return Swept(files_deleted=dict(deletes.counts), bytes_deleted=dict(deletes.sizes), files_in_grace=in_grace,
-                 files_failed=deletes.failed, first_failure=deletes.first_failure)
+    return in_grace
 
 
 class _Deletes:
-    """The sweep's deletes, run :data:`DELETE_BATCH` at a time on pyiceberg's thread pool, and what they did."""
+    """The sweep's deletes, run :data:`DELETE_BATCH` at a time on a pool of its own sized by pyiceberg's
+    ``max-workers`` (threads start with the first delete), and what they did."""
 
     def __init__(self, io: FileIO) -> None:
         self._io = io
+        workers = ExecutorFactory.max_workers()  # None: ThreadPoolExecutor's default, as pyiceberg's own pool
+        self._pool = ThreadPoolExecutor(max_workers=None if workers is None else max(1, workers),
+                                        thread_name_prefix="lakestream-gc-delete")
         self._batch: list[tuple[str, str, int]] = []
         self.counts: dict[str, int] = defaultdict(int)
         self.sizes: dict[str, int] = defaultdict(int)
         self.failed = 0
         self.first_failure: str | None = None
+
+    def __enter__(self) -> _Deletes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
 
     def count(self, kind: str, size: int) -> None:
         self.counts[kind] += 1
@@ -177,12 +197,7 @@ class _Deletes:
         batch, self._batch = self._batch, []
         if not batch:
             return
-        pool = ExecutorFactory.get_or_create()
-        # a GC running on the pool itself (an application fanning maintenance out on it, or max-workers 1) would wait
-        # for deletes queued behind the very workers that wait: here, they run one at a time in this thread
-        on_pool = threading.current_thread() in getattr(pool, "_threads", ())
-        errors = map(self._delete, batch) if on_pool else pool.map(self._delete, batch)
-        for (path, kind, size), error in zip(batch, errors, strict=True):
+        for (path, kind, size), error in zip(batch, self._pool.map(self._delete, batch), strict=True):
             if error is None:
                 self.count(kind, size)
             elif not isinstance(error, FileNotFoundError):  # gone already (another GC): nothing to count
