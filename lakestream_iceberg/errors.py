@@ -146,7 +146,14 @@ class CommitTimeoutError(CommitError):
     """The commit loop ran out of attempts or time; this call published nothing. A batch it had staged for group
     commit is withdrawn, but another producer's group commit that read it before may still publish it: retry with the
     same seq (``seq``), which is reconciled either way (a duplicate when it landed); with ``seq=None`` only through the
-    same producer object after a ``seq=None`` call (see :class:`CommitError`)."""
+    same producer object after a ``seq=None`` call (see :class:`CommitError`).
+
+    Attributes:
+        why: What used the budget up: ``"contention with other commits"``, or the storage or catalog failure that
+            kept recurring (the last one, on one line).
+    """
+
+    why: str = "contention with other commits"
 
 
 class CommitOutcomeUnknownError(CommitError):

@@ -25,7 +25,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
 from lakestream_iceberg.connect.catalog_settings import check_catalog_keys
-from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, transient
+from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, read_with_retry, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, unparsable
@@ -611,6 +611,7 @@ class Stream(StreamTable):
             StepNotPublishedError: The step is not committed yet.
             StepCollectedError: Lifecycle GC removed the step.
             CorruptStateError: The step's data files do not match its manifest entries (damaged or replaced).
+            ReadError: The object store kept failing (throttling, server errors) for ``lakestream.io.retry-timeout-ms``.
         """
         step = check_int(step, what="step", error=StepError, minimum=1, maximum=MAX_STEP, hint="steps start at 1")
         rank = check_rank(rank, self.world_size)
@@ -625,7 +626,8 @@ class Stream(StreamTable):
 
         what = f"reading step {step} rank {rank} of {self.name}"
         with config_errors(self.io.properties, action=what, catalog=self.table.catalog.name):  # a wrong secret fails at once
-            return call_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_s)
+            return read_with_retry(once, what=what, timeout_s=self.config.io_retry_timeout_s,
+                                   properties=self.io.properties)
 
     def wait_for(self, step: int, *, timeout: float, branch: str = MAIN, poll_s: float = 0.05) -> int:
         """Block until ``step`` is published on ``branch``; return the head step then.

@@ -41,9 +41,10 @@ from typing import Any, TypeVar
 
 from lakestream_iceberg.connect.catalog_settings import check_env_reaches, check_spelling, env_name, misspelt_keys, resolve
 from lakestream_iceberg.connect.secrets import redact, secret_values
-from lakestream_iceberg.errors import ConfigError, LakestreamError
+from lakestream_iceberg.errors import ConfigError, LakestreamError, ReadError
 
-__all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "redact", "secret_values", "transient"]
+__all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "one_line", "read_with_retry", "redact",
+           "secret_values", "transient"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -59,6 +60,12 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, at most ``limit`` characters (an AWS error's text runs long), for a message."""
+    text = " ".join(f"{type(exc).__name__}: {exc}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _text(exc: BaseException) -> str:
@@ -472,3 +479,17 @@ def call_with_retry(
             log.warning("%s failed (%s, attempt %d); retrying in %.2fs", what, type(exc).__name__, attempt, pause)
             sleep(pause)
             delay = min(delay * 2, 2.0)
+
+
+def read_with_retry(fn: Callable[[], T], *, what: str, timeout_s: float, properties: Mapping[str, Any] | None) -> T:
+    """:func:`call_with_retry` for a read of published data: a transient storage failure that outlasts the budget
+    (an object store throttling or failing, not a setting: :func:`explain` names those) raises a
+    :class:`~lakestream_iceberg.errors.ReadError` saying so and what to do, instead of the storage's raw error."""
+    try:
+        return call_with_retry(fn, what=what, timeout_s=timeout_s)
+    except OSError as exc:
+        if not transient(exc) or explain(exc, properties) is not None:
+            raise
+        raise ReadError(f"{what} kept failing for lakestream.io.retry-timeout-ms ({timeout_s:g}s; the last: "
+                        f"{one_line(exc)}); the step is intact: read it again once the object store recovers, or "
+                        "raise lakestream.io.retry-timeout-ms") from exc

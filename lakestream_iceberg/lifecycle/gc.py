@@ -399,18 +399,18 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         outcome = loop.run(lambda md, _: plan_collect(stream, md, keep_last=keep_last, keep_within=keep_within,
                                                       write=True, attempts=attempts)[0], pace=False)
     except CommitTimeoutError as exc:
-        raise CommitTimeoutError(f"GC of {stream.name} gave up its first commit after contention with other commits: "
-                                 f"nothing was released, collected or deleted. Run GC again, or raise "
-                                 f"{PROP_COMMIT_TIMEOUT_MS} / lakestream.commit.max-attempts") from exc
+        raise _gave_up(f"GC of {stream.name} gave up its first commit after {exc.why}: nothing was released, collected "
+                       f"or deleted. Run GC again, or raise {PROP_COMMIT_TIMEOUT_MS} / lakestream.commit.max-attempts",
+                       exc) from exc
     report = outcome.result
     try:
         expiry = loop.run(lambda md, _: plan_expire(stream, md), pace=False)
     except CommitTimeoutError as exc:
-        raise CommitTimeoutError(
+        raise _gave_up(
             f"GC of {stream.name} released {len(report.released_checkpoints)} checkpoints and collected "
-            f"{report.collected_below or 'no step'}, then gave up expiring the snapshots no ref needs any more after "
-            "contention with other commits: no file was deleted. Run GC again: it expires them and deletes "
-            "their files then") from exc
+            f"{report.collected_below or 'no step'}, then gave up expiring the snapshots no ref needs any more "
+            f"after {exc.why}: no file was deleted. Run GC again: it expires them and deletes their files then",
+            exc) from exc
     report.snapshots_expired += expiry.result
     keep = after_gc(lambda: referenced_files(stream.io, expiry.metadata, stream.table.metadata_location, stream),
                     refresh=lambda: None,
@@ -421,6 +421,13 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
     _expire_positions(stream, report, expiry.metadata, retention_s=positions_s, delete=True)
     return report
+
+
+def _gave_up(message: str, exc: CommitTimeoutError) -> CommitTimeoutError:
+    """GC's own :class:`CommitTimeoutError` for a commit that gave up (``exc``): what GC did and what is left."""
+    error = CommitTimeoutError(message)
+    error.why = exc.why
+    return error
 
 
 def _record(report: GCReport, swept: Swept) -> None:

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lakestream_iceberg.connect.diagnose import read_with_retry
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.pointer import release_idle_connections
@@ -377,8 +378,13 @@ class _DatasetCore:
                                      existed=self._branch_existed)
         planned: dict[int, str] = {}  # step -> a data file of it, as planned: a saved state names its timeline by it
 
+        retry_s = stream.config.io_retry_timeout_s
+
         def load(snapshot: Any, step: int) -> Any:
-            files = files_of(snapshot, step)
+            # a storage failure past pyarrow's own attempts (S3 throttling a manifest's GET): retried as stream.read
+            # retries, for lakestream.io.retry-timeout-ms, rather than ending the iteration
+            files = read_with_retry(lambda: files_of(snapshot, step), timeout_s=retry_s,
+                                    what=f"looking up step {step} of {stream.name}", properties=io.properties)
             if files:
                 planned[step] = files[0].file_path
             return self._load(stream, io, files, step, handoff=handoff, in_worker=in_worker)
@@ -443,13 +449,21 @@ class _DatasetCore:
 
     def _load(self, stream: StreamTable, io: Any, files: Any, step: int, *, handoff: bool = False,
               in_worker: bool = False) -> Any:
-        with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema,
-                       decode_threads=not in_worker) as data:  # workers decode in parallel already: no Arrow pool there
-            segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
+        def read() -> tuple[Any, list[Any], list[int]]:
+            with StepFiles(io, files, world_size=stream.world_size, packed=stream.config.packed, schema=self._schema,
+                           decode_threads=not in_worker) as data:  # workers decode in parallel already: no Arrow pool
+                segments = [seg for seg in partition(data.counts, self.rank, self.world_size) if seg.stop > seg.start]
+                ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
+                return data.read_ranges(ranges, self.columns), segments, data.counts
+
+        # a transient storage failure past pyarrow's own 3 attempts (S3 answering 503 SlowDown a while) is retried with
+        # bounded backoff for lakestream.io.retry-timeout-ms, as stream.read does; a missing file (FileNotFoundError:
+        # GC collected it) is not transient and goes to pump_steps, which reads the step again on the current head
+        table, segments, counts = read_with_retry(read, what=f"reading step {step} rank {self.rank} of {stream.name}",
+                                                  timeout_s=stream.config.io_retry_timeout_s, properties=io.properties)
+        if self._positions is not None:
             ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
-            table = data.read_ranges(ranges, self.columns)
-            if self._positions is not None:
-                self._positions.read(files, ranges, counts=data.counts, packed=stream.config.packed, name=stream.name)
+            self._positions.read(files, ranges, counts=counts, packed=stream.config.packed, name=stream.name)
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         try:

@@ -50,7 +50,7 @@ from pyiceberg.exceptions import CommitFailedException
 from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.metadata import TableMetadata
 
-from lakestream_iceberg.connect.diagnose import transient
+from lakestream_iceberg.connect.diagnose import explain, one_line, transient
 from lakestream_iceberg.connect.notify import CommitNotices
 from lakestream_iceberg.connect.pointer import cached_probe, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
@@ -145,6 +145,7 @@ class _Call(Generic[T]):
     io_delay: float = 0.05  # the next back-off after a storage failure that published nothing
     invalid: int = 0  # consecutive attempts refused as invalid (ValueError)
     escalated: bool = False
+    failure: str | None = None  # the last attempt's failure, when it failed (not lost a race): what a timeout names
 
     def plan(self) -> Plan[T] | Done[T]:
         return self.planner.plan(self.metadata, self.attempt)
@@ -205,13 +206,15 @@ class CommitLoop:
             except LakestreamError:
                 raise  # e.g. CorruptStateError from _observe: the table was read fine, its head is malformed
             except Exception as exc:  # the catalog or storage is unreachable
+                # an OSError is the object store's (the table's metadata file), anything else the catalog's
+                where = "the object store" if isinstance(exc, OSError) else "the catalog"
                 if self._clock() + delay > deadline:
                     raise CommitOutcomeUnknownError(
-                        f"could not read table {self.table.name()} back from the catalog ({type(exc).__name__}); "
-                        "the last commit may or may not have landed. Retry the same commit with the same seq once the "
-                        "catalog is reachable: it will be reconciled, not duplicated"
+                        f"could not read table {self.table.name()} back from {where} ({one_line(exc)}); the last "
+                        f"commit may or may not have landed. Retry the same commit with the same seq once {where} "
+                        "answers: it will be reconciled, not duplicated"
                     ) from exc
-                log.warning("catalog unreachable while refreshing %s (%s); retrying", self.table.name(), type(exc).__name__)
+                log.warning("%s failed while refreshing %s (%s); retrying", where, self.table.name(), type(exc).__name__)
                 self._sleep(delay * self._rng.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
 
@@ -442,6 +445,7 @@ class CommitLoop:
         """Lost the compare-and-swap (or a concurrent change invalidated an update): the new head is read for the
         re-plan; a caller that committed alone may join group commit now (:meth:`Planner.escalate`)."""
         call.invalid = call.invalid + 1 if isinstance(exc, ValueError) else 0
+        call.failure = None
         if call.invalid >= 5:  # not a race: the same update keeps being refused
             self._settle(plan, landed=False, metadata=call.metadata)
             raise CommitError(
@@ -464,17 +468,21 @@ class CommitLoop:
         """Outcome unknown: the table is read back and the planner reconciles from it on the next attempt."""
         log.warning("commit attempt %d on %s failed with %s; reconciling from the table", call.attempt,
                     self.table.name(), type(exc).__name__)
+        call.failure = one_line(exc)
         self._fresh = False
         call.metadata = self.refresh(deadline=call.deadline)
         self.policy.record_attempt(started=began, ended=self._clock(), won=False, head_step=base_step, foreign=0)
 
     def _check_budget(self, call: _Call[T]) -> None:
         if call.attempt >= self._max_attempts or self._clock() >= call.deadline:
-            raise CommitTimeoutError(
+            why = "contention with other commits" if call.failure is None else f"failures (the last: {call.failure})"
+            error = CommitTimeoutError(
                 f"gave up committing to {self.table.name()} after {call.attempt} attempts and "
-                f"{self._clock() - call.start:.1f}s of contention; nothing was published. Retry the same call (same "
+                f"{self._clock() - call.start:.1f}s of {why}; nothing was published. Retry the same call (same "
                 "seq) or raise lakestream.commit.timeout-ms / lakestream.commit.max-attempts"
             )
+            error.why = why
+            raise error
 
     def _pause(self, call: _Call[T]) -> None:
         """Before a retry that is not staged (a staged one holds again instead): the policy's retry delay, then the
@@ -487,8 +495,18 @@ class CommitLoop:
     def _back_off(self, exc: Exception, delay: float, *, deadline: float, what: str) -> float:
         """After a storage failure that published nothing: raise ``exc`` unless it is transient and ``delay`` fits
         before ``deadline``; else sleep about ``delay`` and return the next one (the caller re-reads the head)."""
-        if not transient(exc) or self._clock() + delay > deadline:
+        if not transient(exc):
             raise exc
+        if self._clock() + delay > deadline:
+            if explain(exc, self.table.io.properties) is not None:
+                raise exc  # unreachable, refused: its owner's config_errors names the setting
+            error = CommitTimeoutError(  # throttled, failing: storage, not a setting; the budget ran out
+                f"{what} on {self.table.name()} kept failing until lakestream.commit.timeout-ms ran out (the last: "
+                f"{one_line(exc)}); nothing was published. Retry the same call (same seq) once the object store "
+                "recovers, or raise lakestream.commit.timeout-ms"
+            )
+            error.why = f"failures of the object store (the last: {one_line(exc)})"
+            raise error from exc
         log.warning("%s on %s failed (%s); retrying", what, self.table.name(), type(exc).__name__)
         self._sleep(delay * self._rng.uniform(0.5, 1.5))
         self._fresh = False
@@ -533,3 +551,4 @@ class CommitLoop:
                     self.table.io.delete(entry.metadata_file)
                 except Exception:  # already gone, or deleted by the producer that aged it out first
                     pass
+

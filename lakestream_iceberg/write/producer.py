@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyiceberg.table.metadata import TableMetadata
 
-from lakestream_iceberg.connect.diagnose import config_errors
+from lakestream_iceberg.connect.diagnose import config_errors, explain, one_line, transient
 from lakestream_iceberg.connect.metrics import observe_commit, observe_failed_commit, prepare
 from lakestream_iceberg.errors import (
     CommitOutcomeUnknownError,
@@ -464,7 +464,19 @@ class Producer:
             self._failed = None
             return replace(opened, latency_s=time.monotonic() - started)
         seq = opened
-        staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked.shards, whole=checked.whole)
+        try:
+            staged = self._writer.write(producer=self.producer_id, seq=seq, shards=checked.shards, whole=checked.whole)
+        except OSError as exc:
+            if not transient(exc) or explain(exc, self._stream.io.properties) is not None:
+                raise  # a missing bucket, refused credentials, an unreachable endpoint: config_errors names the setting
+            error = CommitTimeoutError(  # throttled, failing: the object store, through lakestream's retries
+                f"producer {self.producer_id!r}: writing the data files of seq {seq} to {self._stream.name} kept "
+                f"failing for lakestream.io.retry-timeout-ms ({self._stream.config.io_retry_timeout_s:g}s; the last: "
+                f"{one_line(exc)}); nothing was published. Retry the batch "
+                "(the same seq, or seq=None) once the object store recovers, or raise lakestream.io.retry-timeout-ms"
+            )
+            error.why = f"failures of the object store (the last: {one_line(exc)})"
+            raise error from exc
         try:
             intent = stage_batch(self._staging, self._head, staged, allow_gap) if self._stages() else None
             planner = BatchPlanner(head=self._head, staging=self._staging, policy=self._loop.policy, staged=staged,
