@@ -214,7 +214,8 @@ class CommitLoop:
                         f"commit may or may not have landed. Retry the same commit with the same seq once {where} "
                         "answers: it will be reconciled, not duplicated"
                     ) from exc
-                log.warning("%s failed while refreshing %s (%s); retrying", where, self.table.name(), type(exc).__name__)
+                log.warning("%s unreachable or failing while refreshing %s (%s); retrying", where, self.table.name(),
+                            type(exc).__name__)
                 self._sleep(delay * self._rng.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
 
