@@ -325,7 +325,7 @@ def test_group_commit_with_throttled_intents(store: Store) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
-    assert not errors, errors
+        t.join(600)  # a hang guard only: each producer ends after its 2 batches
+    assert not any(t.is_alive() for t in threads) and not errors, errors
     store.proxy.clear()
     check_table(stream, {"prep-0": 2, "prep-1": 2})
