@@ -52,8 +52,12 @@ class DelayedLine:
         self._ready.set()
         try:
             self._loop.run_forever()
-        finally:
+        finally:  # the connections still open end with the line: their tasks are cancelled and awaited
             self._server.close()
+            tasks = asyncio.all_tasks(self._loop)
+            for task in tasks:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             self._loop.close()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -89,6 +93,8 @@ class DelayedLine:
         tasks = [asyncio.ensure_future(t) for t in (receive(), deliver(), answer())]
         try:  # all three end at the two ends' EOFs; a connection reset on either side ends the others
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            pass  # the line closes: this connection ends with it (raised on, asyncio would log it as an error)
         finally:
             for task in tasks:
                 task.cancel()
