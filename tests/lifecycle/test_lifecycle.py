@@ -1097,3 +1097,38 @@ def test_a_lifecycle_command_that_lost_its_swap_to_another_process_doing_the_sam
             stream.fork("c3", branch="exp")
         assert stream.refresh().head_step(branch="exp") == 4  # the other process's branch, untouched
     assert catalog.before is None
+
+
+@pytest.mark.parametrize("how", ["rollback", "rebase"])
+def test_a_repair_whose_commit_landed_but_whose_reply_was_lost_reports_what_it_did(tmp_path, how: str) -> None:
+    """After an unknown outcome the loop reads the head back and repair plans again: on the repaired branch it found
+    nothing to repair and reported that (no foreign snapshot, nothing rolled back or re-based), though the call had
+    just rolled a foreign change back (or re-based the state) itself."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from tests.support import foreign_append
+    from tests.test_interop import commit_replace
+
+    class Flaky(DropsReplyOfCommit, SqlCatalog):
+        pass
+
+    catalog = Flaky("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 4)
+    if how == "rollback":
+        foreign_append(stream)
+    else:  # rewrite_manifests, then an expiry of every snapshot below it: the state is read back from the log
+        foreign = commit_replace(stream)
+        table = stream.refresh().table
+        table.maintenance.expire_snapshots().by_ids(
+            [s.snapshot_id for s in table.metadata.snapshots if s.snapshot_id != foreign.snapshot_id]).commit()
+    planned = stream.repair(dry_run=True)
+    assert planned.foreign
+    catalog.drop = 1
+    report = stream.repair()
+    assert catalog.drop == 0
+    assert (report.foreign, report.rolled_back_to, report.rebased_on, report.step, report.changes, report.dry_run) == \
+           (planned.foreign, planned.rolled_back_to, planned.rebased_on, 4, planned.changes, False)
+    assert stream.repair().foreign == ()
+    publish(stream, "p", 1)
+    assert stream.head_step() == 5
