@@ -61,7 +61,7 @@ from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
 from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds, refuse_shared_files
 from lakestream_iceberg.lifecycle.purge import quiet_about_collected
-from lakestream_iceberg.lifecycle.repair import RepairReport, plan_repair
+from lakestream_iceberg.lifecycle.repair import PlannedRepair, RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.stream_ref import StreamRef
@@ -473,8 +473,9 @@ class Stream(StreamTable):
         dry_run = check_bool(dry_run, what="dry_run", error=LifecycleError)
         if not isinstance(branch, str) or not branch:
             raise LifecycleError(f"branch must be a branch name, not {branch!r}")
+        planned: list[PlannedRepair] = []  # an attempt whose reply was lost may have landed: the next one finds it
         return self._control_loop(branch).run(
-            lambda md, _: plan_repair(self, md, branch=branch, dry_run=dry_run), pace=False).result
+            lambda md, _: plan_repair(self, md, branch=branch, dry_run=dry_run, planned=planned), pace=False).result
 
     def collect_garbage(
         self,

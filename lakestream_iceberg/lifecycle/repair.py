@@ -30,7 +30,7 @@ from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
-from pyiceberg.table.update import AssertRefSnapshotId, AssertTableUUID
+from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, AssertTableUUID, SetSnapshotRefUpdate
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
@@ -43,7 +43,7 @@ from lakestream_iceberg.write.plan import Done, Plan
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["RepairReport", "plan_repair"]
+__all__ = ["PlannedRepair", "RepairReport", "plan_repair"]
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,41 @@ class RepairReport:
         return (self.rolled_back_to is not None or self.rebased_on is not None) and not self.dry_run
 
 
-def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
-                dry_run: bool) -> Plan[RepairReport] | Done[RepairReport]:
+@dataclass(frozen=True)
+class PlannedRepair:
+    """One attempt's swap of a repair: ``branch`` from ``head`` to ``target`` (a new ``repair`` snapshot when ``new``,
+    an older snapshot of the branch otherwise), and its report."""
+
+    head: int
+    target: int
+    new: bool
+    report: RepairReport
+
+    def landed(self, lineage: set[int]) -> bool:
+        """Whether the branch's lineage (its head and every ancestor) shows this swap: a re-base's new snapshot is in
+        it, or a rollback's target is while the head it moved away from is not."""
+        return self.target in lineage and (self.new or self.head not in lineage)
+
+
+def _lineage(metadata: TableMetadata, snapshot_id: int) -> set[int]:
+    """``snapshot_id`` and every ancestor the metadata still holds, along parent links."""
+    by_id = {s.snapshot_id: s for s in metadata.snapshots}
+    out: set[int] = set()
+    current = by_id.get(snapshot_id)
+    while current is not None and current.snapshot_id not in out:
+        out.add(current.snapshot_id)
+        current = by_id.get(current.parent_snapshot_id) if current.parent_snapshot_id is not None else None
+    return out
+
+
+def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dry_run: bool,
+                planned: list[PlannedRepair] | None = None) -> Plan[RepairReport] | Done[RepairReport]:
     """The rollback of ``branch`` to its last lakestream snapshot, when a foreign snapshot above it changed data; the
     re-base of its state on the foreign head, when only the snapshots recording the state were expired.
+
+    ``planned``: the swaps this call planned in earlier attempts (the function adds each one it plans). When the
+    branch shows one of them, an attempt whose outcome was unknown (the reply lost) landed: ``Done`` with that
+    attempt's report, not "nothing to repair".
 
     Raises:
         LifecycleError: ``branch`` is not a branch of the stream.
@@ -97,14 +128,19 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
         raise LifecycleError(f"stream {name} has no branch {branch!r} to repair; its branches: "
                              f"{sorted(n for n, r in metadata.refs.items() if r.snapshot_ref_type == SnapshotRefType.BRANCH)}")
+    if planned:
+        shown = _lineage(metadata, ref.snapshot_id)
+        for earlier in planned:
+            if earlier.landed(shown):
+                return Done(earlier.report)
     head = metadata.snapshot_by_id(ref.snapshot_id)
     found = lineage(metadata, head)
     if found.changed is None and found.broken:
         assert head is not None  # lineage() reports a broken lineage only below a head it walked (None: Lineage(None))
-        return _plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run)
+        return _planned(_plan_rebase(stream, metadata, head, found, branch=branch, dry_run=dry_run), planned)
     if fork_on_main(found.base, branch):  # a foreign change on top of it too: main leaves the fork all the same
         assert found.base is not None and ref is not None
-        return _plan_off_fork(stream, metadata, found, found.base, ref.snapshot_id, dry_run=dry_run)
+        return _planned(_plan_off_fork(stream, metadata, found, found.base, ref.snapshot_id, dry_run=dry_run), planned)
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
@@ -121,12 +157,26 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str,
                           changes=tuple(describe(s) for s in found.foreign))
     if dry_run:
         return Done(report)
-    return Plan(
+    return _planned(Plan(
         (set_ref(branch, SnapshotRefType.BRANCH, found.base.snapshot_id, current=ref),),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id)),
         report,
         [],
-    )
+    ), planned)
+
+
+def _planned(plan: Plan[RepairReport] | Done[RepairReport],
+             planned: list[PlannedRepair] | None) -> Plan[RepairReport] | Done[RepairReport]:
+    """Record ``plan``'s swap in ``planned`` (see :func:`plan_repair`): the branch's ref update, from the head its
+    requirement names to the snapshot it sets (a snapshot the plan adds is a re-base's new one)."""
+    if planned is None or isinstance(plan, Done):
+        return plan
+    added = {u.snapshot.snapshot_id for u in plan.updates if isinstance(u, AddSnapshotUpdate)}
+    target = next(u.snapshot_id for u in plan.updates if isinstance(u, SetSnapshotRefUpdate))
+    head = next(r.snapshot_id for r in plan.requirements if isinstance(r, AssertRefSnapshotId))
+    if head is not None:
+        planned.append(PlannedRepair(head=head, target=target, new=target in added, report=plan.result))
+    return plan
 
 
 def _plan_off_fork(stream: StreamTable, metadata: TableMetadata, found: Lineage, base: Snapshot, head_id: int, *,
