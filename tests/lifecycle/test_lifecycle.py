@@ -1132,3 +1132,39 @@ def test_a_repair_whose_commit_landed_but_whose_reply_was_lost_reports_what_it_d
     assert stream.repair().foreign == ()
     publish(stream, "p", 1)
     assert stream.head_step() == 5
+
+
+@pytest.mark.parametrize("lost", ["first", "second"])
+def test_gc_whose_commit_landed_but_whose_reply_was_lost_reports_what_it_did(tmp_path, lost: str) -> None:
+    """GC's first commit (release + collect) re-planned on the head it had just changed found nothing to release or
+    collect, committed again and reported that (released_checkpoints=[], collected_below={}); its second commit
+    (expiry) found nothing to expire and reported 0 expired for the snapshots it had just expired."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    class Flaky(DropsReplyOfCommit, SqlCatalog):
+        skip = 0
+
+        def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+            if self.skip:
+                self.skip -= 1
+                return SqlCatalog.commit_table(self, table, requirements, updates)
+            return super().commit_table(table, requirements, updates)
+
+    catalog = Flaky("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    publish(stream, "p", 4)
+    stream.checkpoint("c2", step=2)
+    stream.checkpoint("c3", step=3)
+    args = {"keep_last": 1, "grace": timedelta(0), "allow_short_grace": True}
+    planned = stream.collect_garbage(dry_run=True, **args)
+    assert (planned.released_checkpoints, planned.collected_below) == (["c2"], {"main": 3})
+    commits = len(stream.refresh().table.metadata.metadata_log)
+    catalog.drop, catalog.skip = 1, (0 if lost == "first" else 1)
+    report = stream.collect_garbage(dry_run=False, **args)
+    assert catalog.drop == 0
+    assert (report.released_checkpoints, report.collected_below, report.snapshots_expired) == \
+           (["c2"], {"main": 3}, planned.snapshots_expired)
+    assert len(stream.refresh().table.metadata.metadata_log) == commits + 2  # its two commits, each landed once
+    assert [c.name for c in stream.checkpoints()] == ["c3"]
+    publish(stream, "p", 1)
+    assert stream.head_step() == 5
