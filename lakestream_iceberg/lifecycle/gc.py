@@ -73,7 +73,7 @@ from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.errors import CommitTimeoutError, ConfigError, CorruptStateError, LifecycleError
 from lakestream_iceberg.format.checkpoints import Checkpoint, list_checkpoints, on_timeline
 from lakestream_iceberg.format.checks import check_int
-from lakestream_iceberg.format.expiry import protected, retention, young
+from lakestream_iceberg.format.expiry import ancestors, protected, retention, young
 from lakestream_iceberg.format.layout import GRACE_PER_COMMIT_TIMEOUT, PROP_COMMIT_TIMEOUT_MS, PROP_GC_GRACE_MS, StreamConfig
 from lakestream_iceberg.format.lineage import branch_state, lineage
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION, GC_ENABLED
@@ -156,15 +156,42 @@ class Attempts:
 
     snapshot_ids: dict[str, int] = field(default_factory=dict)
     rewrites: dict[tuple[str, int, int], tuple[ManifestFile, int, list[DataFile]]] = field(default_factory=dict)
+    # the last attempt's plan: its report and the snapshots it expires. An attempt whose outcome was unknown (the reply
+    # lost) may have landed: the next one finds it on the head and answers with its report (see landed())
+    report: GCReport | None = None
+    expired: frozenset[int] = frozenset()
+
+    def landed(self, metadata: TableMetadata) -> GCReport | None:
+        """The last attempt's report when ``metadata`` shows its commit: each branch it collected has the collect
+        snapshot it planned in its lineage, each checkpoint it released is gone, and each snapshot it expired is
+        gone (another GC may have done some of it meanwhile). None when it planned nothing to check, or did not land."""
+        report = self.report
+        if report is None or not (report.collected_below or report.released_checkpoints or self.expired):
+            return None
+        if any(name in metadata.refs for name in report.released_checkpoints):
+            return None
+        if any(metadata.snapshot_by_id(sid) is not None for sid in self.expired):
+            return None
+        by_id = {s.snapshot_id: s for s in metadata.snapshots}
+        for branch in report.collected_below:
+            ref = metadata.refs.get(branch)
+            planned = self.snapshot_ids.get(branch)
+            if ref is None or planned is None or planned not in ancestors(metadata, ref.snapshot_id, len(by_id),
+                                                                          by_id=by_id):
+                return None
+        return report
 
 
 def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
                  write: bool, attempts: Attempts | None = None,
-                 ) -> tuple[Plan[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
+                 ) -> tuple[Plan[GCReport] | Done[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
     """GC's first commit, the collected branches' heads, and the released anchors that the second commit
     (:func:`plan_expire`) will expire. With ``write=False`` nothing is written (dry run): the plan is only reported,
     and ``snapshots_expired`` counts both commits. ``attempts``: kept across the attempts of one commit (see
-    :class:`Attempts`)."""
+    :class:`Attempts`); when ``metadata`` shows the last attempt's commit landed (its outcome was unknown), ``Done``
+    with that attempt's report (and nothing collected or deferred)."""
+    if write and attempts is not None and (landed := attempts.landed(metadata)) is not None:
+        return Done(landed), {}, set()
     now = datetime.now(timezone.utc)
     checkpoints = list_checkpoints(metadata)
     keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within, now=now)
@@ -232,6 +259,8 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     still = protected(remaining, **retention(metadata))
     deferred = {c.snapshot_id for c in released} - still - set(expired)
     report.snapshots_expired = len(expired) + (0 if write else len(deferred))
+    if write and attempts is not None:
+        attempts.report, attempts.expired = report, frozenset(expired)
     return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
 
 
@@ -260,14 +289,23 @@ def _first_on_timeline(stream: StreamTable, by_id: Mapping[int, Snapshot], head:
     return found
 
 
-def plan_expire(stream: StreamTable, metadata: TableMetadata) -> Plan[int] | Done[int]:
+def plan_expire(stream: StreamTable, metadata: TableMetadata,
+                planned: list[frozenset[int]] | None = None) -> Plan[int] | Done[int]:
     """GC's second commit: expire every snapshot that no ref of ``metadata`` needs (released anchors, once their tag
     is gone). Planned on a head that already shows the release, so no fork can target those anchors any more, and a
-    fork that landed before the release is a ref of ``metadata``: its anchor is kept."""
+    fork that landed before the release is a ref of ``metadata``: its anchor is kept.
+
+    ``planned``: the snapshots each earlier attempt of this call expires (the function adds each plan's). When the
+    last one's are all gone, an attempt whose outcome was unknown (the reply lost) landed (or another GC expired
+    them): ``Done`` with its count."""
+    if planned and not any(metadata.snapshot_by_id(sid) is not None for sid in planned[-1]):
+        return Done(len(planned[-1]))
     keep = protected(metadata, **retention(metadata))
     expired = [s.snapshot_id for s in metadata.snapshots if s.snapshot_id not in keep]
     if not expired:
         return Done(0)
+    if planned is not None:
+        planned.append(frozenset(expired))
     requirements: list[TableRequirement] = [AssertTableUUID(uuid=metadata.table_uuid)]
     requirements += [AssertRefSnapshotId(ref=n, snapshot_id=r.snapshot_id) for n, r in sorted(metadata.refs.items())]
     return Plan((RemoveSnapshotsUpdate(snapshot_ids=expired),), tuple(requirements), len(expired), [])
@@ -383,6 +421,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         def survey(metadata: TableMetadata) -> tuple[Plan[GCReport], set[str]]:
             plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
                                                      write=False)
+            assert isinstance(plan, Plan)  # a dry run never answers Done: it has no earlier attempt
             return plan, kept_after_dry_run(stream, metadata, stream.table.metadata_location, collected,
                                             snapshots_expired(plan) | deferred)
 
@@ -404,7 +443,8 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
                        exc) from exc
     report = outcome.result
     try:
-        expiry = loop.run(lambda md, _: plan_expire(stream, md), pace=False)
+        expiries: list[frozenset[int]] = []  # an attempt whose reply was lost may have landed: the next one finds it
+        expiry = loop.run(lambda md, _: plan_expire(stream, md, expiries), pace=False)
     except CommitTimeoutError as exc:
         raise _gave_up(
             f"GC of {stream.name} released {len(report.released_checkpoints)} checkpoints and collected "
