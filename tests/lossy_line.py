@@ -50,6 +50,7 @@ class LossyLine:
         self._skip = 0
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
+        self._server: asyncio.base_events.Server | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lossy-line", daemon=True)
 
@@ -83,8 +84,19 @@ class LossyLine:
 
     def close(self) -> None:
         if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)
+
+    async def _shutdown(self) -> None:
+        """Stop listening, then end every connection still open (each one's own cleanup runs)."""
+        if self._server is not None:
+            self._server.close()
+        current = asyncio.current_task()
+        tasks = [t for t in asyncio.all_tasks() if t is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _take(self, chunk: bytes) -> tuple[str, re.Pattern[bytes]] | None:
         with self._lock:
@@ -101,16 +113,13 @@ class LossyLine:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
+        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = self._server.sockets[0].getsockname()[1]
         self._ready.set()
         try:
             self._loop.run_forever()
+            self._loop.run_until_complete(self._shutdown())  # a connection accepted while close() was stopping it
         finally:
-            server.close()
-            for task in asyncio.all_tasks(self._loop):  # connections still open: ended before the loop closes
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(self._loop), return_exceptions=True))
             self._loop.close()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
@@ -158,16 +167,16 @@ class LossyLine:
         tasks = [asyncio.ensure_future(t) for t in (send(), answer())]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:  # the line closes with the connection open: ended quietly
-            pass
-        finally:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+        except asyncio.CancelledError:  # the line closes with the connection open: ended quietly
+            for task in tasks:
+                task.cancel()
+        finally:  # no await here: a coroutine closed with its loop must not wait in its cleanup
             for writer in (client_w, server_w):
-                transport = writer.transport
                 if cut:
-                    transport.abort()  # a reset, not an orderly close: as a dropped line
+                    writer.transport.abort()  # a reset, not an orderly close: as a dropped line
                 else:
                     writer.close()
             if cut:
