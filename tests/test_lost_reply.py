@@ -117,14 +117,18 @@ def check(stream: Stream, expected: dict[str, int]) -> None:
         assert [digest(stream.read(step, rank=r)) for r in range(WORLD)] == [digest(t) for t in want], step
 
 
+@pytest.mark.parametrize("numbered", ["explicit", "seq=None"])
 @pytest.mark.parametrize("lose", LOSSES)
-def test_a_direct_commit_whose_exchange_is_lost_publishes_once(wire: Wire, lose: str) -> None:
+def test_a_direct_commit_whose_exchange_is_lost_publishes_once(wire: Wire, lose: str, numbered: str) -> None:
     stream = wire.create()
     publish(stream, "p", 2)
     producer = stream.producer("p")
     wire.lose(lose)
-    got = outcome_of(lambda: producer.commit(batch("p", 2, WORLD), seq=2))
+    got = outcome_of(lambda: producer.commit(batch("p", 2, WORLD), seq=2 if numbered == "explicit" else None))
     assert wire.fired()
+    if numbered == "seq=None":  # the same producer object goes on numbering: the next batch is seq 3, at step 4
+        nxt = producer.commit(batch("p", 3, WORLD))
+        assert (nxt.seq, nxt.step, nxt.duplicate) == (3, 4, False)
     if not isinstance(got, Exception):
         # published by this very call: reported duplicate=True when its reply was lost (tests/test_processes.py pins it)
         assert (got.step, got.seq) == (3, 2)
@@ -262,3 +266,31 @@ def test_a_repair_whose_exchange_is_lost_rolls_back_once(wire: Wire, lose: str) 
     again = wire.stream()
     publish(again, "p", 5)
     check(again, {"p": 5})
+
+
+@pytest.mark.parametrize("statement", [rb"INSERT INTO lakestream_staged_intents", rb"DELETE FROM lakestream_staged_intents"])
+@pytest.mark.parametrize("lose", LOSSES)
+def test_a_staged_intent_whose_statement_exchange_is_lost_is_staged_and_removed_once(
+        wire: Wire, lose: str, statement: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL's intent table: the INSERT that stages a batch, or the DELETE that removes it once published, whose
+    reply (or request) is lost on the direct connection."""
+    import re
+
+    if wire.backend.kind != "postgres-seaweedfs":
+        pytest.skip("intents are rows of the catalog's database on PostgreSQL only (files on REST)")
+    stream = wire.create()
+    publish(stream, "p", 1)
+    producer = stream.producer("p")
+    producer.next_seq  # noqa: B018 - the head read once
+    monkeypatch.setattr(producer, "_contended", lambda: True)  # stages its batch, then commits the group at once
+    monkeypatch.setattr(producer._loop.policy, "hold_delay", lambda **_kw: 0.0)  # noqa: SLF001
+    wire.line.arm(re.compile(statement), lose=lose)
+    got = outcome_of(lambda: producer.commit(batch("p", 1, WORLD), seq=1))
+    assert wire.fired()
+    assert isinstance(got, Exception) or (got.step, got.seq) == (2, 1)
+    monkeypatch.undo()
+    again = wire.stream()
+    assert again.staging.pending("main", max_age_s=3600) == []  # no intent left behind
+    publish(again, "p", 3)
+    check(again, {"p": 3})
+    assert orphans(again) == []
