@@ -13,6 +13,8 @@ Every connection is forwarded byte for byte both ways until a client->server chu
   the response, sent after the handler ran), thrown away, and both ends of the connection are closed: the request was
   applied, the client never hears so (a connection reset after COMMIT, a REST call whose answer never came).
 * ``lose="request"``: the chunk is never forwarded and both ends are closed: the server never saw the request.
+* ``lose="silence"``: as ``reply``, but the connection stays open and nothing more reaches the client: it times out
+  (a REST call that timed out after the server applied it).
 
 One arming fires once (``times``); ``fired`` is set when it did, after the connection was closed. Runs on its own
 thread with an asyncio loop, as ``benchmarks/harness/latency.py``'s ``DelayedLine``; ``close`` stops it.
@@ -67,8 +69,8 @@ class LossyLine:
             times: int = 1, skip: int = 0) -> None:
         """Lose the exchange of the next ``times`` client chunks matching ``pattern`` (see the module docstring),
         after letting ``skip`` matching ones through."""
-        if lose not in ("reply", "request"):
-            raise ValueError(f"lose must be 'reply' or 'request', not {lose!r}")
+        if lose not in ("reply", "request", "silence"):
+            raise ValueError(f"lose must be 'reply', 'request' or 'silence', not {lose!r}")
         end = reply_end or (HTTP_ANSWER if pattern is REST_COMMIT else PG_READY)
         with self._lock:
             self._armed, self._times, self._skip = (pattern, lose, end), times, skip
@@ -129,7 +131,7 @@ class LossyLine:
         except OSError:
             client_w.close()
             return
-        doomed: asyncio.Future[re.Pattern[bytes]] = asyncio.get_running_loop().create_future()
+        doomed: asyncio.Future[tuple[str, re.Pattern[bytes]]] = asyncio.get_running_loop().create_future()
         tail = b""  # the end of the previous chunk: a pattern split across two reads still matches
         cut = False  # this connection lost an exchange: reset, not closed
 
@@ -144,7 +146,7 @@ class LossyLine:
                         cut = True
                         return  # never forwarded: the finally below closes both ends
                     if not doomed.done():
-                        doomed.set_result(end)
+                        doomed.set_result((lose, end))
                 server_w.write(chunk)
                 await server_w.drain()
             if server_w.can_write_eof():
@@ -157,8 +159,13 @@ class LossyLine:
             while chunk := await server_r.read(1 << 16):
                 if doomed.done():
                     swallowed += chunk
-                    if doomed.result().search(swallowed):
-                        self.swallowed, cut = swallowed, True
+                    lose, end = doomed.result()
+                    if end.search(swallowed):
+                        self.swallowed = swallowed
+                        if lose == "silence":  # the connection stays open and says nothing: the client times out
+                            self.fired.set()
+                            continue
+                        cut = True
                         return  # the request ran: its answer is lost with the connection
                     continue
                 client_w.write(chunk)

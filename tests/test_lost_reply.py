@@ -57,9 +57,21 @@ class Wire:
 
 @pytest.fixture(params=["postgres", "rest"])
 def wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
+    yield from _wire(request, request.param)
+
+
+@pytest.fixture
+def rest_wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
+    from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
+
+    install_rest_timeout()  # as lakestream's load_catalog does for a REST catalog: pyiceberg's requests never time out
+    yield from _wire(request, "rest", **{"rest.client.socket-timeout-ms": "1500"})
+
+
+def _wire(request: pytest.FixtureRequest, kind: str, **extra: str) -> Iterator[Wire]:
     weed: services.SeaweedFS = request.getfixturevalue("seaweedfs_service")
     ns = fresh_name("ns")
-    if request.param == "postgres":
+    if kind == "postgres":
         pg: services.Postgres = request.getfixturevalue("postgres_service")
         db = fresh_name("db")
         pg.create_database(db)
@@ -75,6 +87,7 @@ def wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
         with LossyLine(target_port=weed.ports["iceberg"]) as line:
             props = services.rest_seaweedfs(weed)
             props["uri"] = f"http://127.0.0.1:{line.port}"
+            props.update(extra)
             backend = Backend(kind="rest-seaweedfs", properties=props, namespace=ns)
             try:
                 yield Wire(backend, line, REST_COMMIT)
@@ -294,3 +307,23 @@ def test_a_staged_intent_whose_statement_exchange_is_lost_is_staged_and_removed_
     publish(again, "p", 3)
     check(again, {"p": 3})
     assert orphans(again) == []
+
+
+def test_a_rest_commit_that_times_out_after_the_server_applied_it_publishes_once(rest_wire: Wire) -> None:
+    """The REST catalog applies the commit and its answer never comes: the client's read times out
+    (``rest.client.socket-timeout-ms``), an unknown outcome, reconciled from the table."""
+    stream = rest_wire.create()
+    publish(stream, "p", 1)
+    producer = stream.producer("p")
+    rest_wire.line.arm(REST_COMMIT, lose="silence")
+    got = outcome_of(lambda: producer.commit(batch("p", 1, WORLD), seq=1))
+    assert rest_wire.fired()
+    assert isinstance(got, Exception) or (got.step, got.seq) == (2, 1)
+    stream.checkpoint("c2", step=2)
+    rest_wire.line.arm(REST_COMMIT, lose="silence")
+    made = outcome_of(lambda: stream.checkpoint("c1", step=1))
+    assert isinstance(made, Exception) or made.step == 1
+    again = rest_wire.stream()
+    assert sorted(c.name for c in again.checkpoints()) == ["c1", "c2"]
+    publish(again, "p", 3)
+    check(again, {"p": 3})
