@@ -177,7 +177,7 @@ def test_a_group_commit_whose_exchange_is_lost_publishes_every_staged_batch_once
     a, b = stream.producer("a"), stream.producer("b")
     a.next_seq, b.next_seq  # noqa: B018 - each reads the head once
     monkeypatch.setattr(b, "_contended", lambda: True)  # b stages its batch and holds: only a carry or its own turn ends it
-    monkeypatch.setattr(b._loop.policy, "hold_delay", lambda **_kw: 5.0)  # noqa: SLF001
+    monkeypatch.setattr(b._loop.policy, "hold_delay", lambda **_kw: 2.0)  # noqa: SLF001
     monkeypatch.setattr(a, "_contended", lambda: True)  # a stages its own and commits the group at once
     monkeypatch.setattr(a._loop.policy, "hold_delay", lambda **_kw: 0.0)  # noqa: SLF001
     b_result: list[object] = []
