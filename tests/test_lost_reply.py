@@ -61,6 +61,12 @@ def wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
 
 
 @pytest.fixture
+def pg_wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
+    """PostgreSQL only: staged intents are rows of its database there (files on the REST catalog's storage)."""
+    yield from _wire(request, "postgres")
+
+
+@pytest.fixture
 def rest_wire(request: pytest.FixtureRequest) -> Iterator[Wire]:
     from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
 
@@ -283,13 +289,12 @@ def test_a_repair_whose_exchange_is_lost_rolls_back_once(wire: Wire, lose: str) 
 @pytest.mark.parametrize("statement", [rb"INSERT INTO lakestream_staged_intents"])
 @pytest.mark.parametrize("lose", ["reply"])
 def test_a_staged_intent_whose_statement_exchange_is_lost_is_staged_and_removed_once(
-        wire: Wire, lose: str, statement: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+        pg_wire: Wire, lose: str, statement: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     """PostgreSQL's intent table: the INSERT that stages a batch, or the DELETE that removes it once published, whose
     reply (or request) is lost on the direct connection."""
     import re
 
-    if wire.backend.kind != "postgres-seaweedfs":
-        pytest.skip("intents are rows of the catalog's database on PostgreSQL only (files on REST)")
+    wire = pg_wire
     stream = wire.create()
     publish(stream, "p", 1)
     producer = stream.producer("p")
