@@ -29,7 +29,8 @@ import struct
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+
+from tests.loop_server import LoopServer
 
 __all__ = ["ERRORS", "Fault", "FaultyS3"]
 
@@ -139,18 +140,14 @@ def _cut(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class FaultyS3:
+class FaultyS3(LoopServer):
     """Listen on a free 127.0.0.1 port and relay S3 requests to ``target_port``, failing the ones the faults match."""
 
     def __init__(self, *, target_port: int, target_host: str = "127.0.0.1") -> None:
-        self.target = (target_host, target_port)
-        self.port = 0
+        super().__init__(target_port=target_port, target_host=target_host, name="faulty S3 proxy", limit=1 << 20)
         self.faults: list[Fault] = []
         self.log: list[tuple[str, str, str]] = []
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="faulty-s3", daemon=True)
 
     @property
     def endpoint(self) -> str:
@@ -171,35 +168,6 @@ class FaultyS3:
         with self._lock:
             return [t for m, t, a in self.log
                     if (method is None or m == method) and found.search(t) and (action is None or a == action)]
-
-    def __enter__(self) -> FaultyS3:
-        self._thread.start()
-        if not self._ready.wait(30) or not self.port:
-            raise RuntimeError("the faulty S3 proxy did not start listening")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(30)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0, limit=1 << 20))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-        finally:
-            server.close()
-            tasks = asyncio.all_tasks(self._loop)
-            for task in tasks:
-                task.cancel()
-            self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            self._loop.close()
 
     def _decide(self, method: str, target: str) -> str:
         with self._lock:

@@ -17,7 +17,7 @@ Every connection is forwarded byte for byte both ways until a client->server chu
   (a REST call that timed out after the server applied it).
 
 One arming fires once (``times``); ``fired`` is set when it did, after the connection was closed. Runs on its own
-thread with an asyncio loop, as ``benchmarks/harness/latency.py``'s ``DelayedLine``; ``close`` stops it.
+thread with an asyncio loop (tests/loop_server.py); ``close`` stops it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
-from typing import Any
+
+from tests.loop_server import LoopServer
 
 __all__ = ["COMMIT_QUERY", "HTTP_ANSWER", "POINTER_UPDATE", "PG_READY", "REST_COMMIT", "LossyLine"]
 
@@ -38,12 +39,11 @@ REST_COMMIT = re.compile(rb"POST /v1/(?:[^ ]*/)?namespaces/[^/ ]+/tables/[^/ ?]+
 HTTP_ANSWER = re.compile(rb"HTTP/1\.[01] \d{3}")
 
 
-class LossyLine:
+class LossyLine(LoopServer):
     """Listen on a free 127.0.0.1 port and forward every connection to ``target_port``; lose an exchange when armed."""
 
     def __init__(self, *, target_port: int, target_host: str = "127.0.0.1") -> None:
-        self.target = (target_host, target_port)
-        self.port = 0
+        super().__init__(target_port=target_port, target_host=target_host, name="lossy line")
         self.fired = threading.Event()
         self.connections = 0  # connections accepted (a client that bypasses the line shows none)
         self.swallowed = b""  # the last answer thrown away (lose="reply")
@@ -51,19 +51,6 @@ class LossyLine:
         self._times = 0
         self._skip = 0
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._server: asyncio.base_events.Server | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="lossy-line", daemon=True)
-
-    def __enter__(self) -> LossyLine:
-        self._thread.start()
-        if not self._ready.wait(30) or not self.port:
-            raise RuntimeError("the lossy line did not start listening")
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     def arm(self, pattern: re.Pattern[bytes], *, lose: str, reply_end: re.Pattern[bytes] | None = None,
             times: int = 1, skip: int = 0) -> None:
@@ -84,22 +71,6 @@ class LossyLine:
     def armed(self) -> bool:
         return self._times > 0
 
-    def close(self) -> None:
-        if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._shutdown(), self._loop).result(30)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(30)
-
-    async def _shutdown(self) -> None:
-        """Stop listening, then end every connection still open (each one's own cleanup runs)."""
-        if self._server is not None:
-            self._server.close()
-        current = asyncio.current_task()
-        tasks = [t for t in asyncio.all_tasks() if t is not current]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
     def _take(self, chunk: bytes) -> tuple[str, re.Pattern[bytes]] | None:
         with self._lock:
             if self._armed is None or self._times <= 0 or not self._armed[0].search(chunk):
@@ -112,17 +83,6 @@ class LossyLine:
             if self._times == 0:
                 self._armed = None
             return lose, end
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = self._server.sockets[0].getsockname()[1]
-        self._ready.set()
-        try:
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._shutdown())  # a connection accepted while close() was stopping it
-        finally:
-            self._loop.close()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         self.connections += 1
