@@ -59,7 +59,8 @@ from lakestream_iceberg.format.manifest_cache import ManifestCache
 from lakestream_iceberg.format.properties import WORLD_SIZE, by_key
 from lakestream_iceberg.format.table import MAIN, StreamTable, after_gc
 from lakestream_iceberg.lifecycle.checkpoint import Checkpoint, plan_checkpoint, plan_fork, plan_release
-from lakestream_iceberg.lifecycle.gc import GCReport, check_policy, collect_garbage, grace_seconds, refuse_shared_files
+from lakestream_iceberg.lifecycle.gc import GCReport, collect_garbage
+from lakestream_iceberg.lifecycle.policy import check_policy, grace_seconds, refuse_shared_files
 from lakestream_iceberg.lifecycle.purge import quiet_about_collected
 from lakestream_iceberg.lifecycle.repair import PlannedRepair, RepairReport, plan_repair
 from lakestream_iceberg.read.follow import HeadWatcher

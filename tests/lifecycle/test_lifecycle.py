@@ -212,7 +212,7 @@ def test_keep_last_among_many_forks_groups_the_checkpoints_by_branch_once() -> N
     from datetime import datetime, timezone
 
     from lakestream_iceberg.format.checkpoints import Checkpoint
-    from lakestream_iceberg.lifecycle.gc import retained
+    from lakestream_iceberg.lifecycle.policy import retained
 
     compared: list[str] = []
 
