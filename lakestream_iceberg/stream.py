@@ -25,11 +25,12 @@ from pyiceberg.table import Table
 from pyiceberg.table.refs import SnapshotRefType
 
 from lakestream_iceberg.connect.catalog_settings import check_catalog_keys
-from lakestream_iceberg.connect.diagnose import call_with_retry, config_errors, read_with_retry, transient
+from lakestream_iceberg.connect.diagnose import config_errors, transient
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.intents import IntentTable
 from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, unparsable
 from lakestream_iceberg.connect.positions import PositionStore
+from lakestream_iceberg.connect.retry import call_with_retry, read_with_retry
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.errors import (
     ConfigError,

@@ -222,12 +222,6 @@ def test_postgres_crash_and_restart_while_producers_commit_and_consumers_read(
 
 # --------------------------------------------------------------------------------------------------- (b) S3 outage
 
-S3_RETRY_MISSING = (
-    "needs the lead's change: bounded retry of transient storage errors (diagnose.call_with_retry) around data-file "
-    "writes (writer.py), the planner's manifest writes (commit.py), Stream.read/locate and Stream.wait_for; today "
-    "pyarrow's own 3 attempts give up within ~2 s and the raw OSError (AWS Error NETWORK_CONNECTION) ends the producer"
-)
-
 
 @pytest.fixture
 def own_seaweedfs() -> Iterator[services.SeaweedFS]:

@@ -13,7 +13,7 @@ message names the catalog property to fix (``s3.secret-access-key``, ``s3.endpoi
 * :func:`load_catalog` -- ``pyiceberg.catalog.load_catalog`` with :func:`explain` applied (REST catalogs connect
   when loaded), each setting given the same meaning in the file, a variable or an argument
   (:mod:`lakestream_iceberg.connect.catalog_settings`);
-* :func:`transient` / :func:`call_with_retry` -- bounded, jittered retry of transient storage/catalog failures;
+* :func:`transient` -- whether a failure is worth retrying (:mod:`lakestream_iceberg.connect.retry` retries it);
 * :func:`redact` -- removes every secret value of a property dict (and URI passwords) from a text (it lives in
   :mod:`lakestream_iceberg.connect.secrets`, with the rule of which properties are secret).
 
@@ -31,23 +31,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
-import random
 import re
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from lakestream_iceberg.connect.catalog_settings import check_env_reaches, check_spelling, env_name, misspelt_keys, resolve
 from lakestream_iceberg.connect.secrets import redact, secret_values
-from lakestream_iceberg.errors import ConfigError, LakestreamError, ReadError
+from lakestream_iceberg.errors import ConfigError, LakestreamError
 
-__all__ = ["call_with_retry", "config_errors", "explain", "load_catalog", "one_line", "read_with_retry", "redact",
-           "secret_values", "transient"]
+__all__ = ["config_errors", "explain", "load_catalog", "one_line", "redact", "secret_values", "transient"]
 
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------------------------------- classification
@@ -441,55 +435,3 @@ def _may_be_rest(name: str, properties: dict[str, str]) -> bool:
         return not (isinstance(uri, str) and uri.startswith(("sqlite", "postgresql", "thrift")))
     except Exception:  # noqa: BLE001 - pyiceberg's config helpers moved: install the fixes as before
         return True
-
-
-# --------------------------------------------------------------------------------------------------- retry
-
-
-def call_with_retry(
-    fn: Callable[[], T],
-    *,
-    what: str,
-    timeout_s: float,
-    is_transient: Callable[[BaseException], bool] = transient,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-    rng: random.Random | None = None,
-) -> T:
-    """``fn()``, retried on transient failures with jittered exponential backoff (50 ms doubling to 2 s) for at most
-    ``timeout_s`` seconds; then (or at once for a permanent failure) the last exception propagates unchanged.
-
-    Only idempotent ``fn`` may be retried (writing a whole object to a fixed path, reading one).
-    """
-    deadline = clock() + timeout_s
-    delay = 0.05
-    rand = rng  # made on the first retry: seeding a Random from os.urandom costs ~10 us, on every read and write
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return fn()
-        except Exception as exc:
-            if not is_transient(exc):
-                raise
-            rand = rand or random.Random()
-            pause = delay * rand.uniform(0.5, 1.5)
-            if clock() + pause > deadline:
-                raise
-            log.warning("%s failed (%s, attempt %d); retrying in %.2fs", what, type(exc).__name__, attempt, pause)
-            sleep(pause)
-            delay = min(delay * 2, 2.0)
-
-
-def read_with_retry(fn: Callable[[], T], *, what: str, timeout_s: float, properties: Mapping[str, Any] | None) -> T:
-    """:func:`call_with_retry` for a read of published data: a transient storage failure that outlasts the budget
-    (an object store throttling or failing, not a setting: :func:`explain` names those) raises a
-    :class:`~lakestream_iceberg.errors.ReadError` saying so and what to do, instead of the storage's raw error."""
-    try:
-        return call_with_retry(fn, what=what, timeout_s=timeout_s)
-    except OSError as exc:
-        if not transient(exc) or explain(exc, properties) is not None:
-            raise
-        raise ReadError(f"{what} kept failing for lakestream.io.retry-timeout-ms ({timeout_s:g}s; the last: "
-                        f"{one_line(exc)}); the step is intact: read it again once the object store recovers, or "
-                        "raise lakestream.io.retry-timeout-ms") from exc

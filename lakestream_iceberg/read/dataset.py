@@ -53,10 +53,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lakestream_iceberg.connect.diagnose import read_with_retry
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.pointer import release_idle_connections
+from lakestream_iceberg.connect.retry import read_with_retry
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
 from lakestream_iceberg.read.consumer import RankPositions, default_report_s

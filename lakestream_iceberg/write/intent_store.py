@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.intents import INTENT_TABLE, IntentTable
+from lakestream_iceberg.connect.retry import call_with_retry
 from lakestream_iceberg.connect.storage import list_files
 from lakestream_iceberg.errors import ConfigError
 from lakestream_iceberg.format.layout import PROP_GROUP_STAGING

@@ -31,9 +31,9 @@ from pyiceberg.manifest import DataFile, DataFileContent, FileFormat
 from pyiceberg.schema import Schema
 from pyiceberg.typedef import Record
 
-from lakestream_iceberg.connect.diagnose import call_with_retry
 from lakestream_iceberg.connect.fork import ProcessPool
 from lakestream_iceberg.connect.integers import INT32_MAX, INT64_MAX, parse_int
+from lakestream_iceberg.connect.retry import call_with_retry
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError
 from lakestream_iceberg.format.batches import has_required, hidden_nulls_filled
 from lakestream_iceberg.format.file_settings import parquet_options, statistics_plan
