@@ -23,6 +23,7 @@ import pytest
 from catalog import services
 from lakestream_iceberg import ConfigError, StepNotPublishedError, Stream
 from lakestream_iceberg.connect.diagnose import config_errors, explain, load_catalog, redact, transient
+from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
 from tests.backends import (
     Backend,
     fresh_name,
@@ -35,11 +36,6 @@ from tests.backends import (
     spawn_worker,
 )
 from tests.support import SCHEMA, batch, digest
-
-try:
-    from lakestream_iceberg.connect.rest_timeout import install_rest_timeout
-except ImportError:  # pragma: no cover - until the lead adds it
-    install_rest_timeout = None
 
 __all__ = ["moto_service", "postgres_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -186,12 +182,6 @@ def durable_commits(pg: services.Postgres, database: str) -> None:
         conn.close()
 
 
-WAIT_FOR_RETRY_MISSING = (
-    "Stream.wait_for does not retry a failing catalog/storage (the consumer died with the raw error); "
-    "needs the lead's change in stream.py (see the report); follow.HeadWatcher already retries"
-)
-
-
 # --------------------------------------------------------------------------------------------------- (a) catalog DB
 
 
@@ -336,12 +326,6 @@ CASES: dict[str, tuple[str, str, Callable[[int], dict[str, str]], str]] = {
         "uri": f"http://127.0.0.1:{port}", "rest.client.connection-timeout-ms": "2000",
         "rest.client.socket-timeout-ms": "2000", "rest.sigv4.max-retries": "1"}, "uri"),
 }  # fmt: skip
-REST_TIMEOUT_MISSING = (
-    "pyiceberg 0.12's REST client sends every request without a timeout: a REST endpoint that accepts the connection "
-    "and never answers blocks load_catalog (and every later call) forever; needs the lead's install_rest_timeout() "
-    "(rest.client.connection-timeout-ms / rest.client.socket-timeout-ms, as in Java Iceberg)"
-)
-PACKAGE_NOT_WIRED = "Stream.create/open and Producer.commit do not call lakestream_iceberg.connect.diagnose yet (see the report)"
 BOUND_S = 30.0  # the promise: a bad setting is reported within this time
 HANG_CHECK_S = {"rest-silent-load": 20.0}  # its timeouts (2 s, 1 retry) bound it to 8 s at worst; saves 25 s
 
@@ -393,7 +377,7 @@ def test_bad_setting_is_named_within_bounded_time_and_no_secret_is_printed(
     bad = {**good.properties, **overrides(silent_port)}
     name = f"bad-{uuid.uuid4().hex[:6]}" if what == "load" else good.name
 
-    if kind == REST and install_rest_timeout is not None:
+    if kind == REST:
         install_rest_timeout()
 
     def call() -> None:

@@ -1,7 +1,7 @@
 """Arguments and handles are input too: flags that are not bools, numbers that are not numbers, a stream name with an
 empty part, a dataset state of another stream, and a handle whose table was dropped and created again all end in an
-error from the project's hierarchy before anything is read, shipped or published (found in a bug hunt of the dataset,
-the Ray sink and the CLI)."""
+error from the project's hierarchy before anything is read, shipped or published (the dataset, the Ray sink and the
+CLI)."""
 
 from __future__ import annotations
 
