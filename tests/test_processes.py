@@ -180,7 +180,7 @@ def test_outcome_unknown_commit_that_landed_is_reconciled_not_duplicated(tmp_pat
     producer.commit(batch("p", 0, 2))
     catalog.fail_after = 1
     result = producer.commit(batch("p", 1, 2))
-    assert (result.step, result.seq, result.duplicate, result.attempts) == (2, 1, True, 2)
+    assert (result.step, result.seq, result.duplicate, result.attempts) == (2, 1, False, 2)  # this call published it
     assert stream.head_step() == 2
     assert producer.commit(batch("p", 2, 2)).step == 3
     assert sorted(published(stream).values()) == [("p", 0), ("p", 1), ("p", 2)]

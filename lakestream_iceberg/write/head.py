@@ -90,8 +90,9 @@ class ProducerHead:
                               branch=self.branch, seq=seq)
 
     def check_publisher(self, metadata: TableMetadata, found: Found, staged: StagedBatch, *, since: float,
-                        earlier: frozenset[str] = frozenset()) -> bool:
-        """Whether the snapshot that published ``found`` holds ``staged`` (see :func:`check_publisher`)."""
+                        earlier: frozenset[str] = frozenset()) -> bool | None:
+        """Whether the snapshot that published ``found`` holds ``staged`` (None: cannot tell; see
+        :func:`check_publisher`)."""
         return check_publisher(self.stream.io, metadata, found, staged, producer_id=self.producer_id,
                                branch=self.branch, since=since, earlier=earlier,
                                file=self._file(metadata, found, staged.seq))

@@ -150,9 +150,12 @@ class BatchPlanner:
         current = self._head.state(metadata)
         if (found := self._head.published(metadata, self._seq)) is not None:
             # Published meanwhile: carried by another producer's group commit, or our own commit whose outcome was
-            # unknown landed after all (both: our token), or an earlier incarnation's staged batch was carried.
+            # unknown landed after all (both: our token, so this call published it), or an earlier incarnation's
+            # staged batch was carried (a duplicate). No token to compare: a staged batch counts as this call's (only
+            # it could be carried under this id since), a lone one as published before (an earlier call's).
             mine = self._head.check_publisher(metadata, found, self._staged, since=self._since, earlier=self._earlier)
-            return Done(Published(**found, duplicate=self.intent is None or not mine))
+            duplicate = mine is False if self.intent is not None else mine is not True
+            return Done(Published(**found, duplicate=duplicate))
         self._head.check_seq(self._seq, current, self._allow_gap)
         return self._plan_group(metadata, current, attempt)
 

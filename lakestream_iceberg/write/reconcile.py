@@ -110,16 +110,16 @@ def _lower_seq_live(stream: StreamTable, metadata: TableMetadata, branch: str, p
 
 def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: StagedBatch, *, producer_id: str,
                     branch: str, since: float, earlier: frozenset[str] = frozenset(),
-                    file: BatchFile | None = None) -> bool:
+                    file: BatchFile | None = None) -> bool | None:
     """Whether the snapshot that published (producer, seq) holds ``staged``, the batch this call wrote.
 
-    False: it holds a batch of that seq that is not another live writer's: an earlier incarnation's, staged before
+    True: its token is ``staged``'s (this call's commit landed: carried, or its reply was lost). False: it holds a batch of that seq that is not another live writer's: an earlier incarnation's, staged before
     this producer was made (``since``, unix seconds) and carried by another producer's commit, or committed directly in
     a snapshot made before then (the snapshot's timestamp: a commit whose caller gave up on it may land late); or this
     producer's own from an earlier call that failed after writing (its token in ``earlier``). The call's seq is then a
     duplicate. Once that snapshot has expired, the batch's data file tells (``file``): its token, and when it was
-    written (also False when that cannot be read: the batch is not this call's). True also when nothing can be compared
-    (no token recorded or readable).
+    written (also False when that cannot be read: the batch is not this call's). None when nothing can be compared (no
+    token recorded or readable).
 
     Raises:
         ProducerConflictError: It holds a batch staged, or committed in a snapshot made (or its data file written),
@@ -128,7 +128,9 @@ def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: S
     """
     snapshot = metadata.snapshot_by_id(found["snapshot_id"]) if found["snapshot_id"] is not None else None
     token = StreamState.of(snapshot).token if snapshot is not None else file.token if file is not None else None
-    if token is None or token == staged.token:
+    if token is None:
+        return None
+    if token == staged.token:
         return True
     if (sent := _sent_by_another_in(metadata, found, since=since, earlier=earlier, file=file)) is None:
         return False
