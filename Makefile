@@ -94,6 +94,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check lakestream_iceberg tests benchmarks catalog
 	$(BIN)/mypy lakestream_iceberg
 
-# benchmarks/history/ is tracked (dated results); only the scripts' scratch output goes.
+# benchmarks/results/YYYY-MM-DD-*.json is tracked (the dated runs); only the scripts' latest, untracked output goes.
 clean:
-	rm -rf .lakestream benchmarks/results site
+	rm -rf .lakestream site
+	find benchmarks/results -maxdepth 1 -type f ! -name '[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]-*.json' -delete

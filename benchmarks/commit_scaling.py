@@ -1,4 +1,4 @@
-"""Commit scaling of lakestream (issue 4): history growth, producer contention, and a simulation of the DAC policy.
+"""Commit scaling of lakestream: history growth, producer contention, and a simulation of the DAC policy.
 
 One command runs all three phases, prints their tables, writes ``benchmarks/results/commit_scaling.json`` and
 ``benchmarks/results/commit_scaling.png``::

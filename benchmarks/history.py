@@ -1,8 +1,8 @@
-"""Print the dated benchmark runs in ``benchmarks/history/`` as one table per benchmark.
+"""Print the dated benchmark runs in ``benchmarks/results/`` as one table per benchmark.
 
 Each file is ``YYYY-MM-DD-<benchmark>.json``: the benchmark, the date, the machine, the command, what the metrics mean
 and a list of runs (a label plus named numbers). A new run is added as a new dated file (or a run appended to the
-day's file); ``benchmarks/results/`` keeps only the scripts' latest, untracked output.
+day's file), tracked in git; the scripts' latest output, ``benchmarks/results/<benchmark>.json``, is not.
 
     python benchmarks/history.py                    # every benchmark
     python benchmarks/history.py --bench vs_kafka   # one benchmark
@@ -17,13 +17,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-HISTORY = Path(__file__).resolve().parent / "history"
+HISTORY = Path(__file__).resolve().parent / "results"
+DATED = "[0-9][0-9][0-9][0-9]-[0-9][0-9]-[0-9][0-9]-*.json"  # what .gitignore tracks there
 
 
 def load(folder: Path = HISTORY) -> dict[str, list[dict[str, Any]]]:
     """Every history file, grouped by benchmark, oldest first."""
     by_bench: dict[str, list[dict[str, Any]]] = {}
-    for path in sorted(folder.glob("*.json")):
+    for path in sorted(folder.glob(DATED)):
         body = json.loads(path.read_text())
         for key in ("benchmark", "date", "machine", "command", "runs"):
             if key not in body:

@@ -197,3 +197,26 @@ def test_make_bench_runs_every_benchmark_script() -> None:
     run = {line.split("benchmarks/", 1)[1].split()[0] for line in target.splitlines() if "benchmarks/" in line}
     scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("_")} - {"history.py", "dac_sim.py"}
     assert scripts - run == set(), f"make bench does not run {sorted(scripts - run)}"
+
+
+def test_the_dated_runs_are_tracked_and_each_names_its_own_date_and_benchmark() -> None:
+    # benchmarks/results/YYYY-MM-DD-<benchmark>.json is the history (docs/benchmarks.md); the scripts' latest output
+    # beside it, <benchmark>.json, is not tracked
+    import subprocess
+
+    import history
+
+    listed = subprocess.run(["git", "ls-files", "benchmarks/results"], cwd=BENCH.parent, capture_output=True, text=True)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    tracked = listed.stdout.split()
+    dated = sorted(BENCH.glob(f"results/{history.DATED}"))
+    assert dated and {f"benchmarks/results/{p.name}" for p in dated} <= set(tracked)
+    assert all(name.rsplit("/", 1)[1][:4].isdigit() for name in tracked), tracked
+    by_bench = history.load()
+    for path in dated:
+        body = json.loads(path.read_text())
+        assert path.name == f"{body['date']}-{body['benchmark']}.json", path.name
+    assert sum(len(files) for files in by_bench.values()) == len(dated)
+    ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/results/vs_kafka.json"], cwd=BENCH.parent)
+    assert ignored.returncode == 0
