@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
+import shutil
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
+import pytest
 from pyiceberg.catalog.sql import SqlCatalog
 
 SCHEMA = pa.schema(
@@ -101,3 +105,16 @@ def counting_str(compared: list[str]) -> type[str]:
             return str.__eq__(self, other)
 
     return Counted
+
+
+@contextlib.contextmanager
+def immutable(path: str) -> Iterator[None]:
+    """``path`` made immutable (``chattr +i``): not even root deletes it, or a file in it when it is a folder. Always
+    made mutable again. Skips the test where the file system cannot."""
+    chattr = shutil.which("chattr")
+    if chattr is None or subprocess.run([chattr, "+i", path], capture_output=True).returncode != 0:
+        pytest.skip("this file system cannot make a file immutable (chattr +i)")
+    try:
+        yield
+    finally:
+        subprocess.run([chattr, "-i", path], check=True)

@@ -107,6 +107,8 @@ class GCReport:
         files_failed: Unreferenced files whose delete failed (a storage error other than "not found"); they stay
             unreferenced, and the next GC deletes them (once older than its grace period).
         first_failure: The first of those failures (path and error), or None.
+        expiry_failed: What GC could not expire this time besides files, each with its error: the consumer positions
+            of silent groups, or catalog staging's old intents (the commits and the sweep stand; the next GC retries).
     """
 
     dry_run: bool
@@ -118,6 +120,7 @@ class GCReport:
     files_in_grace: int = 0
     files_failed: int = 0
     first_failure: str | None = None
+    expiry_failed: list[str] = field(default_factory=list)
 
     @property
     def total_files(self) -> int:
@@ -417,6 +420,7 @@ def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMeta
     except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
         log.warning("GC of %s could not expire the consumer positions of old groups (%s); the next GC retries",
                     stream.name, exc)
+        report.expiry_failed.append(f"consumer positions: {type(exc).__name__}: {exc}")
         return
     if count:
         report.files_deleted["consumer-position"] = report.files_deleted.get("consumer-position", 0) + count
@@ -434,6 +438,7 @@ def _expire_intents(stream: StreamTable, report: GCReport, expire: Callable[[flo
     except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
         log.warning("GC of %s could not expire old staged intents in the catalog (%s); the next GC retries",
                     stream.name, exc)
+        report.expiry_failed.append(f"staged intents: {type(exc).__name__}: {exc}")
         return
     if expired:
         report.files_deleted["intent"] = report.files_deleted.get("intent", 0) + len(expired)

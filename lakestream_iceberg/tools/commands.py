@@ -291,6 +291,9 @@ def _refuse_failed_deletes(report: Any) -> None:
         raise UserError(f"{report.files_failed:,} unreferenced files could not be deleted (the first: "
                         f"{report.first_failure}). Let this process delete under the table's location: the next gc "
                         "deletes them (those written within the grace period once they are older)")
+    if getattr(report, "expiry_failed", None):
+        raise UserError(f"gc could not expire {'; '.join(report.expiry_failed)}. Check that this process can reach "
+                        "and write the catalog and the table's location: the next gc retries")
 
 
 def cmd_repair(args: argparse.Namespace, out: Output) -> int:

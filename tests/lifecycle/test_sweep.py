@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +15,7 @@ from pyiceberg.io.pyarrow import PyArrowFileIO
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.tools.config import embedded_catalog
-from tests.support import SCHEMA, batch, digest
+from tests.support import SCHEMA, batch, digest, immutable
 
 WORLD = 2
 
@@ -40,18 +37,6 @@ def _step_files(stream: Stream, *steps: int) -> set[str]:
 def _data_files(stream: Stream) -> set[str]:
     root = stream.table.metadata.location.removeprefix("file://") + "/data"
     return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".parquet")}
-
-
-@contextlib.contextmanager
-def _immutable(path: str) -> Iterator[None]:
-    """``path`` made immutable (``chattr +i``): not even root deletes it. Always made mutable again."""
-    chattr = shutil.which("chattr")
-    if chattr is None or subprocess.run([chattr, "+i", path], capture_output=True).returncode != 0:
-        pytest.skip("this file system cannot make a file immutable (chattr +i)")
-    try:
-        yield
-    finally:
-        subprocess.run([chattr, "-i", path], check=True)
 
 
 def test_the_sweep_runs_its_deletes_side_by_side(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +77,7 @@ def test_a_delete_that_fails_stops_no_other_and_the_next_gc_deletes_its_file(tmp
     collected = sorted(before - kept)
     assert len(collected) == 4 * WORLD
     stuck = collected[3]
-    with _immutable(stuck):
+    with immutable(stuck):
         report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
         assert report.files_failed == 1 and stuck in (report.first_failure or "")
         assert report.files_deleted["data"] == 4 * WORLD - 1  # every other file went
@@ -114,7 +99,7 @@ def test_the_gc_command_prints_its_report_and_fails_when_a_delete_failed(tmp_pat
     stream.checkpoint("c3", step=3)
     kept = _step_files(stream, 3, 4)
     stuck = sorted(_data_files(stream) - kept)[0]
-    with _immutable(stuck):
+    with immutable(stuck):
         capsys.readouterr()
         code = main(["--home", str(tmp_path), "gc", "ns.cli", "--json"])
         out, err = capsys.readouterr()

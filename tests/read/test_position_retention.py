@@ -28,7 +28,7 @@ from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
 from lakestream_iceberg.read import consumer
 from lakestream_iceberg.read.position import Position
 from tests.backends import fresh_name, postgres_service
-from tests.support import SCHEMA, batch, sqlite_catalog, until
+from tests.support import SCHEMA, batch, immutable, sqlite_catalog, until
 
 __all__ = ["postgres_service"]  # fixture used by name
 
@@ -136,6 +136,25 @@ def test_gc_expires_a_silent_group_whole_and_keeps_a_group_with_one_recent_rank(
     assert kept(stream) == [("fresh", 0), ("fresh", 1), ("mixed", 0), ("mixed", 1)]
     again = stream.collect_garbage(dry_run=False)
     assert "consumer-position" not in again.files_deleted
+
+
+def test_positions_gc_could_not_expire_are_reported_and_fail_the_gc_command(tmp_path: Path) -> None:
+    from lakestream_iceberg.tools.commands import UserError, _refuse_failed_deletes
+
+    place = _object_place(tmp_path)
+    stream = place.stream()
+    record(stream, "old")
+    place.age(stream, "old", WEEK + DAY, None)
+    folder = Path(stream.table.metadata.location.removeprefix("file://")) / "data" / POSITIONS_DIR / "old"
+    with immutable(str(folder)):  # its files cannot be deleted
+        report = stream.collect_garbage(dry_run=False)
+    assert len(report.expiry_failed) == 1 and report.expiry_failed[0].startswith("consumer positions: ")
+    assert "consumer-position" not in report.files_deleted and report.files_failed == 0
+    with pytest.raises(UserError, match="could not expire consumer positions: .* the next gc retries"):
+        _refuse_failed_deletes(report)
+    again = stream.collect_garbage(dry_run=False)  # the next GC expires them
+    assert again.expiry_failed == [] and again.files_deleted.get("consumer-position") == WORLD
+    assert kept(stream) == []
 
 
 def test_the_retention_is_the_table_property(place: Place) -> None:
