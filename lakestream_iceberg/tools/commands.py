@@ -274,19 +274,20 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
     if out.json:
         report = stream.collect_garbage(**kwargs)
         out.emit_json(report)
-        _refuse_failed_deletes(report)
+        _fail_on_what_gc_left(report)
         return 0
     with out.console.status("planning garbage collection" if args.dry_run else "collecting garbage"):
         report = stream.collect_garbage(**kwargs)
     pairs = [(k, ", ".join(map(str, v)) or "-" if isinstance(v, list) else v) for k, v in plain(report).items()]
     pairs += [("total", f"{report.total_files:,} files, {megabytes(report.total_bytes)}")] if hasattr(report, "total_files") else []
     out.fields(pairs, title=f"gc of {stream.name}" + (" (dry run: nothing deleted)" if args.dry_run else ""))
-    _refuse_failed_deletes(report)
+    _fail_on_what_gc_left(report)
     return 0
 
 
-def _refuse_failed_deletes(report: Any) -> None:
-    """The commits stand and the report is printed; deletes that failed make the command fail (a cron job notices)."""
+def _fail_on_what_gc_left(report: Any) -> None:
+    """The commits stand and the report is printed; deletes or expiries that failed make the command fail (a cron job
+    notices)."""
     if getattr(report, "files_failed", 0):
         raise UserError(f"{report.files_failed:,} unreferenced files could not be deleted (the first: "
                         f"{report.first_failure}). Let this process delete under the table's location: the next gc "

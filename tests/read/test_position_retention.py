@@ -139,7 +139,7 @@ def test_gc_expires_a_silent_group_whole_and_keeps_a_group_with_one_recent_rank(
 
 
 def test_positions_gc_could_not_expire_are_reported_and_fail_the_gc_command(tmp_path: Path) -> None:
-    from lakestream_iceberg.tools.commands import UserError, _refuse_failed_deletes
+    from lakestream_iceberg.tools.commands import UserError, _fail_on_what_gc_left
 
     place = _object_place(tmp_path)
     stream = place.stream()
@@ -151,7 +151,7 @@ def test_positions_gc_could_not_expire_are_reported_and_fail_the_gc_command(tmp_
     assert len(report.expiry_failed) == 1 and report.expiry_failed[0].startswith("consumer positions: ")
     assert "consumer-position" not in report.files_deleted and report.files_failed == 0
     with pytest.raises(UserError, match="could not expire consumer positions: .* the next gc retries"):
-        _refuse_failed_deletes(report)
+        _fail_on_what_gc_left(report)
     again = stream.collect_garbage(dry_run=False)  # the next GC expires them
     assert again.expiry_failed == [] and again.files_deleted.get("consumer-position") == WORLD
     assert kept(stream) == []
