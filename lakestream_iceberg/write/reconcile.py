@@ -113,13 +113,14 @@ def check_publisher(io: FileIO, metadata: TableMetadata, found: Found, staged: S
                     file: BatchFile | None = None) -> bool | None:
     """Whether the snapshot that published (producer, seq) holds ``staged``, the batch this call wrote.
 
-    True: its token is ``staged``'s (this call's commit landed: carried, or its reply was lost). False: it holds a batch of that seq that is not another live writer's: an earlier incarnation's, staged before
-    this producer was made (``since``, unix seconds) and carried by another producer's commit, or committed directly in
-    a snapshot made before then (the snapshot's timestamp: a commit whose caller gave up on it may land late); or this
-    producer's own from an earlier call that failed after writing (its token in ``earlier``). The call's seq is then a
-    duplicate. Once that snapshot has expired, the batch's data file tells (``file``): its token, and when it was
-    written (also False when that cannot be read: the batch is not this call's). None when nothing can be compared (no
-    token recorded or readable).
+    True: its token is ``staged``'s (this call's commit landed: carried, or its reply was lost). False: it holds a batch
+    of that seq that is not another live writer's: an earlier incarnation's, staged before this producer was made
+    (``since``, unix seconds) and carried by another producer's commit, or committed directly in a snapshot made before
+    then (the snapshot's timestamp: a commit whose caller gave up on it may land late); or this producer's own from an
+    earlier call that failed after writing (its token in ``earlier``). The call's seq is then a duplicate. Once that
+    snapshot has expired, the batch's data file tells (``file``): its token, and when it was written (also False when
+    that cannot be read: the batch is not this call's). None when nothing can be compared (no token recorded or
+    readable).
 
     Raises:
         ProducerConflictError: It holds a batch staged, or committed in a snapshot made (or its data file written),
