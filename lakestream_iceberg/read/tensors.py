@@ -47,11 +47,20 @@ class StepShard:
     sample_ids: np.ndarray  # int64, one per row
 
 
+def _numpy_dtype(kind: pa.DataType) -> np.dtype:
+    """numpy's dtype for an Arrow integer, floating point or boolean type, without pandas: pyarrow 18's
+    ``DataType.to_pandas_dtype()`` imports pandas and raises ``ModuleNotFoundError`` where it is not installed."""
+    if pa.types.is_boolean(kind):
+        return np.dtype(np.bool_)
+    code = "f" if pa.types.is_floating(kind) else "u" if pa.types.is_unsigned_integer(kind) else "i"
+    return np.dtype(f"{code}{kind.byte_width}")
+
+
 def _view(array: pa.Array, start: int = 0, stop: int | None = None, *, writeable: bool = True) -> np.ndarray:
     """Elements ``[start, stop)`` of a null-free primitive array as numpy, zero-copy when Arrow's buffer is mutable
     (or when ``writeable=False``: the caller copies anyway, e.g. into a padded array)."""
     stop = len(array) if stop is None else stop
-    dtype = np.dtype(array.type.to_pandas_dtype())
+    dtype = _numpy_dtype(array.type)
     if pa.types.is_boolean(array.type):
         return array.slice(start, stop - start).to_numpy(zero_copy_only=False)
     if stop <= start:

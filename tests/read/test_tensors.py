@@ -7,7 +7,11 @@ Arrow layout (nulls, sliced arrays, several chunks, values not starting at offse
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +25,13 @@ pytest.importorskip("torch")  # the dataset's tests need the torch extra (the co
 import torch  # noqa: E402
 
 LIST_TYPES = [pa.int8(), pa.int32(), pa.int64(), pa.uint16(), pa.float16(), pa.float32(), pa.float64()]
+
+
+def lists(rows: list[list | None], kind: pa.DataType, list_size: int = -1) -> pa.Array:
+    """``pa.array(rows, pa.list_(kind, list_size))`` built from numpy scalars: pyarrow before 21 turns no Python number
+    into a float16 (ArrowTypeError: Expected np.float16 instance)."""
+    scalar = pa.array([], kind).to_numpy(zero_copy_only=False).dtype.type
+    return pa.array([None if r is None else [scalar(x) for x in r] for r in rows], pa.list_(kind, list_size))
 
 
 def reference(rows: list[list | bytes | None], pad: int | float, dtype: np.dtype) -> np.ndarray:
@@ -59,10 +70,10 @@ def test_padded_lists_match_the_reference(lengths, kind, pad, nulls, cut, chunks
     if pa.types.is_unsigned_integer(kind) and pad < 0:
         pad = 0
     rng = np.random.default_rng(len(lengths) + 31 * sum(lengths))
-    dtype = np.dtype(kind.to_pandas_dtype())
+    dtype = pa.array([], kind).to_numpy().dtype  # not kind.to_pandas_dtype(): pyarrow 18's needs pandas
     rows: list = [rng.integers(0, 100, n).astype(dtype).tolist() for n in lengths]
     rows = [None if i < len(nulls) and nulls[i] else r for i, r in enumerate(rows)]
-    array = pa.array(rows, pa.list_(kind))
+    array = lists(rows, kind)
     lo, hi = min(cut[0], len(rows)), max(len(rows) - cut[1], min(cut[0], len(rows)))
     array = array.slice(lo, hi - lo)  # the values no longer start at offset 0
     rows = rows[lo:hi]
@@ -142,6 +153,56 @@ def test_pad_copies_long_rows_into_fresh_memory(pad: int) -> None:
     assert np.array_equal(values, np.arange(sum(lengths), dtype=np.int32))
 
 
+NUMERIC_TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64(),
+                 pa.float16(), pa.float32(), pa.float64(), pa.bool_()]
+
+
+@pytest.mark.parametrize("kind", NUMERIC_TYPES, ids=str)
+def test_the_numpy_dtype_of_a_column_is_the_one_arrow_converts_to(kind: pa.DataType) -> None:
+    from lakestream_iceberg.read.tensors import _numpy_dtype
+
+    assert _numpy_dtype(kind) == pa.array([], kind).to_numpy(zero_copy_only=False).dtype
+
+
+def test_numbers_and_lists_become_tensors_without_pandas() -> None:
+    """pandas is no dependency: pyarrow 18's ``DataType.to_pandas_dtype()`` imports it (ModuleNotFoundError without
+    it), and the collate asked it for the numpy dtype of every number column and list. Run where pandas cannot be
+    imported, whether this environment has it or not."""
+    code = f"""
+import sys
+class NoPandas:  # import pandas raises ModuleNotFoundError from here on, as where it is not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] == "pandas":
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, NoPandas())
+import numpy as np, pyarrow as pa
+from lakestream_iceberg.read.tensors import StepShard, TensorCollate
+kinds = [{", ".join(f"pa.{k}()" for k in ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+                                          "float16", "float32", "float64", "bool_"))}]
+columns = {{}}
+for i, kind in enumerate(kinds):
+    dtype = pa.array([], kind).to_numpy(zero_copy_only=False).dtype
+    columns[f"n{{i}}"] = pa.array(np.array([1, 0, 1], dtype))
+    if kind != pa.bool_():
+        columns[f"l{{i}}"] = pa.ListArray.from_arrays(pa.array([0, 2, 2, 3], pa.int32()), pa.array(np.array([1, 2, 3], dtype)))
+        columns[f"f{{i}}"] = pa.FixedSizeListArray.from_arrays(pa.array(np.array([1, 2, 0, 1, 3, 4], dtype)), 2)
+table = pa.table(columns)
+item = TensorCollate()(StepShard(step=1, rank=0, world_size=1, table=table, sample_ids=np.arange(3, dtype=np.int64)))
+for i, kind in enumerate(kinds):
+    dtype = pa.array([], kind).to_numpy(zero_copy_only=False).dtype
+    assert item[f"n{{i}}"].numpy().dtype == dtype and item[f"n{{i}}"].tolist() == [1, 0, 1], (kind, item[f"n{{i}}"])
+    if kind != pa.bool_():
+        assert item[f"l{{i}}"].numpy().dtype == dtype and item[f"l{{i}}"].tolist() == [[1, 2], [0, 0], [3, 0]], kind
+        assert item[f"f{{i}}"].numpy().dtype == dtype and item[f"f{{i}}"].tolist() == [[1, 2], [0, 1], [3, 4]], kind
+assert "pandas" not in sys.modules
+print("ok")
+"""
+    root = str(Path(__file__).resolve().parents[2])  # this checkout's lakestream_iceberg, not an installed copy
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_empty_shard() -> None:
     table = pa.table({"t": pa.array([], pa.list_(pa.int32())), "b": pa.array([], pa.binary())})
     item = collate(table)
@@ -194,7 +255,7 @@ def test_a_float_or_numpy_pad_value_the_column_cannot_hold_is_a_config_error(kin
     and 1e10 a float16 column with infinity (a RuntimeWarning at most)."""
     from lakestream_iceberg.errors import ConfigError
 
-    table = pa.table({"t": pa.array([[1, 2, 3], [1]], pa.list_(kind))})
+    table = pa.table({"t": lists([[1, 2, 3], [1]], kind)})
     with pytest.raises(ConfigError, match="pad_value"):
         collate(table, pad_value=pad)
     assert collate(table, pad_value=np.int8(7))["t"][1].tolist() == [1, 7, 7]  # a pad that fits, numpy or not
