@@ -54,7 +54,7 @@ def parquet_options(properties: Mapping[str, str], *, strict: bool = True) -> di
     pyarrow's default. A level given with a codec that takes none (uncompressed, snappy) is refused when ``strict``
     (a stream being created) and otherwise ignored with a warning, as Iceberg's writers ignore it: a table another
     client configured keeps working. ``write.parquet.page-row-limit`` needs pyarrow's ``max_rows_per_page``
-    (pyarrow >= 18); with an older pyarrow it is ignored with a warning.
+    (pyarrow >= 23); with an older pyarrow it is ignored with a warning.
     """
     codec = PARQUET_CODEC.get(properties) or "zstd"
     options: dict[str, Any] = {"compression": "none" if codec == "uncompressed" else codec}

@@ -404,7 +404,7 @@ PARQUET_DICT_SIZE = IntProperty(
 PARQUET_PAGE_ROWS = IntProperty(
     key="write.parquet.page-row-limit", default_by="pyarrow", default_text="pyarrow's", minimum=1, maximum=INT32_MAX,
     unit="rows", blank_is_default=True, change=REOPEN,
-    doc="The most rows in a data page (needs pyarrow >= 18; ignored before).")
+    doc="The most rows in a data page (needs pyarrow >= 23; ignored before).")
 AVRO_CODEC = TextProperty(
     key="write.avro.compression-codec", default="gzip", default_by="Iceberg", lower=True, blank_is_default=True,
     values="uncompressed, gzip, zstd, snappy (pyiceberg[snappy])", change=LIVE,
