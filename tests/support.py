@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import random
 import shutil
 import subprocess
@@ -14,6 +15,10 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from pyiceberg.catalog.sql import SqlCatalog
+
+# LakestreamDataset (and TensorCollate) need the torch extra; the core's tests run without it (Python 3.10 has no torch)
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                                 reason="needs torch (pip install 'lakestream-iceberg[torch]')")
 
 SCHEMA = pa.schema(
     [

@@ -51,7 +51,7 @@ from lakestream_iceberg import (
     Stream,
     load_catalog,
 )
-from tests.support import SCHEMA, batch, digest, lakestream_keys, shard
+from tests.support import SCHEMA, batch, digest, lakestream_keys, needs_torch, shard
 
 WORLD = 2
 
@@ -442,6 +442,7 @@ def test_2_malformed_checkpoint_anchor_makes_checkpoints_raise_a_clear_error(cat
         assert isinstance(info.value, CorruptStateError) and "'broken'" in str(info.value) and key in str(info.value)
 
 
+@needs_torch
 @pytest.mark.parametrize("step", [None, "0"], ids=["no-step", "step-0"])
 def test_2_a_checkpoint_anchor_without_a_step_is_not_read_as_step_0(catalog: SqlCatalog, step: str | None) -> None:
     """A tag on a snapshot whose summary names the checkpoint but records no step (or step 0, which no checkpoint has:
@@ -1170,6 +1171,7 @@ def test_6_pickled_stream_carries_no_secret(secret_stream: Stream) -> None:
     assert_no_secret(pickle.dumps(secret_stream), "pickle.dumps(stream)")
 
 
+@needs_torch
 def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
     from lakestream_iceberg import LakestreamDataset
 
@@ -1181,6 +1183,7 @@ def test_6_pickled_dataset_carries_no_secret(secret_stream: Stream) -> None:
 # =================================================================================================== 7. dataset + GC
 
 
+@needs_torch
 @pytest.mark.parametrize("consumers", [1, 2])
 def test_7_dataset_continuing_after_gc_never_raises_a_raw_file_not_found(catalog: SqlCatalog, consumers: int) -> None:
     from lakestream_iceberg import LakestreamDataset
@@ -1212,6 +1215,7 @@ def test_7_dataset_continuing_after_gc_never_raises_a_raw_file_not_found(catalog
     assert list(dataset) == [5, 6, 7, 8]
 
 
+@needs_torch
 def test_7_a_file_deleted_outside_lakestream_is_a_missing_file_error_and_publishes_nothing(catalog: SqlCatalog) -> None:
     """A data file or a manifest list the head still lists, deleted by something else (an orphan-file cleanup that
     did not exclude the stream, a bucket rule): readers, history and producers raised pyarrow's raw FileNotFoundError.

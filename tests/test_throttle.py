@@ -22,13 +22,12 @@ from lakestream_iceberg import (
     CommitError,
     CommitOutcomeUnknownError,
     CommitTimeoutError,
-    LakestreamDataset,
     ReadError,
     Stream,
 )
 from tests.backends import fresh_name, moto_service, published, seaweedfs_service
 from tests.faulty_s3 import Fault, FaultyS3
-from tests.support import SCHEMA, batch, digest
+from tests.support import SCHEMA, batch, digest, needs_torch
 
 __all__ = ["moto_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -181,6 +180,8 @@ def test_data_upload_completed_but_reply_lost(store: Store) -> None:
 
 def follow(store: Store, steps: int, *, rank: int = 0) -> tuple[list[tuple[int, str]], BaseException | None]:
     """(step, digest of the rank's rows) of each item a follow-mode LakestreamDataset delivers, and its error."""
+    from lakestream_iceberg import LakestreamDataset
+
     dataset = LakestreamDataset(store.open(), rank=rank, world_size=2, follow=True, end_step=steps, timeout=60,
                                 collate=lambda shard: shard.table, relay=False)  # fmt: skip
     got: list[tuple[int, str]] = []
@@ -192,6 +193,7 @@ def follow(store: Store, steps: int, *, rank: int = 0) -> tuple[list[tuple[int, 
     return got, None
 
 
+@needs_torch
 @pytest.mark.parametrize(("every", "times"), [(2, None), (1, 4)], ids=["every-2nd", "4-in-a-row"])
 def test_follower_reads_through_throttled_gets(store: Store, every: int, times: int | None) -> None:
     """Four failures in a row outlast pyarrow's 3 attempts: the dataset retries a step's read for
@@ -295,6 +297,7 @@ def test_a_persisting_failure_publishes_nothing_and_the_retry_publishes_once(sto
     check_table(stream, {"prep-0": 2})
 
 
+@needs_torch
 def test_a_read_the_store_keeps_refusing_raises_a_read_error_and_reads_once_it_recovers(store: Store) -> None:
     stream = store.create(**{"lakestream.io.retry-timeout-ms": "500"})
     commit_all(stream, "prep-0", 2)

@@ -348,6 +348,7 @@ def test_the_steps_behind_gauge_of_a_following_rank_sees_steps_published_while_i
 def test_use_registry_refuses_what_is_not_a_registry(stream: Stream, bad: object) -> None:
     """``use_registry("x")`` was accepted: producers then recorded nothing (silently), and every dataset with a group
     failed at its first step with ``AttributeError: 'str' object has no attribute 'register'``."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset
     from lakestream_iceberg.errors import ConfigError
 
@@ -366,6 +367,7 @@ def test_a_registry_holding_one_of_lakestreams_names_is_refused_and_left_as_it_w
     """A registry that already had ``lakestream_commits`` (the application's own counter) got lakestream's first two
     families registered, then the third failed: the registry kept half of lakestream's metrics, and every dataset with
     a group failed at its first step with ``DuplicateTimeseries``. Now ``use_registry`` says so and registers none."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     from lakestream_iceberg import LakestreamDataset
     from lakestream_iceberg.errors import ConfigError
 
@@ -391,6 +393,7 @@ def test_a_conflict_in_the_default_registry_never_stops_a_producer_or_a_rank(tmp
     """With no registry chosen, a name of lakestream's taken in ``prometheus_client.REGISTRY`` made every dataset with a
     group fail at its first step (``DuplicateTimeseries``), while producers went on: now both go on, and one warning
     says why nothing is recorded."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
     code = textwrap.dedent(f"""
         import logging, sys
         sys.path.insert(0, {str(ROOT)!r})
