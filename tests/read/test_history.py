@@ -317,6 +317,12 @@ def test_history_of_a_stream_with_half_float_columns_shows_them_as_floats(tmp_pa
     halves = np.array([1.5, np.nan, -2.0], np.float16)
     shard = pa.table({"h": pa.array(halves), "hs": [[halves[0]], [], [halves[2], halves[0]]],
                       "st": [{"v": [halves[0], halves[2]]}, None, {"v": [halves[2], halves[2]]}]}, schema=schema)
+    if int(pa.__version__.split(".")[0]) < 25:  # pyarrow before 25 writes no null struct row holding a fixed-size list
+        from lakestream_iceberg import SchemaMismatchError
+
+        with pytest.raises(SchemaMismatchError, match="non-zero length null components"):
+            stream.producer("p").commit([shard])
+        pytest.skip(f"pyarrow {pa.__version__} cannot write the null struct row of this shard (pyarrow >= 25 can)")
     stream.producer("p").commit([shard])
     con = history(stream)
     assert con.sql("SELECT count(*) FROM batches").fetchall() == [(1,)]
