@@ -48,7 +48,7 @@ class StepShard:
 
 
 def _numpy_dtype(kind: pa.DataType) -> np.dtype:
-    """numpy's dtype for an Arrow integer, floating point or boolean type, without pandas: pyarrow 18's
+    """numpy's dtype for an Arrow integer, floating point or boolean type, without pandas: before pyarrow 26,
     ``DataType.to_pandas_dtype()`` imports pandas and raises ``ModuleNotFoundError`` where it is not installed."""
     if pa.types.is_boolean(kind):
         return np.dtype(np.bool_)

@@ -70,7 +70,7 @@ def test_padded_lists_match_the_reference(lengths, kind, pad, nulls, cut, chunks
     if pa.types.is_unsigned_integer(kind) and pad < 0:
         pad = 0
     rng = np.random.default_rng(len(lengths) + 31 * sum(lengths))
-    dtype = pa.array([], kind).to_numpy().dtype  # not kind.to_pandas_dtype(): pyarrow 18's needs pandas
+    dtype = pa.array([], kind).to_numpy().dtype  # not kind.to_pandas_dtype(): pyarrow < 26 imports pandas there
     rows: list = [rng.integers(0, 100, n).astype(dtype).tolist() for n in lengths]
     rows = [None if i < len(nulls) and nulls[i] else r for i, r in enumerate(rows)]
     array = lists(rows, kind)
@@ -165,7 +165,7 @@ def test_the_numpy_dtype_of_a_column_is_the_one_arrow_converts_to(kind: pa.DataT
 
 
 def test_numbers_and_lists_become_tensors_without_pandas() -> None:
-    """pandas is no dependency: pyarrow 18's ``DataType.to_pandas_dtype()`` imports it (ModuleNotFoundError without
+    """pandas is no dependency: ``DataType.to_pandas_dtype()`` of pyarrow 18 to 25 imports it (ModuleNotFoundError without
     it), and the collate asked it for the numpy dtype of every number column and list. Run where pandas cannot be
     imported, whether this environment has it or not."""
     code = f"""
