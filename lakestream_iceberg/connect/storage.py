@@ -42,12 +42,37 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
 
         parsed = urlparse(location)
         filesystem = io.get_fs(parsed.scheme)
-        for path, info in filesystem.find(location, detail=True).items():
+        try:
+            found = filesystem.find(location, detail=True)
+        except FileNotFoundError:  # no bucket (a prefix that holds nothing lists as empty)
+            found = {}
+        except Exception as exc:  # noqa: BLE001 - s3fs raises botocore's own errors for a store out of reach
+            raise ConfigError(f"cannot list {location} for {purpose}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            forget_listings(filesystem, location)
+        for path, info in found.items():
             full = path if "://" in path else f"{parsed.scheme}://{path}"
             mtime = info.get("LastModified") or info.get("mtime") or 0
             yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
         return
     raise ConfigError(f"{purpose} cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
+
+
+def forget_listings(filesystem: object, location: str) -> None:
+    """Drop what an fsspec file system's listings cache holds at or below ``location``.
+
+    ``find`` fills s3fs's (and gcsfs's, adlfs's) directory cache with every folder it listed, and that cache never
+    expires: ``info`` and ``open`` then answer from it, so a file another process wrote after the listing reads as
+    missing (a new ``metadata.json``: the stream could not refresh) and one it overwrote or deleted keeps its old size
+    or still exists. Another process writes under a stream's location all the time; nothing here may trust a listing
+    once it has been read."""
+    cache = getattr(filesystem, "dircache", None)
+    strip = getattr(filesystem, "_strip_protocol", None)
+    if cache is None or strip is None:
+        return
+    root = str(strip(location)).rstrip("/")
+    for key in [key for key in list(cache) if key == root or key.startswith(root + "/")]:
+        cache.pop(key, None)
 
 
 def modified_at(io: FileIO, path: str) -> float | None:
