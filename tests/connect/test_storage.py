@@ -41,3 +41,28 @@ def test_a_local_files_modification_time_is_its_mtime(tmp_path) -> None:
         assert modified_at(io, str(path)) == pytest.approx(path.stat().st_mtime, abs=1e-3)
         assert modified_at(io, f"file://{path}") == pytest.approx(path.stat().st_mtime, abs=1e-3)
         assert modified_at(io, str(tmp_path / "missing.parquet")) is None
+
+
+@pytest.mark.parametrize("kind", ["pyarrow", "fsspec"])
+def test_a_listing_the_store_refuses_is_a_config_error_naming_it(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FsspecFileIO, listing a table's files (GC, staged intents, consumer positions) against an endpoint that
+    refuses connections raised botocore's ``EndpointConnectionError`` out of the package; as with PyArrowFileIO it is
+    a ``ConfigError`` that names the location and what the listing was for."""
+    from lakestream_iceberg.connect.storage import list_files
+    from lakestream_iceberg.errors import ConfigError
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    port = services.free_ports(1)[0]
+    properties = {"s3.endpoint": f"http://127.0.0.1:{port}", "s3.access-key-id": "x",
+                  "s3.secret-access-key": "y", "s3.region": "us-east-1"}
+    io: FileIO
+    if kind == "pyarrow":
+        from pyiceberg.io.pyarrow import PyArrowFileIO
+
+        io = PyArrowFileIO({**properties, "s3.connect-timeout": "1", "s3.request-timeout": "1"})
+    else:
+        from pyiceberg.io.fsspec import FsspecFileIO
+
+        io = FsspecFileIO(properties)
+    with pytest.raises(ConfigError, match=r"cannot list s3://bucket/table for the staged batches"):
+        list(list_files(io, "s3://bucket/table", purpose="the staged batches"))
