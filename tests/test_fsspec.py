@@ -12,7 +12,7 @@ import datetime
 
 import pytest
 
-from lakestream_iceberg import Stream
+from lakestream_iceberg import ConfigError, Stream
 from tests.backends import Backend, backend, moto_service, postgres_service, seaweedfs_service
 from tests.support import SCHEMA, batch, digest
 
@@ -50,3 +50,23 @@ def test_gc_leaves_no_listing_behind_that_hides_what_other_clients_write(backend
     assert stream.head_step() == step
     for rank in range(WORLD):
         assert digest(stream.read(step, rank=rank)) == digest(batch("a", 3, WORLD)[rank])
+
+
+@pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)
+def test_a_location_that_holds_files_or_lies_in_a_table_is_refused_through_fsspec(backend: Backend) -> None:
+    """The check that keeps a new stream out of a folder holding other tables (lifecycle GC deletes every file under a
+    stream's location that the stream does not reference) listed through pyarrow only: with FsspecFileIO a stream was
+    made at the warehouse's root, and its first GC would have deleted every other table's data and metadata."""
+    catalog = backend.catalog()
+    catalog.properties["py-io-impl"] = FSSPEC
+    stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    stream.producer("a").commit(batch("a", 0, WORLD))
+    home = stream.table.metadata.location
+    warehouse = backend.properties["warehouse"]
+    for location in (warehouse, f"{warehouse}/{backend.namespace}", home + "/data", home + "/sub/folder"):
+        with pytest.raises(ConfigError, match="GC"):
+            Stream.create(catalog, "other.b", schema=SCHEMA, world_size=WORLD, location=location)
+        assert not catalog.table_exists("other.b")
+    own = Stream.create(catalog, "other.b", schema=SCHEMA, world_size=WORLD, location=f"{warehouse}/elsewhere/b")
+    assert own.table.metadata.location.endswith("/elsewhere/b") and type(own.io).__name__ == "FsspecFileIO"
+

@@ -1,9 +1,11 @@
-"""Listing the files under a table location through the table's own FileIO (PyArrow or fsspec), for GC, and one file's
-modification time."""
+"""Listing the files under a table location through the table's own FileIO (PyArrow or fsspec), for GC, staging and
+consumer positions, the names in one folder (for ``Stream.create``'s check of a location), and one file's modification
+time."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from pyiceberg.io import FileIO
 
@@ -33,15 +35,11 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
                 mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
                 yield prefix + info.path, int(info.size or 0), mtime
         return
-    try:
-        from pyiceberg.io.fsspec import FsspecFileIO
-    except ImportError:  # pragma: no cover - fsspec not installed
-        FsspecFileIO = None  # type: ignore[assignment,misc]
-    if FsspecFileIO is not None and isinstance(io, FsspecFileIO):
+    filesystem = _fsspec_filesystem(io, location)
+    if filesystem is not None:
         from urllib.parse import urlparse
 
-        parsed = urlparse(location)
-        filesystem = io.get_fs(parsed.scheme)
+        scheme = urlparse(location).scheme
         try:
             found = filesystem.find(location, detail=True)
         except FileNotFoundError:  # no bucket (a prefix that holds nothing lists as empty)
@@ -51,11 +49,50 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
         finally:
             forget_listings(filesystem, location)
         for path, info in found.items():
-            full = path if "://" in path else f"{parsed.scheme}://{path}"
+            full = path if "://" in path else f"{scheme}://{path}"
             mtime = info.get("LastModified") or info.get("mtime") or 0
             yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
         return
     raise ConfigError(f"{purpose} cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
+
+
+def list_folder(io: FileIO, location: str) -> list[str] | None:
+    """The names of the files and folders directly in ``location`` (none when it does not exist), through the table's
+    own FileIO; None when they cannot be told (the store cannot be listed, a FileIO that lists nothing)."""
+    from pyiceberg.io.pyarrow import PyArrowFileIO
+
+    try:
+        if isinstance(io, PyArrowFileIO):
+            from pyarrow import fs as pafs
+
+            scheme, netloc, path = PyArrowFileIO.parse_location(location, io.properties)
+            selector = pafs.FileSelector(path.rstrip("/"), recursive=False, allow_not_found=True)
+            return [info.base_name for info in io.fs_by_scheme(scheme, netloc).get_file_info(selector)]
+        filesystem = _fsspec_filesystem(io, location)
+        if filesystem is None:
+            return None
+        try:
+            found = filesystem.ls(location, detail=False, refresh=True)
+        except FileNotFoundError:
+            return []
+        finally:
+            forget_listings(filesystem, location)
+        return [str(name).rstrip("/").rsplit("/", 1)[-1] for name in found]
+    except Exception:  # noqa: BLE001 - no folder, no permission, an unreachable endpoint (botocore's own errors too)
+        return None
+
+
+def _fsspec_filesystem(io: FileIO, location: str) -> Any:
+    """The fsspec file system an ``FsspecFileIO`` reads ``location`` with; None for any other FileIO."""
+    try:
+        from pyiceberg.io.fsspec import FsspecFileIO
+    except ImportError:  # pragma: no cover - fsspec not installed
+        return None
+    if not isinstance(io, FsspecFileIO):
+        return None
+    from urllib.parse import urlparse
+
+    return io.get_fs(urlparse(location).scheme)
 
 
 def forget_listings(filesystem: object, location: str) -> None:

@@ -30,6 +30,7 @@ from lakestream_iceberg.connect.catalog_settings import env_name
 from lakestream_iceberg.connect.diagnose import explain, redact, transient
 from lakestream_iceberg.connect.integers import INT32_MAX, parse_int
 from lakestream_iceberg.connect.sqlite import prefer_wal
+from lakestream_iceberg.connect.storage import list_folder
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError, StreamExistsError
 from lakestream_iceberg.format.file_settings import avro_codec, parquet_options, statistics_plan
 from lakestream_iceberg.format.layout import (
@@ -115,31 +116,29 @@ def refuse_occupied_location(catalog: Catalog, location: str, *, name: str) -> N
     folder) deleted every table's data and metadata below it at its first GC, and one inside another table's folder had
     its files deleted by that table's GC. A location holding only ``data`` and ``metadata`` is taken: a dropped stream's
     (its files stay unless purged), which the new stream's GC then removes; a live table's there is not detected.
-    Best effort: storage pyiceberg reaches through pyarrow; a location that cannot be listed is left to the create."""
-    from pyarrow import fs as pafs
+    Best effort: storage a FileIO lists (pyarrow's, fsspec's); a location that cannot be listed is left to the create."""
     from pyiceberg.io import load_file_io
-    from pyiceberg.io.pyarrow import PyArrowFileIO
 
     try:
         io = load_file_io(dict(catalog.properties), location)
-        if not isinstance(io, PyArrowFileIO):
-            return
-        scheme, netloc, path = PyArrowFileIO.parse_location(location, io.properties)
-        filesystem = io.fs_by_scheme(scheme, netloc)
-        path = path.rstrip("/")
-        held = filesystem.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
-        table_above = None
-        parent = path
-        while parent.strip("/").count("/") > (0 if scheme in ("file", "") else 1):  # up to the root or the bucket
-            parent = parent.rsplit("/", 1)[0]
-            found = filesystem.get_file_info(pafs.FileSelector(f"{parent}/metadata", allow_not_found=True))
-            if any(info.path.endswith(".metadata.json") for info in found):
-                table_above = parent
-                break
-    except (OSError, ValueError):  # no folder, no permission, an unreachable endpoint: the create says which
+    except (OSError, ValueError):  # no FileIO for the scheme: the create says which
         return
+    held = list_folder(io, location)
+    if held is None:
+        return
+    scheme, found, path = location.partition("://")
+    if not found:
+        scheme, path = "", location
+    path = path.rstrip("/")
+    table_above = None
+    while path.strip("/").count("/") > (0 if scheme in ("file", "") else 1):  # up to the root or the bucket
+        path = path.rsplit("/", 1)[0]
+        parent = f"{scheme}://{path}" if found else path
+        if any(name.endswith(".metadata.json") for name in list_folder(io, f"{parent}/metadata") or ()):
+            table_above = parent
+            break
     # a table's own folders (a dropped table's, whose location a new stream may take over) are data/ and metadata/
-    foreign = sorted(info.base_name for info in held if info.base_name not in ("data", "metadata"))
+    foreign = sorted(name for name in held if name not in ("data", "metadata"))
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise ConfigError(
