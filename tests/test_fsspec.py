@@ -70,3 +70,24 @@ def test_a_location_that_holds_files_or_lies_in_a_table_is_refused_through_fsspe
     own = Stream.create(catalog, "other.b", schema=SCHEMA, world_size=WORLD, location=f"{warehouse}/elsewhere/b")
     assert own.table.metadata.location.endswith("/elsewhere/b") and type(own.io).__name__ == "FsspecFileIO"
 
+
+@pytest.mark.parametrize("impl", ["pyarrow", "fsspec"])
+def test_gc_collects_a_plain_path_warehouses_files_through_either_file_io(tmp_path, impl: str) -> None:
+    """A warehouse given as a plain path (no ``file://``): s3fs's ``find`` lists it without a scheme, and the listing
+    named its files ``:///...``, none of them under the stream's location: GC through FsspecFileIO deleted nothing,
+    ever (files_deleted empty, the collected steps' files kept forever)."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    extra = {"py-io-impl": FSSPEC} if impl == "fsspec" else {}
+    catalog = SqlCatalog("plain", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"{tmp_path}/warehouse", **extra)
+    stream = Stream.create(catalog, "ns.plain", schema=SCHEMA, world_size=WORLD)
+    assert stream.table.metadata.location.startswith("/")
+    producer = stream.producer("a")
+    for seq in range(4):
+        producer.commit(batch("a", seq, WORLD))
+    stream.checkpoint("c3", step=3)
+    report = stream.collect_garbage(dry_run=False, **NO_GRACE)
+    assert report.files_deleted.get("data") == 2 * WORLD and report.files_failed == 0
+    for step in (3, 4):
+        assert digest(stream.read(step, rank=0)) == digest(batch("a", step - 1, WORLD)[0])
+    catalog.engine.dispose()

@@ -49,7 +49,7 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
         finally:
             forget_listings(filesystem, location)
         for path, info in found.items():
-            full = path if "://" in path else f"{scheme}://{path}"
+            full = path if "://" in path or not scheme else f"{scheme}://{path}"  # a plain path stays one
             mtime = info.get("LastModified") or info.get("mtime") or 0
             yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
         return
