@@ -91,3 +91,16 @@ def test_gc_collects_a_plain_path_warehouses_files_through_either_file_io(tmp_pa
     for step in (3, 4):
         assert digest(stream.read(step, rank=0)) == digest(batch("a", step - 1, WORLD)[0])
     catalog.engine.dispose()
+
+
+@pytest.mark.parametrize("backend", ["rest-seaweedfs"], indirect=True)
+def test_a_refused_secret_is_a_config_error_naming_the_setting_through_fsspec(backend: Backend) -> None:
+    """s3fs turns the 403 of a HEAD (no body, so no AWS error code) into a bare ``PermissionError: Forbidden``, which
+    ``stream.read`` let out as it was; through PyArrowFileIO the same refusal is a ``ConfigError`` naming the keys."""
+    writer = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    writer.producer("a").commit(batch("a", 0, WORLD))
+    backend.properties["s3.secret-access-key"] = "not-the-secret"
+    stream = fsspec_stream(backend)
+    with pytest.raises(ConfigError, match=r"refused the credentials.*s3\.secret-access-key") as raised:
+        stream.read(1, rank=0)
+    assert "not-the-secret" not in str(raised.value)

@@ -89,7 +89,9 @@ def _is_rest_error(e: BaseException) -> bool:
 
 _S3_AUTH = re.compile(r"ACCESS_DENIED|SIGNATURE_DOES_NOT_MATCH|INVALID_ACCESS_KEY_ID|SignatureDoesNotMatch|"
                       r"InvalidAccessKeyId|AccessDenied|InvalidToken|ExpiredToken|NoCredentials|Unable to locate credentials|"
-                      r"HTTP status 403|HTTP status 401")  # fmt: skip
+                      r"HTTP status 403|HTTP status 401|"
+                      # botocore's text for a response without a body (a HEAD: s3fs's PermissionError('Forbidden'))
+                      r"An error occurred \((?:401|403)\) when calling")  # fmt: skip
 _S3_SECRET = re.compile(r"SIGNATURE_DOES_NOT_MATCH|SignatureDoesNotMatch")
 _S3_KEY_ID = re.compile(r"INVALID_ACCESS_KEY_ID|InvalidAccessKeyId")
 _S3_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode: (?:6|7|28|35|52|55|56)\b|Could not connect|Could not resolve|"
