@@ -104,3 +104,33 @@ def test_a_refused_secret_is_a_config_error_naming_the_setting_through_fsspec(ba
     with pytest.raises(ConfigError, match=r"refused the credentials.*s3\.secret-access-key") as raised:
         stream.read(1, rank=0)
     assert "not-the-secret" not in str(raised.value)
+
+
+@pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)
+def test_a_forked_worker_commits_and_reads_through_file_systems_of_its_own(backend: Backend) -> None:
+    """A ``multiprocessing`` worker forked after the parent used the stream inherits FsspecFileIO's per-thread s3fs
+    file system, which refuses another process ("This class is not fork-safe"): the child's commit retried that for
+    its whole budget and failed with ``CommitTimeoutError``. PyArrowFileIO's worked."""
+    import multiprocessing
+
+    from tests.test_processes import _child_report
+
+    catalog = backend.catalog()
+    catalog.properties["py-io-impl"] = FSSPEC
+    stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    stream.producer("parent").commit(batch("parent", 0, WORLD))
+    assert stream.read(1, rank=0).num_rows == batch("parent", 0, WORLD)[0].num_rows
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child() -> None:
+        try:
+            step = stream.producer("child").commit(batch("child", 0, WORLD)).step
+            results.put(("ok", step, digest(stream.read(1, rank=1))))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put(("error", repr(exc)[:2000], None))
+
+    proc = context.Process(target=child)
+    proc.start()
+    assert _child_report(proc, results, "commit") == ("ok", 2, digest(batch("parent", 0, WORLD)[1]))
+    assert stream.producer("parent").commit(batch("parent", 1, WORLD)).step == 3  # the parent's still work

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "no_fork_inside", "owns_connections"]
+__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "fork_safe_io", "no_fork_inside", "owns_connections"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,34 @@ def _after_fork_in_child() -> None:
             log.debug("could not drop inherited connections of %s after fork", engine, exc_info=True)
         else:
             _engines[engine] = pid
+
+
+_FILE_IOS: weakref.WeakSet[Any] = weakref.WeakSet()  # FsspecFileIOs whose file systems a forked child must not use
+
+
+def fork_safe_io(io: Any) -> None:
+    """Give forked children of this process file systems of their own for ``io`` (a no-op but for pyiceberg's
+    ``FsspecFileIO``).
+
+    ``FsspecFileIO`` keeps its fsspec file systems per thread, and a forked child inherits the forking thread's: an
+    s3fs file system refuses to be used in another process ("This class is not fork-safe"), so every read and write of
+    a stream a ``multiprocessing`` worker inherited failed (a commit retried that until its budget ran out). In the
+    child the FileIO drops them as its own unpickling does, and makes new ones on first use.
+    """
+    try:
+        from pyiceberg.io.fsspec import FsspecFileIO
+    except ImportError:  # pragma: no cover - fsspec not installed
+        return
+    if isinstance(io, FsspecFileIO):
+        _FILE_IOS.add(io)
+
+
+def _new_file_systems_after_fork() -> None:
+    for io in list(_FILE_IOS):
+        try:
+            io.__setstate__(io.__getstate__())  # pyiceberg's own reset of its per-thread file systems
+        except Exception:  # noqa: BLE001 - the child then fails on its first use, as it would have
+            log.debug("could not drop inherited file systems of %r after fork", io, exc_info=True)
 
 
 class ProcessPool:
@@ -132,6 +160,7 @@ def _reset_pools_after_fork() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_pools_after_fork)
+    os.register_at_fork(after_in_child=_new_file_systems_after_fork)
 
 
 # -- background calls into a database library, and fork ------------------------------------------------------------

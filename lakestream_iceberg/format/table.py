@@ -23,6 +23,7 @@ from pyiceberg.table import Table
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.snapshots import Snapshot
 
+from lakestream_iceberg.connect.fork import fork_safe_io
 from lakestream_iceberg.connect.integers import INT32_MAX, INT32_MIN, parse_int
 from lakestream_iceberg.connect.pointer import refresh_if_moved
 from lakestream_iceberg.errors import (
@@ -264,6 +265,7 @@ class StreamTable:
                 f"{PROP_VERSION}/{PROP_WORLD_SIZE} properties); create one with Stream.create()"
             )
         self.table = table
+        fork_safe_io(table.io)  # FsspecFileIO: a forked child makes file systems of its own (connect/fork.py)
         self.config = StreamConfig.from_properties(props, stream=".".join(table.name()))
         check_layout(table.metadata, self.config, stream=".".join(table.name()))
         self.cache = cache or shared_cache(self.config.manifest_cache_bytes)
