@@ -6,6 +6,7 @@ Any catalog that ``pyiceberg.catalog.load_catalog`` returns works: SQLite/Postgr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -388,6 +389,11 @@ class Stream(StreamTable):
                         max_in_flight=max_in_flight)
 
     # -- checkpoints and lifecycle -----------------------------------------------------------------------------------
+    def _named_errors(self, action: str) -> contextlib.AbstractContextManager[None]:
+        """A refused credential or an unreachable store as the :class:`ConfigError` naming the setting: a commit loop
+        (GC's, a checkpoint's) leaves that to its caller, as a producer's does."""
+        return config_errors(self.io.properties, action=f"{action} {self.name}", catalog=self.table.catalog.name)
+
     def _control_loop(self, branch: str) -> CommitLoop:
         loop = CommitLoop(table=self.table, policy=CommitPolicy(clock=time.monotonic), branch=branch,
                           timeout_s=self.config.commit_timeout_s, max_attempts=self.config.commit_max_attempts)
@@ -409,9 +415,10 @@ class Stream(StreamTable):
             CheckpointError: Invalid or duplicate name, unpublished or already collected step.
         """
         planned: set[int] = set()  # an attempt whose reply was lost may have landed: the next one finds its anchor
-        return self._control_loop(branch).run(
-            lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch, planned=planned),
-            pace=False).result
+        with self._named_errors("checkpointing"):
+            return self._control_loop(branch).run(
+                lambda md, _: plan_checkpoint(self, md, name=name, step=step, branch=branch, planned=planned),
+                pace=False).result
 
     def release(self, name: str) -> None:
         """Remove a checkpoint's tag; lifecycle GC may then collect what only it needed.
@@ -423,7 +430,8 @@ class Stream(StreamTable):
             CheckpointError: No checkpoint has that name.
         """
         planned: list[int] = []  # an attempt whose reply was lost may have landed: the next one finds the tag gone
-        self._control_loop(MAIN).run(lambda md, _: plan_release(md, name=name, planned=planned), pace=False)
+        with self._named_errors("releasing a checkpoint of"):
+            self._control_loop(MAIN).run(lambda md, _: plan_release(md, name=name, planned=planned), pace=False)
 
     def fork(self, checkpoint: Checkpoint | str, *, branch: str) -> Checkpoint:
         """Start an Iceberg branch at a checkpoint: producers and readers on ``branch`` continue at its step + 1.
@@ -443,9 +451,10 @@ class Stream(StreamTable):
         expected = checkpoint if isinstance(checkpoint, Checkpoint) else None
         name = checkpoint.name if isinstance(checkpoint, Checkpoint) else checkpoint
         planned: list[Checkpoint] = []  # an attempt whose reply was lost may have landed: the next one finds the branch
-        return self._control_loop(MAIN).run(
-            lambda md, _: plan_fork(md, name=name, branch=branch, expected=expected, planned=planned),
-            pace=False).result
+        with self._named_errors("forking"):
+            return self._control_loop(MAIN).run(
+                lambda md, _: plan_fork(md, name=name, branch=branch, expected=expected, planned=planned),
+                pace=False).result
 
     def repair(self, *, branch: str = MAIN, dry_run: bool = False) -> RepairReport:
         """Roll ``branch`` back to its last lakestream snapshot when another engine changed its data.
@@ -518,9 +527,10 @@ class Stream(StreamTable):
         # raised them since, and producers opened after the change publish files as old as the new ones allow
         current = StreamConfig.from_properties(self.refresh().table.metadata.properties, stream=self.name)
         grace_s = grace_seconds(grace, self.config, allow_short=allow_short_grace, current=current)
-        return collect_garbage(self, self._control_loop(MAIN), dry_run=dry_run, keep_last=keep_last,
-                               keep_within=keep_within, grace_s=grace_s,
-                               expire_intents=self._expire_intents if self._intent_table is not None else None)
+        with self._named_errors("collecting garbage of"):
+            return collect_garbage(self, self._control_loop(MAIN), dry_run=dry_run, keep_last=keep_last,
+                                   keep_within=keep_within, grace_s=grace_s,
+                                   expire_intents=self._expire_intents if self._intent_table is not None else None)
 
     def _expire_intents(self, older_than_s: float, delete: bool) -> list[str]:
         return call_with_retry(lambda: self.staging.expire(older_than_s=older_than_s, delete=delete),

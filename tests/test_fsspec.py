@@ -104,6 +104,11 @@ def test_a_refused_secret_is_a_config_error_naming_the_setting_through_fsspec(ba
     with pytest.raises(ConfigError, match=r"refused the credentials.*s3\.secret-access-key") as raised:
         stream.read(1, rank=0)
     assert "not-the-secret" not in str(raised.value)
+    # GC's commit writes manifests first: the refusal was a bare PermissionError out of collect_garbage (an OSError
+    # through PyArrowFileIO), though its commit loop leaves naming the setting to its caller
+    for call in (lambda: stream.collect_garbage(dry_run=False, **NO_GRACE), lambda: stream.checkpoint("c1", step=1)):
+        with pytest.raises(ConfigError, match=r"s3\.secret-access-key"):
+            call()
 
 
 @pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)

@@ -9,6 +9,8 @@ from typing import Any
 
 from pyiceberg.io import FileIO
 
+from lakestream_iceberg.connect.diagnose import explain, one_line
+from lakestream_iceberg.connect.secrets import redact
 from lakestream_iceberg.errors import ConfigError
 
 
@@ -29,7 +31,7 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
         try:
             infos = filesystem.get_file_info(pafs.FileSelector(path.rstrip("/"), recursive=True, allow_not_found=True))
         except OSError as exc:
-            raise ConfigError(f"cannot list {location} for {purpose}: {exc}") from exc
+            raise _listing_error(exc, io, location, purpose) from None
         for info in infos:
             if info.type == pafs.FileType.File:
                 mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
@@ -45,7 +47,7 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
         except FileNotFoundError:  # no bucket (a prefix that holds nothing lists as empty)
             found = {}
         except Exception as exc:  # noqa: BLE001 - s3fs raises botocore's own errors for a store out of reach
-            raise ConfigError(f"cannot list {location} for {purpose}: {type(exc).__name__}: {exc}") from exc
+            raise _listing_error(exc, io, location, purpose) from None
         finally:
             forget_listings(filesystem, location)
         for path, info in found.items():
@@ -54,6 +56,17 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
             yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
         return
     raise ConfigError(f"{purpose} cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
+
+
+def _listing_error(exc: Exception, io: FileIO, location: str, purpose: str) -> ConfigError:
+    """The :class:`ConfigError` for a listing the store refused: naming the setting when it is a credential or
+    endpoint failure (:func:`~lakestream_iceberg.connect.diagnose.explain`), the store's own words otherwise. The
+    original is kept as ``error.original``, not chained (its text is unredacted)."""
+    error = explain(exc, io.properties, action=f"listing {location} for {purpose}")
+    if error is None:
+        error = ConfigError(redact(f"cannot list {location} for {purpose}: {one_line(exc, 400)}", io.properties))
+        error.original = exc  # type: ignore[attr-defined]
+    return error
 
 
 def list_folder(io: FileIO, location: str) -> list[str] | None:

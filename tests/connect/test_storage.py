@@ -47,7 +47,7 @@ def test_a_local_files_modification_time_is_its_mtime(tmp_path) -> None:
 def test_a_listing_the_store_refuses_is_a_config_error_naming_it(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """With FsspecFileIO, listing a table's files (GC, staged intents, consumer positions) against an endpoint that
     refuses connections raised botocore's ``EndpointConnectionError`` out of the package; as with PyArrowFileIO it is
-    a ``ConfigError`` that names the location and what the listing was for."""
+    a ``ConfigError`` that names the location, what the listing was for and the setting to check."""
     from lakestream_iceberg.connect.storage import list_files
     from lakestream_iceberg.errors import ConfigError
 
@@ -64,5 +64,6 @@ def test_a_listing_the_store_refuses_is_a_config_error_naming_it(kind: str, monk
         from pyiceberg.io.fsspec import FsspecFileIO
 
         io = FsspecFileIO(properties)
-    with pytest.raises(ConfigError, match=r"cannot list s3://bucket/table for the staged batches"):
+    with pytest.raises(ConfigError, match=r"listing s3://bucket/table for the staged batches: cannot connect to the "
+                                          r"S3 endpoint http://127\.0\.0\.1:\d+; check s3\.endpoint"):
         list(list_files(io, "s3://bucket/table", purpose="the staged batches"))
