@@ -139,3 +139,28 @@ def test_a_forked_worker_commits_and_reads_through_file_systems_of_its_own(backe
     proc.start()
     assert _child_report(proc, results, "commit") == ("ok", 2, digest(batch("parent", 0, WORLD)[1]))
     assert stream.producer("parent").commit(batch("parent", 1, WORLD)).step == 3  # the parent's still work
+
+
+@pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)
+def test_gc_through_s3fs_says_it_cannot_tell_a_refused_delete(backend: Backend,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """s3fs drops the per-object errors of S3's multi-object delete: a delete the store refuses (a bucket policy, Object
+    Lock) is counted as done and the file stays, silently. GC through FsspecFileIO now says so, once per stream and
+    process, and names the way out; through PyArrowFileIO, which reports each failure, it says nothing."""
+    import logging
+
+    writer = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    producer = writer.producer("a")
+    for seq in range(3):
+        producer.commit(batch("a", seq, WORLD))
+    writer.checkpoint("c2", step=2)
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.lifecycle.sweep"):
+        writer.collect_garbage(dry_run=False, **NO_GRACE)
+        assert "FsspecFileIO" not in caplog.text
+        stream = fsspec_stream(backend)
+        report = stream.collect_garbage(dry_run=False, **NO_GRACE)
+        assert report.files_failed == 0
+        warned = [r.getMessage() for r in caplog.records if "FsspecFileIO" in r.getMessage()]
+        assert len(warned) == 1 and "PyArrowFileIO" in warned[0] and backend.identifier() in warned[0]
+        stream.collect_garbage(dry_run=False, **NO_GRACE)
+        assert len([r for r in caplog.records if "FsspecFileIO" in r.getMessage()]) == 1  # once per stream

@@ -125,6 +125,14 @@ def forget_listings(filesystem: object, location: str) -> None:
         cache.pop(key, None)
 
 
+def unreported_delete_failures(io: FileIO, location: str) -> bool:
+    """Whether a delete ``io`` makes under ``location`` can fail without saying so: ``FsspecFileIO`` deletes an S3
+    object through s3fs's multi-object delete, and s3fs drops the per-object errors of its answer (a bucket policy
+    without ``s3:DeleteObject``, an object under Object Lock): the file stays and the delete returns."""
+    filesystem = _fsspec_filesystem(io, location)
+    return filesystem is not None and "s3" in tuple(getattr(filesystem, "protocol", ()) or ())
+
+
 def modified_at(io: FileIO, path: str) -> float | None:
     """When the file at ``path`` was last modified (unix seconds, by the store's clock), or None when that cannot be
     told (no such file, a FileIO that lists no times, an error of the store)."""

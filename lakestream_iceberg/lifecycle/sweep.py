@@ -33,7 +33,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.concurrent import ExecutorFactory
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR
-from lakestream_iceberg.connect.storage import list_files
+from lakestream_iceberg.connect.storage import list_files, unreported_delete_failures
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import StreamState
@@ -131,6 +131,8 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
     location = location.rstrip("/") + "/"
     root = norm(location) + "/"
     cutoff = time.time() - grace_s
+    if delete:
+        _warn_unreported_delete_failures(stream, location)
     with _Deletes(stream.io) as deletes:
         in_grace = _walk(stream, location=location, root=root, keep=keep, known=known, cutoff=cutoff, delete=delete,
                          keep_producer_state=keep_producer_state, deletes=deletes)
@@ -139,6 +141,21 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
                     "next GC deletes them once it may", stream.name, deletes.failed, deletes.first_failure)
     return Swept(files_deleted=dict(deletes.counts), bytes_deleted=dict(deletes.sizes), files_in_grace=in_grace,
                  files_failed=deletes.failed, first_failure=deletes.first_failure)
+
+
+_warned_unreported: set[str] = set()  # the streams whose GC said so in this process
+
+
+def _warn_unreported_delete_failures(stream: StreamTable, location: str) -> None:
+    """Say, once per stream and process, that this GC cannot tell a delete the store refused (s3fs through
+    ``FsspecFileIO``): the report then counts such a file deleted while it stays."""
+    if stream.name in _warned_unreported or not unreported_delete_failures(stream.io, location):
+        return
+    _warned_unreported.add(stream.name)
+    log.warning("GC of %s deletes through pyiceberg's FsspecFileIO, whose s3fs ignores the errors of S3's multi-object "
+                "delete: a file the store refuses to delete (a bucket policy without s3:DeleteObject, Object Lock) "
+                "stays while files_deleted counts it; run GC through PyArrowFileIO (no py-io-impl) where deletes may "
+                "be refused, to have each failure reported (docs/guide/hosts.md)", stream.name)
 
 
 def _walk(stream: StreamTable, *, location: str, root: str, keep: set[str], known: set[str], cutoff: float,
