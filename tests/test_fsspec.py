@@ -13,8 +13,8 @@ import datetime
 import pytest
 
 from lakestream_iceberg import ConfigError, Stream
-from tests.backends import Backend, backend, moto_service, postgres_service, seaweedfs_service
-from tests.support import SCHEMA, batch, digest
+from tests.backends import Backend, backend, moto_service, postgres_service, published, seaweedfs_service, spawn_worker
+from tests.support import SCHEMA, batch, digest, needs_torch
 
 __all__ = ["backend", "moto_service", "postgres_service", "seaweedfs_service"]  # fixtures used by name
 
@@ -164,3 +164,40 @@ def test_gc_through_s3fs_says_it_cannot_tell_a_refused_delete(backend: Backend,
         assert len(warned) == 1 and "PyArrowFileIO" in warned[0] and backend.identifier() in warned[0]
         stream.collect_garbage(dry_run=False, **NO_GRACE)
         assert len([r for r in caplog.records if "FsspecFileIO" in r.getMessage()]) == 1  # once per stream
+
+
+@needs_torch
+@pytest.mark.parametrize("backend", ["rest-seaweedfs"], indirect=True)
+def test_a_stream_runs_end_to_end_through_fsspec(backend: Backend) -> None:
+    """Everything a run does, with ``py-io-impl`` set as a user sets it, on the catalog where the most goes through the
+    FileIO (REST: staged intents and consumer positions are objects): producer processes, a follow-mode dataset with
+    forked DataLoader workers through the host relay, reporting positions, a checkpoint, a fork, GC and history."""
+    from torch.utils.data import DataLoader
+
+    from lakestream_iceberg import LakestreamDataset
+    from lakestream_iceberg.read.lag import consumer_lags
+
+    backend.properties["py-io-impl"] = FSSPEC  # the producer processes load the catalog with it too
+    stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    assert type(stream.io).__name__ == "FsspecFileIO" and stream.staging.kind == "storage"
+    procs = [spawn_worker(backend, "commit", backend.identifier(), f"prep-{i}", "3") for i in range(2)]
+    dataset = LakestreamDataset(stream, rank=1, world_size=WORLD, follow=True, end_step=6, timeout=120, relay=True,
+                                group="run")
+    loader = DataLoader(dataset, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=120)
+    items = {item["step"]: item for item in dataset.track(loader)}
+    for proc in procs:
+        _out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+    steps = published(stream)
+    assert sorted(items) == sorted(steps) == list(range(1, 7))
+    for step, (pid, seq) in steps.items():
+        assert digest(stream.read(step, rank=0)) == digest(batch(pid, seq, WORLD)[0])
+    dataset.close()
+    assert {lag.rank: lag.last_step for lag in consumer_lags(stream.refresh(), group="run")} == {1: 6}
+    stream.checkpoint("c4", step=4)
+    stream.fork("c4", branch="retry")
+    report = stream.collect_garbage(dry_run=False, **NO_GRACE)
+    assert report.files_deleted.get("data") == 3 * WORLD and report.files_failed == 0
+    assert stream.staging.expire(older_than_s=-1.0, delete=False) == []  # no staged intent left behind
+    assert stream.history().sql("select count(*) from batches").fetchall() == [(3,)]
+    assert digest(stream.read(6, rank=1)) == digest(batch(*steps[6], WORLD)[1])
