@@ -201,3 +201,32 @@ def test_a_stream_runs_end_to_end_through_fsspec(backend: Backend) -> None:
     assert stream.staging.expire(older_than_s=-1.0, delete=False) == []  # no staged intent left behind
     assert stream.history().sql("select count(*) from batches").fetchall() == [(3,)]
     assert digest(stream.read(6, rank=1)) == digest(batch(*steps[6], WORLD)[1])
+
+
+@pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)
+def test_a_rank_of_a_packed_step_fetches_its_own_rows_only_through_s3fs(backend: Backend,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """pyiceberg's FsspecFileIO opens a file with fsspec's read-ahead cache of s3fs's 50 MiB block: a rank reading its
+    row groups of a packed step fetched from their offset to the end of the file (a rank of 8 of a 96 MiB step: 60 MiB,
+    5 times its share, and 5 times the CPU of the same read through PyArrowFileIO). s3fs logs every range it fetches."""
+    import logging
+    import os
+
+    import pyarrow as pa
+
+    schema = pa.schema([("blob", pa.binary())])
+    world, share = 8, 1 << 20
+    writer = Stream.create(backend.catalog(), backend.identifier(), schema=schema, world_size=world)
+    assert writer.config.layout == "packed"
+    shards = [pa.table({"blob": [os.urandom(share // 8) for _ in range(8)]}, schema=schema) for _ in range(world)]
+    writer.producer("a").commit(shards)
+    path = writer.locate(1)[0].file_path
+    stream = fsspec_stream(backend)
+    with caplog.at_level(logging.DEBUG, logger="s3fs"):
+        assert stream.read(1, rank=3).equals(shards[3])
+    key = path.split("://", 1)[1]
+    fetched = [record.args for record in caplog.records
+               if record.name == "s3fs" and record.msg.startswith("Fetch: ") and f"{record.args[0]}/{record.args[1]}" == key]
+    assert fetched, "s3fs logged no fetch of the step's file"
+    total = sum(int(end) - int(start) for _bucket, _key, start, end in fetched)
+    assert total < 2 * share, f"fetched {total} bytes of a {share}-byte share ({len(fetched)} ranges)"

@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 from pyiceberg.manifest import DataFile
 
+from lakestream_iceberg.connect.storage import open_ranged
 from lakestream_iceberg.errors import ConfigError, CorruptStateError, RankError
 from lakestream_iceberg.format.layout import RANK_COLUMN
 from lakestream_iceberg.format.packed import PackedFooter, corrupt_packed
@@ -134,7 +135,7 @@ class StepFiles:
         if whole:
             self._stream = pa.BufferReader(fetch(io, data_file.file_path, size=data_file.file_size_in_bytes))
         else:
-            self._stream = io.new_input(data_file.file_path).open(seekable=True)
+            self._stream = open_ranged(io, data_file.file_path)  # through s3fs too: reads fetch their ranges only
         try:
             # pre_buffer: the column chunks of the row groups read are fetched in coalesced ranges (storage, not memory)
             try:
