@@ -33,6 +33,7 @@ from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metada
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.connect.retry import call_with_retry, read_with_retry
 from lakestream_iceberg.connect.sqlite import prefer_wal
+from lakestream_iceberg.connect.storage import warn_unbounded_requests
 from lakestream_iceberg.errors import (
     ConfigError,
     LifecycleError,
@@ -114,6 +115,7 @@ class Stream(StreamTable):
         super().__init__(table, cache=cache)
         prefer_wal(table.catalog)  # SQLite catalogs: write-ahead log unless lakestream.sqlite.wal=false (connect/sqlite.py)
         fork_safe(table.catalog)  # SQL catalogs: a forked child opens its own connections (connect/fork.py)
+        warn_unbounded_requests(table.io, table.metadata.location)  # FsspecFileIO without timeouts (connect/storage.py)
         self._intent_table = intent_table(table.catalog, self.config.group_staging, name=".".join(table.name()))
         self._policies: dict[str, CommitPolicy] = {}  # branch -> the DAC state of the last producer made here
 

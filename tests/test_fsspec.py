@@ -230,3 +230,28 @@ def test_a_rank_of_a_packed_step_fetches_its_own_rows_only_through_s3fs(backend:
     assert fetched, "s3fs logged no fetch of the step's file"
     total = sum(int(end) - int(start) for _bucket, _key, start, end in fetched)
     assert total < 2 * share, f"fetched {total} bytes of a {share}-byte share ({len(fetched)} ranges)"
+
+
+@pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)
+def test_a_stream_through_s3fs_without_request_timeouts_says_so(backend: Backend, caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without ``s3.connect-timeout`` and ``s3.request-timeout``, s3fs waits botocore's 60 s per attempt and retries
+    each request 5 times on top of botocore's attempts: one read of an endpoint that stopped answering took 410 s
+    (PyArrowFileIO: 10 s), past every budget of lakestream's, and nothing said why. Opening such a stream warns, once
+    per process, naming both settings; with them set it says nothing."""
+    import logging
+
+    from lakestream_iceberg.connect import storage
+
+    Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    monkeypatch.setattr(storage, "_warned_bounds", False)
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.connect.storage"):
+        backend.properties.update({"s3.connect-timeout": "1", "s3.request-timeout": "3"})
+        fsspec_stream(backend)
+        assert "s3.request-timeout" not in caplog.text
+        for key in ("s3.connect-timeout", "s3.request-timeout"):
+            del backend.properties[key]
+        fsspec_stream(backend)
+        fsspec_stream(backend)
+    warned = [r.getMessage() for r in caplog.records if "s3.request-timeout" in r.getMessage()]
+    assert len(warned) == 1 and "s3.connect-timeout and s3.request-timeout" in warned[0]

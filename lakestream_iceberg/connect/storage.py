@@ -4,6 +4,7 @@ time."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -12,6 +13,8 @@ from pyiceberg.io import FileIO
 from lakestream_iceberg.connect.diagnose import explain, one_line
 from lakestream_iceberg.connect.secrets import redact
 from lakestream_iceberg.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection") -> Iterator[tuple[str, int, float]]:
@@ -120,7 +123,7 @@ def open_ranged(io: FileIO, path: str) -> Any:
     MiB of it. Here a read fetches its range (and ``pre_buffer`` coalesces a row group's column chunks), as through
     ``PyArrowFileIO``."""
     filesystem = _fsspec_filesystem(io, path)
-    if filesystem is None or "s3" not in tuple(getattr(filesystem, "protocol", ()) or ()):
+    if not _through_s3fs(filesystem):
         return io.new_input(path).open(seekable=True)
     return filesystem.open(path, "rb", cache_type="none")
 
@@ -146,8 +149,35 @@ def unreported_delete_failures(io: FileIO, location: str) -> bool:
     """Whether a delete ``io`` makes under ``location`` can fail without saying so: ``FsspecFileIO`` deletes an S3
     object through s3fs's multi-object delete, and s3fs drops the per-object errors of its answer (a bucket policy
     without ``s3:DeleteObject``, an object under Object Lock): the file stays and the delete returns."""
-    filesystem = _fsspec_filesystem(io, location)
+    return _through_s3fs(_fsspec_filesystem(io, location))
+
+
+def _through_s3fs(filesystem: Any) -> bool:
+    """Whether ``filesystem`` (an fsspec file system, or None) is s3fs."""
     return filesystem is not None and "s3" in tuple(getattr(filesystem, "protocol", ()) or ())
+
+
+_TIME_BOUNDS = ("s3.connect-timeout", "s3.request-timeout")
+_warned_bounds = False
+
+
+def warn_unbounded_requests(io: FileIO, location: str) -> None:
+    """Warn, once per process, when ``io`` reaches S3 through s3fs without both of ``s3.connect-timeout`` and
+    ``s3.request-timeout``: botocore then waits 60 s per attempt, and s3fs retries each request 5 times on top of
+    botocore's attempts, so one request to an endpoint that stops answering took 410 s (PyArrowFileIO: 10 s), longer
+    than lakestream's own read and commit budgets. Setting both (and ``AWS_MAX_ATTEMPTS=1``) brought it to 17 s."""
+    global _warned_bounds
+    if _warned_bounds or not _through_s3fs(_fsspec_filesystem(io, location)):
+        return
+    missing = [key for key in _TIME_BOUNDS if not io.properties.get(key)]
+    if not missing:
+        return
+    _warned_bounds = True
+    log.warning("pyiceberg's FsspecFileIO (s3fs) reaches S3 without %s: a request to a store that stops answering "
+                "then waits minutes (botocore's 60 s per attempt, and s3fs's 5 retries on top of botocore's), past "
+                "lakestream's own read and commit budgets; set s3.connect-timeout and s3.request-timeout (seconds) "
+                "in the catalog's properties, or use PyArrowFileIO (no py-io-impl); see docs/guide/hosts.md",
+                " and ".join(missing))
 
 
 def modified_at(io: FileIO, path: str) -> float | None:
