@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -79,11 +80,8 @@ def fork_safe_io(io: Any) -> None:
     a stream a ``multiprocessing`` worker inherited failed (a commit retried that until its budget ran out). In the
     child the FileIO drops them as its own unpickling does, and makes new ones on first use.
     """
-    try:
-        from pyiceberg.io.fsspec import FsspecFileIO
-    except ImportError:  # pragma: no cover - fsspec not installed
-        return
-    if isinstance(io, FsspecFileIO):
+    fsspec_io = sys.modules.get("pyiceberg.io.fsspec")  # not imported: no FsspecFileIO exists (and fsspec stays unloaded)
+    if fsspec_io is not None and isinstance(io, fsspec_io.FsspecFileIO):
         _FILE_IOS.add(io)
 
 

@@ -5,6 +5,7 @@ time."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -100,11 +101,8 @@ def list_folder(io: FileIO, location: str) -> list[str] | None:
 
 def _fsspec_filesystem(io: FileIO, location: str) -> Any:
     """The fsspec file system an ``FsspecFileIO`` reads ``location`` with; None for any other FileIO."""
-    try:
-        from pyiceberg.io.fsspec import FsspecFileIO
-    except ImportError:  # pragma: no cover - fsspec not installed
-        return None
-    if not isinstance(io, FsspecFileIO):
+    fsspec_io = sys.modules.get("pyiceberg.io.fsspec")  # not imported: no FsspecFileIO exists (and fsspec stays unloaded)
+    if fsspec_io is None or not isinstance(io, fsspec_io.FsspecFileIO):
         return None
     from urllib.parse import urlparse
 
