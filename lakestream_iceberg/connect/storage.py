@@ -1,6 +1,7 @@
-"""Listing the files under a table location through the table's own FileIO (PyArrow or fsspec), for GC, staging and
-consumer positions, the names in one folder (for ``Stream.create``'s check of a location), and one file's modification
-time."""
+"""A table's storage through its own FileIO, PyArrow's or fsspec's: listing the files under a location (GC, staging,
+consumer positions), the names in one folder (``Stream.create``'s check of a location), one file's modification time,
+a stream of ranged reads; and where s3fs (pyiceberg's ``FsspecFileIO``) differs from pyarrow: its listings cache
+(dropped after each listing), its silent multi-object delete and its loose request bounds (warned of)."""
 
 from __future__ import annotations
 
