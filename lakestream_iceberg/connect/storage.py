@@ -134,14 +134,20 @@ def forget_listings(filesystem: object, location: str) -> None:
     expires: ``info`` and ``open`` then answer from it, so a file another process wrote after the listing reads as
     missing (a new ``metadata.json``: the stream could not refresh) and one it overwrote or deleted keeps its old size
     or still exists. Another process writes under a stream's location all the time; nothing here may trust a listing
-    once it has been read."""
+    once it has been read.
+
+    Safe from any thread: s3fs is one file system (one cache) per process for every thread, and ``pop`` of the cache
+    (a ``MutableMapping``: a read, then a delete) raised ``KeyError`` where another thread deleted the key in between."""
     cache = getattr(filesystem, "dircache", None)
     strip = getattr(filesystem, "_strip_protocol", None)
     if cache is None or strip is None:
         return
     root = str(strip(location)).rstrip("/")
     for key in [key for key in list(cache) if key == root or key.startswith(root + "/")]:
-        cache.pop(key, None)
+        try:
+            del cache[key]  # one step: a dict's delete
+        except KeyError:  # another thread's listing dropped it first
+            pass
 
 
 def unreported_delete_failures(io: FileIO, location: str) -> bool:

@@ -67,3 +67,45 @@ def test_a_listing_the_store_refuses_is_a_config_error_naming_it(kind: str, monk
     with pytest.raises(ConfigError, match=r"listing s3://bucket/table for the staged batches: cannot connect to the "
                                           r"S3 endpoint http://127\.0\.0\.1:\d+; check s3\.endpoint"):
         list(list_files(io, "s3://bucket/table", purpose="the staged batches"))
+
+
+def test_threads_forgetting_the_same_listings_at_once_never_fail() -> None:
+    """s3fs is one file system per process for every thread (fsspec caches async file systems without the thread in
+    the key), so threads listing one stream (GC, staged batches, consumer positions) drop entries of one listings cache
+    at once. ``forget_listings`` popped them through the cache's ``MutableMapping.pop``, a read then a delete: a thread
+    whose key another thread deleted in between raised ``KeyError`` out of the listing (GC failed with it)."""
+    import sys
+    import threading
+
+    import s3fs
+
+    from lakestream_iceberg.connect.storage import forget_listings
+
+    filesystem = s3fs.S3FileSystem(anon=True, skip_instance_cache=True)  # its cache only: no request is made
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    def lister() -> None:
+        for _ in range(2000):
+            if done.is_set():
+                return
+            for i in range(20):  # what a listing of the table leaves: one entry per folder
+                filesystem.dircache[f"bucket/table/data/{i}"] = []
+            try:
+                forget_listings(filesystem, "s3://bucket/table")
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                errors.append(exc)
+                done.set()
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two bytecodes: the race shows within milliseconds
+    try:
+        threads = [threading.Thread(target=lister) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    assert errors == [], errors[:3]
+    assert not any(key.startswith("bucket/table") for key in filesystem.dircache._cache)
