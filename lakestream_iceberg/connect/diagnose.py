@@ -99,7 +99,9 @@ _S3_UNREACHABLE = re.compile(r"NETWORK_CONNECTION|curlCode: (?:6|7|28|35|52|55|5
                              r"Connection (?:refused|reset)|timed out|Timeout was reached")  # fmt: skip
 _S3_TIMEOUT = re.compile(r"curlCode: 28|Timeout was reached|timed out|ConnectTimeoutError|ReadTimeoutError")
 _S3_SERVER = re.compile(r"SERVICE_UNAVAILABLE|SLOW_DOWN|INTERNAL_FAILURE|THROTTLING|REQUEST_TIMEOUT|HTTP status (?:5\d\d|429)\b|"
-                        r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout")  # fmt: skip
+                        r"InternalError|ServiceUnavailable|SlowDown|RequestTimeout|"
+                        # botocore's text for a response without a body (a HEAD through s3fs: OSError 'Service Unavailable')
+                        r"An error occurred \((?:5\d\d|429)\) when calling")  # fmt: skip
 # pyarrow's S3FileSystem given a key id without its secret (or a secret without its id): a ValueError before any request
 _S3_HALF_KEY = re.compile(r"both access_key and secret_key must be provided")
 _S3_BUCKET = re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist")

@@ -76,6 +76,23 @@ def test_an_s3_status_is_transient_when_a_retry_can_succeed(status: int, expecte
     assert transient(exc) is expected, (status, exc)
 
 
+@pytest.mark.parametrize(("status", "expected"), [(429, True), (503, True), (500, True), (403, False), (404, False)])
+def test_an_s3_status_through_s3fs_is_transient_when_a_retry_can_succeed(status: int, expected: bool,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyiceberg's FsspecFileIO: s3fs raises a bodyless answer (a HEAD's, every one of this server's) as botocore's
+    "An error occurred (503) when calling ..." under an OSError; 503 and 500 were no transient failure there (no retry
+    of lakestream's), while pyarrow's text for the same answer was."""
+    s3fs = pytest.importorskip("s3fs")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's own retries: the answer is the same on every try
+    with answering(status) as port:
+        s3 = s3fs.S3FileSystem(key="a", secret="b", client_kwargs={"endpoint_url": f"http://127.0.0.1:{port}",
+                                                                   "region_name": "us-east-1"},
+                               skip_instance_cache=True)
+        exc = _raised(lambda: s3.info("bucket/key"))
+    assert f"({status})" in str(exc.__cause__ or exc), (status, exc)
+    assert transient(exc) is expected, (status, type(exc).__name__, exc)
+
+
 def test_a_sqlite_error_a_retry_cannot_change_is_permanent_a_locked_database_transient(tmp_path: Path) -> None:
     """SQLite raises OperationalError for a locked database and for a read-only one, a missing table or bad SQL alike."""
     path = tmp_path / "catalog.db"
