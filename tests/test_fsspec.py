@@ -255,3 +255,36 @@ def test_a_stream_through_s3fs_without_request_timeouts_says_so(backend: Backend
         fsspec_stream(backend)
     warned = [r.getMessage() for r in caplog.records if "s3.request-timeout" in r.getMessage()]
     assert len(warned) == 1 and "s3.connect-timeout and s3.request-timeout" in warned[0]
+
+
+@pytest.mark.parametrize("backend", ["rest-seaweedfs"], indirect=True)
+def test_a_forked_worker_commits_and_reads_after_the_parent_refreshed_through_a_rest_catalog(backend: Backend) -> None:
+    """A REST catalog's table is refreshed with pyiceberg's ``Table.refresh()``, which replaces the table's FileIO with
+    the one the catalog loaded just then: a stream refreshed after it was opened (every head read, ``stream.refresh()``)
+    read and wrote through an FsspecFileIO that no fork hook knew, and a child forked after the parent used it
+    inherited its s3fs file system ("This class is not fork-safe")."""
+    import multiprocessing
+
+    from tests.test_processes import _child_report
+
+    backend.properties["py-io-impl"] = FSSPEC
+    stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    opened_with = stream.io
+    stream.producer("parent").commit(batch("parent", 0, WORLD))
+    stream.refresh()
+    assert type(stream.io).__name__ == "FsspecFileIO" and stream.io is not opened_with  # pyiceberg's Table.refresh()
+    assert stream.read(1, rank=0).num_rows == batch("parent", 0, WORLD)[0].num_rows  # the new FileIO's s3fs, used
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+
+    def child() -> None:
+        try:
+            step = stream.producer("child").commit(batch("child", 0, WORLD)).step
+            results.put(("ok", step, digest(stream.read(1, rank=1))))
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            results.put(("error", repr(exc)[:2000], None))
+
+    proc = context.Process(target=child)
+    proc.start()
+    assert _child_report(proc, results, "commit") == ("ok", 2, digest(batch("parent", 0, WORLD)[1]))
+    assert stream.producer("parent").commit(batch("parent", 1, WORLD)).step == 3  # the parent's still work

@@ -28,7 +28,7 @@ from pyiceberg.io import FileIO
 from pyiceberg.table import Table
 
 from lakestream_iceberg.connect.direct import direct_connections
-from lakestream_iceberg.connect.fork import no_fork_inside
+from lakestream_iceberg.connect.fork import fork_safe_io, no_fork_inside
 from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, read_metadata, unparsable
 from lakestream_iceberg.errors import StreamError, StreamNotFoundError
 
@@ -239,8 +239,11 @@ def read_pointed(io: FileIO, location: str, probe: Callable[[], str | None], *, 
 
 
 def _reload(table: Table) -> None:
+    """``Table.refresh()``, which also replaces the table's FileIO with the one the catalog loaded it with: that one's
+    file systems are made anew in a forked child too (:func:`~lakestream_iceberg.connect.fork.fork_safe_io`)."""
     try:
         table.refresh()
+        fork_safe_io(table.io)
     except MALFORMED as exc:  # the catalog's new metadata file cannot be parsed: no retry reads it
         if not unparsable(exc):  # an HTTP client's JSONDecodeError (a REST token refresh): not a metadata file
             raise
