@@ -293,6 +293,9 @@ def _fail_on_what_gc_left(report: Any) -> None:
                         f"{report.first_failure}). Let this process delete under the table's location: the next gc "
                         "deletes them (those written within the grace period once they are older)")
     if getattr(report, "expiry_failed", None):
+        if report.dry_run:  # nothing was to be expired: what failed is the count of what would be
+            raise UserError(f"gc --dry-run could not count what it would expire: {'; '.join(report.expiry_failed)}. "
+                            "Check that this process can reach and read the catalog and the table's location")
         raise UserError(f"gc could not expire {'; '.join(report.expiry_failed)}. Check that this process can reach "
                         "and write the catalog and the table's location: the next gc retries")
 

@@ -13,7 +13,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -152,6 +152,9 @@ def test_positions_gc_could_not_expire_are_reported_and_fail_the_gc_command(tmp_
     assert "consumer-position" not in report.files_deleted and report.files_failed == 0
     with pytest.raises(UserError, match="could not expire consumer positions: .* the next gc retries"):
         _fail_on_what_gc_left(report)
+    # a dry run expires nothing: what it could not do is count, and it says so
+    with pytest.raises(UserError, match=r"^gc --dry-run could not count what it would expire: consumer positions: "):
+        _fail_on_what_gc_left(replace(report, dry_run=True))
     again = stream.collect_garbage(dry_run=False)  # the next GC expires them
     assert again.expiry_failed == [] and again.files_deleted.get("consumer-position") == WORLD
     assert kept(stream) == []
