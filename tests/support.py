@@ -6,9 +6,11 @@ import contextlib
 import hashlib
 import importlib.util
 import random
+import re
 import shutil
 import subprocess
 import time
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -123,3 +125,21 @@ def immutable(path: str) -> Iterator[None]:
         yield
     finally:
         subprocess.run([chattr, "-i", path], check=True)
+
+
+@contextlib.contextmanager
+def raised_by_loader(expected: type[BaseException] | tuple[type[BaseException], ...], match: str) -> Iterator[types.SimpleNamespace]:
+    """``pytest.raises`` for a DataLoader with workers that raises. The exception's traceback holds the loader's
+    iterator in a reference cycle (torch's ``ExceptionWrapper.reraise`` frame holds the exception), so only a garbage
+    collection stops it, after the queues to its workers were closed: torch then waits 5 s per worker. Dropping the
+    traceback frees the iterator at once, and torch ends its workers without the wait."""
+    raised = types.SimpleNamespace(value=None)  # the exception, for the test to check further
+    try:
+        yield raised
+    except expected as exc:
+        if not re.search(match, str(exc)):
+            raise AssertionError(f"{type(exc).__name__} does not match {match!r}: {exc}") from exc
+        exc.__traceback__ = None
+        raised.value = exc
+    else:
+        pytest.fail(f"DID NOT RAISE {expected}")

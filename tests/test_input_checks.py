@@ -15,7 +15,7 @@ import pytest
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import BatchError, ConfigError, SequenceError, StepCollectedError, StepError, StreamError
 from lakestream_iceberg.format.checks import check_int
-from tests.support import SCHEMA, batch, lakestream_keys, sqlite_catalog
+from tests.support import SCHEMA, batch, lakestream_keys, raised_by_loader, sqlite_catalog
 
 try:
     import torch
@@ -321,7 +321,7 @@ def test_dataloader_workers_refuse_a_table_created_again(tmp_path: Path) -> None
     with pytest.raises(StreamError):
         list(ds)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1, multiprocessing_context="fork")
-    with pytest.raises(Exception, match="dropped and created again"):  # a worker read the new table's rows
+    with raised_by_loader(Exception, match="dropped and created again"):  # a worker read the new table's rows
         list(loader)
 
 

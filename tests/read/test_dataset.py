@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import multiprocessing
 import os
 import pickle
 import subprocess
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch  # noqa: E402
+from tests.support import raised_by_loader  # noqa: E402
 
 SCHEMA = pa.schema([
     pa.field("x", pa.int64(), nullable=False),
@@ -154,7 +156,7 @@ def test_a_transforms_own_file_not_found_error_is_raised_as_it_is(tmp_path: Path
     stream = make_stream(tmp_path, steps=3)
     ds = LakestreamDataset(stream, rank=0, world_size=2, transform=_reads_a_missing_vocabulary)
     kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
-    with pytest.raises(FileNotFoundError, match="no-such-vocabulary") as raised:
+    with raised_by_loader(FileNotFoundError, match="no-such-vocabulary") as raised:
         list(DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs))
     assert "restore" not in str(raised.value).lower()
     assert not isinstance(raised.value, StreamError)
@@ -171,8 +173,7 @@ def test_order_and_exactly_once_across_ranks_and_fork_workers(tmp_path: Path, nu
         check_items(items, world=2, rank=rank, steps=list(range(1, 8)))
 
 
-# with workers only DataLoader's default batch_size=1: a loader whose worker raises takes torch 5 s per worker to end
-@pytest.mark.parametrize(("num_workers", "batch_size"), [(0, 1), (0, 2), (2, 1)])
+@pytest.mark.parametrize(("num_workers", "batch_size"), [(0, 1), (0, 2), (2, 1), (2, 2)])
 def test_a_loader_that_batches_steps_with_the_default_collate_is_refused(tmp_path: Path, num_workers: int,
                                                                          batch_size: int) -> None:
     """An item is a batch already: DataLoader's default batch_size=1 stacked each item into a batch of one (a leading
@@ -182,10 +183,10 @@ def test_a_loader_that_batches_steps_with_the_default_collate_is_refused(tmp_pat
     stream = make_stream(tmp_path, steps=4)
     kwargs = {"multiprocessing_context": "fork"} if num_workers else {}
     ds = LakestreamDataset(stream, rank=0, world_size=2)
-    with pytest.raises(ConfigError, match="batch_size=None"):
+    with raised_by_loader(ConfigError, match="batch_size=None"):
         list(DataLoader(ds, batch_size=batch_size, num_workers=num_workers, **kwargs))
     numbers = LakestreamDataset(stream, rank=0, world_size=2, columns=["x", "f"])  # no Blobs: stacked silently before
-    with pytest.raises(ConfigError, match="batch_size=None"):
+    with raised_by_loader(ConfigError, match="batch_size=None"):
         list(DataLoader(numbers, batch_size=batch_size, num_workers=num_workers, **kwargs))
     pairs = list(DataLoader(ds, batch_size=2, num_workers=num_workers, collate_fn=lambda items: [it["step"] for it in items],
                             **kwargs))
@@ -522,21 +523,39 @@ def test_stalled_producer_does_not_hang_past_timeout(tmp_path: Path, num_workers
     got: list[int] = []
     started = time.monotonic()
     loader = iter(DataLoader(ds, batch_size=None, num_workers=num_workers, **kwargs))
-    with pytest.raises(ReadTimeoutError, match="step 3"):
+    with raised_by_loader(ReadTimeoutError, match="step 3"):  # its workers end with the iterator, below
         for item in loader:
             got.append(item["step"])
     assert time.monotonic() - started < 10
     assert got == [1, 2]
-    if num_workers:
-        # After a worker raised, torch's own shutdown waits 5 s per worker before terminating it (torch, not us: a
-        # plain IterableDataset that raises does the same). Do what its shutdown's `finally` does, without the wait.
-        from torch.utils.data._utils import signal_handling
+    del loader
 
-        signal_handling._remove_worker_pids(id(loader))
-        for worker in loader._workers:
-            worker.terminate()
-            worker.join()
-        loader._shutdown = True
+
+@pytest.mark.parametrize("drop", [True, False])
+def test_a_handler_that_drops_a_loader_errors_traceback_ends_its_workers_at_once(tmp_path: Path, drop: bool) -> None:
+    """docs/guide/training.md: the traceback of an error a loader with workers raised holds its iterator in a reference
+    cycle (torch's), so its workers outlive the handler until a garbage collection (which then waits 5 s per worker);
+    dropping the traceback in the handler ends them before the handler is left."""
+    stream = make_stream(tmp_path, steps=2)
+    before = {p.pid for p in multiprocessing.active_children()}
+    follower = LakestreamDataset(stream, rank=0, world_size=2, follow=True, timeout=0.5)
+    caught: list[ReadTimeoutError] = []
+    gc.disable()  # no collection during the test (one would end the kept loader's workers, after 10 s)
+    try:
+        try:
+            for _ in DataLoader(follower, batch_size=None, num_workers=2, multiprocessing_context="fork"):
+                pass
+        except ReadTimeoutError as exc:
+            caught.append(exc)
+            if drop:
+                exc.__traceback__ = None
+        left = {p.pid for p in multiprocessing.active_children()} - before
+        assert (left == set()) == drop, left
+    finally:
+        for exc in caught:  # the kept loader's workers end now
+            exc.__traceback__ = None
+        caught.clear()
+        gc.enable()
 
 
 def test_close_ends_a_waiting_follow_iteration(tmp_path: Path) -> None:

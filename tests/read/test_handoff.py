@@ -37,6 +37,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lakestream_iceberg.read.dataset import LakestreamDataset  # noqa: E402
+from tests.support import raised_by_loader  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not handoff.supported(), reason="the segment pool needs os.memfd_create (Linux)")
 
@@ -367,14 +368,14 @@ def test_a_worker_that_fails_or_is_killed_ends_the_loop_leaving_kept_items_intac
     alone = payload(list(LakestreamDataset(stream, rank=0, world_size=1)))
     before = handoff_memory()
     kept = []
-    with pytest.raises(ValueError, match="failed at step 5"):
+    # the error's traceback dropped: the first loader's iterator goes now, not as garbage in a reference cycle collected
+    # later, while the second loader's killed worker is registered (DataLoader's SIGCHLD handler may then raise in its
+    # __del__, and pytest keeps that unraisable exception, with the iterator and its workers' Process objects, so their
+    # segments, to the end of the test)
+    with raised_by_loader(ValueError, match="failed at step 5"):
         for item in DataLoader(LakestreamDataset(stream, rank=0, world_size=1, transform=fail_at_step_5),
                                batch_size=None, num_workers=2):
             kept.append(item)
-    # the first loader's iterator is garbage in a reference cycle (torch's ExceptionWrapper.reraise frame holds the
-    # exception that holds the frame): collect it now. Collected later, while the second loader's killed worker is
-    # registered, DataLoader's SIGCHLD handler may raise in its __del__, and pytest keeps that unraisable exception, with
-    # the iterator and its workers' Process objects (so their segments), to the end of the test
     gc.collect()
     items = iter(DataLoader(LakestreamDataset(stream, rank=0, world_size=1), batch_size=None, num_workers=2))
     kept.append(next(items))
