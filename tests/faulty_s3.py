@@ -12,6 +12,8 @@ at most ``times`` times):
 * ``slowdown`` / ``internal`` / ``unavailable``: the proxy answers itself, with the status and S3 XML error body real S3
   sends (``503 Slow Down`` + ``<Code>SlowDown</Code>``, ``500 Internal Server Error`` + ``InternalError``,
   ``503 Service Unavailable`` + ``ServiceUnavailable``); the request never reaches the server;
+* ``rest-forbidden`` / ``rest-unauthorized``: the proxy answers as an Iceberg REST catalog refusing the request (403,
+  401, with the REST spec's JSON error body), for the proxy in front of a REST catalog;
 * ``reset``: the connection is cut before the request is forwarded (it never landed);
 * ``lost``: the request is forwarded and answered by the server (it landed), then the connection is cut without the
   answer (the client cannot tell whether it landed).
@@ -23,6 +25,7 @@ thread with an asyncio loop; ``close`` (or leaving the ``with``) stops it.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import struct
@@ -32,14 +35,19 @@ from dataclasses import dataclass, field
 
 from tests.loop_server import LoopServer
 
-__all__ = ["ERRORS", "Fault", "FaultyS3"]
+__all__ = ["ERRORS", "REST_ERRORS", "Fault", "FaultyS3"]
 
 ERRORS: dict[str, tuple[int, str, str, str]] = {  # action -> status, reason, S3 code, message
     "slowdown": (503, "Slow Down", "SlowDown", "Please reduce your request rate."),
     "internal": (500, "Internal Server Error", "InternalError", "We encountered an internal error. Please try again."),
     "unavailable": (503, "Service Unavailable", "ServiceUnavailable", "Service is unable to handle request."),
 }
-ACTIONS = frozenset(ERRORS) | {"reset", "lost"}
+# an Iceberg REST catalog's error answer (its JSON ErrorModel), for the proxy in front of a REST catalog
+REST_ERRORS: dict[str, tuple[int, str, str, str]] = {  # action -> status, reason, error type, message
+    "rest-forbidden": (403, "Forbidden", "ForbiddenException", "Principal is not allowed to update this table"),
+    "rest-unauthorized": (401, "Unauthorized", "NotAuthorizedException", "Not authorized: the token is not valid"),
+}
+ACTIONS = frozenset(ERRORS) | frozenset(REST_ERRORS) | {"reset", "lost"}
 
 
 @dataclass
@@ -117,7 +125,16 @@ async def _read_body(reader: asyncio.StreamReader, headers: dict[str, str], *, u
     return await reader.read() if until_eof else b""
 
 
+def _rest_error_response(action: str) -> bytes:
+    status, reason, kind, message = REST_ERRORS[action]
+    body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            ).encode() + body
+
+
 def _error_response(action: str, method: str, target: str) -> bytes:
+    if action in REST_ERRORS:
+        return _rest_error_response(action)
     status, reason, code, message = ERRORS[action]
     request_id = uuid.uuid4().hex[:16].upper()
     resource = target.split("?", 1)[0]
@@ -194,7 +211,7 @@ class FaultyS3(LoopServer):
                     await writer.drain()
                     head = re.sub(rb"(?im)^expect:[^\r\n]*\r\n", b"", head)
                 body = await _read_body(reader, headers)
-                if action in ERRORS:
+                if action in ERRORS or action in REST_ERRORS:
                     writer.write(_error_response(action, method, target))
                     await writer.drain()
                     continue

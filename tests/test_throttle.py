@@ -22,6 +22,7 @@ from lakestream_iceberg import (
     CommitError,
     CommitOutcomeUnknownError,
     CommitTimeoutError,
+    ConfigError,
     ReadError,
     Stream,
 )
@@ -332,3 +333,44 @@ def test_group_commit_with_throttled_intents(store: Store) -> None:
     assert not any(t.is_alive() for t in threads) and not errors, errors
     store.proxy.clear()
     check_table(stream, {"prep-0": 2, "prep-1": 2})
+
+
+# a REST catalog's table commit (POST /v1/{prefix}/namespaces/{ns}/tables/{table}); a create POSTs to .../tables
+REST_TABLE_COMMIT = r"/namespaces/[^/?]+/tables/[^/?]+$"
+
+
+@pytest.mark.parametrize(("refusal", "said"), [
+    ("rest-forbidden", r"refused this request \(403 Forbidden\): the principal .* permission"),
+    ("rest-unauthorized", "rejected the request signature"),  # SeaweedFS's catalog authenticates by SigV4
+], ids=["403", "401"])
+def test_a_rest_catalog_that_refuses_the_commit_fails_it_at_once_naming_the_setting(
+        request: pytest.FixtureRequest, refusal: str, said: str) -> None:
+    """A 403 or 401 answer to the table commit is a refusal, not an unknown outcome: the catalog applied nothing, and
+    no retry changes it. The commit loop read the head back and tried again until its budget was spent (5 minutes by
+    default), logging a warning per attempt; it is the ConfigError naming the setting, after one attempt, and the
+    same seq publishes once when the catalog accepts it."""
+    from catalog import services
+    from tests.backends import Backend
+
+    weed = request.getfixturevalue("seaweedfs_service")
+    with FaultyS3(target_port=weed.ports["iceberg"]) as proxy:
+        props = services.rest_seaweedfs(weed)
+        props["uri"] = proxy.endpoint
+        backend = Backend(kind="rest-seaweedfs", properties=props, namespace=fresh_name("ns"))
+        try:
+            catalog = backend.catalog()
+            catalog.create_namespace_if_not_exists(backend.namespace)
+            stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=2)
+            producer = stream.producer("p")
+            producer.commit(batch("p", 0, 2), seq=0)
+            fault = proxy.add(Fault("POST", REST_TABLE_COMMIT, refusal))
+            with pytest.raises(ConfigError, match=f"table commit: the REST catalog {said}.*client.secret-access-key"):
+                producer.commit(batch("p", 1, 2), seq=1)
+            assert fault.fired == (1 if refusal == "rest-forbidden" else 2)  # pyiceberg asks again once after a 401
+            proxy.clear()
+            assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0)}
+            result = producer.commit(batch("p", 1, 2), seq=1)
+            assert (result.step, result.duplicate) == (2, False)
+            assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0), 2: ("p", 1)}
+        finally:
+            backend.close()

@@ -243,13 +243,20 @@ def explain(
     elif kind == "rest":
         uri = props.get("uri") or "(no uri set)"
         names = {type(e).__name__ for e in _chain(exc)}
+        sigv4 = str(props.get("rest.sigv4-enabled", "")).lower() == "true"
         if "ForbiddenError" in names or "UnauthorizedError" in names or "AuthorizationExpiredError" in names:
             if "access key id you provided does not exist" in text.lower() or "InvalidAccessKeyId" in text:
                 message = "the REST catalog does not know the access key id; " + _settings(["client.access-key-id"], catalog)
-            elif props.get("rest.sigv4-enabled", "").lower() == "true" or "signature" in text.lower():
+            elif "signature" in text.lower() or (sigv4 and "ForbiddenError" not in names):
                 message = ("the REST catalog rejected the request signature; "
                            + _settings(["client.access-key-id", "client.secret-access-key"], catalog)
                            + " (and rest.signing-region / rest.signing-name)")  # fmt: skip
+            elif "ForbiddenError" in names:  # 403: the principal is known, and may lack a permission on this table
+                message = ("the REST catalog refused this request (403 Forbidden): the principal of these credentials "
+                           "may lack a permission on this table (its grants are the catalog admin's), or they are not "
+                           "the ones meant; "
+                           + _settings(["client.access-key-id", "client.secret-access-key"] if sigv4
+                                       else ["credential", "token"], catalog))  # fmt: skip
             else:
                 message = ("the REST catalog refused the credentials; "
                            + _settings(["credential", "token"], catalog) + " (or enable rest.sigv4-enabled)")  # fmt: skip

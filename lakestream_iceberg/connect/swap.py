@@ -84,7 +84,15 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
     if not swaps_from_held(table):
         if ready is not None:
             ready()
-        return table.catalog.commit_table(table, requirements, updates)
+        from pyiceberg.exceptions import AuthorizationExpiredError, ForbiddenError, UnauthorizedError
+
+        try:
+            return table.catalog.commit_table(table, requirements, updates)
+        except (ForbiddenError, UnauthorizedError, AuthorizationExpiredError) as exc:
+            # a REST catalog refused the commit (403; or 401 / 419 again after pyiceberg refreshed its token and asked
+            # once more): it applied nothing, and asking again until the budget is spent only hammers it
+            _raise_if_permanent(exc, table, "the catalog's table commit", table.catalog.properties)
+            raise
     from pyiceberg.exceptions import CommitFailedException
     from sqlalchemy import text
 
@@ -185,8 +193,8 @@ def _remove_snapshots(metadata: TableMetadata, update: RemoveSnapshotsUpdate,
 
 
 def _raise_if_permanent(exc: Exception, table: Table, what: str, properties: Mapping[str, Any]) -> None:
-    """Raise a lakestream error for a statement of the swap's transaction that failed in a way no retry can change (a
-    read-only database, a role without the privilege): nothing landed, and the commit loop would otherwise read the
+    """Raise a lakestream error for a statement of the swap's transaction (or a REST catalog's commit) that failed in a
+    way no retry can change (a read-only database, a role without the privilege, a refused principal): nothing landed, and the commit loop would otherwise read the
     head back and try again until its budget ran out. Transient failures return (the caller re-raises them)."""
     if transient(exc):
         return
@@ -196,8 +204,8 @@ def _raise_if_permanent(exc: Exception, table: Table, what: str, properties: Map
     detail = redact(" ".join(f"{type(exc).__name__}: {exc}".split()), properties)[:400]
     refused = CommitError(
         f"committing to {'.'.join(table.name())}: {what} failed ({detail}); nothing was published and retrying cannot "
-        "change this. Check that this process may write the catalog database (a read-only database file or role, "
-        "missing privileges), then commit the same batch again (same seq)"
+        "change this. Check that this process may write the catalog (a read-only database file or role, missing "
+        "privileges), then commit the same batch again (same seq)"
     )
     refused.original = exc  # type: ignore[attr-defined]  # as explain() keeps it: not chained (its text is unredacted)
     raise refused from None

@@ -4,6 +4,7 @@ server that answers with the status under test: pyiceberg's REST client and pyar
 from __future__ import annotations
 
 import http.server
+import re
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -64,6 +65,24 @@ def test_a_rest_catalog_status_is_transient_when_a_retry_can_succeed(status: int
     with answering(status) as port:
         exc = _raised(lambda: RestCatalog("throttled", uri=f"http://127.0.0.1:{port}"))
     assert transient(exc) is expected, (status, type(exc).__name__, exc)
+
+
+@pytest.mark.parametrize(("status", "sigv4", "said", "settings"), [
+    (403, False, r"refused this request \(403 Forbidden\): the principal", "credential and token"),
+    (403, True, r"refused this request \(403 Forbidden\): the principal", "client.secret-access-key"),
+    (401, False, "refused the credentials", "credential and token"),
+    (401, True, "rejected the request signature", "client.secret-access-key"),
+])
+def test_a_rest_catalog_refusal_names_what_to_check(status: int, sigv4: bool, said: str, settings: str) -> None:
+    """A 403 is a principal the catalog knows and does not let do this (a grant to ask for, or other credentials), a
+    401 credentials it does not accept (with SigV4: the signature)."""
+    from lakestream_iceberg.connect.diagnose import explain
+
+    props = {"type": "rest", "uri": "http://127.0.0.1:1", **({"rest.sigv4-enabled": "true"} if sigv4 else {})}
+    with answering(status) as port:
+        exc = _raised(lambda: RestCatalog("refusing", uri=f"http://127.0.0.1:{port}"))
+    error = explain(exc, props, catalog="refusing")
+    assert error is not None and re.search(f"{said}.*{re.escape(settings)}", str(error)), error
 
 
 @pytest.mark.parametrize(("status", "expected"), [(429, True), (503, True), (500, True), (403, False)])
