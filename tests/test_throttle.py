@@ -374,3 +374,35 @@ def test_a_rest_catalog_that_refuses_the_commit_fails_it_at_once_naming_the_sett
             assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0), 2: ("p", 1)}
         finally:
             backend.close()
+
+
+def test_a_rest_catalog_that_refuses_to_load_the_table_fails_a_commit_and_a_read_at_once(
+        request: pytest.FixtureRequest) -> None:
+    """A 403 to reading the table back (GET .../tables/{table}) is as final as one to the commit: a producer whose commit
+    had an unknown outcome (a 500) read the head back until its budget was spent, then blamed the unknown outcome; it is
+    the ConfigError, at once, for the producer and for a reader alike."""
+    from catalog import services
+    from tests.backends import Backend
+
+    weed = request.getfixturevalue("seaweedfs_service")
+    with FaultyS3(target_port=weed.ports["iceberg"]) as proxy:
+        props = services.rest_seaweedfs(weed)
+        props["uri"] = proxy.endpoint
+        backend = Backend(kind="rest-seaweedfs", properties=props, namespace=fresh_name("ns"))
+        try:
+            catalog = backend.catalog()
+            catalog.create_namespace_if_not_exists(backend.namespace)
+            stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=2)
+            producer = stream.producer("p")
+            producer.commit(batch("p", 0, 2), seq=0)
+            proxy.add(Fault("POST", REST_TABLE_COMMIT, "internal", times=1))  # outcome unknown: the head is read back
+            loads = proxy.add(Fault("GET", REST_TABLE_COMMIT, "rest-forbidden"))
+            with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)"):
+                producer.commit(batch("p", 1, 2), seq=1)
+            with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)"):
+                stream.refresh()
+            assert loads.fired <= 2
+            proxy.clear()
+            assert producer.commit(batch("p", 1, 2), seq=1).step == 2
+        finally:
+            backend.close()

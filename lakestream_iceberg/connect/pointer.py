@@ -23,10 +23,11 @@ from collections.abc import Callable
 from typing import Any
 
 from pyiceberg.catalog import Catalog
-from pyiceberg.exceptions import NoSuchTableError
+from pyiceberg.exceptions import AuthorizationExpiredError, ForbiddenError, NoSuchTableError, UnauthorizedError
 from pyiceberg.io import FileIO
 from pyiceberg.table import Table
 
+from lakestream_iceberg.connect.diagnose import explain
 from lakestream_iceberg.connect.direct import direct_connections
 from lakestream_iceberg.connect.fork import fork_safe_io, no_fork_inside
 from lakestream_iceberg.connect.metadata_read import MALFORMED, malformed_metadata, read_metadata, unparsable
@@ -248,6 +249,14 @@ def _reload(table: Table) -> None:
         if not unparsable(exc):  # an HTTP client's JSONDecodeError (a REST token refresh): not a metadata file
             raise
         raise malformed_metadata(f"the current metadata file of table {'.'.join(table.name())}", exc) from exc
+    except (ForbiddenError, UnauthorizedError, AuthorizationExpiredError) as exc:
+        # a REST catalog refused to load the table (403; or 401 / 419 again after pyiceberg renewed its token and asked
+        # once more): no retry changes that, and a caller retrying reads until its budget is spent
+        error = explain(exc, table.catalog.properties, action=f"reading table {'.'.join(table.name())}",
+                        catalog=table.catalog.name)
+        if error is None:
+            raise
+        raise error from None  # explain() keeps the original (its text unredacted) as error.original, unchained
     except NoSuchTableError as exc:
         if isinstance(exc, StreamNotFoundError):
             raise
