@@ -573,8 +573,30 @@ def test_a_stream_of_a_newer_format_version_is_refused_not_misread(tmp_path: Pat
         running.commit(batch("a", 4, WORLD), seq=4)
     with refused:  # a follower running then: when it next reads the head
         follower.wait_for(9, timeout=30)
-    assert stream.head_step() == 8
+    assert StreamState.of(stream.table.catalog.load_table(stream.name).current_snapshot()).step == 8
     assert {step: rows_of(stream, step) for step in range(1, 9)} == before
+
+
+def test_a_newer_format_version_stays_refused_on_every_read_path(tmp_path: Path) -> None:
+    """A stream opened before a newer lakestream_iceberg upgraded it (lakestream.format-version 2) read on silently:
+    stream.read of a step the refresh brought in, state(), head_step(), checkpoints() and a restarted producer's
+    next_seq refreshed without checking the version, and a follower refused once read on when retried (the refused view
+    kept the new metadata, and only a change was checked). Each is refused with the ConfigError that says to upgrade."""
+    stream, _ = published(make(tmp_path))
+    old = Stream.open(stream.table.catalog, stream.name)
+    follower = Stream.open(stream.table.catalog, stream.name)
+    assert old.head_step() == follower.wait_for(8, timeout=30) == 8
+    stream.producer("a").commit(batch("a", 4, WORLD), seq=4)  # step 9, then the upgrade: one refresh sees both
+    stream.table.catalog.load_table(stream.name).transaction().set_properties(
+        {"lakestream.format-version": "2"}).commit_transaction()
+    refused = pytest.raises(ConfigError, match=r"lakestream.format-version='2'.*reads format version 1 only.*Upgrade")
+    for read in (lambda: old.read(9, rank=0), old.state, old.head_step, old.checkpoints,
+                 lambda: old.producer("a").next_seq):
+        with refused:
+            read()
+    for _ in range(2):  # refused again when retried
+        with refused:
+            follower.wait_for(9, timeout=30)
 
 
 def branch_snapshots(stream: Stream) -> int:

@@ -326,8 +326,15 @@ class StreamTable:
                                max_merge_entries=self.config.max_merge_entries)
 
     def refresh(self) -> StreamTable:
-        """Bring the table metadata up to date; on SQL catalogs it is read only when the catalog pointer moved."""
+        """Bring the table metadata up to date; on SQL catalogs it is read only when the catalog pointer moved.
+
+        Raises:
+            ConfigError: The stream's ``lakestream.format-version`` is one this release does not read (a newer
+                lakestream_iceberg upgraded it since it was opened): what the refreshed view lists would be misread.
+                Checked on every call, not only when the metadata moved: the refused view keeps the new metadata.
+        """
         refresh_if_moved(self.table)
+        check_format_version(self.table.metadata.properties, stream=self.name)
         return self
 
     def head(self, *, branch: str = MAIN) -> Snapshot | None:

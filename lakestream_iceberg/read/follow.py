@@ -167,13 +167,15 @@ class HeadWatcher:
         now = time.monotonic()
         changed = refresh_if_moved(self._stream.table, io=self._io)
         self.reloads += changed
-        if changed:  # a newer lakestream_iceberg may upgrade a followed stream: its steps would be misread
-            properties = self._stream.table.metadata.properties
-            check_format_version(properties, stream=self._stream.name)
-            # world size, layout, payload schema changed by another engine: producers opened since lay steps out by
-            # the new value, which this reader would refuse as damaged files (or read as another shape)
-            check_fixed(properties, self._stream.fixed, stream=self._stream.name,
-                        left="a follower opened before reads no further step")
+        # Every poll, not only when the metadata changed: a refusal leaves the new metadata in the view, so a caller
+        # that retried (wait_for again, a DataLoader iterated again) found it unchanged and read on unchecked.
+        # A newer lakestream_iceberg may upgrade a followed stream: its steps would be misread
+        properties = self._stream.table.metadata.properties
+        check_format_version(properties, stream=self._stream.name)
+        # world size, layout, payload schema changed by another engine: producers opened since lay steps out by
+        # the new value, which this reader would refuse as damaged files (or read as another shape)
+        check_fixed(properties, self._stream.fixed, stream=self._stream.name,
+                    left="a follower opened before reads no further step")
         self._check_branch()  # every poll: the view may have moved in place (a commit through the same table object)
         if changed or self._seen is None:
             step = self.head()[0]

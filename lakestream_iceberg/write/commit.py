@@ -61,6 +61,7 @@ from lakestream_iceberg.errors import (
     ForeignSnapshotError,
     LakestreamError,
 )
+from lakestream_iceberg.format.layout import check_format_version
 from lakestream_iceberg.format.summary import StreamState
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.write.dac import CommitPolicy
@@ -195,6 +196,9 @@ class CommitLoop:
         while True:
             try:
                 refresh_if_moved(self.table)  # reads metadata.json only when the catalog pointer moved (SQL catalogs)
+                # before the head is parsed: a newer lakestream_iceberg may have upgraded the stream (a producer's
+                # next_seq, GC's reads of the head and every commit attempt read it through here)
+                check_format_version(self.table.metadata.properties, stream=".".join(self.table.name()))
                 self._fresh = True
                 self.peeked = False
                 # every producer reads the same producer table: the same count of active producers, and its age rank
