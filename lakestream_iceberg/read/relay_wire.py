@@ -3,8 +3,11 @@
 * **Where**: a per-user runtime directory (``$LAKESTREAM_RELAY_DIR``, else ``$XDG_RUNTIME_DIR/lakestream``, else
   ``/dev/shm/lakestream-<uid>``, else ``<tempdir>/lakestream-<uid>``), made ``0700`` and used only when this user owns
   it and nobody else may enter it. One relay per stream, branch and table UUID: ``<key>.lock`` (the ``flock`` that
-  elects the holder) and ``<key>.sock`` (its unix socket), ``key`` a hash of the catalog's name and non-secret
-  properties, the table identifier, its UUID and the branch.
+  elects the holder) and ``<key>.sock`` (its unix socket), ``key`` a hash of the wire protocol, the
+  ``lakestream.format-version`` values this release reads, the catalog's name and non-secret properties, the table
+  identifier, its UUID and the branch. Two releases that read different format versions (a host upgraded one process
+  at a time) therefore never share a relay: a holder of a newer release, which reads a stream it upgraded, answered an
+  older release's readers with steps they misread, and they never saw the version (only a holder checks it).
 * **What**: frames of a 4-byte big-endian length and a JSON object, at most ``MAX_FRAME`` bytes (a client's requests:
   ``MAX_REQUEST``); every socket operation has a deadline. Errors travel as their class name and message and are raised again on the client as the
   same :mod:`lakestream_iceberg.errors` class (a few built-in ``OSError`` subclasses too); anything else arrives as a
@@ -31,6 +34,7 @@ from pyiceberg.typedef import Record
 
 from lakestream_iceberg import errors
 from lakestream_iceberg.errors import LakestreamError, ReadError
+from lakestream_iceberg.format import properties as props
 
 __all__ = ["MAX_FRAME", "MAX_REQUEST", "FrameTooLargeError", "RelayPaths", "decode_error", "decode_files", "encode_error", "encode_files", "recv_frame",
            "relay_dir", "relay_paths", "send_frame"]
@@ -112,7 +116,9 @@ def relay_paths(*, catalog_name: str, catalog_properties: Sequence[tuple[str, st
     directory = relay_dir()
     if directory is None:
         return None
-    ident = json.dumps([PROTOCOL, catalog_name, sorted(catalog_properties), identifier, table_uuid, branch])
+    # the format versions read at call time (props.FORMAT_VERSION, as check_format_version reads it): see the docstring
+    ident = json.dumps([PROTOCOL, list(props.FORMAT_VERSION.choices), catalog_name, sorted(catalog_properties),
+                        identifier, table_uuid, branch])
     return RelayPaths(directory, hashlib.sha256(ident.encode()).hexdigest()[:32])
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from lakestream_iceberg import Stream
-from lakestream_iceberg.errors import ReadError, StepCollectedError, StreamError, StreamNotFoundError
+from lakestream_iceberg.errors import ConfigError, ReadError, StepCollectedError, StreamError, StreamNotFoundError
 from lakestream_iceberg.read import relay as relay_module
 from lakestream_iceberg.read import relay_client, relay_lock
 from lakestream_iceberg.read.follow import HeadWatcher
@@ -48,6 +48,16 @@ HOLDER = textwrap.dedent("""
     print("holding" if watcher.holding else "client", flush=True)
     time.sleep(600)
 """)
+
+
+# A holder of a newer release: one that also reads lakestream.format-version 2 (this release reads 1 only)
+NEWER_HOLDER = HOLDER.replace("\nfrom lakestream_iceberg import Stream\n", textwrap.dedent("""
+    import dataclasses
+    from lakestream_iceberg.format import properties
+    properties.FORMAT_VERSION = dataclasses.replace(properties.FORMAT_VERSION, choices=("1", "2"))
+    from lakestream_iceberg import Stream
+"""))
+assert NEWER_HOLDER != HOLDER
 
 
 @pytest.fixture(autouse=True)
@@ -114,6 +124,33 @@ def test_a_client_takes_over_when_the_holder_is_killed(tmp_path: Path, relay_dir
         holder.kill()
         holder.wait(timeout=60)
     assert not list(relay_dir.iterdir())  # the last reader stopped serving: its socket and lock file are gone
+
+
+def test_a_reader_never_follows_through_a_holder_of_a_release_that_reads_other_format_versions(tmp_path: Path) -> None:
+    """A host upgraded one process at a time: a newer release holds the relay, and upgrades the stream to a format
+    version this release does not read. The older reader asked that holder for the head and the step's files, and read
+    them without ever seeing the version (only a holder checks it). Releases that read other versions meet at other
+    sockets: this reader serves its own relay and is refused with the error that says to upgrade."""
+    stream = make_stream(tmp_path, steps=2)
+    proc = subprocess.Popen([sys.executable, "-c", NEWER_HOLDER.format(root=str(ROOT), tmp=str(tmp_path))],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "holding"
+        commit(stream, 3)
+        stream.table.catalog.load_table(stream.name).transaction().set_properties(
+            {"lakestream.format-version": "2"}).commit_transaction()
+        client = watch(stream)
+        try:
+            with pytest.raises(ConfigError, match=r"format-version='2'.*reads format version 1 only.*Upgrade"):
+                client.check()
+                client.wait(3, timeout=60, stop=threading.Event())
+                client.files(None, 3)
+            assert isinstance(client, RelayWatcher) and client.holding  # its own relay, not the newer release's
+        finally:
+            client.close()
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
 
 
 @pytest.mark.parametrize("call", [
