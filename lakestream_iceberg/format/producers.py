@@ -15,6 +15,13 @@ So the state is split in two, both reachable from the head snapshot alone:
   ``MAX_FILES`` files would be listed they are merged into one *base* file. A file is written before the
   compare-and-swap that references it; a lost swap abandons it (lifecycle GC collects it like any unreferenced file).
 
+Each file's footer names its format (``lakestream.producer-state-format``, :data:`FILE_FORMAT`; absent in files of
+releases before it was written: format 1). A reader refuses a format it does not read (:class:`ConfigError`: upgrade
+lakestream_iceberg) rather than take a newer release's rows for version 1 ones, and a merge, which rewrites every row
+it read into the new base, never drops what such a file holds. A newer release that adds a column old readers may
+ignore keeps format 1 and must read files without it (older releases' merges rewrite rows without it); one that
+changes what a row means writes a new format.
+
 A lookup checks the active map, then the files newest first; files are immutable, so each is read once per process and
 cached (:class:`ProducerFiles`). What a commit costs therefore depends on the active producers only: the summary
 holds at most the active ones plus ``COMPACT_AT`` idle ones; a compaction writes ``COMPACT_AT`` rows (a merge, every
@@ -39,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyiceberg.io import FileIO
 
-from lakestream_iceberg.errors import CorruptStateError, MissingFileError
+from lakestream_iceberg.errors import ConfigError, CorruptStateError, MissingFileError
 
 __all__ = [
     "COMPACT_AT",
@@ -60,7 +67,11 @@ ACTIVE_ROUNDS = 1.5  # ... and this many rounds of the producers taking turns no
 COMPACT_AT = 32  # idle producers are moved out of the summary this many at a time
 MAX_FILES = 8  # producer-state files listed in a summary before they are merged into one
 
-_SCHEMA = pa.schema([("producer", pa.string()), ("seq", pa.int64()), ("step", pa.int64()), ("snapshot_id", pa.int64())])
+FILE_FORMAT = 1  # the producer-state file format this release writes
+_READABLE_FORMATS = (1,)  # ... and those it reads (see the module docstring)
+_FORMAT_KEY = b"lakestream.producer-state-format"  # in the footer's key-value metadata (absent: format 1)
+_SCHEMA = pa.schema([("producer", pa.string()), ("seq", pa.int64()), ("step", pa.int64()), ("snapshot_id", pa.int64())],
+                    metadata={_FORMAT_KEY: str(FILE_FORMAT).encode()})
 
 
 @dataclass(frozen=True)
@@ -237,7 +248,21 @@ def _folder(path: str) -> str:
 DEFAULT_FILES = ProducerFiles()
 
 
+def _check_format(path: str, table: pa.Table) -> None:
+    """Refuse (:class:`ConfigError`) a file of a format this release does not read (a newer release wrote it)."""
+    raw = (table.schema.metadata or {}).get(_FORMAT_KEY)
+    if raw is None or raw in {str(v).encode() for v in _READABLE_FORMATS}:
+        return
+    raise ConfigError(
+        f"producer-state file {path} has {_FORMAT_KEY.decode()}={raw.decode(errors='replace')[:32]!r}, and this release "
+        f"of lakestream_iceberg reads format {', '.join(map(str, _READABLE_FORMATS))} only: a newer lakestream_iceberg "
+        "wrote it, and its producers' sequence numbers would be misread. Upgrade lakestream_iceberg in every process "
+        "that uses the stream (do not delete or rewrite the file: its producers would publish their batches again)"
+    )
+
+
 def _parse(path: str, table: pa.Table) -> dict[str, ProducerState]:
+    _check_format(path, table)
     try:
         cols = [table.column(name).to_pylist() for name in ("producer", "seq", "step", "snapshot_id")]
     except (KeyError, pa.ArrowInvalid) as exc:

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 from pyiceberg.io.pyarrow import PyArrowFileIO
 
-from lakestream_iceberg import CorruptStateError, Stream
+from lakestream_iceberg import ConfigError, CorruptStateError, Stream
 from lakestream_iceberg.format import producers
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import KEY_PRODUCERS
@@ -226,6 +226,35 @@ def test_a_corrupt_producer_file_is_a_clear_error(churned: Stream, damage: str) 
     with pytest.raises(CorruptStateError, match="producer-state file"):
         churned.history().sql("SELECT count(*) FROM producers").fetchall()
     assert churned.refresh().head_step() == head
+
+
+def test_a_producer_file_of_a_newer_format_is_refused_not_misread(churned: Stream) -> None:
+    """Producer-state files carried no format: a newer release's file (here: the same rows, read differently by it, and
+    a column of its own) was read as this release's rows, silently, and a merge rewrote it without that column. Files
+    name their format in the footer now (absent: 1), and one this release does not read is refused with the error that
+    says to upgrade, by a producer's restart and commit and by the history."""
+    path = churned.state().producer_files[0]
+    local = Path(path.removeprefix("file://"))
+    assert pq.read_metadata(local).metadata[b"lakestream.producer-state-format"] == b"1"
+    head = churned.head_step()
+    rows = pq.read_table(local)
+    newer = rows.append_column("epoch", pa.array([7] * rows.num_rows, pa.int64()))
+    pq.write_table(newer.replace_schema_metadata({"lakestream.producer-state-format": "2"}), local)
+    from lakestream_iceberg.format.producers import DEFAULT_FILES
+
+    DEFAULT_FILES._files.pop(path, None)  # noqa: SLF001 - forget this process's parsed copy, as a new process would
+    refused = pytest.raises(ConfigError, match=r"producer-state file .*producer-state-format='2'.*reads format 1 only.*"
+                                               r"Upgrade lakestream_iceberg")
+    with refused:
+        churned.producer("id-0").next_seq  # noqa: B018
+    with refused:
+        churned.producer("fresh").commit(batch("fresh", 0, WORLD))  # a new id: looked up in every file
+    with refused:
+        churned.history().sql("SELECT count(*) FROM producers").fetchall()
+    assert churned.refresh().head_step() == head
+    pq.write_table(rows.replace_schema_metadata({}), local)  # a file of a release before the format was written: 1
+    DEFAULT_FILES._files.pop(path, None)  # noqa: SLF001
+    assert churned.producer("id-0").next_seq == 1
 
 
 def test_a_lone_producer_among_thousands_of_idle_ids_is_alone(churned: Stream) -> None:
