@@ -299,7 +299,8 @@ FORMAT_VERSION = ChoiceProperty(
     key="lakestream.format-version", created="1", change=FIXED, choices=("1",), noun="a format version this release reads",
     doc="The version of lakestream's table layout; Stream.create writes it and a table without it is no stream. A "
         "version this release does not read (a newer release made or upgraded the stream) is refused when the "
-        "stream is opened, at the next commit and when a follower next reads the head: upgrade lakestream_iceberg.")
+        "stream is opened and whenever the table is read again (a commit, a follower's poll, a read of a new step, a "
+        "producer's next seq, GC): upgrade lakestream_iceberg (docs/guide/hosts.md, \"Upgrading\").")
 WORLD_SIZE = IntProperty(
     key="lakestream.world-size", field="world_size", minimum=1, maximum=INT32_MAX, unit="ranks", change=FIXED,
     default_text="none: Stream.create(world_size=...) sets it", doc="Ranks (shards) in every global batch.")
