@@ -30,10 +30,11 @@ ranges, the ``(r % m)``-th one; any other ``W``: the rows ``[r*n//W, (r+1)*n//W)
 rows. A Parquet shard is one row group, so a consumer holding part of a file still fetches all of it.
 
 **Resume.** ``state_dict()`` is a plain dict ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid,
-"branch": b, "last_file": path}``: the next step this instance (or this DataLoader worker) will deliver, and of which
-stream (its table UUID) and branch; loading it into a dataset of another stream or branch is refused, and so is loading
-it where the state's branch (on its own or under a fork of it) no longer holds ``last_file`` (a data file of the last
-step delivered) at that step. It follows torchdata's ``StatefulDataLoader`` protocol (state taken in each worker
+"branch": b, "last_file": path, "version": 1}``: the next step this instance (or this DataLoader worker) will deliver,
+and of which stream (its table UUID) and branch; loading it into a dataset of another stream or branch is refused, and
+so is loading it where the state's branch (on its own or under a fork of it) no longer holds ``last_file`` (a data file
+of the last step delivered) at that step, or a state of a version this release does not read (a newer release saved
+it: :mod:`lakestream_iceberg.read.resume`). It follows torchdata's ``StatefulDataLoader`` protocol (state taken in each worker
 after each item, loaded in each worker before ``iter``); a state saved without workers (``k == 1``) can be loaded
 under any number of workers. A loaded state resumes the next iteration only, with workers too (a
 plain DataLoader's workers of later epochs start at ``start_step``).
@@ -64,7 +65,7 @@ from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
 from lakestream_iceberg.read.reader import StepFiles, check_columns
 from lakestream_iceberg.read.relay_client import follower, head_reader
-from lakestream_iceberg.read.resume import LoadedState, check_resumable, delivered_on_both, still_holds
+from lakestream_iceberg.read.resume import STATE_VERSION, LoadedState, check_resumable, delivered_on_both, still_holds
 from lakestream_iceberg.read.stream_ref import StreamRef, forked_view
 from lakestream_iceberg.read.tensors import Blobs, StepShard, TensorCollate, require_torch
 from lakestream_iceberg.read.worker_exit import batched_by_default_collate, stop_on_shutdown
@@ -286,7 +287,7 @@ class _DatasetCore:
     def state_dict(self) -> dict[str, Any]:
         """The next step to deliver, and the stream (its table UUID) and branch it is a step of, as a plain dict (see
         the module docstring)."""
-        return {**(self._loaded.pending() or self._position), **self._identity}
+        return {**(self._loaded.pending() or self._position), **self._identity, "version": STATE_VERSION}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume the next iteration at ``state["next_step"]`` (a ``state_dict()`` of this or another instance).

@@ -1,6 +1,11 @@
 """Resuming a ``LakestreamDataset`` from a ``state_dict``: checking a loaded state, and applying it once.
 
-A state is ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid, "branch": b, "last_file": path}``
+A state is ``{"next_step": s, "worker_id": w, "num_workers": k, "stream": uuid, "branch": b, "last_file": path,
+"version": 1}``. It is saved with a model's checkpoint and may be loaded by another release of lakestream_iceberg (a
+trainer image upgraded, or rolled back, between the two): ``version`` (:data:`STATE_VERSION`; absent in the states of
+earlier releases: 1) is what a release that gives a key a meaning older ones would not honour raises; a state of a
+version this release does not read is refused (:class:`ConfigError`: resume with a release at least as new as the one
+that saved it), never resumed with the keys it does not know ignored.
 (see :mod:`lakestream_iceberg.read.dataset`; ``last_file``, a data file of the last step delivered, is checked against
 the branch when loaded: :func:`still_holds`). :meth:`LoadedState.load` checks one against the dataset's stream and branch
 (a state of the branch a fork was made from loads on the fork while everything it delivered is shared,
@@ -32,7 +37,9 @@ from lakestream_iceberg.format.table import after_gc
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["LoadedState", "delivered_on_both", "still_holds"]
+__all__ = ["STATE_VERSION", "LoadedState", "delivered_on_both", "still_holds"]
+
+STATE_VERSION = 1  # the state_dict version this release writes and reads (see the module docstring)
 
 _TAKEN_SLOTS = 1024  # DataLoader worker ids that record applying a loaded state (a worker beyond applies it always)
 # the shared block: the latest state's generation, whether it is still to apply, its next_step, worker_id and
@@ -86,6 +93,16 @@ class LoadedState:
             CheckpointError: The state's branch no longer holds the last step the state delivered as it was delivered
                 (loaded on that branch or on a fork of it).
         """
+        version = state.get("version", STATE_VERSION) if isinstance(state, dict) else STATE_VERSION
+        if type(version) is not int or version != STATE_VERSION:  # not True, 1.0, "1": no release writes those
+            raise ConfigError(
+                f"the state_dict is a LakestreamDataset state of version {repr(version)[:40]}, and this release of "
+                f"lakestream_iceberg reads version {STATE_VERSION} only: "
+                + ("a newer lakestream_iceberg saved it, and resuming without what it added would skip or repeat "
+                   "steps. Resume with a lakestream_iceberg at least as new as the one that saved it (upgrade the "
+                   "trainer's image)" if type(version) is int and version > STATE_VERSION else
+                   "no release writes it; load a state_dict() of a LakestreamDataset")
+            )
         try:
             raw = {"next_step": state["next_step"], "worker_id": state.get("worker_id", 0),
                    "num_workers": state.get("num_workers", 1)}

@@ -256,7 +256,8 @@ def test_resume_from_state_dict_is_identical(tmp_path: Path) -> None:
     state = first.state_dict()
     ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main"}
     assert state["last_file"] in {f.file_path for f in stream.locate(3)}  # a file of the last step it delivered
-    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1, "last_file": state["last_file"], **ident}
+    assert state == {"next_step": 4, "worker_id": 0, "num_workers": 1, "last_file": state["last_file"], **ident,
+                     "version": 1}
     resumed = LakestreamDataset(stream, rank=1, world_size=2)
     resumed.load_state_dict(state)
     assert resumed.state_dict() == state
@@ -266,6 +267,29 @@ def test_resume_from_state_dict_is_identical(tmp_path: Path) -> None:
     under_workers.load_state_dict(state)
     loader = DataLoader(under_workers, batch_size=None, num_workers=2, multiprocessing_context="fork")
     assert _payload(head) + _payload(loader) == full
+
+
+def test_a_state_of_a_newer_release_is_refused_not_resumed_without_what_it_added(tmp_path: Path) -> None:
+    """A state_dict is saved with a model's checkpoint and may be loaded by another release (a trainer image rolled back
+    after a newer one saved it). It carried no version: a newer release's state, with a key of its own that changes
+    where to resume (here: rows of the next step already delivered), loaded with that key ignored, and the resumed run
+    repeated those rows. States name their version now; one this release does not read is refused, saying to upgrade."""
+    stream = make_stream(tmp_path, steps=4)
+    first = LakestreamDataset(stream, rank=0, world_size=2)
+    assert [it["step"] for _, it in zip(range(2), first)] == [1, 2]
+    state = first.state_dict()
+    newer = {**state, "next_row": 1, "version": 2}
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match=r"state of version 2.*reads version 1 only.*newer lakestream_iceberg saved "
+                                          r"it.*upgrade the trainer's image"):
+        ds.load_state_dict(newer)
+    for bad in ("1", 1.0, True, None):
+        with pytest.raises(ConfigError, match=r"reads version 1 only: no release writes it"):
+            ds.load_state_dict({**state, "version": bad})
+    earlier = {k: v for k, v in state.items() if k != "version"}  # a state of a release before versions: 1
+    ds.load_state_dict(earlier)
+    assert [it["step"] for it in ds] == [3, 4]
+    assert state["version"] == 1
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
@@ -327,7 +351,7 @@ def test_resume_per_worker_states_like_stateful_dataloader(tmp_path: Path) -> No
     states = [w.state_dict() for w in workers]
     for it in iters:
         it.close()
-    ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main"}
+    ident = {"stream": str(stream.table.metadata.table_uuid), "branch": "main", "version": 1}
     for state, last in zip(states, (5, 4)):  # a file of the last step each worker delivered
         assert state["last_file"] in {f.file_path for f in stream.locate(last)}
     assert [{k: v for k, v in state.items() if k != "last_file"} for state in states] == [
