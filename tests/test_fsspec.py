@@ -116,29 +116,12 @@ def test_a_forked_worker_commits_and_reads_through_file_systems_of_its_own(backe
     """A ``multiprocessing`` worker forked after the parent used the stream inherits FsspecFileIO's per-thread s3fs
     file system, which refuses another process ("This class is not fork-safe"): the child's commit retried that for
     its whole budget and failed with ``CommitTimeoutError``. PyArrowFileIO's worked."""
-    import multiprocessing
-
-    from tests.test_processes import _child_report
-
     catalog = backend.catalog()
     catalog.properties["py-io-impl"] = FSSPEC
     stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=WORLD)
     stream.producer("parent").commit(batch("parent", 0, WORLD))
     assert stream.read(1, rank=0).num_rows == batch("parent", 0, WORLD)[0].num_rows
-    context = multiprocessing.get_context("fork")
-    results = context.Queue()
-
-    def child() -> None:
-        try:
-            step = stream.producer("child").commit(batch("child", 0, WORLD)).step
-            results.put(("ok", step, digest(stream.read(1, rank=1))))
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            results.put(("error", repr(exc)[:2000], None))
-
-    proc = context.Process(target=child)
-    proc.start()
-    assert _child_report(proc, results, "commit") == ("ok", 2, digest(batch("parent", 0, WORLD)[1]))
-    assert stream.producer("parent").commit(batch("parent", 1, WORLD)).step == 3  # the parent's still work
+    _forked_child_commits_and_reads(stream)
 
 
 @pytest.mark.parametrize("backend", ["sqlite-moto"], indirect=True)
@@ -263,10 +246,6 @@ def test_a_forked_worker_commits_and_reads_after_the_parent_refreshed_through_a_
     the one the catalog loaded just then: a stream refreshed after it was opened (every head read, ``stream.refresh()``)
     read and wrote through an FsspecFileIO that no fork hook knew, and a child forked after the parent used it
     inherited its s3fs file system ("This class is not fork-safe")."""
-    import multiprocessing
-
-    from tests.test_processes import _child_report
-
     backend.properties["py-io-impl"] = FSSPEC
     stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
     opened_with = stream.io
@@ -274,6 +253,15 @@ def test_a_forked_worker_commits_and_reads_after_the_parent_refreshed_through_a_
     stream.refresh()
     assert type(stream.io).__name__ == "FsspecFileIO" and stream.io is not opened_with  # pyiceberg's Table.refresh()
     assert stream.read(1, rank=0).num_rows == batch("parent", 0, WORLD)[0].num_rows  # the new FileIO's s3fs, used
+    _forked_child_commits_and_reads(stream)
+
+
+def _forked_child_commits_and_reads(stream: Stream) -> None:
+    """A forked child of this process commits to ``stream`` and reads step 1 back; the parent commits again after."""
+    import multiprocessing
+
+    from tests.test_processes import _child_report
+
     context = multiprocessing.get_context("fork")
     results = context.Queue()
 

@@ -339,70 +339,64 @@ def test_group_commit_with_throttled_intents(store: Store) -> None:
 REST_TABLE_COMMIT = r"/namespaces/[^/?]+/tables/[^/?]+$"
 
 
+@pytest.fixture
+def rest_proxy(request: pytest.FixtureRequest) -> Iterator[tuple[FaultyS3, Any, Any]]:
+    """SeaweedFS's REST catalog reached through a :class:`FaultyS3`, a stream on it and a producer that published
+    seq 0 at step 1: (proxy, backend, producer)."""
+    from catalog import services
+    from tests.backends import Backend
+
+    weed = request.getfixturevalue("seaweedfs_service")
+    with FaultyS3(target_port=weed.ports["iceberg"]) as proxy:
+        props = services.rest_seaweedfs(weed)
+        props["uri"] = proxy.endpoint
+        backend = Backend(kind="rest-seaweedfs", properties=props, namespace=fresh_name("ns"))
+        try:
+            catalog = backend.catalog()
+            catalog.create_namespace_if_not_exists(backend.namespace)
+            stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=2)
+            producer = stream.producer("p")
+            producer.commit(batch("p", 0, 2), seq=0)
+            yield proxy, backend, producer
+        finally:
+            backend.close()
+
+
 @pytest.mark.parametrize(("refusal", "said"), [
     ("rest-forbidden", r"refused this request \(403 Forbidden\): the principal .* permission"),
     ("rest-unauthorized", "rejected the request signature"),  # SeaweedFS's catalog authenticates by SigV4
 ], ids=["403", "401"])
 def test_a_rest_catalog_that_refuses_the_commit_fails_it_at_once_naming_the_setting(
-        request: pytest.FixtureRequest, refusal: str, said: str) -> None:
+        rest_proxy: tuple[FaultyS3, Any, Any], refusal: str, said: str) -> None:
     """A 403 or 401 answer to the table commit is a refusal, not an unknown outcome: the catalog applied nothing, and
     no retry changes it. The commit loop read the head back and tried again until its budget was spent (5 minutes by
     default), logging a warning per attempt; it is the ConfigError naming the setting, after one attempt, and the
     same seq publishes once when the catalog accepts it."""
-    from catalog import services
-    from tests.backends import Backend
-
-    weed = request.getfixturevalue("seaweedfs_service")
-    with FaultyS3(target_port=weed.ports["iceberg"]) as proxy:
-        props = services.rest_seaweedfs(weed)
-        props["uri"] = proxy.endpoint
-        backend = Backend(kind="rest-seaweedfs", properties=props, namespace=fresh_name("ns"))
-        try:
-            catalog = backend.catalog()
-            catalog.create_namespace_if_not_exists(backend.namespace)
-            stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=2)
-            producer = stream.producer("p")
-            producer.commit(batch("p", 0, 2), seq=0)
-            fault = proxy.add(Fault("POST", REST_TABLE_COMMIT, refusal))
-            with pytest.raises(ConfigError, match=f"table commit: the REST catalog {said}.*client.secret-access-key"):
-                producer.commit(batch("p", 1, 2), seq=1)
-            assert fault.fired == (1 if refusal == "rest-forbidden" else 2)  # pyiceberg asks again once after a 401
-            proxy.clear()
-            assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0)}
-            result = producer.commit(batch("p", 1, 2), seq=1)
-            assert (result.step, result.duplicate) == (2, False)
-            assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0), 2: ("p", 1)}
-        finally:
-            backend.close()
+    proxy, backend, producer = rest_proxy
+    fault = proxy.add(Fault("POST", REST_TABLE_COMMIT, refusal))
+    with pytest.raises(ConfigError, match=f"table commit: the REST catalog {said}.*client.secret-access-key"):
+        producer.commit(batch("p", 1, 2), seq=1)
+    assert fault.fired == (1 if refusal == "rest-forbidden" else 2)  # pyiceberg asks again once after a 401
+    proxy.clear()
+    assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0)}
+    result = producer.commit(batch("p", 1, 2), seq=1)
+    assert (result.step, result.duplicate) == (2, False)
+    assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0), 2: ("p", 1)}
 
 
 def test_a_rest_catalog_that_refuses_to_load_the_table_fails_a_commit_and_a_read_at_once(
-        request: pytest.FixtureRequest) -> None:
+        rest_proxy: tuple[FaultyS3, Any, Any]) -> None:
     """A 403 to reading the table back (GET .../tables/{table}) is as final as one to the commit: a producer whose commit
     had an unknown outcome (a 500) read the head back until its budget was spent, then blamed the unknown outcome; it is
     the ConfigError, at once, for the producer and for a reader alike."""
-    from catalog import services
-    from tests.backends import Backend
-
-    weed = request.getfixturevalue("seaweedfs_service")
-    with FaultyS3(target_port=weed.ports["iceberg"]) as proxy:
-        props = services.rest_seaweedfs(weed)
-        props["uri"] = proxy.endpoint
-        backend = Backend(kind="rest-seaweedfs", properties=props, namespace=fresh_name("ns"))
-        try:
-            catalog = backend.catalog()
-            catalog.create_namespace_if_not_exists(backend.namespace)
-            stream = Stream.create(catalog, backend.identifier(), schema=SCHEMA, world_size=2)
-            producer = stream.producer("p")
-            producer.commit(batch("p", 0, 2), seq=0)
-            proxy.add(Fault("POST", REST_TABLE_COMMIT, "internal", times=1))  # outcome unknown: the head is read back
-            loads = proxy.add(Fault("GET", REST_TABLE_COMMIT, "rest-forbidden"))
-            with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)"):
-                producer.commit(batch("p", 1, 2), seq=1)
-            with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)"):
-                stream.refresh()
-            assert loads.fired <= 2
-            proxy.clear()
-            assert producer.commit(batch("p", 1, 2), seq=1).step == 2
-        finally:
-            backend.close()
+    proxy, backend, producer = rest_proxy
+    stream = Stream.open(backend.catalog(), backend.identifier())
+    proxy.add(Fault("POST", REST_TABLE_COMMIT, "internal", times=1))  # outcome unknown: the head is read back
+    loads = proxy.add(Fault("GET", REST_TABLE_COMMIT, "rest-forbidden"))
+    with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)"):
+        producer.commit(batch("p", 1, 2), seq=1)
+    with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)"):
+        stream.refresh()
+    assert loads.fired <= 2
+    proxy.clear()
+    assert producer.commit(batch("p", 1, 2), seq=1).step == 2
