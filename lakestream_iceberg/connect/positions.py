@@ -31,7 +31,8 @@ table's ``data/`` (SeaweedFS's table buckets refuse a ``.json`` object there).
 ``offsets.retention.minutes``): the positions of a group whose newest report is older than the retention period are
 deleted, all of the group's ranks together (:meth:`PositionStore.expire`); a group where any rank reported within the
 period keeps every row, its stale and gone ranks included (as Kafka expires only the offsets of a group with no active
-member). Ages are the store's clock: the database's for rows, the modification times for objects. Two callers, neither
+member). Ages are the store's clock: the database's for rows, the modification times for objects, against the store's
+own clock (a probe object's modification time, or GC's reading of it) where this host's runs ahead. Two callers, neither
 on the training loop's path:
 
 * the position reporter of rank 0 (:class:`~lakestream_iceberg.read.consumer.PositionReporter`), from its background
@@ -69,7 +70,7 @@ import pyarrow.parquet as pq
 from lakestream_iceberg.connect.direct import sqlite_connections
 from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
-from lakestream_iceberg.connect.storage import list_files
+from lakestream_iceberg.connect.storage import list_files, store_now
 
 __all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
 
@@ -179,17 +180,26 @@ class PositionStore:
         return _keyed(self.location, [PositionRow(group=str(g), rank=r, body=str(b), age_s=max(0.0, float(a)))
                                       for g, r, b, a in found])
 
-    def expire(self, *, older_than_s: float, delete: bool = True) -> tuple[int, int]:
+    def expire(self, *, older_than_s: float, delete: bool = True, now: float | None = None) -> tuple[int, int]:
         """Delete the positions of every group whose newest report is older than ``older_than_s`` seconds by the
         store's clock, all of a group's ranks together (see the module docstring); ``delete=False`` only counts them.
-        Returns how many positions and bytes (0 for rows) went. A store that has none creates nothing."""
+        Returns how many positions and bytes (0 for rows) went. A store that has none creates nothing.
+
+        ``now``: the store's time now for objects (GC reads it once: ``lifecycle.sweep.gc_now``); None: the earlier of
+        this host's clock and the store's (a probe object, only when deleting), so a host whose clock runs ahead never
+        expires a group that reported recently. Rows age by the database's clock whatever ``now`` says."""
         if self._engine is None:
             old: dict[str, list[tuple[str, int]]] = {}
             newest: dict[str, float] = {}
             for path, group, _rank, mtime, size in self._object_list(None):
                 old.setdefault(group, []).append((path, size))
                 newest[group] = max(newest.get(group, mtime), mtime)
-            cutoff = time.time() - older_than_s
+            if now is None:
+                now = time.time()
+                if delete and old:
+                    store = store_now(self._io, self.location)
+                    now = now if store is None else min(now, store)
+            cutoff = now - older_than_s
             doomed = [o for group, objects in old.items() if newest[group] < cutoff for o in objects]
             return self._delete_objects(doomed, delete=delete), sum(size for _, size in doomed)
         if self._sqlite is not None:

@@ -1,12 +1,13 @@
 """A table's storage through its own FileIO, PyArrow's or fsspec's: listing the files under a location (GC, staging,
 consumer positions), the names in one folder (``Stream.create``'s check of a location), one file's modification time,
-a stream of ranged reads; and where s3fs (pyiceberg's ``FsspecFileIO``) differs from pyarrow: its listings cache
+the store's clock (:func:`store_now`, what GC ages files by), a stream of ranged reads; and where s3fs (pyiceberg's ``FsspecFileIO``) differs from pyarrow: its listings cache
 (dropped after each listing), its silent multi-object delete and its loose request bounds (warned of)."""
 
 from __future__ import annotations
 
 import logging
 import sys
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -183,6 +184,33 @@ def warn_unbounded_requests(io: FileIO, location: str) -> None:
                 "lakestream's own read and commit budgets; set s3.connect-timeout and s3.request-timeout (seconds) "
                 "in the catalog's properties, or use PyArrowFileIO (no py-io-impl); see docs/guide/hosts.md",
                 " and ".join(missing))
+
+
+CLOCK_PROBE_PREFIX = "_lakestream-clock-"  # a probe object's name under the table's metadata/ folder (see store_now)
+
+
+def store_now(io: FileIO, location: str) -> float | None:
+    """The store's clock now (unix seconds): the modification time of an empty probe object that this writes under
+    ``<location>/metadata/`` and deletes at once. None when it cannot be told (the write refused, a FileIO or store that
+    reports no modification times). A probe left behind (its delete failed) is a file no metadata references: the next
+    GC deletes it once it is older than the grace period.
+
+    Ages of files are differences between their modification times (the store's clock) and now: taken from this host's
+    clock, a host whose clock runs ahead of the store's sees every file that much older (GC deleting the files of a
+    commit in flight, consumer positions expired early)."""
+    path = f"{location.rstrip('/')}/metadata/{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
+    try:
+        with io.new_output(path).create(overwrite=True) as f:
+            f.write(b"")
+    except Exception:  # noqa: BLE001 - read-only credentials, a store out of reach: the caller uses its own clock
+        return None
+    try:
+        return modified_at(io, path)
+    finally:
+        try:
+            io.delete(path)
+        except Exception:  # noqa: BLE001 - left for GC (see above)
+            pass
 
 
 def modified_at(io: FileIO, path: str) -> float | None:

@@ -80,7 +80,15 @@ from lakestream_iceberg.format.snapshots import SnapshotBuilder
 from lakestream_iceberg.format.summary import OP_COLLECT, StreamState
 from lakestream_iceberg.format.table import after_gc
 from lakestream_iceberg.lifecycle.policy import refuse_shared_files, retained
-from lakestream_iceberg.lifecycle.sweep import Swept, kept_after_dry_run, known_files, norm, referenced_files, sweep
+from lakestream_iceberg.lifecycle.sweep import (
+    Swept,
+    gc_now,
+    kept_after_dry_run,
+    known_files,
+    norm,
+    referenced_files,
+    sweep,
+)
 from lakestream_iceberg.write.commit import CommitLoop
 from lakestream_iceberg.write.plan import Done, Plan
 
@@ -337,6 +345,11 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         metadata = head()
         return metadata, known_files(stream, metadata)
 
+    # the time files and positions age by, read before any head: a file the sweep finds older than the grace period
+    # then was older still when each head was read, so no commit publishing it can land after that read (the grace
+    # rule); and the store's clock where it is earlier than this host's (a GC host whose clock runs ahead)
+    now = gc_now(stream, stream.table.metadata.location, probe=not dry_run)
+
     # Another GC running at the same time may delete files of the head this one read (snapshots it expired): each read
     # of the head's files is made once more on the head read again, as reads and commits do (format/table.py's after_gc)
     metadata, known = after_gc(read_head, refresh=lambda: None)
@@ -360,9 +373,9 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
 
         plan, keep = after_gc(lambda: survey(metadata), refresh=lambda: None, again=lambda: survey(head()))
         _record(plan.result, sweep(stream, location=metadata.location, keep=keep, known=known, grace_s=grace_s,
-                                   delete=False, keep_producer_state=bool(rebase)))
+                                   delete=False, now=now, keep_producer_state=bool(rebase)))
         _expire_intents(stream, plan.result, expire_intents, grace_s=grace_s, delete=False)
-        _expire_positions(stream, plan.result, metadata, retention_s=positions_s, delete=False)
+        _expire_positions(stream, plan.result, metadata, retention_s=positions_s, delete=False, now=now)
         return plan.result
     # Two commits (see "Forks and GC" above): release + collect first, then expire what no ref needs, planned on a head
     # that shows the release, so a fork racing GC either keeps its anchor or fails loudly.
@@ -390,9 +403,9 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
                     again=lambda: referenced_files(stream.io, head(), stream.table.metadata_location, stream))
     known |= {norm(p) for p in outcome.abandoned_files}
     _record(report, sweep(stream, location=expiry.metadata.location, keep=keep, known=known, grace_s=grace_s,
-                          delete=True, keep_producer_state=bool(rebase)))
+                          delete=True, now=now, keep_producer_state=bool(rebase)))
     _expire_intents(stream, report, expire_intents, grace_s=grace_s, delete=True)
-    _expire_positions(stream, report, expiry.metadata, retention_s=positions_s, delete=True)
+    _expire_positions(stream, report, expiry.metadata, retention_s=positions_s, delete=True, now=now)
     return report
 
 
@@ -411,12 +424,12 @@ def _record(report: GCReport, swept: Swept) -> None:
 
 
 def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, retention_s: float,
-                      delete: bool) -> None:
+                      delete: bool, now: float) -> None:
     """The consumer positions of groups silent for longer than ``retention_s`` (``lakestream.consumers.retention-ms``,
-    read when GC began; rows: 0 bytes)."""
+    read when GC began; rows: 0 bytes, aged by the database's clock; objects: aged at ``now``, :func:`gc_now`)."""
     try:
         store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=metadata.location)
-        count, size = store.expire(older_than_s=retention_s, delete=delete)
+        count, size = store.expire(older_than_s=retention_s, delete=delete, now=now)
     except Exception as exc:  # noqa: BLE001 - the rest of the collection stands; the next one retries
         log.warning("GC of %s could not expire the consumer positions of old groups (%s); the next GC retries",
                     stream.name, exc)

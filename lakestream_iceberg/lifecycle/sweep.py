@@ -5,6 +5,13 @@ A file that some snapshot references was committed; one that no metadata ever re
 staged shards, a lost compare-and-swap's manifests) may belong to a commit still in flight, so the sweep deletes it only
 once it is older than the grace period. Paths compare without their scheme (:func:`norm`).
 
+Ages are the store's clock (:func:`gc_now`): a file's age is its modification time (the store's clock) subtracted from
+the earlier of this host's clock and the store's, read once when GC begins, before it reads the head whose files it
+keeps. This host's clock alone let a GC host whose clock runs ahead by more than half the grace period less the commit
+timeout (25 min with the defaults; nothing at all with the commit timeout at half the grace period) delete the files of
+a batch that a producer was publishing; and a "now" read after the head let a commit that landed between the two
+lose its files to the same arithmetic.
+
 Deletes run side by side on a thread pool of the sweep's own, sized as pyiceberg sizes its pool (``max-workers`` in
 its configuration, ``PYICEBERG_MAX_WORKERS``), a bounded batch at a time: on an object store each delete is a round
 trip, and one at a time a GC of 100,000 files took as many round trips in a row. A pool of its own, not pyiceberg's
@@ -33,7 +40,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.concurrent import ExecutorFactory
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR
-from lakestream_iceberg.connect.storage import list_files, unreported_delete_failures
+from lakestream_iceberg.connect.storage import list_files, store_now, unreported_delete_failures
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import StreamState
@@ -42,10 +49,11 @@ from lakestream_iceberg.write.intent import STAGING_DIR
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
 
-__all__ = ["Swept", "kept_after_dry_run", "known_files", "norm", "referenced_files", "sweep"]
+__all__ = ["Swept", "gc_now", "kept_after_dry_run", "known_files", "norm", "referenced_files", "sweep"]
 
 log = logging.getLogger(__name__)
 
+CLOCK_SKEW_WARN_S = 60.0  # this host's clock and the store's further apart than this: GC says so
 DELETE_BATCH = 1_000  # deletes handed to the pool at a time: bounds the futures held, keeps every worker busy
 
 
@@ -123,14 +131,38 @@ def _kind(path: str) -> str:
     return "other"
 
 
+def gc_now(stream: StreamTable, location: str, *, probe: bool) -> float:
+    """The "now" that GC ages files and consumer positions by (unix seconds): the earlier of this host's clock and the
+    store's (:func:`~lakestream_iceberg.connect.storage.store_now`, one probe object written and deleted under
+    ``location``), so that neither a GC host whose clock runs ahead nor a store whose clock lags makes a young file
+    look old. ``probe=False`` (a dry run, which writes nothing), or a store that cannot tell its clock: this host's,
+    with a warning in the second case. Clocks further apart than :data:`CLOCK_SKEW_WARN_S` are logged."""
+    local = time.time()
+    if not probe:
+        return local
+    store = store_now(stream.io, location)
+    if store is None:
+        log.warning("GC of %s cannot tell the store's clock (a probe object under %s/metadata/ could not be written or "
+                    "reports no modification time): it ages files by this host's clock, which must not run ahead of "
+                    "the store's (docs/guide/retention.md)", stream.name, location.rstrip("/"))
+        return local
+    if abs(local - store) > CLOCK_SKEW_WARN_S:
+        log.warning("GC of %s: this host's clock is %+.0fs off the store's; it ages files by the earlier of the two. "
+                    "Producers whose clocks lag the store's by more than half the grace period less the commit timeout "
+                    "may publish files GC already deleted: check the hosts' time synchronisation "
+                    "(docs/guide/retention.md)", stream.name, local - store)
+    return min(local, store)
+
+
 def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str], grace_s: float, delete: bool,
-          keep_producer_state: bool = False) -> Swept:
+          now: float, keep_producer_state: bool = False) -> Swept:
     """Delete unreferenced files under the table location (``delete=False``: count them only); files no metadata ever
-    referenced (``known``) need to be older than ``grace_s`` first. ``keep_producer_state``: delete no producer-state
-    file (a branch awaits a repair that re-bases on old ones)."""
+    referenced (``known``) need to be older than ``grace_s`` at ``now`` first (:func:`gc_now`, read before the head
+    whose files are ``keep``: a commit landing after that read publishes files younger than the grace period then).
+    ``keep_producer_state``: delete no producer-state file (a branch awaits a repair that re-bases on old ones)."""
     location = location.rstrip("/") + "/"
     root = norm(location) + "/"
-    cutoff = time.time() - grace_s
+    cutoff = now - grace_s
     if delete:
         _warn_unreported_delete_failures(stream, location)
     with _Deletes(stream.io) as deletes:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -14,8 +16,9 @@ import pytest
 from pyiceberg.io.pyarrow import PyArrowFileIO
 
 from lakestream_iceberg import Stream
+from lakestream_iceberg.connect.storage import CLOCK_PROBE_PREFIX
 from lakestream_iceberg.tools.config import embedded_catalog
-from tests.support import SCHEMA, batch, digest, immutable
+from tests.support import SCHEMA, batch, digest, immutable, sqlite_catalog
 
 WORLD = 2
 
@@ -50,6 +53,8 @@ def test_the_sweep_runs_its_deletes_side_by_side(tmp_path: Path, monkeypatch: py
     real = PyArrowFileIO.delete
 
     def delete(self: PyArrowFileIO, location: object) -> None:
+        if CLOCK_PROBE_PREFIX in str(location):  # GC's probe of the store's clock, deleted before the sweep
+            return real(self, location)
         with lock:
             calls[0] += 1
             first_two = calls[0] <= 2
@@ -171,3 +176,27 @@ def test_a_gc_run_on_pyicebergs_pool_does_not_wait_on_that_pool_forever(tmp_path
     done = subprocess.run([sys.executable, "-c", GC_ON_THE_POOL.format(root=root, tmp=str(tmp_path))], cwd=root,
                           env={**os.environ, "PYICEBERG_MAX_WORKERS": "1"}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.split() == ["4", "0"], (done.returncode, done.stdout, done.stderr[-2000:])
+
+
+def test_a_gc_host_whose_clock_runs_ahead_keeps_the_files_a_producer_just_wrote(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The sweep aged files by this host's clock against the store's modification times: a GC host 2 h ahead (NTP
+    broken, a VM resumed with a wrong clock) saw the files a producer wrote a moment ago as older than the default
+    grace period (1 h) and deleted them while the producer was about to publish them. It ages them by the store's clock
+    now (a probe object's modification time) wherever that is earlier, and says that the clocks disagree."""
+    stream = Stream.create(sqlite_catalog(str(tmp_path)), "ns.clock", schema=SCHEMA, world_size=WORLD)
+    _published(stream, 1)
+    staged = stream.writer.write(producer="late", seq=0, shards=batch("late", 0, WORLD))  # its commit is in flight
+    written = {f.path.removeprefix("file://") for f in staged.files}
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 2 * 3600)  # this (GC) host's clock: 2 h ahead of the store's
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.lifecycle.sweep"):
+        report = stream.collect_garbage(dry_run=False)  # the default grace period: 1 h
+    assert all(os.path.exists(p) for p in written), report
+    assert report.files_in_grace >= WORLD and "data" not in report.files_deleted
+    assert "off the store's" in caplog.text
+    metadata = stream.table.metadata.location.removeprefix("file://") + "/metadata"
+    assert not [n for n in os.listdir(metadata) if "clock" in n]  # the probe object is gone
+    monkeypatch.setattr(time, "time", real)
+    assert stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True).files_deleted["data"] \
+        == WORLD  # aged by the store's clock, they still go once old enough

@@ -179,6 +179,27 @@ def _reporters_stopped() -> bool:
     return not any(t.name == "lakestream-positions" and t.is_alive() for t in threading.enumerate())
 
 
+def test_a_host_whose_clock_runs_ahead_expires_no_group_that_reported_recently(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Position objects aged by this host's clock against their modification times (the store's clock): GC (or rank 0's
+    reporter) on a host whose clock ran ahead by more than the retention expired the positions of a group whose ranks
+    had just reported. Objects now age by the store's clock wherever it is earlier."""
+    place = _object_place(tmp_path)
+    stream = place.stream()
+    record(stream, "recent")
+    record(stream, "old")
+    place.age(stream, "old", WEEK + DAY, None)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + WEEK + DAY)  # this host's clock: 8 days ahead of the store's
+    assert store_of(stream).expire(older_than_s=WEEK)[0] == WORLD  # rank 0's reporter on such a host: the old group
+    assert kept(stream) == [("recent", 0), ("recent", 1)]
+    record(stream, "old")
+    place.age(stream, "old", WEEK + DAY, None)
+    report = stream.collect_garbage(dry_run=False)  # GC on such a host
+    assert report.files_deleted.get("consumer-position") == WORLD, report  # the old group only
+    assert kept(stream) == [("recent", 0), ("recent", 1)]
+
+
 def test_rank_0_reporter_expires_old_groups_at_most_once_an_hour(place: Place, monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     del torch
