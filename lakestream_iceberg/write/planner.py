@@ -215,7 +215,7 @@ class BatchPlanner:
     def _check_age(self, batch: StagedBatch) -> None:
         """Refuse (:class:`CommitTimeoutError`) the batch once its files are older than half the GC grace period
         (``StreamConfig.staged_max_age_s``): the same bound as other producers' staged batches."""
-        age = time.time() - batch.written_at if batch.written_at is not None else 0.0
+        age = batch.age_s(time.time(), time.monotonic()) or 0.0  # the larger of the two clocks' (StagedBatch.age_s)
         if age > self._max_age_s:
             raise CommitTimeoutError(
                 f"batch seq {batch.seq} of producer {self._head.producer_id!r} was written {age:.1f}s ago, longer than "

@@ -124,7 +124,7 @@ class StagingArea:
         """Write the intent of a batch whose data files are all written; storage outages are retried."""
         path = f"{self.folder(branch)}/{intent_name(batch)}"
         staged_at = time.time()
-        files_age_s = 0.0 if batch.written_at is None else max(0.0, staged_at - batch.written_at)
+        files_age_s = max(0.0, batch.age_s(staged_at, time.monotonic()) or 0.0)  # a stepped wall clock never lowers it
         intent = Intent(path=path, branch=branch, batch=batch, allow_gap=allow_gap, staged_at=staged_at,
                         table_uuid=self._table_uuid, files_age_s=files_age_s)
         self._store.put(intent)

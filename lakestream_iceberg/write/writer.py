@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 import numpy as np
@@ -238,6 +239,18 @@ class StagedBatch:
     files: tuple[StagedFile, ...]
     token: str = ""  # the batch's unique token (also in its data file names)
     written_at: float | None = None  # unix seconds when its writing began (None: unknown, e.g. read from an intent)
+    written_mono: float | None = dataclass_field(default=None, compare=False)  # time.monotonic() then, here
+
+    def age_s(self, wall: float, monotonic: float) -> float | None:
+        """Seconds since its writing began (None: unknown) at ``wall`` (``time.time()``) and ``monotonic``
+        (``time.monotonic()``): the larger of what the two clocks say. The wall clock alone under-counted by as much as
+        it stepped back meanwhile (an NTP correction), so a producer holding its batch published files GC may already
+        have deleted; the monotonic clock alone stands still while the host is suspended (a VM paused), which the wall
+        clock counts once set right."""
+        if self.written_at is None:
+            return None
+        age = wall - self.written_at
+        return age if self.written_mono is None else max(age, monotonic - self.written_mono)
 
     @property
     def rows(self) -> int:
@@ -288,7 +301,7 @@ class BatchWriter:
                 the batch was deleted, as far as storage allowed).
         """
         token = uuid.uuid4().hex[:12]
-        written_at = time.time()  # before any file exists: a lower bound of every file's modification time
+        written_at, written_mono = time.time(), time.monotonic()  # before any file exists (their ages count from here)
         files: list[StagedFile] = []
         failure: Exception | None = None
         if self._packed_bytes is not None:  # one file: written here, no hand-off to a pool thread and back
@@ -313,7 +326,8 @@ class BatchWriter:
                 except Exception as exc:  # noqa: BLE001 - re-raised below, after the cleanup
                     failure = failure or exc
         if failure is None:
-            return StagedBatch(producer=producer, seq=seq, files=tuple(files), token=token, written_at=written_at)
+            return StagedBatch(producer=producer, seq=seq, files=tuple(files), token=token, written_at=written_at,
+                               written_mono=written_mono)
         for path in paths:  # a failed rank may have left a partial file too
             try:
                 self._io.delete(path)

@@ -578,6 +578,39 @@ def test_a_fresh_intent_of_a_batch_whose_files_are_old_is_never_published(tmp_pa
     assert Path(late.path.removeprefix("file://")).exists()  # left to GC, never published
 
 
+def test_a_wall_clock_stepped_back_never_makes_a_batch_look_younger_than_its_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's age counted by the wall clock alone: one that stepped back while the producer held its batch (an NTP
+    correction) made files as old as 0.6 x the grace period look new, so the producer published them itself, or staged
+    them for another to publish, although GC, ageing them by the store's clock, may already have deleted them. The
+    monotonic clock counts the time the wall clock lost. Injected: the writer's clocks when the batch was written,
+    its monotonic clock 0.6 x grace behind the one the commit reads, its wall clock where the commit's stands now."""
+    from lakestream_iceberg.write import writer
+
+    stream = make(tmp_path, **STORAGE)
+    _, b = both_active(stream)
+    grace_s = stream.config.gc_grace_ms / 1000
+
+    class WroteLongAgo:  # this host's clocks as the writer read them: monotonic 0.6 x grace ago, wall "now" (stepped back)
+        time, sleep = staticmethod(time.time), staticmethod(time.sleep)
+
+        @staticmethod
+        def monotonic() -> float:
+            return time.monotonic() - 0.6 * grace_s
+
+    monkeypatch.setattr(writer, "time", WroteLongAgo)
+    written = stream.writer.write(producer="c", seq=0, shards=batch("c", 0, WORLD))
+    late = stream.staging.stage(branch="main", batch=written, allow_gap=False)
+    assert late.files_age_s >= 0.6 * grace_s
+    with pytest.raises(CommitTimeoutError, match="half of"):  # its own commit refuses it too (the retry writes again)
+        stream.producer("e").commit(batch("e", 0, WORLD), seq=0)
+    monkeypatch.setattr(writer, "time", time)
+    b.commit(batch("b", 2, WORLD))
+    b.commit(batch("b", 3, WORLD))
+    owners = [v[0] for v in published(stream).values()]
+    assert "c" not in owners and "e" not in owners
+
+
 @pytest.mark.parametrize("staged_at", [float("nan"), float("inf"), 1e17])
 def test_an_intent_declaring_an_impossible_staging_time_is_never_carried_and_commits_go_on(tmp_path: Path,
                                                                                              staged_at: float) -> None:
