@@ -104,7 +104,7 @@ class StagingArea:
         self._lock = threading.Lock()
         self._parsed: OrderedDict[str, Intent | None] = OrderedDict()  # immutable files: parse each once
         self._max_cached = max_cached
-        self._listed: dict[str, tuple[float, list[Intent]]] = {}  # branch -> (when, what) of the last listing
+        self._listed: dict[str, tuple[float, list[Intent]]] = {}  # branch -> (monotonic when, what) of the last listing
         self._rejected: set[str] = set()  # intents found unusable (reported once)
 
     @property
@@ -147,9 +147,9 @@ class StagingArea:
         ``every_s`` > 0 lists the store at most that often and answers from the last listing in between (its intents
         may have been published since: callers check every intent's seq against the head anyway).
         """
-        now = time.time()
-        last = self._listed.get(branch)
-        if every_s > 0 and last is not None and now - last[0] < every_s:
+        now, listed_at = time.time(), time.monotonic()  # ages against the store's times; the cache's by the monotonic
+        last = self._listed.get(branch)  # clock (a wall clock stepped back kept serving one listing until it caught up)
+        if every_s > 0 and last is not None and listed_at - last[0] < every_s:
             return last[1]
         out: list[Intent] = []
         folder = self.folder(branch)
@@ -175,7 +175,7 @@ class StagingArea:
                 continue  # its data files are older than the bound, though the intent is not
             if intent is not None and self._usable(intent, branch=branch, name=name):
                 out.append(replace(intent, modified=mtime or None))
-        self._listed[branch] = (now, out)
+        self._listed[branch] = (listed_at, out)
         self._forget_unlisted(folder, {entry.path for entry in listed})
         return out
 

@@ -611,6 +611,31 @@ def test_a_wall_clock_stepped_back_never_makes_a_batch_look_younger_than_its_fil
     assert "c" not in owners and "e" not in owners
 
 
+def test_a_wall_clock_stepped_back_does_not_freeze_the_listing_of_staged_batches(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A producer committing alone lists the staging folder at most every so often and answers from its last listing
+    in between, timed by the wall clock: one stepped back by an hour (an NTP correction) kept answering from that
+    listing for the hour, so batches staged meanwhile were neither seen nor carried, and the listing's intents were
+    offered without their ages being checked again."""
+    from lakestream_iceberg.write import staging
+
+    stream = make(tmp_path, **STORAGE)
+    max_age_s = stream.config.staged_max_age_s
+    assert stream.staging.pending("main", max_age_s=max_age_s, every_s=1e-6) == []  # listed (nothing), cached
+
+    class SteppedBack:  # this host's clocks once its wall clock stepped back an hour
+        monotonic, sleep = staticmethod(time.monotonic), staticmethod(time.sleep)
+
+        @staticmethod
+        def time() -> float:
+            return time.time() - 3600
+
+    monkeypatch.setattr(staging, "time", SteppedBack)
+    staged = stage(stream, "c", 0)
+    found = stream.staging.pending("main", max_age_s=max_age_s, every_s=1e-6)
+    assert [i.path for i in found] == [staged.path]
+
+
 @pytest.mark.parametrize("staged_at", [float("nan"), float("inf"), 1e17])
 def test_an_intent_declaring_an_impossible_staging_time_is_never_carried_and_commits_go_on(tmp_path: Path,
                                                                                              staged_at: float) -> None:
