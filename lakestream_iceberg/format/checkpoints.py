@@ -38,6 +38,8 @@ class Checkpoint:
         created_at: When the checkpoint was committed (UTC).
         branch: The branch the checkpoint was taken on.
         source_snapshot_id: The snapshot that published ``step``.
+        sequence_number: The anchor's sequence number: the order in which checkpoints were committed, which no clock
+            decides (``created_at`` is the clock of the host that made it; hosts' clocks differ). None: not known.
     """
 
     name: str
@@ -46,6 +48,7 @@ class Checkpoint:
     created_at: datetime
     branch: str
     source_snapshot_id: int | None
+    sequence_number: int | None = None
 
 
 def _summary(snapshot: Snapshot | None) -> dict[str, str]:
@@ -87,6 +90,7 @@ def checkpoint_of(metadata: TableMetadata, name: str, *, by_id: dict[int, Snapsh
         created_at=_created_at(name, summary.get(KEY_CREATED_AT), snapshot.timestamp_ms),
         branch=summary.get(KEY_SOURCE_BRANCH, "main"),
         source_snapshot_id=_snapshot_id(name, source),
+        sequence_number=snapshot.sequence_number,
     )
 
 

@@ -119,7 +119,7 @@ def plan_checkpoint(stream: StreamTable, metadata: TableMetadata, *, name: str, 
         planned.add(snapshot_id)
     result = Checkpoint(name=name, step=step, snapshot_id=snapshot_id,
                         created_at=datetime.fromtimestamp(created_ms / 1000, tz=timezone.utc), branch=branch,
-                        source_snapshot_id=source)
+                        source_snapshot_id=source, sequence_number=sequence_number)
     return Plan(
         tuple(builder.updates),
         (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=name, snapshot_id=None),

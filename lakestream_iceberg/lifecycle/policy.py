@@ -21,10 +21,14 @@ __all__ = ["check_policy", "grace_seconds", "refuse_shared_files", "retained"]
 
 def retained(checkpoints: list[Checkpoint], *, keep_last: int | None, keep_within: timedelta | None, now: datetime) -> list[Checkpoint]:
     """The checkpoints the policy keeps: the newest ``keep_last`` of each branch and those younger than
-    ``keep_within`` (every one when both are None)."""
+    ``keep_within`` (every one when both are None).
+
+    Newest by commit order (the anchors' sequence numbers), then creation time: ``created_at`` is the clock of the host
+    that made each checkpoint, and one made later on a host whose clock runs behind looked older, so ``keep_last``
+    released the checkpoint a trainer would resume from and kept an older one."""
     if keep_last is None and keep_within is None:
         return list(checkpoints)
-    newest = sorted(checkpoints, key=lambda c: (c.created_at, c.step), reverse=True)
+    newest = sorted(checkpoints, key=lambda c: (c.sequence_number or 0, c.created_at, c.step), reverse=True)
     keep: set[str] = set()
     if keep_last is not None:  # of each branch: a fork's checkpoints never release the last ones of the run it forked
         by_branch: dict[str, list[Checkpoint]] = defaultdict(list)  # grouped once: thousands of forks, each with some

@@ -159,6 +159,30 @@ def test_orphans_of_a_crashed_producer_wait_for_the_grace_period(stream: Stream)
     assert stream.read(2, rank=1).equals(batch("p", 1, 4)[1])
 
 
+def test_keep_last_keeps_the_checkpoint_made_last_whatever_its_hosts_clock(stream: Stream, monkeypatch) -> None:
+    """keep_last ranked checkpoints by created_at, the clock of the host that made each: a trainer restarted on a host
+    whose clock runs 10 minutes behind made its next checkpoint 'older' than the one before, so GC released it (the
+    one to resume from) and kept the older one. Commit order (the anchors' sequence numbers) decides now."""
+    import time
+
+    from lakestream_iceberg.lifecycle import checkpoint as checkpoint_module
+
+    publish(stream, "p", 6)
+    stream.checkpoint("first", step=3)
+
+    class Behind:  # the clock of the host that makes the next checkpoint
+        @staticmethod
+        def time() -> float:
+            return time.time() - 600
+
+    monkeypatch.setattr(checkpoint_module, "time", Behind)
+    stream.checkpoint("second", step=5)
+    monkeypatch.undo()
+    report = stream.collect_garbage(dry_run=False, keep_last=1, grace=timedelta(0), allow_short_grace=True)
+    assert report.released_checkpoints == ["first"], report
+    assert [c.name for c in stream.checkpoints()] == ["second"] and report.collected_below == {"main": 5}
+
+
 def test_resume_from_checkpoint_replays_identical_bytes(catalog, stream: Stream) -> None:
     publish(stream, "p", 8)
     uninterrupted = [digest(stream.read(s, rank=1)) for s in range(1, 9)]
