@@ -178,18 +178,20 @@ class Attempts:
 
 
 def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int | None, keep_within: timedelta | None,
-                 write: bool, attempts: Attempts | None = None,
+                 write: bool, attempts: Attempts | None = None, now: float | None = None,
                  ) -> tuple[Plan[GCReport] | Done[GCReport], dict[str, tuple[Snapshot, int]], set[int]]:
     """GC's first commit, the collected branches' heads, and the released anchors that the second commit
     (:func:`plan_expire`) will expire. With ``write=False`` nothing is written (dry run): the plan is only reported,
     and ``snapshots_expired`` counts both commits. ``attempts``: kept across the attempts of one commit (see
     :class:`Attempts`); when ``metadata`` shows the last attempt's commit landed (its outcome was unknown), ``Done``
-    with that attempt's report (and nothing collected or deferred)."""
+    with that attempt's report (and nothing collected or deferred). ``now``: the time ``keep_within`` counts from
+    (unix seconds; :func:`~lakestream_iceberg.lifecycle.sweep.gc_now`, so that a GC host whose clock runs ahead
+    releases no checkpoint early); None: this host's clock."""
     if write and attempts is not None and (landed := attempts.landed(metadata)) is not None:
         return Done(landed), {}, set()
-    now = datetime.now(timezone.utc)
     checkpoints = list_checkpoints(metadata)
-    keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within, now=now)
+    keep = retained(checkpoints, keep_last=keep_last, keep_within=keep_within,
+                    now=datetime.now(timezone.utc) if now is None else datetime.fromtimestamp(now, tz=timezone.utc))
     kept = {c.name for c in keep}  # tag names are unique; a list's `in` made thousands of tags quadratic
     released = [c for c in checkpoints if c.name not in kept]
     report = GCReport(dry_run=not write, released_checkpoints=[c.name for c in released])
@@ -345,7 +347,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
         metadata = head()
         return metadata, known_files(stream, metadata)
 
-    # the time files and positions age by, read before any head: a file the sweep finds older than the grace period
+    # the time files, positions and checkpoints (keep_within) age by, read before any head: a file the sweep finds older than the grace period
     # then was older still when each head was read, so no commit publishing it can land after that read (the grace
     # rule); and the store's clock where it is earlier than this host's (a GC host whose clock runs ahead)
     now = gc_now(stream, stream.table.metadata.location, probe=not dry_run)
@@ -366,7 +368,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     if dry_run:
         def survey(metadata: TableMetadata) -> tuple[Plan[GCReport], set[str]]:
             plan, collected, deferred = plan_collect(stream, metadata, keep_last=keep_last, keep_within=keep_within,
-                                                     write=False)
+                                                     write=False, now=now)
             assert isinstance(plan, Plan)  # a dry run never answers Done: it has no earlier attempt
             return plan, kept_after_dry_run(stream, metadata, stream.table.metadata_location, collected,
                                             snapshots_expired(plan) | deferred)
@@ -382,7 +384,7 @@ def collect_garbage(stream: StreamTable, loop: CommitLoop, *, dry_run: bool, kee
     attempts = Attempts()
     try:
         outcome = loop.run(lambda md, _: plan_collect(stream, md, keep_last=keep_last, keep_within=keep_within,
-                                                      write=True, attempts=attempts)[0], pace=False)
+                                                      write=True, attempts=attempts, now=now)[0], pace=False)
     except CommitTimeoutError as exc:
         raise _gave_up(f"GC of {stream.name} gave up its first commit after {exc.why}: nothing was released, collected "
                        f"or deleted. Run GC again, or raise {PROP_COMMIT_TIMEOUT_MS} / lakestream.commit.max-attempts",

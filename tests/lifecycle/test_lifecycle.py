@@ -183,6 +183,35 @@ def test_keep_last_keeps_the_checkpoint_made_last_whatever_its_hosts_clock(strea
     assert [c.name for c in stream.checkpoints()] == ["second"] and report.collected_below == {"main": 5}
 
 
+def test_keep_within_on_a_gc_host_whose_clock_runs_ahead_releases_no_young_checkpoint(stream: Stream,
+                                                                                      monkeypatch) -> None:
+    """keep_within counted from the GC host's clock: one running 2 days ahead released a checkpoint made a moment ago
+    under keep_within=1 day (and collected the steps below the next one). It counts from the earlier of that clock
+    and the store's now."""
+    import time
+    from datetime import datetime
+
+    from lakestream_iceberg.lifecycle import gc
+
+    publish(stream, "p", 6)
+    stream.checkpoint("young", step=3)
+    stream.checkpoint("newest", step=5)
+    ahead = timedelta(days=2)
+    real = time.time
+
+    class Ahead(datetime):
+        @classmethod
+        def now(cls, tz=None):  # noqa: ANN001, ANN206 - datetime.now's own signature
+            return datetime.now(tz) + ahead
+
+    monkeypatch.setattr(time, "time", lambda: real() + ahead.total_seconds())  # this (GC) host's clocks: 2 days ahead
+    monkeypatch.setattr(gc, "datetime", Ahead)
+    report = stream.collect_garbage(dry_run=False, keep_last=1, keep_within=timedelta(days=1), grace=timedelta(0),
+                                    allow_short_grace=True)
+    assert report.released_checkpoints == [] and report.collected_below == {"main": 3}, report
+    assert [c.name for c in stream.checkpoints()] == ["young", "newest"]
+
+
 def test_resume_from_checkpoint_replays_identical_bytes(catalog, stream: Stream) -> None:
     publish(stream, "p", 8)
     uninterrupted = [digest(stream.read(s, rank=1)) for s in range(1, 9)]
