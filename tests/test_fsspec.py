@@ -276,3 +276,20 @@ def _forked_child_commits_and_reads(stream: Stream) -> None:
     proc.start()
     assert _child_report(proc, results, "commit") == ("ok", 2, digest(batch("parent", 0, WORLD)[1]))
     assert stream.producer("parent").commit(batch("parent", 1, WORLD)).step == 3  # the parent's still work
+
+
+@pytest.mark.parametrize("backend", ["sqlite-moto", "rest-seaweedfs"], indirect=True)
+def test_gc_reads_the_stores_clock_through_either_file_io(backend: Backend) -> None:
+    """GC ages files by the store's clock (a probe object's modification time): the probe must be an object such stores
+    take (SeaweedFS's table buckets refused one without an Avro or Parquet name, and GC fell back to its own clock),
+    read back through PyArrowFileIO and FsspecFileIO alike, and leave nothing behind."""
+    import time
+
+    from lakestream_iceberg.connect.storage import CLOCK_PROBE_PREFIX, list_files, store_now
+
+    stream = Stream.create(backend.catalog(), backend.identifier(), schema=SCHEMA, world_size=WORLD)
+    for each in (stream, fsspec_stream(backend)):
+        location = each.table.metadata.location
+        now = store_now(each.io, location)
+        assert now is not None and abs(now - time.time()) < 5, type(each.io).__name__  # one host: the same clock
+        assert not [p for p, _, _ in list_files(each.io, location) if CLOCK_PROBE_PREFIX in p]

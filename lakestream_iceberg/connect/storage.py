@@ -187,6 +187,8 @@ def warn_unbounded_requests(io: FileIO, location: str) -> None:
 
 
 CLOCK_PROBE_PREFIX = "_lakestream-clock-"  # a probe object's name under the table's metadata/ folder (see store_now)
+# stores that serve Iceberg tables (S3 table buckets, SeaweedFS's) accept only Avro, Parquet and metadata JSON there
+CLOCK_PROBE_SUFFIX = ".avro"
 
 
 def store_now(io: FileIO, location: str) -> float | None:
@@ -198,7 +200,7 @@ def store_now(io: FileIO, location: str) -> float | None:
     Ages of files are differences between their modification times (the store's clock) and now: taken from this host's
     clock, a host whose clock runs ahead of the store's sees every file that much older (GC deleting the files of a
     commit in flight, consumer positions expired early)."""
-    path = f"{location.rstrip('/')}/metadata/{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}"
+    path = f"{location.rstrip('/')}/metadata/{CLOCK_PROBE_PREFIX}{uuid.uuid4().hex}{CLOCK_PROBE_SUFFIX}"
     try:
         with io.new_output(path).create(overwrite=True) as f:
             f.write(b"")

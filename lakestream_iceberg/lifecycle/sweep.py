@@ -40,7 +40,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.concurrent import ExecutorFactory
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR
-from lakestream_iceberg.connect.storage import list_files, store_now, unreported_delete_failures
+from lakestream_iceberg.connect.storage import CLOCK_PROBE_PREFIX, list_files, store_now, unreported_delete_failures
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import StreamState
@@ -122,6 +122,8 @@ def _kind(path: str) -> str:
         return "producer-state"
     if "/data/" in path and name.endswith(".parquet"):
         return "data"
+    if name.startswith(CLOCK_PROBE_PREFIX):  # a probe of the store's clock whose delete failed (gc_now)
+        return "other"
     if name.endswith(".metadata.json"):
         return "metadata"
     if name.startswith("snap-") and name.endswith(".avro"):
