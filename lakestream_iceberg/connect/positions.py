@@ -56,6 +56,7 @@ either way the group's ranks write their positions again at their next report.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -268,7 +269,9 @@ class PositionStore:
                 continue  # not a position object (a temporary file of the store, someone else's file: 'r²')
             if group is not None and unquote(parts[-2]) != group:
                 continue  # another group's (a store listing a prefix rather than a folder)
-            found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), mtime, size))
+            # a time the store does not tell counts as the latest (age 0, never expired), not as 1970
+            found.append((path, unquote(parts[-2]), int(name[1:-len(_SUFFIX)]), math.inf if mtime is None else mtime,
+                          size))
         return found
 
     def _object_rows(self, group: str | None) -> list[PositionRow]:

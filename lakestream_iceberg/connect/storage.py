@@ -20,9 +20,11 @@ from lakestream_iceberg.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection") -> Iterator[tuple[str, int, float]]:
+def list_files(io: FileIO, location: str, *,
+               purpose: str = "garbage collection") -> Iterator[tuple[str, int, float | None]]:
     """Yield ``(full path, size in bytes, mtime as unix seconds)`` for every file below ``location``; ``purpose`` (what
-    the listing is for) is named by the error when it fails."""
+    the listing is for) is named by the error when it fails. The mtime is None where the store does not tell it:
+    callers must take such a file as young (it was read as 0, the epoch, and GC deleted such files at once)."""
     from pyiceberg.io.pyarrow import PyArrowFileIO
 
     if isinstance(io, PyArrowFileIO):
@@ -40,8 +42,7 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
             raise _listing_error(exc, io, location, purpose) from None
         for info in infos:
             if info.type == pafs.FileType.File:
-                mtime = info.mtime.timestamp() if info.mtime is not None else 0.0
-                yield prefix + info.path, int(info.size or 0), mtime
+                yield prefix + info.path, int(info.size or 0), info.mtime.timestamp() if info.mtime is not None else None
         return
     filesystem = _fsspec_filesystem(io, location)
     if filesystem is not None:
@@ -58,10 +59,19 @@ def list_files(io: FileIO, location: str, *, purpose: str = "garbage collection"
             forget_listings(filesystem, location)
         for path, info in found.items():
             full = path if "://" in path or not scheme else f"{scheme}://{path}"  # a plain path stays one
-            mtime = info.get("LastModified") or info.get("mtime") or 0
-            yield full, int(info.get("size") or 0), (mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime))
+            yield full, int(info.get("size") or 0), _fsspec_mtime(info)
         return
     raise ConfigError(f"{purpose} cannot list files through {type(io).__name__}; use PyArrowFileIO or FsspecFileIO")
+
+
+def _fsspec_mtime(info: dict[str, Any]) -> float | None:
+    """A file's modification time in an fsspec listing or ``info`` (unix seconds; None: not told). Each file system
+    names it its own way: s3fs ``LastModified``, the local one and gcsfs ``mtime``, adlfs (``abfs://``, pyiceberg's
+    default FileIO for Azure) ``last_modified``, which went unread, so every file there read as from 1970."""
+    mtime = info.get("LastModified") or info.get("mtime") or info.get("last_modified")
+    if not mtime:
+        return None
+    return mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
 
 
 def _listing_error(exc: Exception, io: FileIO, location: str, purpose: str) -> ConfigError:
@@ -232,9 +242,7 @@ def modified_at(io: FileIO, path: str) -> float | None:
         if isinstance(io, FsspecFileIO):
             from urllib.parse import urlparse
 
-            found = io.get_fs(urlparse(path).scheme).info(path)
-            mtime = found.get("LastModified") or found.get("mtime")
-            return mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime) if mtime else None
+            return _fsspec_mtime(io.get_fs(urlparse(path).scheme).info(path))
     except Exception:  # noqa: BLE001 - a store's own errors too (s3fs raises botocore's for an unreachable endpoint)
         return None
     return None

@@ -203,7 +203,7 @@ def _walk(stream: StreamTable, *, location: str, root: str, keep: set[str], know
             continue  # position objects expire a group at a time (GC's consumer retention), not a file at a time
         if keep_producer_state and f"/data/{PRODUCERS_DIR}/" in path:
             continue
-        if key not in known and mtime > cutoff:
+        if key not in known and (mtime is None or mtime > cutoff):  # no time told: it may be a commit's in flight
             in_grace += 1
             continue
         if delete:

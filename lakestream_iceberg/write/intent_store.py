@@ -129,7 +129,7 @@ class FileIntents:
     def listing(self, folder: str, *, bodies: bool) -> list[Entry]:
         """Every ``.parquet`` file under ``folder`` (a sub-folder's too: the caller rejects what is not an intent
         name), ordered by the store's modification time, then path. Raises when the store cannot be listed."""
-        out = [Entry(path=path, order=(mtime, path), modified=mtime or None)
+        out = [Entry(path=path, order=(mtime or 0.0, path), modified=mtime or None)
                for path, _size, mtime in list_files(self._io, folder, purpose="the staged batches")
                if path.endswith(".parquet")]
         out.sort(key=lambda e: e.order)

@@ -200,3 +200,36 @@ def test_a_gc_host_whose_clock_runs_ahead_keeps_the_files_a_producer_just_wrote(
     monkeypatch.setattr(time, "time", real)
     assert stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True).files_deleted["data"] \
         == WORLD  # aged by the store's clock, they still go once old enough
+
+
+@pytest.mark.parametrize("key", ["last_modified", None], ids=["adlfs", "no-time"])
+def test_gc_keeps_young_files_where_the_file_system_names_their_times_as_adlfs_does(tmp_path: Path,
+                                                                                    key: str | None) -> None:
+    """adlfs (``abfs://``: pyiceberg's default FileIO for Azure is FsspecFileIO) names a file's modification time
+    ``last_modified``; the listing read only ``LastModified`` (s3fs) and ``mtime`` (local, gcsfs) and took every file
+    there as written in 1970: GC deleted the files of commits in flight and fresh staged intents at once, whatever the
+    grace period, and the consumer positions of live groups at every GC. No Azure store here: the stand-in is fsspec's
+    local file system with its times under adlfs's key (adlfs/spec.py: FORWARDED_BLOB_PROPERTIES), or with none (a
+    file whose time is not told is young: it may be a commit's in flight)."""
+    from datetime import datetime, timezone
+
+    from fsspec.implementations.local import LocalFileSystem
+
+    class AdlfsTimes(LocalFileSystem):
+        def info(self, path, **kwargs):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN003, ANN202
+            out = super().info(path, **kwargs)
+            mtime = out.pop("mtime")
+            if key is not None:
+                out[key] = datetime.fromtimestamp(mtime, tz=timezone.utc)
+            return out
+
+    catalog = sqlite_catalog(str(tmp_path))
+    catalog.properties["py-io-impl"] = "pyiceberg.io.fsspec.FsspecFileIO"
+    stream = Stream.create(catalog, "ns.adl", schema=SCHEMA, world_size=WORLD)
+    _published(stream, 1)
+    stream.io._scheme_to_fs["file"] = lambda *_: AdlfsTimes(auto_mkdir=True)  # type: ignore[attr-defined]
+    stream.io._thread_locals = threading.local()  # type: ignore[attr-defined]  # its per-thread cache of file systems
+    staged = stream.writer.write(producer="late", seq=0, shards=batch("late", 0, WORLD))  # its commit is in flight
+    report = stream.collect_garbage(dry_run=False)  # the default grace period: 1 h
+    assert all(os.path.exists(f.path.removeprefix("file://")) for f in staged.files), report
+    assert report.files_in_grace >= WORLD and "data" not in report.files_deleted
