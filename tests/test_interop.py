@@ -199,6 +199,44 @@ def test_a_foreign_snapshot_dated_in_the_future_keeps_checkpoints_and_history_wo
     assert report.released_checkpoints == [] and report.collected_below == {"main": 8}
 
 
+def java_refuses(metadata) -> str | None:  # noqa: ANN001 - pyiceberg's TableMetadata
+    """Iceberg's Java ``TableMetadata`` checks (which Spark, Trino and Java REST catalogs run on every load and commit):
+    last-updated-ms no more than a minute before the last snapshot-log and metadata-log entries."""
+    for what, entries in (("snapshot log", metadata.snapshot_log), ("metadata log", metadata.metadata_log)):
+        if entries and metadata.last_updated_ms - entries[-1].timestamp_ms < -60_000:
+            return f"Invalid update timestamp {metadata.last_updated_ms}: before the last {what} entry " \
+                   f"{entries[-1].timestamp_ms}"
+    return None
+
+
+def test_commits_from_a_host_whose_clock_lags_the_last_committers_leave_metadata_java_engines_load(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot was dated no earlier than its parent on the branch, and a commit adding none was dated by this host's
+    clock: after a checkpoint made on a host whose clock runs 5 minutes ahead (the table's last update then), the next
+    producer commit and the next release dated the table 5 minutes back, and Java engines refused the metadata
+    ("Invalid update timestamp ...: before the latest metadata log entry"). The table's dates never go back now."""
+    from lakestream_iceberg.format import snapshots
+    from lakestream_iceberg.lifecycle import checkpoint
+
+    class Ahead:  # the clock of the host that makes the checkpoints
+        @staticmethod
+        def time() -> float:
+            return time.time() + 300
+
+    stream, _ = published(make(tmp_path))
+    for name, step in (("c7", 7), ("c8", 8)):
+        with monkeypatch.context() as patched:
+            patched.setattr(snapshots, "time", Ahead)
+            patched.setattr(checkpoint, "time", Ahead)
+            stream.checkpoint(name, step=step)
+        if name == "c7":
+            assert stream.producer("a").commit(batch("a", 4, WORLD), seq=4).step == 9  # a snapshot of its own
+        else:
+            stream.release(name)  # a commit that adds no snapshot
+        metadata = stream.refresh().table.metadata
+        assert java_refuses(metadata) is None, java_refuses(metadata)
+
+
 def test_a_foreign_snapshot_with_copied_lakestream_keys_is_never_taken_for_the_step_it_copied(tmp_path: Path) -> None:
     """A metadata-only snapshot of another engine that copied the head's ``lakestream.*`` keys (naming the head in
     ``lakestream.snapshot-id``) is not lakestream's (lineage.is_lakestream): commits go on over it. The history joined

@@ -284,7 +284,9 @@ def _updated(base: TableMetadata, updates: tuple[TableUpdate, ...], base_locatio
         return base
     metadata = _update_table_metadata_log(metadata, base_location, base.last_updated_ms)
     if base.last_updated_ms == metadata.last_updated_ms:
-        metadata = metadata.model_copy(update={"last_updated_ms": int(time.time() * 1000)})
+        # never back (SnapshotBuilder's timestamps neither): Java engines refuse a last-updated-ms more than a minute
+        # before the metadata log's last entry, and this host's clock may lag the one that made the last commit
+        metadata = metadata.model_copy(update={"last_updated_ms": max(int(time.time() * 1000), base.last_updated_ms)})
     metadata.spec().check_compatible(metadata.schema())
     metadata.sort_order().check_compatible(metadata.schema())
     return metadata

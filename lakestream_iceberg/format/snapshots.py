@@ -89,7 +89,10 @@ class SnapshotBuilder:
         self._metadata = metadata
         self._taken = {s.snapshot_id for s in metadata.snapshots}
         self._sequence_number = metadata.next_sequence_number()
-        self._timestamp_ms = 0
+        # never before the metadata's last update: Java engines refuse metadata dated more than a minute before the
+        # last entry of its metadata or snapshot log ("Invalid update timestamp"), and hosts' clocks differ (a
+        # checkpoint made on a host whose clock runs ahead dated the table after the next producer's commits)
+        self._timestamp_ms = metadata.last_updated_ms
         self.updates: list[TableUpdate] = []
 
     def next_ids(self, *, prefer: int | None = None) -> tuple[int, int]:

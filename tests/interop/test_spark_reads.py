@@ -158,3 +158,34 @@ def test_a_streaming_reader_resumes_after_more_steps_than_retain_last_within_the
     query.awaitTermination()
     assert query.exception() is None
     assert second.rows() == expected_rows(writers.published, range(3, 11))
+
+
+def test_spark_loads_the_table_after_commits_from_a_host_whose_clock_lags_the_last_committers(
+        lake: Lake, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint made on a host whose clock runs 5 minutes ahead, then a producer's commit and a release on hosts
+    whose clocks are right: their metadata was dated 5 minutes before the checkpoint's, and Spark refused to load the
+    table ("Invalid update timestamp ...: before the latest metadata log entry timestamp ...")."""
+    import time
+
+    from lakestream_iceberg.format import snapshots
+    from lakestream_iceberg.lifecycle import checkpoint
+
+    class Ahead:
+        @staticmethod
+        def time() -> float:
+            return time.time() + 300
+
+    stream = create(lake)
+    writers = Writers(stream)
+    writers.rounds(1)
+    for name, step in (("c1", 1), ("c2", 2)):
+        with monkeypatch.context() as patched:
+            patched.setattr(snapshots, "time", Ahead)
+            patched.setattr(checkpoint, "time", Ahead)
+            stream.checkpoint(name, step=step)
+        if name == "c1":
+            writers.commit("a")  # a snapshot of its own
+        else:
+            stream.release(name)  # a commit that adds no snapshot
+        got = spark_rows(lake.spark.table(lake.table()).collect())
+        assert got == lakestream_rows(stream, range(1, stream.head_step() + 1))
