@@ -237,6 +237,34 @@ def test_commits_from_a_host_whose_clock_lags_the_last_committers_leave_metadata
         assert java_refuses(metadata) is None, java_refuses(metadata)
 
 
+def test_a_restarted_producer_replays_its_published_seqs_after_a_commit_from_a_host_whose_clock_runs_ahead(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted producer tells its dead incarnation's batches (a replay: duplicate=True) from a live twin's by when
+    each was sent, which for a batch committed directly was its snapshot's timestamp. A table's dates never go back,
+    so after a checkpoint made on a host whose clock runs 5 minutes ahead every commit for 5 minutes was dated after
+    it: the restart's replay of the seq committed meanwhile raised ProducerConflictError ("another live process is
+    using producer id"). Direct commits record when the call began (``lakestream.sent-at-ms``) by their own clock."""
+    from lakestream_iceberg.format import snapshots
+    from lakestream_iceberg.lifecycle import checkpoint
+
+    class Ahead:  # the clock of the host that makes the checkpoint
+        @staticmethod
+        def time() -> float:
+            return time.time() + 300
+
+    stream, _ = published(make(tmp_path))
+    with monkeypatch.context() as patched:
+        patched.setattr(snapshots, "time", Ahead)
+        patched.setattr(checkpoint, "time", Ahead)
+        stream.checkpoint("c8", step=8)
+    dead = stream.producer("a")
+    sent = dead.commit(batch("a", 4, WORLD), seq=4)  # its process dies here
+    assert stream.refresh().table.metadata.snapshot_by_id(sent.snapshot_id).timestamp_ms > time.time() * 1000 + 60_000
+    restarted = Stream.open(stream.table.catalog, "ns.stream").producer("a")
+    replay = restarted.commit(batch("a", 4, WORLD), seq=4)
+    assert (replay.duplicate, replay.step) == (True, sent.step)
+
+
 def test_a_foreign_snapshot_with_copied_lakestream_keys_is_never_taken_for_the_step_it_copied(tmp_path: Path) -> None:
     """A metadata-only snapshot of another engine that copied the head's ``lakestream.*`` keys (naming the head in
     ``lakestream.snapshot-id``) is not lakestream's (lineage.is_lakestream): commits go on over it. The history joined

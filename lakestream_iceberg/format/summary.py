@@ -57,6 +57,9 @@ KEY_SNAPSHOT_ID = "lakestream.snapshot-id"
 # main's own snapshots, so a main moved onto a fork's snapshots (Spark's fast_forward) is told from its own line
 KEY_TIMELINE = "lakestream.timeline"
 KEY_STAGED_AT = "lakestream.staged-at-ms"  # a batch another producer's commit carried: when its intent was staged
+# a batch its own producer committed: when the call began, by that producer's clock (the snapshot's timestamp-ms may be
+# later: a table's dates never go back, so one commit from a host whose clock runs ahead dates the next ones after it)
+KEY_SENT_AT = "lakestream.sent-at-ms"
 
 MAX_SEQ = INT64_MAX  # the largest producer seq a summary records (an Iceberg long, as other engines read it)
 _TOKEN = re.compile(r"^[A-Za-z0-9]{1,32}$")
@@ -78,6 +81,7 @@ class StreamState:
     producer_files: tuple[str, ...] = ()
     token: str | None = None
     staged_at_ms: int | None = None
+    sent_at_ms: int | None = None
     timeline: int | None = None  # the anchor a fork's timeline starts at (KEY_TIMELINE); None on main's own line
 
     @classmethod
@@ -113,6 +117,7 @@ class StreamState:
             producer_files=fields.files(),
             token=fields.token(),
             staged_at_ms=fields.optional(KEY_STAGED_AT),
+            sent_at_ms=fields.optional(KEY_SENT_AT),
             timeline=fields.optional(KEY_TIMELINE),
         )
 
@@ -180,6 +185,8 @@ class StreamState:
             props[KEY_TOKEN] = self.token
         if self.staged_at_ms is not None:
             props[KEY_STAGED_AT] = str(self.staged_at_ms)
+        if self.sent_at_ms is not None:
+            props[KEY_SENT_AT] = str(self.sent_at_ms)
         if self.timeline is not None:
             props[KEY_TIMELINE] = str(self.timeline)
         props.update(extra)

@@ -353,4 +353,5 @@ class _GroupCommit:
                            collected_below=self._state.collected_below, producer=staged.producer, seq=staged.seq,
                            group=self._group, committer=self._committer, group_commit_ms=self._critical_ms,
                            producer_files=files, token=staged.token or None,
-                           staged_at_ms=int(item.staged_at * 1000) if carried else None, timeline=self._state.timeline)
+                           staged_at_ms=int(item.staged_at * 1000) if carried else None,
+                           sent_at_ms=None if carried else int(item.staged_at * 1000), timeline=self._state.timeline)

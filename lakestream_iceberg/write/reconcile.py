@@ -226,11 +226,14 @@ def _sent_by_another(snapshot: Snapshot, state: StreamState, *, since: float, ea
     """How the batch ``snapshot`` published was sent, when that was since this producer was made (``since``) and not by
     one of its own failed calls (``earlier``): another live writer's; None when it is an earlier incarnation's or its own.
 
-    Sent: staged (carried by another producer's commit), or else in its own commit, whose snapshot it made (the
-    snapshot's timestamp: a commit whose outcome its caller never learnt may land late)."""
-    sent_ms = state.staged_at_ms if state.staged_at_ms is not None else snapshot.timestamp_ms
+    Sent: staged (carried by another producer's commit), or else in its own commit, whose snapshot it made (when that
+    call began, ``lakestream.sent-at-ms``: a commit whose outcome its caller never learnt may land late; the snapshot's
+    timestamp for snapshots written without it, which a commit dated after a future-dated one, of another engine or
+    of a host whose clock runs ahead, moves later: a restarted producer's replay was then taken for a live twin's)."""
+    sent_ms = state.staged_at_ms if state.staged_at_ms is not None else \
+        state.sent_at_ms if state.sent_at_ms is not None else snapshot.timestamp_ms
     if state.token in earlier or sent_ms / 1000 < since:
         return None
     how = (f"staged at {sent_ms / 1000:.3f} (unix s)" if state.staged_at_ms is not None else
-           f"committed directly by a producer with the same id, in a snapshot made at {sent_ms / 1000:.3f} (unix s)")
+           f"committed directly by a producer with the same id, in a call made at {sent_ms / 1000:.3f} (unix s)")
     return f"{how}, after this producer was made at {since:.3f}"
