@@ -9,6 +9,7 @@ import random
 import re
 import shutil
 import subprocess
+import threading
 import time
 import types
 from collections.abc import Callable, Iterator
@@ -143,3 +144,31 @@ def raised_by_loader(expected: type[BaseException] | tuple[type[BaseException], 
         raised.value = exc
     else:
         pytest.fail(f"DID NOT RAISE {expected}")
+
+
+SQLITE_MUTEX_STATIC_MEM = 3  # sqlite3.h: the mutex of sqlite3_malloc's statistics, taken by every SQLite allocation
+
+
+def hold_sqlite_mutex(mutex_id: int, seconds: float) -> tuple[threading.Thread, threading.Event]:
+    """A thread that holds one of libsqlite3's static mutexes (the libsqlite3 the ``sqlite3`` module uses) for
+    ``seconds`` or until the event is set, as a thread inside libsqlite3 (with the GIL released) does; returns once it
+    holds it."""
+    import _sqlite3
+    import ctypes
+
+    lib = ctypes.CDLL(_sqlite3.__file__)  # its symbols resolve to the libsqlite3 the extension links
+    lib.sqlite3_mutex_alloc.restype = ctypes.c_void_p
+    lib.sqlite3_mutex_enter.argtypes = lib.sqlite3_mutex_leave.argtypes = [ctypes.c_void_p]
+    mutex = lib.sqlite3_mutex_alloc(mutex_id)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        lib.sqlite3_mutex_enter(mutex)
+        held.set()
+        release.wait(seconds)
+        lib.sqlite3_mutex_leave(mutex)
+
+    thread = threading.Thread(target=hold, name="holds-sqlite-mutex", daemon=True)
+    thread.start()
+    assert held.wait(60)
+    return thread, release

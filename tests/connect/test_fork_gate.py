@@ -11,6 +11,7 @@ import pytest
 
 from lakestream_iceberg.connect import fork
 from lakestream_iceberg.connect.fork import no_fork_inside
+from tests.support import SQLITE_MUTEX_STATIC_MEM, hold_sqlite_mutex
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
 
@@ -142,3 +143,63 @@ def test_calls_that_keep_coming_do_not_hold_a_fork_back(caplog: pytest.LogCaptur
         for thread in threads:
             thread.join(60)
     assert not fork._inside
+
+
+# -- a thread inside libsqlite3 at the fork, outside any gated call ------------------------------------------------
+# The cyclic garbage collector runs in whatever thread allocates: it closed the SQLite connections of unreachable
+# catalogs (an earlier test's, a dropped engine's) in a pool thread or s3fs's event-loop thread, inside libsqlite3
+# with the GIL released. A DataLoader forking its workers at that moment left SQLite's allocator mutex locked in the
+# child, whose first query (its head watcher's pointer probe) waited for it forever.
+def _fork_and_reap_within(child, timeout: float) -> int | None:
+    """Fork; the child runs ``child()`` and exits 0 (3 if it raised); its exit code, or None (killed) when it took
+    longer than ``timeout``."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            child()
+        except BaseException:  # noqa: BLE001
+            os._exit(3)
+        os._exit(0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return None
+
+
+def test_a_child_forked_while_another_thread_is_inside_sqlite_can_use_sqlite(tmp_path) -> None:
+    import sqlite3
+
+    def query() -> None:
+        with sqlite3.connect(str(tmp_path / "child.db")) as conn:
+            conn.execute("SELECT 1").fetchall()
+
+    thread, release = hold_sqlite_mutex(SQLITE_MUTEX_STATIC_MEM, 0.5)
+    try:
+        began = time.monotonic()
+        assert _fork_and_reap_within(query, timeout=10) == 0  # was None: the child hung on SQLite's allocator mutex
+        assert time.monotonic() - began >= 0.4  # the fork waited for the other thread to leave libsqlite3
+    finally:
+        release.set()
+        thread.join(60)
+
+
+def test_a_thread_inside_sqlite_longer_than_the_bound_delays_the_fork_once_and_warns(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(fork, "FORK_WAIT_S", 0.2)
+    thread, release = hold_sqlite_mutex(SQLITE_MUTEX_STATIC_MEM, 60)
+    try:
+        with caplog.at_level(logging.WARNING, logger=fork.__name__):
+            assert _fork_and_reap_within(lambda: None, timeout=20) == 0  # a child that does not use SQLite is fine
+        assert any("inside libsqlite3" in r.getMessage() for r in caplog.records)
+    finally:
+        release.set()
+        thread.join(60)
+    import sqlite3
+
+    sqlite3.connect(":memory:").close()  # nothing stays held in the parent
+    assert _fork_and_reap_within(lambda: sqlite3.connect(":memory:").close(), timeout=10) == 0  # nor in a child

@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from lakestream_iceberg.read.dataset import LakestreamDataset, TensorCollate, partition, require_torch  # noqa: E402
-from tests.support import raised_by_loader  # noqa: E402
+from tests.support import SQLITE_MUTEX_STATIC_MEM, hold_sqlite_mutex, raised_by_loader  # noqa: E402
 
 SCHEMA = pa.schema([
     pa.field("x", pa.int64(), nullable=False),
@@ -308,6 +308,23 @@ def test_a_state_loaded_before_workers_resumes_one_epoch_only(tmp_path: Path, co
     assert [it["step"] for it in loader] == expected[0]
     assert [it["step"] for it in loader] == expected[1]
     assert ds.state_dict()["next_step"] == 1  # applied by the workers: nothing pending here any more
+
+
+def test_workers_forked_while_another_thread_is_inside_sqlite_deliver(tmp_path: Path) -> None:
+    """The garbage collector runs in whatever thread allocates, and closed unreachable catalogs' SQLite connections in
+    a pool thread (or s3fs's event-loop thread) with the GIL released: a DataLoader forking its workers then left
+    libsqlite3's allocator mutex locked in a worker, whose head watcher's first pointer probe hung on it forever (the
+    training process waited in DataLoader's _data_queue.get until pytest-timeout). Here a thread holds that mutex on
+    purpose while the workers are forked."""
+    stream = make_stream(tmp_path, steps=4)
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=10)
+    thread, release = hold_sqlite_mutex(SQLITE_MUTEX_STATIC_MEM, 0.5)
+    try:
+        assert [it["step"] for it in loader] == [1, 2, 3, 4]  # was: "DataLoader timed out after 10 seconds"
+    finally:
+        release.set()
+        thread.join(60)
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
