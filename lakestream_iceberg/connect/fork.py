@@ -16,7 +16,6 @@ import logging
 import os
 import sys
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -166,91 +165,71 @@ if hasattr(os, "register_at_fork"):
 # The gate below covers lakestream's own background queries only. Other threads enter libsqlite3 too, unannounced:
 # the cyclic garbage collector runs in whatever thread allocates (a pool thread, s3fs's event-loop thread) and closes
 # the SQLite connections of unreachable catalogs there, with the GIL released; so do a user's threads. A fork at that
-# moment copied SQLite's global mutexes locked into the child, whose first SQLite call (a DataLoader worker's head
-# watcher's pointer probe) then waited on the allocator's mutex forever. So a fork takes SQLite's own global mutexes
-# first, as the C allocators do at a fork (pthread_atfork): no thread is then inside a section they guard, and both
-# processes release them after. They are tried, never waited for with the GIL held, all or none at a time (SQLite's
-# own order between them is not known here, so waiting on one while holding others could deadlock), until all are
-# free or FORK_WAIT_S has passed (then the fork goes ahead, warned about, as before).
-_SQLITE_MUTEXES = (2, 4, 11, 12, 13, 6, 7, 5, 3)  # sqlite3.h STATIC_MAIN, OPEN, VFS1-3, LRU, PMEM, PRNG, MEM
+# moment copied SQLite's global mutexes locked into the child, by a thread the child does not have: its first SQLite
+# call (a DataLoader worker's head watcher's pointer probe) then waited on the allocator's mutex forever. So the child
+# releases every one of SQLite's static mutexes that it finds held (no thread of its own can hold one there).
+#
+# They are not taken in the parent around the fork instead (as C allocators do with pthread_atfork): a fork runs other
+# Python at-fork hooks between ours, which may hand the GIL to another thread, and a thread that calls SQLite while
+# holding the GIL (sqlite3 binds a parameter, allocating, with the GIL held) then waits for the mutex the forking
+# thread holds, which waits for the GIL: the parent deadlocked within a few hundred forks with three such threads.
+# What a released mutex guarded in the child is what the parent's thread left mid-way: for the allocator's mutex,
+# its statistics counters (the allocation itself is glibc's, which is fork-safe).
+_SQLITE_MUTEXES = (2, 3, 4, 5, 6, 7, 11, 12, 13)  # sqlite3.h STATIC_MAIN, MEM, OPEN, PRNG, LRU, PMEM, VFS1-3
+_SQLITE_MUTEX_STATIC_APP3 = 10
 _SQLITE_OK, _SQLITE_BUSY = 0, 5
 _sqlite_api: Any = None  # (mutex_try, mutex_leave, [mutex pointers]) of the libsqlite3 the sqlite3 module uses; False
-_sqlite_held: dict[int, list[int]] = {}  # forking thread -> the mutexes it holds across its fork
 
 
 def _sqlite_mutexes() -> Any:
+    """The libsqlite3 functions and static mutexes, resolved once (in the parent: the child must not load libraries),
+    or False where they are out of reach or do not behave as expected here. Nothing here allocates through SQLite or
+    waits on its mutexes (another thread may hold them), and every call releases the GIL (ctypes.CDLL)."""
     global _sqlite_api
     if _sqlite_api is None:
         _sqlite_api = False
         try:
             import ctypes
 
-            lib = ctypes.CDLL(sys.modules["_sqlite3"].__file__)  # resolves in the libsqlite3 the extension links
+            lib = ctypes.CDLL(sys.modules["_sqlite3"].__file__)  # the extension's symbols: the libsqlite3 it links
             if not lib.sqlite3_threadsafe():
-                return _sqlite_api  # no mutexes at all (and no threads may share SQLite): nothing to take
+                return _sqlite_api  # no mutexes at all
             lib.sqlite3_mutex_alloc.restype = ctypes.c_void_p
             lib.sqlite3_mutex_alloc.argtypes = [ctypes.c_int]
             lib.sqlite3_mutex_try.argtypes = lib.sqlite3_mutex_leave.argtypes = [ctypes.c_void_p]
-            lib.sqlite3_mutex_free.argtypes = [ctypes.c_void_p]
-            probe = lib.sqlite3_mutex_alloc(0)  # SQLITE_MUTEX_FAST: does trying work here (taken once, then busy)?
-            if not probe:
+            # does trying work here (taken once, then busy)? On STATIC_APP3, which SQLite itself never takes
+            probe = lib.sqlite3_mutex_alloc(_SQLITE_MUTEX_STATIC_APP3)
+            if not probe or lib.sqlite3_mutex_try(probe) != _SQLITE_OK:
                 return _sqlite_api
-            works = lib.sqlite3_mutex_try(probe) == _SQLITE_OK and lib.sqlite3_mutex_try(probe) == _SQLITE_BUSY
+            works = lib.sqlite3_mutex_try(probe) == _SQLITE_BUSY
             lib.sqlite3_mutex_leave(probe)
-            lib.sqlite3_mutex_free(probe)
-            mutexes = [lib.sqlite3_mutex_alloc(mutex_id) for mutex_id in _SQLITE_MUTEXES]
             if works:
+                mutexes = [lib.sqlite3_mutex_alloc(mutex_id) for mutex_id in _SQLITE_MUTEXES]
                 _sqlite_api = (lib.sqlite3_mutex_try, lib.sqlite3_mutex_leave, [m for m in mutexes if m])
         except Exception:  # noqa: BLE001 - a libsqlite3 linked in without its symbols: forks go on as before
-            log.debug("libsqlite3's mutexes are out of reach: a fork does not wait for threads inside it",
-                      exc_info=True)
+            log.debug("libsqlite3's mutexes are out of reach: a forked child cannot release them", exc_info=True)
     return _sqlite_api
 
 
 def _sqlite_before_fork() -> None:
-    if "_sqlite3" not in sys.modules:  # SQLite never loaded through Python here: no thread can be inside it
-        return
-    api = _sqlite_mutexes()
-    if not api:
-        return
-    try_lock, leave, mutexes = api
-    deadline = time.monotonic() + FORK_WAIT_S
-    pause = 0.0001
-    while True:
-        held: list[int] = []
-        for mutex in mutexes:
-            if try_lock(mutex) != _SQLITE_OK:  # another thread is inside: let go of all, and try again
-                for taken in reversed(held):
-                    leave(taken)
-                break
-            held.append(mutex)
-        else:
-            _sqlite_held[threading.get_ident()] = held
-            return
-        if time.monotonic() >= deadline:
-            log.warning("forking while another thread has been inside libsqlite3 for %.0f s: SQLite in the child "
-                        "may hang", FORK_WAIT_S)
-            return
-        time.sleep(pause)  # the GIL released: a thread inside SQLite that needs it to get out can
-        pause = min(pause * 2, 0.01)
-
-
-def _sqlite_after_fork_in_parent() -> None:
-    for mutex in reversed(_sqlite_held.pop(threading.get_ident(), [])):
-        _sqlite_api[1](mutex)
+    if "_sqlite3" in sys.modules:  # else SQLite was never loaded through Python here: no thread can be inside it
+        _sqlite_mutexes()
 
 
 def _sqlite_after_fork_in_child() -> None:
-    # the forking thread is this process's one thread, and holds its copies (the same thread id, as pthread_self)
-    held = _sqlite_held.pop(threading.get_ident(), [])
-    _sqlite_held.clear()
-    for mutex in reversed(held):
-        _sqlite_api[1](mutex)
+    api = _sqlite_api if "_sqlite3" in sys.modules else None
+    if not api:
+        return
+    try_lock, leave, mutexes = api
+    for mutex in mutexes:
+        # free: taken here just now; busy: held by a thread of the parent that the child does not have (a plain
+        # pthread mutex, which any thread may unlock). No logging here: a log handler's stream may be held as well.
+        try_lock(mutex)
+        leave(mutex)
 
 
-if hasattr(os, "register_at_fork"):  # before the gate's: before-fork hooks run last registered first
-    os.register_at_fork(before=_sqlite_before_fork, after_in_parent=_sqlite_after_fork_in_parent,
-                        after_in_child=_sqlite_after_fork_in_child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_sqlite_before_fork, after_in_child=_sqlite_after_fork_in_child)
 
 
 # -- background calls into a database library, and fork ------------------------------------------------------------

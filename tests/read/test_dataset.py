@@ -319,7 +319,7 @@ def test_workers_forked_while_another_thread_is_inside_sqlite_deliver(tmp_path: 
     stream = make_stream(tmp_path, steps=4)
     ds = LakestreamDataset(stream, rank=0, world_size=2)
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork", timeout=10)
-    thread, release = hold_sqlite_mutex(SQLITE_MUTEX_STATIC_MEM, 0.5)
+    thread, release = hold_sqlite_mutex(SQLITE_MUTEX_STATIC_MEM, 2)  # at most 2 s: this thread may need it too
     try:
         assert [it["step"] for it in loader] == [1, 2, 3, 4]  # was: "DataLoader timed out after 10 seconds"
     finally:
