@@ -201,8 +201,11 @@ def _sqlite_mutexes() -> Any:
             probe = lib.sqlite3_mutex_alloc(_SQLITE_MUTEX_STATIC_APP3)
             if not probe or lib.sqlite3_mutex_try(probe) != _SQLITE_OK:
                 return _sqlite_api
-            works = lib.sqlite3_mutex_try(probe) == _SQLITE_BUSY
+            again = lib.sqlite3_mutex_try(probe)
+            if again == _SQLITE_OK:  # recursive here: a held mutex would not show
+                lib.sqlite3_mutex_leave(probe)
             lib.sqlite3_mutex_leave(probe)
+            works = again == _SQLITE_BUSY
             if works:
                 mutexes = [lib.sqlite3_mutex_alloc(mutex_id) for mutex_id in _SQLITE_MUTEXES]
                 _sqlite_api = (lib.sqlite3_mutex_try, lib.sqlite3_mutex_leave, [m for m in mutexes if m])
