@@ -241,7 +241,8 @@ if hasattr(os, "register_at_fork"):
 # Threads that query in the background (a head watcher's pointer probe, a relay's poll, a consumer's position report)
 # wrap each call in ``no_fork_inside()``; a fork (a DataLoader starting its workers) waits for the calls in flight,
 # at most FORK_WAIT_S, and none starts from the moment it waits until it is done (a thread already inside may nest).
-# The forking thread's own calls are not waited for.
+# The forking thread's own calls are not waited for. (SQLite's static mutexes are released in the child anyway, see
+# above; the gate still keeps a child from inheriting a database file's own locks, or libpq's, held mid-call.)
 FORK_WAIT_S = 10.0
 _gate = threading.Condition()
 _inside: dict[int, int] = {}  # thread ident -> calls in flight (nested calls count once each)
