@@ -12,6 +12,7 @@ connections without closing them (closing would end the parent's sessions) and o
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -214,25 +215,44 @@ def _sqlite_mutexes() -> Any:
     return _sqlite_api
 
 
+_gc_paused = False  # whether _sqlite_before_fork turned the garbage collector off (it was on)
+
+
 def _sqlite_before_fork() -> None:
-    if "_sqlite3" in sys.modules:  # else SQLite was never loaded through Python here: no thread can be inside it
-        _sqlite_mutexes()
+    # The collector stays off from here until the child has released the mutexes: the at-fork hooks registered before
+    # these (threading's) run first in the child, and a collection there finalized an unreachable SQLite statement of
+    # the parent (sqlite3_finalize, sqlite3_free) on the still-held allocator mutex: the child hung all the same.
+    global _gc_paused
+    if "_sqlite3" in sys.modules and _sqlite_mutexes():  # else no thread can be inside SQLite (or nothing to do)
+        _gc_paused = gc.isenabled()
+        gc.disable()
+
+
+def _sqlite_after_fork_in_parent() -> None:
+    global _gc_paused
+    if _gc_paused:
+        _gc_paused = False
+        gc.enable()
 
 
 def _sqlite_after_fork_in_child() -> None:
+    global _gc_paused
     api = _sqlite_api if "_sqlite3" in sys.modules else None
-    if not api:
-        return
-    try_lock, leave, mutexes = api
-    for mutex in mutexes:
-        # free: taken here just now; busy: held by a thread of the parent that the child does not have (a plain
-        # pthread mutex, which any thread may unlock). No logging here: a log handler's stream may be held as well.
-        try_lock(mutex)
-        leave(mutex)
+    if api:
+        try_lock, leave, mutexes = api
+        for mutex in mutexes:
+            # free: taken here just now; busy: held by a thread of the parent that the child does not have (a plain
+            # pthread mutex, which any thread may unlock). No logging here: a log handler's stream may be held too.
+            try_lock(mutex)
+            leave(mutex)
+    if _gc_paused:
+        _gc_paused = False
+        gc.enable()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=_sqlite_before_fork, after_in_child=_sqlite_after_fork_in_child)
+    os.register_at_fork(before=_sqlite_before_fork, after_in_parent=_sqlite_after_fork_in_parent,
+                        after_in_child=_sqlite_after_fork_in_child)
 
 
 # -- background calls into a database library, and fork ------------------------------------------------------------
