@@ -1,4 +1,4 @@
-"""GC's sweep on object storage: deletes side by side on pyiceberg's thread pool against one at a time.
+"""GC's sweep on object storage: deletes side by side on a pool sized by pyiceberg's max-workers against one at a time.
 
     .venv/bin/python benchmarks/gc_sweep.py           # about 4 minutes on 2 cores
     .venv/bin/python benchmarks/gc_sweep.py --smoke --out /tmp/gc_sweep.json   # seconds
@@ -10,7 +10,7 @@ every step below the checkpoint is collected, so the sweep deletes their data fi
 retained snapshot needs. The two modes differ only in pyiceberg's ``max-workers`` setting, which sizes the pool the
 sweep deletes on:
 
-* ``one at a time``: ``PYICEBERG_MAX_WORKERS=1``, what every GC did before the sweep used the pool;
+* ``one at a time``: ``PYICEBERG_MAX_WORKERS=1``;
 * ``pool``: the default (``PYICEBERG_MAX_WORKERS`` unset: ``min(32, cores + 4)`` threads);
 * ``pool of 16``: ``PYICEBERG_MAX_WORKERS=16``.
 
@@ -134,7 +134,7 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     table = Table(f"GC on S3 ({'moto' if args.store == 'moto' else 'SeaweedFS'}): {args.steps} steps x W={args.world_size} collected, one producer; the sweep's "
-                  "deletes on pyiceberg's pool against one at a time (rates: median of rounds)",
+                  "deletes on a pool of pyiceberg's max-workers against one at a time (rates: median of rounds)",
                   ["added latency ms", "mode", "workers", "files deleted", "GC s", "files/s",
                    "files/s vs one at a time", "left = retained", "failed deletes"])
     rows: list[dict[str, Any]] = []
