@@ -504,7 +504,8 @@ class Stream(StreamTable):
         Args:
             dry_run: Only report the plan (the default; pass ``dry_run=False`` to delete).
             keep_last: Retain the newest K checkpoints of each branch (others are released).
-            keep_within: Retain checkpoints younger than this.
+            keep_within: Retain checkpoints younger than this, aged from GC's reading of the time (the earlier of
+                this host's clock and the object store's, docs/guide/retention.md#garbage-collection).
             grace: Minimum age of never-referenced files before deletion (default ``lakestream.gc.grace-period-ms``).
                 It must be at least twice ``lakestream.commit.timeout-ms`` (the GC grace rule, docs/guide/retention.md): a younger
                 file may belong to a commit in flight.

@@ -167,7 +167,7 @@ class IntProperty(Property[int]):
         value = parse_int(raw)
         if value is None:
             raise self._refuse(raw, f"is not an integer as Iceberg's engines read one: write it in ASCII digits with "
-                                    f"an optional leading '-', no spaces, underscores or other characters, at most "
+                                    f"an optional leading '-' or '+', no spaces, underscores or other characters, at most "
                                     f"{self.maximum if self.maximum is not None else INT64_MAX} (e.g. "
                                     f"'{self.default if self.default is not None else max(self.minimum or 0, 1)}')")
         if self.minimum is not None and value < self.minimum:

@@ -175,7 +175,7 @@ def check_metadata_log_size(properties: Mapping[str, str], *, stream: str) -> No
     if parse_int(raw, minimum=INT32_MIN, maximum=INT32_MAX) is None:
         raise ConfigError(
             f"stream {stream} has table property {PREVIOUS_VERSIONS_MAX.key}={raw!r}, which is not an integer as "
-            "Iceberg reads one (ASCII digits with an optional leading '-', no spaces or underscores, at most "
+            "Iceberg reads one (ASCII digits with an optional leading '-' or '+', no spaces or underscores, at most "
             f"{INT32_MAX}): commits that write the table's metadata log fail on it (Spark's and Trino's, and "
             "pyiceberg's where Python's int() refuses it too); nothing is committed. Set it to a number of metadata "
             f"files (Iceberg's default: 100) or remove it; {HOW}"
