@@ -709,6 +709,27 @@ def test_a_location_that_holds_files_or_lies_in_a_table_is_refused(tmp_path: Pat
     assert own.table.metadata.location.endswith("/elsewhere/b") and stream.read(2, rank=0).num_rows >= 0
 
 
+
+def test_a_default_location_inside_a_stream_or_holding_one_is_refused(tmp_path: Path) -> None:
+    """Only a location= given was checked: a stream given a namespace's folder while it was empty, then a stream created
+    in that namespace without location= (the catalog's default place, inside the first), or a stream given a folder
+    inside a table's default place before that table existed: one lay inside the other, and the outer one's GC
+    deleted the inner one's files. The default location is checked as a given one now."""
+    catalog = sqlite_catalog(str(tmp_path))
+    warehouse = f"file://{tmp_path}/warehouse"
+    outer = Stream.create(catalog, "ns.outer", schema=SCHEMA, world_size=WORLD, location=f"{warehouse}/ns")
+    with pytest.raises(ConfigError, match="default location.*inside the folder of another table.*pass location="):
+        Stream.create(catalog, "ns.inner", schema=SCHEMA, world_size=WORLD)
+    assert not catalog.table_exists("ns.inner")
+    inner = Stream.create(catalog, "other.inner", schema=SCHEMA, world_size=WORLD, location=f"{warehouse}/ns2/s/in")
+    with pytest.raises(ConfigError, match="default location.*holds in"):
+        Stream.create(catalog, "ns2.s", schema=SCHEMA, world_size=WORLD)
+    assert not catalog.table_exists("ns2.s") and not catalog.namespace_exists("ns2")
+    fine = Stream.create(catalog, "ns3.s", schema=SCHEMA, world_size=WORLD)  # a default place of its own
+    assert fine.table.metadata.location == f"{warehouse}/ns3/s"
+    assert Stream.create(catalog, "ns.outer", schema=SCHEMA, world_size=WORLD).name == outer.name  # opened, not made
+    assert inner.head_step() == 0
+
 @needs_torch
 def test_a_state_next_step_past_a_long_is_refused_not_wrapped(tmp_path: Path) -> None:
     """A state_dict read back from a checkpoint file is input: a next_step past an Iceberg long (no step is ever

@@ -98,6 +98,10 @@ def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema:
     namespace = Catalog.namespace_from(identifier)
 
     def make() -> Table:
+        if location is None:  # the catalog's default place, which may lie inside a stream given a namespace's folder
+            default = _default_location(catalog, namespace, identifier)
+            if default is not None:
+                refuse_occupied_location(catalog, default, name=name, default=True)
         return _create(catalog, identifier, name=name, schema=iceberg_schema, layout=config.layout, location=location,
                        properties=props)
 
@@ -109,14 +113,31 @@ def create_table(catalog: Catalog, identifier: str | tuple[str, ...], *, schema:
         return _in_namespace(catalog, namespace, make)  # check and its table: make it once more
 
 
-def refuse_occupied_location(catalog: Catalog, location: str, *, name: str) -> None:
+def _default_location(catalog: Catalog, namespace: tuple[str, ...], identifier: str | tuple[str, ...]) -> str | None:
+    """Where ``catalog`` puts a table created without a location, where this process can tell: a catalog that keeps its
+    tables' locations itself (pyiceberg's SQL, Glue, Hive, DynamoDB catalogs: ``warehouse/namespace/name``, or under
+    the namespace's ``location``); None for a REST catalog, whose server chooses, or when it cannot be told."""
+    from pyiceberg.catalog import MetastoreCatalog
+
+    if not isinstance(catalog, MetastoreCatalog) or not namespace:
+        return None
+    try:
+        return catalog._resolve_table_location(  # noqa: SLF001 - the location create_table gives the table
+            None, Catalog.namespace_to_string(namespace), Catalog.table_name_from(identifier))
+    except Exception:  # noqa: BLE001 - no warehouse set, a namespace not readable now: the create says which
+        return None
+
+
+def refuse_occupied_location(catalog: Catalog, location: str, *, name: str, default: bool = False) -> None:
     """Refuse (:class:`ConfigError`) a location given to a new stream that holds anything but a table's ``data`` and
     ``metadata`` folders, or lies inside another table's folder: lifecycle GC deletes every file under a stream's
     location that its own snapshots do not reference, so a stream made at the warehouse's root (or a namespace's
     folder) deleted every table's data and metadata below it at its first GC, and one inside another table's folder had
     its files deleted by that table's GC. A location holding only ``data`` and ``metadata`` is taken: a dropped stream's
     (its files stay unless purged), which the new stream's GC then removes; a live table's there is not detected.
-    Best effort: storage a FileIO lists (pyarrow's, fsspec's); a location that cannot be listed is left to the create."""
+    Best effort: storage a FileIO lists (pyarrow's, fsspec's); a location that cannot be listed is left to the create.
+    ``default``: ``location`` is the catalog's default place for the table (no ``location=`` given), which lies inside
+    another table's folder where a stream was given a namespace's folder while it was empty."""
     from pyiceberg.io import load_file_io
 
     try:
@@ -139,17 +160,20 @@ def refuse_occupied_location(catalog: Catalog, location: str, *, name: str) -> N
             break
     # a table's own folders (a dropped table's, whose location a new stream may take over) are data/ and metadata/
     foreign = sorted(name for name in held if name not in ("data", "metadata"))
+    where = f"at {location}" + (" (the catalog's default location for it)" if default else "")
+    outside = "pass location= a folder" if default else "give the stream a folder"
     if foreign:
         shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
         raise ConfigError(
-            f"cannot create stream {name} at {location}: the location holds {shown}, and lifecycle GC deletes every "
+            f"cannot create stream {name} {where}: the location holds {shown}, and lifecycle GC deletes every "
             "file under a stream's location that the stream does not reference (other tables' data and metadata "
-            "too); give the stream a folder of its own that is empty or does not exist yet, or leave location out")
+            f"too); {outside} of its own that is empty or does not exist yet"
+            + ("" if default else ", or leave location out"))
     if table_above is not None:
         raise ConfigError(
-            f"cannot create stream {name} at {location}: it lies inside the folder of another table ({table_above} "
-            "holds table metadata), whose lifecycle GC would delete the stream's files; give the stream a folder "
-            "outside every table's location, or leave location out")
+            f"cannot create stream {name} {where}: it lies inside the folder of another table ({table_above} "
+            "holds table metadata), whose lifecycle GC (or another engine's orphan-file removal) would delete the "
+            f"stream's files; {outside} outside every table's location" + ("" if default else ", or leave location out"))
 
 
 def _in_namespace(catalog: Catalog, namespace: tuple[str, ...], make: Callable[[], Table]) -> Table:

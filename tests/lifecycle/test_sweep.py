@@ -235,40 +235,40 @@ def test_gc_keeps_young_files_where_the_file_system_names_their_times_as_adlfs_d
     assert report.files_in_grace >= WORLD and "data" not in report.files_deleted
 
 
-def _all_files(stream: Stream) -> set[str]:
-    root = stream.table.metadata.location.removeprefix("file://")
+
+def _all_files(location: str) -> set[str]:
+    root = location.removeprefix("file://")
     return {os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs}
 
 
-@pytest.mark.parametrize("outer_first", [True, False])
-def test_gc_deletes_no_file_of_a_stream_made_at_the_default_location_inside_its_own(
-        tmp_path: Path, outer_first: bool, caplog: pytest.LogCaptureFixture) -> None:
-    """A stream given a namespace's folder as its location while that folder was still empty (``location=`` is checked
-    only for what it holds then), or one given a folder inside a table's default location before that table existed:
-    a stream later created at the catalog's default location lies inside the first (or holds it), and whichever is
-    outer deleted every file of the inner one at its first GC past the grace period: its data, manifests and
-    metadata, though the inner stream had published them. The sweep leaves another table's folder alone now."""
+@pytest.mark.parametrize("inner_at", ["namespace default", "inside the stream"])
+def test_gc_deletes_no_file_of_another_table_whose_folder_lies_inside_the_streams(
+        tmp_path: Path, inner_at: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Another engine's table made inside a stream's folder (at the catalog's default location of a namespace whose
+    folder, empty then, the stream was given as ``location=``; or at a folder given inside the stream's): the stream's
+    first GC past the grace period deleted every file of that table, data, manifests and metadata alike, none of which
+    the stream references. The sweep leaves another table's folder alone now, and still deletes the stream's own."""
     catalog = sqlite_catalog(str(tmp_path))
     warehouse = f"file://{tmp_path}/warehouse"
-    if outer_first:  # the namespace's folder, empty when given; ns.inner then goes to its default place inside
+    if inner_at == "namespace default":  # the namespace's folder, empty when given; ns.plain then goes inside
         outer = Stream.create(catalog, "ns.outer", schema=SCHEMA, world_size=WORLD, location=f"{warehouse}/ns")
-        inner = Stream.create(catalog, "ns.inner", schema=SCHEMA, world_size=WORLD)
-    else:  # a folder inside ns.outer's default place, given before ns.outer existed
-        inner = Stream.create(catalog, "other.inner", schema=SCHEMA, world_size=WORLD,
-                              location=f"{warehouse}/ns/outer/inner")
+        plain = catalog.create_table("ns.plain", schema=SCHEMA)
+    else:
         outer = Stream.create(catalog, "ns.outer", schema=SCHEMA, world_size=WORLD)
-    assert inner.table.metadata.location.startswith(outer.table.metadata.location + "/")
-    _published(inner, 3)
+        plain = catalog.create_table("ns.plain", schema=SCHEMA, location=outer.table.metadata.location + "/sub/plain")
+    assert plain.metadata.location.startswith(outer.table.metadata.location + "/")
+    rows = batch("x", 0, 1)[0]
+    for _ in range(3):
+        plain.append(rows)
     _published(outer, 2)
-    kept = _all_files(inner)
+    kept = _all_files(plain.metadata.location)
     orphan = outer.table.metadata.location.removeprefix("file://") + "/data/p/orphan.parquet"
-    Path(orphan).write_bytes(b"nobody references this")  # the outer stream's own unreferenced file: still swept
+    Path(orphan).write_bytes(b"nobody references this")  # the stream's own unreferenced file: still swept
     with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.lifecycle.sweep"):
         report = outer.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
-    assert not kept - _all_files(inner), (sorted(kept - _all_files(inner))[:5], report)
+    lost = kept - _all_files(plain.metadata.location)
+    assert not lost, (sorted(lost)[:5], report)
     assert not os.path.exists(orphan) and report.files_deleted.get("data") == 1, report
-    assert "another table's folder" in caplog.text and inner.table.metadata.location in caplog.text
-    again = Stream.open(sqlite_catalog(str(tmp_path)), inner.name)
-    assert [again.read(step, rank=1).num_rows for step in (1, 2, 3)] == [
-        len(batch("p", seq, WORLD)[1]) for seq in range(3)]
+    assert "another table's folder" in caplog.text and plain.metadata.location in caplog.text
+    assert sqlite_catalog(str(tmp_path)).load_table("ns.plain").scan().to_arrow().num_rows == 3 * rows.num_rows
     assert outer.read(2, rank=0).num_rows == len(batch("p", 1, WORLD)[0])
