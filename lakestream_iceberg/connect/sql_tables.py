@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["CatalogTable", "file_sqlite", "shared_engine"]
+__all__ = ["CatalogTable", "file_sqlite", "shared_engine", "tables_under"]
 
 _SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
 _tables: weakref.WeakSet[CatalogTable] = weakref.WeakSet()
@@ -37,6 +37,39 @@ def shared_engine(catalog: Any) -> Any:
     engine = catalog.engine
     return engine if engine.dialect.name == "postgresql" or file_sqlite(engine) else None
 
+
+
+def tables_under(catalog: Any, location: str) -> list[str] | None:
+    """The tables (``namespace.name``) of ``catalog`` whose current ``metadata.json`` lies under ``location`` (its
+    ``metadata/`` folder or a folder inside it), read from the catalog's own ``iceberg_tables`` rows: a table renamed
+    keeps its location, so a stream created under the old name at the catalog's default location took the renamed
+    table's folder, and each one's GC deleted the other's files. None where this cannot be told (no pyiceberg SQL
+    catalog, its database out of reach)."""
+    try:
+        from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
+        from sqlalchemy import select
+        from sqlalchemy.orm import Session
+    except ImportError:  # pragma: no cover - the sql extra is a core dependency
+        return None
+    if not isinstance(catalog, SqlCatalog):
+        return None
+    from urllib.parse import urlparse
+
+    def tail(path: str) -> str:  # the path without its scheme: file:/x, file:///x and /x name one folder
+        parsed = urlparse(path)
+        return (f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).strip("/").replace("//", "/")
+
+    folder = tail(location) + "/"
+    try:
+        with Session(catalog.engine) as session:
+            rows = session.execute(select(IcebergTables.table_namespace, IcebergTables.table_name,
+                                          IcebergTables.metadata_location).where(
+                IcebergTables.catalog_name == catalog.name,
+                IcebergTables.metadata_location.contains(folder, autoescape=True))).all()
+    except Exception:  # noqa: BLE001 - the database out of reach, no iceberg_tables yet: cannot be told
+        return None
+    return sorted(f"{namespace}.{name}" for namespace, name, metadata in rows
+                  if metadata and tail(metadata).startswith(folder))
 
 class CatalogTable:
     """One of lakestream's tables: its name, its SQLite DDL and, for PostgreSQL, a function building its SQLAlchemy

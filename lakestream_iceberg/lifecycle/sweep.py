@@ -40,6 +40,7 @@ from pyiceberg.table.snapshots import Snapshot
 from pyiceberg.utils.concurrent import ExecutorFactory
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR
+from lakestream_iceberg.connect.sql_tables import tables_under
 from lakestream_iceberg.connect.storage import CLOCK_PROBE_PREFIX, list_files, store_now, unreported_delete_failures
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
@@ -165,6 +166,13 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
     location = location.rstrip("/") + "/"
     root = norm(location) + "/"
     cutoff = now - grace_s
+    sharing = [t for t in tables_under(stream.table.catalog, f"{location}metadata") or () if t != stream.name]
+    if sharing:  # a table renamed keeps its location: a stream created under the old name then took its folder
+        log.warning("GC of %s deletes no file: %s of this catalog keep%s metadata in the stream's own folder %s, and no "
+                    "file there can be told to be the stream's alone; move one of them (create it again elsewhere, "
+                    "with location=) before GC deletes files", stream.name, ", ".join(sharing),
+                    "s its" if len(sharing) == 1 else " their", location)
+        return Swept(files_deleted={}, bytes_deleted={}, files_in_grace=0)
     if delete:
         _warn_unreported_delete_failures(stream, location)
     with _Deletes(stream.io) as deletes:

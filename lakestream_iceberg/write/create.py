@@ -29,6 +29,7 @@ from pyiceberg.table import Table
 from lakestream_iceberg.connect.catalog_settings import env_name
 from lakestream_iceberg.connect.diagnose import explain, redact, transient
 from lakestream_iceberg.connect.integers import INT32_MAX, parse_int
+from lakestream_iceberg.connect.sql_tables import tables_under
 from lakestream_iceberg.connect.sqlite import prefer_wal
 from lakestream_iceberg.connect.storage import list_folder
 from lakestream_iceberg.errors import ConfigError, SchemaMismatchError, StreamExistsError
@@ -134,7 +135,8 @@ def refuse_occupied_location(catalog: Catalog, location: str, *, name: str, defa
     location that its own snapshots do not reference, so a stream made at the warehouse's root (or a namespace's
     folder) deleted every table's data and metadata below it at its first GC, and one inside another table's folder had
     its files deleted by that table's GC. A location holding only ``data`` and ``metadata`` is taken: a dropped stream's
-    (its files stay unless purged), which the new stream's GC then removes; a live table's there is not detected.
+    (its files stay unless purged), which the new stream's GC then removes; a live table's there (one renamed keeps
+    its location) is refused where the catalog's rows tell it (a pyiceberg SQL catalog: :func:`tables_under`).
     Best effort: storage a FileIO lists (pyarrow's, fsspec's); a location that cannot be listed is left to the create.
     ``default``: ``location`` is the catalog's default place for the table (no ``location=`` given), which lies inside
     another table's folder where a stream was given a namespace's folder while it was empty."""
@@ -169,6 +171,13 @@ def refuse_occupied_location(catalog: Catalog, location: str, *, name: str, defa
             "file under a stream's location that the stream does not reference (other tables' data and metadata "
             f"too); {outside} of its own that is empty or does not exist yet"
             + ("" if default else ", or leave location out"))
+    live = tables_under(catalog, location) if held else None  # a live table's folder: taken for a dropped one's
+    if live:
+        raise ConfigError(
+            f"cannot create stream {name} {where}: the location holds the files of {', '.join(live[:5])}, "
+            f"{'a table' if len(live) == 1 else 'tables'} of this catalog (a table renamed keeps its location), and "
+            f"each stream's lifecycle GC deletes every file under its location that it does not reference; {outside} "
+            "of its own that is empty or does not exist yet" + ("" if default else ", or leave location out"))
     if table_above is not None:
         raise ConfigError(
             f"cannot create stream {name} {where}: it lies inside the folder of another table ({table_above} "

@@ -1,0 +1,79 @@
+"""Streams and other tables of one catalog whose locations meet: a table renamed keeps its folder, and a table given
+another's folder (by pyiceberg, another engine) shares it. A stream's GC deletes every file under its location that
+it does not reference, so a stream must neither be created in a live table's folder nor sweep one it shares."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from lakestream_iceberg import Stream
+from lakestream_iceberg.errors import ConfigError
+from tests.backends import Backend, make_backend, postgres_service, seaweedfs_service  # noqa: F401 - fixtures
+from tests.support import SCHEMA, batch
+
+WORLD = 2
+
+
+@pytest.fixture(params=["sqlite-local", "postgres-seaweedfs"])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+    made = make_backend(request.param, request, tmp_path)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _publish(stream: Stream, producer: str, steps: int) -> None:
+    writer = stream.producer(producer)
+    for seq in range(steps):
+        writer.commit(batch(producer, seq, WORLD), seq=seq)
+
+
+def test_a_stream_is_not_created_in_the_folder_of_a_table_renamed_away_from_its_name(backend: Backend) -> None:
+    """pyiceberg's rename keeps a table's location: ``ns.a`` renamed to ``ns.b`` still lives at ``<warehouse>/ns/a``,
+    and a new ``ns.a`` was created at that same default location (a folder holding only data/ and metadata/ was taken
+    for a dropped stream's). Each stream's GC then deleted every file of the other, metadata included: ``ns.b`` could
+    not even be opened. The catalog's rows tell a live table's folder from a dropped one's: the create is refused."""
+    catalog = backend.catalog()
+    old, new = backend.identifier("a"), backend.identifier("b")
+    first = Stream.create(catalog, old, schema=SCHEMA, world_size=WORLD)
+    _publish(first, "p", 2)
+    location = first.table.metadata.location
+    catalog.rename_table(old, new)
+    for where in (None, location):
+        with pytest.raises(ConfigError, match=f"holds the files of {new}.*renamed"):
+            Stream.create(catalog, old, schema=SCHEMA, world_size=WORLD, location=where)
+        assert not catalog.table_exists(old)
+    renamed = Stream.open(backend.catalog(), new)
+    assert renamed.table.metadata.location == location and renamed.head_step() == 2
+    assert renamed.read(2, rank=1).equals(batch("p", 1, WORLD)[1])
+    Stream.drop(catalog, new)  # a dropped stream's folder is taken over, as before
+    again = Stream.create(catalog, old, schema=SCHEMA, world_size=WORLD)
+    assert again.table.metadata.location == location and again.head_step() == 0
+
+
+def test_gc_deletes_nothing_in_a_folder_another_live_table_shares(backend: Backend,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Another table given the stream's own folder (pyiceberg's create_table, another engine, or a stream created in a
+    renamed table's folder before the create refused it): its data and metadata lie beside the stream's, and the
+    stream's first GC past the grace period deleted all of them. GC deletes nothing there now and says why."""
+    catalog = backend.catalog()
+    stream = Stream.create(catalog, backend.identifier("s"), schema=SCHEMA, world_size=WORLD)
+    _publish(stream, "p", 2)
+    plain = catalog.create_table(backend.identifier("plain"), schema=SCHEMA, location=stream.table.metadata.location)
+    rows = batch("x", 0, 1)[0]
+    for _ in range(2):
+        plain.append(rows)
+    files = [task.file.file_path for task in plain.scan().plan_files()]
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.lifecycle.sweep"):
+        report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert report.files_deleted == {} and report.files_failed == 0, report
+    assert f"{backend.identifier('plain')} of this catalog" in caplog.text
+    assert all(plain.io.new_input(path).exists() for path in files)
+    assert backend.catalog().load_table(backend.identifier("plain")).scan().to_arrow().num_rows == 2 * rows.num_rows
+    assert stream.read(2, rank=0).equals(batch("p", 1, WORLD)[0])
