@@ -40,11 +40,13 @@ def shared_engine(catalog: Any) -> Any:
 
 
 def tables_under(catalog: Any, location: str) -> list[str] | None:
-    """The tables (``namespace.name``) of ``catalog`` whose current ``metadata.json`` lies under ``location`` (its
-    ``metadata/`` folder or a folder inside it), read from the catalog's own ``iceberg_tables`` rows: a table renamed
-    keeps its location, so a stream created under the old name at the catalog's default location took the renamed
-    table's folder, and each one's GC deleted the other's files. None where this cannot be told (no pyiceberg SQL
-    catalog, its database out of reach)."""
+    """The tables whose current ``metadata.json`` lies under ``location`` (its ``metadata/`` folder or a folder inside
+    it), read from the ``iceberg_tables`` rows of ``catalog``'s database: ``namespace.name`` for one of ``catalog``
+    itself, ``namespace.name (catalog 'other')`` for one of another catalog name in the same database (two catalogs
+    of one database given one warehouse have the same default locations). A table renamed keeps its location, so a
+    stream created under the old name at the catalog's default location took the renamed table's folder, and each
+    one's GC deleted the other's files. None where this cannot be told (no pyiceberg SQL catalog, its database out of
+    reach)."""
     try:
         from pyiceberg.catalog.sql import IcebergTables, SqlCatalog
         from sqlalchemy import select
@@ -62,14 +64,13 @@ def tables_under(catalog: Any, location: str) -> list[str] | None:
     folder = tail(location) + "/"
     try:
         with Session(catalog.engine) as session:
-            rows = session.execute(select(IcebergTables.table_namespace, IcebergTables.table_name,
-                                          IcebergTables.metadata_location).where(
-                IcebergTables.catalog_name == catalog.name,
+            rows = session.execute(select(IcebergTables.catalog_name, IcebergTables.table_namespace,
+                                          IcebergTables.table_name, IcebergTables.metadata_location).where(
                 IcebergTables.metadata_location.contains(folder, autoescape=True))).all()
     except Exception:  # noqa: BLE001 - the database out of reach, no iceberg_tables yet: cannot be told
         return None
-    return sorted(f"{namespace}.{name}" for namespace, name, metadata in rows
-                  if metadata and tail(metadata).startswith(folder))
+    return sorted(f"{namespace}.{name}" + ("" if owner == catalog.name else f" (catalog {owner!r})")
+                  for owner, namespace, name, metadata in rows if metadata and tail(metadata).startswith(folder))
 
 class CatalogTable:
     """One of lakestream's tables: its name, its SQLite DDL and, for PostgreSQL, a function building its SQLAlchemy

@@ -77,3 +77,20 @@ def test_gc_deletes_nothing_in_a_folder_another_live_table_shares(backend: Backe
     assert all(plain.io.new_input(path).exists() for path in files)
     assert backend.catalog().load_table(backend.identifier("plain")).scan().to_arrow().num_rows == 2 * rows.num_rows
     assert stream.read(2, rank=0).equals(batch("p", 1, WORLD)[0])
+
+
+def test_a_stream_is_not_created_in_the_folder_of_another_catalogs_table_of_one_database(backend: Backend) -> None:
+    """Two catalog names in one database ("prod" and "dev" of one PostgreSQL) given one warehouse have the same default
+    locations: ``ns.s`` of the second was created in the folder of ``ns.s`` of the first, and each one's GC deleted the
+    other's files. The database's rows of every catalog name are looked at."""
+    first = backend.catalog()
+    stream = Stream.create(first, backend.identifier("s"), schema=SCHEMA, world_size=WORLD)
+    _publish(stream, "p", 1)
+    from pyiceberg.catalog import load_catalog
+
+    second = load_catalog("other", **backend.properties)
+    backend.catalogs.append(second)
+    with pytest.raises(ConfigError, match=f"holds the files of {backend.identifier('s')} \\(catalog '{backend.name}'\\)"):
+        Stream.create(second, backend.identifier("s"), schema=SCHEMA, world_size=WORLD)
+    assert not second.table_exists(backend.identifier("s"))
+    assert Stream.open(backend.catalog(), backend.identifier("s")).read(1, rank=0).equals(batch("p", 0, WORLD)[0])
