@@ -28,7 +28,7 @@ import logging
 import posixpath
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -205,17 +205,26 @@ def _walk(stream: StreamTable, *, location: str, root: str, keep: set[str], know
     """Hand every unreferenced file under ``location`` to ``deletes`` (to delete, or to count); return how many were
     left for being younger than the grace period."""
     in_grace = 0
-    listed = [(path, size, mtime, norm(path)) for path, size, mtime in list_files(stream.io, location)]
-    nested = _nested_tables(root, (key for _, _, _, key in listed))
+    # the unreferenced files only (what a GC deletes, not every file of a long run), and the folders of other tables
+    # inside the location, which may be listed after their files: nothing is deleted before the whole listing is read
+    unreferenced: list[tuple[str, int, float | None, str]] = []
+    tables: set[str] = set()
+    for path, size, mtime in list_files(stream.io, location):
+        key = norm(path)
+        folder = _table_folder(root, key)
+        if folder is not None:
+            tables.add(folder)
+        if key in keep or not key.startswith(root) or f"/data/{POSITIONS_DIR}/" in path:
+            continue  # position objects expire a group at a time (GC's consumer retention), not a file at a time
+        unreferenced.append((path, size, mtime, key))
+    nested = [f for f in sorted(tables) if not any(f.startswith(f"{outer}/") for outer in tables)]
     if nested:
         log.warning("GC of %s leaves every file under %s: %s inside its location (%s), and the stream's GC deletes "
                     "nothing of another table's; give each table a folder outside every other table's location",
                     stream.name, ", ".join(f"{location}{folder}/" for folder in nested),
                     "another table's folder lies" if len(nested) == 1 else "other tables' folders lie",
                     location.rstrip("/"))
-    for path, size, mtime, key in listed:
-        if key in keep or not key.startswith(root) or f"/data/{POSITIONS_DIR}/" in path:
-            continue  # position objects expire a group at a time (GC's consumer retention), not a file at a time
+    for path, size, mtime, key in unreferenced:
         if nested and any(key.startswith(f"{root}{folder}/") for folder in nested):
             continue  # another table's file (a table made at a location inside this one's)
         if keep_producer_state and f"/data/{PRODUCERS_DIR}/" in path:
@@ -231,20 +240,16 @@ def _walk(stream: StreamTable, *, location: str, root: str, keep: set[str], know
     return in_grace
 
 
-def _nested_tables(root: str, keys: Iterable[str]) -> list[str]:
-    """The folders (relative to ``root``, normalised keys) of other tables inside a stream's location: each folder that
-    holds a ``metadata/*.metadata.json`` below the stream's own ``metadata/`` (a stream writes none anywhere else).
+def _table_folder(root: str, key: str) -> str | None:
+    """The folder (relative to ``root``) of another table inside a stream's location that ``key`` (a normalised path)
+    shows: a ``metadata/*.metadata.json`` below the stream's own ``metadata/`` (a stream writes none anywhere else).
     A table created at a location inside a stream's (by ``location=``, or at the catalog's default location of a
     namespace whose folder a stream was given) had every file deleted by that stream's GC once older than the grace
-    period; an outer folder found stands for the folders inside it."""
-    found: set[str] = set()
-    for key in keys:
-        if not key.startswith(root) or not key.endswith(".metadata.json"):
-            continue
-        parts = key[len(root):].split("/")
-        if len(parts) >= 3 and parts[-2] == "metadata":
-            found.add("/".join(parts[:-2]))
-    return [f for f in sorted(found) if not any(f.startswith(f"{outer}/") for outer in found)]
+    period. None for any other file."""
+    if not key.startswith(root) or not key.endswith((".metadata.json", ".metadata.json.gz")):  # .gz: older Java Iceberg
+        return None
+    parts = key[len(root):].split("/")
+    return "/".join(parts[:-2]) if len(parts) >= 3 and parts[-2] == "metadata" else None
 
 
 class _Deletes:
