@@ -171,7 +171,9 @@ def refuse_occupied_location(catalog: Catalog, location: str, *, name: str, defa
             "file under a stream's location that the stream does not reference (other tables' data and metadata "
             f"too); {outside} of its own that is empty or does not exist yet"
             + ("" if default else ", or leave location out"))
-    live = tables_under(catalog, location) if held else None  # a live table's folder: taken for a dropped one's
+    # a live table's folder (taken for a dropped one's before); the very table this create makes, made by another
+    # process since this one looked (Stream.create at every producer's start), is left to the create: it opens it
+    live = [t for t in tables_under(catalog, location) or () if t != name] if held else None
     if live:
         raise ConfigError(
             f"cannot create stream {name} {where}: the location holds the files of {', '.join(live[:5])}, "

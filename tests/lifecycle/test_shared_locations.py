@@ -94,3 +94,28 @@ def test_a_stream_is_not_created_in_the_folder_of_another_catalogs_table_of_one_
         Stream.create(second, backend.identifier("s"), schema=SCHEMA, world_size=WORLD)
     assert not second.table_exists(backend.identifier("s"))
     assert Stream.open(backend.catalog(), backend.identifier("s")).read(1, rank=0).equals(batch("p", 0, WORLD)[0])
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_a_create_racing_another_process_creating_the_same_stream_opens_it(backend: Backend, given: bool) -> None:
+    """Many producers call Stream.create at start: one that finds no table, then meets the table another process made
+    right after that look, opens it (the folder it holds is that very table's, not another live table's)."""
+    from pyiceberg.exceptions import NoSuchTableError
+
+    other, racing = backend.catalog(), backend.catalog()
+    name = backend.identifier("s")
+    location = f"{backend.properties['warehouse'].rstrip('/')}/given/{backend.namespace}" if given else None
+    made: list[Stream] = []
+    look = racing.load_table
+
+    def load_table(identifier):  # type: ignore[no-untyped-def]
+        try:
+            return look(identifier)
+        except NoSuchTableError:
+            if not made:  # the other process creates the stream right after this look
+                made.append(Stream.create(other, name, schema=SCHEMA, world_size=WORLD, location=location))
+            raise
+
+    racing.load_table = load_table  # type: ignore[method-assign]
+    stream = Stream.create(racing, name, schema=SCHEMA, world_size=WORLD, location=location)
+    assert made and stream.table.metadata.table_uuid == made[0].table.metadata.table_uuid
