@@ -13,13 +13,13 @@ import pytest
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ConfigError
-from tests.backends import Backend, make_backend, postgres_service, seaweedfs_service  # noqa: F401 - fixtures
+from tests.backends import Backend, make_backend, moto_service, postgres_service, seaweedfs_service  # noqa: F401 - fixtures
 from tests.support import SCHEMA, batch
 
 WORLD = 2
 
 
-@pytest.fixture(params=["sqlite-local", "postgres-seaweedfs"])
+@pytest.fixture(params=["sqlite-local", "postgres-seaweedfs", "sqlite-moto"])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     made = make_backend(request.param, request, tmp_path)
     try:
@@ -119,3 +119,39 @@ def test_a_create_racing_another_process_creating_the_same_stream_opens_it(backe
     racing.load_table = load_table  # type: ignore[method-assign]
     stream = Stream.create(racing, name, schema=SCHEMA, world_size=WORLD, location=location)
     assert made and stream.table.metadata.table_uuid == made[0].table.metadata.table_uuid
+
+
+@pytest.mark.parametrize("inner_at", ["namespace default", "inside the stream"])
+def test_gc_deletes_no_file_of_another_table_whose_folder_lies_inside_the_streams(
+        backend: Backend, inner_at: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Another engine's table made inside a stream's folder (at the catalog's default location of a namespace whose
+    folder, empty then, the stream was given as ``location=``; or at a folder given inside the stream's): the stream's
+    first GC past the grace period deleted every file of that table, data, manifests and metadata alike, none of which
+    the stream references. The sweep leaves another table's folder alone now, and still deletes the stream's own."""
+    catalog = backend.catalog()
+    warehouse = backend.properties["warehouse"].rstrip("/")
+    if inner_at == "namespace default":  # the namespace's folder, empty when given; the plain table then goes inside
+        outer = Stream.create(catalog, backend.identifier("outer"), schema=SCHEMA, world_size=WORLD,
+                              location=f"{warehouse}/{backend.namespace}")
+        plain = catalog.create_table(backend.identifier("plain"), schema=SCHEMA)
+    else:
+        outer = Stream.create(catalog, backend.identifier("outer"), schema=SCHEMA, world_size=WORLD)
+        plain = catalog.create_table(backend.identifier("plain"), schema=SCHEMA,
+                                     location=outer.table.metadata.location + "/sub/plain")
+    assert plain.metadata.location.startswith(outer.table.metadata.location + "/")
+    rows = batch("x", 0, 1)[0]
+    for _ in range(3):
+        plain.append(rows)
+    _publish(outer, "p", 2)
+    kept = [task.file.file_path for task in plain.scan().plan_files()]
+    kept += [plain.metadata_location, *(entry.metadata_file for entry in plain.metadata.metadata_log)]
+    orphan = outer.table.metadata.location + "/data/p/orphan.parquet"
+    with outer.io.new_output(orphan).create() as f:
+        f.write(b"nobody references this")  # the stream's own unreferenced file: still swept
+    with caplog.at_level(logging.WARNING, logger="lakestream_iceberg.lifecycle.sweep"):
+        report = outer.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert [path for path in kept if not plain.io.new_input(path).exists()] == [], report
+    assert not outer.io.new_input(orphan).exists() and report.files_deleted.get("data") == 1, report
+    assert "another table's folder" in caplog.text
+    assert backend.catalog().load_table(backend.identifier("plain")).scan().to_arrow().num_rows == 3 * rows.num_rows
+    assert outer.read(2, rank=0).equals(batch("p", 1, WORLD)[0])
