@@ -215,28 +215,41 @@ def _sqlite_mutexes() -> Any:
     return _sqlite_api
 
 
-_gc_paused = False  # whether _sqlite_before_fork turned the garbage collector off (it was on)
+# Forks of this process between their before and after hooks, and whether the collector was on before the first:
+# a fork's state is the process's, not its thread's, as two threads may fork at once (the gate below lets a second one
+# through once the first has held it for FORK_WAIT_S). One value per fork let the second, which found the collector
+# off (the first had paused it), leave it off for good.
+_gc_forks = 0
+_gc_restore = False  # enable the collector again when the last fork in flight is done (it was on before them)
+_gc_lock = threading.Lock()  # held briefly by the hooks in the parent; a child replaces it
 
 
 def _sqlite_before_fork() -> None:
     # The collector stays off from here until the child has released the mutexes: the at-fork hooks registered before
     # these (threading's) run first in the child, and a collection there finalized an unreachable SQLite statement of
     # the parent (sqlite3_finalize, sqlite3_free) on the still-held allocator mutex: the child hung all the same.
-    global _gc_paused
+    global _gc_forks, _gc_restore
     if "_sqlite3" in sys.modules and _sqlite_mutexes():  # else no thread can be inside SQLite (or nothing to do)
-        _gc_paused = gc.isenabled()
-        gc.disable()
+        with _gc_lock:
+            if not _gc_forks:
+                _gc_restore = gc.isenabled()
+            _gc_forks += 1
+            gc.disable()
 
 
 def _sqlite_after_fork_in_parent() -> None:
-    global _gc_paused
-    if _gc_paused:
-        _gc_paused = False
-        gc.enable()
+    global _gc_forks, _gc_restore
+    with _gc_lock:
+        if not _gc_forks:
+            return
+        _gc_forks -= 1
+        if not _gc_forks and _gc_restore:
+            _gc_restore = False
+            gc.enable()
 
 
 def _sqlite_after_fork_in_child() -> None:
-    global _gc_paused
+    global _gc_forks, _gc_restore, _gc_lock
     api = _sqlite_api if "_sqlite3" in sys.modules else None
     if api:
         try_lock, leave, mutexes = api
@@ -245,9 +258,13 @@ def _sqlite_after_fork_in_child() -> None:
             # pthread mutex, which any thread may unlock). No logging here: a log handler's stream may be held too.
             try_lock(mutex)
             leave(mutex)
-    if _gc_paused:
-        _gc_paused = False
-        gc.enable()
+    # the child's one thread: the forks other threads of the parent had in flight are not its own
+    _gc_lock = threading.Lock()
+    if _gc_forks:
+        _gc_forks = 0
+        if _gc_restore:
+            _gc_restore = False
+            gc.enable()
 
 
 if hasattr(os, "register_at_fork"):
@@ -266,8 +283,8 @@ if hasattr(os, "register_at_fork"):
 FORK_WAIT_S = 10.0
 _gate = threading.Condition()
 _inside: dict[int, int] = {}  # thread ident -> calls in flight (nested calls count once each)
-_gate_held = False
-_forking = False  # a fork waits for the calls in flight: new ones (but a thread's nested calls) wait for it
+_gate_owner: int | None = None  # the thread whose fork holds the gate, from its wait's end to its after hook
+_forking = 0  # forks waiting for the calls in flight: new calls (but a thread's nested calls) wait for them
 
 
 @contextmanager
@@ -296,26 +313,33 @@ def _others_inside() -> bool:
 
 
 def _gate_before_fork() -> None:
-    global _gate_held, _forking
-    _gate_held = _gate.acquire(timeout=FORK_WAIT_S)
-    if not _gate_held:
+    # Which thread holds the gate is kept, not only that one does: two threads may fork at once, and the second, let
+    # through without the gate when the first held it past FORK_WAIT_S, made the first skip its release (a process-wide
+    # flag it cleared): the gate stayed held, and every gated call after it waited for good.
+    global _gate_owner, _forking
+    if not _gate.acquire(timeout=FORK_WAIT_S):
         return
-    _forking = True
-    if not _gate.wait_for(lambda: not _others_inside(), timeout=FORK_WAIT_S):
-        log.warning("forking while a database call of another thread has been in progress for %.0f s", FORK_WAIT_S)
+    _forking += 1
+    try:
+        if not _gate.wait_for(lambda: not _others_inside(), timeout=FORK_WAIT_S):
+            log.warning("forking while a database call of another thread has been in progress for %.0f s",
+                        FORK_WAIT_S)
+    finally:
+        _gate_owner = threading.get_ident()  # held from here until this thread's after hook
 
 
 def _gate_after_fork_in_parent() -> None:
-    global _forking
-    if _gate_held:
-        _forking = False
+    global _gate_owner, _forking
+    if _gate_owner is not None and _gate_owner == threading.get_ident():
+        _gate_owner = None
+        _forking -= 1
         _gate.notify_all()  # the calls that waited for the fork
         _gate.release()
 
 
 def _gate_after_fork_in_child() -> None:
-    global _gate, _gate_held, _forking
-    _gate, _gate_held, _forking = threading.Condition(), False, False
+    global _gate, _gate_owner, _forking
+    _gate, _gate_owner, _forking = threading.Condition(), None, 0
     _inside.clear()  # the parent's other threads do not exist here
 
 

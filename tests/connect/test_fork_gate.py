@@ -240,3 +240,49 @@ def test_a_fork_leaves_the_garbage_collector_as_it_was_in_parent_and_child(enabl
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+def test_two_threads_forking_at_once_leave_the_collector_and_the_gate_as_they_were() -> None:
+    """Two threads fork at once, and the first fork holds the gate past ``FORK_WAIT_S`` (its other at-fork hooks or the
+    fork itself were slow: a large process, a busy host), so the second goes ahead without it. The fork state was one
+    value for the process: the second fork's hooks overwrote the first's, which then never released the gate (every
+    later gated call, a head watcher's probe, a position report, hung for good) and never enabled the collector again
+    (the second had found it off: the first had paused it)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import gc, os, sqlite3, threading, time
+        sqlite3.connect(":memory:").close()  # SQLite loaded: the fork hooks pause the collector
+        def slow():  # another library's before-fork hook, registered first: it runs after lakestream's
+            if threading.current_thread().name == "first":
+                time.sleep(1.0)
+        os.register_at_fork(before=slow)
+        from lakestream_iceberg.connect import fork
+        fork.FORK_WAIT_S = 0.3
+        def forker():
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if gc.isenabled() else 1)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, "the child's collector is off"
+        first = threading.Thread(target=forker, name="first")
+        second = threading.Thread(target=forker, name="second")
+        first.start(); time.sleep(0.1); second.start(); first.join(); second.join()
+        assert gc.isenabled(), "the collector stayed off"
+        done = threading.Event()
+        def gated():
+            with fork.no_fork_inside():
+                done.set()
+        threading.Thread(target=gated, daemon=True).start()
+        assert done.wait(10), "a gated call waits for a gate nobody releases"
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert gc.isenabled() and not fork._forking
+    """)
+    done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-2000:]
