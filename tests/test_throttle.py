@@ -400,3 +400,24 @@ def test_a_rest_catalog_that_refuses_to_load_the_table_fails_a_commit_and_a_read
     assert loads.fired <= 2
     proxy.clear()
     assert producer.commit(batch("p", 1, 2), seq=1).step == 2
+
+
+def test_a_refusal_after_a_commit_that_may_have_landed_tells_a_seq_none_caller_its_seq(
+        rest_proxy: tuple[FaultyS3, Any, Any]) -> None:
+    """The commit landed but its answer was lost (outcome unknown), and reading the table back was then refused (403):
+    the ConfigError ends the call at once. A caller that let the producer number the batch (seq=None) must learn the
+    seq to retry it with, as a CommitOutcomeUnknownError tells it: a restarted producer numbers a seq=None retry after
+    the table's last seq, which is this very batch's, and publishes it twice."""
+    proxy, backend, producer = rest_proxy
+    proxy.add(Fault("POST", REST_TABLE_COMMIT, "lost", times=1))  # it landed; the answer never came
+    proxy.add(Fault("GET", REST_TABLE_COMMIT, "rest-forbidden"))
+    with pytest.raises(ConfigError, match=r"refused this request \(403 Forbidden\)") as raised:
+        producer.commit(batch("p", 1, 2))
+    told = "\n".join([str(raised.value), *getattr(raised.value, "__notes__", [])])
+    assert "seq=1" in told, told
+    proxy.clear()
+    assert published(Stream.open(backend.catalog(), backend.identifier())) == {1: ("p", 0), 2: ("p", 1)}
+    # the retry it was told to make publishes nothing more
+    retried = Stream.open(backend.catalog(), backend.identifier()).producer("p")
+    assert retried.commit(batch("p", 1, 2), seq=1).duplicate
+    retried.close()

@@ -31,6 +31,7 @@ from pyiceberg.table.metadata import TableMetadata
 from lakestream_iceberg.connect.diagnose import config_errors, explain, one_line, transient
 from lakestream_iceberg.connect.metrics import observe_commit, observe_failed_commit, prepare
 from lakestream_iceberg.errors import (
+    CommitError,
     CommitOutcomeUnknownError,
     CommitTimeoutError,
     ConfigError,
@@ -504,7 +505,10 @@ class Producer:
                 exc.args = (f"producer {self.producer_id!r} seq {seq}: {exc}. Retry this batch with seq={seq}{how} "
                             "numbers a seq=None batch after the seq the table shows last, which may be this batch's, "
                             "and would publish it again", *exc.args[1:])
-            elif checked.seq is None and not isinstance(exc, LakestreamError) and hasattr(exc, "add_note"):  # 3.11+
+            elif checked.seq is None and (not isinstance(exc, LakestreamError) or isinstance(exc, ConfigError)
+                                          or type(exc) is CommitError) and hasattr(exc, "add_note"):  # 3.11+
+                # a refusal (ConfigError: a REST catalog's 403 to the commit or to reading the table back; CommitError:
+                # a read-only catalog database) may end a call whose earlier attempt's outcome was unknown
                 exc.add_note(f"lakestream: producer {self.producer_id!r} had written this batch as seq {seq}, and it "
                              f"may still be published: retry it with seq={seq}, or with seq=None through this producer "
                              "object (another one may number it after that seq, and publish it again)")
