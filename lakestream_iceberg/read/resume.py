@@ -23,7 +23,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.context
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pyiceberg.table.refs import SnapshotRefType
@@ -93,7 +93,8 @@ class LoadedState:
             CheckpointError: The state's branch no longer holds the last step the state delivered as it was delivered
                 (loaded on that branch or on a fork of it).
         """
-        version = state.get("version", STATE_VERSION) if isinstance(state, dict) else STATE_VERSION
+        # any mapping, as the keys below are read (a state comes back as whatever mapping the checkpoint held it in)
+        version = state.get("version", STATE_VERSION) if isinstance(state, Mapping) else STATE_VERSION
         if type(version) is not int or version != STATE_VERSION:  # not True, 1.0, "1": no release writes those
             raise ConfigError(
                 f"the state_dict is a LakestreamDataset state of version {repr(version)[:40]}, and this release of "

@@ -292,6 +292,23 @@ def test_a_state_of_a_newer_release_is_refused_not_resumed_without_what_it_added
     assert state["version"] == 1
 
 
+def test_a_newer_releases_state_in_a_mapping_other_than_a_dict_is_refused_too(tmp_path: Path) -> None:
+    """A state comes back from a checkpoint as whatever mapping held it (a read-only view, a config library's mapping):
+    every other key was read from any mapping, but the version only from a dict, so a newer release's state in another
+    mapping resumed as version 1, its own keys ignored."""
+    from types import MappingProxyType
+
+    stream = make_stream(tmp_path, steps=4)
+    first = LakestreamDataset(stream, rank=0, world_size=2)
+    assert [it["step"] for _, it in zip(range(2), first)] == [1, 2]
+    state = first.state_dict()
+    ds = LakestreamDataset(stream, rank=0, world_size=2)
+    with pytest.raises(ConfigError, match=r"state of version 2.*reads version 1 only"):
+        ds.load_state_dict(MappingProxyType({**state, "next_row": 1, "version": 2}))
+    ds.load_state_dict(MappingProxyType(state))
+    assert [it["step"] for it in ds] == [3, 4]
+
+
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_a_state_loaded_before_workers_resumes_one_epoch_only(tmp_path: Path, context: str) -> None:
     """Every epoch's new workers copy the dataset from the training process: the state loaded there resumes the first
