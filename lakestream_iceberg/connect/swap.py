@@ -42,6 +42,7 @@ from pyiceberg.table.update import (
 
 from lakestream_iceberg.connect.diagnose import explain, transient
 from lakestream_iceberg.connect.direct import direct_connections
+from lakestream_iceberg.connect.fork import no_fork_inside
 from lakestream_iceberg.connect.notify import channel, notifies
 from lakestream_iceberg.connect.pointer import pointer_probe
 from lakestream_iceberg.connect.secrets import redact
@@ -134,8 +135,10 @@ def swap(table: Table, requirements: tuple[TableRequirement, ...],
         return CommitTableResponse(metadata=metadata, metadata_location=location)
     # One transaction on a Core connection (the statement pyiceberg's commit_table runs, without the ORM session's
     # per-call evaluation of the WHERE clause against loaded objects: we load none). Leaving the block commits it;
-    # an exception rolls it back.
-    with catalog.engine.begin() as conn:  # type: ignore[attr-defined]
+    # an exception rolls it back. Inside the fork gate (connect/fork.py), as the process's other database calls: on
+    # SQLite a thread in this transaction holds the database file's own mutex in libsqlite3 around its locks, which a
+    # child forked meanwhile (a DataLoader's worker) inherited held, and its first query of the catalog waited forever.
+    with no_fork_inside(), catalog.engine.begin() as conn:  # type: ignore[attr-defined]
         try:
             swapped = conn.execute(_swap_statement(), params).rowcount >= 1
             if swapped and notifies(catalog):  # delivered when (and only if) this transaction commits: connect/notify.py

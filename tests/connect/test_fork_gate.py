@@ -286,3 +286,43 @@ def test_two_threads_forking_at_once_leave_the_collector_and_the_gate_as_they_we
     done = subprocess.run([sys.executable, "-c", script], timeout=120, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_fork_waits_for_a_commits_catalog_transaction_in_another_thread(tmp_path) -> None:
+    """A producer's compare-and-swap on a SQLite catalog (SQLAlchemy's transaction: the conditional UPDATE of the
+    pointer) ran outside the gate. A thread inside it holds the database file's own mutex in libsqlite3 (a per-file
+    mutex, not one of the static ones the child releases) around its fcntl locks: a DataLoader forking its workers
+    meanwhile left that mutex held in a child, whose first query of the catalog then waited for it forever (1 child
+    in 400 with a producer committing in a loop). The fork now waits for the transaction."""
+    from sqlalchemy import event
+
+    from lakestream_iceberg import Stream
+    from tests.support import SCHEMA, batch, sqlite_catalog
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.gate", schema=SCHEMA, world_size=2)
+    producer = stream.producer("p")
+    order: list[str] = []
+    entered, forking = threading.Event(), threading.Event()
+
+    def inside_the_swap(conn, cursor, statement, *_):  # noqa: ANN001, ANN202 - SQLAlchemy's listener signature
+        if statement.lstrip().upper().startswith("UPDATE ICEBERG_TABLES") and not entered.is_set():
+            entered.set()
+            forking.wait(60)
+            time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
+            order.append("left")
+
+    event.listen(catalog.engine, "before_cursor_execute", inside_the_swap)
+    committer = threading.Thread(target=lambda: producer.commit(batch("p", 0, 2)))
+    committer.start()
+    try:
+        assert entered.wait(60)
+        forking.set()
+        assert _fork_and_reap(7) == 7
+        order.append("forked")
+    finally:
+        forking.set()
+        committer.join(60)
+        event.remove(catalog.engine, "before_cursor_execute", inside_the_swap)
+    assert order == ["left", "forked"]
+    assert not fork._inside
