@@ -176,6 +176,12 @@ if hasattr(os, "register_at_fork"):
 # thread holds, which waits for the GIL: the parent deadlocked within a few hundred forks with three such threads.
 # What a released mutex guarded in the child is what the parent's thread left mid-way: for the allocator's mutex,
 # its statistics counters (the allocation itself is glibc's, which is fork-safe).
+# Not covered: mutexes SQLite allocates per database file or connection (the unix VFS's per-file mutex around its
+# fcntl locks, a connection's own), which no API reaches. A child whose parent had an ungated thread inside SQLite on
+# the same database file at the fork (a user's thread on the catalog file; the collector closing a catalog connection)
+# can still hang on its first use of that file: about 1 fork in 20 with two threads querying it in a loop. So
+# lakestream's own statements on a catalog database all run inside the gate below (the direct connections', the
+# pointer probe's, the swap's transaction).
 _SQLITE_MUTEXES = (2, 3, 4, 5, 6, 7, 11, 12, 13)  # sqlite3.h STATIC_MAIN, MEM, OPEN, PRNG, LRU, PMEM, VFS1-3
 _SQLITE_MUTEX_STATIC_APP3 = 10
 _SQLITE_OK, _SQLITE_BUSY = 0, 5
