@@ -11,6 +11,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from lakestream_iceberg.connect.fork import no_fork_inside
+
 __all__ = ["CatalogTable", "file_sqlite", "shared_engine", "tables_under"]
 
 _SQLITE_HAS = "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?"
@@ -63,7 +65,10 @@ def tables_under(catalog: Any, location: str) -> list[str] | None:
 
     folder = tail(location) + "/"
     try:
-        with Session(catalog.engine) as session:
+        # inside the fork gate, as lakestream's other statements on a catalog database (connect/fork.py): GC runs in a
+        # background thread while a DataLoader forks its workers, whose first query of a SQLite catalog then waited
+        # for the database file's mutex the query held at the fork
+        with no_fork_inside(), Session(catalog.engine) as session:
             rows = session.execute(select(IcebergTables.catalog_name, IcebergTables.table_namespace,
                                           IcebergTables.table_name, IcebergTables.metadata_location).where(
                 IcebergTables.metadata_location.contains(folder, autoescape=True))).all()

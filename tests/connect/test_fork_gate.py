@@ -326,3 +326,41 @@ def test_a_fork_waits_for_a_commits_catalog_transaction_in_another_thread(tmp_pa
         event.remove(catalog.engine, "before_cursor_execute", inside_the_swap)
     assert order == ["left", "forked"]
     assert not fork._inside
+
+
+def test_a_fork_waits_for_a_gcs_look_at_the_catalogs_table_rows_in_another_thread(tmp_path) -> None:
+    """GC's sweep (and a create) reads the SQL catalog's ``iceberg_tables`` rows under the stream's folder (the
+    shared-location check, :func:`~lakestream_iceberg.connect.sql_tables.tables_under`) on the catalog's own engine,
+    outside the gate: a DataLoader forking its workers while a GC thread was inside that query left the database
+    file's own libsqlite3 mutex held in the child (as the swap's transaction did). The fork now waits for it."""
+    from sqlalchemy import event
+
+    from lakestream_iceberg import Stream
+    from tests.support import SCHEMA, sqlite_catalog
+
+    catalog = sqlite_catalog(str(tmp_path))
+    stream = Stream.create(catalog, "ns.gate", schema=SCHEMA, world_size=2)
+    order: list[str] = []
+    entered, forking = threading.Event(), threading.Event()
+
+    def inside_the_look(conn, cursor, statement, *_):  # noqa: ANN001, ANN202 - SQLAlchemy's listener signature
+        if "FROM iceberg_tables" in statement and " LIKE " in statement and not entered.is_set():
+            entered.set()
+            forking.wait(60)
+            time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
+            order.append("left")
+
+    event.listen(catalog.engine, "before_cursor_execute", inside_the_look)
+    collector = threading.Thread(target=lambda: stream.collect_garbage(dry_run=True))
+    collector.start()
+    try:
+        assert entered.wait(60)
+        forking.set()
+        assert _fork_and_reap(7) == 7
+        order.append("forked")
+    finally:
+        forking.set()
+        collector.join(60)
+        event.remove(catalog.engine, "before_cursor_execute", inside_the_look)
+    assert order == ["left", "forked"]
+    assert not fork._inside
