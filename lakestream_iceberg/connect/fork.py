@@ -12,6 +12,7 @@ connections without closing them (closing would end the parent's sessions) and o
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import os
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "fork_safe_io", "no_fork_inside", "owns_connections"]
+__all__ = ["FORK_WAIT_S", "ProcessPool", "fork_safe", "fork_safe_io", "gated", "no_fork_inside", "owns_connections"]
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +182,8 @@ if hasattr(os, "register_at_fork"):
 # the same database file at the fork (a user's thread on the catalog file; the collector closing a catalog connection)
 # can still hang on its first use of that file: about 1 fork in 20 with two threads querying it in a loop. So
 # lakestream's own statements on a catalog database all run inside the gate below (the direct connections', the
-# pointer probe's, the swap's transaction).
+# pointer probe's, the swap's transaction, GC's look at iceberg_tables, and every method of the intent and position
+# tables, `gated`). pyiceberg's own catalog calls (load_table, create_table, ...) are not gated.
 _SQLITE_MUTEXES = (2, 3, 4, 5, 6, 7, 11, 12, 13)  # sqlite3.h STATIC_MAIN, MEM, OPEN, PRNG, LRU, PMEM, VFS1-3
 _SQLITE_MUTEX_STATIC_APP3 = 10
 _SQLITE_OK, _SQLITE_BUSY = 0, 5
@@ -311,6 +313,18 @@ def no_fork_inside() -> Iterator[None]:
             else:
                 _inside.pop(me, None)
             _gate.notify_all()
+
+
+def gated(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` run inside :func:`no_fork_inside`: for the methods of lakestream's own tables in a catalog's database
+    (intents, consumer positions), whose statements run on raw ``sqlite3`` connections as well as SQLAlchemy's."""
+
+    @functools.wraps(method)
+    def run(*args: Any, **kwargs: Any) -> T:
+        with no_fork_inside():
+            return method(*args, **kwargs)
+
+    return run
 
 
 def _others_inside() -> bool:

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lakestream_iceberg.connect.direct import direct_connections
+from lakestream_iceberg.connect.fork import gated
 from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
 from lakestream_iceberg.errors import ProducerConflictError
 
@@ -81,6 +82,7 @@ class IntentTable:
         return None if engine is None else IntentTable(engine)
 
     # -- statements -----------------------------------------------------------------------------------------------------
+    @gated  # a fork waits for it (connect/fork.py): a child inherits no libsqlite3 mutex this thread holds
     def insert(self, path: str, body: str) -> None:
         """Stage ``body`` under ``path`` (``folder/name``). Inserting the same path again with the same body is a no-op
         (a retried insert whose first try landed); another body under the same path raises
@@ -110,6 +112,7 @@ class IntentTable:
                     "data-file token. Give every live producer its own id"
                 ) from None
 
+    @gated
     def body(self, path: str) -> str | None:
         folder, name = _split(path)
         self._ensure()
@@ -121,6 +124,7 @@ class IntentTable:
         with self._engine.connect() as conn:
             return conn.execute(select(t.c.body).where(t.c.folder == folder, t.c.name == name)).scalar_one_or_none()
 
+    @gated
     def exists(self, path: str) -> bool:
         folder, name = _split(path)
         self._ensure()
@@ -133,6 +137,7 @@ class IntentTable:
         with self._engine.connect() as conn:
             return conn.execute(select(t.c.id).where(t.c.folder == folder, t.c.name == name)).first() is not None
 
+    @gated
     def listing(self, folder: str, *, bodies: bool) -> list[IntentRow]:
         """The intents staged under ``folder``, in staging order (with their bodies when ``bodies``)."""
         self._ensure()
@@ -151,6 +156,7 @@ class IntentTable:
         return [IntentRow(path=f"{folder}/{name}", order=int(i), age_s=max(0.0, float(age)), body=body)
                 for i, name, age, body in rows]
 
+    @gated
     def delete(self, paths: list[str]) -> None:
         """Remove intents (one already gone is no error)."""
         if not paths:
@@ -184,6 +190,7 @@ class IntentTable:
                 chunk = keys[i:i + _DELETE_CHUNK]
                 conn.execute(delete(t).where(or_(*[and_(t.c.folder == f, t.c.name == n) for f, n in chunk])))
 
+    @gated
     def expire(self, root: str, *, older_than_s: float, delete: bool = True) -> list[str]:
         """Every intent under ``root`` (a table's staging root, any branch) staged more than ``older_than_s`` ago by
         the database's clock, removed unless ``delete`` is false; returns their paths."""
@@ -205,6 +212,7 @@ class IntentTable:
             self.delete(paths)
         return paths
 
+    @gated
     def remove_under(self, root: str) -> int:
         """Remove every intent under ``root`` (a dropped table's staging root, any branch, any age) in one ``DELETE``;
         returns how many rows it removed. A database without the intent table has none: nothing is created."""
@@ -225,6 +233,7 @@ class IntentTable:
         with self._engine.begin() as conn:
             return conn.execute(delete(t).where(func.substr(t.c.folder, 1, len(prefix)) == prefix)).rowcount
 
+    @gated
     def create(self) -> bool:
         """Create the table now if it does not exist; False (nothing created) when the database refuses it for lack of
         permission (a read-only database file, a PostgreSQL role without ``CREATE`` on the schema). Other failures

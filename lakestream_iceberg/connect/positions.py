@@ -55,20 +55,23 @@ either way the group's ranks write their positions again at their next report.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote, unquote
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lakestream_iceberg.connect.direct import sqlite_connections
+from lakestream_iceberg.connect.fork import no_fork_inside
 from lakestream_iceberg.connect.integers import INT32_MAX
 from lakestream_iceberg.connect.sql_tables import CatalogTable, shared_engine
 from lakestream_iceberg.connect.storage import list_files, store_now
@@ -76,6 +79,7 @@ from lakestream_iceberg.connect.storage import list_files, store_now
 __all__ = ["POSITIONS_DIR", "POSITION_TABLE", "PositionRow", "PositionStore"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 POSITION_TABLE = "lakestream_consumer_positions"
 POSITIONS_DIR = "_consumers"  # under the table's data/ folder
@@ -108,6 +112,21 @@ class PositionRow:
     age_s: float
 
 
+def _gated_in_database(method: Callable[..., T]) -> Callable[..., T]:
+    """``method`` inside the fork gate (connect/fork.py) where the positions are rows of the catalog's database, whose
+    statements run on raw ``sqlite3`` connections too: a fork waits for them, so no child inherits a libsqlite3 mutex
+    held. Objects are written and listed outside it: a fork never waits on object storage."""
+
+    @functools.wraps(method)
+    def run(self: PositionStore, *args: Any, **kwargs: Any) -> T:
+        if self._engine is None:
+            return method(self, *args, **kwargs)
+        with no_fork_inside():
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class PositionStore:
     """The consumer positions of one stream: a table of the SQL catalog's database, else objects under its location.
 
@@ -130,6 +149,7 @@ class PositionStore:
         return "object store" if self._engine is None else "catalog database"
 
     # -- statements ----------------------------------------------------------------------------------------------------
+    @_gated_in_database
     def upsert(self, *, group: str, rank: int, body: str) -> None:
         """Write the position of (``group``, ``rank``), replacing the one stored."""
         if self._engine is None:
@@ -153,6 +173,7 @@ class PositionStore:
         with self._engine.begin() as conn:
             conn.execute(stmt)
 
+    @_gated_in_database
     def rows(self, *, group: str | None = None) -> list[PositionRow]:
         """The stored positions of ``group`` (every group when None), ordered by group and rank. A store that has
         none (no table yet, no objects) returns an empty list and creates nothing."""
@@ -181,6 +202,7 @@ class PositionStore:
         return _keyed(self.location, [PositionRow(group=str(g), rank=r, body=str(b), age_s=max(0.0, float(a)))
                                       for g, r, b, a in found])
 
+    @_gated_in_database
     def expire(self, *, older_than_s: float, delete: bool = True, now: float | None = None) -> tuple[int, int]:
         """Delete the positions of every group whose newest report is older than ``older_than_s`` seconds by the
         store's clock, all of a group's ranks together (see the module docstring); ``delete=False`` only counts them.
@@ -220,6 +242,7 @@ class PositionStore:
         return self._sa_delete(and_(t.c.location == self.location, t.c.updated_at < cutoff, t.c.grp.not_in(recent)),
                                delete=delete), 0
 
+    @_gated_in_database
     def delete(self, *, group: str | None = None) -> int:
         """Delete the positions of ``group`` (every group of this stream when None), whatever their age; returns how
         many went."""

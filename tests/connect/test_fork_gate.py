@@ -364,3 +364,62 @@ def test_a_fork_waits_for_a_gcs_look_at_the_catalogs_table_rows_in_another_threa
         event.remove(catalog.engine, "before_cursor_execute", inside_the_look)
     assert order == ["left", "forked"]
     assert not fork._inside
+
+
+@pytest.mark.parametrize("store", ["intents", "positions"])
+def test_a_fork_waits_for_a_statement_on_lakestreams_own_tables_in_another_thread(tmp_path, store: str) -> None:
+    """Group commit's staged intents and consumer positions are rows of the SQLite catalog's database, some written on
+    the thread's own raw ``sqlite3`` connection (connect/direct.py) outside the gate: a DataLoader forking its workers
+    while a thread of the training process (a position report, a GC's expiry) or a producer's committer was inside
+    one left the database file's own libsqlite3 mutex held in the child. The fork now waits for the statement."""
+    from lakestream_iceberg.connect.direct import direct_connections
+    from lakestream_iceberg.connect.intents import IntentTable
+    from lakestream_iceberg.connect.positions import PositionStore
+    from tests.support import sqlite_catalog
+
+    catalog = sqlite_catalog(str(tmp_path))
+    order: list[str] = []
+    entered, forking = threading.Event(), threading.Event()
+
+    def traced(statement: str) -> None:  # sqlite3 calls it inside the statement, on the statement's thread
+        if statement.upper().startswith(("INSERT", "DELETE")) and not entered.is_set():
+            entered.set()
+            forking.wait(60)
+            time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
+            order.append("left")
+
+    if store == "intents":
+        table = IntentTable.of(catalog)
+        assert table is not None and table.create()
+        staged = [f"file://{tmp_path}/t/data/_staging/main/p/{seq}.json" for seq in (1, 2)]
+        for path in staged:
+            table.insert(path, "{}")
+        call = lambda: table.delete(staged)  # noqa: E731 - GC's expiry, a carrier's clean-up: one transaction
+    else:
+        positions = PositionStore(catalog=catalog, io=None, location=f"file://{tmp_path}/t")
+        assert positions.kind == "catalog database"
+        positions.rows()  # the table made, before the traced insert
+        positions.upsert(group="g", rank=1, body="{}")
+        call = lambda: positions.upsert(group="g", rank=0, body="{}")  # noqa: E731
+
+    def run() -> None:
+        direct = direct_connections(catalog.engine)
+        assert direct is not None
+        direct.connection().set_trace_callback(traced)  # this thread's own connection
+        try:
+            call()
+        finally:
+            direct.connection().set_trace_callback(None)
+
+    writer = threading.Thread(target=run)
+    writer.start()
+    try:
+        assert entered.wait(60)
+        forking.set()
+        assert _fork_and_reap(7) == 7
+        order.append("forked")
+    finally:
+        forking.set()
+        writer.join(60)
+    assert order == ["left", "forked"]
+    assert not fork._inside
