@@ -47,6 +47,7 @@ __all__ = [
     "ENV_CATALOG",
     "Backend",
     "backend",
+    "backend_fixture",
     "catalog_from_env",
     "fresh_name",
     "make_backend",
@@ -209,13 +210,21 @@ def make_backend(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> B
     return Backend(kind=kind, properties=props, namespace=ns)
 
 
-@pytest.fixture(params=BACKENDS)
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    made = make_backend(request.param, request, tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
+def backend_fixture(*kinds: str, name: str = "backend") -> Any:
+    """A fixture named ``name`` giving a fresh :class:`Backend` of each of ``kinds`` in turn, closed after the test."""
+
+    @pytest.fixture(params=list(kinds), name=name)
+    def made_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
+        made = make_backend(request.param, request, tmp_path)
+        try:
+            yield made
+        finally:
+            made.close()
+
+    return made_backend
+
+
+backend = backend_fixture(*BACKENDS)
 
 
 # --------------------------------------------------------------------------------------------------- checks

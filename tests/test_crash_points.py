@@ -18,7 +18,6 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from urllib.parse import urlparse
@@ -26,7 +25,7 @@ from urllib.parse import urlparse
 import pytest
 
 from lakestream_iceberg import Stream
-from tests.backends import Backend, make_backend, published
+from tests.backends import Backend, backend_fixture, published
 from tests.support import SCHEMA, batch, digest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,13 +33,7 @@ WORLD = 2
 COUNT = 4  # the victim's batches
 CRASH_ENV = "LAKESTREAM_TEST_CRASH_AT"
 
-@pytest.fixture(params=["sqlite-local"])
-def crash_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    made = make_backend(request.param, request, tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
+crash_backend = backend_fixture("sqlite-local", name="crash_backend")
 
 
 def run(backend: Backend, *args: str, crash: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -6,6 +6,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -288,6 +289,38 @@ def test_two_threads_forking_at_once_leave_the_collector_and_the_gate_as_they_we
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+class _HeldStatement:
+    """Another thread's statement, held open from inside it (:meth:`hold`) until this thread asked for a fork; an
+    ungated fork finishes while it is held, a gated one only after it (``order``)."""
+
+    def __init__(self) -> None:
+        self.order: list[str] = []
+        self.entered, self.forking = threading.Event(), threading.Event()
+
+    def hold(self) -> None:
+        if self.entered.is_set():
+            return
+        self.entered.set()
+        self.forking.wait(60)
+        time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
+        self.order.append("left")
+
+    def fork_beside(self, target: Callable[[], object]) -> None:
+        """Run ``target`` in a thread, fork once its statement is held, and check that the fork waited for it."""
+        thread = threading.Thread(target=target)
+        thread.start()
+        try:
+            assert self.entered.wait(60)
+            self.forking.set()
+            assert _fork_and_reap(7) == 7
+            self.order.append("forked")
+        finally:
+            self.forking.set()
+            thread.join(60)
+        assert self.order == ["left", "forked"]
+        assert not fork._inside
+
+
 def test_a_fork_waits_for_a_commits_catalog_transaction_in_another_thread(tmp_path) -> None:
     """A producer's compare-and-swap on a SQLite catalog (SQLAlchemy's transaction: the conditional UPDATE of the
     pointer) ran outside the gate. A thread inside it holds the database file's own mutex in libsqlite3 (a per-file
@@ -302,30 +335,17 @@ def test_a_fork_waits_for_a_commits_catalog_transaction_in_another_thread(tmp_pa
     catalog = sqlite_catalog(str(tmp_path))
     stream = Stream.create(catalog, "ns.gate", schema=SCHEMA, world_size=2)
     producer = stream.producer("p")
-    order: list[str] = []
-    entered, forking = threading.Event(), threading.Event()
+    held = _HeldStatement()
 
     def inside_the_swap(conn, cursor, statement, *_):  # noqa: ANN001, ANN202 - SQLAlchemy's listener signature
-        if statement.lstrip().upper().startswith("UPDATE ICEBERG_TABLES") and not entered.is_set():
-            entered.set()
-            forking.wait(60)
-            time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
-            order.append("left")
+        if statement.lstrip().upper().startswith("UPDATE ICEBERG_TABLES"):
+            held.hold()
 
     event.listen(catalog.engine, "before_cursor_execute", inside_the_swap)
-    committer = threading.Thread(target=lambda: producer.commit(batch("p", 0, 2)))
-    committer.start()
     try:
-        assert entered.wait(60)
-        forking.set()
-        assert _fork_and_reap(7) == 7
-        order.append("forked")
+        held.fork_beside(lambda: producer.commit(batch("p", 0, 2)))
     finally:
-        forking.set()
-        committer.join(60)
         event.remove(catalog.engine, "before_cursor_execute", inside_the_swap)
-    assert order == ["left", "forked"]
-    assert not fork._inside
 
 
 def test_a_fork_waits_for_a_gcs_look_at_the_catalogs_table_rows_in_another_thread(tmp_path) -> None:
@@ -340,30 +360,17 @@ def test_a_fork_waits_for_a_gcs_look_at_the_catalogs_table_rows_in_another_threa
 
     catalog = sqlite_catalog(str(tmp_path))
     stream = Stream.create(catalog, "ns.gate", schema=SCHEMA, world_size=2)
-    order: list[str] = []
-    entered, forking = threading.Event(), threading.Event()
+    held = _HeldStatement()
 
     def inside_the_look(conn, cursor, statement, *_):  # noqa: ANN001, ANN202 - SQLAlchemy's listener signature
-        if "FROM iceberg_tables" in statement and " LIKE " in statement and not entered.is_set():
-            entered.set()
-            forking.wait(60)
-            time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
-            order.append("left")
+        if "FROM iceberg_tables" in statement and " LIKE " in statement:
+            held.hold()
 
     event.listen(catalog.engine, "before_cursor_execute", inside_the_look)
-    collector = threading.Thread(target=lambda: stream.collect_garbage(dry_run=True))
-    collector.start()
     try:
-        assert entered.wait(60)
-        forking.set()
-        assert _fork_and_reap(7) == 7
-        order.append("forked")
+        held.fork_beside(lambda: stream.collect_garbage(dry_run=True))
     finally:
-        forking.set()
-        collector.join(60)
         event.remove(catalog.engine, "before_cursor_execute", inside_the_look)
-    assert order == ["left", "forked"]
-    assert not fork._inside
 
 
 @pytest.mark.parametrize("store", ["intents", "positions"])
@@ -378,15 +385,11 @@ def test_a_fork_waits_for_a_statement_on_lakestreams_own_tables_in_another_threa
     from tests.support import sqlite_catalog
 
     catalog = sqlite_catalog(str(tmp_path))
-    order: list[str] = []
-    entered, forking = threading.Event(), threading.Event()
+    held = _HeldStatement()
 
     def traced(statement: str) -> None:  # sqlite3 calls it inside the statement, on the statement's thread
-        if statement.upper().startswith(("INSERT", "DELETE")) and not entered.is_set():
-            entered.set()
-            forking.wait(60)
-            time.sleep(0.5)  # an ungated fork finishes meanwhile; a gated one cannot finish before "left"
-            order.append("left")
+        if statement.upper().startswith(("INSERT", "DELETE")):
+            held.hold()
 
     if store == "intents":
         table = IntentTable.of(catalog)
@@ -411,15 +414,4 @@ def test_a_fork_waits_for_a_statement_on_lakestreams_own_tables_in_another_threa
         finally:
             direct.connection().set_trace_callback(None)
 
-    writer = threading.Thread(target=run)
-    writer.start()
-    try:
-        assert entered.wait(60)
-        forking.set()
-        assert _fork_and_reap(7) == 7
-        order.append("forked")
-    finally:
-        forking.set()
-        writer.join(60)
-    assert order == ["left", "forked"]
-    assert not fork._inside
+    held.fork_beside(run)

@@ -5,27 +5,19 @@ it does not reference, so a stream must neither be created in a live table's fol
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 
 from lakestream_iceberg import Stream
 from lakestream_iceberg.errors import ConfigError
-from tests.backends import Backend, make_backend, moto_service, postgres_service, seaweedfs_service  # noqa: F401 - fixtures
+from tests.backends import Backend, backend_fixture, moto_service, postgres_service, seaweedfs_service  # noqa: F401 - fixtures
 from tests.support import SCHEMA, batch
 
 WORLD = 2
 
 
-@pytest.fixture(params=["sqlite-local", "postgres-seaweedfs", "sqlite-moto"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    made = make_backend(request.param, request, tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
+backend = backend_fixture("sqlite-local", "postgres-seaweedfs", "sqlite-moto")
 
 
 def _publish(stream: Stream, producer: str, steps: int) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from lakestream_iceberg import Stream
 from lakestream_iceberg.format.layout import PROP_GROUP_STAGING
 from lakestream_iceberg.write.intent import STAGING_DIR, Intent
-from tests.backends import Backend, make_backend, postgres_service, published, seaweedfs_service
+from tests.backends import Backend, backend_fixture, postgres_service, published, seaweedfs_service
 from tests.support import SCHEMA, batch, digest, until
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -23,13 +22,7 @@ WORLD = 2
 __all__ = ["postgres_service", "seaweedfs_service"]  # fixtures used by name
 
 
-@pytest.fixture(params=["sqlite-local", "postgres-seaweedfs"])
-def sql_backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
-    made = make_backend(request.param, request, tmp_path)
-    try:
-        yield made
-    finally:
-        made.close()
+sql_backend = backend_fixture("sqlite-local", "postgres-seaweedfs", name="sql_backend")
 
 
 def staged(stream: Stream) -> list[str]:
