@@ -117,6 +117,8 @@ class GCReport:
         first_failure: The first of those failures (path and error), or None.
         expiry_failed: What GC could not expire this time besides files, each with its error: the consumer positions
             of silent groups, or catalog staging's old intents (the commits and the sweep stand; the next GC retries).
+        sweep_refused: Why no unreferenced file was deleted at all (another table of the catalog keeps its metadata
+            in the stream's own folder: no file there can be told to be the stream's alone), or None.
     """
 
     dry_run: bool
@@ -129,6 +131,7 @@ class GCReport:
     files_failed: int = 0
     first_failure: str | None = None
     expiry_failed: list[str] = field(default_factory=list)
+    sweep_refused: str | None = None
 
     @property
     def total_files(self) -> int:
@@ -423,6 +426,7 @@ def _record(report: GCReport, swept: Swept) -> None:
     report.files_in_grace += swept.files_in_grace
     report.files_failed += swept.files_failed
     report.first_failure = report.first_failure or swept.first_failure
+    report.sweep_refused = report.sweep_refused or swept.refused
 
 
 def _expire_positions(stream: StreamTable, report: GCReport, metadata: TableMetadata, *, retention_s: float,

@@ -67,6 +67,7 @@ class Swept:
     files_in_grace: int
     files_failed: int = 0
     first_failure: str | None = None
+    refused: str | None = None  # why the sweep deleted no file at all (another table keeps metadata in the folder)
 
 
 def norm(path: str) -> str:
@@ -168,11 +169,12 @@ def sweep(stream: StreamTable, *, location: str, keep: set[str], known: set[str]
     cutoff = now - grace_s
     sharing = [t for t in tables_under(stream.table.catalog, f"{location}metadata") or () if t != stream.name]
     if sharing:  # a table renamed keeps its location: a stream created under the old name then took its folder
-        log.warning("GC of %s deletes no file: %s of this catalog keep%s metadata in the stream's own folder %s, and no "
-                    "file there can be told to be the stream's alone; move one of them (create it again elsewhere, "
-                    "with location=) before GC deletes files", stream.name, ", ".join(sharing),
-                    "s its" if len(sharing) == 1 else " their", location)
-        return Swept(files_deleted={}, bytes_deleted={}, files_in_grace=0)
+        refused = (f"GC of {stream.name} deletes no file: {', '.join(sharing)} of this catalog "
+                   f"keep{'s its' if len(sharing) == 1 else ' their'} metadata in the stream's own folder {location}, "
+                   "and no file there can be told to be the stream's alone; move one of them (create it again "
+                   "elsewhere, with location=) before GC deletes files")
+        log.warning("%s", refused)
+        return Swept(files_deleted={}, bytes_deleted={}, files_in_grace=0, refused=refused)
     if delete:
         _warn_unreported_delete_failures(stream, location)
     with _Deletes(stream.io) as deletes:

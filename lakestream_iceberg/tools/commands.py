@@ -288,6 +288,8 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
 def _fail_on_what_gc_left(report: Any) -> None:
     """The commits stand and the report is printed; deletes or expiries that failed make the command fail (a cron job
     notices)."""
+    if getattr(report, "sweep_refused", None):  # nothing deleted: storage grows until the folder is fixed
+        raise UserError(report.sweep_refused)
     if getattr(report, "files_failed", 0):
         raise UserError(f"{report.files_failed:,} unreferenced files could not be deleted (the first: "
                         f"{report.first_failure}). Let this process delete under the table's location: the next gc "

@@ -66,6 +66,7 @@ def test_gc_deletes_nothing_in_a_folder_another_live_table_shares(backend: Backe
         report = stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
     assert report.files_deleted == {} and report.files_failed == 0, report
     assert f"{backend.identifier('plain')} of this catalog" in caplog.text
+    assert report.sweep_refused is not None and backend.identifier("plain") in report.sweep_refused
     assert all(plain.io.new_input(path).exists() for path in files)
     assert backend.catalog().load_table(backend.identifier("plain")).scan().to_arrow().num_rows == 2 * rows.num_rows
     assert stream.read(2, rank=0).equals(batch("p", 1, WORLD)[0])

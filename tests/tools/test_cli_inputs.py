@@ -177,3 +177,16 @@ def test_repair_says_what_the_foreign_snapshots_it_rolls_back_did(home: Path, ca
     flat = " ".join(out.split())
     assert code == 0 and f"append: added-data-files=1, added-records={rows}" in flat, out
     assert "left the branch" in flat, out
+
+
+def test_gc_whose_sweep_is_refused_for_a_shared_folder_exits_1(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Another table keeping its metadata in the stream's own folder (a renamed table's folder taken by a new stream,
+    a table created there by another engine): GC deletes nothing, and the warning alone let a scheduled ``lakestream
+    gc`` exit 0 run after run while storage grew. It exits 1 naming the table."""
+    catalog = embedded_catalog(home)
+    stream = Stream.open(catalog, STREAM)
+    catalog.create_table("ns.beside", schema=SCHEMA, location=stream.table.metadata.location)
+    code, out, err = in_process(home, capsys, "gc", STREAM)
+    assert code == 1 and "deletes no file: ns.beside of this catalog" in err and "Traceback" not in err, err
+    code, out, err = in_process(home, capsys, "gc", STREAM, "--json")
+    assert code == 1 and '"sweep_refused": "GC of' in out, out
