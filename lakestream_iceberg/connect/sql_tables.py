@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lakestream_iceberg.connect.fork import no_fork_inside
+from lakestream_iceberg.connect.storage import norm
 
 __all__ = ["CatalogTable", "file_sqlite", "shared_engine", "tables_under"]
 
@@ -57,13 +58,7 @@ def tables_under(catalog: Any, location: str) -> list[str] | None:
         return None
     if not isinstance(catalog, SqlCatalog):
         return None
-    from urllib.parse import urlparse
-
-    def tail(path: str) -> str:  # the path without its scheme: file:/x, file:///x and /x name one folder
-        parsed = urlparse(path)
-        return (f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).strip("/").replace("//", "/")
-
-    folder = tail(location) + "/"
+    folder = norm(location) + "/"  # file:/x, file:///x and /x name one folder
     try:
         # inside the fork gate, as lakestream's other statements on a catalog database (connect/fork.py): GC runs in a
         # background thread while a DataLoader forks its workers, whose first query of a SQLite catalog then waited
@@ -75,7 +70,7 @@ def tables_under(catalog: Any, location: str) -> list[str] | None:
     except Exception:  # noqa: BLE001 - the database out of reach, no iceberg_tables yet: cannot be told
         return None
     return sorted(f"{namespace}.{name}" + ("" if owner == catalog.name else f" (catalog {owner!r})")
-                  for owner, namespace, name, metadata in rows if metadata and tail(metadata).startswith(folder))
+                  for owner, namespace, name, metadata in rows if metadata and norm(metadata).startswith(folder))
 
 class CatalogTable:
     """One of lakestream's tables: its name, its SQLite DDL and, for PostgreSQL, a function building its SQLAlchemy

@@ -6,6 +6,7 @@ the store's clock (:func:`store_now`, what GC ages files by), a stream of ranged
 from __future__ import annotations
 
 import logging
+import posixpath
 import sys
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,14 @@ from lakestream_iceberg.connect.secrets import redact
 from lakestream_iceberg.errors import ConfigError
 
 log = logging.getLogger(__name__)
+
+
+def norm(path: str) -> str:
+    """A path without its scheme, so that ``file:/x``, ``file:///x`` and ``/x`` compare equal."""
+    from urllib.parse import urlparse
+
+    parsed = urlparse(path)
+    return posixpath.normpath(f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).lstrip("/")
 
 
 def list_files(io: FileIO, location: str, *,

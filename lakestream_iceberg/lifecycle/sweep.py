@@ -25,14 +25,12 @@ period: no snapshot lists it any more).
 from __future__ import annotations
 
 import logging
-import posixpath
 import time
 from collections import defaultdict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from urllib.parse import urlparse
 
 from pyiceberg.io import FileIO
 from pyiceberg.table.metadata import TableMetadata
@@ -41,7 +39,13 @@ from pyiceberg.utils.concurrent import ExecutorFactory
 
 from lakestream_iceberg.connect.positions import POSITIONS_DIR
 from lakestream_iceberg.connect.sql_tables import tables_under
-from lakestream_iceberg.connect.storage import CLOCK_PROBE_PREFIX, list_files, store_now, unreported_delete_failures
+from lakestream_iceberg.connect.storage import (
+    CLOCK_PROBE_PREFIX,
+    list_files,
+    norm,
+    store_now,
+    unreported_delete_failures,
+)
 from lakestream_iceberg.format.manifest_facts import entry_step, step_bounds
 from lakestream_iceberg.format.producers import PRODUCERS_DIR
 from lakestream_iceberg.format.summary import StreamState
@@ -68,12 +72,6 @@ class Swept:
     files_failed: int = 0
     first_failure: str | None = None
     refused: str | None = None  # why the sweep deleted no file at all (another table keeps metadata in the folder)
-
-
-def norm(path: str) -> str:
-    """A path without its scheme, so that ``file:/x``, ``file:///x`` and ``/x`` compare equal."""
-    parsed = urlparse(path)
-    return posixpath.normpath(f"{parsed.netloc}/{parsed.path}" if parsed.scheme else path).lstrip("/")
 
 
 def referenced_files(io: FileIO, metadata: TableMetadata, metadata_location: str, stream: StreamTable,
