@@ -7,8 +7,10 @@ exporting them is the application's choice (``prometheus_client.start_http_serve
 and labels:
 
 =========================================== ========= ===================================================================
-``lakestream_commit_latency_seconds``        histogram wall time of ``Producer.commit`` (``stream``, ``branch``)
-``lakestream_commit_attempts``               histogram compare-and-swap attempts per commit (``stream``, ``branch``)
+``lakestream_commit_latency_seconds``        histogram wall time of ``Producer.commit`` (``catalog``, ``stream``,
+                                                       ``branch``)
+``lakestream_commit_attempts``               histogram compare-and-swap attempts per commit (``catalog``, ``stream``,
+                                                       ``branch``)
 ``lakestream_commits_total``                 counter   commits by ``outcome``: ``published`` (own swap), ``carried`` (by
                                                        another producer's group commit), ``duplicate``, ``failed``
                                                        (publishing a checked batch raised: in
@@ -16,8 +18,9 @@ and labels:
 ``lakestream_commit_group_size``             histogram batches the swap that published a batch published
                                                        (``CommitResult.group``)
 ``lakestream_staged_intents``                gauge     batches staged for group commit and not published yet, per
-                                                       (``stream``, ``branch``), counted when scraped
-``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``stream``, ``group``, ``rank``);
+                                                       (``catalog``, ``stream``, ``branch``), counted when scraped
+``lakestream_consumer_last_step``            gauge     the last step a rank delivered (``catalog``, ``stream``,
+                                                       ``group``, ``rank``);
                                                        before its first, the step before it (0 from step 1)
 ``lakestream_consumer_steps_behind_head``    gauge     head step minus that step, at the last report; removed when the
                                                        rank's iteration ends
@@ -26,8 +29,12 @@ and labels:
 ``lakestream_consumer_read_bytes_total``     counter   bytes of data files fetched
 =========================================== ========= ===================================================================
 
-Labels stay bounded in a long-lived process: producer ids are not a label (an elastic pool makes new ones), and a
-consumer's labels are those of the ranks the process runs. A rank's series stay when its iteration ends (the last
+``catalog`` is the name the catalog was loaded under (``catalog.name``): two streams of one name in two catalogs of
+a process are two series, not one (give the catalogs of a process distinct names).
+
+Labels stay bounded in a long-lived process: producer ids, steps and files are not labels (an elastic pool makes new
+ids), and a consumer's labels are those of the ranks the process runs: 1,000 trainer ranks are 1,000 label sets across
+the fleet, one per process (a few per process with DataLoader workers, whose read-bytes counter has the rank's labels). A rank's series stay when its iteration ends (the last
 step and the counters are facts of what it did; a scrape after training still reads them), for the last
 :data:`FINISHED_RANKS_KEPT` finished ranks of the process: a service that opens a new group for every run removes the
 series of the oldest finished ones, as a Kafka client removes a closed consumer's metrics.
@@ -45,7 +52,7 @@ from typing import Any
 
 from lakestream_iceberg.errors import ConfigError
 
-__all__ = ["FINISHED_RANKS_KEPT", "ConsumerMetrics", "available", "consumer_metrics", "observe_commit", "observe_failed_commit", "prepare",
+__all__ = ["FINISHED_RANKS_KEPT", "ConsumerMetrics", "available", "catalog_label", "consumer_metrics", "observe_commit", "observe_failed_commit", "prepare",
            "use_registry"]
 
 log = logging.getLogger(__name__)
@@ -101,15 +108,19 @@ def use_registry(registry: Any) -> None:
 
 
 class _StagedCollector:
-    """``lakestream_staged_intents``: asks each staging area it knows for its pending intents when scraped."""
+    """``lakestream_staged_intents``: asks each staging area it knows for its pending intents when scraped.
+
+    Areas are told apart by their table (``table``: its location), not by their labels: two streams of one name in two
+    catalogs that share a name are one series, their sum, rather than one of them unreported."""
 
     def __init__(self) -> None:
-        self._areas: dict[tuple[str, str], Callable[[], Any]] = {}
+        # (table, branch) -> (labels, the staging area); one per table and branch (a stream opened twice stages in one folder)
+        self._areas: dict[tuple[str, str], tuple[tuple[str, str, str], Callable[[], Any]]] = {}
 
-    def add(self, stream: str, branch: str, staging: Any) -> None:
-        key = (stream, branch)
-        if key not in self._areas or self._areas[key]() is None:
-            self._areas[key] = weakref.ref(staging)
+    def add(self, catalog: str, stream: str, branch: str, staging: Any, *, table: str) -> None:
+        key = (table, branch)
+        if key not in self._areas or self._areas[key][1]() is None:
+            self._areas[key] = ((catalog, stream, branch), weakref.ref(staging))
 
     def describe(self) -> list[Any]:
         return []  # registered without describe-time collection: a scrape asks the staging areas, registering does not
@@ -119,16 +130,19 @@ class _StagedCollector:
 
         family = GaugeMetricFamily(
             "lakestream_staged_intents", "Batches staged for group commit and not published yet",
-            labels=["stream", "branch"])
-        for (stream, branch), ref in list(self._areas.items()):
+            labels=["catalog", "stream", "branch"])
+        counts: dict[tuple[str, str, str], int] = {}
+        for key, (labels, ref) in list(self._areas.items()):
             staging = ref()
             if staging is None:
-                self._areas.pop((stream, branch), None)
+                self._areas.pop(key, None)
                 continue
             try:
-                family.add_metric([stream, branch], len(staging.pending(branch, max_age_s=float("inf"))))
+                counts[labels] = counts.get(labels, 0) + len(staging.pending(labels[2], max_age_s=float("inf")))
             except Exception as exc:  # noqa: BLE001 - a scrape never fails for one unreachable store
-                log.debug("counting staged intents of %s failed: %s", stream, exc)
+                log.debug("counting staged intents of %s failed: %s", labels[1], exc)
+        for labels, count in counts.items():
+            family.add_metric(list(labels), count)
         yield family
 
 
@@ -139,7 +153,7 @@ class _Families:
         self.registry = registry
         h, c, g = client.Histogram, client.Counter, client.Gauge
         r: dict[str, Any] = {"registry": None}  # registered below, all or none
-        producer, consumer = ["stream", "branch"], ["stream", "group", "rank"]
+        producer, consumer = ["catalog", "stream", "branch"], ["catalog", "stream", "group", "rank"]
         self.latency = h("lakestream_commit_latency_seconds", "Wall time of Producer.commit", producer,
                          buckets=_LATENCY_BUCKETS, **r)
         self.attempts = h("lakestream_commit_attempts", "Compare-and-swap attempts per commit", producer,
@@ -196,35 +210,45 @@ def prepare() -> None:
         _warn_once(exc)
 
 
-def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None) -> None:
+def catalog_label(table: Any) -> str:
+    """The ``catalog`` label of a pyiceberg table's metrics: the name its catalog was loaded under ("" where unknown)."""
+    name = getattr(getattr(table, "catalog", None), "name", None)
+    return name if isinstance(name, str) else ""
+
+
+def observe_commit(result: Any, *, stream: str, branch: str, staging: Any = None, catalog: str = "",
+                   table: str | None = None) -> None:
     """Record one ``Producer.commit`` result (a ``CommitResult``: ``attempts``, ``latency_s``, ``carried``,
-    ``duplicate``, and ``group`` where the result has it). Never raises: metrics must not fail a commit."""
+    ``duplicate``, and ``group`` where the result has it). ``catalog``: the catalog's name (a label); ``table``: the
+    table's location, which tells ``staging`` areas of equally labelled streams apart (default: the labels). Never
+    raises: metrics must not fail a commit."""
     try:
         families = _families_now()
         if families is None:
             return
-        families.latency.labels(stream, branch).observe(float(result.latency_s))
+        labels = (catalog, stream, branch)
+        families.latency.labels(*labels).observe(float(result.latency_s))
         outcome = "duplicate" if result.duplicate else "carried" if result.carried else "published"
-        families.commits.labels(stream, branch, outcome).inc()
+        families.commits.labels(*labels, outcome).inc()
         if not result.duplicate:  # a duplicate published nothing: no attempt, no group of its own
-            families.attempts.labels(stream, branch).observe(int(result.attempts))
+            families.attempts.labels(*labels).observe(int(result.attempts))
             group = getattr(result, "group", None)  # CommitResult.group; read defensively (results of older releases)
             if isinstance(group, int) and not isinstance(group, bool) and group >= 1:
-                families.group.labels(stream, branch).observe(group)
+                families.group.labels(*labels).observe(group)
         if staging is not None:
-            families.staged.add(stream, branch, staging)
+            families.staged.add(catalog, stream, branch, staging, table=f"{catalog}/{stream}" if table is None else table)
     except ConfigError as exc:  # lakestream's metrics cannot be registered: said once, not at every commit
         _warn_once(exc)
     except Exception as exc:  # noqa: BLE001 - see the docstring
         log.debug("recording commit metrics failed: %s", exc)
 
 
-def observe_failed_commit(*, stream: str, branch: str) -> None:
+def observe_failed_commit(*, stream: str, branch: str, catalog: str = "") -> None:
     """Count one ``Producer.commit`` that raised (``outcome="failed"``). Never raises."""
     try:
         families = _families_now()
         if families is not None:
-            families.commits.labels(stream, branch, "failed").inc()
+            families.commits.labels(catalog, stream, branch, "failed").inc()
     except ConfigError as exc:
         _warn_once(exc)
     except Exception as exc:  # noqa: BLE001 - metrics must not change the error a commit raises
@@ -237,8 +261,9 @@ class ConsumerMetrics:
     ``gauges=False``: the counters alone (a process that fetches data for a rank whose position another process
     records: a DataLoader worker), which shows no gauge of its own for the rank."""
 
-    def __init__(self, families: _Families, *, stream: str, group: str, rank: int, gauges: bool = True) -> None:
-        labels = (stream, group, str(rank))
+    def __init__(self, families: _Families, *, stream: str, group: str, rank: int, gauges: bool = True,
+                 catalog: str = "") -> None:
+        labels = (catalog, stream, group, str(rank))
         self._families, self._labels = families, labels
         self._steps = families.steps.labels(*labels)
         self._wait = families.wait.labels(*labels)
@@ -314,18 +339,20 @@ def _warn_once(exc: Exception) -> None:
         log.warning("lakestream's metrics are not recorded: %s", exc)
 
 
-_reporting: dict[tuple[int, tuple[str, str, str]], int] = {}  # (id(registry), labels) -> unreleased ConsumerMetrics
+_reporting: dict[tuple[int, tuple[str, ...]], int] = {}  # (id(registry), labels) -> unreleased ConsumerMetrics
 # (id(registry), labels) of ranks whose last reporter released, oldest first -> their families
-_finished: collections.OrderedDict[tuple[int, tuple[str, str, str]], _Families] = collections.OrderedDict()
+_finished: collections.OrderedDict[tuple[int, tuple[str, ...]], _Families] = collections.OrderedDict()
 
 
-def consumer_metrics(*, stream: str, group: str, rank: int, gauges: bool = True) -> ConsumerMetrics | None:
+def consumer_metrics(*, stream: str, group: str, rank: int, gauges: bool = True,
+                     catalog: str = "") -> ConsumerMetrics | None:
     """The metrics of one consumer rank, or None without the extra, or where lakestream's metrics cannot be registered
-    (logged; metrics never stop training) (``gauges``: see :class:`ConsumerMetrics`)."""
+    (logged; metrics never stop training) (``gauges``: see :class:`ConsumerMetrics`; ``catalog``: the catalog's
+    name)."""
     try:
         families = _families_now()
     except Exception as exc:  # noqa: BLE001 - see the docstring
         _warn_once(exc)
         return None
     return None if families is None else ConsumerMetrics(families, stream=stream, group=group, rank=rank,
-                                                         gauges=gauges)
+                                                         gauges=gauges, catalog=catalog)

@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from lakestream_iceberg.connect.fork import no_fork_inside
-from lakestream_iceberg.connect.metrics import consumer_metrics
+from lakestream_iceberg.connect.metrics import catalog_label, consumer_metrics
 from lakestream_iceberg.connect.positions import PositionStore
 from lakestream_iceberg.format.checks import check_seconds
 from lakestream_iceberg.format.properties import CONSUMERS_RETENTION
@@ -74,7 +74,7 @@ class PositionReporter:
     Args:
         store: Where to record.
         group, rank, world_size, branch, stream: The key and the stream (``stream``: its table UUID).
-        name: The stream's name (the metrics' ``stream`` label).
+        name, catalog: The stream's name and its catalog's (the metrics' ``stream`` and ``catalog`` labels).
         report_s: Seconds between reports.
         workers, source: How the dataset is read (see the module docstring).
         head: Returns the head step of the branch as this process last saw it (for the steps-behind-head metric), or
@@ -90,7 +90,7 @@ class PositionReporter:
 
     def __init__(self, *, store: PositionStore, group: str, rank: int, world_size: int, branch: str, stream: str,
                  name: str, report_s: float, workers: int, source: str, head: Callable[[], int | None] | None = None,
-                 reads: bool = True, retention_s: float | None = None, first_step: int = 1) -> None:
+                 reads: bool = True, retention_s: float | None = None, first_step: int = 1, catalog: str = "") -> None:
         self._store, self._head = store, head
         self._retention_s = retention_s if rank == 0 else None
         self._lock = threading.Lock()
@@ -109,7 +109,7 @@ class PositionReporter:
         self._bytes = 0
         self._steps = 0
         self._last: int | None = first_step - 1 if first_step > 1 else None
-        self._metrics = consumer_metrics(stream=name, group=group, rank=rank)
+        self._metrics = consumer_metrics(stream=name, group=group, rank=rank, catalog=catalog)
         if self._metrics is not None:  # the gauge says what the position says (not a previous iteration's step)
             self._metrics.starts_after(self._last or 0)
         self._thread = threading.Thread(target=self._run, name="lakestream-positions", daemon=True)
@@ -289,7 +289,7 @@ class RankPositions:
         store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
         self._reporter = PositionReporter(
             store=store, group=self.group, rank=self.rank, world_size=self.world_size, branch=self.branch,
-            stream=self.stream, name=stream.name, report_s=self.report_s, workers=workers, source=source, head=head,
+            stream=self.stream, name=stream.name, catalog=catalog_label(stream.table), report_s=self.report_s, workers=workers, source=source, head=head,
             reads=reads, retention_s=_retention_s(stream.table.metadata.properties), first_step=first_step)
         return self._reporter
 
@@ -328,7 +328,7 @@ class RankPositions:
         return track(loader, reporter=reporter, first_step=first_step, on_close=head[1])
 
     def read(self, files: Sequence[Any], ranges: Sequence[tuple[int, int, int]], *, counts: Sequence[int],
-             packed: bool, name: str) -> None:
+             packed: bool, name: str, catalog: str = "") -> None:
         """A step's read of ``name`` fetched these row ranges: counted by this process's reporter, or where it has none
         (a DataLoader worker) by its read-bytes metric alone."""
         nbytes = fetched_bytes(files, ranges, counts=counts, packed=packed, whole_file_bytes=WHOLE_FILE_BYTES)
@@ -338,7 +338,7 @@ class RankPositions:
             return
         if self._metrics is None or self._metrics[0] != os.getpid():
             self._metrics = (os.getpid(), consumer_metrics(stream=name, group=self.group, rank=self.rank,
-                                                               gauges=False))
+                                                               gauges=False, catalog=catalog))
         if self._metrics[1] is not None:
             self._metrics[1].read(nbytes)
 

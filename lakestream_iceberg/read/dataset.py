@@ -56,6 +56,7 @@ import numpy as np
 
 from lakestream_iceberg.connect.fork import fork_safe
 from lakestream_iceberg.connect.integers import INT32_MAX
+from lakestream_iceberg.connect.metrics import catalog_label
 from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.connect.retry import read_with_retry
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
@@ -464,7 +465,8 @@ class _DatasetCore:
                                                   timeout_s=stream.config.io_retry_timeout_s, properties=io.properties)
         if self._positions is not None:
             ranges = [(seg.source, seg.start, seg.stop) for seg in segments]
-            self._positions.read(files, ranges, counts=counts, packed=stream.config.packed, name=stream.name)
+            self._positions.read(files, ranges, counts=counts, packed=stream.config.packed, name=stream.name,
+                                 catalog=catalog_label(stream.table))
         ids = [np.arange(seg.offset + seg.start, seg.offset + seg.stop, dtype=np.int64) for seg in segments]
         sample_ids = (ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, np.int64)) + (step << ID_SHIFT)
         try:

@@ -29,7 +29,7 @@ import pyarrow as pa
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import config_errors, explain, one_line, transient
-from lakestream_iceberg.connect.metrics import observe_commit, observe_failed_commit, prepare
+from lakestream_iceberg.connect.metrics import catalog_label, observe_commit, observe_failed_commit, prepare
 from lakestream_iceberg.errors import (
     CommitError,
     CommitOutcomeUnknownError,
@@ -412,9 +412,10 @@ class Producer:
         try:
             result = self._publish_checked(checked, seq=seq, started=started)
         except Exception:
-            observe_failed_commit(stream=self._stream.name, branch=self.branch)
+            observe_failed_commit(stream=self._stream.name, branch=self.branch, catalog=catalog_label(self._stream.table))
             raise
-        observe_commit(result, stream=self._stream.name, branch=self.branch, staging=self._staging)
+        observe_commit(result, stream=self._stream.name, branch=self.branch, staging=self._staging,
+                       catalog=catalog_label(self._stream.table), table=self._stream.table.metadata.location)
         return result
 
     def _publish_checked(self, checked: _Checked, *, seq: int | None, started: float) -> CommitResult:

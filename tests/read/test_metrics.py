@@ -43,7 +43,7 @@ def test_producer_commits_are_measured(stream: Stream, registry: object) -> None
     results = [producer.commit(batch("prep-0", seq, WORLD), seq=seq) for seq in range(3)]
     again = producer.commit(batch("prep-0", 1, WORLD), seq=1)
     assert again.duplicate
-    labels = {"stream": stream.name, "branch": "main"}
+    labels = {"catalog": "test", "stream": stream.name, "branch": "main"}
 
     def value(name: str, **extra: str) -> float | None:
         return registry.get_sample_value(name, {**labels, **extra})
@@ -60,6 +60,33 @@ def test_producer_commits_are_measured(stream: Stream, registry: object) -> None
     assert value("lakestream_commit_group_size_sum") == sum(r.group for r in results) == 3
 
 
+def test_two_streams_of_one_name_in_two_catalogs_are_two_series(tmp_path: Path, registry: object) -> None:
+    """One process writing ``ns.metrics`` of two catalogs: each catalog's commits and staged intents are series of
+    their own (``catalog`` label), not one series summing both, and not one staging area's count standing for both."""
+    streams = {}
+    for name in ("east", "west"):
+        (tmp_path / name).mkdir()
+        streams[name] = Stream.create(sqlite_catalog(str(tmp_path / name), name=name), "ns.metrics", schema=SCHEMA,
+                                      world_size=WORLD)
+    for name, commits in (("east", 3), ("west", 1)):
+        producer = streams[name].producer("prep-0")
+        for seq in range(commits):
+            producer.commit(batch("prep-0", seq, WORLD), seq=seq)
+    staged = streams["west"].writer.write(producer="other", seq=0, shards=batch("other", 0, WORLD))
+    streams["west"].staging.stage(branch="main", batch=staged, allow_gap=False)  # another producer's pending batch
+
+    def value(metric: str, catalog: str, **extra: str) -> float | None:
+        return registry.get_sample_value(metric, {"catalog": catalog, "stream": "ns.metrics", "branch": "main", **extra})
+
+    assert value("lakestream_commits_total", "east", outcome="published") == 3
+    assert value("lakestream_commits_total", "west", outcome="published") == 1
+    assert value("lakestream_commit_latency_seconds_count", "east") == 3
+    assert value("lakestream_staged_intents", "east") == 0
+    assert value("lakestream_staged_intents", "west") == 1
+    scraped = [s for m in registry.collect() if m.name == "lakestream_staged_intents" for s in m.samples]
+    assert len(scraped) == 2  # one sample per label set
+
+
 def test_a_commit_that_raises_is_counted_as_failed_and_a_refused_batch_is_not(stream: Stream, registry: object) -> None:
     producer = stream.producer("prep-0")
     producer.commit(batch("prep-0", 0, WORLD), seq=0)
@@ -72,7 +99,7 @@ def test_a_commit_that_raises_is_counted_as_failed_and_a_refused_batch_is_not(st
     future = producer.submit(batch("prep-0", 1, WORLD), seq=1)  # the committer thread's commit: refused the same
     with pytest.raises(SchemaMismatchError, match="no longer has the payload column 'i'"):
         future.result(timeout=120)
-    labels = {"stream": stream.name, "branch": "main"}
+    labels = {"catalog": "test", "stream": stream.name, "branch": "main"}
     assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "failed"}) == 2
     assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "published"}) == 1
 
@@ -80,10 +107,10 @@ def test_a_commit_that_raises_is_counted_as_failed_and_a_refused_batch_is_not(st
 def test_a_group_size_is_recorded_where_the_commit_result_has_one(stream: Stream, registry: object) -> None:
     result = stream.producer("prep-0").commit(batch("prep-0", 0, WORLD), seq=0)
     carried = types.SimpleNamespace(**{**dataclasses.asdict(result), "carried": True, "group": 3})
-    metrics.observe_commit(carried, stream=stream.name, branch="main")
+    metrics.observe_commit(carried, stream=stream.name, branch="main", catalog="test")
     metrics.observe_commit(types.SimpleNamespace(**{**dataclasses.asdict(result), "group": True}), stream=stream.name,
-                           branch="main")  # not a size: ignored
-    labels = {"stream": stream.name, "branch": "main"}
+                           branch="main", catalog="test")  # not a size: ignored
+    labels = {"catalog": "test", "stream": stream.name, "branch": "main"}
     assert registry.get_sample_value("lakestream_commit_group_size_count", labels) == 2  # the real commit's 1, then 3
     assert registry.get_sample_value("lakestream_commit_group_size_sum", labels) == 1 + 3
     assert registry.get_sample_value("lakestream_commits_total", {**labels, "outcome": "carried"}) == 1
@@ -99,7 +126,7 @@ def test_a_trainer_rank_is_measured(stream: Stream, registry: object) -> None:
     for seq in range(4):
         producer.commit(batch("prep-0", seq, WORLD), seq=seq)
     ds = LakestreamDataset(stream, rank=1, world_size=WORLD, group="run", report_s=0.05)
-    labels = {"stream": stream.name, "group": "run", "rank": "1"}
+    labels = {"catalog": "test", "stream": stream.name, "group": "run", "rank": "1"}
     value = registry.get_sample_value
     steps = []
     for item in ds:
@@ -130,11 +157,11 @@ def test_the_series_of_finished_ranks_stay_for_the_last_few_and_the_oldest_go(st
 
     def steps(group: str) -> float | None:
         return registry.get_sample_value("lakestream_consumer_steps_total",
-                                         {"stream": stream.name, "group": group, "rank": "0"})
+                                         {"catalog": "test", "stream": stream.name, "group": group, "rank": "0"})
 
     def last(group: str) -> float | None:
         return registry.get_sample_value("lakestream_consumer_last_step",
-                                         {"stream": stream.name, "group": group, "rank": "0"})
+                                         {"catalog": "test", "stream": stream.name, "group": group, "rank": "0"})
 
     for run in range(3):
         assert [item["step"] for item in LakestreamDataset(stream, rank=0, world_size=WORLD, group=f"run-{run}")] == [1, 2]
@@ -182,7 +209,7 @@ def test_a_rank_that_delivered_nothing_yet_is_measured_where_its_position_says_i
                                                          if (c.rank, c.last_step, c.steps) == key],
                         "the rank's first report")[0]
             assert row.lag_steps == behind
-            labels = {"stream": stream.name, "group": "run", "rank": str(rank)}
+            labels = {"catalog": "test", "stream": stream.name, "group": "run", "rank": str(rank)}
             assert (value("lakestream_consumer_last_step", labels),
                     value("lakestream_consumer_steps_behind_head", labels)) == (last, behind)
             gate.set()
@@ -207,9 +234,9 @@ def test_a_ranks_lag_gauge_goes_with_its_last_reporter_in_the_process(stream: St
     def reporter() -> PositionReporter:
         return PositionReporter(store=store, group="run", rank=0, world_size=WORLD, branch="main", name=stream.name,
                                 stream=str(stream.table.metadata.table_uuid), report_s=0.05, workers=0,
-                                source="iterator", head=lambda: head[0])
+                                source="iterator", head=lambda: head[0], catalog="test")
 
-    labels = {"stream": stream.name, "group": "run", "rank": "0"}
+    labels = {"catalog": "test", "stream": stream.name, "group": "run", "rank": "0"}
 
     def behind() -> float | None:
         return registry.get_sample_value("lakestream_consumer_steps_behind_head", labels)
@@ -231,7 +258,7 @@ def test_a_ranks_lag_gauge_goes_with_its_last_reporter_in_the_process(stream: St
     until(lambda: behind() == 7, "the next iteration's gauge")
     again.close()
     assert behind() is None
-    reads = metrics.consumer_metrics(stream=stream.name, group="run", rank=1, gauges=False)  # a DataLoader worker's
+    reads = metrics.consumer_metrics(stream=stream.name, group="run", rank=1, gauges=False, catalog="test")  # a DataLoader worker's
     reads.read(10)
     assert registry.get_sample_value("lakestream_consumer_read_bytes_total", {**labels, "rank": "1"}) == 10
     assert registry.get_sample_value("lakestream_consumer_last_step", {**labels, "rank": "1"}) is None
@@ -298,7 +325,7 @@ def test_the_steps_behind_gauge_is_refreshed_between_rare_position_reports(strea
     ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=3600, relay=False)
     items = iter(ds.track(DataLoader(ds, batch_size=None, num_workers=0)))
     assert next(items)["step"] == 1
-    labels = {"stream": stream.name, "group": "run", "rank": "0"}
+    labels = {"catalog": "test", "stream": stream.name, "group": "run", "rank": "0"}
     for seq in range(4, 7):
         producer.commit(batch("prep-0", seq, WORLD), seq=seq)
     until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 7 - 1,
@@ -333,7 +360,7 @@ def test_the_steps_behind_gauge_of_a_following_rank_sees_steps_published_while_i
     assert next(items)["step"] == 1  # the rank trains on step 1 while the producers publish steps 5-12
     for seq in range(4, 12):
         producer.commit(batch("prep-0", seq, WORLD), seq=seq)
-    labels = {"stream": stream.name, "group": "run", "rank": "0"}
+    labels = {"catalog": "test", "stream": stream.name, "group": "run", "rank": "0"}
     try:
         until(lambda: registry.get_sample_value("lakestream_consumer_steps_behind_head", labels) == 12 - 1,
               "the gauge to see head step 12 with the rank at step 1", deadline_s=10)

@@ -949,7 +949,7 @@ def test_the_training_process_of_workers_reads_the_head_for_its_metric_through_t
         ds = LakestreamDataset(stream, rank=0, world_size=2, follow=True, end_step=4, timeout=60, group="run",
                                report_s=0.05, relay=relay)
         loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="fork")
-        labels = {"stream": stream.name, "group": "run", "rank": "0"}
+        labels = {"catalog": stream.table.catalog.name, "stream": stream.name, "group": "run", "rank": "0"}
         steps = []
         for item in ds.track(loader):
             steps.append(int(item["step"]))
@@ -994,7 +994,7 @@ def test_the_training_process_of_workers_never_serves_the_relay(tmp_path: Path, 
         tracked = ds.track(loader)
         assert held(paths) is None
         steps = []
-        labels = {"stream": stream.name, "group": "run", "rank": "0"}
+        labels = {"catalog": stream.table.catalog.name, "stream": stream.name, "group": "run", "rank": "0"}
         for item in tracked:
             steps.append(int(item["step"]))
             assert held(paths) is None, steps
