@@ -9,6 +9,9 @@ dense, each batch once, the bytes sent.
 
 from __future__ import annotations
 
+import collections
+import logging
+import re
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -156,6 +159,30 @@ def test_metadata_uploads_throttled(store: Store, target: str, times: int) -> No
     check_table(stream, {"prep-0": 3})
 
 
+def test_commits_retried_across_a_process_warn_once_and_count_the_rest(store: Store, caplog: pytest.LogCaptureFixture,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of 8 commits has its metadata upload throttled past the SDK's retries once: the commit loop backs off and
+    publishes it. One WARNING per failure kind and interval in the process, the other attempts at DEBUG."""
+    from lakestream_iceberg.connect.log_limit import WarningLimit
+    from lakestream_iceberg.write import commit
+
+    monkeypatch.setattr(commit, "_failures", WarningLimit(commit.log, interval_s=3600.0), raising=False)
+    stream = store.create()
+    commit_all(stream, "prep-0", 1)
+    producer = stream.producer("prep-0")
+    caplog.set_level(logging.DEBUG, logger="lakestream_iceberg.write.commit")
+    for seq in range(1, 9):
+        fault = store.proxy.add(Fault(None, METADATA_JSON + ANY, "slowdown", times=4))
+        producer.commit(batch("prep-0", seq, stream.world_size), seq=seq)
+        assert fault.fired == 4
+    failed = [r for r in caplog.records if r.name == "lakestream_iceberg.write.commit" and " fail" in r.message]
+    assert len(failed) >= 8, [r.message for r in failed]  # every failed attempt is still logged
+    warned = collections.Counter(r.msg for r in failed if r.levelno == logging.WARNING)
+    assert warned and max(warned.values()) == 1, warned  # each kind of failure warned of once
+    store.proxy.clear()
+    check_table(stream, {"prep-0": 9})
+
+
 @pytest.mark.parametrize("target", [METADATA_JSON])
 def test_metadata_upload_completed_but_reply_lost(store: Store, target: str) -> None:
     stream = store.create()
@@ -213,6 +240,30 @@ def test_follower_reads_through_throttled_gets(store: Store, every: int, times: 
     assert fault.fired >= 2
     store.proxy.clear()
     check_table(stream, {"prep-0": 4})
+
+
+def test_reads_retried_across_a_process_warn_once_and_count_the_rest(store: Store, caplog: pytest.LogCaptureFixture,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 throttling a fleet: each of 12 reads outlasts pyarrow's 3 attempts once, and lakestream retries it. That was a
+    WARNING per retry (per thread, per process: thousands of lines at 1,000 ranks); now one per failure class and
+    interval, the other retries at DEBUG, counted into the next warning."""
+    from lakestream_iceberg.connect import retry
+    from lakestream_iceberg.connect.log_limit import WarningLimit
+
+    # this process's limit as a fresh one (earlier tests warned already), the whole test inside one interval
+    monkeypatch.setattr(retry, "_retries", WarningLimit(retry.log, interval_s=3600.0), raising=False)
+    stream = store.create()
+    commit_all(stream, "prep-0", 12)
+    reader = store.open()
+    caplog.set_level(logging.DEBUG, logger="lakestream_iceberg.connect.retry")
+    for step in range(1, 13):
+        name = reader.locate(step)[1].file_path.rsplit("/", 1)[1]
+        fault = store.proxy.add(Fault("GET", re.escape(name) + ANY, "slowdown", times=4))
+        assert digest(reader.read(step, rank=1)) == digest(batch("prep-0", step - 1, 2)[1])
+        assert fault.fired == 4
+    retried = [r for r in caplog.records if r.name == "lakestream_iceberg.connect.retry" and "retrying in" in r.message]
+    assert len(retried) >= 12  # every retry is still logged
+    assert [r.levelname for r in retried].count("WARNING") == 1, [r.message for r in retried]
 
 
 # --------------------------------------------------------------------------------------------------- GC

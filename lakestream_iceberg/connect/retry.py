@@ -11,11 +11,13 @@ from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 from lakestream_iceberg.connect.diagnose import explain, one_line, transient
+from lakestream_iceberg.connect.log_limit import WarningLimit
 from lakestream_iceberg.errors import ReadError
 
 __all__ = ["call_with_retry", "read_with_retry"]
 
 log = logging.getLogger(__name__)
+_retries = WarningLimit(log)  # one warning per failure class per interval in a process; the rest at DEBUG, counted
 T = TypeVar("T")
 
 
@@ -49,7 +51,8 @@ def call_with_retry(
             pause = delay * rand.uniform(0.5, 1.5)
             if clock() + pause > deadline:
                 raise
-            log.warning("%s failed (%s, attempt %d); retrying in %.2fs", what, type(exc).__name__, attempt, pause)
+            _retries.warning(type(exc).__name__, "%s failed (%s, attempt %d); retrying in %.2fs", what,
+                             type(exc).__name__, attempt, pause)
             sleep(pause)
             delay = min(delay * 2, 2.0)
 

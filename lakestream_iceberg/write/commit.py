@@ -51,6 +51,7 @@ from pyiceberg.table import CommitTableResponse, Table
 from pyiceberg.table.metadata import TableMetadata
 
 from lakestream_iceberg.connect.diagnose import explain, one_line, transient
+from lakestream_iceberg.connect.log_limit import WarningLimit
 from lakestream_iceberg.connect.notify import CommitNotices
 from lakestream_iceberg.connect.pointer import cached_probe, refresh_if_moved
 from lakestream_iceberg.connect.swap import swap
@@ -70,6 +71,7 @@ from lakestream_iceberg.write.peek import HeadPeek, head_state
 from lakestream_iceberg.write.plan import Carry, Done, FunctionPlanner, Outcome, Peek, Plan, Planner
 
 log = logging.getLogger(__name__)
+_failures = WarningLimit(log)  # retried failures: one warning per kind per interval in a process, the rest at DEBUG
 
 T = TypeVar("T")
 
@@ -218,8 +220,9 @@ class CommitLoop:
                         f"commit may or may not have landed. Retry the same commit with the same seq once {where} "
                         "answers: it will be reconciled, not duplicated"
                     ) from exc
-                log.warning("%s unreachable or failing while refreshing %s (%s); retrying", where, self.table.name(),
-                            type(exc).__name__)
+                _failures.warning(("refresh", where, type(exc).__name__),
+                                  "%s unreachable or failing while refreshing %s (%s); retrying", where,
+                                  self.table.name(), type(exc).__name__)
                 self._sleep(delay * self._rng.uniform(0.5, 1.5))
                 delay = min(delay * 2, 2.0)
 
@@ -471,8 +474,9 @@ class CommitLoop:
 
     def _unknown(self, call: _Call[T], exc: Exception, *, began: float, base_step: int) -> None:
         """Outcome unknown: the table is read back and the planner reconciles from it on the next attempt."""
-        log.warning("commit attempt %d on %s failed with %s; reconciling from the table", call.attempt,
-                    self.table.name(), type(exc).__name__)
+        _failures.warning(("unknown", type(exc).__name__),
+                          "commit attempt %d on %s failed with %s; reconciling from the table", call.attempt,
+                          self.table.name(), type(exc).__name__)
         call.failure = one_line(exc)
         self._fresh = False
         call.metadata = self.refresh(deadline=call.deadline)
@@ -512,7 +516,8 @@ class CommitLoop:
             )
             error.why = f"failures of the object store (the last: {one_line(exc)})"
             raise error from exc
-        log.warning("%s on %s failed (%s); retrying", what, self.table.name(), type(exc).__name__)
+        _failures.warning(("storage", type(exc).__name__), "%s on %s failed (%s); retrying", what, self.table.name(),
+                          type(exc).__name__)
         self._sleep(delay * self._rng.uniform(0.5, 1.5))
         self._fresh = False
         return min(delay * 2, 2.0)
