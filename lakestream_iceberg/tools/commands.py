@@ -157,7 +157,12 @@ def cmd_status(args: argparse.Namespace, out: Output) -> int:
         ("storage", f"{megabytes(storage['bytes'])}, {storage['data_files'] or 0:,} data files, "
                     f"{storage['records'] or 0:,} samples"),
     ], title=f"stream {status['stream']}")
-    out.table(status["producers"], title="producers", columns=["producer", "last_seq", "last_step", "lag"])
+    # the most recent first: a table of the first MAX_HUMAN_ROWS ids by name showed, at thousands of ids, producers
+    # retired long ago and none of those committing now
+    producers = sorted(status["producers"], key=lambda p: (-p["last_step"], p["producer"]))
+    active = sum(p["active"] for p in producers)
+    out.table(producers, title=f"producers ({len(producers):,}, {active:,} active; the most recent first)",
+              columns=["producer", "last_seq", "last_step", "lag"])
     if status["consumer_groups"] is not None:  # the ranks' recorded positions (lakestream lag: one row per rank)
         out.table([{**g, "ranks": ", ".join(f"{n} {what}" for what, n in g["ranks"].items())}
                    for g in status["consumer_groups"]], title="consumer groups (lakestream lag --group: each rank)",

@@ -110,6 +110,25 @@ def test_status_json_and_human(env: dict[str, str], home: Path, capsys: pytest.C
     assert code == 0 and "head step" in out and "prep-1" in out
 
 
+def test_status_shows_the_producers_committing_now_among_thousands(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """More producer ids than the human table shows (MAX_HUMAN_ROWS): the table lists the most recent first, and says
+    how many there are. By id it listed 50 retired ones (a-*) and none of those committing now (z-*)."""
+    from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS
+
+    stream = Stream.create(embedded_catalog(tmp_path), STREAM, schema=SCHEMA, world_size=WORLD)
+    retired = [f"a-{i:03d}" for i in range(MAX_HUMAN_ROWS + 5)]
+    for pid in [*retired, "z-0", "z-1"]:
+        stream.producer(pid).commit(batch(pid, 0, WORLD), seq=0)
+    code, out, _ = main_inprocess(tmp_path, capsys, "status", STREAM)
+    assert code == 0
+    shown = re.findall(r"\b[az]-\d+\b", out)
+    assert shown[:2] == ["z-1", "z-0"] and len(shown) == MAX_HUMAN_ROWS, shown
+    assert f"producers ({len(retired) + 2:,}, " in out
+    code, out, _ = main_inprocess(tmp_path, capsys, "status", STREAM, "--json")
+    assert [p["producer"] for p in json.loads(out)["producers"]] == sorted([*retired, "z-0", "z-1"])  # every one, by id
+
+
 def test_status_lists_every_declared_table_property(env: dict[str, str], home: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``lakestream status`` lists the properties of format/properties.py, in order, with the table's value, or the
