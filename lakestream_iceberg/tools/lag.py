@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from lakestream_iceberg.tools.output import Output
+from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS, Output
 
 if TYPE_CHECKING:
     from lakestream_iceberg.format.table import StreamTable
@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 __all__ = ["COLUMNS", "delete_positions", "lag_report", "show_lag"]
 
 MAX_NOTES = 20  # ranks whose error is printed under the table
+# with more rows than the table shows, the ranks that need a look come first: unreadable, silent, then the most behind
+ATTENTION = {"invalid": 0, "stale": 1, "active": 2, "closed": 3, "gone": 4}
 COLUMNS = ["rank", "status", "last_step", "head_step", "lag_steps", "lag_s", "data_wait", "read_MB", "age_s", "host",
            "pid"]
 
@@ -83,6 +85,10 @@ def show_lag(report: dict[str, Any], out: Output, *, group: str | None) -> None:
                      "read_MB": None if p["read_bytes"] is None else round(p["read_bytes"] / 1e6, 2),
                      "lag_s": None if p["lag_s"] is None else round(p["lag_s"], 2),
                      "age_s": None if p["age_s"] is None else round(p["age_s"], 1)})
+    if len(rows) > MAX_HUMAN_ROWS:  # by rank, a job of 1,000 ranks showed ranks 0-49, whatever the others were doing
+        rows.sort(key=lambda r: (ATTENTION.get(r["status"], len(ATTENTION)), -(r["lag_steps"] or 0), r["group"],
+                                 r["rank"]))
+        out.console.print(f"{len(rows):,} ranks: those invalid, then stale, then the most behind first", soft_wrap=True)
     out.table(rows, columns=COLUMNS if len(report["groups"]) == 1 else ["group", *COLUMNS])
     # why a rank is invalid or gone (or past a head that moved back): a table cell would fold it beyond reading
     notes = [p for p in report["positions"] if p["error"]]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -372,6 +374,36 @@ def test_lag_command_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert (groups["run"]["max_lag_steps"], groups["wide"]["unreported"]) == (1, 1)
     assert main(["status", "ns.lag", "--home", str(tmp_path)]) == 0
     assert "consumer groups" in capsys.readouterr().out
+
+
+def test_lag_of_more_ranks_than_the_table_shows_lists_those_needing_a_look_first(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """1,000 ranks: the table shows MAX_HUMAN_ROWS of them. By rank it showed ranks 0-49, while the group's line said
+    "max lag N steps" of a rank it did not show; the stale ranks, then the most behind, come first now."""
+    from lakestream_iceberg.tools.cli import main
+    from lakestream_iceberg.tools.config import embedded_catalog
+    from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS
+
+    stream = Stream.create(embedded_catalog(tmp_path), "ns.lag", schema=SCHEMA, world_size=WORLD)
+    publish(stream, 40)
+    ds = LakestreamDataset(stream, rank=0, world_size=WORLD, group="run", report_s=FAST, end_step=1)
+    list(ds)
+    ds.close()
+    store = PositionStore(catalog=stream.table.catalog, io=stream.io, location=stream.table.metadata.location)
+    doc = json.loads(store.rows(group="run")[0].body)
+    world = MAX_HUMAN_ROWS + 20
+    for rank in range(world):  # each one step behind, rank world-2 thirty behind, rank world-1 silent for a day
+        last, stale = (10, False) if rank == world - 2 else (39, rank == world - 1)
+        body = {**doc, "rank": rank, "world_size": world, "last_step": last, "closed": False,
+                "report_s": 86_400.0 if not stale else FAST}
+        store.upsert(group="run", rank=rank, body=json.dumps(body))
+    time.sleep(4 * FAST)  # the silent rank's age is past 3 of its report intervals
+    monkeypatch.setenv("COLUMNS", "160")  # a row on one line
+    assert main(["lag", "ns.lag", "--group", "run", "--home", str(tmp_path)]) == 0
+    human = capsys.readouterr().out
+    ranks = [int(m) for m in re.findall(r"^\S\s+(\d+)\s+\S\s+(?:active|stale)", human, re.MULTILINE)]
+    assert ranks[:2] == [world - 1, world - 2] and len(ranks) == MAX_HUMAN_ROWS, ranks
+    assert f"{world:,} ranks" in human and "max lag 30 steps" in human
 
 
 @pytest.mark.timeout(60)  # a hang guard: the count walked every rank of the world size (minutes at 2**31 - 1)
