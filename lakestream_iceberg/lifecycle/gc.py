@@ -264,6 +264,9 @@ def plan_collect(stream: StreamTable, metadata: TableMetadata, *, keep_last: int
     return Plan(tuple(updates), tuple(requirements), report, planner.written, planner.settle), collected, deferred
 
 
+NAMED_IN_LOG = 10  # checkpoints a log line names; it counts the others
+
+
 def _first_on_timeline(stream: StreamTable, by_id: Mapping[int, Snapshot], head: Snapshot | None, branch: str,
                        checkpoints: list[Checkpoint], *, head_step: int, first_kept: int) -> int | None:
     """The lowest step of ``checkpoints`` (the branch's retained ones) that is on the branch's timeline
@@ -281,11 +284,14 @@ def _first_on_timeline(stream: StreamTable, by_id: Mapping[int, Snapshot], head:
             found = checkpoint.step
             break
         others.append(checkpoint.name)
-    if others:
-        log.warning("GC of %s: checkpoints %s of branch %r are not on the branch's timeline (another engine moved the "
-                    "branch back under them, or dropped it and it was made again under its name): their steps hold "
-                    "other files on the branch or are past its head step %d, so they collect nothing on it; release "
-                    "them once no one resumes from them", stream.name, others, branch, head_step)
+    if others:  # named up to NAMED_IN_LOG (a checkpoint every 100 steps of a 100,000-step run: 1,000 names a line)
+        named = ", ".join(others[:NAMED_IN_LOG]) + (f" and {len(others) - NAMED_IN_LOG:,} more" if len(others) >
+                                                    NAMED_IN_LOG else "")
+        log.warning("GC of %s: %d checkpoint(s) of branch %r are not on the branch's timeline (%s; another engine "
+                    "moved the branch back under them, or dropped it and it was made again under its name): their "
+                    "steps hold other files on the branch or are past its head step %d, so they collect nothing on "
+                    "it; release them once no one resumes from them (lakestream checkpoints lists them)", stream.name,
+                    len(others), branch, named, head_step)
     return found
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -679,6 +680,28 @@ def test_resuming_from_a_checkpoint_its_branch_no_longer_holds_is_refused(catalo
     publish(stream, "s", 3)
     with pytest.raises(CheckpointError, match=r"'c6'.*branch 'main'.*fork"):
         LakestreamDataset.from_checkpoint(stream, "c6", rank=0, world_size=4)
+
+
+def test_gc_names_a_few_checkpoints_off_the_timeline_and_counts_the_rest(catalog,
+                                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """Another engine moved main back under many checkpoints (one every step here; every 100 steps of a long run):
+    GC's warning named every one of them in one line. It names a few and counts them all."""
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2,
+                           properties={"lakestream.snapshots.retain-last": "100"})  # step 4's snapshot stays
+    publish(stream, "p", 4 + 25)
+    past = [f"c{step}" for step in range(5, 5 + 25)]
+    for name in past:
+        stream.checkpoint(name, step=int(name[1:]))
+    at4 = next(s for s in stream.table.metadata.snapshots
+               if s.summary.additional_properties.get("lakestream.step") == "4"
+               and s.summary.additional_properties.get("lakestream.op", "append") == "append")
+    catalog.load_table("ns.stream").manage_snapshots().rollback_to_snapshot(at4.snapshot_id).commit()
+    stream = Stream(catalog.load_table("ns.stream"))
+    with caplog.at_level("WARNING", logger="lakestream_iceberg.lifecycle.gc"):
+        stream.collect_garbage(dry_run=True)
+    [line] = [r.getMessage() for r in caplog.records if "not on the branch's timeline" in r.getMessage()]
+    assert "25 checkpoint(s)" in line and "and 15 more" in line, line
+    assert re.findall(r"\bc\d+\b", line) == past[:10], line  # the oldest ten
 
 
 def state_read_on_a_fork(stream: Stream) -> dict:
