@@ -349,6 +349,31 @@ def test_a_foreign_data_change_is_refused_loudly_and_repair_brings_the_stream_ba
     assert stream.repair().foreign == ()  # nothing left to repair
 
 
+def test_a_foreign_append_before_the_first_step_is_repaired_back_to_an_empty_stream(tmp_path: Path) -> None:
+    """Another engine writes main's first snapshot (an append) before any step is published: nothing lakestream wrote
+    is below it, and nothing was expired either. Repair removed nothing and refused for good ("expired"); now it
+    removes main's ref (the state of a new stream), and the first step is then step 1."""
+    stream = make(tmp_path)
+    foreign_append(stream)
+    foreign = stream.refresh().table.metadata.current_snapshot()
+    assert foreign is not None and foreign.parent_snapshot_id is None
+    producer = stream.producer("a")
+    with pytest.raises(ForeignSnapshotError):
+        producer.commit(batch("a", 0, WORLD), seq=0)
+    plan = stream.repair(dry_run=True)
+    assert (plan.foreign, plan.rolled_back_to, plan.step, plan.repaired) == ((foreign.snapshot_id,), None, 0, False)
+    assert stream.refresh().table.metadata.current_snapshot().snapshot_id == foreign.snapshot_id
+    report = stream.repair()
+    assert (report.foreign, report.rolled_back_to, report.step, report.repaired) == ((foreign.snapshot_id,), None, 0,
+                                                                                     True)
+    assert stream.refresh().table.metadata.current_snapshot() is None and "main" not in stream.table.metadata.refs
+    assert stream.repair().foreign == ()  # nothing left to repair
+    assert producer.commit(batch("a", 0, WORLD), seq=0).step == 1
+    assert stream.producer("b").commit(batch("b", 0, WORLD)).step == 2
+    assert stream.head_step() == 2
+    assert digest(stream.read(1, rank=1)) == digest(batch("a", 0, WORLD)[1])
+
+
 def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     stream, _ = published(make(tmp_path))
     with pytest.raises(LifecycleError, match="no branch 'nope'"):
@@ -382,7 +407,8 @@ def test_lakestream_repair_on_the_command_line(tmp_path: Path, capsys: pytest.Ca
     code, out, _ = cli("repair", "ns.cli", "--dry-run", "--json")
     assert code == 0 and json.loads(out) == {"branch": "main", "foreign": [foreign], "rolled_back_to": base, "step": 8,
                                              "dry_run": True, "rebased_on": None,
-                                             "changes": ["overwrite: deleted-data-files=2, deleted-records=6"]}
+                                             "changes": ["overwrite: deleted-data-files=2, deleted-records=6"],
+                                             "cleared": False}
     code, out, _ = cli("repair", "ns.cli")
     assert code == 0 and str(base) in out
     code, out, _ = cli("status", "ns.cli", "--json")

@@ -17,6 +17,11 @@ it re-plan):
   ``(producer, seq)`` pairs are duplicates. When no metadata file of the log holds the lineage any more, repair refuses
   and says what is left to do.
 
+When the foreign snapshots are main's very first ones (another engine wrote into the stream before its first step was
+published), there is nothing below them to roll back to and nothing was expired: repair removes main's ref, which
+leaves the stream as it was created (no step published; the next commit publishes step 1). The foreign snapshots stay
+in the metadata until expiry.
+
 Metadata-only foreign snapshots on an intact lineage need no repair and are left where they are.
 """
 
@@ -30,7 +35,13 @@ from pyiceberg.serializers import FromInputFile
 from pyiceberg.table.metadata import TableMetadata
 from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Operation, Snapshot
-from pyiceberg.table.update import AddSnapshotUpdate, AssertRefSnapshotId, AssertTableUUID, SetSnapshotRefUpdate
+from pyiceberg.table.update import (
+    AddSnapshotUpdate,
+    AssertRefSnapshotId,
+    AssertTableUUID,
+    RemoveSnapshotRefUpdate,
+    SetSnapshotRefUpdate,
+)
 
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
@@ -64,6 +75,8 @@ class RepairReport:
         changes: What each foreign snapshot did, in ``foreign``'s order, from its summary (``append:
             added-data-files=1, added-records=4``): after a rollback, these changes have left the branch (their files
             stay until GC removes them).
+        cleared: The foreign snapshots were main's first ones (written before any step was published), and main's ref
+            was (or, in a dry run, would be) removed: the stream is as it was created, its next step is step 1.
     """
 
     branch: str
@@ -73,27 +86,29 @@ class RepairReport:
     dry_run: bool
     rebased_on: int | None = None
     changes: tuple[str, ...] = ()
+    cleared: bool = False
 
     @property
     def repaired(self) -> bool:
-        """Whether this call changed the branch (rolled it back or re-based it; never for a dry run)."""
-        return (self.rolled_back_to is not None or self.rebased_on is not None) and not self.dry_run
+        """Whether this call changed the branch (rolled it back, re-based it or cleared it; never for a dry run)."""
+        return (self.rolled_back_to is not None or self.rebased_on is not None or self.cleared) and not self.dry_run
 
 
 @dataclass(frozen=True)
 class PlannedRepair:
     """One attempt's swap of a repair: ``branch`` from ``head`` to ``target`` (a new ``repair`` snapshot when ``new``,
-    an older snapshot of the branch otherwise), and its report."""
+    an older snapshot of the branch otherwise, None when main's ref is removed), and its report."""
 
     head: int
-    target: int
+    target: int | None
     new: bool
     report: RepairReport
 
     def landed(self, lineage: set[int]) -> bool:
         """Whether the branch's lineage (its head and every ancestor) shows this swap: a re-base's new snapshot is in
-        it, or a rollback's target is while the head it moved away from is not."""
-        return self.target in lineage and (self.new or self.head not in lineage)
+        it, or a rollback's target is while the head it moved away from is not (a removal of main's ref: see
+        :func:`plan_repair`, which finds main without a ref)."""
+        return self.target is not None and self.target in lineage and (self.new or self.head not in lineage)
 
 
 def _lineage(metadata: TableMetadata, snapshot_id: int) -> set[int]:
@@ -124,6 +139,9 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
     name = stream.name
     ref = metadata.refs.get(branch)
     if ref is None and branch == MAIN_BRANCH:  # nothing published yet: main gets its Iceberg ref with the first step
+        removal = next((p for p in planned or () if p.target is None), None)
+        if removal is not None:  # an attempt that removed main's ref landed (its reply was lost)
+            return Done(removal.report)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=0, dry_run=dry_run))
     if ref is None or ref.snapshot_ref_type != SnapshotRefType.BRANCH:
         raise LifecycleError(f"stream {name} has no branch {branch!r} to repair; its branches: "
@@ -144,6 +162,18 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
+    if found.base is None and branch == MAIN_BRANCH and _first_of_table(metadata, found.foreign[-1]):
+        assert ref is not None
+        cleared = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign), rolled_back_to=None,
+                               step=0, dry_run=dry_run, changes=tuple(describe(s) for s in found.foreign), cleared=True)
+        if dry_run:
+            return Done(cleared)
+        return _planned(Plan(
+            (RemoveSnapshotRefUpdate(ref_name=branch),),
+            (AssertTableUUID(uuid=metadata.table_uuid), AssertRefSnapshotId(ref=branch, snapshot_id=ref.snapshot_id)),
+            cleared,
+            [],
+        ), planned)
     if found.base is None:
         raise ForeignSnapshotError(
             f"branch {branch!r} of stream {name} cannot be repaired automatically: below its foreign snapshots "
@@ -165,6 +195,13 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
     ), planned)
 
 
+def _first_of_table(metadata: TableMetadata, snapshot: Snapshot) -> bool:
+    """Whether ``snapshot`` is the first snapshot the table ever had: no parent and sequence number 1 (format v2 numbers
+    every snapshot; a root whose parent pyiceberg's expiry cleared has a later one), so no step was published before it
+    and nothing below it was expired. Format v1 numbers none: not known, False."""
+    return snapshot.parent_snapshot_id is None and metadata.format_version >= 2 and snapshot.sequence_number == 1
+
+
 def _planned(plan: Plan[RepairReport] | Done[RepairReport],
              planned: list[PlannedRepair] | None) -> Plan[RepairReport] | Done[RepairReport]:
     """Record ``plan``'s swap in ``planned`` (see :func:`plan_repair`): the branch's ref update, from the head its
@@ -172,7 +209,7 @@ def _planned(plan: Plan[RepairReport] | Done[RepairReport],
     if planned is None or isinstance(plan, Done):
         return plan
     added = {u.snapshot.snapshot_id for u in plan.updates if isinstance(u, AddSnapshotUpdate)}
-    target = next(u.snapshot_id for u in plan.updates if isinstance(u, SetSnapshotRefUpdate))
+    target = next((u.snapshot_id for u in plan.updates if isinstance(u, SetSnapshotRefUpdate)), None)
     head = next(r.snapshot_id for r in plan.requirements if isinstance(r, AssertRefSnapshotId))
     if head is not None:
         planned.append(PlannedRepair(head=head, target=target, new=target in added, report=plan.result))

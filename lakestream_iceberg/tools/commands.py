@@ -320,6 +320,10 @@ def cmd_repair(args: argparse.Namespace, out: Output) -> int:
     done: list[tuple[str, object]]
     if report.rebased_on is not None:
         done = [("re-based on", report.rebased_on)]
+    elif report.cleared:
+        left = "leave the branch" if args.dry_run else "left the branch"
+        done = [("rolled back to", "before the first step (main's ref removed: the stream is as it was created)"),
+                ("their changes", f"{left}; their files stay until lakestream gc removes them")]
     else:
         left = "leave the branch" if args.dry_run else "left the branch"
         done = [("rolled back to", report.rolled_back_to),

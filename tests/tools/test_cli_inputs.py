@@ -148,7 +148,7 @@ def test_repair_of_a_stream_nothing_was_published_to_has_nothing_to_repair(tmp_p
     code, out, err = in_process(tmp_path, capsys, "repair", "ns.new", "--json")
     assert code == 0 and err == "", err
     assert json.loads(out) == {"branch": "main", "foreign": [], "rolled_back_to": None, "step": 0, "dry_run": False,
-                               "rebased_on": None, "changes": []}
+                               "rebased_on": None, "changes": [], "cleared": False}
     code, _, err = in_process(tmp_path, capsys, "repair", "ns.new", "--branch", "feat")
     assert code == 1 and "no branch 'feat'" in err, err
 
