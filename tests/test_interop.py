@@ -368,10 +368,34 @@ def test_a_foreign_append_before_the_first_step_is_repaired_back_to_an_empty_str
                                                                                      True)
     assert stream.refresh().table.metadata.current_snapshot() is None and "main" not in stream.table.metadata.refs
     assert stream.repair().foreign == ()  # nothing left to repair
+    # again, after GC expired the first foreign snapshot: the second one is main's root too (sequence number 2)
+    stream.collect_garbage(dry_run=False, grace=timedelta(0), allow_short_grace=True)
+    assert [s.snapshot_id for s in stream.refresh().table.metadata.snapshots] == []
+    foreign_append(stream)
+    with pytest.raises(ForeignSnapshotError):
+        producer.commit(batch("a", 0, WORLD), seq=0)
+    assert stream.repair().cleared and stream.refresh().table.metadata.current_snapshot() is None
     assert producer.commit(batch("a", 0, WORLD), seq=0).step == 1
     assert stream.producer("b").commit(batch("b", 0, WORLD)).step == 2
     assert stream.head_step() == 2
     assert digest(stream.read(1, rank=1)) == digest(batch("a", 0, WORLD)[1])
+
+
+def test_a_foreign_append_whose_parent_pyicebergs_expiry_removed_is_refused_not_cleared(tmp_path: Path) -> None:
+    """The other root a foreign data change can be: its parent (main's published steps) expired by pyiceberg, which
+    clears the parent id. Its summary counts the steps' files, so repair refuses instead of emptying main."""
+    stream, _ = published(make(tmp_path))
+    foreign_append(stream)
+    table = stream.refresh().table
+    foreign = table.metadata.current_snapshot()
+    table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in table.metadata.snapshots
+                                                 if s.snapshot_id != foreign.snapshot_id]).commit()
+    assert stream.refresh().table.metadata.current_snapshot().parent_snapshot_id is None
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair(dry_run=True)
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair()
+    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
 
 
 def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
-    if found.base is None and branch == MAIN_BRANCH and _first_of_table(metadata, found.foreign[-1]):
+    if found.base is None and branch == MAIN_BRANCH and _on_an_empty_table(found.foreign[-1]):
         assert ref is not None
         cleared = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign), rolled_back_to=None,
                                step=0, dry_run=dry_run, changes=tuple(describe(s) for s in found.foreign), cleared=True)
@@ -195,11 +195,18 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
     ), planned)
 
 
-def _first_of_table(metadata: TableMetadata, snapshot: Snapshot) -> bool:
-    """Whether ``snapshot`` is the first snapshot the table ever had: no parent and sequence number 1 (format v2 numbers
-    every snapshot; a root whose parent pyiceberg's expiry cleared has a later one), so no step was published before it
-    and nothing below it was expired. Format v1 numbers none: not known, False."""
-    return snapshot.parent_snapshot_id is None and metadata.format_version >= 2 and snapshot.sequence_number == 1
+def _on_an_empty_table(snapshot: Snapshot) -> bool:
+    """Whether ``snapshot``, a root (no parent id), was written on a table state without data files: its summary's
+    totals hold only the files it added, and it deleted none. Main then published no step before it, since every step
+    adds data files (an empty shard too) and GC keeps the oldest retained checkpoint's step: a root whose parent id
+    pyiceberg's expiry cleared below a published stream counts that parent's files in its totals. A summary without
+    the counts: not known, False."""
+    if snapshot.parent_snapshot_id is not None or snapshot.summary is None:
+        return False
+    props = snapshot.summary.additional_properties
+    total, added = parse_int(props.get("total-data-files")), parse_int(props.get("added-data-files", "0"))
+    deleted = parse_int(props.get("deleted-data-files", "0"))
+    return total is not None and total == added and deleted == 0
 
 
 def _planned(plan: Plan[RepairReport] | Done[RepairReport],
