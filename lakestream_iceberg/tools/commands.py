@@ -264,7 +264,12 @@ def cmd_checkpoints(args: argparse.Namespace, out: Output) -> int:
     if out.json:
         out.emit_json(listing)
     else:
-        out.table([plain(c) for c in listing], title=f"checkpoints of {stream.name}",
+        # the newest first: in the order of the listing (the oldest first), a run that checkpoints every 100 steps
+        # showed its first 50 of 1,000 checkpoints and none of those one resumes from
+        # (committed last first: the anchor's sequence number, which no host's clock decides)
+        newest = sorted(listing, key=lambda c: (-1 if c.sequence_number is None else c.sequence_number, c.step, c.name),
+                        reverse=True)
+        out.table([plain(c) for c in newest], title=f"checkpoints of {stream.name} ({len(listing):,}; the newest first)",
                   columns=["name", "branch", "step", "created_at", "snapshot_id", "source_snapshot_id"])
     return 0
 

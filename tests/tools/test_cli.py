@@ -129,6 +129,26 @@ def test_status_shows_the_producers_committing_now_among_thousands(tmp_path: Pat
     assert [p["producer"] for p in json.loads(out)["producers"]] == sorted([*retired, "z-0", "z-1"])  # every one, by id
 
 
+def test_checkpoints_shows_the_newest_among_hundreds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """More checkpoints than the human table shows (MAX_HUMAN_ROWS): the newest first, the count in the title. In the
+    listing's order (the oldest first) the table showed the first 50 and none of those a trainer resumes from."""
+    from lakestream_iceberg.tools.output import MAX_HUMAN_ROWS
+
+    stream = Stream.create(embedded_catalog(tmp_path), STREAM, schema=SCHEMA, world_size=WORLD)
+    producer = stream.producer("p")
+    count = MAX_HUMAN_ROWS + 5
+    for seq in range(count):
+        producer.commit(batch("p", seq, WORLD), seq=seq)
+        stream.checkpoint(f"ck-{seq + 1:03d}", step=seq + 1)
+    code, out, _ = main_inprocess(tmp_path, capsys, "checkpoints", STREAM)
+    assert code == 0
+    shown = re.findall(r"\bck-\d+\b", out)
+    assert shown[:2] == [f"ck-{count:03d}", f"ck-{count - 1:03d}"] and len(shown) == MAX_HUMAN_ROWS, shown
+    assert f"({count:,}; the newest first)" in out
+    code, out, _ = main_inprocess(tmp_path, capsys, "checkpoints", STREAM, "--json")
+    assert [c["name"] for c in json.loads(out)] == [f"ck-{i + 1:03d}" for i in range(count)]  # every one, as listed
+
+
 def test_status_lists_every_declared_table_property(env: dict[str, str], home: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     """``lakestream status`` lists the properties of format/properties.py, in order, with the table's value, or the
