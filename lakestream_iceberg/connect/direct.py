@@ -372,9 +372,25 @@ def _postgres(engine: Any) -> DirectConnections:
 
     # A connection that died after it worked (a server restart, a failover) leaves the pool's idle connections dead
     # too: the engine is disposed, as SQLAlchemy invalidates its pool on a disconnect, so that the second run (and
-    # pyiceberg's next statement) gets a new connection instead of a dead pooled one
-    return DirectConnections("postgresql", lambda: detached_autocommit(engine), per_thread=False,
-                             broken=(psycopg2.OperationalError, psycopg2.InterfaceError), on_dead=engine.dispose)
+    # pyiceberg's next statement) gets a new connection instead of a dead pooled one.
+    # The engine is held weakly: these connections are the value of _BY_ENGINE, whose key is the engine, and a value
+    # that held its key would keep every engine (its pool and this connection) open for the life of the process. Once
+    # the engine is freed, so are these: each connection's finalizer closes it (a forked child's copy is kept).
+    ref = weakref.ref(engine)
+
+    def opener() -> Any:
+        made = ref()
+        if made is None:  # pragma: no cover - a caller holds the engine (its catalog) while it runs a statement
+            raise psycopg2.InterfaceError("the catalog's engine was freed")
+        return detached_autocommit(made)
+
+    def on_dead() -> None:
+        made = ref()
+        if made is not None:
+            made.dispose()
+
+    return DirectConnections("postgresql", opener, per_thread=False,
+                             broken=(psycopg2.OperationalError, psycopg2.InterfaceError), on_dead=on_dead)
 
 
 def detached_autocommit(engine: Any) -> Any:

@@ -144,6 +144,41 @@ def test_the_threads_of_a_process_share_one_connection_which_a_disposed_engine_c
     assert direct.open_connections() == 1
 
 
+def test_a_catalog_dropped_after_its_streams_were_used_frees_its_engine_and_its_connections(pg_uri: str,
+                                                                                         tmp_path: Path) -> None:
+    """A process that loads a catalog per task (an unpickled stream, a Ray task, a retry loop) and drops it must not keep
+    its connections: the direct connections' registry is keyed weakly by engine, and its value held the engine
+    strongly (the opener's closure, ``on_dead=engine.dispose``), so no engine a stream had probed on was ever freed,
+    and each kept its pooled connection and its direct one open until the server ran out of ``max_connections``."""
+    import gc
+    import weakref
+
+    cat = pg_catalog(pg_uri, tmp_path)
+    Stream.create(cat, "ns.s", schema=SCHEMA, world_size=WORLD).producer("p").commit(batch("p", 0, WORLD))
+    database = pg_uri.rsplit("/", 1)[1]
+
+    def sessions() -> int:  # this database's sessions, less the counting one
+        with cat.engine.connect() as conn:
+            return int(conn.exec_driver_sql("SELECT count(*) FROM pg_stat_activity WHERE datname = %(db)s "
+                                            "AND pid <> pg_backend_pid()", {"db": database}).scalar())
+
+    before = sessions()
+    engines = []
+    for _ in range(12):
+        other = pg_catalog(pg_uri, tmp_path)
+        stream = Stream.open(other, "ns.s")
+        assert stream.head_step() == 1 and pointer_probe(stream.table)() == stream.table.metadata_location
+        assert direct_connections(other.engine).open_connections() == 1  # the probe ran on the direct connection
+        engines.append(weakref.ref(other.engine))
+        del other, stream
+        gc.collect()
+    assert [e for e in engines if e() is not None] == []
+    deadline = time.monotonic() + 600  # a safety net only: a closed client's backend exits at once
+    while sessions() > before:
+        assert time.monotonic() < deadline, f"{sessions() - before} sessions of dropped catalogs still open"
+        time.sleep(0.01)
+
+
 def _child_probe(probe: Any, direct: DirectConnections, conn: Any) -> None:
     conn.send((probe(), backend_pid(direct)))  # forked: both came with the parent's memory, not pickled
 
