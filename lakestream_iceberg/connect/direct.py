@@ -21,9 +21,10 @@ on PostgreSQL shows what it changes for group commit). On a SQLite file, plain `
   SQLAlchemy's connections.
 
 A connection is opened on the first statement (of the thread, on SQLite) and closed when the engine is disposed
-(``catalog.close()``, :func:`~lakestream_iceberg.connect.pointer.release_idle_connections`) or, on SQLite, when its
-thread ends; on PostgreSQL a statement that another thread's dispose cut off runs again on a new one (its rows are
-fetched while the connection is held). A forked child never uses nor closes its parent's (closing a PostgreSQL one
+(``catalog.close()``, :func:`~lakestream_iceberg.connect.pointer.release_idle_connections`), when the engine is
+garbage-collected (a dropped catalog: nothing here holds its engine), or, on SQLite, when its thread ends; on
+PostgreSQL a statement that another thread's dispose cut off runs again on a new one (its rows are fetched while the
+connection is held). A forked child never uses nor closes its parent's (closing a PostgreSQL one
 would end the parent's session, a SQLite one would run SQLite code on state copied mid-operation): it keeps them and
 opens its own. A PostgreSQL connection that fails as a connection (the
 server restarted, a proxy closed it while idle) is dropped, and a statement that met it on a connection opened earlier
