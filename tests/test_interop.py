@@ -398,6 +398,28 @@ def test_a_foreign_append_whose_parent_pyicebergs_expiry_removed_is_refused_not_
     assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
 
 
+def test_a_foreign_append_on_a_table_another_engine_emptied_is_refused_not_cleared(tmp_path: Path) -> None:
+    """A published stream with a checkpoint: another engine deletes every row (its snapshot holds no data file), then
+    appends, and pyiceberg's expiry removes what no ref holds. The append is a root whose totals count only its own
+    files, as before a first step, but steps were published (the checkpoint's snapshot is lakestream's): clearing main
+    would restart the stream at step 1 under a checkpoint of step 8, so repair refuses."""
+    stream, _ = published(make(tmp_path))
+    stream.checkpoint("ck", step=8)
+    stream.refresh().table.delete("_step >= 0")
+    foreign_append(stream)
+    table = stream.refresh().table
+    foreign = table.metadata.current_snapshot()
+    held = {r.snapshot_id for r in table.metadata.refs.values()}
+    table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in table.metadata.snapshots
+                                                 if s.snapshot_id not in held]).commit()
+    assert stream.refresh().table.metadata.current_snapshot().parent_snapshot_id is None
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair(dry_run=True)
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair()
+    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
+
+
 def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     stream, _ = published(make(tmp_path))
     with pytest.raises(LifecycleError, match="no branch 'nope'"):

@@ -46,7 +46,7 @@ from pyiceberg.table.update import (
 from lakestream_iceberg.connect.integers import parse_int
 from lakestream_iceberg.errors import ForeignSnapshotError, LifecycleError
 from lakestream_iceberg.format.checkpoints import KEY_SOURCE_BRANCH
-from lakestream_iceberg.format.lineage import Lineage, branch_state, describe, fork_on_main, lineage
+from lakestream_iceberg.format.lineage import Lineage, branch_state, describe, fork_on_main, is_lakestream, lineage
 from lakestream_iceberg.format.snapshots import SnapshotBuilder, set_ref
 from lakestream_iceberg.format.summary import KEY_CHECKPOINT, KEY_SOURCE_SNAPSHOT, OP_CHECKPOINT, OP_REPAIR, StreamState
 from lakestream_iceberg.write.plan import Done, Plan
@@ -162,7 +162,8 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
     if found.changed is None:  # nothing to roll back
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
-    if found.base is None and branch == MAIN_BRANCH and _on_an_empty_table(found.foreign[-1]):
+    if (found.base is None and branch == MAIN_BRANCH and _on_an_empty_table(found.foreign[-1])
+            and not any(is_lakestream(s) for s in metadata.snapshots)):  # a checkpoint's or branch's step: published
         assert ref is not None
         cleared = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign), rolled_back_to=None,
                                step=0, dry_run=dry_run, changes=tuple(describe(s) for s in found.foreign), cleared=True)
@@ -200,7 +201,8 @@ def _on_an_empty_table(snapshot: Snapshot) -> bool:
     totals hold only the files it added, and it deleted none. Main then published no step before it, since every step
     adds data files (an empty shard too) and GC keeps the oldest retained checkpoint's step: a root whose parent id
     pyiceberg's expiry cleared below a published stream counts that parent's files in its totals. A summary without
-    the counts: not known, False."""
+    the counts: not known, False. Not enough alone: another engine's delete of every row leaves a table state without
+    data files on a published stream too (the caller also asks that no snapshot of the metadata is lakestream's)."""
     if snapshot.parent_snapshot_id is not None or snapshot.summary is None:
         return False
     props = snapshot.summary.additional_properties
