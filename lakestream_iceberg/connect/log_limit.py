@@ -10,8 +10,10 @@ warning of that kind; every one of them is still logged at DEBUG.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Hashable
 
 __all__ = ["WarningLimit"]
@@ -29,6 +31,14 @@ class WarningLimit:
         self._lock = threading.Lock()
         self._last: dict[Hashable, float] = {}  # key -> when it was last logged at WARNING
         self._quiet: dict[Hashable, int] = {}  # key -> how many were logged at DEBUG only since then
+        _LIMITS.add(self)
+
+    def _after_fork_in_child(self) -> None:
+        # A process of its own: a fresh lock (another thread of the parent may have held it at the fork: the child's
+        # first warning then waited forever), and its own counts (the parent reports its quiet ones itself).
+        self._lock = threading.Lock()
+        self._last.clear()
+        self._quiet.clear()
 
     def warning(self, key: Hashable, msg: str, *args: object) -> bool:
         """Log ``msg % args`` at WARNING, or at DEBUG when the key's last WARNING is younger than the interval;
@@ -50,3 +60,15 @@ class WarningLimit:
         else:
             self._log.warning(msg, *args, stacklevel=2)
         return loud
+
+
+_LIMITS: weakref.WeakSet[WarningLimit] = weakref.WeakSet()
+
+
+def _reset_after_fork_in_child() -> None:
+    for limit in list(_LIMITS):
+        limit._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_after_fork_in_child)
