@@ -107,8 +107,11 @@ class PlannedRepair:
     def landed(self, lineage: set[int]) -> bool:
         """Whether the branch's lineage (its head and every ancestor) shows this swap: a re-base's new snapshot is in
         it, or a rollback's target is while the head it moved away from is not (a removal of main's ref: see
-        :func:`plan_repair`, which finds main without a ref)."""
-        return self.target is not None and self.target in lineage and (self.new or self.head not in lineage)
+        :func:`plan_repair`, which finds main without a ref, or made again by a commit since: then main no longer leads
+        back to the head the removal moved it from)."""
+        if self.target is None:
+            return self.head not in lineage
+        return self.target in lineage and (self.new or self.head not in lineage)
 
 
 def _lineage(metadata: TableMetadata, snapshot_id: int) -> set[int]:

@@ -1210,6 +1210,39 @@ def test_a_repair_whose_commit_landed_but_whose_reply_was_lost_reports_what_it_d
     assert stream.head_step() == 5
 
 
+def test_a_clear_whose_reply_was_lost_reports_it_after_a_producer_published_step_1_meanwhile(tmp_path) -> None:
+    """Repair removed main's ref under a foreign append written before the first step, and the reply was lost; before
+    the loop read the head back, a producer published step 1. Repair planned again on that step, found nothing to
+    repair and reported so (cleared False, no foreign snapshot), though the call had just cleared main itself."""
+    from pyiceberg.catalog.sql import SqlCatalog
+
+    from tests.support import foreign_append
+
+    class Flaky(DropsReplyOfCommit, SqlCatalog):
+        meanwhile = None
+
+        def commit_table(self, table, requirements, updates):  # type: ignore[no-untyped-def]
+            dropping = self.drop
+            try:
+                return super().commit_table(table, requirements, updates)
+            finally:
+                if dropping and self.meanwhile is not None:
+                    run, self.meanwhile = self.meanwhile, None
+                    run()
+
+    catalog = Flaky("flaky", uri=f"sqlite:///{tmp_path}/catalog.db", warehouse=f"file://{tmp_path}/warehouse")
+    stream = Stream.create(catalog, "ns.stream", schema=SCHEMA, world_size=2)
+    foreign_append(stream)
+    planned = stream.repair(dry_run=True)
+    assert planned.cleared and planned.foreign
+    other = Stream.open(catalog, "ns.stream")
+    catalog.drop, catalog.meanwhile = 1, lambda: publish(other, "q", 1)
+    report = stream.repair()
+    assert catalog.drop == 0 and catalog.meanwhile is None
+    assert stream.refresh().head_step() == 1
+    assert (report.foreign, report.cleared, report.repaired, report.step) == (planned.foreign, True, True, 0)
+
+
 @pytest.mark.parametrize("lost", ["first", "second"])
 def test_gc_whose_commit_landed_but_whose_reply_was_lost_reports_what_it_did(tmp_path, lost: str) -> None:
     """GC's first commit (release + collect) re-planned on the head it had just changed found nothing to release or
