@@ -30,7 +30,7 @@ from itertools import pairwise
 from typing import Any, Protocol, TypeVar
 
 from pyiceberg.io import FileIO
-from pyiceberg.table.refs import SnapshotRefType
+from pyiceberg.table.refs import MAIN_BRANCH, SnapshotRefType
 from pyiceberg.table.snapshots import Snapshot
 
 from lakestream_iceberg.connect.notify import HeadListener
@@ -121,6 +121,7 @@ class HeadWatcher:
         # be made; a dataset's iteration or lag() that starts after the drop holds a view that still shows it
         ref = stream.table.metadata.refs.get(branch)
         self._had_branch = existed or (ref is not None and ref.snapshot_ref_type == SnapshotRefType.BRANCH)
+        self._existed = existed
 
     @property
     def notifications(self) -> int:
@@ -202,6 +203,11 @@ class HeadWatcher:
             return
         if ref is None and not self._had_branch:
             return  # main of a stream with no step yet, or a fork about to be made
+        if ref is None and self._branch == MAIN_BRANCH and not self._seen and not self._existed:
+            # main seen holding no step (another engine's snapshot written before the first step, refused): repair
+            # removed main's ref, which leaves the stream as created; the next commit publishes step 1 on it
+            self._had_branch = False
+            return
         if not self._had_branch:  # a tag from the start: no engine replaced anything
             raise ReadError(
                 f"{self._branch!r} of {self._stream.name} is a checkpoint's tag, not a branch: it pins step "

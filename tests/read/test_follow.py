@@ -243,3 +243,38 @@ def test_an_iteration_starting_after_its_branch_was_dropped_raises_the_read_erro
         list(ds)
     with pytest.raises(ReadError, match="branch 'f' of ns.drop no longer exists"):
         ds.lag()
+
+
+def test_a_follower_that_saw_a_foreign_first_snapshot_follows_on_after_repair_clears_main(tmp_path: Path) -> None:
+    """Another engine appended before the first step; a follower polling meanwhile was refused (ForeignSnapshotError),
+    then repair removed main's ref (the stream as created). The follower's next poll took main's missing ref for a drop
+    ("another engine or a person dropped it"), for good, though the next commit publishes step 1 on it."""
+    from lakestream_iceberg import ForeignSnapshotError
+    from tests.support import foreign_append
+
+    catalog = sqlite_catalog(tmp_path)
+    stream = Stream.create(catalog, "ns.clear", schema=SCHEMA, world_size=2)
+    watcher = HeadWatcher(Stream.open(catalog, "ns.clear"), branch="main")
+    assert watcher.head()[0] == 0
+    foreign_append(stream)
+    with pytest.raises(ForeignSnapshotError):
+        watcher.check()
+    assert stream.repair().cleared
+    watcher.check()
+    assert watcher.head()[0] == 0
+    stream.producer("p").commit(batch("p", 0, 2), seq=0)
+    assert watcher.latest()[0] == 1
+
+
+def test_a_followed_main_removed_after_its_steps_is_still_a_drop(tmp_path: Path) -> None:
+    """The converse: main's ref removed (pyiceberg's remove_branch) under a follower that saw steps on it."""
+    from lakestream_iceberg import ReadError
+
+    catalog = sqlite_catalog(tmp_path)
+    stream = Stream.create(catalog, "ns.clear", schema=SCHEMA, world_size=2)
+    stream.producer("p").commit(batch("p", 0, 2), seq=0)
+    watcher = HeadWatcher(Stream.open(catalog, "ns.clear"), branch="main")
+    assert watcher.latest()[0] == 1
+    stream.refresh().table.manage_snapshots().remove_branch("main").commit()
+    with pytest.raises(ReadError, match="branch 'main' of ns.clear no longer exists"):
+        watcher.check()
