@@ -61,6 +61,7 @@ from lakestream_iceberg.connect.pointer import release_idle_connections
 from lakestream_iceberg.connect.retry import read_with_retry
 from lakestream_iceberg.errors import CheckpointError, ConfigError, RankError, StreamError
 from lakestream_iceberg.format.checks import MAX_STEP, check_bool, check_int, check_seconds
+from lakestream_iceberg.format.lineage import is_lakestream
 from lakestream_iceberg.read.consumer import RankPositions, default_report_s
 from lakestream_iceberg.read.follow import HeadWatcher, pump_steps
 from lakestream_iceberg.read.handoff import Handoff, supported
@@ -185,7 +186,10 @@ class _DatasetCore:
         stream.refresh()  # a branch forked since the stream was opened is a branch
         branch = stream.require_branch(branch, doing="cannot read")
         ref = stream.table.metadata.refs.get(branch)  # a branch gone from here on was dropped (main may be unborn)
-        self._branch_existed = ref is not None and ref.snapshot_ref_type == "branch"
+        # main holding only another engine's snapshots written before the first step is not yet born: repair removes
+        # its ref (lifecycle/repair.py), and it is born with step 1 (every lakestream snapshot comes from main's steps)
+        self._branch_existed = ref is not None and ref.snapshot_ref_type == "branch" and (
+            branch != "main" or any(is_lakestream(s) for s in stream.table.metadata.snapshots))
         if end_step is not None:
             end_step = check_int(end_step, what="end_step", minimum=0, hint="or None")
         if prefetch is not None:

@@ -278,3 +278,23 @@ def test_a_followed_main_removed_after_its_steps_is_still_a_drop(tmp_path: Path)
     stream.refresh().table.manage_snapshots().remove_branch("main").commit()
     with pytest.raises(ReadError, match="branch 'main' of ns.clear no longer exists"):
         watcher.check()
+
+
+def test_a_dataset_made_on_a_foreign_first_snapshot_reads_step_1_after_repair_clears_main(tmp_path: Path) -> None:
+    """The dataset's side of the above: made while main held only another engine's first snapshot, it recorded main as
+    an existing branch, and every iteration after repair's clear ended with "branch 'main' ... no longer exists"."""
+    pytest.importorskip("torch")  # LakestreamDataset needs the torch extra
+    from lakestream_iceberg import ForeignSnapshotError, LakestreamDataset
+    from tests.support import foreign_append
+
+    catalog = sqlite_catalog(tmp_path)
+    stream = Stream.create(catalog, "ns.clear", schema=SCHEMA, world_size=2)
+    foreign_append(stream)
+    dataset = LakestreamDataset(Stream.open(catalog, "ns.clear"), rank=0, world_size=2, follow=True, relay=False,
+                                timeout=30)
+    with pytest.raises(ForeignSnapshotError):
+        next(iter(dataset))
+    assert stream.repair().cleared
+    assert dataset.lag() == 0  # no step yet, as a stream just created
+    stream.producer("p").commit(batch("p", 0, 2), seq=0)
+    assert next(iter(dataset))["step"] == 1
