@@ -420,6 +420,24 @@ def test_a_foreign_append_on_a_table_another_engine_emptied_is_refused_not_clear
     assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
 
 
+def test_a_foreign_append_on_a_table_emptied_and_expired_to_its_head_is_refused_not_cleared(tmp_path: Path) -> None:
+    """As above without a checkpoint: pyiceberg's expiry left no snapshot but the foreign append's, so the table's
+    snapshots say nothing of the steps. The earlier metadata files (its metadata log) still list them: refused."""
+    stream, _ = published(make(tmp_path))
+    stream.refresh().table.delete("_step >= 0")
+    foreign_append(stream)
+    table = stream.refresh().table
+    foreign = table.metadata.current_snapshot()
+    table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in table.metadata.snapshots
+                                                 if s.snapshot_id != foreign.snapshot_id]).commit()
+    assert [s.snapshot_id for s in stream.refresh().table.metadata.snapshots] == [foreign.snapshot_id]
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair(dry_run=True)
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair()
+    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
+
+
 def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     stream, _ = published(make(tmp_path))
     with pytest.raises(LifecycleError, match="no branch 'nope'"):

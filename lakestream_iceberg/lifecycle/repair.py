@@ -166,7 +166,7 @@ def plan_repair(stream: StreamTable, metadata: TableMetadata, *, branch: str, dr
         state = branch_state(metadata, head, stream=name, branch=branch)
         return Done(RepairReport(branch=branch, foreign=(), rolled_back_to=None, step=state.step, dry_run=dry_run))
     if (found.base is None and branch == MAIN_BRANCH and _on_an_empty_table(found.foreign[-1])
-            and not any(is_lakestream(s) for s in metadata.snapshots)):  # a checkpoint's or branch's step: published
+            and not _published_before(stream, metadata)):
         assert ref is not None
         cleared = RepairReport(branch=branch, foreign=tuple(s.snapshot_id for s in found.foreign), rolled_back_to=None,
                                step=0, dry_run=dry_run, changes=tuple(describe(s) for s in found.foreign), cleared=True)
@@ -212,6 +212,24 @@ def _on_an_empty_table(snapshot: Snapshot) -> bool:
     total, added = parse_int(props.get("total-data-files")), parse_int(props.get("added-data-files", "0"))
     deleted = parse_int(props.get("deleted-data-files", "0"))
     return total is not None and total == added and deleted == 0
+
+
+def _published_before(stream: StreamTable, metadata: TableMetadata) -> bool:
+    """Whether the table holds, or held, a snapshot lakestream wrote: steps were published on main (every lakestream
+    snapshot, a checkpoint's or a fork's too, comes from main's steps), so main is not one to clear, whatever its root's
+    summary says (another engine's delete of every row, an append and an expiry leave one like a first snapshot's).
+    The table's snapshots, then its earlier metadata files (the metadata log; unreadable ones are skipped)."""
+    if any(is_lakestream(s) for s in metadata.snapshots):
+        return True
+    for entry in reversed(metadata.metadata_log):
+        try:
+            earlier = FromInputFile.table_metadata(stream.io.new_input(entry.metadata_file))
+        except Exception as exc:  # noqa: BLE001 - deleted (delete-after-commit) or unreadable: the others tell
+            log.debug("metadata file %s unreadable (%s)", entry.metadata_file, type(exc).__name__)
+            continue
+        if earlier.table_uuid == metadata.table_uuid and any(is_lakestream(s) for s in earlier.snapshots):
+            return True
+    return False
 
 
 def _planned(plan: Plan[RepairReport] | Done[RepairReport],
