@@ -381,6 +381,15 @@ def test_a_foreign_append_before_the_first_step_is_repaired_back_to_an_empty_str
     assert digest(stream.read(1, rank=1)) == digest(batch("a", 0, WORLD)[1])
 
 
+def _refused_not_cleared(stream: Stream, foreign: int) -> None:
+    """Repair refuses (dry run and real), and main still points at the foreign head: nothing was cleared."""
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair(dry_run=True)
+    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
+        stream.repair()
+    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign
+
+
 def test_a_foreign_append_whose_parent_pyicebergs_expiry_removed_is_refused_not_cleared(tmp_path: Path) -> None:
     """The other root a foreign data change can be: its parent (main's published steps) expired by pyiceberg, which
     clears the parent id. Its summary counts the steps' files, so repair refuses instead of emptying main."""
@@ -391,11 +400,7 @@ def test_a_foreign_append_whose_parent_pyicebergs_expiry_removed_is_refused_not_
     table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in table.metadata.snapshots
                                                  if s.snapshot_id != foreign.snapshot_id]).commit()
     assert stream.refresh().table.metadata.current_snapshot().parent_snapshot_id is None
-    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
-        stream.repair(dry_run=True)
-    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
-        stream.repair()
-    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
+    _refused_not_cleared(stream, foreign.snapshot_id)
 
 
 def test_a_foreign_append_on_a_table_another_engine_emptied_is_refused_not_cleared(tmp_path: Path) -> None:
@@ -413,11 +418,7 @@ def test_a_foreign_append_on_a_table_another_engine_emptied_is_refused_not_clear
     table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in table.metadata.snapshots
                                                  if s.snapshot_id not in held]).commit()
     assert stream.refresh().table.metadata.current_snapshot().parent_snapshot_id is None
-    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
-        stream.repair(dry_run=True)
-    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
-        stream.repair()
-    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
+    _refused_not_cleared(stream, foreign.snapshot_id)
 
 
 def test_a_foreign_append_on_a_table_emptied_and_expired_to_its_head_is_refused_not_cleared(tmp_path: Path) -> None:
@@ -431,11 +432,7 @@ def test_a_foreign_append_on_a_table_emptied_and_expired_to_its_head_is_refused_
     table.maintenance.expire_snapshots().by_ids([s.snapshot_id for s in table.metadata.snapshots
                                                  if s.snapshot_id != foreign.snapshot_id]).commit()
     assert [s.snapshot_id for s in stream.refresh().table.metadata.snapshots] == [foreign.snapshot_id]
-    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
-        stream.repair(dry_run=True)
-    with pytest.raises(ForeignSnapshotError, match="cannot be repaired automatically"):
-        stream.repair()
-    assert stream.refresh().table.metadata.refs["main"].snapshot_id == foreign.snapshot_id
+    _refused_not_cleared(stream, foreign.snapshot_id)
 
 
 def test_repair_refuses_what_it_cannot_do(tmp_path: Path) -> None:
